@@ -1,0 +1,62 @@
+"""The `glimpse` command line: one subcommand per job, heavy imports deferred until a subcommand runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _run_demo_model(args: argparse.Namespace) -> int:
+    from workers.engine.demo_model import write_demo_model
+
+    path = write_demo_model(args.path)
+    print(f"wrote the demo model (random weights) to {path}")
+    return 0
+
+
+def _add_demo_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo-model",
+        help="write the tiny random-weight Qwen2.5-VL demo checkpoint",
+        description="Write a tiny Qwen2.5-VL checkpoint with random weights into PATH. The output is "
+        "identical on every run and needs no network; its answers are noise.",
+    )
+    p.add_argument("path", metavar="PATH", type=Path, help="directory to write (created if missing)")
+    p.set_defaults(handler=_run_demo_model)
+
+
+# Each subcommand contributes one `_add_<name>(sub)` that registers its parser and sets `handler`.
+# `serve` (the OpenAI-compatible server) and `bench` (benchmark scripts) are added here next to demo-model.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    _add_demo_model,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="glimpse",
+        description="glimpse: an OpenAI-compatible server for vision-language models.",
+    )
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `glimpse` console script; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 0
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

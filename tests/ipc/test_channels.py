@@ -1,0 +1,295 @@
+"""Typed ZMQ channels and launch naming: real sockets over ipc://, real spawned processes."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from ipc.channels import (
+    AsyncPubSocket,
+    AsyncPullSocket,
+    AsyncPushSocket,
+    AsyncSubSocket,
+    Poller,
+    PubSocket,
+    PullSocket,
+    PushSocket,
+    SubSocket,
+    new_async_context,
+    new_context,
+)
+from ipc.launch import cleanup_launch_dir, ipc_address, launch_dir, new_launch_id
+from ipc.shm import ShmRef, segment_name
+
+# ---- a small tagged-union protocol, defined at module level so spawned children can decode it --
+
+
+class Ping(msgspec.Struct, frozen=True, tag=True):
+    seq: int
+
+
+class Work(msgspec.Struct, frozen=True, tag=True):
+    rid: str
+    image: ShmRef
+    token_ids: list[int]
+
+
+class Stop(msgspec.Struct, frozen=True, tag=True):
+    reason: str = ""
+
+
+Msg = Ping | Work | Stop
+
+
+class Echo(msgspec.Struct, frozen=True):
+    """A single-Struct channel type wrapping the union: what a child saw, and who it is."""
+
+    worker: int
+    msg: Msg
+
+
+HANDSHAKE = -1
+TIMEOUT_MS = 20_000
+
+
+def _work(launch_id: str) -> Work:
+    ref = ShmRef(segment_name(launch_id, "0123456789abcdef0123456789abcdef-0"), 1080 * 1920 * 3, "uint8", (1080, 1920, 3))
+    return Work(rid="0" * 32, image=ref, token_ids=[151652, 151655, 151653])
+
+
+# ---- children (spawned) -------------------------------------------------------------------------
+
+
+def _pull_echo_child(work_addr: str, result_addr: str) -> None:
+    """Pull every message, echo it back; stop after Stop."""
+    ctx = new_context()
+    pull = PullSocket[Msg](ctx, work_addr, Msg, bind=False)
+    push = PushSocket(ctx, result_addr, Echo, bind=False)
+    push.send(Echo(0, Ping(HANDSHAKE)))  # ready ack: the parent sends only after this arrives
+    while True:
+        msg = pull.recv(TIMEOUT_MS)
+        if msg is None:
+            break
+        push.send(Echo(0, msg))
+        if isinstance(msg, Stop):
+            break
+    pull.close()
+    push.close(linger_ms=5_000)  # the last echo must get out before the process exits
+    ctx.term()
+
+
+def _sub_echo_child(worker: int, plan_addr: str, ack_addr: str) -> None:
+    """Subscribe to the plan broadcast and echo everything seen, tagged with our worker index."""
+    ctx = new_context()
+    sub = SubSocket[Msg](ctx, plan_addr, Msg, bind=False)
+    push = PushSocket(ctx, ack_addr, Echo, bind=False)
+    while True:
+        msg = sub.recv(TIMEOUT_MS)
+        if msg is None:
+            break
+        push.send(Echo(worker, msg))
+        if isinstance(msg, Stop):
+            break
+    sub.close()
+    push.close(linger_ms=5_000)
+    ctx.term()
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def launch_id() -> Iterator[str]:
+    lid = new_launch_id()
+    yield lid
+    cleanup_launch_dir(lid)
+    assert not os.path.exists(launch_dir(lid))
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context = new_context()
+    yield context
+    context.destroy(linger=0)  # closes any socket a failing test left open, so term cannot hang
+
+
+def _spawn(target: Callable[..., None], *args: object) -> multiprocessing.process.BaseProcess:
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def _join(proc: multiprocessing.process.BaseProcess) -> None:
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 0
+
+
+# ---- launch naming ------------------------------------------------------------------------------
+
+
+def test_launch_naming(launch_id: str) -> None:
+    assert len(launch_id) == 8 and int(launch_id, 16) >= 0
+    assert new_launch_id() != launch_id
+    addr = ipc_address(launch_id, "tokenizer-in")
+    assert addr == f"ipc:///tmp/glimpse-{launch_id}/tokenizer-in.sock"
+    assert len(addr.removeprefix("ipc://").encode()) <= 107
+    mode = os.stat(launch_dir(launch_id)).st_mode
+    assert stat.S_ISDIR(mode) and stat.S_IMODE(mode) == 0o700
+    for bad in ("", "../x", "a/b"):
+        with pytest.raises(ValueError):
+            ipc_address(launch_id, bad)
+    with pytest.raises(ValueError):
+        ipc_address("../../etc", "x")
+    cleanup_launch_dir(launch_id)
+    cleanup_launch_dir(launch_id)  # idempotent
+
+
+# ---- sync ---------------------------------------------------------------------------------------
+
+
+def test_push_pull_between_processes(launch_id: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    work_addr, result_addr = ipc_address(launch_id, "work"), ipc_address(launch_id, "result")
+    results = PullSocket(ctx, result_addr, Echo, bind=True)
+    work = PushSocket[Msg](ctx, work_addr, Msg, bind=True)
+    proc = _spawn(_pull_echo_child, work_addr, result_addr)
+    try:
+        assert results.recv(TIMEOUT_MS) == Echo(0, Ping(HANDSHAKE))
+        sent: list[Msg] = [Ping(1), _work(launch_id), Ping(2), Stop("done")]
+        for msg in sent:
+            work.send(msg)
+        got = [results.recv(TIMEOUT_MS) for _ in sent]
+        assert got == [Echo(0, m) for m in sent]
+        assert isinstance(got[1], Echo) and isinstance(got[1].msg, Work)
+        assert got[1].msg.image.shape == (1080, 1920, 3)
+    finally:
+        _join(proc)
+        work.close()
+        results.close()
+
+
+def test_pub_sub_between_processes(launch_id: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    plan_addr, ack_addr = ipc_address(launch_id, "plan"), ipc_address(launch_id, "ack")
+    acks = PullSocket(ctx, ack_addr, Echo, bind=True)
+    plan = PubSocket[Msg](ctx, plan_addr, Msg, bind=True)
+    procs = [_spawn(_sub_echo_child, i, plan_addr, ack_addr) for i in range(2)]
+    try:
+        # PUB drops messages for subscribers that have not joined yet: publish handshakes until
+        # every subscriber has echoed one (what the launcher's ready acks do for real).
+        joined: set[int] = set()
+        deadline = time.monotonic() + TIMEOUT_MS / 1000
+        while joined != {0, 1}:
+            assert time.monotonic() < deadline, "subscribers never joined"
+            plan.send(Ping(HANDSHAKE))
+            while (echo := acks.recv(50)) is not None:
+                joined.add(echo.worker)
+        sent: list[Msg] = [Ping(7), _work(launch_id), Stop()]
+        for msg in sent:
+            plan.send(msg)
+        seen: dict[int, list[Msg]] = {0: [], 1: []}
+        while not all(s and isinstance(s[-1], Stop) for s in seen.values()):
+            echo = acks.recv(TIMEOUT_MS)
+            assert echo is not None, "timed out waiting for echoes"
+            if echo.msg != Ping(HANDSHAKE):  # late handshakes may still be in flight
+                seen[echo.worker].append(echo.msg)
+        assert seen == {0: sent, 1: sent}
+    finally:
+        for proc in procs:
+            _join(proc)
+        plan.close()
+        acks.close()
+
+
+def test_recv_timeout_returns_none(launch_id: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    with PullSocket[Msg](ctx, ipc_address(launch_id, "idle"), Msg, bind=True) as pull:
+        assert pull.recv(0) is None
+        start = time.monotonic()
+        assert pull.recv(100) is None
+        assert time.monotonic() - start >= 0.09
+    assert pull.closed
+
+
+def test_wrong_type_fails_at_the_boundary(launch_id: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    addr = ipc_address(launch_id, "typed")
+    pull = PullSocket(ctx, addr, Echo, bind=True)
+    push = PushSocket[Msg](ctx, addr, Msg, bind=False)
+    push.send(Stop())
+    with pytest.raises(msgspec.ValidationError):
+        pull.recv(TIMEOUT_MS)
+    push.close()
+    pull.close()
+
+
+def test_poller(launch_id: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    a_addr, b_addr = ipc_address(launch_id, "a"), ipc_address(launch_id, "b")
+    a, b = PullSocket[Msg](ctx, a_addr, Msg, bind=True), PullSocket[Msg](ctx, b_addr, Msg, bind=True)
+    push_b = PushSocket[Msg](ctx, b_addr, Msg, bind=False)
+    poller = Poller()
+    poller.register(a)
+    poller.register(b)
+    assert poller.poll(0) == []
+    push_b.send(Ping(3))
+    assert poller.poll(TIMEOUT_MS) == [b]
+    assert b.recv(0) == Ping(3)
+    poller.unregister(a)
+    for s in (push_b, a, b):
+        s.close()
+
+
+def test_shm_ref_message_is_tiny(launch_id: str) -> None:
+    msg = _work(launch_id)
+    encoded = msgspec.msgpack.Encoder().encode(msg)
+    assert len(encoded) < 200, len(encoded)
+    assert msgspec.msgpack.Decoder(Msg).decode(encoded) == msg
+
+
+# ---- asyncio ------------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_async_push_pull(launch_id: str) -> None:
+    actx = new_async_context()
+    addr = ipc_address(launch_id, "async")
+    pull = AsyncPullSocket[Msg](actx, addr, Msg, bind=True)
+    push = AsyncPushSocket[Msg](actx, addr, Msg, bind=False)
+    try:
+        sent: list[Msg] = [*(Ping(i) for i in range(50)), _work(launch_id), Stop()]
+        for msg in sent:
+            await push.send(msg)
+        assert [await pull.recv() for _ in sent] == sent
+        assert await pull.recv(50) is None
+    finally:
+        push.close()
+        pull.close()
+        actx.term()
+
+
+@pytest.mark.asyncio
+async def test_async_pub_sub(launch_id: str) -> None:
+    actx = new_async_context()
+    addr = ipc_address(launch_id, "apub")
+    pub = AsyncPubSocket[Msg](actx, addr, Msg, bind=True)
+    sub = AsyncSubSocket[Msg](actx, addr, Msg, bind=False)
+    try:
+        async with asyncio.timeout(TIMEOUT_MS / 1000):
+            while True:  # slow-joiner handshake, as in the sync test
+                await pub.send(Ping(HANDSHAKE))
+                if await sub.recv(50) is not None:
+                    break
+            await pub.send(Stop("bye"))
+            while (msg := await sub.recv()) == Ping(HANDSHAKE):
+                pass
+        assert msg == Stop("bye")
+    finally:
+        pub.close()
+        sub.close()
+        actx.term()

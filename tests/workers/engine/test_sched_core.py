@@ -1,0 +1,135 @@
+"""The scheduling core on its own: admission, chunking, preemption and the embedding plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from ipc.messages import MMItem, SamplingParams, StepPlan, StepResult
+from workers.engine.sched_core import RequestRejected, SchedulerCore
+
+EOS = 99
+
+
+def core(**overrides: object) -> SchedulerCore:
+    args: dict[str, object] = dict(
+        num_blocks=64, block_size=4, chunk_size=16, max_num_seqs=8, max_model_len=512,
+        mm_cache_bytes=10_000, embedding_bytes_per_token=10, eos_token_ids=(EOS,),
+    )
+    args.update(overrides)
+    return SchedulerCore(**args)  # type: ignore[arg-type]
+
+
+def add(c: SchedulerCore, rid: str, n: int, items: list[MMItem] | None = None, max_tokens: int = 4) -> None:
+    c.add(rid, [1] * n, [list(range(n))] * 3, 0, items or [], SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def run_step(c: SchedulerCore, token: int = 5) -> StepPlan:
+    plan = c.schedule()
+    assert plan is not None
+    c.update(StepResult(plan.step_id, [(ch.rid, token) for ch in plan.chunks if ch.sample]))
+    return plan
+
+
+def item(tag: int, offset: int, length: int) -> MMItem:
+    return MMItem(bytes([tag]) * 16, offset, length, (1, 2, 2 * length))
+
+
+def test_prefill_is_chunked_under_the_token_budget() -> None:
+    c = core(chunk_size=16)
+    add(c, "a", 40)
+    lengths = [run_step(c).chunks[0].length for _ in range(3)]
+    assert lengths == [16, 16, 8]
+    plan = run_step(c)  # first decode
+    assert [(ch.start, ch.length, ch.new_token_ids) for ch in plan.chunks] == [(40, 1, [5])]
+
+
+def test_decodes_go_first_and_share_the_budget_with_prefill() -> None:
+    c = core(chunk_size=16)
+    add(c, "a", 8)
+    run_step(c)
+    add(c, "b", 30)
+    plan = run_step(c)
+    assert [(ch.rid, ch.length) for ch in plan.chunks] == [("a", 1), ("b", 15)]
+
+
+def test_request_that_can_never_fit_is_rejected() -> None:
+    c = core(num_blocks=4, block_size=4, max_model_len=1000)
+    with pytest.raises(RequestRejected, match="KV blocks"):
+        add(c, "big", 16)  # 16 tokens + 1 need 5 blocks of 4
+    with pytest.raises(RequestRejected, match="context length"):
+        add(core(max_model_len=10), "long", 10)
+
+
+def test_request_that_cannot_fit_now_waits_then_runs() -> None:
+    c = core(num_blocks=6, block_size=4, chunk_size=64)
+    add(c, "a", 15, max_tokens=2)  # 4 blocks
+    add(c, "b", 15, max_tokens=2)  # has to wait for a's blocks
+    plan = run_step(c)
+    assert [ch.rid for ch in plan.chunks] == ["a"] and len(c.waiting) == 1
+    run_step(c)  # a finishes (max_tokens=2) and frees its blocks
+    assert "a" not in c.seqs
+    plan = run_step(c)
+    assert [ch.rid for ch in plan.chunks] == ["b"] and plan.finished == ["a"]
+
+
+def test_preemption_recomputes_and_frees_blocks() -> None:
+    c = core(num_blocks=5, block_size=4, chunk_size=64)
+    add(c, "a", 7, max_tokens=20)  # 2 blocks
+    add(c, "b", 7, max_tokens=20)  # 2 blocks
+    run_step(c)
+    for _ in range(2):
+        run_step(c)  # both reach 9 tokens: need a third block each, only one is free
+    assert c.preemptions >= 1
+    victim = c.waiting[0]
+    assert victim.rid == "b" and victim.block_table == [] and victim.num_computed == 0
+    assert c.allocator.num_used + c.allocator.num_free == 5
+
+
+def test_only_images_overlapping_the_chunk_are_planned() -> None:
+    c = core(chunk_size=16)
+    add(c, "a", 48, items=[item(1, 4, 8), item(2, 20, 8), item(3, 36, 8)])
+    keys = [[job.key[0] for job in run_step(c).encode] for _ in range(3)]
+    assert keys == [[1], [2], [3]]
+
+
+def test_image_split_across_chunks_is_encoded_once() -> None:
+    c = core(chunk_size=8)
+    add(c, "a", 24, items=[item(1, 4, 12)])
+    plans = [run_step(c) for _ in range(3)]
+    assert [len(p.encode) for p in plans] == [1, 0, 0]
+    assert c.mm_index.stats.hits == 1
+
+
+def test_misses_of_one_step_are_deduplicated_across_requests() -> None:
+    c = core(chunk_size=64)
+    add(c, "a", 12, items=[item(1, 2, 4)])
+    add(c, "b", 12, items=[item(1, 6, 4)])
+    plan = run_step(c)
+    assert [job.key[0] for job in plan.encode] == [1]
+
+
+def test_cache_too_small_gives_transient_jobs() -> None:
+    c = core(chunk_size=8, mm_cache_bytes=50, embedding_bytes_per_token=10)
+    add(c, "a", 24, items=[item(1, 4, 12)])
+    plans = [run_step(c) for _ in range(3)]
+    # 12 tokens x 10 bytes never fit in 50 bytes: encoded for each chunk it overlaps, never cached.
+    assert [[job.transient for job in p.encode] for p in plans] == [[True], [True], []]
+    assert len(c.mm_index) == 0
+
+
+def test_baseline_mode_encodes_every_image_in_the_first_chunk() -> None:
+    c = core(chunk_size=16, mm_cache_mode="request")
+    add(c, "a", 48, items=[item(1, 4, 8), item(2, 20, 8), item(3, 36, 8)])
+    first = run_step(c)
+    assert len(first.encode) == 1 and [it.hash[0] for it in first.encode[0].items] == [1, 2, 3]
+    assert [len(run_step(c).encode) for _ in range(2)] == [0, 0]
+
+
+def test_abort_frees_everything_and_tells_workers() -> None:
+    c = core()
+    add(c, "a", 10)
+    run_step(c)
+    assert c.abort("a")
+    assert c.allocator.num_used == 0 and not c.running
+    plan = c.schedule()
+    assert plan is not None and plan.finished == ["a"] and plan.chunks == []

@@ -1,0 +1,280 @@
+"""Paged-KV attention: one metadata layout, several backends behind a small registry.
+
+A forward step covers the *new* tokens of B sequences, flattened one sequence after another.
+New token i of sequence b sits at absolute position ``context_len_b + i`` (context_len_b =
+seq_lens[b] - query_lens[b]) and attends causally to KV positions ``[0, context_len_b + i]``,
+i.e. the causal mask is aligned to the bottom-right of the [query_len, seq_len] score matrix.
+
+KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V).
+Slot ``s`` is ``(block_id, offset) = divmod(s, block_size)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward over a flattened batch: the new tokens of B sequences, one sequence after another."""
+
+    query_start_loc: Tensor  # int32 [B+1], cu_seqlens of new tokens, on model device
+    seq_lens: Tensor  # int32 [B], KV length of each sequence AFTER this step (cached context + new tokens)
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    slot_mapping: Tensor  # int64 [T], slot (block_id * block_size + offset) receiving each new token's K/V
+    block_tables: Tensor  # int32 [B, max_blocks_per_seq], padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build metadata from host-side lists (block_tables[b] lists sequence b's physical blocks in order)."""
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+    slots: list[int] = []
+    for q_len, s_len, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
+        if not 0 < q_len <= s_len or len(blocks) * block_size < s_len:
+            raise ValueError(f"bad sequence: query_len={q_len} seq_len={s_len} blocks={len(blocks)}")
+        for pos in range(s_len - q_len, s_len):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    width = max(len(b) for b in block_tables)
+    table = [list(b) + [0] * (width - len(b)) for b in block_tables]
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; writes k, v into kv_cache at
+        meta.slot_mapping, then returns attention output [T, Hq, D] over the cached prefix + new
+        tokens (GQA: Hq is a multiple of Hkv)."""
+        ...
+
+
+def write_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter the new tokens' K/V into their slots (cache viewed as [2, num_slots, Hkv, D])."""
+    slots = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_sequence_kv(kv_cache: Tensor, block_table: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """Return one sequence's K, V as contiguous ``[seq_len, Hkv, D]`` read through its block table."""
+    block_size = kv_cache.shape[2]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]  # [2, seq_len, Hkv, D]
+    return kv[0], kv[1]
+
+
+def bottom_right_causal_mask(query_len: int, seq_len: int, device: torch.device) -> Tensor:
+    """Boolean [query_len, seq_len] mask, True where query i may attend key j (j <= context + i)."""
+    context = seq_len - query_len
+    q_pos = torch.arange(context, seq_len, device=device).unsqueeze(1)
+    return torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+
+
+class SdpaBackend:
+    """Reference backend: a loop over sequences, each gathered from its blocks, then torch SDPA.
+
+    Works on any device and dtype; it is the CPU path and the fallback for everything else.
+    """
+
+    name = "sdpa"
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        start = 0
+        for b, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            k_b, v_b = gather_sequence_kv(kv_cache, meta.block_tables[b], s_len)
+            q_b = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+            mask: Tensor | None = None
+            is_causal = False
+            if q_len == s_len:
+                is_causal = q_len > 1  # no cached prefix: top-left and bottom-right alignment coincide
+            elif q_len > 1:
+                mask = bottom_right_causal_mask(q_len, s_len, q.device)
+            o = F.scaled_dot_product_attention(
+                q_b,
+                k_b.transpose(0, 1).to(q.dtype),
+                v_b.transpose(0, 1).to(q.dtype),
+                attn_mask=mask,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[start : start + q_len] = o.transpose(0, 1)
+            start += q_len
+        return out
+
+
+def _varlen_api() -> tuple[Callable[..., Any] | None, set[str]]:
+    """Find torch's public varlen attention and the keyword arguments this torch version accepts.
+
+    The signature moved between releases (2.10: ``is_causal``; 2.11: ``scale``; 2.12+: ``window_size``,
+    ``enable_gqa``, ``seqused_k``, ``block_table``), so callers look at the parameter names.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, set()
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_op_available() -> bool:
+    return hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
+class FlashVarlenBackend:
+    """CUDA backend on torch's built-in FlashAttention-2 varlen kernel.
+
+    Every step, each sequence's whole KV (cached prefix + new tokens) is gathered from the paged
+    cache into one packed tensor, then a single varlen call with a causal mask covers prefill,
+    chunked prefill and decode in the same batch: FlashAttention aligns the causal mask to the
+    bottom-right when seq_q < seq_k, which is exactly "query i sits at context + i". The gather
+    costs an extra read+write of the KV per layer; a block-table kernel can replace it later
+    without changing this interface. Inputs the kernel cannot take (float32, head_dim > 256) go
+    to the sdpa backend.
+
+    Kernel entry point:
+    * torch >= 2.12 (``varlen_attn`` has ``enable_gqa``): the public ``varlen_attn`` with
+      ``window_size=(-1, 0)`` (causal) and ``enable_gqa=True``. ``enable_gqa`` is passed even for
+      MHA because it keeps the wrapper on the FlashAttention kernel: its cuDNN branch is skipped
+      when ``enable_gqa`` is set, and we have not verified that cuDNN's causal mask is bottom-right.
+    * older torch (2.10/2.11 wrappers have no GQA and may route to cuDNN): the op those wrappers
+      call, ``torch.ops.aten._flash_attention_forward``, which takes GQA natively.
+    """
+
+    name = "flash"
+
+    def __init__(self) -> None:
+        fn, params = _varlen_api()
+        self._varlen = fn if fn is not None and "enable_gqa" in params and "window_size" in params else None
+        if self._varlen is None and not _flash_op_available():
+            raise RuntimeError("this torch has no FlashAttention varlen kernel")
+        self._fallback = SdpaBackend()
+
+    @staticmethod
+    def supports(q: Tensor) -> bool:
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        if not self.supports(q):
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        k_all, v_all, cu_seq_k = self._gather_packed_kv(kv_cache, meta)
+        q = q.contiguous()
+        if self._varlen is not None:
+            result: Tensor = self._varlen(
+                q,
+                k_all,
+                v_all,
+                meta.query_start_loc,
+                cu_seq_k,
+                meta.max_query_len,
+                meta.max_seq_len,
+                scale=scale,
+                window_size=(-1, 0),
+                enable_gqa=True,
+            )
+            return result
+        out: Tensor = torch.ops.aten._flash_attention_forward(
+            q,
+            k_all,
+            v_all,
+            meta.query_start_loc,
+            cu_seq_k,
+            meta.max_query_len,
+            meta.max_seq_len,
+            0.0,
+            True,
+            False,
+            scale=scale,
+        )[0]
+        return out
+
+    @staticmethod
+    def _gather_packed_kv(kv_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+        """Packed [sum(seq_lens), Hkv, D] K and V plus their int32 cu_seqlens, built without host syncs."""
+        block_size = kv_cache.shape[2]
+        device = kv_cache.device
+        total = sum(meta.seq_lens_cpu)
+        seq_lens = meta.seq_lens.long()
+        cu = F.pad(seq_lens.cumsum(0), (1, 0))
+        seq_of = torch.repeat_interleave(
+            torch.arange(len(meta.seq_lens_cpu), device=device), seq_lens, output_size=total
+        )
+        pos = torch.arange(total, device=device) - cu[seq_of]
+        block = meta.block_tables.long()[seq_of, pos // block_size]
+        slot = block * block_size + pos % block_size
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        return flat[0, slot], flat[1, slot], cu.to(torch.int32)
+
+
+def flash_available() -> bool:
+    """True when this torch has a FlashAttention varlen entry point (CUDA is checked separately)."""
+    fn, params = _varlen_api()
+    return (fn is not None and "enable_gqa" in params and "window_size" in params) or _flash_op_available()
+
+
+BackendName = Literal["sdpa", "flash", "auto"]
+_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {
+    "sdpa": SdpaBackend,
+    "flash": FlashVarlenBackend,
+}
+
+
+def register_attention_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    """Add a backend under ``name`` (later backends, e.g. Triton paged decode, plug in here)."""
+    _REGISTRY[name] = factory
+
+
+def get_attention_backend(name: BackendName | str, device: torch.device | str) -> AttentionBackend:
+    """Return a backend instance. ``auto`` picks flash on CUDA when torch has varlen attention, else sdpa."""
+    device = torch.device(device)
+    usable = device.type == "cuda" and torch.cuda.is_available() and flash_available()
+    if name == "auto":
+        name = "flash" if usable else "sdpa"
+    if name == "flash" and not usable:
+        log.warning("flash attention unavailable on %s with torch %s; using sdpa", device, torch.__version__)
+        name = "sdpa"
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()

@@ -1,0 +1,383 @@
+"""A tiny, random-weight Qwen2.5-VL checkpoint that glimpse can serve and test against with no download.
+
+Everything is produced on the spot and deterministically: a byte-level BPE tokenizer trained on the short
+corpus below, a chat template in Qwen2-VL's format, a config with Qwen2.5-VL's architecture at toy sizes,
+weights drawn from fixed per-tensor seeds, and the image processor settings. The answers it gives are noise;
+what matters is that every code path (vision tower, windowed attention, M-RoPE, chat template, image
+placeholders) is exercised with the same file layout a real checkpoint has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Bump when the written files change, so caches of an older demo model are not reused.
+DEMO_MODEL_VERSION = 1
+DEFAULT_CACHE_DIR = Path("~/.cache/glimpse") / f"demo-model-v{DEMO_MODEL_VERSION}"
+CACHE_ENV_VAR = "GLIMPSE_DEMO_MODEL_DIR"
+
+# Qwen's own special tokens, in Qwen's order, appended after the BPE vocabulary.
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)
+BPE_VOCAB_SIZE = 2000
+SEED = 20251126
+# Init scales, chosen by measurement (see `_init_std`): embeddings and the LM head are large enough that
+# the next token depends strongly on the context, so greedy decoding wanders instead of locking onto one
+# token, and top-1/top-2 logit gaps stay far above float32 rounding.
+EMBED_STD = 1.0
+LM_HEAD_STD = 1.0
+LINEAR_STD = 0.2
+NORM_STD = 0.1
+
+# Qwen2's pre-tokenizer split (the same regex the HF Qwen2 tokenizer rebuilds on load), so our tokenizer
+# behaves the same whether it is read from tokenizer.json or reconstructed by transformers' class.
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# Qwen2-VL's prompt format, written from scratch: a default system turn, `<|im_start|>role\n...<|im_end|>\n`
+# per message, and one vision_start/pad/vision_end triple per image or video part (the processor later
+# repeats the pad token once per merged patch). Every literal newline is emitted by an expression so the
+# `-` whitespace control can keep the template itself readable.
+CHAT_TEMPLATE = r"""
+{%- macro render(content) -%}
+  {%- if content is string -%}
+    {{- content -}}
+  {%- elif content is iterable -%}
+    {%- for part in content -%}
+      {%- if part['type'] in ('image', 'image_url', 'input_image') -%}
+        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+      {%- elif part['type'] in ('video', 'video_url') -%}
+        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+      {%- elif part['type'] == 'text' -%}
+        {{- part['text'] -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- if not messages or messages[0]['role'] != 'system' -%}
+  {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+  {{- '<|im_start|>' + message['role'] + '\n' -}}
+  {{- render(message['content']) -}}
+  {{- '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+""".strip()
+
+# Plain English about the things a vision-language server is asked about; only used to train the BPE merges.
+CORPUS = """
+A document is more than the words printed on it. The layout tells the reader where to look first: a title
+at the top, a date in the corner, a table of numbers in the middle, and a signature near the bottom of the
+page. When a model reads a scanned letter or a photographed receipt, it has to find each of these parts,
+read the text inside them, and keep track of how they relate to one another.
+
+Images arrive in many shapes and sizes. A phone camera takes tall pictures, a screenshot of a laptop is
+wide, and a scanned page is close to the proportions of a sheet of paper. Before the vision encoder can
+look at an image, the processor resizes it so that its width and height are multiples of the patch size,
+cuts it into small square patches, and flattens each patch into a row of numbers. Neighbouring patches are
+then merged into one token, which keeps long documents from using too many tokens.
+
+Charts are a special kind of picture. A bar chart compares quantities across categories, a line chart shows
+how a value changes over time, and a pie chart splits a whole into parts. To describe a chart well, one
+should read the axis labels, the units, the legend, and the title, and then say what the data shows: which
+bar is the tallest, when the line rises or falls, and whether any value looks unusual. A good answer names
+the numbers it reads and says how sure it is about them.
+
+Tables carry information in rows and columns. The first row often holds the headers, and each following row
+describes one item, such as a product, a city, a month, or a person. Reading a table means matching every
+cell with its header. When a table is printed across two pages, the headers may repeat, and the reader must
+notice that the second part continues the first one rather than starting a new table.
+
+Photographs of everyday scenes ask different questions. How many people are standing near the window? What
+colour is the car parked on the left? Is the dog sleeping or looking at the camera? Is there a sign above the
+door, and what does it say? Answering these questions requires looking at small details, counting objects,
+and describing where things are placed relative to each other: above, below, beside, behind, or in front.
+
+Forms and invoices mix printed labels with handwritten or typed values. An invoice usually lists a seller,
+a buyer, an invoice number, a date of issue, a list of items with quantities and prices, a subtotal, the tax,
+and a total amount due. A careful reader checks that the total equals the sum of the lines, notes the
+currency, and reports the due date. Handwriting can be hard to read, so it is better to say that a word is
+unclear than to guess.
+
+Conversations about images often continue for several turns. A user may upload a diagram, ask what it shows,
+then ask a follow-up question about one of its parts, and later upload a second picture to compare with the
+first. The assistant should remember what it has already seen, refer to each picture by its order, and keep
+its answers short and accurate. When two pictures look similar, it should point out what is different.
+
+Maps and diagrams use symbols instead of sentences. A map has a scale, a compass, roads, rivers, and names
+of places; a diagram has boxes, arrows, and short labels that explain how a process moves from one step to
+the next. Describing a diagram means following the arrows in order and naming what happens at each step.
+Describing a map means giving directions, distances, and the landmarks a traveller would pass on the way.
+
+Slides from a presentation combine a heading, a few bullet points, and sometimes a picture or a small chart.
+Menus list dishes and prices. Posters announce an event with a date, a time, and a place. Book covers show a
+title and an author. Street signs give names, speed limits, and warnings. Each of these is a small document,
+and each can be read, summarised, translated, or checked for mistakes.
+
+Numbers deserve extra care. Read 1,250.75 as one thousand two hundred fifty point seven five, keep the
+decimal point where it is, and do not drop a zero from 2024 or 0.05. Percentages, dates such as 12 March
+2025, times such as 09:30, and amounts such as $48.20 or 3 kg should be copied exactly as they appear.
+Phone numbers, codes, and identifiers are checked digit by digit, because a single wrong digit changes
+their meaning completely.
+
+Good answers are honest about what can and cannot be seen. If the image is too dark, too blurry, or cut off
+at the edge, say so. If the question asks about something that is not in the picture, explain that it is
+not visible. Describe first, then interpret: state what is in the image before drawing a conclusion from
+it, and keep the two apart so the reader can judge the reasoning.
+
+The same image is often sent again and again during a long conversation. Instead of looking at it from the
+start every time, a fast system can remember the work it has already done for that picture and reuse it.
+Recognising that two uploads are the same picture is done by computing a short fingerprint of the pixels.
+Large images take more time and memory, so a server should process them in pieces and share the work among
+many requests that arrive at the same moment.
+"""
+
+logger = logging.getLogger(__name__)
+
+
+def train_tokenizer() -> Any:
+    """Train the byte-level BPE (a `tokenizers.Tokenizer`) with Qwen's special tokens appended."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    # The upper-cased copy doubles the distinct words, which is what lets the merges reach BPE_VOCAB_SIZE.
+    paragraphs = [p for text in (CORPUS, CORPUS.upper()) for p in text.split("\n\n") if p.strip()]
+    tok.train_from_iterator(paragraphs, trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    # Mirrors Qwen2.5-VL-Instruct: chat turns end with <|im_end|>, padding uses <|endoftext|>, no BOS.
+    return {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "split_special_tokens": False,
+        "model_max_length": 8192,
+    }
+
+
+def _preprocessor_config(ip: Any) -> dict[str, Any]:
+    """Image settings in the flat layout of Qwen/Qwen2.5-VL-*-Instruct's preprocessor_config.json."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": ip.size["shortest_edge"],
+        "max_pixels": ip.size["longest_edge"],
+        "patch_size": ip.patch_size,
+        "temporal_patch_size": ip.temporal_patch_size,
+        "merge_size": ip.merge_size,
+        "image_mean": list(ip.image_mean),
+        "image_std": list(ip.image_std),
+        "rescale_factor": ip.rescale_factor,
+        "resample": 3,  # bicubic
+        **{k: True for k in ("do_convert_rgb", "do_normalize", "do_rescale", "do_resize")},
+    }
+
+
+def build_config(special_ids: dict[str, int], vocab_size: int) -> Any:
+    """The Qwen2.5-VL architecture at toy sizes (head_dim 16 in both towers)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text_config = {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "hidden_act": "silu",
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "attention_dropout": 0.0,
+        "use_sliding_window": False, "max_window_layers": 3,
+        # mrope_section splits head_dim/2 = 8 rotary frequencies into temporal/height/width groups.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        "initializer_range": LINEAR_STD,
+        "bos_token_id": special_ids["<|endoftext|>"],
+        "eos_token_id": special_ids["<|im_end|>"],
+        "pad_token_id": special_ids["<|endoftext|>"],
+    }
+    vision_config = {
+        "depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "hidden_act": "silu",
+        "in_channels": 3, "out_hidden_size": 64, "tokens_per_second": 2,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        # 112 px windows = 4x4 merged tokens, so images of a few hundred pixels span several windows.
+        "window_size": 112, "fullatt_block_indexes": [1, 3],
+        "initializer_range": LINEAR_STD,
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=special_ids["<|image_pad|>"],
+        video_token_id=special_ids["<|video_pad|>"],
+        vision_start_token_id=special_ids["<|vision_start|>"],
+        vision_end_token_id=special_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+def _init_mean_std(name: str) -> tuple[float, float]:
+    # Norm scales sit near 1 but not at it, and biases are random, so a loader that skips either one
+    # (leaving the module's default 1s and 0s) changes the output instead of passing unnoticed.
+    if "norm" in name or "ln_q" in name:
+        return 1.0, NORM_STD
+    if name.endswith("embed_tokens.weight"):
+        return 0.0, EMBED_STD
+    if name.startswith("lm_head"):
+        return 0.0, LM_HEAD_STD
+    return 0.0, LINEAR_STD
+
+
+def init_weights(model: Any) -> None:
+    """Fill every tensor from a generator seeded by (SEED, tensor name).
+
+    Per-name seeds make the weights independent of module construction order and of whatever init code a
+    transformers version runs, so the checkpoint is the same on every version we support.
+    """
+    import torch
+
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+            mean, std = _init_mean_std(name)
+            digest = hashlib.sha256(f"{SEED}:{name}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float32) * std + mean)
+
+
+def _silence_unused_outputs(model: Any, special_ids: dict[str, int], n_tokens: int) -> None:
+    """Zero the LM-head rows of ids a trained model never emits: vocabulary padding and the special tokens
+    other than the two stop tokens. Their logit is then exactly 0, far below the top logit (std ~8 over
+    ~2000 rows), so greedy output never contains an image pad or an id the tokenizer cannot decode."""
+    import torch
+
+    keep = {special_ids["<|im_end|>"], special_ids["<|endoftext|>"]}
+    rows = [i for t, i in special_ids.items() if i not in keep]
+    rows += range(n_tokens, model.lm_head.weight.shape[0])
+    with torch.no_grad():
+        model.lm_head.weight[torch.tensor(rows)] = 0.0
+
+
+def write_demo_model(path: str | os.PathLike[str]) -> Path:
+    """Write the demo checkpoint into `path` (created if missing). Same bytes on every run."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    raw_tok = train_tokenizer()
+    special_ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    # Let transformers load our files and write them back in its own format, so what lands on disk is
+    # exactly what AutoTokenizer/AutoProcessor produce and re-read.
+    with tempfile.TemporaryDirectory(prefix="glimpse-demo-tok-") as staging:
+        raw_tok.save(os.path.join(staging, "tokenizer.json"))
+        with open(os.path.join(staging, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(_tokenizer_config(), f, indent=2)
+        tokenizer = AutoTokenizer.from_pretrained(staging)
+    # Loading records where it loaded from; keep those facts about our temp dir out of the saved config.
+    for key in ("is_local", "local_files_only"):
+        tokenizer.init_kwargs.pop(key, None)
+    # min 56x56 px; max 256 merged 28x28 tiles, so a large image costs at most 256 LM tokens.
+    min_pixels, max_pixels = 56 * 56, 256 * 28 * 28
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(
+            min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
+        ),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(
+            min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
+        ),
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    # transformers 5 folds the image settings into processor_config.json; also write the classic
+    # preprocessor_config.json that published Qwen2.5-VL checkpoints carry, so code reading either works.
+    with open(out / "preprocessor_config.json", "w", encoding="utf-8") as f:
+        json.dump(_preprocessor_config(processor.image_processor), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+    # Round the embedding rows up to a multiple of 64, as real checkpoints pad their vocabularies.
+    vocab_size = -(-raw_tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    config = build_config(special_ids, vocab_size)
+    torch.manual_seed(SEED)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    init_weights(model)
+    _silence_unused_outputs(model, special_ids, raw_tok.get_vocab_size(with_added_tokens=True))
+    model.generation_config = GenerationConfig(
+        bos_token_id=special_ids["<|endoftext|>"],
+        eos_token_id=[special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
+        pad_token_id=special_ids["<|endoftext|>"],
+        do_sample=False,
+    )
+    model.save_pretrained(out)
+    return out
+
+
+def _default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV_VAR)
+    return Path(env).expanduser() if env else DEFAULT_CACHE_DIR.expanduser()
+
+
+def ensure_demo_model(cache_dir: Path | None = None) -> Path:
+    """Return a directory holding the demo model, writing it there first if it is not there yet.
+
+    `cache_dir` defaults to $GLIMPSE_DEMO_MODEL_DIR, else ~/.cache/glimpse/demo-model-v1. The model is
+    written into a temp dir next to it and renamed into place, so a reader never sees a half-written
+    checkpoint and two processes racing to create it both end up with one complete copy.
+    """
+    target = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write_demo_model(staging)
+        try:
+            # rename() replaces an empty directory but fails on a populated one: a racing writer won.
+            os.rename(staging, target)
+            logger.info("wrote demo model to %s", target)
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,185 @@
+"""The offline engine: processor, scheduling core and model runner in one process, in the spirit of
+vLLM's ``LLM``. The serving stack runs the same three parts in separate processes."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from ipc.messages import EncodeItem, MMItem, SamplingParams
+from workers.engine.config import EngineConfig, ModelInfo
+from workers.engine.model_runner import ModelRunner
+from workers.engine.processor import MMProcessor, ProcessedImage
+from workers.engine.sched_core import FinishReason, SchedulerCore, Sequence as SchedSeq
+
+Message = dict[str, Any]
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def images_in(messages: Sequence[Message]) -> list[Image.Image]:
+    """PIL images of ``{"type": "image", "image": PIL.Image}`` parts, in prompt order."""
+    found: list[Image.Image] = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if part.get("type") == "image":
+                image = part.get("image")
+                if not isinstance(image, Image.Image):
+                    raise TypeError("offline image parts need a PIL image under 'image'")
+                found.append(image)
+    return found
+
+
+class Engine:
+    """Generate from chat messages with images, in-process.
+
+    >>> engine = Engine(EngineConfig(model="/path/to/checkpoint"))
+    >>> [out] = engine.generate([[{"role": "user", "content": "hi"}]], SamplingParams(temperature=0))
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info = ModelInfo.load(config.model)
+        self.processor = MMProcessor(config.model)
+        self._pixels: dict[bytes, torch.Tensor] = {}
+        self._pixel_refs: dict[bytes, int] = {}
+        self.runner = ModelRunner(config, pixel_source=self._pixel_source)
+        dtype = config.torch_dtype()
+        self.core = SchedulerCore(
+            num_blocks=self.runner.num_blocks,
+            block_size=config.block_size,
+            chunk_size=config.chunk_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len or self.info.max_position_embeddings,
+            mm_cache_bytes=int(config.mm_cache_mb * (1 << 20)),
+            embedding_bytes_per_token=self.info.embedding_bytes_per_token(dtype),
+            eos_token_ids=self.info.eos_token_ids,
+            mm_cache_mode=config.mm_cache_mode,
+        )
+        self.core.on_finished = self._release
+        self._outputs: dict[str, RequestOutput] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self._ids = itertools.count()
+        self.step_log: list[tuple[int, int]] = []  # (images encoded, ViT calls) per step
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, messages: Sequence[Message], sampling: SamplingParams | None = None, rid: str | None = None) -> str:
+        sampling = sampling or SamplingParams()
+        rid = rid or f"req-{next(self._ids)}"
+        processed = [self.processor.process_image(img) for img in images_in(messages)]
+        prompt = self.processor.build(self.processor.render(messages), processed)
+        items = [MMItem(s.hash, s.offset, s.length, s.grid) for s in prompt.spans]
+        self.core.add(rid, prompt.input_ids, prompt.positions, prompt.mrope_delta, items, sampling)
+        for image in processed:
+            self._hold(image)
+        self._outputs[rid] = RequestOutput(rid, len(prompt.input_ids))
+        self._params[rid] = sampling
+        return rid
+
+    def abort(self, rid: str) -> None:
+        self.core.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the requests that finished in it."""
+        plan = self.core.schedule()
+        if plan is None:
+            return []
+        result = self.runner.execute(plan)
+        self.step_log.append((result.images_encoded, result.vit_calls))
+        done: list[RequestOutput] = []
+        for update in self.core.update(result):
+            out = self._outputs[update.rid]
+            out.token_ids.append(update.token_id)
+            out.text = self.processor.decode(out.token_ids)
+            reason = update.finish_reason
+            stop = self._params[update.rid].stop
+            if stop:
+                cut = min((i for i in (out.text.find(s) for s in stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    out.text = out.text[:cut]
+                    if reason is None:
+                        self.core.finish(update.rid, "stop")
+                    reason = "stop"
+            if reason is not None:
+                out.finish_reason = reason
+                done.append(out)
+                del self._outputs[update.rid], self._params[update.rid]
+        return done
+
+    def generate(
+        self, requests: Sequence[Sequence[Message]], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run all requests to completion (continuous batching); outputs in input order."""
+        params = list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * len(requests)
+        rids = [self.add_request(msgs, p) for msgs, p in zip(requests, params, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(rids):
+            for out in self.step():
+                results[out.rid] = out
+            if not self.core.has_work() and len(results) < len(rids):
+                raise RuntimeError("engine went idle with unfinished requests")
+        return [results[rid] for rid in rids]
+
+    # ---- pixels (the offline stand-in for shared memory) ----------------------------------------
+    def _hold(self, image: ProcessedImage) -> None:
+        self._pixels.setdefault(image.hash, image.pixel_values)
+        self._pixel_refs[image.hash] = self._pixel_refs.get(image.hash, 0) + 1
+
+    def _release(self, seq: SchedSeq) -> None:
+        for item in seq.items:
+            left = self._pixel_refs.get(item.hash, 0) - 1
+            if left <= 0:
+                self._pixel_refs.pop(item.hash, None)
+                self._pixels.pop(item.hash, None)
+            else:
+                self._pixel_refs[item.hash] = left
+
+    def _pixel_source(self, item: EncodeItem) -> torch.Tensor:
+        return self._pixels[item.hash]
+
+    # ---- stats ----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        idx = self.core.mm_index
+        c = self.runner.counters
+        return {
+            "requests_running": len(self.core.running),
+            "requests_waiting": len(self.core.waiting),
+            "kv_blocks_used": self.core.allocator.num_used,
+            "kv_blocks_total": self.core.allocator.num_blocks,
+            "preemptions": self.core.preemptions,
+            "mm_cache": {
+                "entries": len(idx),
+                "bytes": idx.used_bytes,
+                "budget_bytes": idx.budget_bytes,
+                "hits": idx.stats.hits,
+                "misses": idx.stats.misses,
+                "evictions": idx.stats.evictions,
+                "refused": idx.stats.refused,
+                "hit_rate": idx.stats.hit_rate,
+            },
+            "images_encoded": c.images_encoded,
+            "vit_calls": c.vit_calls,
+            "steps": c.steps,
+        }

@@ -1,0 +1,95 @@
+"""Checkpoint access shared by the language model and the vision tower.
+
+Two weight namings exist for Qwen2.5-VL on disk:
+* original Qwen / transformers 4.x checkpoints: ``model.layers.N...``, ``model.embed_tokens``,
+  ``model.norm``, ``lm_head.weight``, ``visual.*``;
+* transformers 5 module layout: ``model.language_model.*``, ``model.visual.*``, ``lm_head.weight``
+  (5.x still *saves* the original names, but both appear in the wild).
+``normalize_name`` maps either to one canonical form: ``lm.*`` for every language-model weight
+(``lm.lm_head.weight`` included) and ``visual.*`` for the vision tower.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+# Longest prefixes first: "model.visual." and "model.language_model." must win over "model.".
+_PREFIX_RULES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "lm."),
+    ("language_model.model.", "lm."),  # some intermediate 4.x exports
+    ("language_model.lm_head.", "lm.lm_head."),
+    ("model.visual.", "visual."),
+    ("visual.", "visual."),
+    ("lm_head.", "lm.lm_head."),
+    ("model.", "lm."),
+)
+
+
+def normalize_name(name: str) -> str:
+    """Map a checkpoint tensor name (either naming) to the canonical ``lm.*`` / ``visual.*`` form.
+
+    Names matching no rule are returned unchanged.
+    """
+    for prefix, canonical in _PREFIX_RULES:
+        if name.startswith(prefix):
+            return canonical + name[len(prefix) :]
+    return name
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: those named by ``model.safetensors.index.json`` if present."""
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [root / f for f in sorted(set(weight_map.values()))]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {root}")
+    return files
+
+
+def iter_safetensors(
+    model_dir: str | Path, name_filter: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(name, cpu_tensor)`` for every tensor in the checkpoint, as stored (names not normalized).
+
+    ``name_filter`` is applied to the stored name before the tensor is read, so skipped tensors
+    cost no I/O (e.g. the LM loader never reads ``visual.*``).
+    """
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if name_filter is None or name_filter(name):
+                    yield name, f.get_tensor(name)
+
+
+def is_norm_param(name: str) -> bool:
+    """True for weights/biases of normalization layers (their module name contains "norm")."""
+    parts = name.split(".")
+    return len(parts) >= 2 and "norm" in parts[-2]
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Fill every parameter with deterministic random values, for benchmarks without a checkpoint.
+
+    Linear/embedding weights and biases get N(0, std); norm weights get 1 and norm biases 0, so
+    activations keep a realistic scale through deep stacks. Values are drawn on the parameter's
+    own device (fast for 7B-sized models on GPU); ``seed`` should differ per TP rank.
+    """
+    for i, (name, param) in enumerate(model.named_parameters()):
+        if is_norm_param(name):
+            param.fill_(1.0 if name.endswith("weight") else 0.0)
+            continue
+        gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + i)
+        if param.dtype.is_floating_point and param.element_size() >= 4:
+            param.normal_(0.0, std, generator=gen)
+        else:  # draw in float32 and round, so the stream does not depend on the storage dtype
+            param.copy_(torch.empty(param.shape, device=param.device).normal_(0.0, std, generator=gen))

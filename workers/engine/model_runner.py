@@ -1,0 +1,219 @@
+"""Model-side execution of a ``StepPlan``: pixel reads, batched ViT, embedding store, LM forward
+over the paged KV cache, sampling. One instance per model worker (per TP rank)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ipc.messages import EncodeItem, EncodeJob, MMItem, NewSeq, SamplingParams, StepPlan, StepResult
+from workers.engine.attention import AttentionMetadata
+from workers.engine.config import EngineConfig, ModelInfo
+from workers.engine.kv_cache import slot_mapping
+from workers.engine.layers import TPGroup
+from workers.engine.mm_cache import EmbeddingStore
+from workers.engine.qwen2_5_vl import TextSpec, load_language_model
+from workers.engine.sampler import Sampler
+from workers.engine.vision import VisionSpec, load_vision
+
+log = logging.getLogger("glimpse.model")
+
+PixelSource = Callable[[EncodeItem], torch.Tensor]
+
+
+@dataclass
+class WorkerSeq:
+    rid: str
+    token_ids: list[int]
+    positions: list[list[int]]  # prompt positions (3 rows); later tokens use p + mrope_delta
+    mrope_delta: int
+    items: list[MMItem]
+    sampling: SamplingParams
+    mm_key: bytes
+    item_rows: list[int]  # baseline mode: row offset of each item inside the request's entry
+    block_table: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RunnerCounters:
+    steps: int = 0
+    vit_calls: int = 0
+    images_encoded: int = 0
+    pixel_reads: int = 0
+    encoded_per_step: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, pixel_source: PixelSource, tp: TPGroup | None = None) -> None:
+        self.cfg = cfg
+        self.tp = tp or TPGroup()
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.torch_dtype()
+        self.info = ModelInfo.load(cfg.model)
+        self.pixel_source = pixel_source
+        model_dir = Path(cfg.model)
+        self.lm = load_language_model(
+            model_dir,
+            TextSpec.from_hf_config(self.info.raw),
+            dtype=self.dtype,
+            device=self.device,
+            tp=self.tp,
+            load_format=cfg.load_format,
+            attn_backend=cfg.attn_backend,
+        )
+        self.vision = load_vision(
+            model_dir,
+            VisionSpec.from_hf_config(self.info.raw),
+            dtype=self.dtype,
+            device=self.device,
+            load_format=cfg.load_format,
+            attn_backend=cfg.attn_backend,
+        )
+        self.num_blocks = self._num_kv_blocks()
+        shape = self.lm.kv_cache_shape(self.num_blocks, cfg.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.info.num_layers)]
+        self.store = EmbeddingStore()
+        self.sampler = Sampler(self.device, cfg.seed)
+        self.seqs: dict[str, WorkerSeq] = {}
+        self.counters = RunnerCounters()
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.cfg
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.info.kv_bytes_per_block(cfg.block_size, self.dtype, self.tp.size)
+        if cfg.kv_cache_mb is not None:
+            budget = cfg.kv_cache_mb << 20
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.4)
+        else:
+            budget = 512 << 20
+        return max(1, budget // per_block)
+
+    # ---- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        for rid in plan.finished:
+            self.seqs.pop(rid, None)
+            self.sampler.remove(rid)
+        for new in plan.new_seqs:
+            self._register(new)
+        self.store.evict(plan.evict)
+        encoded = self._encode(plan.encode) if plan.encode else 0
+        self.counters.encoded_per_step.append(encoded)
+        self.counters.steps += 1
+        if not plan.chunks:
+            return StepResult(plan.step_id, [], encoded, int(encoded > 0))
+        try:
+            sampled = self._forward(plan)
+        finally:
+            self.store.end_step()
+        return StepResult(plan.step_id, sampled, encoded, int(encoded > 0))
+
+    def _register(self, new: NewSeq) -> None:
+        rows, offset = [], 0
+        for item in new.items:
+            rows.append(offset)
+            offset += item.length
+        self.seqs[new.rid] = WorkerSeq(
+            new.rid, list(new.input_ids), new.positions, new.mrope_delta, new.items, new.sampling, new.mm_key, rows
+        )
+        self.sampler.add(new.rid, new.sampling)
+
+    def _encode(self, jobs: list[EncodeJob]) -> int:
+        """All images of all jobs in one ViT call, each distinct hash once."""
+        unique: dict[bytes, EncodeItem] = {}
+        for job in jobs:
+            for item in job.items:
+                unique.setdefault(item.hash, item)
+        items = list(unique.values())
+        pixels = [self.pixel_source(item) for item in items]
+        self.counters.pixel_reads += len(items)
+        batch = torch.cat(pixels).to(device=self.device, dtype=self.dtype, non_blocking=True)
+        embeddings = self.vision(batch, [item.grid for item in items])
+        self.counters.vit_calls += 1
+        self.counters.images_encoded += len(items)
+        per_hash = dict(zip(unique, embeddings.split([item.length for item in items]), strict=True))
+        for job in jobs:
+            parts = [per_hash[item.hash] for item in job.items]
+            entry = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if entry.shape[0] != sum(item.length for item in job.items):
+                raise RuntimeError(f"ViT returned {entry.shape[0]} tokens for key {job.key.hex()[:16]}")
+            self.store.put(job.key, entry, job.transient)
+        return len(items)
+
+    def _forward(self, plan: StepPlan) -> list[tuple[str, int]]:
+        bs = self.cfg.block_size
+        ids: list[int] = []
+        pos: list[list[int]] = [[], [], []]
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[WorkerSeq] = []
+        splices: list[tuple[int, bytes, int, int]] = []  # (row in batch, key, first entry row, count)
+        for chunk in plan.chunks:
+            seq = self.seqs[chunk.rid]
+            seq.block_table.extend(chunk.new_blocks)
+            seq.token_ids.extend(chunk.new_token_ids)
+            start, end = chunk.start, chunk.start + chunk.length
+            base = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            prompt_len = len(seq.positions[0])
+            for r in range(3):
+                row = seq.positions[r]
+                pos[r].extend(row[p] if p < prompt_len else p + seq.mrope_delta for p in range(start, end))
+            slots.extend(slot_mapping(seq.block_table, start, chunk.length, bs))
+            query_lens.append(chunk.length)
+            seq_lens.append(end)
+            tables.append(seq.block_table)
+            for i, item in enumerate(seq.items):
+                lo, hi = max(start, item.offset), min(end, item.offset + item.length)
+                if lo >= hi:
+                    continue
+                key, row0 = (seq.mm_key, seq.item_rows[i]) if seq.mm_key else (item.hash, 0)
+                splices.append((base + lo - start, key, row0 + lo - item.offset, hi - lo))
+            if chunk.sample:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        # Image spans hold pad values above the vocabulary; their embeddings are replaced below.
+        input_ids = input_ids.clamp_(max=self.info.vocab_size - 1).to(dev)
+        embeds = self.lm.embed_tokens(input_ids)
+        for dst, key, first, count in splices:
+            embeds[dst : dst + count] = self.store.get(key)[first : first + count].to(embeds.dtype)
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        hidden = self.lm(embeds, positions, self.kv_caches, meta)
+        if not sample_rows:
+            return []
+        logits = self.lm.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        if self.tp.rank != 0:
+            return []
+        tokens = self.sampler.sample(logits, [s.rid for s in sample_seqs], [s.sampling for s in sample_seqs])
+        return [(s.rid, t) for s, t in zip(sample_seqs, tokens, strict=True)]
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out

@@ -1,0 +1,132 @@
+"""Prompt building for Qwen2.5-VL: chat template, image processing, content hashing, placeholder
+expansion and M-RoPE positions. Runs where the tokenizer runs (a tokenizer process when serving,
+the caller's process for the offline Engine), never on an event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+from PIL import Image
+from transformers import AutoProcessor
+
+from workers.engine.config import ModelInfo
+from workers.engine.mrope import mrope_positions
+
+# Pad values live above any real vocabulary, so an image span can never look like text, and two
+# different images never look like the same prefix. They fit in int32.
+PAD_BASE = 1 << 30
+
+
+def pad_value(image_hash: bytes) -> int:
+    return PAD_BASE + int.from_bytes(image_hash[:4], "little") % PAD_BASE
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    hash: bytes
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    num_tokens: int
+    pixel_values: torch.Tensor  # [t * h * w, channels * temporal_patch * patch**2] float32
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    hash: bytes
+    offset: int
+    length: int
+    grid: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    input_ids: list[int]  # image spans hold hash-derived pad values
+    positions: list[list[int]]
+    mrope_delta: int
+    spans: list[ImageSpan]
+
+
+class MMProcessor:
+    """Tokenizer + image processor of one checkpoint."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.info = ModelInfo.load(model_dir)
+        self.hf = AutoProcessor.from_pretrained(str(model_dir))
+        self.tokenizer = self.hf.tokenizer
+        self.image_processor = self.hf.image_processor
+        self.merge = int(getattr(self.image_processor, "merge_size", self.info.spatial_merge_size))
+        self.image_token = self.tokenizer.convert_ids_to_tokens(self.info.image_token_id)
+        settings = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
+        # Everything that changes the pixels the ViT sees goes into every image's hash.
+        self._settings_digest = blake3.blake3(settings.encode()).digest(16)
+
+    # ---- images ---------------------------------------------------------------------------------
+    def hash_image(self, image: Image.Image) -> bytes:
+        """Content hash framed with mode, size and processor settings (16 bytes)."""
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        h = blake3.blake3(b"glimpse-image-v1")
+        h.update(self._settings_digest)
+        h.update(f"{rgb.mode}:{rgb.width}x{rgb.height}:uint8".encode())
+        h.update(rgb.tobytes())
+        return h.digest(16)
+
+    def process_image(self, image: Image.Image, image_hash: bytes | None = None) -> ProcessedImage:
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        out = self.image_processor(images=[rgb], return_tensors="pt")
+        t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
+        pixels = out["pixel_values"].to(torch.float32).contiguous()
+        return ProcessedImage(
+            hash=image_hash if image_hash is not None else self.hash_image(rgb),
+            grid=(t, h, w),
+            num_tokens=t * h * w // (self.merge * self.merge),
+            pixel_values=pixels,
+        )
+
+    # ---- prompts --------------------------------------------------------------------------------
+    def render(self, messages: Sequence[dict[str, Any]]) -> str:
+        """Apply the chat template; image parts become the model's image placeholder."""
+        plain: list[dict[str, Any]] = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    kind = part.get("type")
+                    if kind in ("image", "image_url", "input_image"):
+                        parts.append({"type": "image"})
+                    else:
+                        parts.append({"type": "text", "text": part.get("text", "")})
+                plain.append({**message, "content": parts})
+            else:
+                plain.append(dict(message))
+        text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        return str(text)
+
+    def build(self, text: str, images: Sequence[ProcessedImage]) -> Prompt:
+        """Tokenize ``text`` (one image placeholder per image), expand placeholders, compute positions."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        slots = [i for i, tok in enumerate(ids) if tok == self.info.image_token_id]
+        if len(slots) != len(images):
+            raise ValueError(f"the prompt has {len(slots)} image placeholders but {len(images)} images were given")
+        input_ids: list[int] = []
+        spans: list[ImageSpan] = []
+        cursor = 0
+        for slot, image in zip(slots, images, strict=True):
+            input_ids.extend(ids[cursor:slot])
+            spans.append(ImageSpan(image.hash, len(input_ids), image.num_tokens, image.grid))
+            input_ids.extend([pad_value(image.hash)] * image.num_tokens)
+            cursor = slot + 1
+        input_ids.extend(ids[cursor:])
+        positions, delta = mrope_positions(
+            len(input_ids), [(s.offset, s.length, s.grid) for s in spans], self.merge
+        )
+        return Prompt(input_ids, positions, delta, spans)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))

@@ -1,0 +1,344 @@
+"""glimpse's own Qwen2.5-VL language model (decoder only; the vision tower lives in vision.py).
+
+Numerically it follows transformers' ``Qwen2_5_VLTextModel``: RMSNorm, GQA attention with q/k/v
+bias (o_proj without), SwiGLU MLP and multimodal RoPE (M-RoPE). Structurally it is built for
+serving: a flattened token batch, a paged KV cache per layer behind an attention backend, and
+tensor-parallel layers whose weight loaders slice the full Hugging Face tensors per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workers.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from workers.engine.layers import (
+    SINGLE_RANK,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    get_weight_loader,
+    kv_heads_per_rank,
+)
+from workers.engine.loader import fill_dummy_weights, iter_safetensors, normalize_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Shape and numerics of the language model, read from a checkpoint's config.json."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @staticmethod
+    def from_hf_config(cfg: dict[str, Any]) -> TextSpec:
+        """Parse either layout: LM fields at top level (original Qwen) or in ``text_config`` (transformers 5).
+
+        RoPE settings come from ``rope_parameters`` (transformers 5) or ``rope_scaling`` +
+        ``rope_theta`` (older configs, where the type is spelled ``"mrope"``).
+        """
+        nested: dict[str, Any] = cfg.get("text_config") or {}
+        text = {**cfg, **nested}
+        heads = int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        rope: dict[str, Any] = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise NotImplementedError(f"rope type {rope_type!r} is not supported (only plain M-RoPE)")
+        section = tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24)))
+        if sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
+        if text.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {text['hidden_act']!r} is not supported")
+        if text.get("use_sliding_window"):
+            raise NotImplementedError("sliding-window attention layers are not supported")
+        return TextSpec(
+            hidden_size=int(text["hidden_size"]),
+            num_hidden_layers=int(text["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            intermediate_size=int(text["intermediate_size"]),
+            vocab_size=int(text["vocab_size"]),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))),
+            mrope_section=section,
+            # transformers 5 keeps the flag at the root; pre-v5 saves put it in text_config. Either wins.
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings"))
+            or bool(nested.get("tie_word_embeddings")),
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        )
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal RoPE: the rotary frequencies are split into sections fed by the t, h, w position rows.
+
+    Frequency j (of head_dim/2) belongs to section i and is driven by position row i % 3; the
+    result is duplicated over both halves of head_dim (the rotate_half layout).
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...]) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        rows = [i % 3 for i, n in enumerate(mrope_section) for _ in range(n)]
+        self.inv_freq: Tensor
+        self.row_of_freq: Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("row_of_freq", torch.tensor(rows, dtype=torch.long), persistent=False)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions int64 [3, T] (or [T] for text only) -> float32 cos, sin of shape [T, head_dim]."""
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(3, -1)
+        # Pick each frequency's row first, then multiply: the same float32 products transformers forms.
+        pos = positions[self.row_of_freq].t().float()  # [T, head_dim/2]
+        freqs = pos * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, H, D]; cos/sin [T, D] already in x's dtype."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class Qwen2_5_VLAttention(nn.Module):
+    def __init__(self, spec: TextSpec, tp: TPGroup) -> None:
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size,
+            spec.head_dim,
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+            bias=True,
+            tp=tp,
+        )
+        self.o_proj = RowParallelLinear(
+            spec.num_attention_heads * spec.head_dim, spec.hidden_size, bias=False, tp=tp
+        )
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.scale = spec.head_dim**-0.5
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, -1, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, -1, self.head_dim), cos, sin)
+        out = backend.forward(q, k, v.view(t, -1, self.head_dim), kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class Qwen2_5_VLMLP(nn.Module):
+    def __init__(self, spec: TextSpec, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            spec.hidden_size, [spec.intermediate_size, spec.intermediate_size], bias=False, tp=tp
+        )
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, bias=False, tp=tp)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen2_5_VLDecoderLayer(nn.Module):
+    def __init__(self, spec: TextSpec, tp: TPGroup) -> None:
+        super().__init__()
+        self.self_attn = Qwen2_5_VLAttention(spec, tp)
+        self.mlp = Qwen2_5_VLMLP(spec, tp)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# Checkpoint projections that live inside a fused parameter: (checkpoint part, fused part, shard_id).
+_FUSED: tuple[tuple[str, str, str | int], ...] = (
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+)
+
+
+class Qwen2_5_VLLanguageModel(nn.Module):
+    """The decoder stack over a flattened batch of new tokens with a paged KV cache.
+
+    ``embed_tokens`` is the (vocab-parallel) embedding module; calling it maps ids [T] -> [T, H].
+    """
+
+    def __init__(self, text_cfg: TextSpec, tp: TPGroup = SINGLE_RANK, attn_backend: str = "auto") -> None:
+        super().__init__()
+        self.spec = text_cfg
+        self.tp = tp
+        self.attn_backend_name = attn_backend
+        self._backend: AttentionBackend | None = None  # resolved on first forward, from the input's device
+        self.embed_tokens = VocabParallelEmbedding(text_cfg.vocab_size, text_cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            [Qwen2_5_VLDecoderLayer(text_cfg, tp) for _ in range(text_cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(text_cfg.hidden_size, text_cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(text_cfg.vocab_size, text_cfg.hidden_size, tp)
+        if text_cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # same vocab sharding, so one shard serves both
+        self.rotary_emb = MRotaryEmbedding(text_cfg.head_dim, text_cfg.rope_theta, text_cfg.mrope_section)
+        self.num_kv_heads_local = kv_heads_per_rank(text_cfg.num_key_value_heads, tp.size)
+        self.head_dim = text_cfg.head_dim
+
+    def attention_backend(self, device: torch.device) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = get_attention_backend(self.attn_backend_name, device)
+        return self._backend
+
+    def forward(
+        self, inputs_embeds: Tensor, positions: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata
+    ) -> Tensor:
+        """inputs_embeds [T, H], positions int64 [3, T] (t/h/w rows) -> final-norm hidden states [T, H]."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        backend = self.attention_backend(inputs_embeds.device)
+        cos, sin = self.rotary_emb(positions)
+        cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)
+        h = inputs_embeds
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta, backend)
+        out: Tensor = self.norm(h)
+        return out
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab], gathered over TP ranks (every rank gets all)."""
+        local = self.lm_head(hidden)
+        full = self.tp.all_gather(local, dim=-1)[..., : self.spec.vocab_size]
+        return full.float()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's KV cache shape on this rank: [2, num_blocks, block_size, kv_heads_local, head_dim]."""
+        return (2, num_blocks, block_size, self.num_kv_heads_local, self.head_dim)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Load canonical ``lm.*`` tensors (see loader.normalize_name); other names are ignored.
+
+        Returns the parameter names loaded; raises if a parameter (or a fused shard) is missing.
+        """
+        params = dict(self.named_parameters())
+        shards_needed = {n: 3 for n in params if ".qkv_proj." in n} | {
+            n: 2 for n in params if ".gate_up_proj." in n
+        }
+        seen: dict[str, set[object]] = {}
+        for canonical, tensor in weights:
+            if not canonical.startswith("lm."):
+                continue
+            name = canonical[len("lm.") :]
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue  # tied: the embedding already provides it (some exports store a copy)
+            shard_id: object = None
+            for part, fused, sid in _FUSED:
+                if part in name:
+                    name, shard_id = name.replace(part, fused), sid
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})")
+            param = params[name]
+            get_weight_loader(param)(param, tensor, shard_id)
+            seen.setdefault(name, set()).add(shard_id)
+        missing = [n for n in params if len(seen.get(n, ())) < shards_needed.get(n, 1)]
+        if missing:
+            raise ValueError(f"checkpoint lacks language-model weights for: {missing[:8]}")
+        return set(seen)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are allocated directly in the target dtype, so a 7B model never exists in float32.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_language_model(
+    model_dir: str | Path,
+    spec: TextSpec,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup = SINGLE_RANK,
+    load_format: Literal["auto", "dummy"] = "auto",
+    attn_backend: str = "auto",
+    seed: int = 0,
+) -> Qwen2_5_VLLanguageModel:
+    """Build the LM on ``device`` in ``dtype`` and fill it: from the checkpoint's safetensors (this
+    rank's shards only) or, with ``load_format="dummy"``, with deterministic random weights."""
+    with _default_dtype(dtype), torch.device(device):
+        model = Qwen2_5_VLLanguageModel(spec, tp, attn_backend)
+    if load_format == "dummy":
+        fill_dummy_weights(model, seed=seed + tp.rank)
+    elif load_format == "auto":
+        weights = iter_safetensors(model_dir, name_filter=lambda n: normalize_name(n).startswith("lm."))
+        model.load_weights((normalize_name(n), t) for n, t in weights)
+    else:
+        raise ValueError(f"unknown load_format {load_format!r}")
+    log.info(
+        "language model ready: %d layers, tp %d/%d, %s on %s",
+        spec.num_hidden_layers,
+        tp.rank,
+        tp.size,
+        dtype,
+        device,
+    )
+    return model.eval()
+
+
+load_lm = load_language_model  # the name docs/CONTRACTS.md uses

@@ -1,0 +1,336 @@
+"""Scheduling core: continuous batching with chunked prefill, KV admission control and the
+embedding-cache plan. Pure bookkeeping: it never touches tensors or pixels, so the same object
+runs inside the offline ``Engine`` and inside the scheduler process.
+
+Each step spends a token budget (``chunk_size``): running decodes first (one token each), then
+prefill chunks of running sequences, then newly admitted requests. A request is admitted only
+when KV blocks for its whole prompt are free now; one that could never fit is rejected in ``add``.
+A decode that needs a block when none is free preempts the newest running sequence, which is
+recomputed later.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import blake3
+
+from ipc.messages import EncodeItem, EncodeJob, MMItem, NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult
+from workers.engine.kv_cache import BlockAllocator
+from workers.engine.mm_cache import EmbeddingCacheIndex
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class RequestRejected(ValueError):
+    """The request can never be served with this configuration (too long for the context or the KV cache)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: str
+    input_ids: list[int]
+    positions: list[list[int]]
+    mrope_delta: int
+    items: list[MMItem]
+    sampling: SamplingParams
+    arrival: int
+    mm_key: bytes = b""
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    block_table: list[int] = field(default_factory=list)
+    sent_blocks: int = 0  # prefix of block_table the worker knows
+    sent_tokens: int = 0  # prefix of all tokens the worker knows
+    announced: bool = False
+    finish_reason: FinishReason | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    rid: str
+    token_id: int
+    finish_reason: FinishReason | None
+
+
+def combined_mm_key(items: list[MMItem]) -> bytes:
+    """Baseline mode's cache key: one hash over all of a request's image hashes, in order."""
+    h = blake3.blake3(b"glimpse-request-mm")
+    for item in items:
+        h.update(item.hash)
+    return h.digest(16)
+
+
+class SchedulerCore:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        chunk_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        mm_cache_bytes: int,
+        embedding_bytes_per_token: int,
+        eos_token_ids: tuple[int, ...],
+        mm_cache_mode: Literal["image", "request"] = "image",
+    ) -> None:
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.chunk_size = chunk_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.mm_cache_mode = mm_cache_mode
+        self.mm_index = EmbeddingCacheIndex(mm_cache_bytes, embedding_bytes_per_token)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._step_ids = itertools.count()
+        self._finished_for_workers: list[str] = []
+        self._in_flight: StepPlan | None = None
+        self.on_finished: Callable[[Sequence], None] | None = None  # e.g. unlink the request's shm
+        self.preemptions = 0
+        self.images_planned = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add(
+        self,
+        rid: str,
+        input_ids: list[int],
+        positions: list[list[int]],
+        mrope_delta: int,
+        items: list[MMItem],
+        sampling: SamplingParams,
+    ) -> None:
+        if rid in self.seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if len(input_ids) == 0:
+            raise RequestRejected("the prompt is empty")
+        if len(input_ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {len(input_ids)} tokens, but the context length is {self.max_model_len}"
+            )
+        need = self.allocator.blocks_for(len(input_ids) + 1)
+        if need > self.allocator.num_blocks:
+            raise RequestRejected(
+                f"the prompt needs {need} KV blocks, the cache has {self.allocator.num_blocks} in all"
+            )
+        seq = Sequence(rid, list(input_ids), positions, mrope_delta, list(items), sampling, next(self._arrivals))
+        if self.mm_cache_mode == "request" and items:
+            seq.mm_key = combined_mm_key(seq.items)
+        self.seqs[rid] = seq
+        self.waiting.append(seq)
+
+    def abort(self, rid: str) -> bool:
+        seq = self.seqs.get(rid)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_for_workers)
+
+    # ---- planning -------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, or None when there is nothing to do."""
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called again before update() of the previous step")
+        budget = self.chunk_size
+        picked: list[tuple[Sequence, int]] = []
+        # Decodes first: they are one token each and keep latency flat.
+        for seq in sorted(self.running, key=lambda s: s.total_len - s.num_computed != 1):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted while making room for an earlier one
+                continue
+            remaining = seq.total_len - seq.num_computed
+            length = min(remaining, budget)
+            if not self._ensure_blocks(seq, seq.num_computed + length, {s for s, _ in picked}):
+                continue
+            picked.append((seq, length))
+            budget -= length
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = self.allocator.blocks_for(seq.total_len + 1) - len(seq.block_table)
+            if not self.allocator.can_allocate(need):
+                break  # it fits later, once running requests free blocks; keep FCFS order
+            self.waiting.pop(0)
+            seq.block_table.extend(self.allocator.allocate(need))
+            self.running.append(seq)
+            length = min(seq.total_len - seq.num_computed, budget)
+            picked.append((seq, length))
+            budget -= length
+        if not picked and not self._finished_for_workers:
+            return None
+        plan = self._build_plan(picked)
+        self._in_flight = plan
+        return plan
+
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int, picked: set[Sequence]) -> bool:
+        need = self.allocator.blocks_for(num_tokens) - len(seq.block_table)
+        while need > 0 and not self.allocator.can_allocate(need):
+            # The newest sequence not already in this step loses its KV (it alone, if nothing else is left).
+            victim = max((s for s in self.running if s not in picked), key=lambda s: s.arrival)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV and queue it for recompute (prompt + tokens so far)."""
+        self.preemptions += 1
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        if seq.announced:
+            self._finished_for_workers.append(seq.rid)
+        seq.announced = False
+        seq.sent_blocks = seq.sent_tokens = 0
+        self.waiting.insert(0, seq)
+
+    def _build_plan(self, picked: list[tuple[Sequence, int]]) -> StepPlan:
+        new_seqs: list[NewSeq] = []
+        chunks: list[SeqChunk] = []
+        needed: dict[bytes, list[MMItem]] = {}  # key -> items to encode under it, in first-seen order
+        for seq, length in picked:
+            if not seq.announced:
+                new_seqs.append(self._announce(seq))
+            start = seq.num_computed
+            new_tokens = seq.all_token_ids()[seq.sent_tokens :]
+            seq.sent_tokens = seq.total_len
+            chunks.append(
+                SeqChunk(
+                    rid=seq.rid,
+                    start=start,
+                    length=length,
+                    new_blocks=seq.block_table[seq.sent_blocks :],
+                    new_token_ids=new_tokens,
+                    sample=start + length == seq.total_len,
+                )
+            )
+            seq.sent_blocks = len(seq.block_table)
+            for key, items in self._keys_for_chunk(seq, start, start + length):
+                needed.setdefault(key, items)
+        evict, encode = self._plan_embeddings(needed)
+        finished, self._finished_for_workers = self._finished_for_workers, []
+        return StepPlan(next(self._step_ids), new_seqs, chunks, evict, encode, finished)
+
+    def _announce(self, seq: Sequence) -> NewSeq:
+        seq.announced = True
+        seq.sent_tokens = seq.total_len  # NewSeq carries every token so far
+        positions = seq.positions
+        if seq.output_ids:  # recompute after preemption: decoded tokens sit at p + mrope_delta on all rows
+            extra = [p + seq.mrope_delta for p in range(seq.prompt_len, seq.total_len)]
+            positions = [row + extra for row in positions]
+        return NewSeq(seq.rid, seq.all_token_ids(), positions, seq.mrope_delta, seq.items, seq.sampling, seq.mm_key)
+
+    def _keys_for_chunk(self, seq: Sequence, start: int, end: int) -> list[tuple[bytes, list[MMItem]]]:
+        """Embedding-cache keys the chunk [start, end) reads: only images whose span overlaps it."""
+        overlapping = [it for it in seq.items if it.offset < end and it.offset + it.length > start]
+        if self.mm_cache_mode == "request":
+            # Baseline: one entry for all the request's images, encoded with the first chunk.
+            if seq.items and (start == 0 or overlapping):
+                return [(seq.mm_key, seq.items)]
+            return []
+        return [(it.hash, [it]) for it in overlapping]
+
+    def _plan_embeddings(self, needed: dict[bytes, list[MMItem]]) -> tuple[list[bytes], list[EncodeJob]]:
+        evict: list[bytes] = []
+        misses: list[bytes] = []
+        pinned: set[bytes] = set()
+        for key, items in needed.items():
+            hit, stale = self.mm_index.lookup(key, sum(it.length for it in items))
+            if stale is not None:
+                evict.append(stale)
+            if hit:
+                pinned.add(key)
+            else:
+                misses.append(key)
+        jobs: list[EncodeJob] = []
+        for key in misses:
+            items = needed[key]
+            admitted, evicted = self.mm_index.admit(key, sum(it.length for it in items), pinned)
+            evict.extend(evicted)
+            if admitted:
+                pinned.add(key)
+            self.images_planned += len(items)
+            jobs.append(
+                EncodeJob(
+                    key=key,
+                    items=[EncodeItem(it.hash, it.grid, it.length, it.pixels) for it in items],
+                    transient=not admitted,
+                )
+            )
+        return evict, jobs
+
+    # ---- results --------------------------------------------------------------------------------
+    def update(self, result: StepResult) -> list[SeqUpdate]:
+        plan = self._in_flight
+        if plan is None or plan.step_id != result.step_id:
+            raise RuntimeError(f"result for step {result.step_id} does not match the step in flight")
+        self._in_flight = None
+        for chunk in plan.chunks:
+            seq = self.seqs.get(chunk.rid)
+            if seq is not None and seq.finish_reason is None and seq.announced:
+                seq.num_computed = chunk.start + chunk.length
+        updates: list[SeqUpdate] = []
+        for rid, token_id in result.sampled:
+            seq = self.seqs.get(rid)
+            if seq is None or seq.finish_reason is not None or not seq.announced:
+                continue  # aborted or preempted while the step ran
+            seq.output_ids.append(token_id)
+            reason = self._check_finish(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+            updates.append(SeqUpdate(rid, token_id, reason))
+        return updates
+
+    def _check_finish(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        sp = seq.sampling
+        if (not sp.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= sp.max_tokens or seq.total_len >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, rid: str, reason: FinishReason) -> None:
+        """End a request from outside (a stop string matched, the client went away)."""
+        seq = self.seqs.get(rid)
+        if seq is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+        if seq.announced:
+            self._finished_for_workers.append(seq.rid)
+        self.seqs.pop(seq.rid, None)
+        if self.on_finished is not None:
+            self.on_finished(seq)
