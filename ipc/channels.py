@@ -132,6 +132,11 @@ class _SyncSender(_SyncChannel[T]):
         """Queue `msg`; blocks only while the socket has no peer to route to (PUSH, bound side)."""
         self._sock.send(self._encoder.encode(msg), copy=True)
 
+    def send_bytes(self, data: bytes) -> None:
+        """Queue a message the caller already encoded as a T (one StepPlan encoded once, then sent to
+        every TP rank). Not validated here: the receiving socket's decoder still checks it."""
+        self._sock.send(data, copy=True)
+
 
 class _SyncReceiver(_SyncChannel[T]):
     @overload

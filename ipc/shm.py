@@ -289,3 +289,23 @@ def segment_name(launch_id: str, key: str) -> str:
     name = shm_prefix(launch_id) + key
     _path(name)
     return name
+
+
+def link_segment(existing_name: str, new_name: str) -> bool:
+    """Give an existing segment a second name (a hard link: same pages, no copy).
+
+    Each request holds its own name for every image, so the scheduler can unlink a finished
+    request's names without knowing who else uses the pixels; the pages live until the last name
+    and mapping are gone. Returns False when `existing_name` is gone (unlinked meanwhile), so the
+    caller falls back to writing the pixels; FileExistsError if `new_name` is taken.
+    """
+    try:
+        os.link(_path(existing_name), _path(new_name))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def find_segments(launch_id: str, key_prefix: str) -> list[str]:
+    """Names of `launch_id`'s segments whose key (the part after the launch prefix) starts with `key_prefix`."""
+    return [n for n in list_segments(launch_id) if n.startswith(shm_prefix(launch_id) + key_prefix)]

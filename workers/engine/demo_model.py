@@ -30,9 +30,11 @@ SPECIAL_TOKENS = (
 )
 BPE_VOCAB_SIZE = 2000
 SEED = 20251126
-# Init scales, chosen by measurement (see `_init_std`): embeddings and the LM head are large enough that
-# the next token depends strongly on the context, so greedy decoding wanders instead of locking onto one
-# token, and top-1/top-2 logit gaps stay far above float32 rounding.
+# Init scales (used by `_init_mean_std`), picked by measuring greedy decoding. With LINEAR_STD 0.08 attention
+# stayed nearly uniform, so the next token hardly depended on the image or the earlier prompt. At these
+# values ~29 of 32 greedy tokens are distinct, the first token changes with the pixels or with one prompt
+# word, and the top-1/top-2 logit gap has median ~1.4 and 1st percentile ~0.02, against ~5e-5 between
+# transformers' sdpa and eager attention on the same input.
 EMBED_STD = 1.0
 LM_HEAD_STD = 1.0
 LINEAR_STD = 0.2
@@ -348,6 +350,9 @@ def write_demo_model(path: str | os.PathLike[str]) -> Path:
         do_sample=False,
     )
     model.save_pretrained(out)
+    # safetensors writes 0600; a cache filled by one user (say, a container build) must be readable by others.
+    for written in out.iterdir():
+        written.chmod(0o644)
     return out
 
 
@@ -368,6 +373,7 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it 0700, and it becomes the cache dir itself
     try:
         write_demo_model(staging)
         try:

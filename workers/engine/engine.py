@@ -95,6 +95,10 @@ class Engine:
         self._params[rid] = sampling
         return rid
 
+    def peek(self, rid: str) -> RequestOutput | None:
+        """The output so far of an unfinished request (None once it finished)."""
+        return self._outputs.get(rid)
+
     def abort(self, rid: str) -> None:
         self.core.abort(rid)
 

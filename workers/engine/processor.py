@@ -76,6 +76,17 @@ class MMProcessor:
         h.update(rgb.tobytes())
         return h.digest(16)
 
+    def media_hash(self, raw: bytes) -> bytes:
+        """Hash of an encoded media file as received (16 bytes), framed with the processor settings.
+
+        Used when serving: hashing the encoded bytes lets a tokenizer recognise a resent image
+        before decoding it. Its own tag keeps it apart from `hash_image`'s pixel hashes.
+        """
+        h = blake3.blake3(b"glimpse-media-v1")
+        h.update(self._settings_digest)
+        h.update(raw)
+        return h.digest(16)
+
     def process_image(self, image: Image.Image, image_hash: bytes | None = None) -> ProcessedImage:
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         out = self.image_processor(images=[rgb], return_tensors="pt")

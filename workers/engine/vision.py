@@ -130,10 +130,8 @@ class _Segments:
         by_len: dict[int, list[tuple[int, int]]] = {}
         for s, e in bounds:
             by_len.setdefault(e - s, []).append((s, e))
-        groups, start = [], 0
-        for length, segs in by_len.items():
-            groups.append((start, len(segs), length))
-            start += len(segs) * length
+        starts = accumulate((len(segs) * length for length, segs in by_len.items()), initial=0)
+        groups = [(start, len(segs), length) for start, (length, segs) in zip(starts, by_len.items())]
         ordered = [b for segs in by_len.values() for b in segs]
         if ordered == bounds:  # e.g. full-attention blocks: one frame per segment, already in place
             return None, None, groups
@@ -254,13 +252,11 @@ class _Merger(nn.Module):
 class VisionTower(nn.Module):
     """Qwen2.5-VL vision encoder; encodes several images per call, packed into one sequence."""
 
-    def __init__(
-        self, spec: VisionSpec, attn_backend: AttnBackend = "auto", grid_cache_size: int = 128
-    ) -> None:
+    def __init__(self, spec: VisionSpec, attn_backend: AttnBackend = "auto", grid_cache: int = 128) -> None:
         super().__init__()
         if spec.window_size % (spec.spatial_merge_size * spec.patch_size):
             raise ValueError("window_size must be a multiple of spatial_merge_size * patch_size")
-        self.spec, self.attn_backend, self.grid_cache_size = spec, attn_backend, grid_cache_size
+        self.spec, self.attn_backend, self.grid_cache_size = spec, attn_backend, grid_cache
         self.patch_embed = _PatchEmbed(spec)
         self.blocks = nn.ModuleList(_Block(spec) for _ in range(spec.depth))
         self.merger = _Merger(spec)
@@ -282,13 +278,10 @@ class VisionTower(nn.Module):
         return t * h * w // self._unit
 
     def _grid_plan(self, grid: Grid) -> _GridPlan:
-        plan = self._grids.get(grid)
-        if plan is not None:
-            self._grids.move_to_end(grid)
-            self.stats["grid_hits"] += 1
-            return plan
-        self.stats["grid_misses"] += 1
-        plan = _plan_grid(grid, self.spec.spatial_merge_size, self._window_units)
+        plan = self._grids.pop(grid, None)  # re-inserted below as the most recently used
+        self.stats["grid_misses" if plan is None else "grid_hits"] += 1
+        if plan is None:
+            plan = _plan_grid(grid, self.spec.spatial_merge_size, self._window_units)
         self._grids[grid] = plan
         if len(self._grids) > self.grid_cache_size:
             self._grids.popitem(last=False)
@@ -362,7 +355,7 @@ def _visual_tensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     for name in files:
         with safe_open(str(model_dir / name), framework="pt", device=str(device)) as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+            for key in f.keys():  # safe_open handles are not iterable
                 prefix = next((p for p in prefixes if key.startswith(p)), None)
                 if prefix is not None:
                     yield key[len(prefix) :], f.get_tensor(key)
@@ -388,22 +381,17 @@ def load_vision(
         if load_format == "dummy":
             gen = torch.Generator(device=device).manual_seed(0)
             for name, p in params.items():
-                if name.endswith("bias"):
-                    p.zero_()
-                elif p.ndim == 1:
-                    p.fill_(1.0)
-                else:
+                if p.ndim > 1:
                     p.normal_(0.0, 0.02, generator=gen)
+                else:  # biases 0, norm scales 1
+                    p.fill_(0.0 if name.endswith("bias") else 1.0)
             return tower.eval()
         missing = set(params)
         for name, tensor in _visual_tensors(Path(model_dir), device):
-            if name not in params:
-                raise KeyError(f"unexpected vision weight {name!r} in {model_dir}")
-            if tensor.shape != (p := params[name]).shape:
-                raise ValueError(
-                    f"{name}: shape {tuple(tensor.shape)} in checkpoint, {tuple(p.shape)} in model"
-                )
-            p.copy_(tensor)
+            param = params.get(name)
+            if param is None or param.shape != tensor.shape:
+                raise ValueError(f"{model_dir}: vision weight {name} {tuple(tensor.shape)} fits no parameter")
+            param.copy_(tensor)
             missing.discard(name)
         if missing:
             raise KeyError(f"vision weights missing from {model_dir}: {sorted(missing)[:8]}")

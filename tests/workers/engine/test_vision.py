@@ -207,3 +207,21 @@ def test_parameter_names_match_transformers(tiny: tuple[Path, Any]) -> None:
     _, model = tiny
     tower = _load(tiny[0])
     assert set(tower.state_dict()) == set(model.model.visual.state_dict())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_matches_sdpa_on_cuda(tiny: tuple[Path, Any]) -> None:
+    """The varlen FlashAttention path (bf16) against the grouped-SDPA path on the same card and weights."""
+    from workers.engine import vision
+
+    assert vision._varlen_attn is not None, "this torch has no torch.nn.attention.varlen"
+    path, model = tiny
+    pixels, grids = _images(SIZES)
+    out = {}
+    for backend in ("flash", "sdpa"):
+        tower = load_vision(path, _spec(path), dtype=torch.bfloat16, device="cuda", attn_backend=backend)
+        with torch.no_grad():
+            out[backend] = tower(pixels.cuda(), grids).float().cpu()
+    torch.testing.assert_close(out["flash"], out["sdpa"], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out["flash"], _reference(model, pixels, grids), atol=6e-2, rtol=6e-2)

@@ -1,0 +1,87 @@
+"""Checkpoint directories for benchmarks: the demo model, re-shaped to real model sizes without weights.
+
+``load_format="dummy"`` builds random weights from config.json alone, so a 7B-shaped directory needs only
+the config, the demo tokenizer and an image processor with the real model's pixel limits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from workers.engine.demo_model import ensure_demo_model
+
+# Qwen2.5-VL-7B-Instruct's published shapes.
+QWEN25_VL_7B_TEXT = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 128000,
+    "rms_norm_eps": 1e-6,
+}
+QWEN25_VL_7B_VISION = {
+    "depth": 32,
+    "hidden_size": 1280,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "out_hidden_size": 3584,
+    "window_size": 112,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+}
+QWEN25_VL_MAX_PIXELS = 12845056  # the real processor's cap: a 1080p image stays 1092 x 1932
+
+
+def _set_rope(section: dict[str, Any], mrope: list[int]) -> None:
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(section.get(key), dict):
+            section[key]["mrope_section"] = mrope
+
+
+def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> Path:
+    """Write a checkpoint directory: ``shape`` is "demo" (real tiny weights) or "7b" (config only).
+
+    ``max_pixels`` overrides the image processor's cap (e.g. the demo model at real 1080p token counts).
+    """
+    src = ensure_demo_model()
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name == "model.safetensors" and shape != "demo":
+            continue
+        shutil.copy(f, dest / f.name)
+    cfg = json.loads((dest / "config.json").read_text())
+    if shape == "7b":
+        text = cfg.get("text_config", cfg)
+        text.update(QWEN25_VL_7B_TEXT)
+        text["head_dim"] = 128
+        text["layer_types"] = ["full_attention"] * text["num_hidden_layers"]
+        text["max_window_layers"] = text["num_hidden_layers"]
+        _set_rope(text, [16, 24, 24])
+        _set_rope(cfg, [16, 24, 24])
+        for key in ("hidden_size", "vocab_size"):  # some layouts mirror these at the top level
+            if key in cfg and "text_config" in cfg:
+                cfg[key] = text[key]
+        cfg["vision_config"].update(QWEN25_VL_7B_VISION)
+        cfg["torch_dtype"] = "bfloat16"
+        max_pixels = max_pixels or QWEN25_VL_MAX_PIXELS
+    elif shape != "demo":
+        raise ValueError(f"unknown shape {shape!r}")
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    if max_pixels is not None:
+        for name in ("preprocessor_config.json", "processor_config.json"):
+            path = dest / name
+            if not path.exists():
+                continue
+            pcfg = json.loads(path.read_text())
+            target = pcfg.get("image_processor", pcfg)
+            target["max_pixels"] = max_pixels
+            if isinstance(target.get("size"), dict):
+                target["size"]["longest_edge"] = max_pixels
+            path.write_text(json.dumps(pcfg, indent=2))
+    return dest

@@ -1,0 +1,164 @@
+"""OpenAI response shapes the frontend writes (msgspec Structs), their encoders and SSE framing.
+
+Only *responses* live here: request bodies are parsed by the tokenizer workers, never on the
+event loop. Field order follows OpenAI's own payloads so clients and diff-based tests see the
+familiar layout.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ipc.messages import RequestFailed
+
+_encoder = msgspec.json.Encoder()
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS: list[tuple[bytes, bytes]] = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    # Reverse proxies (nginx) buffer responses by default, which would hold back every token.
+    (b"x-accel-buffering", b"no"),
+]
+JSON_HEADERS: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+
+
+def encode(obj: object) -> bytes:
+    return _encoder.encode(obj)
+
+
+def sse_event(data: bytes) -> bytes:
+    """One server-sent event carrying `data` (a JSON document: it never contains a raw newline)."""
+    return b"data: " + data + b"\n\n"
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorBody
+
+
+def error_payload(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> bytes:
+    return encode(ErrorResponse(ErrorBody(message=message, type=type, param=param, code=code)))
+
+
+def failed_payload(failed: RequestFailed) -> bytes:
+    return error_payload(failed.message, failed.type, failed.param, failed.code)
+
+
+# ---- chat completion (non-streaming) -------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @staticmethod
+    def of(prompt_tokens: int, completion_tokens: int) -> Usage:
+        return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+
+
+class Choice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    # kw_only lets defaulted fields sit where OpenAI puts them.
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+# ---- chat completion chunks (streaming) ----------------------------------------------------------
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    # Absent keys, not nulls: OpenAI sends the role once and then bare content deltas.
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None  # present as null until the last chunk, as OpenAI does
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    # No defaults on the fields that must always appear: omit_defaults would drop them.
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # only on the include_usage chunk
+
+
+class ChunkWriter:
+    """Builds the SSE events of one streamed completion (the id/created/model never change)."""
+
+    def __init__(self, rid: str, created: int, model: str) -> None:
+        self.rid = rid
+        self.created = created
+        self.model = model
+
+    def _event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        chunk = ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage)
+        return sse_event(encode(chunk))
+
+    def role(self) -> bytes:
+        return self._event([ChunkChoice(0, Delta(role="assistant", content=""))])
+
+    def content(self, text: str) -> bytes:
+        return self._event([ChunkChoice(0, Delta(content=text))])
+
+    def finish(self, reason: str) -> bytes:
+        return self._event([ChunkChoice(0, Delta(), finish_reason=reason)])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return self._event([], Usage.of(prompt_tokens, completion_tokens))
+
+
+def error_event(failed: RequestFailed) -> bytes:
+    """A mid-stream failure: the status line is long gone, so the error travels as an event."""
+    return sse_event(failed_payload(failed))
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "glimpse"
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]

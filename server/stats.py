@@ -1,0 +1,208 @@
+"""Frontend bookkeeping for `/admin/stats` and `/metrics`: one source of numbers, two renderings.
+
+The scheduler and tokenizers push cumulative snapshots (`SchedulerStats`, `TokenizerStats`); the
+frontend keeps the latest of each plus its own HTTP counters. Prometheus reads the same book through
+a custom collector at scrape time, so nothing is double-counted and no metric can drift from the
+JSON view. Prometheus counters cannot be "set", which is why a collector (not Counter objects) exposes
+the child processes' cumulative values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ipc.messages import SchedulerStats, TokenizerStats
+
+# Throughput is averaged over this window: one stats interval alone is too jumpy (a step that
+# finished just before vs. just after a report doubles or zeroes the figure).
+TOKENS_WINDOW_S = 5.0
+_PREFIX = "glimpse"
+
+
+@dataclass
+class RequestCounters:
+    """HTTP-side request accounting of the chat endpoint (the frontend's own numbers)."""
+
+    total: int = 0  # chat requests received, rejected ones included
+    ok: int = 0
+    failed: int = 0  # answered with an error status (rejections, tokenizer/scheduler failures)
+    aborted: int = 0  # the client went away first
+    in_flight: int = 0  # handed to a tokenizer and not finished yet
+
+
+@dataclass
+class StatsBook:
+    """Latest snapshots from the children plus the frontend's counters."""
+
+    counters: RequestCounters = field(default_factory=RequestCounters)
+    scheduler: SchedulerStats | None = None
+    tokenizers: dict[int, TokenizerStats] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    # (monotonic arrival time, cumulative generated tokens) of recent scheduler reports.
+    _samples: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def on_scheduler(self, stats: SchedulerStats, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.scheduler = stats
+        self._samples.append((now, stats.generated_tokens))
+        # Keep one sample older than the window so the rate spans the whole window.
+        while len(self._samples) > 2 and self._samples[1][0] <= now - TOKENS_WINDOW_S:
+            self._samples.popleft()
+
+    def on_tokenizer(self, stats: TokenizerStats) -> None:
+        self.tokenizers[stats.worker] = stats
+
+    def tokens_per_s(self, now: float | None = None) -> float:
+        """Generated tokens per second over the last ~5 s of scheduler reports; 0 when idle or unknown."""
+        now = time.monotonic() if now is None else now
+        if len(self._samples) < 2:
+            return 0.0
+        t_last, n_last = self._samples[-1]
+        if now - t_last > TOKENS_WINDOW_S:
+            return 0.0  # no report lately: the scheduler is idle (or gone), not still producing
+        t0, n0 = self._samples[0]
+        dt = t_last - t0
+        # max(): a restarted counter must not show a negative rate.
+        return max(0, n_last - n0) / dt if dt > 0 else 0.0
+
+    def snapshot(self, outstanding: Sequence[int], status: str) -> dict[str, Any]:
+        """The `/admin/stats` JSON document; `outstanding` is per tokenizer, frontend-side."""
+        s = self.scheduler
+        c = self.counters
+        lookups = (s.mm_cache_hits + s.mm_cache_misses) if s else 0
+        return {
+            "status": status,
+            "uptime_s": round(time.time() - self.started, 3),
+            "requests": {
+                "running": s.requests_running if s else 0,
+                "waiting": s.requests_waiting if s else 0,
+                "in_flight_http": c.in_flight,
+                "total": c.total,
+                "ok": c.ok,
+                "failed": c.failed,
+                "aborted": c.aborted,
+            },
+            "tokens_per_s": round(self.tokens_per_s(), 3),
+            "generated_tokens": s.generated_tokens if s else 0,
+            "prompt_tokens": s.prompt_tokens if s else 0,
+            "steps": s.steps if s else 0,
+            "kv_blocks": {"used": s.kv_blocks_used if s else 0, "total": s.kv_blocks_total if s else 0},
+            "mm_cache": {
+                "entries": s.mm_cache_entries if s else 0,
+                "bytes": s.mm_cache_bytes if s else 0,
+                "hits": s.mm_cache_hits if s else 0,
+                "misses": s.mm_cache_misses if s else 0,
+                "evictions": s.mm_cache_evictions if s else 0,
+                "hit_rate": (s.mm_cache_hits / lookups) if s and lookups else 0.0,
+            },
+            "images_encoded": s.images_encoded if s else 0,
+            "vit_batches": s.vit_batches if s else 0,
+            "shm": {
+                "segments": s.shm_segments if s else 0,
+                "bytes": s.shm_bytes if s else 0,
+                "budget_bytes": s.shm_budget_bytes if s else 0,
+            },
+            "tokenizers": [
+                {
+                    "worker": i,
+                    "queue_depth": t.queue_depth if t else 0,
+                    "outstanding": n,
+                    "requests": t.requests if t else 0,
+                    "images": t.images if t else 0,
+                    "images_reused": t.images_reused if t else 0,
+                }
+                for i, n in enumerate(outstanding)
+                for t in (self.tokenizers.get(i),)
+            ],
+        }
+
+
+class _BookCollector(Collector):
+    """Turns the book into metric families at scrape time."""
+
+    def __init__(self, book: StatsBook, outstanding: Sequence[int]) -> None:
+        self._book = book
+        self._outstanding = outstanding  # the live list owned by the frontend state
+
+    def collect(self) -> Iterable[Metric]:
+        book, c, s = self._book, self._book.counters, self._book.scheduler
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{_PREFIX}_{name}", doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{_PREFIX}_{name}", doc, value=value)
+
+        yield counter("requests", "Chat completion requests received.", c.total)
+        yield counter("requests_ok", "Chat completion requests answered successfully.", c.ok)
+        yield counter("requests_failed", "Chat completion requests answered with an error.", c.failed)
+        yield counter("requests_aborted", "Chat completion requests whose client left first.", c.aborted)
+        yield gauge("requests_in_flight", "Requests handed to a tokenizer and not finished.", c.in_flight)
+        yield gauge("tokens_per_second", "Generated tokens per second (5 s window).", book.tokens_per_s())
+        if s is not None:
+            yield gauge("requests_running", "Requests the scheduler is running.", s.requests_running)
+            yield gauge("requests_waiting", "Requests waiting for admission.", s.requests_waiting)
+            yield counter("generated_tokens", "Tokens generated.", s.generated_tokens)
+            yield counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens)
+            yield counter("scheduler_steps", "Scheduler steps run.", s.steps)
+            yield gauge("kv_blocks_used", "KV cache blocks in use.", s.kv_blocks_used)
+            yield gauge("kv_blocks_total", "KV cache blocks available.", s.kv_blocks_total)
+            yield gauge("mm_cache_entries", "Image embeddings cached.", s.mm_cache_entries)
+            yield gauge("mm_cache_bytes", "Bytes of cached image embeddings.", s.mm_cache_bytes)
+            yield counter("mm_cache_hits", "Image embedding cache hits.", s.mm_cache_hits)
+            yield counter("mm_cache_misses", "Image embedding cache misses.", s.mm_cache_misses)
+            yield counter("mm_cache_evictions", "Image embedding cache evictions.", s.mm_cache_evictions)
+            yield counter("images_encoded", "Images run through the vision tower.", s.images_encoded)
+            yield counter("vit_batches", "Vision tower batches run.", s.vit_batches)
+            yield gauge("shm_segments", "Shared-memory pixel segments alive.", s.shm_segments)
+            yield gauge("shm_bytes", "Bytes of pixels in flight in shared memory.", s.shm_bytes)
+            yield gauge("shm_budget_bytes", "Budget of pixel bytes in flight.", s.shm_budget_bytes)
+        def labelled(name: str, doc: str, kind: type[GaugeMetricFamily | CounterMetricFamily]) -> Any:
+            return kind(f"{_PREFIX}_tokenizer_{name}", doc, labels=["worker"])
+
+        outstanding = labelled("outstanding", "Requests sent to the tokenizer, not yet answered.", GaugeMetricFamily)
+        queue_depth = labelled("queue_depth", "Requests queued inside the tokenizer.", GaugeMetricFamily)
+        requests = labelled("requests", "Requests the tokenizer processed.", CounterMetricFamily)
+        images = labelled("images", "Images the tokenizer handled.", CounterMetricFamily)
+        reused = labelled("images_reused", "Images served from a live shm segment.", CounterMetricFamily)
+        for i, n in enumerate(self._outstanding):
+            t, worker = book.tokenizers.get(i), [str(i)]
+            outstanding.add_metric(worker, n)
+            queue_depth.add_metric(worker, t.queue_depth if t else 0)
+            requests.add_metric(worker, t.requests if t else 0)
+            images.add_metric(worker, t.images if t else 0)
+            reused.add_metric(worker, t.images_reused if t else 0)
+        yield from (outstanding, queue_depth, requests, images, reused)
+
+
+class Metrics:
+    """A per-app Prometheus registry: two apps in one process (tests) never share metrics."""
+
+    def __init__(self, book: StatsBook, outstanding: Sequence[int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_BookCollector(book, outstanding))
+        # Latencies are observed by the frontend itself, so plain histograms fit.
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+        self.ttft = Histogram(
+            f"{_PREFIX}_time_to_first_token_seconds",
+            "Time from request arrival to the first generated text.",
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            f"{_PREFIX}_request_latency_seconds",
+            "Time from request arrival to the last byte of a successful answer.",
+            buckets=buckets,
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

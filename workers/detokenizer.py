@@ -1,0 +1,122 @@
+"""Incremental detokenization and stop strings for streamed outputs (runs in the scheduler process).
+
+Text is produced token by token, so two things can go wrong that a final ``decode`` never sees:
+a multi-byte UTF-8 character split over several byte-level BPE tokens (the partial tail decodes
+to U+FFFD), and a stop string split over several deltas. ``IncrementalDetokenizer`` holds text back
+until it is whole; ``StopChecker`` holds back text that might still grow into a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Decoder(Protocol):
+    """The part of a Hugging Face tokenizer this module uses."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns one request's sampled tokens into text deltas, one ``push`` per step.
+
+    Each call decodes a short window, not the whole output: ``ids[prefix:read]`` is the last text
+    already emitted (kept as left context, because some tokenizers decode a token differently at
+    the start of a string than in the middle), ``ids[read:]`` the tokens not yet emitted. The new
+    text is the window's decode minus the context's decode. While the window's decode ends in
+    U+FFFD the tail is an incomplete character, so nothing is emitted and the window grows.
+    """
+
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix = 0  # start of the context window
+        self._read = 0  # tokens before this index have been emitted as text
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self._skip)
+
+    def push(self, token_ids: Iterable[int]) -> str:
+        """Add sampled tokens; return the text that became complete (may be "")."""
+        self.token_ids.extend(token_ids)
+        if len(self.token_ids) == self._read:
+            return ""
+        context = self._decode(self._prefix, self._read) if self._read > self._prefix else ""
+        window = self._decode(self._prefix)
+        if window.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._advance(context, window)
+
+    def flush(self) -> str:
+        """At the end of the request: whatever is still held back, even an incomplete character
+        (the model really did stop there, so U+FFFD is the honest rendering)."""
+        if len(self.token_ids) == self._read:
+            return ""
+        context = self._decode(self._prefix, self._read) if self._read > self._prefix else ""
+        return self._advance(context, self._decode(self._prefix))
+
+    def _advance(self, context: str, window: str) -> str:
+        # Byte-level BPE always decodes the window to context + new text; a tokenizer that rewrites
+        # the context when more tokens follow (clean-up rules) falls back to "everything after the
+        # common prefix", which never repeats emitted text.
+        if window.startswith(context):
+            delta = window[len(context) :]
+        else:
+            common = 0
+            for a, b in zip(context, window):
+                if a != b:
+                    break
+                common += 1
+            delta = window[common:]
+        self._prefix, self._read = self._read, len(self.token_ids)
+        return delta
+
+
+class StopChecker:
+    """Applies stop strings to a stream of text deltas.
+
+    ``push`` returns (text safe to emit, matched). Text that could be the start of a stop string is
+    held back until the next delta decides it; on a match the output is cut right before the stop
+    string, which is never emitted, and later pushes return nothing. ``flush`` releases what was held
+    back once the request ends for another reason (length, EOS).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        # Empty stop strings would match everywhere; OpenAI treats them as absent.
+        self.stops = tuple(s for s in dict.fromkeys(stops) if s)
+        self._longest = max((len(s) for s in self.stops), default=0)
+        self._held = ""
+        self.matched = False
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        if self.matched:
+            return "", True
+        if not self.stops:
+            return delta, False
+        text = self._held + delta
+        # A stop that ends inside this delta began at most len(stop) - 1 chars before it, and those
+        # chars were held back, so searching held + delta finds every new match.
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.matched = True
+            self._held = ""
+            return text[: min(hits)], True
+        keep = self._partial_suffix(text)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def _partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+        for k in range(min(len(text), self._longest - 1), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.matched else held
