@@ -308,4 +308,5 @@ def link_segment(existing_name: str, new_name: str) -> bool:
 
 def find_segments(launch_id: str, key_prefix: str) -> list[str]:
     """Names of `launch_id`'s segments whose key (the part after the launch prefix) starts with `key_prefix`."""
-    return [n for n in list_segments(launch_id) if n.startswith(shm_prefix(launch_id) + key_prefix)]
+    prefix = shm_prefix(launch_id) + key_prefix
+    return [n for n in list_segments(launch_id) if n.startswith(prefix)]

@@ -7,9 +7,13 @@ familiar layout.
 
 from __future__ import annotations
 
-import msgspec
+from collections.abc import Mapping
 
-from ipc.messages import RequestFailed
+import msgspec
+from starlette.responses import Response
+from starlette.types import Send
+
+from ipc.messages import RequestFailed, RequestOutput
 
 _encoder = msgspec.json.Encoder()
 
@@ -56,6 +60,24 @@ def failed_payload(failed: RequestFailed) -> bytes:
     return error_payload(failed.message, failed.type, failed.param, failed.code)
 
 
+def error_response(
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    body = error_payload(message, type, param, code)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+async def send_json(send: Send, status: int, body: bytes) -> None:
+    """A whole JSON response over raw ASGI (for handlers that own `send`)."""
+    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 # ---- chat completion (non-streaming) -------------------------------------------------------------
 
 
@@ -90,6 +112,13 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     choices: list[Choice]
     usage: Usage
     system_fingerprint: None = None
+
+
+def completion_body(rid: str, created: int, model: str, text: str, last: RequestOutput) -> bytes:
+    """The non-streaming answer, from the whole text and the request's last output."""
+    choice = Choice(0, AssistantMessage(content=text), last.finish_reason)
+    usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+    return encode(ChatCompletion(id=rid, created=created, model=model, choices=[choice], usage=usage))
 
 
 # ---- chat completion chunks (streaming) ----------------------------------------------------------
@@ -141,6 +170,14 @@ class ChunkWriter:
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return self._event([], Usage.of(prompt_tokens, completion_tokens))
+
+    def end(self, last: RequestOutput, include_usage: bool) -> bytes:
+        """Finish chunk, optional usage chunk (choices []), then the [DONE] sentinel."""
+        events = [self.finish(last.finish_reason or "stop")]
+        if include_usage:
+            events.append(self.usage(last.prompt_tokens, last.completion_tokens))
+        events.append(SSE_DONE)
+        return b"".join(events)
 
 
 def error_event(failed: RequestFailed) -> bytes:

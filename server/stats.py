@@ -37,6 +37,16 @@ class RequestCounters:
     aborted: int = 0  # the client went away first
     in_flight: int = 0  # handed to a tokenizer and not finished yet
 
+    def record(self, outcome: str) -> None:
+        """Count the end of an in-flight request: "ok", "failed" or "aborted"."""
+        self.in_flight -= 1
+        if outcome == "ok":
+            self.ok += 1
+        elif outcome == "failed":
+            self.failed += 1
+        else:
+            self.aborted += 1
+
 
 @dataclass
 class StatsBook:

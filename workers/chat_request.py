@@ -134,8 +134,10 @@ def _validation_error(exc: msgspec.ValidationError) -> BadRequest:
     what, path = (m.group("what"), m.group("path") or "") if m else (str(exc), "")
     missing = _MISSING_RE.search(what)
     if missing:
-        param = f"{path}.{missing.group('field')}".removeprefix(".")
-        return BadRequest(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+        field = f"{path}.{missing.group('field')}".removeprefix(".")
+        return BadRequest(
+            f"Missing required parameter: '{field}'.", param=field, code="missing_required_parameter"
+        )
     param = path.removeprefix(".") or None
     # msgspec writes `type` in backticks; plain quotes read better in an API error.
     where = f"Invalid value for '{param}'" if param else "Invalid request body"
@@ -225,14 +227,15 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for message in req.messages:
         role = "system" if message.role == "developer" else message.role
+        raw = message.content
         content: str | list[dict[str, Any]]
-        if isinstance(message.content, list):
+        if raw is None or isinstance(raw, str):
+            content = raw or ""
+        else:
             content = [
                 {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image_url"}
-                for p in message.content
+                for p in raw
             ]
-        else:
-            content = message.content or ""
         out.append({"role": role, "content": content})
     return out
 

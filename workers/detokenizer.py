@@ -9,15 +9,16 @@ until it is whole; ``StopChecker`` holds back text that might still grow into a 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
 class Decoder(Protocol):
-    """The part of a Hugging Face tokenizer this module uses."""
+    """The part of a Hugging Face tokenizer this module uses (HF's decode also takes batches,
+    hence the loose types)."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, token_ids: Any, skip_special_tokens: bool = ..., **kwargs: Any) -> Any: ...
 
 
 class IncrementalDetokenizer:
@@ -38,7 +39,7 @@ class IncrementalDetokenizer:
         self._read = 0  # tokens before this index have been emitted as text
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self._skip)
+        return str(self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self._skip))
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Add sampled tokens; return the text that became complete (may be "")."""
@@ -120,3 +121,26 @@ class StopChecker:
     def flush(self) -> str:
         held, self._held = self._held, ""
         return "" if self.matched else held
+
+
+class TextStream:
+    """One request's output: detokenizer, then stop strings, plus the usage counts."""
+
+    def __init__(
+        self, tokenizer: Decoder, stops: Sequence[str], prompt_tokens: int = 0, skip_special_tokens: bool = True
+    ) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stop = StopChecker(stops)
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add one sampled token; returns (text delta, a stop string matched)."""
+        self.completion_tokens += 1
+        return self.stop.push(self.detok.push((token_id,)))
+
+    def finish(self) -> tuple[str, bool]:
+        """The request ended for another reason (length, stop token): release the held-back text,
+        which still has to pass the stop strings. Returns (last text, a stop string matched)."""
+        tail, matched = self.stop.push(self.detok.flush())
+        return (tail, True) if matched else (tail + self.stop.flush(), False)

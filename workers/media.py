@@ -90,7 +90,9 @@ class MediaFetcher:
             return self._load_http(url, param)
         if scheme == "file":
             return self._load_file(url, param)
-        raise _bad(f"Unsupported image URL {_short(url)!r}: expected a data:, http(s):// or file:// URL.", param)
+        raise _bad(
+            f"Unsupported image URL {_short(url)!r}: expected a data:, http(s):// or file:// URL.", param
+        )
 
     # ---- data: ----------------------------------------------------------------------------------
 
@@ -125,7 +127,9 @@ class MediaFetcher:
         for allowed in self._domains:
             if host == allowed or (allowed.startswith("*.") and host.endswith(allowed[1:])):
                 return
-        raise _bad(f"Fetching images from host {host!r} is not allowed on this server.", param, "domain_not_allowed")
+        raise _bad(
+            f"Fetching images from host {host!r} is not allowed on this server.", param, "domain_not_allowed"
+        )
 
     def _load_http(self, url: str, param: str | None) -> bytes:
         deadline = time.monotonic() + self.limits.timeout_s
@@ -159,7 +163,9 @@ class MediaFetcher:
             ) from None
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise _bad(f"Fetching image {_short(url)!r} failed: {exc}", param, "image_fetch_failed") from None
-        raise _bad(f"Fetching image {_short(url)!r} followed too many redirects.", param, "image_fetch_failed")
+        raise _bad(
+            f"Fetching image {_short(url)!r} followed too many redirects.", param, "image_fetch_failed"
+        )
 
     def _read_capped(self, response: httpx.Response, deadline: float, param: str | None) -> bytes:
         cap = self.limits.max_bytes
@@ -193,15 +199,27 @@ class MediaFetcher:
         real_root = os.path.realpath(root)
         real = os.path.realpath(path)
         if os.path.commonpath([real_root, real]) != real_root:
-            raise _bad("The file is outside the directory this server may read media from.", param, "local_media_not_allowed")
+            raise _bad(
+                "The file is outside the directory this server may read media from.",
+                param,
+                "local_media_not_allowed",
+            )
         try:
-            with open(real, "rb") as f:
-                st = os.fstat(f.fileno())
+            # O_NONBLOCK: opening a FIFO must not hang the worker; O_NOFOLLOW: a symlink swapped in
+            # after realpath is refused rather than followed out of the directory.
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise _bad("The file URL does not name a regular file.", param)
                 if st.st_size > self.limits.max_bytes:
-                    raise _bad(f"The image exceeds the {self.limits.max_bytes}-byte limit.", param, "image_too_large")
-                data = f.read(self.limits.max_bytes + 1)
+                    raise _bad(
+                        f"The image exceeds the {self.limits.max_bytes}-byte limit.", param, "image_too_large"
+                    )
+                with open(fd, "rb", closefd=False) as f:
+                    data = f.read(self.limits.max_bytes + 1)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             raise _bad("The file URL names a file that does not exist.", param) from None
         except OSError as exc:
@@ -211,7 +229,9 @@ class MediaFetcher:
         return data
 
 
-def load_media(url: str, limits: MediaLimits, *, client: httpx.Client | None = None, param: str | None = None) -> bytes:
+def load_media(
+    url: str, limits: MediaLimits, *, client: httpx.Client | None = None, param: str | None = None
+) -> bytes:
     """One-off form of `MediaFetcher.load` (a long-lived process should keep a MediaFetcher)."""
     with MediaFetcher(limits, client) as fetcher:
         return fetcher.load(url, param)
@@ -252,7 +272,9 @@ def decode_image(data: bytes, max_pixels: int, param: str | None = None) -> Imag
     except MemoryError:
         raise
     except Exception as exc:  # decoders raise many types for corrupt data; all are the client's data
-        raise _bad(f"The image data is not a valid image ({type(exc).__name__}: {exc}).", param, "invalid_image") from None
+        raise _bad(
+            f"The image data is not a valid image ({type(exc).__name__}: {exc}).", param, "invalid_image"
+        ) from None
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -126,19 +126,40 @@ class ModelRunner:
         self.sampler.add(new.rid, new.sampling)
 
     def _encode(self, jobs: list[EncodeJob]) -> int:
-        """All images of all jobs in one ViT call, each distinct hash once."""
+        """Encode every distinct image of the step's jobs and store the jobs' entries.
+
+        With TP, the ViT runs data-parallel: each rank reads from shm and encodes only its share
+        (split by patch count, largest first), then the embeddings are all-gathered so every rank's
+        store ends up with the same entries. One ViT call per rank per step.
+        """
         unique: dict[bytes, EncodeItem] = {}
         for job in jobs:
             for item in job.items:
                 unique.setdefault(item.hash, item)
         items = list(unique.values())
-        pixels = [self.pixel_source(item) for item in items]
-        self.counters.pixel_reads += len(items)
-        batch = torch.cat(pixels).to(device=self.device, dtype=self.dtype, non_blocking=True)
-        embeddings = self.vision(batch, [item.grid for item in items])
-        self.counters.vit_calls += 1
-        self.counters.images_encoded += len(items)
-        per_hash = dict(zip(unique, embeddings.split([item.length for item in items]), strict=True))
+        shares = split_by_patches([_patches(item.grid) for item in items], self.tp.size)
+        mine = [items[i] for i in shares[self.tp.rank]]
+        hidden = self.lm.embed_tokens.weight.shape[-1]
+        local = torch.empty((0, hidden), dtype=self.dtype, device=self.device)
+        if mine:
+            pixels = [self.pixel_source(item) for item in mine]
+            self.counters.pixel_reads += len(mine)
+            batch = torch.cat(pixels).to(device=self.device, dtype=self.dtype, non_blocking=True)
+            local = self.vision(batch, [item.grid for item in mine])
+            self.counters.vit_calls += 1
+            self.counters.images_encoded += len(mine)
+        per_hash: dict[bytes, torch.Tensor] = {}
+        if self.tp.size == 1:
+            per_hash.update(zip(unique, local.split([item.length for item in items]), strict=True))
+        else:
+            # Every rank knows every share's token count from the plan, so the gather needs no size exchange.
+            counts = [sum(items[i].length for i in share) for share in shares]
+            padded = torch.zeros((max(counts), hidden), dtype=self.dtype, device=self.device)
+            padded[: local.shape[0]] = local
+            gathered = self.tp.all_gather(padded, dim=0).split(max(counts))
+            for share, rows, count in zip(shares, gathered, counts, strict=True):
+                split = rows[:count].split([items[i].length for i in share])
+                per_hash.update((items[i].hash, t) for i, t in zip(share, split, strict=True))
         for job in jobs:
             parts = [per_hash[item.hash] for item in job.items]
             entry = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -209,6 +230,24 @@ class ModelRunner:
             return []
         tokens = self.sampler.sample(logits, [s.rid for s in sample_seqs], [s.sampling for s in sample_seqs])
         return [(s.rid, t) for s, t in zip(sample_seqs, tokens, strict=True)]
+
+
+def _patches(grid: tuple[int, int, int]) -> int:
+    return grid[0] * grid[1] * grid[2]
+
+
+def split_by_patches(patches: list[int], ranks: int) -> list[list[int]]:
+    """Assign item indices to ranks, largest first, each to the least-loaded rank (deterministic, so
+    every rank computes the same split without talking)."""
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for i in sorted(range(len(patches)), key=lambda i: (-patches[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shares[rank].append(i)
+        load[rank] += patches[i]
+    for share in shares:
+        share.sort()  # keep prompt order inside a share
+    return shares
 
 
 def _cumsum(values: list[int]) -> list[int]:

@@ -1,0 +1,243 @@
+"""The OpenAI-compatible HTTP app (`create_app`) over a `FrontendState` (server/frontend.py).
+
+The event loop only moves bytes: a chat body goes to a tokenizer worker unparsed, and answers are
+assembled from small `RequestOutput` messages routed to the request's `Flight` queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ipc.messages import RequestAccepted, RequestFailed, RequestOutput
+from server import protocol
+from server.config import ServerConfig
+from server.frontend import DISCONNECTED, Disconnected, Flight, FlightEvent, FrontendState, Outcome
+from server.protocol import error_response
+
+__all__ = ["ChatResponder", "FrontendState", "create_app"]
+
+
+async def _watch_disconnect(receive: Receive, queue: asyncio.Queue[FlightEvent]) -> None:
+    # The body was read already, so the next ASGI event is the disconnect (or the response's end).
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(DISCONNECTED)
+
+
+async def _next_batch(flight: Flight, early: list[FlightEvent]) -> list[FlightEvent]:
+    """Everything available now (at least one event), buffered early outputs first."""
+    if early:
+        batch = early.copy()
+        early.clear()
+        return batch
+    batch = [await flight.queue.get()]
+    while not flight.queue.empty():
+        batch.append(flight.queue.get_nowait())
+    return batch
+
+
+class ChatResponder:
+    """The ASGI answer to one chat request. The handler returns it instead of a Response so it
+    can watch `receive` for a disconnect for the whole request, before and after the headers."""
+
+    def __init__(self, state: FrontendState, body: bytes) -> None:
+        self.state = state
+        self.body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state
+        flight = await state.submit(self.body)
+        self.body = b""  # a large body need not live as long as a long generation
+        watcher = asyncio.create_task(_watch_disconnect(receive, flight.queue))
+        outcome: Outcome = "aborted"  # what an exception or a cancellation means to the scheduler
+        try:
+            outcome = await self._answer(flight, send)
+        finally:
+            watcher.cancel()
+            if outcome == "aborted":
+                state.abort(flight.rid)
+            state.finish(flight, outcome)
+
+    async def _answer(self, flight: Flight, send: Send) -> Outcome:
+        early: list[FlightEvent] = []  # outputs that overtook RequestAccepted (different pipes)
+        while True:
+            event = await flight.queue.get()
+            if isinstance(event, RequestAccepted):
+                break
+            if isinstance(event, RequestOutput):
+                early.append(event)
+            elif isinstance(event, RequestFailed):
+                await protocol.send_json(send, event.status, protocol.failed_payload(event))
+                return "failed"
+            else:
+                return "aborted"
+        stream, created, metrics = event.stream, int(flight.arrival), self.state.metrics
+        writer = protocol.ChunkWriter(flight.rid, created, event.model)
+        if stream:
+            await send({"type": "http.response.start", "status": 200, "headers": protocol.SSE_HEADERS})
+            await send({"type": "http.response.body", "body": writer.role(), "more_body": True})
+        texts: list[str] = []  # stream: text since the last write; otherwise the whole answer
+        first_text = True
+        while True:
+            last: RequestOutput | RequestFailed | None = None
+            for ev in await _next_batch(flight, early):
+                if isinstance(ev, Disconnected):
+                    return "aborted"
+                if isinstance(ev, RequestFailed):
+                    last = ev
+                    break
+                if isinstance(ev, RequestOutput):
+                    if ev.text and first_text:
+                        first_text = False
+                        metrics.ttft.observe(time.time() - flight.arrival)
+                    texts.append(ev.text)
+                    if ev.finish_reason is not None:
+                        last = ev
+                        break
+            if not stream:
+                if isinstance(last, RequestFailed):
+                    await protocol.send_json(send, last.status, protocol.failed_payload(last))
+                elif last is not None:
+                    body = protocol.completion_body(flight.rid, created, event.model, "".join(texts), last)
+                    await protocol.send_json(send, 200, body)
+            else:
+                # Everything that arrived since the last write goes out as one chunk and one send:
+                # a loop that fell behind catches up instead of paying per-token overhead.
+                text = "".join(texts)
+                texts.clear()
+                chunks = [writer.content(text)] if text else []
+                if isinstance(last, RequestFailed):  # the status line is gone: report in-band
+                    chunks.append(protocol.error_event(last))
+                elif last is not None:
+                    chunks.append(writer.end(last, event.include_usage))
+                if chunks:
+                    await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": last is None})
+            if isinstance(last, RequestFailed):
+                return "failed"
+            if last is not None:
+                metrics.e2e.observe(time.time() - flight.arrival)
+                return "ok"
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _TooLarge  # refuse before reading a byte
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # chunked uploads have no Content-Length to check up front
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _ApiKeyMiddleware:
+    """Bearer-token check for /v1/* and /admin/*; /health and /metrics stay open for probes."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/admin/")):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            # compare_digest: the check must not leak how much of the key matched.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                response = error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
+    """The OpenAI-compatible app over `state`. Its lifespan starts the pump; closing is the launcher's."""
+
+    async def chat_completions(request: Request) -> Response | ChatResponder:
+        counters = state.book.counters
+        counters.total += 1
+        if state.failed is not None or state.draining:
+            counters.failed += 1
+            reason = state.failed or "server is shutting down"
+            return error_response(503, f"Service unavailable: {reason}", "server_error", code="service_unavailable")
+        try:
+            body = await _read_body(request, config.max_body_bytes)
+        except _TooLarge:
+            counters.failed += 1
+            message = f"Request body exceeds {config.max_body_bytes} bytes."
+            return error_response(413, message, code="request_too_large")
+        except ClientDisconnect:
+            counters.aborted += 1
+            return Response(status_code=400)  # nobody is listening; uvicorn drops it
+        return ChatResponder(state, body)
+
+    async def models(request: Request) -> Response:
+        card = protocol.ModelCard(
+            id=config.served_model_name, created=int(state.book.started), max_model_len=config.max_model_len
+        )
+        return Response(protocol.encode(protocol.ModelList(data=[card])), media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        status = state.status
+        if status == "ok":
+            return Response(b'{"status":"ok"}', media_type="application/json")
+        error = protocol.ErrorBody(state.failed or f"server is {status}", "server_error", code=status)
+        return Response(protocol.encode({"status": status, "error": error}), 503, media_type="application/json")
+
+    async def admin_stats(request: Request) -> Response:
+        snapshot = state.book.snapshot(state.outstanding, state.status)
+        return Response(protocol.encode(snapshot), media_type="application/json")
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        where = f"({request.method} {request.url.path})"
+        if exc.status_code == 404:
+            return error_response(404, f"Invalid URL {where}", code="not_found")
+        if exc.status_code == 405:
+            return error_response(405, f"Method not allowed {where}", code="method_not_allowed", headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return error_response(500, "Internal server error.", "server_error")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.start()
+        yield
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/admin/stats", admin_stats, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    middleware = [Middleware(_ApiKeyMiddleware, api_key=config.api_key)] if config.api_key else []
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,
+    )

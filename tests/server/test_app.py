@@ -1,0 +1,460 @@
+"""The HTTP frontend over real HTTP (uvicorn on uvloop) and real ZMQ: the test plays the tokenizer
+and scheduler ends of the sockets, the client is the official `openai` package (or raw httpx where
+the wire bytes matter)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import httpx
+import openai
+import pytest
+import uvicorn
+import uvloop
+
+from ipc.channels import PullSocket, PushSocket, new_context
+from ipc.launch import cleanup_launch_dir, ipc_address, new_launch_id
+from ipc.messages import (
+    AbortRequest,
+    GenerateRequest,
+    Msg,
+    OutputBatch,
+    ProcessReady,
+    RequestAccepted,
+    RequestFailed,
+    RequestOutput,
+    SchedulerInbound,
+    SchedulerStats,
+    TokenizerInbound,
+    TokenizerStats,
+)
+from server.app import create_app
+from server.config import ServerConfig
+from server.frontend import FrontendState
+from workers.engine.config import EngineConfig
+
+API_KEY = "sk-test-key"
+MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
+T = TypeVar("T")
+
+
+class Peers:
+    """The children's ends of the frontend's sockets, driven by the test."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.ctx = new_context()
+        lid = config.launch_id
+        self.toks = [
+            PullSocket[TokenizerInbound](self.ctx, ipc_address(lid, f"tok{i}"), TokenizerInbound, True)
+            for i in range(config.tokenizer_workers)
+        ]
+        self.sched = PullSocket[SchedulerInbound](self.ctx, ipc_address(lid, "sched"), SchedulerInbound, True)
+        self.out = PushSocket[Msg](self.ctx, ipc_address(lid, "frontend"), Msg, False)
+
+    def request(self, worker: int = 0, timeout_s: float = 5.0) -> GenerateRequest:
+        msg = self.toks[worker].recv(int(timeout_s * 1000))
+        assert isinstance(msg, GenerateRequest), msg
+        return msg
+
+    def accept(self, req: GenerateRequest, prompt_tokens: int = 5) -> None:
+        body = json.loads(req.body)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.out.send(RequestAccepted(req.rid, bool(body.get("stream")), include_usage, body["model"], prompt_tokens, 0))
+
+    def output(self, rid: str, text: str, finish: str | None, completion_tokens: int, prompt_tokens: int = 5) -> None:
+        self.out.send(OutputBatch([RequestOutput(rid, text, [1], finish, prompt_tokens, completion_tokens)]))
+
+    def hello(self, rid: str) -> None:
+        self.output(rid, "Hel", None, 1)
+        self.output(rid, "lo", "stop", 2)
+
+    def abort(self, timeout_s: float = 5.0) -> AbortRequest:
+        msg = self.sched.recv(int(timeout_s * 1000))
+        assert isinstance(msg, AbortRequest), msg
+        return msg
+
+    def close(self) -> None:
+        for sock in [*self.toks, self.sched, self.out]:
+            sock.close()
+        self.ctx.term()
+
+
+class Served:
+    """create_app under uvicorn in a thread with its own uvloop loop, as the launcher serves it."""
+
+    def __init__(self, config: ServerConfig, ready: bool) -> None:
+        self.config = config
+        self.state = FrontendState(config)
+        self.peers = Peers(config)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(config, self.state), log_level="warning"))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, args=(sock,), daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, what="uvicorn start")
+        self.http = httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {API_KEY}"}, timeout=10)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=10)
+        self.pool = ThreadPoolExecutor(4)
+        if ready:
+            self.peers.out.send(ProcessReady("scheduler", 0, 1))
+            for i in range(config.tokenizer_workers):
+                self.peers.out.send(ProcessReady("tokenizer", i, 1))
+            wait_for(lambda: self.http.get("/health").status_code == 200, what="health")
+
+    def _run(self, sock: socket.socket) -> None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            self.loop = runner.get_loop()
+            runner.run(self._main(sock))
+
+    async def _main(self, sock: socket.socket) -> None:
+        try:
+            await self.server.serve(sockets=[sock])
+        finally:
+            await self.state.close()
+
+    def bg(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        return self.pool.submit(fn, *args, **kwargs)
+
+    def on_loop(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stats(self) -> dict[str, Any]:
+        response = self.http.get("/admin/stats")
+        assert response.status_code == 200
+        result: dict[str, Any] = response.json()
+        return result
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.http.close()
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.peers.close()
+        cleanup_launch_dir(self.config.launch_id)
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+ServeFactory = Callable[..., Served]
+
+
+@pytest.fixture
+def serve() -> Iterator[ServeFactory]:
+    started: list[Served] = []
+
+    def factory(ready: bool = True, **overrides: Any) -> Served:
+        fields: dict[str, Any] = {"api_key": API_KEY, "tokenizer_workers": 1, "max_body_bytes": 1 << 20}
+        fields.update(overrides)
+        config = ServerConfig(EngineConfig(model="unused"), new_launch_id(), "demo", **fields)
+        served = Served(config, ready)
+        started.append(served)
+        return served
+
+    yield factory
+    for served in started:
+        try:
+            # Every exit path (answer, error, disconnect, fail_all) must have forgotten its rid.
+            wait_for(lambda: not served.state.flights, what="flights to be cleaned up")
+            assert all(n == 0 for n in served.state.outstanding)
+        finally:
+            served.stop()
+
+
+@pytest.fixture
+def srv(serve: ServeFactory) -> Served:
+    return serve()
+
+
+def test_non_streaming_completion(srv: Served) -> None:
+    fut = srv.bg(srv.client.chat.completions.create, model="demo", messages=MESSAGES)
+    req = srv.peers.request()
+    assert req.rid.startswith("chatcmpl-") and json.loads(req.body)["messages"] == MESSAGES
+    srv.peers.accept(req)
+    srv.peers.hello(req.rid)
+    completion = fut.result(10)
+    assert completion.id == req.rid and completion.object == "chat.completion" and completion.model == "demo"
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content == "Hello"
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (5, 2, 7)
+    stats = srv.stats()["requests"]
+    assert (stats["total"], stats["ok"], stats["in_flight_http"]) == (1, 1, 0)
+
+
+def test_streaming_with_usage(srv: Served) -> None:
+    def consume() -> list[Any]:
+        stream = srv.client.chat.completions.create(
+            model="demo", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+        )
+        return list(stream)
+
+    fut = srv.bg(consume)
+    req = srv.peers.request()
+    srv.peers.accept(req)
+    srv.peers.hello(req.rid)
+    chunks = fut.result(10)
+    assert all(c.id == req.rid and c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    *body, finish, usage = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in body) == "Hello"
+    assert all(c.choices[0].finish_reason is None for c in body)
+    assert finish.choices[0].finish_reason == "stop" and finish.usage is None
+    assert usage.choices == [] and usage.usage is not None
+    assert (usage.usage.prompt_tokens, usage.usage.completion_tokens, usage.usage.total_tokens) == (5, 2, 7)
+
+
+def test_outputs_before_accepted_are_kept_and_sse_framing(srv: Served) -> None:
+    payload = {"model": "demo", "messages": MESSAGES, "stream": True}
+    fut = srv.bg(srv.http.post, "/v1/chat/completions", json=payload)
+    req = srv.peers.request()
+    srv.peers.hello(req.rid)  # overtakes the tokenizer's RequestAccepted (different pipes)
+    time.sleep(0.1)
+    srv.peers.accept(req)
+    response = fut.result(10)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-1]
+
+
+def test_body_reaches_tokenizer_byte_identical(srv: Served) -> None:
+    # Odd spacing, key order, escapes and number formats: any re-serialization would change them.
+    raw = b'{  "messages":[{"content":"h\\u00e9\\n","role":"user"}], "model" :"demo","temperature":1.50,"x":[1e3]}\n'
+    fut = srv.bg(srv.http.post, "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    req = srv.peers.request()
+    assert req.body == raw
+    assert abs(req.arrival - time.time()) < 5
+    srv.peers.out.send(RequestFailed(req.rid, 400, "nope"))
+    assert fut.result(10).status_code == 400
+
+
+def test_request_failed_surfaces_as_bad_request(srv: Served) -> None:
+    fut = srv.bg(srv.client.chat.completions.create, model="demo", messages=MESSAGES)
+    req = srv.peers.request()
+    srv.peers.out.send(RequestFailed(req.rid, 400, "image 1 is not an image", param="messages", code="invalid_image"))
+    with pytest.raises(openai.BadRequestError) as info:
+        fut.result(10)
+    err = info.value
+    assert err.status_code == 400 and "image 1 is not an image" in err.message
+    assert (err.param, err.code, err.type) == ("messages", "invalid_image", "invalid_request_error")
+    assert srv.stats()["requests"]["failed"] == 1
+
+
+def test_api_key(srv: Served) -> None:
+    bad = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        bad.models.list()
+    assert info.value.code == "invalid_api_key"
+    for path in ["/v1/models", "/admin/stats", "/v1/chat/completions"]:
+        response = httpx.request("POST" if "chat" in path else "GET", srv.url + path)
+        assert response.status_code == 401
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(srv.url + "/metrics").status_code == 200
+    assert srv.peers.toks[0].recv(100) is None  # nothing unauthenticated reached a tokenizer
+
+
+def test_unknown_route_and_wrong_method(srv: Served) -> None:
+    response = srv.http.get("/v1/nope")
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {"message": "Invalid URL (GET /v1/nope)", "type": "invalid_request_error", "param": None, "code": "not_found"}
+    }
+    response = srv.http.get("/v1/chat/completions")
+    assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in response.headers["allow"]
+    with pytest.raises(openai.NotFoundError):
+        srv.client.embeddings.create(model="demo", input="x")
+
+
+def test_models(srv: Served) -> None:
+    models = srv.client.models.list()
+    assert [m.id for m in models.data] == ["demo"] and models.data[0].object == "model"
+    assert srv.http.get("/v1/models").json()["object"] == "list"
+
+
+def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
+    srv = serve(tokenizer_workers=2)
+    base: dict[str, int] = dict.fromkeys(SchedulerStats.__struct_fields__, 0)
+    base |= {"requests_running": 2, "requests_waiting": 3, "kv_blocks_used": 10, "kv_blocks_total": 100}
+    base |= {"mm_cache_entries": 4, "mm_cache_bytes": 4096, "mm_cache_hits": 3, "mm_cache_misses": 1}
+    base |= {"images_encoded": 1, "vit_batches": 1, "shm_segments": 2, "shm_bytes": 2048, "shm_budget_bytes": 1 << 30}
+    srv.peers.out.send(SchedulerStats(**base))
+    time.sleep(0.2)
+    srv.peers.out.send(SchedulerStats(**(base | {"generated_tokens": 50})))
+    srv.peers.out.send(TokenizerStats(worker=1, queue_depth=2, requests=9, images=6, images_reused=4))
+    wait_for(lambda: srv.stats()["tokenizers"][1]["requests"] == 9, what="stats")
+    stats = srv.stats()
+    assert stats["status"] == "ok"
+    assert stats["requests"] == {"running": 2, "waiting": 3, "in_flight_http": 0, "total": 0, "ok": 0, "failed": 0, "aborted": 0}
+    assert 50 / 0.5 < stats["tokens_per_s"] < 50 / 0.19
+    assert stats["kv_blocks"] == {"used": 10, "total": 100}
+    assert stats["mm_cache"] == {"entries": 4, "bytes": 4096, "hits": 3, "misses": 1, "evictions": 0, "hit_rate": 0.75}
+    assert (stats["images_encoded"], stats["vit_batches"]) == (1, 1)
+    assert stats["shm"] == {"segments": 2, "bytes": 2048, "budget_bytes": 1 << 30}
+    assert stats["tokenizers"] == [
+        {"worker": 0, "queue_depth": 0, "outstanding": 0, "requests": 0, "images": 0, "images_reused": 0},
+        {"worker": 1, "queue_depth": 2, "outstanding": 0, "requests": 9, "images": 6, "images_reused": 4},
+    ]
+    text = srv.http.get("/metrics").text
+    for line in [
+        "glimpse_requests_running 2.0",
+        "glimpse_kv_blocks_total 100.0",
+        "glimpse_mm_cache_hits_total 3.0",
+        "glimpse_generated_tokens_total 50.0",
+        'glimpse_tokenizer_images_reused_total{worker="1"} 4.0',
+        'glimpse_tokenizer_outstanding{worker="0"} 0.0',
+        "glimpse_requests_total 0.0",
+        "glimpse_tokens_per_second",
+        "glimpse_time_to_first_token_seconds_bucket",
+    ]:
+        assert line in text, line
+
+
+def test_least_outstanding_tokenizer(serve: ServeFactory) -> None:
+    srv = serve(tokenizer_workers=2)
+    first = srv.bg(srv.http.post, "/v1/chat/completions", content=b"{}")
+    second = srv.bg(srv.http.post, "/v1/chat/completions", content=b"{}")
+    reqs = [srv.peers.request(0), srv.peers.request(1)]  # one each: the other was busy
+    assert [t["outstanding"] for t in srv.stats()["tokenizers"]] == [1, 1]
+    for req in reqs:
+        srv.peers.out.send(RequestFailed(req.rid, 400, "empty"))
+    assert first.result(10).status_code == second.result(10).status_code == 400
+
+
+def test_stream_disconnect_sends_abort(srv: Served) -> None:
+    payload = {"model": "demo", "messages": MESSAGES, "stream": True}
+    got_content = threading.Event()
+
+    def read_some() -> None:
+        with srv.http.stream("POST", "/v1/chat/completions", json=payload) as response:
+            for line in response.iter_lines():
+                if '"content":"Hel"' in line:
+                    got_content.set()
+                    return  # leaving the block closes the connection mid-stream
+
+    fut = srv.bg(read_some)
+    req = srv.peers.request()
+    srv.peers.accept(req)
+    srv.peers.output(req.rid, "Hel", None, 1)
+    fut.result(10)
+    assert got_content.is_set()
+    assert srv.peers.abort().rid == req.rid
+    wait_for(lambda: srv.stats()["requests"]["aborted"] == 1, what="abort counted")
+    srv.peers.output(req.rid, "lo", "stop", 2)  # late output for a forgotten rid: dropped
+    fut2 = srv.bg(srv.client.chat.completions.create, model="demo", messages=MESSAGES)
+    req2 = srv.peers.request()
+    srv.peers.accept(req2)
+    srv.peers.hello(req2.rid)
+    assert fut2.result(10).choices[0].message.content == "Hello"
+
+
+def test_non_stream_disconnect_before_accept_sends_abort(srv: Served) -> None:
+    fut = srv.bg(srv.http.post, "/v1/chat/completions", json={"model": "demo", "messages": MESSAGES}, timeout=0.5)
+    req = srv.peers.request()
+    with pytest.raises(httpx.ReadTimeout):
+        fut.result(10)
+    # The tokenizer may still hand the request to the scheduler: the abort must reach it anyway.
+    assert srv.peers.abort().rid == req.rid
+    srv.peers.accept(req)  # late: dropped without harm
+    assert srv.http.get("/health").status_code == 200
+
+
+def test_mid_stream_failure_emits_error_event(srv: Served) -> None:
+    def consume() -> list[Any]:
+        return list(srv.client.chat.completions.create(model="demo", messages=MESSAGES, stream=True))
+
+    fut = srv.bg(consume)
+    req = srv.peers.request()
+    srv.peers.accept(req)
+    srv.peers.output(req.rid, "Hel", None, 1)
+    srv.peers.out.send(RequestFailed(req.rid, 500, "model worker failed", type="server_error"))
+    with pytest.raises(openai.APIError) as info:
+        fut.result(10)
+    assert "model worker failed" in info.value.message and info.value.type == "server_error"
+    assert srv.peers.sched.recv(200) is None  # the failing child cleaned up itself: no abort
+
+
+def test_fail_all_fails_in_flight_fast(srv: Served) -> None:
+    plain = srv.bg(srv.client.chat.completions.create, model="demo", messages=MESSAGES)
+    streamed = srv.bg(lambda: list(srv.client.chat.completions.create(model="demo", messages=MESSAGES, stream=True)))
+    waiting = srv.bg(srv.client.chat.completions.create, model="demo", messages=MESSAGES)  # never accepted
+    reqs = [srv.peers.request() for _ in range(3)]
+    by_stream = {json.loads(r.body).get("stream", False): r for r in reqs[:2]}
+    for req in reqs[:2]:
+        srv.peers.accept(req)
+    srv.peers.output(by_stream[True].rid, "Hel", None, 1)
+    time.sleep(0.2)
+    assert srv.stats()["requests"]["in_flight_http"] == 3
+    t0 = time.monotonic()
+    srv.state.fail_all_threadsafe("scheduler died")
+    for fut in (plain, waiting):
+        with pytest.raises(openai.InternalServerError) as info:
+            fut.result(5)
+        assert info.value.status_code == 503 and info.value.type == "server_error"
+    with pytest.raises(openai.APIError, match="scheduler died"):
+        streamed.result(5)
+    assert time.monotonic() - t0 < 1.0
+    health = srv.http.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    with pytest.raises(openai.InternalServerError, match="scheduler died"):
+        srv.client.chat.completions.create(model="demo", messages=MESSAGES)
+    assert srv.peers.toks[0].recv(100) is None  # refused before reaching a tokenizer
+
+
+def test_draining(srv: Served) -> None:
+    fut = srv.bg(srv.client.chat.completions.create, model="demo", messages=MESSAGES)
+    req = srv.peers.request()
+    srv.peers.accept(req)
+    drained = srv.on_loop(srv.state.drain(5.0))
+    wait_for(lambda: srv.http.get("/health").status_code == 503, what="draining health")
+    with pytest.raises(openai.InternalServerError):
+        srv.client.chat.completions.create(model="demo", messages=MESSAGES)
+    assert not drained.done()
+    srv.peers.hello(req.rid)  # the request in flight still completes
+    assert fut.result(10).choices[0].message.content == "Hello"
+    assert drained.result(5) is True
+
+
+def test_body_too_large(srv: Served) -> None:
+    big = b"x" * ((1 << 20) + 1)
+    response = srv.http.post("/v1/chat/completions", content=big)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    # Chunked upload: no Content-Length, caught while reading.
+    response = srv.http.post("/v1/chat/completions", content=iter([big[: 1 << 19], big[1 << 19 :]]))
+    assert response.status_code == 413
+    assert srv.peers.toks[0].recv(100) is None
+
+
+def test_health_waits_for_every_child(serve: ServeFactory) -> None:
+    srv = serve(ready=False, tokenizer_workers=2)
+    assert srv.http.get("/health").json()["status"] == "starting"
+    srv.peers.out.send(ProcessReady("scheduler", 0, 1))
+    srv.peers.out.send(ProcessReady("tokenizer", 0, 1))
+    time.sleep(0.1)
+    assert srv.http.get("/health").status_code == 503  # tokenizer 1 is still missing
+    srv.peers.out.send(ProcessReady("tokenizer", 1, 1))
+    wait_for(lambda: srv.http.get("/health").status_code == 200, what="ready")
+    assert srv.http.get("/health").json() == {"status": "ok"}
+    roles = [srv.on_loop(srv.state.ready_messages.get()).result(1).role for _ in range(3)]
+    assert sorted(roles) == ["scheduler", "tokenizer", "tokenizer"]

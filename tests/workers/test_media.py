@@ -1,0 +1,299 @@
+"""Media loading and decoding: data URLs, real HTTP downloads from a local server, local files."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import noise_image
+from workers.chat_request import BadRequest
+from workers.media import MediaFetcher, MediaLimits, decode_image, load_media
+
+LIMITS = MediaLimits(max_bytes=1 << 20, timeout_s=5.0)
+
+
+def encode(image: Image.Image, fmt: str, **kw: object) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def data_url(raw: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+
+
+def check(
+    info: pytest.ExceptionInfo[BadRequest], code: str, text: str = "", param: str | None = None
+) -> None:
+    err = info.value
+    assert (err.status, err.code, err.param) == (400, code, param), repr(err)
+    assert text.lower() in err.message.lower(), err.message
+
+
+PNG = encode(noise_image(40, 30, seed=1), "PNG")
+
+
+# ---- data URLs and decoding -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_data_url_round_trip(fmt: str) -> None:
+    raw = encode(noise_image(64, 48, seed=3), fmt)
+    got = load_media(data_url(raw, f"image/{fmt.lower()}"), LIMITS)
+    assert got == raw
+    image = decode_image(got, max_pixels=10_000)
+    assert image.mode == "RGB" and image.size == (64, 48)
+    expected = Image.open(io.BytesIO(raw)).convert("RGB")
+    assert np.array_equal(np.asarray(image), np.asarray(expected))
+    if fmt == "PNG":  # lossless: exactly the pixels we encoded
+        assert np.array_equal(np.asarray(image), np.asarray(noise_image(64, 48, seed=3)))
+
+
+def test_data_url_wrapped_base64_is_accepted() -> None:
+    b64 = base64.encodebytes(PNG).decode()  # MIME style: a newline every 76 characters
+    assert "\n" in b64
+    assert load_media(f"data:image/png;base64,{b64}", LIMITS) == PNG
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "text"),
+    [
+        ("data:image/png;base64,!!!not base64!!!", "invalid_base64", "base64"),
+        ("data:image/png;base64,QUJ", "invalid_base64", "base64"),  # bad padding
+        ("data:image/png;base64", "invalid_image_url", "malformed"),
+        ("data:image/png,rawbytes", "invalid_image_url", "base64"),
+        ("ftp://example.com/a.png", "invalid_image_url", "unsupported"),
+        ("/etc/passwd", "invalid_image_url", "unsupported"),
+    ],
+)
+def test_bad_urls(url: str, code: str, text: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        load_media(url, LIMITS, param="messages[0].content[1].image_url")
+    check(info, code, text, param="messages[0].content[1].image_url")
+
+
+def test_data_url_over_byte_cap() -> None:
+    with pytest.raises(BadRequest) as info:
+        load_media(data_url(PNG), MediaLimits(max_bytes=len(PNG) - 1, timeout_s=1))
+    check(info, "image_too_large")
+
+
+def test_non_image_bytes() -> None:
+    with pytest.raises(BadRequest) as info:
+        decode_image(b"this is plain text, not an image", max_pixels=10**6, param="p")
+    check(info, "invalid_image", "not a valid image", param="p")
+    with pytest.raises(BadRequest) as info:  # a real PNG cut short: the header parses, the pixels do not
+        decode_image(PNG[: len(PNG) // 2], max_pixels=10**6)
+    check(info, "invalid_image", "not a valid image")
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims width x height (pixels absent): only a header check can be fast."""
+    raw = bytearray(encode(Image.new("RGB", (1, 1)), "PNG"))
+    ihdr = raw.index(b"IHDR")
+    raw[ihdr + 4 : ihdr + 12] = struct.pack(">II", width, height)
+    raw[ihdr + 17 : ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(raw[ihdr : ihdr + 17])))
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("side", [8000, 100_000])  # over our limit; over PIL's own bomb limit too
+def test_too_many_pixels_is_refused_from_the_header(side: int) -> None:
+    start = time.perf_counter()
+    with pytest.raises(BadRequest) as info:
+        decode_image(png_claiming(side, side), max_pixels=40_000_000)
+    check(info, "image_too_large", "too large")
+    assert time.perf_counter() - start < 0.5
+
+
+def test_alpha_is_flattened_on_white_and_exif_orientation_applied() -> None:
+    rgba = Image.new("RGBA", (4, 2), (10, 20, 30, 255))
+    rgba.putpixel((0, 0), (0, 0, 0, 0))  # fully transparent black
+    image = decode_image(encode(rgba, "PNG"), max_pixels=100)
+    assert image.mode == "RGB"
+    assert image.getpixel((0, 0)) == (255, 255, 255) and image.getpixel((1, 0)) == (10, 20, 30)
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    upright = decode_image(encode(noise_image(40, 20), "JPEG", exif=exif), max_pixels=10_000)
+    assert upright.size == (20, 40)
+
+
+# ---- HTTP ---------------------------------------------------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        port = self.server.server_port  # type: ignore[attr-defined]  # an HTTPServer, typed as BaseServer
+        if self.path == "/img.png":
+            self._send(200, PNG)
+        elif self.path == "/big":  # honest Content-Length over the cap
+            self._send(200, b"\0" * 4096)
+        elif self.path == "/big-unsized":  # no Content-Length: only the streaming cap can stop it
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for _ in range(64):
+                self.wfile.write(b"\0" * 1024)
+        elif self.path == "/redirect":
+            self._redirect("/img.png")
+        elif self.path == "/redirect-loop":
+            self._redirect("/redirect-loop")
+        elif self.path == "/redirect-elsewhere":
+            self._redirect(f"http://127.0.0.1:{port}/img.png")
+        elif self.path == "/slow":
+            time.sleep(1.0)
+            self._send(200, PNG)
+        else:
+            self._send(404, b"not found")
+
+    def _send(self, status: int, payload: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _redirect(self, location: str) -> None:
+        self.send_response(302)
+        self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:  # keep test output quiet
+        pass
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # the client hanging up mid-body (byte cap, timeout) is the point of several tests
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    httpd = _QuietServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_http_fetch(server: str) -> None:
+    with MediaFetcher(LIMITS) as fetcher:
+        assert fetcher.load(f"{server}/img.png") == PNG
+        assert fetcher.load(f"{server}/redirect") == PNG  # one client, connections reused
+
+
+@pytest.mark.parametrize(
+    ("path", "max_bytes", "code", "text"),
+    [
+        ("/missing", 1 << 20, "image_fetch_failed", "HTTP 404"),
+        ("/big", 1024, "image_too_large", "1024-byte limit"),
+        ("/big-unsized", 8 * 1024, "image_too_large", "8192-byte limit"),
+        ("/redirect-loop", 1 << 20, "image_fetch_failed", "redirects"),
+    ],
+)
+def test_http_refusals(server: str, path: str, max_bytes: int, code: str, text: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        load_media(f"{server}{path}", MediaLimits(max_bytes=max_bytes, timeout_s=5.0), param="x")
+    check(info, code, text, param="x")
+
+
+def test_http_timeout_bounds_the_whole_fetch(server: str) -> None:
+    start = time.perf_counter()
+    with pytest.raises(BadRequest) as info:
+        load_media(f"{server}/slow", MediaLimits(max_bytes=1 << 20, timeout_s=0.2))
+    check(info, "image_fetch_timeout", "timed out")
+    assert time.perf_counter() - start < 0.9
+
+
+def test_http_connection_refused() -> None:
+    with pytest.raises(BadRequest) as info:
+        load_media("http://127.0.0.1:1/img.png", LIMITS)
+    check(info, "image_fetch_failed", "failed")
+
+
+def test_domain_allowlist(server: str) -> None:
+    port = server.rsplit(":", 1)[1]
+    only_example = MediaLimits(
+        max_bytes=1 << 20, timeout_s=5.0, allowed_domains=("example.com", "*.example.org")
+    )
+    with pytest.raises(BadRequest) as info:
+        load_media(f"{server}/img.png", only_example)
+    check(info, "domain_not_allowed", "127.0.0.1")
+    # Allowed hosts pass; a redirect to a host outside the list is refused on that hop.
+    local = MediaLimits(max_bytes=1 << 20, timeout_s=5.0, allowed_domains=("localhost",))
+    assert load_media(f"http://localhost:{port}/img.png", local) == PNG
+    with pytest.raises(BadRequest) as info:
+        load_media(f"http://localhost:{port}/redirect-elsewhere", local)
+    check(info, "domain_not_allowed", "127.0.0.1")
+
+
+# ---- local files ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def media_dirs(tmp_path: Path) -> tuple[Path, Path]:
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "a.png").write_bytes(PNG)
+    (outside / "b.png").write_bytes(PNG)
+    (allowed / "link.png").symlink_to(outside / "b.png")
+    (allowed / "sub").symlink_to(outside)
+    return allowed, outside
+
+
+def test_local_file_inside_allowed_dir(media_dirs: tuple[Path, Path]) -> None:
+    allowed, _ = media_dirs
+    limits = MediaLimits(max_bytes=1 << 20, timeout_s=1.0, allowed_local_path=str(allowed))
+    assert load_media(f"file://{allowed}/a.png", limits) == PNG
+    assert load_media(f"file://localhost{allowed}/a%2Epng", limits) == PNG  # percent-encoding decoded
+    with pytest.raises(BadRequest) as info:
+        load_media(
+            f"file://{allowed}/a.png",
+            MediaLimits(max_bytes=100, timeout_s=1.0, allowed_local_path=str(allowed)),
+        )
+    check(info, "image_too_large")
+    with pytest.raises(BadRequest) as info:
+        load_media(f"file://{allowed}/missing.png", limits)
+    check(info, "invalid_image_url", "does not exist")
+    with pytest.raises(BadRequest) as info:
+        load_media(f"file://{allowed}", limits)
+    check(info, "invalid_image_url", "regular file")
+
+
+def test_local_file_escapes_are_refused(media_dirs: tuple[Path, Path]) -> None:
+    allowed, outside = media_dirs
+    limits = MediaLimits(max_bytes=1 << 20, timeout_s=1.0, allowed_local_path=str(allowed))
+    escapes = [
+        f"file://{outside}/b.png",  # plainly outside
+        f"file://{allowed}/../outside/b.png",  # via ..
+        f"file://{allowed}/link.png",  # via a symlinked file
+        f"file://{allowed}/sub/b.png",  # via a symlinked directory
+        f"file://{allowed}/%2E%2E/outside/b.png",  # via an encoded ..
+    ]
+    for url in escapes:
+        with pytest.raises(BadRequest) as info:
+            load_media(url, limits)
+        check(info, "local_media_not_allowed", "outside")
+    with pytest.raises(BadRequest) as info:
+        load_media(f"file://otherhost{allowed}/a.png", limits)
+    check(info, "invalid_image_url", "host")
+
+
+def test_local_files_refused_without_allowed_path(media_dirs: tuple[Path, Path]) -> None:
+    allowed, _ = media_dirs
+    with pytest.raises(BadRequest) as info:
+        load_media(f"file://{allowed}/a.png", LIMITS)
+    check(info, "local_media_not_allowed", "not allowed")
