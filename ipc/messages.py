@@ -176,6 +176,16 @@ class OutputBatch(Msg, frozen=True):
     outputs: list[RequestOutput]
 
 
+class WorkerStats(Msg, frozen=True):
+    """Model worker rank -> scheduler, after a step in which it read pixels: cumulative counters."""
+
+    rank: int
+    pixel_reads: int
+    pixel_bytes: int
+    images_encoded: int
+    vit_calls: int
+
+
 class SchedulerStats(Msg, frozen=True):
     """Scheduler -> frontend (periodic) and -> tokenizers (shm pressure)."""
 
@@ -196,6 +206,11 @@ class SchedulerStats(Msg, frozen=True):
     shm_bytes: int
     shm_budget_bytes: int
     steps: int
+    shm_retained_segments: int = 0  # kept after their requests ended, for reuse by later turns
+    shm_retained_bytes: int = 0
+    plan_bytes_last: int = 0
+    plan_bytes_max: int = 0
+    workers: list[WorkerStats] = []
 
 
 class TokenizerStats(Msg, frozen=True):
@@ -225,5 +240,7 @@ class WorkerFailed(Msg, frozen=True):
 
 FrontendInbound = RequestAccepted | RequestFailed | OutputBatch | SchedulerStats | TokenizerStats | ProcessReady
 TokenizerInbound = GenerateRequest | SchedulerStats | Shutdown
-SchedulerInbound = TokenizedRequest | AbortRequest | StepResult | WorkerFailed | ProcessReady | Shutdown
+SchedulerInbound = (
+    TokenizedRequest | AbortRequest | StepResult | WorkerFailed | WorkerStats | ProcessReady | Shutdown
+)
 ModelInbound = StepPlan | Shutdown

@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from server.serve_cli import add_serve
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -33,6 +35,7 @@ def _add_demo_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 # `serve` (the OpenAI-compatible server) and `bench` (benchmark scripts) are added here next to demo-model.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _add_demo_model,
+    add_serve,
 ]
 
 

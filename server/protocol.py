@@ -74,7 +74,8 @@ def error_response(
 
 async def send_json(send: Send, status: int, body: bytes) -> None:
     """A whole JSON response over raw ASGI (for handlers that own `send`)."""
-    await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+    headers = [*JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

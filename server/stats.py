@@ -119,7 +119,20 @@ class StatsBook:
                 "segments": s.shm_segments if s else 0,
                 "bytes": s.shm_bytes if s else 0,
                 "budget_bytes": s.shm_budget_bytes if s else 0,
+                "retained_segments": s.shm_retained_segments if s else 0,
+                "retained_bytes": s.shm_retained_bytes if s else 0,
             },
+            "plan_bytes": {"last": s.plan_bytes_last if s else 0, "max": s.plan_bytes_max if s else 0},
+            "model_workers": [
+                {
+                    "rank": w.rank,
+                    "pixel_reads": w.pixel_reads,
+                    "pixel_bytes": w.pixel_bytes,
+                    "images_encoded": w.images_encoded,
+                    "vit_calls": w.vit_calls,
+                }
+                for w in (s.workers if s else [])
+            ],
             "tokenizers": [
                 {
                     "worker": i,

@@ -46,24 +46,24 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         if len(self.token_ids) == self._read:
             return ""
-        context = self._decode(self._prefix, self._read) if self._read > self._prefix else ""
         window = self._decode(self._prefix)
         if window.endswith(REPLACEMENT_CHAR):
             return ""
-        return self._advance(context, window)
+        return self._advance(window)
 
     def flush(self) -> str:
         """At the end of the request: whatever is still held back, even an incomplete character
         (the model really did stop there, so U+FFFD is the honest rendering)."""
         if len(self.token_ids) == self._read:
             return ""
-        context = self._decode(self._prefix, self._read) if self._read > self._prefix else ""
-        return self._advance(context, self._decode(self._prefix))
+        return self._advance(self._decode(self._prefix))
 
-    def _advance(self, context: str, window: str) -> str:
-        # Byte-level BPE always decodes the window to context + new text; a tokenizer that rewrites
-        # the context when more tokens follow (clean-up rules) falls back to "everything after the
-        # common prefix", which never repeats emitted text.
+    def _advance(self, window: str) -> str:
+        # The context is decoded only here, when text is emitted: held-back steps cost one decode.
+        context = self._decode(self._prefix, self._read) if self._read > self._prefix else ""
+        # Byte-level BPE always decodes the window to context + new text. A tokenizer whose clean-up
+        # rules rewrite the context once more tokens follow gets "everything after the common
+        # prefix": best effort, since text already streamed cannot be taken back.
         if window.startswith(context):
             delta = window[len(context) :]
         else:
@@ -127,7 +127,11 @@ class TextStream:
     """One request's output: detokenizer, then stop strings, plus the usage counts."""
 
     def __init__(
-        self, tokenizer: Decoder, stops: Sequence[str], prompt_tokens: int = 0, skip_special_tokens: bool = True
+        self,
+        tokenizer: Decoder,
+        stops: Sequence[str],
+        prompt_tokens: int = 0,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = StopChecker(stops)
@@ -138,6 +142,17 @@ class TextStream:
         """Add one sampled token; returns (text delta, a stop string matched)."""
         self.completion_tokens += 1
         return self.stop.push(self.detok.push((token_id,)))
+
+    def add(self, token_id: int, finish_reason: str | None) -> tuple[str, str | None]:
+        """One sampled token and the scheduling core's verdict for it -> (text delta, finish reason).
+
+        A stop-string match finishes the request with "stop" even where the core would go on (the
+        caller then tells the core); a request the core finished releases the held-back text."""
+        text, matched = self.push(token_id)
+        if finish_reason is not None and not matched:
+            tail, matched = self.finish()
+            text += tail
+        return text, "stop" if matched else finish_reason
 
     def finish(self) -> tuple[str, bool]:
         """The request ended for another reason (length, stop token): release the held-back text,

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from types import FrameType
+from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from ipc.channels import PullSocket, PushSocket, new_context
 from ipc.launch import ipc_address
@@ -30,26 +28,17 @@ from ipc.messages import (
     Shutdown,
     StepPlan,
     WorkerFailed,
+    WorkerStats,
 )
 from ipc.shm import ShmSegment
 from server.config import ServerConfig
+from workers.engine.config import EngineConfig
 from workers.engine.layers import TPGroup
 from workers.engine.model_runner import ModelRunner
+from workers.proc import setup_child
 
-# Short receive timeout: the loop wakes up to notice SIGTERM even when no plan comes.
-_POLL_MS = 200
 # Enough for the last StepResult / WorkerFailed to reach the scheduler before the process exits.
 _LINGER_MS = 2_000
-
-
-def _configure_logging(tag: str, level: str) -> logging.Logger:
-    """Every line carries the role and rank, whichever logger (ours, the engine's, a library's) wrote it."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag} %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    return logging.getLogger(tag)
 
 
 @dataclass
@@ -74,42 +63,57 @@ class PixelReader:
         return pixels
 
 
-def _tp_group(config: ServerConfig, rank: int) -> TPGroup | None:
-    if config.engine.tp_size == 1:
-        return None
-    # torch.distributed initialisation (rendezvous address, NCCL group) belongs to the TP issue;
-    # refusing here beats silently running sharded weights without their all-reduce.
-    raise NotImplementedError(f"tensor parallelism (tp_size={config.engine.tp_size}) is not wired up yet")
+def _init_tp(config: ServerConfig, rank: int) -> tuple[TPGroup | None, EngineConfig]:
+    """Join the TP group (gloo on CPU, NCCL on GPU) and pick this rank's device."""
+    engine = config.engine
+    size = engine.tp_size
+    if engine.device.startswith("cuda"):
+        engine = replace(engine, device=f"cuda:{rank}")
+        torch.cuda.set_device(rank)
+    if size == 1:
+        return None, engine
+    backend = "nccl" if engine.device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{config.dist_port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=config.ready_timeout_s),
+    )
+    return TPGroup(rank=rank, size=size), engine
 
 
 def run_model_worker(config: ServerConfig, rank: int) -> None:
     """Entry point of model worker ``rank``: load, announce readiness, serve plans until Shutdown."""
-    log = _configure_logging(f"glimpse.model[{rank}]", config.log_level)
-    stop_requested = False
-
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        nonlocal stop_requested
-        stop_requested = True
-
-    # Ctrl-C reaches the whole process group; the launcher decides how to stop, then sends Shutdown.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, on_sigterm)
-
+    log = setup_child(f"glimpse.model[{rank}]", config.log_level)
     ctx = new_context()
     # Bind before the (slow) model load so plans sent right after our ready ack find the endpoint.
-    inbound = PullSocket[ModelInbound](ctx, ipc_address(config.launch_id, f"model{rank}"), ModelInbound, bind=True)
-    to_sched = PushSocket[SchedulerInbound](ctx, ipc_address(config.launch_id, "sched"), SchedulerInbound, bind=False)
+    inbound = PullSocket[ModelInbound](
+        ctx, ipc_address(config.launch_id, f"model{rank}"), ModelInbound, bind=True
+    )
+    to_sched = PushSocket[SchedulerInbound](
+        ctx, ipc_address(config.launch_id, "sched"), SchedulerInbound, bind=False
+    )
     reader = PixelReader()
     try:
         t0 = time.monotonic()
-        runner = ModelRunner(config.engine, pixel_source=reader, tp=_tp_group(config, rank))
+        tp, engine = _init_tp(config, rank)
+        runner = ModelRunner(engine, pixel_source=reader, tp=tp)
         log.info(
-            "loaded %s in %.1fs: %d KV blocks of %d tokens, dtype %s, device %s",
-            config.engine.model, time.monotonic() - t0, runner.num_blocks, config.engine.block_size,
-            runner.dtype, runner.device,
+            "loaded %s in %.1fs: %d KV blocks of %d tokens, dtype %s, device %s, tp %d/%d",
+            engine.model,
+            time.monotonic() - t0,
+            runner.num_blocks,
+            engine.block_size,
+            runner.dtype,
+            runner.device,
+            rank,
+            engine.tp_size,
         )
-        to_sched.send(ProcessReady(role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks))
-        _serve(runner, reader, rank, inbound, to_sched, log, lambda: stop_requested)
+        to_sched.send(
+            ProcessReady(role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks)
+        )
+        _serve(runner, reader, rank, inbound, to_sched, log)
     except Exception:
         log.exception("model worker failed")
         raise SystemExit(1) from None
@@ -127,17 +131,13 @@ def _serve(
     inbound: PullSocket[ModelInbound],
     to_sched: PushSocket[SchedulerInbound],
     log: logging.Logger,
-    stop_requested: Callable[[], bool],
 ) -> None:
-    while not stop_requested():
-        msg = inbound.recv(_POLL_MS)
-        if msg is None:
-            continue
+    while True:
+        msg = inbound.recv()
         if isinstance(msg, Shutdown):
             log.info("shutdown requested%s", f": {msg.reason}" if msg.reason else "")
             return
         _run_step(runner, reader, rank, msg, to_sched, log)
-    log.info("SIGTERM: exiting")
 
 
 def _run_step(
@@ -153,16 +153,28 @@ def _run_step(
     try:
         result = runner.execute(plan)
     except Exception as exc:
-        # One bad step (a vanished segment, a shape the kernel rejects) fails only its requests:
-        # the scheduler aborts them and the worker keeps serving the rest.
         log.exception("step %d failed", plan.step_id)
+        if runner.tp.size > 1:
+            # Peers may be blocked in a collective this rank will never join: only a restart is
+            # safe, and the launcher turns this exit into failed requests and a clean stop.
+            raise
+        # With one rank, a bad step (a vanished segment, a shape the kernel rejects) fails only its
+        # requests: the scheduler aborts them and the worker keeps serving the rest.
         to_sched.send(WorkerFailed(rank=rank, step_id=plan.step_id, message=f"{type(exc).__name__}: {exc}"))
         return
+    if reader.reads != reads:
+        c = runner.counters
+        to_sched.send(WorkerStats(rank, reader.reads, reader.bytes_read, c.images_encoded, c.vit_calls))
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "step %d: %d chunks, %d images encoded in %d ViT calls, %d pixel reads (%d bytes), %.1f ms",
-            plan.step_id, len(plan.chunks), result.images_encoded, result.vit_calls,
-            reader.reads - reads, reader.bytes_read - nbytes, (time.perf_counter() - t0) * 1e3,
+            plan.step_id,
+            len(plan.chunks),
+            result.images_encoded,
+            result.vit_calls,
+            reader.reads - reads,
+            reader.bytes_read - nbytes,
+            (time.perf_counter() - t0) * 1e3,
         )
     # Every rank runs the step (to keep KV and embedding stores identical); rank 0 alone samples.
     if rank == 0:

@@ -1,7 +1,7 @@
 """Scheduler process: admission, continuous batching and detokenization between tokenizers, model
-workers and frontend. One loop, never blocked on the model: it polls its PULL socket (requests, aborts, step results),
-keeps at most one step in flight, and the moment a result lands it plans and sends the next step.
-Plans are encoded once and the same bytes go to every TP rank; they carry shm pointers, never
+workers and frontend. One loop, never blocked on the model: it polls its PULL socket (requests,
+aborts, step results), keeps at most one step in flight, and plans the next step the moment a result
+lands. A plan is encoded once and the same bytes go to every TP rank; plans carry shm pointers, never
 pixels, and this process never maps a segment. It is the only process that unlinks segments: a
 request's names go when the request finishes, fails or is aborted (see ``_release``).
 """
@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
-from types import FrameType
+from collections import OrderedDict
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -39,28 +36,21 @@ from ipc.messages import (
     TokenizedRequest,
     TokenizerInbound,
     WorkerFailed,
+    WorkerStats,
 )
 from ipc.shm import ShmSegment
 from server.config import ServerConfig
 from workers.detokenizer import TextStream
 from workers.engine.config import ModelInfo
 from workers.engine.sched_core import RequestRejected, SchedulerCore, Sequence
+from workers.proc import setup_child
+from workers.shm_ledger import ShmLedger
 
 STATS_INTERVAL_S = 0.25
 LOG_STATS_INTERVAL_S = 10.0
 _MAX_DRAIN = 256  # messages handled per loop turn before the next step is planned
 _RECENT_ABORTS = 65536  # aborts of rids not (yet) known; old entries fall out first
 _LINGER_MS = 2_000
-
-
-def _configure_logging(tag: str, level: str) -> logging.Logger:
-    """Every line carries the role, whichever logger (ours, the engine's, a library's) wrote it."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag} %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    return logging.getLogger(tag)
 
 
 def _unlink_all(names: list[str]) -> None:
@@ -73,87 +63,51 @@ def build_core(config: ServerConfig, num_blocks: int) -> SchedulerCore:
     eng = config.engine
     info = ModelInfo.load(eng.model)
     return SchedulerCore(
-        num_blocks=num_blocks, block_size=eng.block_size, chunk_size=eng.chunk_size,
+        num_blocks=num_blocks,
+        block_size=eng.block_size,
+        chunk_size=eng.chunk_size,
         max_num_seqs=eng.max_num_seqs,
         # The launcher resolves max_model_len; the fallback (what the offline Engine does) serves direct callers.
         max_model_len=eng.max_model_len or info.max_position_embeddings,
         mm_cache_bytes=int(eng.mm_cache_mb * 2**20),
         embedding_bytes_per_token=info.embedding_bytes_per_token(eng.torch_dtype()),
-        eos_token_ids=info.eos_token_ids, mm_cache_mode=eng.mm_cache_mode,
+        eos_token_ids=info.eos_token_ids,
+        mm_cache_mode=eng.mm_cache_mode,
     )
-
-
-@dataclass
-class ShmLedger:
-    """Shared-memory bytes held by live requests, counted once per distinct image hash (hard-linked
-    names of one image share their pages)."""
-
-    budget_bytes: int
-    _refs: Counter[bytes] = field(default_factory=Counter)  # hash -> live requests holding it
-    _sizes: dict[bytes, int] = field(default_factory=dict)
-    _held: dict[str, tuple[list[str], dict[bytes, int]]] = field(default_factory=dict)
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(self._sizes.values())
-
-    @property
-    def segments(self) -> int:
-        return sum(len(names) for names, _ in self._held.values())
-
-    def extra_bytes(self, images: dict[bytes, int]) -> int:
-        """Bytes in flight would grow by this much if a request holding ``images`` were admitted."""
-        return sum(n for h, n in images.items() if h not in self._sizes)
-
-    def hold(self, rid: str, names: list[str], images: dict[bytes, int]) -> None:
-        self._held[rid] = (names, images)
-        self._refs.update(images.keys())
-        self._sizes.update(images)
-
-    def release(self, rid: str) -> list[str]:
-        """Forget ``rid``'s holdings; returns the names to unlink."""
-        names, images = self._held.pop(rid, ([], {}))
-        self._refs.subtract(images.keys())
-        for h in images:
-            if self._refs[h] <= 0:
-                del self._refs[h], self._sizes[h]
-        return names
-
-    def release_all(self) -> list[str]:
-        return [name for rid in list(self._held) for name in self.release(rid)]
 
 
 class Scheduler:
     def __init__(self, config: ServerConfig, log: logging.Logger) -> None:
         self.config = config
         self.log = log
-        lid = config.launch_id
-        self.ctx = new_context()
-        self.inbound = PullSocket[SchedulerInbound](self.ctx, ipc_address(lid, "sched"), SchedulerInbound, bind=True)
+        ctx, addr = new_context(), partial(ipc_address, config.launch_id)
+        self.ctx = ctx
+        self.inbound = PullSocket[SchedulerInbound](ctx, addr("sched"), SchedulerInbound, bind=True)
+        tp, tokenizers = config.engine.tp_size, config.tokenizer_workers
         self.models = [
-            PushSocket[ModelInbound](self.ctx, ipc_address(lid, f"model{r}"), ModelInbound, bind=False)
-            for r in range(config.engine.tp_size)
+            PushSocket[ModelInbound](ctx, addr(f"model{r}"), ModelInbound, bind=False) for r in range(tp)
         ]
-        self.frontend = PushSocket[FrontendInbound](self.ctx, ipc_address(lid, "frontend"), FrontendInbound, bind=False)
+        self.frontend = PushSocket[FrontendInbound](ctx, addr("frontend"), FrontendInbound, bind=False)
         self.tokenizers = [
-            PushSocket[TokenizerInbound](self.ctx, ipc_address(lid, f"tok{i}"), TokenizerInbound, bind=False)
-            for i in range(config.tokenizer_workers)
+            PushSocket[TokenizerInbound](ctx, addr(f"tok{i}"), TokenizerInbound, bind=False)
+            for i in range(tokenizers)
         ]
         self.tokenizer: Any = AutoTokenizer.from_pretrained(config.engine.model)
         self.plan_encoder = msgspec.msgpack.Encoder()
         self.core: SchedulerCore  # built by wait_for_models, once every rank reported its KV blocks
         self.in_flight: StepPlan | None = None
         self.streams: dict[str, TextStream] = {}
-        self.ledger = ShmLedger(config.shm_budget_bytes)
+        self.ledger = ShmLedger(config.shm_budget_bytes, config.shm_retain_fraction)
+        self.worker_stats: dict[int, WorkerStats] = {}
         self.deferred_unlinks: list[str] = []
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.early: list[SchedulerInbound] = []  # arrived before the core existed
         self.stop_reason: str | None = None
         self.steps = self.generated_tokens = self.prompt_tokens = self.images_encoded = self.vit_batches = 0
-        self.plan_bytes_last = self.plan_bytes_max = self.plan_bytes_total = 0
+        # Encoded StepPlan sizes (pointers only, so they track tokens and image counts, not pixels).
+        self.plan_bytes = {"last": 0, "max": 0, "total": 0}
         self.next_stats = self.next_log = 0.0
 
-    # ---- start-up ------------------------------------------------------------------------------
     def wait_for_models(self) -> bool:
         """Collect ProcessReady from every rank and build the core; False if told to stop first."""
         deadline = time.monotonic() + self.config.ready_timeout_s
@@ -163,13 +117,13 @@ class Scheduler:
                 return False
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"model ranks {sorted(set(range(len(self.models))) - set(blocks))} never got ready")
+                raise TimeoutError(f"model ranks other than {sorted(blocks)} never got ready")
             msg = self.inbound.recv(int(min(left, 0.2) * 1000))
             if msg is None:
                 continue
             if isinstance(msg, ProcessReady) and msg.role == "model":
                 blocks[msg.index] = msg.num_kv_blocks
-                self.log.info("model rank %d ready (pid %d, %d KV blocks)", msg.index, msg.pid, msg.num_kv_blocks)
+                self.log.info("model rank %d ready: %d KV blocks", msg.index, msg.num_kv_blocks)
             elif isinstance(msg, Shutdown):
                 self.stop_reason = msg.reason or "shutdown"
             else:
@@ -178,10 +132,9 @@ class Scheduler:
         self.core = build_core(self.config, min(blocks.values()))
         self.core.on_finished = self._release
         self.frontend.send(ProcessReady(role="scheduler", index=0, pid=os.getpid()))
-        self.log.info("ready: %d KV blocks of %d tokens", self.core.allocator.num_blocks, self.config.engine.block_size)
+        self.log.info("ready: %d KV blocks", self.core.allocator.num_blocks)
         return True
 
-    # ---- main loop -----------------------------------------------------------------------------
     def run(self) -> None:
         for early in self.early:
             self.handle(early)
@@ -209,6 +162,8 @@ class Scheduler:
                 self._on_abort(rid)
             case WorkerFailed():
                 self._on_worker_failed(msg)
+            case WorkerStats(rank=rank):
+                self.worker_stats[rank] = msg
             case Shutdown(reason=reason):
                 self.stop_reason = reason or "shutdown"
             case _:
@@ -223,34 +178,32 @@ class Scheduler:
         for sock in self.models:
             sock.send_bytes(data)
         self.in_flight = plan
-        self.plan_bytes_last = len(data)
-        self.plan_bytes_max = max(self.plan_bytes_max, len(data))
-        self.plan_bytes_total += len(data)
+        n, sizes = len(data), self.plan_bytes
+        sizes.update(last=n, max=max(sizes["max"], n), total=sizes["total"] + n)
 
-    # ---- requests ------------------------------------------------------------------------------
     def _on_request(self, req: TokenizedRequest) -> None:
         if req.rid in self.aborted:
             del self.aborted[req.rid]
             _unlink_all(req.shm_names)
             return
-        if req.rid in self.streams:
-            # Its names are its own (fresh links), so unlinking them cannot hurt the live namesake.
-            _unlink_all(req.shm_names)
-            self._fail(req.rid, 400, f"request id {req.rid!r} is already in use", code="duplicate_request_id")
-            return
         images = {it.hash: it.pixels.nbytes for it in req.items if it.pixels is not None}
-        if (extra := self.ledger.extra_bytes(images)) and self.ledger.used_bytes + extra > self.ledger.budget_bytes:
+        name_of = {it.hash: it.pixels.name for it in req.items if it.pixels is not None}
+        extra = self.ledger.extra_bytes(images)
+        self._unlink(self.ledger.make_room(extra))
+        if extra and self.ledger.used_bytes + extra > self.ledger.budget_bytes:
             _unlink_all(req.shm_names)
-            self._fail(req.rid, 503, "shared memory budget exceeded, retry later", "server_error", "shm_budget_exceeded")
+            self._fail(req.rid, 503, "shared memory budget exceeded, retry later", "shm_budget_exceeded")
             return
         try:
             self.core.add(req.rid, req.input_ids, req.positions, req.mrope_delta, req.items, req.sampling)
-        except RequestRejected as exc:
+        except ValueError as exc:
+            # RequestRejected: an empty prompt, or one too long for the context or the KV cache; plain
+            # ValueError: a duplicate rid (these names are this message's own links, safe to unlink).
             _unlink_all(req.shm_names)
-            # add() rejects only empty prompts and prompts too long for the context or the KV cache.
-            self._fail(req.rid, 400, str(exc), code="context_length_exceeded" if req.input_ids else None)
+            too_long = isinstance(exc, RequestRejected) and bool(req.input_ids)
+            self._fail(req.rid, 400, str(exc), "context_length_exceeded" if too_long else None)
             return
-        self.ledger.hold(req.rid, list(req.shm_names), images)
+        self.ledger.hold(req.rid, list(req.shm_names), images, name_of)
         self.prompt_tokens += len(req.input_ids)
         self.streams[req.rid] = TextStream(self.tokenizer, req.sampling.stop, len(req.input_ids))
 
@@ -264,19 +217,21 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         """core.on_finished: the request will never be scheduled again, so its pixels can go."""
-        names = self.ledger.release(seq.rid)
+        self._unlink(self.ledger.release(seq.rid))
+
+    def _unlink(self, names: list[str]) -> None:
         if self.in_flight is not None:
-            # The step now running may still read these names (an encode job can point at this
-            # request's name of an image another request shares): unlink once it is back.
+            # The step now running may still read these names (an encode job can point at a name of
+            # an image another request shares): unlink once it is back.
             self.deferred_unlinks.extend(names)
         else:
             _unlink_all(names)
 
-    def _fail(self, rid: str, status: int, message: str, type: str = "invalid_request_error", code: str | None = None) -> None:
+    def _fail(self, rid: str, status: int, message: str, code: str | None = None) -> None:
         self.log.info("request %s failed (%d): %s", rid, status, message)
-        self.frontend.send(RequestFailed(rid, status, message, type=type, code=code))
+        kind = "server_error" if status >= 500 else "invalid_request_error"  # OpenAI's error types
+        self.frontend.send(RequestFailed(rid, status, message, type=kind, code=code))
 
-    # ---- results -------------------------------------------------------------------------------
     def _end_step(self, step_id: int) -> StepPlan | None:
         plan = self.in_flight
         if plan is None or plan.step_id != step_id:
@@ -297,21 +252,17 @@ class Scheduler:
             if stream is None:
                 continue
             self.generated_tokens += 1
-            text, matched = stream.push(update.token_id)
-            reason: str | None = update.finish_reason
-            if reason is not None and not matched:
-                tail, matched = stream.finish()
-                text += tail
-            if matched:
-                if reason is None:
-                    self.core.finish(update.rid, "stop")
-                reason = "stop"
+            text, reason = stream.add(update.token_id, update.finish_reason)
             if reason is not None:
+                if update.finish_reason is None:  # a stop string matched: the core did not know
+                    self.core.finish(update.rid, "stop")
                 del self.streams[update.rid]
             usage = (stream.prompt_tokens, stream.completion_tokens)
             outputs.append(RequestOutput(update.rid, text, [update.token_id], reason, *usage))
         self._flush_unlinks()
         if outputs:
+            # When a request finishes, stats go first: the frontend answers it with stats that include it.
+            self._maybe_send_stats(force=any(o.finish_reason for o in outputs))
             self.frontend.send(OutputBatch(outputs))
 
     def _on_worker_failed(self, msg: WorkerFailed) -> None:
@@ -319,50 +270,51 @@ class Scheduler:
         plan = self._end_step(msg.step_id)
         if plan is None:
             return
-        for rid in dict.fromkeys(chunk.rid for chunk in plan.chunks):
+        for rid in self.core.fail_step(plan.step_id):
             if self.streams.pop(rid, None) is not None:
-                self._fail(rid, 500, f"the model failed on this request: {msg.message}", type="server_error")
-            self.core.abort(rid)
-        # Close the step in the core (its requests are gone, so nothing is applied).
-        self.core.update(StepResult(plan.step_id, []))
-        # The failed step may not have stored the embeddings its plan admitted to the index; drop
-        # them so no later step splices an entry the workers lack. (Workaround: the core has no
-        # public "step failed" API yet.)
-        for job in plan.encode:
-            if job.key in self.core.mm_index:
-                self.core.mm_index._remove(job.key)
+                self._fail(rid, 500, f"the model failed on this request: {msg.message}")
         self._flush_unlinks()
 
     def _flush_unlinks(self) -> None:
         names, self.deferred_unlinks = self.deferred_unlinks, []
         _unlink_all(names)
 
-    # ---- stats & shutdown ----------------------------------------------------------------------
-    def _maybe_send_stats(self) -> None:
+    def _maybe_send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
-        if now < self.next_stats:
+        if now < self.next_stats and not force:
             return
         self.next_stats = now + STATS_INTERVAL_S
         core, idx = self.core, self.core.mm_index
         stats = SchedulerStats(
-            requests_running=len(core.running), requests_waiting=len(core.waiting),
-            kv_blocks_used=core.allocator.num_used, kv_blocks_total=core.allocator.num_blocks,
-            generated_tokens=self.generated_tokens, prompt_tokens=self.prompt_tokens,
-            mm_cache_entries=len(idx), mm_cache_bytes=idx.used_bytes, mm_cache_hits=idx.stats.hits,
-            mm_cache_misses=idx.stats.misses, mm_cache_evictions=idx.stats.evictions,
-            images_encoded=self.images_encoded, vit_batches=self.vit_batches,
-            shm_segments=self.ledger.segments, shm_bytes=self.ledger.used_bytes,
-            shm_budget_bytes=self.ledger.budget_bytes, steps=self.steps,
+            requests_running=len(core.running),
+            requests_waiting=len(core.waiting),
+            kv_blocks_used=core.allocator.num_used,
+            kv_blocks_total=core.allocator.num_blocks,
+            generated_tokens=self.generated_tokens,
+            prompt_tokens=self.prompt_tokens,
+            mm_cache_entries=len(idx),
+            mm_cache_bytes=idx.used_bytes,
+            mm_cache_hits=idx.stats.hits,
+            mm_cache_misses=idx.stats.misses,
+            mm_cache_evictions=idx.stats.evictions,
+            images_encoded=self.images_encoded,
+            vit_batches=self.vit_batches,
+            shm_segments=self.ledger.segments,
+            shm_bytes=self.ledger.used_bytes,
+            shm_budget_bytes=self.ledger.budget_bytes,
+            steps=self.steps,
+            shm_retained_segments=self.ledger.retained_segments,
+            shm_retained_bytes=self.ledger.retained_bytes,
+            plan_bytes_last=self.plan_bytes["last"],
+            plan_bytes_max=self.plan_bytes["max"],
+            workers=[self.worker_stats[r] for r in sorted(self.worker_stats)],
         )
         self.frontend.send(stats)
         for sock in self.tokenizers:
             sock.send(stats)
         if now >= self.next_log and (core.running or core.waiting or self.log.isEnabledFor(logging.DEBUG)):
             self.next_log = now + LOG_STATS_INTERVAL_S
-            self.log.info(
-                "%s plan_bytes_last=%d plan_bytes_max=%d plan_bytes_total=%d", msgspec.json.encode(stats).decode(),
-                self.plan_bytes_last, self.plan_bytes_max, self.plan_bytes_total,
-            )
+            self.log.info("%s plan_bytes=%s", msgspec.json.encode(stats).decode(), self.plan_bytes)
 
     def close(self) -> None:
         """Unlink every live request's names, tell the model workers to exit, close the sockets."""
@@ -379,15 +331,8 @@ class Scheduler:
 
 def run_scheduler(config: ServerConfig) -> None:
     """Entry point of the scheduler process; returns (exit 0) after Shutdown or SIGTERM."""
-    log = _configure_logging("glimpse.scheduler", config.log_level)
-    # Ctrl-C reaches the whole process group; the launcher decides how to stop, then sends Shutdown.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log = setup_child("glimpse.scheduler", config.log_level)
     sched = Scheduler(config, log)
-
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        sched.stop_reason = "SIGTERM"
-
-    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         if sched.wait_for_models():
             sched.run()

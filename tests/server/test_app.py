@@ -1,185 +1,23 @@
-"""The HTTP frontend over real HTTP (uvicorn on uvloop) and real ZMQ: the test plays the tokenizer
-and scheduler ends of the sockets, the client is the official `openai` package (or raw httpx where
-the wire bytes matter)."""
+"""The HTTP frontend over real HTTP (uvicorn, uvloop by default) and real ZMQ: the test plays the
+tokenizer and scheduler ends of the sockets (tests/server/harness.py); the client is the official
+`openai` package, or raw httpx where the wire bytes matter."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
-import uvloop
 
-from ipc.channels import PullSocket, PushSocket, new_context
-from ipc.launch import cleanup_launch_dir, ipc_address, new_launch_id
-from ipc.messages import (
-    AbortRequest,
-    GenerateRequest,
-    Msg,
-    OutputBatch,
-    ProcessReady,
-    RequestAccepted,
-    RequestFailed,
-    RequestOutput,
-    SchedulerInbound,
-    SchedulerStats,
-    TokenizerInbound,
-    TokenizerStats,
-)
-from server.app import create_app
-from server.config import ServerConfig
-from server.frontend import FrontendState
-from workers.engine.config import EngineConfig
+from ipc.messages import ProcessReady, RequestFailed, SchedulerStats, TokenizerStats
+from tests.server.harness import MESSAGES, Served, ServeFactory, wait_for
 
-API_KEY = "sk-test-key"
-MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
-T = TypeVar("T")
-
-
-class Peers:
-    """The children's ends of the frontend's sockets, driven by the test."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.ctx = new_context()
-        lid = config.launch_id
-        self.toks = [
-            PullSocket[TokenizerInbound](self.ctx, ipc_address(lid, f"tok{i}"), TokenizerInbound, True)
-            for i in range(config.tokenizer_workers)
-        ]
-        self.sched = PullSocket[SchedulerInbound](self.ctx, ipc_address(lid, "sched"), SchedulerInbound, True)
-        self.out = PushSocket[Msg](self.ctx, ipc_address(lid, "frontend"), Msg, False)
-
-    def request(self, worker: int = 0, timeout_s: float = 5.0) -> GenerateRequest:
-        msg = self.toks[worker].recv(int(timeout_s * 1000))
-        assert isinstance(msg, GenerateRequest), msg
-        return msg
-
-    def accept(self, req: GenerateRequest, prompt_tokens: int = 5) -> None:
-        body = json.loads(req.body)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.out.send(RequestAccepted(req.rid, bool(body.get("stream")), include_usage, body["model"], prompt_tokens, 0))
-
-    def output(self, rid: str, text: str, finish: str | None, completion_tokens: int, prompt_tokens: int = 5) -> None:
-        self.out.send(OutputBatch([RequestOutput(rid, text, [1], finish, prompt_tokens, completion_tokens)]))
-
-    def hello(self, rid: str) -> None:
-        self.output(rid, "Hel", None, 1)
-        self.output(rid, "lo", "stop", 2)
-
-    def abort(self, timeout_s: float = 5.0) -> AbortRequest:
-        msg = self.sched.recv(int(timeout_s * 1000))
-        assert isinstance(msg, AbortRequest), msg
-        return msg
-
-    def close(self) -> None:
-        for sock in [*self.toks, self.sched, self.out]:
-            sock.close()
-        self.ctx.term()
-
-
-class Served:
-    """create_app under uvicorn in a thread with its own uvloop loop, as the launcher serves it."""
-
-    def __init__(self, config: ServerConfig, ready: bool) -> None:
-        self.config = config
-        self.state = FrontendState(config)
-        self.peers = Peers(config)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(config, self.state), log_level="warning"))
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = threading.Thread(target=self._run, args=(sock,), daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, what="uvicorn start")
-        self.http = httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {API_KEY}"}, timeout=10)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=10)
-        self.pool = ThreadPoolExecutor(4)
-        if ready:
-            self.peers.out.send(ProcessReady("scheduler", 0, 1))
-            for i in range(config.tokenizer_workers):
-                self.peers.out.send(ProcessReady("tokenizer", i, 1))
-            wait_for(lambda: self.http.get("/health").status_code == 200, what="health")
-
-    def _run(self, sock: socket.socket) -> None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            self.loop = runner.get_loop()
-            runner.run(self._main(sock))
-
-    async def _main(self, sock: socket.socket) -> None:
-        try:
-            await self.server.serve(sockets=[sock])
-        finally:
-            await self.state.close()
-
-    def bg(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        return self.pool.submit(fn, *args, **kwargs)
-
-    def on_loop(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        assert self.loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stats(self) -> dict[str, Any]:
-        response = self.http.get("/admin/stats")
-        assert response.status_code == 200
-        result: dict[str, Any] = response.json()
-        return result
-
-    def stop(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        self.http.close()
-        self.client.close()
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.peers.close()
-        cleanup_launch_dir(self.config.launch_id)
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-ServeFactory = Callable[..., Served]
-
-
-@pytest.fixture
-def serve() -> Iterator[ServeFactory]:
-    started: list[Served] = []
-
-    def factory(ready: bool = True, **overrides: Any) -> Served:
-        fields: dict[str, Any] = {"api_key": API_KEY, "tokenizer_workers": 1, "max_body_bytes": 1 << 20}
-        fields.update(overrides)
-        config = ServerConfig(EngineConfig(model="unused"), new_launch_id(), "demo", **fields)
-        served = Served(config, ready)
-        started.append(served)
-        return served
-
-    yield factory
-    for served in started:
-        try:
-            # Every exit path (answer, error, disconnect, fail_all) must have forgotten its rid.
-            wait_for(lambda: not served.state.flights, what="flights to be cleaned up")
-            assert all(n == 0 for n in served.state.outstanding)
-        finally:
-            served.stop()
-
-
-@pytest.fixture
-def srv(serve: ServeFactory) -> Served:
-    return serve()
+# The launcher serves on uvloop; nothing in the app may depend on that.
+LOOPS = pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 
 
 def test_non_streaming_completion(srv: Served) -> None:
@@ -199,7 +37,9 @@ def test_non_streaming_completion(srv: Served) -> None:
     assert (stats["total"], stats["ok"], stats["in_flight_http"]) == (1, 1, 0)
 
 
-def test_streaming_with_usage(srv: Served) -> None:
+@LOOPS
+def test_streaming_with_usage(serve: ServeFactory, loop: str) -> None:
+    srv = serve(loop=loop)
     def consume() -> list[Any]:
         stream = srv.client.chat.completions.create(
             model="demo", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
@@ -295,7 +135,7 @@ def test_models(srv: Served) -> None:
 
 def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
     srv = serve(tokenizer_workers=2)
-    base: dict[str, int] = dict.fromkeys(SchedulerStats.__struct_fields__, 0)
+    base: dict[str, int] = {f: 0 for f in SchedulerStats.__struct_fields__ if f != "workers"}
     base |= {"requests_running": 2, "requests_waiting": 3, "kv_blocks_used": 10, "kv_blocks_total": 100}
     base |= {"mm_cache_entries": 4, "mm_cache_bytes": 4096, "mm_cache_hits": 3, "mm_cache_misses": 1}
     base |= {"images_encoded": 1, "vit_batches": 1, "shm_segments": 2, "shm_bytes": 2048, "shm_budget_bytes": 1 << 30}
@@ -311,7 +151,7 @@ def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
     assert stats["kv_blocks"] == {"used": 10, "total": 100}
     assert stats["mm_cache"] == {"entries": 4, "bytes": 4096, "hits": 3, "misses": 1, "evictions": 0, "hit_rate": 0.75}
     assert (stats["images_encoded"], stats["vit_batches"]) == (1, 1)
-    assert stats["shm"] == {"segments": 2, "bytes": 2048, "budget_bytes": 1 << 30}
+    assert stats["shm"] == {"segments": 2, "bytes": 2048, "budget_bytes": 1 << 30, "retained_segments": 0, "retained_bytes": 0}
     assert stats["tokenizers"] == [
         {"worker": 0, "queue_depth": 0, "outstanding": 0, "requests": 0, "images": 0, "images_reused": 0},
         {"worker": 1, "queue_depth": 2, "outstanding": 0, "requests": 9, "images": 6, "images_reused": 4},
@@ -342,7 +182,9 @@ def test_least_outstanding_tokenizer(serve: ServeFactory) -> None:
     assert first.result(10).status_code == second.result(10).status_code == 400
 
 
-def test_stream_disconnect_sends_abort(srv: Served) -> None:
+@LOOPS
+def test_stream_disconnect_sends_abort(serve: ServeFactory, loop: str) -> None:
+    srv = serve(loop=loop)
     payload = {"model": "demo", "messages": MESSAGES, "stream": True}
     got_content = threading.Event()
 
@@ -398,12 +240,15 @@ def test_mid_stream_failure_emits_error_event(srv: Served) -> None:
 def test_fail_all_fails_in_flight_fast(srv: Served) -> None:
     plain = srv.bg(srv.client.chat.completions.create, model="demo", messages=MESSAGES)
     streamed = srv.bg(lambda: list(srv.client.chat.completions.create(model="demo", messages=MESSAGES, stream=True)))
-    waiting = srv.bg(srv.client.chat.completions.create, model="demo", messages=MESSAGES)  # never accepted
+    never = [{"role": "user", "content": "never accepted"}]
+    waiting = srv.bg(srv.client.chat.completions.create, model="demo", messages=never)
+    # The three requests may reach the tokenizer in any order: tell them apart by their bodies.
     reqs = [srv.peers.request() for _ in range(3)]
-    by_stream = {json.loads(r.body).get("stream", False): r for r in reqs[:2]}
-    for req in reqs[:2]:
+    accepted = [r for r in reqs if json.loads(r.body)["messages"] == MESSAGES]
+    [stream_req] = [r for r in accepted if json.loads(r.body).get("stream")]
+    for req in accepted:
         srv.peers.accept(req)
-    srv.peers.output(by_stream[True].rid, "Hel", None, 1)
+    srv.peers.output(stream_req.rid, "Hel", None, 1)
     time.sleep(0.2)
     assert srv.stats()["requests"]["in_flight_http"] == 3
     t0 = time.monotonic()

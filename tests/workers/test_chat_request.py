@@ -33,7 +33,13 @@ BAD: list[tuple[str, bytes, int, str | None, str | None]] = [
     ("missing model", json.dumps({"messages": USER}).encode(), 400, "model", "missing_required_parameter"),
     ("messages not a list", body(messages="hello"), 400, "messages", "invalid_value"),
     ("messages empty", body(messages=[]), 400, "messages", "invalid_value"),
-    ("unknown role", body(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role", "invalid_value"),
+    (
+        "unknown role",
+        body(messages=[{"role": "robot", "content": "x"}]),
+        400,
+        "messages[0].role",
+        "invalid_value",
+    ),
     (
         "unknown part type",
         body(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
@@ -62,14 +68,26 @@ BAD: list[tuple[str, bytes, int, str | None, str | None]] = [
     ("top_p above 1", body(top_p=1.5), 400, "top_p", "invalid_value"),
     ("top_k -2", body(top_k=-2), 400, "top_k", "invalid_value"),
     ("max_tokens 0", body(max_tokens=0), 400, "max_tokens", "invalid_value"),
-    ("max_completion_tokens -1", body(max_completion_tokens=-1), 400, "max_completion_tokens", "invalid_value"),
+    (
+        "max_completion_tokens -1",
+        body(max_completion_tokens=-1),
+        400,
+        "max_completion_tokens",
+        "invalid_value",
+    ),
     ("too many stops", body(stop=[str(i) for i in range(17)]), 400, "stop", "invalid_value"),
     ("empty stop", body(stop=""), 400, "stop", "invalid_value"),
     ("n 2", body(n=2), 400, "n", "unsupported_parameter"),
     ("presence_penalty", body(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
     ("frequency_penalty", body(frequency_penalty=-1), 400, "frequency_penalty", "unsupported_parameter"),
     ("logprobs", body(logprobs=True), 400, "logprobs", "unsupported_parameter"),
-    ("tools", body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
+    (
+        "tools",
+        body(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tools",
+        "unsupported_parameter",
+    ),
     ("stream not a bool", body(stream="yes"), 400, "stream", "invalid_value"),
 ]
 
@@ -111,7 +129,9 @@ def test_parts_both_image_url_forms_and_unknown_fields_ignored() -> None:
     req = parse_request(body(messages=messages, some_sdk_extra={"x": 1}, user="u1"))
     parts = req.messages[1].content
     assert isinstance(parts, list)
-    assert isinstance(parts[0], TextPart) and isinstance(parts[1], ImagePart) and isinstance(parts[2], ImagePart)
+    assert (
+        isinstance(parts[0], TextPart) and isinstance(parts[1], ImagePart) and isinstance(parts[2], ImagePart)
+    )
     refs = image_refs(req)
     assert [r.url for r in refs] == ["data:image/png;base64,AAAA", "https://example.com/a.png"]
     assert [r.param for r in refs] == ["messages[1].content[1].image_url", "messages[1].content[2].image_url"]
@@ -166,5 +186,9 @@ def test_context_length() -> None:
     for prompt_len in (1000, 5000):
         with pytest.raises(BadRequest) as info:
             to_sampling_params(req, prompt_len=prompt_len, max_model_len=1000)
-        assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded", "messages")
+        assert (info.value.status, info.value.code, info.value.param) == (
+            400,
+            "context_length_exceeded",
+            "messages",
+        )
         assert str(prompt_len) in info.value.message

@@ -110,7 +110,9 @@ def test_stop_checker_matches_a_plain_search() -> None:
     alphabet = "ab c🎉"
     for _ in range(2000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
-        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        stops = [
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
+        ]
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
         deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
         checker = StopChecker(stops)
@@ -141,3 +143,21 @@ def test_text_stream_stop_across_multibyte_tokens(tokenizer: Any) -> None:
     out = "".join(stream.push(t)[0] for t in ids[:21])  # ends with "caf" + half of "é"
     tail, matched = stream.finish()
     assert not matched and out + tail == tokenizer.decode(ids[:21])
+
+
+def test_text_stream_add_merges_the_core_verdict(tokenizer: Any) -> None:
+    ids = tokenizer.encode("ab 世界 cd", add_special_tokens=False)
+    # The core stops the request (length) while text is held back: it comes out with the last token.
+    stream = TextStream(tokenizer, ["d!"])
+    steps = [stream.add(t, None) for t in ids[:-1]] + [stream.add(ids[-1], "length")]
+    assert "".join(text for text, _ in steps) == "ab 世界 cd"
+    assert [reason for _, reason in steps] == [None] * (len(ids) - 1) + ["length"]
+    # A stop string ends it with "stop" although the core saw no reason to stop.
+    stream = TextStream(tokenizer, ["界 c"])
+    out, reason = "", None
+    for t in ids:
+        text, reason = stream.add(t, None)
+        out += text
+        if reason is not None:
+            break
+    assert (out, reason) == ("ab 世", "stop")

@@ -133,7 +133,7 @@ def test_alpha_is_flattened_on_white_and_exif_orientation_applied() -> None:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         port = self.server.server_port  # type: ignore[attr-defined]  # an HTTPServer, typed as BaseServer
         if self.path == "/img.png":
             self._send(200, PNG)

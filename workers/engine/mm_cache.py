@@ -96,6 +96,11 @@ class EmbeddingCacheIndex:
         self.used_bytes += size
         return True, evicted
 
+    def discard(self, key: bytes) -> None:
+        """Forget an entry the workers may not hold (its encode step failed)."""
+        if key in self._entries:
+            self._remove(key)
+
     def _remove(self, key: bytes) -> None:
         num_tokens = self._entries.pop(key)
         self.used_bytes -= self.entry_bytes(num_tokens)

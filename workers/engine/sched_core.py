@@ -305,6 +305,20 @@ class SchedulerCore:
             updates.append(SeqUpdate(rid, token_id, reason))
         return updates
 
+    def fail_step(self, step_id: int) -> list[str]:
+        """The step in flight failed on a worker: abort its requests and forget the embeddings it was
+        to store (the workers may not hold them). Returns the aborted rids."""
+        plan = self._in_flight
+        if plan is None or plan.step_id != step_id:
+            raise RuntimeError(f"step {step_id} is not the step in flight")
+        self._in_flight = None
+        for job in plan.encode:
+            self.mm_index.discard(job.key)
+        rids = list(dict.fromkeys(chunk.rid for chunk in plan.chunks))
+        for rid in rids:
+            self.abort(rid)
+        return rids
+
     def _check_finish(self, seq: Sequence, token_id: int) -> FinishReason | None:
         sp = seq.sampling
         if (not sp.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids:

@@ -1,0 +1,122 @@
+"""`glimpse serve`: flags -> one frozen ServerConfig -> the launcher."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from server.config import ServerConfig
+
+
+def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model behind an OpenAI-compatible HTTP API",
+        description="Serve a Qwen2.5-VL checkpoint (a local Hugging Face directory) behind an OpenAI-compatible "
+        "API. With no --model, serves the built-in demo model (random weights: its answers are noise).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = p.add_argument_group("model and engine")
+    m.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    m.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: dir name)")
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel size: model worker processes, one per GPU")
+    m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    m.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
+    m.add_argument("--attn-backend", default="auto", choices=["auto", "sdpa", "flash"])
+    m.add_argument("--chunk-size", type=int, default=1024, help="token budget of one step (chunked prefill)")
+    m.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    m.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    m.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default: 512 MB on CPU, 40%% of free GPU memory)")
+    m.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-mb)")
+    m.add_argument("--mm-cache-mb", type=float, default=1024, help="per-image embedding cache budget")
+    m.add_argument("--mm-cache-mode", default="image", choices=["image", "request"],
+                   help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
+    m.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /admin")
+    s.add_argument("--tokenizer-workers", type=int, default=2, help="processes that parse requests and images")
+    s.add_argument("--launch-id", default=None, help="names this launch's sockets and shm segments (default: random)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-images-per-request", type=int, default=32)
+    lim.add_argument("--max-image-mb", type=float, default=20, help="encoded size cap of one image")
+    lim.add_argument("--max-image-pixels", type=int, default=40_000_000, help="width*height cap of one image")
+    lim.add_argument("--max-body-mb", type=float, default=256, help="HTTP request body cap")
+    lim.add_argument("--media-timeout", type=float, default=10.0, help="seconds to fetch one image URL")
+    lim.add_argument("--allowed-media-domains", default="", help="comma-separated hosts for http(s) image URLs (empty: any)")
+    lim.add_argument("--allowed-local-media-path", default=None, help="directory file:// images may come from (default: none)")
+    lim.add_argument("--shm-budget-mb", type=int, default=4096, help="pixels in shared memory in flight; past it: 503")
+    p.set_defaults(handler=run_serve)
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    import torch
+
+    from ipc.launch import new_launch_id
+    from workers.engine.config import EngineConfig, ModelInfo
+    from workers.engine.demo_model import ensure_demo_model
+
+    model = Path(args.model) if args.model else ensure_demo_model()
+    if not (model / "config.json").exists():
+        raise SystemExit(f"glimpse serve: {model} is not a checkpoint directory (no config.json)")
+    info = ModelInfo.load(model)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = EngineConfig(
+        model=str(model),
+        device=device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        attn_backend=args.attn_backend,
+        chunk_size=args.chunk_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or info.max_position_embeddings,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_mb=args.kv_cache_mb,
+        mm_cache_mb=args.mm_cache_mb,
+        mm_cache_mode=args.mm_cache_mode,
+        seed=args.seed,
+        tp_size=args.tp,
+    )
+    name = args.served_model_name or ("glimpse-demo" if args.model is None else model.name)
+    return ServerConfig(
+        engine=engine,
+        launch_id=args.launch_id or new_launch_id(),
+        served_model_name=name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        tokenizer_workers=args.tokenizer_workers,
+        max_images_per_request=args.max_images_per_request,
+        max_image_bytes=int(args.max_image_mb * (1 << 20)),
+        max_image_pixels=args.max_image_pixels,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        media_timeout_s=args.media_timeout,
+        allowed_media_domains=tuple(d.strip() for d in args.allowed_media_domains.split(",") if d.strip()),
+        allowed_local_media_path=args.allowed_local_media_path,
+        shm_budget_bytes=args.shm_budget_mb << 20,
+        log_level=args.log_level,
+        dist_port=_free_port() if args.tp > 1 else 0,
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from server.launcher import serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
+    )
+    return serve(build_config(args))

@@ -1,0 +1,126 @@
+"""A real `glimpse serve` in a subprocess, for end-to-end tests with the official openai client."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+from PIL import Image
+
+from ipc.launch import new_launch_id
+from ipc.shm import list_segments
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def png_bytes(width: int, height: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+
+
+def image_message(text: str, urls: list[str]) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
+
+
+class LiveServer:
+    def __init__(self, model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.launch_id = new_launch_id()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--served-model-name", "demo",
+            "--port", str(self.port), "--launch-id", self.launch_id, "--num-kv-blocks", "512",
+            "--log-level", "warning", *extra,
+        ]
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"glimpse-{self.launch_id}.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def client(self, **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = httpx.get(self.base + "/admin/stats", timeout=5.0).json()
+        return result
+
+    def child_pids(self, role: str) -> list[int]:
+        """PIDs of this server's children of one role, read from /proc (name set by the launcher)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        pids = []
+        for pid in out:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                comm = Path(f"/proc/{pid}/comm").read_text()
+            except OSError:
+                continue
+            # spawn_main: a launcher child (multiprocessing's resource tracker inherits the env too).
+            if b"spawn_main" in cmdline and role in _proc_title(int(pid), comm):
+                pids.append(int(pid))
+        return pids
+
+    def segments(self) -> list[str]:
+        return list_segments(self.launch_id)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+        finally:
+            self.log.close()
+
+
+def _proc_title(pid: int, comm: str) -> str:
+    env = Path(f"/proc/{pid}/environ").read_bytes()
+    for item in env.split(b"\0"):
+        if item.startswith(b"GLIMPSE_ROLE="):
+            return item.split(b"=", 1)[1].decode()
+    return comm

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from workers.shm_ledger import ShmLedger
+
+A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
+
+
+def test_bytes_count_each_image_once_across_requests() -> None:
+    ledger = ShmLedger(budget_bytes=1000)
+    ledger.hold("r1", ["a1", "b1"], {A: 100, B: 200}, {A: "a1", B: "b1"})
+    ledger.hold("r2", ["a2"], {A: 100}, {A: "a2"})  # a hard link of the same image
+    assert ledger.used_bytes == 300 and ledger.segments == 3
+    assert ledger.extra_bytes({A: 100, C: 50}) == 50
+
+
+def test_last_holder_leaves_one_name_retained_for_the_next_turn() -> None:
+    ledger = ShmLedger(budget_bytes=1000, retain_fraction=0.5)
+    ledger.hold("r1", ["a1", "b1"], {A: 100, B: 200}, {A: "a1", B: "b1"})
+    ledger.hold("r2", ["a2"], {A: 100}, {A: "a2"})
+    assert ledger.release("r1") == ["a1"]  # A is still held by r2; B is kept alive under b1
+    assert ledger.retained_segments == 1 and ledger.used_bytes == 300
+    assert ledger.extra_bytes({B: 200}) == 0  # a new turn resending B adds nothing
+    assert ledger.release("r2") == []  # A's last name is retained too
+    assert ledger.retained_bytes == 300 and ledger.segments == 2
+
+
+def test_retention_is_bounded_and_gives_way_to_new_requests() -> None:
+    ledger = ShmLedger(budget_bytes=1000, retain_fraction=0.5)
+    ledger.hold("r1", ["a1", "b1", "c1"], {A: 300, B: 150, C: 100}, {A: "a1", B: "b1", C: "c1"})
+    # 550 bytes would stay, over the 500 allowed: the oldest retained image goes.
+    assert sorted(ledger.release("r1")) == ["a1"]
+    assert ledger.retained_bytes == 250
+    # A new request needing 900 bytes pushes retained images out, oldest first, only as far as needed.
+    assert ledger.make_room(900) == ["b1"]
+    assert ledger.make_room(950) == ["c1"]
+    assert ledger.used_bytes == 0
+
+
+def test_no_retention_unlinks_everything() -> None:
+    ledger = ShmLedger(budget_bytes=1000, retain_fraction=0.0)
+    ledger.hold("r1", ["a1"], {A: 100}, {A: "a1"})
+    assert ledger.release("r1") == ["a1"] and ledger.segments == 0
+
+
+def test_release_all_returns_live_and_retained_names() -> None:
+    ledger = ShmLedger(budget_bytes=1000)
+    ledger.hold("r1", ["a1"], {A: 100}, {A: "a1"})
+    ledger.release("r1")
+    ledger.hold("r2", ["b1"], {B: 100}, {B: "b1"})
+    assert sorted(ledger.release_all()) == ["a1", "b1"] and ledger.segments == 0

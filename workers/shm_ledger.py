@@ -1,0 +1,87 @@
+"""The scheduler's account of pixels in shared memory: who holds which image, how many bytes are in
+flight, and which recently finished images stay alive for reuse.
+
+Bytes are counted once per distinct image hash: every request holds its own *name* of an image, but
+names of one image are hard links to the same pages. When the last request holding an image
+finishes, one of its names is *retained* (LRU) instead of unlinked, so the next turn of a chat that
+resends the image finds a live segment and the tokenizer skips decode, processing and the write.
+Retained images give their bytes back first whenever a new request needs room, and never take more
+than ``retain_fraction`` of the budget.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ShmLedger:
+    budget_bytes: int
+    retain_fraction: float = 0.5
+    _refs: Counter[bytes] = field(default_factory=Counter)  # hash -> live requests holding it
+    _sizes: dict[bytes, int] = field(default_factory=dict)  # live hashes
+    _held: dict[str, tuple[list[str], dict[bytes, int], dict[bytes, str]]] = field(default_factory=dict)
+    _retained: OrderedDict[bytes, tuple[str, int]] = field(default_factory=OrderedDict)  # oldest first
+
+    @property
+    def used_bytes(self) -> int:
+        live = sum(self._sizes.values())
+        return live + sum(n for h, (_, n) in self._retained.items() if h not in self._sizes)
+
+    @property
+    def retained_bytes(self) -> int:
+        return sum(n for _, n in self._retained.values())
+
+    @property
+    def retained_segments(self) -> int:
+        return len(self._retained)
+
+    @property
+    def segments(self) -> int:
+        return sum(len(names) for names, _, _ in self._held.values()) + len(self._retained)
+
+    def extra_bytes(self, images: dict[bytes, int]) -> int:
+        """Bytes in flight would grow by this much if a request holding ``images`` were admitted."""
+        return sum(n for h, n in images.items() if h not in self._sizes and h not in self._retained)
+
+    def make_room(self, extra: int) -> list[str]:
+        """Drop retained images (oldest first) until ``extra`` more bytes fit; returns names to unlink."""
+        out: list[str] = []
+        while self._retained and self.used_bytes + extra > self.budget_bytes:
+            _, (name, _) = self._retained.popitem(last=False)
+            out.append(name)
+        return out
+
+    def hold(self, rid: str, names: list[str], images: dict[bytes, int], name_of: dict[bytes, str]) -> None:
+        self._held[rid] = (names, images, name_of)
+        self._refs.update(images.keys())
+        self._sizes.update(images)
+        for h in images:
+            if h in self._retained:
+                self._retained.move_to_end(h)  # used again: the last to be dropped
+
+    def release(self, rid: str) -> list[str]:
+        """Forget ``rid``'s holdings; returns the names to unlink (one name per newly idle image stays)."""
+        names, images, name_of = self._held.pop(rid, ([], {}, {}))
+        keep: set[str] = set()
+        self._refs.subtract(images.keys())
+        for h, size in images.items():
+            if self._refs[h] > 0:
+                continue
+            del self._refs[h], self._sizes[h]
+            if h not in self._retained and h in name_of:
+                self._retained[h] = (name_of[h], size)
+                keep.add(name_of[h])
+        out = [n for n in names if n not in keep]
+        limit = int(self.budget_bytes * self.retain_fraction)
+        while self._retained and self.retained_bytes > limit:
+            _, (name, _) = self._retained.popitem(last=False)
+            out.append(name)
+        return out
+
+    def release_all(self) -> list[str]:
+        names = [name for rid in list(self._held) for name in self.release(rid)]
+        names += [name for name, _ in self._retained.values()]
+        self._retained.clear()
+        return names
