@@ -1,0 +1,117 @@
+"""Tensor parallelism end to end: `glimpse serve --tp 2` over gloo on the CPU, real processes."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+from tests.server.live import LiveServer, data_url, image_message, png_bytes
+from workers.engine.model_runner import split_by_patches
+
+MAX_NEW = 12
+ODD = [(57, 83), (300, 200), (123, 77), (640, 480), (29, 29)]
+FIVE = [png_bytes(w, h, seed=50 + i) for i, (w, h) in enumerate(ODD)]
+
+
+@pytest.fixture(scope="module")
+def tp2(demo_model_dir: Path) -> Iterator[LiveServer]:
+    server = LiveServer(demo_model_dir, "--tp", "2", "--tokenizer-workers", "1", "--chunk-size", "64")
+    yield server
+    assert server.stop() == 0, server.output()
+    assert server.segments() == []
+
+
+@pytest.fixture(scope="module")
+def tp1(demo_model_dir: Path) -> Iterator[LiveServer]:
+    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1", "--chunk-size", "64")
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+def reference_text(model_dir: Path, images: list[bytes], text: str) -> str:
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    parts: list[dict[str, Any]] = [{"type": "image", "image": Image.open(io.BytesIO(b)).convert("RGB")} for b in images]
+    parts.append({"type": "text", "text": text})
+    inputs = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=True, add_generation_prompt=True, return_dict=True,
+        return_tensors="pt",
+    )
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    return str(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+
+
+def ask(server: LiveServer, images: list[bytes], text: str) -> str:
+    resp = server.client(timeout=120).chat.completions.create(
+        model="demo", messages=image_message(text, [data_url(b) for b in images]),  # type: ignore[arg-type]
+        max_tokens=MAX_NEW, temperature=0,
+    )
+    return resp.choices[0].message.content or ""
+
+
+@pytest.mark.parametrize("count", [1, 5])
+def test_tp2_equals_tp1_and_transformers(tp2: LiveServer, tp1: LiveServer, demo_model_dir: Path, count: int) -> None:
+    images, text = FIVE[:count], f"Describe these {count} pages."
+    expected = reference_text(demo_model_dir, images, text)
+    assert ask(tp1, images, text) == expected
+    assert ask(tp2, images, text) == expected
+
+
+def test_each_rank_reads_only_its_share_of_shm(tp2: LiveServer) -> None:
+    images = [png_bytes(w, h, seed=90 + i) for i, (w, h) in enumerate([(400, 300), (200, 120), (90, 90), (310, 250)])]
+    before = {w["rank"]: w["pixel_reads"] for w in tp2.stats()["model_workers"]}
+    # One chunk covers the whole prompt, so the four images are encoded in one step, split by patches.
+    resp = tp2.client(timeout=120).chat.completions.create(
+        model="demo", messages=image_message("Read all.", [data_url(b) for b in images]),  # type: ignore[arg-type]
+        max_tokens=2, extra_body={"ignore_eos": True},
+    )
+    assert resp.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 10
+    while True:
+        workers = {w["rank"]: w for w in tp2.stats()["model_workers"]}
+        reads = {r: workers[r]["pixel_reads"] - before.get(r, 0) for r in (0, 1)} if len(workers) == 2 else {}
+        if sum(reads.values()) == 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sum(reads.values()) == 4, reads  # every image read once in all, by one rank
+    assert reads[0] > 0 and reads[1] > 0, reads  # and the work was split across both ranks
+
+
+def test_split_follows_patch_counts() -> None:
+    # 4 images: two large, two small -> one large + one small each, whatever their order in the prompt.
+    assert split_by_patches([400, 30, 380, 20], 2) == [[0, 3], [1, 2]]
+
+
+def test_killing_one_rank_fails_cleanly(demo_model_dir: Path) -> None:
+    server = LiveServer(demo_model_dir, "--tp", "2", "--tokenizer-workers", "1")
+    try:
+        ranks = server.child_pids("model[1]")
+        assert len(ranks) == 1
+        stream = server.client(timeout=60).chat.completions.create(
+            model="demo", messages=image_message("Go on.", [data_url(FIVE[1])]),  # type: ignore[arg-type]
+            max_tokens=5000, stream=True, extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        os.kill(ranks[0], signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            for _ in stream:
+                pass
+        assert time.monotonic() - killed < 1.5
+        assert server.proc.wait(30) != 0
+    finally:
+        server.stop(signal.SIGKILL)
+    assert server.segments() == []
