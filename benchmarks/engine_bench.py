@@ -66,6 +66,12 @@ def run_mode(model_dir: Path, args: argparse.Namespace, mode: str, images: list[
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated() if args.device.startswith("cuda") else 0
+    prof = None
+    if args.profile and mode == "image":
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        prof.__enter__()
     t0 = time.perf_counter()
     rid = engine.add_request(messages_with(images, "Summarise these pages."), greedy)
     t_pre = time.perf_counter() - t0
@@ -80,6 +86,10 @@ def run_mode(model_dir: Path, args: argparse.Namespace, mode: str, images: list[
             break
     sync(args.device)
     total = time.perf_counter() - t0
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        sort = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=30))
     peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else 0
     prefill_steps = engine.step_log[steps_before:]
     result = {
@@ -117,6 +127,7 @@ def main() -> None:
     ap.add_argument("--mm-cache-mb", type=float, default=4096)
     ap.add_argument("--modes", default="image,request")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table for the per-image mode")
     args = ap.parse_args()
     width, height = RESOLUTIONS[args.resolution]
     images = [noise_image(width, height, seed=i) for i in range(args.images)]

@@ -91,6 +91,7 @@ class StepPlan(Msg, frozen=True):
     evict: list[bytes]  # embedding-store keys to drop before encoding
     encode: list[EncodeJob]
     finished: list[str]  # rids whose worker-side state can be dropped
+    sent_at: float = 0.0  # time.monotonic() when the scheduler encoded it (one clock for the whole host)
 
 
 class StepResult(Msg, frozen=True):
@@ -184,6 +185,9 @@ class WorkerStats(Msg, frozen=True):
     pixel_bytes: int
     images_encoded: int
     vit_calls: int
+    steps: int = 0
+    broadcast_s_sum: float = 0.0  # scheduler encode -> this rank decoded, summed over steps
+    broadcast_s_max: float = 0.0
 
 
 class SchedulerStats(Msg, frozen=True):

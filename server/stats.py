@@ -130,6 +130,9 @@ class StatsBook:
                     "pixel_bytes": w.pixel_bytes,
                     "images_encoded": w.images_encoded,
                     "vit_calls": w.vit_calls,
+                    "steps": w.steps,
+                    "broadcast_ms_mean": 1e3 * w.broadcast_s_sum / w.steps if w.steps else 0.0,
+                    "broadcast_ms_max": 1e3 * w.broadcast_s_max,
                 }
                 for w in (s.workers if s else [])
             ],

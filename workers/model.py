@@ -51,6 +51,15 @@ class PixelReader:
 
     reads: int = 0
     bytes_read: int = 0
+    steps: int = 0
+    broadcast_s_sum: float = 0.0
+    broadcast_s_max: float = 0.0
+
+    def broadcast(self, seconds: float) -> None:
+        """Record how long a plan took from the scheduler's encode to this rank's decode."""
+        self.steps += 1
+        self.broadcast_s_sum += seconds
+        self.broadcast_s_max = max(self.broadcast_s_max, seconds)
 
     def __call__(self, item: EncodeItem) -> torch.Tensor:
         ref = item.pixels
@@ -137,6 +146,7 @@ def _serve(
         if isinstance(msg, Shutdown):
             log.info("shutdown requested%s", f": {msg.reason}" if msg.reason else "")
             return
+        reader.broadcast(time.monotonic() - msg.sent_at)
         _run_step(runner, reader, rank, msg, to_sched, log)
 
 
@@ -162,9 +172,14 @@ def _run_step(
         # requests: the scheduler aborts them and the worker keeps serving the rest.
         to_sched.send(WorkerFailed(rank=rank, step_id=plan.step_id, message=f"{type(exc).__name__}: {exc}"))
         return
-    if reader.reads != reads:
-        c = runner.counters
-        to_sched.send(WorkerStats(rank, reader.reads, reader.bytes_read, c.images_encoded, c.vit_calls))
+    # Every step: a few dozen bytes, and the scheduler's stats then show each rank's broadcast times.
+    c = runner.counters
+    to_sched.send(
+        WorkerStats(
+            rank, reader.reads, reader.bytes_read, c.images_encoded, c.vit_calls,
+            reader.steps, reader.broadcast_s_sum, reader.broadcast_s_max,
+        )
+    )
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "step %d: %d chunks, %d images encoded in %d ViT calls, %d pixel reads (%d bytes), %.1f ms",

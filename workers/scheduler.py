@@ -173,7 +173,9 @@ class Scheduler:
         plan = self.core.schedule()
         if plan is None:
             return
-        # Encode once, send the same bytes to every rank: each rank must see the identical plan.
+        # Encode once, send the same bytes to every rank: each rank must see the identical plan. The
+        # timestamp lets every rank measure the broadcast (CLOCK_MONOTONIC is one clock per host).
+        plan = msgspec.structs.replace(plan, sent_at=time.monotonic())
         data = self.plan_encoder.encode(plan)
         for sock in self.models:
             sock.send_bytes(data)
