@@ -206,7 +206,7 @@ def main() -> None:
     print(f"{'tp':>3} {'TTFT s':>7} {'tokens':>7} {'decode tok/s @32':>17}  broadcast ms/step (per rank), plan bytes max")
     for r in results:
         bc = "; ".join(
-            f"{k[10:]}: {['%.3f' % x for x in v['broadcast_ms_mean_per_rank']]} ({v['pixel_bytes'] / 2**20:.0f} MiB px, "
+            f"{k[10:]}: {', '.join(f'{x:.3f}' for x in v['broadcast_ms_mean_per_rank'])} ({v['pixel_bytes'] / 2**20:.0f} MiB px, "
             f"{v['plan_bytes_max']} B)"
             for k, v in r.items() if k.startswith("broadcast_")
         )

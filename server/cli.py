@@ -31,11 +31,19 @@ def _add_demo_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(handler=_run_demo_model)
 
 
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # Imported here, not at the top: the load generator is a client-side tool the server never needs.
+    from benchmarks.bench_client import add_bench
+
+    add_bench(sub)
+
+
 # Each subcommand contributes one `_add_<name>(sub)` that registers its parser and sets `handler`.
 # `serve` (the OpenAI-compatible server) and `bench` (benchmark scripts) are added here next to demo-model.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _add_demo_model,
     add_serve,
+    _add_bench,
 ]
 
 
