@@ -89,7 +89,9 @@ class RequestRecord:
         def ms(v: float | None) -> float | None:
             return None if v is None else round(v * 1000.0, 3)
 
-        tpot = report.tpot_s(self.e2e_s, self.ttft_s, self.output_tokens) if self.e2e_s and self.ttft_s else None
+        tpot = None
+        if self.e2e_s is not None and self.ttft_s is not None:
+            tpot = report.tpot_s(self.e2e_s, self.ttft_s, self.output_tokens)
         return {
             "ok": self.ok, "error": self.error, "num_images": self.num_images, "start_ms": ms(self.start_s),
             "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(tpot), "e2e_ms": ms(self.e2e_s),
@@ -145,7 +147,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, num_imag
                             last = now
                             chunks.append(text)
                         rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # malformed events fail the request, not the run
         rec.error = f"{type(exc).__name__}: {exc}"
     rec.e2e_s = time.perf_counter() - start
     rec.text = "".join(chunks)
@@ -164,19 +166,15 @@ async def fetch_stats(client: httpx.AsyncClient, url: str) -> dict[str, Any] | N
     """glimpse's /admin/stats, or None where the server has none (404 on vLLM/SGLang) or it fails."""
     try:
         resp = await client.get(url)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
-        return None
-    try:
-        stats = resp.json()
-    except ValueError:
+        stats = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):  # ValueError: a 200 that is not JSON (some proxy's page)
         return None
     return stats if isinstance(stats, dict) else None
 
 
 def _client(args: argparse.Namespace, pool: int) -> httpx.AsyncClient:
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     # +2: the /models and /admin/stats calls must never wait behind a full pool of streams.
     limits = httpx.Limits(max_connections=pool + 2, max_keepalive_connections=pool + 2)
     return httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(args.timeout))
@@ -196,10 +194,6 @@ def _image_urls(args: argparse.Namespace, sizes: Sequence[tuple[int, int]], seed
     return [job.result() for job in jobs]
 
 
-def _workers() -> int:
-    return max(1, os.cpu_count() or 1)
-
-
 # ---- modes ---------------------------------------------------------------------------------------
 
 
@@ -216,10 +210,10 @@ async def run_serving(args: argparse.Namespace) -> dict[str, Any]:
         model = await _resolve_model(client, args)
 
         def build(i: int) -> bytes:  # distinct images per request: no server cache can short-cut the run
-            urls = [image_data_url(w, h, (args.seed, i, j), args.image_format) for j, (w, h) in enumerate(sizes[i])]
+            urls = [image_data_url(w, h, (args.seed, 1, i, j), args.image_format) for j, (w, h) in enumerate(sizes[i])]
             return report.chat_body(args, model, [user_message(urls, texts[i])])
 
-        with ThreadPoolExecutor(_workers()) as pool:
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             bodies = await asyncio.to_thread(lambda: list(pool.map(build, range(n))))
         gate = asyncio.Semaphore(args.concurrency or n)
         start = time.perf_counter()
@@ -255,8 +249,8 @@ async def run_multiturn(args: argparse.Namespace) -> dict[str, Any]:
     res = parse_resolution(args.resolution)
     sizes = [res.sample(rng) for _ in range(args.rounds)]
     texts = [random_text(rng, args.input_len) for _ in range(args.rounds)]
-    with ThreadPoolExecutor(_workers()) as pool:
-        seeds = [(args.seed, 0, r) for r in range(args.rounds)]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        seeds = [(args.seed, 2, r) for r in range(args.rounds)]
         urls = await asyncio.to_thread(_image_urls, args, sizes, seeds, pool)
     url, admin = args.base_url.rstrip("/") + "/chat/completions", report.stats_url(args.base_url)
     history: list[dict[str, Any]] = []
@@ -277,10 +271,8 @@ async def run_multiturn(args: argparse.Namespace) -> dict[str, Any]:
             history.append({"role": "assistant", "content": rec.text})
     result = report.result_header(args, "multiturn", model)
     ok = [x for x in rounds if x["ok"]]
-    result["summary"] = {
-        "rounds_ok": len(ok), "rounds_failed": len(rounds) - len(ok),
-        "ttft_ms": [x["ttft_ms"] for x in ok], "images_encoded": [x["images_encoded"] for x in ok],
-    }
+    result["summary"] = {"rounds_ok": len(ok), "rounds_failed": len(rounds) - len(ok),
+                         "ttft_ms": [x["ttft_ms"] for x in ok], "images_encoded": [x["images_encoded"] for x in ok]}
     result["rounds"] = rounds
     report.write_result(result, args.out, report.plot_multiturn)
     print(report.multiturn_table(result))
@@ -295,12 +287,13 @@ async def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     probes: list[dict[str, Any]] = []
     async with _client(args, 1) as client:
         model = await _resolve_model(client, args)
-        with ThreadPoolExecutor(_workers()) as pool:
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             for n in probe_counts(args.max_images, args.step):
                 # Fresh images per step (seeded by n) so a per-image cache never hides the encode cost.
                 sizes = [res.sample(rng) for _ in range(n)]
-                urls = await asyncio.to_thread(_image_urls, args, sizes, [(args.seed, n, j) for j in range(n)], pool)
-                body = await asyncio.to_thread(report.chat_body, args, model, [user_message(urls, random_text(rng, args.input_len))])
+                urls = await asyncio.to_thread(_image_urls, args, sizes, [(args.seed, 3, n, j) for j in range(n)], pool)
+                messages = [user_message(urls, random_text(rng, args.input_len))]
+                body = await asyncio.to_thread(report.chat_body, args, model, messages)
                 rec = await stream_chat(client, url, body, n)
                 stats = await fetch_stats(client, admin)
                 gpu = stats.get("gpu") if stats else None
@@ -311,8 +304,7 @@ async def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     result = report.result_header(args, "probe", model)
     ok = [p for p in probes if p["ok"]]
     failed = next((p for p in probes if not p["ok"]), None)
-    result["summary"] = {"max_ok_images": max((p["num_images"] for p in ok), default=0),
-                         "probes": len(probes)}
+    result["summary"] = {"max_ok_images": max((p["num_images"] for p in ok), default=0), "probes": len(probes)}
     result["first_failure"] = None if failed is None else {"num_images": failed["num_images"], "error": failed["error"]}
     result["probes"] = probes
     report.write_result(result, args.out, report.plot_probe)
@@ -323,17 +315,38 @@ async def run_probe(args: argparse.Namespace) -> dict[str, Any]:
 # ---- CLI -----------------------------------------------------------------------------------------
 
 
+def _positive(kind: Callable[[str], float], zero_ok: bool = False) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
+        return value
+
+    return parse
+
+
+def _resolution(spec: str) -> str:
+    try:
+        parse_resolution(spec)  # fail at parse time, not after the server was contacted
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
+
+
 def _common(p: argparse.ArgumentParser, output_len: int) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the OpenAI API root (ends in /v1)")
-    p.add_argument("--model", default=None, help="model name to send (default: the first of GET /models)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--model", default=None, help="model name to send; unset: the first of GET /models")
+    # Read from the environment at run time, not as the default: --help would print a default key.
+    p.add_argument("--api-key", default=None, help="bearer token; unset: $OPENAI_API_KEY if set")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="directory for the JSON and PNG")
-    p.add_argument("--seed", type=int, default=0, help="seeds images, texts and arrival times")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request")
-    p.add_argument("--resolution", default="1080p", help="720p, 1080p, 2k, WxH or random:WxH-WxH")
+    # Same seed, same image bytes: a server with an image cache (glimpse, vLLM) would serve a rerun from it.
+    p.add_argument("--seed", type=int, default=0, help="seeds images, texts, arrivals; vary it between runs "
+                   "against one server, or its image cache serves the repeats")
+    p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per HTTP request")
+    p.add_argument("--resolution", type=_resolution, default="1080p", help="720p, 1080p, 2k, WxH or random:WxH-WxH")
     p.add_argument("--image-format", default="jpeg", choices=sorted(report.MIME))
-    p.add_argument("--input-len", type=int, default=32, help="approximate words of text per user turn")
-    p.add_argument("--output-len", type=int, default=output_len, help="max_tokens of each request")
+    p.add_argument("--input-len", type=_positive(int), default=32, help="approximate words of text per user turn")
+    p.add_argument("--output-len", type=_positive(int), default=output_len, help="max_tokens of each request")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so answers run to --output-len (servers that support it)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -347,19 +360,19 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = modes.add_parser("serving", help="throughput and latency under load", formatter_class=fmt)
     _common(p, 128)
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second; inf = all at once")
-    p.add_argument("--images-per-request", type=int, default=1)
+    p.add_argument("--num-prompts", type=_positive(int), default=100)
+    p.add_argument("--concurrency", type=_positive(int), default=None, help="most requests in flight; unset: no cap")
+    p.add_argument("--request-rate", type=_positive(float), default=math.inf, help="Poisson arrivals per second; inf = all at once")
+    p.add_argument("--images-per-request", type=_positive(int, zero_ok=True), default=1)
     p.set_defaults(handler=run_bench, runner=run_serving)
     p = modes.add_parser("multiturn", help="one chat adding an image per round", formatter_class=fmt)
     _common(p, 32)
-    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--rounds", type=_positive(int), default=8)
     p.set_defaults(handler=run_bench, runner=run_multiturn)
     p = modes.add_parser("probe", help="TTFT and memory as images per request grow", formatter_class=fmt)
     _common(p, 8)
-    p.add_argument("--max-images", type=int, default=32)
-    p.add_argument("--step", type=int, default=1)
+    p.add_argument("--max-images", type=_positive(int), default=32)
+    p.add_argument("--step", type=_positive(int), default=1)
     p.set_defaults(handler=run_bench, runner=run_probe)
 
 

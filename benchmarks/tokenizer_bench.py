@@ -138,9 +138,22 @@ class PassResult:
     shm_bytes: int
     latency_p50_ms: float
     latency_p90_ms: float
+    cpu_ms_per_image: float  # tokenizer processes' CPU time (user + system): robust to a busy machine
 
 
-def run_pass(peer: Peer, bodies: list[bytes], mode: str, depth: int, keep: set[str]) -> PassResult:
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of the processes so far (Linux /proc), all their threads included."""
+    total = 0
+    for pid in pids:
+        # The command name (field 2) may hold spaces; the fields after its ")" are fixed.
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def run_pass(
+    peer: Peer, bodies: list[bytes], mode: str, depth: int, keep: set[str], pids: list[int]
+) -> PassResult:
     """Send every body round-robin, `depth` in flight per worker; unlink each request's segments
     on arrival except the names in `keep`."""
     n = len(peer.toks)
@@ -155,6 +168,7 @@ def run_pass(peer: Peer, bodies: list[bytes], mode: str, depth: int, keep: set[s
             sent[rid] = (worker, time.perf_counter())
             peer.toks[worker].send(GenerateRequest(rid, body, time.time()))
 
+    cpu0 = cpu_seconds(pids)
     t0 = time.perf_counter()
     for _ in range(depth):
         for w in range(n):
@@ -173,6 +187,7 @@ def run_pass(peer: Peer, bodies: list[bytes], mode: str, depth: int, keep: set[s
                 ShmSegment.unlink(name)
         send_next(worker)
     seconds = time.perf_counter() - t0
+    cpu = cpu_seconds(pids) - cpu0
     quantiles = statistics.quantiles(latencies, n=10) if len(latencies) > 1 else latencies * 9
     return PassResult(
         workers=n,
@@ -184,6 +199,7 @@ def run_pass(peer: Peer, bodies: list[bytes], mode: str, depth: int, keep: set[s
         shm_bytes=shm_bytes,
         latency_p50_ms=statistics.median(latencies) * 1000,
         latency_p90_ms=quantiles[8] * 1000,
+        cpu_ms_per_image=cpu / len(bodies) * 1000,
     )
 
 
@@ -206,16 +222,17 @@ def bench_workers(model_dir: Path, n: int, args: argparse.Namespace, seed: int) 
             return chat_body(jpeg(1920, 1080, s, args.content, args.quality))
 
         # Warm-up, one distinct image per worker: first-call costs (lazy imports, pools) stay out of the numbers.
-        run_pass(peer, [make(seed + 10_000 + w) for w in range(n)], "warmup", 1, set())
+        pids = [p.pid for p in procs if p.pid is not None]
+        run_pass(peer, [make(seed + 10_000 + w) for w in range(n)], "warmup", 1, set(), pids)
         bodies = [make(seed + k) for k in range(args.requests)]
-        results = [run_pass(peer, bodies, "fresh", args.depth, set())]
+        results = [run_pass(peer, bodies, "fresh", args.depth, set(), pids)]
         if args.reuse:
             # The first send writes the image; its segment stays alive (as for a chat's next turn),
             # so every later send of the same bytes links it.
             seed_body = make(seed + 20_000)
             peer.toks[0].send(GenerateRequest("reuse-seed", seed_body, time.time()))
             keep = set(peer.next_tokenized().shm_names)
-            results.append(run_pass(peer, [seed_body] * (args.requests * 4), "reuse", args.depth, keep))
+            results.append(run_pass(peer, [seed_body] * (args.requests * 4), "reuse", args.depth, keep, pids))
             for name in keep:
                 ShmSegment.unlink(name)
         for sock in peer.toks:
@@ -259,10 +276,10 @@ def main() -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} cores, load {load_before:.2f} before the run"
     print(f"\n1920x1080 JPEG q{args.quality} ({args.content}, ~{statistics.mean(sizes) / 1024:.0f} KB), "
           f"7B-shaped processor (1092x1932, 10,764 patches), bf16 pixels, depth {args.depth}; {machine}")
-    print(f"{'workers':>7} {'mode':6} {'images':>6} {'images/s':>9} {'shm MB/s':>9} {'p50 ms':>8} {'p90 ms':>8}")
+    print(f"{'workers':>7} {'mode':6} {'images':>6} {'images/s':>9} {'shm MB/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'CPU ms/img':>10}")
     for r in results:
         print(f"{r.workers:>7} {r.mode:6} {r.requests:>6} {r.images_per_s:>9.2f} {r.shm_mb_per_s:>9.1f} "
-              f"{r.latency_p50_ms:>8.1f} {r.latency_p90_ms:>8.1f}")
+              f"{r.latency_p50_ms:>8.1f} {r.latency_p90_ms:>8.1f} {r.cpu_ms_per_image:>10.1f}")
     if args.json:
         doc: dict[str, Any] = {
             "machine": machine,

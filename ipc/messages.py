@@ -49,8 +49,9 @@ class NewSeq(msgspec.Struct, frozen=True):
 
     rid: str
     input_ids: list[int]
-    positions: list[list[int]]  # M-RoPE positions of the prompt, 3 rows (t, h, w)
-    mrope_delta: int  # decode token at index p has position p + mrope_delta on all three rows
+    # No M-RoPE positions: each rank derives them from the items' spans and grids (mrope_positions),
+    # which keeps a first plan at a quarter of the bytes. Decoded tokens sit at p + mrope_delta.
+    mrope_delta: int
     items: list[MMItem]
     sampling: SamplingParams
     mm_key: bytes = b""  # baseline mode only: the combined hash of all the request's images

@@ -142,11 +142,14 @@ def _serve(
     log: logging.Logger,
 ) -> None:
     while True:
+        waiting_since = time.monotonic()
         msg = inbound.recv()
         if isinstance(msg, Shutdown):
             log.info("shutdown requested%s", f": {msg.reason}" if msg.reason else "")
             return
-        reader.broadcast(time.monotonic() - msg.sent_at)
+        # Transfer + decode only: a plan that arrived while this rank was still finishing the last
+        # step waited in the socket queue, which is compute, not broadcast.
+        reader.broadcast(time.monotonic() - max(msg.sent_at, waiting_since))
         _run_step(runner, reader, rank, msg, to_sched, log)
 
 

@@ -16,6 +16,7 @@ from workers.engine.config import EngineConfig, ModelInfo
 from workers.engine.kv_cache import slot_mapping
 from workers.engine.layers import TPGroup
 from workers.engine.mm_cache import EmbeddingStore
+from workers.engine.mrope import mrope_positions
 from workers.engine.qwen2_5_vl import TextSpec, load_language_model
 from workers.engine.sampler import Sampler
 from workers.engine.vision import VisionSpec, load_vision
@@ -29,7 +30,7 @@ PixelSource = Callable[[EncodeItem], torch.Tensor]
 class WorkerSeq:
     rid: str
     token_ids: list[int]
-    positions: list[list[int]]  # prompt positions (3 rows); later tokens use p + mrope_delta
+    positions: list[list[int]]  # M-RoPE positions of the tokens known at registration; later: p + mrope_delta
     mrope_delta: int
     items: list[MMItem]
     sampling: SamplingParams
@@ -54,6 +55,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype()
         self.info = ModelInfo.load(cfg.model)
+        self.merge = self.info.spatial_merge_size
         self.pixel_source = pixel_source
         model_dir = Path(cfg.model)
         self.lm = load_language_model(
@@ -121,7 +123,14 @@ class ModelRunner:
             rows.append(offset)
             offset += item.length
         self.seqs[new.rid] = WorkerSeq(
-            new.rid, list(new.input_ids), new.positions, new.mrope_delta, new.items, new.sampling, new.mm_key, rows
+            new.rid,
+            list(new.input_ids),
+            mrope_positions(len(new.input_ids), [(it.offset, it.length, it.grid) for it in new.items], self.merge)[0],
+            new.mrope_delta,
+            new.items,
+            new.sampling,
+            new.mm_key,
+            rows,
         )
         self.sampler.add(new.rid, new.sampling)
 

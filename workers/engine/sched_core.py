@@ -238,11 +238,7 @@ class SchedulerCore:
     def _announce(self, seq: Sequence) -> NewSeq:
         seq.announced = True
         seq.sent_tokens = seq.total_len  # NewSeq carries every token so far
-        positions = seq.positions
-        if seq.output_ids:  # recompute after preemption: decoded tokens sit at p + mrope_delta on all rows
-            extra = [p + seq.mrope_delta for p in range(seq.prompt_len, seq.total_len)]
-            positions = [row + extra for row in positions]
-        return NewSeq(seq.rid, seq.all_token_ids(), positions, seq.mrope_delta, seq.items, seq.sampling, seq.mm_key)
+        return NewSeq(seq.rid, seq.all_token_ids(), seq.mrope_delta, seq.items, seq.sampling, seq.mm_key)
 
     def _keys_for_chunk(self, seq: Sequence, start: int, end: int) -> list[tuple[bytes, list[MMItem]]]:
         """Embedding-cache keys the chunk [start, end) reads: only images whose span overlaps it."""
