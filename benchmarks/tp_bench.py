@@ -143,7 +143,7 @@ def bench_tp(model_dir: Path, tp: int, args: argparse.Namespace) -> dict[str, An
         chunk_size=args.chunk_size, max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
     )
     config = ServerConfig(engine, new_launch_id(), "bench", tokenizer_workers=0, shm_budget_bytes=64 << 30,
-                          dist_port=29500 + tp, log_level="warning")
+                          log_level="warning")
     stack = Stack(config)
     result: dict[str, Any] = {"tp": tp}
     try:

@@ -101,16 +101,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         allowed_local_media_path=args.allowed_local_media_path,
         shm_budget_bytes=args.shm_budget_mb << 20,
         log_level=args.log_level,
-        dist_port=_free_port() if args.tp > 1 else 0,
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ipc.channels import PullSocket, PushSocket, new_context
-from ipc.launch import ipc_address
+from ipc.launch import ipc_address, launch_dir
 from ipc.messages import (
     EncodeItem,
     ModelInbound,
@@ -84,7 +84,8 @@ def _init_tp(config: ServerConfig, rank: int) -> tuple[TPGroup | None, EngineCon
     backend = "nccl" if engine.device.startswith("cuda") else "gloo"
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{config.dist_port}",
+        # A file rendezvous in the launch's private directory: no TCP port to pick or to race for.
+        init_method=f"file://{launch_dir(config.launch_id)}/dist-store",
         rank=rank,
         world_size=size,
         timeout=timedelta(seconds=config.ready_timeout_s),

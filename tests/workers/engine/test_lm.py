@@ -379,12 +379,12 @@ def test_qkv_shards_split_or_replicate_kv_heads(tp_size: int, num_kv_heads: int)
     assert sorted(kv_heads_seen) == list(range(num_kv_heads))  # replicated or split, every KV head is held
 
 
-def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+def _tp_worker(rank: int, world: int, store: str, ckpt: str, out: str) -> None:
     """One TP rank over gloo on CPU: load its shards, run prefill chunks + decodes, save the logits."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         spec = TextSpec.from_hf_config(json.loads((Path(ckpt) / "config.json").read_text()))
         tp = TPGroup(rank=rank, size=world, group=dist.group.WORLD)
@@ -411,15 +411,12 @@ def test_tensor_parallel_forward_over_gloo_matches_single_rank(
     tmp_path: Path, checkpoint: tuple[Path, Any], model: Qwen2_5_VLLanguageModel, tp_size: int
 ) -> None:
     """Real TP: tp_size processes on CPU (gloo); tp=4 with 2 KV heads exercises KV replication."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     path, _ = checkpoint
-    mp.spawn(_tp_worker, args=(tp_size, port, str(path), str(tmp_path)), nprocs=tp_size, join=True)
+    # A file rendezvous: no port to race other tests for.
+    store = f"file://{tmp_path / 'dist-store'}"
+    mp.spawn(_tp_worker, args=(tp_size, store, str(path), str(tmp_path)), nprocs=tp_size, join=True)
     expected = _tp_scenario(model)
     for rank in range(tp_size):
         torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), expected, atol=ATOL, rtol=0)
