@@ -300,7 +300,10 @@ def write_result(result: dict[str, Any], out_dir: Path, plot: PlotFn) -> dict[st
     """Write the JSON and the PNG for `result` (whose "mode" names the files); record their paths in it."""
     json_path, png_path = result_paths(out_dir, result["mode"])
     result["files"] = {"json": str(json_path), "png": str(png_path)}
-    plot(result, png_path)
+    try:
+        plot(result, png_path)
+    except ImportError:  # a GPU box without matplotlib still gets the numbers
+        result["files"]["png"] = None
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     return result
 

@@ -189,6 +189,8 @@ class WorkerStats(Msg, frozen=True):
     steps: int = 0
     broadcast_s_sum: float = 0.0  # scheduler encode -> this rank decoded, summed over steps
     broadcast_s_max: float = 0.0
+    gpu_step_peak_bytes: int = 0  # peak allocated during the last step (0 on CPU)
+    gpu_allocated_bytes: int = 0  # allocated after it: weights, KV cache, embedding store
 
 
 class SchedulerStats(Msg, frozen=True):
@@ -216,6 +218,8 @@ class SchedulerStats(Msg, frozen=True):
     plan_bytes_last: int = 0
     plan_bytes_max: int = 0
     workers: list[WorkerStats] = []
+    gpu_peak_bytes: int = 0  # highest step peak over ranks since the engine was last idle
+    gpu_idle_bytes: int = 0  # allocated when the engine was last idle (the steady part of the peak)
 
 
 class TokenizerStats(Msg, frozen=True):

@@ -122,6 +122,10 @@ class StatsBook:
                 "retained_segments": s.shm_retained_segments if s else 0,
                 "retained_bytes": s.shm_retained_bytes if s else 0,
             },
+            "gpu": {
+                "peak_allocated_bytes": s.gpu_peak_bytes if s and s.gpu_peak_bytes else None,
+                "idle_allocated_bytes": s.gpu_idle_bytes if s and s.gpu_idle_bytes else None,
+            },
             "plan_bytes": {"last": s.plan_bytes_last if s else 0, "max": s.plan_bytes_max if s else 0},
             "model_workers": [
                 {

@@ -176,12 +176,17 @@ def _run_step(
         # requests: the scheduler aborts them and the worker keeps serving the rest.
         to_sched.send(WorkerFailed(rank=rank, step_id=plan.step_id, message=f"{type(exc).__name__}: {exc}"))
         return
-    # Every step: a few dozen bytes, and the scheduler's stats then show each rank's broadcast times.
+    # Every step: a few dozen bytes, and the scheduler's stats then show each rank's broadcast times
+    # and the step's peak GPU memory (reset each step, so the scheduler can take a max per request).
+    peak = allocated = 0
+    if runner.device.type == "cuda":
+        peak, allocated = torch.cuda.max_memory_allocated(runner.device), torch.cuda.memory_allocated(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
     c = runner.counters
     to_sched.send(
         WorkerStats(
             rank, reader.reads, reader.bytes_read, c.images_encoded, c.vit_calls,
-            reader.steps, reader.broadcast_s_sum, reader.broadcast_s_max,
+            reader.steps, reader.broadcast_s_sum, reader.broadcast_s_max, peak, allocated,
         )
     )
     if log.isEnabledFor(logging.DEBUG):

@@ -99,6 +99,7 @@ class Scheduler:
         self.streams: dict[str, TextStream] = {}
         self.ledger = ShmLedger(config.shm_budget_bytes, config.shm_retain_fraction)
         self.worker_stats: dict[int, WorkerStats] = {}
+        self.gpu_peak = self.gpu_idle = 0  # bytes; the peak restarts whenever work starts from idle
         self.deferred_unlinks: list[str] = []
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.early: list[SchedulerInbound] = []  # arrived before the core existed
@@ -164,6 +165,7 @@ class Scheduler:
                 self._on_worker_failed(msg)
             case WorkerStats(rank=rank):
                 self.worker_stats[rank] = msg
+                self.gpu_peak = max(self.gpu_peak, msg.gpu_step_peak_bytes)
             case Shutdown(reason=reason):
                 self.stop_reason = reason or "shutdown"
             case _:
@@ -184,6 +186,9 @@ class Scheduler:
         sizes.update(last=n, max=max(sizes["max"], n), total=sizes["total"] + n)
 
     def _on_request(self, req: TokenizedRequest) -> None:
+        if not self.core.has_work() and self.in_flight is None:
+            self.gpu_peak = 0
+            self.gpu_idle = max((w.gpu_allocated_bytes for w in self.worker_stats.values()), default=0)
         if req.rid in self.aborted:
             del self.aborted[req.rid]
             _unlink_all(req.shm_names)
@@ -310,6 +315,8 @@ class Scheduler:
             plan_bytes_last=self.plan_bytes["last"],
             plan_bytes_max=self.plan_bytes["max"],
             workers=[self.worker_stats[r] for r in sorted(self.worker_stats)],
+            gpu_peak_bytes=self.gpu_peak,
+            gpu_idle_bytes=self.gpu_idle,
         )
         self.frontend.send(stats)
         for sock in self.tokenizers:

@@ -48,7 +48,9 @@ def image_message(text: str, urls: list[str]) -> list[dict[str, Any]]:
 
 
 class LiveServer:
-    def __init__(self, model_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, *extra: str, env: dict[str, str] | None = None, ready_timeout: float = 120.0
+    ) -> None:
         self.port = free_port()
         self.launch_id = new_launch_id()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -61,7 +63,7 @@ class LiveServer:
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-        self.wait_healthy()
+        self.wait_healthy(ready_timeout)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
