@@ -33,6 +33,13 @@ def write_weights(ckpt: Path) -> None:
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+    # The demo tokenizer knows ~2000 ids of the 152k vocabulary: make the rest (and the special
+    # tokens) unreachable, so every generated token decodes to text and streams as a chunk.
+    from transformers import AutoTokenizer
+
+    first_special = min(AutoTokenizer.from_pretrained(str(ckpt)).all_special_ids)
+    with torch.no_grad():
+        model.lm_head.weight[first_special:] = 0
     model.save_pretrained(str(ckpt), max_shard_size="20GB")
     del model
     gc.collect()

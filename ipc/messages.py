@@ -218,6 +218,7 @@ class SchedulerStats(Msg, frozen=True):
     plan_bytes_last: int = 0
     plan_bytes_max: int = 0
     workers: list[WorkerStats] = []
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
     gpu_peak_bytes: int = 0  # highest step peak over ranks since the engine was last idle
     gpu_idle_bytes: int = 0  # allocated when the engine was last idle (the steady part of the peak)
 

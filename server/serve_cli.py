@@ -34,6 +34,8 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--mm-cache-mb", type=float, default=1024, help="per-image embedding cache budget")
     m.add_argument("--mm-cache-mode", default="image", choices=["image", "request"],
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
+    m.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt instead of reusing KV blocks of earlier requests")
     m.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
@@ -80,6 +82,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         kv_cache_mb=args.kv_cache_mb,
         mm_cache_mb=args.mm_cache_mb,
         mm_cache_mode=args.mm_cache_mode,
+        enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         tp_size=args.tp,
     )

@@ -105,6 +105,7 @@ class StatsBook:
             "prompt_tokens": s.prompt_tokens if s else 0,
             "steps": s.steps if s else 0,
             "kv_blocks": {"used": s.kv_blocks_used if s else 0, "total": s.kv_blocks_total if s else 0},
+            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens if s else 0,
             "mm_cache": {
                 "entries": s.mm_cache_entries if s else 0,
                 "bytes": s.mm_cache_bytes if s else 0,

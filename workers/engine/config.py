@@ -33,6 +33,8 @@ class EngineConfig:
     # Per-image embedding cache.
     mm_cache_mb: float = 1024  # fractions allowed (tests size the cache below one request)
     mm_cache_mode: MMCacheMode = "image"
+    # Share computed KV blocks between requests with the same prefix (a chat's earlier turns).
+    enable_prefix_caching: bool = True
     seed: int = 0
     tp_size: int = 1
 

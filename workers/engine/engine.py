@@ -74,6 +74,7 @@ class Engine:
             embedding_bytes_per_token=self.info.embedding_bytes_per_token(dtype),
             eos_token_ids=self.info.eos_token_ids,
             mm_cache_mode=config.mm_cache_mode,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.core.on_finished = self._release
         self._outputs: dict[str, RequestOutput] = {}
@@ -173,6 +174,7 @@ class Engine:
             "kv_blocks_used": self.core.allocator.num_used,
             "kv_blocks_total": self.core.allocator.num_blocks,
             "preemptions": self.core.preemptions,
+            "prefix_cache_hit_tokens": self.core.allocator.prefix_hit_tokens,
             "mm_cache": {
                 "entries": len(idx),
                 "bytes": idx.used_bytes,

@@ -1,29 +1,56 @@
-"""Paged KV cache bookkeeping on the scheduling side: a block allocator and slot arithmetic.
+"""Paged KV cache bookkeeping on the scheduling side: a block allocator with prefix caching, and
+slot arithmetic.
 
 The tensors themselves live in the model worker; the scheduler only hands out block ids. A
 sequence's ``block_table`` maps its token index ``p`` to slot ``block_table[p // block_size] *
 block_size + p % block_size``.
+
+Prefix caching: a *full* block whose K/V has been computed is registered under the chained hash of
+every token up to its end. A later request whose prompt starts with the same tokens shares those
+blocks (reference counted) and skips their prefill. Image spans hold pad values derived from each
+image's content hash, so two prompts share a block only if they show the same images there. Freed
+blocks keep their registration until the allocator hands them out again, oldest freed first, so
+the cache costs no memory the engine could otherwise use.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class OutOfBlocks(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, limit: int | None = None, known: list[int] | None = None
+) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (at most ``limit`` of them), extending the
+    already computed ``known`` prefix of them in place when given."""
+    out: list[int] = known if known is not None else []
+    full = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
+    prev = out[-1] if out else 0
+    for i in range(len(out), full):
+        # Python's hash of a tuple of ints is stable within a process, which is all a cache needs.
+        prev = hash((prev, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        out.append(prev)
+    return out
+
+
 class BlockAllocator:
-    """Hands out KV blocks from a free list. Block ids are 0..num_blocks-1."""
+    """Hands out KV blocks 0..num_blocks-1; blocks are reference counted and may be shared."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
+        self._refs = [0] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+        self.prefix_hit_tokens = 0
 
     @property
     def num_free(self) -> int:
@@ -31,7 +58,12 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks (in use or free but still reusable)."""
+        return len(self._by_hash)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -43,16 +75,52 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"asked for {n} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        self._used.update(blocks)
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            digest = self._hash_of.pop(block, None)
+            if digest is not None:  # recycled: its old contents are about to be overwritten
+                del self._by_hash[digest]
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
         for block in blocks:
-            if block not in self._used:
+            if self._refs[block] <= 0:
                 raise ValueError(f"block {block} freed twice or never allocated")
-            self._used.remove(block)
-            self._free.append(block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+
+    # ---- prefix caching -------------------------------------------------------------------------
+    def match(self, hashes: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``hashes`` (no side effects)."""
+        blocks = []
+        for digest in hashes:
+            block = self._by_hash.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def reusable_free(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` would leave the free list if acquired."""
+        return sum(1 for b in blocks if self._refs[b] == 0)
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Take a reference on cached blocks found by ``match``."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+        self.prefix_hit_tokens += len(blocks) * self.block_size
+
+    def register(self, block: int, digest: int) -> None:
+        """Publish a full, computed block under its prefix hash (first writer wins)."""
+        if digest not in self._by_hash and block not in self._hash_of:
+            self._by_hash[digest] = block
+            self._hash_of[block] = digest
 
 
 def slot_mapping(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:

@@ -285,7 +285,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        # x * rsqrt promotes to float32 (exact widening of x) and the out= store rounds once to x's dtype:
+        # the same values as normalizing a float32 copy and casting it, without writing and re-reading
+        # that copy (36 -> 26 bytes moved per element in bf16).
+        normed = torch.mul(x, torch.rsqrt(variance + self.eps), out=torch.empty_like(x))
+        return self.weight * normed

@@ -13,6 +13,7 @@ import torch
 from ipc.messages import EncodeItem, EncodeJob, MMItem, NewSeq, SamplingParams, StepPlan, StepResult
 from workers.engine.attention import AttentionMetadata
 from workers.engine.config import EngineConfig, ModelInfo
+from workers.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from workers.engine.kv_cache import slot_mapping
 from workers.engine.layers import TPGroup
 from workers.engine.mm_cache import EmbeddingStore
@@ -76,8 +77,15 @@ class ModelRunner:
             attn_backend=cfg.attn_backend,
         )
         self.num_blocks = self._num_kv_blocks()
-        shape = self.lm.kv_cache_shape(self.num_blocks, cfg.block_size)
+        # One block more than the scheduler is told about: block ``num_blocks`` is scratch that CUDA-graph
+        # padding rows write to and read from, so they never touch a live sequence's cache.
+        shape = self.lm.kv_cache_shape(self.num_blocks + 1, cfg.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.info.num_layers)]
+        self.graphs: DecodeGraphs | None = None
+        if graphs_wanted(self.device, self.tp):
+            max_len = cfg.max_model_len or self.info.max_position_embeddings
+            max_blocks = -(-max_len // cfg.block_size)
+            self.graphs = DecodeGraphs(self.lm, self.kv_caches, cfg.block_size, self.num_blocks, max_blocks)
         self.store = EmbeddingStore()
         self.sampler = Sampler(self.device, cfg.seed)
         self.seqs: dict[str, WorkerSeq] = {}
@@ -153,7 +161,7 @@ class ModelRunner:
         if mine:
             pixels = [self.pixel_source(item) for item in mine]
             self.counters.pixel_reads += len(mine)
-            batch = torch.cat(pixels).to(device=self.device, dtype=self.dtype, non_blocking=True)
+            batch = to_device(pixels, self.device).to(self.dtype)
             local = self.vision(batch, [item.grid for item in mine])
             self.counters.vit_calls += 1
             self.counters.images_encoded += len(mine)
@@ -212,33 +220,80 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long)
         # Image spans hold pad values above the vocabulary; their embeddings are replaced below.
-        input_ids = input_ids.clamp_(max=self.info.vocab_size - 1).to(dev)
-        embeds = self.lm.embed_tokens(input_ids)
-        for dst, key, first, count in splices:
-            embeds[dst : dst + count] = self.store.get(key)[first : first + count].to(embeds.dtype)
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        hidden = self.lm(embeds, positions, self.kv_caches, meta)
-        if not sample_rows:
+        top = self.info.vocab_size - 1
+        ids = [min(i, top) for i in ids]
+        hidden: torch.Tensor | None = None
+        if self.graphs is not None and not splices and len(ids) == len(plan.chunks) == len(sample_rows):
+            # Pure decode (one token per sequence, all sampled, no image rows): replay a CUDA graph.
+            try:
+                hidden = self.graphs.run(ids, pos, slots, seq_lens, tables)
+            except RuntimeError:  # graphs only save launches: keep serving, eagerly (it rewrites the same slots)
+                log.exception("CUDA-graph decode failed; decoding eagerly from now on")
+                self.graphs = None
+        if hidden is None:
+            hidden = self._eager_forward(ids, pos, slots, query_lens, seq_lens, tables, splices, sample_rows)
+        if hidden.shape[0] == 0:
             return []
-        logits = self.lm.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        logits = self.lm.compute_logits(hidden)
         if self.tp.rank != 0:
             return []
         tokens = self.sampler.sample(logits, [s.rid for s in sample_seqs], [s.sampling for s in sample_seqs])
         return [(s.rid, t) for s, t in zip(sample_seqs, tokens, strict=True)]
+
+    def _eager_forward(
+        self,
+        ids: list[int],
+        pos: list[list[int]],
+        slots: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+        splices: list[tuple[int, bytes, int, int]],
+        sample_rows: list[int],
+    ) -> torch.Tensor:
+        """LM forward over the flattened step; returns the final hidden states of ``sample_rows``."""
+        n, width = len(ids), max(len(t) for t in tables)
+        # All index data in two copies (one per dtype) rather than seven, none of them blocking.
+        longs = torch.tensor([*ids, *pos[0], *pos[1], *pos[2], *slots, *sample_rows])
+        longs = to_device([longs], self.device)
+        ints = [0, *_cumsum(query_lens), *seq_lens]
+        for table in tables:
+            ints += [*table, *[0] * (width - len(table))]
+        int32 = to_device([torch.tensor(ints, dtype=torch.int32)], self.device)
+        input_ids, positions, slot_mapping, rows = longs.split([n, 3 * n, n, len(sample_rows)])
+        starts, lens, table_rows = int32.split([len(tables) + 1, len(tables), len(tables) * width])
+        embeds = self.lm.embed_tokens(input_ids)
+        for dst, key, first, count in splices:
+            embeds[dst : dst + count] = self.store.get(key)[first : first + count].to(embeds.dtype)
+        meta = AttentionMetadata(
+            query_start_loc=starts,
+            seq_lens=lens,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            slot_mapping=slot_mapping,
+            block_tables=table_rows.view(len(tables), width),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self.lm(embeds, positions.view(3, n), self.kv_caches, meta)
+        return hidden[rows]
+
+
+def to_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Concatenate host tensors onto ``device`` without blocking the host.
+
+    A copy from pageable memory waits until the GPU has drained the stream, so the CPU could not
+    prepare the next step (or the next image) while the GPU runs this one. Staged through pinned
+    memory the copy is queued like a kernel; torch's pinned-memory cache keeps the staging buffer
+    alive until the copy is done.
+    """
+    if device.type != "cuda":
+        return torch.cat(parts).to(device)
+    rows = sum(p.shape[0] for p in parts)
+    staged = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
+    torch.cat(parts, out=staged)
+    return staged.to(device, non_blocking=True)
 
 
 def _patches(grid: tuple[int, int, int]) -> int:

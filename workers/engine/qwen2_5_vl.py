@@ -121,14 +121,24 @@ class MRotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """[T, D] cos, sin -> [T, 1, D] cos and sign-folded sin for ``apply_rope`` (once per forward).
+
+    ``rotate_half(x) * sin`` equals ``swap_halves(x) * cat(-sin_lo, sin_hi)`` bit for bit (negation is
+    exact and rounding is symmetric), so the negation moves out of the 28 layers into this one call.
+    """
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos.unsqueeze(1), signed.unsqueeze(1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, D]; cos/sin [T, D] already in x's dtype."""
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x [T, H, D]; cos, sin_signed [T, 1, D] from ``rope_tables``, in x's dtype.
+
+    Same roundings as transformers' ``x * cos + rotate_half(x) * sin``, in four kernels instead of five.
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin_signed
 
 
 class Qwen2_5_VLAttention(nn.Module):
@@ -241,14 +251,22 @@ class Qwen2_5_VLLanguageModel(nn.Module):
         return self._backend
 
     def forward(
-        self, inputs_embeds: Tensor, positions: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata
+        self,
+        inputs_embeds: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend | None = None,
     ) -> Tensor:
-        """inputs_embeds [T, H], positions int64 [3, T] (t/h/w rows) -> final-norm hidden states [T, H]."""
+        """inputs_embeds [T, H], positions int64 [3, T] (t/h/w rows) -> final-norm hidden states [T, H].
+
+        ``backend`` overrides the model's attention backend for this call (CUDA-graph decode uses a
+        fixed-shape one)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
-        backend = self.attention_backend(inputs_embeds.device)
+        backend = backend or self.attention_backend(inputs_embeds.device)
         cos, sin = self.rotary_emb(positions)
-        cos, sin = cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype)
+        cos, sin = rope_tables(cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype))
         h = inputs_embeds
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta, backend)

@@ -30,16 +30,18 @@ class Sampler:
         """``logits`` [N, vocab] float32; returns N token ids."""
         if all(p.greedy for p in params):
             return [int(t) for t in logits.argmax(dim=-1).tolist()]
-        out: list[int] = []
+        # Rows stay on the device until one read at the end: a read per row would be a host sync per row.
+        picked: list[torch.Tensor] = []
         for row, rid, p in zip(logits, rids, params, strict=True):
             if p.greedy:
-                out.append(int(row.argmax()))
+                picked.append(row.argmax().view(1))
                 continue
-            out.append(self._sample_row(row, p, self._generators.get(rid, self._default)))
-        return out
+            picked.append(self._sample_row(row, p, self._generators.get(rid, self._default)))
+        return [int(t) for t in torch.cat(picked).tolist()]
 
     @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+        """One draw for one row, as a 1-element device tensor."""
         scores = row.float() / p.temperature
         if p.top_k > 0 and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
@@ -52,4 +54,4 @@ class Sampler:
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
         probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return torch.multinomial(probs, 1, generator=gen)

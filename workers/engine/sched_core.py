@@ -19,7 +19,7 @@ from typing import Literal
 import blake3
 
 from ipc.messages import EncodeItem, EncodeJob, MMItem, NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult
-from workers.engine.kv_cache import BlockAllocator
+from workers.engine.kv_cache import BlockAllocator, block_hashes
 from workers.engine.mm_cache import EmbeddingCacheIndex
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -46,6 +46,8 @@ class Sequence:
     sent_tokens: int = 0  # prefix of all tokens the worker knows
     announced: bool = False
     finish_reason: FinishReason | None = None
+    block_hashes: list[int] = field(default_factory=list)  # prefix hashes of full blocks, computed lazily
+    registered: int = 0  # leading blocks published to the prefix cache
 
     @property
     def prompt_len(self) -> int:
@@ -87,6 +89,7 @@ class SchedulerCore:
         embedding_bytes_per_token: int,
         eos_token_ids: tuple[int, ...],
         mm_cache_mode: Literal["image", "request"] = "image",
+        enable_prefix_caching: bool = True,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
@@ -95,6 +98,7 @@ class SchedulerCore:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.mm_cache_mode = mm_cache_mode
+        self.prefix_caching = enable_prefix_caching
         self.mm_index = EmbeddingCacheIndex(mm_cache_bytes, embedding_bytes_per_token)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
@@ -168,10 +172,17 @@ class SchedulerCore:
             budget -= length
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.allocator.blocks_for(seq.total_len + 1) - len(seq.block_table)
-            if not self.allocator.can_allocate(need):
+            cached = self._cached_prefix(seq)
+            need = self.allocator.blocks_for(seq.total_len + 1) - len(cached)
+            if need > self.allocator.num_free - self.allocator.reusable_free(cached):
                 break  # it fits later, once running requests free blocks; keep FCFS order
             self.waiting.pop(0)
+            if cached:
+                # The prompt starts with blocks another request computed: share them, skip their prefill.
+                self.allocator.acquire(cached)
+                seq.block_table = list(cached)
+                seq.registered = len(cached)
+                seq.num_computed = len(cached) * self.allocator.block_size
             seq.block_table.extend(self.allocator.allocate(need))
             self.running.append(seq)
             length = min(seq.total_len - seq.num_computed, budget)
@@ -182,6 +193,25 @@ class SchedulerCore:
         plan = self._build_plan(picked)
         self._in_flight = plan
         return plan
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        if not self.prefix_caching:
+            return []
+        bs = self.allocator.block_size
+        # Leave at least the last token to compute: its logits give the first sampled token.
+        limit = (seq.total_len - 1) // bs
+        return self.allocator.match(block_hashes(seq.all_token_ids(), bs, limit, seq.block_hashes))
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's newly completed full blocks to the prefix cache."""
+        bs = self.allocator.block_size
+        full = min(seq.num_computed // bs, len(seq.block_table))
+        if not self.prefix_caching or full <= seq.registered:
+            return
+        hashes = block_hashes(seq.all_token_ids(), bs, full, seq.block_hashes)
+        for i in range(seq.registered, full):
+            self.allocator.register(seq.block_table[i], hashes[i])
+        seq.registered = full
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, picked: set[Sequence]) -> bool:
         need = self.allocator.blocks_for(num_tokens) - len(seq.block_table)
@@ -201,7 +231,7 @@ class SchedulerCore:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.registered = 0
         if seq.announced:
             self._finished_for_workers.append(seq.rid)
         seq.announced = False
@@ -289,6 +319,7 @@ class SchedulerCore:
             seq = self.seqs.get(chunk.rid)
             if seq is not None and seq.finish_reason is None and seq.announced:
                 seq.num_computed = chunk.start + chunk.length
+                self._register_blocks(seq)
         updates: list[SeqUpdate] = []
         for rid, token_id in result.sampled:
             seq = self.seqs.get(rid)

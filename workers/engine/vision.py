@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from workers.engine.layers import RMSNorm  # transformers' op order (fp32 normalize, cast, scale)
+
 try:  # torch >= 2.10; the GPU box has 2.11. Positional (q, k, v, cu_q, cu_k, max_q, max_k) is stable across them.
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - older torch
@@ -143,17 +145,6 @@ class _Segments:
 _BatchPlan = tuple[Tensor, Tensor, Tensor, Tensor, _Segments, _Segments]
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # Same op order as transformers (normalize in fp32, cast back, then scale) so bf16 rounding matches too.
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
-
 class _PatchEmbed(nn.Module):
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
@@ -177,7 +168,7 @@ class _Attention(nn.Module):
     def forward(self, x: Tensor, seg: _Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        q, k = _rope(qkv[:, 0], cos, sin), _rope(qkv[:, 1], cos, sin)
+        q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
         v = qkv[:, 2]
         if flash:
             assert _varlen_attn is not None
@@ -188,13 +179,16 @@ class _Attention(nn.Module):
         return self.proj(out.reshape(n, -1))
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary in float32 like transformers: x*cat(c,c) + rotate_half(x)*cat(s,s), written on the halves
-    (identical roundings, half the cos/sin memory)."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+def _rope(qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotary on q and k together ([n, 2, H, D]), in float32 like transformers: x*cat(c,c) + rotate_half(x)*cat(s,s),
+    written on the halves. bf16 * fp32 widens exactly and each out= store rounds once, as the reference's final
+    cast does, so no fp32 copy of q/k is made (half the bytes). Returns contiguous q and k."""
+    x1, x2 = qk.chunk(2, dim=-1)
+    out = qk.new_empty((2, qk.shape[0], *qk.shape[2:]))
+    halves = out.transpose(0, 1).chunk(2, dim=-1)
+    torch.sub(x1 * cos, x2 * sin, out=halves[0])
+    torch.add(x2 * cos, x1 * sin, out=halves[1])
+    return out[0], out[1]
 
 
 def _grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: _Segments) -> Tensor:
@@ -228,7 +222,7 @@ class _MLP(nn.Module):
 class _Block(nn.Module):
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
-        self.norm1, self.norm2 = _RMSNorm(spec.hidden_size), _RMSNorm(spec.hidden_size)
+        self.norm1, self.norm2 = RMSNorm(spec.hidden_size, 1e-6), RMSNorm(spec.hidden_size, 1e-6)
         self.attn = _Attention(spec)
         self.mlp = _MLP(spec)
 
@@ -241,7 +235,7 @@ class _Merger(nn.Module):
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
         self.merged_dim = spec.hidden_size * spec.spatial_merge_size**2
-        self.ln_q = _RMSNorm(spec.hidden_size)
+        self.ln_q = RMSNorm(spec.hidden_size, 1e-6)
         dim = self.merged_dim
         self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, spec.out_hidden_size))
 

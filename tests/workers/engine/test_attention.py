@@ -13,6 +13,7 @@ from workers.engine.attention import (
     AttentionBackend,
     AttentionMetadata,
     FlashVarlenBackend,
+    PaddedDecodeBackend,
     SdpaBackend,
     build_attention_metadata,
     flash_available,
@@ -132,6 +133,39 @@ def test_flash_packed_gather_matches_per_sequence_kv() -> None:
         *torch.tensor(s.meta.seq_lens_cpu).cumsum(0).tolist(),
     ]
     assert torch.equal(k_all, torch.cat(s.full_k)) and torch.equal(v_all, torch.cat(s.full_v))
+
+
+def test_packed_gather_is_computed_once_per_forward() -> None:
+    s = scenario(7)
+    s.run(SdpaBackend(), 1.0)
+    first = FlashVarlenBackend._gather_packed_kv(s.cache, s.meta)
+    again = FlashVarlenBackend._gather_packed_kv(s.cache, s.meta)  # the next layer: same derived slots
+    assert s.meta.derived["flash_packed_kv"][1] is first[2] is again[2]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_padded_decode_backend_matches_sdpa_with_garbage_padding(seed: int) -> None:
+    """Fixed-shape decode (CUDA-graph path): tables padded past each sequence with a block full of
+    huge values must give what the reference gives, and write the same cache slots."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens, width, scratch = [1, 5, 8, 13, 4], 5, NUM_BLOCKS - 1
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=gen)
+    cache[:, scratch] = 1e4  # padding reads this block; the length mask must hide it
+    free = list(range(scratch))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
+    meta = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, BLOCK_SIZE)
+    q = torch.randn(len(seq_lens), HQ, D, generator=gen)
+    k, v = torch.randn(2, len(seq_lens), HKV, D, generator=gen)
+    padded = build_attention_metadata(
+        [1] * len(seq_lens), seq_lens, [t + [scratch] * (width - len(t)) for t in tables], BLOCK_SIZE
+    )
+    padded.block_tables = padded.block_tables.long()
+    ref_cache, cache_out = cache.clone(), cache.clone()
+    expected = SdpaBackend().forward(q, k, v, ref_cache, meta, D**-0.5)
+    out = PaddedDecodeBackend().forward(q, k, v, cache_out, padded, D**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache_out, ref_cache)
 
 
 def test_registry_falls_back_to_sdpa_off_cuda() -> None:

@@ -1,0 +1,240 @@
+"""Before/after benchmark of the engine's GPU step, in-process (no scheduler or worker processes).
+
+Measures TTFT of one request with N x 1080p images and decode throughput at batch 32 (engine step and
+``ModelRunner.execute`` alone, CUDA graphs on and, where the tree has them, off), and saves the logits of
+sampled rows so that two trees can be compared. It is run as a file, so the ``workers`` package comes from
+whatever tree is first on PYTHONPATH (an older checkout to get the "before" numbers):
+
+    PYTHONPATH=/path/to/old/tree python benchmarks/engine_step_bench.py --out /tmp/old.pt
+    PYTHONPATH=. python benchmarks/engine_step_bench.py --out /tmp/new.pt --profile
+    PYTHONPATH=. python benchmarks/engine_step_bench.py --compare /tmp/old.pt /tmp/new.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Spy:
+    """Wraps ``lm.compute_logits`` (keeps sampled rows' logits while recording) and ``runner.execute``
+    (accumulates its wall time; execute ends in the sampler's host read, so the GPU work is inside)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.recording = False
+        self.logits: list[torch.Tensor] = []
+        self.execute_s: list[float] = []
+        compute_logits: Callable[[torch.Tensor], torch.Tensor] = runner.lm.compute_logits
+        execute: Callable[[Any], Any] = runner.execute
+
+        def logits_spy(hidden: torch.Tensor) -> torch.Tensor:
+            out = compute_logits(hidden)
+            if self.recording:
+                self.logits.append(out.to("cpu", copy=True))
+            return out
+
+        def execute_spy(plan: Any) -> Any:
+            t0 = time.perf_counter()
+            result = execute(plan)
+            self.execute_s.append(time.perf_counter() - t0)
+            return result
+
+        runner.lm.compute_logits = logits_spy
+        runner.execute = execute_spy
+
+
+def ttft_run(engine: Any, spy: Spy, seed: int, images: int, record: bool) -> dict[str, Any]:
+    from benchmarks.engine_bench import RESOLUTIONS, messages_with, noise_image
+    from ipc.messages import SamplingParams
+
+    w, h = RESOLUTIONS["1080p"]
+    imgs = [noise_image(w, h, seed=seed + i) for i in range(images)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    spy.recording, spy.logits = record, []
+    _sync()
+    t0 = time.perf_counter()
+    rid = engine.add_request(messages_with(imgs, "Summarise these pages."), greedy)
+    prep = time.perf_counter() - t0
+    ttft = None
+    while True:
+        finished = engine.step()
+        out = engine.peek(rid)
+        if ttft is None and (finished or (out is not None and out.token_ids)):
+            _sync()
+            ttft = time.perf_counter() - t0
+        if finished:
+            break
+    spy.recording = False
+    return {"ttft_s": ttft, "prep_s": prep, "tokens": list(finished[0].token_ids), "logits": spy.logits,
+            "prompt_tokens": finished[0].prompt_tokens}
+
+
+def decode_run(engine: Any, spy: Spy, batch: int, tokens: int, record_steps: int) -> dict[str, Any]:
+    """``batch`` text requests decoded together; throughput over the steps where all of them decode."""
+    from ipc.messages import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request([{"role": "user", "content": f"Story {i}: " + "word " * 60}], params)
+            for i in range(batch)]
+    spy.logits, spy.execute_s = [], []
+    outputs: dict[str, list[int]] = {}
+    timed: list[float] = []  # steps where all sequences decode
+    execs: list[float] = []
+    while len(outputs) < batch:
+        all_started = all((o := engine.peek(r)) is None or len(o.token_ids) > 0 for r in rids)
+        recorded = all_started and len(spy.logits) < record_steps
+        spy.recording, first = recorded, len(spy.execute_s)
+        t0 = time.perf_counter()
+        for out in engine.step():
+            outputs[out.rid] = list(out.token_ids)
+        if all_started and not outputs and not recorded:  # recorded steps also copy logits to the host
+            timed.append(time.perf_counter() - t0)
+            execs.append(sum(spy.execute_s[first:]))
+    spy.recording = False
+    return {
+        "tok_s": batch * len(timed) / sum(timed),
+        "execute_tok_s": batch * len(execs) / sum(execs),
+        "step_ms_median": 1e3 * sorted(timed)[len(timed) // 2],
+        "execute_ms_median": 1e3 * sorted(execs)[len(execs) // 2],
+        "tokens": [outputs[r] for r in rids],
+        "logits": spy.logits,
+    }
+
+
+def measure(args: argparse.Namespace) -> None:
+    import workers
+    from benchmarks.checkpoints import shaped_checkpoint
+    from benchmarks.engine_bench import messages_with, noise_image
+    from ipc.messages import SamplingParams
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"tree: {Path(workers.__file__).parent.parent}, card: {card}", flush=True)
+    result: dict[str, Any] = {"card": card}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = shaped_checkpoint(Path(tmp) / "ckpt", args.shape)
+        dummy = "dummy" if args.shape != "demo" else "auto"
+        cfg = EngineConfig(model=str(model_dir), device=args.device, load_format=dummy, chunk_size=1024,
+                           kv_cache_mb=args.kv_cache_mb, max_model_len=65536, mm_cache_mb=4096)
+        t0 = time.perf_counter()
+        engine = Engine(cfg)
+        print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+        spy = Spy(engine.runner)
+        one = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        engine.generate([messages_with([noise_image(448, 448, seed=999)], "warm up")], one)
+        result["ttft"] = [ttft_run(engine, spy, seed, args.images, record=True) for seed in (0, 100)]
+        for r in result["ttft"]:
+            print(f"TTFT {r['ttft_s']:.3f} s (prep {r['prep_s']:.3f} s, {r['prompt_tokens']} tokens)", flush=True)
+        decode_run(engine, spy, args.batch, 8, 0)  # warm-up: captures this batch's graph if the tree has graphs
+        result["decode"] = decode_run(engine, spy, args.batch, args.decode_tokens, args.record_steps)
+        d = result["decode"]
+        print(f"decode@{args.batch}: {d['tok_s']:.0f} tok/s engine, {d['execute_tok_s']:.0f} tok/s execute, "
+              f"step {d['step_ms_median']:.2f} ms, execute {d['execute_ms_median']:.2f} ms", flush=True)
+        graphs = getattr(engine.runner, "graphs", None)
+        if graphs is not None:
+            print(f"graph stats: {graphs.stats}", flush=True)
+            engine.runner.graphs = None  # same engine, eager decode
+            result["decode_eager"] = d = decode_run(engine, spy, args.batch, args.decode_tokens, args.record_steps)
+            print(f"decode@{args.batch} eager: {d['tok_s']:.0f} tok/s engine, {d['execute_tok_s']:.0f} tok/s "
+                  f"execute, step {d['step_ms_median']:.2f} ms, execute {d['execute_ms_median']:.2f} ms", flush=True)
+            engine.runner.graphs = graphs
+        if args.profile:
+            profile_ttft(engine, spy, args)
+    torch.save(result, args.out)
+
+
+def profile_ttft(engine: Any, spy: Spy, args: argparse.Namespace) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        r = ttft_run(engine, spy, 200, args.images, record=False)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile_rows)
+    print(f"profiled TTFT {r['ttft_s']:.3f} s\n{table}", flush=True)
+    if args.profile_out:
+        args.profile_out.write_text(table)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def compare_logits(
+    name: str, new: list[torch.Tensor], old: list[torch.Tensor], same_prefix: list[bool], first_free: bool
+) -> float:
+    """Relative L2 difference per recorded step, on rows whose earlier tokens agree (same inputs) only;
+    ``first_free``: the first step's inputs are the same whatever was sampled (a prefill)."""
+    worst, steps, diff, agree, rows_seen = 0.0, 0, 0.0, 0, 0
+    for step, (a, b) in enumerate(zip(new, old, strict=False)):
+        rows = [i for i in range(min(a.shape[0], b.shape[0])) if (first_free and step == 0) or same_prefix[i]]
+        if not rows:
+            continue
+        worst = max(worst, rel(a[rows], b[rows]))
+        diff = max(diff, (a[rows] - b[rows]).abs().max().item())
+        agree += int((a[rows].argmax(-1) == b[rows].argmax(-1)).sum())
+        rows_seen, steps = rows_seen + len(rows), steps + 1
+    print(f"  {name}: {steps} steps, worst rel L2 {worst:.2e}, max |d| {diff:.3f}, argmax equal {agree}/{rows_seen}")
+    return worst
+
+
+def compare(old_path: Path, new_path: Path) -> None:
+    old, new = torch.load(old_path), torch.load(new_path)
+    print(f"\ncorrectness (new vs old, {new['card']}):")
+    worst = 0.0
+    for i, (n, o) in enumerate(zip(new["ttft"], old["ttft"], strict=True)):
+        agree = sum(x == y for x, y in zip(n["tokens"], o["tokens"], strict=True))
+        print(f" TTFT request {i}: {agree}/{len(o['tokens'])} greedy tokens equal")
+        worst = max(worst, compare_logits("ttft", n["logits"], o["logits"], [n["tokens"] == o["tokens"]], True))
+    same = [a[:4] == b[:4] for a, b in zip(new["decode"]["tokens"], old["decode"]["tokens"], strict=True)]
+    print(f" decode batch: {sum(a == b for a, b in zip(new['decode']['tokens'], old['decode']['tokens'], strict=True))}"
+          f"/{len(same)} sequences with all tokens equal")
+    worst = max(worst, compare_logits("decode", new["decode"]["logits"], old["decode"]["logits"], same, False))
+    if "decode_eager" in new:
+        eager = new["decode_eager"]
+        same = [a[:4] == b[:4] for a, b in zip(new["decode"]["tokens"], eager["tokens"], strict=True)]
+        worst = max(worst, compare_logits("graph-vs-eager", new["decode"]["logits"], eager["logits"], same, False))
+    print(f" worst rel L2: {worst:.2e} ({'OK' if worst < 2e-2 else 'TOO LARGE'} for bf16)")
+    print(f"\n{'':14}{'TTFT s (2 runs)':>18}{'decode tok/s':>14}{'execute tok/s':>15}{'step ms':>9}")
+    rows = [("old", old, "decode"), ("new", new, "decode"), ("new, eager", new, "decode_eager")]
+    for label, res, key in rows:
+        if key not in res:
+            continue
+        d = res[key]
+        ttft = ", ".join(f"{r['ttft_s']:.3f}" for r in res["ttft"])
+        print(f"{label:14}{ttft:>18}{d['tok_s']:>14.0f}{d['execute_tok_s']:>15.0f}{d['step_ms_median']:>9.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--compare", type=Path, nargs=2, metavar=("OLD", "NEW"))
+    ap.add_argument("--shape", choices=["demo", "7b"], default="7b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--images", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--record-steps", type=int, default=4)
+    ap.add_argument("--kv-cache-mb", type=int, default=16384)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-rows", type=int, default=30)
+    ap.add_argument("--profile-out", type=Path)
+    args = ap.parse_args()
+    if args.compare:
+        compare(*args.compare)
+    else:
+        measure(args)
+
+
+if __name__ == "__main__":
+    main()

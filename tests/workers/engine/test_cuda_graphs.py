@@ -1,0 +1,33 @@
+"""Decode CUDA graphs: bucketing, and the CPU never taking that path (the graph itself is checked on GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.cuda_graphs import MIN_WIDTH, decode_bucket, graphs_wanted
+from workers.engine.engine import Engine
+from workers.engine.layers import TPGroup
+
+
+def test_buckets_pad_up_and_refuse_what_does_not_fit() -> None:
+    assert decode_bucket(1, 1, 16, 4096) == (1, MIN_WIDTH)
+    assert decode_bucket(3, 9, 16, 4096) == (4, MIN_WIDTH)
+    assert decode_bucket(32, 16, 16, 4096) == (32, 16)
+    assert decode_bucket(32, 17, 16, 4096) == (32, 32)
+    assert decode_bucket(33, 17, 16, 4096) == (48, 32)
+    assert decode_bucket(1, 3000, 16, 2048) is None  # wider than any sequence may get
+    assert decode_bucket(64, 2048, 16, 4096) is None  # padded K/V gather too large for the graph pool
+    assert decode_bucket(10_000, 1, 16, 4096) is None
+
+
+def test_cpu_and_tensor_parallel_never_use_graphs(demo_model_dir: Path) -> None:
+    assert not graphs_wanted(torch.device("cpu"), TPGroup())
+    assert not graphs_wanted(torch.device("cuda"), TPGroup(rank=0, size=2))
+    engine = Engine(EngineConfig(model=str(demo_model_dir), device="cpu"))
+    assert engine.runner.graphs is None
+    # The scratch block for graph padding exists but is never handed out.
+    assert engine.runner.kv_caches[0].shape[1] == engine.runner.num_blocks + 1
+    assert engine.core.allocator.num_blocks == engine.runner.num_blocks
