@@ -125,8 +125,8 @@ def measure(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"card": card}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = shaped_checkpoint(Path(tmp) / "ckpt", args.shape)
-        dummy = "dummy" if args.shape != "demo" else "auto"
-        cfg = EngineConfig(model=str(model_dir), device=args.device, load_format=dummy, chunk_size=1024,
+        cfg = EngineConfig(model=str(model_dir), device=args.device, chunk_size=1024,
+                           load_format="dummy" if args.shape != "demo" else "auto",
                            kv_cache_mb=args.kv_cache_mb, max_model_len=65536, mm_cache_mb=4096)
         t0 = time.perf_counter()
         engine = Engine(cfg)

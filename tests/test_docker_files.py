@@ -201,16 +201,20 @@ def test_unit_exec_start_is_a_valid_glimpse_serve_command() -> None:
 # ---- README --------------------------------------------------------------------------------------
 
 
+SWITCH = object()
+
+
 def serve_flags() -> dict[str, object]:
     """Every long flag of `glimpse serve` with its default."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     serve = sub.choices["serve"]
-    flags = {}
+    flags: dict[str, object] = {}
     for action in serve._actions:
         for option in action.option_strings:
             if option.startswith("--") and option != "--help":
-                flags[option] = action.default
+                # A switch (--no-prefix-caching) takes no value: by default it is simply not given.
+                flags[option] = SWITCH if action.nargs == 0 else action.default
     assert len(flags) > 20, flags
     return flags
 
@@ -234,5 +238,8 @@ def test_readme_documents_every_serve_flag_with_its_default() -> None:
     for flag, default in flags.items():
         if default is None:
             continue  # computed at start-up; the cell says how, in words
+        if default is SWITCH:
+            assert rows[flag].startswith("off"), f"{flag} is a switch: its default cell should read 'off'"
+            continue
         literal = '""' if default == "" else str(default)
         assert f"`{literal}`" in rows[flag], f"{flag}: README says {rows[flag]!r}, the default is {default!r}"

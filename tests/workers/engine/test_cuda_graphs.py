@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from ipc.messages import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import MIN_WIDTH, decode_bucket, graphs_wanted
 from workers.engine.engine import Engine
@@ -31,3 +33,19 @@ def test_cpu_and_tensor_parallel_never_use_graphs(demo_model_dir: Path) -> None:
     # The scratch block for graph padding exists but is never handed out.
     assert engine.runner.kv_caches[0].shape[1] == engine.runner.num_blocks + 1
     assert engine.core.allocator.num_blocks == engine.runner.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_decode_gives_the_eager_tokens_on_cuda(demo_model_dir: Path) -> None:
+    """float32 on CUDA, so eager and graph decode differ by rounding only and greedy tokens must agree;
+    3 sequences pad to the batch-4 bucket, so the scratch-block padding rows run too."""
+    engine = Engine(EngineConfig(model=str(demo_model_dir), device="cuda", dtype="float32"))
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[{"role": "user", "content": f"Count to {n}: " + "one " * n}] for n in (3, 20, 40)]
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    with_graphs = [o.token_ids for o in engine.generate(prompts, greedy)]
+    assert graphs.stats["replays"] > 0 and graphs.stats["captures"] > 0
+    engine.runner.graphs = None
+    assert [o.token_ids for o in engine.generate(prompts, greedy)] == with_graphs
