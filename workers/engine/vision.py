@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from workers.engine.layers import RMSNorm  # transformers' op order (fp32 normalize, cast, scale)
+from workers.engine.vision_mlp import VisionMLP
 
 try:  # torch >= 2.10; the GPU box has 2.11. Positional (q, k, v, cu_q, cu_k, max_q, max_k) is stable across them.
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -207,24 +208,12 @@ def _grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: _Segments) -> Tensor:
     return out[inv] if inv is not None else out
 
 
-class _MLP(nn.Module):
-    def __init__(self, spec: VisionSpec) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=True)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=True)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=True)
-        self.act = _ACTS[spec.hidden_act]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Block(nn.Module):
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(spec.hidden_size, 1e-6), RMSNorm(spec.hidden_size, 1e-6)
         self.attn = _Attention(spec)
-        self.mlp = _MLP(spec)
+        self.mlp = VisionMLP(spec.hidden_size, spec.intermediate_size, _ACTS[spec.hidden_act])
 
     def forward(self, x: Tensor, seg: _Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         x = x + self.attn(self.norm1(x), seg, cos, sin, flash)
@@ -379,14 +368,18 @@ def load_vision(
                     p.normal_(0.0, 0.02, generator=gen)
                 else:  # biases 0, norm scales 1
                     p.fill_(0.0 if name.endswith("bias") else 1.0)
-            return tower.eval()
-        missing = set(params)
-        for name, tensor in _visual_tensors(Path(model_dir), device):
-            param = params.get(name)
-            if param is None or param.shape != tensor.shape:
-                raise ValueError(f"{model_dir}: vision weight {name} {tuple(tensor.shape)} fits no parameter")
-            param.copy_(tensor)
-            missing.discard(name)
-        if missing:
-            raise KeyError(f"vision weights missing from {model_dir}: {sorted(missing)[:8]}")
+        else:
+            missing = set(params)
+            for name, tensor in _visual_tensors(Path(model_dir), device):
+                param = params.get(name)
+                if param is None or param.shape != tensor.shape:
+                    raise ValueError(f"{model_dir}: vision weight {name} {tuple(tensor.shape)} fits no parameter")
+                param.copy_(tensor)
+                missing.discard(name)
+            if missing:
+                raise KeyError(f"vision weights missing from {model_dir}: {sorted(missing)[:8]}")
+    if device.type == "cuda":  # GPU weight layout (see vision_mlp); the CPU keeps transformers' exact GEMMs
+        for module in tower.modules():
+            if isinstance(module, VisionMLP):
+                module.pack()
     return tower.eval()
