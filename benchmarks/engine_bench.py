@@ -44,6 +44,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def run_to_first_token(
+    engine: Engine, messages: list[dict[str, Any]], sampling: SamplingParams, device: str
+) -> tuple[str, list[Any], float, float]:
+    """Add one request and step until it finishes: (rid, finished outputs, preprocess s, TTFT s)."""
+    t0 = time.perf_counter()
+    rid = engine.add_request(messages, sampling)
+    t_pre = time.perf_counter() - t0
+    ttft: float | None = None
+    while True:
+        finished = engine.step()
+        out = engine.peek(rid)
+        if ttft is None and (finished or (out is not None and out.token_ids)):
+            sync(device)
+            ttft = time.perf_counter() - t0
+        if finished:
+            assert ttft is not None
+            return rid, finished, t_pre, ttft
+
+
 def run_mode(model_dir: Path, args: argparse.Namespace, mode: str, images: list[Image.Image]) -> dict[str, Any]:
     cfg = EngineConfig(
         model=str(model_dir),
@@ -73,17 +92,8 @@ def run_mode(model_dir: Path, args: argparse.Namespace, mode: str, images: list[
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         prof.__enter__()
     t0 = time.perf_counter()
-    rid = engine.add_request(messages_with(images, "Summarise these pages."), greedy)
-    t_pre = time.perf_counter() - t0
-    ttft = None
-    while True:
-        finished = engine.step()
-        out = engine.peek(rid)
-        if ttft is None and (finished or (out is not None and out.token_ids)):
-            sync(args.device)
-            ttft = time.perf_counter() - t0
-        if finished:
-            break
+    rid, finished, t_pre, ttft = run_to_first_token(engine, messages_with(images, "Summarise these pages."), greedy,
+                                                    args.device)
     sync(args.device)
     total = time.perf_counter() - t0
     if prof is not None:

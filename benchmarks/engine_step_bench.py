@@ -60,7 +60,7 @@ class Spy:
 
 
 def ttft_run(engine: Any, spy: Spy, seed: int, images: int, record: bool) -> dict[str, Any]:
-    from benchmarks.engine_bench import RESOLUTIONS, messages_with, noise_image
+    from benchmarks.engine_bench import RESOLUTIONS, messages_with, noise_image, run_to_first_token
     from ipc.messages import SamplingParams
 
     w, h = RESOLUTIONS["1080p"]
@@ -68,18 +68,9 @@ def ttft_run(engine: Any, spy: Spy, seed: int, images: int, record: bool) -> dic
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     spy.recording, spy.steps = record, []
     _sync()
-    t0 = time.perf_counter()
-    rid = engine.add_request(messages_with(imgs, "Summarise these pages."), greedy)
-    prep = time.perf_counter() - t0
-    ttft = None
-    while True:
-        finished = engine.step()
-        out = engine.peek(rid)
-        if ttft is None and (finished or (out is not None and out.token_ids)):
-            _sync()
-            ttft = time.perf_counter() - t0
-        if finished:
-            break
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rid, finished, prep, ttft = run_to_first_token(engine, messages_with(imgs, "Summarise these pages."), greedy,
+                                                   device)
     spy.recording = False
     return {"ttft_s": ttft, "prep_s": prep, "tokens": [list(finished[0].token_ids)], "steps": spy.steps,
             "rids": [rid], "prompt_tokens": finished[0].prompt_tokens}

@@ -82,6 +82,9 @@ def _init_tp(config: ServerConfig, rank: int) -> tuple[TPGroup | None, EngineCon
     if size == 1:
         return None, engine
     backend = "nccl" if engine.device.startswith("cuda") else "gloo"
+    if backend == "gloo":
+        # All ranks share this host: keep gloo on loopback rather than whatever the hostname resolves to.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         backend,
         # A file rendezvous in the launch's private directory: no TCP port to pick or to race for.

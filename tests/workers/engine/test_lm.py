@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -384,6 +385,7 @@ def _tp_worker(rank: int, world: int, store: str, ckpt: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # ranks talk over loopback only, whatever the host's name resolves to
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         spec = TextSpec.from_hf_config(json.loads((Path(ckpt) / "config.json").read_text()))
@@ -392,6 +394,8 @@ def _tp_worker(rank: int, world: int, store: str, ckpt: str, out: str) -> None:
             Path(ckpt), spec, dtype=torch.float32, device="cpu", tp=tp, attn_backend="sdpa"
         )
         torch.save(_tp_scenario(m), Path(out) / f"rank{rank}.pt")
+        # Everyone done before anyone tears down: a rank leaving early makes gloo abort its peers.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
