@@ -382,8 +382,14 @@ def test_qkv_shards_split_or_replicate_kv_heads(tp_size: int, num_kv_heads: int)
 
 def _tp_worker(rank: int, world: int, store: str, ckpt: str, out: str) -> None:
     """One TP rank over gloo on CPU: load its shards, run prefill chunks + decodes, save the logits."""
+    import faulthandler
+
     import torch.distributed as dist
 
+    # A rank that dies in native code leaves its reason here (pytest does not capture children).
+    err = open(Path(out) / f"rank{rank}.stderr", "w")  # noqa: SIM115 - lives as long as the process
+    os.dup2(err.fileno(), 2)
+    faulthandler.enable(err)
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # ranks talk over loopback only, whatever the host's name resolves to
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
@@ -420,7 +426,12 @@ def test_tensor_parallel_forward_over_gloo_matches_single_rank(
     path, _ = checkpoint
     # A file rendezvous: no port to race other tests for.
     store = f"file://{tmp_path / 'dist-store'}"
-    mp.spawn(_tp_worker, args=(tp_size, store, str(path), str(tmp_path)), nprocs=tp_size, join=True)
+    try:
+        mp.spawn(_tp_worker, args=(tp_size, store, str(path), str(tmp_path)), nprocs=tp_size, join=True)
+    except mp.ProcessException:
+        for log in sorted(tmp_path.glob("rank*.stderr")):
+            print(f"--- {log.name}\n{log.read_text()}")
+        raise
     expected = _tp_scenario(model)
     for rank in range(tp_size):
         torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), expected, atol=ATOL, rtol=0)
