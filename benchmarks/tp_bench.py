@@ -43,7 +43,7 @@ from server.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.engine import images_in
 from workers.engine.processor import MMProcessor
-from workers.model import run_model_worker
+from workers.model import host_rendezvous, run_model_worker
 from workers.scheduler import run_scheduler
 
 
@@ -142,8 +142,9 @@ def bench_tp(model_dir: Path, tp: int, args: argparse.Namespace) -> dict[str, An
         model=str(model_dir), device=args.device, dtype=args.dtype, load_format="dummy", tp_size=tp,
         chunk_size=args.chunk_size, max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
     )
+    rendezvous, port = host_rendezvous()
     config = ServerConfig(engine, new_launch_id(), "bench", tokenizer_workers=0, shm_budget_bytes=64 << 30,
-                          log_level="warning")
+                          log_level="warning", dist_port=port)
     stack = Stack(config)
     result: dict[str, Any] = {"tp": tp}
     try:
@@ -181,6 +182,7 @@ def bench_tp(model_dir: Path, tp: int, args: argparse.Namespace) -> dict[str, An
             }
     finally:
         stack.close()
+        del rendezvous
     return result
 
 

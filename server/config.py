@@ -28,6 +28,7 @@ class ServerConfig:
     shm_budget_bytes: int = 4 << 30
     # Share of that budget kept for images whose requests ended, so a chat's next turn reuses them.
     shm_retain_fraction: float = 0.5
+    dist_port: int = 0  # torch.distributed rendezvous store on 127.0.0.1 (the launcher serves it when tp > 1)
     # Child start-up and shutdown.
     ready_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0

@@ -18,7 +18,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any
 
@@ -179,6 +179,12 @@ class Launcher:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.state = FrontendState(cfg)
         self.state.start()
+        rendezvous = None
+        if cfg.engine.tp_size > 1:
+            from workers.model import host_rendezvous
+
+            rendezvous, port = host_rendezvous()
+            cfg = self.config = replace(cfg, dist_port=port)
         try:
             self.children = start_children(cfg)
             self._watch(loop)
@@ -192,6 +198,7 @@ class Launcher:
             await self._shutdown(loop)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            del rendezvous  # the ranks are gone: stop serving the store
 
     async def _wait_ready(self) -> bool:
         assert self.state is not None

@@ -14,12 +14,13 @@ import os
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ipc.channels import PullSocket, PushSocket, new_context
-from ipc.launch import ipc_address, launch_dir
+from ipc.launch import ipc_address
 from ipc.messages import (
     EncodeItem,
     ModelInbound,
@@ -85,15 +86,19 @@ def _init_tp(config: ServerConfig, rank: int) -> tuple[TPGroup | None, EngineCon
     if backend == "gloo":
         # All ranks share this host: keep gloo on loopback rather than whatever the hostname resolves to.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        backend,
-        # A file rendezvous in the launch's private directory: no TCP port to pick or to race for.
-        init_method=f"file://{launch_dir(config.launch_id)}/dist-store",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=config.ready_timeout_s),
-    )
+    timeout = timedelta(seconds=config.ready_timeout_s)
+    # The rendezvous store is served by the launcher (host_rendezvous), which bound its port before any
+    # rank started: no port to race for, and nothing on disk for ranks to tear down at exit.
+    store = dist.TCPStore("127.0.0.1", config.dist_port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank=rank, size=size), engine
+
+
+def host_rendezvous() -> tuple[Any, int]:
+    """Serve torch.distributed's key-value store on a loopback port the OS picks; returns (store, port).
+    The caller keeps ``store`` alive for as long as ranks may join."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return store, int(store.port)
 
 
 def run_model_worker(config: ServerConfig, rank: int) -> None:

@@ -380,7 +380,7 @@ def test_qkv_shards_split_or_replicate_kv_heads(tp_size: int, num_kv_heads: int)
     assert sorted(kv_heads_seen) == list(range(num_kv_heads))  # replicated or split, every KV head is held
 
 
-def _tp_worker(rank: int, world: int, store: str, ckpt: str, out: str) -> None:
+def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
     """One TP rank over gloo on CPU: load its shards, run prefill chunks + decodes, save the logits."""
     import faulthandler
 
@@ -392,7 +392,8 @@ def _tp_worker(rank: int, world: int, store: str, ckpt: str, out: str) -> None:
     faulthandler.enable(err)
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # ranks talk over loopback only, whatever the host's name resolves to
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         spec = TextSpec.from_hf_config(json.loads((Path(ckpt) / "config.json").read_text()))
         tp = TPGroup(rank=rank, size=world, group=dist.group.WORLD)
@@ -424,11 +425,13 @@ def test_tensor_parallel_forward_over_gloo_matches_single_rank(
     import torch.multiprocessing as mp
 
     path, _ = checkpoint
-    # A file rendezvous: no port to race other tests for.
-    store = f"file://{tmp_path / 'dist-store'}"
+    import torch.distributed as dist
+
+    # The test serves the rendezvous store on a port the OS picked: nothing to race other tests for.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
-        mp.spawn(_tp_worker, args=(tp_size, store, str(path), str(tmp_path)), nprocs=tp_size, join=True)
-    except mp.ProcessException:
+        mp.spawn(_tp_worker, args=(tp_size, int(store.port), str(path), str(tmp_path)), nprocs=tp_size, join=True)
+    except Exception:
         for log in sorted(tmp_path.glob("rank*.stderr")):
             print(f"--- {log.name}\n{log.read_text()}")
         raise
