@@ -66,8 +66,8 @@ class PlanSizes:
 
 def build_request(
     processor: MMProcessor, launch_id: str, size: tuple[int, int], images: int, dtype: torch.dtype
-) -> tuple[list[int], list[list[int]], int, list[MMItem], int]:
-    """(input_ids, positions, mrope_delta, items, pixel bytes) as a tokenizer would hand them over."""
+) -> tuple[list[int], int, list[MMItem], int]:
+    """(input_ids, mrope_delta, items, pixel bytes) as a tokenizer would hand them to the core."""
     width, height = size
     rng = np.random.default_rng(0)
     sample = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
@@ -89,7 +89,7 @@ def build_request(
         name = segment_name(launch_id, f"{span.hash.hex()}-{t}x{h}x{w}-w0a1b2c3-{k + 1:x}")
         ref = ShmRef(name, nbytes, dtype_name(dtype), (rows, row_width))
         items.append(MMItem(span.hash, span.offset, span.length, span.grid, ref))
-    return prompt.input_ids, prompt.positions, prompt.mrope_delta, items, nbytes * images
+    return prompt.input_ids, prompt.mrope_delta, items, nbytes * images
 
 
 def measure(model_dir: Path, processor: MMProcessor, resolution: str, args: argparse.Namespace) -> PlanSizes:
@@ -99,13 +99,13 @@ def measure(model_dir: Path, processor: MMProcessor, resolution: str, args: argp
     )
     config = ServerConfig(engine=engine, launch_id=launch_id, served_model_name="bench")
     dtype = engine.torch_dtype()
-    ids, positions, delta, items, pixel_bytes = build_request(
+    ids, delta, items, pixel_bytes = build_request(
         processor, launch_id, RESOLUTIONS[resolution], args.images, dtype
     )
     num_blocks = -(-(len(ids) + args.decode_steps + 1) // engine.block_size) + 1
     core = build_core(config, num_blocks)
     sampling = SamplingParams(max_tokens=args.decode_steps + 1, temperature=0.0, ignore_eos=True)
-    core.add("r0", ids, positions, delta, items, sampling)
+    core.add("r0", ids, delta, items, sampling)
     prefill: list[int] = []
     decode: list[int] = []
     jobs: list[int] = []

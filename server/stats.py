@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -85,15 +85,16 @@ class StatsBook:
 
     def snapshot(self, outstanding: Sequence[int], status: str) -> dict[str, Any]:
         """The `/admin/stats` JSON document; `outstanding` is per tokenizer, frontend-side."""
-        s = self.scheduler
+        # Before the scheduler's first report every figure reads zero.
+        s = self.scheduler or _NO_SCHEDULER_STATS
         c = self.counters
-        lookups = (s.mm_cache_hits + s.mm_cache_misses) if s else 0
+        lookups = s.mm_cache_hits + s.mm_cache_misses
         return {
             "status": status,
             "uptime_s": round(time.time() - self.started, 3),
             "requests": {
-                "running": s.requests_running if s else 0,
-                "waiting": s.requests_waiting if s else 0,
+                "running": s.requests_running,
+                "waiting": s.requests_waiting,
                 "in_flight_http": c.in_flight,
                 "total": c.total,
                 "ok": c.ok,
@@ -101,33 +102,33 @@ class StatsBook:
                 "aborted": c.aborted,
             },
             "tokens_per_s": round(self.tokens_per_s(), 3),
-            "generated_tokens": s.generated_tokens if s else 0,
-            "prompt_tokens": s.prompt_tokens if s else 0,
-            "steps": s.steps if s else 0,
-            "kv_blocks": {"used": s.kv_blocks_used if s else 0, "total": s.kv_blocks_total if s else 0},
-            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens if s else 0,
+            "generated_tokens": s.generated_tokens,
+            "prompt_tokens": s.prompt_tokens,
+            "steps": s.steps,
+            "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
+            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "mm_cache": {
-                "entries": s.mm_cache_entries if s else 0,
-                "bytes": s.mm_cache_bytes if s else 0,
-                "hits": s.mm_cache_hits if s else 0,
-                "misses": s.mm_cache_misses if s else 0,
-                "evictions": s.mm_cache_evictions if s else 0,
-                "hit_rate": (s.mm_cache_hits / lookups) if s and lookups else 0.0,
+                "entries": s.mm_cache_entries,
+                "bytes": s.mm_cache_bytes,
+                "hits": s.mm_cache_hits,
+                "misses": s.mm_cache_misses,
+                "evictions": s.mm_cache_evictions,
+                "hit_rate": (s.mm_cache_hits / lookups) if lookups else 0.0,
             },
-            "images_encoded": s.images_encoded if s else 0,
-            "vit_batches": s.vit_batches if s else 0,
+            "images_encoded": s.images_encoded,
+            "vit_batches": s.vit_batches,
             "shm": {
-                "segments": s.shm_segments if s else 0,
-                "bytes": s.shm_bytes if s else 0,
-                "budget_bytes": s.shm_budget_bytes if s else 0,
-                "retained_segments": s.shm_retained_segments if s else 0,
-                "retained_bytes": s.shm_retained_bytes if s else 0,
+                "segments": s.shm_segments,
+                "bytes": s.shm_bytes,
+                "budget_bytes": s.shm_budget_bytes,
+                "retained_segments": s.shm_retained_segments,
+                "retained_bytes": s.shm_retained_bytes,
             },
             "gpu": {
-                "peak_allocated_bytes": s.gpu_peak_bytes if s and s.gpu_peak_bytes else None,
-                "idle_allocated_bytes": s.gpu_idle_bytes if s and s.gpu_idle_bytes else None,
+                "peak_allocated_bytes": s.gpu_peak_bytes or None,
+                "idle_allocated_bytes": s.gpu_idle_bytes or None,
             },
-            "plan_bytes": {"last": s.plan_bytes_last if s else 0, "max": s.plan_bytes_max if s else 0},
+            "plan_bytes": {"last": s.plan_bytes_last, "max": s.plan_bytes_max},
             "model_workers": [
                 {
                     "rank": w.rank,
@@ -139,21 +140,25 @@ class StatsBook:
                     "broadcast_ms_mean": 1e3 * w.broadcast_s_sum / w.steps if w.steps else 0.0,
                     "broadcast_ms_max": 1e3 * w.broadcast_s_max,
                 }
-                for w in (s.workers if s else [])
+                for w in s.workers
             ],
             "tokenizers": [
                 {
                     "worker": i,
-                    "queue_depth": t.queue_depth if t else 0,
+                    "queue_depth": t.queue_depth,
                     "outstanding": n,
-                    "requests": t.requests if t else 0,
-                    "images": t.images if t else 0,
-                    "images_reused": t.images_reused if t else 0,
+                    "requests": t.requests,
+                    "images": t.images,
+                    "images_reused": t.images_reused,
                 }
                 for i, n in enumerate(outstanding)
-                for t in (self.tokenizers.get(i),)
+                for t in (self.tokenizers.get(i, _NO_TOKENIZER_STATS),)
             ],
         }
+
+
+_NO_SCHEDULER_STATS = SchedulerStats(**cast(dict[str, Any], {f: 0 for f in SchedulerStats.__struct_fields__ if f != "workers"}))
+_NO_TOKENIZER_STATS = TokenizerStats(worker=-1, queue_depth=0, requests=0, images=0, images_reused=0)
 
 
 class _BookCollector(Collector):
@@ -205,12 +210,12 @@ class _BookCollector(Collector):
         images = labelled("images", "Images the tokenizer handled.", CounterMetricFamily)
         reused = labelled("images_reused", "Images served from a live shm segment.", CounterMetricFamily)
         for i, n in enumerate(self._outstanding):
-            t, worker = book.tokenizers.get(i), [str(i)]
+            t, worker = book.tokenizers.get(i, _NO_TOKENIZER_STATS), [str(i)]
             outstanding.add_metric(worker, n)
-            queue_depth.add_metric(worker, t.queue_depth if t else 0)
-            requests.add_metric(worker, t.requests if t else 0)
-            images.add_metric(worker, t.images if t else 0)
-            reused.add_metric(worker, t.images_reused if t else 0)
+            queue_depth.add_metric(worker, t.queue_depth)
+            requests.add_metric(worker, t.requests)
+            images.add_metric(worker, t.images)
+            reused.add_metric(worker, t.images_reused)
         yield from (outstanding, queue_depth, requests, images, reused)
 
 

@@ -203,7 +203,7 @@ class Scheduler:
             self._fail(req.rid, 503, "shared memory budget exceeded, retry later", "shm_budget_exceeded")
             return
         try:
-            self.core.add(req.rid, req.input_ids, req.positions, req.mrope_delta, req.items, req.sampling)
+            self.core.add(req.rid, req.input_ids, req.mrope_delta, req.items, req.sampling)
         except ValueError as exc:
             # RequestRejected: an empty prompt, or one too long for the context or the KV cache; plain
             # ValueError: a duplicate rid (these names are this message's own links, safe to unlink).

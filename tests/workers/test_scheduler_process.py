@@ -372,7 +372,7 @@ def test_plan_bytes_do_not_grow_with_pixels(demo_model_dir: Path, processor: MMP
         refs = {p.hash: shm_ref(names[p.hash], p.pixel_values) for p in processed}
         items = [MMItem(s.hash, s.offset, s.length, s.grid, refs[s.hash]) for s in prompt.spans]
         core = build_core(config, 8192)
-        core.add("r", prompt.input_ids, prompt.positions, prompt.mrope_delta, items, GREEDY)
+        core.add("r", prompt.input_ids, prompt.mrope_delta, items, GREEDY)
         first = core.schedule()
         assert first is not None and len(first.encode) == 16 and first.chunks[0].sample
         core.update(StepResult(first.step_id, [("r", 7)]))

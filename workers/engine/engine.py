@@ -6,12 +6,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from PIL import Image
 
 from ipc.messages import EncodeItem, MMItem, SamplingParams
+from workers.detokenizer import TextStream
 from workers.engine.config import EngineConfig, ModelInfo
 from workers.engine.model_runner import ModelRunner
 from workers.engine.processor import MMProcessor, ProcessedImage
@@ -78,7 +79,7 @@ class Engine:
         )
         self.core.on_finished = self._release
         self._outputs: dict[str, RequestOutput] = {}
-        self._params: dict[str, SamplingParams] = {}
+        self._streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.step_log: list[tuple[int, int]] = []  # (images encoded, ViT calls) per step
 
@@ -89,11 +90,11 @@ class Engine:
         processed = [self.processor.process_image(img) for img in images_in(messages)]
         prompt = self.processor.build(self.processor.render(messages), processed)
         items = [MMItem(s.hash, s.offset, s.length, s.grid) for s in prompt.spans]
-        self.core.add(rid, prompt.input_ids, prompt.positions, prompt.mrope_delta, items, sampling)
+        self.core.add(rid, prompt.input_ids, prompt.mrope_delta, items, sampling)
         for image in processed:
             self._hold(image)
         self._outputs[rid] = RequestOutput(rid, len(prompt.input_ids))
-        self._params[rid] = sampling
+        self._streams[rid] = TextStream(self.processor.tokenizer, sampling.stop, len(prompt.input_ids))
         return rid
 
     def peek(self, rid: str) -> RequestOutput | None:
@@ -117,20 +118,15 @@ class Engine:
         for update in self.core.update(result):
             out = self._outputs[update.rid]
             out.token_ids.append(update.token_id)
-            out.text = self.processor.decode(out.token_ids)
-            reason = update.finish_reason
-            stop = self._params[update.rid].stop
-            if stop:
-                cut = min((i for i in (out.text.find(s) for s in stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    out.text = out.text[:cut]
-                    if reason is None:
-                        self.core.finish(update.rid, "stop")
-                    reason = "stop"
+            # The serving path's detokenizer: incremental, UTF-8 safe, stop strings cut out.
+            text, reason = self._streams[update.rid].add(update.token_id, update.finish_reason)
+            out.text += text
             if reason is not None:
-                out.finish_reason = reason
+                if update.finish_reason is None:  # a stop string matched: the core did not know
+                    self.core.finish(update.rid, "stop")
+                out.finish_reason = cast(FinishReason, reason)  # the core's reason, or "stop"
                 done.append(out)
-                del self._outputs[update.rid], self._params[update.rid]
+                del self._outputs[update.rid], self._streams[update.rid]
         return done
 
     def generate(

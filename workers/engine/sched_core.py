@@ -33,7 +33,6 @@ class RequestRejected(ValueError):
 class Sequence:
     rid: str
     input_ids: list[int]
-    positions: list[list[int]]
     mrope_delta: int
     items: list[MMItem]
     sampling: SamplingParams
@@ -117,7 +116,6 @@ class SchedulerCore:
         self,
         rid: str,
         input_ids: list[int],
-        positions: list[list[int]],
         mrope_delta: int,
         items: list[MMItem],
         sampling: SamplingParams,
@@ -135,7 +133,7 @@ class SchedulerCore:
             raise RequestRejected(
                 f"the prompt needs {need} KV blocks, the cache has {self.allocator.num_blocks} in all"
             )
-        seq = Sequence(rid, list(input_ids), positions, mrope_delta, list(items), sampling, next(self._arrivals))
+        seq = Sequence(rid, list(input_ids), mrope_delta, list(items), sampling, next(self._arrivals))
         if self.mm_cache_mode == "request" and items:
             seq.mm_key = combined_mm_key(seq.items)
         self.seqs[rid] = seq

@@ -21,7 +21,7 @@ def core(**overrides: object) -> SchedulerCore:
 
 
 def add(c: SchedulerCore, rid: str, n: int, items: list[MMItem] | None = None, max_tokens: int = 4) -> None:
-    c.add(rid, [1] * n, [list(range(n))] * 3, 0, items or [], SamplingParams(max_tokens=max_tokens, temperature=0))
+    c.add(rid, [1] * n, 0, items or [], SamplingParams(max_tokens=max_tokens, temperature=0))
 
 
 def run_step(c: SchedulerCore, token: int = 5) -> StepPlan:
@@ -139,12 +139,12 @@ def test_abort_frees_everything_and_tells_workers() -> None:
 def test_prefix_cache_shares_computed_blocks_and_skips_their_prefill() -> None:
     c = core(enable_prefix_caching=True, chunk_size=64, num_blocks=16, block_size=4)
     prompt = list(range(1, 19))  # 18 tokens: 4 full blocks + 2
-    c.add("a", prompt, [list(range(18))] * 3, 0, [], SamplingParams(max_tokens=2, temperature=0))
+    c.add("a", prompt, 0, [], SamplingParams(max_tokens=2, temperature=0))
     run_step(c)
     run_step(c)  # a finishes; its blocks stay cached
     assert "a" not in c.seqs and c.allocator.num_cached >= 4
     longer = prompt + [40, 41, 42]
-    c.add("b", longer, [list(range(21))] * 3, 0, [], SamplingParams(max_tokens=2, temperature=0))
+    c.add("b", longer, 0, [], SamplingParams(max_tokens=2, temperature=0))
     plan = run_step(c)
     [chunk] = plan.chunks
     assert (chunk.start, chunk.length) == (16, 5)  # 4 shared blocks: only the rest is computed
@@ -156,9 +156,9 @@ def test_prefix_cache_never_shares_a_block_with_different_images() -> None:
     # Same text, different image: the span's pad values differ, so no block matches after it.
     a = [1, 2, 3, 4] + [1000] * 8 + [5, 6, 7, 8, 9]
     b = [1, 2, 3, 4] + [2000] * 8 + [5, 6, 7, 8, 9]
-    c.add("a", a, [list(range(17))] * 3, 0, [item(1, 4, 8)], SamplingParams(max_tokens=1, temperature=0))
+    c.add("a", a, 0, [item(1, 4, 8)], SamplingParams(max_tokens=1, temperature=0))
     run_step(c)
-    c.add("b", b, [list(range(17))] * 3, 0, [item(2, 4, 8)], SamplingParams(max_tokens=1, temperature=0))
+    c.add("b", b, 0, [item(2, 4, 8)], SamplingParams(max_tokens=1, temperature=0))
     plan = run_step(c)
     assert plan.chunks[0].start == 4  # only the text block before the image is shared
     assert [job.key[0] for job in plan.encode] == [2]
@@ -166,10 +166,10 @@ def test_prefix_cache_never_shares_a_block_with_different_images() -> None:
 
 def test_prefix_blocks_are_recycled_when_memory_is_needed() -> None:
     c = core(enable_prefix_caching=True, chunk_size=64, num_blocks=6, block_size=4)
-    c.add("a", list(range(1, 17)), [list(range(16))] * 3, 0, [], SamplingParams(max_tokens=1, temperature=0))
+    c.add("a", list(range(1, 17)), 0, [], SamplingParams(max_tokens=1, temperature=0))
     run_step(c)
     assert c.allocator.num_cached == 4 and c.allocator.num_free == 6
     # A different prompt needing all 6 blocks takes the cached ones back.
-    c.add("b", list(range(100, 120)), [list(range(20))] * 3, 0, [], SamplingParams(max_tokens=1, temperature=0))
+    c.add("b", list(range(100, 120)), 0, [], SamplingParams(max_tokens=1, temperature=0))
     plan = run_step(c)
     assert plan.chunks[0].start == 0 and c.allocator.num_cached <= 5
