@@ -21,9 +21,9 @@ from benchmarks.checkpoints import shaped_checkpoint
 from benchmarks.engine_bench import RESOLUTIONS, messages_with, noise_image
 from benchmarks.engine_step_bench import Spy, rel
 from ipc.messages import SamplingParams
+from workers.engine import fused
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.vision_mlp import VisionMLP
 
 Rows = list[list[torch.Tensor]]  # per request (in order), the logits row that produced each token
 
@@ -52,7 +52,7 @@ def compare(name: str, a: tuple[Rows, list[list[int]]], b: tuple[Rows, list[list
 
 
 def check(model_dir: Path, args: argparse.Namespace) -> None:
-    def build(dtype: Any) -> Engine:
+    def build(dtype: Any, fused_kernels: bool) -> Engine:
         # No embedding or prefix cache: every run recomputes everything.
         return Engine(
             EngineConfig(
@@ -64,10 +64,11 @@ def check(model_dir: Path, args: argparse.Namespace) -> None:
                 kv_cache_mb=2048,
                 max_model_len=65536,
                 enable_prefix_caching=False,
+                fused_kernels=fused_kernels,
             )
         )
 
-    e16, e32 = build("bfloat16"), build("float32")
+    e16, e32 = build("bfloat16", True), build("float32", False)  # the reference runs plain eager ops
     with torch.no_grad():  # the reference holds exactly the bf16 weights, in float32
         for src, dst in ((e16.runner.lm, e32.runner.lm), (e16.runner.vision, e32.runner.vision)):
             for p16, p32 in zip(src.parameters(), dst.parameters(), strict=True):
@@ -78,30 +79,22 @@ def check(model_dir: Path, args: argparse.Namespace) -> None:
     image = [messages_with([noise_image(w, h, seed=300)], "Describe the picture.")]
     texts = [[{"role": "user", "content": f"Story {i}: " + "word " * 40}] for i in range(args.batch)]
     ref_img, ref_txt = run(e32, s32, image, 1), run(e32, s32, texts, 3)
-    packed = run(e16, s16, image, 1)
-    mlps = [m for m in e16.runner.vision.modules() if isinstance(m, VisionMLP)]
-    layouts = [m.packed for m in mlps]
-    for m in mlps:
-        m.packed = None  # the checkpoint's GEMM layout (the nn.Linear views)
-    unpacked = run(e16, s16, image, 1)
-    for m, layout in zip(mlps, layouts, strict=True):
-        m.packed = layout
-    graphs = e16.runner.graphs
-    graph = run(e16, s16, texts, 3)
-    e16.runner.graphs = None
-    eager = run(e16, s16, texts, 3)
-    e16.runner.graphs = graphs
+    fused_img, graph = run(e16, s16, image, 1), run(e16, s16, texts, 3)
+    for module in (e16.runner.lm, e16.runner.vision):
+        fused.enable(module, False)
+    e16.runner.graphs = None  # captured graphs hold the fused kernels: the eager-ops decode runs without them
+    eager_img, eager = run(e16, s16, image, 1), run(e16, s16, texts, 3)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
         f"\nbf16 vs float32 on the same weights ({card}): logits of 1 x 1080p + text (first token) and of a "
         f"{args.batch}-request text batch (first decode step)"
     )
-    compare("image, ViT MLP packed (new) vs fp32", packed, ref_img, 0)
-    compare("image, ViT MLP checkpoint layout (old) vs fp32", unpacked, ref_img, 0)
-    compare("image, packed vs checkpoint layout", packed, unpacked, 0)
-    compare("decode, CUDA graph + flash split-KV (new) vs fp32", graph, ref_txt, 1)
-    compare("decode, eager flash varlen (old path) vs fp32", eager, ref_txt, 1)
-    compare("decode, graph vs eager", graph, eager, 1)
+    compare("image, fused kernels vs fp32", fused_img, ref_img, 0)
+    compare("image, eager ops vs fp32", eager_img, ref_img, 0)
+    compare("image, fused vs eager ops", fused_img, eager_img, 0)
+    compare("decode, CUDA graph + fused kernels vs fp32", graph, ref_txt, 1)
+    compare("decode, eager flash varlen + eager ops vs fp32", eager, ref_txt, 1)
+    compare("decode, graph + fused vs eager", graph, eager, 1)
 
 
 def main() -> None:

@@ -3,7 +3,10 @@
 FLOPs are counted from the shapes (matmuls as 2*m*n*k, attention as 4*q*k*d per head group), so the share
 says how close each forward runs to what the tensor cores did on a large square matmul in the same run.
 
-    python -m benchmarks.vit_bench --images 1,4
+    python -m benchmarks.vit_bench --images 1,4 --variants eager,fused
+
+``fused`` switches on the compiled elementwise kernels (workers/engine/fused.py) as the model worker does on
+CUDA; ``eager`` is plain PyTorch ops. Both run on the same weights in the same process.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import shaped_checkpoint
+from workers.engine import fused
 from workers.engine.attention import build_attention_metadata
 from workers.engine.qwen2_5_vl import TextSpec, load_language_model
 from workers.engine.vision import VisionSpec, load_vision
@@ -69,6 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", default="1,4")
     ap.add_argument("--prefill-tokens", default="1024,4096")
+    ap.add_argument("--variants", default="eager,fused", help="comma list of eager, fused")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -81,13 +86,16 @@ def main() -> None:
         vit = load_vision(ckpt, vspec, dtype=torch.bfloat16, device=dev, load_format="dummy")
         grid = (1, 78, 138)  # 1080p after the processor: 1092 x 1932 pixels, 10,764 patches
         patch_dim = vspec.in_channels * vspec.temporal_patch_size * vspec.patch_size**2
+        variants = args.variants.split(",")
         with torch.inference_mode():
-            for count in (int(x) for x in args.images.split(",")):
-                pixels = torch.randn(count * grid[1] * grid[2], patch_dim, device=dev, dtype=torch.bfloat16)
-                ms = cuda_ms(partial(vit, pixels, [grid] * count), 5)
-                flops = count * vit_flops(vspec, grid)
-                rows.append({"what": f"ViT {count} x 1080p", "ms": ms, "tflop": flops / 1e12,
-                             "tflops": flops / (ms * 1e-3) / 1e12})
+            for variant in variants:
+                fused.enable(vit, variant == "fused")
+                for count in (int(x) for x in args.images.split(",")):
+                    pixels = torch.randn(count * grid[1] * grid[2], patch_dim, device=dev, dtype=torch.bfloat16)
+                    ms = cuda_ms(partial(vit, pixels, [grid] * count), 5)
+                    flops = count * vit_flops(vspec, grid)
+                    rows.append({"what": f"ViT {count} x 1080p, {variant}", "ms": ms, "tflop": flops / 1e12,
+                                 "tflops": flops / (ms * 1e-3) / 1e12})
             vit.cpu()  # make room for the LM
             torch.cuda.empty_cache()
             lm = load_language_model(ckpt, tspec, dtype=torch.bfloat16, device=dev, load_format="dummy")
@@ -99,16 +107,19 @@ def main() -> None:
                 meta = build_attention_metadata([tokens], [tokens], [list(range(blocks))], block, dev)
                 embeds = torch.randn(tokens, tspec.hidden_size, device=dev, dtype=torch.bfloat16)
                 pos = torch.arange(tokens, device=dev).expand(3, -1)
-                ms = cuda_ms(partial(lm, embeds, pos, kv, meta), 5)
-                flops = lm_prefill_flops(tspec, tokens)
-                rows.append({"what": f"LM prefill {tokens} tokens", "ms": ms, "tflop": flops / 1e12,
-                             "tflops": flops / (ms * 1e-3) / 1e12})
+                for variant in variants:
+                    fused.enable(lm, variant == "fused")
+                    ms = cuda_ms(partial(lm, embeds, pos, kv, meta), 5)
+                    flops = lm_prefill_flops(tspec, tokens)
+                    rows.append({"what": f"LM prefill {tokens} tokens, {variant}", "ms": ms,
+                                 "tflop": flops / 1e12, "tflops": flops / (ms * 1e-3) / 1e12})
+                del kv
     card = torch.cuda.get_device_name()
     print(f"\n{card}: bf16 matmul 8192^3 = {peak:.0f} TFLOP/s (measured in this run)")
-    print(f"{'what':28} {'ms':>8} {'TFLOP':>7} {'TFLOP/s':>8} {'of peak':>8}")
+    print(f"{'what':36} {'ms':>8} {'TFLOP':>7} {'TFLOP/s':>8} {'of peak':>8}")
     for r in rows:
         share = float(r["tflops"]) / peak  # type: ignore[arg-type]
-        print(f"{r['what']:28} {r['ms']:>8.2f} {r['tflop']:>7.2f} {r['tflops']:>8.0f} {share:>8.0%}")
+        print(f"{r['what']:36} {r['ms']:>8.2f} {r['tflop']:>7.2f} {r['tflops']:>8.0f} {share:>8.0%}")
     if args.json:
         args.json.write_text(json.dumps({"card": card, "peak_tflops": peak, "rows": rows}, indent=2))
 

@@ -33,6 +33,13 @@ class EngineConfig:
     # Per-image embedding cache.
     mm_cache_mb: float = 1024  # fractions allowed (tests size the cache below one request)
     mm_cache_mode: MMCacheMode = "image"
+    # A ViT call takes the step's images until this many patches (always at least one image). One 1080p image
+    # (10,764 patches) already fills a GPU, so bigger calls buy nothing but a transient that grows with the
+    # number of images a chunk happens to touch.
+    vit_max_patches: int = 16384
+    # CUDA: the elementwise work between GEMMs (norms, rotary, SiLU*up, residual adds) as torch.compile'd
+    # kernels (workers/engine/fused.py), compiled at start-up; off = eager PyTorch ops. CPU is always eager.
+    fused_kernels: bool = True
     # Share computed KV blocks between requests with the same prefix (a chat's earlier turns).
     enable_prefix_caching: bool = True
     seed: int = 0

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.engine import fused
+
 WeightLoader = Callable[..., None]
 
 
@@ -283,8 +285,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.fused = False  # CUDA: one compiled kernel (see fused.py); set by fused.enable
+
+    def add(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """Residual add then norm: (x + delta, norm(x + delta)), fused into one pass when enabled."""
+        if self.fused and x.is_cuda:
+            out: tuple[Tensor, Tensor] = fused.compiled(fused.add_rms_norm)(x, delta, self.weight, self.eps)
+            return out
+        s = x + delta
+        return s, self(s)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused and x.is_cuda:
+            out: Tensor = fused.compiled(fused.rms_norm)(x, self.weight, self.eps)
+            return out
         variance = x.float().pow(2).mean(-1, keepdim=True)
         # x * rsqrt promotes to float32 (exact widening of x) and the out= store rounds once to x's dtype:
         # the same values as normalizing a float32 copy and casting it, without writing and re-reading

@@ -4,6 +4,7 @@ over the paged KV cache, sampling. One instance per model worker (per TP rank)."
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import torch
 
 from ipc.messages import EncodeItem, EncodeJob, MMItem, NewSeq, SamplingParams, StepPlan, StepResult
-from workers.engine.attention import AttentionMetadata
+from workers.engine import fused
+from workers.engine.attention import AttentionMetadata, build_attention_metadata
 from workers.engine.config import EngineConfig, ModelInfo
 from workers.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from workers.engine.kv_cache import slot_mapping
@@ -81,6 +83,8 @@ class ModelRunner:
         # padding rows write to and read from, so they never touch a live sequence's cache.
         shape = self.lm.kv_cache_shape(self.num_blocks + 1, cfg.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.info.num_layers)]
+        if cfg.fused_kernels and self.device.type == "cuda":
+            self._warm_fused()  # before any graph capture: a capture must never be a kernel's first launch
         self.graphs: DecodeGraphs | None = None
         if graphs_wanted(self.device, self.tp):
             max_len = cfg.max_model_len or self.info.max_position_embeddings
@@ -90,6 +94,34 @@ class ModelRunner:
         self.sampler = Sampler(self.device, cfg.seed)
         self.seqs: dict[str, WorkerSeq] = {}
         self.counters = RunnerCounters()
+
+    @torch.inference_mode()
+    def _warm_fused(self) -> None:
+        """Switch the fused kernels on and run every call site once, so compiling (or loading Inductor's
+        on-disk cache) happens now and not inside the first request. Falls back to eager if it fails."""
+        started = time.perf_counter()
+        fused.enable(self.lm)
+        fused.enable(self.vision)
+        try:
+            unit = self.merge * 2  # a 2 x 2 grid of merge units
+            grid = (1, unit, unit)
+            row = self.vision.patch_embed.proj.weight[0].numel()
+            self.vision(torch.zeros(_patches(grid), row, dtype=self.dtype, device=self.device), [grid])
+            scratch = [self.num_blocks]  # the spare block (see __init__): nothing live is in it
+            hidden = self.lm.embed_tokens.weight.shape[-1]
+            # A 2-token prefill, then one token after it: dynamic shapes specialise 1 separately (decode).
+            for query, seq in ((2, 2), (1, 3)):
+                meta = build_attention_metadata([query], [seq], [scratch], self.cfg.block_size, self.device)
+                embeds = torch.zeros(query, hidden, dtype=self.dtype, device=self.device)
+                positions = torch.arange(seq - query, seq, device=self.device).expand(3, -1)
+                self.lm(embeds, positions, self.kv_caches, meta)
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # e.g. no C compiler for Triton's launcher: serve eagerly rather than not at all
+            fused.enable(self.lm, False)
+            fused.enable(self.vision, False)
+            log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
+            return
+        log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.cfg
@@ -114,16 +146,18 @@ class ModelRunner:
         for new in plan.new_seqs:
             self._register(new)
         self.store.evict(plan.evict)
+        calls_before = self.counters.vit_calls
         encoded = self._encode(plan.encode) if plan.encode else 0
+        calls = self.counters.vit_calls - calls_before
         self.counters.encoded_per_step.append(encoded)
         self.counters.steps += 1
         if not plan.chunks:
-            return StepResult(plan.step_id, [], encoded, int(encoded > 0))
+            return StepResult(plan.step_id, [], encoded, calls)
         try:
             sampled = self._forward(plan)
         finally:
             self.store.end_step()
-        return StepResult(plan.step_id, sampled, encoded, int(encoded > 0))
+        return StepResult(plan.step_id, sampled, encoded, calls)
 
     def _register(self, new: NewSeq) -> None:
         rows, offset = [], 0
@@ -157,14 +191,15 @@ class ModelRunner:
         shares = split_by_patches([_patches(item.grid) for item in items], self.tp.size)
         mine = [items[i] for i in shares[self.tp.rank]]
         hidden = self.lm.embed_tokens.weight.shape[-1]
-        local = torch.empty((0, hidden), dtype=self.dtype, device=self.device)
-        if mine:
-            pixels = [self.pixel_source(item) for item in mine]
-            self.counters.pixel_reads += len(mine)
+        outs = [torch.empty((0, hidden), dtype=self.dtype, device=self.device)]
+        for group in group_by_patches(mine, self.cfg.vit_max_patches):
+            pixels = [self.pixel_source(item) for item in group]
+            self.counters.pixel_reads += len(group)
             batch = to_device(pixels, self.device).to(self.dtype)
-            local = self.vision(batch, [item.grid for item in mine])
+            outs.append(self.vision(batch, [item.grid for item in group]))
             self.counters.vit_calls += 1
-            self.counters.images_encoded += len(mine)
+            self.counters.images_encoded += len(group)
+        local = torch.cat(outs) if len(outs) > 2 else outs[-1]
         per_hash: dict[bytes, torch.Tensor] = {}
         if self.tp.size == 1:
             per_hash.update(zip(unique, local.split([item.length for item in items]), strict=True))
@@ -298,6 +333,21 @@ def to_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 def _patches(grid: tuple[int, int, int]) -> int:
     return grid[0] * grid[1] * grid[2]
+
+
+def group_by_patches(items: list[EncodeItem], max_patches: int) -> list[list[EncodeItem]]:
+    """Consecutive runs of ``items`` of at most ``max_patches`` patches each (an image larger than that
+    gets a run of its own), so a step's ViT transient is bounded by the cap, not by how many images it has."""
+    groups: list[list[EncodeItem]] = []
+    total = max_patches + 1
+    for item in items:
+        n = _patches(item.grid)
+        if total + n > max_patches:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += n
+    return groups
 
 
 def split_by_patches(patches: list[int], ranks: int) -> list[list[int]]:

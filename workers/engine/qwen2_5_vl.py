@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.engine import fused
 from workers.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from workers.engine.layers import (
     SINGLE_RANK,
@@ -159,6 +160,7 @@ class Qwen2_5_VLAttention(nn.Module):
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         self.scale = spec.head_dim**-0.5
+        self.fused = False  # CUDA: rope of q and k in one compiled kernel (fused.py)
 
     def forward(
         self,
@@ -170,10 +172,15 @@ class Qwen2_5_VLAttention(nn.Module):
         backend: AttentionBackend,
     ) -> Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, -1, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, -1, self.head_dim), cos, sin)
-        out = backend.forward(q, k, v.view(t, -1, self.head_dim), kv_cache, meta, self.scale)
+        qkv = self.qkv_proj(x)
+        if self.fused and qkv.is_cuda:
+            q, k, v = fused.compiled(fused.lm_rope)(qkv, cos, sin, self.q_size, self.kv_size, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(t, -1, self.head_dim), cos, sin)
+            k = apply_rope(k.view(t, -1, self.head_dim), cos, sin)
+            v = v.view(t, -1, self.head_dim)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -184,9 +191,13 @@ class Qwen2_5_VLMLP(nn.Module):
             spec.hidden_size, [spec.intermediate_size, spec.intermediate_size], bias=False, tp=tp
         )
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, bias=False, tp=tp)
+        self.fused = False  # CUDA: silu(gate) * up in one compiled kernel (fused.py)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused and gate_up.is_cuda:
+            return self.down_proj(fused.compiled(fused.silu_mul)(gate_up, 0))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -201,14 +212,23 @@ class Qwen2_5_VLDecoderLayer(nn.Module):
     def forward(
         self,
         h: Tensor,
+        delta: Tensor | None,
         cos: Tensor,
         sin: Tensor,
         kv_cache: Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[Tensor, Tensor]:
+        """(residual stream, previous layer's MLP output or None) -> the same pair after this layer.
+
+        The MLP output is added to the stream by the *next* norm (``RMSNorm.add``), so on CUDA each residual
+        add shares a kernel with the norm after it; the ops and their order are transformers' either way."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm.add(h, delta)
+        h, x = self.post_attention_layernorm.add(h, self.self_attn(x, cos, sin, kv_cache, meta, backend))
+        return h, self.mlp(x)
 
 
 # Checkpoint projections that live inside a fused parameter: (checkpoint part, fused part, shard_id).
@@ -267,10 +287,10 @@ class Qwen2_5_VLLanguageModel(nn.Module):
         backend = backend or self.attention_backend(inputs_embeds.device)
         cos, sin = self.rotary_emb(positions)
         cos, sin = rope_tables(cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype))
-        h = inputs_embeds
+        h, delta = inputs_embeds, None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta, backend)
-        out: Tensor = self.norm(h)
+            h, delta = layer(h, delta, cos, sin, kv_cache, meta, backend)
+        out: Tensor = self.norm(h) if delta is None else self.norm.add(h, delta)[1]
         return out
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -300,9 +320,9 @@ class Qwen2_5_VLLanguageModel(nn.Module):
             if name == "lm_head.weight" and self.spec.tie_word_embeddings:
                 continue  # tied: the embedding already provides it (some exports store a copy)
             shard_id: object = None
-            for part, fused, sid in _FUSED:
+            for part, fused_part, sid in _FUSED:
                 if part in name:
-                    name, shard_id = name.replace(part, fused), sid
+                    name, shard_id = name.replace(part, fused_part), sid
                     break
             if name not in params:
                 raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})")

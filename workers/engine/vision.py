@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from workers.engine import fused
 from workers.engine.layers import RMSNorm  # transformers' op order (fp32 normalize, cast, scale)
 from workers.engine.vision_mlp import VisionMLP
 
@@ -165,12 +166,16 @@ class _Attention(nn.Module):
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
         self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
         self.proj = nn.Linear(spec.hidden_size, spec.hidden_size, bias=True)
+        self.fused = False  # CUDA: rope of q and k (and v's copy) in one compiled kernel (fused.py)
 
     def forward(self, x: Tensor, seg: _Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
-        v = qkv[:, 2]
+        if self.fused and qkv.is_cuda:
+            q, k, v = fused.compiled(fused.vit_rope)(qkv, cos, sin)
+        else:
+            q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
+            v = qkv[:, 2]
         if flash:
             assert _varlen_attn is not None
             out = _varlen_attn(q, k, v.contiguous(), seg.cu, seg.cu, seg.max_len, seg.max_len)
@@ -215,9 +220,17 @@ class _Block(nn.Module):
         self.attn = _Attention(spec)
         self.mlp = VisionMLP(spec.hidden_size, spec.intermediate_size, _ACTS[spec.hidden_act])
 
-    def forward(self, x: Tensor, seg: _Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
-        x = x + self.attn(self.norm1(x), seg, cos, sin, flash)
-        return x + self.mlp(self.norm2(x))
+    def forward(
+        self, x: Tensor, delta: Tensor | None, seg: _Segments, cos: Tensor, sin: Tensor, flash: bool
+    ) -> tuple[Tensor, Tensor]:
+        """(residual stream, previous block's MLP output or None) -> the same pair after this block; the
+        pending add happens inside the next norm (``RMSNorm.add``: one kernel on CUDA), same ops and order."""
+        if delta is None:
+            h = self.norm1(x)
+        else:
+            x, h = self.norm1.add(x, delta)
+        x, h = self.norm2.add(x, self.attn(h, seg, cos, sin, flash))
+        return x, self.mlp(h)
 
 
 class _Merger(nn.Module):
@@ -228,8 +241,9 @@ class _Merger(nn.Module):
         dim = self.merged_dim
         self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, spec.out_hidden_size))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+    def forward(self, x: Tensor, delta: Tensor | None = None) -> Tensor:
+        normed = self.ln_q(x) if delta is None else self.ln_q.add(x, delta)[1]
+        return self.mlp(normed.view(-1, self.merged_dim))
 
 
 class VisionTower(nn.Module):
@@ -322,9 +336,10 @@ class VisionTower(nn.Module):
         pixels = pixel_values.to(weight.device, non_blocking=True).unflatten(0, (-1, self._unit))
         x = self.patch_embed(pixels[window_index].flatten(0, 1))
         flash = self._use_flash(x)
+        delta: Tensor | None = None
         for i, block in enumerate(self.blocks):
-            x = block(x, frames if i in self._full else windows, cos, sin, flash)
-        return self.merger(x)[reverse_index]
+            x, delta = block(x, delta, frames if i in self._full else windows, cos, sin, flash)
+        return self.merger(x, delta)[reverse_index]
 
 
 def _visual_tensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, Tensor]]:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.engine import fused
+
 
 class VisionMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: Callable[[Tensor], Tensor]) -> None:
@@ -26,6 +28,7 @@ class VisionMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=True)
         self.act = act
         self.packed: tuple[Tensor, Tensor, Tensor] | None = None  # gate_up weight, its bias, padded down weight
+        self.fused = False  # CUDA, packed, SiLU: activation, product and padding in one kernel (fused.py)
 
     @torch.no_grad()
     def pack(self) -> None:
@@ -52,6 +55,9 @@ class VisionMLP(nn.Module):
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up, bias, down = self.packed
         inter = self.gate_proj.weight.shape[0]
+        if self.fused and x.is_cuda and self.act is F.silu:
+            h = fused.compiled(fused.silu_mul)(F.linear(x, gate_up, bias), down.shape[1] - inter)
+            return F.linear(h, down, self.down_proj.bias)
         gate, up = F.linear(x, gate_up, bias).split(inter, dim=-1)
         h = x.new_empty(x.shape[0], down.shape[1])
         h[:, inter:].zero_()  # the padding columns meet zero weights, but 0 * NaN garbage would not be 0

@@ -1,0 +1,96 @@
+"""Fused elementwise steps for the CUDA path: the work between the GEMMs, one kernel each.
+
+Between its GEMMs a decoder layer or ViT block runs RMSNorms (seven PyTorch kernels each, with a float32
+copy of the activations), rotary embeddings (four to six), SiLU*up and residual adds. For one 1080p image
+the ViT spent 37 of its 67 ms in such kernels (H200 profile: GEMMs 19 ms, FlashAttention 11 ms), mostly
+moving float32 intermediates through memory. Here each step is one function that torch.compile (Inductor)
+turns into one or two Triton kernels that read the bf16 inputs once, do the math in float32 in registers
+and write bf16 once.
+
+Rules:
+- The eager definitions are the reference; every module keeps its exact eager code for the CPU (float32
+  tests compare tokens with transformers) and uses these only when ``fused`` is on and the input is on
+  CUDA. In bf16 the fused kernels round once where eager rounds after every op, so results differ at bf16
+  precision (benchmarks/precision_check.py measures it against a float32 engine).
+- Shapes are dynamic (one compiled graph serves every token count); python scalars (eps, widths) are
+  specialised, so each call site compiles once. ``ModelRunner`` runs every site once at start-up, before
+  any CUDA graph is captured (compiling or first-launching a kernel inside a capture is not allowed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_compiled: dict[str, Callable[..., Any]] = {}
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` through torch.compile, built on first use (importing dynamo costs ~1 s, which CPU runs skip)."""
+    out = _compiled.get(fn.__qualname__)
+    if out is None:
+        out = _compiled[fn.__qualname__] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add and the next norm in one pass: (x + delta, rms_norm(x + delta))."""
+    s = x + delta
+    return s, rms_norm(s, weight, eps)
+
+
+def silu_mul(gate_up: Tensor, pad: int) -> Tensor:
+    """[T, 2I] -> silu(gate) * up [T, I + pad]; ``pad`` zero columns keep the next GEMM's rows 16-byte
+    aligned (the ViT's I = 3420, see vision_mlp)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = F.silu(gate) * up
+    return F.pad(out, (0, pad)) if pad else out
+
+
+def lm_rope(
+    qkv: Tensor, cos: Tensor, sin_signed: Tensor, q_size: int, kv_size: int, head_dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The LM's fused q|k|v projection output [T, q + 2kv] -> rotated q [T, Hq, D], rotated k and v
+    [T, Hkv, D], all contiguous (what the KV write and FlashAttention read). cos/sin_signed [T, 1, D]
+    as ``qwen2_5_vl.rope_tables`` makes them."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+
+    def rotate(x: Tensor) -> Tensor:
+        x = x.view(t, -1, head_dim)
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return (x.float() * cos.float() + swapped.float() * sin_signed.float()).to(x.dtype)
+
+    return rotate(q), rotate(k), v.reshape(t, -1, head_dim).contiguous()
+
+
+def vit_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The ViT's [n, 3, H, D] q|k|v -> rotated q, k and v, each contiguous [n, H, D]; cos, sin float32
+    [n, D/2] (the math vision._rope does, rounded once)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: Tensor) -> Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(qkv[:, 0]), rotate(qkv[:, 1]), qkv[:, 2].contiguous()
+
+
+def enable(module: torch.nn.Module, on: bool = True) -> int:
+    """Switch every submodule that has a ``fused`` flag; returns how many were switched."""
+    count = 0
+    for m in module.modules():
+        if isinstance(getattr(m, "fused", None), bool):
+            setattr(m, "fused", on)  # noqa: B010 - nn.Module's __setattr__ typing rejects a plain bool
+            count += 1
+    return count
