@@ -103,15 +103,16 @@ class ModelRunner:
         fused.enable(self.lm)
         fused.enable(self.vision)
         try:
-            unit = self.merge * 2  # a 2 x 2 grid of merge units
-            grid = (1, unit, unit)
+            # Three sizes per site: the first compiles static shapes, the second makes the token count
+            # symbolic, 1 (decode) is specialised apart (fused.py).
             row = self.vision.patch_embed.proj.weight[0].numel()
-            self.vision(torch.zeros(_patches(grid), row, dtype=self.dtype, device=self.device), [grid])
-            scratch = [self.num_blocks]  # the spare block (see __init__): nothing live is in it
-            hidden = self.lm.embed_tokens.weight.shape[-1]
-            # A 2-token prefill, then one token after it: dynamic shapes specialise 1 separately (decode).
-            for query, seq in ((2, 2), (1, 3)):
-                meta = build_attention_metadata([query], [seq], [scratch], self.cfg.block_size, self.device)
+            m = self.merge
+            for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)):
+                self.vision(torch.zeros(_patches(grid), row, dtype=self.dtype, device=self.device), [grid])
+            hidden, bs = self.lm.embed_tokens.weight.shape[-1], self.cfg.block_size
+            for query, seq in ((2, 2), (3, 5), (1, 6)):
+                scratch = [self.num_blocks] * -(-seq // bs)  # the spare block (see __init__): nothing live in it
+                meta = build_attention_metadata([query], [seq], [scratch], bs, self.device)
                 embeds = torch.zeros(query, hidden, dtype=self.dtype, device=self.device)
                 positions = torch.arange(seq - query, seq, device=self.device).expand(3, -1)
                 self.lm(embeds, positions, self.kv_caches, meta)

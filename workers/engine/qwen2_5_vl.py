@@ -196,7 +196,7 @@ class Qwen2_5_VLMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused and gate_up.is_cuda:
-            return self.down_proj(fused.compiled(fused.silu_mul)(gate_up, 0))
+            return self.down_proj(fused.compiled(fused.silu_mul)(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

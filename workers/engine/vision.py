@@ -3,7 +3,7 @@
 Numerically equal to transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (same parameter names, so a
 checkpoint loads by stripping ``model.visual.`` / ``visual.``), but built for serving:
 - images of one call are packed into one sequence; attention is segmented by ``cu_seqlens`` (windows, or whole
-  frames in the ``fullatt_block_indexes`` blocks), through varlen FlashAttention on CUDA or grouped SDPA elsewhere;
+  frames in the ``fullatt_block_indexes`` blocks), see vision_attention.py for the kernels;
 - everything that depends only on an image's (t, h, w) grid is memoized per grid (see ``_GridPlan``);
 - the per-batch index data goes to the device in one copy and no step reads a device value back to the host.
 """
@@ -15,7 +15,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal
@@ -25,14 +24,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from workers.engine import fused
 from workers.engine.layers import RMSNorm  # transformers' op order (fp32 normalize, cast, scale)
+from workers.engine.vision_attention import Segments, VisionAttention, varlen_available
 from workers.engine.vision_mlp import VisionMLP
-
-try:  # torch >= 2.10; the GPU box has 2.11. Positional (q, k, v, cu_q, cu_k, max_q, max_k) is stable across them.
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - older torch
-    _varlen_attn = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -118,33 +112,8 @@ def _plan_grid(grid: Grid, merge: int, window_units: int) -> _GridPlan:
     return _GridPlan(window_index, torch.argsort(window_index), positions, window_lens, frame_len=h * w)
 
 
-@dataclass
-class _Segments:
-    """Packed-attention segments: ``cu`` on device (int32, for varlen) plus host-side facts for SDPA grouping."""
-
-    cu: Tensor
-    cu_host: list[int]
-    max_len: int
-
-    @cached_property
-    def sdpa_groups(self) -> tuple[Tensor | None, Tensor | None, list[tuple[int, int, int]]]:
-        """Reorder segments so equal-length ones are adjacent: one batched SDPA call per distinct length
-        (a few per image) instead of one per window. Returns (perm, inverse perm, [(start, count, length)])."""
-        bounds = list(zip(self.cu_host[:-1], self.cu_host[1:], strict=True))
-        by_len: dict[int, list[tuple[int, int]]] = {}
-        for s, e in bounds:
-            by_len.setdefault(e - s, []).append((s, e))
-        starts = accumulate((len(segs) * length for length, segs in by_len.items()), initial=0)
-        groups = [(start, len(segs), length) for start, (length, segs) in zip(starts, by_len.items())]
-        ordered = [b for segs in by_len.values() for b in segs]
-        if ordered == bounds:  # e.g. full-attention blocks: one frame per segment, already in place
-            return None, None, groups
-        perm = torch.cat([torch.arange(s, e) for s, e in ordered])
-        return perm.to(self.cu.device), torch.argsort(perm).to(self.cu.device), groups
-
-
 # (window_index [units], reverse_index [units], cos and sin [patches, head_dim // 2] fp32, windows, frames)
-_BatchPlan = tuple[Tensor, Tensor, Tensor, Tensor, _Segments, _Segments]
+_BatchPlan = tuple[Tensor, Tensor, Tensor, Tensor, Segments, Segments]
 
 
 class _PatchEmbed(nn.Module):
@@ -160,68 +129,15 @@ class _PatchEmbed(nn.Module):
         return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))
 
 
-class _Attention(nn.Module):
-    def __init__(self, spec: VisionSpec) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
-        self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
-        self.proj = nn.Linear(spec.hidden_size, spec.hidden_size, bias=True)
-        self.fused = False  # CUDA: rope of q and k (and v's copy) in one compiled kernel (fused.py)
-
-    def forward(self, x: Tensor, seg: _Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
-        n = x.shape[0]
-        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        if self.fused and qkv.is_cuda:
-            q, k, v = fused.compiled(fused.vit_rope)(qkv, cos, sin)
-        else:
-            q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
-            v = qkv[:, 2]
-        if flash:
-            assert _varlen_attn is not None
-            out = _varlen_attn(q, k, v.contiguous(), seg.cu, seg.cu, seg.max_len, seg.max_len)
-            assert isinstance(out, Tensor)
-        else:
-            out = _grouped_sdpa(q, k, v, seg)
-        return self.proj(out.reshape(n, -1))
-
-
-def _rope(qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotary on q and k together ([n, 2, H, D]), in float32 like transformers: x*cat(c,c) + rotate_half(x)*cat(s,s),
-    written on the halves. bf16 * fp32 widens exactly and each out= store rounds once, as the reference's final
-    cast does, so no fp32 copy of q/k is made (half the bytes). Returns contiguous q and k."""
-    x1, x2 = qk.chunk(2, dim=-1)
-    out = qk.new_empty((2, qk.shape[0], *qk.shape[2:]))
-    halves = out.transpose(0, 1).chunk(2, dim=-1)
-    torch.sub(x1 * cos, x2 * sin, out=halves[0])
-    torch.add(x2 * cos, x1 * sin, out=halves[1])
-    return out[0], out[1]
-
-
-def _grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: _Segments) -> Tensor:
-    perm, inv, groups = seg.sdpa_groups
-    qkv = (q, k, v) if perm is None else (q[perm], k[perm], v[perm])
-    outs = []
-    for start, count, length in groups:
-        # [count * length, H, D] -> [count, H, length, D]: each segment is one batch row, attending only to itself.
-        q_g, k_g, v_g = (
-            t[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for t in qkv
-        )
-        # scale spelled as transformers does (head_dim**-0.5), which can differ from SDPA's default by an ulp
-        out_g = F.scaled_dot_product_attention(q_g, k_g, v_g, scale=q.shape[-1] ** -0.5)
-        outs.append(out_g.transpose(1, 2).flatten(0, 1))
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return out[inv] if inv is not None else out
-
-
 class _Block(nn.Module):
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(spec.hidden_size, 1e-6), RMSNorm(spec.hidden_size, 1e-6)
-        self.attn = _Attention(spec)
+        self.attn = VisionAttention(spec.hidden_size, spec.num_heads)
         self.mlp = VisionMLP(spec.hidden_size, spec.intermediate_size, _ACTS[spec.hidden_act])
 
     def forward(
-        self, x: Tensor, delta: Tensor | None, seg: _Segments, cos: Tensor, sin: Tensor, flash: bool
+        self, x: Tensor, delta: Tensor | None, seg: Segments, cos: Tensor, sin: Tensor, flash: bool
     ) -> tuple[Tensor, Tensor]:
         """(residual stream, previous block's MLP output or None) -> the same pair after this block; the
         pending add happens inside the next norm (``RMSNorm.add``: one kernel on CUDA), same ops and order."""
@@ -304,14 +220,14 @@ class VisionTower(nn.Module):
         if inv_freq is None:
             inv_freq = self._inv_freq_on[device] = self._inv_freq.to(device)
         angles = (d_pos[:, :, None] * inv_freq).flatten(1)  # [patches, head_dim // 2]: (row freqs, col freqs)
-        windows = _Segments(d_cu_win.int(), cu_win.tolist(), max(win_lens))
-        frames = _Segments(d_cu_frame.int(), cu_frame.tolist(), max(frame_lens))
+        windows = Segments(d_cu_win.int(), cu_win.tolist(), max(win_lens))
+        frames = Segments(d_cu_frame.int(), cu_frame.tolist(), max(frame_lens), frames=True)
         return d_win, d_rev, angles.cos(), angles.sin(), windows, frames
 
     def _use_flash(self, x: Tensor) -> bool:
         if self.attn_backend == "sdpa":
             return False
-        ok = _varlen_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+        ok = varlen_available() and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
         if not ok and self.attn_backend == "flash" and not self._warned_flash:
             self._warned_flash = True
             logger.warning("vision attention: flash needs CUDA, fp16/bf16 and torch varlen_attn; using sdpa")

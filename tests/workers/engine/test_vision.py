@@ -213,9 +213,9 @@ def test_parameter_names_match_transformers(tiny: tuple[Path, Any]) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_flash_matches_sdpa_on_cuda(tiny: tuple[Path, Any]) -> None:
     """The varlen FlashAttention path (bf16) against the grouped-SDPA path on the same card and weights."""
-    from workers.engine import vision
+    from workers.engine import vision_attention
 
-    assert vision._varlen_attn is not None, "this torch has no torch.nn.attention.varlen"
+    assert vision_attention._varlen_attn is not None, "this torch has no torch.nn.attention.varlen"
     path, model = tiny
     pixels, grids = _images(SIZES)
     out = {}

@@ -1,4 +1,4 @@
-"""The vision MLP's GPU layout (fused gate/up, zero-padded down width) computes the same function."""
+"""The vision MLP's GPU layout (fused, zero-padded gate/up; zero-padded down width) computes the same function."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def test_pack_keeps_the_function_names_and_shapes() -> None:
     before = {k: v.clone() for k, v in mlp.state_dict().items()}
     expected = mlp(x)
     mlp.pack()
-    assert mlp.packed is not None and mlp.packed[2].shape == (64, 96)
+    # gate and up each padded to 96 rows, so both halves of the GEMM output start 16-byte aligned
+    assert mlp.packed is not None and mlp.packed[0].shape == (192, 64) and mlp.packed[2].shape == (64, 96)
     # float64: the layout change (extra exact zeros, one GEMM for gate and up) is invisible
     torch.testing.assert_close(mlp(x), expected, atol=1e-12, rtol=0)
     after = mlp.state_dict()
