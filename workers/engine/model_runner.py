@@ -78,6 +78,7 @@ class ModelRunner:
             load_format=cfg.load_format,
             attn_backend=cfg.attn_backend,
         )
+        self.store = self._embedding_store()  # before the KV cache takes its share of what is free
         self.num_blocks = self._num_kv_blocks()
         # One block more than the scheduler is told about: block ``num_blocks`` is scratch that CUDA-graph
         # padding rows write to and read from, so they never touch a live sequence's cache.
@@ -90,7 +91,6 @@ class ModelRunner:
             max_len = cfg.max_model_len or self.info.max_position_embeddings
             max_blocks = -(-max_len // cfg.block_size)
             self.graphs = DecodeGraphs(self.lm, self.kv_caches, cfg.block_size, self.num_blocks, max_blocks)
-        self.store = EmbeddingStore()
         self.sampler = Sampler(self.device, cfg.seed)
         self.seqs: dict[str, WorkerSeq] = {}
         self.counters = RunnerCounters()
@@ -123,6 +123,15 @@ class ModelRunner:
             log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
             return
         log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
+
+    def _embedding_store(self) -> EmbeddingStore:
+        """On CUDA the embedding cache's whole budget is reserved now (see EmbeddingStore); on the CPU its
+        entries are plain tensors, allocated as they come."""
+        cfg = self.cfg
+        if self.device.type != "cuda" or cfg.mm_cache_mode != "image" or cfg.mm_cache_mb <= 0:
+            return EmbeddingStore()
+        hidden = self.lm.embed_tokens.weight.shape[-1]
+        return EmbeddingStore(int(cfg.mm_cache_mb * 2**20), hidden, self.dtype, self.device)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.cfg
@@ -301,7 +310,7 @@ class ModelRunner:
         starts, lens, table_rows = int32.split([len(tables) + 1, len(tables), len(tables) * width])
         embeds = self.lm.embed_tokens(input_ids)
         for dst, key, first, count in splices:
-            embeds[dst : dst + count] = self.store.get(key)[first : first + count].to(embeds.dtype)
+            embeds[dst : dst + count] = self.store.rows(key, first, count).to(embeds.dtype)
         meta = AttentionMetadata(
             query_start_loc=starts,
             seq_lens=lens,

@@ -128,3 +128,23 @@ def test_baseline_request_mode_is_exact(demo_model_dir: Path, reference: Referen
     assert out.token_ids == reference.generate(messages)
     # Baseline: every image encoded in the first step, in one ViT call.
     assert engine.step_log[0] == (5, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fast_paths_give_the_eager_tokens(demo_model_dir: Path) -> None:
+    """CUDA, float32: fused kernels, the paged embedding pool (with hits across requests) and cuDNN frame
+    attention against the same engine with every fast path off; float32 differs by rounding only, so
+    greedy tokens must agree. Small chunks make images straddle chunks (and pool pages)."""
+    prompts = [chat("Compare.", FIVE[:3]), chat("Again, briefly.", [FIVE[2], FIVE[0], FIVE[4]])]
+    outputs = {}
+    for fast in (True, False):
+        engine = make_engine(demo_model_dir, device="cuda", chunk_size=64, fused_kernels=fast)
+        store = engine.runner.store
+        assert (store.pool is not None) and store.pool_misses == 0  # the pool is CUDA's, either way
+        if not fast:
+            engine.runner.graphs = None
+        outputs[fast] = [o.token_ids for o in engine.generate(prompts[:1], GREEDY)]
+        outputs[fast] += [o.token_ids for o in engine.generate(prompts[1:], GREEDY)]
+        assert engine.stats()["mm_cache"]["hits"] >= 2  # FIVE[2] and FIVE[0] came back from the pool
+    assert outputs[True] == outputs[False]
