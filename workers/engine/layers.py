@@ -289,14 +289,14 @@ class RMSNorm(nn.Module):
 
     def add(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
         """Residual add then norm: (x + delta, norm(x + delta)), fused into one pass when enabled."""
-        if self.fused and x.is_cuda:
+        if self.fused and fused.worth_it(x):
             out: tuple[Tensor, Tensor] = fused.compiled(fused.add_rms_norm)(x, delta, self.weight, self.eps)
             return out
         s = x + delta
         return s, self(s)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused and x.is_cuda:
+        if self.fused and fused.worth_it(x):
             out: Tensor = fused.compiled(fused.rms_norm)(x, self.weight, self.eps)
             return out
         variance = x.float().pow(2).mean(-1, keepdim=True)

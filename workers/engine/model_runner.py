@@ -97,25 +97,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_fused(self) -> None:
-        """Switch the fused kernels on and run every call site once, so compiling (or loading Inductor's
-        on-disk cache) happens now and not inside the first request. Falls back to eager if it fails."""
+        """Switch the fused kernels on and run every call site, so compiling (or loading Inductor's on-disk
+        cache) happens now and not inside the first request or a CUDA-graph capture. Falls back to eager
+        ops if it fails."""
         started = time.perf_counter()
         fused.enable(self.lm)
         fused.enable(self.vision)
         try:
-            # Three sizes per site: the first compiles static shapes, the second makes the token count
-            # symbolic, 1 (decode) is specialised apart (fused.py).
-            row = self.vision.patch_embed.proj.weight[0].numel()
-            m = self.merge
-            for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)):
-                self.vision(torch.zeros(_patches(grid), row, dtype=self.dtype, device=self.device), [grid])
-            hidden, bs = self.lm.embed_tokens.weight.shape[-1], self.cfg.block_size
-            for query, seq in ((2, 2), (3, 5), (1, 6)):
-                scratch = [self.num_blocks] * -(-seq // bs)  # the spare block (see __init__): nothing live in it
-                meta = build_attention_metadata([query], [seq], [scratch], bs, self.device)
-                embeds = torch.zeros(query, hidden, dtype=self.dtype, device=self.device)
-                positions = torch.arange(seq - query, seq, device=self.device).expand(3, -1)
-                self.lm(embeds, positions, self.kv_caches, meta)
+            with fused.forced():
+                self._run_every_fused_site()
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. no C compiler for Triton's launcher: serve eagerly rather than not at all
             fused.enable(self.lm, False)
@@ -123,6 +113,21 @@ class ModelRunner:
             log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
             return
         log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
+
+    def _run_every_fused_site(self) -> None:
+        # Three sizes per site: the first compiles static shapes, the second makes the row count symbolic,
+        # and 1 (a lone decode) is specialised apart (fused.py).
+        row = self.vision.patch_embed.proj.weight[0].numel()
+        m = self.merge
+        for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)):
+            self.vision(torch.zeros(_patches(grid), row, dtype=self.dtype, device=self.device), [grid])
+        hidden, bs = self.lm.embed_tokens.weight.shape[-1], self.cfg.block_size
+        for query, seq in ((2, 2), (3, 5), (1, 6)):
+            scratch = [self.num_blocks] * -(-seq // bs)  # the spare block (see __init__): nothing live in it
+            meta = build_attention_metadata([query], [seq], [scratch], bs, self.device)
+            embeds = torch.zeros(query, hidden, dtype=self.dtype, device=self.device)
+            positions = torch.arange(seq - query, seq, device=self.device).expand(3, -1)
+            self.lm(embeds, positions, self.kv_caches, meta)
 
     def _embedding_store(self) -> EmbeddingStore:
         """On CUDA the embedding cache's whole budget is reserved now (see EmbeddingStore); on the CPU its

@@ -173,7 +173,7 @@ class Qwen2_5_VLAttention(nn.Module):
     ) -> Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.fused and qkv.is_cuda:
+        if self.fused and fused.worth_it(qkv):
             q, k, v = fused.compiled(fused.lm_rope)(qkv, cos, sin, self.q_size, self.kv_size, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -195,7 +195,7 @@ class Qwen2_5_VLMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused and gate_up.is_cuda:
+        if self.fused and fused.worth_it(gate_up):
             return self.down_proj(fused.compiled(fused.silu_mul)(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

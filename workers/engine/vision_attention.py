@@ -68,7 +68,7 @@ class VisionAttention(nn.Module):
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        if self.fused and qkv.is_cuda:
+        if self.fused and fused.worth_it(qkv):
             q, k, v = fused.compiled(fused.vit_rope)(qkv, cos, sin)
         else:
             q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
