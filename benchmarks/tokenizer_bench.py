@@ -1,4 +1,5 @@
-"""Tokenizer throughput: 1080p JPEG images per second through one and through two tokenizer workers.
+"""Tokenizer throughput: 1080p JPEG images per second through one and through two tokenizer workers,
+and the latency of a request with many fresh images for each size of a tokenizer's image thread pool.
 
 Real tokenizer processes (`run_tokenizer`, spawned like the launcher does) on real sockets and
 /dev/shm, with the Qwen2.5-VL-7B-shaped checkpoint (real 12,845,056 max_pixels, so a 1080p image is
@@ -6,13 +7,16 @@ Real tokenizer processes (`run_tokenizer`, spawned like the launcher does) on re
 scheduler: it binds PULL at `frontend` and `sched`, pushes GenerateRequests to `tok{i}` round-robin,
 and unlinks every segment it receives (the scheduler's job), so /dev/shm never fills up.
 
-Each request is one chat message with one distinct random 1920x1080 JPEG (quality 90) as a data URL,
-so nothing is reused. Every worker has `--depth` requests in flight (default 1: the latency is the
-worker's own time per image, not queueing); images/s runs from the first send to the last
-TokenizedRequest. `--reuse` adds a pass that sends one image again and again: the reuse path
-(hash the bytes, hard-link a live segment; no decode, processing or write).
+Each request is one chat message with `--images-per-request` distinct random 1920x1080 JPEGs
+(quality 90, default 1) as data URLs, so nothing is reused. Every worker has `--depth` requests in
+flight (default 1: the latency is the worker's own time per request, not queueing); images/s runs
+from the first send to the last TokenizedRequest. `--reuse` adds a pass that sends the same images
+again and again: the reuse path (hash the bytes, hard-link a live segment; no decode, processing or
+write). `--threads` runs every worker count once per size of each tokenizer's image thread pool
+(`--tokenizer-threads`; 0 or auto: cores / workers), on the same images.
 
     python -m benchmarks.tokenizer_bench --workers 1,2 --requests 24 --reuse --json tok.json
+    python -m benchmarks.tokenizer_bench --workers 1 --images-per-request 8 --threads 1,auto --requests 6
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from ipc.messages import (
 from ipc.shm import ShmSegment, list_segments, sweep
 from server.config import ServerConfig
 from workers.engine.config import EngineConfig
+from workers.image_prep import core_share
 from workers.tokenizer import run_tokenizer
 
 MODEL = "bench"
@@ -72,9 +77,11 @@ def jpeg(width: int, height: int, seed: int, content: str, quality: int) -> byte
     return buf.getvalue()
 
 
-def chat_body(raw: bytes) -> bytes:
-    url = f"data:image/jpeg;base64,{base64.b64encode(raw).decode()}"
-    content = [{"type": "text", "text": "Describe the image."}, {"type": "image_url", "image_url": {"url": url}}]
+def chat_body(raws: list[bytes]) -> bytes:
+    content: list[dict[str, Any]] = [{"type": "text", "text": "Describe the images."}]
+    for raw in raws:
+        url = f"data:image/jpeg;base64,{base64.b64encode(raw).decode()}"
+        content.append({"type": "image_url", "image_url": {"url": url}})
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 16}
     return json.dumps(body).encode()
 
@@ -130,13 +137,16 @@ class Peer:
 @dataclass
 class PassResult:
     workers: int
-    mode: str  # "fresh": distinct images; "reuse": one image resent (hard links)
+    threads: int  # each tokenizer's image thread pool (resolved: never 0)
+    threads_auto: bool  # resolved from --threads auto (cores / workers)
+    mode: str  # "fresh": distinct images; "reuse": the same images resent (hard links)
     requests: int
+    images_per_request: int
     seconds: float
     images_per_s: float
     shm_mb_per_s: float
     shm_bytes: int
-    latency_p50_ms: float
+    latency_p50_ms: float  # of a request, all its images
     latency_p90_ms: float
     cpu_ms_per_image: float  # tokenizer processes' CPU time (user + system): robust to a busy machine
 
@@ -152,7 +162,15 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def run_pass(
-    peer: Peer, bodies: list[bytes], mode: str, depth: int, keep: set[str], pids: list[int]
+    peer: Peer,
+    bodies: list[bytes],
+    mode: str,
+    depth: int,
+    keep: set[str],
+    pids: list[int],
+    per_request: int = 1,
+    threads: int = 1,
+    auto: bool = False,
 ) -> PassResult:
     """Send every body round-robin, `depth` in flight per worker; unlink each request's segments
     on arrival except the names in `keep`."""
@@ -189,27 +207,36 @@ def run_pass(
     seconds = time.perf_counter() - t0
     cpu = cpu_seconds(pids) - cpu0
     quantiles = statistics.quantiles(latencies, n=10) if len(latencies) > 1 else latencies * 9
+    images = len(bodies) * per_request
     return PassResult(
         workers=n,
+        threads=threads,
+        threads_auto=auto,
         mode=mode,
         requests=len(bodies),
+        images_per_request=per_request,
         seconds=seconds,
-        images_per_s=len(bodies) / seconds,
+        images_per_s=images / seconds,
         shm_mb_per_s=shm_bytes / 2**20 / seconds,
         shm_bytes=shm_bytes,
         latency_p50_ms=statistics.median(latencies) * 1000,
         latency_p90_ms=quantiles[8] * 1000,
-        cpu_ms_per_image=cpu / len(bodies) * 1000,
+        cpu_ms_per_image=cpu / images * 1000,
     )
 
 
-def bench_workers(model_dir: Path, n: int, args: argparse.Namespace, seed: int) -> list[PassResult]:
+def bench_workers(
+    model_dir: Path, n: int, threads: int, args: argparse.Namespace, seed: int
+) -> list[PassResult]:
     launch_id = new_launch_id()
     engine = EngineConfig(model=str(model_dir), dtype="bfloat16", max_model_len=args.max_model_len)
     # The budget is the scheduler's to enforce (it reports usage back); this script unlinks at once instead.
     config = ServerConfig(
-        engine=engine, launch_id=launch_id, served_model_name=MODEL, tokenizer_workers=n, shm_budget_bytes=1 << 40
+        engine=engine, launch_id=launch_id, served_model_name=MODEL, tokenizer_workers=n, shm_budget_bytes=1 << 40,
+        tokenizer_threads=threads,
     )
+    per = args.images_per_request
+    pool = threads or core_share(config)  # as each tokenizer resolves it
     peer = Peer(launch_id, n)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=run_tokenizer, args=(config, i), daemon=True) for i in range(n)]
@@ -218,21 +245,26 @@ def bench_workers(model_dir: Path, n: int, args: argparse.Namespace, seed: int) 
     try:
         peer.wait_ready(n, timeout_s=300)
 
-        def make(s: int) -> bytes:
-            return chat_body(jpeg(1920, 1080, s, args.content, args.quality))
+        def make(s: int) -> bytes:  # request s: images s * per ... s * per + per - 1
+            return chat_body([jpeg(1920, 1080, s * per + j, args.content, args.quality) for j in range(per)])
 
-        # Warm-up, one distinct image per worker: first-call costs (lazy imports, pools) stay out of the numbers.
+        # Warm-up, one request per worker: first-call costs (lazy imports, pool threads) stay out of the numbers.
         pids = [p.pid for p in procs if p.pid is not None]
-        run_pass(peer, [make(seed + 10_000 + w) for w in range(n)], "warmup", 1, set(), pids)
+
+        def run(bodies: list[bytes], mode: str, depth: int, keep: set[str]) -> PassResult:
+            return run_pass(peer, bodies, mode, depth, keep, pids, per, pool, threads == 0)
+
+        run([make(seed + 10_000 + w) for w in range(n)], "warmup", 1, set())
         bodies = [make(seed + k) for k in range(args.requests)]
-        results = [run_pass(peer, bodies, "fresh", args.depth, set(), pids)]
+        results = [run(bodies, "fresh", args.depth, set())]
         if args.reuse:
-            # The first send writes the image; its segment stays alive (as for a chat's next turn),
-            # so every later send of the same bytes links it.
+            # The first send writes the images; their segments stay alive (as for a chat's next turn),
+            # so every later send of the same bytes links them.
             seed_body = make(seed + 20_000)
             peer.toks[0].send(GenerateRequest("reuse-seed", seed_body, time.time()))
             keep = set(peer.next_tokenized().shm_names)
-            results.append(run_pass(peer, [seed_body] * (args.requests * 4), "reuse", args.depth, keep, pids))
+            reuse = [seed_body] * (args.requests * 4)
+            results.append(run(reuse, "reuse", args.depth, keep))
             for name in keep:
                 ShmSegment.unlink(name)
         for sock in peer.toks:
@@ -256,7 +288,11 @@ def bench_workers(model_dir: Path, n: int, args: argparse.Namespace, seed: int) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", default="1,2", help="comma-separated tokenizer worker counts to run")
-    ap.add_argument("--requests", type=int, default=24, help="distinct images per pass")
+    ap.add_argument("--requests", type=int, default=24, help="requests (of distinct images) per pass")
+    ap.add_argument("--images-per-request", type=int, default=1, help="distinct images in each request")
+    ap.add_argument(
+        "--threads", default="auto", help="comma-separated image thread pool sizes per tokenizer (auto or 0: cores / workers)"
+    )
     ap.add_argument("--depth", type=int, default=1, help="requests in flight per worker")
     ap.add_argument("--content", choices=["noise", "photo"], default="noise")
     ap.add_argument("--quality", type=int, default=90, help="JPEG quality")
@@ -267,18 +303,24 @@ def main() -> None:
     # Other processes on the box skew CPU numbers: the 1-minute load before we start goes with the table.
     load_before = os.getloadavg()[0]
     sizes = [len(jpeg(1920, 1080, s, args.content, args.quality)) for s in range(3)]
+    pools = [0 if t.strip() == "auto" else int(t) for t in args.threads.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = shaped_checkpoint(Path(tmp) / "ckpt", "7b")
         results: list[PassResult] = []
         for i, n in enumerate(int(w) for w in args.workers.split(",")):
-            results += bench_workers(model_dir, n, args, seed=i * 100_000)
+            for threads in pools:  # the same images for every pool size
+                results += bench_workers(model_dir, n, threads, args, seed=i * 100_000)
 
     machine = f"{platform.machine()}, {os.cpu_count()} cores, load {load_before:.2f} before the run"
     print(f"\n1920x1080 JPEG q{args.quality} ({args.content}, ~{statistics.mean(sizes) / 1024:.0f} KB), "
-          f"7B-shaped processor (1092x1932, 10,764 patches), bf16 pixels, depth {args.depth}; {machine}")
-    print(f"{'workers':>7} {'mode':6} {'images':>6} {'images/s':>9} {'shm MB/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'CPU ms/img':>10}")
+          f"7B-shaped processor (1092x1932, 10,764 patches), bf16 pixels, {args.images_per_request} images "
+          f"per request, depth {args.depth}; {machine}; p50/p90: latency of one request")
+    print(f"{'workers':>7} {'threads':>7} {'mode':6} {'requests':>8} {'images':>6} {'images/s':>9} {'shm MB/s':>9} "
+          f"{'p50 ms':>8} {'p90 ms':>8} {'CPU ms/img':>10}")
     for r in results:
-        print(f"{r.workers:>7} {r.mode:6} {r.requests:>6} {r.images_per_s:>9.2f} {r.shm_mb_per_s:>9.1f} "
+        pool = f"auto={r.threads}" if r.threads_auto else str(r.threads)
+        print(f"{r.workers:>7} {pool:>7} {r.mode:6} {r.requests:>8} {r.requests * r.images_per_request:>6} "
+              f"{r.images_per_s:>9.2f} {r.shm_mb_per_s:>9.1f} "
               f"{r.latency_p50_ms:>8.1f} {r.latency_p90_ms:>8.1f} {r.cpu_ms_per_image:>10.1f}")
     if args.json:
         doc: dict[str, Any] = {

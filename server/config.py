@@ -16,6 +16,8 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     tokenizer_workers: int = 2
+    # Threads per tokenizer preparing a request's fresh images at once; 0: cores / tokenizer_workers.
+    tokenizer_threads: int = 0
     # Limits on client input.
     max_images_per_request: int = 32
     max_image_bytes: int = 20 << 20  # encoded bytes of one image (data URL, download or file)

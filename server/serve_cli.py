@@ -36,12 +36,19 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
     m.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt instead of reusing KV blocks of earlier requests")
+    m.add_argument("--vit-max-patches", type=int, default=16384,
+                   help="a ViT call takes a step's images up to this many patches (at least one image)")
+    m.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
+                   help="CUDA: eager PyTorch ops instead of the torch.compile'd norm/rotary/SiLU kernels")
     m.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /admin")
     s.add_argument("--tokenizer-workers", type=int, default=2, help="processes that parse requests and images")
+    s.add_argument("--tokenizer-threads", type=int, default=0,
+                   help="threads per tokenizer decoding, processing and writing a request's new images at once "
+                   "(0: cores / --tokenizer-workers)")
     s.add_argument("--launch-id", default=None, help="names this launch's sockets and shm segments (default: random)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits")
@@ -66,6 +73,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     model = Path(args.model) if args.model else ensure_demo_model()
     if not (model / "config.json").exists():
         raise SystemExit(f"glimpse serve: {model} is not a checkpoint directory (no config.json)")
+    if args.tokenizer_threads < 0:
+        raise SystemExit("glimpse serve: --tokenizer-threads must be 0 (automatic) or more")
     info = ModelInfo.load(model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = EngineConfig(
@@ -83,6 +92,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         mm_cache_mb=args.mm_cache_mb,
         mm_cache_mode=args.mm_cache_mode,
         enable_prefix_caching=args.enable_prefix_caching,
+        vit_max_patches=args.vit_max_patches,
+        fused_kernels=args.fused_kernels,
         seed=args.seed,
         tp_size=args.tp,
     )
@@ -95,6 +106,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         api_key=args.api_key,
         tokenizer_workers=args.tokenizer_workers,
+        tokenizer_threads=args.tokenizer_threads,
         max_images_per_request=args.max_images_per_request,
         max_image_bytes=int(args.max_image_mb * (1 << 20)),
         max_image_pixels=args.max_image_pixels,

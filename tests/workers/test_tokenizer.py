@@ -1,5 +1,6 @@
 """Tokenizer worker: a real spawned process on real sockets and /dev/shm, checked against MMProcessor
-run in-process on the same images; plus segment reuse across workers with two in-process workers."""
+run in-process on the same images; plus segment reuse across workers with two in-process workers, and
+(a request's fresh images on the thread pool: test_image_prep.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ipc.channels import PullSocket, PushSocket, new_context
-from ipc.launch import cleanup_launch_dir, ipc_address, new_launch_id
+from ipc.launch import ipc_address
 from ipc.messages import (
     FrontendInbound,
     GenerateRequest,
@@ -33,7 +33,14 @@ from ipc.messages import (
     TokenizerInbound,
     TokenizerStats,
 )
-from ipc.shm import SHM_DIR, ShmSegment, find_segments, link_segment, list_segments, segment_name, sweep
+from ipc.shm import (
+    SHM_DIR,
+    ShmSegment,
+    find_segments,
+    link_segment,
+    list_segments,
+    segment_name,
+)
 from server.config import ServerConfig
 from tests.conftest import noise_image
 from workers.chat_request import parse_request, template_messages, to_sampling_params
@@ -44,16 +51,6 @@ from workers.tokenizer import TokenizerWorker, run_tokenizer
 
 M = TypeVar("M")
 MODEL = "demo"
-
-
-@pytest.fixture
-def launch_id() -> Iterator[str]:
-    lid = new_launch_id()
-    yield lid
-    leftovers = list_segments(lid)
-    sweep(lid)
-    cleanup_launch_dir(lid)
-    assert leftovers == [], f"test leaked shm segments: {leftovers}"
 
 
 def png(width: int, height: int, seed: int) -> bytes:

@@ -1,0 +1,182 @@
+"""A tokenizer's fresh images on its thread pool: the same request and bytes as one thread, and no
+segment left behind when an image, the byte budget or /dev/shm fails midway."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import resource
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from ipc.messages import (
+    GenerateRequest,
+    RequestFailed,
+    TokenizedRequest,
+)
+from ipc.shm import (
+    ShmFullError,
+    ShmSegment,
+    list_segments,
+    segment_name,
+)
+from server.config import ServerConfig
+from tests.workers.test_tokenizer import MODEL, _handle, chat_body, png, server_config, shm_path
+from workers.engine.config import EngineConfig
+from workers.engine.processor import MMProcessor
+from workers.media import decode_image
+from workers.tokenizer import TokenizerWorker
+
+# ---- a request's fresh images on the worker's thread pool ------------------------------------------
+
+
+def _pool_threads(index: int) -> int:
+    """Live threads of tokenizer `index`'s image pool (named by ImagePrep)."""
+    return sum(t.name.startswith(f"tok{index}-image") for t in threading.enumerate())
+
+
+def _refusal(worker: TokenizerWorker, body: bytes) -> tuple[int, str | None, str | None]:
+    result = worker.handle(GenerateRequest("refused", body, time.time()))
+    assert isinstance(result, RequestFailed), result
+    return result.status, result.code, result.param
+
+
+def _snapshot(worker: TokenizerWorker, req: TokenizedRequest) -> tuple[bytes, list[bytes]]:
+    """The request as the scheduler gets it, with the worker's random name part made neutral, and
+    the bytes of every segment it names."""
+    encoded = msgspec.json.encode(req).replace(worker.prep.nonce.encode(), b"NONCE-")
+    return encoded, [Path(shm_path(name)).read_bytes() for name in req.shm_names]
+
+
+def test_pool_gives_the_same_request_and_bytes_as_one_thread(demo_model_dir: Path, launch_id: str) -> None:
+    engine = EngineConfig(model=str(demo_model_dir), max_model_len=4096, dtype="bfloat16")
+    base = ServerConfig(engine=engine, launch_id=launch_id, served_model_name=MODEL, tokenizer_workers=1)
+    sizes = [(64, 48), (300, 200), (56, 90), (448, 448), (120, 333), (200, 64)]
+    raws = [png(w, h, seed=40 + k) for k, (w, h) in enumerate(sizes)]
+    # Reused (linked from a live segment), fresh, and repeated within the request, all mixed.
+    body = chat_body([raws[0], raws[1], raws[2], raws[0], raws[3], raws[4], raws[5]])
+    log = logging.getLogger("test")
+    snapshots = []
+    for index, threads in enumerate((1, 4)):
+        worker = TokenizerWorker(dataclasses.replace(base, tokenizer_threads=threads), index, log)
+        try:
+            seen = _handle(worker, f"seed{threads}", chat_body([raws[2]]))
+            req = _handle(worker, f"r{threads}", body)
+            assert req.rid == f"r{threads}"
+            snapshots.append(_snapshot(worker, msgspec.structs.replace(req, rid="r")))
+            # 5 fresh images: written concurrently by a pool of 4, inline (no pool thread) by a pool of 1.
+            assert req.shm_bytes > 0 and len(req.shm_names) == 6 and worker.images_reused == 2
+            assert _pool_threads(index) >= 2 if threads > 1 else _pool_threads(index) == 0
+            for name in seen.shm_names + req.shm_names:
+                ShmSegment.unlink(name)
+        finally:
+            worker.close()
+        assert _pool_threads(index) == 0  # close() joins the pool
+    assert snapshots[0] == snapshots[1]
+
+    # And both are right: bf16 of the float32 pixels MMProcessor makes in-process, in request order.
+    mm = MMProcessor(demo_model_dir)
+    order = [raws[0], raws[1], raws[2], raws[0], raws[3], raws[4], raws[5]]
+    expected = [mm.process_image(decode_image(raw, 10**6), image_hash=mm.media_hash(raw)) for raw in order]
+    req = msgspec.json.decode(snapshots[1][0], type=TokenizedRequest)
+    assert [(i.hash, i.grid) for i in req.items] == [(p.hash, p.grid) for p in expected]
+    contents = dict(zip(req.shm_names, snapshots[1][1]))
+    for item, processed in zip(req.items, expected):
+        assert item.pixels is not None and item.pixels.dtype == "bfloat16"
+        pixels = torch.frombuffer(bytearray(contents[item.pixels.name]), dtype=torch.bfloat16)
+        assert torch.equal(pixels.view(item.pixels.shape), processed.pixel_values.to(torch.bfloat16))
+
+
+def test_bad_image_among_many_fails_the_request_and_leaves_no_segment(
+    demo_model_dir: Path, launch_id: str
+) -> None:
+    config = dataclasses.replace(server_config(demo_model_dir, launch_id), tokenizer_threads=4)
+    worker = TokenizerWorker(config, 0, logging.getLogger("test"))
+    try:
+        good = [png(64 + 8 * k, 48, seed=60 + k) for k in range(4)]
+        # A live segment, which the requests below would link if they got that far.
+        live = _handle(worker, "r0", chat_body([good[0]]))
+        # Two bad images: the first in request order is the one reported, whichever fails first.
+        truncated = good[3][: len(good[3]) // 2]
+        body = chat_body([good[0], good[1], b"not an image", good[2], truncated])
+        assert _refusal(worker, body) == (400, "invalid_image", "messages[0].content[3].image_url")
+        body = chat_body([good[1], good[2], good[0], truncated])
+        assert _refusal(worker, body) == (400, "invalid_image", "messages[0].content[4].image_url")
+        assert list_segments(launch_id) == live.shm_names
+        # The worker is fine afterwards: the good images alone go through, the live one linked.
+        ok = _handle(worker, "r3", chat_body(good))
+        assert len(ok.shm_names) == 4 and worker.images_reused == 1
+        for name in live.shm_names + ok.shm_names:
+            ShmSegment.unlink(name)
+    finally:
+        worker.close()
+
+
+def test_budget_refusal_with_many_images_writes_nothing(demo_model_dir: Path, launch_id: str) -> None:
+    config = dataclasses.replace(server_config(demo_model_dir, launch_id), tokenizer_threads=4)
+    worker = TokenizerWorker(config, 0, logging.getLogger("test"))
+    try:
+        raws = [png(200, 150, seed=70 + k) for k in range(4)]
+        one = _handle(worker, "r0", chat_body(raws[:1]))
+        ShmSegment.unlink(one.shm_names[0])
+        # Room left for about two of the four images: checked before any write, so none is written.
+        worker.shm_bytes, worker.shm_budget = 8 * one.shm_bytes, 10 * one.shm_bytes + 1
+        assert _refusal(worker, chat_body(raws))[:2] == (503, "shm_budget_exceeded")
+        assert list_segments(launch_id) == []
+        # A budget the four could never fit in: the client's problem, and again nothing written.
+        worker.shm_bytes, worker.shm_budget = 0, 2 * one.shm_bytes + 1
+        assert _refusal(worker, chat_body(raws))[:2] == (400, "images_too_large")
+        assert list_segments(launch_id) == []
+    finally:
+        worker.close()
+
+
+@contextlib.contextmanager
+def _file_size_limit(launch_id: str, nbytes: int) -> Iterator[None]:
+    """Files of this process may not grow past `nbytes`: tmpfs's fallocate then fails with EFBIG,
+    which ShmSegment.create reports as ShmFullError, as for a full /dev/shm. SIGXFSZ is ignored
+    meanwhile, or the kernel's signal would kill the process instead."""
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
+    try:
+        with contextlib.suppress(ShmFullError):
+            ShmSegment.create(probe := segment_name(launch_id, "probe"), 2 * nbytes).close()
+            ShmSegment.unlink(probe)
+            pytest.skip("this kernel's /dev/shm ignores RLIMIT_FSIZE")
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_shm_full_midway_releases_the_images_already_written(
+    demo_model_dir: Path, launch_id: str, threads: int
+) -> None:
+    config = dataclasses.replace(server_config(demo_model_dir, launch_id), tokenizer_threads=threads)
+    worker = TokenizerWorker(config, 0, logging.getLogger("test"))
+    try:
+        small = [png(64, 64, seed=80 + k) for k in range(4)]  # ~20 KB of pixels each
+        big = png(448, 448, seed=90)  # ~5 MB of pixels
+        # The big image is neither first nor last: small ones are written before and around it.
+        body = chat_body([small[0], small[1], big, small[2], small[3]])
+        with _file_size_limit(launch_id, 1 << 20):
+            refusal = _refusal(worker, body)
+        assert refusal[:2] == (503, "shm_full")
+        assert list_segments(launch_id) == []
+        # Nothing stale is left behind either: with room again, the same request writes every image.
+        again = _handle(worker, "r2", body)
+        assert len(again.shm_names) == 5 and worker.images_reused == 0
+        for name in again.shm_names:
+            ShmSegment.unlink(name)
+    finally:
+        worker.close()

@@ -1,0 +1,270 @@
+"""A tokenizer's images: a request's encoded images in, one shared-memory name per image out.
+
+Image identity is the hash of the encoded bytes (framed with the processor settings). Segments are
+named ``{hash}-{t}x{h}x{w}-{unique}`` so any tokenizer of the launch can find a live segment of an
+image by listing /dev/shm, and knows its grid from the name alone. A resent image is then a hard
+link to a new name: no decode, no processing, no write. Pixels are written under a temporary name
+and published under the hash name only once complete, so a reader never links a half-written file.
+
+The distinct fresh images of one request are decoded, processed and written on a thread pool:
+Pillow's decoder, torch's ops and the copy into shm release the GIL, so a request with many new
+images does not pay for them one after another inside its time to first token. Everything else
+(hashing, reuse, names, the byte budget, the local index) stays on the calling thread, in request
+order, so a pool of any size gives the same names, bytes and prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+
+from ipc import shm
+from server.config import ServerConfig
+from workers.chat_request import BadRequest
+from workers.engine.processor import MMProcessor, ProcessedImage
+from workers.media import decode_image
+
+LOCAL_INDEX_SIZE = 4096  # hashes remembered with their newest segment name (a hint; /dev/shm is the truth)
+# No "^": match(name, pos) anchors at pos itself, while "^" would only match at index 0.
+_KEY_RE = re.compile(r"(?P<hash>[0-9a-f]{32})-(?P<t>\d+)x(?P<h>\d+)x(?P<w>\d+)-")
+_NO_GRID = (0, 0, 0)  # of an image until it is processed
+
+Grid = tuple[int, int, int]
+_A = TypeVar("_A")
+_R = TypeVar("_R")
+
+
+@dataclass
+class RequestImage:
+    """One distinct image of a request while it is being prepared."""
+
+    hash: bytes
+    raw: bytes
+    param: str
+    grid: Grid
+    candidates: list[str]  # live segments of this image to link from (reuse); empty: process and write
+    processed: ProcessedImage | None = None  # the pixels, when they must be written
+    ref: shm.ShmRef | None = None  # this request's segment, once linked or written
+
+
+def core_share(config: ServerConfig) -> int:
+    """Cores one tokenizer process may count on: they are shared with the other tokenizers."""
+    return max(1, (os.cpu_count() or 1) // max(1, config.tokenizer_workers))
+
+
+def overloaded() -> BadRequest:
+    message = "The server has too many images in flight; retry shortly."
+    return BadRequest(message, status=503, type="server_error", code="shm_budget_exceeded")
+
+
+class ImagePrep:
+    """Reuse, processing and shm segments for the images of one tokenizer's requests."""
+
+    def __init__(self, config: ServerConfig, index: int, processor: MMProcessor) -> None:
+        self.config, self.processor = config, processor
+        self.launch_id = config.launch_id
+        self.dtype = config.engine.torch_dtype()
+        ip = processor.image_processor
+        # Width of one patch row in pixel_values; with the grid it gives a segment's shape from its name.
+        self.row = 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
+        self.local: OrderedDict[bytes, tuple[str, Grid]] = OrderedDict()
+        self.nonce = f"w{index}{os.urandom(3).hex()}-"  # unique names across restarts of this index
+        self.counter = 0
+        self.images_reused = 0
+        # Auto: one thread per core of this process's share, as many as torch's intra-op pool has
+        # (run_tokenizer), and intra-op threads left as they are, so k images in flight oversubscribe
+        # the share. Deliberately: torch.set_num_threads is process-wide and a pool thread reads it
+        # once, when it starts, so it cannot follow the number of images in flight; and fewer
+        # intra-op threads per image did not pay. 8 x 1080p JPEG, one request, 16-core host, 8-core
+        # share: serial 492 ms; pool 2/4/8 with 8 intra-op threads 343/272/274 ms, with 1 (set per
+        # pool thread) 562/395/251 ms. Whole 16 cores: serial 455, pool 8 or 16 222-240 ms.
+        # End to end: benchmarks/tokenizer_bench.py --images-per-request 8 --threads 1,auto.
+        self.threads = config.tokenizer_threads or core_share(config)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"tok{index}-image")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    # ---- planning: reuse or process --------------------------------------------------------------
+
+    def plan(self, raws: list[bytes], params: list[str]) -> list[RequestImage]:
+        """Hash every image; find live segments to reuse, or else decode and process it now (the
+        distinct ones that need it all at once). One entry per image, repeats sharing theirs."""
+        by_hash: dict[bytes, RequestImage] = {}
+        order: list[RequestImage] = []
+        todo: list[RequestImage] = []
+        listing: dict[str, list[tuple[str, Grid]]] | None = None  # /dev/shm listed at most once
+        for raw, param in zip(raws, params, strict=True):
+            h = self.processor.media_hash(raw)
+            if (image := by_hash.get(h)) is not None:
+                self.images_reused += 1  # repeated within the request: shares the first one's segment
+                order.append(image)
+                continue
+            live = [self.local[h]] if h in self.local else None
+            if live is None:
+                listing = self._list_live() if listing is None else listing
+                live = listing.get(h.hex(), [])
+            if live:
+                image = RequestImage(h, raw, param, live[0][1], [name for name, _ in live])
+            else:
+                image = RequestImage(h, raw, param, _NO_GRID, [])
+                todo.append(image)
+            by_hash[h] = image
+            order.append(image)
+        for image, processed in zip(todo, self._each(self._process, todo), strict=True):
+            image.grid, image.processed = processed.grid, processed
+        return order
+
+    def _list_live(self) -> dict[str, list[tuple[str, Grid]]]:
+        """Live segments of the launch by image hash (hex), with the grid their names carry."""
+        skip = len(shm.shm_prefix(self.launch_id))
+        live: dict[str, list[tuple[str, Grid]]] = {}
+        for name in reversed(shm.list_segments(self.launch_id)):
+            if m := _KEY_RE.match(name, skip):
+                grid = (int(m.group("t")), int(m.group("h")), int(m.group("w")))
+                live.setdefault(m.group("hash"), []).append((name, grid))
+        return live
+
+    def _each(self, work: Callable[[_A], _R], args: list[_A]) -> list[_R]:
+        """`work` over `args`, results in order: on the pool when there are two or more (a single
+        one runs inline: no thread hop for the common one-image request).
+
+        Returns or raises only once no call is running any more, so nothing writes shm or touches
+        the request's images after a failure: calls not yet started are cancelled, running ones
+        finish. Raises the failure of the first failed argument in request order."""
+        if len(args) < 2 or self.threads < 2:
+            return [work(arg) for arg in args]
+        futures = [self.pool.submit(work, arg) for arg in args]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            for future in futures:
+                future.cancel()  # a no-op for those running or finished
+            wait(futures)
+            for future in futures:
+                if not future.cancelled() and (exc := future.exception()) is not None:
+                    raise exc
+        return [f.result() for f in futures]
+
+    def _process(self, image: RequestImage) -> ProcessedImage:
+        """Decode and process one image. May run on a pool thread: reads only the image and settings.
+
+        (decode_image's warnings.catch_warnings is not thread-safe before Python 3.14: an unlucky
+        interleaving leaves PIL's DecompressionBombWarning ignored for the whole process, which
+        is harmless, our own pixel limit being the check.)"""
+        decoded = decode_image(image.raw, self.config.max_image_pixels, image.param)
+        try:
+            return self.processor.process_image(decoded, image_hash=image.hash)
+        except ValueError as exc:  # e.g. an aspect ratio the processor refuses
+            raise BadRequest(
+                f"The image cannot be processed: {exc}", param=image.param, code="invalid_image"
+            ) from None
+
+    # ---- segments --------------------------------------------------------------------------------
+
+    def materialize(self, images: list[RequestImage], names: list[str], shm_bytes: int, budget: int) -> int:
+        """Give this request a name for every distinct image: a link to a live segment, else freshly
+        written pixels, refused past `budget` bytes in flight (`shm_bytes` now). Every name made is
+        appended to `names`, also when this raises. Returns the bytes newly written to shm."""
+        # Every live copy of these was unlinked since we looked: fall back to doing the work.
+        redo = [image for image in images if image.candidates and not self._link(image, names)]
+        for image, processed in zip(redo, self._each(self._process, redo), strict=True):
+            if processed.grid != image.grid:
+                raise RuntimeError(f"segment name says grid {image.grid}, processing gives {processed.grid}")
+            image.processed = processed
+        fresh = [image for image in images if image.processed is not None and image.ref is None]
+        new_bytes = sum(self._nbytes(image) for image in fresh)
+        if new_bytes and shm_bytes + new_bytes > budget:
+            if new_bytes > budget:  # could never fit, so retrying would not help
+                message = f"The images need {new_bytes} bytes of pixels, over the server's {budget}."
+                raise BadRequest(message, param="messages", code="images_too_large")
+            raise overloaded()
+        # Names are made here, on this thread, and recorded before any segment exists: whichever
+        # write fails, the caller's release then unlinks every name the others published.
+        jobs: list[tuple[RequestImage, str, str]] = []
+        for image in fresh:
+            final = self._new_name(image)
+            self.counter += 1
+            jobs.append((image, shm.segment_name(self.launch_id, f"tmp-{self.nonce}{self.counter:x}"), final))
+            names.append(final)
+        for (image, _, final), ref in zip(jobs, self._each(self._write, jobs), strict=True):
+            image.ref = ref
+            self._remember(image.hash, final, image.grid)
+        return new_bytes
+
+    def _nbytes(self, image: RequestImage) -> int:
+        assert image.processed is not None
+        return image.processed.pixel_values.numel() * self.dtype.itemsize
+
+    def _sources(self, image: RequestImage) -> Iterator[str]:
+        yield from image.candidates
+        # The local hint may be stale; then another live name of the image (any tokenizer's) will do.
+        # Listed only when needed: the common case links the hint and never pays for a listdir.
+        yield from (n for n, _ in self._list_live().get(image.hash.hex(), []) if n not in image.candidates)
+
+    def _link(self, image: RequestImage, names: list[str]) -> bool:
+        new = self._new_name(image)
+        for source in self._sources(image):
+            if shm.link_segment(source, new):
+                names.append(new)
+                shape = (image.grid[0] * image.grid[1] * image.grid[2], self.row)
+                nbytes = shape[0] * shape[1] * self.dtype.itemsize
+                image.ref = shm.ShmRef(new, nbytes, shm.dtype_name(self.dtype), shape)
+                self._remember(image.hash, new, image.grid)
+                self.images_reused += 1
+                return True
+        self.local.pop(image.hash, None)
+        return False
+
+    def _write(self, job: tuple[RequestImage, str, str]) -> shm.ShmRef:
+        """Write one image's pixels under its temporary name, then publish them under its final one.
+        May run on a pool thread: touches only its own two names."""
+        image, tmp, final = job
+        assert image.processed is not None
+        pixels = image.processed.pixel_values
+        if pixels.dim() != 2 or pixels.shape[1] != self.row:
+            raise RuntimeError(f"pixels are {tuple(pixels.shape)}, expected rows {self.row} wide")
+        nbytes = self._nbytes(image)
+        try:
+            seg = shm.ShmSegment.create(tmp, nbytes)
+        except shm.ShmFullError:
+            full = "Shared memory is full; retry shortly."
+            raise BadRequest(full, status=503, type="server_error", code="shm_full") from None
+        try:
+            ref = shm.ShmRef(tmp, nbytes, shm.dtype_name(self.dtype), tuple(pixels.shape))
+            # float32 -> dtype inside the copy: one pass, and no converted copy of the pixels in between.
+            seg.tensor(ref).copy_(pixels)
+            seg.close()
+            # Publishing under the hash name only now means no other tokenizer links a partial file.
+            if not shm.link_segment(tmp, final):
+                raise RuntimeError(f"segment {tmp} vanished before it was published")
+        finally:
+            shm.ShmSegment.unlink(tmp)
+        return msgspec.structs.replace(ref, name=final)
+
+    def _new_name(self, image: RequestImage) -> str:
+        self.counter += 1
+        t, h, w = image.grid
+        return shm.segment_name(
+            self.launch_id, f"{image.hash.hex()}-{t}x{h}x{w}-{self.nonce}{self.counter:x}"
+        )
+
+    def _remember(self, h: bytes, name: str, grid: Grid) -> None:
+        self.local[h] = (name, grid)
+        self.local.move_to_end(h)
+        if len(self.local) > LOCAL_INDEX_SIZE:
+            self.local.popitem(last=False)
+
+    def release(self, names: list[str]) -> None:
+        """Unlink a failed request's names, and forget them as hints."""
+        for name in names:
+            shm.ShmSegment.unlink(name)
+        gone = set(names)
+        for h in [h for h, (name, _) in self.local.items() if name in gone]:
+            del self.local[h]
