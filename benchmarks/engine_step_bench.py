@@ -125,7 +125,7 @@ def measure(args: argparse.Namespace) -> None:
         extra: dict[str, Any] = {}
         if "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
             extra["enable_prefix_caching"] = False  # the old tree had none: same chunks, same roundings
-        cfg = EngineConfig(model=str(model_dir), device=args.device, chunk_size=1024,
+        cfg = EngineConfig(model=str(model_dir), device=args.device, chunk_size=args.chunk_size,
                            load_format="dummy" if args.shape != "demo" else "auto",
                            kv_cache_mb=args.kv_cache_mb, max_model_len=65536, mm_cache_mb=4096, **extra)
         t0 = time.perf_counter()
@@ -137,6 +137,11 @@ def measure(args: argparse.Namespace) -> None:
         result["ttft"] = [ttft_run(engine, spy, seed, args.images, record=True) for seed in (0, 100)]
         for r in result["ttft"]:
             print(f"TTFT {r['ttft_s']:.3f} s (prep {r['prep_s']:.3f} s, {r['prompt_tokens']} tokens)", flush=True)
+        if args.ttft_only:
+            if args.profile:
+                profile_ttft(engine, spy, args)
+            torch.save(result, args.out)
+            return
         decode_run(engine, spy, args.batch, 8, 0)  # warm-up: captures this batch's graph if the tree has graphs
         result["decode"] = decode_run(engine, spy, args.batch, args.decode_tokens, args.record_steps)
         d = result["decode"]
@@ -160,8 +165,10 @@ def profile_ttft(engine: Any, spy: Spy, args: argparse.Namespace) -> None:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         r = ttft_run(engine, spy, 200, args.images, record=False)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile_rows)
-    print(f"profiled TTFT {r['ttft_s']:.3f} s\n{table}", flush=True)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="cuda_time_total", row_limit=args.profile_rows)
+    busy = sum(e.self_device_time_total for e in averages) / 1e6
+    print(f"profiled TTFT {r['ttft_s']:.3f} s, GPU kernels {busy:.3f} s\n{table}", flush=True)
     if args.profile_out:
         args.profile_out.write_text(table)
 
@@ -225,6 +232,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--record-steps", type=int, default=4)
     ap.add_argument("--kv-cache-mb", type=int, default=16384)
+    ap.add_argument("--chunk-size", type=int, default=1024)
+    ap.add_argument("--ttft-only", action="store_true", help="skip the decode runs")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-rows", type=int, default=30)
     ap.add_argument("--profile-out", type=Path)

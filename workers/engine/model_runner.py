@@ -196,7 +196,8 @@ class ModelRunner:
 
         With TP, the ViT runs data-parallel: each rank reads from shm and encodes only its share
         (split by patch count, largest first), then the embeddings are all-gathered so every rank's
-        store ends up with the same entries. One ViT call per rank per step.
+        store ends up with the same entries. A rank's share runs in ViT calls of at most
+        ``vit_max_patches`` patches each (one image at least), reading each call's pixels just before it.
         """
         unique: dict[bytes, EncodeItem] = {}
         for job in jobs:

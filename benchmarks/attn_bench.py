@@ -1,0 +1,97 @@
+"""Attention kernels on the card, for the two shapes that matter: the ViT's full-attention blocks and the
+LM's prefill chunks.
+
+- ViT full block: one 1080p frame, 10,764 patches x 16 heads of 80, no mask. FlashAttention-2 varlen (what the
+  windowed blocks use) against cuDNN's fused SDPA (what the full blocks use on CUDA).
+- LM prefill chunk: q new tokens against the sequence's whole context (GQA, 28 query / 4 KV heads of 128),
+  causal aligned bottom-right. FlashAttention-2 varlen (the flash backend) against cuDNN SDPA, which has no
+  bottom-right causal mask: the context before the chunk without a mask plus the chunk's own causal square,
+  merged by their log-sum-exp, with the KV heads expanded for GQA.
+
+    python -m benchmarks.attn_bench
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.vit_bench import cuda_ms
+
+
+def _cudnn(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out[0], out[1]
+
+
+def lm_chunk_cudnn(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """q [Q, H, D], k/v [S, Hkv, D] (the chunk is the last Q of S) -> [Q, H, D]."""
+    (nq, heads, d), s = q.shape, k.shape[0]
+    group = heads // k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh, vh = (t[:, :, None].expand(s, k.shape[1], group, d).reshape(s, heads, d).transpose(0, 1).unsqueeze(0)
+              for t in (k, v))
+    prefix = s - nq
+    o1, l1 = _cudnn(qh, kh[:, :, :prefix], vh[:, :, :prefix], False, scale)
+    o2, l2 = _cudnn(qh, kh[:, :, prefix:], vh[:, :, prefix:], True, scale)
+    l1, l2 = l1.view(1, heads, nq, 1).float(), l2.view(1, heads, nq, 1).float()
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+    merged = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    return merged.to(q.dtype)[0].transpose(0, 1)
+
+
+def row(what: str, flops: float, fa: Callable[[], Tensor], cudnn: Callable[[], Tensor]) -> None:
+    t_fa, t_cu = cuda_ms(fa, 20), cuda_ms(cudnn, 20)
+    ref = fa().float()
+    err = float((cudnn().float() - ref).norm() / ref.norm())
+    print(f"{what:34} {t_fa:>8.3f} {flops / t_fa / 1e9:>7.0f} {t_cu:>9.3f} {flops / t_cu / 1e9:>7.0f} "
+          f"{t_fa / t_cu:>7.2f}x {err:>9.1e}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", default="1024:4096,1024:16384,1024:21504,4096:16384",
+                    help="LM shapes as new_tokens:context, comma separated")
+    args = ap.parse_args()
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    print(f"{torch.cuda.get_device_name()}, bf16; ms and TFLOP/s per call; rel err = cuDNN vs FlashAttention-2")
+    print(f"{'shape':34} {'FA2 ms':>8} {'TFLOP/s':>7} {'cuDNN ms':>9} {'TFLOP/s':>7} {'speedup':>8} {'rel err':>9}")
+    with torch.inference_mode():
+        n, h, d = 10764, 16, 80
+        x = torch.randn(n, h, d, device=dev, dtype=bf)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        xs = x.transpose(0, 1).unsqueeze(0)
+
+        def vit_cudnn() -> Tensor:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                out: Tensor = torch.nn.functional.scaled_dot_product_attention(xs, xs, xs, scale=d**-0.5)
+            return out[0].transpose(0, 1)
+
+        row(f"ViT full block {n} x {h}h x {d}", 4 * n * n * h * d,
+            lambda: torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, n, n, 0.0, False, False,
+                                                            scale=d**-0.5)[0], vit_cudnn)
+        heads, kv_heads, d = 28, 4, 128
+        for spec in args.chunks.split(","):
+            nq, s = (int(v) for v in spec.split(":"))
+            q = torch.randn(nq, heads, d, device=dev, dtype=bf)
+            k, v = (torch.randn(s, kv_heads, d, device=dev, dtype=bf) for _ in range(2))
+            cq, ck = (torch.tensor([0, m], dtype=torch.int32, device=dev) for m in (nq, s))
+
+            def fa(q: Tensor = q, k: Tensor = k, v: Tensor = v, cq: Tensor = cq, ck: Tensor = ck,
+                   nq: int = nq, s: int = s) -> Tensor:
+                out: Tensor = torch.ops.aten._flash_attention_forward(q, k, v, cq, ck, nq, s, 0.0, True, False,
+                                                                      scale=d**-0.5)[0]
+                return out
+
+            flops = 4 * nq * (s - nq / 2) * d * heads
+            row(f"LM chunk {nq} new / {s} context", flops, fa,
+                lambda q=q, k=k, v=v: lm_chunk_cudnn(q, k, v, d**-0.5))  # type: ignore[misc]
+
+
+if __name__ == "__main__":
+    main()
