@@ -26,6 +26,8 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
     m.add_argument("--attn-backend", default="auto", choices=["auto", "sdpa", "flash"])
     m.add_argument("--chunk-size", type=int, default=1024, help="token budget of one step (chunked prefill)")
+    m.add_argument("--lone-prefill-tokens", type=int, default=4096,
+                   help="token budget of a step when no request is decoding (0: --chunk-size)")
     m.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -93,6 +95,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         mm_cache_mode=args.mm_cache_mode,
         enable_prefix_caching=args.enable_prefix_caching,
         vit_max_patches=args.vit_max_patches,
+        lone_prefill_tokens=args.lone_prefill_tokens,
         fused_kernels=args.fused_kernels,
         seed=args.seed,
         tp_size=args.tp,

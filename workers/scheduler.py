@@ -74,6 +74,7 @@ def build_core(config: ServerConfig, num_blocks: int) -> SchedulerCore:
         eos_token_ids=info.eos_token_ids,
         mm_cache_mode=eng.mm_cache_mode,
         enable_prefix_caching=eng.enable_prefix_caching,
+        lone_prefill_tokens=eng.lone_prefill_tokens,
     )
 
 

@@ -24,6 +24,9 @@ class EngineConfig:
     attn_backend: Literal["auto", "sdpa", "flash"] = "auto"
     # Scheduling: per-step token budget shared by decodes and prefill chunks.
     chunk_size: int = 1024
+    # Budget of a step in which no sequence is decoding (so no inter-token latency is at stake): a lone
+    # prompt prefills in chunks this large. 0: chunk_size. `glimpse serve` defaults to 4096.
+    lone_prefill_tokens: int = 0
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Paged KV cache. num_kv_blocks wins over kv_cache_mb when both are set.

@@ -76,6 +76,7 @@ class Engine:
             eos_token_ids=self.info.eos_token_ids,
             mm_cache_mode=config.mm_cache_mode,
             enable_prefix_caching=config.enable_prefix_caching,
+            lone_prefill_tokens=config.lone_prefill_tokens,
         )
         self.core.on_finished = self._release
         self._outputs: dict[str, RequestOutput] = {}

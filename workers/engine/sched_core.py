@@ -2,8 +2,9 @@
 embedding-cache plan. Pure bookkeeping: it never touches tensors or pixels, so the same object
 runs inside the offline ``Engine`` and inside the scheduler process.
 
-Each step spends a token budget (``chunk_size``): running decodes first (one token each), then
-prefill chunks of running sequences, then newly admitted requests. A request is admitted only
+Each step spends a token budget (``chunk_size``; ``lone_prefill_tokens`` when no sequence is decoding):
+running decodes first (one token each), then prefill chunks of running sequences, then newly admitted
+requests. A request is admitted only
 when KV blocks for its whole prompt are free now; one that could never fit is rejected in ``add``.
 A decode that needs a block when none is free preempts the newest running sequence, which is
 recomputed later.
@@ -89,11 +90,15 @@ class SchedulerCore:
         eos_token_ids: tuple[int, ...],
         mm_cache_mode: Literal["image", "request"] = "image",
         enable_prefix_caching: bool = True,
+        lone_prefill_tokens: int = 0,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.chunk_size = chunk_size
+        # Budget of a step with no decoding sequence: no one's inter-token latency depends on it, and a lone
+        # prompt's prefill gets fewer, larger chunks (fewer steps, better GEMM and attention shapes).
+        self.lone_prefill_tokens = max(chunk_size, lone_prefill_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.mm_cache_mode = mm_cache_mode
@@ -154,7 +159,8 @@ class SchedulerCore:
         """Plan the next step, or None when there is nothing to do."""
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the previous step")
-        budget = self.chunk_size
+        decoding = any(s.total_len - s.num_computed == 1 for s in self.running)
+        budget = self.chunk_size if decoding else self.lone_prefill_tokens
         picked: list[tuple[Sequence, int]] = []
         # Decodes first: they are one token each and keep latency flat.
         for seq in sorted(self.running, key=lambda s: s.total_len - s.num_computed != 1):

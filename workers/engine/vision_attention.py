@@ -73,7 +73,7 @@ class VisionAttention(nn.Module):
         else:
             q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
             v = qkv[:, 2]
-        if flash and seg.frames and _cudnn_frames.usable:
+        if flash and seg.frames and _cudnn_frames.wants(seg):
             out = _cudnn_frames(q, k, v, seg)
         elif flash:
             out = _varlen(q, k, v, seg)
@@ -104,13 +104,33 @@ def _rope(qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
 class _CudnnFrames:
     """Whole-frame attention (the full-attention blocks) through cuDNN's fused SDPA, one call per frame.
 
-    At 10,764 patches x 16 heads of 80 it takes 1.57 ms against 2.36 ms for FlashAttention-2 varlen (H200,
-    measured): FA2 pads head_dim 80 to 96 and has no Hopper-specific path, cuDNN's kernel does. Windowed
-    blocks stay on varlen (windows of 64 patches: 0.09 ms either way). If cuDNN refuses a call (an older
-    cuDNN, another GPU), it is not tried again and varlen takes over.
+    At 10,764 patches x 16 heads of 80 it takes 1.56 ms against 2.36 ms for FlashAttention-2 varlen (H200,
+    measured): FA2 pads head_dim 80 to 96 and has no Hopper-specific path, cuDNN's kernel does. But cuDNN
+    builds an execution plan for every new sequence length, ~37 ms each (same card), which one image of a new
+    resolution would not earn back (4 blocks x 0.8 ms). So a frame length runs on FA2 varlen until it has
+    been seen ``HOT_AFTER`` times (8 images' worth of full blocks): recurring resolutions (scans, screenshots,
+    camera sizes) move to cuDNN, one-off sizes never pay for a plan. Windowed blocks always run varlen
+    (windows of 64 patches: 0.09 ms either way). If cuDNN refuses a call, it is not tried again.
     """
 
-    usable = True
+    HOT_AFTER = 32  # full-block calls per frame length served by FA2 first (4 per image)
+    MAX_TRACKED = 4096  # distinct lengths remembered; past that the counts restart
+
+    def __init__(self) -> None:
+        self.usable = True
+        self._seen: dict[int, int] = {}
+
+    def wants(self, seg: Segments) -> bool:
+        """Count this call's frame lengths; True when cuDNN is usable and every one of them is hot."""
+        if not self.usable:
+            return False
+        if len(self._seen) > self.MAX_TRACKED:
+            self._seen.clear()
+        hot = True
+        for start, end in zip(seg.cu_host[:-1], seg.cu_host[1:], strict=True):
+            count = self._seen[end - start] = self._seen.get(end - start, 0) + 1
+            hot = hot and count > self.HOT_AFTER
+        return hot
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:
         outs = []
@@ -121,7 +141,7 @@ class _CudnnFrames:
                     out = F.scaled_dot_product_attention(qf, kf, vf, scale=q.shape[-1] ** -0.5)
                     outs.append(out[0].transpose(0, 1))
         except RuntimeError as exc:
-            type(self).usable = False
+            self.usable = False
             logger.warning("vision attention: cuDNN SDPA unavailable (%s); using FlashAttention varlen", exc)
             return _varlen(q, k, v, seg)
         return torch.cat(outs) if len(outs) > 1 else outs[0]

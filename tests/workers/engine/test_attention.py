@@ -206,3 +206,4 @@ def test_flash_backend_on_cuda_matches_reference(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float().cpu(), reference(s, D**-0.5), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out, s.run(SdpaBackend(), D**-0.5, cache=sdpa_cache), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(s.cache, sdpa_cache, atol=0, rtol=0)  # both wrote the same slots
+

@@ -53,6 +53,18 @@ def test_decodes_go_first_and_share_the_budget_with_prefill() -> None:
     assert [(ch.rid, ch.length) for ch in plan.chunks] == [("a", 1), ("b", 15)]
 
 
+def test_lone_prefill_takes_the_larger_budget_until_someone_decodes() -> None:
+    c = core(chunk_size=16, lone_prefill_tokens=48)
+    add(c, "a", 60, max_tokens=8)
+    add(c, "b", 100, max_tokens=8)
+    # Nobody decodes yet: 48 tokens per step, shared in arrival order.
+    assert [(ch.rid, ch.length) for ch in run_step(c).chunks] == [("a", 48)]
+    assert [(ch.rid, ch.length) for ch in run_step(c).chunks] == [("a", 12), ("b", 36)]
+    # a decodes now, so the step is back to chunk_size: a's token first, then 15 of b's prompt.
+    assert [(ch.rid, ch.length) for ch in run_step(c).chunks] == [("a", 1), ("b", 15)]
+    assert core(chunk_size=16, lone_prefill_tokens=0).lone_prefill_tokens == 16  # 0: off
+
+
 def test_request_that_can_never_fit_is_rejected() -> None:
     c = core(num_blocks=4, block_size=4, max_model_len=1000)
     with pytest.raises(RequestRejected, match="KV blocks"):

@@ -225,3 +225,36 @@ def test_flash_matches_sdpa_on_cuda(tiny: tuple[Path, Any]) -> None:
             out[backend] = tower(pixels.cuda(), grids).float().cpu()
     torch.testing.assert_close(out["flash"], out["sdpa"], atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out["flash"], _reference(model, pixels, grids), atol=6e-2, rtol=6e-2)
+
+
+def test_cudnn_frames_only_for_recurring_frame_lengths() -> None:
+    """cuDNN builds a plan per sequence length (~37 ms), so a frame length goes to it only once it recurs."""
+    from workers.engine.vision_attention import Segments, _CudnnFrames
+
+    frames = _CudnnFrames()
+    two = Segments(torch.tensor([0, 100, 250]), [0, 100, 250], 150, frames=True)
+    assert not any(frames.wants(two) for _ in range(frames.HOT_AFTER))
+    assert frames.wants(two)  # both lengths (100, 150) are now hot
+    fresh = Segments(torch.tensor([0, 100, 177]), [0, 100, 177], 100, frames=True)
+    assert not frames.wants(fresh)  # 77 is new: the whole call stays on FlashAttention
+    frames.usable = False
+    assert not frames.wants(two)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cudnn_full_blocks_match_sdpa_on_cuda(tiny: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every frame length hot, the full-attention blocks run on cuDNN; same outputs as grouped SDPA."""
+    from workers.engine import vision_attention
+
+    monkeypatch.setattr(vision_attention._cudnn_frames, "HOT_AFTER", 0)
+    path, model = tiny
+    pixels, grids = _images(SIZES)
+    out = {}
+    for backend in ("flash", "sdpa"):
+        tower = load_vision(path, _spec(path), dtype=torch.bfloat16, device="cuda", attn_backend=backend)
+        with torch.no_grad():
+            out[backend] = tower(pixels.cuda(), grids).float().cpu()
+    assert vision_attention._cudnn_frames.usable
+    torch.testing.assert_close(out["flash"], out["sdpa"], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out["flash"], _reference(model, pixels, grids), atol=6e-2, rtol=6e-2)
