@@ -211,11 +211,14 @@ def test_parameter_names_match_transformers(tiny: tuple[Path, Any]) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_flash_matches_sdpa_on_cuda(tiny: tuple[Path, Any]) -> None:
-    """The varlen FlashAttention path (bf16) against the grouped-SDPA path on the same card and weights."""
+@pytest.mark.parametrize("hot_after", [10**9, 0], ids=["full-blocks-flash", "full-blocks-cudnn"])
+def test_flash_matches_sdpa_on_cuda(tiny: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch, hot_after: int) -> None:
+    """The CUDA path (bf16: varlen FlashAttention for windows; FlashAttention or, once a frame length is hot,
+    cuDNN for the full-attention blocks) against the grouped-SDPA path on the same card and weights."""
     from workers.engine import vision_attention
 
     assert vision_attention._varlen_attn is not None, "this torch has no torch.nn.attention.varlen"
+    monkeypatch.setattr(vision_attention._cudnn_frames, "HOT_AFTER", hot_after)
     path, model = tiny
     pixels, grids = _images(SIZES)
     out = {}
@@ -223,6 +226,7 @@ def test_flash_matches_sdpa_on_cuda(tiny: tuple[Path, Any]) -> None:
         tower = load_vision(path, _spec(path), dtype=torch.bfloat16, device="cuda", attn_backend=backend)
         with torch.no_grad():
             out[backend] = tower(pixels.cuda(), grids).float().cpu()
+    assert vision_attention._cudnn_frames.usable
     torch.testing.assert_close(out["flash"], out["sdpa"], atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out["flash"], _reference(model, pixels, grids), atol=6e-2, rtol=6e-2)
 
@@ -239,22 +243,3 @@ def test_cudnn_frames_only_for_recurring_frame_lengths() -> None:
     assert not frames.wants(fresh)  # 77 is new: the whole call stays on FlashAttention
     frames.usable = False
     assert not frames.wants(two)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cudnn_full_blocks_match_sdpa_on_cuda(tiny: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """With every frame length hot, the full-attention blocks run on cuDNN; same outputs as grouped SDPA."""
-    from workers.engine import vision_attention
-
-    monkeypatch.setattr(vision_attention._cudnn_frames, "HOT_AFTER", 0)
-    path, model = tiny
-    pixels, grids = _images(SIZES)
-    out = {}
-    for backend in ("flash", "sdpa"):
-        tower = load_vision(path, _spec(path), dtype=torch.bfloat16, device="cuda", attn_backend=backend)
-        with torch.no_grad():
-            out[backend] = tower(pixels.cuda(), grids).float().cpu()
-    assert vision_attention._cudnn_frames.usable
-    torch.testing.assert_close(out["flash"], out["sdpa"], atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(out["flash"], _reference(model, pixels, grids), atol=6e-2, rtol=6e-2)
