@@ -207,7 +207,7 @@ class ModelRunner:
         shares = split_by_patches([_patches(item.grid) for item in items], self.tp.size)
         mine = [items[i] for i in shares[self.tp.rank]]
         hidden = self.lm.embed_tokens.weight.shape[-1]
-        outs = [torch.empty((0, hidden), dtype=self.dtype, device=self.device)]
+        outs: list[torch.Tensor] = []
         for group in group_by_patches(mine, self.cfg.vit_max_patches):
             pixels = [self.pixel_source(item) for item in group]
             self.counters.pixel_reads += len(group)
@@ -215,7 +215,10 @@ class ModelRunner:
             outs.append(self.vision(batch, [item.grid for item in group]))
             self.counters.vit_calls += 1
             self.counters.images_encoded += len(group)
-        local = torch.cat(outs) if len(outs) > 2 else outs[-1]
+        if len(outs) == 1:
+            local = outs[0]
+        else:  # several ViT calls, or none (this rank's share is empty)
+            local = torch.cat(outs) if outs else torch.empty((0, hidden), dtype=self.dtype, device=self.device)
         per_hash: dict[bytes, torch.Tensor] = {}
         if self.tp.size == 1:
             per_hash.update(zip(unique, local.split([item.length for item in items]), strict=True))
