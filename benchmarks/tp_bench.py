@@ -90,7 +90,7 @@ class Stack:
         items = [MMItem(s.hash, s.offset, s.length, s.grid, refs[s.hash]) for s in prompt.spans]
         names = [ref.name for ref in refs.values()]
         nbytes = sum(ref.nbytes for ref in refs.values())
-        return TokenizedRequest(rid, prompt.input_ids, prompt.positions, prompt.mrope_delta, items, sampling, names,
+        return TokenizedRequest(rid, prompt.input_ids, prompt.mrope_delta, items, sampling, names,
                                 nbytes)
 
     def run(self, requests: list[TokenizedRequest]) -> dict[str, list[float]]:

@@ -23,8 +23,8 @@ import torch
 from benchmarks.checkpoints import shaped_checkpoint
 from workers.engine import fused
 from workers.engine.attention import build_attention_metadata
-from workers.engine.qwen2_5_vl import TextSpec, load_language_model
-from workers.engine.vision import VisionSpec, load_vision
+from workers.engine.models.qwen2_5_vl.lm import TextSpec, load_language_model
+from workers.engine.models.qwen2_5_vl.vision import VisionSpec, load_vision
 
 
 def cuda_ms(fn: Callable[[], object], reps: int) -> float:

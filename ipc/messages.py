@@ -153,8 +153,7 @@ class TokenizedRequest(Msg, frozen=True):
 
     rid: str
     input_ids: list[int]
-    positions: list[list[int]]
-    mrope_delta: int
+    mrope_delta: int  # no positions: every model rank derives them from the items' spans and grids
     items: list[MMItem]
     sampling: SamplingParams
     shm_names: list[str]  # segments this request holds a name of; the scheduler unlinks them at the end

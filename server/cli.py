@@ -15,19 +15,22 @@ Handler = Callable[[argparse.Namespace], int]
 def _run_demo_model(args: argparse.Namespace) -> int:
     from workers.engine.demo_model import write_demo_model
 
-    path = write_demo_model(args.path)
-    print(f"wrote the demo model (random weights) to {path}")
+    path = write_demo_model(args.path, args.family)
+    print(f"wrote the {args.family} demo model (random weights) to {path}")
     return 0
 
 
 def _add_demo_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from workers.engine.models import DEMO_FAMILIES  # a plain dict: torch is imported only when a family is
+
     p = sub.add_parser(
         "demo-model",
-        help="write the tiny random-weight Qwen2.5-VL demo checkpoint",
-        description="Write a tiny Qwen2.5-VL checkpoint with random weights into PATH. The output is "
-        "identical on every run and needs no network; its answers are noise.",
+        help="write a tiny random-weight demo checkpoint (Qwen2.5-VL by default)",
+        description="Write a tiny checkpoint of a supported model family with random weights into PATH. The "
+        "output is identical on every run and needs no network; its answers are noise.",
     )
     p.add_argument("path", metavar="PATH", type=Path, help="directory to write (created if missing)")
+    p.add_argument("--family", default="qwen2_5_vl", choices=sorted(DEMO_FAMILIES), help="model family")
     p.set_defaults(handler=_run_demo_model)
 
 

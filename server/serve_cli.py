@@ -69,15 +69,19 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     import torch
 
     from ipc.launch import new_launch_id
-    from workers.engine.config import EngineConfig, ModelInfo
+    from workers.engine.config import EngineConfig
     from workers.engine.demo_model import ensure_demo_model
+    from workers.engine.models import UnsupportedModel, load_spec
 
     model = Path(args.model) if args.model else ensure_demo_model()
     if not (model / "config.json").exists():
         raise SystemExit(f"glimpse serve: {model} is not a checkpoint directory (no config.json)")
     if args.tokenizer_threads < 0:
         raise SystemExit("glimpse serve: --tokenizer-threads must be 0 (automatic) or more")
-    info = ModelInfo.load(model)
+    try:
+        info = load_spec(model)  # the one read of config.json: children get the parsed spec
+    except UnsupportedModel as exc:
+        raise SystemExit(f"glimpse serve: {exc}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = EngineConfig(
         model=str(model),
@@ -99,6 +103,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         fused_kernels=args.fused_kernels,
         seed=args.seed,
         tp_size=args.tp,
+        spec=info,
     )
     name = args.served_model_name or ("glimpse-demo" if args.model is None else model.name)
     return ServerConfig(

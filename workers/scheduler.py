@@ -41,7 +41,6 @@ from ipc.messages import (
 from ipc.shm import ShmSegment
 from server.config import ServerConfig
 from workers.detokenizer import TextStream
-from workers.engine.config import ModelInfo
 from workers.engine.sched_core import RequestRejected, SchedulerCore, Sequence
 from workers.proc import setup_child
 from workers.shm_ledger import ShmLedger
@@ -61,7 +60,7 @@ def _unlink_all(names: list[str]) -> None:
 def build_core(config: ServerConfig, num_blocks: int) -> SchedulerCore:
     """The scheduling core for ``config`` with ``num_blocks`` KV blocks (the smallest rank's count)."""
     eng = config.engine
-    info = ModelInfo.load(eng.model)
+    info = eng.model_spec()
     return SchedulerCore(
         num_blocks=num_blocks,
         block_size=eng.block_size,

@@ -13,7 +13,6 @@ concurrently on a thread pool.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections import deque
@@ -39,13 +38,12 @@ from ipc.messages import (
 )
 from server.config import ServerConfig
 from workers.chat_request import BadRequest, image_refs, parse_request, template_messages, to_sampling_params
-from workers.engine.processor import MMProcessor, ProcessedImage
+from workers.engine.processor import ImageInfo, MMProcessor
 from workers.image_prep import ImagePrep, core_share, overloaded
 from workers.media import MediaFetcher, MediaLimits
 from workers.proc import setup_child
 
 STATS_INTERVAL_S = 0.5
-_NO_PIXELS = torch.empty(0)
 
 
 class TokenizerWorker:
@@ -56,7 +54,7 @@ class TokenizerWorker:
             raise ValueError("engine.max_model_len must be resolved by the launcher before children start")
         self.config, self.index, self.log = config, index, log
         self.max_model_len = config.max_model_len
-        self.processor = MMProcessor(config.engine.model)
+        self.processor = MMProcessor(config.engine.model, config.engine.model_spec())
         self.prep = ImagePrep(config, index, self.processor)
         self.fetcher = MediaFetcher(MediaLimits.from_config(config))
         # Back-pressure: the scheduler's last word on shm in flight, plus what we sent since.
@@ -113,12 +111,9 @@ class TokenizerWorker:
         self.images += len(refs)
         raws = self.fetcher.load_many([(r.url, r.param) for r in refs])
         order = self.prep.plan(raws, [r.param for r in refs])
-        merge2 = self.processor.merge**2
-        placeholders = [
-            ProcessedImage(im.hash, im.grid, math.prod(im.grid) // merge2, _NO_PIXELS) for im in order
-        ]
+        metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         try:
-            prompt = self.processor.build(self.processor.render(template_messages(chat)), placeholders)
+            prompt = self.processor.build(self.processor.render(template_messages(chat)), metas)
         except (ValueError, jinja2.TemplateError) as exc:  # e.g. image-pad tokens typed into the text
             raise BadRequest(f"The messages cannot be made into a prompt: {exc}", param="messages") from None
         sampling = to_sampling_params(chat, len(prompt.input_ids), self.max_model_len)
@@ -133,7 +128,7 @@ class TokenizerWorker:
         n = len(prompt.input_ids)
         accepted = RequestAccepted(req.rid, chat.stream, chat.include_usage, chat.model, n, self.index)
         tokenized = TokenizedRequest(
-            req.rid, prompt.input_ids, prompt.positions, prompt.mrope_delta, items, sampling, names, new_bytes
+            req.rid, prompt.input_ids, prompt.mrope_delta, items, sampling, names, new_bytes
         )
         return accepted, tokenized
 

@@ -121,7 +121,6 @@ class Stack:
         return TokenizedRequest(
             rid,
             prompt.input_ids,
-            prompt.positions,
             prompt.mrope_delta,
             items,
             sampling,

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from workers.engine.attention import AttentionMetadata, PaddedDecodeBackend
 from workers.engine.layers import TPGroup
-from workers.engine.qwen2_5_vl import Qwen2_5_VLLanguageModel
+from workers.engine.models.base import LanguageModel
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class _Graph:
 class DecodeGraphs:
     def __init__(
         self,
-        lm: Qwen2_5_VLLanguageModel,
+        lm: LanguageModel,
         kv_caches: list[Tensor],
         block_size: int,
         scratch_block: int,

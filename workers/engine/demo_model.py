@@ -1,7 +1,9 @@
-"""A tiny, random-weight Qwen2.5-VL checkpoint that glimpse can serve and test against with no download.
+"""Tiny, random-weight checkpoints that glimpse can serve and test against with no download: one per model
+family (the family's ``demo.py`` writes its config, chat template and processor settings; this module holds
+what they share and the on-disk cache).
 
 Everything is produced on the spot and deterministically: a byte-level BPE tokenizer trained on the short
-corpus below, a chat template in Qwen2-VL's format, a config with Qwen2.5-VL's architecture at toy sizes,
+corpus below, a chat template in the family's format, a config with the family's architecture at toy sizes,
 weights drawn from fixed per-tensor seeds, and the image processor settings. The answers it gives are noise;
 what matters is that every code path (vision tower, windowed attention, M-RoPE, chat template, image
 placeholders) is exercised with the same file layout a real checkpoint has.
@@ -46,39 +48,6 @@ PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-
-# Qwen2-VL's prompt format, written from scratch: a default system turn, `<|im_start|>role\n...<|im_end|>\n`
-# per message, and one vision_start/pad/vision_end triple per image or video part (the processor later
-# repeats the pad token once per merged patch). Every literal newline is emitted by an expression so the
-# `-` whitespace control can keep the template itself readable.
-CHAT_TEMPLATE = r"""
-{%- macro render(content) -%}
-  {%- if content is string -%}
-    {{- content -}}
-  {%- elif content is iterable -%}
-    {%- for part in content -%}
-      {%- if part['type'] in ('image', 'image_url', 'input_image') -%}
-        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
-      {%- elif part['type'] in ('video', 'video_url') -%}
-        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
-      {%- elif part['type'] == 'text' -%}
-        {{- part['text'] -}}
-      {%- endif -%}
-    {%- endfor -%}
-  {%- endif -%}
-{%- endmacro -%}
-{%- if not messages or messages[0]['role'] != 'system' -%}
-  {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
-{%- endif -%}
-{%- for message in messages -%}
-  {{- '<|im_start|>' + message['role'] + '\n' -}}
-  {{- render(message['content']) -}}
-  {{- '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-""".strip()
 
 # Plain English about the things a vision-language server is asked about; only used to train the BPE merges.
 CORPUS = """
@@ -195,60 +164,6 @@ def _tokenizer_config() -> dict[str, Any]:
     }
 
 
-def _preprocessor_config(ip: Any) -> dict[str, Any]:
-    """Image settings in the flat layout of Qwen/Qwen2.5-VL-*-Instruct's preprocessor_config.json."""
-    return {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
-        "min_pixels": ip.size["shortest_edge"],
-        "max_pixels": ip.size["longest_edge"],
-        "patch_size": ip.patch_size,
-        "temporal_patch_size": ip.temporal_patch_size,
-        "merge_size": ip.merge_size,
-        "image_mean": list(ip.image_mean),
-        "image_std": list(ip.image_std),
-        "rescale_factor": ip.rescale_factor,
-        "resample": 3,  # bicubic
-        **{k: True for k in ("do_convert_rgb", "do_normalize", "do_rescale", "do_resize")},
-    }
-
-
-def build_config(special_ids: dict[str, int], vocab_size: int) -> Any:
-    """The Qwen2.5-VL architecture at toy sizes (head_dim 16 in both towers)."""
-    from transformers import Qwen2_5_VLConfig
-
-    text_config = {
-        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "hidden_act": "silu",
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "attention_dropout": 0.0,
-        "use_sliding_window": False, "max_window_layers": 3,
-        # mrope_section splits head_dim/2 = 8 rotary frequencies into temporal/height/width groups.
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-        "initializer_range": LINEAR_STD,
-        "bos_token_id": special_ids["<|endoftext|>"],
-        "eos_token_id": special_ids["<|im_end|>"],
-        "pad_token_id": special_ids["<|endoftext|>"],
-    }
-    vision_config = {
-        "depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "hidden_act": "silu",
-        "in_channels": 3, "out_hidden_size": 64, "tokens_per_second": 2,
-        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        # 112 px windows = 4x4 merged tokens, so images of a few hundred pixels span several windows.
-        "window_size": 112, "fullatt_block_indexes": [1, 3],
-        "initializer_range": LINEAR_STD,
-    }
-    return Qwen2_5_VLConfig(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=special_ids["<|image_pad|>"],
-        video_token_id=special_ids["<|video_pad|>"],
-        vision_start_token_id=special_ids["<|vision_start|>"],
-        vision_end_token_id=special_ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-
-
 def _init_mean_std(name: str) -> tuple[float, float]:
     # Norm scales sit near 1 but not at it, and biases are random, so a loader that skips either one
     # (leaving the module's default 1s and 0s) changes the output instead of passing unnoticed.
@@ -290,92 +205,61 @@ def _silence_unused_outputs(model: Any, special_ids: dict[str, int], n_tokens: i
         model.lm_head.weight[torch.tensor(rows)] = 0.0
 
 
-def write_demo_model(path: str | os.PathLike[str]) -> Path:
-    """Write the demo checkpoint into `path` (created if missing). Same bytes on every run."""
-    import torch
-    from transformers import (
-        AutoTokenizer,
-        GenerationConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
+def write_demo_model(path: str | os.PathLike[str], family: str = "qwen2_5_vl") -> Path:
+    """Write the demo checkpoint of ``family`` (a key of models.DEMO_FAMILIES) into `path` (created if
+    missing). Same bytes on every run."""
+    from workers.engine.models import DEMO_FAMILIES, family as family_package
 
+    if family not in DEMO_FAMILIES:
+        raise ValueError(f"no demo model for family {family!r}; choose from {', '.join(DEMO_FAMILIES)}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    written = family_package(DEMO_FAMILIES[family]).write_demo(out, family)
+    # safetensors writes 0600; a cache filled by one user (say, a container build) must be readable by others.
+    for file in written.iterdir():
+        file.chmod(0o644)
+    return written
 
-    raw_tok = train_tokenizer()
-    special_ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    # Let transformers load our files and write them back in its own format, so what lands on disk is
-    # exactly what AutoTokenizer/AutoProcessor produce and re-read.
+
+def save_tokenizer(raw_tok: Any, config: dict[str, Any]) -> Any:
+    """Let transformers load our tokenizer files and hand back its own tokenizer object, so what is saved
+    with the processor is exactly what AutoTokenizer/AutoProcessor produce and re-read."""
+    from transformers import AutoTokenizer
+
     with tempfile.TemporaryDirectory(prefix="glimpse-demo-tok-") as staging:
         raw_tok.save(os.path.join(staging, "tokenizer.json"))
         with open(os.path.join(staging, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump(_tokenizer_config(), f, indent=2)
+            json.dump(config, f, indent=2)
         tokenizer = AutoTokenizer.from_pretrained(staging)
     # Loading records where it loaded from; keep those facts about our temp dir out of the saved config.
     for key in ("is_local", "local_files_only"):
         tokenizer.init_kwargs.pop(key, None)
-    # min 56x56 px; max 256 merged 28x28 tiles, so a large image costs at most 256 LM tokens.
-    min_pixels, max_pixels = 56 * 56, 256 * 28 * 28
-    processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(
-            min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
-        ),
-        tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(
-            min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
-        ),
-        chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)
-    # transformers 5 folds the image settings into processor_config.json; also write the classic
-    # preprocessor_config.json that published Qwen2.5-VL checkpoints carry, so code reading either works.
-    with open(out / "preprocessor_config.json", "w", encoding="utf-8") as f:
-        json.dump(_preprocessor_config(processor.image_processor), f, indent=2, sort_keys=True)
-        f.write("\n")
-
-    # Round the embedding rows up to a multiple of 64, as real checkpoints pad their vocabularies.
-    vocab_size = -(-raw_tok.get_vocab_size(with_added_tokens=True) // 64) * 64
-    config = build_config(special_ids, vocab_size)
-    torch.manual_seed(SEED)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    init_weights(model)
-    _silence_unused_outputs(model, special_ids, raw_tok.get_vocab_size(with_added_tokens=True))
-    model.generation_config = GenerationConfig(
-        bos_token_id=special_ids["<|endoftext|>"],
-        eos_token_id=[special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
-        pad_token_id=special_ids["<|endoftext|>"],
-        do_sample=False,
-    )
-    model.save_pretrained(out)
-    # safetensors writes 0600; a cache filled by one user (say, a container build) must be readable by others.
-    for written in out.iterdir():
-        written.chmod(0o644)
-    return out
+    return tokenizer
 
 
-def _default_cache_dir() -> Path:
+def _default_cache_dir(family: str) -> Path:
+    if family != "qwen2_5_vl":  # the other families live next to it, never under the env override
+        return (DEFAULT_CACHE_DIR.parent / f"demo-{family}-v{DEMO_MODEL_VERSION}").expanduser()
     env = os.environ.get(CACHE_ENV_VAR)
     return Path(env).expanduser() if env else DEFAULT_CACHE_DIR.expanduser()
 
 
-def ensure_demo_model(cache_dir: Path | None = None) -> Path:
-    """Return a directory holding the demo model, writing it there first if it is not there yet.
+def ensure_demo_model(cache_dir: Path | None = None, family: str = "qwen2_5_vl") -> Path:
+    """Return a directory holding the demo model of ``family``, writing it there first if it is not there yet.
 
-    `cache_dir` defaults to $GLIMPSE_DEMO_MODEL_DIR, else ~/.cache/glimpse/demo-model-v1. The model is
+    `cache_dir` defaults to $GLIMPSE_DEMO_MODEL_DIR, else ~/.cache/glimpse/demo-model-v1 (Qwen2.5-VL; the
+    other families: ~/.cache/glimpse/demo-FAMILY-v1). The model is
     written into a temp dir next to it and renamed into place, so a reader never sees a half-written
     checkpoint and two processes racing to create it both end up with one complete copy.
     """
-    target = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
+    target = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir(family)
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp makes it 0700, and it becomes the cache dir itself
     try:
-        write_demo_model(staging)
+        write_demo_model(staging, family)
         try:
             # rename() replaces an empty directory but fails on a populated one: a racing writer won.
             os.rename(staging, target)

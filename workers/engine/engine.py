@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -13,7 +13,7 @@ from PIL import Image
 
 from ipc.messages import EncodeItem, MMItem, SamplingParams
 from workers.detokenizer import TextStream
-from workers.engine.config import EngineConfig, ModelInfo
+from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.processor import MMProcessor, ProcessedImage
 from workers.engine.sched_core import FinishReason, SchedulerCore, Sequence as SchedSeq
@@ -58,9 +58,11 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.spec is None:  # read config.json once here, and hand the runner the parsed copy
+            config = replace(config, spec=config.model_spec())
         self.config = config
-        self.info = ModelInfo.load(config.model)
-        self.processor = MMProcessor(config.model)
+        self.info = config.model_spec()
+        self.processor = MMProcessor(config.model, self.info)
         self._pixels: dict[bytes, torch.Tensor] = {}
         self._pixel_refs: dict[bytes, int] = {}
         self.runner = ModelRunner(config, pixel_source=self._pixel_source)

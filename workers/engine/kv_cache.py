@@ -7,16 +7,21 @@ block_size + p % block_size``.
 
 Prefix caching: a *full* block whose K/V has been computed is registered under the chained hash of
 every token up to its end. A later request whose prompt starts with the same tokens shares those
-blocks (reference counted) and skips their prefill. Image spans hold pad values derived from each
-image's content hash, so two prompts share a block only if they show the same images there. Freed
+blocks (reference counted) and skips their prefill. A block's key carries the full content hash of every
+image it overlaps (see ``block_hashes``), so two prompts share a block only if they show the same images there. Freed
 blocks keep their registration until the allocator hands them out again, oldest freed first, so
 the cache costs no memory the engine could otherwise use.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+import blake3
+
+from ipc.messages import MMItem
 
 
 class OutOfBlocks(RuntimeError):
@@ -24,16 +29,38 @@ class OutOfBlocks(RuntimeError):
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, limit: int | None = None, known: list[int] | None = None
-) -> list[int]:
-    """Chained hashes of the full blocks of ``token_ids`` (at most ``limit`` of them), extending the
-    already computed ``known`` prefix of them in place when given."""
-    out: list[int] = known if known is not None else []
+    token_ids: Sequence[int],
+    block_size: int,
+    limit: int | None = None,
+    known: list[bytes] | None = None,
+    items: Sequence[MMItem] = (),
+) -> list[bytes]:
+    """Chained 128-bit keys of the full blocks of ``token_ids`` (at most ``limit`` of them), extending the
+    already computed ``known`` prefix of them in place when given.
+
+    A block's key is blake3(parent key, the block's token ids as little-endian int64, and for every image span
+    the block overlaps: the image's full 16-byte content hash and the block's first offset inside the image).
+    Image tokens hold pad values derived from 30 bits of the image hash, which an attacker can collide in
+    seconds; the key carries the whole hash, so two different images never share a block. The layout is
+    documented in README ("Prefix-cache keys") for routers that want to reproduce it.
+    """
+    out: list[bytes] = known if known is not None else []
     full = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
-    prev = out[-1] if out else 0
+    prev = out[-1] if out else b""
+    spans = sorted(items, key=lambda it: it.offset)
+    first = 0  # first span that may still overlap the current block (blocks go left to right)
     for i in range(len(out), full):
-        # Python's hash of a tuple of ints is stable within a process, which is all a cache needs.
-        prev = hash((prev, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        lo, hi = i * block_size, (i + 1) * block_size
+        h = blake3.blake3(prev)
+        h.update(array("q", token_ids[lo:hi]).tobytes())
+        while first < len(spans) and spans[first].offset + spans[first].length <= lo:
+            first += 1
+        for span in spans[first:]:
+            if span.offset >= hi:
+                break
+            h.update(span.hash)
+            h.update(max(0, lo - span.offset).to_bytes(8, "little"))
+        prev = h.digest(16)
         out.append(prev)
     return out
 
@@ -48,8 +75,8 @@ class BlockAllocator:
         self.block_size = block_size
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
         self._refs = [0] * num_blocks
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
         self.prefix_hit_tokens = 0
 
     @property
@@ -94,7 +121,7 @@ class BlockAllocator:
                 self._free[block] = None
 
     # ---- prefix caching -------------------------------------------------------------------------
-    def match(self, hashes: list[int]) -> list[int]:
+    def match(self, hashes: list[bytes]) -> list[int]:
         """Blocks holding the longest cached prefix of ``hashes`` (no side effects)."""
         blocks = []
         for digest in hashes:
@@ -116,7 +143,7 @@ class BlockAllocator:
             self._refs[block] += 1
         self.prefix_hit_tokens += len(blocks) * self.block_size
 
-    def register(self, block: int, digest: int) -> None:
+    def register(self, block: int, digest: bytes) -> None:
         """Publish a full, computed block under its prefix hash (first writer wins)."""
         if digest not in self._by_hash and block not in self._hash_of:
             self._by_hash[digest] = block

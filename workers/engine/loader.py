@@ -42,16 +42,30 @@ def normalize_name(name: str) -> str:
     return name
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that cannot be read as a whole (missing or truncated shard, bad index)."""
+
+
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     """The checkpoint's safetensors files: those named by ``model.safetensors.index.json`` if present."""
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
     if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [root / f for f in sorted(set(weight_map.values()))]
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from None
+        files = [root / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{root}: {len(missing)} of {len(files)} shards named in model.safetensors.index.json are "
+                f"missing: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+            )
+        return files
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {root}")
+        raise CheckpointError(f"no *.safetensors files in {root}")
     return files
 
 
@@ -61,13 +75,38 @@ def iter_safetensors(
     """Yield ``(name, cpu_tensor)`` for every tensor in the checkpoint, as stored (names not normalized).
 
     ``name_filter`` is applied to the stored name before the tensor is read, so skipped tensors
-    cost no I/O (e.g. the LM loader never reads ``visual.*``).
+    cost no I/O.
     """
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                if name_filter is None or name_filter(name):
-                    yield name, f.get_tensor(name)
+    yield from iter_checkpoint(model_dir, name_filter=name_filter)
+
+
+def iter_checkpoint(
+    model_dir: str | Path, name_filter: Callable[[str], bool] | None = None, show_progress: bool = False
+) -> Iterator[tuple[str, Tensor]]:
+    """``iter_safetensors`` with a progress bar over the shards (on a terminal, or when asked) and one clear
+    ``CheckpointError`` line for a shard that cannot be read (truncated, corrupt) instead of a traceback."""
+    files = safetensors_files(model_dir)
+    bar = None
+    if show_progress and len(files) > 1:
+        from tqdm import tqdm  # transformers' own dependency; only for the bar
+
+        bar = tqdm(total=len(files), desc="loading safetensors shards", unit="shard", leave=False)
+    try:
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                        if name_filter is None or name_filter(name):
+                            yield name, f.get_tensor(name)
+            except CheckpointError:
+                raise
+            except Exception as exc:  # safetensors raises its own error types for short or corrupt files
+                raise CheckpointError(f"cannot read shard {path}: {exc} (truncated or corrupt download?)") from None
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def is_norm_param(name: str) -> bool:

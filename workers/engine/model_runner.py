@@ -7,22 +7,20 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ipc.messages import EncodeItem, EncodeJob, MMItem, NewSeq, SamplingParams, StepPlan, StepResult
 from workers.engine import fused
 from workers.engine.attention import AttentionMetadata, build_attention_metadata
-from workers.engine.config import EngineConfig, ModelInfo
+from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from workers.engine.kv_cache import slot_mapping
 from workers.engine.layers import TPGroup
 from workers.engine.mm_cache import EmbeddingStore
-from workers.engine.mrope import mrope_positions
-from workers.engine.qwen2_5_vl import TextSpec, load_language_model
+from workers.engine.models import family as family_package
+from workers.engine.models.base import load_model
 from workers.engine.sampler import Sampler
-from workers.engine.vision import VisionSpec, load_vision
 
 log = logging.getLogger("glimpse.model")
 
@@ -57,38 +55,33 @@ class ModelRunner:
         self.tp = tp or TPGroup()
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype()
-        self.info = ModelInfo.load(cfg.model)
-        self.merge = self.info.spatial_merge_size
+        self.spec = cfg.model_spec()
+        self.family = family_package(self.spec.family)
+        self.merge = self.spec.spatial_merge_size
         self.pixel_source = pixel_source
-        model_dir = Path(cfg.model)
-        self.lm = load_language_model(
-            model_dir,
-            TextSpec.from_hf_config(self.info.raw),
-            dtype=self.dtype,
-            device=self.device,
-            tp=self.tp,
-            load_format=cfg.load_format,
-            attn_backend=cfg.attn_backend,
-        )
-        self.vision = load_vision(
-            model_dir,
-            VisionSpec.from_hf_config(self.info.raw),
-            dtype=self.dtype,
-            device=self.device,
-            load_format=cfg.load_format,
-            attn_backend=cfg.attn_backend,
+        built = self.family.build(self.spec, self.tp, self.dtype, self.device, cfg.attn_backend)
+        self.model = load_model(built, cfg.model, load_format=cfg.load_format, rank=self.tp.rank)
+        self.lm, self.vision = self.model.lm, self.model.vision
+        log.info(
+            "%s ready: %d layers, tp %d/%d, %s on %s",
+            self.spec.architecture,
+            self.spec.num_layers,
+            self.tp.rank,
+            self.tp.size,
+            self.dtype,
+            self.device,
         )
         self.store = self._embedding_store()  # before the KV cache takes its share of what is free
         self.num_blocks = self._num_kv_blocks()
         # One block more than the scheduler is told about: block ``num_blocks`` is scratch that CUDA-graph
         # padding rows write to and read from, so they never touch a live sequence's cache.
-        shape = self.lm.kv_cache_shape(self.num_blocks + 1, cfg.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.info.num_layers)]
+        shape = self.model.kv_cache_shape(self.num_blocks + 1, cfg.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         if cfg.fused_kernels and self.device.type == "cuda":
             self._warm_fused()  # before any graph capture: a capture must never be a kernel's first launch
         self.graphs: DecodeGraphs | None = None
         if graphs_wanted(self.device, self.tp):
-            max_len = cfg.max_model_len or self.info.max_position_embeddings
+            max_len = cfg.max_model_len or self.spec.max_position_embeddings
             max_blocks = -(-max_len // cfg.block_size)
             self.graphs = DecodeGraphs(self.lm, self.kv_caches, cfg.block_size, self.num_blocks, max_blocks)
         self.sampler = Sampler(self.device, cfg.seed)
@@ -117,17 +110,17 @@ class ModelRunner:
     def _run_every_fused_site(self) -> None:
         # Three sizes per site: the first compiles static shapes, the second makes the row count symbolic,
         # and 1 (a lone decode) is specialised apart (fused.py).
-        row = self.vision.patch_embed.proj.weight[0].numel()
+        row = self.spec.patch_dim
         m = self.merge
         for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)):
-            self.vision(torch.zeros(_patches(grid), row, dtype=self.dtype, device=self.device), [grid])
-        hidden, bs = self.lm.embed_tokens.weight.shape[-1], self.cfg.block_size
+            self.model.encode(torch.zeros(_patches(grid), row, dtype=self.dtype, device=self.device), [grid])
+        hidden, bs = self.spec.hidden_size, self.cfg.block_size
         for query, seq in ((2, 2), (3, 5), (1, 6)):
             scratch = [self.num_blocks] * -(-seq // bs)  # the spare block (see __init__): nothing live in it
             meta = build_attention_metadata([query], [seq], [scratch], bs, self.device)
             embeds = torch.zeros(query, hidden, dtype=self.dtype, device=self.device)
             positions = torch.arange(seq - query, seq, device=self.device).expand(3, -1)
-            self.lm(embeds, positions, self.kv_caches, meta)
+            self.model(embeds, positions, self.kv_caches, meta)
 
     def _embedding_store(self) -> EmbeddingStore:
         """On CUDA the embedding cache's whole budget is reserved now (see EmbeddingStore); on the CPU its
@@ -135,14 +128,13 @@ class ModelRunner:
         cfg = self.cfg
         if self.device.type != "cuda" or cfg.mm_cache_mode != "image" or cfg.mm_cache_mb <= 0:
             return EmbeddingStore()
-        hidden = self.lm.embed_tokens.weight.shape[-1]
-        return EmbeddingStore(int(cfg.mm_cache_mb * 2**20), hidden, self.dtype, self.device)
+        return EmbeddingStore(int(cfg.mm_cache_mb * 2**20), self.spec.embed_width, self.dtype, self.device)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.cfg
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = self.info.kv_bytes_per_block(cfg.block_size, self.dtype, self.tp.size)
+        per_block = self.spec.kv_bytes_per_block(cfg.block_size, self.dtype, self.tp.size)
         if cfg.kv_cache_mb is not None:
             budget = cfg.kv_cache_mb << 20
         elif self.device.type == "cuda":
@@ -182,7 +174,7 @@ class ModelRunner:
         self.seqs[new.rid] = WorkerSeq(
             new.rid,
             list(new.input_ids),
-            mrope_positions(len(new.input_ids), [(it.offset, it.length, it.grid) for it in new.items], self.merge)[0],
+            self.family.positions(len(new.input_ids), [(it.offset, it.length, it.grid) for it in new.items], self.merge)[0],
             new.mrope_delta,
             new.items,
             new.sampling,
@@ -206,13 +198,13 @@ class ModelRunner:
         items = list(unique.values())
         shares = split_by_patches([_patches(item.grid) for item in items], self.tp.size)
         mine = [items[i] for i in shares[self.tp.rank]]
-        hidden = self.lm.embed_tokens.weight.shape[-1]
+        hidden = self.spec.embed_width  # main embedding and DeepStack levels side by side
         outs: list[torch.Tensor] = []
         for group in group_by_patches(mine, self.cfg.vit_max_patches):
             pixels = [self.pixel_source(item) for item in group]
             self.counters.pixel_reads += len(group)
             batch = to_device(pixels, self.device).to(self.dtype)
-            outs.append(self.vision(batch, [item.grid for item in group]))
+            outs.append(self.model.encode(batch, [item.grid for item in group]))
             self.counters.vit_calls += 1
             self.counters.images_encoded += len(group)
         if len(outs) == 1:
@@ -275,7 +267,7 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
         # Image spans hold pad values above the vocabulary; their embeddings are replaced below.
-        top = self.info.vocab_size - 1
+        top = self.spec.vocab_size - 1
         ids = [min(i, top) for i in ids]
         hidden: torch.Tensor | None = None
         if self.graphs is not None and not splices and len(ids) == len(plan.chunks) == len(sample_rows):
@@ -289,7 +281,7 @@ class ModelRunner:
             hidden = self._eager_forward(ids, pos, slots, query_lens, seq_lens, tables, splices, sample_rows)
         if hidden.shape[0] == 0:
             return []
-        logits = self.lm.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
         if self.tp.rank != 0:
             return []
         tokens = self.sampler.sample(logits, [s.rid for s in sample_seqs], [s.sampling for s in sample_seqs])
@@ -308,18 +300,19 @@ class ModelRunner:
     ) -> torch.Tensor:
         """LM forward over the flattened step; returns the final hidden states of ``sample_rows``."""
         n, width = len(ids), max(len(t) for t in tables)
-        # All index data in two copies (one per dtype) rather than seven, none of them blocking.
-        longs = torch.tensor([*ids, *pos[0], *pos[1], *pos[2], *slots, *sample_rows])
+        mm_rows = [row for dst, _, _, count in splices for row in range(dst, dst + count)]
+        # All index data in two copies (one per dtype) rather than eight, none of them blocking.
+        longs = torch.tensor([*ids, *pos[0], *pos[1], *pos[2], *slots, *sample_rows, *mm_rows])
         longs = to_device([longs], self.device)
         ints = [0, *_cumsum(query_lens), *seq_lens]
         for table in tables:
             ints += [*table, *[0] * (width - len(table))]
         int32 = to_device([torch.tensor(ints, dtype=torch.int32)], self.device)
-        input_ids, positions, slot_mapping, rows = longs.split([n, 3 * n, n, len(sample_rows)])
+        input_ids, positions, slot_mapping, rows, mm_index = longs.split([n, 3 * n, n, len(sample_rows), len(mm_rows)])
         starts, lens, table_rows = int32.split([len(tables) + 1, len(tables), len(tables) * width])
-        embeds = self.lm.embed_tokens(input_ids)
-        for dst, key, first, count in splices:
-            embeds[dst : dst + count] = self.store.rows(key, first, count).to(embeds.dtype)
+        embeds = self.model.embed(input_ids)
+        parts = [self.store.rows(key, first, count) for _, key, first, count in splices]
+        mm_embeds = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
         meta = AttentionMetadata(
             query_start_loc=starts,
             seq_lens=lens,
@@ -330,7 +323,7 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        hidden = self.lm(embeds, positions.view(3, n), self.kv_caches, meta)
+        hidden = self.model(embeds, positions.view(3, n), self.kv_caches, meta, mm_rows=mm_index, mm_embeds=mm_embeds)
         return hidden[rows]
 
 

@@ -43,3 +43,15 @@ def mrope_positions(
         row.extend(tail)
     pos += num_tokens - cursor
     return rows, pos - num_tokens
+
+
+def mrope_delta(num_tokens: int, spans: Sequence[tuple[int, int, tuple[int, int, int]]], merge: int) -> int:
+    """``mrope_positions``' delta alone, in O(images): a text token advances one position, an image's span
+    advances max(t, h, w) of its merged grid."""
+    pos = cursor = 0
+    for offset, length, (t, h, w) in spans:
+        if offset < cursor:
+            raise ValueError("image spans overlap or are not sorted")
+        pos += offset - cursor + max(t, h // merge, w // merge)
+        cursor = offset + length
+    return pos + num_tokens - cursor - num_tokens

@@ -1,5 +1,5 @@
-"""Prompt building for Qwen2.5-VL: chat template, image processing, content hashing, placeholder
-expansion and M-RoPE positions. Runs where the tokenizer runs (a tokenizer process when serving,
+"""Prompt building for the Qwen-style VLM families: chat template, image processing, content hashing and
+placeholder expansion (M-RoPE positions are left to the model workers, which derive them from the spans). Runs where the tokenizer runs (a tokenizer process when serving,
 the caller's process for the offline Engine), never on an event loop.
 """
 
@@ -9,15 +9,15 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import blake3
 import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from workers.engine.config import ModelInfo
-from workers.engine.mrope import mrope_positions
+from workers.engine.models import family as family_package, load_spec
+from workers.engine.models.base import ModelSpec
 
 # Pad values live above any real vocabulary, so an image span can never look like text, and two
 # different images never look like the same prefix. They fit in int32.
@@ -36,6 +36,25 @@ class ProcessedImage:
     pixel_values: torch.Tensor  # [t * h * w, channels * temporal_patch * patch**2] float32
 
 
+class ImageMeta(Protocol):
+    """What a prompt needs to know of an image: no pixels (a tokenizer builds prompts before, or without,
+    processing an image whose segment it reuses)."""
+
+    @property
+    def hash(self) -> bytes: ...
+    @property
+    def grid(self) -> tuple[int, int, int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    hash: bytes
+    grid: tuple[int, int, int]
+    num_tokens: int
+
+
 @dataclass(frozen=True)
 class ImageSpan:
     hash: bytes
@@ -47,16 +66,16 @@ class ImageSpan:
 @dataclass(frozen=True)
 class Prompt:
     input_ids: list[int]  # image spans hold hash-derived pad values
-    positions: list[list[int]]
-    mrope_delta: int
+    mrope_delta: int  # a decoded token at index p sits at position p + mrope_delta on every row
     spans: list[ImageSpan]
 
 
 class MMProcessor:
     """Tokenizer + image processor of one checkpoint."""
 
-    def __init__(self, model_dir: str | Path) -> None:
-        self.info = ModelInfo.load(model_dir)
+    def __init__(self, model_dir: str | Path, spec: ModelSpec | None = None) -> None:
+        self.info = spec or load_spec(model_dir)
+        self.family = family_package(self.info.family)
         self.hf = AutoProcessor.from_pretrained(str(model_dir))
         self.tokenizer = self.hf.tokenizer
         self.image_processor = self.hf.image_processor
@@ -95,7 +114,7 @@ class MMProcessor:
         return ProcessedImage(
             hash=image_hash if image_hash is not None else self.hash_image(rgb),
             grid=(t, h, w),
-            num_tokens=t * h * w // (self.merge * self.merge),
+            num_tokens=self.tokens_for_grid((t, h, w)),
             pixel_values=pixels,
         )
 
@@ -119,8 +138,12 @@ class MMProcessor:
         text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
         return str(text)
 
-    def build(self, text: str, images: Sequence[ProcessedImage]) -> Prompt:
-        """Tokenize ``text`` (one image placeholder per image), expand placeholders, compute positions."""
+    def tokens_for_grid(self, grid: tuple[int, int, int]) -> int:
+        t, h, w = grid
+        return t * h * w // (self.merge * self.merge)
+
+    def build(self, text: str, images: Sequence[ImageMeta]) -> Prompt:
+        """Tokenize ``text`` (one image placeholder per image) and expand each placeholder into the image's span."""
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         slots = [i for i, tok in enumerate(ids) if tok == self.info.image_token_id]
         if len(slots) != len(images):
@@ -134,10 +157,8 @@ class MMProcessor:
             input_ids.extend([pad_value(image.hash)] * image.num_tokens)
             cursor = slot + 1
         input_ids.extend(ids[cursor:])
-        positions, delta = mrope_positions(
-            len(input_ids), [(s.offset, s.length, s.grid) for s in spans], self.merge
-        )
-        return Prompt(input_ids, positions, delta, spans)
+        delta = self.family.delta(len(input_ids), [(s.offset, s.length, s.grid) for s in spans], self.merge)
+        return Prompt(input_ids, delta, spans)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))

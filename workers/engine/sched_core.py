@@ -46,7 +46,7 @@ class Sequence:
     sent_tokens: int = 0  # prefix of all tokens the worker knows
     announced: bool = False
     finish_reason: FinishReason | None = None
-    block_hashes: list[int] = field(default_factory=list)  # prefix hashes of full blocks, computed lazily
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix keys of full blocks, computed lazily
     registered: int = 0  # leading blocks published to the prefix cache
 
     @property
@@ -204,7 +204,7 @@ class SchedulerCore:
         bs = self.allocator.block_size
         # Leave at least the last token to compute: its logits give the first sampled token.
         limit = (seq.total_len - 1) // bs
-        return self.allocator.match(block_hashes(seq.all_token_ids(), bs, limit, seq.block_hashes))
+        return self.allocator.match(block_hashes(seq.all_token_ids(), bs, limit, seq.block_hashes, seq.items))
 
     def _register_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full blocks to the prefix cache."""
@@ -212,7 +212,7 @@ class SchedulerCore:
         full = min(seq.num_computed // bs, len(seq.block_table))
         if not self.prefix_caching or full <= seq.registered:
             return
-        hashes = block_hashes(seq.all_token_ids(), bs, full, seq.block_hashes)
+        hashes = block_hashes(seq.all_token_ids(), bs, full, seq.block_hashes, seq.items)
         for i in range(seq.registered, full):
             self.allocator.register(seq.block_table[i], hashes[i])
         seq.registered = full
@@ -272,7 +272,10 @@ class SchedulerCore:
     def _announce(self, seq: Sequence) -> NewSeq:
         seq.announced = True
         seq.sent_tokens = seq.total_len  # NewSeq carries every token so far
-        return NewSeq(seq.rid, seq.all_token_ids(), seq.mrope_delta, seq.items, seq.sampling, seq.mm_key)
+        # Items without their shm pointers: a worker needs a pointer only in the step that encodes the image,
+        # and there the EncodeItem carries it, so each pointer crosses the link once per encode.
+        items = [MMItem(it.hash, it.offset, it.length, it.grid) for it in seq.items]
+        return NewSeq(seq.rid, seq.all_token_ids(), seq.mrope_delta, items, seq.sampling, seq.mm_key)
 
     def _keys_for_chunk(self, seq: Sequence, start: int, end: int) -> list[tuple[bytes, list[MMItem]]]:
         """Embedding-cache keys the chunk [start, end) reads: only images whose span overlaps it."""

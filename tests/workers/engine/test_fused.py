@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from workers.engine import fused
 from workers.engine.layers import RMSNorm
-from workers.engine.qwen2_5_vl import apply_rope, rope_tables
+from workers.engine.models.qwen2_5_vl.lm import apply_rope, rope_tables
 from workers.engine.vision_attention import _rope
 from workers.engine.vision_mlp import VisionMLP
 

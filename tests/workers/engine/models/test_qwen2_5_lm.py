@@ -25,7 +25,7 @@ from workers.engine.layers import (
     get_weight_loader,
 )
 from workers.engine.loader import normalize_name
-from workers.engine.qwen2_5_vl import Qwen2_5_VLLanguageModel, TextSpec, load_language_model
+from workers.engine.models.qwen2_5_vl.lm import Qwen2_5_VLLanguageModel, TextSpec, load_language_model
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

@@ -277,11 +277,14 @@ class Qwen2_5_VLLanguageModel(nn.Module):
         kv_caches: list[Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend | None = None,
+        deepstack: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """inputs_embeds [T, H], positions int64 [3, T] (t/h/w rows) -> final-norm hidden states [T, H].
 
         ``backend`` overrides the model's attention backend for this call (CUDA-graph decode uses a
-        fixed-shape one)."""
+        fixed-shape one). Qwen2.5-VL has no DeepStack: its image entries are the main embeddings alone."""
+        if deepstack is not None:
+            raise ValueError("Qwen2.5-VL takes no DeepStack features")
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         backend = backend or self.attention_backend(inputs_embeds.device)
@@ -346,6 +349,20 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def build_language_model(
+    spec: TextSpec,
+    *,
+    tp: TPGroup = SINGLE_RANK,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attn_backend: str = "auto",
+) -> Qwen2_5_VLLanguageModel:
+    """The LM allocated on ``device`` in ``dtype`` (weights not loaded: see models.base.load_model)."""
+    with _default_dtype(dtype), torch.device(device):
+        model = Qwen2_5_VLLanguageModel(spec, tp, attn_backend)
+    return model.eval()
+
+
 def load_language_model(
     model_dir: str | Path,
     spec: TextSpec,
@@ -357,10 +374,10 @@ def load_language_model(
     attn_backend: str = "auto",
     seed: int = 0,
 ) -> Qwen2_5_VLLanguageModel:
-    """Build the LM on ``device`` in ``dtype`` and fill it: from the checkpoint's safetensors (this
-    rank's shards only) or, with ``load_format="dummy"``, with deterministic random weights."""
-    with _default_dtype(dtype), torch.device(device):
-        model = Qwen2_5_VLLanguageModel(spec, tp, attn_backend)
+    """The LM alone, filled from the checkpoint (this rank's shards only) or, with ``load_format="dummy"``,
+    with deterministic random weights. For tests and benchmarks of the LM by itself; serving goes through
+    the family's ``build`` and ``load_model``."""
+    model = build_language_model(spec, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
     if load_format == "dummy":
         fill_dummy_weights(model, seed=seed + tp.rank)
     elif load_format == "auto":
@@ -368,15 +385,4 @@ def load_language_model(
         model.load_weights((normalize_name(n), t) for n, t in weights)
     else:
         raise ValueError(f"unknown load_format {load_format!r}")
-    log.info(
-        "language model ready: %d layers, tp %d/%d, %s on %s",
-        spec.num_hidden_layers,
-        tp.rank,
-        tp.size,
-        dtype,
-        device,
-    )
-    return model.eval()
-
-
-load_lm = load_language_model  # the name docs/CONTRACTS.md uses
+    return model

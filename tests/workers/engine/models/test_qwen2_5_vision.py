@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.vision import VisionSpec, VisionTower, load_vision
+from workers.engine.models.qwen2_5_vl.vision import VisionSpec, VisionTower, load_vision
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,10 +10,9 @@ checkpoint loads by stripping ``model.visual.`` / ``visual.``), but built for se
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from itertools import accumulate
 from pathlib import Path
@@ -21,10 +20,10 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from workers.engine.layers import RMSNorm  # transformers' op order (fp32 normalize, cast, scale)
+from workers.engine.loader import iter_safetensors
 from workers.engine.vision_attention import Segments, VisionAttention, varlen_available
 from workers.engine.vision_mlp import VisionMLP
 
@@ -257,22 +256,40 @@ class VisionTower(nn.Module):
             x, delta = block(x, delta, frames if i in self._full else windows, cos, sin, flash)
         return self.merger(x, delta)[reverse_index]
 
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Copy tensors named relative to the tower (``blocks.0.attn.qkv.weight``) into its parameters; raises
+        naming the tensors that fit no parameter and the parameters left without a tensor."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None or param.shape != tensor.shape:
+                raise ValueError(f"vision weight {name} {tuple(tensor.shape)} fits no parameter")
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise KeyError(f"vision weights missing from the checkpoint: {missing[:8]}")
+        return loaded
 
-def _visual_tensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, Tensor]]:
-    """Yield (name without the visual prefix, tensor) from a single-file or sharded safetensors checkpoint."""
-    prefixes = ("model.visual.", "visual.")
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    for name in files:
-        with safe_open(str(model_dir / name), framework="pt", device=str(device)) as f:
-            for key in f.keys():  # safe_open handles are not iterable
-                prefix = next((p for p in prefixes if key.startswith(p)), None)
-                if prefix is not None:
-                    yield key[len(prefix) :], f.get_tensor(key)
+    def after_load(self) -> None:
+        """GPU weight layout (see vision_mlp); the CPU keeps transformers' exact GEMMs."""
+        if self.patch_embed.proj.weight.device.type == "cuda":
+            for module in self.modules():
+                if isinstance(module, VisionMLP):
+                    module.pack()
+
+
+def build_vision(
+    spec: VisionSpec, *, dtype: torch.dtype, device: torch.device | str, attn_backend: AttnBackend = "auto"
+) -> VisionTower:
+    """The tower allocated on ``device`` in ``dtype``, weights not loaded (models.base.load_model fills it)."""
+    device = torch.device(device)
+    with torch.device("meta"):  # no throwaway host init: the real storage is allocated once, on the target
+        tower = VisionTower(spec, attn_backend=attn_backend).to(dtype=dtype)
+    tower.to_empty(device=device)
+    return tower.eval()
 
 
 def load_vision(
@@ -284,33 +301,22 @@ def load_vision(
     load_format: Literal["auto", "dummy"] = "auto",
     attn_backend: AttnBackend = "auto",
 ) -> VisionTower:
-    """Build the tower on ``device`` in ``dtype``, with checkpoint weights (``auto``) or deterministic random
-    ones (``dummy``: linear/conv weights ~ N(0, 0.02) from seed 0, biases 0, norms 1; config alone, no files)."""
-    device = torch.device(device)
-    with torch.device("meta"):  # no throwaway host init: the real storage is allocated once, on the target
-        tower = VisionTower(spec, attn_backend=attn_backend).to(dtype=dtype)
-    tower.to_empty(device=device)
+    """The tower alone, with checkpoint weights (``auto``) or deterministic random ones (``dummy``: linear/conv
+    weights ~ N(0, 0.02) from seed 0, biases 0, norms 1; config alone, no files). For tests and benchmarks of
+    the tower by itself; serving goes through the family's ``build`` and ``load_model``."""
+    tower = build_vision(spec, dtype=dtype, device=device, attn_backend=attn_backend)
     params = dict(tower.named_parameters())
-    with torch.no_grad():
-        if load_format == "dummy":
-            gen = torch.Generator(device=device).manual_seed(0)
+    if load_format == "dummy":
+        with torch.no_grad():
+            gen = torch.Generator(device=tower.patch_embed.proj.weight.device).manual_seed(0)
             for name, p in params.items():
                 if p.ndim > 1:
                     p.normal_(0.0, 0.02, generator=gen)
                 else:  # biases 0, norm scales 1
                     p.fill_(0.0 if name.endswith("bias") else 1.0)
-        else:
-            missing = set(params)
-            for name, tensor in _visual_tensors(Path(model_dir), device):
-                param = params.get(name)
-                if param is None or param.shape != tensor.shape:
-                    raise ValueError(f"{model_dir}: vision weight {name} {tuple(tensor.shape)} fits no parameter")
-                param.copy_(tensor)
-                missing.discard(name)
-            if missing:
-                raise KeyError(f"vision weights missing from {model_dir}: {sorted(missing)[:8]}")
-    if device.type == "cuda":  # GPU weight layout (see vision_mlp); the CPU keeps transformers' exact GEMMs
-        for module in tower.modules():
-            if isinstance(module, VisionMLP):
-                module.pack()
-    return tower.eval()
+    else:
+        prefixes = ("model.visual.", "visual.")
+        weights = iter_safetensors(model_dir, name_filter=lambda n: n.startswith(prefixes))
+        tower.load_weights((n.split("visual.", 1)[1], t) for n, t in weights)
+    tower.after_load()
+    return tower

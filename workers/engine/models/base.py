@@ -1,0 +1,249 @@
+"""The model seam: what a family package provides and the one interface the runner, CUDA graphs, TP,
+scheduler and caches see.
+
+A family package (``workers/engine/models/<family>/``) exports ``FAMILY``, a ``ModelFamily``:
+- ``parse(config_json, model_dir) -> ModelSpec``: every fact the other processes need, read once (in the
+  launcher, or by the offline Engine) and shipped down frozen inside ``EngineConfig``;
+- ``build(spec, tp, dtype, device, attn_backend) -> VLModel``: the modules, allocated on the device in the
+  dtype, weights not yet loaded (``load_model`` below fills them: one safetensors walk for both towers);
+- ``positions`` / ``delta``: its M-RoPE variant (3 x T rows and the decode delta of a prompt with image
+  spans; tokenizers need only the delta, model workers derive the rows themselves);
+- ``write_demo(path)``: a tiny deterministic checkpoint of the family, for tests and ``glimpse serve``.
+
+The runner only calls ``VLModel``'s methods: ``embed``, ``encode``, ``forward``, ``compute_logits``,
+``kv_cache_shape``; the per-image embedding width (``ModelSpec.embed_width``) sizes the embedding cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from workers.engine.attention import AttentionBackend, AttentionMetadata
+from workers.engine.layers import TPGroup
+from workers.engine.loader import fill_dummy_weights, iter_checkpoint, normalize_name
+
+log = logging.getLogger("glimpse.model")
+
+Grid = tuple[int, int, int]
+# (offset, length, (t, h, w) in patches) of each image span of a prompt, sorted by offset.
+Span = tuple[int, int, Grid]
+PositionsFn = Callable[[int, Sequence[Span], int], tuple[list[list[int]], int]]
+DeltaFn = Callable[[int, Sequence[Span], int], int]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every process needs to know about a checkpoint: family-agnostic facts plus the family's own
+    frozen text and vision specs (opaque to everything outside the family package)."""
+
+    family: str
+    architecture: str
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    spatial_merge_size: int
+    patch_dim: int  # width of one pixel_values row (channels * temporal_patch * patch**2)
+    embed_width: int  # columns of one image token's entry in the embedding cache (main + DeepStack levels)
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    text: Any  # the family's frozen text-model spec
+    vision: Any  # the family's frozen vision-tower spec
+
+    def tokens_for_grid(self, grid: Sequence[int]) -> int:
+        """LM tokens of one image with this (t, h, w) patch grid."""
+        t, h, w = grid
+        return t * h * w // (self.spatial_merge_size**2)
+
+    def embedding_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one image token takes in the embedding cache (every DeepStack level included)."""
+        return self.embed_width * torch.empty((), dtype=dtype).element_size()
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+        kv_heads = max(1, self.num_kv_heads // tp_size)
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * kv_heads * self.head_dim * element
+
+
+class LanguageModel(Protocol):
+    """The decoder a family provides (an nn.Module)."""
+
+    embed_tokens: nn.Module
+
+    def __call__(
+        self,
+        inputs_embeds: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend | None = None,
+        deepstack: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor: ...
+
+    def compute_logits(self, hidden: Tensor) -> Tensor: ...
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]: ...
+
+
+class VisionModel(Protocol):
+    def __call__(self, pixel_values: Tensor, grids: Sequence[Sequence[int]]) -> Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]: ...
+
+
+class VLModel(nn.Module):
+    """A family's language model and vision tower behind the runner's interface."""
+
+    def __init__(self, spec: ModelSpec, lm: nn.Module, vision: nn.Module) -> None:
+        super().__init__()
+        self.spec = spec
+        # Typed loosely: each family's modules follow LanguageModel / VisionModel above, structurally.
+        self.lm: Any = lm
+        self.vision: Any = vision
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        out: Tensor = self.lm.embed_tokens(input_ids)
+        return out
+
+    def encode(self, pixel_values: Tensor, grids: Sequence[Grid]) -> Tensor:
+        """Pixels of several images -> [tokens, embed_width]: each image token's main embedding, then its
+        DeepStack levels (if the family has them), so one cache entry holds every level of an image."""
+        out: Tensor = self.vision(pixel_values, grids)
+        return out
+
+    def forward(
+        self,
+        inputs_embeds: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend | None = None,
+        mm_rows: Tensor | None = None,
+        mm_embeds: Tensor | None = None,
+    ) -> Tensor:
+        """One LM forward over a flattened batch. ``mm_rows`` (int64 [N]) are the batch rows of image tokens
+        and ``mm_embeds`` ([N, embed_width]) their cache rows: the main part replaces the token embeddings,
+        the rest goes to the LM as DeepStack features."""
+        deepstack = None
+        if mm_rows is not None and mm_embeds is not None and mm_rows.numel():
+            hidden = self.spec.hidden_size
+            inputs_embeds[mm_rows] = mm_embeds[:, :hidden].to(inputs_embeds.dtype)
+            if mm_embeds.shape[1] > hidden:
+                deepstack = (mm_rows, mm_embeds[:, hidden:].to(inputs_embeds.dtype))
+        out: Tensor = self.lm(inputs_embeds, positions, kv_caches, meta, backend, deepstack)
+        return out
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        out: Tensor = self.lm.compute_logits(hidden)
+        return out
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        shape: tuple[int, ...] = self.lm.kv_cache_shape(num_blocks, block_size)
+        return shape
+
+    def after_load(self) -> None:
+        """Let each part re-lay its weights for the device once they are in (e.g. packed GPU layouts)."""
+        for part in (self.lm, self.vision):
+            hook = getattr(part, "after_load", None)
+            if hook is not None:
+                hook()
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # the package name under workers/engine/models/
+    parse: Callable[[dict[str, Any], Path], ModelSpec]
+    build: Callable[[ModelSpec, TPGroup, torch.dtype, torch.device, str], VLModel]
+    positions: PositionsFn  # 3 x T position rows and the decode delta (model workers)
+    delta: DeltaFn  # the decode delta alone, without building the rows (tokenizers)
+    write_demo: Callable[[Path, str], Path]  # (existing directory, demo variant) -> that directory
+    description: str = ""
+
+
+def text_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields: transformers 5 nests them under ``text_config``, original Qwen
+    checkpoints keep them at the top level."""
+    return {**cfg, **(cfg.get("text_config") or {})}
+
+
+def common_fields(cfg: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    """The ModelSpec fields every Qwen-style VLM spells the same way: special token ids, stop ids, architecture."""
+    text = text_fields(cfg)
+    eos: list[int] = []
+    gen_path = model_dir / "generation_config.json"
+    for source in (json.loads(gen_path.read_text()) if gen_path.exists() else {}, text, cfg):
+        value = source.get("eos_token_id")
+        if value is not None:
+            eos = [value] if isinstance(value, int) else list(value)
+            break
+
+    def token(name: str, default: int) -> int:
+        return int(cfg.get(name, text.get(name, default)))
+
+    return {
+        "architecture": (cfg.get("architectures") or ["?"])[0],
+        "image_token_id": token("image_token_id", 151655),
+        "video_token_id": token("video_token_id", 151656),
+        "vision_start_token_id": token("vision_start_token_id", 151652),
+        "eos_token_ids": tuple(int(t) for t in eos),
+    }
+
+
+def load_model(
+    model: VLModel,
+    model_dir: str | Path,
+    *,
+    load_format: str = "auto",
+    seed: int = 0,
+    rank: int = 0,
+) -> VLModel:
+    """Fill ``model`` from the checkpoint in one walk over its safetensors shards (``lm.*`` tensors to the
+    language model, ``visual.*`` to the vision tower), or with deterministic random weights (``dummy``)."""
+    started = time.perf_counter()
+    if load_format == "dummy":
+        fill_dummy_weights(model.lm, seed=seed + rank)  # LM shards differ per rank
+        fill_dummy_weights(model.vision, seed=seed)  # the ViT is replicated: every rank the same weights
+    elif load_format == "auto":
+        # One walk over the shards: language-model tensors stream straight into their (sharded) parameters,
+        # so host memory holds one tensor at a time even for a 235B checkpoint; the vision tower's tensors
+        # (a few GB at most) are kept aside and loaded once the walk is done.
+        vision_weights: list[tuple[str, Tensor]] = []
+        nbytes = 0
+
+        def lm_weights() -> Iterator[tuple[str, Tensor]]:
+            nonlocal nbytes
+            for name, tensor in iter_checkpoint(model_dir, show_progress=rank == 0):
+                canonical = normalize_name(name)
+                nbytes += tensor.numel() * tensor.element_size()
+                if canonical.startswith("lm."):
+                    yield canonical, tensor
+                elif canonical.startswith("visual."):
+                    vision_weights.append((canonical[len("visual.") :], tensor))
+                # Anything else (e.g. a multi-token-prediction head) is not part of serving.
+
+        model.lm.load_weights(lm_weights())
+        model.vision.load_weights(vision_weights)
+        if rank == 0:
+            log.info(
+                "loaded %.2f GB of weights from %s in %.1f s", nbytes / 1e9, model_dir, time.perf_counter() - started
+            )
+    else:
+        raise ValueError(f"unknown load_format {load_format!r}")
+    model.after_load()
+    return model.eval()
+

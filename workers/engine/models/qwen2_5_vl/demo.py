@@ -1,0 +1,162 @@
+"""The Qwen2.5-VL demo checkpoint: Qwen2.5-VL's architecture at toy sizes (shared pieces in
+workers/engine/demo_model.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from workers.engine.demo_model import (
+    LINEAR_STD,
+    SEED,
+    SPECIAL_TOKENS,
+    _silence_unused_outputs,
+    _tokenizer_config,
+    init_weights,
+    save_tokenizer,
+    train_tokenizer,
+)
+
+# Qwen2-VL's prompt format, written from scratch: a default system turn, `<|im_start|>role\n...<|im_end|>\n`
+# per message, and one vision_start/pad/vision_end triple per image or video part (the processor later
+# repeats the pad token once per merged patch). Every literal newline is emitted by an expression so the
+# `-` whitespace control can keep the template itself readable.
+CHAT_TEMPLATE = r"""
+{%- macro render(content) -%}
+  {%- if content is string -%}
+    {{- content -}}
+  {%- elif content is iterable -%}
+    {%- for part in content -%}
+      {%- if part['type'] in ('image', 'image_url', 'input_image') -%}
+        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+      {%- elif part['type'] in ('video', 'video_url') -%}
+        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+      {%- elif part['type'] == 'text' -%}
+        {{- part['text'] -}}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- if not messages or messages[0]['role'] != 'system' -%}
+  {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+  {{- '<|im_start|>' + message['role'] + '\n' -}}
+  {{- render(message['content']) -}}
+  {{- '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+""".strip()
+
+
+
+def _preprocessor_config(ip: Any) -> dict[str, Any]:
+    """Image settings in the flat layout of Qwen/Qwen2.5-VL-*-Instruct's preprocessor_config.json."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": ip.size["shortest_edge"],
+        "max_pixels": ip.size["longest_edge"],
+        "patch_size": ip.patch_size,
+        "temporal_patch_size": ip.temporal_patch_size,
+        "merge_size": ip.merge_size,
+        "image_mean": list(ip.image_mean),
+        "image_std": list(ip.image_std),
+        "rescale_factor": ip.rescale_factor,
+        "resample": 3,  # bicubic
+        **{k: True for k in ("do_convert_rgb", "do_normalize", "do_rescale", "do_resize")},
+    }
+
+
+def build_config(special_ids: dict[str, int], vocab_size: int) -> Any:
+    """The Qwen2.5-VL architecture at toy sizes (head_dim 16 in both towers)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text_config = {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "hidden_act": "silu",
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "attention_dropout": 0.0,
+        "use_sliding_window": False, "max_window_layers": 3,
+        # mrope_section splits head_dim/2 = 8 rotary frequencies into temporal/height/width groups.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        "initializer_range": LINEAR_STD,
+        "bos_token_id": special_ids["<|endoftext|>"],
+        "eos_token_id": special_ids["<|im_end|>"],
+        "pad_token_id": special_ids["<|endoftext|>"],
+    }
+    vision_config = {
+        "depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "hidden_act": "silu",
+        "in_channels": 3, "out_hidden_size": 64, "tokens_per_second": 2,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        # 112 px windows = 4x4 merged tokens, so images of a few hundred pixels span several windows.
+        "window_size": 112, "fullatt_block_indexes": [1, 3],
+        "initializer_range": LINEAR_STD,
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=special_ids["<|image_pad|>"],
+        video_token_id=special_ids["<|video_pad|>"],
+        vision_start_token_id=special_ids["<|vision_start|>"],
+        vision_end_token_id=special_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+
+
+def write_demo(out: Path, variant: str = "qwen2_5_vl") -> Path:
+    """Write the Qwen2.5-VL demo checkpoint into the existing directory `out`. Same bytes on every run."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+
+    raw_tok = train_tokenizer()
+    special_ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    tokenizer = save_tokenizer(raw_tok, _tokenizer_config())
+    # min 56x56 px; max 256 merged 28x28 tiles, so a large image costs at most 256 LM tokens.
+    min_pixels, max_pixels = 56 * 56, 256 * 28 * 28
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(
+            min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
+        ),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(
+            min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
+        ),
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    # transformers 5 folds the image settings into processor_config.json; also write the classic
+    # preprocessor_config.json that published Qwen2.5-VL checkpoints carry, so code reading either works.
+    with open(out / "preprocessor_config.json", "w", encoding="utf-8") as f:
+        json.dump(_preprocessor_config(processor.image_processor), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+    # Round the embedding rows up to a multiple of 64, as real checkpoints pad their vocabularies.
+    vocab_size = -(-raw_tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    config = build_config(special_ids, vocab_size)
+    torch.manual_seed(SEED)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    init_weights(model)
+    _silence_unused_outputs(model, special_ids, raw_tok.get_vocab_size(with_added_tokens=True))
+    model.generation_config = GenerationConfig(
+        bos_token_id=special_ids["<|endoftext|>"],
+        eos_token_id=[special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
+        pad_token_id=special_ids["<|endoftext|>"],
+        do_sample=False,
+    )
+    model.save_pretrained(out)
+    return out
+
+
