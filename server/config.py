@@ -1,42 +1,8 @@
-"""Server configuration: built once from CLI flags in the launcher, frozen, pickled into every child."""
+"""The server's configuration lives in workers/config.py (config flows down: workers never import server/);
+re-exported here for the launcher and the HTTP side."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from workers.config import ServerConfig
 
-from workers.engine.config import EngineConfig
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    engine: EngineConfig
-    launch_id: str
-    served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    tokenizer_workers: int = 2
-    # Threads per tokenizer preparing a request's fresh images at once; 0: cores / tokenizer_workers.
-    tokenizer_threads: int = 0
-    # Limits on client input.
-    max_images_per_request: int = 32
-    max_image_bytes: int = 20 << 20  # encoded bytes of one image (data URL, download or file)
-    max_image_pixels: int = 40_000_000  # decoded width * height, checked before full decode
-    max_body_bytes: int = 256 << 20
-    media_timeout_s: float = 10.0
-    allowed_media_domains: tuple[str, ...] = ()  # empty: any host for http(s) URLs
-    allowed_local_media_path: str | None = None  # None: file:// and local paths are refused
-    # Shared memory for pixels in flight (scheduler's budget; past it requests get 503).
-    shm_budget_bytes: int = 4 << 30
-    # Share of that budget kept for images whose requests ended, so a chat's next turn reuses them.
-    shm_retain_fraction: float = 0.5
-    dist_port: int = 0  # torch.distributed rendezvous store on 127.0.0.1 (the launcher serves it when tp > 1)
-    # Child start-up and shutdown.
-    ready_timeout_s: float = 300.0
-    drain_timeout_s: float = 30.0
-    log_level: str = "info"
-    extra: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self.engine.max_model_len
+__all__ = ["ServerConfig"]

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Any
 
 from server.config import ServerConfig
+from workers.engine.config import EngineConfig
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+MB = 1 << 20
+# Every flag's default is the config field's default: one place to change it.
+E = _defaults(EngineConfig)
+S = _defaults(ServerConfig)
 
 
 def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -20,48 +33,48 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
     m.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: dir name)")
-    m.add_argument("--tp", type=int, default=1, help="tensor-parallel size: model worker processes, one per GPU")
+    m.add_argument("--tp", type=int, default=E["tp_size"], help="tensor-parallel size: model worker processes, one per GPU")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    m.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
-    m.add_argument("--attn-backend", default="auto", choices=["auto", "sdpa", "flash"])
-    m.add_argument("--chunk-size", type=int, default=1024, help="token budget of one step (chunked prefill)")
-    m.add_argument("--lone-prefill-tokens", type=int, default=4096,
+    m.add_argument("--dtype", default=E["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
+    m.add_argument("--load-format", default=E["load_format"], choices=["auto", "dummy"], help="dummy: random weights")
+    m.add_argument("--attn-backend", default=E["attn_backend"], choices=["auto", "sdpa", "flash"])
+    m.add_argument("--chunk-size", type=int, default=E["chunk_size"], help="token budget of one step (chunked prefill)")
+    m.add_argument("--lone-prefill-tokens", type=int, default=E["lone_prefill_tokens"],
                    help="token budget of a step when no request is decoding (0: --chunk-size)")
-    m.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    m.add_argument("--max-num-seqs", type=int, default=E["max_num_seqs"], help="most requests running at once")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    m.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    m.add_argument("--block-size", type=int, default=E["block_size"], help="tokens per KV cache block")
     m.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default: 512 MB on CPU, 40%% of free GPU memory)")
     m.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-mb)")
-    m.add_argument("--mm-cache-mb", type=float, default=1024, help="per-image embedding cache budget")
-    m.add_argument("--mm-cache-mode", default="image", choices=["image", "request"],
+    m.add_argument("--mm-cache-mb", type=float, default=E["mm_cache_mb"], help="per-image embedding cache budget")
+    m.add_argument("--mm-cache-mode", default=E["mm_cache_mode"], choices=["image", "request"],
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
     m.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt instead of reusing KV blocks of earlier requests")
-    m.add_argument("--vit-max-patches", type=int, default=16384,
+    m.add_argument("--vit-max-patches", type=int, default=E["vit_max_patches"],
                    help="a ViT call takes a step's images up to this many patches (at least one image)")
     m.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                    help="CUDA: eager PyTorch ops instead of the torch.compile'd norm/rotary/SiLU kernels")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=E["seed"])
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default=S["host"])
+    s.add_argument("--port", type=int, default=S["port"])
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /admin")
-    s.add_argument("--tokenizer-workers", type=int, default=2, help="processes that parse requests and images")
-    s.add_argument("--tokenizer-threads", type=int, default=0,
+    s.add_argument("--tokenizer-workers", type=int, default=S["tokenizer_workers"], help="processes that parse requests and images")
+    s.add_argument("--tokenizer-threads", type=int, default=S["tokenizer_threads"],
                    help="threads per tokenizer decoding, processing and writing a request's new images at once "
                    "(0: cores / --tokenizer-workers)")
     s.add_argument("--launch-id", default=None, help="names this launch's sockets and shm segments (default: random)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default=S["log_level"], choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits")
-    lim.add_argument("--max-images-per-request", type=int, default=32)
-    lim.add_argument("--max-image-mb", type=float, default=20, help="encoded size cap of one image")
-    lim.add_argument("--max-image-pixels", type=int, default=40_000_000, help="width*height cap of one image")
-    lim.add_argument("--max-body-mb", type=float, default=256, help="HTTP request body cap")
-    lim.add_argument("--media-timeout", type=float, default=10.0, help="seconds to fetch one image URL")
+    lim.add_argument("--max-images-per-request", type=int, default=S["max_images_per_request"])
+    lim.add_argument("--max-image-mb", type=float, default=S["max_image_bytes"] / MB, help="encoded size cap of one image")
+    lim.add_argument("--max-image-pixels", type=int, default=S["max_image_pixels"], help="width*height cap of one image")
+    lim.add_argument("--max-body-mb", type=float, default=S["max_body_bytes"] / MB, help="HTTP request body cap")
+    lim.add_argument("--media-timeout", type=float, default=S["media_timeout_s"], help="seconds to fetch one image URL")
     lim.add_argument("--allowed-media-domains", default="", help="comma-separated hosts for http(s) image URLs (empty: any)")
     lim.add_argument("--allowed-local-media-path", default=None, help="directory file:// images may come from (default: none)")
-    lim.add_argument("--shm-budget-mb", type=int, default=4096, help="pixels in shared memory in flight; past it: 503")
+    lim.add_argument("--shm-budget-mb", type=int, default=S["shm_budget_bytes"] // MB, help="pixels in shared memory in flight; past it: 503")
     p.set_defaults(handler=run_serve)
 
 

@@ -26,7 +26,7 @@ from typing import TypeVar
 import msgspec
 
 from ipc import shm
-from server.config import ServerConfig
+from workers.config import ServerConfig
 from workers.chat_request import BadRequest
 from workers.engine.processor import MMProcessor, ProcessedImage
 from workers.media import decode_image

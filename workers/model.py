@@ -32,7 +32,7 @@ from ipc.messages import (
     WorkerStats,
 )
 from ipc.shm import ShmSegment
-from server.config import ServerConfig
+from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.layers import TPGroup
 from workers.engine.model_runner import ModelRunner

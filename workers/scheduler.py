@@ -39,7 +39,7 @@ from ipc.messages import (
     WorkerStats,
 )
 from ipc.shm import ShmSegment
-from server.config import ServerConfig
+from workers.config import ServerConfig
 from workers.detokenizer import TextStream
 from workers.engine.sched_core import RequestRejected, SchedulerCore, Sequence
 from workers.proc import setup_child

@@ -36,7 +36,7 @@ from ipc.messages import (
     TokenizerInbound,
     TokenizerStats,
 )
-from server.config import ServerConfig
+from workers.config import ServerConfig
 from workers.chat_request import BadRequest, image_refs, parse_request, template_messages, to_sampling_params
 from workers.engine.processor import ImageInfo, MMProcessor
 from workers.image_prep import ImagePrep, core_share, overloaded

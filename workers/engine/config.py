@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a dtype is needed, so the CLI can read these defaults cheaply
+    import torch
 
-if TYPE_CHECKING:
     from workers.engine.models.base import ModelSpec
 
 MMCacheMode = Literal["image", "request"]
@@ -26,8 +26,8 @@ class EngineConfig:
     # Scheduling: per-step token budget shared by decodes and prefill chunks.
     chunk_size: int = 1024
     # Budget of a step in which no sequence is decoding (so no inter-token latency is at stake): a lone
-    # prompt prefills in chunks this large. 0: chunk_size. `glimpse serve` defaults to 4096.
-    lone_prefill_tokens: int = 0
+    # prompt prefills in chunks this large. 0: chunk_size.
+    lone_prefill_tokens: int = 4096
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Paged KV cache. num_kv_blocks wins over kv_cache_mb when both are set.
@@ -60,6 +60,8 @@ class EngineConfig:
         return load_spec(self.model)
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

@@ -55,6 +55,22 @@ class ImageInfo:
     num_tokens: int
 
 
+# Marks where the client's text goes in the rendered template. The client's text itself never passes through
+# the template (only its index does), so nothing a client sends can forge or break a marker.
+_SENTINEL = "\x00glimpse\x00"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A chat rendered by the template, as (text, came from the client) pieces in order."""
+
+    pieces: list[tuple[str, bool]]
+
+    @property
+    def text(self) -> str:
+        return "".join(text for text, _ in self.pieces)
+
+
 @dataclass(frozen=True)
 class ImageSpan:
     hash: bytes
@@ -119,8 +135,18 @@ class MMProcessor:
         )
 
     # ---- prompts --------------------------------------------------------------------------------
-    def render(self, messages: Sequence[dict[str, Any]]) -> str:
-        """Apply the chat template; image parts become the model's image placeholder."""
+    def render(self, messages: Sequence[dict[str, Any]]) -> Rendered:
+        """Apply the chat template; image parts become the model's image placeholder.
+
+        Text that came from the client is put through the template as a sentinel and returned apart from
+        the template's own text, so ``build`` can tokenize it with special-token strings kept as text:
+        only the chat template inserts control tokens (a user typing ``<|im_end|>`` cannot end its turn)."""
+        texts: list[str] = []
+
+        def hold(text: Any) -> str:
+            texts.append(str(text))
+            return f"{_SENTINEL}{len(texts) - 1}{_SENTINEL}"
+
         plain: list[dict[str, Any]] = []
         for message in messages:
             content = message.get("content")
@@ -131,20 +157,42 @@ class MMProcessor:
                     if kind in ("image", "image_url", "input_image"):
                         parts.append({"type": "image"})
                     else:
-                        parts.append({"type": "text", "text": part.get("text", "")})
+                        parts.append({"type": "text", "text": hold(part.get("text", ""))})
                 plain.append({**message, "content": parts})
+            elif isinstance(content, str):
+                plain.append({**message, "content": hold(content)})
             else:
                 plain.append(dict(message))
-        text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-        return str(text)
+        text = str(self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True))
+        pieces: list[tuple[str, bool]] = []
+        for i, chunk in enumerate(text.split(_SENTINEL)):
+            # Odd chunks are sentinel indices: the client's text; even chunks are the template's.
+            if i % 2:
+                pieces.append((texts[int(chunk)], True))
+            elif chunk:
+                pieces.append((chunk, False))
+        return Rendered(pieces)
+
+    def token_ids(self, rendered: Rendered | str) -> list[int]:
+        """Tokenize a rendered prompt: the template's text with its special tokens, the client's text with
+        special-token strings split into ordinary tokens. The pieces meet at pretokenizer boundaries (a
+        newline or a special token on the template's side), so this equals tokenizing the joined string
+        whenever the client's text holds no special-token string."""
+        if isinstance(rendered, str):
+            rendered = Rendered([(rendered, False)])
+        ids: list[int] = []
+        for text, client in rendered.pieces:
+            out = self.tokenizer(text, add_special_tokens=False, split_special_tokens=client)["input_ids"]
+            ids.extend(out)
+        return ids
 
     def tokens_for_grid(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
         return t * h * w // (self.merge * self.merge)
 
-    def build(self, text: str, images: Sequence[ImageMeta]) -> Prompt:
+    def build(self, text: Rendered | str, images: Sequence[ImageMeta]) -> Prompt:
         """Tokenize ``text`` (one image placeholder per image) and expand each placeholder into the image's span."""
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.token_ids(text)
         slots = [i for i, tok in enumerate(ids) if tok == self.info.image_token_id]
         if len(slots) != len(images):
             raise ValueError(f"the prompt has {len(slots)} image placeholders but {len(images)} images were given")

@@ -51,7 +51,10 @@ def reference(demo_model_dir: Path) -> Reference:
 
 
 def make_engine(model_dir: Path, **overrides: Any) -> Engine:
-    args: dict[str, Any] = dict(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=512, block_size=16)
+    # lone_prefill_tokens 0: a lone prompt keeps chunk_size, so the chunk sizes below really split the images
+    args: dict[str, Any] = dict(
+        model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=512, block_size=16, lone_prefill_tokens=0
+    )
     args.update(overrides)
     return Engine(EngineConfig(**args))
 

@@ -1,0 +1,54 @@
+"""Server configuration: built once from CLI flags in the launcher, frozen, pickled into every child.
+
+It lives in workers/ because it flows down: the launcher (server/) builds it and every worker process reads
+it; workers and ipc never import server/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    launch_id: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    tokenizer_workers: int = 2
+    # Threads per tokenizer preparing a request's fresh images at once; 0: cores / tokenizer_workers.
+    tokenizer_threads: int = 0
+    # Limits on client input.
+    max_images_per_request: int = 32
+    max_image_bytes: int = 20 << 20  # encoded bytes of one image (data URL, download or file)
+    max_image_pixels: int = 40_000_000  # decoded width * height, checked before full decode
+    max_body_bytes: int = 256 << 20
+    media_timeout_s: float = 10.0
+    allowed_media_domains: tuple[str, ...] = ()  # empty: any host for http(s) URLs
+    allowed_local_media_path: str | None = None  # None: file:// and local paths are refused
+    # Shared memory for pixels in flight (scheduler's budget; past it requests get 503).
+    shm_budget_bytes: int = 4 << 30
+    # Share of that budget kept for images whose requests ended, so a chat's next turn reuses them.
+    shm_retain_fraction: float = 0.5
+    dist_port: int = 0  # torch.distributed rendezvous store on 127.0.0.1 (the launcher serves it when tp > 1)
+    # Child start-up and shutdown.
+    ready_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+    # Hardening against hostile clients (flags of the "hardening" group).
+    # Private addresses image downloads may reach anyway: "*", ADDR, CIDR, ADDR:PORT (default: none).
+    allow_private_media_addresses: tuple[str, ...] = ()
+    shm_retain_idle_s: float = 300.0  # a retained segment unused this long is unlinked; 0: never
+    http_max_connections: int = 2048  # past it the oldest idle connection goes, or the new one gets 503
+    http_header_timeout_s: float = 10.0  # from connection (or end of the last response) to complete headers
+    http_keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    http_idle_timeout_s: float = 60.0  # no byte of a request body, or no write progress, for this long
+    http_max_header_bytes: int = 16 << 10  # request line + headers; past it 431
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.engine.max_model_len
