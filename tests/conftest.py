@@ -26,6 +26,18 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("demo") / "demo-model")
 
 
+@pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen3-VL (dense) demo checkpoint, written once per test session."""
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "qwen3-vl", family="qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen3-VL-MoE demo checkpoint, written once per test session."""
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "qwen3-vl-moe", family="qwen3_vl_moe")
+
+
 @pytest.fixture
 def make_image() -> ImageFactory:
     """`make_image(width, height, seed=0)` -> a deterministic noise image (see `noise_image`)."""

@@ -1,0 +1,70 @@
+"""Qwen3-VL, dense (``Qwen3VLForConditionalGeneration``) and MoE (``Qwen3VLMoeForConditionalGeneration``):
+ViT with 16 px patches, a learned position table interpolated to each grid and DeepStack features from
+intermediate blocks; Qwen3 decoder (per-head q/k RMSNorm, no QKV bias) with interleaved M-RoPE, dense or with
+routed experts.
+
+DeepStack rows travel with the image: the vision tower returns [tokens, hidden * (1 + levels)] (main embedding,
+then each level), the embedding cache stores that whole row, and the LM adds level i to the image tokens'
+hidden states after decoder layer i."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.engine.layers import TPGroup
+from workers.engine.models.base import ModelFamily, ModelSpec, VLModel, common_fields
+from workers.engine.models.qwen3_vl.lm import TextSpec, build_language_model
+from workers.engine.models.qwen3_vl.vision import VisionSpec, build_vision
+from workers.engine.mrope import mrope_delta, mrope_positions
+
+
+def parse(cfg: dict[str, Any], model_dir: Path) -> ModelSpec:
+    text, vision = TextSpec.from_hf_config(cfg), VisionSpec.from_hf_config(cfg)
+    if vision.out_hidden_size != text.hidden_size:
+        raise ValueError(f"vision out_hidden_size {vision.out_hidden_size} != text hidden_size {text.hidden_size}")
+    levels = len(vision.deepstack_visual_indexes)
+    if levels > text.num_hidden_layers:
+        raise ValueError(f"{levels} DeepStack levels but only {text.num_hidden_layers} decoder layers")
+    return ModelSpec(
+        family="qwen3_vl",
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=text.num_key_value_heads,
+        head_dim=text.head_dim,
+        spatial_merge_size=vision.spatial_merge_size,
+        patch_dim=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+        embed_width=vision.out_hidden_size * (1 + levels),
+        max_position_embeddings=text.max_position_embeddings,
+        text=text,
+        vision=vision,
+        **common_fields(cfg, model_dir),
+    )
+
+
+def build(spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str) -> VLModel:
+    lm = build_language_model(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
+    backend: Any = attn_backend
+    vision = build_vision(spec.vision, dtype=dtype, device=device, attn_backend=backend)
+    return VLModel(spec, lm, vision)
+
+
+def write_demo(out: Path, variant: str) -> Path:
+    from workers.engine.models.qwen3_vl.demo import write_qwen3_vl, write_qwen3_vl_moe
+
+    return write_qwen3_vl_moe(out) if variant == "qwen3_vl_moe" else write_qwen3_vl(out)
+
+
+FAMILY = ModelFamily(
+    name="qwen3_vl",
+    parse=parse,
+    build=build,
+    # For images both variants place tokens as Qwen2-VL does (video would differ: per-frame timestamps).
+    positions=mrope_positions,
+    delta=mrope_delta,
+    write_demo=write_demo,
+    description="Qwen3-VL 2B / 4B / 8B / 32B dense, 30B-A3B / 235B-A22B MoE",
+)

@@ -1,0 +1,413 @@
+"""glimpse's own Qwen3-VL language model, dense and MoE (decoder only).
+
+Numerically it follows transformers' ``Qwen3VLTextModel`` / ``Qwen3VLMoeTextModel``: unlike Qwen2.5-VL, no
+q/k/v bias, an RMSNorm over every q and k head before rotary, *interleaved* M-RoPE, DeepStack (vision
+features added to the image rows after the first L layers) and, for MoE, sparse expert MLPs (moe.py).
+Structurally it is the serving layout of the Qwen2.5-VL LM: flattened batch, paged KV cache behind an
+attention backend, TP layers loading per-rank slices, residual adds deferred into the next norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from workers.engine import fused
+from workers.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from workers.engine.layers import (
+    SINGLE_RANK,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    get_weight_loader,
+    kv_heads_per_rank,
+)
+from workers.engine.models.qwen3_vl.moe import (
+    DenseMLP,
+    SparseMoeBlock,
+    expert_shard,
+    expert_shards_needed,
+    moe_fields,
+)
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Shape and numerics of the language model, read from a checkpoint's config.json."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    mrope_interleaved: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool = False
+    num_experts: int = 0  # 0: dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """transformers' rule: every ``decoder_sparse_step``-th layer (1-based) is MoE unless listed dense."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @staticmethod
+    def from_hf_config(cfg: dict[str, Any]) -> TextSpec:
+        """Parse the whole config.json: LM fields in ``text_config`` (transformers 5) or at top level.
+
+        RoPE comes from ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta``.
+        """
+        nested: dict[str, Any] = cfg.get("text_config") or {}
+        text = {**cfg, **nested}
+        heads = int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        rope: dict[str, Any] = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise NotImplementedError(f"rope type {rope_type!r} is not supported (only plain M-RoPE)")
+        section = tuple(int(s) for s in rope.get("mrope_section", (24, 20, 20)))
+        if len(section) != 3 or sum(section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section {section} must be 3 sizes summing to head_dim/2 = {head_dim // 2}"
+            )
+        if text.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {text['hidden_act']!r} is not supported")
+        if text.get("use_sliding_window"):
+            raise NotImplementedError("sliding-window attention layers are not supported")
+        # transformers 5 reads the flag at the root (the MoE text_config even carries a contradicting default);
+        # top-level-only layouts have it at the root too. text_config decides only when the root lacks it.
+        tie = (
+            cfg["tie_word_embeddings"] if "tie_word_embeddings" in cfg else nested.get("tie_word_embeddings")
+        )
+        return TextSpec(
+            hidden_size=int(text["hidden_size"]),
+            num_hidden_layers=int(text["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            intermediate_size=int(text["intermediate_size"]),
+            vocab_size=int(text["vocab_size"]),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 500_000.0))),
+            mrope_section=section,
+            # transformers' Qwen3-VL always interleaves (it ignores the flag); every checkpoint says true.
+            mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+            tie_word_embeddings=bool(tie),
+            max_position_embeddings=int(text.get("max_position_embeddings", 128_000)),
+            attention_bias=bool(text.get("attention_bias", False)),
+            **moe_fields(text),
+        )
+
+
+def mrope_rows(section: tuple[int, ...], interleaved: bool) -> list[int]:
+    """Per rotary frequency, the position row (0 = t, 1 = h, 2 = w) driving it. Interleaved (transformers'
+    Qwen3-VL): all t, but frequency j goes to h if j % 3 == 1 and j < 3 * section[1], to w if j % 3 == 2 and
+    j < 3 * section[2]. Otherwise contiguous sections, as in Qwen2-VL."""
+    if not interleaved:
+        return [row for row, n in enumerate(section) for _ in range(n)]
+    half = sum(section)
+    rows = [0] * half
+    for row in (1, 2):
+        for j in range(row, min(3 * section[row], half), 3):
+            rows[j] = row
+    return rows
+
+
+class RotaryTables(nn.Module):
+    """positions [3, T] -> cos [T, 1, D] and sign-folded sin [T, 1, D], once per forward for all layers.
+
+    Each frequency's position row is picked with one gather, then multiplied: the same float32 products
+    transformers forms before it recomposes its three per-row tables. ``rotate_half(x) * sin`` equals
+    ``swap_halves(x) * cat(-sin_lo, sin_hi)`` bit for bit (negation is exact), so the negation happens here.
+    """
+
+    def __init__(self, head_dim: int, theta: float, rows: list[int]) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.inv_freq: Tensor
+        self.row_of_freq: Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("row_of_freq", torch.tensor(rows, dtype=torch.long), persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(3, -1)
+        freqs = positions[self.row_of_freq].t().float() * self.inv_freq.float()  # [T, D/2]
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)  # transformers casts before duplicating
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x [T, H, D] -> x * cos + rotate_half(x) * sin, with transformers' roundings."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin_signed
+
+
+def qwen3_qk_norm_rope(
+    qkv: Tensor, q_w: Tensor, k_w: Tensor, eps: float, cos: Tensor, sin: Tensor, sizes: tuple[int, int, int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """CUDA (compiled, see fused.py): per-head RMSNorm + rotary of q and k in one pass, float32 in registers,
+    rounded once. Eager spends ~11 kernels per tensor here; returns contiguous q, k, v [T, heads, D]."""
+    q_size, kv_size, head_dim = sizes
+    t = qkv.shape[0]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+
+    def norm_rotate(x: Tensor, weight: Tensor) -> Tensor:
+        xf = x.reshape(t, -1, head_dim).float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return (xf * cos.float() + swapped * sin.float()).to(x.dtype)
+
+    return norm_rotate(q, q_w), norm_rotate(k, k_w), v.reshape(t, -1, head_dim).contiguous()
+
+
+class Qwen3VLAttention(nn.Module):
+    def __init__(self, spec: TextSpec, tp: TPGroup) -> None:
+        super().__init__()
+        d = spec.head_dim
+        self.head_dim = d
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size, d, spec.num_attention_heads, spec.num_key_value_heads, spec.attention_bias, tp
+        )
+        self.o_proj = RowParallelLinear(
+            spec.num_attention_heads * d, spec.hidden_size, spec.attention_bias, tp
+        )
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps)  # over head_dim, so replicated on every rank
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.sizes = (self.q_size, self.kv_size, d)
+        self.scale = d**-0.5
+        self.fused = False  # CUDA: q/k norm + rope in one compiled kernel
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        if self.fused and fused.worth_it(qkv):
+            norm_rope = fused.compiled(qwen3_qk_norm_rope)
+            q, k, v = norm_rope(
+                qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, self.sizes
+            )
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(self.q_norm(q.view(t, -1, d)), cos, sin)
+            k = apply_rope(self.k_norm(k.view(t, -1, d)), cos, sin)
+            v = v.view(t, -1, d)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class Qwen3VLDecoderLayer(nn.Module):
+    def __init__(self, spec: TextSpec, layer: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.self_attn = Qwen3VLAttention(spec, tp)
+        self.mlp: nn.Module
+        if spec.layer_is_sparse(layer):
+            self.mlp = SparseMoeBlock(
+                spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size, tp
+            )
+        else:
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, tp)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        h: Tensor,
+        delta: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[Tensor, Tensor]:
+        """(residual stream, previous layer's MLP output or None) -> the same pair after this layer; the
+        MLP output is added by the next norm, in transformers' order."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm.add(h, delta)
+        h, x = self.post_attention_layernorm.add(h, self.self_attn(x, cos, sin, kv_cache, meta, backend))
+        out: Tensor = self.mlp(x)
+        return h, out
+
+
+# Checkpoint projections that live inside a fused parameter: (checkpoint part, fused part, shard_id).
+_FUSED: tuple[tuple[str, str, str | int], ...] = (
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+)
+
+
+class Qwen3VLLanguageModel(nn.Module):
+    """The decoder stack over a flattened batch of new tokens with a paged KV cache.
+
+    ``embed_tokens`` is the (vocab-parallel) embedding module; calling it maps ids [T] -> [T, H].
+    """
+
+    def __init__(self, spec: TextSpec, tp: TPGroup = SINGLE_RANK, attn_backend: str = "auto") -> None:
+        super().__init__()
+        self.spec = spec
+        self.tp = tp
+        self.attn_backend_name = attn_backend
+        self._backend: AttentionBackend | None = None  # resolved on first forward, from the input's device
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        self.layers = nn.ModuleList([Qwen3VLDecoderLayer(spec, i, tp) for i in range(spec.num_hidden_layers)])
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # same vocab sharding, so one shard serves both
+        rows = mrope_rows(spec.mrope_section, spec.mrope_interleaved)
+        self.rotary = RotaryTables(spec.head_dim, spec.rope_theta, rows)
+        self.num_kv_heads_local = kv_heads_per_rank(spec.num_key_value_heads, tp.size)
+        self.head_dim = spec.head_dim
+        self._loaded: dict[str, set[object]] = {}  # parameter -> shard ids loaded so far (across calls)
+
+    def attention_backend(self, device: torch.device) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = get_attention_backend(self.attn_backend_name, device)
+        return self._backend
+
+    def forward(
+        self,
+        inputs_embeds: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend | None = None,
+        deepstack: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """inputs_embeds [T, H], positions int64 [3, T] (t/h/w rows) -> final-norm hidden states [T, H].
+
+        ``deepstack`` = (rows int64 [N] of image tokens in this batch, features [N, L*H]): level i is added
+        to those rows after decoder layer i. ``backend`` overrides the model's attention backend (CUDA-graph
+        decode uses a fixed-shape one)."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        backend = backend or self.attention_backend(inputs_embeds.device)
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        hidden = self.spec.hidden_size
+        rows, feats, levels = None, None, 0
+        if deepstack is not None and deepstack[0].numel():
+            rows, feats = deepstack
+            levels = feats.shape[-1] // hidden
+            if feats.shape != (rows.shape[0], levels * hidden) or not 0 < levels <= len(self.layers):
+                raise ValueError(
+                    f"deepstack features {tuple(feats.shape)} for {rows.shape[0]} rows: need [N, L*{hidden}]"
+                )
+            feats = feats.to(inputs_embeds.dtype)
+        h, delta = inputs_embeds, None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            h, delta = layer(h, delta, cos, sin, kv_cache, meta, backend)
+            if i < levels and rows is not None and feats is not None:
+                # transformers adds the layer output to the stream, then the features to the image rows;
+                # materialising the deferred add keeps that order (and its rounding). Rows are distinct, so
+                # index_add_ is one h + f per row.
+                h, delta = h + delta, None
+                h.index_add_(0, rows, feats[:, i * hidden : (i + 1) * hidden])
+        out: Tensor = self.norm(h) if delta is None else self.norm.add(h, delta)[1]
+        return out
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab], gathered over TP ranks (every rank gets all)."""
+        local = self.lm_head(hidden)
+        full = self.tp.all_gather(local, dim=-1)[..., : self.spec.vocab_size]
+        return full.float()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's KV cache shape on this rank: [2, num_blocks, block_size, kv_heads_local, head_dim]."""
+        return (2, num_blocks, block_size, self.num_kv_heads_local, self.head_dim)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]], partial: bool = False) -> set[str]:
+        """Load canonical ``lm.*`` tensors (see loader.normalize_name); other names are ignored.
+
+        Experts load from fused 3-D tensors (either layout, see moe.py) or per-expert 2-D ones. Returns the
+        parameter names loaded by this call. Unless ``partial`` (more calls follow, then ``check_loaded``),
+        raises if any parameter or shard is still missing."""
+        params = dict(self.named_parameters())
+        names: set[str] = set()
+        for canonical, tensor in weights:
+            if not canonical.startswith("lm."):
+                continue
+            name = canonical[len("lm.") :]
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue  # tied: the embedding already provides it (some exports store a copy)
+            shard_id: object = None
+            routed = expert_shard(name)
+            if routed is not None:
+                name, shard_id = routed
+            else:
+                for part, fused_part, sid in _FUSED:
+                    if part in name:
+                        name, shard_id = name.replace(part, fused_part), sid
+                        break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})")
+            param = params[name]
+            get_weight_loader(param)(param, tensor, shard_id)
+            self._loaded.setdefault(name, set()).add(shard_id)
+            names.add(name)
+        if not partial:
+            self.check_loaded()
+        return names
+
+    def check_loaded(self) -> None:
+        """Raise, naming them, if parameters (or shards of fused ones) were never loaded; a fused expert
+        tensor (shard id None) covers every expert at once."""
+        missing = []
+        for n, _ in self.named_parameters():
+            need = expert_shards_needed(n, self.spec.num_experts)
+            need = 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else need
+            got = self._loaded.get(n, set())
+            if len(got) < need and None not in got:
+                missing.append(n)
+        if missing:
+            raise ValueError(f"checkpoint lacks language-model weights for: {missing[:8]}")
+
+
+def build_language_model(
+    spec: TextSpec,
+    *,
+    tp: TPGroup = SINGLE_RANK,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attn_backend: str = "auto",
+) -> Qwen3VLLanguageModel:
+    """Allocate the LM on ``device`` in ``dtype`` (weights uninitialised: ``load_weights`` fills them)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters born in the target dtype: a 30B model never exists in fp32
+    try:
+        with torch.device(device):
+            model = Qwen3VLLanguageModel(spec, tp, attn_backend)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()

@@ -1,0 +1,272 @@
+"""The MLPs of Qwen3-VL: dense SwiGLU, and Qwen3-VL-MoE's sparse block (a replicated top-k router over
+SwiGLU experts).
+
+Routing follows transformers' ``Qwen3VLMoeTextTopKRouter``: router logits in the model dtype, softmax in
+float32, top-k, the k weights renormalised to sum to 1, cast back to the model dtype.
+
+Expert weights are stacked per layer in Linear layout (out, in): ``gate_up_proj`` [E, 2*I_local, H] (each
+expert's gate rows, then its up rows) and ``down_proj`` [E, H, I_local]. That is transformers' in-memory
+layout, so the CPU loop can apply ``F.linear`` exactly as transformers does, and its transpose is the
+column-major B operand ``torch._grouped_mm`` accepts without a copy. Tensor parallelism splits every
+expert's intermediate dim (gate/up by rows, down by columns); each rank combines its partial expert
+outputs and one all-reduce per layer sums them.
+
+Checkpoints store experts in three ways, all loaded here:
+* Hub (Qwen/Qwen3-VL-30B-A3B-*): fused ``experts.gate_up_proj`` [E, H, 2I] and ``experts.down_proj``
+  [E, I, H] (x @ W layout);
+* transformers 5 ``save_pretrained``: the same names in its in-memory layout [E, 2I, H] / [E, H, I] (it
+  transposes Hub tensors on load and, as of 5.24, does not transpose them back on save);
+* per-expert Linear weights ``experts.{e}.{gate,up,down}_proj.weight``.
+A fused tensor whose shape fits both layouts (H == 2I, or H == I for down) is read as transformers reads
+it: in-memory layout first.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workers.engine import fused
+from workers.engine.layers import (
+    SINGLE_RANK,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    divide,
+    set_weight_loader,
+)
+
+
+def moe_fields(text: dict[str, Any]) -> dict[str, Any]:
+    """TextSpec's MoE fields from a (merged) text config; a dense config gives ``num_experts=0``."""
+    num_experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+    if not num_experts:
+        return {"num_experts": 0}
+    # transformers' Qwen3-VL-MoE router renormalises the top-k weights whatever this flag says (every
+    # published checkpoint sets it true), so an unnormalised router would have no reference to match.
+    if not text.get("norm_topk_prob", True):
+        raise NotImplementedError("norm_topk_prob=false is not supported (the router always renormalises)")
+    step = int(text.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(text["num_experts_per_tok"]),
+        "moe_intermediate_size": int(text["moe_intermediate_size"]),
+        "decoder_sparse_step": step,
+        "mlp_only_layers": tuple(int(i) for i in text.get("mlp_only_layers") or ()),
+    }
+
+
+class DenseMLP(nn.Module):
+    """Dense SwiGLU MLP, gate and up fused into one column-parallel matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE_RANK) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=False, tp=tp
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
+        self.fused = False  # CUDA: silu(gate) * up in one compiled kernel (fused.py)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fused and fused.worth_it(gate_up):
+            return self.down_proj(fused.compiled(fused.silu_mul)(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_shard(name: str) -> tuple[str, object] | None:
+    """Map a per-expert checkpoint name to (stacked parameter name, shard id); None for any other name.
+
+    Shard ids: ``("gate", e)`` / ``("up", e)`` into ``gate_up_proj``, ``e`` into ``down_proj``. Fused
+    3-D names already equal the parameter names and load with shard id None."""
+    m = _PER_EXPERT.search(name)
+    if m is None:
+        return None
+    base, e, proj = name[: m.start()] + ".experts.", int(m[1]), m[2]
+    if proj == "down_proj":
+        return base + "down_proj", e
+    return base + "gate_up_proj", ("gate" if proj == "gate_proj" else "up", e)
+
+
+def expert_shards_needed(param_name: str, num_experts: int) -> int:
+    """Per-expert shards that make up ``param_name`` (1 for a parameter that is not a stacked expert one)."""
+    if param_name.endswith(".experts.gate_up_proj"):
+        return 2 * num_experts
+    if param_name.endswith(".experts.down_proj"):
+        return num_experts
+    return 1
+
+
+def _copy(dst: Tensor, src: Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"expert shard shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}"
+        )
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+class StackedExperts(nn.Module):
+    """This rank's slice of every expert's SwiGLU weights (see the module docstring for the layout)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.inter_local = divide(intermediate_size, tp.size)
+        il = self.inter_local
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * il, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, il), requires_grad=False)
+        set_weight_loader(self.gate_up_proj, self.load_gate_up)
+        set_weight_loader(self.down_proj, self.load_down)
+
+    def _linear_layout(self, loaded: Tensor, out_features: int, in_features: int) -> Tensor:
+        """A fused [E, out, in] (Linear) or [E, in, out] (Hub) tensor as an [E, out, in] view."""
+        e = self.num_experts
+        if loaded.shape == (e, out_features, in_features):
+            return loaded
+        if loaded.shape == (e, in_features, out_features):
+            return loaded.transpose(1, 2)
+        raise ValueError(
+            f"fused expert tensor {tuple(loaded.shape)} is neither [{e}, {out_features}, {in_features}] "
+            f"nor [{e}, {in_features}, {out_features}]"
+        )
+
+    def load_gate_up(self, param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
+        il, full, start = self.inter_local, self.intermediate_size, self.tp.rank * self.inter_local
+        if shard_id is None:  # every expert's gate then up rows, [E, 2I, H] once in Linear layout
+            w = self._linear_layout(loaded, 2 * full, self.hidden_size)
+            _copy(param[:, :il], w[:, start : start + il])
+            _copy(param[:, il:], w[:, full + start : full + start + il])
+            return
+        if not (isinstance(shard_id, tuple) and shard_id[0] in ("gate", "up")):
+            raise ValueError(f"gate_up_proj shard id must be ('gate'|'up', expert), got {shard_id!r}")
+        which, e = shard_id
+        offset = 0 if which == "gate" else il
+        _copy(param[e, offset : offset + il], loaded.narrow(0, start, il))
+
+    def load_down(self, param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
+        il, start = self.inter_local, self.tp.rank * self.inter_local
+        if shard_id is None:
+            w = self._linear_layout(loaded, self.hidden_size, self.intermediate_size)
+            _copy(param, w[:, :, start : start + il])
+            return
+        if not isinstance(shard_id, int):
+            raise ValueError(f"down_proj shard id must be an expert index, got {shard_id!r}")
+        _copy(param[shard_id], loaded.narrow(1, start, il))
+
+
+def experts_loop(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """Reference combine, transformers' computation: for each expert that got tokens, in id order, its
+    SwiGLU on those tokens, scaled by their routing weight and index-added to the output.
+
+    x [T, H], weights/ids [T, k] -> [T, H]. One host sync (which experts got tokens): the CPU path."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        g, u = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def experts_grouped(
+    x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, fuse_act: bool = False
+) -> Tensor:
+    """The same combine as ``experts_loop`` as two grouped GEMMs, with no loop and no host sync (so it can be
+    captured in a CUDA graph).
+
+    Token-expert pairs are sorted by expert, so each expert's rows are one contiguous group of the gathered
+    input; ``searchsorted`` over the sorted ids gives the groups' end offsets (empty groups included). The
+    weighted outputs are put back in (token, slot) order and each token's k rows summed: deterministic,
+    unlike atomic scatter-adds, and the sum of k rounds once."""
+    t, k = ids.shape
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    experts = torch.arange(gate_up.shape[0], device=ids.device, dtype=flat.dtype)
+    ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
+    rows = x[order // k]  # [t*k, H], grouped by expert
+    h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)  # [t*k, 2I]
+    if fuse_act:
+        h = fused.compiled(fused.silu_mul)(h)
+    else:
+        g, u = h.chunk(2, dim=-1)
+        h = F.silu(g) * u
+    y = torch._grouped_mm(h, down.transpose(1, 2), offs=ends)  # [t*k, H]
+    y = y * weights.flatten()[order].unsqueeze(-1)
+    unsorted = torch.empty_like(y)
+    unsorted[order] = y
+    return unsorted.view(t, k, -1).sum(dim=1)
+
+
+@functools.cache
+def _grouped_mm_device_ok(device: torch.device) -> bool:
+    # torch._grouped_mm (torch >= 2.9) runs on SM80+; older GPUs take the loop.
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def grouped_mm_usable(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    """Whether ``experts_grouped`` can run: CUDA, bf16 (the dtype its kernel takes everywhere; fp16 needs
+    cuBLASLt grouped GEMM from CUDA 13.3), and 16-byte-aligned row strides (H and I_local multiples of 8)."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and gate_up.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and x.shape[-1] % 8 == 0
+        and down.shape[-1] % 8 == 0
+        and _grouped_mm_device_ok(x.device)
+    )
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``, replicated) + stacked experts; forward [T, H] -> [T, H], all-reduced over TP."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        tp: TPGroup = SINGLE_RANK,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
+        self.tp = tp
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, tp)
+        self.fused = False  # CUDA: silu(gate) * up of the grouped path in one compiled kernel
+        self.use_grouped = True  # False forces the loop (tests compare the two)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, H] -> (weights [T, k] in x's dtype, expert ids int64 [T, k])."""
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), ids
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, ids = self.route(x)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if self.use_grouped and grouped_mm_usable(x, gate_up, down):
+            out = experts_grouped(x, weights, ids, gate_up, down, self.fused and fused.worth_it(x))
+        else:
+            out = experts_loop(x, weights, ids, gate_up, down)
+        return self.tp.all_reduce(out)

@@ -1,0 +1,402 @@
+"""glimpse's own Qwen3-VL vision tower (ViT, patch merger and DeepStack mergers).
+
+Numerically equal to transformers' ``Qwen3VLVisionModel`` in float32 (same parameter names, so a checkpoint's
+``model.visual.*`` / ``visual.*`` tensors load by name), built for serving like the Qwen2.5-VL tower
+(models/qwen2_5_vl/vision.py), whose attention (``VisionAttention``: grouped SDPA on the CPU, FlashAttention varlen
+or cuDNN on CUDA) it reuses:
+- the images of one call are packed into one sequence; every block attends within whole frames (``cu_seqlens``
+  per frame, no windows);
+- everything that depends only on a frame's (h, w) is memoized (``_FramePlan``) and the per-call index data goes
+  to the device in one copy;
+- the output row of each image token holds the main merger's embedding followed by every DeepStack level's, so
+  one embedding-cache entry per image carries all levels and any row slice of it stays self-contained.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
+from itertools import accumulate
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workers.engine import fused
+from workers.engine.vision_attention import Segments, VisionAttention, varlen_available
+
+logger = logging.getLogger(__name__)
+
+AttnBackend = Literal["sdpa", "flash", "auto"]  # same values as the Qwen2.5-VL tower's
+Grid = tuple[int, int, int]
+
+_EPS = 1e-6  # every LayerNorm of the tower
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# Only activations whose transformers definition is exactly this torch op (ACT2FN["gelu_new"] is a Python
+# formula that differs in the last bits, so it is not offered under the same name).
+_ACTS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """Shape of the vision tower, from config.json's ``vision_config``."""
+
+    # Defaults are transformers' Qwen3VLVisionConfig defaults, used where config.json omits a field.
+    depth: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    out_hidden_size: int = 3584
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    hidden_act: str = "gelu_pytorch_tanh"
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
+    rope_theta: float = 10000.0
+
+    @staticmethod
+    def from_hf_config(cfg: dict[str, Any]) -> VisionSpec:
+        """Accepts the whole config.json dict or its ``vision_config``."""
+        v = cfg.get("vision_config", cfg)
+        kw = {f.name: v[f.name] for f in fields(VisionSpec) if f.name in v}
+        # transformers' attribute_map spellings, in case a config was written with them
+        for alias, name in (("num_attention_heads", "num_heads"), ("num_hidden_layers", "depth")):
+            if alias in v:
+                kw.setdefault(name, v[alias])
+        if "rope_theta" in (v.get("rope_parameters") or {}):  # transformers 5 nests it
+            kw["rope_theta"] = v["rope_parameters"]["rope_theta"]
+        if "deepstack_visual_indexes" in kw:
+            kw["deepstack_visual_indexes"] = tuple(kw["deepstack_visual_indexes"])
+        return VisionSpec(**kw)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class _FramePlan:
+    """Everything about one (h, w) frame that does not depend on pixels, on the CPU, patches in merge-unit
+    order (the order the image processor emits them). Depends on (h, w) only, so all frames of a video and
+    every image of the same resized size share it; memoized because real traffic repeats a few sizes."""
+
+    taps: Tensor  # [h*w, 4] rows of the learned position table each patch interpolates from
+    weights: Tensor  # [h*w, 4] float32 bilinear weights of those rows
+    positions: Tensor  # [h*w, 2] (row, col) rotary positions
+
+
+def _axis_taps(index: Tensor, size: int, side: int) -> tuple[Tensor, Tensor]:
+    """Bilinear (align_corners=True) taps and weights along one axis, in the exact op order and dtypes of
+    transformers' ``get_vision_interpolation_indices_and_weights`` (its float32 rounding decides the weights)."""
+    src = index.float() * (side - 1) / torch.full_like(index, size - 1).clamp(min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+def _plan_frame(h: int, w: int, merge: int, side: int) -> _FramePlan:
+    if h % merge or w % merge:
+        raise ValueError(f"frame {h}x{w}: h and w must be multiples of spatial_merge_size={merge}")
+    units_h, units_w = h // merge, w // merge
+    # Patch order: merge units row-major, then the m x m patches of a unit row-major.
+    unit_row = torch.arange(units_h).view(-1, 1, 1, 1)
+    unit_col = torch.arange(units_w).view(1, -1, 1, 1)
+    inner = torch.arange(merge)
+    rows = (unit_row * merge + inner.view(1, 1, -1, 1)).expand(units_h, units_w, merge, merge).flatten()
+    cols = (unit_col * merge + inner.view(1, 1, 1, -1)).expand(units_h, units_w, merge, merge).flatten()
+    row_taps, row_weights = _axis_taps(rows, h, side)
+    col_taps, col_weights = _axis_taps(cols, w, side)
+    taps = (row_taps[:, :, None] * side + col_taps[:, None, :]).flatten(1)
+    weights = (row_weights[:, :, None] * col_weights[:, None, :]).flatten(1)
+    return _FramePlan(taps, weights, torch.stack((rows, cols), dim=-1))
+
+
+def _qwen3_vit_add_layer_norm(
+    x: Tensor, delta: Tensor, weight: Tensor, bias: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Residual add and the next LayerNorm in one pass (CUDA, through ``fused.compiled``)."""
+    s = x + delta
+    return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+
+
+def _qwen3_vit_pos_embed(table: Tensor, taps: Tensor, weights: Tensor) -> Tensor:
+    """Bilinear position embedding, as transformers writes it: gather 4 rows, weight in float32, sum. Compiled
+    on CUDA so the [patches, 4, hidden] float32 intermediate is never written out."""
+    return (F.embedding(taps, table) * weights[:, :, None]).sum(1)
+
+
+class _LayerNorm(nn.LayerNorm):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim, eps=_EPS)
+        self.fused = False  # CUDA: residual add + norm in one compiled kernel; set by fused.enable
+
+    def add(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + delta, norm(x + delta)); the eager path is exactly transformers' add-then-norm."""
+        if self.fused and fused.worth_it(x):
+            out: tuple[Tensor, Tensor] = fused.compiled(_qwen3_vit_add_layer_norm)(
+                x, delta, self.weight, self.bias, self.eps
+            )
+            return out
+        s = x + delta
+        return s, self(s)
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        # The Conv3d only holds the checkpoint's weight and bias. Its kernel equals its stride, so it is a plain
+        # matmul over each flattened (C, T, P, P) patch: one GEMM instead of a cuDNN conv3d call.
+        k = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=k, stride=k, bias=True)
+
+    def forward(self, pixels: Tensor) -> Tensor:
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
+
+
+class _MLP(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=True)
+        self.act = _ACTS[spec.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = _LayerNorm(spec.hidden_size), _LayerNorm(spec.hidden_size)
+        self.attn = VisionAttention(spec.hidden_size, spec.num_heads)
+        self.mlp = _MLP(spec)
+
+    def forward(
+        self, x: Tensor, delta: Tensor | None, seg: Segments, cos: Tensor, sin: Tensor, flash: bool
+    ) -> tuple[Tensor, Tensor]:
+        """(residual stream, previous block's MLP output or None) -> the same pair after this block; the pending
+        add happens inside the next norm (one kernel on CUDA when fused), same ops and order as transformers."""
+        if delta is None:
+            h = self.norm1(x)
+        else:
+            x, h = self.norm1.add(x, delta)
+        x, h = self.norm2.add(x, self.attn(h, seg, cos, sin, flash))
+        return x, self.mlp(h)
+
+
+class _Merger(nn.Module):
+    """2x2 patch merger. ``postshuffle`` (the DeepStack mergers) normalizes the concatenated 4 patches, the main
+    merger each patch before concatenating."""
+
+    def __init__(self, spec: VisionSpec, postshuffle: bool) -> None:
+        super().__init__()
+        self.hidden, self.merged = spec.hidden_size, spec.hidden_size * spec.spatial_merge_size**2
+        self.postshuffle = postshuffle
+        self.norm = _LayerNorm(self.merged if postshuffle else self.hidden)
+        self.linear_fc1 = nn.Linear(self.merged, self.merged)
+        self.linear_fc2 = nn.Linear(self.merged, spec.out_hidden_size)
+
+    def forward(self, x: Tensor, delta: Tensor | None, out: Tensor) -> Tensor:
+        """Merge the residual stream ``x`` (+ the pending ``delta``) into ``out`` [units, out_hidden_size], a
+        column slice of the tower's output (written in place, no concatenation copy). Returns x + delta."""
+        if self.postshuffle:  # the shuffle is a view, so the pending add can still ride on the norm
+            x = x.view(-1, self.merged)
+            delta = None if delta is None else delta.view(-1, self.merged)
+        if delta is None:
+            h = self.norm(x)
+        else:
+            x, h = self.norm.add(x, delta)
+        h = F.gelu(self.linear_fc1(h.view(-1, self.merged)))  # exact GELU here (nn.GELU in transformers)
+        torch.addmm(self.linear_fc2.bias, h, self.linear_fc2.weight.t(), out=out)
+        return x.view(-1, self.hidden)
+
+
+# (taps [D, 4], weights [D, 4] float32, positions [D, 2], rows [patches] or None, frames): D patches of the call's
+# distinct frame shapes; ``rows`` maps every patch to its row in them (None when that is the identity).
+_BatchPlan = tuple[Tensor, Tensor, Tensor, Tensor | None, Segments]
+
+
+class VisionTower(nn.Module):
+    """Qwen3-VL vision encoder; encodes several images per call, packed into one sequence."""
+
+    def __init__(self, spec: VisionSpec, attn_backend: AttnBackend = "auto", grid_cache: int = 128) -> None:
+        super().__init__()
+        if spec.hidden_act not in _ACTS:
+            raise ValueError(f"vision hidden_act {spec.hidden_act!r} not supported (have {sorted(_ACTS)})")
+        levels = spec.deepstack_visual_indexes
+        if len(set(levels)) != len(levels) or not all(0 <= i < spec.depth for i in levels):
+            raise ValueError(f"deepstack_visual_indexes {levels}: need distinct blocks < depth {spec.depth}")
+        self.spec, self.attn_backend, self.grid_cache_size = spec, attn_backend, grid_cache
+        self.patch_embed = _PatchEmbed(spec)
+        self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
+        self.blocks = nn.ModuleList(_Block(spec) for _ in range(spec.depth))
+        self.merger = _Merger(spec, postshuffle=False)
+        self.deepstack_merger_list = nn.ModuleList(_Merger(spec, postshuffle=True) for _ in levels)
+        self.deepstack_levels = len(levels)
+        self.embed_width = spec.out_hidden_size * (1 + self.deepstack_levels)
+        # block -> (merger, output column slot). transformers appends DeepStack features in block order and the
+        # LM adds the k-th to its k-th layer, so the slots follow block order (= index order when sorted).
+        self._deepstack = {b: (levels.index(b), 1 + slot) for slot, b in enumerate(sorted(levels))}
+        self._unit = spec.spatial_merge_size**2
+        self._side = int(spec.num_position_embeddings**0.5)
+        # Not a buffer, so .to(bfloat16) cannot round it (rotary angles are float32 math); explicitly on the CPU
+        # because build_vision constructs the module under a meta-device context.
+        quarter = spec.head_dim // 2
+        steps = torch.arange(0, quarter, 2, dtype=torch.float, device="cpu")
+        self._inv_freq = 1.0 / (spec.rope_theta ** (steps / quarter))
+        self._inv_freq_on: dict[torch.device, Tensor] = {}
+        self._frames: OrderedDict[tuple[int, int], _FramePlan] = OrderedDict()
+        self._warned_flash = False
+        self.fused = False  # CUDA: position-embedding interpolation in one compiled kernel (fused.enable)
+        self.stats = {"calls": 0, "images": 0, "patches": 0, "grid_hits": 0, "grid_misses": 0}
+
+    def tokens_per_image(self, grid: Sequence[int]) -> int:
+        t, h, w = grid
+        return t * h * w // self._unit
+
+    def _frame_plan(self, hw: tuple[int, int]) -> _FramePlan:
+        plan = self._frames.pop(hw, None)  # re-inserted below as the most recently used
+        self.stats["grid_misses" if plan is None else "grid_hits"] += 1
+        if plan is None:
+            plan = _plan_frame(*hw, self.spec.spatial_merge_size, self._side)
+        self._frames[hw] = plan
+        if len(self._frames) > self.grid_cache_size:
+            self._frames.popitem(last=False)
+        return plan
+
+    def _batch_plan(self, grids: Sequence[Grid], device: torch.device) -> _BatchPlan:
+        """Plans of the call's distinct frame shapes, stitched on the host and shipped in one copy."""
+        shapes = list(dict.fromkeys((h, w) for _, h, w in grids))
+        plans = [self._frame_plan(s) for s in shapes]
+        starts = dict(zip(shapes, accumulate((h * w for h, w in shapes), initial=0), strict=False))
+        frame_lens = [h * w for t, h, w in grids for _ in range(t)]
+        cu = torch.tensor([0, *frame_lens]).cumsum(0)
+        # A frame's patches are its shape's rows; no map is needed when no shape repeats (the common case).
+        identity = len(frame_lens) == len(shapes)
+        rows: list[Tensor] = []
+        if not identity:
+            for t, h, w in grids:
+                rows += [torch.arange(starts[(h, w)], starts[(h, w)] + h * w)] * t
+        # the float32 weights ride in the int64 copy as their bit patterns
+        weight_bits = [p.weights.view(torch.int32).long().flatten() for p in plans]
+        taps = [p.taps.flatten() for p in plans]
+        packed = torch.cat([*taps, *weight_bits, *(p.positions.flatten() for p in plans), cu, *rows])
+        if device.type == "cuda":
+            packed = packed.pin_memory()  # so non_blocking is truly asynchronous
+        d, n = sum(h * w for h, w in shapes), sum(r.numel() for r in rows)
+        sizes = [4 * d, 4 * d, 2 * d, len(cu), n]
+        d_taps, bits, positions, d_cu, d_rows = packed.to(device, non_blocking=True).split(sizes)
+        weights = bits.int().view(torch.float32).view(d, 4)
+        frames = Segments(d_cu.int(), cu.tolist(), max(frame_lens), frames=True)
+        return d_taps.view(d, 4), weights, positions.view(d, 2), None if identity else d_rows, frames
+
+    def _use_flash(self, x: Tensor) -> bool:
+        if self.attn_backend == "sdpa":
+            return False
+        ok = varlen_available() and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+        if not ok and self.attn_backend == "flash" and not self._warned_flash:
+            self._warned_flash = True
+            logger.warning("vision attention: flash needs CUDA, fp16/bf16 and torch varlen_attn; using sdpa")
+        return ok
+
+    def forward(self, pixel_values: Tensor, grids: Sequence[Sequence[int]]) -> Tensor:
+        """pixel_values [sum(t*h*w), in_channels*temporal_patch_size*patch_size**2]: several images' patches
+        concatenated in order (as the image processor emits them); grids: (t, h, w) in patches per image.
+        Returns [sum(t*h*w // merge**2), embed_width] in the same image order: each row is the main merger's
+        embedding, then each DeepStack level's (block order), out_hidden_size columns each."""
+        grid_keys = [(int(t), int(h), int(w)) for t, h, w in grids]
+        n = sum(t * h * w for t, h, w in grid_keys)
+        if pixel_values.shape[0] != n:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grids say {n}")
+        for key, count in (("calls", 1), ("images", len(grid_keys)), ("patches", n)):
+            self.stats[key] += count
+        weight = self.patch_embed.proj.weight
+        if n == 0:
+            return weight.new_empty(0, self.embed_width)
+        taps, interp, positions, rows, frames = self._batch_plan(grid_keys, weight.device)
+        table = self.pos_embed.weight
+        if self.fused and fused.worth_it(taps):
+            pos = fused.compiled(_qwen3_vit_pos_embed)(table, taps, interp)
+        else:
+            pos = _qwen3_vit_pos_embed(table, taps, interp)
+        inv_freq = self._inv_freq_on.get(weight.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[weight.device] = self._inv_freq.to(weight.device)
+        angles = (positions[:, :, None].float() * inv_freq).flatten(1)  # [D, head_dim // 2]: (row, col) freqs
+        cos, sin = angles.cos(), angles.sin()
+        if rows is not None:  # per distinct shape above; now per patch
+            pos, cos, sin = pos[rows], cos[rows], sin[rows]
+        x = self.patch_embed(pixel_values.to(weight.device, non_blocking=True)) + pos.to(weight.dtype)
+        flash = self._use_flash(x)
+        out = x.new_empty(n // self._unit, self.embed_width)
+        width = self.spec.out_hidden_size
+        delta: Tensor | None = None
+        for i, block in enumerate(self.blocks):
+            x, delta = block(x, delta, frames, cos, sin, flash)
+            level = self._deepstack.get(i)
+            if level is not None:
+                merger, slot = level
+                x = self.deepstack_merger_list[merger](x, delta, out[:, slot * width : (slot + 1) * width])
+                delta = None
+        self.merger(x, delta, out[:, :width])
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Copy (name relative to the tower, tensor) pairs into the parameters (cast to their dtype and device).
+        Every parameter must be given and every name must fit one; returns the loaded names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None or param.shape != tensor.shape:
+                unexpected.append(f"{name} {tuple(tensor.shape)}")
+                continue
+            param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing or unexpected:
+            raise ValueError(
+                f"Qwen3-VL vision weights do not fit the tower: missing {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''} ({len(missing)}), unexpected or misshapen {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
+            )
+        return loaded
+
+    @torch.no_grad()
+    def init_dummy(self, seed: int = 0) -> None:
+        """Deterministic random weights for runs without a checkpoint: matrices ~ N(0, 0.02), biases 0, norms 1."""
+        gen = torch.Generator(device=self.patch_embed.proj.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+
+
+def build_vision(
+    spec: VisionSpec, *, dtype: torch.dtype, device: torch.device | str, attn_backend: AttnBackend = "auto"
+) -> VisionTower:
+    """The tower on ``device`` in ``dtype``, storage allocated once there (no float32 host init first), weights
+    uninitialized: fill them with ``load_weights`` (or ``init_dummy``)."""
+    with torch.device("meta"):
+        tower = VisionTower(spec, attn_backend=attn_backend).to(dtype=dtype)
+    return tower.to_empty(device=torch.device(device)).eval()
