@@ -35,6 +35,49 @@ QWEN25_VL_7B_VISION = {
 }
 QWEN25_VL_MAX_PIXELS = 12845056  # the real processor's cap: a 1080p image stays 1092 x 1932
 
+# Qwen3-VL-8B-Instruct and Qwen3-VL-30B-A3B-Instruct's published shapes (their ViTs differ only in the output
+# width, which is the LM's hidden size).
+QWEN3_VL_VISION = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "patch_size": 16,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
+QWEN3_VL_8B_TEXT = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 262144,
+}
+QWEN3_VL_30B_A3B_TEXT = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 262144,
+    "num_experts": 128,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+}
+QWEN3_VL_MAX_PIXELS = 16777216  # the real processor's longest_edge: a 1080p image becomes 1920 x 1088
+# shape -> (demo family it starts from, text fields, LM mrope_section)
+SHAPES: dict[str, tuple[str, dict[str, Any], list[int]]] = {
+    "7b": ("qwen2_5_vl", QWEN25_VL_7B_TEXT, [16, 24, 24]),
+    "qwen3-8b": ("qwen3_vl", QWEN3_VL_8B_TEXT, [24, 20, 20]),
+    "qwen3-30b-a3b": ("qwen3_vl_moe", QWEN3_VL_30B_A3B_TEXT, [24, 20, 20]),
+}
+
 
 def _set_rope(section: dict[str, Any], mrope: list[int]) -> None:
     for key in ("rope_scaling", "rope_parameters"):
@@ -43,11 +86,13 @@ def _set_rope(section: dict[str, Any], mrope: list[int]) -> None:
 
 
 def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> Path:
-    """Write a checkpoint directory: ``shape`` is "demo" (real tiny weights) or "7b" (config only).
+    """Write a checkpoint directory: ``shape`` is "demo" (real tiny weights) or a key of SHAPES (config only:
+    "7b" Qwen2.5-VL-7B, "qwen3-8b", "qwen3-30b-a3b").
 
     ``max_pixels`` overrides the image processor's cap (e.g. the demo model at real 1080p token counts).
     """
-    src = ensure_demo_model()
+    family = SHAPES[shape][0] if shape in SHAPES else "qwen2_5_vl"
+    src = ensure_demo_model(family=family)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
@@ -56,20 +101,28 @@ def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> 
             continue
         shutil.copy(f, dest / f.name)
     cfg = json.loads((dest / "config.json").read_text())
-    if shape == "7b":
+    if shape in SHAPES:
+        _, fields, mrope = SHAPES[shape]
         text = cfg.get("text_config", cfg)
-        text.update(QWEN25_VL_7B_TEXT)
+        text.update(fields)
+        text.setdefault("head_dim", 128)
         text["head_dim"] = 128
-        text["layer_types"] = ["full_attention"] * text["num_hidden_layers"]
-        text["max_window_layers"] = text["num_hidden_layers"]
-        _set_rope(text, [16, 24, 24])
-        _set_rope(cfg, [16, 24, 24])
+        if family == "qwen2_5_vl":
+            text["layer_types"] = ["full_attention"] * text["num_hidden_layers"]
+            text["max_window_layers"] = text["num_hidden_layers"]
+        _set_rope(text, mrope)
+        _set_rope(cfg, mrope)
         for key in ("hidden_size", "vocab_size"):  # some layouts mirror these at the top level
             if key in cfg and "text_config" in cfg:
                 cfg[key] = text[key]
-        cfg["vision_config"].update(QWEN25_VL_7B_VISION)
+        if family == "qwen2_5_vl":
+            cfg["vision_config"].update(QWEN25_VL_7B_VISION)
+        else:
+            cfg["vision_config"].update(QWEN3_VL_VISION, out_hidden_size=text["hidden_size"])
+            if isinstance(text.get("rope_parameters"), dict):
+                text["rope_parameters"]["rope_theta"] = 5_000_000.0
         cfg["torch_dtype"] = "bfloat16"
-        max_pixels = max_pixels or QWEN25_VL_MAX_PIXELS
+        max_pixels = max_pixels or (QWEN25_VL_MAX_PIXELS if family == "qwen2_5_vl" else QWEN3_VL_MAX_PIXELS)
     elif shape != "demo":
         raise ValueError(f"unknown shape {shape!r}")
     (dest / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -26,7 +26,7 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a model behind an OpenAI-compatible HTTP API",
-        description="Serve a Qwen2.5-VL checkpoint (a local Hugging Face directory) behind an OpenAI-compatible "
+        description="Serve a Qwen2.5-VL or Qwen3-VL checkpoint (a local Hugging Face directory) behind an OpenAI-compatible "
         "API. With no --model, serves the built-in demo model (random weights: its answers are noise).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
