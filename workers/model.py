@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ipc import endpoints
 from ipc.channels import PullSocket, PushSocket, new_context
-from ipc.launch import ipc_address
 from ipc.messages import (
     EncodeItem,
     ModelInbound,
@@ -106,12 +106,8 @@ def run_model_worker(config: ServerConfig, rank: int) -> None:
     log = setup_child(f"glimpse.model[{rank}]", config.log_level)
     ctx = new_context()
     # Bind before the (slow) model load so plans sent right after our ready ack find the endpoint.
-    inbound = PullSocket[ModelInbound](
-        ctx, ipc_address(config.launch_id, f"model{rank}"), ModelInbound, bind=True
-    )
-    to_sched = PushSocket[SchedulerInbound](
-        ctx, ipc_address(config.launch_id, "sched"), SchedulerInbound, bind=False
-    )
+    inbound = endpoints.pull(ctx, config.launch_id, endpoints.MODEL, rank)
+    to_sched = endpoints.push(ctx, config.launch_id, endpoints.SCHEDULER)
     reader = PixelReader()
     try:
         t0 = time.monotonic()
