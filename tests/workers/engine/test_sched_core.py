@@ -185,3 +185,32 @@ def test_prefix_blocks_are_recycled_when_memory_is_needed() -> None:
     c.add("b", list(range(100, 120)), 0, [], SamplingParams(max_tokens=1, temperature=0))
     plan = run_step(c)
     assert plan.chunks[0].start == 0 and c.allocator.num_cached <= 5
+
+
+def test_equal_pad_values_of_different_images_never_share_a_block() -> None:
+    """Token ids alike to the last one (colliding pad values): only the full content hash in the block key
+    tells the images apart."""
+    c = core(enable_prefix_caching=True, chunk_size=64, num_blocks=16, block_size=4)
+    ids = [1, 2, 3, 4] + [1000] * 8 + [5, 6, 7, 8, 9]
+    c.add("a", ids, 0, [item(1, 4, 8)], SamplingParams(max_tokens=1, temperature=0))
+    run_step(c)
+    c.add("b", list(ids), 0, [item(2, 4, 8)], SamplingParams(max_tokens=1, temperature=0))
+    plan = run_step(c)
+    assert plan.chunks[0].start == 4
+    c.add("c", list(ids), 0, [item(1, 4, 8)], SamplingParams(max_tokens=1, temperature=0))
+    assert run_step(c).chunks[0].start == 16  # the same image again: every full block is shared
+
+
+def test_each_shm_pointer_crosses_once_with_its_encode() -> None:
+    from ipc.shm import ShmRef
+
+    c = core(chunk_size=8)
+    ref = ShmRef("glimpse-x-seg", 48, "float32", (4, 3))
+    mm = MMItem(b"\x07" * 16, 4, 8, (1, 2, 16), ref)
+    c.add("a", [1] * 16, 0, [mm], SamplingParams(max_tokens=1, temperature=0))
+    first = run_step(c)  # tokens 0-7: the image starts here
+    [new] = first.new_seqs
+    assert all(it.pixels is None for it in new.items)  # the sequence's items travel without pointers
+    assert [it.pixels for job in first.encode for it in job.items] == [ref]  # the encode carries it, once
+    second = run_step(c)
+    assert second.new_seqs == [] and second.encode == []
