@@ -153,3 +153,17 @@ def test_ensure_demo_model_survives_a_race(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv(CACHE_ENV_VAR, str(target))
     assert ensure_demo_model() == target
     assert (target / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize(
+    ("family", "architecture"),
+    [("qwen3_vl", "Qwen3VLForConditionalGeneration"), ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")],
+)
+def test_cli_writes_each_family(tmp_path: Path, family: str, architecture: str) -> None:
+    from server.cli import main
+    from workers.engine.models import load_spec
+
+    assert main(["demo-model", str(tmp_path / family), "--family", family]) == 0
+    spec = load_spec(tmp_path / family)
+    assert spec.architecture == architecture and spec.family == "qwen3_vl"
+    assert all(oct(p.stat().st_mode)[-3:] == "644" for p in (tmp_path / family).iterdir())
