@@ -8,9 +8,7 @@ tensor-parallel layers whose weight loaders slice the full Hugging Face tensors 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,20 +18,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.engine import fused
-from workers.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from workers.engine.attention import AttentionBackend, AttentionMetadata
 from workers.engine.layers import (
     SINGLE_RANK,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     TPGroup,
-    VocabParallelEmbedding,
-    get_weight_loader,
-    kv_heads_per_rank,
 )
 from workers.engine.loader import fill_dummy_weights, iter_safetensors, normalize_name
+from workers.engine.models.decoder import PagedDecoder, allocate
 
 log = logging.getLogger(__name__)
 
@@ -231,44 +226,16 @@ class Qwen2_5_VLDecoderLayer(nn.Module):
         return h, self.mlp(x)
 
 
-# Checkpoint projections that live inside a fused parameter: (checkpoint part, fused part, shard_id).
-_FUSED: tuple[tuple[str, str, str | int], ...] = (
-    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
-    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
-    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
-    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
-    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
-)
-
-
-class Qwen2_5_VLLanguageModel(nn.Module):
-    """The decoder stack over a flattened batch of new tokens with a paged KV cache.
-
-    ``embed_tokens`` is the (vocab-parallel) embedding module; calling it maps ids [T] -> [T, H].
-    """
+class Qwen2_5_VLLanguageModel(PagedDecoder):
+    """The decoder stack over a flattened batch of new tokens with a paged KV cache."""
 
     def __init__(self, text_cfg: TextSpec, tp: TPGroup = SINGLE_RANK, attn_backend: str = "auto") -> None:
-        super().__init__()
-        self.spec = text_cfg
-        self.tp = tp
-        self.attn_backend_name = attn_backend
-        self._backend: AttentionBackend | None = None  # resolved on first forward, from the input's device
-        self.embed_tokens = VocabParallelEmbedding(text_cfg.vocab_size, text_cfg.hidden_size, tp)
+        super().__init__(text_cfg, tp, attn_backend)
         self.layers = nn.ModuleList(
             [Qwen2_5_VLDecoderLayer(text_cfg, tp) for _ in range(text_cfg.num_hidden_layers)]
         )
-        self.norm = RMSNorm(text_cfg.hidden_size, text_cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(text_cfg.vocab_size, text_cfg.hidden_size, tp)
-        if text_cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # same vocab sharding, so one shard serves both
+        self.add_head()
         self.rotary_emb = MRotaryEmbedding(text_cfg.head_dim, text_cfg.rope_theta, text_cfg.mrope_section)
-        self.num_kv_heads_local = kv_heads_per_rank(text_cfg.num_key_value_heads, tp.size)
-        self.head_dim = text_cfg.head_dim
-
-    def attention_backend(self, device: torch.device) -> AttentionBackend:
-        if self._backend is None:
-            self._backend = get_attention_backend(self.attn_backend_name, device)
-        return self._backend
 
     def forward(
         self,
@@ -285,68 +252,14 @@ class Qwen2_5_VLLanguageModel(nn.Module):
         fixed-shape one). Qwen2.5-VL has no DeepStack: its image entries are the main embeddings alone."""
         if deepstack is not None:
             raise ValueError("Qwen2.5-VL takes no DeepStack features")
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        self.check_kv_caches(kv_caches)
         backend = backend or self.attention_backend(inputs_embeds.device)
         cos, sin = self.rotary_emb(positions)
         cos, sin = rope_tables(cos.to(inputs_embeds.dtype), sin.to(inputs_embeds.dtype))
         h, delta = inputs_embeds, None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, delta = layer(h, delta, cos, sin, kv_cache, meta, backend)
-        out: Tensor = self.norm(h) if delta is None else self.norm.add(h, delta)[1]
-        return out
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab], gathered over TP ranks (every rank gets all)."""
-        local = self.lm_head(hidden)
-        full = self.tp.all_gather(local, dim=-1)[..., : self.spec.vocab_size]
-        return full.float()
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's KV cache shape on this rank: [2, num_blocks, block_size, kv_heads_local, head_dim]."""
-        return (2, num_blocks, block_size, self.num_kv_heads_local, self.head_dim)
-
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """Load canonical ``lm.*`` tensors (see loader.normalize_name); other names are ignored.
-
-        Returns the parameter names loaded; raises if a parameter (or a fused shard) is missing.
-        """
-        params = dict(self.named_parameters())
-        shards_needed = {n: 3 for n in params if ".qkv_proj." in n} | {
-            n: 2 for n in params if ".gate_up_proj." in n
-        }
-        seen: dict[str, set[object]] = {}
-        for canonical, tensor in weights:
-            if not canonical.startswith("lm."):
-                continue
-            name = canonical[len("lm.") :]
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue  # tied: the embedding already provides it (some exports store a copy)
-            shard_id: object = None
-            for part, fused_part, sid in _FUSED:
-                if part in name:
-                    name, shard_id = name.replace(part, fused_part), sid
-                    break
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})")
-            param = params[name]
-            get_weight_loader(param)(param, tensor, shard_id)
-            seen.setdefault(name, set()).add(shard_id)
-        missing = [n for n in params if len(seen.get(n, ())) < shards_needed.get(n, 1)]
-        if missing:
-            raise ValueError(f"checkpoint lacks language-model weights for: {missing[:8]}")
-        return set(seen)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    # Parameters are allocated directly in the target dtype, so a 7B model never exists in float32.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+        return self.final_norm(h, delta)
 
 
 def build_language_model(
@@ -358,9 +271,7 @@ def build_language_model(
     attn_backend: str = "auto",
 ) -> Qwen2_5_VLLanguageModel:
     """The LM allocated on ``device`` in ``dtype`` (weights not loaded: see models.base.load_model)."""
-    with _default_dtype(dtype), torch.device(device):
-        model = Qwen2_5_VLLanguageModel(spec, tp, attn_backend)
-    return model.eval()
+    return allocate(lambda: Qwen2_5_VLLanguageModel(spec, tp, attn_backend), dtype, device)
 
 
 def load_language_model(

@@ -9,7 +9,6 @@ attention backend, TP layers loading per-rank slices, residual adds deferred int
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,18 +16,15 @@ import torch
 from torch import Tensor, nn
 
 from workers.engine import fused
-from workers.engine.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from workers.engine.attention import AttentionBackend, AttentionMetadata
 from workers.engine.layers import (
     SINGLE_RANK,
-    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     TPGroup,
-    VocabParallelEmbedding,
-    get_weight_loader,
-    kv_heads_per_rank,
 )
+from workers.engine.models.decoder import PagedDecoder, allocate
 from workers.engine.models.qwen3_vl.moe import (
     DenseMLP,
     SparseMoeBlock,
@@ -258,44 +254,15 @@ class Qwen3VLDecoderLayer(nn.Module):
         return h, out
 
 
-# Checkpoint projections that live inside a fused parameter: (checkpoint part, fused part, shard_id).
-_FUSED: tuple[tuple[str, str, str | int], ...] = (
-    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
-    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
-    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
-    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
-    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
-)
-
-
-class Qwen3VLLanguageModel(nn.Module):
-    """The decoder stack over a flattened batch of new tokens with a paged KV cache.
-
-    ``embed_tokens`` is the (vocab-parallel) embedding module; calling it maps ids [T] -> [T, H].
-    """
+class Qwen3VLLanguageModel(PagedDecoder):
+    """The decoder stack over a flattened batch of new tokens with a paged KV cache."""
 
     def __init__(self, spec: TextSpec, tp: TPGroup = SINGLE_RANK, attn_backend: str = "auto") -> None:
-        super().__init__()
-        self.spec = spec
-        self.tp = tp
-        self.attn_backend_name = attn_backend
-        self._backend: AttentionBackend | None = None  # resolved on first forward, from the input's device
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        super().__init__(spec, tp, attn_backend)
         self.layers = nn.ModuleList([Qwen3VLDecoderLayer(spec, i, tp) for i in range(spec.num_hidden_layers)])
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # same vocab sharding, so one shard serves both
+        self.add_head()
         rows = mrope_rows(spec.mrope_section, spec.mrope_interleaved)
         self.rotary = RotaryTables(spec.head_dim, spec.rope_theta, rows)
-        self.num_kv_heads_local = kv_heads_per_rank(spec.num_key_value_heads, tp.size)
-        self.head_dim = spec.head_dim
-        self._loaded: dict[str, set[object]] = {}  # parameter -> shard ids loaded so far (across calls)
-
-    def attention_backend(self, device: torch.device) -> AttentionBackend:
-        if self._backend is None:
-            self._backend = get_attention_backend(self.attn_backend_name, device)
-        return self._backend
 
     def forward(
         self,
@@ -311,8 +278,7 @@ class Qwen3VLLanguageModel(nn.Module):
         ``deepstack`` = (rows int64 [N] of image tokens in this batch, features [N, L*H]): level i is added
         to those rows after decoder layer i. ``backend`` overrides the model's attention backend (CUDA-graph
         decode uses a fixed-shape one)."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        self.check_kv_caches(kv_caches)
         backend = backend or self.attention_backend(inputs_embeds.device)
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         hidden = self.spec.hidden_size
@@ -334,64 +300,16 @@ class Qwen3VLLanguageModel(nn.Module):
                 # index_add_ is one h + f per row.
                 h, delta = h + delta, None
                 h.index_add_(0, rows, feats[:, i * hidden : (i + 1) * hidden])
-        out: Tensor = self.norm(h) if delta is None else self.norm.add(h, delta)[1]
-        return out
+        return self.final_norm(h, delta)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab], gathered over TP ranks (every rank gets all)."""
-        local = self.lm_head(hidden)
-        full = self.tp.all_gather(local, dim=-1)[..., : self.spec.vocab_size]
-        return full.float()
+    def route(self, name: str) -> tuple[str, object]:
+        """Experts load from fused 3-D tensors (either layout, see moe.py) or per-expert 2-D ones."""
+        routed = expert_shard(name)
+        return routed if routed is not None else super().route(name)
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's KV cache shape on this rank: [2, num_blocks, block_size, kv_heads_local, head_dim]."""
-        return (2, num_blocks, block_size, self.num_kv_heads_local, self.head_dim)
-
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]], partial: bool = False) -> set[str]:
-        """Load canonical ``lm.*`` tensors (see loader.normalize_name); other names are ignored.
-
-        Experts load from fused 3-D tensors (either layout, see moe.py) or per-expert 2-D ones. Returns the
-        parameter names loaded by this call. Unless ``partial`` (more calls follow, then ``check_loaded``),
-        raises if any parameter or shard is still missing."""
-        params = dict(self.named_parameters())
-        names: set[str] = set()
-        for canonical, tensor in weights:
-            if not canonical.startswith("lm."):
-                continue
-            name = canonical[len("lm.") :]
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue  # tied: the embedding already provides it (some exports store a copy)
-            shard_id: object = None
-            routed = expert_shard(name)
-            if routed is not None:
-                name, shard_id = routed
-            else:
-                for part, fused_part, sid in _FUSED:
-                    if part in name:
-                        name, shard_id = name.replace(part, fused_part), sid
-                        break
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})")
-            param = params[name]
-            get_weight_loader(param)(param, tensor, shard_id)
-            self._loaded.setdefault(name, set()).add(shard_id)
-            names.add(name)
-        if not partial:
-            self.check_loaded()
-        return names
-
-    def check_loaded(self) -> None:
-        """Raise, naming them, if parameters (or shards of fused ones) were never loaded; a fused expert
-        tensor (shard id None) covers every expert at once."""
-        missing = []
-        for n, _ in self.named_parameters():
-            need = expert_shards_needed(n, self.spec.num_experts)
-            need = 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else need
-            got = self._loaded.get(n, set())
-            if len(got) < need and None not in got:
-                missing.append(n)
-        if missing:
-            raise ValueError(f"checkpoint lacks language-model weights for: {missing[:8]}")
+    def shards_needed(self, param: str) -> int:
+        needed = expert_shards_needed(param, self.spec.num_experts)
+        return needed if needed != 1 else super().shards_needed(param)
 
 
 def build_language_model(
@@ -403,11 +321,4 @@ def build_language_model(
     attn_backend: str = "auto",
 ) -> Qwen3VLLanguageModel:
     """Allocate the LM on ``device`` in ``dtype`` (weights uninitialised: ``load_weights`` fills them)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters born in the target dtype: a 30B model never exists in fp32
-    try:
-        with torch.device(device):
-            model = Qwen3VLLanguageModel(spec, tp, attn_backend)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return allocate(lambda: Qwen3VLLanguageModel(spec, tp, attn_backend), dtype, device)

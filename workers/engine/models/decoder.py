@@ -1,0 +1,152 @@
+"""What every family's decoder shares: the vocab-parallel embedding and head, the attention backend picked on
+the first forward, logits gathered over TP ranks, the paged KV cache's shape, allocation straight in the
+target dtype, and loading canonical ``lm.*`` checkpoint tensors into fused, sharded parameters.
+
+A family's LM subclasses ``PagedDecoder``: it builds ``self.layers`` between ``super().__init__`` and
+``self.add_head()``, and overrides ``route`` / ``shards_needed`` where its checkpoint has more fused layouts
+(Qwen3-VL-MoE's experts)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from workers.engine.attention import AttentionBackend, get_attention_backend
+from workers.engine.layers import (
+    ParallelLMHead,
+    RMSNorm,
+    TPGroup,
+    VocabParallelEmbedding,
+    get_weight_loader,
+    kv_heads_per_rank,
+)
+
+M = TypeVar("M", bound=nn.Module)
+
+# Checkpoint projections that live inside a fused parameter: (checkpoint part, fused part, shard_id).
+FUSED_PROJECTIONS: tuple[tuple[str, str, str | int], ...] = (
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+)
+
+
+class PagedDecoder(nn.Module):
+    """Base of a decoder over a flattened batch of new tokens with a paged KV cache.
+
+    ``spec`` needs vocab_size, hidden_size, num_key_value_heads, head_dim, rms_norm_eps, tie_word_embeddings.
+    ``embed_tokens`` maps ids [T] -> [T, H] (vocab-parallel)."""
+
+    layers: nn.ModuleList
+
+    def __init__(self, spec: Any, tp: TPGroup, attn_backend: str) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tp = tp
+        self.attn_backend_name = attn_backend
+        self._backend: AttentionBackend | None = None  # resolved on first forward, from the input's device
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        self.num_kv_heads_local = kv_heads_per_rank(spec.num_key_value_heads, tp.size)
+        self.head_dim = spec.head_dim
+        self._loaded: dict[str, set[object]] = {}  # parameter -> shard ids loaded so far
+
+    def add_head(self) -> None:
+        """The final norm and the LM head (after the layers, so parameters keep the checkpoint's order)."""
+        spec = self.spec
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, self.tp)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # same vocab sharding, so one shard serves both
+
+    def attention_backend(self, device: torch.device) -> AttentionBackend:
+        if self._backend is None:
+            self._backend = get_attention_backend(self.attn_backend_name, device)
+        return self._backend
+
+    def check_kv_caches(self, kv_caches: list[Tensor]) -> None:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+
+    def final_norm(self, h: Tensor, delta: Tensor | None) -> Tensor:
+        out: Tensor = self.norm(h) if delta is None else self.norm.add(h, delta)[1]
+        return out
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab], gathered over TP ranks (every rank gets all)."""
+        local = self.lm_head(hidden)
+        full = self.tp.all_gather(local, dim=-1)[..., : self.spec.vocab_size]
+        return full.float()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's KV cache shape on this rank: [2, num_blocks, block_size, kv_heads_local, head_dim]."""
+        return (2, num_blocks, block_size, self.num_kv_heads_local, self.head_dim)
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def route(self, name: str) -> tuple[str, object]:
+        """Checkpoint name (without ``lm.``) -> (parameter name, shard id for its weight loader)."""
+        for part, fused_part, shard_id in FUSED_PROJECTIONS:
+            if part in name:
+                return name.replace(part, fused_part), shard_id
+        return name, None
+
+    def shards_needed(self, param: str) -> int:
+        return 3 if ".qkv_proj." in param else 2 if ".gate_up_proj." in param else 1
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]], partial: bool = False) -> set[str]:
+        """Load canonical ``lm.*`` tensors (see loader.normalize_name); other names are ignored.
+
+        Returns the parameter names loaded by this call. Unless ``partial`` (more calls follow, then
+        ``check_loaded``), raises if any parameter or shard is still missing."""
+        params = dict(self.named_parameters())
+        names: set[str] = set()
+        for canonical, tensor in weights:
+            if not canonical.startswith("lm."):
+                continue
+            name = canonical[len("lm.") :]
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue  # tied: the embedding already provides it (some exports store a copy)
+            name, shard_id = self.route(name)
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})")
+            param = params[name]
+            get_weight_loader(param)(param, tensor, shard_id)
+            self._loaded.setdefault(name, set()).add(shard_id)
+            names.add(name)
+        if not partial:
+            self.check_loaded()
+        return names
+
+    def check_loaded(self) -> None:
+        """Raise, naming them, if parameters (or shards of fused ones) were never loaded; a tensor loaded with
+        shard id None filled its parameter whole."""
+        missing = []
+        for name, _ in self.named_parameters():
+            got = self._loaded.get(name, set())
+            if len(got) < self.shards_needed(name) and None not in got:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks language-model weights for: {missing[:8]}")
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are allocated directly in the target dtype, so a 30B model never exists in float32.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def allocate(factory: Callable[[], M], dtype: torch.dtype, device: torch.device | str) -> M:
+    """``factory()`` built on ``device`` in ``dtype`` (weights uninitialised), in eval mode."""
+    with default_dtype(dtype), torch.device(device):
+        model = factory()
+    return model.eval()
