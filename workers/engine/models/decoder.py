@@ -13,12 +13,17 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.engine import fused
 from workers.engine.attention import AttentionBackend, get_attention_backend
 from workers.engine.layers import (
+    SINGLE_RANK,
+    MergedColumnParallelLinear,
     ParallelLMHead,
     RMSNorm,
+    RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
     get_weight_loader,
@@ -35,6 +40,63 @@ FUSED_PROJECTIONS: tuple[tuple[str, str, str | int], ...] = (
     (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
     (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
 )
+
+
+def decoder_fields(
+    cfg: dict[str, Any], *, default_theta: float, default_section: tuple[int, ...], default_max_len: int
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The decoder fields a Qwen-style config.json spells alike, as (TextSpec fields, the LM's config section,
+    its RoPE section). LM fields sit in ``text_config`` (transformers 5) or at the top level; RoPE in
+    ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta`` (older, type spelled "mrope")."""
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    rope: dict[str, Any] = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise NotImplementedError(f"rope type {rope_type!r} is not supported (only plain M-RoPE)")
+    section = tuple(int(s) for s in rope.get("mrope_section", default_section))
+    if len(section) != 3 or sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section {section} must be 3 sizes summing to head_dim/2 = {head_dim // 2}")
+    if text.get("hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act {text['hidden_act']!r} is not supported")
+    if text.get("use_sliding_window"):
+        raise NotImplementedError("sliding-window attention layers are not supported")
+    fields = {
+        "hidden_size": int(text["hidden_size"]),
+        "num_hidden_layers": int(text["num_hidden_layers"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(text.get("num_key_value_heads") or heads),
+        "head_dim": head_dim,
+        "intermediate_size": int(text["intermediate_size"]),
+        "vocab_size": int(text["vocab_size"]),
+        "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope.get("rope_theta", text.get("rope_theta", default_theta))),
+        "mrope_section": section,
+        "max_position_embeddings": int(text.get("max_position_embeddings", default_max_len)),
+    }
+    return fields, text, rope
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense SwiGLU MLP, gate and up fused into one column-parallel matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE_RANK) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=False, tp=tp
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
+        self.fused = False  # CUDA: silu(gate) * up in one compiled kernel (fused.py)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fused and fused.worth_it(gate_up):
+            out: Tensor = self.down_proj(fused.compiled(fused.silu_mul)(gate_up))
+            return out
+        gate, up = gate_up.chunk(2, dim=-1)
+        result: Tensor = self.down_proj(F.silu(gate) * up)
+        return result
 
 
 class PagedDecoder(nn.Module):

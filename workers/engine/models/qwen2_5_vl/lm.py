@@ -14,21 +14,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.engine import fused
 from workers.engine.attention import AttentionBackend, AttentionMetadata
 from workers.engine.layers import (
     SINGLE_RANK,
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     TPGroup,
 )
 from workers.engine.loader import fill_dummy_weights, iter_safetensors, normalize_name
-from workers.engine.models.decoder import PagedDecoder, allocate
+from workers.engine.models.decoder import PagedDecoder, SwiGLUMLP, allocate, decoder_fields
 
 log = logging.getLogger(__name__)
 
@@ -57,37 +55,13 @@ class TextSpec:
         RoPE settings come from ``rope_parameters`` (transformers 5) or ``rope_scaling`` +
         ``rope_theta`` (older configs, where the type is spelled ``"mrope"``).
         """
-        nested: dict[str, Any] = cfg.get("text_config") or {}
-        text = {**cfg, **nested}
-        heads = int(text["num_attention_heads"])
-        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-        rope: dict[str, Any] = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise NotImplementedError(f"rope type {rope_type!r} is not supported (only plain M-RoPE)")
-        section = tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24)))
-        if sum(section) != head_dim // 2:
-            raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
-        if text.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {text['hidden_act']!r} is not supported")
-        if text.get("use_sliding_window"):
-            raise NotImplementedError("sliding-window attention layers are not supported")
-        return TextSpec(
-            hidden_size=int(text["hidden_size"]),
-            num_hidden_layers=int(text["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            intermediate_size=int(text["intermediate_size"]),
-            vocab_size=int(text["vocab_size"]),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))),
-            mrope_section=section,
-            # transformers 5 keeps the flag at the root; pre-v5 saves put it in text_config. Either wins.
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings"))
-            or bool(nested.get("tie_word_embeddings")),
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        fields, _, _ = decoder_fields(
+            cfg, default_theta=1_000_000.0, default_section=(16, 24, 24), default_max_len=32768
         )
+        nested: dict[str, Any] = cfg.get("text_config") or {}
+        # transformers 5 keeps the flag at the root; pre-v5 saves put it in text_config. Either wins.
+        tie = bool(cfg.get("tie_word_embeddings")) or bool(nested.get("tie_word_embeddings"))
+        return TextSpec(tie_word_embeddings=tie, **fields)
 
 
 class MRotaryEmbedding(nn.Module):
@@ -179,28 +153,11 @@ class Qwen2_5_VLAttention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
 
-class Qwen2_5_VLMLP(nn.Module):
-    def __init__(self, spec: TextSpec, tp: TPGroup) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            spec.hidden_size, [spec.intermediate_size, spec.intermediate_size], bias=False, tp=tp
-        )
-        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, bias=False, tp=tp)
-        self.fused = False  # CUDA: silu(gate) * up in one compiled kernel (fused.py)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fused and fused.worth_it(gate_up):
-            return self.down_proj(fused.compiled(fused.silu_mul)(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class Qwen2_5_VLDecoderLayer(nn.Module):
     def __init__(self, spec: TextSpec, tp: TPGroup) -> None:
         super().__init__()
         self.self_attn = Qwen2_5_VLAttention(spec, tp)
-        self.mlp = Qwen2_5_VLMLP(spec, tp)
+        self.mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

@@ -24,9 +24,8 @@ from workers.engine.layers import (
     RowParallelLinear,
     TPGroup,
 )
-from workers.engine.models.decoder import PagedDecoder, allocate
+from workers.engine.models.decoder import PagedDecoder, SwiGLUMLP, allocate, decoder_fields
 from workers.engine.models.qwen3_vl.moe import (
-    DenseMLP,
     SparseMoeBlock,
     expert_shard,
     expert_shards_needed,
@@ -72,44 +71,19 @@ class TextSpec:
 
         RoPE comes from ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta``.
         """
+        fields, text, rope = decoder_fields(
+            cfg, default_theta=500_000.0, default_section=(24, 20, 20), default_max_len=128_000
+        )
         nested: dict[str, Any] = cfg.get("text_config") or {}
-        text = {**cfg, **nested}
-        heads = int(text["num_attention_heads"])
-        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-        rope: dict[str, Any] = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise NotImplementedError(f"rope type {rope_type!r} is not supported (only plain M-RoPE)")
-        section = tuple(int(s) for s in rope.get("mrope_section", (24, 20, 20)))
-        if len(section) != 3 or sum(section) != head_dim // 2:
-            raise ValueError(
-                f"mrope_section {section} must be 3 sizes summing to head_dim/2 = {head_dim // 2}"
-            )
-        if text.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {text['hidden_act']!r} is not supported")
-        if text.get("use_sliding_window"):
-            raise NotImplementedError("sliding-window attention layers are not supported")
         # transformers 5 reads the flag at the root (the MoE text_config even carries a contradicting default);
         # top-level-only layouts have it at the root too. text_config decides only when the root lacks it.
-        tie = (
-            cfg["tie_word_embeddings"] if "tie_word_embeddings" in cfg else nested.get("tie_word_embeddings")
-        )
+        tie = cfg["tie_word_embeddings"] if "tie_word_embeddings" in cfg else nested.get("tie_word_embeddings")
         return TextSpec(
-            hidden_size=int(text["hidden_size"]),
-            num_hidden_layers=int(text["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            intermediate_size=int(text["intermediate_size"]),
-            vocab_size=int(text["vocab_size"]),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 500_000.0))),
-            mrope_section=section,
             # transformers' Qwen3-VL always interleaves (it ignores the flag); every checkpoint says true.
             mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
             tie_word_embeddings=bool(tie),
-            max_position_embeddings=int(text.get("max_position_embeddings", 128_000)),
             attention_bias=bool(text.get("attention_bias", False)),
+            **fields,
             **moe_fields(text),
         )
 
@@ -229,7 +203,7 @@ class Qwen3VLDecoderLayer(nn.Module):
                 spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size, tp
             )
         else:
-            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, tp)
+            self.mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 

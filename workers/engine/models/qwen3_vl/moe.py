@@ -34,8 +34,6 @@ from torch import Tensor, nn
 from workers.engine import fused
 from workers.engine.layers import (
     SINGLE_RANK,
-    MergedColumnParallelLinear,
-    RowParallelLinear,
     TPGroup,
     divide,
     set_weight_loader,
@@ -61,25 +59,6 @@ def moe_fields(text: dict[str, Any]) -> dict[str, Any]:
         "decoder_sparse_step": step,
         "mlp_only_layers": tuple(int(i) for i in text.get("mlp_only_layers") or ()),
     }
-
-
-class DenseMLP(nn.Module):
-    """Dense SwiGLU MLP, gate and up fused into one column-parallel matmul."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE_RANK) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias=False, tp=tp
-        )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
-        self.fused = False  # CUDA: silu(gate) * up in one compiled kernel (fused.py)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fused and fused.worth_it(gate_up):
-            return self.down_proj(fused.compiled(fused.silu_mul)(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
