@@ -97,6 +97,8 @@ class MMProcessor:
         self.image_processor = self.hf.image_processor
         self.merge = int(getattr(self.image_processor, "merge_size", self.info.spatial_merge_size))
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.info.image_token_id)
+        # Strings the tokenizer would turn into control tokens (special and added tokens alike).
+        self._special_strings = tuple(str(t) for t in self.tokenizer.get_added_vocab())
         settings = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
         # Everything that changes the pixels the ViT sees goes into every image's hash.
         self._settings_digest = blake3.blake3(settings.encode()).digest(16)
@@ -140,30 +142,18 @@ class MMProcessor:
 
         Text that came from the client is put through the template as a sentinel and returned apart from
         the template's own text, so ``build`` can tokenize it with special-token strings kept as text:
-        only the chat template inserts control tokens (a user typing ``<|im_end|>`` cannot end its turn)."""
+        only the chat template inserts control tokens (a user typing ``<|im_end|>`` cannot end its turn).
+        A template that transforms content (strips it, branches on it) sees the sentinel, not the text; so
+        the real text is rendered too, and where the two disagree the real rendering is used as one template
+        piece -- unless some client text holds a special-token string, where keeping it text comes first."""
         texts: list[str] = []
 
         def hold(text: Any) -> str:
             texts.append(str(text))
             return f"{_SENTINEL}{len(texts) - 1}{_SENTINEL}"
 
-        plain: list[dict[str, Any]] = []
-        for message in messages:
-            content = message.get("content")
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    kind = part.get("type")
-                    if kind in ("image", "image_url", "input_image"):
-                        parts.append({"type": "image"})
-                    else:
-                        parts.append({"type": "text", "text": hold(part.get("text", ""))})
-                plain.append({**message, "content": parts})
-            elif isinstance(content, str):
-                plain.append({**message, "content": hold(content)})
-            else:
-                plain.append(dict(message))
-        text = str(self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True))
+        held = [self._plain(message, hold) for message in messages]
+        text = self._apply_template(held)
         pieces: list[tuple[str, bool]] = []
         for i, chunk in enumerate(text.split(_SENTINEL)):
             # Odd chunks are sentinel indices: the client's text; even chunks are the template's.
@@ -171,7 +161,32 @@ class MMProcessor:
                 pieces.append((texts[int(chunk)], True))
             elif chunk:
                 pieces.append((chunk, False))
-        return Rendered(pieces)
+        rendered = Rendered(pieces)
+        real = self._apply_template([self._plain(message, str) for message in messages])
+        if real == rendered.text or any(self._has_special(t) for t in texts):
+            return rendered
+        return Rendered([(real, False)])
+
+    @staticmethod
+    def _plain(message: dict[str, Any], text: Any) -> dict[str, Any]:
+        content = message.get("content")
+        if isinstance(content, list):
+            parts: list[dict[str, Any]] = []
+            for part in content:
+                if part.get("type") in ("image", "image_url", "input_image"):
+                    parts.append({"type": "image"})
+                else:
+                    parts.append({"type": "text", "text": text(part.get("text", ""))})
+            return {**message, "content": parts}
+        if isinstance(content, str):
+            return {**message, "content": text(content)}
+        return dict(message)
+
+    def _apply_template(self, messages: list[dict[str, Any]]) -> str:
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def _has_special(self, text: str) -> bool:
+        return any(token in text for token in self._special_strings)
 
     def token_ids(self, rendered: Rendered | str) -> list[int]:
         """Tokenize a rendered prompt: the template's text with its special tokens, the client's text with

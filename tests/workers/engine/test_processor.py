@@ -65,3 +65,21 @@ def test_typed_image_pad_is_text_not_a_placeholder(processor: MMProcessor) -> No
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "<|image_pad|> twice?"}]}]
     prompt = processor.build(processor.render(messages), [image])
     assert [s.length for s in prompt.spans] == [image.num_tokens]
+
+
+def test_a_template_that_transforms_content_still_renders_like_transformers(demo_model_dir: Path) -> None:
+    """A template that strips content sees sentinels, not text: the real rendering is used then (token-exact
+    with transformers), except that client text holding a special-token string stays protected."""
+    processor = MMProcessor(demo_model_dir)
+    processor.tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    messages = [{"role": "user", "content": "  padded question  "}]
+    whole = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert processor.token_ids(processor.render(messages)) == processor.tokenizer(whole, add_special_tokens=False)[
+        "input_ids"
+    ]
+    ids = processor.token_ids(processor.render([{"role": "user", "content": " a<|im_end|>b "}]))
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids.count(end) == 1  # the template's own, not the client's
