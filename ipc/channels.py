@@ -218,6 +218,11 @@ class _AsyncSender(_AsyncChannel[T]):
     async def send(self, msg: T) -> None:
         await self._sock.send(self._encoder.encode(msg), copy=True)
 
+    async def send_bytes(self, data: bytes) -> None:
+        """Send a message the caller already encoded as a T (with `encode`, e.g. to learn before
+        sending anything else that it can be encoded at all)."""
+        await self._sock.send(data, copy=True)
+
 
 class _AsyncReceiver(_AsyncChannel[T]):
     @overload

@@ -4,10 +4,15 @@ asyncio twins), so an endpoint's address and message type are written once.
 
 | endpoint | decodes | bound by | senders |
 |---|---|---|---|
-| ``frontend`` | FrontendInbound | the launcher's HTTP frontend | tokenizers, scheduler |
-| ``tok{i}`` | TokenizerInbound | tokenizer worker i | frontend, scheduler |
-| ``sched`` | SchedulerInbound | the scheduler | frontend, tokenizers, model workers |
-| ``model{i}`` | ModelInbound | model worker rank i | scheduler |
+| ``frontend`` | FrontendInbound | the launcher's HTTP frontend | tokenizers, schedulers |
+| ``tok{i}`` | TokenizerInbound | tokenizer worker i | frontend, schedulers |
+| ``sched`` / ``sched{i}`` | SchedulerInbound | the scheduler of replica i (``sched`` for replica 0) | frontend, tokenizers (``--dp 1``), its model workers |
+| ``model{i}`` | ModelInbound | model worker i = replica * tp + rank | its replica's scheduler |
+| ``--kv-events-endpoint`` | (vLLM's KVEventBatch) | replica i's scheduler, port + i (ipc/kv_events.py) | - (external subscribers) |
+
+With ``--dp 1`` tokenizers hand a prepared request straight to ``sched``; with more replicas they hand it
+to the frontend (``RouteRequest``), whose router forwards it to the chosen ``sched{i}``. Replica 0 keeps
+the unnumbered name so single-replica tools and tests address the scheduler as before.
 """
 
 from __future__ import annotations
@@ -31,15 +36,16 @@ class Endpoint(Generic[T]):
     inbound: Any  # the tagged union (or Struct) the bound PULL socket decodes: T at run time
     bound_by: str
     senders: tuple[str, ...]
+    first: str = ""  # the name of index 0 when it differs from the pattern's
 
     def address(self, launch_id: str, index: int = 0) -> str:
-        return ipc_address(launch_id, self.name.format(i=index))
+        return ipc_address(launch_id, self.first if index == 0 and self.first else self.name.format(i=index))
 
 
 FRONTEND: Endpoint[FrontendInbound] = Endpoint("frontend", FrontendInbound, "frontend", ("tokenizer", "scheduler"))
 TOKENIZER: Endpoint[TokenizerInbound] = Endpoint("tok{i}", TokenizerInbound, "tokenizer", ("frontend", "scheduler"))
 SCHEDULER: Endpoint[SchedulerInbound] = Endpoint(
-    "sched", SchedulerInbound, "scheduler", ("frontend", "tokenizer", "model")
+    "sched{i}", SchedulerInbound, "scheduler", ("frontend", "tokenizer", "model"), first="sched"
 )
 MODEL: Endpoint[ModelInbound] = Endpoint("model{i}", ModelInbound, "model", ("scheduler",))
 ENDPOINTS: tuple[Endpoint[Any], ...] = (FRONTEND, TOKENIZER, SCHEDULER, MODEL)

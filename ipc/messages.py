@@ -17,8 +17,17 @@ class Msg(msgspec.Struct, frozen=True, tag=True, tag_field="kind"):
     """Base of every message that travels alone on a socket: tagged, so a channel decodes a union."""
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Per-request sampling settings (OpenAI's names where they exist)."""
+class StructuredSpec(msgspec.Struct, frozen=True, array_like=True):
+    """What a structured output must match, as the request gave it (small: the worker compiles it, and
+    caches the compiled grammar under this value)."""
+
+    kind: str  # "json_schema" (value: the schema), "json_object", "regex", "choice" (a JSON list), "lark"
+    value: str = ""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Per-request sampling settings (OpenAI's names where they exist). Encoded without the fields left at
+    their defaults: every NewSeq of a plan carries one, and most requests set a few fields."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
@@ -28,10 +37,52 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's penalties subtract from the logits of tokens already generated; repetition_penalty (vLLM's,
+    # after transformers) divides a positive logit / multiplies a negative one of tokens in the prompt or output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's log probability and the k best
+    n: int = 1  # choices: the prompt is computed once, then forked into n sequences (see Fork)
+    structured: StructuredSpec | None = None  # tokens are drawn only from what this grammar allows
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-5
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the tokens seen so far (prompt and output counts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Model worker -> scheduler: log probabilities of one sampled token (token ids, not text yet)."""
+
+    rid: str
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class TopLogprob(msgspec.Struct, frozen=True):
+    """OpenAI's ``top_logprobs`` entry, as the scheduler renders it (the frontend copies it into JSON)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """OpenAI's ``logprobs.content[]`` entry of one generated token."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
 
 
 class MMItem(msgspec.Struct, frozen=True):
@@ -42,6 +93,9 @@ class MMItem(msgspec.Struct, frozen=True):
     length: int  # number of tokens in the span (t * h * w // merge**2)
     grid: tuple[int, int, int]  # (t, h, w) in patches, as the image processor reports it
     pixels: ShmRef | None = None  # None when pixels live in-process (offline Engine)
+    # A video's frame group (one temporal patch of frames, its own item: encoded, cached and split across
+    # chunks like an image): (its index in the video, its temporal M-RoPE offset). None: an image.
+    frame: tuple[int, int] | None = None
 
 
 class NewSeq(msgspec.Struct, frozen=True):
@@ -55,6 +109,9 @@ class NewSeq(msgspec.Struct, frozen=True):
     items: list[MMItem]
     sampling: SamplingParams
     mm_key: bytes = b""  # baseline mode only: the combined hash of all the request's images
+    # After a preemption input_ids is prompt + tokens generated so far: the last num_output of them are output
+    # (presence/frequency penalties and min_tokens count only those).
+    num_output: int = 0
 
 
 class SeqChunk(msgspec.Struct, frozen=True):
@@ -85,6 +142,20 @@ class EncodeJob(msgspec.Struct, frozen=True):
     transient: bool = False
 
 
+class Fork(msgspec.Struct, frozen=True, array_like=True):
+    """Choice ``index`` of an n > 1 request starts as a copy of ``parent`` right after the parent's prompt is
+    computed (this step): it shares the prompt's full KV blocks, gets its own copy of the partial last one
+    (``copy``: source block -> destination block, after this step's forward wrote it), and samples its first
+    token from the parent's logits. No second prefill, no second image encode."""
+
+    parent: str
+    child: str
+    index: int
+    block_table: list[int]
+    copy: tuple[int, int] | None
+    seed: int | None  # the parent's seed + index, as vLLM offsets it, so choices differ under one seed
+
+
 class StepPlan(Msg, frozen=True):
     step_id: int
     new_seqs: list[NewSeq]
@@ -93,6 +164,7 @@ class StepPlan(Msg, frozen=True):
     encode: list[EncodeJob]
     finished: list[str]  # rids whose worker-side state can be dropped
     sent_at: float = 0.0  # time.monotonic() when the scheduler encoded it (one clock for the whole host)
+    forks: list[Fork] = []
 
 
 class StepResult(Msg, frozen=True):
@@ -100,6 +172,7 @@ class StepResult(Msg, frozen=True):
     sampled: list[tuple[str, int]]  # (rid, token id) for every chunk with sample=True
     images_encoded: int = 0
     vit_calls: int = 0
+    logprobs: list[SampleLogprobs] = []  # for the sampled rows whose request asked for them
 
 
 # ---- serving: frontend <-> tokenizer workers <-> scheduler <-> model workers ---------------------
@@ -112,10 +185,13 @@ class GenerateRequest(Msg, frozen=True):
     rid: str
     body: bytes
     arrival: float  # time.time() when the frontend received it
+    endpoint: str = "chat"  # which body it is: "chat" (/v1/chat/completions) or "completion" (/v1/completions)
 
 
 class AbortRequest(Msg, frozen=True):
-    """Frontend -> scheduler: the client went away or the server is failing the request."""
+    """Frontend -> scheduler: the client went away or the server is failing the request. Also
+    frontend -> the request's tokenizer while that one has not answered yet: it stops fetching
+    and preparing the request, and answers RequestFailed so the frontend frees its slot."""
 
     rid: str
 
@@ -135,6 +211,10 @@ class RequestAccepted(Msg, frozen=True):
     model: str
     prompt_tokens: int
     worker: int
+    n: int = 1  # choices: outputs carry their index; the answer ends when all n finished
+    endpoint: str = "chat"  # "chat" (/v1/chat/completions) or "completion" (/v1/completions)
+    echo: str = ""  # completions with echo: the prompt's text, put before each choice's text
+    logprobs: bool = False  # the answer carries logprobs (even where a token has none to report)
 
 
 class RequestFailed(Msg, frozen=True):
@@ -158,6 +238,29 @@ class TokenizedRequest(Msg, frozen=True):
     sampling: SamplingParams
     shm_names: list[str]  # segments this request holds a name of; the scheduler unlinks them at the end
     shm_bytes: int
+    tool_parser: str = ""  # "hermes": parse <tool_call>{json}</tool_call> blocks of the output into tool calls
+
+
+class RouteRequest(Msg, frozen=True):
+    """Tokenizer -> frontend with ``--dp`` > 1: a prepared request and what its router scores replicas by (the
+    content keys the replica's caches use), sent after RequestAccepted. The frontend forwards ``request``, the
+    encoded TokenizedRequest, unchanged to the chosen replica's scheduler."""
+
+    rid: str
+    prompt_tokens: int
+    blocks: list[bytes]  # prefix-cache keys of the prompt's first full blocks (kv_cache.block_hashes)
+    images: list[tuple[bytes, int, int]]  # (content hash, first token, tokens) of each distinct image
+    request: msgspec.Raw
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A piece of a tool call parsed from the model's output: the first piece of call ``index`` carries its
+    id and function name, later ones more argument text (OpenAI's streamed ``tool_calls`` deltas)."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
 
 
 class RequestOutput(msgspec.Struct, frozen=True):
@@ -169,6 +272,10 @@ class RequestOutput(msgspec.Struct, frozen=True):
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one entry per token of token_ids, when asked for
+    index: int = 0  # the choice (n > 1)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class OutputBatch(Msg, frozen=True):
@@ -218,16 +325,22 @@ class SchedulerStats(Msg, frozen=True):
     plan_bytes_max: int = 0
     workers: list[WorkerStats] = []
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
+    prompt_tokens_computed: int = 0  # prompt tokens run through the LM (prefill work; n > 1 computes a prompt once)
     gpu_peak_bytes: int = 0  # highest step peak over ranks since the engine was last idle
     gpu_idle_bytes: int = 0  # allocated when the engine was last idle (the steady part of the peak)
+    replica: int = 0  # which data-parallel replica's scheduler sent it (--dp)
 
 
 class TokenizerStats(Msg, frozen=True):
     worker: int
-    queue_depth: int
+    queue_depth: int  # requests this tokenizer is working on (fetching, waiting for or using the CPU)
     requests: int
     images: int
     images_reused: int  # served from a live shm segment: not decoded, processed or written again
+    videos: int = 0
+    videos_decoded: int = 0  # videos with at least one frame group decoded (the others: every group linked)
+    video_frames_decoded: int = 0
+    video_groups_reused: int = 0  # frame groups linked from a live shm segment
 
 
 class ProcessReady(Msg, frozen=True):
@@ -247,8 +360,10 @@ class WorkerFailed(Msg, frozen=True):
     message: str
 
 
-FrontendInbound = RequestAccepted | RequestFailed | OutputBatch | SchedulerStats | TokenizerStats | ProcessReady
-TokenizerInbound = GenerateRequest | SchedulerStats | Shutdown
+FrontendInbound = (
+    RequestAccepted | RequestFailed | OutputBatch | SchedulerStats | TokenizerStats | ProcessReady | RouteRequest
+)
+TokenizerInbound = GenerateRequest | AbortRequest | SchedulerStats | Shutdown
 SchedulerInbound = (
     TokenizedRequest | AbortRequest | StepResult | WorkerFailed | WorkerStats | ProcessReady | Shutdown
 )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Self
 
 import msgspec
 
-from ipc.launch import shm_prefix
+from ipc.launch import cleanup_launch_dir, dead_launch_dirs, launch_owner_gone, shm_prefix
 
 if TYPE_CHECKING:
     import torch
@@ -282,6 +282,34 @@ def sweep(launch_id: str) -> int:
     skipped), so the launcher can call it at start, on clean stop and after a crash.
     """
     return sum(_unlink_path(os.path.join(SHM_DIR, name)) for name in list_segments(launch_id))
+
+
+def sweep_dead_launches() -> dict[str, int]:
+    """Remove the segments and socket directories of every launch whose owner is gone (see
+    ipc.launch.launch_owner_gone); returns segments removed per launch id. Launches of other
+    users, other pid namespaces or hand-made ids are left alone."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        entries = []
+    ids = {e.removeprefix("glimpse-").split("-", 1)[0] for e in entries if e.startswith("glimpse-")}
+    removed: dict[str, int] = {}
+    for launch_id in sorted(ids):
+        if launch_owner_gone(launch_id):  # False for anything that is not an id made by new_launch_id
+            prefix = shm_prefix(launch_id)
+            # Another user's segment in the sticky /dev/shm cannot be unlinked: skip, not fail.
+            removed[launch_id] = sum(_try_unlink(os.path.join(SHM_DIR, e)) for e in entries if e.startswith(prefix))
+    for launch_id in dead_launch_dirs():
+        cleanup_launch_dir(launch_id)
+        removed.setdefault(launch_id, 0)
+    return removed
+
+
+def _try_unlink(path: str) -> bool:
+    try:
+        return _unlink_path(path)
+    except PermissionError:
+        return False
 
 
 def segment_name(launch_id: str, key: str) -> str:

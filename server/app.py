@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -24,8 +25,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ipc.messages import RequestAccepted, RequestFailed, RequestOutput
 from server import protocol
 from server.config import ServerConfig
-from server.frontend import DISCONNECTED, Disconnected, Flight, FlightEvent, FrontendState, Outcome
+from server.frontend import (
+    DISCONNECTED,
+    Disconnected,
+    Flight,
+    FlightEvent,
+    FrontendState,
+    NoTokenizer,
+    Outcome,
+)
 from server.protocol import error_response
+from server.responder import answer_for
 
 __all__ = ["ChatResponder", "FrontendState", "create_app"]
 
@@ -53,13 +63,21 @@ class ChatResponder:
     """The ASGI answer to one chat request. The handler returns it instead of a Response so it
     can watch `receive` for a disconnect for the whole request, before and after the headers."""
 
-    def __init__(self, state: FrontendState, body: bytes) -> None:
+    def __init__(self, state: FrontendState, body: bytes, endpoint: str = "chat") -> None:
         self.state = state
+        self.endpoint = endpoint
         self.body = body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
-        flight = await state.submit(self.body)
+        try:
+            flight = await state.submit(self.body, self.endpoint)
+        except NoTokenizer:
+            state.book.counters.failed += 1
+            message = "Service unavailable: no tokenizer is running (one is restarting); retry shortly."
+            body = protocol.error_payload(message, "server_error", code="service_unavailable")
+            await protocol.send_json(send, 503, body)
+            return
         self.body = b""  # a large body need not live as long as a long generation
         watcher = asyncio.create_task(_watch_disconnect(receive, flight.queue))
         outcome: Outcome = "aborted"  # what an exception or a cancellation means to the scheduler
@@ -84,56 +102,55 @@ class ChatResponder:
                 return "failed"
             else:
                 return "aborted"
-        stream, created, metrics = event.stream, int(flight.arrival), self.state.metrics
-        writer = protocol.ChunkWriter(flight.rid, created, event.model)
+        stream, metrics = event.stream, self.state.metrics
+        # n choices, logprobs, tool calls and the endpoint's shapes are the answer's business (server/responder.py).
+        answer = answer_for(flight.rid, int(flight.arrival), event)
         if stream:
             await send({"type": "http.response.start", "status": 200, "headers": protocol.SSE_HEADERS})
-            await send({"type": "http.response.body", "body": writer.role(), "more_body": True})
-        texts: list[str] = []  # stream: text since the last write; otherwise the whole answer
+            await send({"type": "http.response.body", "body": answer.start(), "more_body": True})
         first_text = True
         while True:
-            last: RequestOutput | RequestFailed | None = None
+            failed: RequestFailed | None = None
             for ev in await _next_batch(flight, early):
                 if isinstance(ev, Disconnected):
                     return "aborted"
                 if isinstance(ev, RequestFailed):
-                    last = ev
+                    failed = ev
                     break
                 if isinstance(ev, RequestOutput):
-                    if ev.text and first_text:
+                    if (ev.text or ev.tool_calls) and first_text:
                         first_text = False
                         metrics.ttft.observe(time.time() - flight.arrival)
-                    texts.append(ev.text)
-                    if ev.finish_reason is not None:
-                        last = ev
-                        break
+                    answer.add(ev)
             if not stream:
-                if isinstance(last, RequestFailed):
-                    await protocol.send_json(send, last.status, protocol.failed_payload(last))
-                elif last is not None:
-                    body = protocol.completion_body(flight.rid, created, event.model, "".join(texts), last)
-                    await protocol.send_json(send, 200, body)
+                if failed is not None:
+                    await protocol.send_json(send, failed.status, protocol.failed_payload(failed))
+                elif answer.done:
+                    await protocol.send_json(send, 200, answer.body())
             else:
-                # Everything that arrived since the last write goes out as one chunk and one send:
-                # a loop that fell behind catches up instead of paying per-token overhead.
-                text = "".join(texts)
-                texts.clear()
-                chunks = [writer.content(text)] if text else []
-                if isinstance(last, RequestFailed):  # the status line is gone: report in-band
-                    chunks.append(protocol.error_event(last))
-                elif last is not None:
-                    chunks.append(writer.end(last, event.include_usage))
-                if chunks:
-                    await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": last is None})
-            if isinstance(last, RequestFailed):
+                # Everything that arrived since the last write goes out in one send: a loop that fell
+                # behind catches up instead of paying per-token overhead.
+                body = answer.flush()
+                if failed is not None:  # the status line is gone: report in-band, then end as every stream does
+                    body += protocol.error_event(failed) + protocol.SSE_DONE
+                if body:
+                    more = failed is None and not answer.done
+                    await send({"type": "http.response.body", "body": body, "more_body": more})
+            if failed is not None:
                 return "failed"
-            if last is not None:
+            if answer.done:
                 metrics.e2e.observe(time.time() - flight.arrival)
                 return "ok"
 
 
 class _TooLarge(Exception):
     pass
+
+
+def _is_json(content_type: str) -> bool:
+    """A JSON media type, or none at all (clients that send a bare body); parameters are ignored."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media in ("", "application/json") or media.endswith("+json")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -172,13 +189,17 @@ class _ApiKeyMiddleware:
 def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     """The OpenAI-compatible app over `state`. Its lifespan starts the pump; closing is the launcher's."""
 
-    async def chat_completions(request: Request) -> Response | ChatResponder:
+    async def chat_completions(request: Request, endpoint: str = "chat") -> Response | ChatResponder:
         counters = state.book.counters
         counters.total += 1
         if state.failed is not None or state.draining:
             counters.failed += 1
             reason = state.failed or "server is shutting down"
             return error_response(503, f"Service unavailable: {reason}", "server_error", code="service_unavailable")
+        if not _is_json(request.headers.get("content-type", "")):
+            counters.failed += 1
+            message = "The request body must be JSON: send it with 'Content-Type: application/json'."
+            return error_response(400, message, code="invalid_content_type")
         try:
             body = await _read_body(request, config.max_body_bytes)
         except _TooLarge:
@@ -188,7 +209,19 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         except ClientDisconnect:
             counters.aborted += 1
             return Response(status_code=400)  # nobody is listening; uvicorn drops it
-        return ChatResponder(state, body)
+        return ChatResponder(state, body, endpoint)
+
+    async def completions(request: Request) -> Response | ChatResponder:
+        return await chat_completions(request, "completion")
+
+    async def model(request: Request) -> Response:
+        if request.path_params["model"] != config.served_model_name:
+            message = f"The model `{request.path_params['model']}` does not exist."
+            return error_response(404, message, param="model", code="model_not_found")
+        card = protocol.ModelCard(
+            id=config.served_model_name, created=int(state.book.started), max_model_len=config.max_model_len
+        )
+        return Response(protocol.encode(card), media_type="application/json")
 
     async def models(request: Request) -> Response:
         card = protocol.ModelCard(
@@ -229,12 +262,21 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/admin/stats", admin_stats, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     middleware = [Middleware(_ApiKeyMiddleware, api_key=config.api_key)] if config.api_key else []
+    if config.allowed_origins:
+        # Outermost: a browser's preflight (OPTIONS, no credentials) is answered before the key check.
+        cors = Middleware(
+            CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+            allow_headers=["*"], max_age=600,
+        )
+        middleware.insert(0, cors)
     return Starlette(
         routes=routes,
         middleware=middleware,

@@ -11,7 +11,15 @@ Launcher usage, all on the serving loop:
     await state.wait_ready(t)       # scheduler + every tokenizer sent ProcessReady
     app = create_app(config, state) # serve with uvicorn
     state.fail_all(msg)             # a child died (other threads: fail_all_threadsafe)
+    state.tokenizer_down(i, msg)    # tokenizer i died: its unanswered requests get 503, the rest go on
     await state.drain(t); await state.send_shutdown(); await state.close(linger_ms=500)
+
+With ``--dp`` > 1 the tokenizers hand prepared requests back here (``RouteRequest``) and the router
+(server/router.py) forwards each to one replica's scheduler; aborts then go to that replica alone.
+
+Routing counts what each tokenizer really has in hand: a request holds its tokenizer's slot from the
+moment it is sent until that tokenizer answers (RequestAccepted or RequestFailed), also after its
+client went away, since the tokenizer may still be working on it until our AbortRequest reaches it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +36,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from ipc import endpoints
 from ipc.channels import AsyncPullSocket, AsyncPushSocket, new_async_context
 from ipc.launch import ipc_address
 from ipc.messages import (
@@ -39,14 +49,18 @@ from ipc.messages import (
     RequestAccepted,
     RequestFailed,
     RequestOutput,
+    RouteRequest,
     SchedulerStats,
     Shutdown,
     TokenizerStats,
 )
 from server.config import ServerConfig
+from server.pool_stats import PoolCollector
+from server.router import Router
 from server.stats import Metrics, StatsBook
 
 logger = logging.getLogger("glimpse.frontend")
+_ABORTS_KEPT = 65536  # rids remembered for an abort until their RouteRequest comes (old ones fall out)
 
 
 class Disconnected:
@@ -66,7 +80,11 @@ class Flight:
     worker: int
     arrival: float
     queue: asyncio.Queue[FlightEvent] = field(default_factory=asyncio.Queue)
-    holds_slot: bool = True  # counted in its tokenizer's `outstanding` until the tokenizer answers
+    replica: int = 0  # the scheduler it went to; -1 while a --dp router has not chosen one yet
+
+
+class NoTokenizer(Exception):
+    """Every tokenizer is down (restarting): the request cannot be taken now."""
 
 
 class FrontendState:
@@ -81,22 +99,37 @@ class FrontendState:
         # Senders are typed Msg: they only encode, and they carry several message kinds each.
         self.tokenizers: list[AsyncPushSocket[Msg]] = []
         self.scheduler: AsyncPushSocket[Msg] | None = None
+        self.dp = max(1, config.dp_size)
+        self.schedulers: list[AsyncPushSocket[Msg]] = []  # one per replica; ``scheduler`` is replica 0's
         try:
             for name in [f"tok{i}" for i in range(n)]:
                 self.tokenizers.append(AsyncPushSocket[Msg](self._ctx, ipc_address(lid, name), Msg, False))
-            self.scheduler = AsyncPushSocket[Msg](self._ctx, ipc_address(lid, "sched"), Msg, False)
+            for r in range(self.dp):
+                self.schedulers.append(AsyncPushSocket[Msg](self._ctx, endpoints.SCHEDULER.address(lid, r), Msg, False))
+            self.scheduler = self.schedulers[0]
         except BaseException:
             self._close_sockets(0)
             raise
         self.flights: dict[str, Flight] = {}
-        self.outstanding: list[int] = [0] * n  # per tokenizer: sent, not yet accepted or failed
+        self.slots: dict[str, int] = {}  # rid -> the tokenizer working on it (sent, not yet answered)
+        self.outstanding: list[int] = [0] * n  # per tokenizer: its slots (the same list Metrics reads)
+        self.tokenizer_up: list[bool] = [True] * n  # False from its death until its successor is ready
         self.book = StatsBook()
         self.metrics = Metrics(self.book, self.outstanding)
+        self.router = Router(
+            self.dp, config.engine.block_size, config.engine.max_num_seqs, config.dp_routing == "affinity"
+        )
+        self.book.routing, self.book.tp_size = self.router.views, config.engine.tp_size
+        pool = PoolCollector(self.book, self.router.views, self.outstanding, config.served_model_name,
+                             config.engine.block_size)
+        self.metrics.registry.register(pool)
+        # Requests to drop as soon as their RouteRequest arrives (aborted before a replica was chosen).
+        self._abort_on_route: OrderedDict[str, None] = OrderedDict()
         self.failed: str | None = None  # set when a child died: everything answers 503 from then on
         self.draining = False
         # Every ProcessReady, for the launcher to log or inspect; readiness itself is `wait_ready`.
         self.ready_messages: asyncio.Queue[ProcessReady] = asyncio.Queue()
-        self._awaiting = {("scheduler", 0)} | {("tokenizer", i) for i in range(n)}
+        self._awaiting = {("scheduler", r) for r in range(self.dp)} | {("tokenizer", i) for i in range(n)}
         self._ready, self._idle = asyncio.Event(), asyncio.Event()
         self._idle.set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -142,7 +175,7 @@ class FrontendState:
 
     async def send_shutdown(self, reason: str = "") -> None:
         """Ask the scheduler and every tokenizer to exit (then close with a linger so it gets out)."""
-        for sock in [self._sched, *self.tokenizers]:
+        for sock in [*self.schedulers, *self.tokenizers]:
             await sock.send(Shutdown(reason))
 
     async def close(self, linger_ms: int = 0) -> None:
@@ -155,9 +188,9 @@ class FrontendState:
         self._close_sockets(linger_ms)
 
     def _close_sockets(self, linger_ms: int) -> None:
-        for sock in [self.inbound, *self.tokenizers, self.scheduler]:
-            if sock is not None:
-                sock.close(linger_ms)
+        self.inbound.close(linger_ms)
+        for sock in [*self.tokenizers, *self.schedulers]:
+            sock.close(linger_ms)
         if self._own_ctx:
             self._ctx.term()
 
@@ -191,72 +224,153 @@ class FrontendState:
                 flight = self.flights.get(out.rid)
                 if flight is not None:  # unknown rid: the client already left
                     flight.queue.put_nowait(out)
+        elif isinstance(msg, RouteRequest):
+            self._route(msg)
         elif isinstance(msg, RequestAccepted | RequestFailed):
+            self._release_slot(msg.rid)  # the tokenizer's part is over (also for a forgotten flight)
+            if isinstance(msg, RequestFailed):
+                self._abort_on_route.pop(msg.rid, None)  # refused: no RouteRequest will follow
             flight = self.flights.get(msg.rid)
             if flight is not None:
-                self._release_slot(flight)  # the tokenizer's part is over
                 flight.queue.put_nowait(msg)
         elif isinstance(msg, SchedulerStats):
             self.book.on_scheduler(msg)
+            self.router.set_capacity(msg.replica, msg.kv_blocks_total)
         elif isinstance(msg, TokenizerStats):
             self.book.on_tokenizer(msg)
         elif isinstance(msg, ProcessReady):
             self.ready_messages.put_nowait(msg)
-            self._awaiting.discard(("scheduler", 0) if msg.role == "scheduler" else (msg.role, msg.index))
+            if msg.role == "tokenizer" and 0 <= msg.index < len(self.tokenizer_up):
+                self.tokenizer_up[msg.index] = True  # a restarted tokenizer takes requests again
+            self._awaiting.discard((msg.role, msg.index))
             if not self._awaiting:
                 self._ready.set()
 
     # ---- requests ---------------------------------------------------------------------------
 
     def _pick_tokenizer(self) -> int:
-        # Fewest outstanding; ties rotate so idle workers share the load.
+        # Fewest outstanding among the live ones; ties rotate so idle workers share the load.
         n = len(self.outstanding)
         self._rr = start = (self._rr + 1) % n
-        return min(range(n), key=lambda k: (self.outstanding[k], (k - start) % n))
+        live = [k for k in range(n) if self.tokenizer_up[k]]
+        if not live:
+            raise NoTokenizer
+        return min(live, key=lambda k: (self.outstanding[k], (k - start) % n))
 
-    async def submit(self, body: bytes) -> Flight:
-        """Register a new flight and hand its body to the least busy tokenizer."""
+    async def submit(self, body: bytes, endpoint: str = "chat") -> Flight:
+        """Register a new flight and hand its body to the least busy tokenizer; NoTokenizer if none
+        is up. ``endpoint``: "chat" or "completion" (the body's kind, and its answer's id prefix)."""
         worker = self._pick_tokenizer()
-        flight = Flight("chatcmpl-" + uuid.uuid4().hex, worker, time.time())
+        prefix = "cmpl-" if endpoint == "completion" else "chatcmpl-"
+        flight = Flight(prefix + uuid.uuid4().hex, worker, time.time(), replica=0 if self.dp == 1 else -1)
         self.flights[flight.rid] = flight
+        self.slots[flight.rid] = worker
         self.outstanding[worker] += 1
         self.book.counters.in_flight += 1
         self._idle.clear()
         try:
-            await self.tokenizers[worker].send(GenerateRequest(flight.rid, body, flight.arrival))
+            await self.tokenizers[worker].send(GenerateRequest(flight.rid, body, flight.arrival, endpoint))
         except BaseException:
+            self._release_slot(flight.rid)  # never sent: no answer will come to free it
             self.finish(flight, "failed")
             raise
         return flight
 
-    def _release_slot(self, flight: Flight) -> None:
-        if flight.holds_slot:
-            flight.holds_slot = False
-            self.outstanding[flight.worker] -= 1
+    def _route(self, msg: RouteRequest) -> None:
+        """A prepared request (--dp > 1): forward it, as the tokenizer encoded it, to the router's replica."""
+        flight, dropped = self.flights.get(msg.rid), msg.rid in self._abort_on_route
+        self._abort_on_route.pop(msg.rid, None)
+        if flight is None or dropped or flight.replica >= 0:
+            # Nobody waits for its answer, but its shm names must reach a scheduler (the one process that
+            # unlinks them): deliver it with its abort right behind.
+            self._send_later(self.schedulers[self.router.least_busy()], bytes(msg.request), AbortRequest(msg.rid))
+            return
+        flight.replica = self.router.route(msg)
+        self._send_later(self.schedulers[flight.replica], bytes(msg.request))
+
+    def _abort_later(self, rid: str) -> None:
+        self._abort_on_route[rid] = None
+        if len(self._abort_on_route) > _ABORTS_KEPT:  # rids whose tokenizer died before routing them
+            self._abort_on_route.popitem(last=False)
+
+    def _release_slot(self, rid: str) -> None:
+        worker = self.slots.pop(rid, None)
+        if worker is not None:
+            self.outstanding[worker] -= 1
 
     def finish(self, flight: Flight, outcome: Outcome) -> None:
-        """Forget a flight; idempotent. Late messages for its rid are dropped by `dispatch`."""
+        """Forget a flight; idempotent. Late messages for its rid are dropped by `dispatch`. Its
+        tokenizer slot stays taken until that tokenizer answers."""
         if self.flights.pop(flight.rid, None) is None:
             return
-        self._release_slot(flight)
+        if self.dp > 1 and flight.replica >= 0:
+            self.router.done(flight.replica)
         self.book.counters.record(outcome)
         if not self.flights:
             self._idle.set()
 
     def abort(self, rid: str) -> None:
-        """Tell the scheduler to drop `rid` (valid even before the request reaches it)."""
-        # Fire and forget: this runs in cleanup paths, possibly inside a cancelled task.
-        task = asyncio.get_running_loop().create_task(self._sched.send(AbortRequest(rid)))
+        """Tell the scheduler to drop `rid` (valid even before the request reaches it), and its
+        tokenizer too while that one still has it (it stops downloading and answers, freeing the slot)."""
+        flight = self.flights.get(rid)
+        if flight is None:  # not ours to track any more: whichever replica has it drops it
+            for sock in self.schedulers:
+                self._send_later(sock, AbortRequest(rid))
+        elif flight.replica >= 0:
+            self._send_later(self.schedulers[flight.replica], AbortRequest(rid))
+        else:
+            self._abort_later(rid)  # no replica yet: drop it when its RouteRequest comes
+        if (worker := self.slots.get(rid)) is not None:
+            self._send_later(self.tokenizers[worker], AbortRequest(rid))
+
+    def _send_later(self, sock: AsyncPushSocket[Msg], *msgs: Msg | bytes) -> None:
+        # Fire and forget: this runs in cleanup paths, possibly inside a cancelled task. One task sends
+        # them all, in order.
+        task = asyncio.get_running_loop().create_task(_send_all(sock, msgs))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         task.add_done_callback(_log_crash)
+
+    def tokenizer_down(self, index: int, message: str) -> None:
+        """Tokenizer `index` died: route around it until its successor's ProcessReady, and fail the
+        requests it had not answered with 503 (others, on other tokenizers or already with the
+        scheduler, go on). The scheduler is told to drop them in case one got out before the death."""
+        self.tokenizer_up[index] = False
+        for rid in [rid for rid, worker in self.slots.items() if worker == index]:
+            self._release_slot(rid)
+            if self.dp == 1:
+                self._send_later(self._sched, AbortRequest(rid))
+            else:
+                self._abort_later(rid)
+            if (flight := self.flights.get(rid)) is not None:
+                flight.queue.put_nowait(RequestFailed(rid, 503, message, type="server_error", code="service_unavailable"))
+
+    def fail_in_flight(self, message: str, status: int = 503) -> None:
+        """Fail every request in flight now (the drain deadline); the children are told to drop them."""
+        for rid in self.flights:
+            self.abort(rid)
+        self._fail_flights(message, status)
+
+    def _fail_flights(self, message: str, status: int) -> None:
+        for rid, flight in self.flights.items():
+            flight.queue.put_nowait(RequestFailed(rid, status, message, type="server_error", code="service_unavailable"))
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no flight is left (every handler wrote its last byte); False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
     def fail_all(self, message: str, status: int = 503) -> None:
         """Fail every in-flight request now and refuse new ones. Call on the serving loop."""
         if self.failed is None:
             self.failed = message
-        for rid, flight in self.flights.items():
-            flight.queue.put_nowait(RequestFailed(rid, status, message, type="server_error"))
+        # The server is going down: nothing is routed any more, so no slot needs its answer.
+        self.slots.clear()
+        self.outstanding[:] = [0] * len(self.outstanding)
+        self._fail_flights(message, status)
 
     def fail_all_threadsafe(self, message: str, status: int = 503) -> None:
         """`fail_all` for callers outside the serving loop (e.g. a supervisor thread)."""
@@ -264,6 +378,11 @@ class FrontendState:
             self.fail_all(message, status)
         else:
             self._loop.call_soon_threadsafe(self.fail_all, message, status)
+
+
+async def _send_all(sock: AsyncPushSocket[Msg], msgs: tuple[Msg | bytes, ...]) -> None:
+    for msg in msgs:
+        await (sock.send_bytes(msg) if isinstance(msg, bytes) else sock.send(msg))
 
 
 def _log_crash(task: asyncio.Task[Any]) -> None:

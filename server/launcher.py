@@ -1,15 +1,25 @@
 """Launcher and supervisor: the main process of `glimpse serve`.
 
-It sweeps the launch's shared memory, starts the children (model workers, scheduler, tokenizer
-workers), waits for their ready acks, then serves HTTP in this process. It watches every child's
-process sentinel on the event loop: if one dies, every in-flight request is failed at once, the
-server stops and the launcher exits non-zero. SIGTERM or SIGINT drains in-flight requests and exits
-0. Whatever happens, children are stopped and the launch's segments swept before it returns.
+It sweeps the launch's shared memory (and that of earlier launches whose owner is gone), starts
+the children (model workers, scheduler, tokenizer workers), waits for their ready acks, then serves
+HTTP in this process. It watches every child's process sentinel on the event loop. A tokenizer that
+dies is replaced (its unanswered requests get 503, the others go on): tokenizers hold no state
+worth keeping. If a scheduler or a model worker dies (of any replica, with --dp), every in-flight
+request is failed at once and the launcher exits non-zero within a few seconds, killing what does not
+stop on its own (the other replicas are told to stop, never left waiting). The
+log says how a child ended, naming the signal (SIGKILL: most likely the OOM killer).
+
+SIGTERM or SIGINT drains: the listener stays open, new requests and /health get a JSON 503
+("draining"), requests in flight may finish until the drain deadline; those still running then end
+with an error (an error event and [DONE] on a stream, a JSON 503 otherwise), and the launcher
+exits 0. A second signal ends the drain at once. Whatever happens, children are stopped and the
+launch's segments swept before it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.process
@@ -17,7 +27,8 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any
@@ -25,11 +36,18 @@ from typing import Any
 import uvicorn
 
 from ipc.launch import cleanup_launch_dir
-from ipc.shm import sweep
+from ipc.shm import sweep, sweep_dead_launches
 from server.app import FrontendState, create_app
 from server.config import ServerConfig
+from server.http_guard import HttpLimits, guarded_protocol
 
 log = logging.getLogger("glimpse.launcher")
+
+RESPAWN_LIMIT = 5  # deaths of one tokenizer within RESPAWN_WINDOW_S after which it is not replaced
+RESPAWN_WINDOW_S = 60.0
+CLEAN_EXIT_S = 10.0  # after Shutdown, how long children get to exit before SIGKILL
+CRASH_EXIT_S = 1.0  # the same after a child crashed: the server must be gone within ~3 s
+FD_RESERVE = 256  # descriptors kept for sockets, shm and files besides HTTP connections
 
 
 @dataclass
@@ -60,9 +78,25 @@ def sd_notify(message: str) -> bool:
     return True
 
 
+def describe_exit(code: int | None) -> str:
+    """How a child ended, for the log: the signal by name, since an OOM kill is a SIGKILL."""
+    if code is None:
+        return "exited (status unknown)"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"was killed by {name}" + (" (likely the kernel's OOM killer)" if name == "SIGKILL" else "")
+
+
 def _child_entry(role: str, config: ServerConfig, index: int) -> None:
     """First code a child runs: die with the launcher, then hand over to the role's entry point."""
-    _die_with_parent()
+    if role != "scheduler":
+        # The scheduler is the one child that outlives a killed launcher for a moment: it notices
+        # (its loop polls the parent) and removes the launch's segments and sockets before it exits.
+        _die_with_parent()
     # Until the role's own set-up runs: Ctrl-C and group SIGTERMs are the launcher's to act on.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -73,7 +107,7 @@ def _child_entry(role: str, config: ServerConfig, index: int) -> None:
     elif role == "scheduler":
         from workers.scheduler import run_scheduler
 
-        run_scheduler(config)
+        run_scheduler(config, index)
     elif role == "tokenizer":
         from workers.tokenizer import run_tokenizer
 
@@ -95,40 +129,64 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_children(config: ServerConfig) -> list[Child]:
+def start_child(config: ServerConfig, role: str, index: int) -> Child:
+    """Spawn one child. Call it on the main thread: PR_SET_PDEATHSIG fires when the *thread* that
+    started the child exits, so a child started from a short-lived thread would die with it."""
     ctx = multiprocessing.get_context("spawn")
-    plan = [("model", r) for r in range(config.engine.tp_size)]
-    plan += [("scheduler", 0)]
+    proc = ctx.Process(target=_child_entry, args=(role, config, index), name=f"glimpse-{role}-{index}")
+    # Spawned children inherit the environment: the role in it lets operators (and tests) tell
+    # the processes apart with ps/pgrep without asking the server.
+    os.environ["GLIMPSE_ROLE"] = f"{role}[{index}]"
+    try:
+        proc.start()
+    finally:
+        os.environ.pop("GLIMPSE_ROLE", None)
+    log.info("started %s[%d] pid %s", role, index, proc.pid)
+    return Child(role, index, proc)
+
+
+def start_children(config: ServerConfig) -> list[Child]:
+    # --dp N: replica r is scheduler r and model workers r * tp .. r * tp + tp - 1 (each on its GPU).
+    dp = max(1, config.dp_size)
+    plan = [("model", i) for i in range(config.engine.tp_size * dp)]
+    plan += [("scheduler", r) for r in range(dp)]
     plan += [("tokenizer", i) for i in range(config.tokenizer_workers)]
-    children = []
-    for role, index in plan:
-        proc = ctx.Process(target=_child_entry, args=(role, config, index), name=f"glimpse-{role}-{index}")
-        # Spawned children inherit the environment: the role in it lets operators (and tests) tell
-        # the processes apart with ps/pgrep without asking the server.
-        os.environ["GLIMPSE_ROLE"] = f"{role}[{index}]"
-        try:
-            proc.start()
-        finally:
-            os.environ.pop("GLIMPSE_ROLE", None)
-        children.append(Child(role, index, proc))
-        log.info("started %s[%d] pid %s", role, index, proc.pid)
-    return children
+    return [start_child(config, role, index) for role, index in plan]
 
 
 def stop_children(children: list[Child], timeout: float) -> None:
-    """Wait for children to exit after Shutdown; terminate, then kill, the ones that don't."""
+    """Wait for children to exit after Shutdown; SIGKILL the ones that don't (children ignore
+    SIGTERM: it is the launcher's signal to act on, so a terminate would only waste the wait)."""
     deadline = time.monotonic() + timeout
     for child in children:
         child.process.join(max(0.0, deadline - time.monotonic()))
-    for sig_name, wait in (("terminate", 3.0), ("kill", 3.0)):
-        alive = [c for c in children if c.process.is_alive()]
-        if not alive:
-            break
-        for child in alive:
-            log.warning("%s did not exit; %s", child.name, sig_name)
-            getattr(child.process, sig_name)()
-        for child in alive:
-            child.process.join(wait)
+    alive = [c for c in children if c.process.is_alive()]
+    for child in alive:
+        log.warning("%s did not exit within %.0f s; killing it", child.name, timeout)
+        child.process.kill()
+    for child in alive:
+        child.process.join(3.0)
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open files to the hard one (every HTTP connection holds one);
+    returns the soft limit now in force. Children inherit it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # The launcher owns SIGINT/SIGTERM: it drains with the listener open (new requests get a
+        # 503) before uvicorn stops; uvicorn's own handler would close the listener at once.
+        yield
 
 
 class Launcher:
@@ -141,6 +199,7 @@ class Launcher:
         self.stopping = False
         self._stop = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._deaths: dict[int, deque[float]] = {}  # tokenizer index -> recent death times
 
     # ---- supervision ----------------------------------------------------------------------------
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -149,19 +208,40 @@ class Launcher:
 
     def _on_exit(self, loop: asyncio.AbstractEventLoop, child: Child) -> None:
         loop.remove_reader(child.process.sentinel)
-        child.process.join(0)
+        # The sentinel fires as the process exits; the exit status may take a moment to be reapable.
+        child.process.join(1.0)
         if self.stopping:
             return
-        self.failure = f"{child.name} exited unexpectedly (exit code {child.process.exitcode})"
+        how = f"{child.name} (pid {child.process.pid}) {describe_exit(child.process.exitcode)}"
+        if child.role == "tokenizer" and self._may_respawn(child.index):
+            log.error("%s; failing its unanswered requests and starting a new one", how)
+            if self.state is not None:
+                self.state.tokenizer_down(
+                    child.index, "Service unavailable: the tokenizer preparing this request died; retry."
+                )
+            new = start_child(self.config, child.role, child.index)
+            self.children[self.children.index(child)] = new
+            loop.add_reader(new.process.sentinel, self._on_exit, loop, new)
+            return
+        self.failure = how if child.role != "tokenizer" else f"{how}, {RESPAWN_LIMIT} times in {RESPAWN_WINDOW_S:.0f} s"
         log.error("%s; failing in-flight requests and shutting down", self.failure)
         if self.state is not None:
             self.state.fail_all(f"the server is shutting down: {self.failure}")
         self._request_stop()
 
+    def _may_respawn(self, index: int) -> bool:
+        now = time.monotonic()
+        deaths = self._deaths.setdefault(index, deque())
+        deaths.append(now)
+        while deaths and deaths[0] < now - RESPAWN_WINDOW_S:
+            deaths.popleft()
+        return len(deaths) < RESPAWN_LIMIT
+
     def _request_stop(self) -> None:
+        if self._stop.is_set() and self.state is not None and self.failure is None:
+            log.warning("second stop request: ending the drain now")
+            self.state.fail_in_flight("The server is shutting down.")
         self._stop.set()
-        if self.server is not None:
-            self.server.should_exit = True
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         log.info("received %s; draining", signal.Signals(signum).name)
@@ -176,6 +256,8 @@ class Launcher:
         removed = sweep(cfg.launch_id)
         if removed:
             log.warning("swept %d stale segments of launch %s", removed, cfg.launch_id)
+        for dead, count in sweep_dead_launches().items():
+            log.warning("swept %d segments and the sockets of launch %s, whose launcher is gone", count, dead)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.state = FrontendState(cfg)
         self.state.start()
@@ -218,6 +300,17 @@ class Launcher:
         log.info("all children ready")
         return True
 
+    def _http_limits(self) -> HttpLimits:
+        cfg = self.config
+        fds = raise_fd_limit()
+        connections = min(cfg.http_max_connections, max(16, fds - FD_RESERVE))
+        if connections < cfg.http_max_connections:
+            log.warning(
+                "open-file limit %d: serving at most %d HTTP connections, not %d (raise `ulimit -n`)",
+                fds, connections, cfg.http_max_connections,
+            )
+        return HttpLimits(connections, cfg.http_header_timeout_s, cfg.http_idle_timeout_s, cfg.http_max_header_bytes)
+
     async def _serve(self) -> None:
         assert self.state is not None
         cfg = self.config
@@ -227,10 +320,12 @@ class Launcher:
             host=cfg.host,
             port=cfg.port,
             log_level=cfg.log_level,
-            timeout_graceful_shutdown=int(cfg.drain_timeout_s),
+            timeout_graceful_shutdown=2,  # only once drained: what is left are responses being written
             access_log=False,
+            http=guarded_protocol(self._http_limits()),
+            timeout_keep_alive=max(1, round(cfg.http_keep_alive_timeout_s)),
         )
-        self.server = uvicorn.Server(uv_config)
+        self.server = _Server(uv_config)
         if self._stop.is_set():
             return
         serve = asyncio.ensure_future(self.server.serve())
@@ -239,23 +334,46 @@ class Launcher:
         if self.server.started:
             sd_notify("READY=1")
             log.info("serving %s on http://%s:%d", cfg.served_model_name, cfg.host, cfg.port)
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({serve, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not serve.done():
+            await self._drain()
+            self.server.should_exit = True
         await serve
-        if not self.failure:
-            await self.state.drain(cfg.drain_timeout_s)
+
+    async def _drain(self) -> None:
+        """Let requests in flight finish while the listener answers new ones with 503; past the
+        deadline (or after a crash, at once) fail what is left and give the answers a moment to go out."""
+        assert self.state is not None
+        state, timeout = self.state, self.config.drain_timeout_s
+        if self.failure is None:
+            sd_notify("STOPPING=1")
+            log.info("draining %d requests in flight (up to %.0f s)", len(state.flights), timeout)
+            if not await state.drain(timeout):
+                log.warning("drain deadline passed: failing %d requests still running", len(state.flights))
+                state.fail_in_flight("The server is shutting down: the request did not finish in time.")
+        else:
+            state.draining = True
+        await state.wait_idle(1.0)
 
     async def _shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
         cfg = self.config
-        if self.state is not None:
-            try:
-                await self.state.send_shutdown(self.failure or "launcher stopping")
-            finally:
-                await self.state.close(linger_ms=500)
         for child in self.children:
             try:
                 loop.remove_reader(child.process.sentinel)
             except (ValueError, OSError):
                 pass
-        await loop.run_in_executor(None, stop_children, self.children, 10.0)
+        wait = CRASH_EXIT_S if self.failure else CLEAN_EXIT_S
+        try:
+            if self.state is not None:
+                await self.state.send_shutdown(self.failure or "launcher stopping")
+            # The frontend's sockets stay open until the children are gone: their last sends are
+            # delivered at once instead of lingering on a closed peer, so they exit without delay.
+            await loop.run_in_executor(None, stop_children, self.children, wait)
+        finally:
+            if self.state is not None:
+                await self.state.close(linger_ms=0)
         removed = sweep(cfg.launch_id)
         if removed:
             log.info("swept %d shm segments of launch %s", removed, cfg.launch_id)

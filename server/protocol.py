@@ -13,7 +13,7 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Send
 
-from ipc.messages import RequestFailed, RequestOutput
+from ipc.messages import RequestFailed, RequestOutput, TokenLogprob
 
 _encoder = msgspec.json.Encoder()
 
@@ -82,26 +82,49 @@ async def send_json(send: Send, status: int, body: bytes) -> None:
 # ---- chat completion (non-streaming) -------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @staticmethod
-    def of(prompt_tokens: int, completion_tokens: int) -> Usage:
-        return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    def of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        total = prompt_tokens + completion_tokens
+        return Usage(prompt_tokens, completion_tokens, total, PromptTokensDetails(cached_tokens))
 
 
-class AssistantMessage(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str
+class ChoiceLogprobs(msgspec.Struct):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class FunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str
+    content: str | None  # null (present) when the answer is tool calls only, as OpenAI sends it
+    tool_calls: list[ToolCall] = []  # absent when there are none
 
 
 class Choice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -116,26 +139,35 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 
 
 def completion_body(rid: str, created: int, model: str, text: str, last: RequestOutput) -> bytes:
-    """The non-streaming answer, from the whole text and the request's last output."""
-    choice = Choice(0, AssistantMessage(content=text), last.finish_reason)
-    usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+    """The non-streaming answer of a one-choice chat, from the whole text and the request's last output."""
+    choice = Choice(0, AssistantMessage(role="assistant", content=text), last.finish_reason)
+    usage = Usage.of(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
     return encode(ChatCompletion(id=rid, created=created, model=model, choices=[choice], usage=usage))
 
 
 # ---- chat completion chunks (streaming) ----------------------------------------------------------
 
 
+class ToolCallDeltaOut(msgspec.Struct, omit_defaults=True):
+    # The first delta of a call carries id, type and name; later ones only argument text.
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall | None = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     # Absent keys, not nulls: OpenAI sends the role once and then bare content deltas.
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None  # present as null until the last chunk, as OpenAI does
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
@@ -160,8 +192,11 @@ class ChunkWriter:
         chunk = ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage)
         return sse_event(encode(chunk))
 
-    def role(self) -> bytes:
-        return self._event([ChunkChoice(0, Delta(role="assistant", content=""))])
+    def choice(self, choice: ChunkChoice) -> bytes:
+        return self._event([choice])
+
+    def role(self, index: int = 0) -> bytes:
+        return self._event([ChunkChoice(index, Delta(role="assistant", content=""))])
 
     def content(self, text: str) -> bytes:
         return self._event([ChunkChoice(0, Delta(content=text))])
@@ -169,14 +204,14 @@ class ChunkWriter:
     def finish(self, reason: str) -> bytes:
         return self._event([ChunkChoice(0, Delta(), finish_reason=reason)])
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return self._event([], Usage.of(prompt_tokens, completion_tokens))
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+        return self._event([], Usage.of(prompt_tokens, completion_tokens, cached_tokens))
 
     def end(self, last: RequestOutput, include_usage: bool) -> bytes:
         """Finish chunk, optional usage chunk (choices []), then the [DONE] sentinel."""
         events = [self.finish(last.finish_reason or "stop")]
         if include_usage:
-            events.append(self.usage(last.prompt_tokens, last.completion_tokens))
+            events.append(self.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens))
         events.append(SSE_DONE)
         return b"".join(events)
 

@@ -17,6 +17,12 @@ def _defaults(cls: type) -> dict[str, Any]:
 
 
 MB = 1 << 20
+
+
+def _whole(value: float) -> float | int:
+    """20.0 MB shows as 20 in --help and the README."""
+    return int(value) if value == int(value) else value
+
 # Every flag's default is the config field's default: one place to change it.
 E = _defaults(EngineConfig)
 S = _defaults(ServerConfig)
@@ -34,6 +40,12 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
     m.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: dir name)")
     m.add_argument("--tp", type=int, default=E["tp_size"], help="tensor-parallel size: model worker processes, one per GPU")
+    m.add_argument("--dp", type=int, default=S["dp_size"],
+                   help="data-parallel replicas: scheduler + --tp model workers each (replica r on GPUs r*tp..), one "
+                   "frontend and tokenizer pool; requests routed by the prefix blocks and images a replica holds")
+    m.add_argument("--dp-routing", default=S["dp_routing"], choices=["affinity", "round-robin"],
+                   help="affinity: to the replica holding the request's prefix blocks and images, else the least "
+                   "busy; round-robin: replicas in turn (the baseline for comparisons)")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     m.add_argument("--dtype", default=E["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     m.add_argument("--load-format", default=E["load_format"], choices=["auto", "dummy"], help="dummy: random weights")
@@ -56,10 +68,16 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                    help="CUDA: eager PyTorch ops instead of the torch.compile'd norm/rotary/SiLU kernels")
     m.add_argument("--seed", type=int, default=E["seed"])
+    m.add_argument("--generation-config", default=S["generation_config"], choices=["auto", "none"],
+                   help="auto: the checkpoint's generation_config.json gives the defaults of sampling fields a "
+                   "request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), "
+                   "as vLLM does; none: glimpse's own defaults")
     s = p.add_argument_group("server")
     s.add_argument("--host", default=S["host"])
     s.add_argument("--port", type=int, default=S["port"])
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /admin")
+    s.add_argument("--allowed-origins", default="", metavar="LIST",
+                   help="comma-separated origins browsers may call the API from ('*': any); empty: no CORS")
     s.add_argument("--tokenizer-workers", type=int, default=S["tokenizer_workers"], help="processes that parse requests and images")
     s.add_argument("--tokenizer-threads", type=int, default=S["tokenizer_threads"],
                    help="threads per tokenizer decoding, processing and writing a request's new images at once "
@@ -68,13 +86,42 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--log-level", default=S["log_level"], choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-images-per-request", type=int, default=S["max_images_per_request"])
-    lim.add_argument("--max-image-mb", type=float, default=S["max_image_bytes"] / MB, help="encoded size cap of one image")
+    lim.add_argument("--max-image-mb", type=float, default=_whole(S["max_image_bytes"] / MB), help="encoded size cap of one image")
     lim.add_argument("--max-image-pixels", type=int, default=S["max_image_pixels"], help="width*height cap of one image")
-    lim.add_argument("--max-body-mb", type=float, default=S["max_body_bytes"] / MB, help="HTTP request body cap")
+    lim.add_argument("--max-videos-per-request", type=int, default=S["max_videos_per_request"])
+    lim.add_argument("--max-video-mb", type=float, default=_whole(S["max_video_bytes"] / MB), help="encoded size cap of one video")
+    lim.add_argument("--max-video-seconds", type=float, default=S["max_video_seconds"], help="duration cap of one video")
+    lim.add_argument("--max-video-frames", type=int, default=S["max_video_frames"],
+                     help="sampled (decoded) frames of one request, all its videos together")
+    lim.add_argument("--max-body-mb", type=float, default=_whole(S["max_body_bytes"] / MB), help="HTTP request body cap")
     lim.add_argument("--media-timeout", type=float, default=S["media_timeout_s"], help="seconds to fetch one image URL")
     lim.add_argument("--allowed-media-domains", default="", help="comma-separated hosts for http(s) image URLs (empty: any)")
     lim.add_argument("--allowed-local-media-path", default=None, help="directory file:// images may come from (default: none)")
     lim.add_argument("--shm-budget-mb", type=int, default=S["shm_budget_bytes"] // MB, help="pixels in shared memory in flight; past it: 503")
+    pool = p.add_argument_group("pool", "serving behind an inference gateway (llm-d / Gateway API Inference Extension)")
+    pool.add_argument("--kv-events-endpoint", default=S["kv_events_endpoint"], metavar="ADDR",
+                      help="publish KV-cache events in vLLM's format on this ZMQ address (tcp://*:PORT binds, "
+                      "tcp://HOST:PORT connects; replica r uses PORT + r); empty: off")
+    pool.add_argument("--kv-events-topic", default=S["kv_events_topic"],
+                      help="topic frame of every KV-event message (llm-d reads kv@<pod>@<model>)")
+    h = p.add_argument_group("hardening", "what hostile clients may cost: downloads, shared memory, HTTP connections")
+    h.add_argument("--allow-private-media-addresses", default="", metavar="LIST",
+                   help="private addresses image URLs may reach anyway: '*' (all), ADDR, CIDR, ADDR:PORT, [V6]:PORT "
+                   "(empty: public addresses only; unspecified and multicast addresses are refused always)")
+    h.add_argument("--shm-retain-idle-s", type=float, default=S["shm_retain_idle_s"],
+                   help="a segment kept for reuse and unused this long is removed (0: never)")
+    h.add_argument("--drain-timeout", type=float, default=S["drain_timeout_s"],
+                   help="seconds requests in flight may finish after SIGTERM; then they end with an error")
+    h.add_argument("--http-max-connections", type=int, default=S["http_max_connections"],
+                   help="open connections; past it the oldest idle one is closed, or the new one gets 503")
+    h.add_argument("--http-header-timeout", type=float, default=S["http_header_timeout_s"],
+                   help="seconds from a connection (or the end of its last response) to a request's complete headers")
+    h.add_argument("--http-keep-alive-timeout", type=float, default=S["http_keep_alive_timeout_s"],
+                   help="seconds an idle keep-alive connection stays open")
+    h.add_argument("--http-idle-timeout", type=float, default=S["http_idle_timeout_s"],
+                   help="seconds without a byte of a request body, or of response progress, before the connection closes")
+    h.add_argument("--http-max-header-kb", type=float, default=_whole(S["http_max_header_bytes"] / 1024),
+                   help="request line and headers past this size get 431")
     p.set_defaults(handler=run_serve)
 
 
@@ -84,6 +131,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     from ipc.launch import new_launch_id
     from workers.engine.config import EngineConfig
     from workers.engine.demo_model import ensure_demo_model
+    from workers.engine.loader import CheckpointError, check_checkpoint
     from workers.engine.models import UnsupportedModel, load_spec
 
     model = Path(args.model) if args.model else ensure_demo_model()
@@ -91,11 +139,18 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit(f"glimpse serve: {model} is not a checkpoint directory (no config.json)")
     if args.tokenizer_threads < 0:
         raise SystemExit("glimpse serve: --tokenizer-threads must be 0 (automatic) or more")
+    if args.dp < 1:
+        raise SystemExit("glimpse serve: --dp must be 1 or more")
     try:
         info = load_spec(model)  # the one read of config.json: children get the parsed spec
-    except UnsupportedModel as exc:
+        if args.load_format != "dummy":
+            check_checkpoint(model)
+    except (UnsupportedModel, CheckpointError) as exc:
         raise SystemExit(f"glimpse serve: {exc}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and args.dp * args.tp > torch.cuda.device_count():
+        raise SystemExit(f"glimpse serve: --dp {args.dp} x --tp {args.tp} needs {args.dp * args.tp} GPUs, "
+                         f"{torch.cuda.device_count()} visible")
     engine = EngineConfig(
         model=str(model),
         device=device,
@@ -131,13 +186,55 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_images_per_request=args.max_images_per_request,
         max_image_bytes=int(args.max_image_mb * (1 << 20)),
         max_image_pixels=args.max_image_pixels,
+        max_videos_per_request=args.max_videos_per_request,
+        max_video_bytes=int(args.max_video_mb * (1 << 20)),
+        max_video_seconds=args.max_video_seconds,
+        max_video_frames=args.max_video_frames,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
         media_timeout_s=args.media_timeout,
         allowed_media_domains=tuple(d.strip() for d in args.allowed_media_domains.split(",") if d.strip()),
         allowed_local_media_path=args.allowed_local_media_path,
         shm_budget_bytes=args.shm_budget_mb << 20,
         log_level=args.log_level,
+        generation_config=args.generation_config,
+        sampling_defaults=_sampling_defaults(model, args.generation_config),
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        drain_timeout_s=args.drain_timeout,
+        allow_private_media_addresses=_private_exemptions(args.allow_private_media_addresses),
+        shm_retain_idle_s=args.shm_retain_idle_s,
+        http_max_connections=args.http_max_connections,
+        http_header_timeout_s=args.http_header_timeout,
+        http_keep_alive_timeout_s=args.http_keep_alive_timeout,
+        http_idle_timeout_s=args.http_idle_timeout,
+        http_max_header_bytes=int(args.http_max_header_kb * 1024),
+        dp_size=args.dp,
+        dp_routing=args.dp_routing,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_topic=args.kv_events_topic,
     )
+
+
+def _private_exemptions(text: str) -> tuple[str, ...]:
+    from workers.media_http import parse_private_exemptions
+
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    try:
+        parse_private_exemptions(entries)  # refuse a typo at start-up, not on the first download
+    except ValueError as exc:
+        raise SystemExit(f"glimpse serve: --allow-private-media-addresses: {exc}") from None
+    return entries
+
+
+def _sampling_defaults(model: Path, mode: str) -> dict[str, float]:
+    from workers.sampling_request import load_generation_defaults
+
+    defaults = load_generation_defaults(model) if mode == "auto" else {}
+    if defaults:
+        logging.getLogger("glimpse.serve").info(
+            "sampling defaults from %s/generation_config.json (--generation-config none turns them off): %s",
+            model, ", ".join(f"{k}={v:g}" for k, v in sorted(defaults.items())),
+        )
+    return defaults
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ipc.messages import SchedulerStats, TokenizerStats
+from server.pool_stats import merge, replica_rows
 
 # Throughput is averaged over this window: one stats interval alone is too jumpy (a step that
 # finished just before vs. just after a report doubles or zeroes the figure).
@@ -56,12 +57,17 @@ class StatsBook:
     scheduler: SchedulerStats | None = None
     tokenizers: dict[int, TokenizerStats] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    # --dp: each replica's latest report (``scheduler`` is their merge) and the router's view of them.
+    replicas: dict[int, SchedulerStats] = field(default_factory=dict)
+    routing: Sequence[Any] = ()  # server.router.ReplicaView per replica
+    tp_size: int = 1
     # (monotonic arrival time, cumulative generated tokens) of recent scheduler reports.
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
 
     def on_scheduler(self, stats: SchedulerStats, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self.scheduler = stats
+        self.replicas[stats.replica] = stats
+        self.scheduler = stats = merge(self.replicas.values(), self.tp_size)
         self._samples.append((now, stats.generated_tokens))
         # Keep one sample older than the window so the rate spans the whole window.
         while len(self._samples) > 2 and self._samples[1][0] <= now - TOKENS_WINDOW_S:
@@ -107,6 +113,7 @@ class StatsBook:
             "steps": s.steps,
             "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+            "prompt_tokens_computed": s.prompt_tokens_computed,
             "mm_cache": {
                 "entries": s.mm_cache_entries,
                 "bytes": s.mm_cache_bytes,
@@ -150,10 +157,15 @@ class StatsBook:
                     "requests": t.requests,
                     "images": t.images,
                     "images_reused": t.images_reused,
+                    "videos": t.videos,
+                    "videos_decoded": t.videos_decoded,
+                    "video_frames_decoded": t.video_frames_decoded,
+                    "video_groups_reused": t.video_groups_reused,
                 }
                 for i, n in enumerate(outstanding)
                 for t in (self.tokenizers.get(i, _NO_TOKENIZER_STATS),)
             ],
+            "replicas": replica_rows(self, self.routing),
         }
 
 

@@ -4,49 +4,39 @@ Decoding and validation run in a tokenizer process, never on the frontend's even
 checks types (its error path becomes the error's ``param``); value ranges are checked by hand so
 the messages read like OpenAI's rather than like a schema validator's.
 
-Unknown fields are ignored (OpenAI answers 400; SDKs and agent frameworks send extras freely), but
-known parameters that would silently change the answer if ignored (``n`` > 1, penalties, logprobs,
-tools) are refused with 400 naming the parameter.
+Unknown fields are ignored with one debug log line (OpenAI answers 400; SDKs and agent frameworks send
+extras freely, and vLLM ignores them too), but a known parameter that is not served is refused with 400
+naming it, never silently ignored. The sampling fields both endpoints share live in
+workers/sampling_request.py.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from ipc.messages import RequestFailed, SamplingParams
+from ipc.messages import SamplingParams
+from workers.errors import BadRequest
+from workers.sampling_request import (
+    MAX_TOP_LOGPROBS,
+    SamplingFields,
+    Validate,
+    check_sampling,
+    range_error,
+    to_sampling_params as _to_sampling_params,
+    unsupported,
+)
+from workers.tools import ToolChoice, check_tools, parse_tools, tool_grammar
 
-MAX_STOP_STRINGS = 16  # OpenAI allows 4; stop strings are cheap for us, so allow a few more
+__all__ = ["BadRequest", "ChatCompletionRequest", "parse_request", "to_sampling_params"]
 
-
-class BadRequest(Exception):
-    """A request the server refuses, carrying the OpenAI error object's fields."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type
-
-    def to_failed(self, rid: str) -> RequestFailed:
-        return RequestFailed(rid, self.status, self.message, self.type, self.param, self.code)
-
-    def __repr__(self) -> str:
-        return f"BadRequest({self.status}, {self.message!r}, param={self.param!r}, code={self.code!r})"
+log = logging.getLogger("glimpse.request")
+_R = TypeVar("_R", bound=msgspec.Struct)
 
 
 # ---- request structs ---------------------------------------------------------------------------
@@ -70,56 +60,60 @@ class ImagePart(msgspec.Struct, frozen=True, tag="image_url", tag_field="type"):
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
-ContentPart = TextPart | ImagePart
+class VideoPart(msgspec.Struct, frozen=True, tag="video_url", tag_field="type"):
+    # vLLM's and SGLang's shape: {"type": "video_url", "video_url": {"url": ...}} (or the URL as a bare string).
+    video_url: ImageURL | str
+
+    @property
+    def url(self) -> str:
+        return self.video_url if isinstance(self.video_url, str) else self.video_url.url
+
+
+ContentPart = TextPart | ImagePart | VideoPart
+
+
+class CalledFunction(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients an object
+
+
+class AssistantToolCall(msgspec.Struct, frozen=True):
+    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
 
 
 class Message(msgspec.Struct, frozen=True):
     # "developer" is OpenAI's newer name for the system role (sent by the SDK for some models).
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None  # None: an assistant turn that only called tools
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+    name: str | None = None
 
 
-class StreamOptions(msgspec.Struct, frozen=True):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
-    model: str
+class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    # null is what several SDKs send for "default", so every knob takes None.
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM-style extension: 0 or -1 disable it
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM-style extension
-    ignore_eos: bool = False  # vLLM-style extension, for benchmarks
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
-    user: str | None = None
+    tools: list[dict[str, Any]] | None = None  # as sent (the template gets them verbatim); checked by parse_tools
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated predecessors of tools: refused (answering them needs message.function_call).
+    functions: list[Any] | None = None
+    function_call: Any = None
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+    def tool_mode(self) -> ToolChoice:
+        """tool_choice, defaulted as OpenAI does: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -146,57 +140,51 @@ def _validation_error(exc: msgspec.ValidationError) -> BadRequest:
 
 def parse_request(body: bytes) -> ChatCompletionRequest:
     """Decode and validate a chat-completions body; raises BadRequest with OpenAI-style fields."""
-    try:
-        req = _decoder.decode(body)
-    except msgspec.ValidationError as exc:  # a subclass of DecodeError: must come first
-        raise _validation_error(exc) from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    req = decode_body(_decoder, body)
     _check(req)
     return req
 
 
-def _range_error(param: str, value: object, expected: str) -> BadRequest:
-    return BadRequest(
-        f"Invalid '{param}': expected a value {expected}, but got {value!r} instead.",
-        param=param,
-        code="invalid_value",
-    )
+_keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
-def _unsupported(param: str, why: str) -> BadRequest:
-    return BadRequest(f"'{param}' is not supported: {why}", param=param, code="unsupported_parameter")
+def decode_body(decoder: msgspec.json.Decoder[_R], body: bytes) -> _R:
+    """Decode ``body`` with ``decoder``, turning every failure into a BadRequest; fields the struct does
+    not know are ignored, with one debug line naming them."""
+    try:
+        req = decoder.decode(body)
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: must come first
+        raise _validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's guard against deep nesting, hit even inside ignored fields
+        raise BadRequest("The request body is nested too deeply.", code="invalid_json") from None
+    except UnicodeDecodeError:
+        raise BadRequest("The request body is not valid UTF-8.", code="invalid_json") from None
+    if log.isEnabledFor(logging.DEBUG):  # a second pass over the top level only (values stay raw)
+        unknown = sorted(set(_keys.decode(body)) - set(req.__struct_fields__))
+        if unknown:
+            log.debug("ignoring unknown request fields: %s", ", ".join(unknown))
+    return req
 
 
 def _check(req: ChatCompletionRequest) -> None:
     """Value checks msgspec's types cannot express, in parameter order, first failure wins."""
     if req.max_tokens is not None and req.max_tokens < 1:
-        raise _range_error("max_tokens", req.max_tokens, ">= 1")
+        raise range_error("max_tokens", req.max_tokens, ">= 1")
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
-        raise _range_error("max_completion_tokens", req.max_completion_tokens, ">= 1")
-    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
-        raise _range_error("temperature", req.temperature, "between 0 and 2")
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        raise _range_error("top_p", req.top_p, "in (0, 1]")
-    if req.top_k is not None and req.top_k < -1:
-        raise _range_error("top_k", req.top_k, ">= -1 (-1 or 0 disable top-k)")
-    stops = req.stop_strings
-    if len(stops) > MAX_STOP_STRINGS:
-        raise _range_error("stop", f"{len(stops)} strings", f"of at most {MAX_STOP_STRINGS} strings")
-    if any(not s for s in stops):
-        raise _range_error("stop", "", "that is a non-empty string")
-    if req.n is not None and req.n != 1:
-        raise _unsupported("n", "only n=1 is served")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value is not None and value != 0:
-            raise _unsupported(name, "only 0 is accepted")
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs", "log probabilities are not returned")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit biases are not applied")
-    if req.tools:
-        raise _unsupported("tools", "tool calling is not served")
+        raise range_error("max_completion_tokens", req.max_completion_tokens, ">= 1")
+    check_sampling(req, req.requested_max_tokens)
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise range_error("top_logprobs", req.top_logprobs, f"between 0 and {MAX_TOP_LOGPROBS}")
+        if req.top_logprobs > 0 and not req.logprobs:
+            raise BadRequest(
+                "'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs", code="invalid_value"
+            )
+    if req.functions is not None or req.function_call is not None:
+        raise unsupported("functions", "use 'tools' and 'tool_choice' (the legacy function-call fields are not served)")
+    check_tools(parse_tools(req.tools) if req.tools else None, req.tool_choice)
 
 
 # ---- what the tokenizer needs from a parsed request ---------------------------------------------
@@ -214,6 +202,28 @@ def image_refs(req: ChatCompletionRequest) -> list[ImageRef]:
     return list(_iter_images(req))
 
 
+def video_refs(req: ChatCompletionRequest) -> list[ImageRef]:
+    """The video parts of the request, in prompt order."""
+    return [
+        ImageRef(part.url, f"messages[{i}].content[{j}].video_url")
+        for i, message in enumerate(req.messages)
+        if isinstance(message.content, list)
+        for j, part in enumerate(message.content)
+        if isinstance(part, VideoPart)
+    ]
+
+
+def text_parts(req: ChatCompletionRequest) -> list[str]:
+    """Every text of the messages, in order (what the prompt's length bound is computed from)."""
+    out: list[str] = []
+    for message in req.messages:
+        if isinstance(message.content, str):
+            out.append(message.content)
+        elif message.content is not None:
+            out.extend(p.text for p in message.content if isinstance(p, TextPart))
+    return out
+
+
 def _iter_images(req: ChatCompletionRequest) -> Iterator[ImageRef]:
     for i, message in enumerate(req.messages):
         if isinstance(message.content, list):
@@ -228,42 +238,62 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for message in req.messages:
         role = "system" if message.role == "developer" else message.role
         raw = message.content
-        content: str | list[dict[str, Any]]
-        if raw is None or isinstance(raw, str):
+        content: str | list[dict[str, Any]] | None
+        if raw is None and message.tool_calls:
+            content = None  # as the client sent it: templates test it before writing a newline
+        elif raw is None or isinstance(raw, str):
             content = raw or ""
         else:
             content = [
-                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image_url"}
+                {"type": "text", "text": p.text}
+                if isinstance(p, TextPart)
+                else {"type": "video_url"} if isinstance(p, VideoPart) else {"type": "image_url"}
                 for p in raw
             ]
-        out.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
     return out
 
 
-def to_sampling_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
-    """Sampling settings for a prompt of `prompt_len` tokens.
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools for the chat template (None: the template renders no tool section)."""
+    return list(req.tools) if req.tools else None
 
-    A prompt that leaves no room for one new token is refused (context_length_exceeded); otherwise
-    max_tokens defaults to, and is clamped to, the room left in the context window, so a client
-    asking for "as much as possible" with a large max_tokens still gets an answer.
-    """
-    if prompt_len >= max_model_len:
-        raise BadRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, your messages "
-            f"resulted in {prompt_len} tokens. Please reduce the length of the messages or images.",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    room = max_model_len - prompt_len
-    requested = req.requested_max_tokens
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-    return SamplingParams(
-        max_tokens=room if requested is None else min(requested, room),
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=top_k,
-        seed=req.seed,
-        stop=req.stop_strings,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
+
+def tool_parser(req: ChatCompletionRequest) -> str:
+    """How the scheduler reads the answer: "hermes" (<tool_call> blocks) when tools may be called."""
+    return "hermes" if req.tools and req.tool_mode != "none" else ""
+
+
+def to_sampling_params(
+    req: ChatCompletionRequest,
+    prompt_len: int,
+    max_model_len: int,
+    defaults: Mapping[str, float] = {},  # noqa: B006 - read only
+    vocab_size: int = 1 << 31,
+    validate: Validate | None = None,
+    tool_tags: tuple[int | None, int | None] = (None, None),
+) -> SamplingParams:
+    """Sampling settings of a chat request whose prompt has ``prompt_len`` tokens (see
+    workers/sampling_request.py: context checks, max_tokens clamping, checkpoint defaults)."""
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    tools = parse_tools(req.tools) if req.tools else None
+    grammar = tool_grammar(tools, req.tool_mode, req.parallel_tool_calls is not False, tool_tags) if tools else None
+    return _to_sampling_params(
+        req,
+        prompt_len,
+        max_model_len,
+        requested_max_tokens=req.requested_max_tokens,
+        logprobs=logprobs,
+        defaults=defaults,
+        vocab_size=vocab_size,
+        validate=validate,
+        structured=(grammar, "tool_choice") if grammar is not None else None,
     )

@@ -25,6 +25,11 @@ class ServerConfig:
     max_images_per_request: int = 32
     max_image_bytes: int = 20 << 20  # encoded bytes of one image (data URL, download or file)
     max_image_pixels: int = 40_000_000  # decoded width * height, checked before full decode
+    # Videos (video_url parts); a frame's width * height is held to max_image_pixels.
+    max_videos_per_request: int = 4
+    max_video_bytes: int = 256 << 20  # encoded bytes of one video (data URL, download or file)
+    max_video_seconds: float = 600.0  # duration of one video, from its packets, checked before decoding
+    max_video_frames: int = 2048  # sampled (decoded) frames of one request, all its videos together
     max_body_bytes: int = 256 << 20
     media_timeout_s: float = 10.0
     allowed_media_domains: tuple[str, ...] = ()  # empty: any host for http(s) URLs
@@ -47,6 +52,21 @@ class ServerConfig:
     http_keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     http_idle_timeout_s: float = 60.0  # no byte of a request body, or no write progress, for this long
     http_max_header_bytes: int = 16 << 10  # request line + headers; past it 431
+    # Defaults for sampling fields a request leaves out, keyed by request field (temperature, top_p, top_k,
+    # min_p, repetition_penalty, max_tokens): the checkpoint's generation_config.json under
+    # --generation-config auto (read once by the launcher), empty under none.
+    generation_config: str = "auto"
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # CORS: origins browsers may call the API from ("*": any); empty: no CORS headers at all.
+    allowed_origins: tuple[str, ...] = ()
+    # Data parallelism: independent scheduler + model-worker groups (each tp_size GPUs) behind one frontend
+    # and tokenizer pool; the frontend's router (server/router.py) picks a replica per request.
+    dp_size: int = 1
+    dp_routing: str = "affinity"  # "round-robin": replicas in turn, blind to what they hold (the baseline)
+    # KV-cache events in vLLM's format (ZMQ PUB, per replica: port + replica): "" = off. An endpoint with
+    # "*" is bound, any other is connected to (an indexer that binds), as vLLM does.
+    kv_events_endpoint: str = ""
+    kv_events_topic: str = ""  # first frame of every event message (llm-d: "kv@<pod>@<model>")
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -26,8 +26,8 @@ from typing import TypeVar
 import msgspec
 
 from ipc import shm
-from workers.config import ServerConfig
 from workers.chat_request import BadRequest
+from workers.config import ServerConfig
 from workers.engine.processor import MMProcessor, ProcessedImage
 from workers.media import decode_image
 

@@ -4,45 +4,42 @@ Three sources: ``data:`` URLs (base64), ``http(s)://`` downloads, and ``file://`
 operator-approved directory. Every source is capped at ``max_bytes`` of encoded data, and every
 image is checked against a pixel limit from its header before the full decode.
 
-Downloads use httpx rather than urllib: httpx has real connect/read timeouts (urllib's single
-socket timeout does not bound a slow-drip server), a streaming body we can stop reading at the byte
-cap instead of buffering whatever the server sends, and redirects we can follow one hop at a time
-(so the domain allowlist is enforced on every hop, not only the first URL). One `httpx.Client`
-per process keeps connections to media hosts alive across requests.
+data: and file: URLs are CPU or disk work and load synchronously (on the tokenizer's prep thread);
+downloads are coroutines on the tokenizer's event loop, with their deadline and SSRF guard in
+workers/media_http.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import binascii
 import io
 import os
 import stat
-import time
 import urllib.parse
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from workers.chat_request import BadRequest
+from workers.errors import BadRequest
+from workers.media_http import HttpMediaClient, Resolver
 
 if TYPE_CHECKING:
-    from server.config import ServerConfig
-
-_CHUNK = 1 << 16
-FETCH_THREADS = 8  # concurrent downloads per process
-_HEADERS = {"User-Agent": "glimpse-media/0.1", "Accept": "image/*"}
+    from workers.config import ServerConfig
 
 
 @dataclass(frozen=True)
 class MediaLimits:
     max_bytes: int  # encoded bytes of one image, whatever the source
     timeout_s: float  # whole download (all redirect hops and the body), not per read
-    allowed_domains: tuple[str, ...] = ()  # empty: any host; "*.example.com" also admits subdomains
+    # Empty: any host; "*.example.com" also admits subdomains; "host:port" (default: the scheme's port).
+    allowed_domains: tuple[str, ...] = ()
     allowed_local_path: str | None = None  # None: file:// refused
+    # Private addresses downloads may reach anyway: "*", "ADDR", "CIDR", "ADDR:PORT" (see media_http).
+    allowed_private: tuple[str, ...] = ()
     max_redirects: int = 5
 
     @classmethod
@@ -52,6 +49,7 @@ class MediaLimits:
             timeout_s=config.media_timeout_s,
             allowed_domains=config.allowed_media_domains,
             allowed_local_path=config.allowed_local_media_path,
+            allowed_private=config.allow_private_media_addresses,
         )
 
 
@@ -64,59 +62,53 @@ def _short(url: str) -> str:
     return url if len(url) <= 200 else url[:200] + "..."
 
 
+def is_remote(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https://"))
+
+
 class MediaFetcher:
-    """Loads the encoded bytes behind an image URL, enforcing `MediaLimits`; owns one httpx client."""
+    """Loads the encoded bytes behind image URLs, enforcing `MediaLimits`.
 
-    def __init__(self, limits: MediaLimits, client: httpx.Client | None = None) -> None:
+    `load_local` (data:, file:) is synchronous; `fetch` (http, https) is a coroutine and must be
+    awaited on one event loop for the fetcher's life (its connection pool belongs to that loop)."""
+
+    def __init__(self, limits: MediaLimits, resolver: Resolver | None = None) -> None:
         self.limits = limits
-        self._owns_client = client is None
-        # Some media hosts refuse library default user agents; name ourselves instead.
-        self.client = (
-            client if client is not None else httpx.Client(timeout=limits.timeout_s, headers=_HEADERS)
+        self.http = HttpMediaClient(
+            limits.max_bytes,
+            limits.timeout_s,
+            limits.allowed_domains,
+            limits.allowed_private,
+            limits.max_redirects,
+            resolver,
         )
-        self._domains = tuple(d.lower().rstrip(".") for d in limits.allowed_domains)
-        self._pool: ThreadPoolExecutor | None = None  # made on the first request with several downloads
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._owns_client:
-            self.client.close()
+    async def aclose(self) -> None:
+        await self.http.aclose()
 
-    def __enter__(self) -> MediaFetcher:
-        return self
+    async def fetch(self, url: str, param: str | None = None) -> bytes:
+        """Download one http(s) URL under the deadline and the address guard."""
+        return await self.http.fetch(url, param)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    async def fetch_all(self, urls: Iterable[tuple[str, str | None]]) -> list[bytes]:
+        """`fetch` of each (url, param) at once, results in order; the first failure cancels the rest."""
+        tasks = [asyncio.ensure_future(self.fetch(url, param)) for url, param in urls]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
 
-    def load(self, url: str, param: str | None = None) -> bytes:
-        """Encoded bytes of `url`; BadRequest (400) for anything the client can fix."""
+    def load_local(self, url: str, param: str | None = None) -> bytes:
+        """Encoded bytes of a data: or file: URL; BadRequest (400) for anything the client can fix."""
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
             return self._load_data_url(url, param)
-        if scheme in ("http", "https"):
-            return self._load_http(url, param)
         if scheme == "file":
             return self._load_file(url, param)
         raise _bad(
             f"Unsupported image URL {_short(url)!r}: expected a data:, http(s):// or file:// URL.", param
         )
-
-    def load_many(self, urls: list[tuple[str, str | None]]) -> list[bytes]:
-        """`load` for each (url, param), in order. Downloads overlap (they wait on the network, and
-        httpx.Client is thread-safe); data: and file: URLs are CPU or disk work and run inline."""
-        remote = [url.lower().startswith(("http://", "https://")) for url, _ in urls]
-        if sum(remote) <= 1:
-            return [self.load(url, param) for url, param in urls]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="media-fetch")
-        pool = self._pool
-        futures = {i: pool.submit(self.load, *urls[i]) for i, is_remote in enumerate(remote) if is_remote}
-        try:
-            return [futures[i].result() if i in futures else self.load(*u) for i, u in enumerate(urls)]
-        finally:
-            for f in futures.values():  # after a refusal, do not start downloads nobody will read
-                f.cancel()
 
     # ---- data: ----------------------------------------------------------------------------------
 
@@ -145,71 +137,6 @@ class MediaFetcher:
             raise _bad(f"The image exceeds the {self.limits.max_bytes}-byte limit.", param, "image_too_large")
         return data
 
-    # ---- http(s): -------------------------------------------------------------------------------
-
-    def _check_host(self, url: httpx.URL, param: str | None) -> None:
-        if not self._domains:
-            return
-        host = url.host.lower().rstrip(".")
-        for allowed in self._domains:
-            if host == allowed or (allowed.startswith("*.") and host.endswith(allowed[1:])):
-                return
-        raise _bad(
-            f"Fetching images from host {host!r} is not allowed on this server.", param, "domain_not_allowed"
-        )
-
-    def _load_http(self, url: str, param: str | None) -> bytes:
-        deadline = time.monotonic() + self.limits.timeout_s
-        try:
-            request = self.client.build_request("GET", url)
-            for _ in range(self.limits.max_redirects + 1):
-                self._check_host(request.url, param)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise httpx.TimeoutException("deadline passed", request=request)
-                request.extensions["timeout"] = httpx.Timeout(remaining).as_dict()
-                response = self.client.send(request, stream=True, follow_redirects=False)
-                try:
-                    if response.next_request is not None:
-                        request = response.next_request  # checked against the allowlist next round
-                        continue
-                    if not response.is_success:
-                        raise _bad(
-                            f"Fetching image {_short(url)!r} failed: HTTP {response.status_code}.",
-                            param,
-                            "image_fetch_failed",
-                        )
-                    return self._read_capped(response, deadline, param)
-                finally:
-                    response.close()
-        except httpx.TimeoutException:
-            raise _bad(
-                f"Fetching image {_short(url)!r} timed out after {self.limits.timeout_s:g} s.",
-                param,
-                "image_fetch_timeout",
-            ) from None
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise _bad(f"Fetching image {_short(url)!r} failed: {exc}", param, "image_fetch_failed") from None
-        raise _bad(
-            f"Fetching image {_short(url)!r} followed too many redirects.", param, "image_fetch_failed"
-        )
-
-    def _read_capped(self, response: httpx.Response, deadline: float, param: str | None) -> bytes:
-        cap = self.limits.max_bytes
-        too_large = _bad(f"The image exceeds the {cap}-byte limit.", param, "image_too_large")
-        declared = response.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > cap:
-            raise too_large  # refuse without reading a byte
-        buf = bytearray()
-        # iter_bytes yields decoded content: the cap also bounds a gzip bomb's expansion.
-        for chunk in response.iter_bytes(_CHUNK):
-            buf += chunk
-            if len(buf) > cap:
-                raise too_large
-            if time.monotonic() > deadline:
-                raise httpx.TimeoutException("deadline passed", request=response.request)
-        return bytes(buf)
-
     # ---- file: ----------------------------------------------------------------------------------
 
     def _load_file(self, url: str, param: str | None) -> bytes:
@@ -220,6 +147,8 @@ class MediaFetcher:
         if parts.netloc not in ("", "localhost"):
             raise _bad(f"file:// URLs must name a local path, got host {parts.netloc!r}.", param)
         path = urllib.parse.unquote(parts.path)
+        if "\0" in path:  # the OS would refuse it deep inside realpath/open, as a 500
+            raise _bad("file:// URLs must not contain NUL bytes.", param)
         if not os.path.isabs(path):
             raise _bad("file:// URLs must hold an absolute path.", param)
         # realpath resolves '..' and every symlink, so the containment test sees where the bytes are.
@@ -256,12 +185,19 @@ class MediaFetcher:
         return data
 
 
-def load_media(
-    url: str, limits: MediaLimits, *, client: httpx.Client | None = None, param: str | None = None
-) -> bytes:
-    """One-off form of `MediaFetcher.load` (a long-lived process should keep a MediaFetcher)."""
-    with MediaFetcher(limits, client) as fetcher:
-        return fetcher.load(url, param)
+def load_media(url: str, limits: MediaLimits, *, param: str | None = None) -> bytes:
+    """One-off load of any image URL (a long-lived process keeps a MediaFetcher instead)."""
+    fetcher = MediaFetcher(limits)
+    if not is_remote(url):
+        return fetcher.load_local(url, param)
+
+    async def once() -> bytes:
+        try:
+            return await fetcher.fetch(url, param)
+        finally:
+            await fetcher.aclose()
+
+    return asyncio.run(once())
 
 
 # ---- decoding -------------------------------------------------------------------------------------

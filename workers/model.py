@@ -73,13 +73,15 @@ class PixelReader:
         return pixels
 
 
-def _init_tp(config: ServerConfig, rank: int) -> tuple[TPGroup | None, EngineConfig]:
-    """Join the TP group (gloo on CPU, NCCL on GPU) and pick this rank's device."""
+def _init_tp(config: ServerConfig, index: int) -> tuple[TPGroup | None, EngineConfig]:
+    """Join the TP group of this worker's replica (gloo on CPU, NCCL on GPU) and pick its device: worker
+    ``index`` is rank ``index % tp`` of replica ``index // tp`` and owns GPU ``index``."""
     engine = config.engine
     size = engine.tp_size
+    replica, rank = divmod(index, size)
     if engine.device.startswith("cuda"):
-        engine = replace(engine, device=f"cuda:{rank}")
-        torch.cuda.set_device(rank)
+        engine = replace(engine, device=f"cuda:{index}")
+        torch.cuda.set_device(index)
     if size == 1:
         return None, engine
     backend = "nccl" if engine.device.startswith("cuda") else "gloo"
@@ -89,7 +91,9 @@ def _init_tp(config: ServerConfig, rank: int) -> tuple[TPGroup | None, EngineCon
     timeout = timedelta(seconds=config.ready_timeout_s)
     # The rendezvous store is served by the launcher (host_rendezvous), which bound its port before any
     # rank started: no port to race for, and nothing on disk for ranks to tear down at exit.
-    store = dist.TCPStore("127.0.0.1", config.dist_port, is_master=False, timeout=timeout)
+    store: Any = dist.TCPStore("127.0.0.1", config.dist_port, is_master=False, timeout=timeout)
+    if config.dp_size > 1:  # one store for the launch; each replica's group rendezvouses under its own prefix
+        store = dist.PrefixStore(f"replica{replica}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank=rank, size=size), engine
 
@@ -101,17 +105,19 @@ def host_rendezvous() -> tuple[Any, int]:
     return store, int(store.port)
 
 
-def run_model_worker(config: ServerConfig, rank: int) -> None:
-    """Entry point of model worker ``rank``: load, announce readiness, serve plans until Shutdown."""
-    log = setup_child(f"glimpse.model[{rank}]", config.log_level)
+def run_model_worker(config: ServerConfig, index: int) -> None:
+    """Entry point of model worker ``index`` (rank ``index % tp`` of replica ``index // tp``): load, announce
+    readiness, serve plans until Shutdown."""
+    replica, rank = divmod(index, config.engine.tp_size)
+    log = setup_child(f"glimpse.model[{index}]", config.log_level)
     ctx = new_context()
     # Bind before the (slow) model load so plans sent right after our ready ack find the endpoint.
-    inbound = endpoints.pull(ctx, config.launch_id, endpoints.MODEL, rank)
-    to_sched = endpoints.push(ctx, config.launch_id, endpoints.SCHEDULER)
+    inbound = endpoints.pull(ctx, config.launch_id, endpoints.MODEL, index)
+    to_sched = endpoints.push(ctx, config.launch_id, endpoints.SCHEDULER, replica)
     reader = PixelReader()
     try:
         t0 = time.monotonic()
-        tp, engine = _init_tp(config, rank)
+        tp, engine = _init_tp(config, index)
         runner = ModelRunner(engine, pixel_source=reader, tp=tp)
         log.info(
             "loaded %s in %.1fs: %d KV blocks of %d tokens, dtype %s, device %s, tp %d/%d",

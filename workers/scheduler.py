@@ -3,7 +3,10 @@ workers and frontend. One loop, never blocked on the model: it polls its PULL so
 aborts, step results), keeps at most one step in flight, and plans the next step the moment a result
 lands. A plan is encoded once and the same bytes go to every TP rank; plans carry shm pointers, never
 pixels, and this process never maps a segment. It is the only process that unlinks segments: a
-request's names go when the request finishes, fails or is aborted (see ``_release``).
+request's names go when the request finishes, fails or is aborted (see ``_release``), and retained
+ones after ``shm_retain_idle_s`` unused. If the launcher dies (SIGKILL, OOM) the scheduler notices
+within a loop turn and removes every segment and the socket directory of the launch before it
+exits: the other children die with the launcher, and nobody else would.
 """
 
 from __future__ import annotations
@@ -12,18 +15,16 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from functools import partial
 from typing import Any
 
 import msgspec
 from transformers import AutoTokenizer
 
-from ipc.channels import PullSocket, PushSocket, new_context
-from ipc.launch import ipc_address
+from ipc import endpoints
+from ipc.channels import new_context
+from ipc.launch import cleanup_launch_dir
 from ipc.messages import (
     AbortRequest,
-    FrontendInbound,
-    ModelInbound,
     OutputBatch,
     ProcessReady,
     RequestFailed,
@@ -34,22 +35,26 @@ from ipc.messages import (
     StepPlan,
     StepResult,
     TokenizedRequest,
-    TokenizerInbound,
     WorkerFailed,
     WorkerStats,
 )
-from ipc.shm import ShmSegment
+from ipc.shm import ShmSegment, sweep
 from workers.config import ServerConfig
 from workers.detokenizer import TextStream
 from workers.engine.sched_core import RequestRejected, SchedulerCore, Sequence
+from workers.engine.sequence import child_rid
+from workers.kv_events import KVEventRecorder
+from workers.logprobs import LogprobRenderer
 from workers.proc import setup_child
 from workers.shm_ledger import ShmLedger
+from workers.tools import ToolOutput
 
 STATS_INTERVAL_S = 0.25
 LOG_STATS_INTERVAL_S = 10.0
 _MAX_DRAIN = 256  # messages handled per loop turn before the next step is planned
 _RECENT_ABORTS = 65536  # aborts of rids not (yet) known; old entries fall out first
 _LINGER_MS = 2_000
+_ORPHANED = "the launcher is gone"
 
 
 def _unlink_all(names: list[str]) -> None:
@@ -78,27 +83,30 @@ def build_core(config: ServerConfig, num_blocks: int) -> SchedulerCore:
 
 
 class Scheduler:
-    def __init__(self, config: ServerConfig, log: logging.Logger) -> None:
+    def __init__(self, config: ServerConfig, log: logging.Logger, replica: int = 0) -> None:
         self.config = config
         self.log = log
-        ctx, addr = new_context(), partial(ipc_address, config.launch_id)
+        self.replica = replica  # --dp: this scheduler's replica, whose model workers are replica * tp + rank
+        ctx, lid = new_context(), config.launch_id
         self.ctx = ctx
-        self.inbound = PullSocket[SchedulerInbound](ctx, addr("sched"), SchedulerInbound, bind=True)
+        self.inbound = endpoints.pull(ctx, lid, endpoints.SCHEDULER, replica)
         tp, tokenizers = config.engine.tp_size, config.tokenizer_workers
-        self.models = [
-            PushSocket[ModelInbound](ctx, addr(f"model{r}"), ModelInbound, bind=False) for r in range(tp)
-        ]
-        self.frontend = PushSocket[FrontendInbound](ctx, addr("frontend"), FrontendInbound, bind=False)
-        self.tokenizers = [
-            PushSocket[TokenizerInbound](ctx, addr(f"tok{i}"), TokenizerInbound, bind=False)
-            for i in range(tokenizers)
-        ]
+        self.models = [endpoints.push(ctx, lid, endpoints.MODEL, replica * tp + r) for r in range(tp)]
+        self.frontend = endpoints.push(ctx, lid, endpoints.FRONTEND)
+        self.tokenizers = [endpoints.push(ctx, lid, endpoints.TOKENIZER, i) for i in range(tokenizers)]
         self.tokenizer: Any = AutoTokenizer.from_pretrained(config.engine.model)
+        self.logprobs = LogprobRenderer(self.tokenizer)
         self.plan_encoder = msgspec.msgpack.Encoder()
         self.core: SchedulerCore  # built by wait_for_models, once every rank reported its KV blocks
         self.in_flight: StepPlan | None = None
         self.streams: dict[str, TextStream] = {}
-        self.ledger = ShmLedger(config.shm_budget_bytes, config.shm_retain_fraction)
+        self.tool_outputs: dict[str, ToolOutput] = {}  # requests with tools: their <tool_call> parsers
+        # Replicas split the budget, so together they keep to it (tokenizers add their reports up). Each counts
+        # only its own requests' names: an image two replicas hold is counted twice, never unlinked early.
+        budget = config.shm_budget_bytes // max(1, config.dp_size)
+        self.ledger = ShmLedger(budget, config.shm_retain_fraction, config.shm_retain_idle_s)
+        self.kv_events: KVEventRecorder | None = None
+        self.parent = os.getppid()  # the launcher; a change means it died and this process was re-parented
         self.worker_stats: dict[int, WorkerStats] = {}
         self.gpu_peak = self.gpu_idle = 0  # bytes; the peak restarts whenever work starts from idle
         self.deferred_unlinks: list[str] = []
@@ -115,7 +123,7 @@ class Scheduler:
         deadline = time.monotonic() + self.config.ready_timeout_s
         blocks: dict[int, int] = {}
         while len(blocks) < len(self.models):
-            if self.stop_reason is not None:
+            if self.stop_reason is not None or self._orphaned():
                 return False
             left = deadline - time.monotonic()
             if left <= 0:
@@ -133,7 +141,10 @@ class Scheduler:
         # Ranks may have sized their caches from different free memory: the smallest one binds all.
         self.core = build_core(self.config, min(blocks.values()))
         self.core.on_finished = self._release
-        self.frontend.send(ProcessReady(role="scheduler", index=0, pid=os.getpid()))
+        if (events := KVEventRecorder.open(self.ctx, self.config, self.replica)) is not None:
+            self.kv_events = events.attach(self.core)
+            self.log.info("publishing KV-cache events on %s", events.publisher.endpoint)
+        self.frontend.send(ProcessReady(role="scheduler", index=self.replica, pid=os.getpid()))
         self.log.info("ready: %d KV blocks", self.core.allocator.num_blocks)
         return True
 
@@ -152,7 +163,10 @@ class Scheduler:
                 timeout_ms = 0
             if self.in_flight is None:
                 self._schedule()
+            if self.kv_events is not None:
+                self.kv_events.flush()
             self._maybe_send_stats()
+            self._orphaned()
 
     def handle(self, msg: SchedulerInbound) -> None:
         match msg:
@@ -213,19 +227,32 @@ class Scheduler:
             return
         self.ledger.hold(req.rid, list(req.shm_names), images, name_of)
         self.prompt_tokens += len(req.input_ids)
-        self.streams[req.rid] = TextStream(self.tokenizer, req.sampling.stop, len(req.input_ids))
+        for index in range(req.sampling.n):  # one per choice: each has its own text and stop strings
+            self.streams[child_rid(req.rid, index)] = TextStream(self.tokenizer, req.sampling.stop, len(req.input_ids))
+            if req.tool_parser:
+                self.tool_outputs[child_rid(req.rid, index)] = ToolOutput()
 
     def _on_abort(self, rid: str) -> None:
-        self.streams.pop(rid, None)
+        self._drop_streams(rid)
         if not self.core.abort(rid):
             # Unknown: its TokenizedRequest may still be on the way (another pipe); drop it on arrival.
             self.aborted[rid] = None
             if len(self.aborted) > _RECENT_ABORTS:
                 self.aborted.popitem(last=False)
 
+    def _drop_streams(self, rid: str) -> bool:
+        """Forget the text streams of request ``rid`` (all its choices); whether it had any."""
+        found = self.streams.pop(rid, None) is not None
+        self.tool_outputs.pop(rid, None)
+        index = 1
+        while self.streams.pop(child_rid(rid, index), None) is not None:
+            self.tool_outputs.pop(child_rid(rid, index), None)
+            index, found = index + 1, True
+        return found
+
     def _release(self, seq: Sequence) -> None:
-        """core.on_finished: the request will never be scheduled again, so its pixels can go."""
-        self._unlink(self.ledger.release(seq.rid))
+        """core.on_finished: the request (its last choice) will never be scheduled again, so its pixels can go."""
+        self._unlink(self.ledger.release(seq.request_id))
 
     def _unlink(self, names: list[str]) -> None:
         if self.in_flight is not None:
@@ -265,8 +292,20 @@ class Scheduler:
                 if update.finish_reason is None:  # a stop string matched: the core did not know
                     self.core.finish(update.rid, "stop")
                 del self.streams[update.rid]
+            calls = None
+            if (tools := self.tool_outputs.get(update.rid)) is not None:  # <tool_call> blocks -> tool_calls
+                text, deltas, reason = tools.step(text, reason)
+                calls = deltas or None
+                if reason is not None:
+                    del self.tool_outputs[update.rid]
             usage = (stream.prompt_tokens, stream.completion_tokens)
-            outputs.append(RequestOutput(update.rid, text, [update.token_id], reason, *usage))
+            lps = [self.logprobs.render(update.token_id, update.logprobs)] if update.logprobs is not None else None
+            outputs.append(
+                RequestOutput(
+                    update.request_id, text, [update.token_id], reason, *usage, lps, update.index, update.cached_tokens,
+                    calls,
+                )
+            )
         self._flush_unlinks()
         if outputs:
             # When a request finishes, stats go first: the frontend answers it with stats that include it.
@@ -279,7 +318,7 @@ class Scheduler:
         if plan is None:
             return
         for rid in self.core.fail_step(plan.step_id):
-            if self.streams.pop(rid, None) is not None:
+            if self._drop_streams(rid):
                 self._fail(rid, 500, f"the model failed on this request: {msg.message}")
         self._flush_unlinks()
 
@@ -292,6 +331,7 @@ class Scheduler:
         if now < self.next_stats and not force:
             return
         self.next_stats = now + STATS_INTERVAL_S
+        self._unlink(self.ledger.expire(now))  # retained images nobody resent for a while
         core, idx = self.core, self.core.mm_index
         stats = SchedulerStats(
             requests_running=len(core.running),
@@ -317,8 +357,10 @@ class Scheduler:
             plan_bytes_max=self.plan_bytes["max"],
             workers=[self.worker_stats[r] for r in sorted(self.worker_stats)],
             prefix_cache_hit_tokens=core.allocator.prefix_hit_tokens,
+            prompt_tokens_computed=core.prompt_tokens_computed,
             gpu_peak_bytes=self.gpu_peak,
             gpu_idle_bytes=self.gpu_idle,
+            replica=self.replica,
         )
         self.frontend.send(stats)
         for sock in self.tokenizers:
@@ -327,23 +369,41 @@ class Scheduler:
             self.next_log = now + LOG_STATS_INTERVAL_S
             self.log.info("%s plan_bytes=%s", msgspec.json.encode(stats).decode(), self.plan_bytes)
 
+    def _orphaned(self) -> bool:
+        if os.getppid() == self.parent:
+            return False
+        if self.stop_reason != _ORPHANED:
+            self.log.error("the launcher (pid %d) is gone; removing the launch's shared memory and exiting", self.parent)
+        self.stop_reason = _ORPHANED
+        return True
+
     def close(self) -> None:
         """Unlink every live request's names, tell the model workers to exit, close the sockets."""
+        orphaned = self.stop_reason == _ORPHANED
         _unlink_all(self.ledger.release_all() + self.deferred_unlinks)
+        if orphaned:  # the launcher cannot sweep any more: every segment of the launch goes now
+            sweep(self.config.launch_id)
+        linger = 0 if orphaned else _LINGER_MS  # with the launcher gone, nobody is left to read
+        if self.kv_events is not None:
+            self.kv_events.close(min(linger, 200))  # an absent subscriber must not hold the exit up
         for sock in self.models:
             sock.send(Shutdown(self.stop_reason or "scheduler exiting"))
-            sock.close(linger_ms=_LINGER_MS)  # the linger lets Shutdown out before ctx.term() returns
+            sock.close(linger_ms=linger)  # the linger lets Shutdown out before ctx.term() returns
         self.inbound.close()
-        self.frontend.close(linger_ms=_LINGER_MS)
+        self.frontend.close(linger_ms=linger)
         for tok in self.tokenizers:
             tok.close()  # only stats go there: nothing worth waiting for a missing peer
         self.ctx.term()
+        if orphaned:
+            # Again, for a tokenizer write that raced its SIGKILL, then the sockets' directory.
+            sweep(self.config.launch_id)
+            cleanup_launch_dir(self.config.launch_id)
 
 
-def run_scheduler(config: ServerConfig) -> None:
+def run_scheduler(config: ServerConfig, replica: int = 0) -> None:
     """Entry point of the scheduler process; returns (exit 0) after Shutdown or SIGTERM."""
-    log = setup_child("glimpse.scheduler", config.log_level)
-    sched = Scheduler(config, log)
+    log = setup_child(f"glimpse.scheduler[{replica}]" if config.dp_size > 1 else "glimpse.scheduler", config.log_level)
+    sched = Scheduler(config, log, replica)
     try:
         if sched.wait_for_models():
             sched.run()

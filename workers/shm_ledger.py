@@ -6,11 +6,13 @@ names of one image are hard links to the same pages. When the last request holdi
 finishes, one of its names is *retained* (LRU) instead of unlinked, so the next turn of a chat that
 resends the image finds a live segment and the tokenizer skips decode, processing and the write.
 Retained images give their bytes back first whenever a new request needs room, and never take more
-than ``retain_fraction`` of the budget.
+than ``retain_fraction`` of the budget. A retained image nobody used for ``retain_idle_s`` is
+unlinked too (`expire`), so an idle server gives its shared memory back.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -19,10 +21,12 @@ from dataclasses import dataclass, field
 class ShmLedger:
     budget_bytes: int
     retain_fraction: float = 0.5
+    retain_idle_s: float = 0.0  # 0: retained images never expire by age
     _refs: Counter[bytes] = field(default_factory=Counter)  # hash -> live requests holding it
     _sizes: dict[bytes, int] = field(default_factory=dict)  # live hashes
     _held: dict[str, tuple[list[str], dict[bytes, int], dict[bytes, str]]] = field(default_factory=dict)
     _retained: OrderedDict[bytes, tuple[str, int]] = field(default_factory=OrderedDict)  # oldest first
+    _last_used: dict[bytes, float] = field(default_factory=dict)  # retained hash -> when it was last held
 
     @property
     def used_bytes(self) -> int:
@@ -49,8 +53,7 @@ class ShmLedger:
         """Drop retained images (oldest first) until ``extra`` more bytes fit; returns names to unlink."""
         out: list[str] = []
         while self._retained and self.used_bytes + extra > self.budget_bytes:
-            _, (name, _) = self._retained.popitem(last=False)
-            out.append(name)
+            out.append(self._drop_oldest())
         return out
 
     def hold(self, rid: str, names: list[str], images: dict[bytes, int], name_of: dict[bytes, str]) -> None:
@@ -61,8 +64,9 @@ class ShmLedger:
             if h in self._retained:
                 self._retained.move_to_end(h)  # used again: the last to be dropped
 
-    def release(self, rid: str) -> list[str]:
+    def release(self, rid: str, now: float | None = None) -> list[str]:
         """Forget ``rid``'s holdings; returns the names to unlink (one name per newly idle image stays)."""
+        now = time.monotonic() if now is None else now
         names, images, name_of = self._held.pop(rid, ([], {}, {}))
         keep: set[str] = set()
         self._refs.subtract(images.keys())
@@ -70,18 +74,39 @@ class ShmLedger:
             if self._refs[h] > 0:
                 continue
             del self._refs[h], self._sizes[h]
-            if h not in self._retained and h in name_of:
+            if h in self._retained:
+                self._last_used[h] = now  # idle again from now
+            elif h in name_of:
                 self._retained[h] = (name_of[h], size)
+                self._last_used[h] = now
                 keep.add(name_of[h])
         out = [n for n in names if n not in keep]
         limit = int(self.budget_bytes * self.retain_fraction)
         while self._retained and self.retained_bytes > limit:
-            _, (name, _) = self._retained.popitem(last=False)
+            out.append(self._drop_oldest())
+        return out
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Names of retained images idle (held by no request) for ``retain_idle_s``; they are forgotten."""
+        if self.retain_idle_s <= 0:
+            return []
+        cutoff = (time.monotonic() if now is None else now) - self.retain_idle_s
+        stale = [h for h in self._retained if h not in self._sizes and self._last_used.get(h, cutoff) <= cutoff]
+        out = []
+        for h in stale:
+            name, _ = self._retained.pop(h)
+            self._last_used.pop(h, None)
             out.append(name)
         return out
+
+    def _drop_oldest(self) -> str:
+        h, (name, _) = self._retained.popitem(last=False)
+        self._last_used.pop(h, None)
+        return name
 
     def release_all(self) -> list[str]:
         names = [name for rid in list(self._held) for name in self.release(rid)]
         names += [name for name, _ in self._retained.values()]
         self._retained.clear()
+        self._last_used.clear()
         return names

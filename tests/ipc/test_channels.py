@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -138,7 +139,8 @@ def _join(proc: multiprocessing.process.BaseProcess) -> None:
 
 
 def test_launch_naming(launch_id: str) -> None:
-    assert len(launch_id) == 8 and int(launch_id, 16) >= 0
+    # The id names its owner (this process, in this pid namespace) and stays short for socket paths.
+    assert re.fullmatch(rf"p{os.getpid()}n[0-9a-f]+_[0-9a-f]{{8}}", launch_id) and len(launch_id) <= 32
     assert new_launch_id() != launch_id
     addr = ipc_address(launch_id, "tokenizer-in")
     assert addr == f"ipc:///tmp/glimpse-{launch_id}/tokenizer-in.sock"

@@ -23,6 +23,7 @@ from ipc.shm import (
     list_segments,
     segment_name,
     sweep,
+    sweep_dead_launches,
 )
 
 
@@ -214,3 +215,34 @@ def test_strided_and_empty_tensors(launch_id: str) -> None:
     with ShmSegment.attach(ref) as reader:
         assert reader.tensor().shape == (0, 3)
     ShmSegment.unlink(ref.name)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped), so nothing owns it now."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_sweep_dead_launches_removes_only_launches_whose_owner_is_gone() -> None:
+    from ipc.launch import cleanup_launch_dir, ipc_address, launch_dir
+
+    dead, alive, handmade = new_launch_id(owner_pid=_dead_pid()), new_launch_id(), "handmade0123"
+    try:
+        for lid in (dead, alive, handmade):
+            seg, _ = ShmSegment.create_from_tensor(segment_name(lid, "x-1"), torch.ones(4))
+            seg.close()
+            ipc_address(lid, "sched")  # creates the launch's socket directory
+        removed = sweep_dead_launches()
+        assert removed.get(dead) == 1
+        assert list_segments(dead) == [] and not os.path.exists(launch_dir(dead))
+        # This process owns `alive`; a hand-made id names no owner: both are left alone.
+        assert len(list_segments(alive)) == 1 and len(list_segments(handmade)) == 1
+        assert os.path.isdir(launch_dir(alive)) and alive not in removed and handmade not in removed
+    finally:
+        for lid in (dead, alive, handmade):
+            sweep(lid)
+            cleanup_launch_dir(lid)

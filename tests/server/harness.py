@@ -33,6 +33,7 @@ from ipc.messages import (
 from server.app import create_app
 from server.config import ServerConfig
 from server.frontend import FrontendState
+from server.http_guard import HttpLimits, guarded_protocol
 
 API_KEY = "sk-test-key"
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
@@ -84,7 +85,7 @@ class Peers:
 class Served:
     """create_app under uvicorn in a thread with its own uvloop loop, as the launcher serves it."""
 
-    def __init__(self, config: ServerConfig, ready: bool, loop: str) -> None:
+    def __init__(self, config: ServerConfig, ready: bool, loop: str, http_limits: HttpLimits | None = None) -> None:
         self.config = config
         self.loop_factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
         self.state = FrontendState(config)
@@ -92,7 +93,11 @@ class Served:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(config, self.state), log_level="warning"))
+        # With limits: the launcher's guarded protocol; without: uvicorn's own, as before.
+        http: Any = guarded_protocol(http_limits) if http_limits is not None else "auto"
+        self.server = uvicorn.Server(
+            uvicorn.Config(create_app(config, self.state), log_level="warning", http=http)
+        )
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, args=(sock,), daemon=True)
         self.thread.start()

@@ -26,8 +26,9 @@ from tests.server.live import LiveServer, data_url, image_message, png_bytes
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 
+# The loopback media server is a private address: allowed here explicitly, as an operator would.
 LIMITS = ("--max-image-pixels", "300000", "--max-image-mb", "0.5", "--max-images-per-request", "6",
-          "--max-model-len", "2048", "--tokenizer-workers", "2")
+          "--max-model-len", "2048", "--tokenizer-workers", "2", "--allow-private-media-addresses", "127.0.0.1")
 IMAGES = [png_bytes(300, 200, seed=1), png_bytes(123, 77, seed=2), png_bytes(64, 250, seed=3)]
 
 

@@ -77,17 +77,18 @@ BAD: list[tuple[str, bytes, int, str | None, str | None]] = [
     ),
     ("too many stops", body(stop=[str(i) for i in range(17)]), 400, "stop", "invalid_value"),
     ("empty stop", body(stop=""), 400, "stop", "invalid_value"),
-    ("n 2", body(n=2), 400, "n", "unsupported_parameter"),
-    ("presence_penalty", body(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
-    ("frequency_penalty", body(frequency_penalty=-1), 400, "frequency_penalty", "unsupported_parameter"),
-    ("logprobs", body(logprobs=True), 400, "logprobs", "unsupported_parameter"),
-    (
-        "tools",
-        body(tools=[{"type": "function", "function": {"name": "f"}}]),
-        400,
-        "tools",
-        "unsupported_parameter",
-    ),
+    ("n 0", body(n=0), 400, "n", "invalid_value"),
+    ("n 17", body(n=17), 400, "n", "invalid_value"),
+    ("presence_penalty 2.5", body(presence_penalty=2.5), 400, "presence_penalty", "invalid_value"),
+    ("frequency_penalty -3", body(frequency_penalty=-3), 400, "frequency_penalty", "invalid_value"),
+    ("repetition_penalty 0", body(repetition_penalty=0), 400, "repetition_penalty", "invalid_value"),
+    ("min_p 1.5", body(min_p=1.5), 400, "min_p", "invalid_value"),
+    ("min_tokens above max", body(min_tokens=9, max_tokens=4), 400, "min_tokens", "invalid_value"),
+    ("top_logprobs 21", body(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value"),
+    ("top_logprobs alone", body(top_logprobs=2), 400, "top_logprobs", "invalid_value"),
+    ("tools without function", body(tools=[{"type": "function"}]), 400, "tools", "invalid_value"),
+    ("tool_choice without tools", body(tool_choice="required"), 400, "tool_choice", "invalid_value"),
+    ("legacy functions", body(functions=[{"name": "f"}]), 400, "functions", "unsupported_parameter"),
     ("stream not a bool", body(stream="yes"), 400, "stream", "invalid_value"),
 ]
 
@@ -192,3 +193,30 @@ def test_context_length() -> None:
             "messages",
         )
         assert str(prompt_len) in info.value.message
+
+
+def test_new_sampling_fields_map_to_sampling_params() -> None:
+    req = parse_request(
+        body(
+            presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3, min_p=0.1, min_tokens=3,
+            logit_bias={"7": 2.5, "11": -100}, logprobs=True, top_logprobs=4,
+        )
+    )
+    sp = to_sampling_params(req, prompt_len=10, max_model_len=100, vocab_size=50)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.3)
+    assert (sp.min_p, sp.min_tokens, sp.logprobs) == (0.1, 3, 4)
+    assert sp.logit_bias == ((7, 2.5), (11, -100.0))
+    assert to_sampling_params(parse_request(body(logprobs=True)), 10, 100).logprobs == 0
+    assert to_sampling_params(parse_request(body(logprobs=False)), 10, 100).logprobs is None
+    for bias in ({"x": 1}, {"50": 1}, {"3": 101}):
+        with pytest.raises(BadRequest) as info:
+            to_sampling_params(parse_request(body(logit_bias=bias)), 10, 100, vocab_size=50)
+        assert info.value.param == "logit_bias"
+
+
+def test_generation_config_fills_only_what_the_request_leaves_out() -> None:
+    defaults = {"temperature": 0.1, "top_p": 0.001, "top_k": 1.0, "repetition_penalty": 1.05, "max_tokens": 30}
+    sp = to_sampling_params(parse_request(body()), 10, 100, defaults)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty, sp.max_tokens) == (0.1, 0.001, 1, 1.05, 30)
+    sp = to_sampling_params(parse_request(body(temperature=0.7, top_k=-1, max_tokens=5)), 10, 100, defaults)
+    assert (sp.temperature, sp.top_k, sp.max_tokens, sp.repetition_penalty) == (0.7, 0, 5, 1.05)

@@ -1,15 +1,12 @@
-"""Media loading and decoding: data URLs, real HTTP downloads from a local server, local files."""
+"""Media loading and decoding: data URLs and local files (downloads: test_media_http.py)."""
 
 from __future__ import annotations
 
 import base64
 import io
 import struct
-import threading
 import time
 import zlib
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +15,7 @@ from PIL import Image
 
 from tests.conftest import noise_image
 from workers.chat_request import BadRequest
-from workers.media import MediaFetcher, MediaLimits, decode_image, load_media
+from workers.media import MediaLimits, decode_image, load_media
 
 LIMITS = MediaLimits(max_bytes=1 << 20, timeout_s=5.0)
 
@@ -127,116 +124,6 @@ def test_alpha_is_flattened_on_white_and_exif_orientation_applied() -> None:
     exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
     upright = decode_image(encode(noise_image(40, 20), "JPEG", exif=exif), max_pixels=10_000)
     assert upright.size == (20, 40)
-
-
-# ---- HTTP ---------------------------------------------------------------------------------------
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        port = self.server.server_port  # type: ignore[attr-defined]  # an HTTPServer, typed as BaseServer
-        if self.path == "/img.png":
-            self._send(200, PNG)
-        elif self.path == "/big":  # honest Content-Length over the cap
-            self._send(200, b"\0" * 4096)
-        elif self.path == "/big-unsized":  # no Content-Length: only the streaming cap can stop it
-            self.send_response(200)
-            self.send_header("Connection", "close")
-            self.end_headers()
-            for _ in range(64):
-                self.wfile.write(b"\0" * 1024)
-        elif self.path == "/redirect":
-            self._redirect("/img.png")
-        elif self.path == "/redirect-loop":
-            self._redirect("/redirect-loop")
-        elif self.path == "/redirect-elsewhere":
-            self._redirect(f"http://127.0.0.1:{port}/img.png")
-        elif self.path == "/slow":
-            time.sleep(1.0)
-            self._send(200, PNG)
-        else:
-            self._send(404, b"not found")
-
-    def _send(self, status: int, payload: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def _redirect(self, location: str) -> None:
-        self.send_response(302)
-        self.send_header("Location", location)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: object) -> None:  # keep test output quiet
-        pass
-
-
-class _QuietServer(ThreadingHTTPServer):
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # the client hanging up mid-body (byte cap, timeout) is the point of several tests
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    httpd = _QuietServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-
-
-def test_http_fetch(server: str) -> None:
-    with MediaFetcher(LIMITS) as fetcher:
-        assert fetcher.load(f"{server}/img.png") == PNG
-        assert fetcher.load(f"{server}/redirect") == PNG  # one client, connections reused
-
-
-@pytest.mark.parametrize(
-    ("path", "max_bytes", "code", "text"),
-    [
-        ("/missing", 1 << 20, "image_fetch_failed", "HTTP 404"),
-        ("/big", 1024, "image_too_large", "1024-byte limit"),
-        ("/big-unsized", 8 * 1024, "image_too_large", "8192-byte limit"),
-        ("/redirect-loop", 1 << 20, "image_fetch_failed", "redirects"),
-    ],
-)
-def test_http_refusals(server: str, path: str, max_bytes: int, code: str, text: str) -> None:
-    with pytest.raises(BadRequest) as info:
-        load_media(f"{server}{path}", MediaLimits(max_bytes=max_bytes, timeout_s=5.0), param="x")
-    check(info, code, text, param="x")
-
-
-def test_http_timeout_bounds_the_whole_fetch(server: str) -> None:
-    start = time.perf_counter()
-    with pytest.raises(BadRequest) as info:
-        load_media(f"{server}/slow", MediaLimits(max_bytes=1 << 20, timeout_s=0.2))
-    check(info, "image_fetch_timeout", "timed out")
-    assert time.perf_counter() - start < 0.9
-
-
-def test_http_connection_refused() -> None:
-    with pytest.raises(BadRequest) as info:
-        load_media("http://127.0.0.1:1/img.png", LIMITS)
-    check(info, "image_fetch_failed", "failed")
-
-
-def test_domain_allowlist(server: str) -> None:
-    port = server.rsplit(":", 1)[1]
-    only_example = MediaLimits(
-        max_bytes=1 << 20, timeout_s=5.0, allowed_domains=("example.com", "*.example.org")
-    )
-    with pytest.raises(BadRequest) as info:
-        load_media(f"{server}/img.png", only_example)
-    check(info, "domain_not_allowed", "127.0.0.1")
-    # Allowed hosts pass; a redirect to a host outside the list is refused on that hop.
-    local = MediaLimits(max_bytes=1 << 20, timeout_s=5.0, allowed_domains=("localhost",))
-    assert load_media(f"http://localhost:{port}/img.png", local) == PNG
-    with pytest.raises(BadRequest) as info:
-        load_media(f"http://localhost:{port}/redirect-elsewhere", local)
-    check(info, "domain_not_allowed", "127.0.0.1")
 
 
 # ---- local files ------------------------------------------------------------------------------------

@@ -48,3 +48,16 @@ def test_release_all_returns_live_and_retained_names() -> None:
     ledger.release("r1")
     ledger.hold("r2", ["b1"], {B: 100}, {B: "b1"})
     assert sorted(ledger.release_all()) == ["a1", "b1"] and ledger.segments == 0
+
+
+def test_retained_images_expire_when_idle_and_not_while_held() -> None:
+    ledger = ShmLedger(budget_bytes=1000, retain_idle_s=10.0)
+    ledger.hold("r1", ["a1", "b1"], {A: 100, B: 100}, {A: "a1", B: "b1"})
+    assert ledger.release("r1", now=0.0) == [] and ledger.retained_segments == 2
+    ledger.hold("r2", ["a2"], {A: 100}, {A: "a2"})  # A is in use again: it cannot expire meanwhile
+    assert ledger.expire(now=9.0) == []
+    assert ledger.expire(now=10.5) == ["b1"]
+    assert ledger.release("r2", now=11.0) == ["a2"]  # A's retained name stays, idle from now
+    assert ledger.expire(now=20.0) == [] and ledger.expire(now=21.5) == ["a1"]
+    assert ledger.segments == 0 and ledger.used_bytes == 0
+    assert ShmLedger(budget_bytes=1000).expire(now=1e9) == []  # 0: never by age

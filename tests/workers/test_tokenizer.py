@@ -178,8 +178,10 @@ def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:
         ]
         for rid, bad_body, *_ in bad:
             peer.tok.send(GenerateRequest(rid, bad_body, time.time()))
+        # Requests are prepared concurrently: answers come in any order.
+        answers = {f.rid: f for f in (peer.expect(RequestFailed) for _ in bad)}
         for rid, _, status, param, code in bad:
-            failed = peer.expect(RequestFailed)
+            failed = answers[rid]
             assert (failed.rid, failed.status, failed.param, failed.code) == (rid, status, param, code)
         assert peer.sched.recv(300) is None
         assert sorted(list_segments(launch_id)) == sorted(first.shm_names + second.shm_names)

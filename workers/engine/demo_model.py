@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 # Bump when the written files change, so caches of an older demo model are not reused.
-DEMO_MODEL_VERSION = 1
+# 2: the Qwen2.5-VL demo's tokenizer has Qwen's tool tokens and its chat template renders tools.
+DEMO_MODEL_VERSION = 2
 DEFAULT_CACHE_DIR = Path("~/.cache/glimpse") / f"demo-model-v{DEMO_MODEL_VERSION}"
 CACHE_ENV_VAR = "GLIMPSE_DEMO_MODEL_DIR"
 
@@ -30,6 +31,9 @@ SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
     "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 )
+# Qwen's tokenizers carry these as plain added tokens (special=False: they survive skip_special_tokens,
+# which the tool-call parser relies on), appended after the special tokens, in Qwen's order.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 BPE_VOCAB_SIZE = 2000
 SEED = 20251126
 # Init scales (used by `_init_mean_std`), picked by measuring greedy decoding. With LINEAR_STD 0.08 attention
@@ -247,8 +251,8 @@ def _default_cache_dir(family: str) -> Path:
 def ensure_demo_model(cache_dir: Path | None = None, family: str = "qwen2_5_vl") -> Path:
     """Return a directory holding the demo model of ``family``, writing it there first if it is not there yet.
 
-    `cache_dir` defaults to $GLIMPSE_DEMO_MODEL_DIR, else ~/.cache/glimpse/demo-model-v1 (Qwen2.5-VL; the
-    other families: ~/.cache/glimpse/demo-FAMILY-v1). The model is
+    `cache_dir` defaults to $GLIMPSE_DEMO_MODEL_DIR, else ~/.cache/glimpse/demo-model-v2 (Qwen2.5-VL; the
+    other families: ~/.cache/glimpse/demo-FAMILY-v2). The model is
     written into a temp dir next to it and renamed into place, so a reader never sees a half-written
     checkpoint and two processes racing to create it both end up with one complete copy.
     """

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -15,8 +16,10 @@ from ipc.messages import EncodeItem, MMItem, SamplingParams
 from workers.detokenizer import TextStream
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
-from workers.engine.processor import MMProcessor, ProcessedImage
+from workers.engine.processor import ImageMeta, MMProcessor, ProcessedImage
 from workers.engine.sched_core import FinishReason, SchedulerCore, Sequence as SchedSeq
+from workers.engine.sequence import child_rid
+from workers.engine.video_prompt import VideoMeta, read_video, videos_in
 
 Message = dict[str, Any]
 
@@ -91,13 +94,18 @@ class Engine:
         sampling = sampling or SamplingParams()
         rid = rid or f"req-{next(self._ids)}"
         processed = [self.processor.process_image(img) for img in images_in(messages)]
-        prompt = self.processor.build(self.processor.render(messages), processed)
-        items = [MMItem(s.hash, s.offset, s.length, s.grid) for s in prompt.spans]
+        videos = [self._read_video(source) for source in videos_in(messages)]
+        # build pairs placeholders with media kind by kind, so images may come before videos here.
+        media: list[ImageMeta | VideoMeta] = [*processed, *(meta for meta, _ in videos)]
+        prompt = self.processor.build(self.processor.render(messages), media)
+        items = [MMItem(s.hash, s.offset, s.length, s.grid, frame=s.frame) for s in prompt.spans]
         self.core.add(rid, prompt.input_ids, prompt.mrope_delta, items, sampling)
-        for image in processed:
+        for image in [*processed, *(group for _, groups in videos for group in groups)]:
             self._hold(image)
-        self._outputs[rid] = RequestOutput(rid, len(prompt.input_ids))
-        self._streams[rid] = TextStream(self.processor.tokenizer, sampling.stop, len(prompt.input_ids))
+        for index in range(sampling.n):  # n > 1: choice i answers as child_rid(rid, i)
+            seq_rid = child_rid(rid, index)
+            self._outputs[seq_rid] = RequestOutput(seq_rid, len(prompt.input_ids))
+            self._streams[seq_rid] = TextStream(self.processor.tokenizer, sampling.stop, len(prompt.input_ids))
         return rid
 
     def peek(self, rid: str) -> RequestOutput | None:
@@ -135,9 +143,11 @@ class Engine:
     def generate(
         self, requests: Sequence[Sequence[Message]], sampling: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Run all requests to completion (continuous batching); outputs in input order."""
+        """Run all requests to completion (continuous batching); outputs in input order (an n > 1 request
+        gives its n choices one after another)."""
         params = list(sampling) if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * len(requests)
-        rids = [self.add_request(msgs, p) for msgs, p in zip(requests, params, strict=True)]
+        added = [(self.add_request(msgs, p), p.n) for msgs, p in zip(requests, params, strict=True)]
+        rids = [child_rid(rid, index) for rid, n in added for index in range(n)]
         results: dict[str, RequestOutput] = {}
         while len(results) < len(rids):
             for out in self.step():
@@ -145,6 +155,13 @@ class Engine:
             if not self.core.has_work() and len(results) < len(rids):
                 raise RuntimeError("engine went idle with unfinished requests")
         return [results[rid] for rid in rids]
+
+    def _read_video(self, source: bytes | str | Path) -> tuple[VideoMeta, list[ProcessedImage]]:
+        """A video part's layout and its frame groups' pixels (each group held like an image)."""
+        if self.processor.video is None:
+            raise ValueError(f"{self.info.architecture} takes no video")
+        meta, pixels = read_video(self.processor.video, source)
+        return meta, [ProcessedImage(g.hash, g.grid, g.num_tokens, px) for g, px in zip(meta.groups, pixels, strict=True)]
 
     # ---- pixels (the offline stand-in for shared memory) ----------------------------------------
     def _hold(self, image: ProcessedImage) -> None:
@@ -174,6 +191,7 @@ class Engine:
             "kv_blocks_total": self.core.allocator.num_blocks,
             "preemptions": self.core.preemptions,
             "prefix_cache_hit_tokens": self.core.allocator.prefix_hit_tokens,
+            "prompt_tokens_computed": self.core.prompt_tokens_computed,
             "mm_cache": {
                 "entries": len(idx),
                 "bytes": idx.used_bytes,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import blake3
 
@@ -78,6 +78,8 @@ class BlockAllocator:
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self.prefix_hit_tokens = 0
+        # Called with a key whose block is recycled (its registration ends): KV-cache events' BlockRemoved.
+        self.on_evict: Callable[[bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -108,6 +110,8 @@ class BlockAllocator:
             digest = self._hash_of.pop(block, None)
             if digest is not None:  # recycled: its old contents are about to be overwritten
                 del self._by_hash[digest]
+                if self.on_evict is not None:
+                    self.on_evict(digest)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -143,11 +147,20 @@ class BlockAllocator:
             self._refs[block] += 1
         self.prefix_hit_tokens += len(blocks) * self.block_size
 
-    def register(self, block: int, digest: bytes) -> None:
-        """Publish a full, computed block under its prefix hash (first writer wins)."""
+    def share(self, blocks: list[int]) -> None:
+        """One more reference on blocks in use (an n > 1 request's choices share its prompt blocks)."""
+        for block in blocks:
+            if self._refs[block] <= 0:
+                raise ValueError(f"block {block} is not in use")
+            self._refs[block] += 1
+
+    def register(self, block: int, digest: bytes) -> bool:
+        """Publish a full, computed block under its prefix hash (first writer wins); whether it was published."""
         if digest not in self._by_hash and block not in self._hash_of:
             self._by_hash[digest] = block
             self._hash_of[block] = digest
+            return True
+        return False
 
 
 def slot_mapping(block_table: list[int], start: int, length: int, block_size: int) -> list[int]:

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from workers.engine.models.base import Span
 
-def mrope_positions(
-    num_tokens: int, spans: Sequence[tuple[int, int, tuple[int, int, int]]], merge: int
-) -> tuple[list[list[int]], int]:
+
+def mrope_positions(num_tokens: int, spans: Sequence[Span], merge: int) -> tuple[list[list[int]], int]:
     """Return the 3 x num_tokens position rows and the decode delta.
 
-    ``spans`` holds (offset, length, (t, h, w) in patches) per image, sorted by offset. The delta
-    is what a decoded token at index p adds to p to get its (equal on all rows) position.
+    ``spans`` holds (offset, length, (t, h, w) in patches, frame) per image, sorted by offset. The delta
+    is what a decoded token at index p adds to p to get its (equal on all rows) position. A video's frame
+    group is laid out as an image (families whose prompts separate groups with timestamp text: Qwen3-VL).
     """
     rows: list[list[int]] = [[], [], []]
     pos = 0
     cursor = 0
-    for offset, length, (t, h, w) in spans:
+    for offset, length, (t, h, w), *_ in spans:
         if offset < cursor:
             raise ValueError("image spans overlap or are not sorted")
         text = range(pos, pos + offset - cursor)
@@ -45,11 +46,11 @@ def mrope_positions(
     return rows, pos - num_tokens
 
 
-def mrope_delta(num_tokens: int, spans: Sequence[tuple[int, int, tuple[int, int, int]]], merge: int) -> int:
+def mrope_delta(num_tokens: int, spans: Sequence[Span], merge: int) -> int:
     """``mrope_positions``' delta alone, in O(images): a text token advances one position, an image's span
     advances max(t, h, w) of its merged grid."""
     pos = cursor = 0
-    for offset, length, (t, h, w) in spans:
+    for offset, length, (t, h, w), *_ in spans:
         if offset < cursor:
             raise ValueError("image spans overlap or are not sorted")
         pos += offset - cursor + max(t, h // merge, w // merge)

@@ -17,7 +17,8 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from workers.engine.models import family as family_package, load_spec
-from workers.engine.models.base import ModelSpec
+from workers.engine.models.base import ModelSpec, item_spans
+from workers.engine.video_prompt import VideoMeta, VideoProcessor
 
 # Pad values live above any real vocabulary, so an image span can never look like text, and two
 # different images never look like the same prefix. They fit in int32.
@@ -77,6 +78,7 @@ class ImageSpan:
     offset: int
     length: int
     grid: tuple[int, int, int]
+    frame: tuple[int, int] | None = None  # a video's frame group: (its index, its temporal M-RoPE offset)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,16 @@ class Prompt:
     input_ids: list[int]  # image spans hold hash-derived pad values
     mrope_delta: int  # a decoded token at index p sits at position p + mrope_delta on every row
     spans: list[ImageSpan]
+
+
+def _called(call: dict[str, Any], text: Any) -> dict[str, Any]:
+    """An earlier assistant turn's tool call with its client text (name, string arguments) through ``text``."""
+    fn = dict(call.get("function") or {})
+    if "name" in fn:
+        fn["name"] = text(fn["name"])
+    if isinstance(fn.get("arguments"), str):
+        fn["arguments"] = text(fn["arguments"])
+    return {**call, "function": fn}
 
 
 class MMProcessor:
@@ -102,6 +114,14 @@ class MMProcessor:
         settings = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
         # Everything that changes the pixels the ViT sees goes into every image's hash.
         self._settings_digest = blake3.blake3(settings.encode()).digest(16)
+        self.video: VideoProcessor | None = None  # None: the checkpoint takes no video
+        if self.family.video_layout is not None and getattr(self.hf, "video_processor", None) is not None:
+            tokens = (
+                str(self.tokenizer.convert_ids_to_tokens(self.info.video_token_id)),
+                str(self.tokenizer.convert_ids_to_tokens(self.info.vision_start_token_id)),
+                str(getattr(self.hf, "vision_end_token", None) or "<|vision_end|>"),
+            )
+            self.video = VideoProcessor(self.hf.video_processor, self.info, self.family, tokens)
 
     # ---- images ---------------------------------------------------------------------------------
     def hash_image(self, image: Image.Image) -> bytes:
@@ -137,7 +157,7 @@ class MMProcessor:
         )
 
     # ---- prompts --------------------------------------------------------------------------------
-    def render(self, messages: Sequence[dict[str, Any]]) -> Rendered:
+    def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Rendered:
         """Apply the chat template; image parts become the model's image placeholder.
 
         Text that came from the client is put through the template as a sentinel and returned apart from
@@ -145,7 +165,13 @@ class MMProcessor:
         only the chat template inserts control tokens (a user typing ``<|im_end|>`` cannot end its turn).
         A template that transforms content (strips it, branches on it) sees the sentinel, not the text; so
         the real text is rendered too, and where the two disagree the real rendering is used as one template
-        piece -- unless some client text holds a special-token string, where keeping it text comes first."""
+        piece -- unless some client text holds a special-token string, where keeping it text comes first.
+
+        Tool results, the names and arguments of earlier tool calls and the tool definitions are client text
+        too. Templates write a tool as ``tool | tojson``: it goes in as a one-key object whose key is a
+        sentinel, and the JSON tojson makes of that is turned back into the sentinel (whose text is the
+        tool's JSON, as tojson would have written it). Raises ValueError when ``tools`` are given and the
+        template has no place for them, or reads into them while client text holds a special-token string."""
         texts: list[str] = []
 
         def hold(text: Any) -> str:
@@ -153,7 +179,12 @@ class MMProcessor:
             return f"{_SENTINEL}{len(texts) - 1}{_SENTINEL}"
 
         held = [self._plain(message, hold) for message in messages]
-        text = self._apply_template(held)
+        refs = [hold(json.dumps(tool, ensure_ascii=False)) for tool in tools] if tools else []
+        text = self._apply_template(held, [{ref: 0} for ref in refs] or None)
+        written = [json.dumps({ref: 0}, ensure_ascii=False) for ref in refs]
+        tools_held = all(w in text for w in written)  # False: the template reads into a tool
+        for ref, w in zip(refs, written, strict=True):
+            text = text.replace(w, ref)
         pieces: list[tuple[str, bool]] = []
         for i, chunk in enumerate(text.split(_SENTINEL)):
             # Odd chunks are sentinel indices: the client's text; even chunks are the template's.
@@ -162,8 +193,15 @@ class MMProcessor:
             elif chunk:
                 pieces.append((chunk, False))
         rendered = Rendered(pieces)
-        real = self._apply_template([self._plain(message, str) for message in messages])
-        if real == rendered.text or any(self._has_special(t) for t in texts):
+        plain = [self._plain(message, str) for message in messages]
+        real = self._apply_template(plain, tools)
+        if tools and real == self._apply_template(plain, None):
+            raise ValueError("the model's chat template does not render tools")
+        if real == rendered.text:
+            return rendered
+        if any(self._has_special(t) for t in texts):
+            if not tools_held:
+                raise ValueError("client text holds a control-token string and the template reads into the tools")
             return rendered
         return Rendered([(real, False)])
 
@@ -175,15 +213,19 @@ class MMProcessor:
             for part in content:
                 if part.get("type") in ("image", "image_url", "input_image"):
                     parts.append({"type": "image"})
+                elif part.get("type") in ("video", "video_url"):
+                    parts.append({"type": "video"})
                 else:
                     parts.append({"type": "text", "text": text(part.get("text", ""))})
             return {**message, "content": parts}
-        if isinstance(content, str):
-            return {**message, "content": text(content)}
-        return dict(message)
+        out = {**message, "content": text(content)} if isinstance(content, str) else dict(message)
+        if message.get("tool_calls"):
+            out["tool_calls"] = [_called(call, text) for call in message["tool_calls"]]
+        return out
 
-    def _apply_template(self, messages: list[dict[str, Any]]) -> str:
-        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    def _apply_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
 
     def _has_special(self, text: str) -> bool:
         return any(token in text for token in self._special_strings)
@@ -195,6 +237,10 @@ class MMProcessor:
         whenever the client's text holds no special-token string."""
         if isinstance(rendered, str):
             rendered = Rendered([(rendered, False)])
+        if not any(client and self._has_special(text) for text, client in rendered.pieces):
+            # Nothing to keep apart: one pass over the whole text, as transformers tokenizes it (pieces
+            # do not always meet at pretokenizer boundaries: "." + "\n\n" is one pretoken, "}" + "}" too).
+            return list(self.tokenizer(rendered.text, add_special_tokens=False)["input_ids"])
         ids: list[int] = []
         for text, client in rendered.pieces:
             out = self.tokenizer(text, add_special_tokens=False, split_special_tokens=client)["input_ids"]
@@ -205,23 +251,60 @@ class MMProcessor:
         t, h, w = grid
         return t * h * w // (self.merge * self.merge)
 
-    def build(self, text: Rendered | str, images: Sequence[ImageMeta]) -> Prompt:
-        """Tokenize ``text`` (one image placeholder per image) and expand each placeholder into the image's span."""
-        ids = self.token_ids(text)
-        slots = [i for i, tok in enumerate(ids) if tok == self.info.image_token_id]
-        if len(slots) != len(images):
-            raise ValueError(f"the prompt has {len(slots)} image placeholders but {len(images)} images were given")
+    def build(self, text: Rendered | str, media: Sequence[ImageMeta | VideoMeta]) -> Prompt:
+        """Tokenize ``text`` (one placeholder per image or video, in prompt order) and expand each image
+        placeholder into the image's span, each video's into its frame groups' spans laid out as the family
+        lays a video out (Qwen3-VL: each group after its timestamp text)."""
+        images = [m for m in media if not isinstance(m, VideoMeta)]
+        videos = [m for m in media if isinstance(m, VideoMeta)]
+        ids = self.token_ids(self._lay_out_videos(text, videos) if videos else text)
+        groups = [(g, (i, t)) for v in videos for i, (g, t) in enumerate(zip(v.groups, v.frame_t, strict=True))]
+        image_id, video_id = self.info.image_token_id, self.info.video_token_id
+        slots = [i for i, tok in enumerate(ids) if tok == image_id or tok == video_id]
+        n_images = sum(1 for i in slots if ids[i] == image_id)
+        if n_images != len(images) or len(slots) - n_images != len(groups):
+            raise ValueError(
+                f"the prompt has {n_images} image placeholders but {len(images)} images were given"
+                if n_images != len(images)
+                else f"the prompt has {len(slots) - n_images} video frame placeholders, the videos {len(groups)} frame groups"
+            )
+        next_image, next_group = iter(images), iter(groups)
         input_ids: list[int] = []
         spans: list[ImageSpan] = []
         cursor = 0
-        for slot, image in zip(slots, images, strict=True):
+        for slot in slots:
             input_ids.extend(ids[cursor:slot])
-            spans.append(ImageSpan(image.hash, len(input_ids), image.num_tokens, image.grid))
-            input_ids.extend([pad_value(image.hash)] * image.num_tokens)
+            frame: tuple[int, int] | None = None
+            if ids[slot] == image_id:
+                item: ImageMeta = next(next_image)
+            else:
+                item, frame = next(next_group)
+            spans.append(ImageSpan(item.hash, len(input_ids), item.num_tokens, item.grid, frame))
+            input_ids.extend([pad_value(item.hash)] * item.num_tokens)
             cursor = slot + 1
         input_ids.extend(ids[cursor:])
-        delta = self.family.delta(len(input_ids), [(s.offset, s.length, s.grid) for s in spans], self.merge)
+        delta = self.family.delta(len(input_ids), item_spans(spans), self.merge)
         return Prompt(input_ids, delta, spans)
+
+    def _lay_out_videos(self, text: Rendered | str, videos: Sequence[VideoMeta]) -> Rendered:
+        """Replace each video placeholder of the template's text with its video's layout (timestamps are
+        text, so this happens before tokenizing, where transformers' processor does it too). Client text is
+        never searched: a placeholder typed by a client stays text."""
+        assert self.video is not None
+        pad = self.video.tokens[0]
+        rendered = Rendered([(text, False)]) if isinstance(text, str) else text
+        found = sum(piece.count(pad) for piece, client in rendered.pieces if not client)
+        if found != len(videos):
+            raise ValueError(f"the prompt has {found} video placeholders but {len(videos)} videos were given")
+        layouts = iter(v.text for v in videos)
+        pieces: list[tuple[str, bool]] = []
+        for piece, client in rendered.pieces:
+            if client or pad not in piece:
+                pieces.append((piece, client))
+                continue
+            parts = piece.split(pad)
+            pieces.append(("".join(p + next(layouts) for p in parts[:-1]) + parts[-1], False))
+        return Rendered(pieces)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))

@@ -14,66 +14,32 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
-import blake3
-
-from ipc.messages import EncodeItem, EncodeJob, MMItem, NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult
+from ipc.messages import (
+    EncodeItem,
+    EncodeJob,
+    Fork,
+    MMItem,
+    NewSeq,
+    SamplingParams,
+    SeqChunk,
+    StepPlan,
+    StepResult,
+)
 from workers.engine.kv_cache import BlockAllocator, block_hashes
 from workers.engine.mm_cache import EmbeddingCacheIndex
+from workers.engine.sequence import (
+    FinishReason,
+    RequestRejected,
+    Sequence,
+    SeqUpdate,
+    combined_mm_key,
+    fork,
+    fork_blocks_needed,
+)
 
-FinishReason = Literal["stop", "length", "abort", "error"]
-
-
-class RequestRejected(ValueError):
-    """The request can never be served with this configuration (too long for the context or the KV cache)."""
-
-
-@dataclass(eq=False)
-class Sequence:
-    rid: str
-    input_ids: list[int]
-    mrope_delta: int
-    items: list[MMItem]
-    sampling: SamplingParams
-    arrival: int
-    mm_key: bytes = b""
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V is in the cache
-    block_table: list[int] = field(default_factory=list)
-    sent_blocks: int = 0  # prefix of block_table the worker knows
-    sent_tokens: int = 0  # prefix of all tokens the worker knows
-    announced: bool = False
-    finish_reason: FinishReason | None = None
-    block_hashes: list[bytes] = field(default_factory=list)  # prefix keys of full blocks, computed lazily
-    registered: int = 0  # leading blocks published to the prefix cache
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def total_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
-
-    def all_token_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
-
-
-@dataclass(frozen=True)
-class SeqUpdate:
-    rid: str
-    token_id: int
-    finish_reason: FinishReason | None
-
-
-def combined_mm_key(items: list[MMItem]) -> bytes:
-    """Baseline mode's cache key: one hash over all of a request's image hashes, in order."""
-    h = blake3.blake3(b"glimpse-request-mm")
-    for item in items:
-        h.update(item.hash)
-    return h.digest(16)
+__all__ = ["FinishReason", "RequestRejected", "SchedulerCore", "SeqUpdate", "Sequence"]
 
 
 class SchedulerCore:
@@ -113,8 +79,13 @@ class SchedulerCore:
         self._finished_for_workers: list[str] = []
         self._in_flight: StepPlan | None = None
         self.on_finished: Callable[[Sequence], None] | None = None  # e.g. unlink the request's shm
+        # (sequence, indices of blocks it just published, its block keys): KV-cache events' BlockStored.
+        self.on_blocks_stored: Callable[[Sequence, list[int], list[bytes]], None] | None = None
         self.preemptions = 0
         self.images_planned = 0
+        self.prompt_tokens_computed = 0
+        # n > 1: the live sequences of each request; the request ends (on_finished) with its last one.
+        self.families: dict[str, list[Sequence]] = {}
 
     # ---- requests -------------------------------------------------------------------------------
     def add(
@@ -134,6 +105,7 @@ class SchedulerCore:
                 f"the prompt has {len(input_ids)} tokens, but the context length is {self.max_model_len}"
             )
         need = self.allocator.blocks_for(len(input_ids) + 1)
+        need += fork_blocks_needed(len(input_ids), sampling.n, self.allocator.block_size)
         if need > self.allocator.num_blocks:
             raise RequestRejected(
                 f"the prompt needs {need} KV blocks, the cache has {self.allocator.num_blocks} in all"
@@ -142,14 +114,17 @@ class SchedulerCore:
         if self.mm_cache_mode == "request" and items:
             seq.mm_key = combined_mm_key(seq.items)
         self.seqs[rid] = seq
+        if sampling.n > 1:
+            self.families[rid] = [seq]
         self.waiting.append(seq)
 
     def abort(self, rid: str) -> bool:
-        seq = self.seqs.get(rid)
-        if seq is None:
-            return False
-        self._finish(seq, "abort")
-        return True
+        """End request ``rid``: all its choices."""
+        family = self.families.get(rid)
+        seqs = list(family) if family is not None else [self.seqs[rid]] if rid in self.seqs else []
+        for seq in seqs:
+            self._finish(seq, "abort")
+        return bool(seqs)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finished_for_workers)
@@ -177,7 +152,8 @@ class SchedulerCore:
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self._cached_prefix(seq)
-            need = self.allocator.blocks_for(seq.total_len + 1) - len(cached)
+            extra = fork_blocks_needed(seq.prompt_len, seq.sampling.n, self.allocator.block_size) if seq.wants_fork else 0
+            need = self.allocator.blocks_for(seq.total_len + 1) - len(cached) + extra
             if need > self.allocator.num_free - self.allocator.reusable_free(cached):
                 break  # it fits later, once running requests free blocks; keep FCFS order
             self.waiting.pop(0)
@@ -187,7 +163,10 @@ class SchedulerCore:
                 seq.block_table = list(cached)
                 seq.registered = len(cached)
                 seq.num_computed = len(cached) * self.allocator.block_size
-            seq.block_table.extend(self.allocator.allocate(need))
+                if not seq.output_ids:  # a first admission, not the recompute after a preemption
+                    seq.cached_tokens = seq.num_computed
+            seq.block_table.extend(self.allocator.allocate(need - extra))
+            seq.fork_blocks = self.allocator.allocate(extra)
             self.running.append(seq)
             length = min(seq.total_len - seq.num_computed, budget)
             picked.append((seq, length))
@@ -213,9 +192,10 @@ class SchedulerCore:
         if not self.prefix_caching or full <= seq.registered:
             return
         hashes = block_hashes(seq.all_token_ids(), bs, full, seq.block_hashes, seq.items)
-        for i in range(seq.registered, full):
-            self.allocator.register(seq.block_table[i], hashes[i])
+        stored = [i for i in range(seq.registered, full) if self.allocator.register(seq.block_table[i], hashes[i])]
         seq.registered = full
+        if stored and self.on_blocks_stored is not None:
+            self.on_blocks_stored(seq, stored, hashes)
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, picked: set[Sequence]) -> bool:
         need = self.allocator.blocks_for(num_tokens) - len(seq.block_table)
@@ -233,8 +213,8 @@ class SchedulerCore:
         """Free a running sequence's KV and queue it for recompute (prompt + tokens so far)."""
         self.preemptions += 1
         self.running.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self.allocator.free(seq.block_table + seq.fork_blocks)
+        seq.block_table, seq.fork_blocks = [], []
         seq.num_computed = seq.registered = 0
         if seq.announced:
             self._finished_for_workers.append(seq.rid)
@@ -246,6 +226,7 @@ class SchedulerCore:
         new_seqs: list[NewSeq] = []
         chunks: list[SeqChunk] = []
         needed: dict[bytes, list[MMItem]] = {}  # key -> items to encode under it, in first-seen order
+        forks: list[Fork] = []
         for seq, length in picked:
             if not seq.announced:
                 new_seqs.append(self._announce(seq))
@@ -263,19 +244,33 @@ class SchedulerCore:
                 )
             )
             seq.sent_blocks = len(seq.block_table)
+            self.prompt_tokens_computed += max(0, min(start + length, seq.prompt_len) - start)
             for key, items in self._keys_for_chunk(seq, start, start + length):
                 needed.setdefault(key, items)
+            if chunks[-1].sample and seq.wants_fork:
+                forks.extend(self._fork(seq))
         evict, encode = self._plan_embeddings(needed)
         finished, self._finished_for_workers = self._finished_for_workers, []
-        return StepPlan(next(self._step_ids), new_seqs, chunks, evict, encode, finished)
+        return StepPlan(next(self._step_ids), new_seqs, chunks, evict, encode, finished, forks=forks)
+
+    def _fork(self, parent: Sequence) -> list[Fork]:
+        out = []
+        for child, spec in fork(parent, self.allocator, next(self._arrivals)):
+            self.seqs[child.rid] = child
+            self.running.append(child)
+            self.families[parent.request_id].append(child)
+            out.append(spec)
+        return out
 
     def _announce(self, seq: Sequence) -> NewSeq:
         seq.announced = True
         seq.sent_tokens = seq.total_len  # NewSeq carries every token so far
         # Items without their shm pointers: a worker needs a pointer only in the step that encodes the image,
         # and there the EncodeItem carries it, so each pointer crosses the link once per encode.
-        items = [MMItem(it.hash, it.offset, it.length, it.grid) for it in seq.items]
-        return NewSeq(seq.rid, seq.all_token_ids(), seq.mrope_delta, items, seq.sampling, seq.mm_key)
+        items = [MMItem(it.hash, it.offset, it.length, it.grid, frame=it.frame) for it in seq.items]
+        return NewSeq(
+            seq.rid, seq.all_token_ids(), seq.mrope_delta, items, seq.sampling, seq.mm_key, len(seq.output_ids)
+        )
 
     def _keys_for_chunk(self, seq: Sequence, start: int, end: int) -> list[tuple[bytes, list[MMItem]]]:
         """Embedding-cache keys the chunk [start, end) reads: only images whose span overlaps it."""
@@ -328,6 +323,7 @@ class SchedulerCore:
                 seq.num_computed = chunk.start + chunk.length
                 self._register_blocks(seq)
         updates: list[SeqUpdate] = []
+        logprobs = {lp.rid: lp for lp in result.logprobs}
         for rid, token_id in result.sampled:
             seq = self.seqs.get(rid)
             if seq is None or seq.finish_reason is not None or not seq.announced:
@@ -336,7 +332,9 @@ class SchedulerCore:
             reason = self._check_finish(seq, token_id)
             if reason is not None:
                 self._finish(seq, reason)
-            updates.append(SeqUpdate(rid, token_id, reason))
+            updates.append(
+                SeqUpdate(rid, token_id, reason, logprobs.get(rid), seq.request_id, seq.index, seq.cached_tokens)
+            )
         return updates
 
     def fail_step(self, step_id: int) -> list[str]:
@@ -348,7 +346,8 @@ class SchedulerCore:
         self._in_flight = None
         for job in plan.encode:
             self.mm_index.discard(job.key)
-        rids = list(dict.fromkeys(chunk.rid for chunk in plan.chunks))
+        # Whole requests: a failed choice fails its siblings too.
+        rids = list(dict.fromkeys(self.seqs[c.rid].request_id for c in plan.chunks if c.rid in self.seqs))
         for rid in rids:
             self.abort(rid)
         return rids
@@ -374,11 +373,18 @@ class SchedulerCore:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table:
-            self.allocator.free(seq.block_table)
-            seq.block_table = []
+        if seq.block_table or seq.fork_blocks:
+            self.allocator.free(seq.block_table + seq.fork_blocks)
+            seq.block_table, seq.fork_blocks = [], []
         if seq.announced:
             self._finished_for_workers.append(seq.rid)
-        self.seqs.pop(seq.rid, None)
+        if self.seqs.pop(seq.rid, None) is None:
+            return  # finished before
+        family = self.families.get(seq.request_id)
+        if family is not None:
+            family.remove(seq)
+            if family:
+                return  # the request's pixels stay until its last choice is done
+            del self.families[seq.request_id]
         if self.on_finished is not None:
             self.on_finished(seq)

@@ -8,7 +8,9 @@ A family package (``workers/engine/models/<family>/``) exports ``FAMILY``, a ``M
   dtype, weights not yet loaded (``load_model`` below fills them: one safetensors walk for both towers);
 - ``positions`` / ``delta``: its M-RoPE variant (3 x T rows and the decode delta of a prompt with image
   spans; tokenizers need only the delta, model workers derive the rows themselves);
-- ``write_demo(path)``: a tiny deterministic checkpoint of the family, for tests and ``glimpse serve``.
+- ``write_demo(path)``: a tiny deterministic checkpoint of the family, for tests and ``glimpse serve``;
+- ``video_layout`` (optional): how a video's frame groups sit in the prompt (the text replacing its
+  placeholder, each group's temporal M-RoPE offset); each group is then a media item like an image.
 
 The runner only calls ``VLModel``'s methods: ``embed``, ``encode``, ``forward``, ``compute_logits``,
 ``kv_cache_shape``; the per-image embedding width (``ModelSpec.embed_width``) sizes the embedding cache.
@@ -34,10 +36,48 @@ from workers.engine.loader import fill_dummy_weights, iter_checkpoint, normalize
 log = logging.getLogger("glimpse.model")
 
 Grid = tuple[int, int, int]
-# (offset, length, (t, h, w) in patches) of each image span of a prompt, sorted by offset.
-Span = tuple[int, int, Grid]
+# A video's frame group (one temporal patch of frames, encoded like one image): its index in the video and
+# its temporal M-RoPE offset from the video's first group (0 for families that separate groups with text).
+Frame = tuple[int, int]
+# (offset, length, (t, h, w) in patches, frame: None for an image) of each span of a prompt, by offset.
+Span = tuple[int, int, Grid, Frame | None]
 PositionsFn = Callable[[int, Sequence[Span], int], tuple[list[list[int]], int]]
 DeltaFn = Callable[[int, Sequence[Span], int], int]
+
+
+class _SpanLike(Protocol):
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def grid(self) -> Grid: ...
+    @property
+    def frame(self) -> Frame | None: ...
+
+
+def item_spans(items: Iterable[_SpanLike]) -> list[Span]:
+    """The spans ``positions`` / ``delta`` take, from prompt spans or MMItems."""
+    return [(it.offset, it.length, it.grid, it.frame) for it in items]
+
+
+@dataclass(frozen=True)
+class VideoTiming:
+    """When a video's sampled frames were shown: what a family needs to lay the video out in a prompt."""
+
+    frames_indices: tuple[int, ...]  # sampled frame numbers, ascending (the video processor's sample_frames)
+    fps: float  # the video's frame rate
+    total_frames: int
+    temporal_patch: int  # frames per group
+
+    @property
+    def num_groups(self) -> int:
+        return -(-len(self.frames_indices) // self.temporal_patch)
+
+
+# (spec, timing, (video pad, vision start, vision end) token strings) -> (the text that replaces the video's
+# placeholder token in the prompt, holding one video pad per frame group; each group's temporal offset).
+VideoLayoutFn = Callable[["ModelSpec", VideoTiming, tuple[str, str, str]], tuple[str, list[int]]]
 
 
 @dataclass(frozen=True)
@@ -173,6 +213,7 @@ class ModelFamily:
     delta: DeltaFn  # the decode delta alone, without building the rows (tokenizers)
     write_demo: Callable[[Path, str], Path]  # (existing directory, demo variant) -> that directory
     description: str = ""
+    video_layout: VideoLayoutFn | None = None  # None: the family takes no video
 
 
 def text_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from workers.engine.demo_model import (
     LINEAR_STD,
     SEED,
     SPECIAL_TOKENS,
+    TOOL_TOKENS,
     _silence_unused_outputs,
     _tokenizer_config,
     init_weights,
@@ -20,8 +21,11 @@ from workers.engine.demo_model import (
 
 # Qwen2-VL's prompt format, written from scratch: a default system turn, `<|im_start|>role\n...<|im_end|>\n`
 # per message, and one vision_start/pad/vision_end triple per image or video part (the processor later
-# repeats the pad token once per merged patch). Every literal newline is emitted by an expression so the
-# `-` whitespace control can keep the template itself readable.
+# repeats the pad token once per merged patch). With `tools`, as Qwen2.5's own template does: the system
+# turn (the caller's, else the default text) is followed by a "# Tools" section listing one JSON schema per
+# line inside <tools>; an assistant turn's tool calls follow its text as <tool_call> JSON blocks, each on a
+# new line; consecutive `tool` messages share one user turn of <tool_response> blocks. Every literal
+# newline is emitted by an expression so the `-` whitespace control can keep the template itself readable.
 CHAT_TEMPLATE = r"""
 {%- macro render(content) -%}
   {%- if content is string -%}
@@ -38,13 +42,45 @@ CHAT_TEMPLATE = r"""
     {%- endfor -%}
   {%- endif -%}
 {%- endmacro -%}
-{%- if not messages or messages[0]['role'] != 'system' -%}
+{%- set has_system = messages and messages[0]['role'] == 'system' -%}
+{%- if tools -%}
+  {{- '<|im_start|>system\n' -}}
+  {{- render(messages[0]['content']) if has_system else 'You are a helpful assistant.' -}}
+  {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+  {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+  {%- for tool in tools -%}
+    {{- '\n' + (tool | tojson) -}}
+  {%- endfor -%}
+  {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' -}}
+  {{- 'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": ' -}}
+  {{- '<args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif not has_system -%}
   {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
 {%- endif -%}
 {%- for message in messages -%}
-  {{- '<|im_start|>' + message['role'] + '\n' -}}
-  {{- render(message['content']) -}}
-  {{- '<|im_end|>\n' -}}
+  {%- set role = message['role'] -%}
+  {%- if role == 'tool' -%}
+    {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}
+      {{- '<|im_start|>user' -}}
+    {%- endif -%}
+    {{- '\n<tool_response>\n' + render(message['content']) + '\n</tool_response>' -}}
+    {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}
+      {{- '<|im_end|>\n' -}}
+    {%- endif -%}
+  {%- elif role == 'assistant' and message['tool_calls'] -%}
+    {{- '<|im_start|>assistant' -}}
+    {%- if message['content'] -%}
+      {{- '\n' + render(message['content']) -}}
+    {%- endif -%}
+    {%- for call in message['tool_calls'] -%}
+      {%- set fn = call['function'] if 'function' in call else call -%}
+      {%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -%}
+      {{- '\n<tool_call>\n{"name": "' + fn['name'] + '", "arguments": ' + args + '}\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\n' -}}
+  {%- elif not (loop.first and has_system and tools) -%}
+    {{- '<|im_start|>' + role + '\n' + render(message['content']) + '<|im_end|>\n' -}}
+  {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
   {{- '<|im_start|>assistant\n' -}}
@@ -112,6 +148,7 @@ def build_config(special_ids: dict[str, int], vocab_size: int) -> Any:
 def write_demo(out: Path, variant: str = "qwen2_5_vl") -> Path:
     """Write the Qwen2.5-VL demo checkpoint into the existing directory `out`. Same bytes on every run."""
     import torch
+    from tokenizers import AddedToken
     from transformers import (
         GenerationConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -122,7 +159,8 @@ def write_demo(out: Path, variant: str = "qwen2_5_vl") -> Path:
 
 
     raw_tok = train_tokenizer()
-    special_ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    raw_tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    special_ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS + TOOL_TOKENS}
     tokenizer = save_tokenizer(raw_tok, _tokenizer_config())
     # min 56x56 px; max 256 merged 28x28 tiles, so a large image costs at most 256 LM tokens.
     min_pixels, max_pixels = 56 * 56, 256 * 28 * 28

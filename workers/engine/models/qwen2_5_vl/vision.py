@@ -53,6 +53,7 @@ class VisionSpec:
     in_channels: int = 3
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
+    tokens_per_second: float = 4  # video M-RoPE: temporal positions per second of video
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> VisionSpec:

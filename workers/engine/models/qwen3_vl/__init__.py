@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from workers.engine.layers import TPGroup
-from workers.engine.models.base import ModelFamily, ModelSpec, VLModel, common_fields
+from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, VLModel, common_fields
 from workers.engine.models.qwen3_vl.lm import TextSpec, build_language_model
 from workers.engine.models.qwen3_vl.vision import VisionSpec, build_vision
 from workers.engine.mrope import mrope_delta, mrope_positions
@@ -52,6 +52,19 @@ def build(spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device
     return VLModel(spec, lm, vision)
 
 
+def video_layout(spec: ModelSpec, timing: VideoTiming, tokens: tuple[str, str, str]) -> tuple[str, list[int]]:
+    """Each frame group is its own vision block, preceded by the time it shows as text: the mean of its first
+    and last frame's timestamps, one decimal (``<1.5 seconds>``), the last group padded with its last frame as
+    the processor pads it. Groups then take positions like images; no temporal offsets."""
+    pad, start, end = tokens
+    merge = timing.temporal_patch
+    indices = list(timing.frames_indices)
+    indices += [indices[-1]] * (-len(indices) % merge)
+    seconds = [i / timing.fps for i in indices]
+    stamps = [(seconds[i] + seconds[i + merge - 1]) / 2 for i in range(0, len(seconds), merge)]
+    return "".join(f"<{s:.1f} seconds>{start}{pad}{end}" for s in stamps), [0] * len(stamps)
+
+
 def write_demo(out: Path, variant: str) -> Path:
     from workers.engine.models.qwen3_vl.demo import write_qwen3_vl, write_qwen3_vl_moe
 
@@ -62,9 +75,11 @@ FAMILY = ModelFamily(
     name="qwen3_vl",
     parse=parse,
     build=build,
-    # For images both variants place tokens as Qwen2-VL does (video would differ: per-frame timestamps).
+    # Images and video frame groups alike take positions as Qwen2-VL images do: timestamp text, not
+    # temporal coordinates, separates a video's groups (video_layout).
     positions=mrope_positions,
     delta=mrope_delta,
     write_demo=write_demo,
     description="Qwen3-VL 2B / 4B / 8B / 32B dense, 30B-A3B / 235B-A22B MoE",
+    video_layout=video_layout,
 )

@@ -18,16 +18,13 @@ from workers.engine.demo_model import (
     LINEAR_STD,
     SEED,
     SPECIAL_TOKENS,
+    TOOL_TOKENS,
     _silence_unused_outputs,
     _tokenizer_config,
     init_weights,
     save_tokenizer,
     train_tokenizer,
 )
-
-# Qwen3's tokenizer carries these as plain added tokens (special=False: they survive skip_special_tokens,
-# which the tool-call parser relies on). Appended after Qwen's special tokens, in Qwen's order.
-TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 PATCH, MERGE, TEMPORAL = 16, 2, 2
 TILE = PATCH * MERGE  # one LM token covers a 32x32-px tile

@@ -1,0 +1,83 @@
+"""transformers as the reference for what the server samples: prompt ids from the checkpoint's own chat
+template, next-token logits of a whole sequence, and a greedy loop over a logits-processing function
+written the slow, obvious way (so the server's batched processing is checked against it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+Process = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]  # (logits, prompt, output) -> logits
+
+
+class HFReference:
+    def __init__(self, model_dir: Path) -> None:
+        self.processor = AutoProcessor.from_pretrained(str(model_dir))
+        self.tokenizer = self.processor.tokenizer
+        self.model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids: list[int] = list(eos) if isinstance(eos, list) else [eos]
+
+    def prompt_ids(self, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+        out = self.processor.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=True, **template
+        )
+        ids = out["input_ids"]
+        return [int(t) for t in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+
+    @torch.inference_mode()
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """float32 logits [vocab] of the token after ``ids`` (a full forward, no cache: slow and obvious)."""
+        out = self.model(input_ids=torch.tensor([ids]))
+        return out.logits[0, -1].float()
+
+    def greedy(self, prompt: list[int], max_tokens: int, process: Process | None = None) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy tokens (stopping at EOS) and each step's log-softmax after ``process``."""
+        out: list[int] = []
+        steps: list[torch.Tensor] = []
+        for _ in range(max_tokens):
+            logits = self.next_logits(prompt + out)
+            if process is not None:
+                logits = process(logits, prompt, out)
+            steps.append(torch.log_softmax(logits, dim=-1))
+            token = int(logits.argmax())
+            out.append(token)
+            if token in self.eos_ids:
+                break
+        return out, steps
+
+    def text(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def penalize(
+    *,
+    presence: float = 0.0,
+    frequency: float = 0.0,
+    repetition: float = 1.0,
+    bias: dict[int, float] | None = None,
+    min_tokens: int = 0,
+    stop_ids: tuple[int, ...] = (),
+) -> Process:
+    """Reference logits processing, one token at a time: bias, min_tokens, repetition (transformers'
+    rule: divide a positive logit, multiply a negative one), then frequency and presence (OpenAI's)."""
+
+    def process(logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
+        x = logits.clone()
+        for token, value in (bias or {}).items():
+            x[token] += value
+        if len(output) < min_tokens:
+            for token in stop_ids:
+                x[token] = float("-inf")
+        for token in set(prompt) | set(output):
+            x[token] = x[token] / repetition if x[token] > 0 else x[token] * repetition
+        for token, count in Counter(output).items():
+            x[token] -= frequency * count + presence
+        return x
+
+    return process

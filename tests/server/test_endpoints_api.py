@@ -1,0 +1,137 @@
+"""/v1/completions, /v1/models/{id}, cached_tokens and CORS through the real server and the official openai
+client, on the demo checkpoint (greedy completions equal transformers')."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.reference import HFReference
+from tests.server.live import LiveServer
+from workers.chat_request import parse_request
+
+PROMPT = "<|im_start|>user\nRead the invoice total.<|im_end|>\n<|im_start|>assistant\n"
+ORIGIN = "https://app.example.com"
+
+
+@pytest.fixture(scope="module")
+def live(demo_model_dir: Path) -> Iterator[LiveServer]:
+    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1", "--allowed-origins", f"{ORIGIN},http://localhost:3000")
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+@pytest.fixture(scope="module")
+def ref(demo_model_dir: Path) -> HFReference:
+    return HFReference(demo_model_dir)
+
+
+def complete(server: LiveServer, **fields: Any) -> Any:
+    args: dict[str, Any] = {"model": "demo", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, **fields}
+    return server.client().completions.create(**args)
+
+
+def test_completion_of_a_string_equals_transformers_greedy(live: LiveServer, ref: HFReference) -> None:
+    ids = ref.tokenizer(PROMPT)["input_ids"]
+    assert ref.tokenizer.convert_tokens_to_ids("<|im_start|>") in ids  # a raw prompt's control tokens stay control tokens
+    expected, _ = ref.greedy(ids, 12)
+    resp = complete(live)
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    assert resp.choices[0].text == ref.text(expected)
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(expected)
+    # The same prompt as token ids gives the same answer.
+    assert complete(live, prompt=ids).choices[0].text == resp.choices[0].text
+    assert complete(live, prompt=[ids]).choices[0].text == resp.choices[0].text
+
+
+def test_completion_stream_echo_logprobs_and_n(live: LiveServer, ref: HFReference) -> None:
+    whole = complete(live, logprobs=3)
+    pieces = []
+    usage = None
+    for chunk in complete(live, logprobs=3, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        pieces.extend(chunk.choices)
+    assert "".join(c.text for c in pieces) == whole.choices[0].text
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
+    assert "".join(lp.tokens).startswith(whole.choices[0].text[:4])
+    assert lp.text_offset[0] == 0 and all(len(top) == 3 for top in lp.top_logprobs)
+    streamed_tokens = [t for c in pieces if c.logprobs for t in c.logprobs.tokens]
+    assert streamed_tokens == lp.tokens
+    echoed = complete(live, echo=True)
+    assert echoed.choices[0].text == PROMPT + whole.choices[0].text
+    three = complete(live, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2] and {c.text for c in three.choices} == {whole.choices[0].text}
+
+
+def test_completion_refusals_name_the_parameter(live: LiveServer) -> None:
+    for fields, param in [
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"suffix": "end"}, "suffix"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": [1 << 30]}, "prompt"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"best_of": 3}, "best_of"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            complete(live, **fields)
+        assert info.value.body["param"] == param  # type: ignore[index]
+
+
+def test_models_retrieve(live: LiveServer) -> None:
+    card = live.client().models.retrieve("demo")
+    assert card.id == "demo" and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        live.client().models.retrieve("gpt-9")
+
+
+def test_cached_tokens_on_a_repeated_prompt(live: LiveServer) -> None:
+    messages = [{"role": "user", "content": "Summarise the table of monthly numbers, row by row. " * 6}]
+    first = live.client().chat.completions.create(model="demo", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    second = live.client().chat.completions.create(model="demo", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Whole 16-token blocks, all but the block holding the last prompt token (its logits are needed).
+    assert cached == (second.usage.prompt_tokens - 1) // 16 * 16 and cached > 0
+    streamed = list(
+        live.client().chat.completions.create(
+            model="demo", messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]
+        )
+    )
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_cors_only_for_allowed_origins(live: LiveServer) -> None:
+    headers = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    pre = httpx.options(live.base + "/v1/chat/completions", headers=headers)
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
+    got = httpx.get(live.base + "/v1/models", headers={"Origin": ORIGIN})
+    assert got.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.get(live.base + "/v1/models", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_cors_is_off_by_default(demo_model_dir: Path) -> None:
+    import argparse
+
+    from server.serve_cli import add_serve
+
+    parser = argparse.ArgumentParser()
+    add_serve(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).allowed_origins == ""
+
+
+def test_unknown_fields_are_ignored_with_one_debug_line(caplog: pytest.LogCaptureFixture) -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1, "zz_extra": {"a": 2}}'
+    with caplog.at_level(logging.DEBUG, logger="glimpse.request"):
+        req = parse_request(body)
+    assert req.model == "m"
+    lines = [r.getMessage() for r in caplog.records if r.name == "glimpse.request"]
+    assert lines == ["ignoring unknown request fields: frobnicate, zz_extra"]

@@ -1,0 +1,65 @@
+"""Host-side batching helpers of the model runner: staging host tensors onto the device, splitting a
+step's images into ViT calls and over TP ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from ipc.messages import EncodeItem
+
+
+def to_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Concatenate host tensors onto ``device`` without blocking the host.
+
+    A copy from pageable memory waits until the GPU has drained the stream, so the CPU could not
+    prepare the next step (or the next image) while the GPU runs this one. Staged through pinned
+    memory the copy is queued like a kernel; torch's pinned-memory cache keeps the staging buffer
+    alive until the copy is done.
+    """
+    if device.type != "cuda":
+        return torch.cat(parts).to(device)
+    rows = sum(p.shape[0] for p in parts)
+    staged = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
+    torch.cat(parts, out=staged)
+    return staged.to(device, non_blocking=True)
+
+
+def patches(grid: tuple[int, int, int]) -> int:
+    return grid[0] * grid[1] * grid[2]
+
+
+def group_by_patches(items: list[EncodeItem], max_patches: int) -> list[list[EncodeItem]]:
+    """Consecutive runs of ``items`` of at most ``max_patches`` patches each (an image larger than that
+    gets a run of its own), so a step's ViT transient is bounded by the cap, not by how many images it has."""
+    groups: list[list[EncodeItem]] = []
+    total = max_patches + 1
+    for item in items:
+        n = patches(item.grid)
+        if total + n > max_patches:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += n
+    return groups
+
+
+def split_by_patches(patches: list[int], ranks: int) -> list[list[int]]:
+    """Assign item indices to ranks, largest first, each to the least-loaded rank (deterministic, so
+    every rank computes the same split without talking)."""
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for i in sorted(range(len(patches)), key=lambda i: (-patches[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shares[rank].append(i)
+        load[rank] += patches[i]
+    for share in shares:
+        share.sort()  # keep prompt order inside a share
+    return shares
+
+
+def cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out

@@ -1,0 +1,215 @@
+"""The requests in flight in one tokenizer process (workers/tokenizer.py is the process's entry).
+
+The process runs an asyncio loop that owns the sockets and the downloads (coroutines: a slow URL
+occupies no thread and delays only its own request); the CPU steps of a request (parse, tokenize,
+images, shm) run on one "prep" thread, one request after another, and fan a request's fresh images
+out to the image pool. A request whose client went away (AbortRequest) or that Shutdown finds
+unfinished is cancelled wherever it is: its download stops at once, a CPU step already running
+finishes and is thrown away, and the shm names it made are unlinked on the prep thread after it.
+Every GenerateRequest gets exactly one answer (RequestAccepted or RequestFailed), which is what
+frees its slot in the frontend's routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+
+from ipc.channels import AsyncPullSocket, AsyncPushSocket, new_async_context
+from ipc.launch import ipc_address
+from ipc.messages import (
+    AbortRequest,
+    FrontendInbound,
+    GenerateRequest,
+    ProcessReady,
+    RequestAccepted,
+    RequestFailed,
+    RouteRequest,
+    SchedulerInbound,
+    SchedulerStats,
+    Shutdown,
+    TokenizedRequest,
+    TokenizerInbound,
+)
+from workers.engine.kv_cache import block_hashes
+from workers.errors import BadRequest
+
+if TYPE_CHECKING:
+    from workers.tokenizer import Admitted, TokenizerWorker
+
+STATS_INTERVAL_S = 0.5
+_BIG_BODY = 4 << 20  # after a body this large, the allocator is asked to give its memory back
+# Prefix keys a routed request carries (16K tokens at block size 16): the first blocks already tell one
+# conversation from another, and deeper keys would only cost bytes and router memory.
+ROUTE_MAX_BLOCKS = 1024
+_T = TypeVar("_T")
+_Ready = tuple[RequestAccepted, bytes]  # a prepared request: the frontend's answer, the scheduler's bytes
+
+
+def route_request(tokenized: TokenizedRequest, encoded: bytes, block_size: int) -> RouteRequest:
+    """The router's view of a prepared request: the keys its replica's prefix cache and embedding cache
+    will hold (the same content hashes the scheduler computes), and the request itself, already encoded."""
+    blocks = block_hashes(tokenized.input_ids, block_size, ROUTE_MAX_BLOCKS, items=tokenized.items)
+    images = list({it.hash: (it.hash, it.offset, it.length) for it in tokenized.items}.values())
+    return RouteRequest(tokenized.rid, len(tokenized.input_ids), blocks, images, msgspec.Raw(encoded))
+
+
+def trim_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps freed blocks of a big request otherwise,
+    and the RSS of the process would stay at its peak); a no-op where malloc_trim is missing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class TokenizerService:
+    """The requests in flight in one tokenizer process: one asyncio task each, CPU steps on the
+    prep thread, downloads on the loop. Owns the sending sockets (only the loop thread sends)."""
+
+    def __init__(
+        self,
+        worker: TokenizerWorker,
+        frontend: AsyncPushSocket[FrontendInbound],
+        sched: AsyncPushSocket[SchedulerInbound],
+    ) -> None:
+        self.worker, self.frontend, self.sched = worker, frontend, sched
+        # --dp > 1: prepared requests go to the frontend's router (on the frontend socket, after their
+        # RequestAccepted, so the two stay in order), which forwards them to a replica's scheduler.
+        self.routed = worker.config.dp_size > 1
+        # One thread: the CPU steps of requests run one after another, as they always did, so
+        # ImagePrep's bookkeeping needs no lock; its image pool still spreads one request's images.
+        self.prep = ThreadPoolExecutor(1, thread_name_prefix=f"tok{worker.index}-prep")
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.cancelled: dict[str, tuple[int, str]] = {}  # rid -> the answer its cancellation gets
+        self._encoder = msgspec.msgpack.Encoder()  # the prep thread's own: sockets' encoders stay on the loop
+
+    async def on_prep(self, fn: Callable[..., _T], *args: Any) -> _T:
+        # Cancelling the await drops a step that has not started; one already running finishes.
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
+
+    def start(self, req: GenerateRequest) -> None:
+        if req.rid in self.tasks:
+            self.worker.log.error("request %s arrived twice; ignoring the second", req.rid)
+            return
+        task = asyncio.get_running_loop().create_task(self._run(req), name=f"request-{req.rid}")
+        self.tasks[req.rid] = task
+        task.add_done_callback(lambda _: self.tasks.pop(req.rid, None))
+
+    def cancel(self, rid: str, status: int, message: str) -> bool:
+        task = self.tasks.get(rid)
+        if task is None or task.done():
+            return False  # answered already (or never seen): the scheduler handles the abort
+        self.cancelled[rid] = (status, message)
+        task.cancel()
+        return True
+
+    # ---- on the prep thread ----
+
+    def _admit_and_prepare(self, req: GenerateRequest, names: list[str]) -> tuple[Admitted, _Ready | None]:
+        """Admit; without downloads to wait for, prepare at once too (one thread hop, not two)."""
+        admitted = self.worker.admit(req)
+        return admitted, None if admitted.remote else self._prepare(req, admitted, names)
+
+    def _prepare(self, req: GenerateRequest, admitted: Admitted, names: list[str]) -> _Ready:
+        accepted, tokenized = self.worker._prepare(req, admitted, names)
+        try:
+            # Encoded before anything is sent: a value msgpack cannot carry (an integer past 64 bits)
+            # is the client's mistake, and must not strand an accepted request.
+            encoded = self._encoder.encode(tokenized)
+            if self.routed:
+                encoded = self._encoder.encode(route_request(tokenized, encoded, self.worker.config.engine.block_size))
+            return accepted, encoded
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise BadRequest(f"A value in the request is out of range: {exc}.", code="invalid_value") from None
+
+    # ---- on the loop ----
+
+    async def _run(self, req: GenerateRequest) -> None:
+        names: list[str] = []
+        worker = self.worker
+        try:
+            admitted, ready = await self.on_prep(self._admit_and_prepare, req, names)
+            if ready is None:
+                await worker.fetch(admitted)
+                ready = await self.on_prep(self._prepare, req, admitted, names)
+            accepted, encoded = ready
+        except asyncio.CancelledError:
+            # Queued behind any step of this request still running on the prep thread, so the
+            # names list is complete when the release reads it.
+            self.prep.submit(worker.prep.release, names)
+            status, message = self.cancelled.pop(req.rid, (503, "The request was cancelled."))
+            await self.frontend.send(RequestFailed(req.rid, status, message, "server_error"))
+        except Exception as exc:
+            self.prep.submit(worker.prep.release, names)
+            await self.frontend.send(worker.failure(req, exc))
+        else:
+            # Shielded: once the request is accepted, the scheduler must get it (and its shm names),
+            # even if an abort lands in between; the abort then reaches the scheduler too.
+            await asyncio.shield(self._hand_on(accepted, encoded))
+        finally:
+            if len(req.body) > _BIG_BODY:
+                self.prep.submit(trim_memory)
+            if len(self.tasks) == 1:  # the last one in flight: report the idle state now, not at the tick
+                await self.frontend.send(worker.stats(0))
+
+    async def _hand_on(self, accepted: RequestAccepted, encoded: bytes) -> None:
+        # Accepted first: the frontend must know how to answer before outputs can arrive.
+        await self.frontend.send(accepted)
+        await (self.frontend if self.routed else self.sched).send_bytes(encoded)
+
+    async def stop(self, reason: str) -> None:
+        """Fail every request in flight with 503 and wait for them (a running CPU step finishes)."""
+        tasks = list(self.tasks.values())
+        self.worker.log.info("shutdown (%s); failing %d requests in flight", reason, len(tasks))
+        for rid in list(self.tasks):
+            self.cancel(rid, 503, "The server is shutting down.")
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
+        await asyncio.get_running_loop().run_in_executor(None, self.prep.shutdown)
+        await self.worker.fetcher.aclose()
+
+
+async def serve_tokenizer(worker: TokenizerWorker, parent: int) -> None:
+    """Route inbound messages until Shutdown or the launcher's death; stats every interval."""
+    log, index, lid = worker.log, worker.index, worker.config.launch_id
+    ctx = new_async_context()
+    inbound = AsyncPullSocket[TokenizerInbound](ctx, ipc_address(lid, f"tok{index}"), TokenizerInbound, True)
+    frontend = AsyncPushSocket[FrontendInbound](ctx, ipc_address(lid, "frontend"), FrontendInbound, False)
+    sched = AsyncPushSocket[SchedulerInbound](ctx, ipc_address(lid, "sched"), SchedulerInbound, False)
+    service = TokenizerService(worker, frontend, sched)
+    reason = "the launcher is gone"
+    loop = asyncio.get_running_loop()
+    try:
+        await frontend.send(ProcessReady("tokenizer", index, os.getpid()))
+        log.info("ready (pid %d, model %s)", os.getpid(), worker.config.served_model_name)
+        next_stats = loop.time()
+        while os.getppid() == parent:
+            if loop.time() >= next_stats:  # by the clock: scheduler stats arrive more often than this
+                await frontend.send(worker.stats(len(service.tasks)))
+                next_stats = loop.time() + STATS_INTERVAL_S
+            msg = await inbound.recv(int(STATS_INTERVAL_S * 1000))
+            if isinstance(msg, GenerateRequest):
+                service.start(msg)
+            elif isinstance(msg, AbortRequest):
+                service.cancel(msg.rid, 499, "The client closed the request.")
+            elif isinstance(msg, SchedulerStats):
+                worker.on_scheduler_stats(msg)
+            elif isinstance(msg, Shutdown):
+                reason = msg.reason or "no reason given"
+                break
+        else:
+            log.warning("launcher is gone; exiting")
+        await service.stop(reason)
+    finally:
+        inbound.close()
+        # A short linger lets the last replies out without hanging on a frontend that is gone.
+        frontend.close(linger_ms=500)
+        sched.close(linger_ms=500)
+        ctx.term()
