@@ -37,8 +37,7 @@ import zmq
 import zmq.asyncio
 
 from ipc import endpoints
-from ipc.channels import AsyncPullSocket, AsyncPushSocket, new_async_context
-from ipc.launch import ipc_address
+from ipc.channels import AsyncPushSocket, new_async_context
 from ipc.messages import (
     AbortRequest,
     FrontendInbound,
@@ -95,15 +94,15 @@ class FrontendState:
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else new_async_context()
         lid, n = config.launch_id, config.tokenizer_workers
-        self.inbound = AsyncPullSocket[FrontendInbound](self._ctx, ipc_address(lid, "frontend"), FrontendInbound, True)
+        self.inbound = endpoints.apull(self._ctx, lid, endpoints.FRONTEND)
         # Senders are typed Msg: they only encode, and they carry several message kinds each.
         self.tokenizers: list[AsyncPushSocket[Msg]] = []
         self.scheduler: AsyncPushSocket[Msg] | None = None
         self.dp = max(1, config.dp_size)
         self.schedulers: list[AsyncPushSocket[Msg]] = []  # one per replica; ``scheduler`` is replica 0's
         try:
-            for name in [f"tok{i}" for i in range(n)]:
-                self.tokenizers.append(AsyncPushSocket[Msg](self._ctx, ipc_address(lid, name), Msg, False))
+            for i in range(n):
+                self.tokenizers.append(AsyncPushSocket[Msg](self._ctx, endpoints.TOKENIZER.address(lid, i), Msg, False))
             for r in range(self.dp):
                 self.schedulers.append(AsyncPushSocket[Msg](self._ctx, endpoints.SCHEDULER.address(lid, r), Msg, False))
             self.scheduler = self.schedulers[0]

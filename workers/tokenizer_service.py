@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from ipc.channels import AsyncPullSocket, AsyncPushSocket, new_async_context
-from ipc.launch import ipc_address
+from ipc import endpoints
+from ipc.channels import AsyncPushSocket, new_async_context
 from ipc.messages import (
     AbortRequest,
     FrontendInbound,
@@ -35,7 +35,6 @@ from ipc.messages import (
     SchedulerStats,
     Shutdown,
     TokenizedRequest,
-    TokenizerInbound,
 )
 from workers.engine.kv_cache import block_hashes
 from workers.errors import BadRequest
@@ -180,9 +179,9 @@ async def serve_tokenizer(worker: TokenizerWorker, parent: int) -> None:
     """Route inbound messages until Shutdown or the launcher's death; stats every interval."""
     log, index, lid = worker.log, worker.index, worker.config.launch_id
     ctx = new_async_context()
-    inbound = AsyncPullSocket[TokenizerInbound](ctx, ipc_address(lid, f"tok{index}"), TokenizerInbound, True)
-    frontend = AsyncPushSocket[FrontendInbound](ctx, ipc_address(lid, "frontend"), FrontendInbound, False)
-    sched = AsyncPushSocket[SchedulerInbound](ctx, ipc_address(lid, "sched"), SchedulerInbound, False)
+    inbound = endpoints.apull(ctx, lid, endpoints.TOKENIZER, index)
+    frontend = endpoints.apush(ctx, lid, endpoints.FRONTEND)
+    sched = endpoints.apush(ctx, lid, endpoints.SCHEDULER)
     service = TokenizerService(worker, frontend, sched)
     reason = "the launcher is gone"
     loop = asyncio.get_running_loop()
