@@ -81,3 +81,23 @@ def penalize(
         return x
 
     return process
+
+
+def greedy_text(model_dir: Path, images: list[bytes], text: str, max_new: int) -> str:
+    """transformers' greedy answer (CPU, float32) to one user turn of encoded images then text, decoded as the
+    server decodes it (special tokens skipped): the reference for server tests of any family."""
+    import io
+
+    from PIL import Image
+
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    parts: list[dict[str, Any]] = [{"type": "image", "image": Image.open(io.BytesIO(b)).convert("RGB")} for b in images]
+    parts.append({"type": "text", "text": text})
+    inputs = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=True, add_generation_prompt=True, return_dict=True,
+        return_tensors="pt",
+    )
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
+    return str(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))

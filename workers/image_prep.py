@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
+import torch
 
 from ipc import shm
 from workers.chat_request import BadRequest
@@ -62,6 +63,26 @@ def core_share(config: ServerConfig) -> int:
 def overloaded() -> BadRequest:
     message = "The server has too many images in flight; retry shortly."
     return BadRequest(message, status=503, type="server_error", code="shm_budget_exceeded")
+
+
+def write_and_publish(ref: shm.ShmRef, pixels: torch.Tensor, final: str) -> shm.ShmRef:
+    """Write ``pixels`` into a new segment under the temporary name ``ref.name``, then publish it under
+    ``final``; the temporary name is gone either way. A full /dev/shm is a 503 for the client."""
+    try:
+        seg = shm.ShmSegment.create(ref.name, ref.nbytes)
+    except shm.ShmFullError:
+        full = "Shared memory is full; retry shortly."
+        raise BadRequest(full, status=503, type="server_error", code="shm_full") from None
+    try:
+        # float32 -> dtype inside the copy: one pass, and no converted copy of the pixels in between.
+        seg.tensor(ref).copy_(pixels)
+        seg.close()
+        # Publishing under the hash name only now means no other tokenizer links a partial file.
+        if not shm.link_segment(ref.name, final):
+            raise RuntimeError(f"segment {ref.name} vanished before it was published")
+    finally:
+        shm.ShmSegment.unlink(ref.name)
+    return msgspec.structs.replace(ref, name=final)
 
 
 class ImagePrep:
@@ -230,23 +251,8 @@ class ImagePrep:
         pixels = image.processed.pixel_values
         if pixels.dim() != 2 or pixels.shape[1] != self.row:
             raise RuntimeError(f"pixels are {tuple(pixels.shape)}, expected rows {self.row} wide")
-        nbytes = self._nbytes(image)
-        try:
-            seg = shm.ShmSegment.create(tmp, nbytes)
-        except shm.ShmFullError:
-            full = "Shared memory is full; retry shortly."
-            raise BadRequest(full, status=503, type="server_error", code="shm_full") from None
-        try:
-            ref = shm.ShmRef(tmp, nbytes, shm.dtype_name(self.dtype), tuple(pixels.shape))
-            # float32 -> dtype inside the copy: one pass, and no converted copy of the pixels in between.
-            seg.tensor(ref).copy_(pixels)
-            seg.close()
-            # Publishing under the hash name only now means no other tokenizer links a partial file.
-            if not shm.link_segment(tmp, final):
-                raise RuntimeError(f"segment {tmp} vanished before it was published")
-        finally:
-            shm.ShmSegment.unlink(tmp)
-        return msgspec.structs.replace(ref, name=final)
+        ref = shm.ShmRef(tmp, self._nbytes(image), shm.dtype_name(self.dtype), tuple(pixels.shape))
+        return write_and_publish(ref, pixels, final)
 
     def _new_name(self, image: RequestImage) -> str:
         self.counter += 1

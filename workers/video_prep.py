@@ -21,7 +21,6 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
 from ipc import shm
@@ -31,7 +30,7 @@ from workers.config import ServerConfig
 from workers.engine.processor import ImageSpan, MMProcessor
 from workers.engine.video_prompt import VideoMeta, VideoPlan, VideoProcessor
 from workers.errors import BadRequest
-from workers.image_prep import RequestImage
+from workers.image_prep import RequestImage, write_and_publish
 from workers.media import MediaFetcher, MediaLimits, is_remote
 from workers.video import VideoError, iter_frames, probe
 
@@ -251,21 +250,7 @@ class VideoPrep:
         names.append(final)  # recorded before it exists: a failure below still gets it unlinked
         self.counter += 1
         tmp = shm.segment_name(self.launch_id, f"tmp-{self.nonce}{self.counter:x}")
-        ref = self._ref(tmp, video)
-        try:
-            seg = shm.ShmSegment.create(tmp, ref.nbytes)
-        except shm.ShmFullError:
-            full = "Shared memory is full; retry shortly."
-            raise BadRequest(full, status=503, type="server_error", code="shm_full") from None
-        try:
-            seg.tensor(ref).copy_(pixels)
-            seg.close()
-            # Published under the group's hash name only once complete: no other tokenizer links a partial file.
-            if not shm.link_segment(tmp, final):
-                raise RuntimeError(f"segment {tmp} vanished before it was published")
-        finally:
-            shm.ShmSegment.unlink(tmp)
-        return msgspec.structs.replace(ref, name=final)
+        return write_and_publish(self._ref(tmp, video), pixels, final)
 
 
 async def fetch_videos_once(limits: MediaLimits, inputs: VideoInputs) -> None:

@@ -4,40 +4,21 @@ checkpoint of an unsupported architecture stops start-up with one clear line."""
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from PIL import Image
-from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
+from tests.reference import greedy_text
 from tests.server.live import LiveServer, data_url, image_message, png_bytes
 
 MAX_NEW = 12
 ODD = [(57, 83), (300, 200), (123, 77), (640, 480), (29, 29)]
 FIVE = [png_bytes(w, h, seed=70 + i) for i, (w, h) in enumerate(ODD)]
-
-
-def reference_text(model_dir: Path, moe: bool, images: list[bytes], text: str) -> str:
-    processor = AutoProcessor.from_pretrained(str(model_dir))
-    cls: Any = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
-    model = cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    parts: list[dict[str, Any]] = [{"type": "image", "image": Image.open(io.BytesIO(b)).convert("RGB")} for b in images]
-    parts.append({"type": "text", "text": text})
-    inputs = processor.apply_chat_template(
-        [{"role": "user", "content": parts}], tokenize=True, add_generation_prompt=True, return_dict=True,
-        return_tensors="pt",
-    )
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-    return str(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
 
 
 def ask(server: LiveServer, images: list[bytes], text: str) -> str:
@@ -49,28 +30,28 @@ def ask(server: LiveServer, images: list[bytes], text: str) -> str:
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
-def served(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, Path, bool]]:
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, Path]]:
     moe = request.param == "moe"
     model_dir: Path = request.getfixturevalue("qwen3_moe_model_dir" if moe else "qwen3_model_dir")
     server = LiveServer(model_dir, "--tp", "2", "--tokenizer-workers", "1", "--chunk-size", "64")
-    yield server, model_dir, moe
+    yield server, model_dir
     assert server.stop() == 0, server.output()
     assert server.segments() == []
 
 
-def test_five_images_over_tp2_equal_transformers(served: tuple[LiveServer, Path, bool]) -> None:
-    server, model_dir, moe = served
+def test_five_images_over_tp2_equal_transformers(served: tuple[LiveServer, Path]) -> None:
+    server, model_dir = served
     text = "Compare these five pages."
-    assert ask(server, FIVE, text) == reference_text(model_dir, moe, FIVE, text)
+    assert ask(server, FIVE, text) == greedy_text(model_dir, FIVE, text, MAX_NEW)
 
 
-def test_resent_images_are_not_encoded_again(served: tuple[LiveServer, Path, bool]) -> None:
-    server, model_dir, moe = served
+def test_resent_images_are_not_encoded_again(served: tuple[LiveServer, Path]) -> None:
+    server, model_dir = served
     images = FIVE[:2]
     ask(server, images, "First look.")
     before = server.stats()["images_encoded"]
     text = "Second look."
-    assert ask(server, images, text) == reference_text(model_dir, moe, images, text)
+    assert ask(server, images, text) == greedy_text(model_dir, images, text, MAX_NEW)
     deadline = time.monotonic() + 5
     while server.stats()["images_encoded"] != before and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
-import torch
-from PIL import Image
-from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
+from tests.reference import greedy_text
 from tests.server.live import LiveServer, data_url, image_message, png_bytes
 from workers.engine.model_runner import split_by_patches
 
@@ -40,20 +36,6 @@ def tp1(demo_model_dir: Path) -> Iterator[LiveServer]:
     assert server.stop() == 0, server.output()
 
 
-def reference_text(model_dir: Path, images: list[bytes], text: str) -> str:
-    processor = AutoProcessor.from_pretrained(str(model_dir))
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    parts: list[dict[str, Any]] = [{"type": "image", "image": Image.open(io.BytesIO(b)).convert("RGB")} for b in images]
-    parts.append({"type": "text", "text": text})
-    inputs = processor.apply_chat_template(
-        [{"role": "user", "content": parts}], tokenize=True, add_generation_prompt=True, return_dict=True,
-        return_tensors="pt",
-    )
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-    return str(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
-
-
 def ask(server: LiveServer, images: list[bytes], text: str) -> str:
     resp = server.client(timeout=120).chat.completions.create(
         model="demo", messages=image_message(text, [data_url(b) for b in images]),  # type: ignore[arg-type]
@@ -65,7 +47,7 @@ def ask(server: LiveServer, images: list[bytes], text: str) -> str:
 @pytest.mark.parametrize("count", [1, 5])
 def test_tp2_equals_tp1_and_transformers(tp2: LiveServer, tp1: LiveServer, demo_model_dir: Path, count: int) -> None:
     images, text = FIVE[:count], f"Describe these {count} pages."
-    expected = reference_text(demo_model_dir, images, text)
+    expected = greedy_text(demo_model_dir, images, text, MAX_NEW)
     assert ask(tp1, images, text) == expected
     assert ask(tp2, images, text) == expected
 

@@ -222,27 +222,57 @@ def text_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, **(cfg.get("text_config") or {})}
 
 
-def common_fields(cfg: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-    """The ModelSpec fields every Qwen-style VLM spells the same way: special token ids, stop ids, architecture."""
-    text = text_fields(cfg)
+def spec_from(
+    family: str, cfg: dict[str, Any], model_dir: Path, text: Any, vision: Any, embed_width: int
+) -> ModelSpec:
+    """A family's ModelSpec from its parsed text and vision specs (Qwen-style field names) plus what every
+    Qwen-style VLM spells the same way in config.json: special token ids, stop ids, architecture."""
+    fields = text_fields(cfg)
     eos: list[int] = []
     gen_path = model_dir / "generation_config.json"
-    for source in (json.loads(gen_path.read_text()) if gen_path.exists() else {}, text, cfg):
+    for source in (json.loads(gen_path.read_text()) if gen_path.exists() else {}, fields, cfg):
         value = source.get("eos_token_id")
         if value is not None:
             eos = [value] if isinstance(value, int) else list(value)
             break
 
     def token(name: str, default: int) -> int:
-        return int(cfg.get(name, text.get(name, default)))
+        return int(cfg.get(name, fields.get(name, default)))
 
-    return {
-        "architecture": (cfg.get("architectures") or ["?"])[0],
-        "image_token_id": token("image_token_id", 151655),
-        "video_token_id": token("video_token_id", 151656),
-        "vision_start_token_id": token("vision_start_token_id", 151652),
-        "eos_token_ids": tuple(int(t) for t in eos),
-    }
+    return ModelSpec(
+        family=family,
+        architecture=(cfg.get("architectures") or ["?"])[0],
+        image_token_id=token("image_token_id", 151655),
+        video_token_id=token("video_token_id", 151656),
+        vision_start_token_id=token("vision_start_token_id", 151652),
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=text.num_key_value_heads,
+        head_dim=text.head_dim,
+        spatial_merge_size=vision.spatial_merge_size,
+        patch_dim=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+        embed_width=embed_width,
+        max_position_embeddings=text.max_position_embeddings,
+        eos_token_ids=tuple(int(t) for t in eos),
+        text=text,
+        vision=vision,
+    )
+
+
+def builder(
+    build_lm: Callable[..., nn.Module], build_tower: Callable[..., nn.Module]
+) -> Callable[[ModelSpec, TPGroup, torch.dtype, torch.device, str], VLModel]:
+    """A family's ``build``: its LM and tower allocated from the spec, wrapped for the runner."""
+
+    def build(
+        spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str
+    ) -> VLModel:
+        lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
+        vision = build_tower(spec.vision, dtype=dtype, device=device, attn_backend=attn_backend)
+        return VLModel(spec, lm, vision)
+
+    return build
 
 
 def load_model(
@@ -281,10 +311,12 @@ def load_model(
         model.vision.load_weights(vision_weights)
         if rank == 0:
             log.info(
-                "loaded %.2f GB of weights from %s in %.1f s", nbytes / 1e9, model_dir, time.perf_counter() - started
+                "loaded %.2f GB of weights from %s in %.1f s",
+                nbytes / 1e9,
+                model_dir,
+                time.perf_counter() - started,
             )
     else:
         raise ValueError(f"unknown load_format {load_format!r}")
     model.after_load()
     return model.eval()
-

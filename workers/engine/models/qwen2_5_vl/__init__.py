@@ -7,10 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from workers.engine.layers import TPGroup
-from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, VLModel, common_fields
+from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, builder, spec_from
 from workers.engine.models.qwen2_5_vl.lm import TextSpec, build_language_model
 from workers.engine.models.qwen2_5_vl.vision import VisionSpec, build_vision
 from workers.engine.video_mrope import video_mrope_delta, video_mrope_positions
@@ -18,28 +16,10 @@ from workers.engine.video_mrope import video_mrope_delta, video_mrope_positions
 
 def parse(cfg: dict[str, Any], model_dir: Path) -> ModelSpec:
     text, vision = TextSpec.from_hf_config(cfg), VisionSpec.from_hf_config(cfg)
-    return ModelSpec(
-        family="qwen2_5_vl",
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        num_layers=text.num_hidden_layers,
-        num_kv_heads=text.num_key_value_heads,
-        head_dim=text.head_dim,
-        spatial_merge_size=vision.spatial_merge_size,
-        patch_dim=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
-        embed_width=vision.out_hidden_size,
-        max_position_embeddings=text.max_position_embeddings,
-        text=text,
-        vision=vision,
-        **common_fields(cfg, model_dir),
-    )
+    return spec_from("qwen2_5_vl", cfg, model_dir, text, vision, embed_width=vision.out_hidden_size)
 
 
-def build(spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str) -> VLModel:
-    lm = build_language_model(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
-    backend: Any = attn_backend
-    vision = build_vision(spec.vision, dtype=dtype, device=device, attn_backend=backend)
-    return VLModel(spec, lm, vision)
+build = builder(build_language_model, build_vision)
 
 
 def video_layout(spec: ModelSpec, timing: VideoTiming, tokens: tuple[str, str, str]) -> tuple[str, list[int]]:
