@@ -180,6 +180,14 @@ class MMProcessor:
 
         held = [self._plain(message, hold) for message in messages]
         refs = [hold(json.dumps(tool, ensure_ascii=False)) for tool in tools] if tools else []
+        plain = [self._plain(message, str) for message in messages]
+        real = self._apply_template(plain, tools)
+        if tools and real == self._apply_template(plain, None):
+            raise ValueError("the model's chat template does not render tools")
+        if not any(self._has_special(t) for t in texts):
+            # Nothing to keep apart: the template's own rendering, tokenized in one pass (token_ids), is
+            # exactly what transformers tokenizes; the sentinel rendering would buy nothing.
+            return Rendered([(real, False)])
         text = self._apply_template(held, [{ref: 0} for ref in refs] or None)
         written = [json.dumps({ref: 0}, ensure_ascii=False) for ref in refs]
         tools_held = all(w in text for w in written)  # False: the template reads into a tool
@@ -193,17 +201,9 @@ class MMProcessor:
             elif chunk:
                 pieces.append((chunk, False))
         rendered = Rendered(pieces)
-        plain = [self._plain(message, str) for message in messages]
-        real = self._apply_template(plain, tools)
-        if tools and real == self._apply_template(plain, None):
-            raise ValueError("the model's chat template does not render tools")
-        if real == rendered.text:
-            return rendered
-        if any(self._has_special(t) for t in texts):
-            if not tools_held:
-                raise ValueError("client text holds a control-token string and the template reads into the tools")
-            return rendered
-        return Rendered([(real, False)])
+        if real != rendered.text and not tools_held:
+            raise ValueError("client text holds a control-token string and the template reads into the tools")
+        return rendered
 
     @staticmethod
     def _plain(message: dict[str, Any], text: Any) -> dict[str, Any]:
