@@ -46,6 +46,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's log probability and the k best
+    # Like logprobs, for every prompt token given the tokens before it (raw logits: no penalty, bias or mask).
+    prompt_logprobs: int | None = None
     n: int = 1  # choices: the prompt is computed once, then forked into n sequences (see Fork)
     structured: StructuredSpec | None = None  # tokens are drawn only from what this grammar allows
 
@@ -66,6 +68,28 @@ class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+
+
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Model worker -> scheduler: log probabilities of prompt tokens ``start + 1`` onwards (one entry per
+    position of a prefill chunk), each given the tokens before it, with its rank and the k best there."""
+
+    rid: str
+    start: int
+    logprobs: list[float]
+    ranks: list[int]  # 1 + how many tokens were more likely
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """Scheduler -> frontend: one prompt token, rendered. The first token has no logprob (nothing before it)."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int
+    top: list[tuple[int, str, float]]  # (token id, token text, logprob) of the k best, best first
 
 
 class TopLogprob(msgspec.Struct, frozen=True):
@@ -173,6 +197,7 @@ class StepResult(Msg, frozen=True):
     images_encoded: int = 0
     vit_calls: int = 0
     logprobs: list[SampleLogprobs] = []  # for the sampled rows whose request asked for them
+    prompt_logprobs: list[PromptLogprobs] = []  # for the prefill chunks whose request asked for them
 
 
 # ---- serving: frontend <-> tokenizer workers <-> scheduler <-> model workers ---------------------
@@ -215,6 +240,9 @@ class RequestAccepted(Msg, frozen=True):
     endpoint: str = "chat"  # "chat" (/v1/chat/completions) or "completion" (/v1/completions)
     echo: str = ""  # completions with echo: the prompt's text, put before each choice's text
     logprobs: bool = False  # the answer carries logprobs (even where a token has none to report)
+    echoes: list[str] = []  # a batch of prompts: each choice's own echo (``echo`` is then unused)
+    echo_logprobs: int | None = None  # echo with logprobs: the prompt's tokens lead the logprobs, k best each
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: choices[].prompt_logprobs, k best each
 
 
 class RequestFailed(Msg, frozen=True):
@@ -239,6 +267,7 @@ class TokenizedRequest(Msg, frozen=True):
     shm_names: list[str]  # segments this request holds a name of; the scheduler unlinks them at the end
     shm_bytes: int
     tool_parser: str = ""  # "hermes": parse <tool_call>{json}</tool_call> blocks of the output into tool calls
+    more_prompts: list[list[int]] = []  # a batch of text prompts (completions): choice p answers prompt p
 
 
 class RouteRequest(Msg, frozen=True):
@@ -276,6 +305,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     index: int = 0  # the choice (n > 1)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     tool_calls: list[ToolCallDelta] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # with the choice's first output, when asked for
 
 
 class OutputBatch(Msg, frozen=True):

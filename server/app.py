@@ -218,16 +218,18 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         if request.path_params["model"] != config.served_model_name:
             message = f"The model `{request.path_params['model']}` does not exist."
             return error_response(404, message, param="model", code="model_not_found")
-        card = protocol.ModelCard(
-            id=config.served_model_name, created=int(state.book.started), max_model_len=config.max_model_len
-        )
-        return Response(protocol.encode(card), media_type="application/json")
+        return Response(protocol.encode(model_card()), media_type="application/json")
 
     async def models(request: Request) -> Response:
-        card = protocol.ModelCard(
-            id=config.served_model_name, created=int(state.book.started), max_model_len=config.max_model_len
-        )
-        return Response(protocol.encode(protocol.ModelList(data=[card])), media_type="application/json")
+        return Response(protocol.encode(protocol.ModelList(data=[model_card()])), media_type="application/json")
+
+    def model_card() -> protocol.ModelCard:
+        # root: the checkpoint as served (vLLM's field; `vllm bench serve` without --model reads it, and uses it
+        # as the tokenizer path).
+        return protocol.ModelCard(
+            id=config.served_model_name, created=int(state.book.started), max_model_len=config.max_model_len,
+            root=config.engine.model,
+        )  # fmt: skip
 
     async def health(request: Request) -> Response:
         status = state.status

@@ -57,6 +57,7 @@ from server.config import ServerConfig
 from server.pool_stats import PoolCollector
 from server.router import Router
 from server.stats import Metrics, StatsBook
+from workers.step_trace import StepTrace
 
 logger = logging.getLogger("glimpse.frontend")
 _ABORTS_KEPT = 65536  # rids remembered for an abort until their RouteRequest comes (old ones fall out)
@@ -110,6 +111,7 @@ class FrontendState:
             self._close_sockets(0)
             raise
         self.flights: dict[str, Flight] = {}
+        self.trace = StepTrace("frontend")
         self.slots: dict[str, int] = {}  # rid -> the tokenizer working on it (sent, not yet answered)
         self.outstanding: list[int] = [0] * n  # per tokenizer: its slots (the same list Metrics reads)
         self.tokenizer_up: list[bool] = [True] * n  # False from its death until its successor is ready
@@ -263,6 +265,7 @@ class FrontendState:
         prefix = "cmpl-" if endpoint == "completion" else "chatcmpl-"
         flight = Flight(prefix + uuid.uuid4().hex, worker, time.time(), replica=0 if self.dp == 1 else -1)
         self.flights[flight.rid] = flight
+        self.trace.event("submit", rid=flight.rid, bytes=len(body))
         self.slots[flight.rid] = worker
         self.outstanding[worker] += 1
         self.book.counters.in_flight += 1
@@ -387,3 +390,4 @@ async def _send_all(sock: AsyncPushSocket[Msg], msgs: tuple[Msg | bytes, ...]) -
 def _log_crash(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("frontend task %s failed", task.get_name(), exc_info=task.exception())
+

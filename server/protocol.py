@@ -229,6 +229,8 @@ class ModelCard(msgspec.Struct, kw_only=True):
     object: str = "model"
     created: int
     owned_by: str = "glimpse"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ipc.messages import RequestAccepted, RequestOutput, TokenLogprob, ToolCallDelta
+from ipc.messages import PromptLogprob, RequestAccepted, RequestOutput, TokenLogprob, ToolCallDelta
 from server import protocol
 from server.protocol import (
     SSE_DONE,
@@ -36,6 +36,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)  # stream: since the last flush; else everything
     logprobs: list[TokenLogprob] = field(default_factory=list)
     calls: list[ToolCallDelta] = field(default_factory=list)
+    prompt: list[PromptLogprob] | None = None  # completions: the prompt's log probabilities, until written
     finish_reason: str | None = None
     finish_sent: bool = False
     completion_tokens: int = 0
@@ -59,6 +60,8 @@ class Answer:
             choice.logprobs.extend(out.logprobs)
         if out.tool_calls:
             choice.calls.extend(out.tool_calls)
+        if out.prompt_logprobs is not None:
+            choice.prompt = out.prompt_logprobs
         choice.completion_tokens = out.completion_tokens
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         if out.finish_reason is not None:
@@ -77,11 +80,12 @@ class Answer:
 
     def flush(self) -> bytes:
         """Stream: events for everything added since the last flush; after the last output, the end too."""
-        events = [self._chunk(c) for c in self.choices if c.text or c.logprobs or c.calls or self._finishing(c)]
+        events = [self._chunk(c) for c in self.choices if c.text or c.logprobs or c.calls or c.prompt or self._finishing(c)]
         for c in self.choices:
             c.text.clear()
             c.logprobs.clear()
             c.calls.clear()
+            c.prompt = None
             c.finish_sent = c.finish_reason is not None
         if self.done:
             if self.accepted.include_usage:
@@ -168,11 +172,21 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
-class CompletionChoice(msgspec.Struct):
+class RankedLogprob(msgspec.Struct):
+    """vLLM's ``prompt_logprobs`` entry: a token's logprob, its rank (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+class CompletionChoice(msgspec.Struct, omit_defaults=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # vLLM's extension, only when asked for: None for the first token, then {token id: entry} per token.
+    prompt_logprobs: list[dict[str, RankedLogprob] | None] | None = None
 
 
 class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -187,13 +201,25 @@ class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
 class CompletionAnswer(Answer):
     def __init__(self, rid: str, created: int, accepted: RequestAccepted) -> None:
         super().__init__(rid, created, accepted)
-        self.offsets = [len(accepted.echo)] * len(self.choices)  # text_offset of each choice's next token
+        self.offsets = [len(self._echo(c.index)) for c in self.choices]  # text_offset of each choice's next token
         self.echoed = [False] * len(self.choices)
+
+    def _echo(self, index: int) -> str:
+        return self.accepted.echoes[index] if self.accepted.echoes else self.accepted.echo
 
     def _logprobs(self, c: ChoiceState) -> CompletionLogprobs | None:
         if not self.accepted.logprobs:
             return None
         out = CompletionLogprobs([], [], [], [])
+        k = self.accepted.echo_logprobs
+        if k is not None and c.prompt:  # echo: the prompt's tokens first, the first one with nothing before it
+            offset = 0
+            for p in c.prompt:
+                out.tokens.append(p.token)
+                out.token_logprobs.append(p.logprob)
+                out.top_logprobs.append(None if p.logprob is None else {text: lp for _, text, lp in p.top[:k]})
+                out.text_offset.append(offset)
+                offset += len(p.token)
         for entry in c.logprobs:
             out.tokens.append(entry.token)
             out.token_logprobs.append(entry.logprob)
@@ -206,8 +232,21 @@ class CompletionAnswer(Answer):
         text = "".join(c.text)
         if not self.echoed[c.index]:  # echo: the prompt comes first, once
             self.echoed[c.index] = True
-            text = self.accepted.echo + text
+            text = self._echo(c.index) + text
         return text
+
+    def _ranked(self, c: ChoiceState) -> list[dict[str, RankedLogprob] | None] | None:
+        """vLLM's prompt_logprobs: per token after the first, the token itself and the k best there."""
+        k = self.accepted.prompt_logprobs
+        if k is None or not c.prompt:
+            return None
+        out: list[dict[str, RankedLogprob] | None] = [None]
+        for p in c.prompt[1:]:
+            entries = {str(p.token_id): RankedLogprob(p.logprob or 0.0, p.rank, p.token)}
+            for rank, (tid, text, lp) in enumerate(p.top[:k], 1):
+                entries.setdefault(str(tid), RankedLogprob(lp, rank, text))
+            out.append(entries)
+        return out
 
     def _chunk(self, c: ChoiceState) -> bytes:
         reason = c.finish_reason if self._finishing(c) else None
@@ -215,8 +254,8 @@ class CompletionAnswer(Answer):
         return sse_event(encode(Completion(id=self.rid, object="text_completion", created=self.created, model=self.model, choices=[choice])))
 
     def start(self) -> bytes:
-        if not self.accepted.echo:
-            return b""
+        if not self.accepted.echo or self.accepted.echo_logprobs is not None:
+            return b""  # with logprobs, the echo waits for the first output, which brings the prompt's
         choices = [CompletionChoice(c.index, self._text(c), None, None) for c in self.choices]
         return sse_event(encode(Completion(id=self.rid, object="text_completion", created=self.created, model=self.model, choices=choices)))
 
@@ -226,7 +265,9 @@ class CompletionAnswer(Answer):
         )
 
     def body(self) -> bytes:
-        choices = [CompletionChoice(c.index, self._text(c), self._logprobs(c), c.finish_reason) for c in self.choices]
+        choices = [
+            CompletionChoice(c.index, self._text(c), self._logprobs(c), c.finish_reason, self._ranked(c)) for c in self.choices
+        ]
         return encode(
             Completion(id=self.rid, object="text_completion", created=self.created, model=self.model, choices=choices, usage=self.usage())
         )

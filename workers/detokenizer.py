@@ -143,12 +143,13 @@ class TextStream:
         self.completion_tokens += 1
         return self.stop.push(self.detok.push((token_id,)))
 
-    def add(self, token_id: int, finish_reason: str | None) -> tuple[str, str | None]:
-        """One sampled token and the scheduling core's verdict for it -> (text delta, finish reason).
+    def add(self, token_id: int | None, finish_reason: str | None) -> tuple[str, str | None]:
+        """One sampled token (None: the core ended the request without one) and the scheduling core's verdict
+        for it -> (text delta, finish reason).
 
         A stop-string match finishes the request with "stop" even where the core would go on (the
         caller then tells the core); a request the core finished releases the held-back text."""
-        text, matched = self.push(token_id)
+        text, matched = self.push(token_id) if token_id is not None else ("", False)
         if finish_reason is not None and not matched:
             tail, matched = self.finish()
             text += tail

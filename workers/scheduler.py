@@ -44,9 +44,10 @@ from workers.detokenizer import TextStream
 from workers.engine.sched_core import RequestRejected, SchedulerCore, Sequence
 from workers.engine.sequence import child_rid
 from workers.kv_events import KVEventRecorder
-from workers.logprobs import LogprobRenderer
+from workers.logprobs import LogprobRenderer, PromptLogprobBook
 from workers.proc import setup_child
 from workers.shm_ledger import ShmLedger
+from workers.step_trace import StepTrace
 from workers.tools import ToolOutput
 
 STATS_INTERVAL_S = 0.25
@@ -96,6 +97,8 @@ class Scheduler:
         self.tokenizers = [endpoints.push(ctx, lid, endpoints.TOKENIZER, i) for i in range(tokenizers)]
         self.tokenizer: Any = AutoTokenizer.from_pretrained(config.engine.model)
         self.logprobs = LogprobRenderer(self.tokenizer)
+        self.prompt_logprobs = PromptLogprobBook(self.logprobs)
+        self.trace = StepTrace(f"scheduler{replica}")
         self.plan_encoder = msgspec.msgpack.Encoder()
         self.core: SchedulerCore  # built by wait_for_models, once every rank reported its KV blocks
         self.in_flight: StepPlan | None = None
@@ -187,6 +190,7 @@ class Scheduler:
                 self.log.warning("unexpected %s", type(msg).__name__)
 
     def _schedule(self) -> None:
+        started = time.monotonic()
         plan = self.core.schedule()
         if plan is None:
             return
@@ -199,6 +203,9 @@ class Scheduler:
         self.in_flight = plan
         n, sizes = len(data), self.plan_bytes
         sizes.update(last=n, max=max(sizes["max"], n), total=sizes["total"] + n)
+        if self.trace.enabled:
+            running, waiting = len(self.core.running), len(self.core.waiting)
+            self.trace.event("plan", step=plan.step_id, start=started, bytes=n, running=running, waiting=waiting)
 
     def _on_request(self, req: TokenizedRequest) -> None:
         if not self.core.has_work() and self.in_flight is None:
@@ -217,7 +224,7 @@ class Scheduler:
             self._fail(req.rid, 503, "shared memory budget exceeded, retry later", "shm_budget_exceeded")
             return
         try:
-            self.core.add(req.rid, req.input_ids, req.mrope_delta, req.items, req.sampling)
+            self.core.add(req.rid, req.input_ids, req.mrope_delta, req.items, req.sampling, req.more_prompts)
         except ValueError as exc:
             # RequestRejected: an empty prompt, or one too long for the context or the KV cache; plain
             # ValueError: a duplicate rid (these names are this message's own links, safe to unlink).
@@ -226,9 +233,12 @@ class Scheduler:
             self._fail(req.rid, 400, str(exc), "context_length_exceeded" if too_long else None)
             return
         self.ledger.hold(req.rid, list(req.shm_names), images, name_of)
-        self.prompt_tokens += len(req.input_ids)
-        for index in range(req.sampling.n):  # one per choice: each has its own text and stop strings
-            self.streams[child_rid(req.rid, index)] = TextStream(self.tokenizer, req.sampling.stop, len(req.input_ids))
+        prompts = [req.input_ids, *req.more_prompts]  # a batch of prompts: choice p answers prompt p
+        self.prompt_tokens += (total := sum(len(p) for p in prompts))
+        self.prompt_logprobs.expect(req.rid, prompts, req.sampling)
+        self.trace.event("arrive", rid=req.rid, tokens=len(req.input_ids), images=len(req.items))
+        for index in range(max(req.sampling.n, len(prompts))):  # one per choice: its own text and stop strings
+            self.streams[child_rid(req.rid, index)] = TextStream(self.tokenizer, req.sampling.stop, total)
             if req.tool_parser:
                 self.tool_outputs[child_rid(req.rid, index)] = ToolOutput()
 
@@ -243,6 +253,7 @@ class Scheduler:
     def _drop_streams(self, rid: str) -> bool:
         """Forget the text streams of request ``rid`` (all its choices); whether it had any."""
         found = self.streams.pop(rid, None) is not None
+        self.prompt_logprobs.drop(rid)
         self.tool_outputs.pop(rid, None)
         index = 1
         while self.streams.pop(child_rid(rid, index), None) is not None:
@@ -277,16 +288,19 @@ class Scheduler:
         return plan
 
     def _on_result(self, result: StepResult) -> None:
+        started = time.monotonic()
         if self._end_step(result.step_id) is None:
             return
         self.images_encoded += result.images_encoded
         self.vit_batches += result.vit_calls
         outputs: list[RequestOutput] = []
+        self.prompt_logprobs.collect(result.prompt_logprobs)
         for update in self.core.update(result):
             stream = self.streams.get(update.rid)
             if stream is None:
                 continue
-            self.generated_tokens += 1
+            token = [] if update.token_id is None else [update.token_id]  # none: max_tokens 0, the prompt alone
+            self.generated_tokens += len(token)
             text, reason = stream.add(update.token_id, update.finish_reason)
             if reason is not None:
                 if update.finish_reason is None:  # a stop string matched: the core did not know
@@ -299,11 +313,11 @@ class Scheduler:
                 if reason is not None:
                     del self.tool_outputs[update.rid]
             usage = (stream.prompt_tokens, stream.completion_tokens)
-            lps = [self.logprobs.render(update.token_id, update.logprobs)] if update.logprobs is not None else None
+            lps = [self.logprobs.render(t, update.logprobs) for t in token] if update.logprobs is not None else None
             outputs.append(
                 RequestOutput(
-                    update.request_id, text, [update.token_id], reason, *usage, lps, update.index, update.cached_tokens,
-                    calls,
+                    update.request_id, text, token, reason, *usage, lps, update.index, update.cached_tokens,
+                    calls, self.prompt_logprobs.take(update.rid),
                 )
             )
         self._flush_unlinks()
@@ -311,6 +325,7 @@ class Scheduler:
             # When a request finishes, stats go first: the frontend answers it with stats that include it.
             self._maybe_send_stats(force=any(o.finish_reason for o in outputs))
             self.frontend.send(OutputBatch(outputs))
+        self.trace.event("result", step=result.step_id, start=started, outputs=len(outputs))
 
     def _on_worker_failed(self, msg: WorkerFailed) -> None:
         self.log.error("model rank %d failed step %d: %s", msg.rank, msg.step_id, msg.message)

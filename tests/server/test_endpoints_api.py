@@ -73,9 +73,11 @@ def test_completion_stream_echo_logprobs_and_n(live: LiveServer, ref: HFReferenc
 
 def test_completion_refusals_name_the_parameter(live: LiveServer) -> None:
     for fields, param in [
-        ({"echo": True, "logprobs": 1}, "echo"),
         ({"suffix": "end"}, "suffix"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ["one", 2]}, "prompt"),
+        ({"prompt": ["one", "two"], "n": 2}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
         ({"prompt": [1 << 30]}, "prompt"),
         ({"logprobs": 21}, "logprobs"),
         ({"best_of": 3}, "best_of"),
@@ -85,9 +87,12 @@ def test_completion_refusals_name_the_parameter(live: LiveServer) -> None:
         assert info.value.body["param"] == param  # type: ignore[index]
 
 
-def test_models_retrieve(live: LiveServer) -> None:
+def test_models_retrieve(live: LiveServer, demo_model_dir: Path) -> None:
     card = live.client().models.retrieve("demo")
     assert card.id == "demo" and card.object == "model"
+    # vLLM's `root`: `vllm bench serve` without --model takes the tokenizer path from the first listed model.
+    listed = live.client().models.list().data[0]
+    assert (card.root, listed.root) == (str(demo_model_dir), str(demo_model_dir))  # type: ignore[attr-defined]
     with pytest.raises(openai.NotFoundError):
         live.client().models.retrieve("gpt-9")
 

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from workers.engine import paged_attention
+
 log = logging.getLogger(__name__)
 
 
@@ -206,6 +208,27 @@ class FlashVarlenBackend:
         if not self.supports(q):
             return self._fallback.forward(q, k, v, kv_cache, meta, scale)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        # The scheduler puts decodes first: those rows read the cache in place (paged_attention), and only
+        # the prefill chunks after them go through the packed varlen path below.
+        decodes = meta.derived.get("decode_prefix")
+        if decodes is None:
+            decodes = meta.derived["decode_prefix"] = _decode_prefix(meta) if paged_attention.usable(q) else 0
+        if not decodes:
+            return self._varlen_forward(q, k, v, kv_cache, meta, scale)
+        head = paged_attention.paged_decode(
+            q[:decodes], kv_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
+            max(meta.seq_lens_cpu[:decodes]),
+        )
+        if decodes == len(meta.seq_lens_cpu):
+            return head
+        rest = meta.derived.get("prefill_meta")
+        if rest is None:
+            rest = meta.derived["prefill_meta"] = _tail_metadata(meta, decodes)
+        return torch.cat([head, self._varlen_forward(q[decodes:], k[decodes:], v[decodes:], kv_cache, rest, scale)])
+
+    def _varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
         if meta.derived.setdefault("no_prefix", meta.query_lens_cpu == meta.seq_lens_cpu):
             # Every sequence starts in this step (fresh prompts, first chunks): its whole KV is k, v.
             k_all, v_all, cu_seq_k = k.contiguous(), v.contiguous(), meta.query_start_loc
@@ -255,6 +278,31 @@ class FlashVarlenBackend:
         return flat[0, slot], flat[1, slot], cu
 
 
+def _decode_prefix(meta: AttentionMetadata) -> int:
+    """How many leading sequences of the step have exactly one new token."""
+    count = 0
+    for query_len in meta.query_lens_cpu:
+        if query_len != 1:
+            break
+        count += 1
+    return count
+
+
+def _tail_metadata(meta: AttentionMetadata, first: int) -> AttentionMetadata:
+    """The metadata of sequences ``first..`` alone (their rows start at row ``first``: one per sequence before)."""
+    query_lens, seq_lens = meta.query_lens_cpu[first:], meta.seq_lens_cpu[first:]
+    return AttentionMetadata(
+        query_start_loc=meta.query_start_loc[first:] - first,
+        seq_lens=meta.seq_lens[first:],
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        slot_mapping=meta.slot_mapping[first:],
+        block_tables=meta.block_tables[first:],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
 def _packed_kv_slots(meta: AttentionMetadata, block_size: int) -> tuple[Tensor, Tensor]:
     """Cache slot of each row of the sequences' packed KV, and the int32 cu_seqlens over them."""
     device = meta.seq_lens.device
@@ -290,6 +338,10 @@ class PaddedDecodeBackend:
         self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
     ) -> Tensor:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if paged_attention.usable(q):  # in place: no padded copy of the keys (see paged_attention)
+            width = meta.block_tables.shape[1] * kv_cache.shape[2]
+            split = meta.derived.get("split_tokens")
+            return paged_attention.paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, width, split)
         b, hq, d = q.shape
         hkv = kv_cache.shape[-2]
         kv = kv_cache[:, meta.block_tables].flatten(2, 3)  # [2, B, L = W * block_size, Hkv, D]

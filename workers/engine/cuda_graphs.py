@@ -10,8 +10,10 @@ A graph fixes shapes and addresses, so:
   attention goes through ``PaddedDecodeBackend``, whose shapes depend only on those two numbers;
 - padding rows write their K/V into a scratch block that the scheduler never hands out, and read only it.
 
-Graphs are captured lazily, on the first step that needs a (batch, width) bucket; steps that fit no
-bucket (prefill chunks, images, too wide a table) run eagerly. CUDA and a single TP rank only.
+With the Triton paged kernel (the usual case), a graph's table is as wide as the longest sequence allowed
+and graphs differ by batch bucket only; they are all captured at start-up. Without it, graphs are captured
+lazily, on the first step that needs a (batch, width) bucket. Steps that fit no bucket (prefill chunks,
+images, too wide a table) run eagerly. CUDA and a single TP rank only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from workers.engine import paged_attention
 from workers.engine.attention import AttentionMetadata, PaddedDecodeBackend
 from workers.engine.layers import TPGroup
 from workers.engine.models.base import LanguageModel
@@ -44,7 +47,8 @@ def graphs_wanted(device: torch.device, tp: TPGroup) -> bool:
 
 
 def decode_bucket(batch: int, width: int, block_size: int, max_width: int) -> tuple[int, int] | None:
-    """(batch bucket, block-table width bucket) of a decode step, or None when it should run eagerly."""
+    """(batch bucket, block-table width bucket) of a decode step without the Triton kernel (the padded K/V
+    is gathered, so its size is capped), or None when it should run eagerly."""
     b = next((x for x in BATCH_BUCKETS if x >= batch), None)
     w = max(MIN_WIDTH, 1 << (width - 1).bit_length())
     if b is None or w > max_width or b * w * block_size > MAX_GATHER_TOKENS:
@@ -55,7 +59,10 @@ def decode_bucket(batch: int, width: int, block_size: int, max_width: int) -> tu
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: Tensor  # int64 [B * (6 + W)]: ids, 3 position rows, slots, seq_lens, block table rows
+    inputs: Tensor  # int64 [B * 6 + 1]: ids, 3 position rows, slots, seq_lens, keys per attention split
+    # int64 [B, W]. A step rewrites only its rows' first columns (up to its widest table): attention never
+    # uses a column past a row's length (padding rows: length 1, column 0), so what is left there is harmless.
+    table: Tensor
     hidden: Tensor  # [B, hidden]: final-norm hidden states, rewritten by every replay
 
 
@@ -72,13 +79,33 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.max_width = max(MIN_WIDTH, 1 << (max_blocks_per_seq - 1).bit_length())
         self.device = kv_caches[0].device
+        self.num_kv_heads = kv_caches[0].shape[-2]
         self.backend = PaddedDecodeBackend()
+        # With the in-place Triton kernel, the table width costs nothing but its copy, so one graph per batch
+        # bucket covers every width (the kernel's split length is an input, not a shape) and all of them can
+        # be captured at start-up, instead of mid-serving where a capture (and its Triton compile) stalled a
+        # decode step by 0.1-0.75 s (docs/perf-notes.md, session 9).
+        self.paged = paged_attention.triton_available()
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.stats = {"replays": 0, "captures": 0, "misses": 0}
 
     def bucket(self, batch: int, width: int) -> tuple[int, int] | None:
+        if self.paged:
+            b = next((x for x in BATCH_BUCKETS if x >= batch), None)
+            return None if b is None or width > self.max_width else (b, self.max_width)
         return decode_bucket(batch, width, self.block_size, self.max_width)
+
+    def capture_all(self, max_batch: int) -> None:
+        """Capture every batch bucket up to ``max_batch`` now (paged attention only: otherwise the width
+        buckets multiply the count, and graphs stay lazy)."""
+        if not self.paged:
+            return
+        for b in BATCH_BUCKETS:
+            if (key := self.bucket(b, 1)) is not None and key not in self.graphs:
+                self._capture(*key)
+            if b >= max_batch:
+                break
 
     def run(
         self,
@@ -90,13 +117,16 @@ class DecodeGraphs:
     ) -> Tensor | None:
         """Hidden states [B, hidden] of one decode step (one new token per sequence), or None when the
         step fits no bucket. The result is a view of a static buffer: valid until the next replay."""
-        key = self.bucket(len(ids), max(len(t) for t in tables))
+        width = max(len(t) for t in tables)
+        key = self.bucket(len(ids), width)
         if key is None:
             self.stats["misses"] += 1
             return None
         graph = self.graphs.get(key) or self._capture(*key)
-        host = self._pack(key, ids, positions, slots, seq_lens, tables)
+        host = self._pack(key, width, ids, positions, slots, seq_lens)
+        table = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.int64)
         graph.inputs.copy_(host.pin_memory(), non_blocking=True)
+        graph.table[: len(ids), :width].copy_(table.pin_memory(), non_blocking=True)
         graph.graph.replay()
         self.stats["replays"] += 1
         return graph.hidden[: len(ids)]
@@ -104,13 +134,13 @@ class DecodeGraphs:
     def _pack(
         self,
         key: tuple[int, int],
+        width: int,
         ids: list[int],
         positions: list[list[int]],
         slots: list[int],
         seq_lens: list[int],
-        tables: list[list[int]],
     ) -> Tensor:
-        b, w = key
+        b, _ = key
         pad = b - len(ids)
         scratch = self.scratch_block
         values = [*ids, *[0] * pad]
@@ -118,13 +148,13 @@ class DecodeGraphs:
             values += [*row, *[0] * pad]
         values += [*slots, *[scratch * self.block_size] * pad]
         values += [*seq_lens, *[1] * pad]
-        for table in tables:
-            values += [*table, *[scratch] * (w - len(table))]
-        values += [scratch] * (w * pad)
+        # The kernel's grid is fixed by the bucket's full width; its split length follows this step's widest
+        # table, so short sequences still spread over as many programs as the bucket allows.
+        values.append(paged_attention.plan_splits(b, width * self.block_size, self.num_kv_heads, self.device)[1])
         return torch.tensor(values, dtype=torch.int64)
 
-    def _forward(self, inputs: Tensor, b: int, w: int) -> Tensor:
-        ids, pos, slots, seq_lens, table = inputs.split([b, 3 * b, b, b, b * w])
+    def _forward(self, inputs: Tensor, table: Tensor, b: int, w: int) -> Tensor:
+        ids, pos, slots, seq_lens, split = inputs.split([b, 3 * b, b, b, 1])
         width = w * self.block_size
         meta = AttentionMetadata(
             query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=self.device),
@@ -132,24 +162,26 @@ class DecodeGraphs:
             query_lens_cpu=[1] * b,
             seq_lens_cpu=[width] * b,  # upper bounds: the padded backend reads only the device lengths
             slot_mapping=slots,
-            block_tables=table.view(b, w),
+            block_tables=table,
             max_query_len=1,
             max_seq_len=width,
         )
+        meta.derived["split_tokens"] = split
         return self.lm(self.lm.embed_tokens(ids), pos.view(3, b), self.kv_caches, meta, backend=self.backend)
 
     def _capture(self, b: int, w: int) -> _Graph:
-        inputs = self._pack((b, w), [], [[], [], []], [], [], []).to(self.device)  # all padding rows
+        inputs = self._pack((b, w), 1, [], [[], [], []], [], []).to(self.device)  # all padding rows
+        table = torch.full((b, w), self.scratch_block, dtype=torch.int64, device=self.device)
         # Warm up on a side stream first (lazy library init and workspaces must not happen in capture).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(inputs, b, w)
+            self._forward(inputs, table, b, w)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._forward(inputs, b, w)
-        self.graphs[(b, w)] = captured = _Graph(graph, inputs, hidden)
+            hidden = self._forward(inputs, table, b, w)
+        self.graphs[(b, w)] = captured = _Graph(graph, inputs, table, hidden)
         self.stats["captures"] += 1
         log.info("captured decode graph: batch %d, table width %d blocks", b, w)
         return captured

@@ -128,7 +128,7 @@ class Engine:
         done: list[RequestOutput] = []
         for update in self.core.update(result):
             out = self._outputs[update.rid]
-            out.token_ids.append(update.token_id)
+            out.token_ids.extend([] if update.token_id is None else [update.token_id])
             # The serving path's detokenizer: incremental, UTF-8 safe, stop strings cut out.
             text, reason = self._streams[update.rid].add(update.token_id, update.finish_reason)
             out.text += text

@@ -17,6 +17,7 @@ from ipc.messages import (
     Fork,
     MMItem,
     NewSeq,
+    PromptLogprobs,
     SampleLogprobs,
     SamplingParams,
     StepPlan,
@@ -32,8 +33,10 @@ from workers.engine.layers import TPGroup
 from workers.engine.mm_cache import EmbeddingStore
 from workers.engine.models import family as family_package
 from workers.engine.models.base import item_spans, load_model
+from workers.engine.prompt_logprobs import PromptSpan, score_prompts, span_for
 from workers.engine.sampler import Sampler
 from workers.grammar import GrammarBook
+from workers.step_trace import StepTrace
 
 __all__ = ["ModelRunner", "split_by_patches", "to_device"]
 
@@ -54,6 +57,7 @@ class WorkerSeq:
     mm_key: bytes
     item_rows: list[int]  # baseline mode: row offset of each item inside the request's entry
     block_table: list[int] = field(default_factory=list)
+    prompt_until: int = 0  # prompt_logprobs: positions below this are scored (see prompt_logprobs.py)
 
 
 @dataclass
@@ -105,11 +109,17 @@ class ModelRunner:
             max_len = cfg.max_model_len or self.spec.max_position_embeddings
             max_blocks = -(-max_len // cfg.block_size)
             self.graphs = DecodeGraphs(self.lm, self.kv_caches, cfg.block_size, self.num_blocks, max_blocks)
+            started = time.perf_counter()
+            self.graphs.capture_all(cfg.max_num_seqs)
+            if self.graphs.stats["captures"]:
+                log.info("%d decode graphs captured in %.1f s", self.graphs.stats["captures"], time.perf_counter() - started)
         self.sampler = Sampler(self.device, cfg.seed, self.spec.vocab_size, self.spec.eos_token_ids)
         # Only rank 0 samples, so only rank 0 keeps grammars.
         self.grammar = GrammarBook(cfg.model, self.spec.vocab_size, self.spec.eos_token_ids) if self.tp.rank == 0 else None
         self.seqs: dict[str, WorkerSeq] = {}
         self.counters = RunnerCounters()
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
+        self.trace = StepTrace(f"worker{self.tp.rank}", sync, enabled=self.tp.rank == 0)
 
     @torch.inference_mode()
     def _warm_fused(self) -> None:
@@ -170,6 +180,7 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        self.trace.begin()
         for rid in plan.finished:
             self.seqs.pop(rid, None)
             self.sampler.remove(rid)
@@ -178,18 +189,29 @@ class ModelRunner:
         for new in plan.new_seqs:
             self._register(new)
         self.store.evict(plan.evict)
+        self.trace.mark("setup")
         calls_before = self.counters.vit_calls
         encoded = self._encode(plan.encode) if plan.encode else 0
         calls = self.counters.vit_calls - calls_before
+        self.trace.mark("vit")
         self.counters.encoded_per_step.append(encoded)
         self.counters.steps += 1
         if not plan.chunks:
             return StepResult(plan.step_id, [], encoded, calls)
         try:
-            sampled, logprobs = self._forward(plan)
+            sampled, logprobs, scored = self._forward(plan)
         finally:
             self.store.end_step()
-        return StepResult(plan.step_id, sampled, encoded, calls, logprobs)
+        self.trace.mark("sample")
+        if self.trace.enabled:
+            decodes = sum(1 for c in plan.chunks if c.length == 1)
+            tokens = sum(c.length for c in plan.chunks)
+            captures = self.graphs.stats["captures"] if self.graphs is not None else 0
+            self.trace.end(
+                step=plan.step_id, seqs=len(plan.chunks), decodes=decodes, tokens=tokens, images=encoded,
+                graph_captures=captures,
+            )  # fmt: skip
+        return StepResult(plan.step_id, sampled, encoded, calls, logprobs, scored)
 
     def _register(self, new: NewSeq) -> None:
         rows, offset = [], 0
@@ -207,6 +229,8 @@ class ModelRunner:
             rows,
         )
         split = len(new.input_ids) - new.num_output
+        if new.sampling.prompt_logprobs is not None and not new.num_output:  # a recompute after outputs: sent before
+            self.seqs[new.rid].prompt_until = split - 1
         self.sampler.add(new.rid, new.sampling, new.input_ids[:split], new.input_ids[split:])
         if new.sampling.structured is not None and self.grammar is not None:
             self.grammar.add(new.rid, new.sampling.structured, new.input_ids[split:])
@@ -259,7 +283,7 @@ class ModelRunner:
             self.store.put(job.key, entry, job.transient)
         return len(items)
 
-    def _forward(self, plan: StepPlan) -> tuple[list[tuple[str, int]], list[SampleLogprobs]]:
+    def _forward(self, plan: StepPlan) -> tuple[list[tuple[str, int]], list[SampleLogprobs], list[PromptLogprobs]]:
         bs = self.cfg.block_size
         ids: list[int] = []
         pos: list[list[int]] = [[], [], []]
@@ -270,6 +294,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[WorkerSeq] = []
         splices: list[tuple[int, bytes, int, int]] = []  # (row in batch, key, first entry row, count)
+        spans: list[PromptSpan] = []  # rows whose prompt logprobs were asked for
         for chunk in plan.chunks:
             seq = self.seqs[chunk.rid]
             seq.block_table.extend(chunk.new_blocks)
@@ -291,6 +316,8 @@ class ModelRunner:
                     continue
                 key, row0 = (seq.mm_key, seq.item_rows[i]) if seq.mm_key else (item.hash, 0)
                 splices.append((base + lo - start, key, row0 + lo - item.offset, hi - lo))
+            if (span := span_for(seq, start, end, base, self.spec)) is not None:
+                spans.append(span)
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
@@ -300,30 +327,38 @@ class ModelRunner:
         # Image spans hold pad values above the vocabulary; their embeddings are replaced below.
         top = self.spec.vocab_size - 1
         ids = [min(i, top) for i in ids]
+        self.trace.mark("prep")
         hidden: torch.Tensor | None = None
-        if self.graphs is not None and not splices and len(ids) == len(plan.chunks) == len(sample_rows):
+        graph_used = False
+        if self.graphs is not None and not splices and not spans and len(ids) == len(plan.chunks) == len(sample_rows):
             # Pure decode (one token per sequence, all sampled, no image rows): replay a CUDA graph.
             try:
                 hidden = self.graphs.run(ids, pos, slots, seq_lens, tables)
+                graph_used = True
             except RuntimeError:  # graphs only save launches: keep serving, eagerly (it rewrites the same slots)
                 log.exception("CUDA-graph decode failed; decoding eagerly from now on")
                 self.graphs = None
         if hidden is None:
-            hidden = self._eager_forward(ids, pos, slots, query_lens, seq_lens, tables, splices, sample_rows)
+            rows = sample_rows + [r for span in spans for r in span.rows]  # prompt logprobs: eager only
+            hidden = self._eager_forward(ids, pos, slots, query_lens, seq_lens, tables, splices, rows)
         if plan.forks:
             self._copy_blocks([f.copy for f in plan.forks if f.copy is not None])
+        n, rank0 = len(sample_rows), self.tp.rank == 0
+        scored = score_prompts(hidden[n:], spans, self.model.compute_logits, self.spec.vocab_size, rank0) if spans else []
+        hidden = hidden[:n]
         if hidden.shape[0] == 0:
-            return [], []
+            return [], [], scored
         logits = self.model.compute_logits(hidden)
-        if self.tp.rank != 0:
-            return [], []
+        self.trace.mark("graph" if graph_used else "forward")
+        if not rank0:
+            return [], [], []
         rids = [s.rid for s in sample_seqs]
         # Structured outputs: masks are filled here, on the CPU, while the GPU still runs the queued forward.
         mask = self.grammar.mask_for(rids) if self.grammar is not None else None
         out = self.sampler.sample(logits, rids, [s.sampling for s in sample_seqs], mask)
         if mask is not None and self.grammar is not None:
             self.grammar.accept_all(rids, out.tokens)
-        return list(zip(rids, out.tokens, strict=True)), out.logprobs
+        return list(zip(rids, out.tokens, strict=True)), out.logprobs, scored
 
     def _fork(self, parent: WorkerSeq, forks: list[Fork]) -> list[WorkerSeq]:
         """The choices of an n > 1 request, registered as copies of the parent that has just computed its

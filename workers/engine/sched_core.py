@@ -34,9 +34,12 @@ from workers.engine.sequence import (
     RequestRejected,
     Sequence,
     SeqUpdate,
+    check_prompt,
+    child_rid,
     combined_mm_key,
     fork,
     fork_blocks_needed,
+    prompt_only_updates,
 )
 
 __all__ = ["FinishReason", "RequestRejected", "SchedulerCore", "SeqUpdate", "Sequence"]
@@ -95,28 +98,27 @@ class SchedulerCore:
         mrope_delta: int,
         items: list[MMItem],
         sampling: SamplingParams,
+        more_prompts: list[list[int]] | None = None,
     ) -> None:
+        """Queue request ``rid``. ``more_prompts``: a batch of text prompts after the first (completions), prompt
+        p computed as sequence child_rid(rid, p) answering choice p; like n > 1 choices, one request ends with all."""
         if rid in self.seqs:
             raise ValueError(f"request id {rid!r} is already in use")
-        if len(input_ids) == 0:
-            raise RequestRejected("the prompt is empty")
-        if len(input_ids) >= self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {len(input_ids)} tokens, but the context length is {self.max_model_len}"
-            )
-        need = self.allocator.blocks_for(len(input_ids) + 1)
-        need += fork_blocks_needed(len(input_ids), sampling.n, self.allocator.block_size)
-        if need > self.allocator.num_blocks:
-            raise RequestRejected(
-                f"the prompt needs {need} KV blocks, the cache has {self.allocator.num_blocks} in all"
-            )
+        if more_prompts and sampling.n > 1:
+            raise ValueError("a batch of prompts takes n = 1")
+        for ids in [input_ids, *(more_prompts or [])]:
+            check_prompt(ids, sampling.n, self.max_model_len, self.allocator)
         seq = Sequence(rid, list(input_ids), mrope_delta, list(items), sampling, next(self._arrivals))
         if self.mm_cache_mode == "request" and items:
             seq.mm_key = combined_mm_key(seq.items)
-        self.seqs[rid] = seq
-        if sampling.n > 1:
-            self.families[rid] = [seq]
-        self.waiting.append(seq)
+        # Text prompts (no images) have no M-RoPE delta.
+        more = [Sequence(child_rid(rid, p), list(ids), 0, [], sampling, next(self._arrivals), request_id=rid, index=p)
+                for p, ids in enumerate(more_prompts or [], 1)]
+        for member in (seq, *more):
+            self.seqs[member.rid] = member
+        if sampling.n > 1 or more:
+            self.families[rid] = [seq, *more]
+        self.waiting.extend([seq, *more])
 
     def abort(self, rid: str) -> bool:
         """End request ``rid``: all its choices."""
@@ -178,7 +180,7 @@ class SchedulerCore:
         return plan
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.sampling.prompt_logprobs is not None:  # it must compute every position
             return []
         bs = self.allocator.block_size
         # Leave at least the last token to compute: its logits give the first sampled token.
@@ -240,7 +242,7 @@ class SchedulerCore:
                     length=length,
                     new_blocks=seq.block_table[seq.sent_blocks :],
                     new_token_ids=new_tokens,
-                    sample=start + length == seq.total_len,
+                    sample=start + length == seq.total_len and seq.sampling.max_tokens > 0,
                 )
             )
             seq.sent_blocks = len(seq.block_table)
@@ -317,12 +319,18 @@ class SchedulerCore:
         if plan is None or plan.step_id != result.step_id:
             raise RuntimeError(f"result for step {result.step_id} does not match the step in flight")
         self._in_flight = None
+        prompt_only: list[Sequence] = []  # max_tokens 0: the prompt was all there was to compute
         for chunk in plan.chunks:
             seq = self.seqs.get(chunk.rid)
             if seq is not None and seq.finish_reason is None and seq.announced:
                 seq.num_computed = chunk.start + chunk.length
                 self._register_blocks(seq)
+                if seq.sampling.max_tokens == 0 and seq.num_computed >= seq.prompt_len:
+                    prompt_only.append(seq)
         updates: list[SeqUpdate] = []
+        for seq in prompt_only:
+            self._finish(seq, "length")
+            updates.extend(prompt_only_updates(seq))
         logprobs = {lp.rid: lp for lp in result.logprobs}
         for rid, token_id in result.sampled:
             seq = self.seqs.get(rid)

@@ -69,12 +69,33 @@ class Sequence:
 @dataclass(frozen=True)
 class SeqUpdate:
     rid: str
-    token_id: int
+    token_id: int | None  # None: the request ended without a token (max_tokens 0: its prompt alone)
     finish_reason: FinishReason | None
     logprobs: SampleLogprobs | None = None
     request_id: str = ""
     index: int = 0
     cached_tokens: int = 0
+
+
+def check_prompt(input_ids: list[int], n: int, max_model_len: int, allocator: BlockAllocator) -> None:
+    """Refuse a prompt this configuration can never serve: empty, too long for the context or the KV cache."""
+    if len(input_ids) == 0:
+        raise RequestRejected("the prompt is empty")
+    if len(input_ids) >= max_model_len:
+        raise RequestRejected(f"the prompt has {len(input_ids)} tokens, but the context length is {max_model_len}")
+    need = allocator.blocks_for(len(input_ids) + 1) + fork_blocks_needed(len(input_ids), n, allocator.block_size)
+    if need > allocator.num_blocks:
+        raise RequestRejected(f"the prompt needs {need} KV blocks, the cache has {allocator.num_blocks} in all")
+
+
+def prompt_only_updates(seq: Sequence) -> list[SeqUpdate]:
+    """max_tokens 0 (completions' echo): the prompt was computed (for its log probabilities) and the request
+    ends with no token; with n > 1 every choice ends alike (none was forked: nothing was sampled)."""
+    indices = [seq.index] if seq.sampling.n == 1 else list(range(seq.sampling.n))
+    return [
+        SeqUpdate(child_rid(seq.request_id, i), None, "length", None, seq.request_id, i, seq.cached_tokens)
+        for i in indices
+    ]
 
 
 def combined_mm_key(items: list[MMItem]) -> bytes:

@@ -1,0 +1,113 @@
+"""Where a loaded server's time goes, from the records of a run with ``GLIMPSE_STEP_TRACE=DIR``.
+
+    GLIMPSE_STEP_TRACE=/tmp/trace glimpse serve ...   # then drive it, e.g. with `glimpse bench serving`
+    python -m benchmarks.step_trace /tmp/trace
+
+The window runs from the first request reaching the frontend to the end of the last model step. Inside it,
+rank 0's model steps are split into set-up, ViT, host preparation, LM forward (eager or CUDA graph) and
+sampling; what is left is time the GPU worker sat waiting for a plan (scheduler work and transport). Steps
+are classed by what they held: ``decode`` (one token per sequence), ``mixed`` (decodes and a prefill
+chunk), ``prefill`` (chunks only), ``vit-only`` (images encoded, nothing to forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+PHASES = ("setup", "vit", "prep", "forward", "graph", "sample")
+
+
+def load(folder: Path) -> dict[str, list[dict[str, Any]]]:
+    """Records by role (frontend, scheduler0, worker0, ...), each list in file order."""
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted(folder.glob("*.jsonl")):
+        role = path.stem.rsplit("-", 1)[0]
+        out[role] += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def step_class(step: dict[str, Any]) -> str:
+    if step["seqs"] == 0:
+        return "vit-only"
+    if step["decodes"] == step["seqs"]:
+        return "decode"
+    return "mixed" if step["decodes"] else "prefill"
+
+
+def row(name: str, seconds: float, window: float, count: int | None = None, note: str = "") -> str:
+    per = f"{seconds / count * 1e3:.2f}" if count else ""
+    return f"| {name} | {seconds:.3f} | {100 * seconds / window:.1f}% | {count if count is not None else ''} | {per} | {note} |"
+
+
+def report(records: dict[str, list[dict[str, Any]]], since: float = 0.0) -> str:
+    submits = [r for r in records.get("frontend", []) if r["kind"] == "submit" and r["t"] >= since]
+    steps = [r for r in records.get("worker0", []) if r["kind"] == "step" and r["start"] >= since]
+    sched = [r for role, rs in records.items() if role.startswith("scheduler") for r in rs if r["t"] >= since]
+    if not steps:
+        return "no model steps recorded"
+    t0 = min([s["t"] for s in submits] + [steps[0]["start"]])
+    t1 = max(s["end"] for s in steps)
+    window = t1 - t0
+    lines = [
+        f"window {window:.3f} s: {len(submits)} requests, {len(steps)} model steps",
+        "",
+        "| where | seconds | of window | count | ms each | note |",
+        "|---|---|---|---|---|---|",
+    ]
+    busy = sum(s["end"] - s["start"] for s in steps)
+    first_step = steps[0]["start"] - t0
+    lines.append(row("before the first step", first_step, window, note="HTTP + tokenizer of the first request(s)"))
+    lines.append(row("worker waiting for a plan", window - busy - first_step, window, len(steps), "scheduler + ZMQ"))
+    by_class: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in steps:
+        by_class[step_class(s)].append(s)
+    for cls in ("vit-only", "prefill", "mixed", "decode"):
+        group = by_class.get(cls, [])
+        if not group:
+            continue
+        total = sum(s["end"] - s["start"] for s in group)
+        tokens = sum(s["tokens"] for s in group)
+        decodes = sum(s["decodes"] for s in group)
+        spans = sorted(s["end"] - s["start"] for s in group)
+        pct = "/".join(f"{1e3 * spans[min(len(spans) - 1, int(q * len(spans)))]:.1f}" for q in (0.5, 0.9, 1.0))
+        note = f"{tokens} tokens ({decodes} decodes); p50/p90/max {pct} ms"
+        lines.append(row(f"{cls} steps", total, window, len(group), note))
+        for phase in PHASES:
+            spent = sum(s.get(phase, 0.0) for s in group)
+            if spent > 0:
+                lines.append(row(f"  {cls}: {phase}", spent, window, len(group)))
+    captures = steps[-1].get("graph_captures", 0) - (steps[0].get("graph_captures", 0) if len(steps) > 1 else 0)
+    if captures:
+        lines.append(f"| CUDA-graph captures during the window | | | {captures} | | inside decode steps |")
+    plans = [r for r in sched if r["kind"] == "plan"]
+    results = [r for r in sched if r["kind"] == "result"]
+    lines.append(row("scheduler: planning", sum(r["t"] - r["start"] for r in plans), window, len(plans)))
+    lines.append(row("scheduler: handling results", sum(r["t"] - r["start"] for r in results), window, len(results)))
+    arrive = {r["rid"]: r["t"] for r in sched if r["kind"] == "arrive"}
+    waits = [arrive[s["rid"]] - s["t"] for s in submits if s["rid"] in arrive]
+    if waits:
+        waits.sort()
+        last = max(arrive.values()) - t0
+        lines += [
+            "",
+            f"frontend -> scheduler (HTTP body, tokenizer, shm): mean {1e3 * sum(waits) / len(waits):.0f} ms, "
+            f"median {1e3 * waits[len(waits) // 2]:.0f} ms, max {1e3 * waits[-1]:.0f} ms; "
+            f"last request reached the scheduler {last:.2f} s into the window",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--since", type=float, default=0.0, help="ignore records before this monotonic time")
+    args = parser.parse_args()
+    print(report(load(args.folder), args.since))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Prompt log probabilities on the model worker: for a sequence that asked for them (``prompt_logprobs``,
+what /v1/completions' ``echo`` with ``logprobs`` and lm-eval's loglikelihood need), every row of its prefill
+chunks gives the log probability of the prompt's next token, its rank and the k best tokens there.
+
+The numbers are the log-softmax, in float32 over the real vocabulary, of the raw logits: penalties, logit
+bias and grammar masks shape what a request samples, and the prompt's tokens were not sampled. What crosses
+to the scheduler is small, per row one float, one rank and k ids and floats, never a vocabulary row. Long
+chunks are scored in slices of rows, so no step materialises [chunk, vocab] logits at once (a 4,096-token
+chunk of a 152K vocabulary would be 2.5 GB in float32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ipc.messages import PromptLogprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.models.base import ModelSpec
+
+# Float32 logits one slice may hold: with Qwen's 151,936 tokens that is 883 rows (log-softmax doubles it).
+SLICE_BYTES = 512 << 20
+MAX_SLICE_ROWS = 1024
+
+Logits = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, H] -> float32 logits [N, vocab]
+
+
+@dataclass
+class PromptSpan:
+    """Rows of one chunk to score: prompt positions ``start`` .. ``start + len(next_ids) - 1``."""
+
+    rid: str
+    start: int
+    next_ids: list[int]  # the prompt token after each position: what its row is scored on
+    k: int  # how many best tokens per position
+    row: int  # the first position's row in the step's flattened batch
+
+    @property
+    def rows(self) -> range:
+        return range(self.row, self.row + len(self.next_ids))
+
+
+@dataclass
+class _Out:
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+
+class _Seq(Protocol):
+    rid: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    prompt_until: int  # positions below it are scored: the prompt's length - 1 (0: none)
+
+
+def span_for(seq: _Seq, start: int, end: int, row: int, spec: ModelSpec) -> PromptSpan | None:
+    """The rows of the sequence's chunk [start, end) to score, the first at ``row`` of the step's batch. The
+    last prompt position is not scored: it predicts the first sampled token (whose logprobs are the
+    sampler's). The next token of a chunk's last row is the first of the next chunk: the worker has every
+    prompt token from registration on. Image spans hold pad values above the vocabulary; they are scored as
+    the image token (no endpoint asks for prompt logprobs of an image prompt today)."""
+    stop, k = min(end, seq.prompt_until), seq.sampling.prompt_logprobs
+    if k is None or stop <= start:
+        return None
+    vocab, pad = spec.vocab_size, spec.image_token_id
+    nxt = [t if t < vocab else pad for t in seq.token_ids[start + 1 : stop + 1]]
+    return PromptSpan(seq.rid, start, nxt, k, row)
+
+
+def slice_rows(vocab: int) -> int:
+    return max(1, min(MAX_SLICE_ROWS, SLICE_BYTES // (4 * max(1, vocab))))
+
+
+@torch.inference_mode()
+def score_prompts(
+    hidden: torch.Tensor, spans: list[PromptSpan], logits_of: Logits, vocab: int, rank0: bool
+) -> list[PromptLogprobs]:
+    """``hidden``: the final hidden states of every span's rows, span after span. Every TP rank calls this
+    with the same slices (computing logits gathers over ranks); only rank 0 reduces them and returns entries."""
+    total = sum(len(s.next_ids) for s in spans)
+    if total != hidden.shape[0]:
+        raise ValueError(f"{hidden.shape[0]} hidden rows for {total} prompt positions")
+    owner = [i for i, s in enumerate(spans) for _ in s.next_ids]
+    targets = torch.tensor([t for s in spans for t in s.next_ids], device=hidden.device)
+    outs = [_Out() for _ in spans]
+    step = slice_rows(vocab)
+    for lo in range(0, total, step):
+        hi = min(total, lo + step)
+        logits = logits_of(hidden[lo:hi])
+        if not rank0:
+            continue
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        del logits
+        chosen = lp.gather(1, targets[lo:hi].unsqueeze(1))
+        ranks = (lp > chosen).sum(dim=1) + 1
+        k = max(spans[owner[r]].k for r in range(lo, hi))
+        top = lp.topk(k, dim=-1) if k else None
+        values, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+        for j, (value, rank) in enumerate(zip(chosen.squeeze(1).tolist(), ranks.tolist(), strict=True)):
+            span_index = owner[lo + j]
+            want, out = spans[span_index].k, outs[span_index]
+            out.logprobs.append(value)
+            out.ranks.append(rank)
+            out.top_ids.append(ids[j][:want] if top is not None else [])
+            out.top_logprobs.append(values[j][:want] if top is not None else [])
+    if not rank0:
+        return []
+    return [
+        PromptLogprobs(s.rid, s.start, o.logprobs, o.ranks, o.top_ids, o.top_logprobs)
+        for s, o in zip(spans, outs, strict=True)
+    ]
