@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.reference import greedy_text
 from tests.server.live import LiveServer, data_url, image_message, png_bytes
@@ -97,3 +98,25 @@ def test_killing_one_rank_fails_cleanly(demo_model_dir: Path) -> None:
     finally:
         server.stop(signal.SIGKILL)
     assert server.segments() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp2_graph_decode_on_cuda_gives_the_eager_tokens(demo_model_dir: Path) -> None:
+    """TP=2 on two GPUs (NCCL): decode graphs that capture the all-reduces give the eager decode's greedy tokens
+    (float32, so the two differ by rounding only)."""
+    flags = ("--tp", "2", "--device", "cuda", "--dtype", "float32", "--tokenizer-workers", "1")
+    answers = []
+    for env in ({}, {"GLIMPSE_CUDA_GRAPHS": "0"}):
+        server = LiveServer(demo_model_dir, *flags, env=env, ready_timeout=300)
+        try:
+            texts = [
+                server.client(timeout=120).completions.create(
+                    model="demo", prompt=f"Count to {n}: " + "one " * n, max_tokens=24, temperature=0
+                ).choices[0].text
+                for n in (3, 20, 40)
+            ]
+            answers.append(texts)
+        finally:
+            assert server.stop() == 0, server.output()
+    assert answers[0] == answers[1]

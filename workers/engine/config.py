@@ -23,8 +23,10 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     load_format: LoadFormat = "auto"
     attn_backend: Literal["auto", "sdpa", "flash"] = "auto"
-    # Scheduling: per-step token budget shared by decodes and prefill chunks.
-    chunk_size: int = 1024
+    # Scheduling: per-step token budget shared by decodes and prefill chunks. 4096 measured best under load
+    # (64 concurrent 1080p requests on an H200: 4.9-5.6 req/s at 1024, 6.2 at 2048, 6.8 at 4096, with a lower
+    # mean TPOT too): eager mixed steps have a fixed host cost, which larger chunks spread over more tokens.
+    chunk_size: int = 4096
     # Budget of a step in which no sequence is decoding (so no inter-token latency is at stake): a lone
     # prompt prefills in chunks this large. 0: chunk_size.
     lone_prefill_tokens: int = 4096

@@ -13,7 +13,7 @@ A graph fixes shapes and addresses, so:
 With the Triton paged kernel (the usual case), a graph's table is as wide as the longest sequence allowed
 and graphs differ by batch bucket only; they are all captured at start-up. Without it, graphs are captured
 lazily, on the first step that needs a (batch, width) bucket. Steps that fit no bucket (prefill chunks,
-images, too wide a table) run eagerly. CUDA and a single TP rank only.
+images, too wide a table) run eagerly. CUDA only; with TP > 1 the all-reduces are captured as well.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -40,10 +41,11 @@ MAX_GATHER_TOKENS = 1 << 18
 
 
 def graphs_wanted(device: torch.device, tp: TPGroup) -> bool:
-    """Auto-detection: CUDA, one rank (a graph would have to capture TP collectives), not opted out."""
+    """Auto-detection: CUDA and not opted out. With TP > 1 the graphs capture the NCCL all-reduces too: every
+    rank runs the same plan, so all ranks capture and replay the same graphs in the same order."""
     if os.environ.get("GLIMPSE_CUDA_GRAPHS", "1") == "0":
         return False
-    return device.type == "cuda" and torch.cuda.is_available() and tp.size == 1
+    return device.type == "cuda" and torch.cuda.is_available()
 
 
 def decode_bucket(batch: int, width: int, block_size: int, max_width: int) -> tuple[int, int] | None:
@@ -74,8 +76,12 @@ class DecodeGraphs:
         block_size: int,
         scratch_block: int,
         max_blocks_per_seq: int,
+        tp_size: int = 1,
     ) -> None:
         self.lm, self.kv_caches, self.block_size = lm, kv_caches, block_size
+        # NCCL's watchdog thread queries events while a rank captures; "global" capture mode would fail those
+        # calls, so with TP only this thread's calls are checked.
+        self.capture_mode: Literal["global", "thread_local"] = "thread_local" if tp_size > 1 else "global"
         self.scratch_block = scratch_block
         self.max_width = max(MIN_WIDTH, 1 << (max_blocks_per_seq - 1).bit_length())
         self.device = kv_caches[0].device
@@ -179,7 +185,7 @@ class DecodeGraphs:
             self._forward(inputs, table, b, w)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_mode):
             hidden = self._forward(inputs, table, b, w)
         self.graphs[(b, w)] = captured = _Graph(graph, inputs, table, hidden)
         self.stats["captures"] += 1

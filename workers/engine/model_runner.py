@@ -108,7 +108,9 @@ class ModelRunner:
         if graphs_wanted(self.device, self.tp):
             max_len = cfg.max_model_len or self.spec.max_position_embeddings
             max_blocks = -(-max_len // cfg.block_size)
-            self.graphs = DecodeGraphs(self.lm, self.kv_caches, cfg.block_size, self.num_blocks, max_blocks)
+            self.graphs = DecodeGraphs(
+                self.lm, self.kv_caches, cfg.block_size, self.num_blocks, max_blocks, self.tp.size
+            )
             started = time.perf_counter()
             self.graphs.capture_all(cfg.max_num_seqs)
             if self.graphs.stats["captures"]:
@@ -336,6 +338,8 @@ class ModelRunner:
                 hidden = self.graphs.run(ids, pos, slots, seq_lens, tables)
                 graph_used = True
             except RuntimeError:  # graphs only save launches: keep serving, eagerly (it rewrites the same slots)
+                if self.tp.size > 1:
+                    raise  # the other ranks would wait in a captured all-reduce: fail the launch instead
                 log.exception("CUDA-graph decode failed; decoding eagerly from now on")
                 self.graphs = None
         if hidden is None:

@@ -25,9 +25,15 @@ def test_buckets_pad_up_and_refuse_what_does_not_fit() -> None:
     assert decode_bucket(10_000, 1, 16, 4096) is None
 
 
-def test_cpu_and_tensor_parallel_never_use_graphs(demo_model_dir: Path) -> None:
+def test_graphs_only_on_cuda_with_any_tp_and_can_be_switched_off(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert not graphs_wanted(torch.device("cpu"), TPGroup())
-    assert not graphs_wanted(torch.device("cuda"), TPGroup(rank=0, size=2))
+    # TP ranks capture their all-reduces too (every rank replays the same graphs in the same order).
+    assert graphs_wanted(torch.device("cuda"), TPGroup(rank=0, size=2)) == torch.cuda.is_available()
+    monkeypatch.setenv("GLIMPSE_CUDA_GRAPHS", "0")
+    assert not graphs_wanted(torch.device("cuda"), TPGroup())
+    monkeypatch.delenv("GLIMPSE_CUDA_GRAPHS")
     engine = Engine(EngineConfig(model=str(demo_model_dir), device="cpu"))
     assert engine.runner.graphs is None
     # The scratch block for graph padding exists but is never handed out.
