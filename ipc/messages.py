@@ -243,6 +243,7 @@ class RequestAccepted(Msg, frozen=True):
     echoes: list[str] = []  # a batch of prompts: each choice's own echo (``echo`` is then unused)
     echo_logprobs: int | None = None  # echo with logprobs: the prompt's tokens lead the logprobs, k best each
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: choices[].prompt_logprobs, k best each
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
 
 
 class RequestFailed(Msg, frozen=True):

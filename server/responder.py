@@ -74,6 +74,10 @@ class Answer:
     def usage(self) -> Usage:
         return Usage.of(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), self.cached_tokens)
 
+    def running_usage(self) -> Usage | None:
+        """stream_options.continuous_usage_stats: the usage so far, on every chunk."""
+        return self.usage() if self.accepted.continuous_usage else None
+
     def start(self) -> bytes:
         """What a stream begins with (before any output)."""
         return b""
@@ -113,6 +117,7 @@ class ChatAnswer(Answer):
         return b"".join(self._event([ChunkChoice(c.index, Delta(role="assistant", content=""))]) for c in self.choices)
 
     def _event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        usage = usage or self.running_usage()
         chunk = protocol.ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage)
         return sse_event(encode(chunk))
 
@@ -198,6 +203,13 @@ class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
 
 
+def with_chosen(top: dict[str, float], token: str, logprob: float) -> dict[str, float]:
+    """OpenAI's legacy completions always list the chosen token among a position's alternatives, so there may be
+    logprobs + 1 of them."""
+    top.setdefault(token, logprob)
+    return top
+
+
 class CompletionAnswer(Answer):
     def __init__(self, rid: str, created: int, accepted: RequestAccepted) -> None:
         super().__init__(rid, created, accepted)
@@ -217,13 +229,15 @@ class CompletionAnswer(Answer):
             for p in c.prompt:
                 out.tokens.append(p.token)
                 out.token_logprobs.append(p.logprob)
-                out.top_logprobs.append(None if p.logprob is None else {text: lp for _, text, lp in p.top[:k]})
+                out.top_logprobs.append(None if p.logprob is None else with_chosen(
+                    {text: lp for _, text, lp in p.top[:k]}, p.token, p.logprob
+                ))  # fmt: skip
                 out.text_offset.append(offset)
                 offset += len(p.token)
         for entry in c.logprobs:
             out.tokens.append(entry.token)
             out.token_logprobs.append(entry.logprob)
-            out.top_logprobs.append({t.token: t.logprob for t in entry.top_logprobs})
+            out.top_logprobs.append(with_chosen({t.token: t.logprob for t in entry.top_logprobs}, entry.token, entry.logprob))
             out.text_offset.append(self.offsets[c.index])
             self.offsets[c.index] += len(entry.token)
         return out
@@ -251,7 +265,10 @@ class CompletionAnswer(Answer):
     def _chunk(self, c: ChoiceState) -> bytes:
         reason = c.finish_reason if self._finishing(c) else None
         choice = CompletionChoice(c.index, self._text(c), self._logprobs(c), reason)
-        return sse_event(encode(Completion(id=self.rid, object="text_completion", created=self.created, model=self.model, choices=[choice])))
+        return sse_event(encode(Completion(
+            id=self.rid, object="text_completion", created=self.created, model=self.model, choices=[choice],
+            usage=self.running_usage(),
+        )))  # fmt: skip
 
     def start(self) -> bytes:
         if not self.accepted.echo or self.accepted.echo_logprobs is not None:

@@ -139,6 +139,6 @@ def prepare_completion(
     accepted = RequestAccepted(
         req.rid, completion.stream, completion.include_usage, completion.model, sum(len(i) for i in ids), worker.index,
         max(sampling.n, len(ids)), "completion", echoes[0], sampling.logprobs is not None,
-        echoes if len(ids) > 1 else [], echo_logprobs, completion.prompt_logprobs,
+        echoes if len(ids) > 1 else [], echo_logprobs, completion.prompt_logprobs, completion.continuous_usage,
     )
     return accepted, TokenizedRequest(req.rid, ids[0], prompts[0].mrope_delta, [], sampling, [], 0, more_prompts=ids[1:])

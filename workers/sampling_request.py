@@ -43,6 +43,7 @@ _GENERATION_KEYS = {
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (GuideLLM sends it)
 
 
 class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +80,10 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -251,7 +251,7 @@ class TokenizerWorker:
         n = len(prompt.input_ids)
         accepted = RequestAccepted(
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
-            logprobs=sampling.logprobs is not None,
+            logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
         )
         tokenized = TokenizedRequest(
             req.rid, prompt.input_ids, prompt.mrope_delta, items, sampling, names, new_bytes, tool_parser(chat)

@@ -140,3 +140,19 @@ def test_unknown_fields_are_ignored_with_one_debug_line(caplog: pytest.LogCaptur
     assert req.model == "m"
     lines = [r.getMessage() for r in caplog.records if r.name == "glimpse.request"]
     assert lines == ["ignoring unknown request fields: frobnicate, zz_extra"]
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(live: LiveServer) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    whole = complete(live)
+    chunks: list[Any] = list(complete(live, stream=True, stream_options=options))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None and c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == whole.usage.completion_tokens and counts[0] < counts[-1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    request: dict[str, Any] = {"messages": [{"role": "user", "content": "Read the total."}], "stream_options": options}
+    chat: Any = live.client().chat.completions.create(model="demo", max_tokens=6, temperature=0, stream=True, **request)
+    usages = [c.usage for c in chat if c.choices and (c.choices[0].delta.content or c.choices[0].finish_reason)]
+    assert usages and all(u is not None and u.completion_tokens >= 1 for u in usages)
+    plain = list(complete(live, stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices)  # only when asked for

@@ -68,9 +68,13 @@ def check_choice(ref: HFReference, text_of: LogprobRenderer, ids: list[int], cho
     assert out.token_logprobs[0] is None and out.top_logprobs[0] is None
     for i in range(1, len(ids)):
         assert abs(out.token_logprobs[i] - float(lp[i - 1, ids[i]])) < 1e-4, i
-        [(token, value)] = out.top_logprobs[i].items()
+        # The most likely token, and (OpenAI's rule) the prompt's own token when it is not that one.
         best = int(lp[i - 1].argmax())
-        assert token == text_of.token(best)[0] and abs(value - float(lp[i - 1, best])) < 1e-4
+        expected = {text_of.token(best)[0]: float(lp[i - 1, best])}
+        expected.setdefault(text_of.token(ids[i])[0], float(lp[i - 1, ids[i]]))
+        top = out.top_logprobs[i]
+        assert top.keys() == expected.keys(), i
+        assert all(abs(top[t] - expected[t]) < 1e-4 for t in top), i
     if generated:  # greedy: the generated token is transformers' argmax after the prompt
         best = int(lp[-1].argmax())
         assert out.tokens[len(ids)] == text_of.token(best)[0]
@@ -101,6 +105,7 @@ def test_a_prompt_over_several_chunks_twice_without_prefix_hits(
     for i in range(1, len(ids)):  # the three best at every position, across chunk boundaries
         best = lp[i - 1].topk(3)
         expected = {text_of.token(int(t))[0]: float(v) for t, v in zip(best.indices, best.values, strict=True)}
+        expected.setdefault(text_of.token(ids[i])[0], float(lp[i - 1, ids[i]]))  # the chosen token is always listed
         # Keyed by text: tokens of the same text (partial UTF-8 characters shown as U+FFFD) share an entry.
         top = first.choices[0].logprobs.top_logprobs[i]
         assert top.keys() == expected.keys()
