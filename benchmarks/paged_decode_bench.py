@@ -9,27 +9,15 @@ effective bandwidth over the live K/V bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import torch
 
+from benchmarks.vit_bench import cuda_ms
 from workers.engine import paged_attention
 from workers.engine.attention import PaddedDecodeBackend, build_attention_metadata
 
 HQ, HKV, D, BS = 28, 4, 128, 16
-
-
-def timed(call: Callable[[], object], reps: int = 50) -> float:
-    for _ in range(3):
-        call()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        call()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / reps
 
 
 def main() -> None:
@@ -53,7 +41,7 @@ def main() -> None:
             paged_attention.triton_available.cache_clear()
             paged_attention.os.environ["GLIMPSE_PAGED_ATTENTION"] = "1" if use_kernel else "0"
             meta.derived.clear()
-            times.append(timed(partial(backend.forward, q, k, v, cache, meta, D**-0.5)))
+            times.append(cuda_ms(partial(backend.forward, q, k, v, cache, meta, D**-0.5), 50))
         live = 2 * batch * context * HKV * D * 2
         print(
             f"| {batch} | {context} | {width * BS} | {times[0]:.3f} | {times[1]:.3f} | {times[0] / times[1]:.1f}x "
