@@ -30,7 +30,6 @@ from ipc.messages import (
     RequestFailed,
     RequestOutput,
     SchedulerInbound,
-    SchedulerStats,
     Shutdown,
     StepPlan,
     StepResult,
@@ -46,6 +45,7 @@ from workers.engine.sequence import child_rid
 from workers.kv_events import KVEventRecorder
 from workers.logprobs import LogprobRenderer, PromptLogprobBook
 from workers.proc import setup_child
+from workers.scheduler_stats import snapshot
 from workers.shm_ledger import ShmLedger
 from workers.step_trace import StepTrace
 from workers.tools import ToolOutput
@@ -347,36 +347,8 @@ class Scheduler:
             return
         self.next_stats = now + STATS_INTERVAL_S
         self._unlink(self.ledger.expire(now))  # retained images nobody resent for a while
-        core, idx = self.core, self.core.mm_index
-        stats = SchedulerStats(
-            requests_running=len(core.running),
-            requests_waiting=len(core.waiting),
-            kv_blocks_used=core.allocator.num_used,
-            kv_blocks_total=core.allocator.num_blocks,
-            generated_tokens=self.generated_tokens,
-            prompt_tokens=self.prompt_tokens,
-            mm_cache_entries=len(idx),
-            mm_cache_bytes=idx.used_bytes,
-            mm_cache_hits=idx.stats.hits,
-            mm_cache_misses=idx.stats.misses,
-            mm_cache_evictions=idx.stats.evictions,
-            images_encoded=self.images_encoded,
-            vit_batches=self.vit_batches,
-            shm_segments=self.ledger.segments,
-            shm_bytes=self.ledger.used_bytes,
-            shm_budget_bytes=self.ledger.budget_bytes,
-            steps=self.steps,
-            shm_retained_segments=self.ledger.retained_segments,
-            shm_retained_bytes=self.ledger.retained_bytes,
-            plan_bytes_last=self.plan_bytes["last"],
-            plan_bytes_max=self.plan_bytes["max"],
-            workers=[self.worker_stats[r] for r in sorted(self.worker_stats)],
-            prefix_cache_hit_tokens=core.allocator.prefix_hit_tokens,
-            prompt_tokens_computed=core.prompt_tokens_computed,
-            gpu_peak_bytes=self.gpu_peak,
-            gpu_idle_bytes=self.gpu_idle,
-            replica=self.replica,
-        )
+        stats = snapshot(self)
+        core = self.core
         self.frontend.send(stats)
         for sock in self.tokenizers:
             sock.send(stats)

@@ -23,8 +23,7 @@ from ipc.messages import (
     StepPlan,
     StepResult,
 )
-from workers.engine import fused
-from workers.engine.attention import AttentionMetadata, build_attention_metadata
+from workers.engine.attention import AttentionMetadata
 from workers.engine.batching import cumsum, group_by_patches, patches, split_by_patches, to_device
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graphs_wanted
@@ -35,6 +34,7 @@ from workers.engine.models import family as family_package
 from workers.engine.models.base import item_spans, load_model
 from workers.engine.prompt_logprobs import PromptSpan, score_prompts, span_for
 from workers.engine.sampler import Sampler
+from workers.engine.warmup import warm_fused
 from workers.grammar import GrammarBook
 from workers.step_trace import StepTrace
 
@@ -103,7 +103,7 @@ class ModelRunner:
         shape = self.model.kv_cache_shape(self.num_blocks + 1, cfg.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         if cfg.fused_kernels and self.device.type == "cuda":
-            self._warm_fused()  # before any graph capture: a capture must never be a kernel's first launch
+            warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
         self.graphs: DecodeGraphs | None = None
         if graphs_wanted(self.device, self.tp):
             max_len = cfg.max_model_len or self.spec.max_position_embeddings
@@ -122,40 +122,6 @@ class ModelRunner:
         self.counters = RunnerCounters()
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
         self.trace = StepTrace(f"worker{self.tp.rank}", sync, enabled=self.tp.rank == 0)
-
-    @torch.inference_mode()
-    def _warm_fused(self) -> None:
-        """Switch the fused kernels on and run every call site, so compiling (or loading Inductor's on-disk
-        cache) happens now and not inside the first request or a CUDA-graph capture. Falls back to eager
-        ops if it fails."""
-        started = time.perf_counter()
-        fused.enable(self.lm)
-        fused.enable(self.vision)
-        try:
-            with fused.forced():
-                self._run_every_fused_site()
-            torch.cuda.synchronize(self.device)
-        except Exception as exc:  # e.g. no C compiler for Triton's launcher: serve eagerly rather than not at all
-            fused.enable(self.lm, False)
-            fused.enable(self.vision, False)
-            log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
-            return
-        log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
-
-    def _run_every_fused_site(self) -> None:
-        # Three sizes per site: the first compiles static shapes, the second makes the row count symbolic,
-        # and 1 (a lone decode) is specialised apart (fused.py).
-        row = self.spec.patch_dim
-        m = self.merge
-        for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)):
-            self.model.encode(torch.zeros(patches(grid), row, dtype=self.dtype, device=self.device), [grid])
-        hidden, bs = self.spec.hidden_size, self.cfg.block_size
-        for query, seq in ((2, 2), (3, 5), (1, 6)):
-            scratch = [self.num_blocks] * -(-seq // bs)  # the spare block (see __init__): nothing live in it
-            meta = build_attention_metadata([query], [seq], [scratch], bs, self.device)
-            embeds = torch.zeros(query, hidden, dtype=self.dtype, device=self.device)
-            positions = torch.arange(seq - query, seq, device=self.device).expand(3, -1)
-            self.model(embeds, positions, self.kv_caches, meta)
 
     def _embedding_store(self) -> EmbeddingStore:
         """On CUDA the embedding cache's whole budget is reserved now (see EmbeddingStore); on the CPU its

@@ -1,0 +1,53 @@
+"""Start-up work of a CUDA model worker that must happen before it serves: the fused kernels are compiled (or
+loaded from Inductor's on-disk cache) by running every call site once, before any CUDA-graph capture, so that
+neither the first request nor a capture is a kernel's first launch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.engine import fused
+from workers.engine.attention import build_attention_metadata
+from workers.engine.batching import patches
+
+if TYPE_CHECKING:
+    from workers.engine.model_runner import ModelRunner
+
+log = logging.getLogger("glimpse.model")
+
+
+@torch.inference_mode()
+def warm_fused(runner: ModelRunner) -> None:
+    """Switch the fused kernels on and run every call site. Falls back to eager ops if that fails."""
+    started = time.perf_counter()
+    fused.enable(runner.lm)
+    fused.enable(runner.vision)
+    try:
+        with fused.forced():
+            _run_every_fused_site(runner)
+        torch.cuda.synchronize(runner.device)
+    except Exception as exc:  # e.g. no C compiler for Triton's launcher: serve eagerly rather than not at all
+        fused.enable(runner.lm, False)
+        fused.enable(runner.vision, False)
+        log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
+        return
+    log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
+
+
+def _run_every_fused_site(r: ModelRunner) -> None:
+    # Three sizes per site: the first compiles static shapes, the second makes the row count symbolic, and 1 (a
+    # lone decode) is specialised apart (fused.py). The (1, 6) query also compiles the paged decode kernel.
+    row, m = r.spec.patch_dim, r.merge
+    for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)):
+        r.model.encode(torch.zeros(patches(grid), row, dtype=r.dtype, device=r.device), [grid])
+    hidden, bs = r.spec.hidden_size, r.cfg.block_size
+    for query, seq in ((2, 2), (3, 5), (1, 6)):
+        scratch = [r.num_blocks] * -(-seq // bs)  # the spare block (see ModelRunner.__init__): nothing live in it
+        meta = build_attention_metadata([query], [seq], [scratch], bs, r.device)
+        embeds = torch.zeros(query, hidden, dtype=r.dtype, device=r.device)
+        positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
+        r.model(embeds, positions, r.kv_caches, meta)
