@@ -36,6 +36,7 @@ from server.frontend import (
 )
 from server.protocol import error_response
 from server.responder import answer_for
+from server.tokenize_api import TokenizerEndpoints
 
 __all__ = ["ChatResponder", "FrontendState", "create_app"]
 
@@ -167,15 +168,19 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+_KEYED = ("/v1/", "/admin/", "/tokenize", "/detokenize", "/tokenizer_info")  # what --api-key protects
+
+
 class _ApiKeyMiddleware:
-    """Bearer-token check for /v1/* and /admin/*; /health and /metrics stay open for probes."""
+    """Bearer-token check for /v1/*, /admin/* and the tokenizer endpoints; /health and /metrics stay open for
+    probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/admin/")):
+        if scope["type"] == "http" and scope["path"].startswith(_KEYED):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             # compare_digest: the check must not leak how much of the key matched.
@@ -262,6 +267,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         state.start()
         yield
 
+    tokenizers = TokenizerEndpoints(config)
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -270,6 +276,9 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/admin/stats", admin_stats, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenizers.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenizers.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizers.tokenizer_info, methods=["GET"]),
     ]
     middleware = [Middleware(_ApiKeyMiddleware, api_key=config.api_key)] if config.api_key else []
     if config.allowed_origins:

@@ -105,8 +105,8 @@ def test_api_key(srv: Served) -> None:
     with pytest.raises(openai.AuthenticationError) as info:
         bad.models.list()
     assert info.value.code == "invalid_api_key"
-    for path in ["/v1/models", "/admin/stats", "/v1/chat/completions"]:
-        response = httpx.request("POST" if "chat" in path else "GET", srv.url + path)
+    for path in ["/v1/models", "/admin/stats", "/v1/chat/completions", "/tokenize", "/detokenize", "/tokenizer_info"]:
+        response = httpx.request("POST" if "chat" in path or path.endswith("tokenize") else "GET", srv.url + path)
         assert response.status_code == 401
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key

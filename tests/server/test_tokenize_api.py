@@ -1,0 +1,78 @@
+"""vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info) on the real server: the checkpoint's own
+tokenizer, the same prompt tokens the chat endpoint counts, clear 4xx errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.server.live import LiveServer, data_url, image_message, png_bytes
+
+
+@pytest.fixture(scope="module")
+def live(demo_model_dir: Path) -> Iterator[LiveServer]:
+    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1")
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(demo_model_dir))
+
+
+def post(live: LiveServer, path: str, body: Any) -> httpx.Response:
+    return httpx.post(live.base + path, json=body, timeout=30)
+
+
+def test_tokenize_a_prompt_and_back(live: LiveServer, tokenizer: Any) -> None:
+    text = "The invoice total is 1,234.50 EUR."
+    got = post(live, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert got["tokens"] == tokenizer.encode(text) and got["count"] == len(got["tokens"])
+    assert got["token_strs"] == tokenizer.convert_ids_to_tokens(got["tokens"])
+    assert got["max_model_len"] == live.client().models.retrieve("demo").max_model_len  # type: ignore[attr-defined]
+    bare = post(live, "/tokenize", {"model": "demo", "prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    back = post(live, "/detokenize", {"tokens": bare["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(bare["tokens"])}
+
+
+def test_tokenize_messages_counts_what_the_chat_endpoint_counts(live: LiveServer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Read the total, row by row."}]
+    counted = post(live, "/tokenize", {"messages": messages}).json()["count"]
+    answer = live.client().chat.completions.create(model="demo", messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert answer.usage is not None and counted == answer.usage.prompt_tokens
+
+
+def test_tokenizer_info_is_what_lm_eval_reads(live: LiveServer, tokenizer: Any) -> None:
+    info = httpx.get(live.base + "/tokenizer_info", timeout=30).json()
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (
+        tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token,
+    )  # fmt: skip
+    assert info["chat_template"] == tokenizer.chat_template and info["vocab_size"] == len(tokenizer)
+
+
+def test_errors_are_4xx_in_openai_shape(live: LiveServer, tokenizer: Any) -> None:
+    image = image_message("What is this?", [data_url(png_bytes(32, 32, seed=1))])
+    for path, body, status, param in [
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"messages": image}, 400, "messages"),
+        ("/tokenize", {"prompt": 3}, 400, "prompt"),
+        ("/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "model"),
+        ("/detokenize", {"tokens": [len(tokenizer) + 5]}, 400, "tokens"),
+        ("/detokenize", {"tokens": ["x"]}, 400, "tokens"),
+        ("/detokenize", {}, 400, "tokens"),
+    ]:
+        response = post(live, path, body)
+        assert response.status_code == status, (path, body, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (body, error)
+    bad_json = httpx.post(live.base + "/tokenize", content=b"{nope", timeout=30)
+    assert bad_json.status_code == 400
+    assert live.stats()["requests"]["failed"] == 0  # none of this reached the scheduler
