@@ -34,7 +34,7 @@ from server.frontend import (
     NoTokenizer,
     Outcome,
 )
-from server.protocol import error_response
+from server.protocol import error_response, is_json
 from server.responder import answer_for
 from server.tokenize_api import TokenizerEndpoints
 
@@ -148,12 +148,6 @@ class _TooLarge(Exception):
     pass
 
 
-def _is_json(content_type: str) -> bool:
-    """A JSON media type, or none at all (clients that send a bare body); parameters are ignored."""
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media in ("", "application/json") or media.endswith("+json")
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -201,7 +195,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
             counters.failed += 1
             reason = state.failed or "server is shutting down"
             return error_response(503, f"Service unavailable: {reason}", "server_error", code="service_unavailable")
-        if not _is_json(request.headers.get("content-type", "")):
+        if not is_json(request.headers.get("content-type", "")):
             counters.failed += 1
             message = "The request body must be JSON: send it with 'Content-Type: application/json'."
             return error_response(400, message, code="invalid_content_type")

@@ -60,6 +60,12 @@ def failed_payload(failed: RequestFailed) -> bytes:
     return error_payload(failed.message, failed.type, failed.param, failed.code)
 
 
+def is_json(content_type: str) -> bool:
+    """A JSON media type, or none at all (clients that send a bare body); parameters are ignored."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media in ("", "application/json") or media.endswith("+json")
+
+
 def error_response(
     status: int,
     message: str,

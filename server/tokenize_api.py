@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.config import ServerConfig
-from server.protocol import encode, error_response
+from server.protocol import encode, error_response, is_json
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -73,6 +73,8 @@ class TokenizerEndpoints:
         return None
 
     async def _body(self, request: Request, kind: type[Any]) -> Any:
+        if not is_json(request.headers.get("content-type", "")):
+            raise _BadRequest("The request body must be JSON: send it with 'Content-Type: application/json'.", "body")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise _BadRequest(f"Request body exceeds {MAX_BODY_BYTES} bytes.", "body")

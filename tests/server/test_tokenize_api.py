@@ -75,4 +75,6 @@ def test_errors_are_4xx_in_openai_shape(live: LiveServer, tokenizer: Any) -> Non
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (body, error)
     bad_json = httpx.post(live.base + "/tokenize", content=b"{nope", timeout=30)
     assert bad_json.status_code == 400
+    as_text = httpx.post(live.base + "/tokenize", content=b'{"prompt": "a"}', headers={"content-type": "text/plain"})
+    assert as_text.status_code == 400 and "Content-Type" in as_text.json()["error"]["message"]
     assert live.stats()["requests"]["failed"] == 0  # none of this reached the scheduler
