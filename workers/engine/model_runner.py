@@ -23,6 +23,7 @@ from ipc.messages import (
     StepPlan,
     StepResult,
 )
+from workers.engine import paged_attention
 from workers.engine.attention import AttentionMetadata
 from workers.engine.batching import cumsum, group_by_patches, patches, split_by_patches, to_device
 from workers.engine.config import EngineConfig
@@ -102,6 +103,9 @@ class ModelRunner:
         # padding rows write to and read from, so they never touch a live sequence's cache.
         shape = self.model.kv_cache_shape(self.num_blocks + 1, cfg.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
+            heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
+            paged_attention.probe(self.device, self.dtype, heads, kv_heads, self.spec.head_dim)
         if cfg.fused_kernels and self.device.type == "cuda":
             warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
         self.graphs: DecodeGraphs | None = None

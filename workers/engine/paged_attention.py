@@ -36,14 +36,46 @@ _TARGET_PROGRAMS = 2  # programs per SM the split count aims for
 MAX_SPLITS = 64
 
 
+_broken: list[str] = []  # set by probe(): why the kernel is off in this process
+
+
 @functools.cache
 def triton_available() -> bool:
     """Triton imports and the kernels may run here (CUDA, or the interpreter when TRITON_INTERPRET=1)."""
-    if os.environ.get("GLIMPSE_PAGED_ATTENTION", "1") == "0":
+    if os.environ.get("GLIMPSE_PAGED_ATTENTION", "1") == "0" or _broken:
         return False
     try:
         import triton  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def probe(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Run the kernel once on this model's head shapes against a gather + softmax reference. A Triton that
+    cannot compile here (no C compiler for its launcher, an unsupported card) or a wrong answer switches the
+    kernel off for the process, and decode falls back to the gather path, rather than failing mid-serving."""
+    q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
+    if not usable(q):
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        cache = torch.randn(2, 5, 16, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+        q = torch.randn(2, num_q_heads, head_dim, generator=gen, device=device).to(dtype)
+        tables = torch.tensor([[3, 1, 4], [0, 2, 4]], dtype=torch.int32, device=device)
+        lens = [37, 20]
+        out = paged_decode(q, cache, tables, torch.tensor(lens, dtype=torch.int32, device=device), 0.125, 48)
+        group = num_q_heads // num_kv_heads
+        for b, n in enumerate(lens):
+            slots = [int(tables[b, p // 16]) * 16 + p % 16 for p in range(n)]
+            k, v = (cache.view(2, -1, num_kv_heads, head_dim)[i, slots].float().repeat_interleave(group, 1) for i in (0, 1))
+            ref = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[b].float(), k) * 0.125).softmax(-1), v)
+            if not torch.allclose(out[b].float(), ref, atol=3e-2, rtol=3e-2):
+                raise RuntimeError(f"wrong result (max error {(out[b].float() - ref).abs().max().item():.3g})")
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
+        _broken.append(str(exc))
+        triton_available.cache_clear()
+        log.warning("Triton paged decode attention unavailable, decoding through the gather path: %s", exc)
         return False
     return True
 

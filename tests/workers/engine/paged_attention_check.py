@@ -86,6 +86,15 @@ def main() -> None:
     for name, err in cases.items():
         print(f"{name}: max abs error {err:.2e}")
         assert err < 1e-5, name
+    # The start-up probe passes here, and a kernel that fails switches itself off for the process.
+    assert paged_attention.probe(torch.device("cpu"), torch.float32, 14, 2, 80)
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("no C compiler")
+
+    paged_attention.paged_decode = broken  # type: ignore[assignment]
+    assert not paged_attention.probe(torch.device("cpu"), torch.float32, 14, 2, 80)
+    assert not paged_attention.triton_available() and not paged_attention.usable(torch.zeros(1, 14, 80))
     print("ok")
 
 

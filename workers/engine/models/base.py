@@ -96,6 +96,7 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     spatial_merge_size: int
+    num_heads: int  # query heads of the decoder's attention
     patch_dim: int  # width of one pixel_values row (channels * temporal_patch * patch**2)
     embed_width: int  # columns of one image token's entry in the embedding cache (main + DeepStack levels)
     max_position_embeddings: int
@@ -251,6 +252,7 @@ def spec_from(
         num_kv_heads=text.num_key_value_heads,
         head_dim=text.head_dim,
         spatial_merge_size=vision.spatial_merge_size,
+        num_heads=text.num_attention_heads,
         patch_dim=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
         embed_width=embed_width,
         max_position_embeddings=text.max_position_embeddings,
