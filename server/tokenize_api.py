@@ -40,9 +40,12 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
 
 
 class _BadRequest(Exception):
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.code = param, status, code
+
+    def response(self) -> Response:
+        return error_response(self.status, str(self), param=self.param, code=self.code)
 
 
 def _param(message: str) -> str:
@@ -67,10 +70,12 @@ class TokenizerEndpoints:
                 self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.config.engine.model)
         return self._tokenizer
 
-    def _check_model(self, model: str | None) -> Response | None:
-        if model is not None and model != self.config.served_model_name:
-            return error_response(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        return None
+    async def _prepare(self, request: Request, kind: type[Any]) -> tuple[Any, Any]:
+        """The decoded body and the tokenizer; _BadRequest for a bad body or another model's name."""
+        body = await self._body(request, kind)
+        if body.model is not None and body.model != self.config.served_model_name:
+            raise _BadRequest(f"The model `{body.model}` does not exist.", "model", 404, "model_not_found")
+        return body, await self.tokenizer()
 
     async def _body(self, request: Request, kind: type[Any]) -> Any:
         if not is_json(request.headers.get("content-type", "")):
@@ -88,13 +93,10 @@ class TokenizerEndpoints:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            body: TokenizeBody = await self._body(request, TokenizeBody)
-            if (refused := self._check_model(body.model)) is not None:
-                return refused
-            tok = await self.tokenizer()
+            body, tok = await self._prepare(request, TokenizeBody)
             ids = await asyncio.to_thread(self._ids, tok, body)
         except _BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param)
+            return exc.response()
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = tok.convert_ids_to_tokens(ids)
@@ -122,14 +124,11 @@ class TokenizerEndpoints:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body: DetokenizeBody = await self._body(request, DetokenizeBody)
-            if (refused := self._check_model(body.model)) is not None:
-                return refused
-            tok = await self.tokenizer()
+            body, tok = await self._prepare(request, DetokenizeBody)
             if any(not 0 <= t < len(tok) for t in body.tokens):
                 raise _BadRequest(f"Token ids must be in [0, {len(tok)}).", "tokens")
         except _BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param)
+            return exc.response()
         text = await asyncio.to_thread(tok.decode, body.tokens)
         return Response(encode({"prompt": text}), media_type="application/json")
 

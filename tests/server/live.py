@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,13 @@ def image_message(text: str, urls: list[str]) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     parts.append({"type": "text", "text": text})
     return [{"role": "user", "content": parts}]
+
+
+def serving(model_dir: Path, *extra: str) -> Iterator[LiveServer]:
+    """A module fixture's body: the demo server with one tokenizer worker, stopped cleanly afterwards."""
+    server = LiveServer(model_dir, "--tokenizer-workers", "1", *extra)
+    yield server
+    assert server.stop() == 0, server.output()
 
 
 class LiveServer:

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-from tests.server.live import LiveServer, data_url, image_message
+from tests.server.live import LiveServer, data_url, image_message, serving
 from workers.engine.processor import MMProcessor, pad_value
 
 MAX_NEW = 12
@@ -53,9 +53,7 @@ def reference_text(model_dir: Path, raw: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir: Path) -> Iterator[LiveServer]:
-    live = LiveServer(demo_model_dir, "--tokenizer-workers", "1")
-    yield live
-    assert live.stop() == 0, live.output()
+    yield from serving(demo_model_dir)
 
 
 def test_colliding_pad_values_never_share_kv(server: LiveServer, demo_model_dir: Path) -> None:

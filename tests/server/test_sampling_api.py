@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.reference import HFReference, Process, penalize
-from tests.server.live import LiveServer, data_url, image_message, png_bytes
+from tests.server.live import LiveServer, data_url, image_message, png_bytes, serving
 
 MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "Describe the table of numbers in the invoice."}]
 MAX = 16
@@ -23,9 +23,7 @@ MAX = 16
 
 @pytest.fixture(scope="module")
 def live(demo_model_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1")
-    yield server
-    assert server.stop() == 0, server.output()
+    yield from serving(demo_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.live import LiveServer
+from tests.server.live import LiveServer, serving
 
 # An extraction schema in OpenAI's strict form. Strings and arrays are bounded: a random model inside a
 # free string would only stop when it happens to sample a quote.
@@ -45,9 +45,7 @@ SEEDS = [0, 1, 2, 3]
 
 @pytest.fixture(scope="module")
 def live(demo_model_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1")
-    yield server
-    assert server.stop() == 0, server.output()
+    yield from serving(demo_model_dir)
 
 
 def json_schema_format() -> dict[str, Any]:

@@ -11,14 +11,12 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.live import LiveServer, data_url, image_message, png_bytes
+from tests.server.live import LiveServer, data_url, image_message, png_bytes, serving
 
 
 @pytest.fixture(scope="module")
 def live(demo_model_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1")
-    yield server
-    assert server.stop() == 0, server.output()
+    yield from serving(demo_model_dir)
 
 
 @pytest.fixture(scope="module")
