@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,14 +128,25 @@ def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> 
         raise ValueError(f"unknown shape {shape!r}")
     (dest / "config.json").write_text(json.dumps(cfg, indent=2))
     if max_pixels is not None:
-        for name in ("preprocessor_config.json", "processor_config.json"):
-            path = dest / name
-            if not path.exists():
-                continue
-            pcfg = json.loads(path.read_text())
-            target = pcfg.get("image_processor", pcfg)
-            target["max_pixels"] = max_pixels
+
+        def cap(target: dict[str, Any], pixels: int = max_pixels) -> None:
+            target["max_pixels"] = pixels
             if isinstance(target.get("size"), dict):
-                target["size"]["longest_edge"] = max_pixels
-            path.write_text(json.dumps(pcfg, indent=2))
+                target["size"]["longest_edge"] = pixels
+
+        edit_processor_configs(dest, ("preprocessor_config.json", "processor_config.json"), "image_processor", cap)
     return dest
+
+
+def edit_processor_configs(
+    model_dir: Path, names: tuple[str, ...], section: str, edit: Callable[[dict[str, Any]], None]
+) -> None:
+    """Apply ``edit`` to the ``section`` of each named processor config that exists (to the whole file where it
+    has no such section, the flat layout), and write it back."""
+    for name in names:
+        path = model_dir / name
+        if not path.exists():
+            continue
+        cfg = json.loads(path.read_text())
+        edit(cfg.get(section, cfg))
+        path.write_text(json.dumps(cfg, indent=2))

@@ -30,7 +30,7 @@ import av
 import numpy as np
 import torch
 
-from benchmarks.checkpoints import shaped_checkpoint
+from benchmarks.checkpoints import edit_processor_configs, shaped_checkpoint
 from ipc.messages import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
@@ -99,16 +99,13 @@ def checkpoint(tmp: Path, shape: str, written: Path | None = None) -> Path:
         model_dir = shaped_checkpoint(model_dir, shape)
     family = json.loads((model_dir / "config.json").read_text())["architectures"][0]
     key = "qwen3_vl" if "Qwen3" in family else "qwen2_5_vl"
-    for name in ("processor_config.json", "video_preprocessor_config.json"):
-        path = model_dir / name
-        if not path.exists():
-            continue
-        cfg = json.loads(path.read_text())
-        target = cfg.get("video_processor", cfg)
+
+    def frame_size(target: dict[str, Any]) -> None:
         target["size"] = VIDEO_SIZE[key]
         target.pop("min_pixels", None), target.pop("max_pixels", None)
         target["cap_pixels_per_frame"] = True
-        path.write_text(json.dumps(cfg, indent=2))
+
+    edit_processor_configs(model_dir, ("processor_config.json", "video_preprocessor_config.json"), "video_processor", frame_size)
     return model_dir
 
 

@@ -211,34 +211,30 @@ def _trim_before_calls(content: str, calls: bool) -> str:
     return content.rstrip() if calls else content
 
 
-def _name_and_args_start(block: str) -> tuple[str | None, int]:
-    """The call's name once it is complete, and where its arguments value starts (-1: not yet)."""
-    decoder = json.JSONDecoder()
-    key = block.find('"name"')
-    if key < 0:
-        return None, -1
-    colon = block.find(":", key + 6)
+def _value_start(block: str, key: str) -> int:
+    """Where the JSON value after ``"key":`` starts in ``block`` (-1: not written that far yet)."""
+    at = block.find(f'"{key}"')
+    colon = block.find(":", at + len(key) + 2) if at >= 0 else -1
     if colon < 0:
-        return None, -1
+        return -1
     start = colon + 1
     while start < len(block) and block[start] in " \t\r\n":
         start += 1
+    return start if start < len(block) else -1
+
+
+def _name_and_args_start(block: str) -> tuple[str | None, int]:
+    """The call's name once it is complete, and where its arguments value starts (-1: not yet)."""
+    start = _value_start(block, "name")
+    if start < 0:
+        return None, -1
     try:
-        name, _ = decoder.raw_decode(block, start)
+        name, _ = json.JSONDecoder().raw_decode(block, start)
     except ValueError:
         return None, -1
     if not isinstance(name, str):
         return None, -1
-    args = block.find('"arguments"')
-    if args < 0:
-        return name, -1
-    colon = block.find(":", args + 11)
-    if colon < 0:
-        return name, -1
-    start = colon + 1
-    while start < len(block) and block[start] in " \t\r\n":
-        start += 1
-    return name, start if start < len(block) else -1
+    return name, _value_start(block, "arguments")
 
 
 def _parse_call(block: str) -> tuple[str, str] | None:

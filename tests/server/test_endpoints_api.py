@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.reference import HFReference
-from tests.server.live import LiveServer
+from tests.server.live import LiveServer, serving
 from workers.chat_request import parse_request
 
 PROMPT = "<|im_start|>user\nRead the invoice total.<|im_end|>\n<|im_start|>assistant\n"
@@ -22,9 +22,7 @@ ORIGIN = "https://app.example.com"
 
 @pytest.fixture(scope="module")
 def live(demo_model_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1", "--allowed-origins", f"{ORIGIN},http://localhost:3000")
-    yield server
-    assert server.stop() == 0, server.output()
+    yield from serving(demo_model_dir, "--allowed-origins", f"{ORIGIN},http://localhost:3000")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.reference import HFReference
-from tests.server.live import LiveServer
+from tests.server.live import LiveServer, serving
 from workers.logprobs import LogprobRenderer
 
 SHORT = "Read the invoice total."  # under one chunk
@@ -26,11 +26,7 @@ CHUNK = 16
 
 @pytest.fixture(scope="module")
 def live(demo_model_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(
-        demo_model_dir, "--tokenizer-workers", "1", "--chunk-size", str(CHUNK), "--lone-prefill-tokens", "0"
-    )
-    yield server
-    assert server.stop() == 0, server.output()
+    yield from serving(demo_model_dir, "--chunk-size", str(CHUNK), "--lone-prefill-tokens", "0")
 
 
 @pytest.fixture(scope="module")

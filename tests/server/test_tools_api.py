@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from ipc.launch import new_launch_id
 from ipc.messages import GenerateRequest, RequestFailed
-from tests.server.live import LiveServer
+from tests.server.live import LiveServer, serving
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.tokenizer import TokenizerWorker
@@ -68,9 +68,7 @@ HISTORY: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="module")
 def live(qwen3_model_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(qwen3_model_dir, "--tokenizer-workers", "1")
-    yield server
-    assert server.stop() == 0, server.output()
+    yield from serving(qwen3_model_dir)
 
 
 def chat(server: LiveServer, **fields: Any) -> Any:

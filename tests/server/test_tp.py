@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.reference import greedy_text
-from tests.server.live import LiveServer, data_url, image_message, png_bytes
+from tests.server.live import LiveServer, data_url, image_message, png_bytes, serving
 from workers.engine.model_runner import split_by_patches
 
 MAX_NEW = 12
@@ -32,9 +32,7 @@ def tp2(demo_model_dir: Path) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def tp1(demo_model_dir: Path) -> Iterator[LiveServer]:
-    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1", "--chunk-size", "64")
-    yield server
-    assert server.stop() == 0, server.output()
+    yield from serving(demo_model_dir, "--chunk-size", "64")
 
 
 def ask(server: LiveServer, images: list[bytes], text: str) -> str:

@@ -156,7 +156,9 @@ class DecodeGraphs:
         values += [*seq_lens, *[1] * pad]
         # The kernel's grid is fixed by the bucket's full width; its split length follows this step's widest
         # table, so short sequences still spread over as many programs as the bucket allows.
-        values.append(paged_attention.plan_splits(b, width * self.block_size, self.num_kv_heads, self.device)[1])
+        values.append(
+            paged_attention.plan_splits(b, width * self.block_size, self.num_kv_heads, self.device)[1] if self.paged else 0
+        )
         return torch.tensor(values, dtype=torch.int64)
 
     def _forward(self, inputs: Tensor, table: Tensor, b: int, w: int) -> Tensor:
