@@ -101,12 +101,39 @@ def report(records: dict[str, list[dict[str, Any]]], since: float = 0.0) -> str:
     return "\n".join(lines)
 
 
+def per_request(records: dict[str, list[dict[str, Any]]]) -> str:
+    """One row per request of a run that sends them one at a time (e.g. `bench multiturn`): the tokenizer's
+    share (frontend -> scheduler), the wait for the first step, and the non-decode steps until the next request
+    by phase. Overlapping requests would be counted twice: use `report` for a loaded run."""
+    submits = sorted((r for r in records.get("frontend", []) if r["kind"] == "submit"), key=lambda r: r["t"])
+    steps = [r for r in records.get("worker0", []) if r["kind"] == "step"]
+    arrive = {r["rid"]: r["t"] for rs in records.values() for r in rs if r["kind"] == "arrive"}
+    lines = [
+        "| request | tokenizer ms | to first step ms | prefill steps | prefill ms | " + " | ".join(PHASES) + " |",
+        "|---" * (5 + len(PHASES)) + "|",
+    ]
+    for i, sub in enumerate(submits):
+        end = submits[i + 1]["t"] if i + 1 < len(submits) else float("inf")
+        at = arrive.get(sub["rid"])
+        mine = [s for s in steps if sub["t"] <= s["start"] < end and step_class(s) != "decode"]
+        if at is None or not mine:
+            continue
+        phases = " | ".join(f"{1e3 * sum(s.get(p, 0.0) for s in mine):.1f}" for p in PHASES)
+        span = 1e3 * (mine[-1]["end"] - mine[0]["start"])
+        lines.append(
+            f"| {i} | {1e3 * (at - sub['t']):.1f} | {1e3 * (mine[0]['start'] - at):.1f} | {len(mine)} | {span:.1f} | {phases} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--since", type=float, default=0.0, help="ignore records before this monotonic time")
+    parser.add_argument("--requests", action="store_true", help="one row per request (requests sent one at a time)")
     args = parser.parse_args()
-    print(report(load(args.folder), args.since))
+    records = load(args.folder)
+    print(per_request(records) if args.requests else report(records, args.since))
 
 
 if __name__ == "__main__":

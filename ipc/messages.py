@@ -10,6 +10,14 @@ from __future__ import annotations
 
 import msgspec
 
+# Re-exported: every message type is looked up here.
+from ipc.logprob_messages import (
+    PromptLogprob as PromptLogprob,
+    PromptLogprobs as PromptLogprobs,
+    SampleLogprobs as SampleLogprobs,
+    TokenLogprob as TokenLogprob,
+    TopLogprob as TopLogprob,
+)
 from ipc.shm import ShmRef
 
 
@@ -59,54 +67,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     def penalized(self) -> bool:
         """Whether sampling needs the tokens seen so far (prompt and output counts)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-
-class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    """Model worker -> scheduler: log probabilities of one sampled token (token ids, not text yet)."""
-
-    rid: str
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-
-class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    """Model worker -> scheduler: log probabilities of prompt tokens ``start + 1`` onwards (one entry per
-    position of a prefill chunk), each given the tokens before it, with its rank and the k best there."""
-
-    rid: str
-    start: int
-    logprobs: list[float]
-    ranks: list[int]  # 1 + how many tokens were more likely
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
-class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
-    """Scheduler -> frontend: one prompt token, rendered. The first token has no logprob (nothing before it)."""
-
-    token_id: int
-    token: str
-    logprob: float | None
-    rank: int
-    top: list[tuple[int, str, float]]  # (token id, token text, logprob) of the k best, best first
-
-
-class TopLogprob(msgspec.Struct, frozen=True):
-    """OpenAI's ``top_logprobs`` entry, as the scheduler renders it (the frontend copies it into JSON)."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(msgspec.Struct, frozen=True):
-    """OpenAI's ``logprobs.content[]`` entry of one generated token."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
 
 
 class MMItem(msgspec.Struct, frozen=True):
@@ -258,7 +218,9 @@ class RequestFailed(Msg, frozen=True):
 
 
 class TokenizedRequest(Msg, frozen=True):
-    """Tokenizer -> scheduler: a ready prompt whose pixels are in shm (items[*].pixels)."""
+    """Tokenizer -> scheduler: a ready prompt whose pixels are in shm (items[*].pixels), or on their way there:
+    the images named in ``pending`` are still being decoded and written (their names are already fixed), and
+    prefill stops short of them until ``MediaReady`` names them."""
 
     rid: str
     input_ids: list[int]
@@ -269,6 +231,21 @@ class TokenizedRequest(Msg, frozen=True):
     shm_bytes: int
     tool_parser: str = ""  # "hermes": parse <tool_call>{json}</tool_call> blocks of the output into tool calls
     more_prompts: list[list[int]] = []  # a batch of text prompts (completions): choice p answers prompt p
+    pending: list[bytes] = []  # hashes of images whose segments are not written yet
+
+
+class MediaReady(Msg, frozen=True):
+    """Tokenizer -> scheduler: these pending images of ``rid`` are written and published under their names."""
+
+    rid: str
+    hashes: list[bytes]
+
+
+class MediaFailed(Msg, frozen=True):
+    """Tokenizer -> scheduler: a pending image of ``rid`` failed; the tokenizer stopped writing, unlinked the names
+    it never reported ready and answered the frontend. The scheduler drops the request without a word."""
+
+    rid: str
 
 
 class RouteRequest(Msg, frozen=True):
@@ -372,6 +349,7 @@ class TokenizerStats(Msg, frozen=True):
     videos_decoded: int = 0  # videos with at least one frame group decoded (the others: every group linked)
     video_frames_decoded: int = 0
     video_groups_reused: int = 0  # frame groups linked from a live shm segment
+    images_deferred: int = 0  # fresh images written after their request went to the scheduler (overlap)
 
 
 class ProcessReady(Msg, frozen=True):
@@ -396,6 +374,7 @@ FrontendInbound = (
 )
 TokenizerInbound = GenerateRequest | AbortRequest | SchedulerStats | Shutdown
 SchedulerInbound = (
-    TokenizedRequest | AbortRequest | StepResult | WorkerFailed | WorkerStats | ProcessReady | Shutdown
+    TokenizedRequest | MediaReady | MediaFailed | AbortRequest | StepResult | WorkerFailed | WorkerStats
+    | ProcessReady | Shutdown
 )
 ModelInbound = StepPlan | Shutdown

@@ -157,6 +157,7 @@ class StatsBook:
                     "requests": t.requests,
                     "images": t.images,
                     "images_reused": t.images_reused,
+                    "images_deferred": t.images_deferred,
                     "videos": t.videos,
                     "videos_decoded": t.videos_decoded,
                     "video_frames_decoded": t.video_frames_decoded,

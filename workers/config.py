@@ -21,6 +21,9 @@ class ServerConfig:
     tokenizer_workers: int = 2
     # Threads per tokenizer preparing a request's fresh images at once; 0: cores / tokenizer_workers.
     tokenizer_threads: int = 0
+    # Hand a request to the scheduler as soon as its images' grids are known (from their headers), and decode,
+    # process and write its new images while its first chunks run (off with --dp > 1 or --mm-cache-mode request).
+    overlap_media: bool = True
     # Limits on client input.
     max_images_per_request: int = 32
     max_image_bytes: int = 20 << 20  # encoded bytes of one image (data URL, download or file)

@@ -11,6 +11,10 @@ Pillow's decoder, torch's ops and the copy into shm release the GIL, so a reques
 images does not pay for them one after another inside its time to first token. Everything else
 (hashing, reuse, names, the byte budget, the local index) stays on the calling thread, in request
 order, so a pool of any size gives the same names, bytes and prompt.
+
+With ``defer`` (overlap of preprocessing and prefill), a fresh image's grid comes from its header and
+its name is fixed before any pixel is decoded: the prompt goes to the scheduler at once, and the pool
+decodes, processes and writes the images while the first chunks run (`start_writes`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -30,7 +34,7 @@ from ipc import shm
 from workers.chat_request import BadRequest
 from workers.config import ServerConfig
 from workers.engine.processor import MMProcessor, ProcessedImage
-from workers.media import decode_image
+from workers.media import decode_image, probe_image
 
 LOCAL_INDEX_SIZE = 4096  # hashes remembered with their newest segment name (a hint; /dev/shm is the truth)
 # No "^": match(name, pos) anchors at pos itself, while "^" would only match at index 0.
@@ -52,7 +56,17 @@ class RequestImage:
     grid: Grid
     candidates: list[str]  # live segments of this image to link from (reuse); empty: process and write
     processed: ProcessedImage | None = None  # the pixels, when they must be written
-    ref: shm.ShmRef | None = None  # this request's segment, once linked or written
+    ref: shm.ShmRef | None = None  # this request's segment, once linked or written (or named, if deferred)
+    deferred: bool = False  # grid from the header: decoded, processed and written after the prompt is sent
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """A deferred image of a request that was handed on: written under ``tmp``, published as ``final``."""
+
+    image: RequestImage
+    tmp: str
+    final: str
 
 
 def core_share(config: ServerConfig) -> int:
@@ -115,9 +129,10 @@ class ImagePrep:
 
     # ---- planning: reuse or process --------------------------------------------------------------
 
-    def plan(self, raws: list[bytes], params: list[str]) -> list[RequestImage]:
+    def plan(self, raws: list[bytes], params: list[str], defer: bool = False) -> list[RequestImage]:
         """Hash every image; find live segments to reuse, or else decode and process it now (the
-        distinct ones that need it all at once). One entry per image, repeats sharing theirs."""
+        distinct ones that need it all at once), or with ``defer`` only read its grid from the header.
+        One entry per image, repeats sharing theirs."""
         by_hash: dict[bytes, RequestImage] = {}
         order: list[RequestImage] = []
         todo: list[RequestImage] = []
@@ -139,9 +154,25 @@ class ImagePrep:
                 todo.append(image)
             by_hash[h] = image
             order.append(image)
-        for image, processed in zip(todo, self._each(self._process, todo), strict=True):
+        now = [image for image in todo if not (defer and self._predict(image))]
+        for image, processed in zip(now, self._each(self._process, now), strict=True):
             image.grid, image.processed = processed.grid, processed
         return order
+
+    def _predict(self, image: RequestImage) -> bool:
+        """Read a fresh image's grid from its header (refusing what decoding would refuse for size or format);
+        False where the processor cannot tell a grid in advance."""
+        width, height = probe_image(image.raw, self.config.max_image_pixels, image.param)
+        try:
+            grid = self.processor.image_grid(width, height)
+        except ValueError as exc:  # e.g. an aspect ratio the processor refuses
+            raise BadRequest(
+                f"The image cannot be processed: {exc}", param=image.param, code="invalid_image"
+            ) from None
+        if grid is None:
+            return False
+        image.grid, image.deferred = grid, True
+        return True
 
     def _list_live(self) -> dict[str, list[tuple[str, Grid]]]:
         """Live segments of the launch by image hash (hex), with the grid their names carry."""
@@ -189,17 +220,20 @@ class ImagePrep:
 
     # ---- segments --------------------------------------------------------------------------------
 
-    def materialize(self, images: list[RequestImage], names: list[str], shm_bytes: int, budget: int) -> int:
+    def materialize(
+        self, images: list[RequestImage], names: list[str], shm_bytes: int, budget: int
+    ) -> tuple[int, list[PendingWrite]]:
         """Give this request a name for every distinct image: a link to a live segment, else freshly
         written pixels, refused past `budget` bytes in flight (`shm_bytes` now). Every name made is
-        appended to `names`, also when this raises. Returns the bytes newly written to shm."""
+        appended to `names`, also when this raises. Returns the bytes new to shm, and the deferred
+        images: named (``image.ref``), to be written by `start_writes` once the request is handed on."""
         # Every live copy of these was unlinked since we looked: fall back to doing the work.
         redo = [image for image in images if image.candidates and not self._link(image, names)]
         for image, processed in zip(redo, self._each(self._process, redo), strict=True):
             if processed.grid != image.grid:
                 raise RuntimeError(f"segment name says grid {image.grid}, processing gives {processed.grid}")
             image.processed = processed
-        fresh = [image for image in images if image.processed is not None and image.ref is None]
+        fresh = [image for image in images if (image.processed is not None or image.deferred) and image.ref is None]
         new_bytes = sum(self._nbytes(image) for image in fresh)
         if new_bytes and shm_bytes + new_bytes > budget:
             if new_bytes > budget:  # could never fit, so retrying would not help
@@ -214,14 +248,54 @@ class ImagePrep:
             self.counter += 1
             jobs.append((image, shm.segment_name(self.launch_id, f"tmp-{self.nonce}{self.counter:x}"), final))
             names.append(final)
-        for (image, _, final), ref in zip(jobs, self._each(self._write, jobs), strict=True):
+        now = [job for job in jobs if not job[0].deferred]
+        for (image, _, final), ref in zip(now, self._each(self._write, now), strict=True):
             image.ref = ref
             self._remember(image.hash, final, image.grid)
-        return new_bytes
+        later = [PendingWrite(image, tmp, final) for image, tmp, final in jobs if image.deferred]
+        for job in later:
+            job.image.ref = self._ref(job.final, job.image.grid)
+        return new_bytes, later
+
+    def start_writes(self, writes: list[PendingWrite]) -> list[Future[shm.ShmRef]]:
+        """Decode, process and write the deferred images on the pool, one future each (in `writes` order).
+        `abandon` stops them; `remember` records the finished ones as reuse hints (on the calling thread)."""
+        return [self.pool.submit(self._process_and_write, job) for job in writes]
+
+    def _process_and_write(self, job: PendingWrite) -> shm.ShmRef:
+        image = job.image
+        processed = self._process(image)
+        if processed.grid != image.grid:
+            # The header promised another size than the data holds (e.g. an orientation stored after the pixels).
+            raise BadRequest(
+                f"The image data does not match its header (grid {processed.grid}, header {image.grid}).",
+                param=image.param,
+                code="invalid_image",
+            )
+        image.processed = processed
+        try:
+            return self._write((image, job.tmp, job.final))
+        finally:
+            image.processed = None  # the pixels are in shm now; the request must not keep a second copy
+
+    def abandon(self, futures: list[Future[shm.ShmRef]], names: Iterable[str]) -> None:
+        """Stop deferred writes (cancel those not started, wait for the running ones), then unlink ``names``."""
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        self.release(list(names))
+
+    def remember(self, writes: list[PendingWrite]) -> None:
+        for job in writes:
+            self._remember(job.image.hash, job.final, job.image.grid)
 
     def _nbytes(self, image: RequestImage) -> int:
-        assert image.processed is not None
-        return image.processed.pixel_values.numel() * self.dtype.itemsize
+        t, h, w = image.grid
+        return t * h * w * self.row * self.dtype.itemsize
+
+    def _ref(self, name: str, grid: Grid) -> shm.ShmRef:
+        shape = (grid[0] * grid[1] * grid[2], self.row)
+        return shm.ShmRef(name, shape[0] * shape[1] * self.dtype.itemsize, shm.dtype_name(self.dtype), shape)
 
     def _sources(self, image: RequestImage) -> Iterator[str]:
         yield from image.candidates
@@ -234,9 +308,7 @@ class ImagePrep:
         for source in self._sources(image):
             if shm.link_segment(source, new):
                 names.append(new)
-                shape = (image.grid[0] * image.grid[1] * image.grid[2], self.row)
-                nbytes = shape[0] * shape[1] * self.dtype.itemsize
-                image.ref = shm.ShmRef(new, nbytes, shm.dtype_name(self.dtype), shape)
+                image.ref = self._ref(new, image.grid)
                 self._remember(image.hash, new, image.grid)
                 self.images_reused += 1
                 return True
@@ -251,8 +323,9 @@ class ImagePrep:
         pixels = image.processed.pixel_values
         if pixels.dim() != 2 or pixels.shape[1] != self.row:
             raise RuntimeError(f"pixels are {tuple(pixels.shape)}, expected rows {self.row} wide")
-        ref = shm.ShmRef(tmp, self._nbytes(image), shm.dtype_name(self.dtype), tuple(pixels.shape))
-        return write_and_publish(ref, pixels, final)
+        if pixels.shape[0] != image.grid[0] * image.grid[1] * image.grid[2]:
+            raise RuntimeError(f"pixels have {pixels.shape[0]} rows, grid {image.grid} says otherwise")
+        return write_and_publish(self._ref(tmp, image.grid), pixels, final)
 
     def _new_name(self, image: RequestImage) -> str:
         self.counter += 1

@@ -203,6 +203,44 @@ def load_media(url: str, limits: MediaLimits, *, param: str | None = None) -> by
 # ---- decoding -------------------------------------------------------------------------------------
 
 
+def _open(data: bytes, max_pixels: int, param: str | None) -> Image.Image:
+    """Parse the header (``Image.open`` decodes no pixels) and refuse an image past ``max_pixels``."""
+    try:
+        with warnings.catch_warnings():
+            # Our own pixel limit replaces PIL's warning; PIL's hard error (2x its limit) is caught below.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise _bad("The image is too large.", param, "image_too_large") from None
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise _bad("The image data is not a valid image.", param, "invalid_image") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise _bad(
+            f"The image is too large: {width}x{height} = {width * height} pixels, the limit is {max_pixels}.",
+            param,
+            "image_too_large",
+        )
+    return image
+
+
+# EXIF orientations that turn the image a quarter (transpose, 90 CW, transverse, 90 CCW): width and height swap.
+_QUARTER_TURNS = frozenset((5, 6, 7, 8))
+
+
+def probe_image(data: bytes, max_pixels: int, param: str | None = None) -> tuple[int, int]:
+    """(width, height) of the image as `decode_image` will return it, from the header alone (EXIF orientation
+    applied), with the same refusals for data that is not an image or is too large. The pixels may still turn
+    out corrupt: only `decode_image` finds that."""
+    image = _open(data, max_pixels, param)
+    width, height = image.size
+    try:
+        orientation = image.getexif().get(0x0112)
+    except Exception:  # a malformed EXIF block: exif_transpose will not rotate by it either
+        orientation = None
+    return (height, width) if orientation in _QUARTER_TURNS else (width, height)
+
+
 def decode_image(data: bytes, max_pixels: int, param: str | None = None) -> Image.Image:
     """Decode encoded image bytes to an RGB image.
 
@@ -211,23 +249,7 @@ def decode_image(data: bytes, max_pixels: int, param: str | None = None) -> Imag
     is applied (phones store rotated JPEGs), the first frame of an animation is used, and
     transparency is flattened onto white, which is how the image looks to a person in a browser.
     """
-    too_large = "image_too_large"
-    try:
-        with warnings.catch_warnings():
-            # Our own pixel limit replaces PIL's warning; PIL's hard error (2x its limit) is caught below.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError:
-        raise _bad("The image is too large.", param, too_large) from None
-    except (UnidentifiedImageError, OSError, ValueError):
-        raise _bad("The image data is not a valid image.", param, "invalid_image") from None
-    width, height = image.size
-    if width * height > max_pixels:
-        raise _bad(
-            f"The image is too large: {width}x{height} = {width * height} pixels, the limit is {max_pixels}.",
-            param,
-            too_large,
-        )
+    image = _open(data, max_pixels, param)
     try:
         image.load()
         ImageOps.exif_transpose(image, in_place=True)

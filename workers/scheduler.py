@@ -25,6 +25,8 @@ from ipc.channels import new_context
 from ipc.launch import cleanup_launch_dir
 from ipc.messages import (
     AbortRequest,
+    MediaFailed,
+    MediaReady,
     OutputBatch,
     ProcessReady,
     RequestFailed,
@@ -44,6 +46,7 @@ from workers.engine.sched_core import RequestRejected, SchedulerCore, Sequence
 from workers.engine.sequence import child_rid
 from workers.kv_events import KVEventRecorder
 from workers.logprobs import LogprobRenderer, PromptLogprobBook
+from workers.pending_media import PendingMedia
 from workers.proc import setup_child
 from workers.scheduler_stats import snapshot
 from workers.shm_ledger import ShmLedger
@@ -108,6 +111,7 @@ class Scheduler:
         # only its own requests' names: an image two replicas hold is counted twice, never unlinked early.
         budget = config.shm_budget_bytes // max(1, config.dp_size)
         self.ledger = ShmLedger(budget, config.shm_retain_fraction, config.shm_retain_idle_s)
+        self.pending_media = PendingMedia()  # images of held requests a tokenizer is still writing
         self.kv_events: KVEventRecorder | None = None
         self.parent = os.getppid()  # the launcher; a change means it died and this process was re-parented
         self.worker_stats: dict[int, WorkerStats] = {}
@@ -179,6 +183,14 @@ class Scheduler:
                 self._on_request(msg)
             case AbortRequest(rid=rid):
                 self._on_abort(rid)
+            case MediaReady(rid=rid, hashes=hashes):
+                published, gone = self.pending_media.ready(rid, hashes)
+                self.ledger.publish(rid, published)
+                self.core.media_ready(rid, list(published))
+                self._unlink(gone)
+            case MediaFailed(rid=rid):
+                self._unlink(self.pending_media.failed(rid))
+                self._on_abort(rid)
             case WorkerFailed():
                 self._on_worker_failed(msg)
             case WorkerStats(rank=rank):
@@ -211,28 +223,30 @@ class Scheduler:
         if not self.core.has_work() and self.in_flight is None:
             self.gpu_peak = 0
             self.gpu_idle = max((w.gpu_allocated_bytes for w in self.worker_stats.values()), default=0)
-        if req.rid in self.aborted:
-            del self.aborted[req.rid]
-            _unlink_all(req.shm_names)
-            return
         images = {it.hash: it.pixels.nbytes for it in req.items if it.pixels is not None}
         name_of = {it.hash: it.pixels.name for it in req.items if it.pixels is not None}
+        # Images still being written: their names are the ledger's only once published (MediaReady).
+        pending = {h: name_of.pop(h) for h in req.pending if h in name_of}
+        self.pending_media.hold(req.rid, pending)
+        if req.rid in self.aborted:
+            del self.aborted[req.rid]
+            self._refuse(req)
+            return
         extra = self.ledger.extra_bytes(images)
         self._unlink(self.ledger.make_room(extra))
         if extra and self.ledger.used_bytes + extra > self.ledger.budget_bytes:
-            _unlink_all(req.shm_names)
-            self._fail(req.rid, 503, "shared memory budget exceeded, retry later", "shm_budget_exceeded")
+            self._refuse(req, 503, "shared memory budget exceeded, retry later", "shm_budget_exceeded")
             return
         try:
-            self.core.add(req.rid, req.input_ids, req.mrope_delta, req.items, req.sampling, req.more_prompts)
+            self.core.add(req.rid, req.input_ids, req.mrope_delta, req.items, req.sampling, req.more_prompts, pending)
         except ValueError as exc:
             # RequestRejected: an empty prompt, or one too long for the context or the KV cache; plain
             # ValueError: a duplicate rid (these names are this message's own links, safe to unlink).
-            _unlink_all(req.shm_names)
             too_long = isinstance(exc, RequestRejected) and bool(req.input_ids)
-            self._fail(req.rid, 400, str(exc), "context_length_exceeded" if too_long else None)
+            self._refuse(req, 400, str(exc), "context_length_exceeded" if too_long else None)
             return
-        self.ledger.hold(req.rid, list(req.shm_names), images, name_of)
+        pending_names = set(pending.values())
+        self.ledger.hold(req.rid, [n for n in req.shm_names if n not in pending_names], images, name_of)
         prompts = [req.input_ids, *req.more_prompts]  # a batch of prompts: choice p answers prompt p
         self.prompt_tokens += (total := sum(len(p) for p in prompts))
         self.prompt_logprobs.expect(req.rid, prompts, req.sampling)
@@ -241,6 +255,14 @@ class Scheduler:
             self.streams[child_rid(req.rid, index)] = TextStream(self.tokenizer, req.sampling.stop, total)
             if req.tool_parser:
                 self.tool_outputs[child_rid(req.rid, index)] = ToolOutput()
+
+    def _refuse(self, req: TokenizedRequest, status: int = 0, message: str = "", code: str | None = None) -> None:
+        """Drop a request on arrival (failing it with ``status`` unless 0): its names go, and so do those of images
+        still being written, once they are."""
+        _unlink_all(req.shm_names)
+        self.pending_media.ended(req.rid)
+        if status:
+            self._fail(req.rid, status, message, code)
 
     def _on_abort(self, rid: str) -> None:
         self._drop_streams(rid)
@@ -263,7 +285,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         """core.on_finished: the request (its last choice) will never be scheduled again, so its pixels can go."""
-        self._unlink(self.ledger.release(seq.request_id))
+        self._unlink(self.ledger.release(seq.request_id) + self.pending_media.ended(seq.request_id))
 
     def _unlink(self, names: list[str]) -> None:
         if self.in_flight is not None:

@@ -64,6 +64,13 @@ class ShmLedger:
             if h in self._retained:
                 self._retained.move_to_end(h)  # used again: the last to be dropped
 
+    def publish(self, rid: str, name_of: dict[bytes, str]) -> None:
+        """Images ``rid`` holds were written after it arrived (overlap): their names join its holdings."""
+        held = self._held.get(rid)
+        if held is not None:
+            held[0].extend(name_of.values())
+            held[2].update(name_of)
+
     def release(self, rid: str, now: float | None = None) -> list[str]:
         """Forget ``rid``'s holdings; returns the names to unlink (one name per newly idle image stays)."""
         now = time.monotonic() if now is None else now

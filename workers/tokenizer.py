@@ -11,7 +11,9 @@ request (admit, download, prepare), workers/tokenizer_service.py runs them under
 
 Images become shared-memory segments in workers/image_prep.py: reused by the hash of their bytes
 when a live segment exists, else decoded, processed and written, the fresh images of one request
-concurrently on a thread pool.
+concurrently on a thread pool. With ``overlap_media`` a fresh image's grid is read from its header,
+the prompt goes to the scheduler at once and the pixels follow (TokenizedRequest.pending, MediaReady):
+the first chunks run while later images are still being decoded.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from workers.config import ServerConfig
 from workers.engine.processor import ImageInfo, MMProcessor
 from workers.engine.video_prompt import VideoMeta
 from workers.grammar import Validator
-from workers.image_prep import ImagePrep, core_share, overloaded
+from workers.image_prep import ImagePrep, PendingWrite, core_share, overloaded
 from workers.media import MediaFetcher, MediaLimits, is_remote
 from workers.proc import setup_child
 from workers.tokenizer_service import serve_tokenizer
@@ -120,6 +122,10 @@ class TokenizerWorker:
         dp = max(1, config.dp_size)
         self.shm_by_replica = {r: (0, config.shm_budget_bytes // dp) for r in range(dp)}  # until each reports
         self.requests = self.images = 0
+        # Overlap needs the one scheduler that gets the prompt to get its MediaReady too (not so through the
+        # --dp router), and per-image embedding keys (a request-wide key would encode every image at once).
+        self.overlap = config.overlap_media and config.dp_size <= 1 and config.engine.mm_cache_mode == "image"
+        self.images_deferred = 0  # fresh images written after their request was handed on
 
     @property
     def images_reused(self) -> int:
@@ -138,7 +144,7 @@ class TokenizerWorker:
         v = self.videos
         return TokenizerStats(
             self.index, queue_depth, self.requests, self.images, self.images_reused,
-            v.videos, v.videos_decoded, v.frames_decoded, v.groups_reused,
+            v.videos, v.videos_decoded, v.frames_decoded, v.groups_reused, self.images_deferred,
         )
 
     # ---- one request ----------------------------------------------------------------------------
@@ -152,7 +158,8 @@ class TokenizerWorker:
             if admitted.remote:
                 asyncio.run(_fetch_once(MediaFetcher(self.limits), admitted))
                 asyncio.run(fetch_videos_once(self.videos.fetcher.limits, admitted.videos))
-            return self._prepare(req, admitted, names)
+            accepted, tokenized, _ = self._prepare(req, admitted, names)
+            return accepted, tokenized
         except Exception as exc:
             self.prep.release(names)
             return self.failure(req, exc)
@@ -219,16 +226,17 @@ class TokenizerWorker:
         await fetch_videos(self.videos.fetcher, admitted.videos)
 
     def _prepare(
-        self, req: GenerateRequest, admitted: Admitted, names: list[str]
-    ) -> tuple[RequestAccepted, TokenizedRequest]:
+        self, req: GenerateRequest, admitted: Admitted, names: list[str], defer: bool = False
+    ) -> tuple[RequestAccepted, TokenizedRequest, list[PendingWrite]]:
         """Images, prompt and shm segments of an admitted request whose images are all loaded; every
-        shm name made is appended to `names`, also when this raises."""
+        shm name made is appended to `names`, also when this raises. With ``defer`` (and `overlap`), fresh
+        images are only named: the returned writes are for the caller to start once the request is sent."""
         chat, refs = admitted.chat, admitted.refs
         if isinstance(chat, CompletionRequest):
-            return prepare_completion(self, req, chat)
+            return *prepare_completion(self, req, chat), []
         raws = [raw for raw in admitted.raws if raw is not None]
         assert len(raws) == len(refs), "prepare() before every image was loaded"
-        order = self.prep.plan(raws, [r.param for r in refs])
+        order = self.prep.plan(raws, [r.param for r in refs], defer=defer and self.overlap)
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
@@ -242,7 +250,8 @@ class TokenizerWorker:
         )
         # Segments only now, after every check that could refuse the request.
         distinct = list({im.hash: im for im in order}.values())
-        new_bytes = self.prep.materialize(distinct, names, self.shm_bytes, self.shm_budget)
+        new_bytes, writes = self.prep.materialize(distinct, names, self.shm_bytes, self.shm_budget)
+        self.images_deferred += len(writes)
         if videos:  # frame groups: linked if live, else decoded, processed and written now
             unique = list({v.hash: v for v in videos}.values())
             new_bytes += self.videos.materialize(unique, names, self.shm_bytes + new_bytes, self.shm_budget)
@@ -254,9 +263,10 @@ class TokenizerWorker:
             logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
         )
         tokenized = TokenizedRequest(
-            req.rid, prompt.input_ids, prompt.mrope_delta, items, sampling, names, new_bytes, tool_parser(chat)
-        )
-        return accepted, tokenized
+            req.rid, prompt.input_ids, prompt.mrope_delta, items, sampling, names, new_bytes, tool_parser(chat),
+            pending=[w.image.hash for w in writes],
+        )  # fmt: skip
+        return accepted, tokenized, writes
 
 
 async def _fetch_with(fetcher: MediaFetcher, admitted: Admitted) -> None:

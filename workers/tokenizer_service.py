@@ -8,6 +8,12 @@ unfinished is cancelled wherever it is: its download stops at once, a CPU step a
 finishes and is thrown away, and the shm names it made are unlinked on the prep thread after it.
 Every GenerateRequest gets exactly one answer (RequestAccepted or RequestFailed), which is what
 frees its slot in the frontend's routing.
+
+A request with deferred images (overlap of preprocessing and prefill) goes to the scheduler before its
+new images are written; each image is reported (MediaReady) as it lands, and the frontend's
+RequestAccepted goes out just before the last report, so no output can precede it. If an image then
+fails, or the client leaves, the writes stop, the names never reported are unlinked here (the scheduler
+owns the rest) and the scheduler is told to drop the request (MediaFailed): the client gets a clean 4xx.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import asyncio
 import ctypes
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -27,6 +34,8 @@ from ipc.messages import (
     AbortRequest,
     FrontendInbound,
     GenerateRequest,
+    MediaFailed,
+    MediaReady,
     ProcessReady,
     RequestAccepted,
     RequestFailed,
@@ -36,8 +45,10 @@ from ipc.messages import (
     Shutdown,
     TokenizedRequest,
 )
+from ipc.shm import ShmRef
 from workers.engine.kv_cache import block_hashes
 from workers.errors import BadRequest
+from workers.image_prep import PendingWrite
 
 if TYPE_CHECKING:
     from workers.tokenizer import Admitted, TokenizerWorker
@@ -48,7 +59,22 @@ _BIG_BODY = 4 << 20  # after a body this large, the allocator is asked to give i
 # conversation from another, and deeper keys would only cost bytes and router memory.
 ROUTE_MAX_BLOCKS = 1024
 _T = TypeVar("_T")
-_Ready = tuple[RequestAccepted, bytes]  # a prepared request: the frontend's answer, the scheduler's bytes
+# A prepared request: the frontend's answer, the scheduler's bytes, the images to write after sending them.
+_Ready = tuple[RequestAccepted, bytes, list[PendingWrite]]
+
+
+@dataclass
+class _Writes:
+    """The deferred images of a request being written: which ones the scheduler has been told of."""
+
+    writes: list[PendingWrite]
+    futures: list[Future[ShmRef]]
+    sent: bool = False  # the TokenizedRequest went out: the scheduler owns every name but the unreported ones
+    reported: set[bytes] = field(default_factory=set)
+
+    def ours(self, names: list[str]) -> list[str]:
+        """Names this tokenizer must unlink if the request fails now."""
+        return names if not self.sent else [w.final for w in self.writes if w.image.hash not in self.reported]
 
 
 def route_request(tokenized: TokenizedRequest, encoded: bytes, block_size: int) -> RouteRequest:
@@ -117,14 +143,14 @@ class TokenizerService:
         return admitted, None if admitted.remote else self._prepare(req, admitted, names)
 
     def _prepare(self, req: GenerateRequest, admitted: Admitted, names: list[str]) -> _Ready:
-        accepted, tokenized = self.worker._prepare(req, admitted, names)
+        accepted, tokenized, writes = self.worker._prepare(req, admitted, names, defer=not self.routed)
         try:
             # Encoded before anything is sent: a value msgpack cannot carry (an integer past 64 bits)
             # is the client's mistake, and must not strand an accepted request.
             encoded = self._encoder.encode(tokenized)
             if self.routed:
                 encoded = self._encoder.encode(route_request(tokenized, encoded, self.worker.config.engine.block_size))
-            return accepted, encoded
+            return accepted, encoded, writes
         except (OverflowError, TypeError, ValueError) as exc:
             raise BadRequest(f"A value in the request is out of range: {exc}.", code="invalid_value") from None
 
@@ -133,35 +159,73 @@ class TokenizerService:
     async def _run(self, req: GenerateRequest) -> None:
         names: list[str] = []
         worker = self.worker
+        writing: _Writes | None = None
         try:
             admitted, ready = await self.on_prep(self._admit_and_prepare, req, names)
             if ready is None:
                 await worker.fetch(admitted)
                 ready = await self.on_prep(self._prepare, req, admitted, names)
-            accepted, encoded = ready
+            accepted, encoded, writes = ready
+            if writes:
+                writing = _Writes(writes, worker.prep.start_writes(writes))
+                await self.sched.send_bytes(encoded)
+                writing.sent = True
+                last = await self._follow(req.rid, writing)
         except asyncio.CancelledError:
             # Queued behind any step of this request still running on the prep thread, so the
             # names list is complete when the release reads it.
-            self.prep.submit(worker.prep.release, names)
+            await self._give_up(req.rid, names, writing)
             status, message = self.cancelled.pop(req.rid, (503, "The request was cancelled."))
             await self.frontend.send(RequestFailed(req.rid, status, message, "server_error"))
         except Exception as exc:
-            self.prep.submit(worker.prep.release, names)
+            await self._give_up(req.rid, names, writing)
             await self.frontend.send(worker.failure(req, exc))
         else:
-            # Shielded: once the request is accepted, the scheduler must get it (and its shm names),
-            # even if an abort lands in between; the abort then reaches the scheduler too.
-            await asyncio.shield(self._hand_on(accepted, encoded))
+            # Shielded: once the request is accepted, the scheduler must get it (and its shm names) or its last
+            # images, even if an abort lands in between; the abort then reaches the scheduler too. The last
+            # images go out behind the answer: outputs cannot come before the prefill that needs them.
+            await asyncio.shield(self._hand_on(accepted, encoded if writing is None else MediaReady(req.rid, last)))
+            if writing is not None:
+                self.prep.submit(worker.prep.remember, writing.writes)
         finally:
             if len(req.body) > _BIG_BODY:
                 self.prep.submit(trim_memory)
             if len(self.tasks) == 1:  # the last one in flight: report the idle state now, not at the tick
                 await self.frontend.send(worker.stats(0))
 
-    async def _hand_on(self, accepted: RequestAccepted, encoded: bytes) -> None:
+    async def _follow(self, rid: str, writing: _Writes) -> list[bytes]:
+        """Report the deferred images to the scheduler as they land, all but the last batch, which is returned
+        (it goes out behind the frontend's answer); raises the first failure."""
+        waiting = {asyncio.wrap_future(f): w.image.hash for f, w in zip(writing.futures, writing.writes, strict=True)}
+        while True:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                future.result()
+            hashes = [waiting.pop(future) for future in done]
+            if not waiting:
+                return hashes
+            # Counted as reported before the send: if a cancellation stops the send, the names stay with the
+            # scheduler's pending record, which MediaFailed unlinks (the images are written by now).
+            writing.reported.update(hashes)
+            await self.sched.send(MediaReady(rid, hashes))
+
+    async def _give_up(self, rid: str, names: list[str], writing: _Writes | None) -> None:
+        """A failed or cancelled request: unlink the names that are ours (after stopping any deferred writes,
+        on the prep thread behind the request's own steps), and tell the scheduler if it has the request."""
+        if writing is None:
+            self.prep.submit(self.worker.prep.release, names)
+            return
+        self.prep.submit(self.worker.prep.abandon, writing.futures, writing.ours(names))
+        if writing.sent:
+            await self.sched.send(MediaFailed(rid))
+
+    async def _hand_on(self, accepted: RequestAccepted, then: bytes | MediaReady) -> None:
         # Accepted first: the frontend must know how to answer before outputs can arrive.
         await self.frontend.send(accepted)
-        await (self.frontend if self.routed else self.sched).send_bytes(encoded)
+        if isinstance(then, MediaReady):
+            await self.sched.send(then)
+        else:
+            await (self.frontend if self.routed else self.sched).send_bytes(then)
 
     async def stop(self, reason: str) -> None:
         """Fail every request in flight with 503 and wait for them (a running CPU step finishes)."""

@@ -153,8 +153,8 @@ def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
     assert (stats["images_encoded"], stats["vit_batches"]) == (1, 1)
     assert stats["shm"] == {"segments": 2, "bytes": 2048, "budget_bytes": 1 << 30, "retained_segments": 0, "retained_bytes": 0}
     assert stats["tokenizers"] == [
-        {"worker": 0, "queue_depth": 0, "outstanding": 0, "requests": 0, "images": 0, "images_reused": 0, "videos": 0, "videos_decoded": 0, "video_frames_decoded": 0, "video_groups_reused": 0},
-        {"worker": 1, "queue_depth": 2, "outstanding": 0, "requests": 9, "images": 6, "images_reused": 4, "videos": 0, "videos_decoded": 0, "video_frames_decoded": 0, "video_groups_reused": 0},
+        {"worker": 0, "queue_depth": 0, "outstanding": 0, "requests": 0, "images": 0, "images_reused": 0, "images_deferred": 0, "videos": 0, "videos_decoded": 0, "video_frames_decoded": 0, "video_groups_reused": 0},
+        {"worker": 1, "queue_depth": 2, "outstanding": 0, "requests": 9, "images": 6, "images_reused": 4, "images_deferred": 0, "videos": 0, "videos_decoded": 0, "video_frames_decoded": 0, "video_groups_reused": 0},
     ]
     text = srv.http.get("/metrics").text
     for line in [

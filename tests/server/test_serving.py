@@ -216,6 +216,38 @@ def test_client_disconnect_frees_kv_blocks_and_shm(live: LiveServer) -> None:
     assert len(live.segments()) == stats["shm"]["retained_segments"]
 
 
+def test_corrupt_third_image_is_a_clean_400_after_prefill_started(live: LiveServer, offline: Engine) -> None:
+    """Overlap of preprocessing and prefill: the prompt reaches the scheduler once the three headers are read,
+    and the third image's pixels turn out truncated only when decoded. The streaming client still gets a 400
+    naming that image (the answer is held back until every image is written), nothing is left in shm but
+    images kept for reuse, and the same server answers the two good images exactly."""
+    good = [png_bytes(220, 160, seed=61), png_bytes(140, 210, seed=62)]
+    whole = png_bytes(400, 300, seed=63)
+    before = sum(w["images_deferred"] for w in live.stats()["tokenizers"])
+    with pytest.raises(openai.BadRequestError) as err:
+        live.client().chat.completions.create(
+            model="demo", messages=image_message("Compare.", [data_url(b) for b in [*good, whole[: len(whole) // 2]]]),  # type: ignore[arg-type]
+            max_tokens=8, temperature=0, stream=True,
+        )
+    body = err.value.body
+    assert isinstance(body, dict) and body["code"] == "invalid_image", body
+    assert body["param"] == "messages[0].content[2].image_url"
+    # Stats arrive every 0.25 s and may predate the failure: wait for the scheduler's account to hold the two
+    # written images (kept for reuse) and for /dev/shm to hold exactly those.
+    deadline = time.monotonic() + 10
+    while True:
+        stats = _wait_idle(live)
+        if len(live.segments()) == stats["shm"]["retained_segments"] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(live.segments()) == stats["shm"]["retained_segments"], (live.segments(), stats["shm"])
+    assert sum(w["images_deferred"] for w in stats["tokenizers"]) - before == 3
+    resp = live.client().chat.completions.create(
+        model="demo", messages=image_message("Compare.", [data_url(b) for b in good]), max_tokens=8, temperature=0,  # type: ignore[arg-type]
+    )
+    assert resp.choices[0].message.content == offline_text(offline, "Compare.", good, 8)[0]
+
+
 def test_32_concurrent_requests_all_succeed(live: LiveServer) -> None:
     client = live.client(timeout=120)
 

@@ -21,8 +21,11 @@ import torch
 from ipc.channels import PullSocket, PushSocket, new_context
 from ipc.launch import ipc_address
 from ipc.messages import (
+    AbortRequest,
     FrontendInbound,
     GenerateRequest,
+    MediaFailed,
+    MediaReady,
     ProcessReady,
     RequestAccepted,
     RequestFailed,
@@ -101,8 +104,18 @@ class Peer:
         raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
 
     def scheduled(self, timeout_ms: int = 10_000) -> TokenizedRequest:
+        """The next request handed to the scheduler, once all its pending images are reported ready."""
         msg = self.sched.recv(timeout_ms)
         assert isinstance(msg, TokenizedRequest), msg
+        left = set(msg.pending)
+        while left:
+            ready = self.sched.recv(timeout_ms)
+            assert isinstance(ready, MediaReady) and ready.rid == msg.rid, ready
+            assert set(ready.hashes) <= left, (ready.hashes, left)
+            for item in msg.items:  # published by the time it is reported
+                if item.hash in ready.hashes and item.pixels is not None:
+                    assert os.path.exists(shm_path(item.pixels.name))
+            left -= set(ready.hashes)
         return msg
 
     def close(self) -> None:
@@ -123,8 +136,11 @@ def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:
         raws = [png(64, 48, seed=1), png(56, 90, seed=2)]
         body = chat_body(raws, temperature=0, stream=True, stream_options={"include_usage": True})
         peer.tok.send(GenerateRequest("r1", body, time.time()))
-        accepted = peer.expect(RequestAccepted)
+        # Fresh images: the prompt goes to the scheduler before their pixels (grids from the headers), the
+        # frontend's answer once they are written.
         first = peer.scheduled()
+        assert first.pending == [item.hash for item in first.items]
+        accepted = peer.expect(RequestAccepted)
 
         # The same prompt built in-process from the same bytes.
         mm = MMProcessor(demo_model_dir)
@@ -152,7 +168,7 @@ def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:
         peer.tok.send(GenerateRequest("r2", body, time.time()))
         peer.expect(RequestAccepted)
         second = peer.scheduled()
-        assert second.input_ids == first.input_ids and second.shm_bytes == 0
+        assert second.input_ids == first.input_ids and second.shm_bytes == 0 and second.pending == []
         assert set(second.shm_names).isdisjoint(first.shm_names)
         for a, b in zip(first.items, second.items):
             assert a.pixels is not None and b.pixels is not None
@@ -161,7 +177,7 @@ def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:
                 msgspec.structs.replace(b.pixels, name=a.pixels.name) == a.pixels
             )  # same nbytes/dtype/shape
         stats = _stats_after(peer, requests=2)
-        assert (stats.worker, stats.images, stats.images_reused) == (0, 4, 2)
+        assert (stats.worker, stats.images, stats.images_reused, stats.images_deferred) == (0, 4, 2, 2)
 
         # Refusals: OpenAI-shaped errors to the frontend, nothing to the scheduler, no shm left behind.
         bad = [
@@ -201,6 +217,72 @@ def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:
         proc.join(30)
         assert proc.exitcode == 0
         assert list_segments(launch_id) == []
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        peer.close()
+
+
+def truncated_png(width: int, height: int, seed: int) -> bytes:
+    """A PNG whose header is whole and whose pixel data stops halfway: only a full decode finds it corrupt."""
+    raw = png(width, height, seed)
+    return raw[: len(raw) // 2]
+
+
+def test_corrupt_later_image_fails_cleanly_after_the_prompt_went_out(demo_model_dir: Path, launch_id: str) -> None:
+    """Overlap of preprocessing and prefill: the third image's header is fine, so the prompt reaches the
+    scheduler before its pixels are decoded; the decode then fails. The frontend gets a 400 naming the image
+    (never a RequestAccepted), the scheduler a MediaFailed, and the only names left are those the scheduler was
+    told of (its to unlink); a client leaving mid-write ends the same way."""
+    config = server_config(demo_model_dir, launch_id)
+    peer = Peer(launch_id)
+    proc = multiprocessing.get_context("spawn").Process(target=run_tokenizer, args=(config, 0), daemon=True)
+    proc.start()
+    try:
+        peer.expect(ProcessReady, timeout_s=120)
+        good = [png(64, 48, seed=11), png(56, 90, seed=12)]
+        peer.tok.send(GenerateRequest("c1", chat_body([*good, truncated_png(640, 480, seed=13)]), time.time()))
+        sent = peer.sched.recv(10_000)
+        assert isinstance(sent, TokenizedRequest) and len(sent.pending) == 3, sent
+        reported: set[bytes] = set()
+        while not isinstance(msg := peer.sched.recv(10_000), MediaFailed):
+            assert isinstance(msg, MediaReady) and msg.rid == "c1", msg
+            reported.update(msg.hashes)
+        assert msg.rid == "c1" and sent.items[2].hash not in reported
+        failed = peer.expect(RequestFailed)
+        assert (failed.rid, failed.status, failed.code) == ("c1", 400, "invalid_image")
+        assert failed.param == "messages[0].content[3].image_url"
+        # The writes are stopped and the tokenizer's names unlinked before it answers the next request.
+        peer.tok.send(GenerateRequest("c2", chat_body([]), time.time()))
+        peer.expect(RequestAccepted)
+        assert peer.scheduled().rid == "c2"
+        told = sorted(i.pixels.name for i in sent.items if i.pixels is not None and i.hash in reported)
+        assert sorted(list_segments(launch_id)) == told
+        for name in told:  # the scheduler's part
+            ShmSegment.unlink(name)
+
+        # The client leaves while a big image is still being decoded: same clean end, nothing left behind.
+        big = png(1920, 1080, seed=14)
+        peer.tok.send(GenerateRequest("c3", chat_body([big]), time.time()))
+        sent = peer.sched.recv(10_000)
+        assert isinstance(sent, TokenizedRequest) and sent.pending, sent
+        peer.tok.send(AbortRequest("c3"))
+        msg = peer.sched.recv(10_000)
+        if isinstance(msg, MediaReady):  # the decode won the race: the scheduler owns the name now
+            assert sent.items[0].pixels is not None
+            ShmSegment.unlink(sent.items[0].pixels.name)
+            assert peer.expect(RequestAccepted).rid == "c3"
+        else:
+            assert msg == MediaFailed("c3")
+            assert peer.expect(RequestFailed).status == 499
+            peer.tok.send(GenerateRequest("c4", chat_body([]), time.time()))
+            peer.expect(RequestAccepted)
+            peer.scheduled()
+        assert list_segments(launch_id) == []
+        peer.tok.send(Shutdown("test over"))
+        proc.join(30)
+        assert proc.exitcode == 0
     finally:
         if proc.is_alive():
             proc.kill()

@@ -156,6 +156,18 @@ class MMProcessor:
             pixel_values=pixels,
         )
 
+    def image_grid(self, width: int, height: int) -> tuple[int, int, int] | None:
+        """The patch grid `process_image` gives an image of this size (after EXIF orientation), found by the
+        processor's own resize run on a meta tensor: no pixels. None where it cannot be told in advance (a
+        processor that does not resize). Raises ValueError where the processor refuses the size."""
+        ip = self.image_processor
+        if not getattr(ip, "do_resize", False):
+            return None
+        patch = int(ip.patch_size)
+        meta = torch.empty((1, 3, height, width), dtype=torch.uint8, device="meta")
+        h, w = ip.resize(images=meta, size=ip.size, resample=ip.resample, factor=patch * self.merge).shape[-2:]
+        return (1, int(h) // patch, int(w) // patch)
+
     # ---- prompts --------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Rendered:
         """Apply the chat template; image parts become the model's image placeholder.

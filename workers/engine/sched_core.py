@@ -13,7 +13,7 @@ recomputed later.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from ipc.messages import (
@@ -99,9 +99,12 @@ class SchedulerCore:
         items: list[MMItem],
         sampling: SamplingParams,
         more_prompts: list[list[int]] | None = None,
+        pending: Iterable[bytes] = (),
     ) -> None:
         """Queue request ``rid``. ``more_prompts``: a batch of text prompts after the first (completions), prompt
-        p computed as sequence child_rid(rid, p) answering choice p; like n > 1 choices, one request ends with all."""
+        p computed as sequence child_rid(rid, p) answering choice p; like n > 1 choices, one request ends with all.
+        ``pending``: hashes of images whose pixels are not written yet; prefill stops short of them until
+        `media_ready` names them."""
         if rid in self.seqs:
             raise ValueError(f"request id {rid!r} is already in use")
         if more_prompts and sampling.n > 1:
@@ -109,6 +112,7 @@ class SchedulerCore:
         for ids in [input_ids, *(more_prompts or [])]:
             check_prompt(ids, sampling.n, self.max_model_len, self.allocator)
         seq = Sequence(rid, list(input_ids), mrope_delta, list(items), sampling, next(self._arrivals))
+        seq.pending = set(pending)
         if self.mm_cache_mode == "request" and items:
             seq.mm_key = combined_mm_key(seq.items)
         # Text prompts (no images) have no M-RoPE delta.
@@ -119,6 +123,10 @@ class SchedulerCore:
         if sampling.n > 1 or more:
             self.families[rid] = [seq, *more]
         self.waiting.extend([seq, *more])
+
+    def media_ready(self, rid: str, hashes: list[bytes]) -> None:
+        if (seq := self.seqs.get(rid)) is not None:
+            seq.pending.difference_update(hashes)
 
     def abort(self, rid: str) -> bool:
         """End request ``rid``: all its choices."""
@@ -145,8 +153,9 @@ class SchedulerCore:
                 break
             if seq not in self.running:  # preempted while making room for an earlier one
                 continue
-            remaining = seq.total_len - seq.num_computed
-            length = min(remaining, budget)
+            length = min(seq.computable() - seq.num_computed, budget)
+            if length <= 0:  # waiting for an image to be written
+                continue
             if not self._ensure_blocks(seq, seq.num_computed + length, {s for s, _ in picked}):
                 continue
             picked.append((seq, length))
@@ -170,9 +179,10 @@ class SchedulerCore:
             seq.block_table.extend(self.allocator.allocate(need - extra))
             seq.fork_blocks = self.allocator.allocate(extra)
             self.running.append(seq)
-            length = min(seq.total_len - seq.num_computed, budget)
-            picked.append((seq, length))
-            budget -= length
+            length = min(seq.computable() - seq.num_computed, budget)
+            if length > 0:  # else admitted (its blocks are reserved) but waiting for an image to be written
+                picked.append((seq, length))
+                budget -= length
         if not picked and not self._finished_for_workers:
             return None
         plan = self._build_plan(picked)

@@ -46,6 +46,7 @@ class Sequence:
     fork_blocks: list[int] = field(default_factory=list)  # n > 1, not forked yet: copies of the partial block
     forked: bool = False  # n > 1: its choices exist
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    pending: set[bytes] = field(default_factory=set)  # images whose pixels are still being written (overlap)
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.rid
@@ -64,6 +65,14 @@ class Sequence:
 
     def all_token_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    def computable(self) -> int:
+        """How far the sequence may be computed now: to its end, or to the first image still being written that
+        is not computed yet (a chunk stops short of it; never below what is computed already)."""
+        if not self.pending:
+            return self.total_len
+        ends = [it.offset for it in self.items if it.hash in self.pending and it.offset + it.length > self.num_computed]
+        return max(self.num_computed, min(ends, default=self.total_len))
 
 
 @dataclass(frozen=True)

@@ -214,3 +214,34 @@ def test_each_shm_pointer_crosses_once_with_its_encode() -> None:
     assert [it.pixels for job in first.encode for it in job.items] == [ref]  # the encode carries it, once
     second = run_step(c)
     assert second.new_seqs == [] and second.encode == []
+
+
+def test_prefill_stops_short_of_images_still_being_written() -> None:
+    """Overlap of preprocessing and prefill: chunks run up to the first pending image, the sequence waits (blocks
+    reserved, other requests go on), and resumes from there once `media_ready` names the image."""
+    c = core(chunk_size=64)
+    first, second = item(1, 4, 8), item(2, 20, 8)
+    sampling = SamplingParams(max_tokens=2, temperature=0)
+    c.add("a", [1] * 40, 0, [first, second], sampling, pending=[first.hash, second.hash])
+    add(c, "b", 6)
+    plan = run_step(c)
+    assert [(ch.rid, ch.start, ch.length) for ch in plan.chunks] == [("a", 0, 4), ("b", 0, 6)]
+    assert plan.encode == []  # no pixels of a pending image are read
+    assert [(ch.rid, ch.length) for ch in run_step(c).chunks] == [("b", 1)]  # a waits; b decodes
+    c.media_ready("a", [second.hash])  # out of order: the first image still blocks
+    assert [(ch.rid, ch.length) for ch in run_step(c).chunks] == [("b", 1)]
+    c.media_ready("a", [first.hash])
+    plan = run_step(c)
+    assert [(ch.rid, ch.start, ch.length, ch.sample) for ch in plan.chunks] == [("b", 8, 1, True), ("a", 4, 36, True)]
+    assert [job.key for job in plan.encode] == [first.hash, second.hash]
+    c.media_ready("gone", [first.hash])  # a request that ended meanwhile: nothing to do
+
+
+def test_a_request_waiting_for_its_images_can_be_aborted() -> None:
+    c = core(chunk_size=64)
+    image = item(3, 0, 8)
+    c.add("a", [1] * 20, 0, [image], SamplingParams(max_tokens=2, temperature=0), pending=[image.hash])
+    assert c.schedule() is None  # admitted, blocks reserved, nothing to compute yet
+    free = c.allocator.num_free
+    assert c.abort("a")
+    assert c.allocator.num_free > free and not c.has_work()
