@@ -40,9 +40,11 @@ class EngineConfig:
     mm_cache_mb: float = 1024  # fractions allowed (tests size the cache below one request)
     mm_cache_mode: MMCacheMode = "image"
     # A ViT call takes the step's images until this many patches (always at least one image). One 1080p image
-    # (10,764 patches) already fills a GPU, so bigger calls buy nothing but a transient that grows with the
-    # number of images a chunk happens to touch.
-    vit_max_patches: int = 16384
+    # (10,764 patches) already fills the GEMMs, but each call has a fixed cost (rotary and window tables, a
+    # cuDNN call per frame, launches): under load (64 concurrent 1080p requests, chunk 4096, H100) 32768, up to
+    # three such images a call, served 6.08-6.17 req/s against 5.56-6.06 at 16384, at the same inter-token
+    # tail; the transient grows with the images of a call (docs/perf-notes.md, session 10).
+    vit_max_patches: int = 32768
     # CUDA: the elementwise work between GEMMs (norms, rotary, SiLU*up, residual adds) as torch.compile'd
     # kernels (workers/engine/fused.py), compiled at start-up; off = eager PyTorch ops. CPU is always eager.
     fused_kernels: bool = True
