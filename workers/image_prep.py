@@ -79,9 +79,9 @@ def overloaded() -> BadRequest:
     return BadRequest(message, status=503, type="server_error", code="shm_budget_exceeded")
 
 
-def write_and_publish(ref: shm.ShmRef, pixels: torch.Tensor, final: str) -> shm.ShmRef:
-    """Write ``pixels`` into a new segment under the temporary name ``ref.name``, then publish it under
-    ``final``; the temporary name is gone either way. A full /dev/shm is a 503 for the client."""
+def write_and_publish(ref: shm.ShmRef, pixels: torch.Tensor | ProcessedImage, final: str) -> shm.ShmRef:
+    """Write ``pixels`` (or an image's rows) into a new segment under the temporary name ``ref.name``, then
+    publish it under ``final``; the temporary name is gone either way. A full /dev/shm is a 503 for the client."""
     try:
         seg = shm.ShmSegment.create(ref.name, ref.nbytes)
     except shm.ShmFullError:
@@ -89,7 +89,10 @@ def write_and_publish(ref: shm.ShmRef, pixels: torch.Tensor, final: str) -> shm.
         raise BadRequest(full, status=503, type="server_error", code="shm_full") from None
     try:
         # float32 -> dtype inside the copy: one pass, and no converted copy of the pixels in between.
-        seg.tensor(ref).copy_(pixels)
+        if isinstance(pixels, ProcessedImage):
+            pixels.write_rows(seg.tensor(ref))
+        else:
+            seg.tensor(ref).copy_(pixels)
         seg.close()
         # Publishing under the hash name only now means no other tokenizer links a partial file.
         if not shm.link_segment(ref.name, final):
@@ -212,7 +215,7 @@ class ImagePrep:
         is harmless, our own pixel limit being the check.)"""
         decoded = decode_image(image.raw, self.config.max_image_pixels, image.param)
         try:
-            return self.processor.process_image(decoded, image_hash=image.hash)
+            return self.processor.process_image(decoded, image_hash=image.hash, frame=True)
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses
             raise BadRequest(
                 f"The image cannot be processed: {exc}", param=image.param, code="invalid_image"
@@ -319,13 +322,14 @@ class ImagePrep:
         """Write one image's pixels under its temporary name, then publish them under its final one.
         May run on a pool thread: touches only its own two names."""
         image, tmp, final = job
-        assert image.processed is not None
-        pixels = image.processed.pixel_values
-        if pixels.dim() != 2 or pixels.shape[1] != self.row:
+        processed = image.processed
+        assert processed is not None
+        pixels = processed.pixel_values
+        if processed.frame is None and (pixels.dim() != 2 or pixels.shape[1] != self.row):
             raise RuntimeError(f"pixels are {tuple(pixels.shape)}, expected rows {self.row} wide")
-        if pixels.shape[0] != image.grid[0] * image.grid[1] * image.grid[2]:
-            raise RuntimeError(f"pixels have {pixels.shape[0]} rows, grid {image.grid} says otherwise")
-        return write_and_publish(self._ref(tmp, image.grid), pixels, final)
+        if processed.grid != image.grid:
+            raise RuntimeError(f"pixels have grid {processed.grid}, the segment's name says {image.grid}")
+        return write_and_publish(self._ref(tmp, image.grid), processed, final)
 
     def _new_name(self, image: RequestImage) -> str:
         self.counter += 1

@@ -5,6 +5,7 @@ the caller's process for the offline Engine), never on an event loop.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import blake3
+import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoProcessor
@@ -34,7 +36,23 @@ class ProcessedImage:
     hash: bytes
     grid: tuple[int, int, int]  # (t, h, w) in patches
     num_tokens: int
-    pixel_values: torch.Tensor  # [t * h * w, channels * temporal_patch * patch**2] float32
+    # [t * h * w, channels * temporal_patch * patch**2] float32; with ``frame`` set, the normalised [channels, H, W]
+    # float32 image the rows are cut from (`write_rows` lays them out).
+    pixel_values: torch.Tensor
+    frame: tuple[int, int, int] | None = None  # (patch, merge, temporal patch) of a frame's rows
+
+    def write_rows(self, dst: torch.Tensor) -> None:
+        """Write the patch rows into ``dst`` ([t * h * w, row], any float dtype). From a frame, the patchify, the
+        temporal repeat and the cast are one strided copy, with no float32 copy of the rows in between: the
+        same values, in the same layout, as the processor's own patchify."""
+        if self.frame is None:
+            dst.copy_(self.pixel_values)
+            return
+        p, m, t = self.frame
+        c, h, w = self.pixel_values.shape
+        gh, gw = h // p // m, w // p // m
+        src = self.pixel_values.reshape(c, gh, m, p, gw, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # [gh, gw, m, m, c, p, p]
+        dst.view(gh, gw, m, m, c, t, p, p).copy_(src.unsqueeze(5).expand(gh, gw, m, m, c, t, p, p))
 
 
 class ImageMeta(Protocol):
@@ -108,6 +126,9 @@ class MMProcessor:
         self.tokenizer = self.hf.tokenizer
         self.image_processor = self.hf.image_processor
         self.merge = int(getattr(self.image_processor, "merge_size", self.info.spatial_merge_size))
+        ip = self.image_processor
+        self._geometry = (int(getattr(ip, "patch_size", 0)), self.merge, int(getattr(ip, "temporal_patch_size", 1)))
+        self._frames = self._frame_processor()
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.info.image_token_id)
         # Strings the tokenizer would turn into control tokens (special and added tokens alike).
         self._special_strings = tuple(str(t) for t in self.tokenizer.get_added_vocab())
@@ -144,9 +165,13 @@ class MMProcessor:
         h.update(raw)
         return h.digest(16)
 
-    def process_image(self, image: Image.Image, image_hash: bytes | None = None) -> ProcessedImage:
+    def process_image(self, image: Image.Image, image_hash: bytes | None = None, frame: bool = False) -> ProcessedImage:
+        """The image's patch rows, as the checkpoint's processor makes them. With ``frame`` (and a processor whose
+        patchify can be left out, checked once against the full path), the normalised image instead, for
+        `ProcessedImage.write_rows` to lay out straight into shared memory."""
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        out = self.image_processor(images=[rgb], return_tensors="pt")
+        framed = frame and self._frames is not None
+        out = (self._frames if framed else self.image_processor)(images=[rgb], return_tensors="pt")
         t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
         pixels = out["pixel_values"].to(torch.float32).contiguous()
         return ProcessedImage(
@@ -154,7 +179,33 @@ class MMProcessor:
             grid=(t, h, w),
             num_tokens=self.tokens_for_grid((t, h, w)),
             pixel_values=pixels,
+            frame=self._geometry if framed else None,
         )
+
+    def _frame_processor(self) -> Any:
+        """A copy of the image processor whose patchify hands back the normalised image (a Qwen2-VL-style processor
+        of transformers 5: resize, rescale and normalise, then patchify); None where that does not give the same
+        rows as the processor itself, byte for byte, on a test image."""
+        ip = self.image_processor
+        if not callable(getattr(ip, "patchify", None)):
+            return None
+        frames = copy.copy(ip)
+
+        def unpatched(images: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int) -> Any:
+            return images, images.shape[-2] // patch_size, images.shape[-1] // patch_size
+
+        frames.patchify = unpatched
+        probe = Image.fromarray(np.random.default_rng(0).integers(0, 256, (61, 83, 3), dtype=np.uint8))
+        try:
+            want = ip(images=[probe], return_tensors="pt")
+            got = frames(images=[probe], return_tensors="pt")
+            image = ProcessedImage(b"", (0, 0, 0), 0, got["pixel_values"].to(torch.float32), self._geometry)
+            rows = torch.empty_like(want["pixel_values"], dtype=torch.float32)
+            image.write_rows(rows)
+        except Exception:  # another processor layout: the full path it is
+            return None
+        same = torch.equal(want["image_grid_thw"], got["image_grid_thw"]) and torch.equal(rows, want["pixel_values"])
+        return frames if same else None
 
     def image_grid(self, width: int, height: int) -> tuple[int, int, int] | None:
         """The patch grid `process_image` gives an image of this size (after EXIF orientation), found by the

@@ -6,7 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 from transformers import AutoTokenizer
 
 from workers.engine.processor import ImageInfo, MMProcessor
@@ -83,3 +86,19 @@ def test_a_template_that_transforms_content_still_renders_like_transformers(demo
     ids = processor.token_ids(processor.render([{"role": "user", "content": " a<|im_end|>b "}]))
     end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert ids.count(end) == 1  # the template's own, not the client's
+
+
+@pytest.mark.parametrize("size", [(83, 61), (640, 480), (30, 900), (1920, 1080)])
+def test_frame_rows_and_header_grid_equal_the_processors_own(processor: MMProcessor, size: tuple[int, int]) -> None:
+    """The tokenizer's fast path: rows laid out from the normalised frame straight into a bf16 buffer equal the
+    processor's patchify cast to bf16, bit for bit, and the grid read off the size alone (image_grid, which lets
+    a request go to the scheduler before its pixels) is the grid processing gives."""
+    rng = np.random.default_rng(size[0])
+    image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    full = processor.process_image(image)
+    framed = processor.process_image(image, frame=True)
+    assert framed.frame is not None and framed.grid == full.grid
+    rows = torch.empty(full.pixel_values.shape, dtype=torch.bfloat16)
+    framed.write_rows(rows)
+    assert torch.equal(rows, full.pixel_values.to(torch.bfloat16))
+    assert processor.image_grid(*size) == full.grid
