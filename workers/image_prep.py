@@ -12,9 +12,10 @@ images does not pay for them one after another inside its time to first token. E
 (hashing, reuse, names, the byte budget, the local index) stays on the calling thread, in request
 order, so a pool of any size gives the same names, bytes and prompt.
 
-With ``defer`` (overlap of preprocessing and prefill), a fresh image's grid comes from its header and
-its name is fixed before any pixel is decoded: the prompt goes to the scheduler at once, and the pool
-decodes, processes and writes the images while the first chunks run (`start_writes`).
+With ``defer`` (overlap of preprocessing and prefill), the fresh images after a request's first one get
+their grids from their headers and their names before any pixel is decoded: the prompt goes to the
+scheduler once the first is written, and the pool decodes, processes and writes the others while the
+first chunks run (`start_writes`).
 """
 
 from __future__ import annotations
@@ -157,7 +158,11 @@ class ImagePrep:
                 todo.append(image)
             by_hash[h] = image
             order.append(image)
-        now = [image for image in todo if not (defer and self._predict(image))]
+        # The first fresh image is processed now even with ``defer``: the request's first chunk then has work the
+        # moment it arrives, and a one-image request (most of a loaded server's) gains nothing from deferring: the
+        # few tokens before its image are all it could prefill, while its early arrival cost 6% of throughput
+        # under load (64 concurrent 1080p requests, H100; docs/perf-notes.md, session 10).
+        now = todo[:1] + [image for image in todo[1:] if not (defer and self._predict(image))]
         for image, processed in zip(now, self._each(self._process, now), strict=True):
             image.grid, image.processed = processed.grid, processed
         return order

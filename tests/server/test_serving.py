@@ -241,7 +241,7 @@ def test_corrupt_third_image_is_a_clean_400_after_prefill_started(live: LiveServ
             break
         time.sleep(0.1)
     assert len(live.segments()) == stats["shm"]["retained_segments"], (live.segments(), stats["shm"])
-    assert sum(w["images_deferred"] for w in stats["tokenizers"]) - before == 3
+    assert sum(w["images_deferred"] for w in stats["tokenizers"]) - before == 2  # all but the first
     resp = live.client().chat.completions.create(
         model="demo", messages=image_message("Compare.", [data_url(b) for b in good]), max_tokens=8, temperature=0,  # type: ignore[arg-type]
     )
