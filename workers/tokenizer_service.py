@@ -85,6 +85,12 @@ def route_request(tokenized: TokenizedRequest, encoded: bytes, block_size: int) 
     return RouteRequest(tokenized.rid, len(tokenized.input_ids), blocks, images, msgspec.Raw(encoded))
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a finished future's exception as seen (asyncio logs those nobody asked for)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def trim_memory() -> None:
     """Hand freed heap memory back to the OS (glibc keeps freed blocks of a big request otherwise,
     and the RSS of the process would stay at its peak); a no-op where malloc_trim is missing."""
@@ -196,11 +202,16 @@ class TokenizerService:
     async def _follow(self, rid: str, writing: _Writes) -> list[bytes]:
         """Report the deferred images to the scheduler as they land, all but the last batch, which is returned
         (it goes out behind the frontend's answer); raises the first failure."""
-        waiting = {asyncio.wrap_future(f): w.image.hash for f, w in zip(writing.futures, writing.writes, strict=True)}
+        waiting: dict[asyncio.Future[ShmRef], bytes] = {}
+        for future, write in zip(writing.futures, writing.writes, strict=True):
+            wrapped = asyncio.wrap_future(future)
+            wrapped.add_done_callback(_retrieved)  # images failing after the first failure are not errors to log
+            waiting[wrapped] = write.image.hash
         while True:
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                future.result()
+            errors = [exc for future in done if (exc := future.exception()) is not None]
+            if errors:
+                raise errors[0]
             hashes = [waiting.pop(future) for future in done]
             if not waiting:
                 return hashes

@@ -28,6 +28,8 @@ from ipc.launch import cleanup_launch_dir, ipc_address, new_launch_id
 from ipc.messages import (
     AbortRequest,
     FrontendInbound,
+    MediaFailed,
+    MediaReady,
     MMItem,
     OutputBatch,
     ProcessReady,
@@ -311,6 +313,49 @@ def test_abort_before_the_request_arrives(stack: Stack) -> None:
     outputs, failed = stack.collect({"after"})
     assert set(outputs) == {"after"} and failed == {}
     assert not any(exists(n) for n in early.shm_names)
+
+
+def _pending(req: TokenizedRequest, index: int) -> tuple[TokenizedRequest, str, str]:
+    """``req`` with image ``index`` still being written, as the tokenizer sends it with overlap: the segment is
+    moved to a side name (the tokenizer's temporary one) until the test "publishes" it again."""
+    item = req.items[index]
+    assert item.pixels is not None
+    final, side = os.path.join(SHM_DIR, item.pixels.name), os.path.join(SHM_DIR, item.pixels.name + "-tmp")
+    os.rename(final, side)
+    return msgspec.structs.replace(req, pending=[item.hash]), side, final
+
+
+def test_prefill_waits_for_an_image_still_being_written(stack: Stack, engine: Engine) -> None:
+    """Overlap of preprocessing and prefill, scheduler side: a chunk never reaches an image whose segment is not
+    published (a model worker reading it would fail the step), the tokens equal the offline engine's once it is;
+    an aborted request's name published later is unlinked on its MediaReady; MediaFailed drops a request quietly."""
+    messages = chat("Compare these two pictures.", TWO_IMAGES)
+    [expected] = engine.generate([messages], GREEDY)
+    req, side, final = _pending(stack.request("pend", messages), 1)
+    stack.to_sched.send(req)
+    time.sleep(0.5)  # the steps up to the second image run meanwhile
+    os.rename(side, final)
+    stack.to_sched.send(MediaReady("pend", [req.items[1].hash]))
+    outputs, failed = stack.collect({"pend"})
+    assert failed == {} and [t for o in outputs["pend"] for t in o.token_ids] == expected.token_ids
+
+    orphan, side, final = _pending(stack.request("orphan", chat("Never served.", TWO_IMAGES[:1]), LONG), 0)
+    stack.to_sched.send(orphan)
+    stack.to_sched.send(AbortRequest("orphan"))
+    stack.to_sched.send(stack.request("between", [{"role": "user", "content": "hi"}], SHORT))
+    stack.collect({"between"})
+    os.rename(side, final)  # published after its request ended
+    stack.to_sched.send(MediaReady("orphan", [orphan.items[0].hash]))
+    assert wait_for(lambda: not exists(os.path.basename(final)))
+
+    dropped, side, _ = _pending(stack.request("dropped", chat("Compare these two pictures.", TWO_IMAGES), LONG), 1)
+    stack.to_sched.send(dropped)
+    os.unlink(side)  # the tokenizer's part: stop writing, unlink what it never reported
+    stack.to_sched.send(MediaFailed("dropped"))
+    stack.to_sched.send(stack.request("last", [{"role": "user", "content": "hi"}], SHORT))
+    outputs, failed = stack.collect({"last"})
+    assert set(outputs) == {"last"} and failed == {}  # nothing, not even a failure, for the dropped request
+    assert wait_for(lambda: not any(exists(n) for n in dropped.shm_names))
 
 
 def test_shm_budget_and_rejections(stack: Stack) -> None:
