@@ -46,15 +46,12 @@ from workers.engine.sched_core import RequestRejected, SchedulerCore, Sequence
 from workers.engine.sequence import child_rid
 from workers.kv_events import KVEventRecorder
 from workers.logprobs import LogprobRenderer, PromptLogprobBook
-from workers.pending_media import PendingMedia
 from workers.proc import setup_child
-from workers.scheduler_stats import snapshot
+from workers.scheduler_stats import send_stats
 from workers.shm_ledger import ShmLedger
 from workers.step_trace import StepTrace
 from workers.tools import ToolOutput
 
-STATS_INTERVAL_S = 0.25
-LOG_STATS_INTERVAL_S = 10.0
 _MAX_DRAIN = 256  # messages handled per loop turn before the next step is planned
 _RECENT_ABORTS = 65536  # aborts of rids not (yet) known; old entries fall out first
 _LINGER_MS = 2_000
@@ -111,7 +108,6 @@ class Scheduler:
         # only its own requests' names: an image two replicas hold is counted twice, never unlinked early.
         budget = config.shm_budget_bytes // max(1, config.dp_size)
         self.ledger = ShmLedger(budget, config.shm_retain_fraction, config.shm_retain_idle_s)
-        self.pending_media = PendingMedia()  # images of held requests a tokenizer is still writing
         self.kv_events: KVEventRecorder | None = None
         self.parent = os.getppid()  # the launcher; a change means it died and this process was re-parented
         self.worker_stats: dict[int, WorkerStats] = {}
@@ -172,7 +168,7 @@ class Scheduler:
                 self._schedule()
             if self.kv_events is not None:
                 self.kv_events.flush()
-            self._maybe_send_stats()
+            send_stats(self)
             self._orphaned()
 
     def handle(self, msg: SchedulerInbound) -> None:
@@ -184,12 +180,11 @@ class Scheduler:
             case AbortRequest(rid=rid):
                 self._on_abort(rid)
             case MediaReady(rid=rid, hashes=hashes):
-                published, gone = self.pending_media.ready(rid, hashes)
-                self.ledger.publish(rid, published)
-                self.core.media_ready(rid, list(published))
-                self._unlink(gone)
+                published, gone = self.ledger.publish(rid, hashes)
+                self.core.media_ready(rid, published)
+                self.unlink(gone)
             case MediaFailed(rid=rid):
-                self._unlink(self.pending_media.failed(rid))
+                self.unlink(self.ledger.pending_failed(rid))
                 self._on_abort(rid)
             case WorkerFailed():
                 self._on_worker_failed(msg)
@@ -225,17 +220,16 @@ class Scheduler:
             self.gpu_idle = max((w.gpu_allocated_bytes for w in self.worker_stats.values()), default=0)
         images = {it.hash: it.pixels.nbytes for it in req.items if it.pixels is not None}
         name_of = {it.hash: it.pixels.name for it in req.items if it.pixels is not None}
-        # Images still being written: their names are the ledger's only once published (MediaReady).
+        # Images still being written: their names join the holding once published (MediaReady).
         pending = {h: name_of.pop(h) for h in req.pending if h in name_of}
-        self.pending_media.hold(req.rid, pending)
         if req.rid in self.aborted:
             del self.aborted[req.rid]
-            self._refuse(req)
+            self._refuse(req, pending)
             return
         extra = self.ledger.extra_bytes(images)
-        self._unlink(self.ledger.make_room(extra))
+        self.unlink(self.ledger.make_room(extra))
         if extra and self.ledger.used_bytes + extra > self.ledger.budget_bytes:
-            self._refuse(req, 503, "shared memory budget exceeded, retry later", "shm_budget_exceeded")
+            self._refuse(req, pending, 503, "shared memory budget exceeded, retry later", "shm_budget_exceeded")
             return
         try:
             self.core.add(req.rid, req.input_ids, req.mrope_delta, req.items, req.sampling, req.more_prompts, pending)
@@ -243,10 +237,10 @@ class Scheduler:
             # RequestRejected: an empty prompt, or one too long for the context or the KV cache; plain
             # ValueError: a duplicate rid (these names are this message's own links, safe to unlink).
             too_long = isinstance(exc, RequestRejected) and bool(req.input_ids)
-            self._refuse(req, 400, str(exc), "context_length_exceeded" if too_long else None)
+            self._refuse(req, pending, 400, str(exc), "context_length_exceeded" if too_long else None)
             return
-        pending_names = set(pending.values())
-        self.ledger.hold(req.rid, [n for n in req.shm_names if n not in pending_names], images, name_of)
+        published = [n for n in req.shm_names if n not in pending.values()]
+        self.ledger.hold(req.rid, published, images, name_of, pending)
         prompts = [req.input_ids, *req.more_prompts]  # a batch of prompts: choice p answers prompt p
         self.prompt_tokens += (total := sum(len(p) for p in prompts))
         self.prompt_logprobs.expect(req.rid, prompts, req.sampling)
@@ -256,11 +250,13 @@ class Scheduler:
             if req.tool_parser:
                 self.tool_outputs[child_rid(req.rid, index)] = ToolOutput()
 
-    def _refuse(self, req: TokenizedRequest, status: int = 0, message: str = "", code: str | None = None) -> None:
+    def _refuse(
+        self, req: TokenizedRequest, pending: dict[bytes, str], status: int = 0, message: str = "", code: str | None = None
+    ) -> None:
         """Drop a request on arrival (failing it with ``status`` unless 0): its names go, and so do those of images
         still being written, once they are."""
         _unlink_all(req.shm_names)
-        self.pending_media.ended(req.rid)
+        self.ledger.orphan(req.rid, pending)
         if status:
             self._fail(req.rid, status, message, code)
 
@@ -285,9 +281,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         """core.on_finished: the request (its last choice) will never be scheduled again, so its pixels can go."""
-        self._unlink(self.ledger.release(seq.request_id) + self.pending_media.ended(seq.request_id))
+        self.unlink(self.ledger.release(seq.request_id))
 
-    def _unlink(self, names: list[str]) -> None:
+    def unlink(self, names: list[str]) -> None:
         if self.in_flight is not None:
             # The step now running may still read these names (an encode job can point at a name of
             # an image another request shares): unlink once it is back.
@@ -345,7 +341,7 @@ class Scheduler:
         self._flush_unlinks()
         if outputs:
             # When a request finishes, stats go first: the frontend answers it with stats that include it.
-            self._maybe_send_stats(force=any(o.finish_reason for o in outputs))
+            send_stats(self, force=any(o.finish_reason for o in outputs))
             self.frontend.send(OutputBatch(outputs))
         self.trace.event("result", step=result.step_id, start=started, outputs=len(outputs))
 
@@ -362,21 +358,6 @@ class Scheduler:
     def _flush_unlinks(self) -> None:
         names, self.deferred_unlinks = self.deferred_unlinks, []
         _unlink_all(names)
-
-    def _maybe_send_stats(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if now < self.next_stats and not force:
-            return
-        self.next_stats = now + STATS_INTERVAL_S
-        self._unlink(self.ledger.expire(now))  # retained images nobody resent for a while
-        stats = snapshot(self)
-        core = self.core
-        self.frontend.send(stats)
-        for sock in self.tokenizers:
-            sock.send(stats)
-        if now >= self.next_log and (core.running or core.waiting or self.log.isEnabledFor(logging.DEBUG)):
-            self.next_log = now + LOG_STATS_INTERVAL_S
-            self.log.info("%s plan_bytes=%s", msgspec.json.encode(stats).decode(), self.plan_bytes)
 
     def _orphaned(self) -> bool:
         if os.getppid() == self.parent:

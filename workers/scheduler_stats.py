@@ -3,12 +3,37 @@ routing read, built from the scheduler's core, ledger and counters."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from ipc.messages import SchedulerStats
 
 if TYPE_CHECKING:
     from workers.scheduler import Scheduler
+
+STATS_INTERVAL_S = 0.25
+LOG_STATS_INTERVAL_S = 10.0
+
+
+def send_stats(s: Scheduler, force: bool = False) -> None:
+    """Every STATS_INTERVAL_S (or now, with ``force``): stats to the frontend and the tokenizers, retained images
+    idle too long unlinked, and a log line every LOG_STATS_INTERVAL_S while there is work."""
+    now = time.monotonic()
+    if now < s.next_stats and not force:
+        return
+    s.next_stats = now + STATS_INTERVAL_S
+    s.unlink(s.ledger.expire(now))  # retained images nobody resent for a while
+    stats = snapshot(s)
+    s.frontend.send(stats)
+    for sock in s.tokenizers:
+        sock.send(stats)
+    core = s.core
+    if now >= s.next_log and (core.running or core.waiting or s.log.isEnabledFor(logging.DEBUG)):
+        s.next_log = now + LOG_STATS_INTERVAL_S
+        s.log.info("%s plan_bytes=%s", msgspec.json.encode(stats).decode(), s.plan_bytes)
 
 
 def snapshot(s: Scheduler) -> SchedulerStats:

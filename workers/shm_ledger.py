@@ -8,6 +8,11 @@ resends the image finds a live segment and the tokenizer skips decode, processin
 Retained images give their bytes back first whenever a new request needs room, and never take more
 than ``retain_fraction`` of the budget. A retained image nobody used for ``retain_idle_s`` is
 unlinked too (`expire`), so an idle server gives its shared memory back.
+
+With overlap of preprocessing and prefill a request arrives before some of its images are written: their
+bytes count from the start, their names join the holding only once published (`publish`). A request that
+ends first leaves those names as an orphan: unlinked at once (a tokenizer that died never reports), and
+again when one is published after all, so nothing stays behind in /dev/shm.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+
+# Ended requests whose images were still being written, remembered (oldest dropped first; their names were
+# unlinked when they ended).
+_ORPHANS_KEPT = 1024
 
 
 @dataclass
@@ -27,6 +36,8 @@ class ShmLedger:
     _held: dict[str, tuple[list[str], dict[bytes, int], dict[bytes, str]]] = field(default_factory=dict)
     _retained: OrderedDict[bytes, tuple[str, int]] = field(default_factory=OrderedDict)  # oldest first
     _last_used: dict[bytes, float] = field(default_factory=dict)  # retained hash -> when it was last held
+    _pending: dict[str, dict[bytes, str]] = field(default_factory=dict)  # rid -> hash -> name still being written
+    _orphans: OrderedDict[str, dict[bytes, str]] = field(default_factory=OrderedDict)  # ended, images still coming
 
     @property
     def used_bytes(self) -> int:
@@ -56,25 +67,61 @@ class ShmLedger:
             out.append(self._drop_oldest())
         return out
 
-    def hold(self, rid: str, names: list[str], images: dict[bytes, int], name_of: dict[bytes, str]) -> None:
+    def hold(
+        self,
+        rid: str,
+        names: list[str],
+        images: dict[bytes, int],
+        name_of: dict[bytes, str],
+        pending: dict[bytes, str] | None = None,
+    ) -> None:
+        """``rid`` holds ``images`` (hash -> bytes) under ``names`` (published ones; ``name_of`` by hash) and the
+        ``pending`` ones (hash -> name) still being written."""
         self._held[rid] = (names, images, name_of)
+        if pending:
+            self._pending[rid] = dict(pending)
         self._refs.update(images.keys())
         self._sizes.update(images)
         for h in images:
             if h in self._retained:
                 self._retained.move_to_end(h)  # used again: the last to be dropped
 
-    def publish(self, rid: str, name_of: dict[bytes, str]) -> None:
-        """Images ``rid`` holds were written after it arrived (overlap): their names join its holdings."""
-        held = self._held.get(rid)
-        if held is not None:
-            held[0].extend(name_of.values())
-            held[2].update(name_of)
+    def publish(self, rid: str, hashes: list[bytes]) -> tuple[list[bytes], list[str]]:
+        """Pending images of ``rid`` were written: (the hashes now part of a held request's holding, the names to
+        unlink where the request already ended)."""
+        pending, held = self._pending.get(rid), self._held.get(rid)
+        if pending is not None and held is not None:
+            published = {h: pending.pop(h) for h in hashes if h in pending}
+            held[0].extend(published.values())
+            held[2].update(published)
+            if not pending:
+                del self._pending[rid]
+            return list(published), []
+        orphan = self._orphans.get(rid, {})
+        gone = [orphan.pop(h) for h in hashes if h in orphan]
+        if not orphan:
+            self._orphans.pop(rid, None)
+        return [], gone
+
+    def pending_failed(self, rid: str) -> list[str]:
+        """The tokenizer gave ``rid``'s pending images up (it unlinks those it never reported): the names still
+        recorded, to unlink too (a report whose send was cancelled leaves its name here)."""
+        return [*self._pending.pop(rid, {}).values(), *self._orphans.pop(rid, {}).values()]
+
+    def orphan(self, rid: str, pending: dict[bytes, str]) -> list[str]:
+        """``rid`` ended with images still being written: their names, to unlink now and once published."""
+        if not pending:
+            return []
+        self._orphans[rid] = dict(pending)
+        while len(self._orphans) > _ORPHANS_KEPT:
+            self._orphans.popitem(last=False)
+        return list(pending.values())
 
     def release(self, rid: str, now: float | None = None) -> list[str]:
         """Forget ``rid``'s holdings; returns the names to unlink (one name per newly idle image stays)."""
         now = time.monotonic() if now is None else now
         names, images, name_of = self._held.pop(rid, ([], {}, {}))
+        orphaned = self.orphan(rid, self._pending.pop(rid, {}))
         keep: set[str] = set()
         self._refs.subtract(images.keys())
         for h, size in images.items():
@@ -87,7 +134,7 @@ class ShmLedger:
                 self._retained[h] = (name_of[h], size)
                 self._last_used[h] = now
                 keep.add(name_of[h])
-        out = [n for n in names if n not in keep]
+        out = [n for n in names if n not in keep] + orphaned
         limit = int(self.budget_bytes * self.retain_fraction)
         while self._retained and self.retained_bytes > limit:
             out.append(self._drop_oldest())
@@ -114,6 +161,8 @@ class ShmLedger:
     def release_all(self) -> list[str]:
         names = [name for rid in list(self._held) for name in self.release(rid)]
         names += [name for name, _ in self._retained.values()]
+        names += [name for orphan in self._orphans.values() for name in orphan.values()]
         self._retained.clear()
+        self._orphans.clear()
         self._last_used.clear()
         return names

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from workers.pending_media import PendingMedia
 from workers.shm_ledger import ShmLedger
 
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
@@ -66,25 +65,25 @@ def test_retained_images_expire_when_idle_and_not_while_held() -> None:
 
 def test_images_written_after_arrival_join_the_holding_once_published() -> None:
     ledger = ShmLedger(budget_bytes=1000, retain_fraction=1.0)
-    ledger.hold("r1", ["a1"], {A: 100, B: 200}, {A: "a1"})  # B still being written: bytes counted, no name yet
+    ledger.hold("r1", ["a1"], {A: 100, B: 200}, {A: "a1"}, {B: "b1"})  # B still being written: bytes count already
     assert ledger.used_bytes == 300 and ledger.segments == 1
-    ledger.publish("r1", {B: "b1"})
-    ledger.publish("gone", {C: "c1"})  # a request the ledger does not hold: nothing to record
+    assert ledger.publish("r1", [B]) == ([B], [])
+    assert ledger.publish("gone", [C]) == ([], [])  # nobody's: nothing to record or unlink
     assert ledger.segments == 2
     assert ledger.release("r1") == []  # both retained, B under the name it was published as
     assert ledger.release_all() == ["a1", "b1"]
 
 
-def test_pending_media_names_outlive_their_request_until_published() -> None:
-    pending = PendingMedia()
-    pending.hold("r1", {A: "a1", B: "b1"})
-    pending.hold("r2", {})
-    assert len(pending) == 2
-    assert pending.ready("r1", [A]) == ({A: "a1"}, [])
-    # r1 ends (aborted) while B is still being written: unlink its name now, and again once it is published.
-    assert pending.ended("r1") == ["b1"] and len(pending) == 0
-    assert pending.ready("r1", [B]) == ({}, ["b1"])
-    assert pending.ready("r1", [B]) == ({}, [])
-    pending.hold("r3", {C: "c1"})
-    assert pending.failed("r3") == ["c1"] and pending.failed("r3") == []
-    assert pending.ended("r2") == []
+def test_names_still_being_written_outlive_their_request_until_published() -> None:
+    ledger = ShmLedger(budget_bytes=1000, retain_fraction=0.0)
+    ledger.hold("r1", ["a1"], {A: 100, B: 200, C: 50}, {A: "a1"}, {B: "b1", C: "c1"})
+    assert ledger.publish("r1", [B]) == ([B], [])
+    # r1 ends (aborted) while C is still being written: its name goes now, and again once it is published.
+    assert sorted(ledger.release("r1")) == ["a1", "b1", "c1"]
+    assert ledger.publish("r1", [C]) == ([], ["c1"])
+    assert ledger.publish("r1", [C]) == ([], [])
+    # Refused on arrival: the same for its pending names; a tokenizer's MediaFailed forgets them (it unlinks them).
+    assert ledger.orphan("r2", {A: "a2"}) == ["a2"]
+    ledger.hold("r3", [], {B: 200}, {}, {B: "b3"})
+    assert ledger.pending_failed("r3") == ["b3"] and ledger.pending_failed("r3") == []
+    assert ledger.release_all() == ["a2"]
