@@ -11,9 +11,10 @@ request (admit, download, prepare), workers/tokenizer_service.py runs them under
 
 Images become shared-memory segments in workers/image_prep.py: reused by the hash of their bytes
 when a live segment exists, else decoded, processed and written, the fresh images of one request
-concurrently on a thread pool. With ``overlap_media`` a fresh image's grid is read from its header,
-the prompt goes to the scheduler at once and the pixels follow (TokenizedRequest.pending, MediaReady):
-the first chunks run while later images are still being decoded.
+concurrently on a thread pool. With ``overlap_media`` the fresh images after a request's first have
+their grids read from their headers, the prompt goes to the scheduler once the first is written and the
+others' pixels follow (TokenizedRequest.pending, MediaReady): the first chunks run while later images
+are still being decoded.
 """
 
 from __future__ import annotations

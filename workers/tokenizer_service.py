@@ -9,8 +9,8 @@ finishes and is thrown away, and the shm names it made are unlinked on the prep 
 Every GenerateRequest gets exactly one answer (RequestAccepted or RequestFailed), which is what
 frees its slot in the frontend's routing.
 
-A request with deferred images (overlap of preprocessing and prefill) goes to the scheduler before its
-new images are written; each image is reported (MediaReady) as it lands, and the frontend's
+A request with deferred images (overlap of preprocessing and prefill) goes to the scheduler once its first
+new image is written, before the later ones are; each image is reported (MediaReady) as it lands, and the frontend's
 RequestAccepted goes out just before the last report, so no output can precede it. If an image then
 fails, or the client leaves, the writes stop, the names never reported are unlinked here (the scheduler
 owns the rest) and the scheduler is told to drop the request (MediaFailed): the client gets a clean 4xx.
@@ -149,7 +149,7 @@ class TokenizerService:
         return admitted, None if admitted.remote else self._prepare(req, admitted, names)
 
     def _prepare(self, req: GenerateRequest, admitted: Admitted, names: list[str]) -> _Ready:
-        accepted, tokenized, writes = self.worker._prepare(req, admitted, names, defer=not self.routed)
+        accepted, tokenized, writes = self.worker._prepare(req, admitted, names, defer=True)
         try:
             # Encoded before anything is sent: a value msgpack cannot carry (an integer past 64 bits)
             # is the client's mistake, and must not strand an accepted request.

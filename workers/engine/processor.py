@@ -9,6 +9,7 @@ import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -128,7 +129,6 @@ class MMProcessor:
         self.merge = int(getattr(self.image_processor, "merge_size", self.info.spatial_merge_size))
         ip = self.image_processor
         self._geometry = (int(getattr(ip, "patch_size", 0)), self.merge, int(getattr(ip, "temporal_patch_size", 1)))
-        self._frames = self._frame_processor()
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.info.image_token_id)
         # Strings the tokenizer would turn into control tokens (special and added tokens alike).
         self._special_strings = tuple(str(t) for t in self.tokenizer.get_added_vocab())
@@ -170,7 +170,7 @@ class MMProcessor:
         patchify can be left out, checked once against the full path), the normalised image instead, for
         `ProcessedImage.write_rows` to lay out straight into shared memory."""
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        framed = frame and self._frames is not None
+        framed = frame and self._frames is not None  # checked on the first such call (the offline Engine never asks)
         out = (self._frames if framed else self.image_processor)(images=[rgb], return_tensors="pt")
         t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
         pixels = out["pixel_values"].to(torch.float32).contiguous()
@@ -182,7 +182,8 @@ class MMProcessor:
             frame=self._geometry if framed else None,
         )
 
-    def _frame_processor(self) -> Any:
+    @cached_property
+    def _frames(self) -> Any:
         """A copy of the image processor whose patchify hands back the normalised image (a Qwen2-VL-style processor
         of transformers 5: resize, rescale and normalise, then patchify); None where that does not give the same
         rows as the processor itself, byte for byte, on a test image."""
