@@ -149,6 +149,10 @@ class StepPlan(Msg, frozen=True):
     finished: list[str]  # rids whose worker-side state can be dropped
     sent_at: float = 0.0  # time.monotonic() when the scheduler encoded it (one clock for the whole host)
     forks: list[Fork] = []
+    # Asynchronous scheduling: planned while the step before it was still running, so every chunk is one decode
+    # token whose id the scheduler does not know yet (start == the tokens sent so far): the worker takes it from
+    # its own samples of the step before, on the device.
+    ahead: bool = False
 
 
 class StepResult(Msg, frozen=True):
@@ -337,6 +341,8 @@ class SchedulerStats(Msg, frozen=True):
     gpu_peak_bytes: int = 0  # highest step peak over ranks since the engine was last idle
     gpu_idle_bytes: int = 0  # allocated when the engine was last idle (the steady part of the peak)
     replica: int = 0  # which data-parallel replica's scheduler sent it (--dp)
+    steps_ahead: int = 0  # steps planned while the step before them ran (asynchronous scheduling)
+    samples_dropped: int = 0  # tokens sampled for a sequence that had ended meanwhile (e.g. on the token in flight)
 
 
 class TokenizerStats(Msg, frozen=True):

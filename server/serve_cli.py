@@ -85,6 +85,9 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--no-overlap-media", dest="overlap_media", action="store_false",
                    help="hand a request on only once all its images are written (default: its prefill starts once "
                    "their sizes are read from their headers, while later images are still decoded and written)")
+    s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="plan each step only once the step before it is back (default: a decode step is planned and "
+                   "sent while the one before it runs; TP 1 only)")
     s.add_argument("--launch-id", default=None, help="names this launch's sockets and shm segments (default: random)")
     s.add_argument("--log-level", default=S["log_level"], choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits")
@@ -187,6 +190,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         tokenizer_workers=args.tokenizer_workers,
         tokenizer_threads=args.tokenizer_threads,
         overlap_media=args.overlap_media,
+        async_scheduling=args.async_scheduling,
         max_images_per_request=args.max_images_per_request,
         max_image_bytes=int(args.max_image_mb * (1 << 20)),
         max_image_pixels=args.max_image_pixels,

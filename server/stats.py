@@ -111,6 +111,8 @@ class StatsBook:
             "generated_tokens": s.generated_tokens,
             "prompt_tokens": s.prompt_tokens,
             "steps": s.steps,
+            "steps_ahead": s.steps_ahead,
+            "samples_dropped": s.samples_dropped,
             "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "prompt_tokens_computed": s.prompt_tokens_computed,

@@ -24,6 +24,9 @@ class ServerConfig:
     # Hand a request to the scheduler as soon as its images' grids are known (from their headers), and decode,
     # process and write its new images while its first chunks run (off with --dp > 1 or --mm-cache-mode request).
     overlap_media: bool = True
+    # Plan a decode step while the one before it runs, so the GPU never waits for the scheduler between decode
+    # steps (TP = 1 only: with TP > 1 only rank 0 has the sampled ids).
+    async_scheduling: bool = True
     # Limits on client input.
     max_images_per_request: int = 32
     max_image_bytes: int = 20 << 20  # encoded bytes of one image (data URL, download or file)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -35,7 +36,7 @@ from ipc.shm import ShmSegment
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.layers import TPGroup
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import Launched, ModelRunner
 from workers.proc import setup_child
 
 # Enough for the last StepResult / WorkerFailed to reach the scheduler before the process exits.
@@ -152,30 +153,40 @@ def _serve(
     to_sched: PushSocket[SchedulerInbound],
     log: logging.Logger,
 ) -> None:
+    """Run plans as they come; report each step once its GPU work is done.
+
+    A step's result is read only when the GPU has finished it, and while it runs this loop takes the next plan
+    if one comes: a step planned ahead (asynchronous scheduling) is then queued behind the running one before
+    the running one is reported, so the GPU goes from one decode step to the next without waiting on the host.
+    The wait spins on the step's event and the socket (a CUDA sync spins as well)."""
+    running: deque[Launched] = deque()
     while True:
         waiting_since = time.monotonic()
-        msg = inbound.recv()
+        if running:
+            if running[0].done():
+                _report(runner, reader, rank, running.popleft(), to_sched)
+                continue
+            msg = inbound.recv(0)
+            if msg is None:
+                continue
+            waiting_since = 0.0  # polled for while a step ran: it is taken as it lands
+        else:
+            msg = inbound.recv()
         if isinstance(msg, Shutdown):
             log.info("shutdown requested%s", f": {msg.reason}" if msg.reason else "")
             return
         # Transfer + decode only: a plan that arrived while this rank was still finishing the last
         # step waited in the socket queue, which is compute, not broadcast.
         reader.broadcast(time.monotonic() - max(msg.sent_at, waiting_since))
-        _run_step(runner, reader, rank, msg, to_sched, log)
+        if (launched := _launch(runner, rank, msg, to_sched, log)) is not None:
+            running.append(launched)
 
 
-def _run_step(
-    runner: ModelRunner,
-    reader: PixelReader,
-    rank: int,
-    plan: StepPlan,
-    to_sched: PushSocket[SchedulerInbound],
-    log: logging.Logger,
-) -> None:
-    reads, nbytes = reader.reads, reader.bytes_read
-    t0 = time.perf_counter()
+def _launch(
+    runner: ModelRunner, rank: int, plan: StepPlan, to_sched: PushSocket[SchedulerInbound], log: logging.Logger
+) -> Launched | None:
     try:
-        result = runner.execute(plan)
+        return runner.launch(plan)
     except Exception as exc:
         log.exception("step %d failed", plan.step_id)
         if runner.tp.size > 1:
@@ -185,10 +196,16 @@ def _run_step(
         # With one rank, a bad step (a vanished segment, a shape the kernel rejects) fails only its
         # requests: the scheduler aborts them and the worker keeps serving the rest.
         to_sched.send(WorkerFailed(rank=rank, step_id=plan.step_id, message=f"{type(exc).__name__}: {exc}"))
-        return
+        return None
+
+
+def _report(
+    runner: ModelRunner, reader: PixelReader, rank: int, launched: Launched, to_sched: PushSocket[SchedulerInbound]
+) -> None:
     # Every rank runs the step (to keep KV and embedding stores identical); rank 0 alone samples. The result goes
     # first: the scheduler plans the next step from it, and the stats below cost ~0.3-0.5 ms a step (allocator
     # queries) that would otherwise sit between the GPU finishing and the next plan.
+    result = launched.result()
     if rank == 0:
         to_sched.send(result)
     # Every step: a few dozen bytes, and the scheduler's stats then show each rank's broadcast times
@@ -204,15 +221,3 @@ def _run_step(
             reader.steps, reader.broadcast_s_sum, reader.broadcast_s_max, peak, allocated,
         )
     )
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug(
-            "step %d: %d chunks, %d images encoded in %d ViT calls, %d pixel reads (%d bytes), %.1f ms",
-            plan.step_id,
-            len(plan.chunks),
-            result.images_encoded,
-            result.vit_calls,
-            reader.reads - reads,
-            reader.bytes_read - nbytes,
-            (time.perf_counter() - t0) * 1e3,
-        )
-

@@ -1,7 +1,8 @@
 """Scheduler process: admission, continuous batching and detokenization between tokenizers, model
 workers and frontend. One loop, never blocked on the model: it polls its PULL socket (requests,
-aborts, step results), keeps at most one step in flight, and plans the next step the moment a result
-lands. A plan is encoded once and the same bytes go to every TP rank; plans carry shm pointers, never
+aborts, step results), keeps one step in flight, and plans the next step the moment a result lands;
+with asynchronous scheduling a decode step also goes out while the one before it runs (see
+``SchedulerCore.schedule_ahead``). A plan is encoded once and the same bytes go to every TP rank; plans carry shm pointers, never
 pixels, and this process never maps a segment. It is the only process that unlinks segments: a
 request's names go when the request finishes, fails or is aborted (see ``_release``), and retained
 ones after ``shm_retain_idle_s`` unused. If the launcher dies (SIGKILL, OOM) the scheduler notices
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import msgspec
@@ -101,7 +102,10 @@ class Scheduler:
         self.trace = StepTrace(f"scheduler{replica}")
         self.plan_encoder = msgspec.msgpack.Encoder()
         self.core: SchedulerCore  # built by wait_for_models, once every rank reported its KV blocks
-        self.in_flight: StepPlan | None = None
+        self.in_flight: deque[StepPlan] = deque()  # oldest first, as the results come back
+        # Asynchronous scheduling needs the sampled ids on the device of the rank that runs the next step: with
+        # TP > 1 only rank 0 samples, so the other ranks would not have them.
+        self.ahead = config.async_scheduling and config.engine.tp_size == 1
         self.streams: dict[str, TextStream] = {}
         self.tool_outputs: dict[str, ToolOutput] = {}  # requests with tools: their <tool_call> parsers
         # Replicas split the budget, so together they keep to it (tokenizers add their reports up). Each counts
@@ -117,6 +121,7 @@ class Scheduler:
         self.early: list[SchedulerInbound] = []  # arrived before the core existed
         self.stop_reason: str | None = None
         self.steps = self.generated_tokens = self.prompt_tokens = self.images_encoded = self.vit_batches = 0
+        self.steps_ahead = 0
         # Encoded StepPlan sizes (pointers only, so they track tokens and image counts, not pixels).
         self.plan_bytes = {"last": 0, "max": 0, "total": 0}
         self.next_stats = self.next_log = 0.0
@@ -164,7 +169,7 @@ class Scheduler:
                     break
                 self.handle(msg)
                 timeout_ms = 0
-            if self.in_flight is None:
+            if len(self.in_flight) < 2:
                 self._schedule()
             if self.kv_events is not None:
                 self.kv_events.flush()
@@ -197,25 +202,34 @@ class Scheduler:
                 self.log.warning("unexpected %s", type(msg).__name__)
 
     def _schedule(self) -> None:
-        started = time.monotonic()
-        plan = self.core.schedule()
-        if plan is None:
-            return
-        # Encode once, send the same bytes to every rank: each rank must see the identical plan. The
-        # timestamp lets every rank measure the broadcast (CLOCK_MONOTONIC is one clock per host).
-        plan = msgspec.structs.replace(plan, sent_at=time.monotonic())
-        data = self.plan_encoder.encode(plan)
-        for sock in self.models:
-            sock.send_bytes(data)
-        self.in_flight = plan
-        n, sizes = len(data), self.plan_bytes
-        sizes.update(last=n, max=max(sizes["max"], n), total=sizes["total"] + n)
-        if self.trace.enabled:
-            running, waiting = len(self.core.running), len(self.core.waiting)
-            self.trace.event("plan", step=plan.step_id, start=started, bytes=n, running=running, waiting=waiting)
+        while True:
+            started = time.monotonic()
+            if not self.in_flight:
+                plan = self.core.schedule()
+            elif self.ahead and len(self.in_flight) == 1:
+                plan = self.core.schedule_ahead()
+            else:
+                return
+            if plan is None:
+                return
+            # Encode once, send the same bytes to every rank: each rank must see the identical plan. The
+            # timestamp lets every rank measure the broadcast (CLOCK_MONOTONIC is one clock per host).
+            plan = msgspec.structs.replace(plan, sent_at=time.monotonic())
+            data = self.plan_encoder.encode(plan)
+            for sock in self.models:
+                sock.send_bytes(data)
+            self.in_flight.append(plan)
+            self.steps_ahead += plan.ahead
+            n, sizes = len(data), self.plan_bytes
+            sizes.update(last=n, max=max(sizes["max"], n), total=sizes["total"] + n)
+            if self.trace.enabled:
+                running, waiting = len(self.core.running), len(self.core.waiting)
+                self.trace.event(
+                    "plan", step=plan.step_id, start=started, bytes=n, running=running, waiting=waiting, ahead=plan.ahead
+                )
 
     def _on_request(self, req: TokenizedRequest) -> None:
-        if not self.core.has_work() and self.in_flight is None:
+        if not self.core.has_work() and not self.in_flight:
             self.gpu_peak = 0
             self.gpu_idle = max((w.gpu_allocated_bytes for w in self.worker_stats.values()), default=0)
         images = {it.hash: it.pixels.nbytes for it in req.items if it.pixels is not None}
@@ -284,7 +298,7 @@ class Scheduler:
         self.unlink(self.ledger.release(seq.request_id))
 
     def unlink(self, names: list[str]) -> None:
-        if self.in_flight is not None:
+        if any(plan.encode for plan in self.in_flight):
             # The step now running may still read these names (an encode job can point at a name of
             # an image another request shares): unlink once it is back.
             self.deferred_unlinks.extend(names)
@@ -297,13 +311,12 @@ class Scheduler:
         self.frontend.send(RequestFailed(rid, status, message, type=kind, code=code))
 
     def _end_step(self, step_id: int) -> StepPlan | None:
-        plan = self.in_flight
-        if plan is None or plan.step_id != step_id:
-            self.log.warning("ignoring a report for step %d (in flight: %s)", step_id, plan and plan.step_id)
+        if not self.in_flight or self.in_flight[0].step_id != step_id:
+            waiting_for = self.in_flight[0].step_id if self.in_flight else None
+            self.log.warning("ignoring a report for step %d (in flight: %s)", step_id, waiting_for)
             return None
-        self.in_flight = None
         self.steps += 1
-        return plan
+        return self.in_flight.popleft()
 
     def _on_result(self, result: StepResult) -> None:
         started = time.monotonic()
@@ -356,6 +369,8 @@ class Scheduler:
         self._flush_unlinks()
 
     def _flush_unlinks(self) -> None:
+        if any(plan.encode for plan in self.in_flight):
+            return  # a step still running may read these pixels (a step planned ahead reads none)
         names, self.deferred_unlinks = self.deferred_unlinks, []
         _unlink_all(names)
 

@@ -66,4 +66,6 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         gpu_peak_bytes=s.gpu_peak,
         gpu_idle_bytes=s.gpu_idle,
         replica=s.replica,
+        steps_ahead=s.steps_ahead,
+        samples_dropped=core.samples_dropped,
     )

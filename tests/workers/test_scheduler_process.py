@@ -164,13 +164,15 @@ def spawn(target: Callable[..., None], *args: object) -> BaseProcess:
     return proc
 
 
-def start_stack(model_dir: Path, processor: MMProcessor, log_level: str = "warning") -> Stack:
+def start_stack(
+    model_dir: Path, processor: MMProcessor, log_level: str = "warning", async_scheduling: bool = True
+) -> Stack:
     engine = EngineConfig(model=str(model_dir), max_model_len=4096, num_kv_blocks=256)
     budget = SHM_BUDGET
     # No retention here: these tests watch each request's names go away (retention: test_shm_ledger).
     config = ServerConfig(
         engine, new_launch_id(), "demo", tokenizer_workers=1, shm_budget_bytes=budget, log_level=log_level,
-        shm_retain_fraction=0.0,
+        shm_retain_fraction=0.0, async_scheduling=async_scheduling,
     )
     ctx = new_context()
     lid = config.launch_id
@@ -257,12 +259,28 @@ def test_two_images_stream_the_offline_engine_tokens(stack: Stack, engine: Engin
         stack.recv(5.0)
     latest = stack.stats[-1]
     assert latest.steps >= n and latest.images_encoded >= 2 and latest.vit_batches >= 1
+    # Asynchronous scheduling: every decode after the prefill's token went out while the step before it ran.
+    assert latest.steps_ahead >= n - 1
     assert latest.mm_cache_entries >= 2 and latest.mm_cache_misses >= 2
     assert latest.prompt_tokens >= len(req.input_ids)
     assert latest.kv_blocks_total == 256 and latest.kv_blocks_used == 0 and latest.requests_waiting == 0
     assert latest.shm_segments == 0 and latest.shm_bytes == 0 and latest.shm_budget_bytes == SHM_BUDGET
     tok_stats = stack.tok.recv(5_000)
     assert isinstance(tok_stats, SchedulerStats) and tok_stats.shm_budget_bytes == SHM_BUDGET
+
+
+def test_without_async_scheduling_every_step_waits_for_the_last(demo_model_dir: Path, processor: MMProcessor) -> None:
+    stack = start_stack(demo_model_dir, processor, async_scheduling=False)
+    try:
+        messages = [{"role": "user", "content": "Count the sheep."}]
+        stack.to_sched.send(stack.request("sync", messages))
+        outputs, failed = stack.collect({"sync"})
+        assert failed == {} and len([t for o in outputs["sync"] for t in o.token_ids]) >= 1
+        while not any(s.requests_running == 0 and s.steps >= 2 for s in stack.stats):
+            stack.recv(5.0)
+        assert stack.stats[-1].steps_ahead == 0
+    finally:
+        stop_stack(stack)
 
 
 def test_stop_string_spanning_tokens(stack: Stack, engine: Engine) -> None:

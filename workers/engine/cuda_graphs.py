@@ -120,9 +120,11 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
+        ids_device: Tensor | None = None,
     ) -> Tensor | None:
         """Hidden states [B, hidden] of one decode step (one new token per sequence), or None when the
-        step fits no bucket. The result is a view of a static buffer: valid until the next replay."""
+        step fits no bucket. The result is a view of a static buffer: valid until the next replay.
+        ``ids_device``: the ids, already on the device (a step planned ahead), in place of ``ids``."""
         width = max(len(t) for t in tables)
         key = self.bucket(len(ids), width)
         if key is None:
@@ -132,6 +134,8 @@ class DecodeGraphs:
         host = self._pack(key, width, ids, positions, slots, seq_lens)
         table = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.int64)
         graph.inputs.copy_(host.pin_memory(), non_blocking=True)
+        if ids_device is not None:  # the ids lead the inputs buffer; queued after the copy above, so they win
+            graph.inputs[: len(ids)].copy_(ids_device)
         graph.table[: len(ids), :width].copy_(table.pin_memory(), non_blocking=True)
         graph.graph.replay()
         self.stats["replays"] += 1

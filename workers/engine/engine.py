@@ -4,6 +4,7 @@ vLLM's ``LLM``. The serving stack runs the same three parts in separate processe
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,7 +16,7 @@ from PIL import Image
 from ipc.messages import EncodeItem, MMItem, SamplingParams
 from workers.detokenizer import TextStream
 from workers.engine.config import EngineConfig
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import Launched, ModelRunner
 from workers.engine.processor import ImageMeta, MMProcessor, ProcessedImage
 from workers.engine.sched_core import FinishReason, SchedulerCore, Sequence as SchedSeq
 from workers.engine.sequence import child_rid
@@ -60,7 +61,9 @@ class Engine:
     >>> [out] = engine.generate([[{"role": "user", "content": "hi"}]], SamplingParams(temperature=0))
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, async_scheduling: bool = False) -> None:
+        """``async_scheduling``: queue a decode step before the one before it is back (as the server does; see
+        ``SchedulerCore.schedule_ahead``). Off, each step is planned from the last one's result (the reference)."""
         if config.spec is None:  # read config.json once here, and hand the runner the parsed copy
             config = replace(config, spec=config.model_spec())
         self.config = config
@@ -88,6 +91,8 @@ class Engine:
         self._streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self.step_log: list[tuple[int, int]] = []  # (images encoded, ViT calls) per step
+        self.async_scheduling = async_scheduling
+        self._running: deque[Launched] = deque()
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, messages: Sequence[Message], sampling: SamplingParams | None = None, rid: str | None = None) -> str:
@@ -116,14 +121,17 @@ class Engine:
         self.core.abort(rid)
 
     def has_unfinished(self) -> bool:
-        return self.core.has_work()
+        return self.core.has_work() or bool(self._running)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return the requests that finished in it."""
-        plan = self.core.schedule()
-        if plan is None:
+        if not self._running and (plan := self.core.schedule()) is not None:
+            self._running.append(self.runner.launch(plan))
+        if self.async_scheduling and len(self._running) == 1 and (ahead := self.core.schedule_ahead()) is not None:
+            self._running.append(self.runner.launch(ahead))  # queued behind the running step: no host gap
+        if not self._running:
             return []
-        result = self.runner.execute(plan)
+        result = self._running.popleft().result()
         self.step_log.append((result.images_encoded, result.vit_calls))
         done: list[RequestOutput] = []
         for update in self.core.update(result):
@@ -152,7 +160,7 @@ class Engine:
         while len(results) < len(rids):
             for out in self.step():
                 results[out.rid] = out
-            if not self.core.has_work() and len(results) < len(rids):
+            if not self.has_unfinished() and len(results) < len(rids):
                 raise RuntimeError("engine went idle with unfinished requests")
         return [results[rid] for rid in rids]
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ipc.messages import EncodeItem, EncodeJob, MMItem
+
 
 @dataclass
 class CacheStats:
@@ -95,6 +97,32 @@ class EmbeddingCacheIndex:
         self._entries[key] = num_tokens
         self.used_bytes += size
         return True, evicted
+
+    def plan(self, needed: dict[bytes, list[MMItem]]) -> tuple[list[bytes], list[EncodeJob]]:
+        """A step's embedding plan for the keys its chunks read (key -> the items stored under it): the keys to
+        evict, and an encode job per miss (transient when the cache cannot hold it). Hits are pinned first, so
+        admitting a miss never evicts an entry the same step reads."""
+        evict: list[bytes] = []
+        misses: list[bytes] = []
+        pinned: set[bytes] = set()
+        for key, items in needed.items():
+            hit, stale = self.lookup(key, sum(it.length for it in items))
+            if stale is not None:
+                evict.append(stale)
+            if hit:
+                pinned.add(key)
+            else:
+                misses.append(key)
+        jobs: list[EncodeJob] = []
+        for key in misses:
+            items = needed[key]
+            admitted, evicted = self.admit(key, sum(it.length for it in items), pinned)
+            evict.extend(evicted)
+            if admitted:
+                pinned.add(key)
+            encode = [EncodeItem(it.hash, it.grid, it.length, it.pixels) for it in items]
+            jobs.append(EncodeJob(key=key, items=encode, transient=not admitted))
+        return evict, jobs
 
     def discard(self, key: bytes) -> None:
         """Forget an entry the workers may not hold (its encode step failed)."""

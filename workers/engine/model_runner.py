@@ -62,6 +62,31 @@ class WorkerSeq:
 
 
 @dataclass
+class Launched:
+    """A step whose GPU work is queued: its sampled ids reach the host (and the StepResult is made) in `result`,
+    which a worker calls once `done`, after it has queued the next step."""
+
+    step_id: int
+    images_encoded: int
+    vit_calls: int
+    rids: list[str] = field(default_factory=list)
+    tokens: torch.Tensor | None = None  # int64 [len(rids)]: pinned host memory on CUDA, filled by a queued copy
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    scored: list[PromptLogprobs] = field(default_factory=list)
+    event: torch.cuda.Event | None = None  # recorded after the copy; None: finished already (CPU)
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def result(self) -> StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        ids = self.tokens.tolist() if self.tokens is not None else []
+        sampled = list(zip(self.rids, ids, strict=True))
+        return StepResult(self.step_id, sampled, self.images_encoded, self.vit_calls, self.logprobs, self.scored)
+
+
+@dataclass
 class RunnerCounters:
     steps: int = 0
     vit_calls: int = 0
@@ -123,6 +148,10 @@ class ModelRunner:
         # Only rank 0 samples, so only rank 0 keeps grammars.
         self.grammar = GrammarBook(cfg.model, self.spec.vocab_size, self.spec.eos_token_ids) if self.tp.rank == 0 else None
         self.seqs: dict[str, WorkerSeq] = {}
+        # The last step's sampled ids on the device, and each sequence's row in them: a step planned ahead
+        # (asynchronous scheduling) reads its input ids from here. Cleared while a step runs, so a step after a
+        # failed one cannot read stale ids.
+        self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.counters = RunnerCounters()
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
         self.trace = StepTrace(f"worker{self.tp.rank}", sync, enabled=self.tp.rank == 0)
@@ -150,9 +179,15 @@ class ModelRunner:
         return max(1, budget // per_block)
 
     # ---- one step -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step to its end (the offline Engine, tests)."""
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
+        """Queue one step's GPU work; its result comes from the returned `Launched`."""
         self.trace.begin()
+        last, self.last_sampled = self.last_sampled, None
         for rid in plan.finished:
             self.seqs.pop(rid, None)
             self.sampler.remove(rid)
@@ -164,14 +199,14 @@ class ModelRunner:
         self.trace.mark("setup")
         calls_before = self.counters.vit_calls
         encoded = self._encode(plan.encode) if plan.encode else 0
-        calls = self.counters.vit_calls - calls_before
+        launched = Launched(plan.step_id, encoded, self.counters.vit_calls - calls_before)
         self.trace.mark("vit")
         self.counters.encoded_per_step.append(encoded)
         self.counters.steps += 1
         if not plan.chunks:
-            return StepResult(plan.step_id, [], encoded, calls)
+            return launched
         try:
-            sampled, logprobs, scored = self._forward(plan)
+            self._forward(plan, launched, self._ahead_ids(plan, last) if plan.ahead else None)
         finally:
             self.store.end_step()
         self.trace.mark("sample")
@@ -181,9 +216,21 @@ class ModelRunner:
             captures = self.graphs.stats["captures"] if self.graphs is not None else 0
             self.trace.end(
                 step=plan.step_id, seqs=len(plan.chunks), decodes=decodes, tokens=tokens, images=encoded,
-                graph_captures=captures,
+                graph_captures=captures, ahead=plan.ahead,
             )  # fmt: skip
-        return StepResult(plan.step_id, sampled, encoded, calls, logprobs, scored)
+        return launched
+
+    def _ahead_ids(self, plan: StepPlan, last: tuple[torch.Tensor, dict[str, int]] | None) -> torch.Tensor:
+        """A step planned ahead: its input ids [chunks], gathered on the device from the step before's samples."""
+        if last is None or self.tp.rank != 0:
+            raise RuntimeError(f"step {plan.step_id} was planned ahead, but this rank has no samples of the step before")
+        sampled, row_of = last
+        try:
+            rows = [row_of[chunk.rid] for chunk in plan.chunks]
+        except KeyError as exc:
+            raise RuntimeError(f"step {plan.step_id} was planned ahead, but {exc} sampled nothing in the step before") from None
+        index = to_device([torch.tensor(rows, dtype=torch.int64)], self.device)
+        return sampled.index_select(0, index)
 
     def _register(self, new: NewSeq) -> None:
         rows, offset = [], 0
@@ -255,7 +302,9 @@ class ModelRunner:
             self.store.put(job.key, entry, job.transient)
         return len(items)
 
-    def _forward(self, plan: StepPlan) -> tuple[list[tuple[str, int]], list[SampleLogprobs], list[PromptLogprobs]]:
+    def _forward(self, plan: StepPlan, launched: Launched, ahead_ids: torch.Tensor | None) -> None:
+        """The step's LM forward and sampling, queued; fills ``launched``. ``ahead_ids``: a step planned ahead's
+        input ids, on the device (its chunks are one token each, past the tokens this worker was sent)."""
         bs = self.cfg.block_size
         ids: list[int] = []
         pos: list[list[int]] = [[], [], []]
@@ -273,7 +322,12 @@ class ModelRunner:
             seq.token_ids.extend(chunk.new_token_ids)
             start, end = chunk.start, chunk.start + chunk.length
             base = len(ids)
-            ids.extend(seq.token_ids[start:end])
+            if ahead_ids is None:
+                ids.extend(seq.token_ids[start:end])
+            elif chunk.length != 1 or start != len(seq.token_ids):
+                raise RuntimeError(f"step {plan.step_id} planned ahead has a chunk of {chunk.rid} that is not its next token")
+            else:
+                ids.append(0)  # its id is in ahead_ids
             prompt_len = len(seq.positions[0])
             for r in range(3):
                 row = seq.positions[r]
@@ -305,7 +359,7 @@ class ModelRunner:
         if self.graphs is not None and not splices and not spans and len(ids) == len(plan.chunks) == len(sample_rows):
             # Pure decode (one token per sequence, all sampled, no image rows): replay a CUDA graph.
             try:
-                hidden = self.graphs.run(ids, pos, slots, seq_lens, tables)
+                hidden = self.graphs.run(ids, pos, slots, seq_lens, tables, ahead_ids)
                 graph_used = True
             except RuntimeError:  # graphs only save launches: keep serving, eagerly (it rewrites the same slots)
                 if self.tp.size > 1:
@@ -314,25 +368,36 @@ class ModelRunner:
                 self.graphs = None
         if hidden is None:
             rows = sample_rows + [r for span in spans for r in span.rows]  # prompt logprobs: eager only
-            hidden = self._eager_forward(ids, pos, slots, query_lens, seq_lens, tables, splices, rows)
+            hidden = self._eager_forward(ids, pos, slots, query_lens, seq_lens, tables, splices, rows, ahead_ids)
         if plan.forks:
             self._copy_blocks([f.copy for f in plan.forks if f.copy is not None])
         n, rank0 = len(sample_rows), self.tp.rank == 0
         scored = score_prompts(hidden[n:], spans, self.model.compute_logits, self.spec.vocab_size, rank0) if spans else []
+        launched.scored = scored if rank0 else []
         hidden = hidden[:n]
         if hidden.shape[0] == 0:
-            return [], [], scored
+            return
         logits = self.model.compute_logits(hidden)
         self.trace.mark("graph" if graph_used else "forward")
         if not rank0:
-            return [], [], []
+            return
         rids = [s.rid for s in sample_seqs]
         # Structured outputs: masks are filled here, on the CPU, while the GPU still runs the queued forward.
         mask = self.grammar.mask_for(rids) if self.grammar is not None else None
         out = self.sampler.sample(logits, rids, [s.sampling for s in sample_seqs], mask)
         if mask is not None and self.grammar is not None:
             self.grammar.accept_all(rids, out.tokens)
-        return list(zip(rids, out.tokens, strict=True)), out.logprobs, scored
+        self.last_sampled = out.device, {rid: row for row, rid in enumerate(rids)}
+        launched.rids, launched.logprobs = rids, out.logprobs
+        if self.device.type == "cuda":
+            # The ids come to the host by a queued copy, and the worker reads them once the event has passed: in
+            # the meantime it can queue the next step (asynchronous scheduling).
+            launched.tokens = torch.empty(len(rids), dtype=torch.int64, pin_memory=True)
+            launched.tokens.copy_(out.device, non_blocking=True)
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+        else:
+            launched.tokens = out.device
 
     def _fork(self, parent: WorkerSeq, forks: list[Fork]) -> list[WorkerSeq]:
         """The choices of an n > 1 request, registered as copies of the parent that has just computed its
@@ -371,8 +436,10 @@ class ModelRunner:
         tables: list[list[int]],
         splices: list[tuple[int, bytes, int, int]],
         sample_rows: list[int],
+        ahead_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """LM forward over the flattened step; returns the final hidden states of ``sample_rows``."""
+        """LM forward over the flattened step; returns the final hidden states of ``sample_rows``. ``ahead_ids``
+        replaces ``ids`` (a step planned ahead: the ids are on the device only)."""
         n, width = len(ids), max(len(t) for t in tables)
         mm_rows = [row for dst, _, _, count in splices for row in range(dst, dst + count)]
         # All index data in two copies (one per dtype) rather than eight, none of them blocking.
@@ -384,7 +451,7 @@ class ModelRunner:
         int32 = to_device([torch.tensor(ints, dtype=torch.int32)], self.device)
         input_ids, positions, slot_mapping, rows, mm_index = longs.split([n, 3 * n, n, len(sample_rows), len(mm_rows)])
         starts, lens, table_rows = int32.split([len(tables) + 1, len(tables), len(tables) * width])
-        embeds = self.model.embed(input_ids)
+        embeds = self.model.embed(input_ids if ahead_ids is None else ahead_ids)
         parts = [self.store.rows(key, first, count) for _, key, first, count in splices]
         mm_embeds = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
         meta = AttentionMetadata(

@@ -32,8 +32,18 @@ RowMask = Callable[[torch.Tensor], None]
 
 @dataclass
 class SampleOutput:
-    tokens: list[int]
+    """The sampled ids stay on the device until ``tokens`` is read: a worker that schedules asynchronously feeds
+    ``device`` to the next step's input before this step's ids reach the host."""
+
+    device: torch.Tensor  # int64 [N]
     logprobs: list[SampleLogprobs]
+    _host: list[int] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._host is None:
+            self._host = self.device.tolist()
+        return self._host
 
 
 class Sampler:
@@ -97,10 +107,8 @@ class Sampler:
         """``logits`` [N, vocab]; returns N token ids and the log probabilities asked for."""
         plain = mask is None and all(p.greedy and _plain(p) for p in params)
         if plain:
-            tokens = logits.argmax(dim=-1)
-            out = SampleOutput([int(t) for t in tokens.tolist()], [])
             self._count(rids)
-            return out
+            return SampleOutput(logits.argmax(dim=-1), [])
         # Every per-row number the step needs goes to the device in two copies that do not block.
         pack = Pack()
         plan = self._plan(pack, rids, params)
@@ -119,7 +127,7 @@ class Sampler:
             self._penalties.apply(logits, pack)
         tokens = self._draw(logits, rids, params, pack)
         logprobs = self._logprobs(logits, tokens, rids, params, lp_rows, pack)
-        out = SampleOutput([int(t) for t in tokens.tolist()], logprobs)
+        out = SampleOutput(tokens, logprobs)
         self._count(rids)
         if plan.penalties and self._penalties is not None:
             self._penalties.record(tokens, pack)

@@ -13,12 +13,11 @@ recomputed later.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Literal
 
 from ipc.messages import (
-    EncodeItem,
-    EncodeJob,
     Fork,
     MMItem,
     NewSeq,
@@ -80,11 +79,12 @@ class SchedulerCore:
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
         self._finished_for_workers: list[str] = []
-        self._in_flight: StepPlan | None = None
+        self._in_flight: deque[StepPlan] = deque()  # sent, result not back yet; two only with `schedule_ahead`
         self.on_finished: Callable[[Sequence], None] | None = None  # e.g. unlink the request's shm
         # (sequence, indices of blocks it just published, its block keys): KV-cache events' BlockStored.
         self.on_blocks_stored: Callable[[Sequence, list[int], list[bytes]], None] | None = None
         self.preemptions = 0
+        self.samples_dropped = 0  # sampled for a sequence that ended (or lost its KV) while the step ran
         self.images_planned = 0
         self.prompt_tokens_computed = 0
         # n > 1: the live sequences of each request; the request ends (on_finished) with its last one.
@@ -142,7 +142,7 @@ class SchedulerCore:
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when there is nothing to do."""
-        if self._in_flight is not None:
+        if self._in_flight:
             raise RuntimeError("schedule() called again before update() of the previous step")
         decoding = any(s.total_len - s.num_computed == 1 for s in self.running)
         budget = self.chunk_size if decoding else self.lone_prefill_tokens
@@ -186,7 +186,42 @@ class SchedulerCore:
         if not picked and not self._finished_for_workers:
             return None
         plan = self._build_plan(picked)
-        self._in_flight = plan
+        self._in_flight.append(plan)
+        return plan
+
+    def schedule_ahead(self) -> StepPlan | None:
+        """Asynchronous scheduling: the next decode step, planned while the one step in flight still runs, or None
+        when the plan must wait for that step's result.
+
+        It is planned only when every running sequence samples in the step in flight (nothing is waiting, nothing
+        is prefilling) and none needs its tokens on the host to go on (structured outputs). Each sequence then
+        decodes the token that step is sampling: the worker takes its id from its own samples. A sequence that
+        stops on that token (EOS, a stop string) computes one token for nothing, which `update` drops. It never
+        preempts: short of blocks, it waits for the result and `schedule` decides."""
+        if len(self._in_flight) != 1 or self.waiting or not self.running:
+            return None
+        sampling = {c.rid for c in self._in_flight[0].chunks if c.sample}
+        picked: list[Sequence] = []
+        need = 0
+        for seq in self.running:
+            if seq.rid not in sampling or seq.sampling.structured is not None:
+                return None
+            if len(seq.output_ids) + 1 >= seq.sampling.max_tokens or seq.total_len + 1 >= self.max_model_len:
+                continue  # the token in flight is its last
+            picked.append(seq)
+            need += max(0, self.allocator.blocks_for(seq.total_len + 1) - len(seq.block_table))
+        if not picked or not self.allocator.can_allocate(need):
+            return None
+        chunks: list[SeqChunk] = []
+        for seq in picked:
+            if (more := self.allocator.blocks_for(seq.total_len + 1) - len(seq.block_table)) > 0:
+                seq.block_table.extend(self.allocator.allocate(more))
+            new_blocks, new_tokens = seq.block_table[seq.sent_blocks :], seq.tokens_since(seq.sent_tokens)
+            chunks.append(SeqChunk(seq.rid, seq.total_len, 1, new_blocks, new_tokens, sample=True))
+            seq.sent_blocks, seq.sent_tokens = len(seq.block_table), seq.total_len
+        finished, self._finished_for_workers = self._finished_for_workers, []
+        plan = StepPlan(next(self._step_ids), [], chunks, [], [], finished, ahead=True)
+        self._in_flight.append(plan)
         return plan
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -243,7 +278,7 @@ class SchedulerCore:
             if not seq.announced:
                 new_seqs.append(self._announce(seq))
             start = seq.num_computed
-            new_tokens = seq.all_token_ids()[seq.sent_tokens :]
+            new_tokens = seq.tokens_since(seq.sent_tokens)
             seq.sent_tokens = seq.total_len
             chunks.append(
                 SeqChunk(
@@ -261,7 +296,8 @@ class SchedulerCore:
                 needed.setdefault(key, items)
             if chunks[-1].sample and seq.wants_fork:
                 forks.extend(self._fork(seq))
-        evict, encode = self._plan_embeddings(needed)
+        evict, encode = self.mm_index.plan(needed)
+        self.images_planned += sum(len(job.items) for job in encode)
         finished, self._finished_for_workers = self._finished_for_workers, []
         return StepPlan(next(self._step_ids), new_seqs, chunks, evict, encode, finished, forks=forks)
 
@@ -294,41 +330,11 @@ class SchedulerCore:
             return []
         return [(it.hash, [it]) for it in overlapping]
 
-    def _plan_embeddings(self, needed: dict[bytes, list[MMItem]]) -> tuple[list[bytes], list[EncodeJob]]:
-        evict: list[bytes] = []
-        misses: list[bytes] = []
-        pinned: set[bytes] = set()
-        for key, items in needed.items():
-            hit, stale = self.mm_index.lookup(key, sum(it.length for it in items))
-            if stale is not None:
-                evict.append(stale)
-            if hit:
-                pinned.add(key)
-            else:
-                misses.append(key)
-        jobs: list[EncodeJob] = []
-        for key in misses:
-            items = needed[key]
-            admitted, evicted = self.mm_index.admit(key, sum(it.length for it in items), pinned)
-            evict.extend(evicted)
-            if admitted:
-                pinned.add(key)
-            self.images_planned += len(items)
-            jobs.append(
-                EncodeJob(
-                    key=key,
-                    items=[EncodeItem(it.hash, it.grid, it.length, it.pixels) for it in items],
-                    transient=not admitted,
-                )
-            )
-        return evict, jobs
-
     # ---- results --------------------------------------------------------------------------------
     def update(self, result: StepResult) -> list[SeqUpdate]:
-        plan = self._in_flight
-        if plan is None or plan.step_id != result.step_id:
+        if not self._in_flight or self._in_flight[0].step_id != result.step_id:
             raise RuntimeError(f"result for step {result.step_id} does not match the step in flight")
-        self._in_flight = None
+        plan = self._in_flight.popleft()  # results come back in the order the steps were sent
         prompt_only: list[Sequence] = []  # max_tokens 0: the prompt was all there was to compute
         for chunk in plan.chunks:
             seq = self.seqs.get(chunk.rid)
@@ -345,7 +351,8 @@ class SchedulerCore:
         for rid, token_id in result.sampled:
             seq = self.seqs.get(rid)
             if seq is None or seq.finish_reason is not None or not seq.announced:
-                continue  # aborted or preempted while the step ran
+                self.samples_dropped += 1  # ended or preempted while the step ran (a step planned ahead: on its last token)
+                continue
             seq.output_ids.append(token_id)
             reason = self._check_finish(seq, token_id)
             if reason is not None:
@@ -358,10 +365,9 @@ class SchedulerCore:
     def fail_step(self, step_id: int) -> list[str]:
         """The step in flight failed on a worker: abort its requests and forget the embeddings it was
         to store (the workers may not hold them). Returns the aborted rids."""
-        plan = self._in_flight
-        if plan is None or plan.step_id != step_id:
+        if not self._in_flight or self._in_flight[0].step_id != step_id:
             raise RuntimeError(f"step {step_id} is not the step in flight")
-        self._in_flight = None
+        plan = self._in_flight.popleft()
         for job in plan.encode:
             self.mm_index.discard(job.key)
         # Whole requests: a failed choice fails its siblings too.

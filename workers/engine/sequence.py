@@ -66,6 +66,12 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    def tokens_since(self, start: int) -> list[int]:
+        """Tokens from position ``start`` on (without copying the prompt when ``start`` is past it)."""
+        if start >= self.prompt_len:
+            return self.output_ids[start - self.prompt_len :]
+        return self.all_token_ids()[start:]
+
     def computable(self) -> int:
         """How far the sequence may be computed now: to its end, or to the first image still being written that
         is not computed yet (a chunk stops short of it; never below what is computed already)."""

@@ -1,0 +1,163 @@
+"""Asynchronous scheduling: a decode step planned while the step before it runs (SchedulerCore.schedule_ahead), the
+model runner taking its input ids from its own samples, and the offline Engine's greedy tokens with it on equal to
+those with it off (CPU, float32, demo checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ipc.messages import SamplingParams, StepPlan, StepResult, StructuredSpec
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+
+from .test_engine import chat, noise_image
+from .test_sched_core import EOS, add, core
+
+
+def first_step(c: Any) -> StepPlan:
+    plan = c.schedule()
+    assert plan is not None and not plan.ahead
+    return plan
+
+
+def sampled(plan: StepPlan, tokens: dict[str, int]) -> StepResult:
+    return StepResult(plan.step_id, [(ch.rid, tokens[ch.rid]) for ch in plan.chunks if ch.sample])
+
+
+def test_a_decode_step_is_planned_while_the_prefill_runs() -> None:
+    c = core(block_size=4)
+    add(c, "a", 7, max_tokens=8)
+    add(c, "b", 4, max_tokens=8)
+    prefill = first_step(c)
+    ahead = c.schedule_ahead()
+    assert ahead is not None and ahead.ahead
+    # Each sequence decodes the token the prefill is sampling: one past what the worker was sent, no ids to send.
+    assert [(ch.rid, ch.start, ch.length, ch.new_token_ids, ch.sample) for ch in ahead.chunks] == [
+        ("a", 7, 1, [], True),
+        ("b", 4, 1, [], True),
+    ]
+    assert [ch.new_blocks for ch in ahead.chunks] == [[], []]  # admission reserved the first decode's blocks
+    assert c.schedule_ahead() is None  # one step ahead at most
+    c.update(sampled(prefill, {"a": 10, "b": 20}))
+    nxt = c.schedule_ahead()
+    assert nxt is not None
+    # The prefill's samples are known now and go out with the next step; its own ids come from the step ahead.
+    assert [(ch.start, ch.new_token_ids) for ch in nxt.chunks] == [(8, [10]), (5, [20])]
+    # "a"'s position 8 starts its third block (block size 4); "b"'s position 5 is in its second.
+    assert [len(ch.new_blocks) for ch in nxt.chunks] == [1, 0] and len(c.seqs["a"].block_table) == 3
+    with pytest.raises(RuntimeError):
+        c.update(sampled(nxt, {"a": 1, "b": 2}))  # results come back in order
+    updates = c.update(sampled(ahead, {"a": 11, "b": 21}))
+    assert [(u.rid, u.token_id) for u in updates] == [("a", 11), ("b", 21)]
+    assert c.seqs["a"].output_ids == [10, 11] and c.seqs["a"].num_computed == 8
+
+
+def test_nothing_is_planned_ahead_while_a_request_waits_or_a_grammar_decodes() -> None:
+    c = core()
+    add(c, "a", 6)
+    plan = first_step(c)
+    add(c, "late", 5)  # must be admitted by a normal step, from the state after the result
+    assert c.schedule_ahead() is None
+    c.update(sampled(plan, {"a": 3}))
+    plan = first_step(c)
+    assert {ch.rid for ch in plan.chunks} == {"a", "late"}
+
+    g = core()
+    g.add("s", [1] * 6, 0, [], SamplingParams(max_tokens=8, structured=StructuredSpec("json_object")))
+    first_step(g)
+    assert g.schedule_ahead() is None  # its next mask needs the token on the host
+
+
+def test_a_sequence_whose_token_in_flight_is_its_last_is_left_out() -> None:
+    c = core()
+    add(c, "one", 5, max_tokens=1)
+    add(c, "two", 5, max_tokens=2)
+    prefill = first_step(c)
+    ahead = c.schedule_ahead()
+    assert ahead is not None and [ch.rid for ch in ahead.chunks] == ["two"]
+    updates = c.update(sampled(prefill, {"one": 7, "two": 7}))
+    assert [(u.rid, u.finish_reason) for u in updates] == [("one", "length"), ("two", None)]
+    assert c.schedule_ahead() is None  # "two"'s token in flight is its last
+    updates = c.update(sampled(ahead, {"two": 8}))
+    assert [(u.rid, u.token_id, u.finish_reason) for u in updates] == [("two", 8, "length")]
+    assert c.allocator.num_used == 0
+    last = c.schedule()  # nothing to compute, but the workers must still drop both
+    assert last is not None and not last.chunks and last.finished == ["one", "two"]
+
+
+def test_eos_on_the_token_in_flight_drops_the_sample_planned_ahead() -> None:
+    c = core()
+    add(c, "a", 5, max_tokens=8)
+    add(c, "b", 5, max_tokens=8)
+    prefill = first_step(c)
+    ahead = c.schedule_ahead()
+    assert ahead is not None
+    updates = c.update(sampled(prefill, {"a": EOS, "b": 4}))
+    assert [(u.rid, u.finish_reason) for u in updates] == [("a", "stop"), ("b", None)]
+    nxt = c.schedule_ahead()
+    assert nxt is not None and [ch.rid for ch in nxt.chunks] == ["b"] and nxt.finished == ["a"]
+    updates = c.update(sampled(ahead, {"a": 42, "b": 5}))  # "a"'s second token was computed for nothing
+    assert [(u.rid, u.token_id) for u in updates] == [("b", 5)]
+    assert c.samples_dropped == 1 and "a" not in c.seqs
+
+
+def test_short_of_blocks_it_waits_instead_of_preempting() -> None:
+    c = core(num_blocks=2, block_size=4)
+    add(c, "a", 7, max_tokens=8)  # both blocks: positions 0-7
+    prefill = first_step(c)
+    ahead = c.schedule_ahead()
+    assert ahead is not None and c.allocator.num_free == 0  # position 7 fits the blocks it holds
+    c.update(sampled(prefill, {"a": 1}))
+    assert c.schedule_ahead() is None  # position 8 needs a third block: wait for the result, do not preempt
+    assert c.preemptions == 0 and c.seqs["a"] in c.running
+    c.update(sampled(ahead, {"a": 2}))
+    assert c.seqs["a"].output_ids == [1, 2]
+
+
+def make_engine(model_dir: Path, async_scheduling: bool) -> Engine:
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256, block_size=16)
+    return Engine(config, async_scheduling=async_scheduling)
+
+
+def test_engine_tokens_are_the_same_with_steps_planned_ahead(demo_model_dir: Path) -> None:
+    requests = [
+        chat("Describe the picture.", [noise_image(64, 48, 1)]),
+        chat("Two pictures: which is brighter?", [noise_image(40, 40, 2), noise_image(96, 32, 3)]),
+        [{"role": "user", "content": "Count to ten."}],
+        [{"role": "user", "content": "Say something short."}],
+    ]
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.0),
+        SamplingParams(max_tokens=14, temperature=0.0),
+        SamplingParams(max_tokens=3, temperature=0.0),
+        SamplingParams(max_tokens=1, temperature=0.0),
+    ]
+    reference = make_engine(demo_model_dir, async_scheduling=False).generate(requests, params)
+    engine = make_engine(demo_model_dir, async_scheduling=True)
+    planned: list[StepPlan] = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda plan: planned.append(plan) or launch(plan)  # type: ignore[method-assign]
+    outputs = engine.generate(requests, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert [o.finish_reason for o in outputs] == [r.finish_reason for r in reference]
+    assert [len(o.token_ids) for o in outputs] == [9, 14, 3, 1]
+    ahead = [p for p in planned if p.ahead]
+    # Every decode after the prompts ran ahead: 13 more tokens for the longest request, none waited on a result.
+    assert len(ahead) >= 12
+    assert all(not p.new_seqs and not p.encode for p in ahead)
+
+
+def test_a_step_ahead_after_a_failed_step_fails_instead_of_reading_stale_ids(demo_model_dir: Path) -> None:
+    engine = make_engine(demo_model_dir, async_scheduling=True)
+    engine.add_request([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=6, temperature=0.0))
+    plan = engine.core.schedule()
+    assert plan is not None
+    engine.runner.launch(plan).result()
+    ahead = engine.core.schedule_ahead()
+    assert ahead is not None
+    engine.runner.last_sampled = None  # what a failed step leaves behind
+    with pytest.raises(RuntimeError, match="planned ahead"):
+        engine.runner.launch(ahead)
