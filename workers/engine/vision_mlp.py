@@ -60,7 +60,7 @@ class VisionMLP(nn.Module):
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up, bias, down = self.packed
         if self.fused and self.act is F.silu and fused.worth_it(x):
-            h = fused.compiled(fused.silu_mul)(F.linear(x, gate_up, bias))
+            h = fused.fast_silu_mul(F.linear(x, gate_up, bias))
         else:
             gate, up = F.linear(x, gate_up, bias).chunk(2, dim=-1)
             h = self.act(gate) * up

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine import fused
+from workers.engine import fused, silu_kernel
 from workers.engine.attention import build_attention_metadata
 from workers.engine.batching import patches
 
@@ -24,6 +24,8 @@ log = logging.getLogger("glimpse.model")
 def warm_fused(runner: ModelRunner) -> None:
     """Switch the fused kernels on and run every call site. Falls back to eager ops if that fails."""
     started = time.perf_counter()
+    if not silu_kernel.probe(runner.device, runner.dtype):
+        log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel._broken or "no Triton")
     fused.enable(runner.lm)
     fused.enable(runner.vision)
     try:
