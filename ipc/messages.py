@@ -149,9 +149,8 @@ class StepPlan(Msg, frozen=True):
     finished: list[str]  # rids whose worker-side state can be dropped
     sent_at: float = 0.0  # time.monotonic() when the scheduler encoded it (one clock for the whole host)
     forks: list[Fork] = []
-    # Asynchronous scheduling: planned while the step before it was still running, so every chunk is one decode
-    # token whose id the scheduler does not know yet (start == the tokens sent so far): the worker takes it from
-    # its own samples of the step before, on the device.
+    # Asynchronous scheduling: planned while the step before it was still running. A chunk that starts right past
+    # the tokens sent so far decodes the token that step is sampling: the worker takes its id from its own samples.
     ahead: bool = False
 
 

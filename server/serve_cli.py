@@ -86,7 +86,7 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="hand a request on only once all its images are written (default: its prefill starts once "
                    "their sizes are read from their headers, while later images are still decoded and written)")
     s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="plan each step only once the step before it is back (default: a decode step is planned and "
+                   help="plan each step only once the step before it is back (default: the next step is planned and "
                    "sent while the one before it runs; TP 1 only)")
     s.add_argument("--launch-id", default=None, help="names this launch's sockets and shm segments (default: random)")
     s.add_argument("--log-level", default=S["log_level"], choices=["debug", "info", "warning", "error"])

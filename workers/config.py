@@ -24,8 +24,8 @@ class ServerConfig:
     # Hand a request to the scheduler as soon as its images' grids are known (from their headers), and decode,
     # process and write its new images while its first chunks run (off with --dp > 1 or --mm-cache-mode request).
     overlap_media: bool = True
-    # Plan a decode step while the one before it runs, so the GPU never waits for the scheduler between decode
-    # steps (TP = 1 only: with TP > 1 only rank 0 has the sampled ids).
+    # Plan each step while the one before it runs, so the GPU does not wait for the scheduler between steps
+    # (TP = 1 only: with TP > 1 only rank 0 has the sampled ids).
     async_scheduling: bool = True
     # Limits on client input.
     max_images_per_request: int = 32

@@ -1,8 +1,8 @@
 """Scheduler process: admission, continuous batching and detokenization between tokenizers, model
 workers and frontend. One loop, never blocked on the model: it polls its PULL socket (requests,
 aborts, step results), keeps one step in flight, and plans the next step the moment a result lands;
-with asynchronous scheduling a decode step also goes out while the one before it runs (see
-``SchedulerCore.schedule_ahead``). A plan is encoded once and the same bytes go to every TP rank; plans carry shm pointers, never
+with asynchronous scheduling the next step also goes out while the one before it runs (see
+``SchedulerCore.schedule(ahead=True)``). A plan is encoded once and the same bytes go to every TP rank; plans carry shm pointers, never
 pixels, and this process never maps a segment. It is the only process that unlinks segments: a
 request's names go when the request finishes, fails or is aborted (see ``_release``), and retained
 ones after ``shm_retain_idle_s`` unused. If the launcher dies (SIGKILL, OOM) the scheduler notices
@@ -161,7 +161,8 @@ class Scheduler:
             self.handle(early)
         while self.stop_reason is None:
             # Sleep until a message or the next stats tick, then take whatever else is queued, so
-            # requests that arrived together are planned into the same step.
+            # requests that arrived together are planned into the same step; but plan as soon as a result is in
+            # (with a step planned ahead, the next result may be queued already: it is the next turn's).
             timeout_ms = max(0, int((self.next_stats - time.monotonic()) * 1000))
             for _ in range(_MAX_DRAIN):
                 msg = self.inbound.recv(timeout_ms)
@@ -169,6 +170,8 @@ class Scheduler:
                     break
                 self.handle(msg)
                 timeout_ms = 0
+                if isinstance(msg, StepResult):
+                    break
             if len(self.in_flight) < 2:
                 self._schedule()
             if self.kv_events is not None:
@@ -207,7 +210,7 @@ class Scheduler:
             if not self.in_flight:
                 plan = self.core.schedule()
             elif self.ahead and len(self.in_flight) == 1:
-                plan = self.core.schedule_ahead()
+                plan = self.core.schedule(ahead=True)
             else:
                 return
             if plan is None:

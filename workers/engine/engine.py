@@ -62,8 +62,8 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, async_scheduling: bool = False) -> None:
-        """``async_scheduling``: queue a decode step before the one before it is back (as the server does; see
-        ``SchedulerCore.schedule_ahead``). Off, each step is planned from the last one's result (the reference)."""
+        """``async_scheduling``: queue each step before the one before it is back (as the server does; see
+        ``SchedulerCore.schedule``). Off, each step is planned from the last one's result (the reference)."""
         if config.spec is None:  # read config.json once here, and hand the runner the parsed copy
             config = replace(config, spec=config.model_spec())
         self.config = config
@@ -127,7 +127,7 @@ class Engine:
         """Run one scheduler step; return the requests that finished in it."""
         if not self._running and (plan := self.core.schedule()) is not None:
             self._running.append(self.runner.launch(plan))
-        if self.async_scheduling and len(self._running) == 1 and (ahead := self.core.schedule_ahead()) is not None:
+        if self.async_scheduling and len(self._running) == 1 and (ahead := self.core.schedule(ahead=True)) is not None:
             self._running.append(self.runner.launch(ahead))  # queued behind the running step: no host gap
         if not self._running:
             return []

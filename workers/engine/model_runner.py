@@ -15,11 +15,7 @@ from ipc.messages import (
     EncodeItem,
     EncodeJob,
     Fork,
-    MMItem,
     NewSeq,
-    PromptLogprobs,
-    SampleLogprobs,
-    SamplingParams,
     StepPlan,
     StepResult,
 )
@@ -28,62 +24,23 @@ from workers.engine.attention import AttentionMetadata
 from workers.engine.batching import cumsum, group_by_patches, patches, split_by_patches, to_device
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graphs_wanted
-from workers.engine.kv_cache import slot_mapping
 from workers.engine.layers import TPGroup
 from workers.engine.mm_cache import EmbeddingStore
 from workers.engine.models import family as family_package
 from workers.engine.models.base import item_spans, load_model
-from workers.engine.prompt_logprobs import PromptSpan, score_prompts, span_for
+from workers.engine.prompt_logprobs import score_prompts
 from workers.engine.sampler import Sampler
+from workers.engine.step_inputs import Launched, WorkerSeq, ahead_token_ids, gather_inputs
 from workers.engine.warmup import warm_fused
 from workers.grammar import GrammarBook
 from workers.step_trace import StepTrace
 
-__all__ = ["ModelRunner", "split_by_patches", "to_device"]
+__all__ = ["Launched", "ModelRunner", "WorkerSeq", "split_by_patches", "to_device"]
 
 log = logging.getLogger("glimpse.model")
 
 PixelSource = Callable[[EncodeItem], torch.Tensor]
 CUDA_HOST_THREADS = 4
-
-
-@dataclass
-class WorkerSeq:
-    rid: str
-    token_ids: list[int]
-    positions: list[list[int]]  # M-RoPE positions of the tokens known at registration; later: p + mrope_delta
-    mrope_delta: int
-    items: list[MMItem]
-    sampling: SamplingParams
-    mm_key: bytes
-    item_rows: list[int]  # baseline mode: row offset of each item inside the request's entry
-    block_table: list[int] = field(default_factory=list)
-    prompt_until: int = 0  # prompt_logprobs: positions below this are scored (see prompt_logprobs.py)
-
-
-@dataclass
-class Launched:
-    """A step whose GPU work is queued: its sampled ids reach the host (and the StepResult is made) in `result`,
-    which a worker calls once `done`, after it has queued the next step."""
-
-    step_id: int
-    images_encoded: int
-    vit_calls: int
-    rids: list[str] = field(default_factory=list)
-    tokens: torch.Tensor | None = None  # int64 [len(rids)]: pinned host memory on CUDA, filled by a queued copy
-    logprobs: list[SampleLogprobs] = field(default_factory=list)
-    scored: list[PromptLogprobs] = field(default_factory=list)
-    event: torch.cuda.Event | None = None  # recorded after the copy; None: finished already (CPU)
-
-    def done(self) -> bool:
-        return self.event is None or bool(self.event.query())
-
-    def result(self) -> StepResult:
-        if self.event is not None:
-            self.event.synchronize()
-        ids = self.tokens.tolist() if self.tokens is not None else []
-        sampled = list(zip(self.rids, ids, strict=True))
-        return StepResult(self.step_id, sampled, self.images_encoded, self.vit_calls, self.logprobs, self.scored)
 
 
 @dataclass
@@ -206,7 +163,7 @@ class ModelRunner:
         if not plan.chunks:
             return launched
         try:
-            self._forward(plan, launched, self._ahead_ids(plan, last) if plan.ahead else None)
+            self._forward(plan, launched, last)
         finally:
             self.store.end_step()
         self.trace.mark("sample")
@@ -219,18 +176,6 @@ class ModelRunner:
                 graph_captures=captures, ahead=plan.ahead,
             )  # fmt: skip
         return launched
-
-    def _ahead_ids(self, plan: StepPlan, last: tuple[torch.Tensor, dict[str, int]] | None) -> torch.Tensor:
-        """A step planned ahead: its input ids [chunks], gathered on the device from the step before's samples."""
-        if last is None or self.tp.rank != 0:
-            raise RuntimeError(f"step {plan.step_id} was planned ahead, but this rank has no samples of the step before")
-        sampled, row_of = last
-        try:
-            rows = [row_of[chunk.rid] for chunk in plan.chunks]
-        except KeyError as exc:
-            raise RuntimeError(f"step {plan.step_id} was planned ahead, but {exc} sampled nothing in the step before") from None
-        index = to_device([torch.tensor(rows, dtype=torch.int64)], self.device)
-        return sampled.index_select(0, index)
 
     def _register(self, new: NewSeq) -> None:
         rows, offset = [], 0
@@ -302,57 +247,13 @@ class ModelRunner:
             self.store.put(job.key, entry, job.transient)
         return len(items)
 
-    def _forward(self, plan: StepPlan, launched: Launched, ahead_ids: torch.Tensor | None) -> None:
-        """The step's LM forward and sampling, queued; fills ``launched``. ``ahead_ids``: a step planned ahead's
-        input ids, on the device (its chunks are one token each, past the tokens this worker was sent)."""
-        bs = self.cfg.block_size
-        ids: list[int] = []
-        pos: list[list[int]] = [[], [], []]
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[WorkerSeq] = []
-        splices: list[tuple[int, bytes, int, int]] = []  # (row in batch, key, first entry row, count)
-        spans: list[PromptSpan] = []  # rows whose prompt logprobs were asked for
-        for chunk in plan.chunks:
-            seq = self.seqs[chunk.rid]
-            seq.block_table.extend(chunk.new_blocks)
-            seq.token_ids.extend(chunk.new_token_ids)
-            start, end = chunk.start, chunk.start + chunk.length
-            base = len(ids)
-            if ahead_ids is None:
-                ids.extend(seq.token_ids[start:end])
-            elif chunk.length != 1 or start != len(seq.token_ids):
-                raise RuntimeError(f"step {plan.step_id} planned ahead has a chunk of {chunk.rid} that is not its next token")
-            else:
-                ids.append(0)  # its id is in ahead_ids
-            prompt_len = len(seq.positions[0])
-            for r in range(3):
-                row = seq.positions[r]
-                pos[r].extend(row[p] if p < prompt_len else p + seq.mrope_delta for p in range(start, end))
-            slots.extend(slot_mapping(seq.block_table, start, chunk.length, bs))
-            query_lens.append(chunk.length)
-            seq_lens.append(end)
-            tables.append(seq.block_table)
-            for i, item in enumerate(seq.items):
-                lo, hi = max(start, item.offset), min(end, item.offset + item.length)
-                if lo >= hi:
-                    continue
-                key, row0 = (seq.mm_key, seq.item_rows[i]) if seq.mm_key else (item.hash, 0)
-                splices.append((base + lo - start, key, row0 + lo - item.offset, hi - lo))
-            if (span := span_for(seq, start, end, base, self.spec)) is not None:
-                spans.append(span)
-            if chunk.sample:
-                sample_rows.append(len(ids) - 1)
-                sample_seqs.append(seq)
-                for child in self._fork(seq, [f for f in plan.forks if f.parent == chunk.rid]):
-                    sample_rows.append(len(ids) - 1)  # a choice's first token comes from the parent's logits
-                    sample_seqs.append(child)
-        # Image spans hold pad values above the vocabulary; their embeddings are replaced below.
-        top = self.spec.vocab_size - 1
-        ids = [min(i, top) for i in ids]
+    def _forward(self, plan: StepPlan, launched: Launched, last: tuple[torch.Tensor, dict[str, int]] | None) -> None:
+        """The step's LM forward and sampling, queued; fills ``launched``. ``last``: the step before's sampled ids
+        on the device, and each sequence's row in them."""
+        step = gather_inputs(plan, self.seqs, self.cfg.block_size, self.spec, self._fork)
+        ids, pos, slots, seq_lens, tables = step.ids, step.positions, step.slots, step.seq_lens, step.tables
+        splices, spans, sample_rows, sample_seqs = step.splices, step.spans, step.sample_rows, step.sample_seqs
+        ahead_ids = ahead_token_ids(ids, step.ahead, last, self.device) if step.ahead else None
         self.trace.mark("prep")
         hidden: torch.Tensor | None = None
         graph_used = False
@@ -368,7 +269,7 @@ class ModelRunner:
                 self.graphs = None
         if hidden is None:
             rows = sample_rows + [r for span in spans for r in span.rows]  # prompt logprobs: eager only
-            hidden = self._eager_forward(ids, pos, slots, query_lens, seq_lens, tables, splices, rows, ahead_ids)
+            hidden = self._eager_forward(ids, pos, slots, step.query_lens, seq_lens, tables, splices, rows, ahead_ids)
         if plan.forks:
             self._copy_blocks([f.copy for f in plan.forks if f.copy is not None])
         n, rank0 = len(sample_rows), self.tp.rank == 0

@@ -79,7 +79,8 @@ class SchedulerCore:
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
         self._finished_for_workers: list[str] = []
-        self._in_flight: deque[StepPlan] = deque()  # sent, result not back yet; two only with `schedule_ahead`
+        self._in_flight: deque[StepPlan] = deque()  # sent, result not back yet; two only with schedule(ahead=True)
+        self._drain = False  # a step planned ahead lacked blocks: plan the next one from the results
         self.on_finished: Callable[[Sequence], None] | None = None  # e.g. unlink the request's shm
         # (sequence, indices of blocks it just published, its block keys): KV-cache events' BlockStored.
         self.on_blocks_stored: Callable[[Sequence, list[int], list[bytes]], None] | None = None
@@ -140,23 +141,37 @@ class SchedulerCore:
         return bool(self.waiting or self.running or self._finished_for_workers)
 
     # ---- planning -------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan | None:
-        """Plan the next step, or None when there is nothing to do."""
-        if self._in_flight:
+    def schedule(self, ahead: bool = False) -> StepPlan | None:
+        """Plan the next step, or None when there is nothing to do.
+
+        ``ahead`` (asynchronous scheduling): plan it while the one step in flight still runs, or return None when
+        it must wait for that step's result. A sequence whose token that step is sampling decodes it next: the
+        worker takes its id from its own samples. One that stops on that token (EOS, a stop string) computes one
+        token for nothing, which `update` drops. A step planned ahead never preempts: short of blocks, planning
+        waits for the results (`schedule` then decides); and a sequence with structured outputs waits for its token
+        (its grammar must see it before the next mask)."""
+        if ahead:
+            if len(self._in_flight) != 1 or self._drain:
+                return None
+        elif self._in_flight:
             raise RuntimeError("schedule() called again before update() of the previous step")
-        decoding = any(s.total_len - s.num_computed == 1 for s in self.running)
+        self._drain = False
+        plannable = [s for s in self.running if not s.ends_in_flight(self.max_model_len)]
+        if ahead:
+            plannable = [s for s in plannable if not (s.in_flight and s.sampling.structured is not None)]
+        decoding = any(s.planned_len - s.num_scheduled == 1 for s in plannable)
         budget = self.chunk_size if decoding else self.lone_prefill_tokens
         picked: list[tuple[Sequence, int]] = []
         # Decodes first: they are one token each and keep latency flat.
-        for seq in sorted(self.running, key=lambda s: s.total_len - s.num_computed != 1):
+        for seq in sorted(plannable, key=lambda s: s.planned_len - s.num_scheduled != 1):
             if budget == 0:
                 break
             if seq not in self.running:  # preempted while making room for an earlier one
                 continue
-            length = min(seq.computable() - seq.num_computed, budget)
-            if length <= 0:  # waiting for an image to be written
+            length = min(seq.computable() - seq.num_scheduled, budget)
+            if length <= 0:  # waiting for an image to be written, or all of it is in flight
                 continue
-            if not self._ensure_blocks(seq, seq.num_computed + length, {s for s, _ in picked}):
+            if not self._ensure_blocks(seq, seq.num_scheduled + length, {s for s, _ in picked}, ahead):
                 continue
             picked.append((seq, length))
             budget -= length
@@ -173,54 +188,19 @@ class SchedulerCore:
                 self.allocator.acquire(cached)
                 seq.block_table = list(cached)
                 seq.registered = len(cached)
-                seq.num_computed = len(cached) * self.allocator.block_size
+                seq.num_computed = seq.num_scheduled = len(cached) * self.allocator.block_size
                 if not seq.output_ids:  # a first admission, not the recompute after a preemption
                     seq.cached_tokens = seq.num_computed
             seq.block_table.extend(self.allocator.allocate(need - extra))
             seq.fork_blocks = self.allocator.allocate(extra)
             self.running.append(seq)
-            length = min(seq.computable() - seq.num_computed, budget)
+            length = min(seq.computable() - seq.num_scheduled, budget)
             if length > 0:  # else admitted (its blocks are reserved) but waiting for an image to be written
                 picked.append((seq, length))
                 budget -= length
-        if not picked and not self._finished_for_workers:
-            return None
-        plan = self._build_plan(picked)
-        self._in_flight.append(plan)
-        return plan
-
-    def schedule_ahead(self) -> StepPlan | None:
-        """Asynchronous scheduling: the next decode step, planned while the one step in flight still runs, or None
-        when the plan must wait for that step's result.
-
-        It is planned only when every running sequence samples in the step in flight (nothing is waiting, nothing
-        is prefilling) and none needs its tokens on the host to go on (structured outputs). Each sequence then
-        decodes the token that step is sampling: the worker takes its id from its own samples. A sequence that
-        stops on that token (EOS, a stop string) computes one token for nothing, which `update` drops. It never
-        preempts: short of blocks, it waits for the result and `schedule` decides."""
-        if len(self._in_flight) != 1 or self.waiting or not self.running:
-            return None
-        sampling = {c.rid for c in self._in_flight[0].chunks if c.sample}
-        picked: list[Sequence] = []
-        need = 0
-        for seq in self.running:
-            if seq.rid not in sampling or seq.sampling.structured is not None:
-                return None
-            if len(seq.output_ids) + 1 >= seq.sampling.max_tokens or seq.total_len + 1 >= self.max_model_len:
-                continue  # the token in flight is its last
-            picked.append(seq)
-            need += max(0, self.allocator.blocks_for(seq.total_len + 1) - len(seq.block_table))
-        if not picked or not self.allocator.can_allocate(need):
-            return None
-        chunks: list[SeqChunk] = []
-        for seq in picked:
-            if (more := self.allocator.blocks_for(seq.total_len + 1) - len(seq.block_table)) > 0:
-                seq.block_table.extend(self.allocator.allocate(more))
-            new_blocks, new_tokens = seq.block_table[seq.sent_blocks :], seq.tokens_since(seq.sent_tokens)
-            chunks.append(SeqChunk(seq.rid, seq.total_len, 1, new_blocks, new_tokens, sample=True))
-            seq.sent_blocks, seq.sent_tokens = len(seq.block_table), seq.total_len
-        finished, self._finished_for_workers = self._finished_for_workers, []
-        plan = StepPlan(next(self._step_ids), [], chunks, [], [], finished, ahead=True)
+        if not picked and (ahead or not self._finished_for_workers):
+            return None  # (a step planned ahead for the finished alone is not worth it: the next plan takes them)
+        plan = self._build_plan(picked, ahead)
         self._in_flight.append(plan)
         return plan
 
@@ -244,8 +224,13 @@ class SchedulerCore:
         if stored and self.on_blocks_stored is not None:
             self.on_blocks_stored(seq, stored, hashes)
 
-    def _ensure_blocks(self, seq: Sequence, num_tokens: int, picked: set[Sequence]) -> bool:
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int, picked: set[Sequence], ahead: bool = False) -> bool:
         need = self.allocator.blocks_for(num_tokens) - len(seq.block_table)
+        if ahead and need > 0 and not self.allocator.can_allocate(need):
+            # A step in flight may still write the victim's blocks, and its result would land on a sequence that
+            # lost its KV: no preemption now. The next plan waits for the results and preempts if it must.
+            self._drain = True
+            return False
         while need > 0 and not self.allocator.can_allocate(need):
             # The newest sequence not already in this step loses its KV (it alone, if nothing else is left).
             victim = max((s for s in self.running if s not in picked), key=lambda s: s.arrival)
@@ -262,14 +247,14 @@ class SchedulerCore:
         self.running.remove(seq)
         self.allocator.free(seq.block_table + seq.fork_blocks)
         seq.block_table, seq.fork_blocks = [], []
-        seq.num_computed = seq.registered = 0
+        seq.num_computed = seq.num_scheduled = seq.registered = seq.in_flight = 0
         if seq.announced:
             self._finished_for_workers.append(seq.rid)
         seq.announced = False
         seq.sent_blocks = seq.sent_tokens = 0
         self.waiting.insert(0, seq)
 
-    def _build_plan(self, picked: list[tuple[Sequence, int]]) -> StepPlan:
+    def _build_plan(self, picked: list[tuple[Sequence, int]], ahead: bool = False) -> StepPlan:
         new_seqs: list[NewSeq] = []
         chunks: list[SeqChunk] = []
         needed: dict[bytes, list[MMItem]] = {}  # key -> items to encode under it, in first-seen order
@@ -277,9 +262,10 @@ class SchedulerCore:
         for seq, length in picked:
             if not seq.announced:
                 new_seqs.append(self._announce(seq))
-            start = seq.num_computed
+            start = seq.num_scheduled
             new_tokens = seq.tokens_since(seq.sent_tokens)
             seq.sent_tokens = seq.total_len
+            seq.num_scheduled = start + length
             chunks.append(
                 SeqChunk(
                     rid=seq.rid,
@@ -287,9 +273,10 @@ class SchedulerCore:
                     length=length,
                     new_blocks=seq.block_table[seq.sent_blocks :],
                     new_token_ids=new_tokens,
-                    sample=start + length == seq.total_len and seq.sampling.max_tokens > 0,
+                    sample=start + length == seq.planned_len and seq.sampling.max_tokens > 0,
                 )
             )
+            seq.in_flight += chunks[-1].sample
             seq.sent_blocks = len(seq.block_table)
             self.prompt_tokens_computed += max(0, min(start + length, seq.prompt_len) - start)
             for key, items in self._keys_for_chunk(seq, start, start + length):
@@ -299,7 +286,7 @@ class SchedulerCore:
         evict, encode = self.mm_index.plan(needed)
         self.images_planned += sum(len(job.items) for job in encode)
         finished, self._finished_for_workers = self._finished_for_workers, []
-        return StepPlan(next(self._step_ids), new_seqs, chunks, evict, encode, finished, forks=forks)
+        return StepPlan(next(self._step_ids), new_seqs, chunks, evict, encode, finished, forks=forks, ahead=ahead)
 
     def _fork(self, parent: Sequence) -> list[Fork]:
         out = []
@@ -353,6 +340,7 @@ class SchedulerCore:
             if seq is None or seq.finish_reason is not None or not seq.announced:
                 self.samples_dropped += 1  # ended or preempted while the step ran (a step planned ahead: on its last token)
                 continue
+            seq.in_flight -= 1
             seq.output_ids.append(token_id)
             reason = self._check_finish(seq, token_id)
             if reason is not None:

@@ -34,6 +34,11 @@ class Sequence:
     mm_key: bytes = b""
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V is in the cache
+    # Asynchronous scheduling plans a step while the one before it runs: positions up to ``num_scheduled`` are in
+    # a step sent (computed or not), and ``in_flight`` tokens are being sampled. Both equal the settled state
+    # (num_computed, 0) whenever no step is in flight.
+    num_scheduled: int = 0
+    in_flight: int = 0
     block_table: list[int] = field(default_factory=list)
     sent_blocks: int = 0  # prefix of block_table the worker knows
     sent_tokens: int = 0  # prefix of all tokens the worker knows
@@ -72,13 +77,24 @@ class Sequence:
             return self.output_ids[start - self.prompt_len :]
         return self.all_token_ids()[start:]
 
+    @property
+    def planned_len(self) -> int:
+        """Its length once the tokens being sampled are in."""
+        return self.total_len + self.in_flight
+
     def computable(self) -> int:
-        """How far the sequence may be computed now: to its end, or to the first image still being written that
-        is not computed yet (a chunk stops short of it; never below what is computed already)."""
+        """How far the sequence may be scheduled now: to its end (counting a token still being sampled, whose id
+        the worker takes from its own samples), or to the first image still being written that is not scheduled
+        yet (a chunk stops short of it; never below what is scheduled already)."""
         if not self.pending:
-            return self.total_len
-        ends = [it.offset for it in self.items if it.hash in self.pending and it.offset + it.length > self.num_computed]
-        return max(self.num_computed, min(ends, default=self.total_len))
+            return self.planned_len
+        ends = [it.offset for it in self.items if it.hash in self.pending and it.offset + it.length > self.num_scheduled]
+        return max(self.num_scheduled, min(ends, default=self.planned_len))
+
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """Whether the token being sampled is its last (max_tokens or the context length): nothing to plan."""
+        total = self.planned_len
+        return bool(self.in_flight) and (len(self.output_ids) + self.in_flight >= self.sampling.max_tokens or total >= max_model_len)
 
 
 @dataclass(frozen=True)
@@ -154,6 +170,8 @@ def fork(parent: Sequence, allocator: BlockAllocator, arrival: int) -> list[tupl
             arrival,
             mm_key=parent.mm_key,
             num_computed=parent.prompt_len,
+            num_scheduled=parent.prompt_len,
+            in_flight=1,  # its first token is sampled from the parent's logits in the step being planned
             block_table=table,
             sent_blocks=len(table),
             sent_tokens=parent.prompt_len,
