@@ -132,8 +132,11 @@ def ahead_token_ids(
 ) -> torch.Tensor:
     """The step's input ids on the device, where the ``ahead`` rows (batch row, sequence) take the id the step
     before sampled for their sequence. ``last``: that step's sampled ids on the device and each sequence's row."""
+    out = to_device([torch.tensor(ids, dtype=torch.int64)], device)
     if last is None:
-        raise RuntimeError("a step planned ahead follows a step that sampled nothing on this rank")
+        # The step before failed (the scheduler fails its requests before this step's result can reach them), so
+        # these rows compute placeholders that nobody reads; the step's other sequences go on.
+        return out
     sampled, row_of = last
     try:
         src = [row_of[rid] for _, rid in ahead]
@@ -141,5 +144,4 @@ def ahead_token_ids(
         raise RuntimeError(f"a step planned ahead needs a token of {exc} that the step before did not sample") from None
     index = to_device([torch.tensor([*(row for row, _ in ahead), *src], dtype=torch.int64)], device)
     dst, src_rows = index.split(len(ahead))
-    out = to_device([torch.tensor(ids, dtype=torch.int64)], device)
     return out.index_copy_(0, dst, sampled.index_select(0, src_rows))
