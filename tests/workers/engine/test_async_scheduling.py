@@ -208,3 +208,25 @@ def test_a_step_ahead_after_a_failed_step_reads_no_stale_ids_and_spares_the_othe
     engine.runner.last_sampled = (torch.zeros(1, dtype=torch.int64), {"someone-else": 0})
     with pytest.raises(RuntimeError, match="did not sample"):  # a real mismatch still fails loudly
         engine.runner.launch(nxt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs, pinned copies and events: GPU only")
+def test_on_the_gpu_steps_planned_ahead_give_the_same_tokens(demo_model_dir: Path) -> None:
+    def engine(async_scheduling: bool) -> Engine:
+        config = EngineConfig(model=str(demo_model_dir), device="cuda", dtype="float32", num_kv_blocks=256, chunk_size=24)
+        return Engine(config, async_scheduling=async_scheduling)
+
+    requests = [
+        chat("Describe the picture.", [noise_image(64, 48, 1)]),
+        [{"role": "user", "content": "Count to ten."}],
+        [{"role": "user", "content": "Two answers, please."}],
+    ]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 2 + [
+        SamplingParams(max_tokens=12, temperature=0.0, n=2, ignore_eos=True)
+    ]
+    reference = engine(False).generate(requests, params)
+    ahead = engine(True)
+    outputs = ahead.generate(requests, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    graphs = ahead.runner.graphs
+    assert graphs is not None and graphs.stats["replays"] > 0  # decode steps planned ahead replayed graphs
