@@ -205,15 +205,9 @@ class Scheduler:
                 self.log.warning("unexpected %s", type(msg).__name__)
 
     def _schedule(self) -> None:
-        while True:
+        while not self.in_flight or (self.ahead and len(self.in_flight) == 1):
             started = time.monotonic()
-            if not self.in_flight:
-                plan = self.core.schedule()
-            elif self.ahead and len(self.in_flight) == 1:
-                plan = self.core.schedule(ahead=True)
-            else:
-                return
-            if plan is None:
+            if (plan := self.core.schedule(ahead=bool(self.in_flight))) is None:
                 return
             # Encode once, send the same bytes to every rank: each rank must see the identical plan. The
             # timestamp lets every rank measure the broadcast (CLOCK_MONOTONIC is one clock per host).
@@ -226,10 +220,8 @@ class Scheduler:
             n, sizes = len(data), self.plan_bytes
             sizes.update(last=n, max=max(sizes["max"], n), total=sizes["total"] + n)
             if self.trace.enabled:
-                running, waiting = len(self.core.running), len(self.core.waiting)
-                self.trace.event(
-                    "plan", step=plan.step_id, start=started, bytes=n, running=running, waiting=waiting, ahead=plan.ahead
-                )
+                load = {"running": len(self.core.running), "waiting": len(self.core.waiting)}
+                self.trace.event("plan", step=plan.step_id, start=started, bytes=n, ahead=plan.ahead, **load)
 
     def _on_request(self, req: TokenizedRequest) -> None:
         if not self.core.has_work() and not self.in_flight:

@@ -93,8 +93,9 @@ class Sequence:
 
     def ends_in_flight(self, max_model_len: int) -> bool:
         """Whether the token being sampled is its last (max_tokens or the context length): nothing to plan."""
-        total = self.planned_len
-        return bool(self.in_flight) and (len(self.output_ids) + self.in_flight >= self.sampling.max_tokens or total >= max_model_len)
+        if not self.in_flight:
+            return False
+        return len(self.output_ids) + self.in_flight >= self.sampling.max_tokens or self.planned_len >= max_model_len
 
 
 @dataclass(frozen=True)
