@@ -85,11 +85,13 @@ class Sequence:
     def computable(self) -> int:
         """How far the sequence may be scheduled now: to its end (counting a token still being sampled, whose id
         the worker takes from its own samples), or to the first image still being written that is not scheduled
-        yet (a chunk stops short of it; never below what is scheduled already)."""
+        yet (a chunk stops short of it; never below what is scheduled already). While any image is still being
+        written, the prompt's last token waits too, even when the prefix cache holds the images' span: no token
+        may be sampled before the request's last image is reported (the frontend learns of the request then)."""
         if not self.pending:
             return self.planned_len
         ends = [it.offset for it in self.items if it.hash in self.pending and it.offset + it.length > self.num_scheduled]
-        return max(self.num_scheduled, min(ends, default=self.planned_len))
+        return max(self.num_scheduled, min(ends, default=self.planned_len - 1))
 
     def ends_in_flight(self, max_model_len: int) -> bool:
         """Whether the token being sampled is its last (max_tokens or the context length): nothing to plan."""

@@ -237,6 +237,25 @@ def test_prefill_stops_short_of_images_still_being_written() -> None:
     c.media_ready("gone", [first.hash])  # a request that ended meanwhile: nothing to do
 
 
+def test_nothing_is_sampled_while_an_image_is_pending_even_from_the_prefix_cache() -> None:
+    """A resent prompt whose pending image lies inside the cached prefix needs no pixels, but its first token must
+    still wait for the image's report: the frontend learns of the request only then, and a MediaFailed must find
+    nothing sent."""
+    c = core(enable_prefix_caching=True, chunk_size=64, num_blocks=32, block_size=4)
+    image = item(4, 4, 8)
+    prompt = [1] * 4 + [900] * 8 + list(range(2, 14))  # 24 tokens, the image at 4..12
+    c.add("first", prompt, 0, [image], SamplingParams(max_tokens=1, temperature=0))
+    run_step(c)  # computes and caches the prompt's full blocks, image included
+    c.add("again", prompt, 0, [image], SamplingParams(max_tokens=1, temperature=0), pending=[image.hash])
+    plan = run_step(c)
+    [chunk] = [ch for ch in plan.chunks if ch.rid == "again"]
+    assert chunk.start >= 12 and chunk.start + chunk.length == 23 and not chunk.sample  # the last token waits
+    assert c.schedule() is None
+    c.media_ready("again", [image.hash])
+    plan = run_step(c)
+    assert [(ch.rid, ch.start, ch.length, ch.sample) for ch in plan.chunks] == [("again", 23, 1, True)]
+
+
 def test_a_request_waiting_for_its_images_can_be_aborted() -> None:
     c = core(chunk_size=64)
     image = item(3, 0, 8)
