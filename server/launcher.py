@@ -46,7 +46,10 @@ log = logging.getLogger("glimpse.launcher")
 RESPAWN_LIMIT = 5  # deaths of one tokenizer within RESPAWN_WINDOW_S after which it is not replaced
 RESPAWN_WINDOW_S = 60.0
 CLEAN_EXIT_S = 10.0  # after Shutdown, how long children get to exit before SIGKILL
-CRASH_EXIT_S = 1.0  # the same after a child crashed: the server must be gone within ~3 s
+# The same after a child crashed: the server must be gone within ~3 s. Model workers are not waited for then (after
+# a crash nothing tells them to stop, and they hold nothing the launcher's sweep does not clean up); tokenizers, told
+# by Shutdown, need ~1 s to exit (torch's teardown), so the wait only caps a slow one.
+CRASH_EXIT_S = 0.5
 FD_RESERVE = 256  # descriptors kept for sockets, shm and files besides HTTP connections
 
 
@@ -370,6 +373,10 @@ class Launcher:
                 await self.state.send_shutdown(self.failure or "launcher stopping")
             # The frontend's sockets stay open until the children are gone: their last sends are
             # delivered at once instead of lingering on a closed peer, so they exit without delay.
+            if self.failure:
+                for child in self.children:
+                    if child.role == "model" and child.process.is_alive():
+                        child.process.kill()
             await loop.run_in_executor(None, stop_children, self.children, wait)
         finally:
             if self.state is not None:
