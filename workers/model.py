@@ -157,7 +157,7 @@ def _serve(
 
     A step's result is read only when the GPU has finished it, and while it runs this loop takes the next plan
     if one comes: a step planned ahead (asynchronous scheduling) is then queued behind the running one before
-    the running one is reported, so the GPU goes from one decode step to the next without waiting on the host.
+    the running one is reported, so the GPU goes from one step to the next without waiting on the host.
     The wait spins on the step's event and the socket (a CUDA sync spins as well)."""
     running: deque[Launched] = deque()
     while True:

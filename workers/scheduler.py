@@ -2,8 +2,8 @@
 workers and frontend. One loop, never blocked on the model: it polls its PULL socket (requests,
 aborts, step results), keeps one step in flight, and plans the next step the moment a result lands;
 with asynchronous scheduling the next step also goes out while the one before it runs (see
-``SchedulerCore.schedule(ahead=True)``). A plan is encoded once and the same bytes go to every TP rank; plans carry shm pointers, never
-pixels, and this process never maps a segment. It is the only process that unlinks segments: a
+``SchedulerCore.schedule(ahead=True)``). A plan is encoded once and the same bytes go to every TP rank;
+plans carry shm pointers, never pixels, and this process never maps a segment. It is the only process that unlinks segments: a
 request's names go when the request finishes, fails or is aborted (see ``_release``), and retained
 ones after ``shm_retain_idle_s`` unused. If the launcher dies (SIGKILL, OOM) the scheduler notices
 within a loop turn and removes every segment and the socket directory of the launch before it
@@ -292,8 +292,13 @@ class Scheduler:
         """core.on_finished: the request (its last choice) will never be scheduled again, so its pixels can go."""
         self.unlink(self.ledger.release(seq.request_id))
 
+    def _reading_pixels(self) -> bool:
+        """Whether a step in flight may still read shm: one with images to encode (its worker maps their segments
+        when it takes the plan, which may be after this process has moved on)."""
+        return any(plan.encode for plan in self.in_flight)
+
     def unlink(self, names: list[str]) -> None:
-        if any(plan.encode for plan in self.in_flight):
+        if self._reading_pixels():
             # The step now running may still read these names (an encode job can point at a name of
             # an image another request shares): unlink once it is back.
             self.deferred_unlinks.extend(names)
@@ -364,8 +369,8 @@ class Scheduler:
         self._flush_unlinks()
 
     def _flush_unlinks(self) -> None:
-        if any(plan.encode for plan in self.in_flight):
-            return  # a step still running may read these pixels (a step planned ahead reads none)
+        if self._reading_pixels():
+            return
         names, self.deferred_unlinks = self.deferred_unlinks, []
         _unlink_all(names)
 

@@ -273,8 +273,8 @@ class ModelRunner:
         if plan.forks:
             self._copy_blocks([f.copy for f in plan.forks if f.copy is not None])
         n, rank0 = len(sample_rows), self.tp.rank == 0
-        scored = score_prompts(hidden[n:], spans, self.model.compute_logits, self.spec.vocab_size, rank0) if spans else []
-        launched.scored = scored if rank0 else []
+        if spans:  # every rank computes the logits (a gather over ranks); rank 0 alone returns entries
+            launched.scored = score_prompts(hidden[n:], spans, self.model.compute_logits, self.spec.vocab_size, rank0)
         hidden = hidden[:n]
         if hidden.shape[0] == 0:
             return
