@@ -308,6 +308,9 @@ class WorkerStats(Msg, frozen=True):
     broadcast_s_max: float = 0.0
     gpu_step_peak_bytes: int = 0  # peak allocated during the last step (0 on CPU)
     gpu_allocated_bytes: int = 0  # allocated after it: weights, KV cache, embedding store
+    gc_collections: int = 0  # the interpreter's garbage collections in this process since it got ready
+    gc_pause_s_max: float = 0.0
+    gc_frozen: int = 0  # objects moved out of the collector's reach at start-up (workers.proc.freeze_heap)
 
 
 class SchedulerStats(Msg, frozen=True):
@@ -342,6 +345,9 @@ class SchedulerStats(Msg, frozen=True):
     replica: int = 0  # which data-parallel replica's scheduler sent it (--dp)
     steps_ahead: int = 0  # steps planned while the step before them ran (asynchronous scheduling)
     samples_dropped: int = 0  # tokens sampled for a sequence that had ended meanwhile (e.g. on the token in flight)
+    gc_collections: int = 0  # the scheduler process's garbage collections since it started
+    gc_pause_s_max: float = 0.0
+    gc_frozen: int = 0
 
 
 class TokenizerStats(Msg, frozen=True):

@@ -40,6 +40,7 @@ from ipc.shm import sweep, sweep_dead_launches
 from server.app import FrontendState, create_app
 from server.config import ServerConfig
 from server.http_guard import HttpLimits, guarded_protocol
+from workers.proc import freeze_heap
 
 log = logging.getLogger("glimpse.launcher")
 
@@ -299,6 +300,7 @@ class Launcher:
             self.failure = f"children not ready after {self.config.ready_timeout_s:.0f} s"
             log.error(self.failure)
             return False
+        freeze_heap(log)
         self.state.mark_ready()
         log.info("all children ready")
         return True

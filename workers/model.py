@@ -37,7 +37,7 @@ from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.layers import TPGroup
 from workers.engine.model_runner import Launched, ModelRunner
-from workers.proc import setup_child
+from workers.proc import GcWatch, freeze_heap, setup_child
 
 # Enough for the last StepResult / WorkerFailed to reach the scheduler before the process exits.
 _LINGER_MS = 2_000
@@ -131,10 +131,11 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
             rank,
             engine.tp_size,
         )
+        freeze_heap(log)
         to_sched.send(
             ProcessReady(role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks)
         )
-        _serve(runner, reader, rank, inbound, to_sched, log)
+        _serve(runner, reader, rank, inbound, to_sched, log, GcWatch())
     except Exception:
         log.exception("model worker failed")
         raise SystemExit(1) from None
@@ -152,6 +153,7 @@ def _serve(
     inbound: PullSocket[ModelInbound],
     to_sched: PushSocket[SchedulerInbound],
     log: logging.Logger,
+    gc_watch: GcWatch,
 ) -> None:
     """Run plans as they come; report each step once its GPU work is done.
 
@@ -164,7 +166,7 @@ def _serve(
         waiting_since = time.monotonic()
         if running:
             if running[0].done():
-                _report(runner, reader, rank, running.popleft(), to_sched)
+                _report(runner, reader, rank, running.popleft(), to_sched, gc_watch)
                 continue
             msg = inbound.recv(0)
             if msg is None:
@@ -200,7 +202,12 @@ def _launch(
 
 
 def _report(
-    runner: ModelRunner, reader: PixelReader, rank: int, launched: Launched, to_sched: PushSocket[SchedulerInbound]
+    runner: ModelRunner,
+    reader: PixelReader,
+    rank: int,
+    launched: Launched,
+    to_sched: PushSocket[SchedulerInbound],
+    gc_watch: GcWatch,
 ) -> None:
     # Every rank runs the step (to keep KV and embedding stores identical); rank 0 alone samples. The result goes
     # first: the scheduler plans the next step from it, and the stats below cost ~0.3-0.5 ms a step (allocator
@@ -219,5 +226,6 @@ def _report(
         WorkerStats(
             rank, reader.reads, reader.bytes_read, c.images_encoded, c.vit_calls,
             reader.steps, reader.broadcast_s_sum, reader.broadcast_s_max, peak, allocated,
+            gc_watch.collections, gc_watch.pause_s_max, gc_watch.frozen,
         )
     )

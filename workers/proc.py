@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
+import time
 
 
 def setup_child(tag: str, level: str) -> logging.Logger:
@@ -25,3 +27,45 @@ def setup_child(tag: str, level: str) -> logging.Logger:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return logging.getLogger(tag)
+
+
+class GcWatch:
+    """Times the interpreter's garbage collections in this process (`gc.callbacks`): how many ran, the
+    longest and the total pause. A full collection walks every tracked object, and a serving process holds
+    millions (torch, transformers, Dynamo's guards and graphs), so one pause is large enough to stall a step."""
+
+    def __init__(self) -> None:
+        self.collections = 0
+        self.pause_s_sum = 0.0
+        self.pause_s_max = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        self.collections += 1
+        self.pause_s_sum += pause
+        self.pause_s_max = max(self.pause_s_max, pause)
+
+    @property
+    def frozen(self) -> int:
+        """Objects the collector no longer walks (`freeze_heap`)."""
+        return gc.get_freeze_count()
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+
+def freeze_heap(log: logging.Logger) -> None:
+    """Call once start-up is done, before announcing readiness: collect what start-up left behind, then move
+    every surviving object out of the collector's reach (`gc.freeze`). Later collections then walk only what
+    serving allocates. Without it the first full collection under load walks the whole start-up heap: on an
+    H100 host a fresh server's first burst of requests stalled a step for 0.7-1.3 s while a warm one did not."""
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info("start-up heap frozen: %d objects, %.0f ms", gc.get_freeze_count(), 1e3 * (time.perf_counter() - started))

@@ -47,7 +47,7 @@ from workers.engine.sched_core import RequestRejected, SchedulerCore, Sequence
 from workers.engine.sequence import child_rid
 from workers.kv_events import KVEventRecorder
 from workers.logprobs import LogprobRenderer, PromptLogprobBook
-from workers.proc import setup_child
+from workers.proc import GcWatch, freeze_heap, setup_child
 from workers.scheduler_stats import send_stats
 from workers.shm_ledger import ShmLedger
 from workers.step_trace import StepTrace
@@ -122,6 +122,7 @@ class Scheduler:
         self.stop_reason: str | None = None
         self.steps = self.generated_tokens = self.prompt_tokens = self.images_encoded = self.vit_batches = 0
         self.steps_ahead = 0
+        self.gc = GcWatch()
         # Encoded StepPlan sizes (pointers only, so they track tokens and image counts, not pixels).
         self.plan_bytes = {"last": 0, "max": 0, "total": 0}
         self.next_stats = self.next_log = 0.0
@@ -152,6 +153,7 @@ class Scheduler:
         if (events := KVEventRecorder.open(self.ctx, self.config, self.replica)) is not None:
             self.kv_events = events.attach(self.core)
             self.log.info("publishing KV-cache events on %s", events.publisher.endpoint)
+        freeze_heap(self.log)
         self.frontend.send(ProcessReady(role="scheduler", index=self.replica, pid=os.getpid()))
         self.log.info("ready: %d KV blocks", self.core.allocator.num_blocks)
         return True

@@ -68,4 +68,7 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         replica=s.replica,
         steps_ahead=s.steps_ahead,
         samples_dropped=core.samples_dropped,
+        gc_collections=s.gc.collections,
+        gc_pause_s_max=s.gc.pause_s_max,
+        gc_frozen=s.gc.frozen,
     )

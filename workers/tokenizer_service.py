@@ -49,6 +49,7 @@ from ipc.shm import ShmRef
 from workers.engine.kv_cache import block_hashes
 from workers.errors import BadRequest
 from workers.image_prep import PendingWrite
+from workers.proc import freeze_heap
 
 if TYPE_CHECKING:
     from workers.tokenizer import Admitted, TokenizerWorker
@@ -261,6 +262,7 @@ async def serve_tokenizer(worker: TokenizerWorker, parent: int) -> None:
     reason = "the launcher is gone"
     loop = asyncio.get_running_loop()
     try:
+        freeze_heap(log)
         await frontend.send(ProcessReady("tokenizer", index, os.getpid()))
         log.info("ready (pid %d, model %s)", os.getpid(), worker.config.served_model_name)
         next_stats = loop.time()

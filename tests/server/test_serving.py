@@ -89,6 +89,19 @@ def test_both_tokenizer_workers_are_used(live: LiveServer) -> None:
     assert len(workers) == 2 and all(w["requests"] > 0 for w in workers)
 
 
+def test_every_serving_process_froze_its_start_up_heap(live: LiveServer) -> None:
+    """The model worker and the scheduler report the objects they moved out of the collector's reach before they
+    got ready (torch, the model, the tokenizer: far more than 10,000) and their collections since."""
+    client = live.client()
+    client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    stats = live.stats()
+    rows = [stats["scheduler_gc"]] + [w["gc"] for w in stats["model_workers"]]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["frozen_objects"] > 10_000
+        assert row["collections"] >= 0 and row["pause_ms_max"] >= 0.0
+
+
 def test_repeated_images_hit_the_cache_and_are_not_encoded_again(live: LiveServer) -> None:
     client = live.client()
     first = [data_url(png_bytes(200, 140, seed=40)), data_url(png_bytes(90, 180, seed=41))]
