@@ -131,11 +131,12 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
             rank,
             engine.tp_size,
         )
-        freeze_heap(log)
+        gc_watch = GcWatch()
+        gc_watch.frozen = freeze_heap(log)
         to_sched.send(
             ProcessReady(role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks)
         )
-        _serve(runner, reader, rank, inbound, to_sched, log, GcWatch())
+        _serve(runner, reader, rank, inbound, to_sched, log, gc_watch)
     except Exception:
         log.exception("model worker failed")
         raise SystemExit(1) from None

@@ -38,6 +38,9 @@ class GcWatch:
         self.collections = 0
         self.pause_s_sum = 0.0
         self.pause_s_max = 0.0
+        # What `freeze_heap` froze, kept here: `gc.get_freeze_count()` walks the whole frozen list (~37 ms for
+        # 430,000 objects), so asking it per step halved a loaded server's throughput on an H200.
+        self.frozen = 0
         self._started = 0.0
         gc.callbacks.append(self._on_gc)
 
@@ -50,17 +53,12 @@ class GcWatch:
         self.pause_s_sum += pause
         self.pause_s_max = max(self.pause_s_max, pause)
 
-    @property
-    def frozen(self) -> int:
-        """Objects the collector no longer walks (`freeze_heap`)."""
-        return gc.get_freeze_count()
-
     def close(self) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
 
-def freeze_heap(log: logging.Logger) -> None:
+def freeze_heap(log: logging.Logger) -> int:
     """Call once start-up is done, before announcing readiness: collect what start-up left behind, then move
     every surviving object out of the collector's reach (`gc.freeze`). Later collections then walk only what
     serving allocates. Without it the first full collection under load walks the whole start-up heap: on an
@@ -68,4 +66,6 @@ def freeze_heap(log: logging.Logger) -> None:
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
-    log.info("start-up heap frozen: %d objects, %.0f ms", gc.get_freeze_count(), 1e3 * (time.perf_counter() - started))
+    frozen = gc.get_freeze_count()
+    log.info("start-up heap frozen: %d objects, %.0f ms", frozen, 1e3 * (time.perf_counter() - started))
+    return frozen

@@ -153,7 +153,7 @@ class Scheduler:
         if (events := KVEventRecorder.open(self.ctx, self.config, self.replica)) is not None:
             self.kv_events = events.attach(self.core)
             self.log.info("publishing KV-cache events on %s", events.publisher.endpoint)
-        freeze_heap(self.log)
+        self.gc.frozen = freeze_heap(self.log)
         self.frontend.send(ProcessReady(role="scheduler", index=self.replica, pid=os.getpid()))
         self.log.info("ready: %d KV blocks", self.core.allocator.num_blocks)
         return True

@@ -27,8 +27,7 @@ def unfrozen() -> Iterator[None]:
 def test_a_frozen_object_is_out_of_the_collectors_reach(unfrozen: None) -> None:
     node = Node()
     ref = weakref.ref(node)
-    freeze_heap(logging.getLogger("test"))
-    assert gc.get_freeze_count() > 0
+    assert freeze_heap(logging.getLogger("test")) == gc.get_freeze_count() > 0
     del node
     gc.collect()
     assert ref() is not None  # frozen: a full collection does not walk it
@@ -52,7 +51,6 @@ def test_the_watch_counts_collections_and_their_pauses() -> None:
         gc.collect(0)
         assert watch.collections >= 2
         assert 0.0 < watch.pause_s_max <= watch.pause_s_sum
-        assert watch.frozen == gc.get_freeze_count()
     finally:
         watch.close()
     seen = watch.collections
