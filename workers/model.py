@@ -131,8 +131,7 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
             rank,
             engine.tp_size,
         )
-        gc_watch = GcWatch()
-        gc_watch.frozen = freeze_heap(log)
+        gc_watch = GcWatch(frozen=freeze_heap(log))  # pauses while serving, not the freeze's own collection
         to_sched.send(
             ProcessReady(role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks)
         )

@@ -34,13 +34,13 @@ class GcWatch:
     longest and the total pause. A full collection walks every tracked object, and a serving process holds
     millions (torch, transformers, Dynamo's guards and graphs), so one pause is large enough to stall a step."""
 
-    def __init__(self) -> None:
+    def __init__(self, frozen: int = 0) -> None:
         self.collections = 0
         self.pause_s_sum = 0.0
         self.pause_s_max = 0.0
         # What `freeze_heap` froze, kept here: `gc.get_freeze_count()` walks the whole frozen list (~37 ms for
         # 430,000 objects), so asking it per step halved a loaded server's throughput on an H200.
-        self.frozen = 0
+        self.frozen = frozen
         self._started = 0.0
         gc.callbacks.append(self._on_gc)
 
