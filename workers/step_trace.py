@@ -16,7 +16,6 @@ as soon as it is written, whichever way the process ends.
 from __future__ import annotations
 
 import atexit
-import faulthandler
 import json
 import os
 import time
@@ -28,10 +27,6 @@ ENV = "GLIMPSE_STEP_TRACE"
 # "START:COUNT,...": also run torch's profiler over those steps (counted from the process's first) and write
 # its kernel table to DIR/torch-<START>.txt. Only for a process given ``sync`` (model rank 0).
 PROFILE_ENV = "GLIMPSE_TORCH_PROFILE"
-# Seconds: a step of a process given ``sync`` that runs longer has every thread's Python stack written to
-# DIR/stalls-<pid>.txt (faulthandler), which names a host stall's cause (a kernel compiled mid-serving, a
-# collection, a lock) where the phase times only say which phase it hit.
-STALL_ENV = "GLIMPSE_STALL_DUMP_S"
 
 
 def _windows(spec: str) -> dict[int, int]:
@@ -56,8 +51,6 @@ class StepTrace:
         self._windows = _windows(os.environ.get(PROFILE_ENV, "")) if self.enabled and sync is not None else {}
         self._profiler: Any = None
         self._profile_end = 0
-        self._stall_s = float(os.environ.get(STALL_ENV, "0") or 0) if self.enabled and sync is not None else 0.0
-        self._stall_file: IO[str] | None = None
         if self.enabled:
             Path(folder).mkdir(parents=True, exist_ok=True)
             self._file = open(Path(folder) / f"{role}-{os.getpid()}.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
@@ -69,12 +62,6 @@ class StepTrace:
             if self._steps in self._windows:
                 self._start_profiler(self._windows[self._steps])
             self._steps += 1
-            if self._stall_s > 0:
-                if self._stall_file is None:
-                    self._stall_file = open(self._folder / f"stalls-{os.getpid()}.txt", "a", encoding="utf-8")  # noqa: SIM115
-                self._stall_file.write(f"--- step {self._steps - 1} at {time.monotonic():.3f}\n")
-                self._stall_file.flush()
-                faulthandler.dump_traceback_later(self._stall_s, file=self._stall_file)
             self.phases = {}
             self._last = self._start = time.monotonic()
 
@@ -91,8 +78,6 @@ class StepTrace:
     def end(self, **fields: Any) -> None:
         """Write the step's record: its start, its phases (seconds) and ``fields``."""
         if self.enabled:
-            if self._stall_s > 0:
-                faulthandler.cancel_dump_traceback_later()
             self.event("step", start=self._start, end=time.monotonic(), **self.phases, **fields)
             if self._profiler is not None and self._steps >= self._profile_end:
                 self._stop_profiler()
