@@ -21,7 +21,15 @@ from ipc.messages import (
 )
 from workers.engine import paged_attention
 from workers.engine.attention import AttentionMetadata
-from workers.engine.batching import cumsum, group_by_patches, patches, split_by_patches, to_device
+from workers.engine.batching import (
+    aligned_pack,
+    aligned_split,
+    cumsum,
+    group_by_patches,
+    patches,
+    split_by_patches,
+    to_device,
+)
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from workers.engine.layers import TPGroup
@@ -344,14 +352,12 @@ class ModelRunner:
         n, width = len(ids), max(len(t) for t in tables)
         mm_rows = [row for dst, _, _, count in splices for row in range(dst, dst + count)]
         # All index data in two copies (one per dtype) rather than eight, none of them blocking.
-        longs = torch.tensor([*ids, *pos[0], *pos[1], *pos[2], *slots, *sample_rows, *mm_rows])
-        longs = to_device([longs], self.device)
-        ints = [0, *cumsum(query_lens), *seq_lens]
-        for table in tables:
-            ints += [*table, *[0] * (width - len(table))]
-        int32 = to_device([torch.tensor(ints, dtype=torch.int32)], self.device)
-        input_ids, positions, slot_mapping, rows, mm_index = longs.split([n, 3 * n, n, len(sample_rows), len(mm_rows)])
-        starts, lens, table_rows = int32.split([len(tables) + 1, len(tables), len(tables) * width])
+        long_parts = [ids, [*pos[0], *pos[1], *pos[2]], slots, sample_rows, mm_rows]
+        longs = to_device([torch.tensor(aligned_pack(long_parts, 2))], self.device)
+        int_parts = [[0, *cumsum(query_lens)], seq_lens, [i for t in tables for i in (*t, *[0] * (width - len(t)))]]
+        int32 = to_device([torch.tensor(aligned_pack(int_parts, 4), dtype=torch.int32)], self.device)
+        input_ids, positions, slot_mapping, rows, mm_index = aligned_split(longs, long_parts, 2)
+        starts, lens, table_rows = aligned_split(int32, int_parts, 4)
         embeds = self.model.embed(input_ids if ahead_ids is None else ahead_ids)
         parts = [self.store.rows(key, first, count) for _, key, first, count in splices]
         mm_embeds = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
@@ -367,3 +373,4 @@ class ModelRunner:
         )
         hidden = self.model(embeds, positions.view(3, n), self.kv_caches, meta, mm_rows=mm_index, mm_embeds=mm_embeds)
         return hidden[rows]
+
