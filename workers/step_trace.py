@@ -111,6 +111,11 @@ class StepTrace:
                 break
             share = 100 * gpu_us(event) / total
             lines.append(f"{event.key[:72]:<72} {gpu_us(event) / steps / 1e3:9.3f} ms {share:5.1f}% x{event.count // steps}")
+        # The host side too: a stall with an idle GPU (a library loading kernels, a pinned allocation) shows
+        # here as an op or runtime call with a large self CPU time.
+        lines += ["", "self CPU time per step, largest first", ""]
+        for event in sorted(events, key=lambda e: float(e.self_cpu_time_total), reverse=True)[:30]:
+            lines.append(f"{event.key[:72]:<72} {event.self_cpu_time_total / steps / 1e3:9.3f} ms x{event.count / steps:.1f}")
         (self._folder / f"torch-{self._profile_first}.txt").write_text("\n".join(lines) + "\n")
 
     def event(self, kind: str, **fields: Any) -> None:
