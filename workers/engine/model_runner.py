@@ -39,7 +39,7 @@ from workers.engine.models.base import item_spans, load_model
 from workers.engine.prompt_logprobs import score_prompts
 from workers.engine.sampler import Sampler
 from workers.engine.step_inputs import Launched, WorkerSeq, ahead_token_ids, gather_inputs
-from workers.engine.warmup import warm_fused
+from workers.engine.warmup import warm_fused, warm_vision_attention
 from workers.grammar import GrammarBook
 from workers.step_trace import StepTrace
 
@@ -96,6 +96,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
             heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
             paged_attention.probe(self.device, self.dtype, heads, kv_heads, self.spec.head_dim)
+            warm_vision_attention(self)
         if cfg.fused_kernels and self.device.type == "cuda":
             warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
         self.graphs: DecodeGraphs | None = None

@@ -13,6 +13,7 @@ import torch
 from workers.engine import fused, silu_kernel
 from workers.engine.attention import build_attention_metadata
 from workers.engine.batching import patches
+from workers.engine.vision_attention import VisionAttention, warm_cudnn_frames
 
 if TYPE_CHECKING:
     from workers.engine.model_runner import ModelRunner
@@ -53,3 +54,16 @@ def _run_every_fused_site(r: ModelRunner) -> None:
         embeds = torch.zeros(query, hidden, dtype=r.dtype, device=r.device)
         positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
         r.model(embeds, positions, r.kv_caches, meta)
+
+
+@torch.inference_mode()
+def warm_vision_attention(runner: ModelRunner) -> None:
+    """The ViT's full-attention kernels' first use, before "ready" (see `warm_cudnn_frames`)."""
+    attn = next((m for m in runner.vision.modules() if isinstance(m, VisionAttention)), None)
+    if attn is None:
+        return
+    started = time.perf_counter()
+    warm_cudnn_frames(attn, runner.device, runner.dtype)
+    torch.cuda.synchronize(runner.device)
+    log.info("vision attention warmed in %.2f s", time.perf_counter() - started)
+

@@ -243,3 +243,20 @@ def test_cudnn_frames_only_for_recurring_frame_lengths() -> None:
     assert not frames.wants(fresh)  # 77 is new: the whole call stays on FlashAttention
     frames.usable = False
     assert not frames.wants(two)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_start_up_warm_up_of_cudnn_counts_no_length_and_gives_flashs_answer() -> None:
+    """The warm-up's cuDNN calls (workers.engine.warmup) leave every frame length's count alone, and at the ragged
+    warm-up length cuDNN agrees with FlashAttention varlen on the same frame."""
+    from workers.engine import vision_attention as va
+
+    attn = va.VisionAttention(hidden_size=1280, num_heads=16)
+    seen = dict(va._cudnn_frames._seen)
+    va.warm_cudnn_frames(attn, torch.device("cuda"), torch.bfloat16)
+    assert va._cudnn_frames.usable and va._cudnn_frames._seen == seen
+    length = va.WARM_LENGTHS[-1]
+    q, k, v = (torch.randn(length, 16, 80, dtype=torch.bfloat16, device="cuda", generator=None) for _ in range(3))
+    seg = va.Segments(torch.tensor([0, length], dtype=torch.int32, device="cuda"), [0, length], length, frames=True)
+    torch.testing.assert_close(va._cudnn_frames(q, k, v, seg), va._varlen(q, k, v, seg), atol=2e-2, rtol=2e-2)
