@@ -63,7 +63,11 @@ def warm_vision_attention(runner: ModelRunner) -> None:
     if attn is None:
         return
     started = time.perf_counter()
-    warm_cudnn_frames(attn, runner.device, runner.dtype)
-    torch.cuda.synchronize(runner.device)
+    try:
+        warm_cudnn_frames(attn, runner.device, runner.dtype)
+        torch.cuda.synchronize(runner.device)
+    except Exception as exc:  # a warm-up only saves time: serve without it rather than not at all
+        log.warning("vision attention warm-up failed: %s", exc, exc_info=True)
+        return
     log.info("vision attention warmed in %.2f s", time.perf_counter() - started)
 
