@@ -27,7 +27,9 @@ def unfrozen() -> Iterator[None]:
 def test_a_frozen_object_is_out_of_the_collectors_reach(unfrozen: None) -> None:
     node = Node()
     ref = weakref.ref(node)
-    assert freeze_heap(logging.getLogger("test")) == gc.get_freeze_count() > 0
+    frozen = freeze_heap(logging.getLogger("test"))
+    # Frozen objects still die by reference count (the freeze's own temporaries right away); none join later.
+    assert frozen >= gc.get_freeze_count() > 0
     del node
     gc.collect()
     assert ref() is not None  # frozen: a full collection does not walk it
