@@ -122,7 +122,7 @@ class Scheduler:
         self.stop_reason: str | None = None
         self.steps = self.generated_tokens = self.prompt_tokens = self.images_encoded = self.vit_batches = 0
         self.steps_ahead = 0
-        self.gc = GcWatch()  # replaced once start-up is over (wait_for_models)
+        self.gc: GcWatch  # started by wait_for_models once start-up is over (its collections are not serving's)
         # Encoded StepPlan sizes (pointers only, so they track tokens and image counts, not pixels).
         self.plan_bytes = {"last": 0, "max": 0, "total": 0}
         self.next_stats = self.next_log = 0.0
@@ -153,7 +153,6 @@ class Scheduler:
         if (events := KVEventRecorder.open(self.ctx, self.config, self.replica)) is not None:
             self.kv_events = events.attach(self.core)
             self.log.info("publishing KV-cache events on %s", events.publisher.endpoint)
-        self.gc.close()
         self.gc = GcWatch(frozen=freeze_heap(self.log))
         self.frontend.send(ProcessReady(role="scheduler", index=self.replica, pid=os.getpid()))
         self.log.info("ready: %d KV blocks", self.core.allocator.num_blocks)

@@ -70,7 +70,7 @@ def cumsum(values: list[int]) -> list[int]:
 # Triton compiles one variant of a kernel per alignment class of its pointer arguments (16 bytes or not). The
 # step's index fields are packed into one copy, so each starts on a 16-byte boundary: otherwise a field's offset
 # follows the batch size, and the paged decode kernel met unaligned block tables and lengths only under load,
-# compiling two more variants mid-serving (a ~0.9 s stall of a fresh server's first loaded steps on an H200).
+# compiling two more variants mid-serving (~0.7 s each, stalling a fresh server's first loaded steps on an H200).
 def aligned_pack(parts: Sequence[Sequence[int]], per_16_bytes: int) -> list[int]:
     """``parts`` end to end, each padded with zeros to a multiple of ``per_16_bytes`` elements."""
     flat: list[int] = []

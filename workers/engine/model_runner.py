@@ -374,4 +374,3 @@ class ModelRunner:
         )
         hidden = self.model(embeds, positions.view(3, n), self.kv_caches, meta, mm_rows=mm_index, mm_embeds=mm_embeds)
         return hidden[rows]
-

@@ -158,8 +158,9 @@ def warm_cudnn_frames(attn: VisionAttention, device: torch.device, dtype: torch.
     generated attention kernels (a fresh machine has no CUDA JIT cache). Measured on an H200 on a fresh machine,
     the first hot frame length cost 1.0 s in one ViT call, stalling the first loaded steps; a later new length costs
     only its plan (35-60 ms). These calls do not count towards any length's `HOT_AFTER`."""
+    # Only where the ViT's CUDA path runs: it (and cuDNN's own fallback) needs FlashAttention varlen.
     if not (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and varlen_available()):
-        return  # the ViT's CUDA path (and cuDNN's fallback) needs FlashAttention varlen
+        return
     if not _cudnn_frames.usable:
         return
     for length in WARM_LENGTHS:

@@ -70,4 +70,3 @@ def warm_vision_attention(runner: ModelRunner) -> None:
         log.warning("vision attention warm-up failed: %s", exc, exc_info=True)
         return
     log.info("vision attention warmed in %.2f s", time.perf_counter() - started)
-
