@@ -9,7 +9,8 @@ sampling.
 
 Attributing GPU time to a phase needs the host to wait for the GPU at each phase boundary (``sync``), so a
 traced run loses the overlap of host preparation with queued GPU work; it is a profiling mode, not a
-monitor. The files are line-buffered: a record is on disk
+monitor. ``GLIMPSE_STEP_TRACE_SYNC=0`` keeps the overlap (phases are then host time only) and profiles the GPU
+alone: the mode for measuring how busy the GPU is under load. The files are line-buffered: a record is on disk
 as soon as it is written, whichever way the process ends.
 """
 
@@ -27,6 +28,30 @@ ENV = "GLIMPSE_STEP_TRACE"
 # "START:COUNT,...": also run torch's profiler over those steps (counted from the process's first) and write
 # its kernel table to DIR/torch-<START>.txt. Only for a process given ``sync`` (model rank 0).
 PROFILE_ENV = "GLIMPSE_TORCH_PROFILE"
+SYNC_ENV = "GLIMPSE_STEP_TRACE_SYNC"
+
+# Kernel name fragments -> category, first match wins: the table's summary of where GPU time goes.
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "cudnn", "attention", "split_kernel", "combine_kernel")),
+    ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "splitkreduce", "skinny_")),
+    ("memory", ("memcpy", "memset", "index_copy", "index_put", "catarray", "gather", "scatter", "direct_copy")),
+    ("elementwise / norms", ("triton_", "silu", "elementwise", "reduce")),
+)
+
+
+def category(kernel: str) -> str:
+    low = kernel.lower()
+    return next((name for name, parts in CATEGORIES if any(part in low for part in parts)), "other")
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) spans: the time the GPU ran at least one kernel."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _windows(spec: str) -> dict[int, int]:
@@ -42,13 +67,14 @@ class StepTrace:
     def __init__(self, role: str, sync: Callable[[], None] | None = None, enabled: bool = True) -> None:
         folder = os.environ.get(ENV, "")
         self.enabled = enabled and bool(folder)
-        self._sync = sync
+        self._gpu = sync  # a GPU process: the profile windows need it, even with the phases' syncs off
+        self._sync = sync if os.environ.get(SYNC_ENV, "1") != "0" else None
         self._file: IO[str] | None = None
         self._last = 0.0
         self.phases: dict[str, float] = {}
         self._folder = Path(folder)
         self._steps = 0
-        self._windows = _windows(os.environ.get(PROFILE_ENV, "")) if self.enabled and sync is not None else {}
+        self._windows = _windows(os.environ.get(PROFILE_ENV, "")) if self.enabled and self._gpu else {}
         self._profiler: Any = None
         self._profile_end = 0
         if self.enabled:
@@ -85,12 +111,18 @@ class StepTrace:
     def _start_profiler(self, count: int) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        # Without syncs the host's own speed matters, so its side (~µs per recorded op) stays off.
+        cpu = [ProfilerActivity.CPU] if self._sync is not None else []
+        self._profiler = profile(activities=[*cpu, ProfilerActivity.CUDA])
         self._profiler.__enter__()
         self._profile_first, self._profile_end = self._steps, self._steps + count
+        self._profile_t0 = time.monotonic()
 
     def _stop_profiler(self) -> None:
         profiler, self._profiler = self._profiler, None
+        if self._gpu is not None:
+            self._gpu()  # the window's wall time covers its last kernels
+        wall_ms = (time.monotonic() - self._profile_t0) * 1e3
         profiler.__exit__(None, None, None)
         events = profiler.key_averages()
         steps = self._profile_end - self._profile_first
@@ -105,6 +137,16 @@ class StepTrace:
         lines = [f"{steps} steps from step {self._profile_first}; self GPU time per step, largest first", ""]
         ranked = sorted(events, key=gpu_us, reverse=True)
         total = sum(gpu_us(e) for e in events)
+        spans = [(e.time_range.start, e.time_range.end) for e in profiler.events() if e.device_type == DeviceType.CUDA]
+        busy = busy_us(spans) / 1e3
+        lines.append(f"window {wall_ms:.1f} ms wall, GPU busy {busy:.1f} ms ({100 * busy / max(wall_ms, 1e-9):.1f}%)")
+        by_category: dict[str, float] = {}
+        for event in events:
+            by_category[category(event.key)] = by_category.get(category(event.key), 0.0) + gpu_us(event)
+        for key, us in sorted(by_category.items(), key=lambda kv: -kv[1]):
+            if us > 0:
+                lines.append(f"  {key:<24} {us / 1e3:9.1f} ms {100 * us / max(total, 1e-9):5.1f}%")
+        lines.append("")
         lines.append(f"{'all kernels':<72} {total / steps / 1e3:9.3f} ms")
         for event in ranked[:40]:
             if gpu_us(event) <= 0:

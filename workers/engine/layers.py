@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine import fused
+from workers.engine import fused, skinny_gemm
 
 WeightLoader = Callable[..., None]
 
@@ -47,6 +47,14 @@ class TPGroup:
 
 # Module-level default so signatures can say `tp: TPGroup = SINGLE_RANK` without a call in a default.
 SINGLE_RANK = TPGroup()
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, or on CUDA at decode row counts the Triton kernel that streams large weights faster
+    (skinny_gemm.py)."""
+    if skinny_gemm.wanted(x, weight):
+        return skinny_gemm.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -121,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_into(param, loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -225,7 +233,7 @@ class RowParallelLinear(nn.Module):
         _copy_into(param, loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.reduce_output:
             y = self.tp.all_reduce(y)
         if self.bias is not None:
@@ -275,7 +283,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: Tensor) -> Tensor:
         """Return this rank's logits slice ``[N, rows_local]`` (gather with ``TPGroup.all_gather``)."""
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)
 
 
 class RMSNorm(nn.Module):

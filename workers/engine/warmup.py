@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine import fused, silu_kernel
+from workers.engine import fused, silu_kernel, skinny_gemm
 from workers.engine.attention import build_attention_metadata
 from workers.engine.batching import patches
 from workers.engine.vision_attention import VisionAttention, warm_cudnn_frames
@@ -27,6 +27,8 @@ def warm_fused(runner: ModelRunner) -> None:
     started = time.perf_counter()
     if not silu_kernel.probe(runner.device, runner.dtype):
         log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel._broken or "no Triton")
+    if not skinny_gemm.probe(runner.device, runner.dtype):
+        log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm._broken or "no Triton")
     fused.enable(runner.lm)
     fused.enable(runner.vision)
     try:
@@ -53,7 +55,9 @@ def _run_every_fused_site(r: ModelRunner) -> None:
         meta = build_attention_metadata([query], [seq], [scratch], bs, r.device)
         embeds = torch.zeros(query, hidden, dtype=r.dtype, device=r.device)
         positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
-        r.model(embeds, positions, r.kv_caches, meta)
+        hidden_states = r.model(embeds, positions, r.kv_caches, meta)
+    # the LM head at a decode step's sampled rows (skinny_gemm's variant for its shape; eager, outside the graphs)
+    r.model.compute_logits(hidden_states[-1:])
 
 
 @torch.inference_mode()
