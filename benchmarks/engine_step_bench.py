@@ -40,14 +40,14 @@ class Spy:
         self.recording = False
         self.steps: list[Step] = []
         self.execute_s: list[float] = []
-        sample: Callable[..., list[int]] = runner.sampler.sample
+        sample: Callable[..., Any] = runner.sampler.sample
         execute: Callable[[Any], Any] = runner.execute
 
-        def sample_spy(logits: torch.Tensor, rids: list[str], params: list[Any]) -> list[int]:
+        def sample_spy(logits: torch.Tensor, rids: list[str], params: list[Any], mask: Any = None) -> Any:
             if self.recording:
                 rows = logits.to("cpu", copy=True)
                 self.steps.append({rid: rows[i] for i, rid in enumerate(rids)})
-            return sample(logits, rids, params)
+            return sample(logits, rids, params, mask)
 
         def execute_spy(plan: Any) -> Any:
             t0 = time.perf_counter()

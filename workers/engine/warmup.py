@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine import fused, silu_kernel, skinny_gemm
+from workers.engine import fused, kv_write_kernel, silu_kernel, skinny_gemm
 from workers.engine.attention import build_attention_metadata
 from workers.engine.batching import patches
 from workers.engine.vision_attention import VisionAttention, warm_cudnn_frames
@@ -29,6 +29,8 @@ def warm_fused(runner: ModelRunner) -> None:
         log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel._broken or "no Triton")
     if not skinny_gemm.probe(runner.device, runner.dtype):
         log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm._broken or "no Triton")
+    if not kv_write_kernel.probe(runner.device, runner.dtype):
+        log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel._broken or "no Triton")
     fused.enable(runner.lm)
     fused.enable(runner.vision)
     try:
