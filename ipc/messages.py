@@ -311,6 +311,8 @@ class WorkerStats(Msg, frozen=True):
     gc_collections: int = 0  # the interpreter's garbage collections in this process since it got ready
     gc_pause_s_max: float = 0.0
     gc_frozen: int = 0  # objects moved out of the collector's reach at start-up (workers.proc.freeze_heap)
+    gc_full: int = 0  # collections of the oldest generation among gc_collections
+    gc_pause_s_sum: float = 0.0  # all of them together: time the process's Python stood still
 
 
 class SchedulerStats(Msg, frozen=True):
@@ -348,6 +350,8 @@ class SchedulerStats(Msg, frozen=True):
     gc_collections: int = 0  # the scheduler process's garbage collections since it started
     gc_pause_s_max: float = 0.0
     gc_frozen: int = 0
+    gc_full: int = 0
+    gc_pause_s_sum: float = 0.0
 
 
 class TokenizerStats(Msg, frozen=True):

@@ -113,7 +113,7 @@ class StatsBook:
             "steps": s.steps,
             "steps_ahead": s.steps_ahead,
             "samples_dropped": s.samples_dropped,
-            "scheduler_gc": gc_row(s.gc_collections, s.gc_pause_s_max, s.gc_frozen),
+            "scheduler_gc": gc_row(s.gc_collections, s.gc_full, s.gc_pause_s_sum, s.gc_pause_s_max, s.gc_frozen),
             "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "prompt_tokens_computed": s.prompt_tokens_computed,
@@ -149,7 +149,7 @@ class StatsBook:
                     "steps": w.steps,
                     "broadcast_ms_mean": 1e3 * w.broadcast_s_sum / w.steps if w.steps else 0.0,
                     "broadcast_ms_max": 1e3 * w.broadcast_s_max,
-                    "gc": gc_row(w.gc_collections, w.gc_pause_s_max, w.gc_frozen),
+                    "gc": gc_row(w.gc_collections, w.gc_full, w.gc_pause_s_sum, w.gc_pause_s_max, w.gc_frozen),
                 }
                 for w in s.workers
             ],
@@ -174,8 +174,14 @@ class StatsBook:
         }
 
 
-def gc_row(collections: int, pause_s_max: float, frozen: int) -> dict[str, Any]:
-    return {"collections": collections, "pause_ms_max": round(1e3 * pause_s_max, 3), "frozen_objects": frozen}
+def gc_row(collections: int, full: int, pause_s_sum: float, pause_s_max: float, frozen: int) -> dict[str, Any]:
+    return {
+        "collections": collections,
+        "full_collections": full,
+        "pause_ms_sum": round(1e3 * pause_s_sum, 3),
+        "pause_ms_max": round(1e3 * pause_s_max, 3),
+        "frozen_objects": frozen,
+    }
 
 
 _NO_SCHEDULER_STATS = SchedulerStats(**cast(dict[str, Any], {f: 0 for f in SchedulerStats.__struct_fields__ if f != "workers"}))

@@ -31,11 +31,12 @@ def setup_child(tag: str, level: str) -> logging.Logger:
 
 class GcWatch:
     """Times the interpreter's garbage collections in this process (`gc.callbacks`): how many ran, the
-    longest and the total pause. A full collection walks every tracked object, and a serving process holds
+    full (oldest-generation) ones, the longest and the total pause. A full collection walks every tracked object, and a serving process holds
     hundreds of thousands (torch, transformers, Dynamo's guards and graphs), so one pause can stall a step."""
 
     def __init__(self, frozen: int = 0) -> None:
         self.collections = 0
+        self.full = 0  # of the oldest generation: the ones that walk every tracked object not frozen
         self.pause_s_sum = 0.0
         self.pause_s_max = 0.0
         # What `freeze_heap` froze, kept here: `gc.get_freeze_count()` walks the whole frozen list (~37 ms for
@@ -50,6 +51,7 @@ class GcWatch:
             return
         pause = time.perf_counter() - self._started
         self.collections += 1
+        self.full += info.get("generation") == 2
         self.pause_s_sum += pause
         self.pause_s_max = max(self.pause_s_max, pause)
 

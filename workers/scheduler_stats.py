@@ -71,4 +71,6 @@ def snapshot(s: Scheduler) -> SchedulerStats:
         gc_collections=s.gc.collections,
         gc_pause_s_max=s.gc.pause_s_max,
         gc_frozen=s.gc.frozen,
+        gc_full=s.gc.full,
+        gc_pause_s_sum=s.gc.pause_s_sum,
     )

@@ -53,6 +53,13 @@ def test_the_watch_counts_collections_and_their_pauses() -> None:
         gc.collect(0)
         assert watch.collections >= 2
         assert 0.0 < watch.pause_s_max <= watch.pause_s_sum
+        full = watch.full
+        assert full >= 1  # the gc.collect() above
+        gc.collect(0)
+        gc.collect(1)
+        assert watch.full == full  # younger generations are not full collections
+        gc.collect()
+        assert watch.full == full + 1
     finally:
         watch.close()
     seen = watch.collections
