@@ -13,25 +13,15 @@ start-up warm-up compiles is the one every step and every CUDA-graph capture use
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
-_broken: list[str] = []  # set by probe(): why the kernel is off in this process
+from workers.engine.triton_switch import TritonSwitch
 
-
-@functools.cache
-def available() -> bool:
-    """Triton imports and the kernel is not switched off (GLIMPSE_TRITON_KV_WRITE=0) or broken here."""
-    if os.environ.get("GLIMPSE_TRITON_KV_WRITE", "1") == "0" or _broken:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+SWITCH = TritonSwitch("GLIMPSE_TRITON_KV_WRITE")
+available = SWITCH.on
 
 
 def usable(k: Tensor, v: Tensor, kv_cache: Tensor) -> bool:
@@ -77,8 +67,6 @@ def write(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
     """Write a few rows (V a strided view, as the qkv split gives it) and compare with index_copy_; a Triton that
     cannot compile here or a wrong copy turns the kernel off for the process (index_copy_ serves)."""
-    if not available():
-        return False
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(5, 3, 2, 64, generator=gen).to(device=device, dtype=dtype)
     k, v = qkv[:, 1], qkv[:, 2]
@@ -88,12 +76,9 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
     flat = want.view(2, -1, 2, 64)
     flat[0].index_copy_(0, slots, k)
     flat[1].index_copy_(0, slots, v)
-    try:
+
+    def check() -> bool:
         write(k, v, got, slots)
-    except Exception as exc:  # e.g. no C compiler for Triton's launcher
-        _broken.append(f"{type(exc).__name__}: {exc}")
-    else:
-        if not torch.equal(got, want):
-            _broken.append("wrong result")
-    available.cache_clear()
-    return available()
+        return torch.equal(got, want)
+
+    return SWITCH.probe(check)

@@ -14,27 +14,17 @@ variant (nothing may compile inside a CUDA-graph capture); the width is a compil
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from workers.engine.triton_switch import TritonSwitch
+
 BLOCK = 1024  # columns per program: 2 KB of bf16 per half
 
-_broken: list[str] = []  # set by probe(): why the kernel is off in this process
-
-
-@functools.cache
-def available() -> bool:
-    """Triton imports (the kernel runs on CUDA tensors, or anywhere under TRITON_INTERPRET=1)."""
-    if os.environ.get("GLIMPSE_TRITON_SILU", "1") == "0" or _broken:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+SWITCH = TritonSwitch("GLIMPSE_TRITON_SILU")
+available = SWITCH.on  # the kernel runs on CUDA tensors, or anywhere under TRITON_INTERPRET=1
 
 
 @functools.cache
@@ -59,19 +49,13 @@ def _kernel() -> Any:
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
     """Run the kernel once against eager math; a Triton that cannot compile here or a wrong answer turns it off
     for the process (the compiled version serves instead) rather than failing mid-serving."""
-    if not available():
-        return False
     x = torch.randn(3, 2 * 1000, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
-    try:
-        got = silu_mul(x).float()
-    except Exception as exc:  # e.g. no C compiler for Triton's launcher
-        _broken.append(f"{type(exc).__name__}: {exc}")
-    else:
+
+    def check() -> bool:
         gate, up = x.float().chunk(2, dim=-1)
-        if not torch.allclose(got, torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2):
-            _broken.append("wrong result")
-    available.cache_clear()
-    return available()
+        return torch.allclose(silu_mul(x).float(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+    return SWITCH.probe(check)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

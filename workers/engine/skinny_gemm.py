@@ -20,11 +20,12 @@ which compiles them all before any capture.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+from workers.engine.triton_switch import TritonSwitch
 
 # Where the kernel beat cuBLAS (H200, `python -m benchmarks.skinny_gemm_bench`): up to 16 rows, on matrices of at
 # least 64 MB (gate_up, down and the LM head of a 7B: 3-12% less time). At 64 rows cuBLAS was ahead, and on the
@@ -32,7 +33,8 @@ from torch import Tensor
 MAX_ROWS = 16
 MIN_WEIGHT_BYTES = 64 << 20
 
-_broken: list[str] = []  # set by probe(): why the kernel is off in this process
+SWITCH = TritonSwitch("GLIMPSE_TRITON_SKINNY")
+available = SWITCH.on
 
 
 class Tile(NamedTuple):
@@ -41,18 +43,6 @@ class Tile(NamedTuple):
     split_k: int
     warps: int
     stages: int
-
-
-@functools.cache
-def available() -> bool:
-    """Triton imports and the kernel is not switched off (GLIMPSE_TRITON_SKINNY=0) or broken here."""
-    if os.environ.get("GLIMPSE_TRITON_SKINNY", "1") == "0" or _broken:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def wanted(x: Tensor, weight: Tensor) -> bool:
@@ -174,46 +164,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, use: Tile | No
     b = bias if bias is not None else w  # any pointer; HAS_BIAS gates every read
     k_split = -(-k // (t.split_k * t.block_k)) * t.block_k
     grid = (-(-n // t.block_n), t.split_k)
-    bm = block_m(rows)
-    if t.split_k == 1:
-        skinny[grid](
-            x2,
-            w,
-            b,
-            out,
-            rows,
-            n,
-            k,
-            k_split,
-            HAS_BIAS=bias is not None,
-            PARTIAL=False,
-            BLOCK_M=bm,
-            BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k,
-            num_warps=t.warps,
-            num_stages=t.stages,
-        )
-    else:
-        part = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device)
-        skinny[grid](
-            x2,
-            w,
-            b,
-            part,
-            rows,
-            n,
-            k,
-            k_split,
-            HAS_BIAS=False,
-            PARTIAL=True,
-            BLOCK_M=bm,
-            BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k,
-            num_warps=t.warps,
-            num_stages=t.stages,
-        )
+    split = t.split_k > 1  # then float32 partials, summed (with the bias) by the second kernel
+    dst = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device) if split else out
+    skinny[grid](
+        x2, w, b, dst, rows, n, k, k_split, HAS_BIAS=bias is not None and not split, PARTIAL=split,
+        BLOCK_M=block_m(rows), BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
+    )  # fmt: skip
+    if split:
         reduce[(rows, -(-n // 1024))](
-            part, b, out, rows, n, SPLIT=t.split_k, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4
+            dst, b, out, rows, n, SPLIT=t.split_k, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4
         )
     return out.reshape(*lead, n)
 
@@ -221,19 +180,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, use: Tile | No
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
     """Run the kernel once (plain and split along K) against F.linear; a Triton that cannot compile here or a wrong
     answer turns it off for the process (cuBLAS serves instead) rather than failing mid-serving."""
-    if not available():
-        return False
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 1024, generator=gen).to(device=device, dtype=dtype)
     w = (torch.randn(96, 1024, generator=gen) / 32).to(device=device, dtype=dtype)
     b = torch.randn(96, generator=gen).to(device=device, dtype=dtype)
     want = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    try:
+
+    def check() -> bool:
         got = [linear(x, w, b, use=Tile(32, 128, s, 4, 2)).float() for s in (1, 4)]
-    except Exception as exc:  # e.g. no C compiler for Triton's launcher
-        _broken.append(f"{type(exc).__name__}: {exc}")
-    else:
-        if not all(torch.allclose(g, want, rtol=2e-2, atol=2e-2) for g in got):
-            _broken.append("wrong result")
-    available.cache_clear()
-    return available()
+        return all(torch.allclose(g, want, rtol=2e-2, atol=2e-2) for g in got)
+
+    return SWITCH.probe(check)

@@ -26,11 +26,11 @@ def warm_fused(runner: ModelRunner) -> None:
     """Switch the fused kernels on and run every call site. Falls back to eager ops if that fails."""
     started = time.perf_counter()
     if not silu_kernel.probe(runner.device, runner.dtype):
-        log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel._broken or "no Triton")
+        log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel.SWITCH.why_off())
     if not skinny_gemm.probe(runner.device, runner.dtype):
-        log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm._broken or "no Triton")
+        log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm.SWITCH.why_off())
     if not kv_write_kernel.probe(runner.device, runner.dtype):
-        log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel._broken or "no Triton")
+        log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel.SWITCH.why_off())
     fused.enable(runner.lm)
     fused.enable(runner.vision)
     try:

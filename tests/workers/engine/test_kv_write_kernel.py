@@ -3,14 +3,9 @@ interpreter, bit for bit against the index_copy_ it replaces."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.workers.engine.interpreted import run_interpreted
 
 CHECK = """
 import torch
@@ -36,14 +31,11 @@ for tokens, heads, dim, blocks, bs in ((1, 4, 128, 3, 16), (37, 2, 64, 5, 16), (
 # Heads that are not packed (a transposed view) are not taken.
 odd = torch.randn(4, 64, 2).transpose(1, 2)
 assert not kv_write_kernel.usable(odd, odd, torch.zeros(2, 1, 4, 2, 64))
-assert kv_write_kernel.probe(torch.device("cpu"), torch.bfloat16) and not kv_write_kernel._broken
+assert kv_write_kernel.probe(torch.device("cpu"), torch.bfloat16) and not kv_write_kernel.SWITCH.broken
 print("ok")
 """
 
 
 def test_kernel_writes_what_index_copy_writes() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted("-c", CHECK)

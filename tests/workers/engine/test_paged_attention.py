@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.workers.engine.interpreted import run_interpreted
 from workers.engine import paged_attention
 from workers.engine.attention import (
     AttentionMetadata,
@@ -18,20 +14,12 @@ from workers.engine.attention import (
     build_attention_metadata,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="with a GPU the CUDA tests below run the kernel itself (and its Triton may differ)"
 )
 def test_kernel_matches_reference_in_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.workers.engine.paged_attention_check"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip().endswith("ok"), done.stdout
+    run_interpreted("-m", "tests.workers.engine.paged_attention_check")
 
 
 def test_kernel_is_not_taken_for_cpu_tensors_without_the_interpreter() -> None:

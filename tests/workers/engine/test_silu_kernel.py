@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.workers.engine.interpreted import run_interpreted
 
 CHECK = """
 import torch
@@ -33,17 +30,14 @@ for rows, width, dtype in ((5, 3424, torch.bfloat16), (1, 2500, torch.bfloat16),
 wide = torch.randn(3, 3 * 1024, generator=gen)
 view = wide[:, : 2 * 1024]
 torch.testing.assert_close(silu_kernel.silu_mul(view), F.silu(view[:, :1024]) * view[:, 1024:])
-assert silu_kernel.probe(torch.device("cpu"), torch.bfloat16) and not silu_kernel._broken
+assert silu_kernel.probe(torch.device("cpu"), torch.bfloat16) and not silu_kernel.SWITCH.broken
 print("ok")
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the fused MLP tests run the kernel itself")
 def test_kernel_matches_eager_math_in_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip().endswith("ok"), done.stdout
+    run_interpreted("-c", CHECK, timeout=300)
 
 
 def test_probe_turns_the_kernel_off_when_it_cannot_run() -> None:
@@ -53,10 +47,8 @@ def test_probe_turns_the_kernel_off_when_it_cannot_run() -> None:
     # On the CPU without the interpreter, Triton cannot launch: the probe must say so instead of raising.
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
         pytest.skip("the kernel can run here")
-    broken = list(silu_kernel._broken)
     try:
         assert silu_kernel.probe(torch.device("cpu"), torch.float32) is False
-        assert silu_kernel._broken and not silu_kernel.available()
+        assert silu_kernel.SWITCH.broken and not silu_kernel.available()
     finally:
-        silu_kernel._broken[:] = broken
-        silu_kernel.available.cache_clear()
+        silu_kernel.SWITCH.reset()

@@ -6,18 +6,12 @@ float16 and float32; the GPU path in bf16 is compared with cuBLAS by benchmarks/
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.workers.engine.interpreted import run_interpreted
 from workers.engine import layers, skinny_gemm
-
-ROOT = Path(__file__).resolve().parents[3]
 
 CHECK = """
 import torch
@@ -53,17 +47,14 @@ once = skinny_gemm.linear(x, w, use=Tile(32, 64, 2, 4, 2))
 torch.testing.assert_close(once, F.linear(x, w), rtol=1e-4, atol=1e-4)
 assert once.shape == (2, 3, 40) and torch.equal(once, skinny_gemm.linear(x, w, use=Tile(32, 64, 2, 4, 2)))
 assert skinny_gemm.linear(torch.zeros(0, 256), w).shape == (0, 40)
-assert skinny_gemm.probe(torch.device("cpu"), torch.float16) and not skinny_gemm._broken
+assert skinny_gemm.probe(torch.device("cpu"), torch.float16) and not skinny_gemm.SWITCH.broken
 print("ok")
 """
 
 
 def test_kernel_matches_linear_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted("-c", CHECK)
 
 
 def test_tiles_fill_the_card() -> None:
