@@ -34,7 +34,8 @@ SYNC_ENV = "GLIMPSE_STEP_TRACE_SYNC"
 CATEGORIES = (
     ("attention", ("flash", "fmha", "cudnn", "attention", "split_kernel", "combine_kernel")),
     ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "splitkreduce", "skinny_")),
-    ("memory", ("memcpy", "memset", "index_copy", "index_put", "catarray", "gather", "scatter", "direct_copy")),
+    ("memory", ("memcpy", "memset", "index_copy", "index_put", "catarray", "gather", "scatter", "direct_copy",
+                "kv_write")),
     ("elementwise / norms", ("triton_", "silu", "elementwise", "reduce")),
 )
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.engine import kv_write_kernel, paged_attention
+from workers.engine import paged_attention
+from workers.engine.kv_write_kernel import write_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +89,6 @@ class AttentionBackend(Protocol):
         meta.slot_mapping, then returns attention output [T, Hq, D] over the cached prefix + new
         tokens (GQA: Hq is a multiple of Hkv)."""
         ...
-
-
-def write_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter the new tokens' K/V into their slots (cache viewed as [2, num_slots, Hkv, D])."""
-    slots = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    if k.dtype != kv_cache.dtype:  # a same-dtype .to() is free on the GPU but not on the CPU that launches it
-        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    if k.is_cuda and kv_write_kernel.usable(k, v, kv_cache):  # both in one launch (kv_write_kernel.py)
-        kv_write_kernel.write(k, v, kv_cache, slot_mapping)
-        return
-    slots[0].index_copy_(0, slot_mapping, k)
-    slots[1].index_copy_(0, slot_mapping, v)
 
 
 def gather_sequence_kv(kv_cache: Tensor, block_table: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:

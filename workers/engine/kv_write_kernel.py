@@ -1,6 +1,6 @@
-"""The new tokens' K and V into their cache slots in one Triton kernel, for the CUDA path.
+"""The new tokens' K and V into their cache slots: ``write_kv_cache``, one Triton kernel on CUDA.
 
-``attention.write_kv_cache`` scattered K and V with two ``index_copy_`` calls per layer: 56 kernels of ~2.2 us
+The attention backends scattered K and V with two ``index_copy_`` calls per layer: 56 kernels of ~2.2 us
 each in a 7B's decode step, about 3% of a batch-1 step on an H200 (session 13's profile), plus a launch gap
 after each inside the CUDA graph. Here one program copies one token's K row and V row (kv_heads x head_dim each),
 so a layer writes its cache in one launch. It is a plain copy: the cache holds exactly the bits index_copy_ would
@@ -49,6 +49,18 @@ def _kernel() -> Any:
         tl.store(dst + plane, tl.load(v_ptr + t * v_stride + cols, mask=mask), mask=mask)
 
     return kv_write_kernel
+
+
+def write_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter the new tokens' K/V into their slots (cache viewed as [2, num_slots, Hkv, D])."""
+    if k.dtype != kv_cache.dtype:  # a same-dtype .to() is free on the GPU but not on the CPU that launches it
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if k.is_cuda and usable(k, v, kv_cache):  # both in one launch
+        write(k, v, kv_cache, slot_mapping)
+        return
+    slots = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    slots[0].index_copy_(0, slot_mapping, k)
+    slots[1].index_copy_(0, slot_mapping, v)
 
 
 def write(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:

@@ -1,4 +1,4 @@
-"""The Triton KV-cache write (the CUDA path of attention.write_kv_cache) checked on the CPU through Triton's
+"""The Triton KV-cache write (the CUDA path of write_kv_cache) checked on the CPU through Triton's
 interpreter, bit for bit against the index_copy_ it replaces."""
 
 from __future__ import annotations
