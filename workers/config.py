@@ -25,7 +25,7 @@ class ServerConfig:
     # process and write its new images while its first chunks run (off with --dp > 1 or --mm-cache-mode request).
     overlap_media: bool = True
     # Plan each step while the one before it runs, so the GPU does not wait for the scheduler between steps
-    # (TP = 1 only: with TP > 1 only rank 0 has the sampled ids).
+    # (with TP > 1, rank 0 broadcasts its sampled ids to the other ranks on the device).
     async_scheduling: bool = True
     # Limits on client input.
     max_images_per_request: int = 32

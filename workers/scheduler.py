@@ -103,9 +103,9 @@ class Scheduler:
         self.plan_encoder = msgspec.msgpack.Encoder()
         self.core: SchedulerCore  # built by wait_for_models, once every rank reported its KV blocks
         self.in_flight: deque[StepPlan] = deque()  # oldest first, as the results come back
-        # Asynchronous scheduling needs the sampled ids on the device of the rank that runs the next step: with
-        # TP > 1 only rank 0 samples, so the other ranks would not have them.
-        self.ahead = config.async_scheduling and config.engine.tp_size == 1
+        # Asynchronous scheduling needs the sampled ids on the device of every rank that runs the next step: with
+        # TP > 1 rank 0 samples and broadcasts them (ModelRunner._forward).
+        self.ahead = config.async_scheduling
         self.streams: dict[str, TextStream] = {}
         self.tool_outputs: dict[str, ToolOutput] = {}  # requests with tools: their <tool_call> parsers
         # Replicas split the budget, so together they keep to it (tokenizers add their reports up). Each counts

@@ -48,7 +48,21 @@ def test_tp2_equals_tp1_and_transformers(tp2: LiveServer, tp1: LiveServer, demo_
     images, text = FIVE[:count], f"Describe these {count} pages."
     expected = greedy_text(demo_model_dir, images, text, MAX_NEW)
     assert ask(tp1, images, text) == expected
+    ahead = tp2.stats()["steps_ahead"]
     assert ask(tp2, images, text) == expected
+    # Asynchronous scheduling under TP: steps were planned before the last one's result, and the ranks other than 0
+    # took their input ids from rank 0's samples broadcast on the device.
+    assert tp2.stats()["steps_ahead"] >= ahead + MAX_NEW // 2
+
+
+def test_tp2_without_asynchronous_scheduling_gives_the_same_tokens(demo_model_dir: Path) -> None:
+    server = LiveServer(demo_model_dir, "--tp", "2", "--tokenizer-workers", "1", "--chunk-size", "64", "--no-async-scheduling")
+    try:
+        images, text = FIVE[:2], "Describe these 2 pages."
+        assert ask(server, images, text) == greedy_text(demo_model_dir, images, text, MAX_NEW)
+        assert server.stats()["steps_ahead"] == 0
+    finally:
+        assert server.stop() == 0, server.output()
 
 
 def test_each_rank_reads_only_its_share_of_shm(tp2: LiveServer) -> None:

@@ -36,6 +36,13 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
+        """Overwrite ``x`` (contiguous, the same shape on every rank) with rank ``src``'s, in place."""
+        if self.size > 1:
+            root = src if self.group is None else dist.get_global_rank(self.group, src)  # broadcast takes a global rank
+            dist.broadcast(x, src=root, group=self.group)
+        return x
+
     def all_gather(self, x: Tensor, dim: int = -1) -> Tensor:
         """Concatenate every rank's ``x`` along ``dim``, in rank order."""
         if self.size == 1:

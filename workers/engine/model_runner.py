@@ -289,12 +289,17 @@ class ModelRunner:
             return
         logits = self.model.compute_logits(hidden)
         self.trace.mark("graph" if graph_used else "forward")
-        if not rank0:
-            return
         rids = [s.rid for s in sample_seqs]
+        if not rank0:
+            # Rank 0 samples; the other ranks get its ids on the device, so a step planned ahead of this one's result
+            # (asynchronous scheduling) finds its input ids here as on rank 0. Queued, the host does not wait.
+            sampled = self.tp.broadcast(torch.empty(n, dtype=torch.int64, device=self.device))
+            self.last_sampled = sampled, {rid: row for row, rid in enumerate(rids)}
+            return
         # Structured outputs: masks are filled here, on the CPU, while the GPU still runs the queued forward.
         mask = self.grammar.mask_for(rids) if self.grammar is not None else None
         out = self.sampler.sample(logits, rids, [s.sampling for s in sample_seqs], mask)
+        self.tp.broadcast(out.device.contiguous())  # the same collective as the other ranks' above
         if mask is not None and self.grammar is not None:
             self.grammar.accept_all(rids, out.tokens)
         self.last_sampled = out.device, {rid: row for row, rid in enumerate(rids)}
