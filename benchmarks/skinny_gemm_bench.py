@@ -121,7 +121,7 @@ def main() -> None:
             ws, b = weights[name], biases[name]
             moved = n * k * 2 * count
             ref = F.linear(xk.float(), ws[0].float(), None if b is None else b.float())
-            own = skinny_gemm.tile(rows, n, k, sms)
+            own = skinny_gemm.tile(n, k, sms)
             diff = ((skinny_gemm.linear(xk, ws[0], b).float() - ref).abs().max() / ref.abs().max()).item()
             cub = graph_ms(chain(xk, ws, b, None))
             tri = graph_ms(chain(xk, ws, b, own))

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from server.router import ReplicaView
     from server.stats import StatsBook
 
-# Per-GPU figures and per-step sizes: the worst replica's value, not a sum.
-_MAX_FIELDS = frozenset({"plan_bytes_last", "plan_bytes_max", "gpu_peak_bytes", "gpu_idle_bytes"})
+# Per-GPU figures, per-step sizes and the longest GC pause: the worst replica's value, not a sum.
+_MAX_FIELDS = frozenset({"plan_bytes_last", "plan_bytes_max", "gpu_peak_bytes", "gpu_idle_bytes", "gc_pause_s_max"})
 
 
 def merge(replicas: Iterable[SchedulerStats], tp_size: int = 1) -> SchedulerStats:

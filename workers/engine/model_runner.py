@@ -290,11 +290,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         self.trace.mark("graph" if graph_used else "forward")
         rids = [s.rid for s in sample_seqs]
+        rows_of = {rid: row for row, rid in enumerate(rids)}
         if not rank0:
             # Rank 0 samples; the other ranks get its ids on the device, so a step planned ahead of this one's result
             # (asynchronous scheduling) finds its input ids here as on rank 0. Queued, the host does not wait.
-            sampled = self.tp.broadcast(torch.empty(n, dtype=torch.int64, device=self.device))
-            self.last_sampled = sampled, {rid: row for row, rid in enumerate(rids)}
+            self.last_sampled = self.tp.broadcast(torch.empty(n, dtype=torch.int64, device=self.device)), rows_of
             return
         # Structured outputs: masks are filled here, on the CPU, while the GPU still runs the queued forward.
         mask = self.grammar.mask_for(rids) if self.grammar is not None else None
@@ -302,7 +302,7 @@ class ModelRunner:
         self.tp.broadcast(out.device.contiguous())  # the same collective as the other ranks' above
         if mask is not None and self.grammar is not None:
             self.grammar.accept_all(rids, out.tokens)
-        self.last_sampled = out.device, {rid: row for row, rid in enumerate(rids)}
+        self.last_sampled = out.device, rows_of
         launched.rids, launched.logprobs = rids, out.logprobs
         if self.device.type == "cuda":
             # The ids come to the host by a queued copy, and the worker reads them once the event has passed: in

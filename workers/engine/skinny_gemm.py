@@ -2,8 +2,8 @@
 
 A decode step multiplies a handful of rows by every weight of the model, so its floor is the time to stream the
 weights once: 14.1 GB for a 7B's projections and LM head, 2.9 ms at an H200's 4.8 TB/s. cuBLAS's kernels for one to
-a few dozen rows (nvjet "tst" tiles) streamed them at ~2.8 TB/s in the batch-1 decode graph (H200 profile,
-session 12). Here each program streams a [BLOCK_N, K / SPLIT_K] strip of W with pipelined wide loads and
+a few dozen rows (nvjet "tst" tiles) streamed the large ones at 3.5-4.0 TB/s (H200, graph-replayed,
+`python -m benchmarks.skinny_gemm_bench`). Here each program streams a [BLOCK_N, K / SPLIT_K] strip of W with pipelined wide loads and
 multiplies it on the tensor cores against x padded to BLOCK_M rows (16 at least, the smallest tl.dot), so the
 rows cost nothing extra up to BLOCK_M; the accumulation is float32.
 
@@ -12,9 +12,9 @@ K: each split writes a float32 partial and a second pass sums the partials in a 
 the result is deterministic (no atomics) and does not depend on the batch.
 
 Only the CUDA path uses it (``wanted``): the CPU keeps F.linear, whose float32 results the exactness tests compare
-with transformers. The row count is a runtime argument that Triton does not specialise on, so a variant compiles
-once per (BLOCK_M, weight shape); ``ModelRunner`` runs every decode bucket eagerly before capturing its graph,
-which compiles them all before any capture.
+with transformers. The row count is a runtime argument that Triton does not specialise on, and up to MAX_ROWS
+BLOCK_M is always 16, so a variant compiles once per weight shape; the start-up warm-up (warmup.py) runs every
+projection and the LM head at decode row counts, which compiles them all before any CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def block_m(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
-def tile(rows: int, n: int, k: int, sms: int) -> Tile:
-    """The tile for an [rows, k] x [k, n] product on a card with ``sms`` multiprocessors.
+def tile(n: int, k: int, sms: int) -> Tile:
+    """The tile for a [rows, k] x [k, n] product on a card with ``sms`` multiprocessors (the same for any row count
+    up to MAX_ROWS: the weight's stream is the cost).
 
     Enough programs to keep every SM streaming (at least ~4 per SM, so the last wave is short), each moving a
     strip large enough to amortise its start: wide W (gate_up, qkv, the LM head) takes 64-column strips of the
@@ -158,7 +159,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, use: Tile | No
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out.reshape(*lead, n)
-    t = use or tile(rows, n, k, _sms(x.device))
+    t = use or tile(n, k, _sms(x.device))
     skinny, reduce = _kernels()
     w = weight.contiguous()
     b = bias if bias is not None else w  # any pointer; HAS_BIAS gates every read

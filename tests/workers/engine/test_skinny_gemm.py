@@ -60,10 +60,10 @@ def test_kernel_matches_linear_under_the_interpreter() -> None:
 def test_tiles_fill_the_card() -> None:
     # Wide weights stream whole rows of K; narrow ones split K until there are ~4 programs per SM or another
     # halving would no longer divide K into whole blocks.
-    gate_up = skinny_gemm.tile(1, 37888, 3584, 132)
+    gate_up = skinny_gemm.tile(37888, 3584, 132)
     assert gate_up.split_k == 1 and -(-37888 // gate_up.block_n) >= 4 * 132
     for n, k in ((3584, 18944), (3584, 3584), (1792, 9472)):
-        t = skinny_gemm.tile(1, n, k, 132)
+        t = skinny_gemm.tile(n, k, 132)
         assert t.split_k > 1 and k % (t.split_k * t.block_k) == 0
         assert -(-n // t.block_n) * t.split_k >= 4 * 132 or k % (2 * t.split_k * t.block_k), (n, k, t)
 
