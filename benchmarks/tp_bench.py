@@ -144,7 +144,7 @@ def bench_tp(model_dir: Path, tp: int, args: argparse.Namespace) -> dict[str, An
     )
     rendezvous, port = host_rendezvous()
     config = ServerConfig(engine, new_launch_id(), "bench", tokenizer_workers=0, shm_budget_bytes=64 << 30,
-                          log_level="warning", dist_port=port)
+                          log_level="warning", dist_port=port, async_scheduling=args.async_scheduling)
     stack = Stack(config)
     result: dict[str, Any] = {"tp": tp}
     try:
@@ -199,12 +199,14 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=131072)
     ap.add_argument("--kv-cache-mb", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                    help="plan each step after the one before it is back (the path TP > 1 took before session 14)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = shaped_checkpoint(Path(tmp) / "ckpt", args.shape)
         results = [bench_tp(model_dir, int(tp), args) for tp in args.tp.split(",")]
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"\nshape={args.shape}, device={card}, chunk={args.chunk_size}")
+    print(f"\nshape={args.shape}, device={card}, chunk={args.chunk_size}, async scheduling={args.async_scheduling}")
     print(f"{'tp':>3} {'TTFT s':>7} {'tokens':>7} {'decode tok/s @32':>17}  broadcast ms/step (per rank), plan bytes max")
     for r in results:
         bc = "; ".join(

@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -116,19 +117,24 @@ def test_killing_one_rank_fails_cleanly(demo_model_dir: Path) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tp2_graph_decode_on_cuda_gives_the_eager_tokens(demo_model_dir: Path) -> None:
     """TP=2 on two GPUs (NCCL): decode graphs that capture the all-reduces give the eager decode's greedy tokens
-    (float32, so the two differ by rounding only)."""
+    (float32, so the two differ by rounding only), and so does the synchronous path, where no rank needs rank 0's
+    samples broadcast on the device. Three prompts at once, so steps planned ahead carry several sequences."""
     flags = ("--tp", "2", "--device", "cuda", "--dtype", "float32", "--tokenizer-workers", "1")
     answers = []
-    for env in ({}, {"GLIMPSE_CUDA_GRAPHS": "0"}):
-        server = LiveServer(demo_model_dir, *flags, env=env, ready_timeout=300)
+    for extra, env in (((), {}), ((), {"GLIMPSE_CUDA_GRAPHS": "0"}), (("--no-async-scheduling",), {})):
+        server = LiveServer(demo_model_dir, *flags, *extra, env=env, ready_timeout=300)
         try:
-            texts = [
-                server.client(timeout=120).completions.create(
-                    model="demo", prompt=f"Count to {n}: " + "one " * n, max_tokens=24, temperature=0
-                ).choices[0].text
-                for n in (3, 20, 40)
-            ]
+            client = server.client(timeout=120)
+            with ThreadPoolExecutor(3) as pool:
+                texts = list(pool.map(
+                    lambda n, client=client: client.completions.create(
+                        model="demo", prompt=f"Count to {n}: " + "one " * n, max_tokens=24, temperature=0
+                    ).choices[0].text,
+                    (3, 20, 40),
+                ))
             answers.append(texts)
+            if not extra:
+                assert server.stats()["steps_ahead"] > 0
         finally:
             assert server.stop() == 0, server.output()
-    assert answers[0] == answers[1]
+    assert answers[0] == answers[1] == answers[2]
