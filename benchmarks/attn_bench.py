@@ -7,8 +7,13 @@ LM's prefill chunks.
   causal aligned bottom-right. FlashAttention-2 varlen (the flash backend) against cuDNN SDPA, which has no
   bottom-right causal mask: the context before the chunk without a mask plus the chunk's own causal square,
   merged by their log-sum-exp, with the KV heads expanded for GQA.
+- LM prefill step, ragged (``--ragged``): several sequences packed as the flash backend packs them (GQA heads
+  as they are), FlashAttention-2 varlen against cuDNN's own varlen entry (``_cudnn_attention_forward`` with
+  cumulative lengths), which would need neither the split nor the expanded heads. Its error column says whether
+  its causal mask is aligned bottom-right (new tokens after their context) as the LM needs.
 
     python -m benchmarks.attn_bench
+    python -m benchmarks.attn_bench --chunks "" --ragged "1385:1385+2711:2711,1326:2711+2770:2770,4096:21579"
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -53,10 +59,39 @@ def row(what: str, flops: float, fa: Callable[[], Tensor], cudnn: Callable[[], T
           f"{t_fa / t_cu:>7.2f}x {err:>9.1e}", flush=True)
 
 
+def ragged_row(spec: str, dev: torch.device) -> None:
+    """One packed step: ``new:context`` per sequence, joined by '+'."""
+    pairs = [tuple(int(v) for v in seq.split(":")) for seq in spec.split("+")]
+    heads, kv_heads, d = 28, 4, 128
+    q = torch.randn(sum(n for n, _ in pairs), heads, d, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(c for _, c in pairs), kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    cq, ck = (F.pad(torch.tensor(lens, device=dev).cumsum(0), (1, 0)).int()
+              for lens in ([n for n, _ in pairs], [c for _, c in pairs]))
+    mq, mk = max(n for n, _ in pairs), max(c for _, c in pairs)
+    args = (q, k, v, None, cq, ck, mq, mk, False, 0.0, True, False)
+
+    def fa() -> Tensor:
+        out: Tensor = torch.ops.aten._flash_attention_forward(q, k, v, cq, ck, mq, mk, 0.0, True, False,
+                                                              scale=d**-0.5)[0]
+        return out
+
+    def cudnn() -> Tensor:
+        out: Tensor = torch.ops.aten._cudnn_attention_forward(*args, scale=d**-0.5)[0]
+        return out
+
+    flops = sum(4 * n * (c - n / 2) * d * heads for n, c in pairs)
+    try:
+        row(f"ragged {spec}", flops, fa, cudnn)
+    except RuntimeError as exc:
+        print(f"ragged {spec}: cuDNN refused ({str(exc).splitlines()[0][:120]})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", default="1024:4096,1024:16384,1024:21504,4096:16384",
                     help="LM shapes as new_tokens:context, comma separated")
+    ap.add_argument("--ragged", default="", help="packed LM steps, comma separated: new:context per sequence, "
+                    "joined by '+'")
     args = ap.parse_args()
     dev, bf = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, bf16; ms and TFLOP/s per call; rel err = cuDNN vs FlashAttention-2")
@@ -76,7 +111,7 @@ def main() -> None:
             lambda: torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, n, n, 0.0, False, False,
                                                             scale=d**-0.5)[0], vit_cudnn)
         heads, kv_heads, d = 28, 4, 128
-        for spec in args.chunks.split(","):
+        for spec in filter(None, args.chunks.split(",")):
             nq, s = (int(v) for v in spec.split(":"))
             q = torch.randn(nq, heads, d, device=dev, dtype=bf)
             k, v = (torch.randn(s, kv_heads, d, device=dev, dtype=bf) for _ in range(2))
@@ -91,6 +126,8 @@ def main() -> None:
             flops = 4 * nq * (s - nq / 2) * d * heads
             row(f"LM chunk {nq} new / {s} context", flops, fa,
                 lambda q=q, k=k, v=v: lm_chunk_cudnn(q, k, v, d**-0.5))  # type: ignore[misc]
+        for spec in filter(None, args.ragged.split(",")):
+            ragged_row(spec, dev)
 
 
 if __name__ == "__main__":

@@ -376,7 +376,7 @@ def flash_available() -> bool:
     return (fn is not None and "enable_gqa" in params and "window_size" in params) or _flash_op_available()
 
 
-BackendName = Literal["sdpa", "flash", "auto"]
+BackendName = Literal["sdpa", "flash", "fa3", "auto"]
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {
     "sdpa": SdpaBackend,
     "flash": FlashVarlenBackend,
@@ -392,6 +392,13 @@ def get_attention_backend(name: BackendName | str, device: torch.device | str) -
     """Return a backend instance. ``auto`` picks flash on CUDA when torch has varlen attention, else sdpa."""
     device = torch.device(device)
     usable = device.type == "cuda" and torch.cuda.is_available() and flash_available()
+    if name == "fa3":  # optional kernel (fa3_attention.py): imported here, as it builds on this module
+        from workers.engine import fa3_attention
+
+        if not (reason := fa3_attention.unavailable_reason(device)):
+            return fa3_attention.FA3PagedBackend()
+        log.warning("FlashAttention-3 unavailable (%s); using the default backend", reason)
+        name = "auto"
     if name == "auto":
         name = "flash" if usable else "sdpa"
     if name == "flash" and not usable:

@@ -22,7 +22,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     load_format: LoadFormat = "auto"
-    attn_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    attn_backend: Literal["auto", "sdpa", "flash", "fa3"] = "auto"
     # Scheduling: per-step token budget shared by decodes and prefill chunks. 4096 measured best under load
     # (64 concurrent 1080p requests on an H200: 4.9-5.6 req/s at 1024, 6.2 at 2048, 6.8 at 4096, with a lower
     # mean TPOT too): eager mixed steps have a fixed host cost, which larger chunks spread over more tokens.

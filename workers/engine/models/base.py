@@ -271,7 +271,9 @@ def builder(
         spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str
     ) -> VLModel:
         lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
-        vision = build_tower(spec.vision, dtype=dtype, device=device, attn_backend=attn_backend)
+        # fa3 is the LM's alone: the ViT keeps its kernels (FA2 windows, cuDNN full blocks)
+        tower_backend = "auto" if attn_backend == "fa3" else attn_backend
+        vision = build_tower(spec.vision, dtype=dtype, device=device, attn_backend=tower_backend)
         return VLModel(spec, lm, vision)
 
     return build
