@@ -12,7 +12,12 @@ LM's prefill chunks.
   cumulative lengths), which would need neither the split nor the expanded heads. Its error column says whether
   its causal mask is aligned bottom-right (new tokens after their context) as the LM needs.
 
+- The LM's backends as served (``--backends``): the flash backend (decode rows on the paged-decode kernel,
+  prefill chunks gathered and run on FlashAttention-2) against ``--attn-backend fa3`` (one FlashAttention-3 call
+  over the paged cache in place, where an FA3 build is installed), each with its KV write, on a paged cache.
+
     python -m benchmarks.attn_bench
+    python -m benchmarks.attn_bench --chunks "" --backends "64x1:2800+4096:4096,4096:21579,2800:22000"
     python -m benchmarks.attn_bench --chunks "" --ragged "1385:1385+2711:2711,1326:2711+2770:2770,4096:21579"
 """
 
@@ -86,16 +91,46 @@ def ragged_row(spec: str, dev: torch.device) -> None:
         print(f"ragged {spec}: cuDNN refused ({str(exc).splitlines()[0][:120]})", flush=True)
 
 
+def backend_row(spec: str, dev: torch.device) -> None:
+    """One step through both served backends: ``new:context`` per sequence joined by '+'; ``NxA:B`` is N of them."""
+    from workers.engine.attention import FlashVarlenBackend, build_attention_metadata
+    from workers.engine.fa3_attention import FA3PagedBackend, unavailable_reason
+
+    if reason := unavailable_reason(dev):
+        print(f"backends {spec}: no FA3 ({reason[:200]})", flush=True)
+        return
+    pairs: list[tuple[int, int]] = []
+    for seq in spec.split("+"):
+        count, _, shape = seq.rpartition("x")
+        pairs += [(int(shape.split(":")[0]), int(shape.split(":")[1]))] * int(count or 1)
+    pairs.sort(key=lambda p: p[0] != 1)  # decode rows first, as the scheduler orders a step
+    heads, kv_heads, d, block = 28, 4, 128, 16
+    need = [-(-c // block) for _, c in pairs]
+    order = torch.randperm(sum(need)).tolist()
+    tables = [order[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
+    meta = build_attention_metadata([n for n, _ in pairs], [c for _, c in pairs], tables, block, dev)
+    cache = torch.randn(2, sum(need), block, kv_heads, d, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(sum(n for n, _ in pairs), heads, d, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(q.shape[0], kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    flash, fa3 = FlashVarlenBackend(), FA3PagedBackend()
+    flops = sum(4 * n * (c - n / 2) * d * heads for n, c in pairs)
+    row(f"step {spec}", flops, lambda: flash.forward(q, k, v, cache, meta, d**-0.5),
+        lambda: fa3.forward(q, k, v, cache, meta, d**-0.5))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", default="1024:4096,1024:16384,1024:21504,4096:16384",
                     help="LM shapes as new_tokens:context, comma separated")
+    ap.add_argument("--backends", default="", help="served LM steps, comma separated: new:context per sequence, "
+                    "joined by '+' (NxA:B repeats one N times)")
     ap.add_argument("--ragged", default="", help="packed LM steps, comma separated: new:context per sequence, "
                     "joined by '+'")
     args = ap.parse_args()
     dev, bf = torch.device("cuda"), torch.bfloat16
-    print(f"{torch.cuda.get_device_name()}, bf16; ms and TFLOP/s per call; rel err = cuDNN vs FlashAttention-2")
-    print(f"{'shape':34} {'FA2 ms':>8} {'TFLOP/s':>7} {'cuDNN ms':>9} {'TFLOP/s':>7} {'speedup':>8} {'rel err':>9}")
+    print(f"{torch.cuda.get_device_name()}, bf16; ms and TFLOP/s per call; the other kernel is cuDNN, or FA3 on the"
+          " step rows; rel err = the other kernel's output against FlashAttention-2's")
+    print(f"{'shape':34} {'FA2 ms':>8} {'TFLOP/s':>7} {'other ms':>9} {'TFLOP/s':>7} {'speedup':>8} {'rel err':>9}")
     with torch.inference_mode():
         n, h, d = 10764, 16, 80
         x = torch.randn(n, h, d, device=dev, dtype=bf)
@@ -128,6 +163,8 @@ def main() -> None:
                 lambda q=q, k=k, v=v: lm_chunk_cudnn(q, k, v, d**-0.5))  # type: ignore[misc]
         for spec in filter(None, args.ragged.split(",")):
             ragged_row(spec, dev)
+        for spec in filter(None, args.backends.split(",")):
+            backend_row(spec, dev)
 
 
 if __name__ == "__main__":
