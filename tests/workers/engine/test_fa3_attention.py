@@ -5,6 +5,7 @@ torch's FlashAttention-2 path."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,34 @@ def test_engine_on_the_fa3_backend_gives_transformers_tokens(
     for messages, out in zip(requests, outs, strict=True):
         assert out.token_ids == reference.generate(messages)
     assert max(calls) > 1  # steps with several sequences went through the kernel
+
+
+def test_the_fork_inside_an_installed_vllm_loads_without_importing_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's package import has side effects (environment, torch settings), so the FA3 build it bundles is loaded
+    as a package of its own, and so is one in the folder named by GLIMPSE_FA3_PATH."""
+    fork = tmp_path / "site" / "vllm" / "vllm_flash_attn"
+    fork.mkdir(parents=True)
+    (fork.parent / "__init__.py").write_text("raise RuntimeError('vllm itself was imported')\n")
+    (fork / "__init__.py").write_text("from .flash_attn_interface import flash_attn_varlen_func\n")
+    (fork / "flash_attn_interface.py").write_text(
+        "def flash_attn_varlen_func(*args, **kwargs):\n    return 'fa3 from the fork'\n\n"
+        "def is_fa_version_supported(version):\n    return version == 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for env in ({}, {"GLIMPSE_FA3_PATH": str(fork.parent)}):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        for name in [m for m in sys.modules if m.startswith("vllm_flash_attn")]:
+            monkeypatch.delitem(sys.modules, name)
+        fa3_attention._load.cache_clear()
+        try:
+            kernel, reason = fa3_attention._load()
+        finally:
+            fa3_attention._load.cache_clear()
+        assert reason == "" and kernel is not None and kernel() == "fa3 from the fork"
+        assert "vllm" not in sys.modules
+    for name in [m for m in sys.modules if m.startswith("vllm_flash_attn")]:
+        del sys.modules[name]
