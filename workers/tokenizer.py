@@ -20,6 +20,7 @@ are still being decoded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ from workers.config import ServerConfig
 from workers.engine.processor import ImageInfo, MMProcessor
 from workers.engine.video_prompt import VideoMeta
 from workers.grammar import Validator
-from workers.image_prep import ImagePrep, PendingWrite, core_share, overloaded
+from workers.image_prep import Encoded, ImagePrep, PendingWrite, core_share, overloaded
 from workers.media import MediaFetcher, MediaLimits, is_remote
 from workers.proc import setup_child
 from workers.tokenizer_service import serve_tokenizer
@@ -90,7 +91,7 @@ class Admitted:
 
     chat: ChatCompletionRequest | CompletionRequest
     refs: list[ImageRef]
-    raws: list[bytes | None]  # None: an http(s) image not downloaded yet
+    raws: list[Encoded | None]  # None: an http(s) image not downloaded yet
     videos: VideoInputs = field(default_factory=VideoInputs)
 
     @property
@@ -196,7 +197,10 @@ class TokenizerWorker:
             raise overloaded()  # refuse before spending CPU on a request we could not hand on
         videos = self.videos.admit(vrefs)  # the count cap, data: and file: videos
         self.images += len(refs)
-        raws = [None if is_remote(r.url) else self.fetcher.load_local(r.url, r.param) for r in refs]
+        raws = [
+            None if is_remote(r.url) else self.prep.encoded(r.url, functools.partial(self.fetcher.load_local, r.url, r.param))
+            for r in refs
+        ]
         return Admitted(chat, refs, raws, videos)
 
     def _check_length(self, chat: ChatCompletionRequest) -> None:
@@ -274,7 +278,7 @@ async def _fetch_with(fetcher: MediaFetcher, admitted: Admitted) -> None:
     todo = [i for i, raw in enumerate(admitted.raws) if raw is None]
     raws = await fetcher.fetch_all([(admitted.refs[i].url, admitted.refs[i].param) for i in todo])
     for i, raw in zip(todo, raws, strict=True):
-        admitted.raws[i] = raw
+        admitted.raws[i] = Encoded(raw)
 
 
 async def _fetch_once(fetcher: MediaFetcher, admitted: Admitted) -> None:

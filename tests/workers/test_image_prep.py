@@ -29,7 +29,7 @@ from ipc.shm import (
     segment_name,
 )
 from server.config import ServerConfig
-from tests.workers.test_tokenizer import MODEL, _handle, chat_body, png, server_config, shm_path
+from tests.workers.test_tokenizer import MODEL, _handle, _inodes, chat_body, png, server_config, shm_path
 from workers.engine.config import EngineConfig
 from workers.engine.processor import MMProcessor
 from workers.media import decode_image
@@ -177,6 +177,42 @@ def test_shm_full_midway_releases_the_images_already_written(
         again = _handle(worker, "r2", body)
         assert len(again.shm_names) == 5 and worker.images_reused == 0
         for name in again.shm_names:
+            ShmSegment.unlink(name)
+    finally:
+        worker.close()
+
+
+# ---- resent data URLs ---------------------------------------------------------------------------------
+
+
+def test_a_resent_data_url_is_not_decoded_while_its_image_is_live(
+    demo_model_dir: Path, launch_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = TokenizerWorker(server_config(demo_model_dir, launch_id), 0, logging.getLogger("test"))
+    decoded: list[str] = []
+    load = worker.fetcher.load_local
+    monkeypatch.setattr(worker.fetcher, "load_local", lambda url, param=None: decoded.append(url) or load(url, param))
+    raw = png(80, 48, seed=31)
+    try:
+        first = _handle(worker, "r1", chat_body([raw]))
+        assert len(decoded) == 1 and first.shm_bytes > 0
+
+        again = _handle(worker, "r2", chat_body([raw]))  # the same text: linked from its hash, no base64
+        assert len(decoded) == 1 and again.shm_bytes == 0 and again.input_ids == first.input_ids
+        assert _inodes(again) == _inodes(first)
+
+        other_text = chat_body([raw]).replace(b"data:image/png;", b"data:image/x-png;")
+        relabelled = _handle(worker, "r3", other_text)  # other text, same bytes: decoded once, then linked
+        assert len(decoded) == 2 and relabelled.shm_bytes == 0 and _inodes(relabelled) == _inodes(first)
+
+        pixels = Path(shm_path(first.shm_names[0])).read_bytes()
+        for name in first.shm_names + again.shm_names + relabelled.shm_names:
+            ShmSegment.unlink(name)
+        # Its segments are gone: the URL is decoded after all, and the image processed and written again.
+        fresh = _handle(worker, "r4", chat_body([raw]))
+        assert len(decoded) == 3 and fresh.shm_bytes == first.shm_bytes and fresh.input_ids == first.input_ids
+        assert Path(shm_path(fresh.shm_names[0])).read_bytes() == pixels
+        for name in fresh.shm_names:
             ShmSegment.unlink(name)
     finally:
         worker.close()
