@@ -163,7 +163,7 @@ class ImagePrep:
         here is not decoded (see Encoded)."""
         if not url.startswith("data:"):
             return Encoded(load())
-        key = blake3.blake3(url.encode()).digest(16)
+        key = blake3.blake3(url.encode("utf-8", "surrogatepass")).digest(16)  # any str: the check is the decode's
         if (h := self.data_urls.get(key)) is not None and h in self.local:
             self.data_urls.move_to_end(key)
             return Encoded(load=load, key=key, hash=h)

@@ -131,6 +131,7 @@ BAD_INPUTS: list[tuple[str, Any, int, str | None]] = [
     ("wrong type", {"model": "demo", "messages": "hello"}, 400, "invalid_value"),
     ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
     ("bad base64", {"image": "data:image/png;base64,@@@not-base64@@@"}, 400, "invalid_base64"),
+    ("non-ascii base64", {"image": "data:image/png;base64,iVBOR\u00e9\u2603w0KGgo="}, 400, "invalid_base64"),
     ("not an image", {"image": data_url(b"these bytes are not a picture" * 10)}, 400, "invalid_image"),
     ("too many pixels", {"image": "big"}, 400, "image_too_large"),
     ("too many bytes", {"image": data_url(png_bytes(500, 400, seed=5))}, 400, "image_too_large"),
