@@ -139,6 +139,7 @@ class ImagePrep:
         self.row = 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
         self.local: OrderedDict[bytes, tuple[str, Grid]] = OrderedDict()
         self.data_urls: OrderedDict[bytes, bytes] = OrderedDict()  # see Encoded
+        self.max_data_url_chars = 4 * config.max_image_bytes // 3 + 4096  # base64 of the largest image, header
         self.nonce = f"w{index}{os.urandom(3).hex()}-"  # unique names across restarts of this index
         self.counter = 0
         self.images_reused = 0
@@ -161,8 +162,8 @@ class ImagePrep:
     def encoded(self, url: str, load: Callable[[], bytes]) -> Encoded:
         """A local image of a request (``load`` reads it from ``url``): a data URL seen before whose image is live
         here is not decoded (see Encoded)."""
-        if not url.startswith("data:"):
-            return Encoded(load())
+        if not url.startswith("data:") or len(url) > self.max_data_url_chars:
+            return Encoded(load())  # an oversized one is refused there before anything reads all of it
         key = blake3.blake3(url.encode("utf-8", "surrogatepass")).digest(16)  # any str: the check is the decode's
         if (h := self.data_urls.get(key)) is not None and h in self.local:
             self.data_urls.move_to_end(key)
