@@ -2,9 +2,11 @@
 earlier image resent as the same data URL, each answer in the history) through one tokenizer's request handling.
 
 `TokenizerWorker.handle` runs the steps the tokenizer process runs (parse, images, prompt, shm), in this process, on
-the 7B-shaped processor (a 1080p image is 10,764 patches). Each pass is a new chat with new images. ``baseline``
-decodes every data URL, as before session 14; ``resent skip`` decodes only the URLs it has not seen with their
-image live (``ImagePrep.encoded``). Both run in one invocation, passes interleaved.
+the 7B-shaped processor (a 1080p image is 10,764 patches). Each pass is a new chat with new images. Modes, all in
+one invocation, passes interleaved:
+- ``before``: every data URL decoded, pixels written as bf16 patch rows (the path before session 14);
+- ``resent skip``: resent data URLs not decoded while their image is live (``ImagePrep.encoded``), bf16 rows;
+- ``uint8 frames``: that, and pixels written as the resized uint8 frame (pixel_frames.py): the server's path.
 
     python -m benchmarks.multiturn_prep_bench --rounds 8 --passes 3
 """
@@ -32,16 +34,20 @@ from workers.engine.config import EngineConfig
 from workers.image_prep import Encoded
 from workers.tokenizer import TokenizerWorker
 
-MODES = ("baseline", "resent skip")
+MODES = ("before", "resent skip", "uint8 frames")
 
 
 def one_chat(model: Path, mode: str, rounds: int, seed: int, threads: int) -> list[float]:
     """ms per round of one chat on a fresh tokenizer (its own launch id, so nothing is shared between passes)."""
-    config = ServerConfig(EngineConfig(model=str(model), max_model_len=32768), new_launch_id(), "demo",
-                          tokenizer_workers=1, max_images_per_request=64, tokenizer_threads=threads)
+    engine = EngineConfig(model=str(model), max_model_len=32768, dtype="bfloat16")
+    config = ServerConfig(engine, new_launch_id(), "demo", tokenizer_workers=1, max_images_per_request=64,
+                          tokenizer_threads=threads)
     worker = TokenizerWorker(config, 0, logging.getLogger("bench"))
-    if mode == "baseline":  # every data URL decoded, as before
+    if mode == "before":  # every data URL decoded, as before
         worker.prep.encoded = lambda url, load: Encoded(load())  # type: ignore[method-assign]
+    if mode != "uint8 frames":  # bf16 rows from the normalised frame, as before
+        worker.processor.__dict__["uint8_frames"] = None
+        worker.prep.frame_layout = None
     rng = np.random.default_rng(seed)
     urls = [image_data_url(1920, 1080, (seed, 2, r), "jpeg") for r in range(rounds)]
     history: list[dict[str, object]] = []

@@ -3,7 +3,7 @@ and the latency of a request with many fresh images for each size of a tokenizer
 
 Real tokenizer processes (`run_tokenizer`, spawned like the launcher does) on real sockets and
 /dev/shm, with the Qwen2.5-VL-7B-shaped checkpoint (real 12,845,056 max_pixels, so a 1080p image is
-1092 x 1932 = 10,764 patches) and bfloat16 pixels as on a GPU. This script plays the frontend and the
+1092 x 1932 = 10,764 patches) and pixels as the server writes them (uint8 frames). This script plays the frontend and the
 scheduler: it binds PULL at `frontend` and `sched`, pushes GenerateRequests to `tok{i}` round-robin,
 and unlinks every segment it receives (the scheduler's job), so /dev/shm never fills up.
 
@@ -331,7 +331,7 @@ def main() -> None:
 
     machine = f"{platform.machine()}, {os.cpu_count()} cores, load {load_before:.2f} before the run"
     print(f"\n1920x1080 JPEG q{args.quality} ({args.content}, ~{statistics.mean(sizes) / 1024:.0f} KB), "
-          f"7B-shaped processor (1092x1932, 10,764 patches), bf16 pixels, {args.images_per_request} images "
+          f"7B-shaped processor (1092x1932, 10,764 patches), uint8 frames, {args.images_per_request} images "
           f"per request, depth {args.depth}; {machine}; p50/p90: latency of one request (all images written); handoff: p50 until it reached the scheduler")
     print(f"{'workers':>7} {'threads':>7} {'mode':6} {'requests':>8} {'images':>6} {'images/s':>9} {'shm MB/s':>9} "
           f"{'p50 ms':>8} {'p90 ms':>8} {'handoff':>8} {'CPU ms/img':>10}")

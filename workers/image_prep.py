@@ -3,8 +3,9 @@
 Image identity is the hash of the encoded bytes (framed with the processor settings). Segments are
 named ``{hash}-{t}x{h}x{w}-{unique}`` so any tokenizer of the launch can find a live segment of an
 image by listing /dev/shm, and knows its grid from the name alone. A resent image is then a hard
-link to a new name: no decode, no processing, no write. Pixels are written under a temporary name
-and published under the hash name only once complete, so a reader never links a half-written file.
+link to a new name: no decode, no processing, no write. Pixels (the resized uint8 frame where the
+processor allows, pixel_frames.py) are written under a temporary name and published under the hash name
+only once complete, so a reader never links a half-written file.
 
 The distinct fresh images of one request are decoded, processed and written on a thread pool:
 Pillow's decoder, torch's ops and the copy into shm release the GIL, so a request with many new
@@ -50,11 +51,9 @@ _R = TypeVar("_R")
 
 
 class Encoded:
-    """One image of a request as it arrived: its encoded bytes, or, for a data URL whose text this tokenizer has seen
-    with its image still live here, only that image's hash and a way to decode the URL should the bytes be needed
-    after all (the live segment went before it could be linked). A resent image then costs a hash of its URL's
-    text, not a base64 decode plus a hash of the bytes: 17 of the 90 ms of the multiturn bench's round 8 (7 resent
-    1080p JPEGs and a new one) went to base64 on the 2-core box."""
+    """One image of a request as it arrived: its bytes, or, for a data URL this tokenizer has seen with its image
+    still live here, that image's hash and a way to decode the URL if the bytes are needed after all (the segment
+    went before it could be linked). A resent image costs a hash of its URL's text, not a base64 decode."""
 
     __slots__ = ("_data", "_load", "key", "hash")
 
@@ -137,6 +136,7 @@ class ImagePrep:
         ip = processor.image_processor
         # Width of one patch row in pixel_values; with the grid it gives a segment's shape from its name.
         self.row = 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
+        self.frame_layout = processor.uint8_frames[0] if processor.uint8_frames is not None else None
         self.local: OrderedDict[bytes, tuple[str, Grid]] = OrderedDict()
         self.data_urls: OrderedDict[bytes, bytes] = OrderedDict()  # see Encoded
         self.max_data_url_chars = 4 * config.max_image_bytes // 3 + 4096  # base64 of the largest image, header
@@ -160,8 +160,7 @@ class ImagePrep:
     # ---- planning: reuse or process --------------------------------------------------------------
 
     def encoded(self, url: str, load: Callable[[], bytes]) -> Encoded:
-        """A local image of a request (``load`` reads it from ``url``): a data URL seen before whose image is live
-        here is not decoded (see Encoded)."""
+        """A local image of a request (``load`` reads it): a data URL seen with its image live is not decoded."""
         if not url.startswith("data:") or len(url) > self.max_data_url_chars:
             return Encoded(load())  # an oversized one is refused there before anything reads all of it
         key = blake3.blake3(url.encode("utf-8", "surrogatepass")).digest(16)  # any str: the check is the decode's
@@ -179,13 +178,11 @@ class ImagePrep:
         todo: list[RequestImage] = []
         listing: dict[str, list[tuple[str, Grid]]] | None = None  # /dev/shm listed at most once
         for raw, param in zip(raws, params, strict=True):
-            h = raw.hash
-            if h is None:
-                h = self.processor.media_hash(raw.data())
-                if raw.key is not None:
-                    self.data_urls[raw.key] = h
-                    if len(self.data_urls) > DATA_URL_INDEX_SIZE:
-                        self.data_urls.popitem(last=False)
+            h = raw.hash if raw.hash is not None else self.processor.media_hash(raw.data())
+            if raw.key is not None and raw.hash is None:  # remembered for this URL's next sending
+                self.data_urls[raw.key] = h
+                if len(self.data_urls) > DATA_URL_INDEX_SIZE:
+                    self.data_urls.popitem(last=False)
             if (image := by_hash.get(h)) is not None:
                 self.images_reused += 1  # repeated within the request: shares the first one's segment
                 order.append(image)
@@ -341,12 +338,17 @@ class ImagePrep:
             self._remember(job.image.hash, job.final, job.image.grid)
 
     def _nbytes(self, image: RequestImage) -> int:
-        t, h, w = image.grid
-        return t * h * w * self.row * self.dtype.itemsize
+        return self._ref("", image.grid).nbytes
 
     def _ref(self, name: str, grid: Grid) -> shm.ShmRef:
-        shape = (grid[0] * grid[1] * grid[2], self.row)
-        return shm.ShmRef(name, shape[0] * shape[1] * self.dtype.itemsize, shm.dtype_name(self.dtype), shape)
+        """The segment of an image of this grid: its uint8 frame where the processor allows (pixel_frames.py), else
+        its patch rows in the model's dtype. Every tokenizer of a launch has the same processor, so a name's grid
+        tells any of them which."""
+        if self.frame_layout is not None:
+            shape = self.frame_layout.shape(grid)
+            return shm.ShmRef(name, shape[0] * shape[1] * shape[2], "uint8", shape)
+        rows = (grid[0] * grid[1] * grid[2], self.row)
+        return shm.ShmRef(name, rows[0] * rows[1] * self.dtype.itemsize, shm.dtype_name(self.dtype), rows)
 
     def _sources(self, image: RequestImage) -> Iterator[str]:
         yield from image.candidates

@@ -82,17 +82,20 @@ def test_pool_gives_the_same_request_and_bytes_as_one_thread(demo_model_dir: Pat
         assert _pool_threads(index) == 0  # close() joins the pool
     assert snapshots[0] == snapshots[1]
 
-    # And both are right: bf16 of the float32 pixels MMProcessor makes in-process, in request order.
+    # And both are right: uint8 frames that a model worker makes into the bf16 of the float32 rows MMProcessor
+    # makes in-process, in request order.
     mm = MMProcessor(demo_model_dir)
+    assert mm.uint8_frames is not None
+    layout = mm.uint8_frames[0]
     order = [raws[0], raws[1], raws[2], raws[0], raws[3], raws[4], raws[5]]
     expected = [mm.process_image(decode_image(raw, 10**6), image_hash=mm.media_hash(raw)) for raw in order]
     req = msgspec.json.decode(snapshots[1][0], type=TokenizedRequest)
     assert [(i.hash, i.grid) for i in req.items] == [(p.hash, p.grid) for p in expected]
     contents = dict(zip(req.shm_names, snapshots[1][1]))
     for item, processed in zip(req.items, expected):
-        assert item.pixels is not None and item.pixels.dtype == "bfloat16"
-        pixels = torch.frombuffer(bytearray(contents[item.pixels.name]), dtype=torch.bfloat16)
-        assert torch.equal(pixels.view(item.pixels.shape), processed.pixel_values.to(torch.bfloat16))
+        assert item.pixels is not None and item.pixels.dtype == "uint8"
+        frame = torch.frombuffer(bytearray(contents[item.pixels.name]), dtype=torch.uint8).view(item.pixels.shape)
+        assert torch.equal(layout.rows(frame, torch.bfloat16), processed.pixel_values.to(torch.bfloat16))
 
 
 def test_bad_image_among_many_fails_the_request_and_leaves_no_segment(
@@ -165,11 +168,11 @@ def test_shm_full_midway_releases_the_images_already_written(
     config = dataclasses.replace(server_config(demo_model_dir, launch_id), tokenizer_threads=threads)
     worker = TokenizerWorker(config, 0, logging.getLogger("test"))
     try:
-        small = [png(64, 64, seed=80 + k) for k in range(4)]  # ~20 KB of pixels each
-        big = png(448, 448, seed=90)  # ~5 MB of pixels
+        small = [png(64, 64, seed=80 + k) for k in range(4)]  # ~10 KB uint8 frames each
+        big = png(448, 448, seed=90)  # a ~600 KB frame
         # The big image is neither first nor last: small ones are written before and around it.
         body = chat_body([small[0], small[1], big, small[2], small[3]])
-        with _file_size_limit(launch_id, 1 << 20):
+        with _file_size_limit(launch_id, 1 << 18):
             refusal = _refusal(worker, body)
         assert refusal[:2] == (503, "shm_full")
         assert list_segments(launch_id) == []

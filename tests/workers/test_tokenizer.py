@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import logging
+import math
 import multiprocessing
 import os
 import time
@@ -158,11 +159,14 @@ def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:
         ]
         assert first.sampling == to_sampling_params(chat, len(prompt.input_ids), 4096)
         assert sorted(first.shm_names) == sorted(i.pixels.name for i in first.items if i.pixels)
-        assert first.shm_bytes == sum(p.pixel_values.nbytes for p in processed)
+        # Segments hold uint8 frames; made into rows as a model worker makes them, they are the processor's rows.
+        assert mm.uint8_frames is not None
+        layout = mm.uint8_frames[0]
+        assert first.shm_bytes == sum(math.prod(layout.shape(p.grid)) for p in processed)
         for item, expected in zip(first.items, processed):
-            assert item.pixels is not None
+            assert item.pixels is not None and item.pixels.dtype == "uint8"
             with ShmSegment.attach(item.pixels) as seg:
-                assert torch.equal(seg.tensor(), expected.pixel_values)
+                assert torch.equal(layout.rows(seg.tensor(), torch.float32), expected.pixel_values)
 
         # Resent images: hard links to the live segments, nothing decoded or written.
         peer.tok.send(GenerateRequest("r2", body, time.time()))
@@ -336,11 +340,8 @@ def test_reuse_across_workers_and_fallback(demo_model_dir: Path, launch_id: str)
         rb = _handle(b, "b1", body)  # b never saw it: found by listing /dev/shm, grid read from the name
         assert rb.shm_bytes == 0 and b.images_reused == 2 and _inodes(rb) == _inodes(ra)
         assert rb.input_ids == ra.input_ids and rb.items[0].pixels is not None
-        with ShmSegment.attach(rb.items[0].pixels) as seg:
-            assert seg.tensor().shape == (
-                rb.items[0].grid[0] * rb.items[0].grid[1] * rb.items[0].grid[2],
-                1176,
-            )
+        with ShmSegment.attach(rb.items[0].pixels) as seg:  # the frame of its grid
+            assert seg.tensor().shape == (3, rb.items[0].grid[1] * 14, rb.items[0].grid[2] * 14)
 
         ShmSegment.unlink(ra.shm_names[0])  # a's request finished: a's own hint is now stale
         ra2 = _handle(a, "a2", body)  # ... so a links b's name instead

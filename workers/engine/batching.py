@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ipc.messages import EncodeItem
+from workers.engine.pixel_frames import FrameLayout
 
 
 def to_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -24,6 +25,18 @@ def to_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     staged = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
     torch.cat(parts, out=staged)
     return staged.to(device, non_blocking=True)
+
+
+def pixel_rows(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype, layout: FrameLayout | None) -> torch.Tensor:
+    """A ViT call's patch rows on ``device`` in ``dtype``, from what the images' segments hold: rows, or uint8
+    frames (pixel_frames.py), each copied as it is (a quarter of the rows' bytes in bf16) and made into rows there."""
+    if all(p.dtype != torch.uint8 for p in parts):
+        return to_device(parts, device).to(dtype)
+    if layout is None:
+        raise ValueError("an image's segment holds a uint8 frame, but this checkpoint's processor has no frame layout")
+    rows = [layout.rows(to_device([p], device), dtype) if p.dtype == torch.uint8 else to_device([p], device).to(dtype)
+            for p in parts]
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
 def patches(grid: tuple[int, int, int]) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import torch
+from transformers import AutoImageProcessor
 
 from ipc.messages import (
     EncodeItem,
@@ -27,6 +28,7 @@ from workers.engine.batching import (
     cumsum,
     group_by_patches,
     patches,
+    pixel_rows,
     split_by_patches,
     to_device,
 )
@@ -36,6 +38,7 @@ from workers.engine.layers import TPGroup
 from workers.engine.mm_cache import EmbeddingStore
 from workers.engine.models import family as family_package
 from workers.engine.models.base import item_spans, load_model
+from workers.engine.pixel_frames import frame_layout
 from workers.engine.prompt_logprobs import score_prompts
 from workers.engine.sampler import Sampler
 from workers.engine.step_inputs import Launched, WorkerSeq, ahead_token_ids, gather_inputs
@@ -87,6 +90,9 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        # Images in shm may be uint8 frames (pixel_frames.py): made into rows here, by the processor's own numbers.
+        uint8 = frame_layout(AutoImageProcessor.from_pretrained(cfg.model), self.merge)
+        self.frame_layout = uint8[0] if uint8 is not None else None
         self.store = self._embedding_store()  # before the KV cache takes its share of what is free
         self.num_blocks = self._num_kv_blocks()
         # One block more than the scheduler is told about: block ``num_blocks`` is scratch that CUDA-graph
@@ -228,7 +234,7 @@ class ModelRunner:
         for group in group_by_patches(mine, self.cfg.vit_max_patches):
             pixels = [self.pixel_source(item) for item in group]
             self.counters.pixel_reads += len(group)
-            batch = to_device(pixels, self.device).to(self.dtype)
+            batch = pixel_rows(pixels, self.device, self.dtype, self.frame_layout)
             outs.append(self.model.encode(batch, [item.grid for item in group]))
             self.counters.vit_calls += 1
             self.counters.images_encoded += len(group)

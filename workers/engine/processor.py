@@ -21,6 +21,7 @@ from transformers import AutoProcessor
 
 from workers.engine.models import family as family_package, load_spec
 from workers.engine.models.base import ModelSpec, item_spans
+from workers.engine.pixel_frames import FrameLayout, frame_layout, patch_rows_into
 from workers.engine.video_prompt import VideoMeta, VideoProcessor
 
 # Pad values live above any real vocabulary, so an image span can never look like text, and two
@@ -41,19 +42,18 @@ class ProcessedImage:
     # float32 image the rows are cut from (`write_rows` lays them out).
     pixel_values: torch.Tensor
     frame: tuple[int, int, int] | None = None  # (patch, merge, temporal patch) of a frame's rows
+    # The frame is the resized uint8 image, before rescale and normalise (pixel_frames.py): shm holds it as it is.
+    uint8: bool = False
 
     def write_rows(self, dst: torch.Tensor) -> None:
-        """Write the patch rows into ``dst`` ([t * h * w, row], any float dtype). From a frame, the patchify, the
+        """Write what a segment holds of this image into ``dst``: the patch rows ([t * h * w, row], any float
+        dtype), or with ``uint8`` the frame itself ([C, H, W] uint8). From a normalised frame, the patchify, the
         temporal repeat and the cast are one strided copy, with no float32 copy of the rows in between: the
         same values, in the same layout, as the processor's own patchify."""
-        if self.frame is None:
+        if self.frame is None or self.uint8:
             dst.copy_(self.pixel_values)
             return
-        p, m, t = self.frame
-        c, h, w = self.pixel_values.shape
-        gh, gw = h // p // m, w // p // m
-        src = self.pixel_values.reshape(c, gh, m, p, gw, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # [gh, gw, m, m, c, p, p]
-        dst.view(gh, gw, m, m, c, t, p, p).copy_(src.unsqueeze(5).expand(gh, gw, m, m, c, t, p, p))
+        patch_rows_into(self.pixel_values, dst, *self.frame)
 
 
 class ImageMeta(Protocol):
@@ -170,6 +170,17 @@ class MMProcessor:
         patchify can be left out, checked once against the full path), the normalised image instead, for
         `ProcessedImage.write_rows` to lay out straight into shared memory."""
         rgb = image if image.mode == "RGB" else image.convert("RGB")
+        if frame and (uint8 := self.uint8_frames) is not None:  # checked on the first such call
+            out = uint8[1](images=[rgb], return_tensors="pt")
+            grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
+            return ProcessedImage(
+                hash=image_hash if image_hash is not None else self.hash_image(rgb),
+                grid=grid,  # type: ignore[arg-type]
+                num_tokens=self.tokens_for_grid(grid),  # type: ignore[arg-type]
+                pixel_values=out["pixel_values"].contiguous(),
+                frame=self._geometry,
+                uint8=True,
+            )
         framed = frame and self._frames is not None  # checked on the first such call (the offline Engine never asks)
         out = (self._frames if framed else self.image_processor)(images=[rgb], return_tensors="pt")
         t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
@@ -181,6 +192,12 @@ class MMProcessor:
             pixel_values=pixels,
             frame=self._geometry if framed else None,
         )
+
+    @cached_property
+    def uint8_frames(self) -> tuple[FrameLayout, Any] | None:
+        """The layout of this processor's images as uint8 frames in shm, and the processor copy that makes them;
+        None where its rows would not come out the same bits (then frames are normalised, or rows)."""
+        return frame_layout(self.image_processor, self.merge)
 
     @cached_property
     def _frames(self) -> Any:

@@ -90,15 +90,42 @@ def test_a_template_that_transforms_content_still_renders_like_transformers(demo
 
 @pytest.mark.parametrize("size", [(83, 61), (640, 480), (30, 900), (1920, 1080)])
 def test_frame_rows_and_header_grid_equal_the_processors_own(processor: MMProcessor, size: tuple[int, int]) -> None:
-    """The tokenizer's fast path: rows laid out from the normalised frame straight into a bf16 buffer equal the
-    processor's patchify cast to bf16, bit for bit, and the grid read off the size alone (image_grid, which lets
-    a request go to the scheduler before its pixels) is the grid processing gives."""
+    """The tokenizer's fast paths: the uint8 frame it writes to shm, made into rows as a model worker makes them,
+    and (for a processor without that layout) the rows laid out from the normalised frame straight into a bf16
+    buffer, both equal the processor's patchify (cast to bf16), bit for bit; and the grid read off the size alone
+    (image_grid, which lets a request go to the scheduler before its pixels) is the grid processing gives."""
     rng = np.random.default_rng(size[0])
     image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
     full = processor.process_image(image)
+    assert processor.uint8_frames is not None
+    layout = processor.uint8_frames[0]
     framed = processor.process_image(image, frame=True)
-    assert framed.frame is not None and framed.grid == full.grid
+    assert framed.uint8 and framed.grid == full.grid and framed.pixel_values.dtype == torch.uint8
+    assert framed.pixel_values.shape == layout.shape(full.grid)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(layout.rows(framed.pixel_values, dtype), full.pixel_values.to(dtype))
+    uint8 = processor.__dict__.pop("uint8_frames")
+    try:
+        processor.__dict__["uint8_frames"] = None  # a processor the uint8 layout does not fit
+        normalised = processor.process_image(image, frame=True)
+    finally:
+        processor.__dict__["uint8_frames"] = uint8
+    assert normalised.frame is not None and not normalised.uint8 and normalised.grid == full.grid
     rows = torch.empty(full.pixel_values.shape, dtype=torch.bfloat16)
-    framed.write_rows(rows)
+    normalised.write_rows(rows)
     assert torch.equal(rows, full.pixel_values.to(torch.bfloat16))
     assert processor.image_grid(*size) == full.grid
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_frame_rows_on_cuda_are_the_processors_rows(processor: MMProcessor) -> None:
+    """A model worker makes an image's uint8 frame into rows on its GPU: the same bits as the processor's rows on
+    the CPU, in float32 and in bf16 (the float32 subtract and divide are correctly rounded on both)."""
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (1080, 1920, 3), dtype=np.uint8))
+    assert processor.uint8_frames is not None
+    layout = processor.uint8_frames[0]
+    full = processor.process_image(image)
+    frame = processor.process_image(image, frame=True).pixel_values.cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(layout.rows(frame, dtype).cpu(), full.pixel_values.to(dtype))
