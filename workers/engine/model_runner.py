@@ -38,7 +38,7 @@ from workers.engine.layers import TPGroup
 from workers.engine.mm_cache import EmbeddingStore
 from workers.engine.models import family as family_package
 from workers.engine.models.base import item_spans, load_model
-from workers.engine.pixel_frames import frame_layout
+from workers.engine.pixel_frames import FrameLayout, frame_layout
 from workers.engine.prompt_logprobs import score_prompts
 from workers.engine.sampler import Sampler
 from workers.engine.step_inputs import Launched, WorkerSeq, ahead_token_ids, gather_inputs
@@ -91,8 +91,7 @@ class ModelRunner:
             self.device,
         )
         # Images in shm may be uint8 frames (pixel_frames.py): made into rows here, by the processor's own numbers.
-        uint8 = frame_layout(AutoImageProcessor.from_pretrained(cfg.model), self.merge)
-        self.frame_layout = uint8[0] if uint8 is not None else None
+        self.frame_layout = _frame_layout(cfg.model, self.merge)
         self.store = self._embedding_store()  # before the KV cache takes its share of what is free
         self.num_blocks = self._num_kv_blocks()
         # One block more than the scheduler is told about: block ``num_blocks`` is scratch that CUDA-graph
@@ -385,3 +384,12 @@ class ModelRunner:
         )
         hidden = self.model(embeds, positions.view(3, n), self.kv_caches, meta, mm_rows=mm_index, mm_embeds=mm_embeds)
         return hidden[rows]
+
+
+def _frame_layout(model: str, merge: int) -> FrameLayout | None:
+    try:
+        uint8 = frame_layout(AutoImageProcessor.from_pretrained(model), merge)
+    except Exception as exc:  # a checkpoint without an image processor: its tokenizers write no frames either
+        log.info("no uint8 frame layout for %s: %s", model, exc)
+        return None
+    return uint8[0] if uint8 is not None else None
