@@ -38,7 +38,7 @@ from workers.engine.layers import TPGroup
 from workers.engine.mm_cache import EmbeddingStore
 from workers.engine.models import family as family_package
 from workers.engine.models.base import item_spans, load_model
-from workers.engine.pixel_frames import FrameLayout, frame_layout
+from workers.engine.pixel_frames import FrameLayout, layout_of
 from workers.engine.prompt_logprobs import score_prompts
 from workers.engine.sampler import Sampler
 from workers.engine.step_inputs import Launched, WorkerSeq, ahead_token_ids, gather_inputs
@@ -387,9 +387,10 @@ class ModelRunner:
 
 
 def _frame_layout(model: str, merge: int) -> FrameLayout | None:
+    """The numbers that make a uint8 frame into rows. A tokenizer writes frames only where its own check found them
+    the processor's bits, so the worker needs the numbers, not the check."""
     try:
-        uint8 = frame_layout(AutoImageProcessor.from_pretrained(model), merge)
+        return layout_of(AutoImageProcessor.from_pretrained(model), merge)
     except Exception as exc:  # a checkpoint without an image processor: its tokenizers write no frames either
         log.info("no uint8 frame layout for %s: %s", model, exc)
         return None
-    return uint8[0] if uint8 is not None else None

@@ -69,38 +69,60 @@ def _constants(layout: FrameLayout, device: torch.device) -> tuple[Tensor, Tenso
     )
 
 
+def probe_image() -> Image.Image:
+    """The test image a processor's fast paths are checked on against its full path."""
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (61, 83, 3), dtype=np.uint8))
+
+
+def unpatched_copy(ip: Any, normalise: bool) -> Any:
+    """A copy of image processor ``ip`` that hands back the [C, H, W] frame instead of patch rows: normalised, or with
+    ``normalise`` False the resized uint8 image as it is."""
+    frames = copy.copy(ip)
+
+    def unpatched(images: Tensor, patch_size: int, merge_size: int, temporal_patch_size: int) -> Any:
+        return images, images.shape[-2] // patch_size, images.shape[-1] // patch_size
+
+    def resized_only(images: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return images
+
+    frames.patchify = unpatched
+    if not normalise:
+        frames.rescale_and_normalize = resized_only
+    return frames
+
+
+def layout_of(ip: Any, merge: int) -> FrameLayout | None:
+    """The uint8-frame layout image processor ``ip``'s settings give (its geometry, its mean and std fused with the
+    rescale factor), unchecked; None for a processor without the fused rescale-and-normalise step."""
+    if not all(callable(getattr(ip, name, None)) for name in
+               ("patchify", "rescale_and_normalize", "_fuse_mean_std_and_rescale_factor")):
+        return None
+    if not (ip.do_normalize and ip.do_rescale):
+        return None
+    mean, std, rescale_left = ip._fuse_mean_std_and_rescale_factor(
+        do_normalize=ip.do_normalize, image_mean=ip.image_mean, image_std=ip.image_std,
+        do_rescale=ip.do_rescale, rescale_factor=ip.rescale_factor, device=torch.device("cpu"),
+    )
+    if rescale_left:
+        return None
+    return FrameLayout(
+        int(ip.patch_size), merge, int(getattr(ip, "temporal_patch_size", 1)),
+        tuple(float(v) for v in torch.as_tensor(mean, dtype=torch.float32).flatten()),
+        tuple(float(v) for v in torch.as_tensor(std, dtype=torch.float32).flatten()),
+    )
+
+
 def frame_layout(ip: Any, merge: int) -> tuple[FrameLayout, Any] | None:
     """The uint8-frame layout of image processor ``ip`` and a copy of ``ip`` that returns the resized uint8 frame,
     or None where its rows do not come out the same bits that way (another processor design, or settings that do
     not rescale and normalise)."""
-    if not all(callable(getattr(ip, name, None)) for name in
-               ("patchify", "rescale_and_normalize", "_fuse_mean_std_and_rescale_factor")):
-        return None
     try:
-        mean, std, rescale_left = ip._fuse_mean_std_and_rescale_factor(
-            do_normalize=ip.do_normalize, image_mean=ip.image_mean, image_std=ip.image_std,
-            do_rescale=ip.do_rescale, rescale_factor=ip.rescale_factor, device=torch.device("cpu"),
-        )
-        if not (ip.do_normalize and ip.do_rescale) or rescale_left:
+        layout = layout_of(ip, merge)
+        if layout is None:
             return None
-        layout = FrameLayout(
-            int(ip.patch_size), merge, int(getattr(ip, "temporal_patch_size", 1)),
-            tuple(float(v) for v in torch.as_tensor(mean, dtype=torch.float32).flatten()),
-            tuple(float(v) for v in torch.as_tensor(std, dtype=torch.float32).flatten()),
-        )
-        frames = copy.copy(ip)
-
-        def resized_only(images: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-            return images
-
-        def unpatched(images: Tensor, patch_size: int, merge_size: int, temporal_patch_size: int) -> Any:
-            return images, images.shape[-2] // patch_size, images.shape[-1] // patch_size
-
-        frames.rescale_and_normalize = resized_only
-        frames.patchify = unpatched
-        probe = Image.fromarray(np.random.default_rng(0).integers(0, 256, (61, 83, 3), dtype=np.uint8))
-        want = ip(images=[probe], return_tensors="pt")
-        got = frames(images=[probe], return_tensors="pt")
+        frames = unpatched_copy(ip, normalise=False)
+        want = ip(images=[probe_image()], return_tensors="pt")
+        got = frames(images=[probe_image()], return_tensors="pt")
         frame = got["pixel_values"]
         same = (
             frame.dtype == torch.uint8

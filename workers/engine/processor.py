@@ -5,7 +5,6 @@ the caller's process for the offline Engine), never on an event loop.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,14 +13,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import blake3
-import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoProcessor
 
 from workers.engine.models import family as family_package, load_spec
 from workers.engine.models.base import ModelSpec, item_spans
-from workers.engine.pixel_frames import FrameLayout, frame_layout, patch_rows_into
+from workers.engine.pixel_frames import (
+    FrameLayout,
+    frame_layout,
+    patch_rows_into,
+    probe_image,
+    unpatched_copy,
+)
 from workers.engine.video_prompt import VideoMeta, VideoProcessor
 
 # Pad values live above any real vocabulary, so an image span can never look like text, and two
@@ -166,31 +170,25 @@ class MMProcessor:
         return h.digest(16)
 
     def process_image(self, image: Image.Image, image_hash: bytes | None = None, frame: bool = False) -> ProcessedImage:
-        """The image's patch rows, as the checkpoint's processor makes them. With ``frame`` (and a processor whose
-        patchify can be left out, checked once against the full path), the normalised image instead, for
-        `ProcessedImage.write_rows` to lay out straight into shared memory."""
+        """The image's patch rows, as the checkpoint's processor makes them. With ``frame``, what shared memory
+        should hold instead: the resized uint8 frame (pixel_frames.py), else the normalised image for
+        `ProcessedImage.write_rows` to lay out, for processors whose fast paths give the full path's bits."""
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        if frame and (uint8 := self.uint8_frames) is not None:  # checked on the first such call
-            out = uint8[1](images=[rgb], return_tensors="pt")
-            grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
-            return ProcessedImage(
-                hash=image_hash if image_hash is not None else self.hash_image(rgb),
-                grid=grid,  # type: ignore[arg-type]
-                num_tokens=self.tokens_for_grid(grid),  # type: ignore[arg-type]
-                pixel_values=out["pixel_values"].contiguous(),
-                frame=self._geometry,
-                uint8=True,
-            )
-        framed = frame and self._frames is not None  # checked on the first such call (the offline Engine never asks)
-        out = (self._frames if framed else self.image_processor)(images=[rgb], return_tensors="pt")
+        # Each fast path is checked on the first such call (the offline Engine never asks for one).
+        uint8_frames = self.uint8_frames if frame else None
+        uint8 = uint8_frames is not None
+        framed = frame and not uint8 and self._frames is not None
+        ip = uint8_frames[1] if uint8_frames is not None else self._frames if framed else self.image_processor
+        out = ip(images=[rgb], return_tensors="pt")
         t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
-        pixels = out["pixel_values"].to(torch.float32).contiguous()
+        pixels = out["pixel_values"] if uint8 else out["pixel_values"].to(torch.float32)
         return ProcessedImage(
             hash=image_hash if image_hash is not None else self.hash_image(rgb),
             grid=(t, h, w),
             num_tokens=self.tokens_for_grid((t, h, w)),
-            pixel_values=pixels,
-            frame=self._geometry if framed else None,
+            pixel_values=pixels.contiguous(),
+            frame=self._geometry if uint8 or framed else None,
+            uint8=uint8,
         )
 
     @cached_property
@@ -207,13 +205,7 @@ class MMProcessor:
         ip = self.image_processor
         if not callable(getattr(ip, "patchify", None)):
             return None
-        frames = copy.copy(ip)
-
-        def unpatched(images: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int) -> Any:
-            return images, images.shape[-2] // patch_size, images.shape[-1] // patch_size
-
-        frames.patchify = unpatched
-        probe = Image.fromarray(np.random.default_rng(0).integers(0, 256, (61, 83, 3), dtype=np.uint8))
+        frames, probe = unpatched_copy(ip, normalise=True), probe_image()
         try:
             want = ip(images=[probe], return_tensors="pt")
             got = frames(images=[probe], return_tensors="pt")
