@@ -3,8 +3,8 @@
 torch 2.11's wheels carry FlashAttention-2 only, and on an H200 it runs the LM's prefill chunks at 250-330
 TFLOP/s (benchmarks/attn_bench.py); Hopper's FA3 kernels use its warpgroup MMA and TMA. The kernel comes from
 an installed build of vLLM's FlashAttention fork (the ``vllm_flash_attn`` package: built on its own, or the copy
-vLLM's wheels bundle, loaded without importing vLLM; ``GLIMPSE_FA3_PATH`` names a folder holding it): glimpse does
-not ship it, and without it ``--attn-backend fa3`` logs why and serves on the default backend.
+vLLM's wheels bundle; ``GLIMPSE_FA3_PATH`` names a folder holding it). Only its compiled op library is loaded:
+no vLLM Python runs in glimpse. glimpse does not ship it, and without it ``--attn-backend fa3`` logs why and serves on the default backend.
 
 One kernel call covers the whole step and reads the paged KV cache in place: every sequence's keys through its
 block table up to ``seq_lens`` (``seqused_k``), the causal mask aligned bottom-right, GQA heads taken as they
@@ -19,14 +19,11 @@ is installed. Not yet measured end to end, so it is not picked by ``auto``.
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 import logging
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -39,65 +36,96 @@ log = logging.getLogger(__name__)
 
 Kernel = Callable[..., Tensor]
 PACKAGE = "vllm_flash_attn"  # the fork's package: standalone, or inside vLLM's install
+LIBRARY = "_vllm_fa3_C"  # its compiled FA3 ops; loading the file registers torch.ops._vllm_fa3_C
+# The fork's FA3 ``fwd`` op takes 37 arguments; these positions are the ones glimpse fills (besides q, k, v),
+# checked by name against the loaded op's schema so that a build with another order is refused, not misfed.
+FWD_ARITY = 37
+FWD_NAMES = {7: "cu_seqlens_q", 11: "seqused_k", 12: "max_seqlen_q", 13: "max_seqlen_k", 14: "page_table",
+             23: "softmax_scale", 24: "is_causal"}
 
 
-def _candidates() -> list[tuple[str, Path | None]]:
-    """Where to look for the fork's package, in order: importable as it is; the folder named by ``GLIMPSE_FA3_PATH``
-    (one holding ``vllm_flash_attn/``); the copy inside an installed vLLM, loaded on its own so vLLM itself is
-    never imported (its package import has side effects on torch and the environment)."""
-    found: list[tuple[str, Path | None]] = [("import vllm_flash_attn", None)]
+def _candidates() -> list[tuple[str, Path]]:
+    """Folders that may hold the fork's package, in order: an importable ``vllm_flash_attn``; the folder named by
+    ``GLIMPSE_FA3_PATH`` (one holding ``vllm_flash_attn/``); the copy inside an installed vLLM. Only their
+    compiled op library is loaded, never their Python: the fork's modules import vLLM (``vllm.platforms``), and
+    vLLM's package import changes torch and environment settings."""
+    found = [(f"import vllm_flash_attn at {folder}", folder) for folder in _package_folders(PACKAGE)]
     if folder := os.environ.get("GLIMPSE_FA3_PATH"):
         found.append(("GLIMPSE_FA3_PATH", Path(folder) / PACKAGE))
-    try:
-        vllm = importlib.util.find_spec("vllm")  # locates the package without running it
-    except (ImportError, ValueError):
-        vllm = None
-    for location in (vllm.submodule_search_locations or []) if vllm is not None else []:
-        found.append((f"vLLM at {location}", Path(location) / PACKAGE))
+    found += [(f"vLLM at {folder}", folder / PACKAGE) for folder in _package_folders("vllm")]
     return found
 
 
-def _import(package: Path | None) -> ModuleType:
-    if package is None:
-        return importlib.import_module(PACKAGE)
-    if PACKAGE in sys.modules:  # loaded from an earlier candidate
-        return sys.modules[PACKAGE]
-    spec = importlib.util.spec_from_file_location(
-        PACKAGE, package / "__init__.py", submodule_search_locations=[str(package)]
-    )
-    if spec is None or spec.loader is None:
-        raise ImportError(f"no package at {package}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[PACKAGE] = module  # its own relative imports (the compiled ops) resolve through this name
+def _package_folders(name: str) -> list[Path]:
     try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[PACKAGE]
-        raise
-    return module
+        spec = importlib.util.find_spec(name)  # locates the package without running it
+    except (ImportError, ValueError):
+        return []
+    return [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+
+
+def _library(package: Path) -> Path:
+    files = sorted(package.glob(LIBRARY + "*.so"))
+    if not files:
+        raise FileNotFoundError(f"no {LIBRARY}*.so in {package}")
+    return files[0]
+
+
+def _fwd_op() -> Any:
+    return getattr(torch.ops, LIBRARY).fwd
+
+
+def _check_schema(op: Any) -> str:
+    """Empty when the loaded ``fwd`` takes its arguments in the order ``varlen_kernel`` passes them."""
+    names = [a.name for a in op.default._schema.arguments]
+    wrong = [f"{i}: {names[i] if i < len(names) else None} (want {want})" for i, want in FWD_NAMES.items()
+             if i >= len(names) or names[i] != want]
+    if len(names) != FWD_ARITY or wrong:
+        return f"{LIBRARY}.fwd has another signature ({len(names)} arguments; {', '.join(wrong) or 'names match'})"
+    return ""
+
+
+def varlen_kernel(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, max_seqlen_q: int, cu_seqlens_q: Tensor, max_seqlen_k: int, *,
+    seqused_k: Tensor, block_table: Tensor, softmax_scale: float, causal: bool, fa_version: int = 3,
+) -> Tensor:
+    """``flash_attn_varlen_func``'s paged call (the contract the backend and its tests use) made on the fork's
+    FA3 op directly; the arguments glimpse does not use take the fork's defaults (no new KV, no rotary, no
+    scaling, no sliding window or softcap, heuristic splits)."""
+    assert fa_version == 3
+    outs = _fwd_op()(
+        q, k_cache, v_cache, None, None, None, None,  # k_new, v_new, q_v, out
+        cu_seqlens_q, None, None, None, seqused_k,  # cu_seqlens_k, cu_seqlens_k_new, seqused_q
+        max_seqlen_q, max_seqlen_k, block_table,
+        None, None, None, None, None,  # kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary
+        None, None, None,  # q, k, v descale
+        softmax_scale, causal, -1, -1, 0.0,  # window left, right; softcap
+        True, None, 0, None, 0,  # rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin
+        None, 1, 0, None,  # s_aux, cp_world_size, cp_rank, cp_tot_seqused_k
+    )
+    out: Tensor = outs[0]
+    return out
 
 
 @functools.cache
 def _load() -> tuple[Kernel | None, str]:
-    """The fork's varlen entry point, or None and why not (no build found, or no FA3 on this machine's GPU)."""
+    """The FA3 varlen kernel, or None and why not (no build found, or no FA3 on this machine's GPU)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return None, "FA3 needs a Hopper GPU (compute capability 9.x)"
     reasons = []
     for where, package in _candidates():
         try:
-            module = _import(package)
-            interface = importlib.import_module(PACKAGE + ".flash_attn_interface")
+            library = _library(package)
+            torch.ops.load_library(str(library))
+            reason = _check_schema(_fwd_op())
         except Exception as exc:  # missing, or a build that fails to load against this torch
             reasons.append(f"{where}: {type(exc).__name__}: {exc}")
             continue
-        supported: Callable[[int], bool] | None = getattr(interface, "is_fa_version_supported", None)
-        kernel: Kernel | None = getattr(module, "flash_attn_varlen_func", None)
-        if kernel is None or supported is None:
-            reasons.append(f"{where}: no flash_attn_varlen_func / is_fa_version_supported")
-        elif not torch.cuda.is_available() or not supported(3):
-            reasons.append(f"{where}: FA3 not supported on this device")
-        else:
-            log.info("FlashAttention-3 from %s", where)
-            return kernel, ""
-    return None, "; ".join(reasons)
+        if reason:
+            return None, f"{where}: {reason}"
+        log.info("FlashAttention-3 from %s", library)
+        return varlen_kernel, ""
+    return None, "; ".join(reasons) or "no vllm_flash_attn found (install one, or set GLIMPSE_FA3_PATH)"
 
 
 def unavailable_reason(device: torch.device) -> str:

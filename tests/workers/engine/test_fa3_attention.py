@@ -143,32 +143,86 @@ def test_engine_on_the_fa3_backend_gives_transformers_tokens(
     assert max(calls) > 1  # steps with several sequences went through the kernel
 
 
-def test_the_fork_inside_an_installed_vllm_loads_without_importing_vllm(
+# The fork's FA3 ``fwd`` schema as vLLM 0.24 registers it (flash_attn_interface.py's FA3 call, in its order).
+FWD_SCHEMA = (
+    "fwd(Tensor q, Tensor k, Tensor v, Tensor? k_new, Tensor? v_new, Tensor? q_v, Tensor? out, "
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? cu_seqlens_k_new, Tensor? seqused_q, Tensor? seqused_k, "
+    "int? max_seqlen_q, int? max_seqlen_k, Tensor? page_table, Tensor? kv_batch_idx, Tensor? leftpad_k, "
+    "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? seqlens_rotary, Tensor? q_descale, Tensor? k_descale, "
+    "Tensor? v_descale, float? softmax_scale, bool is_causal, int window_size_left, int window_size_right, "
+    "float softcap, bool is_rotary_interleaved, Tensor? scheduler_metadata, int num_splits, bool? pack_gqa, "
+    "int sm_margin, Tensor? s_aux, int cp_world_size, int cp_rank, Tensor? cp_tot_seqused_k) -> Tensor[]"
+)
+
+
+def test_the_fork_s_op_library_loads_without_its_python_or_vllm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vLLM's package import has side effects (environment, torch settings), so the FA3 build it bundles is loaded
-    as a package of its own, and so is one in the folder named by GLIMPSE_FA3_PATH."""
-    fork = tmp_path / "site" / "vllm" / "vllm_flash_attn"
-    fork.mkdir(parents=True)
-    (fork.parent / "__init__.py").write_text("raise RuntimeError('vllm itself was imported')\n")
-    (fork / "__init__.py").write_text("from .flash_attn_interface import flash_attn_varlen_func\n")
-    (fork / "flash_attn_interface.py").write_text(
-        "def flash_attn_varlen_func(*args, **kwargs):\n    return 'fa3 from the fork'\n\n"
-        "def is_fa_version_supported(version):\n    return version == 3\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    """The fork's Python imports vLLM, and vLLM's package import has side effects, so only the compiled op library
+    is loaded: from inside an installed vLLM, or from the folder GLIMPSE_FA3_PATH names. A stand-in library
+    registers the fork's ``fwd`` schema with the reference kernel behind it, so the positional call is checked
+    argument by argument."""
+    namespace = "_glimpse_test_fa3_C"
+    monkeypatch.setattr(fa3_attention, "LIBRARY", namespace)
+    installed, elsewhere = tmp_path / "site" / "vllm" / "vllm_flash_attn", tmp_path / "own" / "vllm_flash_attn"
+    for fork in (installed, elsewhere):
+        fork.mkdir(parents=True)
+        (fork.parent / "__init__.py").write_text("raise RuntimeError('python beside the fork was run')\n")
+        (fork / "__init__.py").write_text("raise RuntimeError('the fork itself was run')\n")
+        (fork / f"{namespace}.abi3.so").write_bytes(b"")
+    seen: list[list[Any]] = []
+
+    def fwd(*args: Any) -> list[Tensor]:
+        seen.append(list(args))
+        q, k, v, cu_q, used, max_q, max_k, table, scale, causal = (args[i] for i in (0, 1, 2, 7, 11, 12, 13, 14, 23, 24))
+        rest = [a for i, a in enumerate(args) if i not in (0, 1, 2, 7, 11, 12, 13, 14, 23, 24)]
+        assert rest == [None] * 15 + [-1, -1, 0.0, True, None, 0, None, 0, None, 1, 0, None]
+        out = reference_kernel(q, k, v, max_q, cu_q, max_k, seqused_k=used, block_table=table, softmax_scale=scale,
+                               causal=causal, fa_version=3)
+        return [out, torch.zeros(1)]
+
+    library = torch.library.Library(namespace, "DEF")
+    loaded: list[str] = []
+
+    def load_library(path: str) -> None:
+        loaded.append(path)
+        if len(loaded) == 1:
+            library.define(FWD_SCHEMA)
+            library.impl("fwd", fwd, "CPU")
+
+    monkeypatch.setattr(torch.ops, "load_library", load_library)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for env in ({}, {"GLIMPSE_FA3_PATH": str(fork.parent)}):
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        for name in [m for m in sys.modules if m.startswith("vllm_flash_attn")]:
-            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    q, k, v, cache, meta = mixed_step("cpu", torch.bfloat16)
+    for env, want in ((None, installed), (str(elsewhere.parent), elsewhere)):
+        if env is not None:
+            monkeypatch.setenv("GLIMPSE_FA3_PATH", env)
         fa3_attention._load.cache_clear()
         try:
             kernel, reason = fa3_attention._load()
         finally:
             fa3_attention._load.cache_clear()
-        assert reason == "" and kernel is not None and kernel() == "fa3 from the fork"
-        assert "vllm" not in sys.modules
-    for name in [m for m in sys.modules if m.startswith("vllm_flash_attn")]:
-        del sys.modules[name]
+        assert reason == "" and kernel is not None and Path(loaded[-1]).parent == want
+        out = FA3PagedBackend(kernel=kernel, any_device=True).forward(q, k, v, cache.clone(), meta, D**-0.5)
+        expected = SdpaBackend().forward(q, k, v, cache.clone(), meta, D**-0.5)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert "vllm" not in sys.modules and len(seen) == 2
+
+
+def test_a_fork_op_with_another_argument_order_is_refused() -> None:
+    class Arg:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    class Op:
+        class default:
+            class _schema:
+                arguments = [Arg(n.split()[-1]) for n in FWD_SCHEMA[4:].split(") ->")[0].split(", ")]
+
+    assert fa3_attention._check_schema(Op) == ""
+    Op.default._schema.arguments[11], Op.default._schema.arguments[10] = (
+        Op.default._schema.arguments[10], Op.default._schema.arguments[11])
+    assert "11: seqused_q (want seqused_k)" in fa3_attention._check_schema(Op)
+    Op.default._schema.arguments.pop()
+    assert "36 arguments" in fa3_attention._check_schema(Op)
