@@ -15,9 +15,11 @@ LM's prefill chunks.
 - The LM's backends as served (``--backends``): the flash backend (decode rows on the paged-decode kernel,
   prefill chunks gathered and run on FlashAttention-2) against ``--attn-backend fa3`` (one FlashAttention-3 call
   over the paged cache in place, where an FA3 build is installed), each with its KV write, on a paged cache.
+- The ViT on FA3 (``--vit-fa3``): a 1080p frame's windowed and full blocks, FA2 varlen against FA3's packed call.
 
     python -m benchmarks.attn_bench
     python -m benchmarks.attn_bench --chunks "" --backends "64x1:2800+4096:4096,4096:21579,2800:22000"
+    python -m benchmarks.attn_bench --chunks "" --vit-fa3
     python -m benchmarks.attn_bench --chunks "" --ragged "1385:1385+2711:2711,1326:2711+2770:2770,4096:21579"
 """
 
@@ -118,12 +120,37 @@ def backend_row(spec: str, dev: torch.device) -> None:
         lambda: fa3.forward(q, k, v, cache, meta, d**-0.5))
 
 
+def vit_fa3_rows(dev: torch.device) -> None:
+    """The ViT's two kernels under ``--attn-backend fa3`` (FA3's packed call) against FA2 varlen: one 1080p
+    frame's windowed block (8 x 8-patch windows, ragged at the edges) and its full block."""
+    from workers.engine.fa3_attention import packed_kernel, unavailable_reason
+
+    if reason := unavailable_reason(dev):
+        print(f"ViT on FA3: unavailable ({reason[:200]})", flush=True)
+        return
+    rows, cols, h, d = 39, 69, 16, 80  # 1080p: 78 x 138 patches, merged 2 x 2, windows of 4 x 4 merged units
+    windows = [min(4, rows - r) * min(4, cols - c) * 4 for r in range(0, rows, 4) for c in range(0, cols, 4)]
+    for name, lengths in (("windows", windows), ("full block", [sum(windows)])):
+        n = sum(lengths)
+        x = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16)
+        bounds = [0]
+        for length in lengths:
+            bounds.append(bounds[-1] + length)
+        cu, top = torch.tensor(bounds, dtype=torch.int32, device=dev), max(lengths)
+        flops = sum(4 * m * m * h * d for m in lengths)
+        row(f"ViT {name} {n} x {h}h x {d}, FA3", flops,
+            lambda x=x, cu=cu, top=top: torch.ops.aten._flash_attention_forward(  # type: ignore[misc]
+                x, x, x, cu, cu, top, top, 0.0, False, False, scale=d**-0.5)[0],
+            lambda x=x, cu=cu, top=top: packed_kernel(x, x, x, cu, top, d**-0.5))  # type: ignore[misc]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", default="1024:4096,1024:16384,1024:21504,4096:16384",
                     help="LM shapes as new_tokens:context, comma separated")
     ap.add_argument("--backends", default="", help="served LM steps, comma separated: new:context per sequence, "
                     "joined by '+' (NxA:B repeats one N times)")
+    ap.add_argument("--vit-fa3", action="store_true", help="the ViT's windows and full block on FA3 against FA2")
     ap.add_argument("--ragged", default="", help="packed LM steps, comma separated: new:context per sequence, "
                     "joined by '+'")
     args = ap.parse_args()
@@ -165,6 +192,8 @@ def main() -> None:
             ragged_row(spec, dev)
         for spec in filter(None, args.backends.split(",")):
             backend_row(spec, dev)
+        if args.vit_fa3:
+            vit_fa3_rows(dev)
 
 
 if __name__ == "__main__":

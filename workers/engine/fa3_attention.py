@@ -85,18 +85,16 @@ def _check_schema(op: Any) -> str:
     return ""
 
 
-def varlen_kernel(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, max_seqlen_q: int, cu_seqlens_q: Tensor, max_seqlen_k: int, *,
-    seqused_k: Tensor, block_table: Tensor, softmax_scale: float, causal: bool, fa_version: int = 3,
+def _fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None, seqused_k: Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int, page_table: Tensor | None, softmax_scale: float, causal: bool,
 ) -> Tensor:
-    """``flash_attn_varlen_func``'s paged call (the contract the backend and its tests use) made on the fork's
-    FA3 op directly; the arguments glimpse does not use take the fork's defaults (no new KV, no rotary, no
+    """The fork's FA3 op; the arguments glimpse does not use take the fork's defaults (no new KV, no rotary, no
     scaling, no sliding window or softcap, heuristic splits)."""
-    assert fa_version == 3
     outs = _fwd_op()(
-        q, k_cache, v_cache, None, None, None, None,  # k_new, v_new, q_v, out
-        cu_seqlens_q, None, None, None, seqused_k,  # cu_seqlens_k, cu_seqlens_k_new, seqused_q
-        max_seqlen_q, max_seqlen_k, block_table,
+        q, k, v, None, None, None, None,  # k_new, v_new, q_v, out
+        cu_seqlens_q, cu_seqlens_k, None, None, seqused_k,  # cu_seqlens_k_new, seqused_q
+        max_seqlen_q, max_seqlen_k, page_table,
         None, None, None, None, None,  # kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary
         None, None, None,  # q, k, v descale
         softmax_scale, causal, -1, -1, 0.0,  # window left, right; softcap
@@ -105,6 +103,27 @@ def varlen_kernel(
     )
     out: Tensor = outs[0]
     return out
+
+
+def varlen_kernel(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, max_seqlen_q: int, cu_seqlens_q: Tensor, max_seqlen_k: int, *,
+    seqused_k: Tensor, block_table: Tensor, softmax_scale: float, causal: bool, fa_version: int = 3,
+) -> Tensor:
+    """``flash_attn_varlen_func``'s paged call (the contract the backend and its tests use) on the FA3 op."""
+    assert fa_version == 3
+    return _fwd(q, k_cache, v_cache, cu_seqlens_q, None, seqused_k, max_seqlen_q, max_seqlen_k, block_table,
+                softmax_scale, causal)
+
+
+def packed_kernel(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float) -> Tensor:
+    """Non-causal attention within packed segments (the ViT's windows or frames): ``q, k, v`` are [tokens, H, D]
+    and segment i is rows ``cu_seqlens[i]:cu_seqlens[i + 1]``, as FlashAttention's varlen call takes them."""
+    return _fwd(q, k, v, cu_seqlens, cu_seqlens, None, max_seqlen, max_seqlen, None, softmax_scale, False)
+
+
+def vision_kernel() -> Callable[..., Tensor] | None:
+    """``packed_kernel`` where an FA3 build serves on this machine's GPU, else None."""
+    return packed_kernel if _load()[0] is not None else None
 
 
 @functools.cache

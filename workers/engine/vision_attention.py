@@ -8,6 +8,7 @@ frame; elsewhere grouped SDPA (equal-length segments batched), which matches tra
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -64,6 +65,9 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
         self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
         self.fused = False  # CUDA: rope of q and k (and v's copy) in one compiled kernel (fused.py)
+        # --attn-backend fa3: FlashAttention-3's packed call for windows and frames alike on the CUDA path (no
+        # cuDNN plan per frame length, head_dim 80 on Hopper's MMA); None keeps FA2 windows, cuDNN frames
+        self.packed: Callable[..., Tensor] | None = None
 
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         n = x.shape[0]
@@ -73,7 +77,9 @@ class VisionAttention(nn.Module):
         else:
             q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
             v = qkv[:, 2]
-        if flash and seg.frames and _cudnn_frames.wants(seg):
+        if flash and self.packed is not None:
+            out = self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
+        elif flash and seg.frames and _cudnn_frames.wants(seg):
             out = _cudnn_frames(q, k, v, seg)
         elif flash:
             out = _varlen(q, k, v, seg)

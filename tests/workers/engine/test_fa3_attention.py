@@ -23,6 +23,7 @@ from workers.engine.attention import (
     get_attention_backend,
 )
 from workers.engine.fa3_attention import FA3PagedBackend, unavailable_reason
+from workers.engine.vision_attention import Segments, VisionAttention
 
 BLOCK = 4
 HQ, HKV, D = 6, 2, 16
@@ -136,11 +137,43 @@ def test_engine_on_the_fa3_backend_gives_transformers_tokens(
     monkeypatch.setattr(FA3PagedBackend, "supports", lambda self, q: True)
     requests = [chat("Short one." * (1 + i), [noise_image(60 + 30 * i, 90 - 5 * i, seed=100 + i)] * (i % 3))
                 for i in range(5)]
-    outs = make_engine(demo_model_dir, chunk_size=32, attn_backend="fa3").generate(requests, GREEDY)
+    engine = make_engine(demo_model_dir, chunk_size=32, attn_backend="fa3")
+    outs = engine.generate(requests, GREEDY)
     reference = Reference(demo_model_dir)
     for messages, out in zip(requests, outs, strict=True):
         assert out.token_ids == reference.generate(messages)
     assert max(calls) > 1  # steps with several sequences went through the kernel
+    # the tower's attention layers got FA3's packed call (used on its CUDA path; see the GPU test below)
+    layers = [m for m in engine.runner.vision.modules() if isinstance(m, VisionAttention)]
+    assert layers and all(m.packed is fa3_attention.packed_kernel for m in layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or bool(unavailable_reason(torch.device("cuda"))),
+    reason="needs a CUDA device with an FA3 build of vLLM's flash-attention installed",
+)
+@pytest.mark.parametrize("frames", [False, True])
+def test_vit_attention_on_fa3_matches_its_default_kernels(frames: bool) -> None:
+    """A ViT attention layer (16 heads of 80) on two images' windows (ragged edges) or whole frames: FA3's packed
+    call against the layer's default CUDA kernels (FA2 varlen; cuDNN for frames once hot), bf16."""
+    torch.manual_seed(0)
+    layer = VisionAttention(1280, 16).cuda().bfloat16()
+    lengths = [4 * 4 * 4] * 5 + [4 * 3 * 4, 4 * 1 * 4, 2 * 4 * 4] if not frames else [1380, 2356]
+    lengths = lengths * 2 if not frames else lengths
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    seg = Segments(torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, max(lengths), frames=frames)
+    n = bounds[-1]
+    x = torch.randn(n, 1280, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(n, 40, device="cuda") * 6
+    cos, sin = angles.cos(), angles.sin()
+    with torch.inference_mode():
+        expected = layer(x, seg, cos, sin, flash=True)
+        layer.packed = fa3_attention.packed_kernel
+        out = layer(x, seg, cos, sin, flash=True)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 # The fork's FA3 ``fwd`` schema as vLLM 0.24 registers it (flash_attn_interface.py's FA3 call, in its order).

@@ -30,8 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from workers.engine.attention import AttentionBackend, AttentionMetadata
+from workers.engine.fa3_attention import vision_kernel
 from workers.engine.layers import TPGroup
 from workers.engine.loader import fill_dummy_weights, iter_checkpoint, normalize_name
+from workers.engine.vision_attention import VisionAttention
 
 log = logging.getLogger("glimpse.model")
 
@@ -271,9 +273,12 @@ def builder(
         spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str
     ) -> VLModel:
         lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
-        # fa3 is the LM's alone: the ViT keeps its kernels (FA2 windows, cuDNN full blocks)
         tower_backend = "auto" if attn_backend == "fa3" else attn_backend
         vision = build_tower(spec.vision, dtype=dtype, device=device, attn_backend=tower_backend)
+        if attn_backend == "fa3" and (packed := vision_kernel()) is not None:
+            for module in vision.modules():  # windows and full blocks on FA3 too, where the tower runs its CUDA path
+                if isinstance(module, VisionAttention):
+                    module.packed = packed
         return VLModel(spec, lm, vision)
 
     return build
