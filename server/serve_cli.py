@@ -50,7 +50,8 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--dtype", default=E["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     m.add_argument("--load-format", default=E["load_format"], choices=["auto", "dummy"], help="dummy: random weights")
     m.add_argument("--attn-backend", default=E["attn_backend"], choices=["auto", "sdpa", "flash", "fa3"],
-                   help="fa3: the LM's prefill on an installed FlashAttention-3 build (vLLM's fork), else auto")
+                   help="auto: fa3 where an installed FlashAttention-3 build (vLLM's fork) loads on a Hopper GPU, "
+                   "else flash on CUDA, else sdpa; fa3 warns when it cannot")
     m.add_argument("--chunk-size", type=int, default=E["chunk_size"], help="token budget of one step (chunked prefill)")
     m.add_argument("--lone-prefill-tokens", type=int, default=E["lone_prefill_tokens"],
                    help="token budget of a step when no request is decoding (0: --chunk-size)")

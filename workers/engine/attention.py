@@ -389,15 +389,18 @@ def register_attention_backend(name: str, factory: Callable[[], AttentionBackend
 
 
 def get_attention_backend(name: BackendName | str, device: torch.device | str) -> AttentionBackend:
-    """Return a backend instance. ``auto`` picks flash on CUDA when torch has varlen attention, else sdpa."""
+    """Return a backend instance. ``auto`` picks fa3 where an FA3 build loads on a Hopper GPU, else flash on CUDA
+    when torch has varlen attention, else sdpa."""
     device = torch.device(device)
     usable = device.type == "cuda" and torch.cuda.is_available() and flash_available()
-    if name == "fa3":  # optional kernel (fa3_attention.py): imported here, as it builds on this module
+    if name in ("fa3", "auto"):  # optional kernel (fa3_attention.py): imported here, as it builds on this module
         from workers.engine import fa3_attention
 
-        if not (reason := fa3_attention.unavailable_reason(device)):
+        if fa3_attention.serves(name, device):
             return fa3_attention.FA3PagedBackend()
-        log.warning("FlashAttention-3 unavailable (%s); using the default backend", reason)
+        if name == "fa3":
+            log.warning("FlashAttention-3 unavailable (%s); using the default backend",
+                        fa3_attention.unavailable_reason(device))
         name = "auto"
     if name == "auto":
         name = "flash" if usable else "sdpa"

@@ -13,7 +13,8 @@ steps keep their CUDA graphs (PaddedDecodeBackend), and the ViT keeps its own ke
 
 Status: written against the fork's documented ``flash_attn_varlen_func`` contract and tested on the CPU with a
 reference of that contract; its GPU test (tests/workers/engine/test_fa3_attention.py) runs where the kernel
-is installed. Not yet measured end to end, so it is not picked by ``auto``.
+is installed. Measured (docs/benchmarks.md, session 15): LM prefill steps 2x FlashAttention-2, the ViT's full blocks
+1.5x cuDNN, so ``auto`` picks it wherever a build loads on a Hopper GPU; ``flash`` keeps FlashAttention-2.
 """
 
 from __future__ import annotations
@@ -121,9 +122,14 @@ def packed_kernel(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqle
     return _fwd(q, k, v, cu_seqlens, cu_seqlens, None, max_seqlen, max_seqlen, None, softmax_scale, False)
 
 
-def vision_kernel() -> Callable[..., Tensor] | None:
-    """``packed_kernel`` where an FA3 build serves on this machine's GPU, else None."""
-    return packed_kernel if _load()[0] is not None else None
+def serves(name: str, device: torch.device | str) -> bool:
+    """Whether attention backend ``name`` (``fa3``, or ``auto``: FA3 first where a build is found) runs on FA3."""
+    return name in ("fa3", "auto") and not unavailable_reason(torch.device(device))
+
+
+def vision_kernel(name: str, device: torch.device | str) -> Callable[..., Tensor] | None:
+    """``packed_kernel`` for the ViT's full blocks when the model's attention runs on FA3, else None."""
+    return packed_kernel if serves(name, device) else None
 
 
 @functools.cache

@@ -77,7 +77,7 @@ class VisionAttention(nn.Module):
         else:
             q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
             v = qkv[:, 2]
-        if flash and self.packed is not None:
+        if flash and seg.frames and self.packed is not None:
             out = self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
         elif flash and seg.frames and _cudnn_frames.wants(seg):
             out = _cudnn_frames(q, k, v, seg)

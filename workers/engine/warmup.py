@@ -66,7 +66,7 @@ def _run_every_fused_site(r: ModelRunner) -> None:
 def warm_vision_attention(runner: ModelRunner) -> None:
     """The ViT's full-attention kernels' first use, before "ready" (see `warm_cudnn_frames`)."""
     attn = next((m for m in runner.vision.modules() if isinstance(m, VisionAttention)), None)
-    if attn is None:
+    if attn is None or attn.packed is not None:  # full blocks on FA3: no cuDNN to warm
         return
     started = time.perf_counter()
     try:

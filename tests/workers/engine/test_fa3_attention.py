@@ -105,6 +105,20 @@ def test_fa3_without_a_kernel_serves_on_the_default_backend(caplog: pytest.LogCa
     assert unavailable_reason(torch.device("cpu"))
 
 
+def test_auto_picks_fa3_where_a_build_serves_and_flash_or_sdpa_keep_their_kernels(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert get_attention_backend("auto", "cpu").name == "sdpa"  # no build here: quietly the default
+    assert "FlashAttention-3" not in caplog.text
+    monkeypatch.setattr(fa3_attention, "unavailable_reason", lambda device: "")
+    monkeypatch.setattr(fa3_attention, "_load", lambda: (reference_kernel, ""))
+    assert get_attention_backend("auto", "cpu").name == "fa3"
+    assert get_attention_backend("sdpa", "cpu").name == "sdpa"
+    assert fa3_attention.vision_kernel("auto", "cpu") is fa3_attention.packed_kernel
+    assert fa3_attention.vision_kernel("flash", "cpu") is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or bool(unavailable_reason(torch.device("cuda"))),

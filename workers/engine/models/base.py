@@ -275,7 +275,7 @@ def builder(
         lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
         tower_backend = "auto" if attn_backend == "fa3" else attn_backend
         vision = build_tower(spec.vision, dtype=dtype, device=device, attn_backend=tower_backend)
-        if attn_backend == "fa3" and (packed := vision_kernel()) is not None:
+        if (packed := vision_kernel(attn_backend, device)) is not None:
             for module in vision.modules():  # windows and full blocks on FA3 too, where the tower runs its CUDA path
                 if isinstance(module, VisionAttention):
                     module.packed = packed
