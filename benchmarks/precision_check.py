@@ -52,7 +52,7 @@ def compare(name: str, a: tuple[Rows, list[list[int]]], b: tuple[Rows, list[list
 
 
 def check(model_dir: Path, args: argparse.Namespace) -> None:
-    def build(dtype: Any, fused_kernels: bool) -> Engine:
+    def build(dtype: Any, fused_kernels: bool, attn_backend: str = "auto") -> Engine:
         # No embedding or prefix cache: every run recomputes everything.
         return Engine(
             EngineConfig(
@@ -65,10 +65,11 @@ def check(model_dir: Path, args: argparse.Namespace) -> None:
                 max_model_len=65536,
                 enable_prefix_caching=False,
                 fused_kernels=fused_kernels,
+                attn_backend=attn_backend,
             )
         )
 
-    e16, e32 = build("bfloat16", True), build("float32", False)  # the reference runs plain eager ops
+    e16, e32 = build("bfloat16", True, args.attn_backend), build("float32", False)  # the reference runs plain eager ops
     with torch.no_grad():  # the reference holds exactly the bf16 weights, in float32
         for src, dst in ((e16.runner.lm, e32.runner.lm), (e16.runner.vision, e32.runner.vision)):
             for p16, p32 in zip(src.parameters(), dst.parameters(), strict=True):
@@ -86,7 +87,7 @@ def check(model_dir: Path, args: argparse.Namespace) -> None:
     eager_img, eager = run(e16, s16, image, 1), run(e16, s16, texts, 3)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
-        f"\nbf16 vs float32 on the same weights ({card}): logits of 1 x 1080p + text (first token) and of a "
+        f"\nbf16 ({e16.runner.lm.attention_backend(e16.runner.device).name}) vs float32 on the same weights ({card}): logits of 1 x 1080p + text (first token) and of a "
         f"{args.batch}-request text batch (first decode step)"
     )
     compare("image, fused kernels vs fp32", fused_img, ref_img, 0)
@@ -102,6 +103,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", choices=["demo", "7b"], default="7b")
+    ap.add_argument("--attn-backend", default="auto", choices=["auto", "flash", "fa3"],
+                    help="the bf16 engine's attention (the float32 reference runs its default)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         check(shaped_checkpoint(Path(tmp) / "ckpt", args.shape), args)
