@@ -52,7 +52,7 @@ def compare(name: str, a: tuple[Rows, list[list[int]]], b: tuple[Rows, list[list
 
 
 def check(model_dir: Path, args: argparse.Namespace) -> None:
-    def build(dtype: Any, fused_kernels: bool, attn_backend: str = "auto") -> Engine:
+    def build(dtype: Any, fused_kernels: bool, attn_backend: Any = "auto") -> Engine:
         # No embedding or prefix cache: every run recomputes everything.
         return Engine(
             EngineConfig(
