@@ -1,20 +1,22 @@
-"""Optional FlashAttention-3 backend for the LM's eager steps (prefill chunks, mixed prefill + decode).
+"""Optional FlashAttention-3 kernels: the LM's eager steps (prefill chunks, mixed prefill + decode) and the ViT's
+full-attention blocks.
 
-torch 2.11's wheels carry FlashAttention-2 only, and on an H200 it runs the LM's prefill chunks at 250-330
-TFLOP/s (benchmarks/attn_bench.py); Hopper's FA3 kernels use its warpgroup MMA and TMA. The kernel comes from
-an installed build of vLLM's FlashAttention fork (the ``vllm_flash_attn`` package: built on its own, or the copy
-vLLM's wheels bundle; ``GLIMPSE_FA3_PATH`` names a folder holding it). Only its compiled op library is loaded:
-no vLLM Python runs in glimpse. glimpse does not ship it, and without it ``--attn-backend fa3`` logs why and serves on the default backend.
+torch 2.11's wheels carry FlashAttention-2 only, which runs the LM's prefill chunks at 250-330 TFLOP/s on an H200
+(benchmarks/attn_bench.py); Hopper's FA3 kernels use its warpgroup MMA and TMA. The kernel comes from an installed
+build of vLLM's FlashAttention fork (the ``vllm_flash_attn`` package: built on its own, or the copy vLLM's wheels
+bundle; ``GLIMPSE_FA3_PATH`` names a folder holding it). Only its compiled op library is loaded: the fork's Python
+imports vLLM, and no vLLM Python runs in glimpse. glimpse does not ship it; without it ``--attn-backend fa3`` logs
+why and serves on the default backend, and ``auto`` quietly keeps FlashAttention-2.
 
-One kernel call covers the whole step and reads the paged KV cache in place: every sequence's keys through its
+One kernel call covers the whole LM step and reads the paged KV cache in place: every sequence's keys through its
 block table up to ``seq_lens`` (``seqused_k``), the causal mask aligned bottom-right, GQA heads taken as they
 are. Decode rows are sequences of one new token in the same call, so nothing is gathered or split. Pure-decode
-steps keep their CUDA graphs (PaddedDecodeBackend), and the ViT keeps its own kernels.
+steps keep their CUDA graphs (PaddedDecodeBackend). The ViT's windows keep FlashAttention-2 (faster at 64 patches).
 
-Status: written against the fork's documented ``flash_attn_varlen_func`` contract and tested on the CPU with a
-reference of that contract; its GPU test (tests/workers/engine/test_fa3_attention.py) runs where the kernel
-is installed. Measured (docs/benchmarks.md, session 15): LM prefill steps 2x FlashAttention-2, the ViT's full blocks
-1.5x cuDNN, so ``auto`` picks it wherever a build loads on a Hopper GPU; ``flash`` keeps FlashAttention-2.
+Measured (docs/benchmarks.md, session 15; H100 and H200): served LM steps 2x FlashAttention-2, the ViT's full
+blocks 1.5x cuDNN, so ``auto`` picks it wherever a build loads on a Hopper GPU; ``flash`` keeps FlashAttention-2.
+CPU tests drive a plain-torch reference of the kernel's contract and a stand-in op library with the fork's schema;
+the GPU tests (tests/workers/engine/test_fa3_attention.py) run where a build is installed.
 """
 
 from __future__ import annotations
