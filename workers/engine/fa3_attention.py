@@ -175,11 +175,12 @@ class FA3PagedBackend:
             kernel, reason = _load()
             if kernel is None:
                 raise RuntimeError(f"no FlashAttention-3 kernel: {reason}")
-        self._kernel, self._any_device = kernel, any_device
+        self._kernel, self._any_device, self._refused = kernel, any_device, False
         self._fallback: Any = FlashVarlenBackend() if flash_available() else SdpaBackend()
 
     def supports(self, q: Tensor) -> bool:
-        return (q.is_cuda or self._any_device) and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+        return ((q.is_cuda or self._any_device) and not self._refused
+                and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
@@ -187,11 +188,17 @@ class FA3PagedBackend:
         if not self.supports(q):
             return self._fallback.forward(q, k, v, kv_cache, meta, scale)  # writes the cache itself
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out: Tensor = self._kernel(
-            q.contiguous(), kv_cache[0], kv_cache[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout
-            meta.max_query_len, meta.query_start_loc, meta.max_seq_len,
-            seqused_k=meta.seq_lens, block_table=meta.block_tables, softmax_scale=scale, causal=True,
-            fa_version=3,
-        )
+        try:
+            out: Tensor = self._kernel(
+                q.contiguous(), kv_cache[0], kv_cache[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout
+                meta.max_query_len, meta.query_start_loc, meta.max_seq_len,
+                seqused_k=meta.seq_lens, block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                fa_version=3,
+            )
+        except RuntimeError as exc:  # the build's argument checks (a head size or layout it was not built for)
+            log.warning("FlashAttention-3 refused a step (%s); the LM's attention runs on %s from now on",
+                        str(exc).splitlines()[0][:200], self._fallback.name)
+            self._refused = True
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale)  # rewrites the same KV: harmless
         return out
 

@@ -65,8 +65,8 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
         self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
         self.fused = False  # CUDA: rope of q and k (and v's copy) in one compiled kernel (fused.py)
-        # --attn-backend fa3: FlashAttention-3's packed call for windows and frames alike on the CUDA path (no
-        # cuDNN plan per frame length, head_dim 80 on Hopper's MMA); None keeps FA2 windows, cuDNN frames
+        # The model on FA3 (fa3_attention.py): its packed call for whole frames on the CUDA path, 1.5x cuDNN with no
+        # plan per frame length; windows keep FA2 (faster at 64 patches). None: cuDNN frames once hot, else FA2
         self.packed: Callable[..., Tensor] | None = None
 
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
@@ -77,15 +77,27 @@ class VisionAttention(nn.Module):
         else:
             q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
             v = qkv[:, 2]
-        if flash and seg.frames and self.packed is not None:
-            out = self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
-        elif flash and seg.frames and _cudnn_frames.wants(seg):
-            out = _cudnn_frames(q, k, v, seg)
-        elif flash:
-            out = _varlen(q, k, v, seg)
-        else:
-            out = _grouped_sdpa(q, k, v, seg)
+        out = self._on_fa3(q, k, v, seg) if flash and seg.frames and self.packed is not None else None
+        if out is None:
+            if flash and seg.frames and _cudnn_frames.wants(seg):
+                out = _cudnn_frames(q, k, v, seg)
+            elif flash:
+                out = _varlen(q, k, v, seg)
+            else:
+                out = _grouped_sdpa(q, k, v, seg)
         return self.proj(out.reshape(n, -1))
+
+    def _on_fa3(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor | None:
+        """FA3's packed call, or None once the build refuses one (its argument checks: a head size it lacks), after
+        which this layer keeps its default kernels."""
+        assert self.packed is not None
+        try:
+            return self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
+        except RuntimeError as exc:
+            logger.warning("vision attention: FlashAttention-3 refused a call (%s); using the default kernels",
+                           str(exc).splitlines()[0][:200])
+            self.packed = None
+            return None
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:

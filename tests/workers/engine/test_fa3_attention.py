@@ -97,6 +97,34 @@ def test_fa3_backend_sends_float32_to_its_fallback() -> None:
     assert torch.equal(out, expected) and torch.equal(cache, expected_cache)
 
 
+def test_a_step_the_build_refuses_falls_back_for_good(caplog: pytest.LogCaptureFixture) -> None:
+    """A build's argument checks raise (a head size it was not built for): that step and every later one run on the
+    default backend, with one warning, instead of failing the requests."""
+    calls = []
+
+    def refusing(*args: Any, **kwargs: Any) -> Tensor:
+        calls.append(1)
+        raise RuntimeError("FlashAttention forward only supports head dimension at most 256\nmore")
+
+    backend = FA3PagedBackend(kernel=refusing, any_device=True)
+    q, k, v, cache, meta = mixed_step("cpu", torch.bfloat16)
+    expected_cache = cache.clone()
+    expected = SdpaBackend().forward(q, k, v, expected_cache, meta, D**-0.5)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            out = backend.forward(q, k, v, cache, meta, D**-0.5)
+            assert torch.equal(out, expected) and torch.equal(cache, expected_cache)
+    assert len(calls) == 1 and caplog.text.count("FlashAttention-3 refused a step") == 1
+
+
+def test_a_vit_frame_call_the_build_refuses_leaves_the_layer_on_its_default_kernels() -> None:
+    layer = VisionAttention(64, 4)
+    layer.packed = lambda *args: (_ for _ in ()).throw(RuntimeError("head dimension not supported"))
+    q = torch.randn(12, 4, 16)
+    seg = Segments(torch.tensor([0, 12], dtype=torch.int32), [0, 12], 12, frames=True)
+    assert layer._on_fa3(q, q, q, seg) is None and layer.packed is None
+
+
 def test_fa3_without_a_kernel_serves_on_the_default_backend(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         backend = get_attention_backend("fa3", "cpu")
