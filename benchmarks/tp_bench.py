@@ -134,6 +134,7 @@ def bench_tp(model_dir: Path, tp: int, args: argparse.Namespace) -> dict[str, An
     engine = EngineConfig(
         model=str(model_dir), device=args.device, dtype=args.dtype, load_format="dummy", tp_size=tp,
         chunk_size=args.chunk_size, max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
+        attn_backend=args.attn_backend,
     )
     rendezvous, port = host_rendezvous()
     config = ServerConfig(engine, new_launch_id(), "bench", tokenizer_workers=0, shm_budget_bytes=64 << 30,
@@ -200,6 +201,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=131072)
     ap.add_argument("--kv-cache-mb", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--attn-backend", default="auto", choices=["auto", "sdpa", "flash", "fa3"])
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="plan each step after the one before it is back (the path TP > 1 took before session 14)")
     args = ap.parse_args()
@@ -207,7 +209,8 @@ def main() -> None:
         model_dir = shaped_checkpoint(Path(tmp) / "ckpt", args.shape)
         results = [bench_tp(model_dir, int(tp), args) for tp in args.tp.split(",")]
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"\nshape={args.shape}, device={card}, chunk={args.chunk_size}, async scheduling={args.async_scheduling}")
+    print(f"\nshape={args.shape}, device={card}, chunk={args.chunk_size}, async scheduling={args.async_scheduling}, "
+          f"attention {args.attn_backend}")
     print(f"{'tp':>3} {'TTFT s':>7} {'tokens':>7} {'decode tok/s @32':>17}  broadcast ms/step (per rank), plan bytes max")
     for r in results:
         bc = "; ".join(
