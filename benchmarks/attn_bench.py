@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -133,9 +134,7 @@ def vit_fa3_rows(dev: torch.device) -> None:
     for name, lengths in (("windows", windows), ("full block", [sum(windows)])):
         n = sum(lengths)
         x = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16)
-        bounds = [0]
-        for length in lengths:
-            bounds.append(bounds[-1] + length)
+        bounds = list(accumulate(lengths, initial=0))
         cu, top = torch.tensor(bounds, dtype=torch.int32, device=dev), max(lengths)
         flops = sum(4 * m * m * h * d for m in lengths)
         row(f"ViT {name} {n} x {h}h x {d}, FA3", flops,

@@ -129,7 +129,7 @@ def serves(name: str, device: torch.device | str) -> bool:
     return name in ("fa3", "auto") and not unavailable_reason(torch.device(device))
 
 
-def vision_kernel(name: str, device: torch.device | str) -> Callable[..., Tensor] | None:
+def vision_kernel(name: str, device: torch.device | str) -> Kernel | None:
     """``packed_kernel`` for the ViT's full blocks when the model's attention runs on FA3, else None."""
     return packed_kernel if serves(name, device) else None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +204,7 @@ def test_vit_attention_on_fa3_matches_its_default_kernels(frames: bool) -> None:
     torch.manual_seed(0)
     layer = VisionAttention(1280, 16).cuda().bfloat16()
     lengths = ([4 * 4 * 4] * 5 + [4 * 3 * 4, 4 * 1 * 4, 2 * 4 * 4]) * 2 if not frames else [1380, 2356]
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
+    bounds = list(accumulate(lengths, initial=0))
     seg = Segments(torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, max(lengths), frames=frames)
     n = bounds[-1]
     x = torch.randn(n, 1280, device="cuda", dtype=torch.bfloat16)
