@@ -16,10 +16,11 @@ LM's prefill chunks.
   prefill chunks gathered and run on FlashAttention-2) against ``--attn-backend fa3`` (one FlashAttention-3 call
   over the paged cache in place, where an FA3 build is installed), each with its KV write, on a paged cache.
 - The ViT on FA3 (``--vit-fa3``): a 1080p frame's windowed and full blocks, FA2 varlen against FA3's packed call.
+- The ViT's windows (``--vit-windows``): FA2 varlen against the Triton kernel for short segments, three frame sizes.
 
     python -m benchmarks.attn_bench
     python -m benchmarks.attn_bench --chunks "" --backends "64x1:2800+4096:4096,4096:21579,2800:22000"
-    python -m benchmarks.attn_bench --chunks "" --vit-fa3
+    python -m benchmarks.attn_bench --chunks "" --vit-fa3 --vit-windows
     python -m benchmarks.attn_bench --chunks "" --ragged "1385:1385+2711:2711,1326:2711+2770:2770,4096:21579"
 """
 
@@ -143,6 +144,24 @@ def vit_fa3_rows(dev: torch.device) -> None:
             lambda x=x, cu=cu, top=top: packed_kernel(x, x, x, cu, top, d**-0.5))  # type: ignore[misc]
 
 
+def vit_window_rows(dev: torch.device) -> None:
+    """The ViT's windowed blocks: FA2 varlen (the old path) against the Triton kernel for short segments
+    (window_attention.py), one frame per row, windows of 8 x 8 patches ragged at the edges."""
+    from workers.engine import window_attention
+
+    h, d = 16, 80
+    for name, (rows, cols) in (("1080p", (39, 69)), ("720p", (26, 46)), ("448 x 448", (16, 16))):  # merged units
+        lengths = [min(4, rows - r) * min(4, cols - c) * 4 for r in range(0, rows, 4) for c in range(0, cols, 4)]
+        n, bounds = sum(lengths), list(accumulate(lengths, initial=0))
+        q, k, v = (torch.randn(n, h, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        cu, top = torch.tensor(bounds, dtype=torch.int32, device=dev), max(lengths)
+        row(f"ViT windows {name}, {n} x {h}h, Triton", sum(4 * m * m * h * d for m in lengths),
+            lambda q=q, k=k, v=v, cu=cu, top=top: torch.ops.aten._flash_attention_forward(  # type: ignore[misc]
+                q, k, v, cu, cu, top, top, 0.0, False, False, scale=d**-0.5)[0],
+            lambda q=q, k=k, v=v, cu=cu, top=top: window_attention.attend(  # type: ignore[misc]
+                q, k, v, cu, top, d**-0.5))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", default="1024:4096,1024:16384,1024:21504,4096:16384",
@@ -150,6 +169,7 @@ def main() -> None:
     ap.add_argument("--backends", default="", help="served LM steps, comma separated: new:context per sequence, "
                     "joined by '+' (NxA:B repeats one N times)")
     ap.add_argument("--vit-fa3", action="store_true", help="the ViT's windows and full block on FA3 against FA2")
+    ap.add_argument("--vit-windows", action="store_true", help="the ViT's windows on the Triton kernel against FA2")
     ap.add_argument("--ragged", default="", help="packed LM steps, comma separated: new:context per sequence, "
                     "joined by '+'")
     args = ap.parse_args()
@@ -193,6 +213,8 @@ def main() -> None:
             backend_row(spec, dev)
         if args.vit_fa3:
             vit_fa3_rows(dev)
+        if args.vit_windows:
+            vit_window_rows(dev)
 
 
 if __name__ == "__main__":

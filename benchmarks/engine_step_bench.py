@@ -159,7 +159,22 @@ def measure(args: argparse.Namespace) -> None:
             engine.runner.graphs = graphs
         if args.profile:
             profile_ttft(engine, spy, args)
+        if args.profile_decode:
+            profile_decode(engine, spy, args)
     torch.save(result, args.out)
+
+
+def profile_decode(engine: Any, spy: Spy, args: argparse.Namespace) -> None:
+    """Kernel time of ``--batch`` requests decoding 64 tokens (graph-replayed where the tree has graphs), per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        d = decode_run(engine, spy, args.batch, 64, 0)
+    averages = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in averages) / 1e3
+    print(f"profiled decode@{args.batch}: step {d['step_ms_median']:.3f} ms median; GPU kernels {busy:.1f} ms over "
+          f"~64 steps (prefill included)\n{averages.table(sort_by='self_cuda_time_total', row_limit=args.profile_rows)}",
+          flush=True)
 
 
 def profile_ttft(engine: Any, spy: Spy, args: argparse.Namespace) -> None:
@@ -238,6 +253,7 @@ def main() -> None:
     ap.add_argument("--lone-prefill-tokens", type=int, default=0, help="0: the engine default (chunk size)")
     ap.add_argument("--ttft-only", action="store_true", help="skip the decode runs")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-decode", action="store_true", help="kernel table of a decode run at --batch")
     ap.add_argument("--profile-rows", type=int, default=30)
     ap.add_argument("--profile-out", type=Path)
     args = ap.parse_args()

@@ -1,8 +1,9 @@
 """The vision tower's attention: packed segments (windows or whole frames), rotary, and the kernels.
 
 Every image of a ViT call is packed into one sequence; attention is segmented by ``cu_seqlens``. On CUDA the
-windowed blocks run FlashAttention varlen and the full-attention blocks cuDNN's fused SDPA, one call per
-frame; elsewhere grouped SDPA (equal-length segments batched), which matches transformers in float32.
+windowed blocks run a Triton kernel made for short segments (window_attention.py; FlashAttention varlen where it
+is off) and the full-attention blocks FA3 or cuDNN's fused SDPA, one call per frame; elsewhere grouped SDPA
+(equal-length segments batched), which matches transformers in float32.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.engine import fused
+from workers.engine import fused, window_attention
 
 try:  # torch >= 2.10; the GPU box has 2.11. Positional (q, k, v, cu_q, cu_k, max_q, max_k) is stable across them.
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -66,7 +67,8 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
         self.fused = False  # CUDA: rope of q and k (and v's copy) in one compiled kernel (fused.py)
         # The model on FA3 (fa3_attention.py): its packed call for whole frames on the CUDA path, 1.5x cuDNN with no
-        # plan per frame length; windows keep FA2 (faster at 64 patches). None: cuDNN frames once hot, else FA2
+        # plan per frame length; windows keep their own kernel (FA3 is slower at 64 patches). None: cuDNN frames once
+        # hot, else FA2
         self.packed: Callable[..., Tensor] | None = None
 
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
@@ -81,6 +83,8 @@ class VisionAttention(nn.Module):
         if out is None:
             if flash and seg.frames and _cudnn_frames.wants(seg):
                 out = _cudnn_frames(q, k, v, seg)
+            elif flash and window_attention.wanted(q, seg.max_len):
+                out = window_attention.attend(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
             elif flash:
                 out = _varlen(q, k, v, seg)
             else:
@@ -127,8 +131,8 @@ class _CudnnFrames:
     builds an execution plan for every new sequence length, ~37 ms each (same card), which one image of a new
     resolution would not earn back (4 blocks x 0.8 ms). So a frame length runs on FA2 varlen until it has
     been seen ``HOT_AFTER`` times (8 images' worth of full blocks): recurring resolutions (scans, screenshots,
-    camera sizes) move to cuDNN, one-off sizes never pay for a plan. Windowed blocks always run varlen
-    (windows of 64 patches: 0.09 ms either way). If cuDNN refuses a call, it is not tried again.
+    camera sizes) move to cuDNN, one-off sizes never pay for a plan. Windowed blocks never come here
+    (windows of 64 patches: 0.09 ms on either). If cuDNN refuses a call, it is not tried again.
     """
 
     HOT_AFTER = 32  # full-block calls per frame length served by FA2 first (4 per image)

@@ -276,7 +276,7 @@ def builder(
         tower_backend = "auto" if attn_backend == "fa3" else attn_backend
         vision = build_tower(spec.vision, dtype=dtype, device=device, attn_backend=tower_backend)
         if (packed := vision_kernel(attn_backend, device)) is not None:
-            for module in vision.modules():  # full blocks on FA3 where the tower runs its CUDA path; windows keep FA2
+            for module in vision.modules():  # full blocks on FA3 where the tower runs its CUDA path; windows: window_attention.py
                 if isinstance(module, VisionAttention):
                     module.packed = packed
         return VLModel(spec, lm, vision)
