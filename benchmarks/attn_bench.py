@@ -155,11 +155,12 @@ def vit_window_rows(dev: torch.device) -> None:
         n, bounds = sum(lengths), list(accumulate(lengths, initial=0))
         q, k, v = (torch.randn(n, h, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
         cu, top = torch.tensor(bounds, dtype=torch.int32, device=dev), max(lengths)
-        row(f"ViT windows {name}, {n} x {h}h, Triton", sum(4 * m * m * h * d for m in lengths),
-            lambda q=q, k=k, v=v, cu=cu, top=top: torch.ops.aten._flash_attention_forward(  # type: ignore[misc]
-                q, k, v, cu, cu, top, top, 0.0, False, False, scale=d**-0.5)[0],
-            lambda q=q, k=k, v=v, cu=cu, top=top: window_attention.attend(  # type: ignore[misc]
-                q, k, v, cu, top, d**-0.5))
+        for warps in (0, 2, 8) if name == "1080p" else (0,):
+            row(f"ViT windows {name}, {n} x {h}h, Triton w{warps}", sum(4 * m * m * h * d for m in lengths),
+                lambda q=q, k=k, v=v, cu=cu, top=top: torch.ops.aten._flash_attention_forward(  # type: ignore[misc]
+                    q, k, v, cu, cu, top, top, 0.0, False, False, scale=d**-0.5)[0],
+                lambda q=q, k=k, v=v, cu=cu, top=top, w=warps: window_attention.attend(  # type: ignore[misc]
+                    q, k, v, cu, top, d**-0.5, warps=w))
 
 
 def main() -> None:

@@ -33,15 +33,15 @@ Step = dict[str, torch.Tensor]  # request id -> that request's logits row in one
 
 class Spy:
     """Wraps ``runner.sampler.sample`` (keeps each sampled request's logits row while recording) and
-    ``runner.execute`` (accumulates its wall time; execute ends in the sampler's host read, so the GPU
-    work is inside)."""
+    ``runner.launch`` (accumulates each step's host time in launch and in its result, which ends in the sampled
+    ids' host read; with asynchronous scheduling the next step is queued before a result is read)."""
 
     def __init__(self, runner: Any) -> None:
         self.recording = False
         self.steps: list[Step] = []
         self.execute_s: list[float] = []
         sample: Callable[..., Any] = runner.sampler.sample
-        execute: Callable[[Any], Any] = runner.execute
+        launch: Callable[[Any], Any] = runner.launch
 
         def sample_spy(logits: torch.Tensor, rids: list[str], params: list[Any], mask: Any = None) -> Any:
             if self.recording:
@@ -49,14 +49,23 @@ class Spy:
                 self.steps.append({rid: rows[i] for i, rid in enumerate(rids)})
             return sample(logits, rids, params, mask)
 
-        def execute_spy(plan: Any) -> Any:
+        def launch_spy(plan: Any) -> Any:
+            """The step's host time: queueing it (``launch``) plus waiting for its result (``Launched.result``)."""
             t0 = time.perf_counter()
-            result = execute(plan)
-            self.execute_s.append(time.perf_counter() - t0)
-            return result
+            launched = launch(plan)
+            queued, result = time.perf_counter() - t0, launched.result
+
+            def timed_result() -> Any:
+                t1 = time.perf_counter()
+                out = result()
+                self.execute_s.append(queued + time.perf_counter() - t1)
+                return out
+
+            launched.result = timed_result
+            return launched
 
         runner.sampler.sample = sample_spy
-        runner.execute = execute_spy
+        runner.launch = launch_spy
 
 
 def ttft_run(engine: Any, spy: Spy, seed: int, images: int, record: bool) -> dict[str, Any]:

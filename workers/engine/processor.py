@@ -221,13 +221,22 @@ class MMProcessor:
         """The patch grid `process_image` gives an image of this size (after EXIF orientation), found by the
         processor's own resize run on a meta tensor: no pixels. None where it cannot be told in advance (a
         processor that does not resize). Raises ValueError where the processor refuses the size."""
+        # Kept per size: the meta-tensor resize costs ~3-6 ms of dispatch (most of a deferred image's planning),
+        # and a request's pages or a camera's frames share a handful of sizes.
+        grids = self.__dict__.setdefault("_grids", {})
+        if (width, height) in grids:
+            return grids[width, height]
         ip = self.image_processor
-        if not getattr(ip, "do_resize", False):
-            return None
-        patch = int(ip.patch_size)
-        meta = torch.empty((1, 3, height, width), dtype=torch.uint8, device="meta")
-        h, w = ip.resize(images=meta, size=ip.size, resample=ip.resample, factor=patch * self.merge).shape[-2:]
-        return (1, int(h) // patch, int(w) // patch)
+        grid: tuple[int, int, int] | None = None
+        if getattr(ip, "do_resize", False):
+            patch = int(ip.patch_size)
+            meta = torch.empty((1, 3, height, width), dtype=torch.uint8, device="meta")
+            h, w = ip.resize(images=meta, size=ip.size, resample=ip.resample, factor=patch * self.merge).shape[-2:]
+            grid = (1, int(h) // patch, int(w) // patch)
+        if len(grids) >= 4096:
+            grids.clear()
+        grids[width, height] = grid
+        return grid
 
     # ---- prompts --------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Rendered:

@@ -71,10 +71,11 @@ def _kernel() -> Any:
     return window_attention_kernel
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float, warps: int = 0) -> Tensor:
     """softmax(q k^T * scale) v within each segment ``cu[i]:cu[i+1]`` (int32, on q's device, every segment at most
     ``max_len`` <= MAX_LEN rows). q, k, v [n, H, D] may be strided views over tokens (v sliced from the fused qkv)
-    as long as each row holds its heads back to back; returns a contiguous [n, H, D]."""
+    as long as each row holds its heads back to back; returns a contiguous [n, H, D]. ``warps``: override the
+    warps per program (benchmarks)."""
     n, heads, dim = q.shape
     if max_len > MAX_LEN:
         raise ValueError(f"segments of {max_len} rows exceed the kernel's {MAX_LEN}")
@@ -88,7 +89,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: flo
     _kernel()[(segments, heads)](
         q, k, v, out, cu, scale * 1.4426950408889634,  # log2(e)
         q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-        HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4 if block_m <= 64 else 8,
+        HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps or (4 if block_m <= 64 else 8),
     )  # fmt: skip
     return out
 

@@ -115,6 +115,7 @@ def test_frame_rows_and_header_grid_equal_the_processors_own(processor: MMProces
     normalised.write_rows(rows)
     assert torch.equal(rows, full.pixel_values.to(torch.bfloat16))
     assert processor.image_grid(*size) == full.grid
+    assert processor.image_grid(*size) == full.grid  # again: the per-size cache answers
 
 
 @pytest.mark.gpu
