@@ -16,12 +16,14 @@ from workers.engine.vision_attention import Segments, _grouped_sdpa
 
 gen = torch.Generator().manual_seed(0)
 # Segments as a 1080p frame's windows come (full 64s, ragged 48/16/12 at the edges), one-row segments, the 128-row
-# limit; head sizes 80 (Qwen2.5-VL), 72 (Qwen3-VL) and 64; float32 to see the math, float16 as served
+# limit; head sizes 80 (Qwen2.5-VL), 72 (Qwen3-VL), 64, 8 and 96; float32 to see the math, float16 as served
 # (the interpreter's tl.dot mishandles bf16).
 CASES = [
     ([64, 64, 48, 16, 64, 12], 3, 80),
     ([1, 7, 1, 33], 2, 72),
     ([128, 100, 3], 1, 64),
+    ([16, 9], 2, 8),  # a head narrower than tl.dot's smallest K
+    ([40, 64], 2, 96),
 ]
 for dtype in (torch.float32, torch.float16):
     for lengths, heads, dim in CASES:
