@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine import fused, kv_write_kernel, silu_kernel, skinny_gemm, window_attention
+from workers.engine import fused, kv_write_kernel, rope_kernel, silu_kernel, skinny_gemm, window_attention
 from workers.engine.attention import build_attention_metadata
 from workers.engine.batching import patches
 from workers.engine.vision_attention import VisionAttention, warm_cudnn_frames
@@ -31,6 +31,8 @@ def warm_fused(runner: ModelRunner) -> None:
         log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm.SWITCH.why_off())
     if not kv_write_kernel.probe(runner.device, runner.dtype):
         log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel.SWITCH.why_off())
+    if not rope_kernel.probe(runner.device, runner.dtype):
+        log.warning("the Triton LM rotary kernel is off (%s); the compiled one serves", rope_kernel.SWITCH.why_off())
     if not window_attention.probe(runner.device, runner.dtype):
         log.warning("the Triton window attention is off (%s); FlashAttention varlen serves the ViT's windows",
                     window_attention.SWITCH.why_off())

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from workers.engine import fused
+from workers.engine import fused, rope_kernel
 from workers.engine.attention import AttentionBackend, AttentionMetadata
 from workers.engine.layers import (
     SINGLE_RANK,
@@ -143,7 +143,8 @@ class Qwen2_5_VLAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.fused and fused.worth_it(qkv):
-            q, k, v = fused.compiled(fused.lm_rope)(qkv, cos, sin, self.q_size, self.kv_size, self.head_dim)
+            rope = rope_kernel.lm_rope if rope_kernel.wanted(qkv, self.head_dim) else fused.compiled(fused.lm_rope)
+            q, k, v = rope(qkv, cos, sin, self.q_size, self.kv_size, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rope(q.view(t, -1, self.head_dim), cos, sin)
