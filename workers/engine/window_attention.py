@@ -8,9 +8,9 @@ us of tensor-core math: its 128-row tiles are half empty at 64 patches and head_
 (0.127 ms): its tiles are made for long sequences.
 
 Here a whole segment fits one tile, so there is no online softmax: each program loads its segment's q, k and v rows
-for one head (zeros past the segment; head_dim as a power-of-two tile plus a small one, 80 = 64 + 16, rather than
-one tile padded to 128), takes S = q k^T on the tensor cores in float32, a masked softmax in registers, and P v with
-P rounded to the input dtype as FlashAttention does. Segments longer than MAX_LEN go to FlashAttention as before (``wanted``).
+for one head ([BLOCK_M, BLOCK_D], padded with zeros past the segment and past head_dim), takes S = q k^T on the
+tensor cores in float32, a masked softmax in registers, and P v with P rounded to the input dtype as FlashAttention
+does. Segments longer than MAX_LEN go to FlashAttention as before (``wanted``).
 
 Only the CUDA path uses it; the CPU keeps grouped SDPA, which the exactness tests compare with transformers. The
 segment count is the grid, not an argument Triton specialises on, so new images never compile a new variant.
@@ -46,41 +46,27 @@ def _kernel() -> Any:
     def window_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, scale_log2,
         q_row, k_row, v_row, out_row,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, D_MAIN: tl.constexpr, D_REST: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         seg = tl.program_id(0)
         head = tl.program_id(1)
         start = tl.load(cu_ptr + seg)
         length = tl.load(cu_ptr + seg + 1) - start
         offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
         rows = (start + offs_m).to(tl.int64)[:, None]
-        row_ok = offs_m[:, None] < length
-        # head_dim as a power-of-two tile plus a small one (80 = 64 + 16), not one tile padded to 128
-        cols = head * HEAD_DIM + tl.arange(0, D_MAIN)[None, :]
-        if HEAD_DIM < D_MAIN:  # a head narrower than tl.dot's smallest K
-            row_ok = row_ok & (tl.arange(0, D_MAIN)[None, :] < HEAD_DIM)
-        q = tl.load(q_ptr + rows * q_row + cols, mask=row_ok, other=0.0)
-        k = tl.load(k_ptr + rows * k_row + cols, mask=row_ok, other=0.0)
+        cols = head * HEAD_DIM + offs_d[None, :]
+        ok = (offs_m[:, None] < length) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(q_ptr + rows * q_row + cols, mask=ok, other=0.0)
+        k = tl.load(k_ptr + rows * k_row + cols, mask=ok, other=0.0)
+        v = tl.load(v_ptr + rows * v_row + cols, mask=ok, other=0.0)
         # scores in log2 units (scale * log2(e) folded in), so the softmax is one exp2 per element
-        s = tl.dot(q, tl.trans(k))
-        if D_REST > 0:
-            offs_r = D_MAIN + tl.arange(0, D_REST)
-            cols_r = head * HEAD_DIM + offs_r[None, :]
-            ok_r = row_ok & (offs_r[None, :] < HEAD_DIM)
-            q_r = tl.load(q_ptr + rows * q_row + cols_r, mask=ok_r, other=0.0)
-            k_r = tl.load(k_ptr + rows * k_row + cols_r, mask=ok_r, other=0.0)
-            s = tl.dot(q_r, tl.trans(k_r), s)
-        s = tl.where((offs_m < length)[None, :], s * scale_log2, float("-inf"))  # keys past the segment
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where((offs_m < length)[None, :], s, float("-inf"))  # keys past the segment
         p = tl.exp2(s - tl.max(s, axis=1)[:, None])
-        inv = 1.0 / tl.sum(p, axis=1)[:, None]
-        v = tl.load(v_ptr + rows * v_row + cols, mask=row_ok, other=0.0)
-        p = p.to(v.dtype)
-        o = tl.dot(p, v) * inv
-        tl.store(out_ptr + rows * out_row + cols, o.to(out_ptr.dtype.element_ty), mask=row_ok)
-        if D_REST > 0:
-            v_r = tl.load(v_ptr + rows * v_row + cols_r, mask=ok_r, other=0.0)
-            o_r = tl.dot(p, v_r) * inv
-            tl.store(out_ptr + rows * out_row + cols_r, o_r.to(out_ptr.dtype.element_ty), mask=ok_r)
+        total = tl.sum(p, axis=1)
+        o = tl.dot(p.to(v.dtype), v) / total[:, None]
+        tl.store(out_ptr + rows * out_row + cols, o.to(out_ptr.dtype.element_ty), mask=ok)
 
     return window_attention_kernel
 
@@ -99,12 +85,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: flo
     if n == 0 or segments == 0:
         return out
     block_m = max(16, 1 << (max_len - 1).bit_length())
-    main = max(16, 1 << (dim.bit_length() - 1))  # the largest power of two in head_dim (16 at least: tl.dot's K)
-    rest = 0 if dim <= main else max(16, 1 << (dim - main - 1).bit_length())
+    block_d = max(16, 1 << (dim - 1).bit_length())
     _kernel()[(segments, heads)](
         q, k, v, out, cu, scale * 1.4426950408889634,  # log2(e)
         q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-        HEAD_DIM=dim, BLOCK_M=block_m, D_MAIN=main, D_REST=rest, num_warps=warps or (4 if block_m <= 64 else 8),
+        HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps or (4 if block_m <= 64 else 8),
     )  # fmt: skip
     return out
 
