@@ -14,6 +14,7 @@ import torch
 
 from workers.engine import fused, rope_kernel
 from workers.engine.models.qwen2_5_vl.lm import rope_tables
+from workers.engine.models.qwen3_vl.lm import qwen3_qk_norm_rope
 
 
 def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
@@ -51,6 +52,20 @@ def main() -> None:
         a = graph_us(lambda compiled=compiled, call=call: compiled(*call))  # type: ignore[misc]
         b = graph_us(lambda call=call: rope_kernel.lm_rope(*call))  # type: ignore[misc]
         gb = 2 * qkv.numel() * qkv.element_size() / 1e3  # bytes / us -> GB/s after the division below
+        print(f"{t:>7} {a:>12.1f} {gb / a:>7.0f} {b:>10.1f} {gb / b:>7.0f} {a / b:>7.2f}x", flush=True)
+    print("Qwen3 (per-head RMSNorm of q and k, then the rotary; 32/8 heads of 128 as in Qwen3-VL-8B):")
+    hq, hkv = 32, 8
+    w = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+    for t in (int(v) for v in args.tokens.split(",")):
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        angles = torch.rand(t, d, device="cuda") * 100
+        cos, sin = rope_tables(angles.cos().bfloat16(), angles.sin().bfloat16())
+        norm_rope = fused.compiled(qwen3_qk_norm_rope)
+        a = graph_us(lambda t_=(qkv, cos, sin), f=norm_rope: f(t_[0], w, w, 1e-6, t_[1], t_[2],  # type: ignore[misc]
+                                                                 (hq * d, hkv * d, d)))
+        b = graph_us(lambda t_=(qkv, cos, sin): rope_kernel.lm_rope(  # type: ignore[misc]
+            t_[0], t_[1], t_[2], hq * d, hkv * d, d, (w, w, 1e-6)))
+        gb = 2 * qkv.numel() * qkv.element_size() / 1e3
         print(f"{t:>7} {a:>12.1f} {gb / a:>7.0f} {b:>10.1f} {gb / b:>7.0f} {a / b:>7.2f}x", flush=True)
 
 

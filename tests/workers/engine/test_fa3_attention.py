@@ -24,7 +24,7 @@ from workers.engine.attention import (
     get_attention_backend,
 )
 from workers.engine.fa3_attention import FA3PagedBackend, unavailable_reason
-from workers.engine.vision_attention import Segments, VisionAttention
+from workers.engine.vision_attention import Segments, VisionAttention, _grouped_sdpa
 
 BLOCK = 4
 HQ, HKV, D = 6, 2, 16
@@ -126,6 +126,39 @@ def test_a_vit_frame_call_the_build_refuses_leaves_the_layer_on_its_default_kern
     assert layer._on_fa3(q, q, q, seg) is None and layer.packed is None
 
 
+def test_a_head_size_the_build_refuses_is_tried_again_zero_padded() -> None:
+    """Qwen3-VL's ViT heads of 72: a build that takes only multiples of 16 gets them padded to 80, and the layer's
+    output is the unpadded attention's; a build that refuses the padded call too leaves the default kernels."""
+    layer = VisionAttention(144, 2)  # 2 heads of 72
+    bounds = [0, 9, 20]
+    seg = Segments(torch.tensor(bounds, dtype=torch.int32), bounds, 11, frames=True)
+    q, k, v = (torch.randn(20, 2, 72) for _ in range(3))
+    dims = []
+
+    def only_multiples_of_16(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, top: int, scale: float) -> Tensor:
+        dims.append(q.shape[-1])
+        if q.shape[-1] % 16:
+            raise RuntimeError("This flash attention build does not support headdim not being a multiple of 16")
+        assert scale == 72**-0.5 and float(q[..., 72:].abs().sum() + v[..., 72:].abs().sum()) == 0.0
+        b = cu.tolist()
+        return torch.cat([  # the given scale, as FA3 takes it (not one from the padded size)
+            torch.nn.functional.scaled_dot_product_attention(
+                *(t[s:e].transpose(0, 1) for t in (q, k, v)), scale=scale
+            ).transpose(0, 1)
+            for s, e in zip(b[:-1], b[1:], strict=True)
+        ])  # fmt: skip
+
+    layer.packed = only_multiples_of_16
+    out = layer._on_fa3(q, k, v, seg)
+    assert out is not None and out.shape == (20, 2, 72) and dims == [72, 80] and layer.fa3_pad == 8
+    torch.testing.assert_close(out, _grouped_sdpa(q, k, v, seg), rtol=1e-5, atol=1e-5)
+    assert layer._on_fa3(q, k, v, seg) is not None and dims == [72, 80, 80]  # padded from then on, no retry
+
+    refusing = VisionAttention(144, 2)
+    refusing.packed = lambda *args: (_ for _ in ()).throw(RuntimeError("no kernel"))
+    assert refusing._on_fa3(q, k, v, seg) is None and refusing.packed is None
+
+
 def test_fa3_without_a_kernel_serves_on_the_default_backend(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         backend = get_attention_backend("fa3", "cpu")
@@ -196,19 +229,20 @@ def test_engine_on_the_fa3_backend_gives_transformers_tokens(
     not torch.cuda.is_available() or bool(unavailable_reason(torch.device("cuda"))),
     reason="needs a CUDA device with an FA3 build of vLLM's flash-attention installed",
 )
-@pytest.mark.parametrize("frames", [False, True])
-def test_vit_attention_on_fa3_matches_its_default_kernels(frames: bool) -> None:
-    """A ViT attention layer (16 heads of 80) given FA3's packed call: whole frames run on it and match the default
-    kernels (FA2 varlen; cuDNN once a length is hot) in bf16; windows (ragged at the edges) keep FA2, where FA3 measured
-    slower, so their output is the default's bit for bit and the packed call is never made."""
+@pytest.mark.parametrize(("frames", "hidden"), [(False, 1280), (True, 1280), (True, 1152)])
+def test_vit_attention_on_fa3_matches_its_default_kernels(frames: bool, hidden: int) -> None:
+    """A ViT attention layer (16 heads of 80, or Qwen3-VL's 72) given FA3's packed call: whole frames run on it and
+    match the default kernels (FA2 varlen; cuDNN once a length is hot) in bf16; windows (ragged at the edges) keep
+    their own kernel, where FA3 measured slower, so their output is the default's bit for bit and the packed call is
+    never made."""
     torch.manual_seed(0)
-    layer = VisionAttention(1280, 16).cuda().bfloat16()
+    layer = VisionAttention(hidden, 16).cuda().bfloat16()
     lengths = ([4 * 4 * 4] * 5 + [4 * 3 * 4, 4 * 1 * 4, 2 * 4 * 4]) * 2 if not frames else [1380, 2356]
     bounds = list(accumulate(lengths, initial=0))
     seg = Segments(torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, max(lengths), frames=frames)
     n = bounds[-1]
-    x = torch.randn(n, 1280, device="cuda", dtype=torch.bfloat16)
-    angles = torch.rand(n, 40, device="cuda") * 6
+    x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(n, hidden // 32, device="cuda") * 6
     cos, sin = angles.cos(), angles.sin()
     calls = []
 
@@ -221,7 +255,7 @@ def test_vit_attention_on_fa3_matches_its_default_kernels(frames: bool) -> None:
         layer.packed = packed
         out = layer(x, seg, cos, sin, flash=True)
     if frames:
-        assert len(calls) == 1 and calls[0].tolist() == bounds
+        assert calls and all(c.tolist() == bounds for c in calls) and layer.packed is not None
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
     else:
         assert not calls and torch.equal(out, expected)

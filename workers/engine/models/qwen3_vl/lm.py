@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from workers.engine import fused
+from workers.engine import fused, rope_kernel
 from workers.engine.attention import AttentionBackend, AttentionMetadata
 from workers.engine.layers import (
     SINGLE_RANK,
@@ -166,7 +166,7 @@ class Qwen3VLAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.sizes = (self.q_size, self.kv_size, d)
         self.scale = d**-0.5
-        self.fused = False  # CUDA: q/k norm + rope in one compiled kernel
+        self.fused = False  # CUDA: q/k norm + rope in one kernel (rope_kernel.py; compiled where it is off)
 
     def forward(
         self,
@@ -179,7 +179,10 @@ class Qwen3VLAttention(nn.Module):
     ) -> Tensor:
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
-        if self.fused and fused.worth_it(qkv):
+        if self.fused and fused.worth_it(qkv) and rope_kernel.wanted(qkv, d):
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q, k, v = rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, norms)
+        elif self.fused and fused.worth_it(qkv):
             norm_rope = fused.compiled(qwen3_qk_norm_rope)
             q, k, v = norm_rope(
                 qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, self.sizes
