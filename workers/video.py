@@ -118,7 +118,9 @@ def iter_frames(source: Source, info: VideoProbe, indices: list[int]) -> Iterato
     shape: tuple[int, ...] | None = None
     with _open(source) as container:
         stream = container.streams.video[0]
-        stream.thread_type = "AUTO"  # frame and slice threads: the same pixels, sooner
+        # Slice threads only: frame threads (AUTO/FRAME) deadlock in avcodec_free_context when a decode stops before
+        # the stream ends with torchvision imported (PyAV issues 1849/1861), which sampling frames always does.
+        stream.thread_type = "SLICE"
         decoded = None
         position: int | None = None  # pts of the last frame the decoder gave us
         for index in indices:
