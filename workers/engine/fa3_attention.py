@@ -11,7 +11,8 @@ why and serves on the default backend, and ``auto`` quietly keeps FlashAttention
 One kernel call covers the whole LM step and reads the paged KV cache in place: every sequence's keys through its
 block table up to ``seq_lens`` (``seqused_k``), the causal mask aligned bottom-right, GQA heads taken as they
 are. Decode rows are sequences of one new token in the same call, so nothing is gathered or split. Pure-decode
-steps keep their CUDA graphs (PaddedDecodeBackend). The ViT's windows keep FlashAttention-2 (faster at 64 patches).
+steps keep their CUDA graphs (PaddedDecodeBackend). The ViT's windows keep their own kernel (window_attention.py:
+FA3 is slower at 64 patches).
 
 Measured (docs/benchmarks.md, session 15; H100 and H200): served LM steps 2x FlashAttention-2, the ViT's full
 blocks 1.5x cuDNN, so ``auto`` picks it wherever a build loads on a Hopper GPU; ``flash`` keeps FlashAttention-2.

@@ -133,6 +133,7 @@ class MMProcessor:
         self.merge = int(getattr(self.image_processor, "merge_size", self.info.spatial_merge_size))
         ip = self.image_processor
         self._geometry = (int(getattr(ip, "patch_size", 0)), self.merge, int(getattr(ip, "temporal_patch_size", 1)))
+        self._grids: dict[tuple[int, int], tuple[int, int, int] | None] = {}  # image_grid's answers by (width, height)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.info.image_token_id)
         # Strings the tokenizer would turn into control tokens (special and added tokens alike).
         self._special_strings = tuple(str(t) for t in self.tokenizer.get_added_vocab())
@@ -223,7 +224,7 @@ class MMProcessor:
         processor that does not resize). Raises ValueError where the processor refuses the size."""
         # Kept per size: the meta-tensor resize costs ~3-6 ms of dispatch (most of a deferred image's planning),
         # and a request's pages or a camera's frames share a handful of sizes.
-        grids = self.__dict__.setdefault("_grids", {})
+        grids = self._grids
         if (width, height) in grids:
             return grids[width, height]
         ip = self.image_processor

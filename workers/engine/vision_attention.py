@@ -96,31 +96,30 @@ class VisionAttention(nn.Module):
         """FA3's packed call, or None once the build refuses one (its argument checks: a head size it lacks), after
         which this layer keeps its default kernels. A head size off a multiple of 16 (Qwen3-VL's 72) is first tried
         again zero-padded to one (80): zero columns add nothing to q.k, and v's give zero columns, cut off."""
-        assert self.packed is not None
         try:
             return self._fa3_call(q, k, v, seg)
         except RuntimeError as exc:
-            if self.fa3_pad == 0 and self.head_dim % 16:
-                self.fa3_pad = 16 - self.head_dim % 16
-                try:
-                    out = self._fa3_call(q, k, v, seg)
-                except RuntimeError:
-                    pass
-                else:
-                    logger.info("vision attention: FlashAttention-3 takes head size %d padded to %d",
-                                self.head_dim, self.head_dim + self.fa3_pad)
-                    return out
-            logger.warning("vision attention: FlashAttention-3 refused a call (%s); using the default kernels",
-                           str(exc).splitlines()[0][:200])
-            self.packed = None
-            return None
+            refused = str(exc).splitlines()[0][:200]
+        if self.fa3_pad == 0 and self.head_dim % 16:
+            self.fa3_pad = 16 - self.head_dim % 16
+            try:
+                out = self._fa3_call(q, k, v, seg)
+            except RuntimeError:
+                pass
+            else:
+                logger.info("vision attention: FlashAttention-3 takes head size %d padded to %d",
+                            self.head_dim, self.head_dim + self.fa3_pad)
+                return out
+        logger.warning("vision attention: FlashAttention-3 refused a call (%s); using the default kernels", refused)
+        self.packed = None
+        return None
 
     def _fa3_call(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:
         assert self.packed is not None
-        if not self.fa3_pad:
-            return self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
-        q, k, v = (F.pad(t, (0, self.fa3_pad)) for t in (q, k, v))
-        return self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)[..., : self.head_dim]
+        if self.fa3_pad:
+            q, k, v = (F.pad(t, (0, self.fa3_pad)) for t in (q, k, v))
+        out = self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
+        return out[..., : self.head_dim] if self.fa3_pad else out
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:

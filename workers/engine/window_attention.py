@@ -19,6 +19,7 @@ segment count is the grid, not an argument Triton specialises on, so new images 
 from __future__ import annotations
 
 import functools
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -100,9 +101,7 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     lengths = [64, 48, 5, 64]
     q, k, v = (torch.randn(sum(lengths), 2, 80, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
+    bounds = list(accumulate(lengths, initial=0))
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
 
     def check() -> bool:

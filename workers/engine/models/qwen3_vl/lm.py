@@ -179,14 +179,12 @@ class Qwen3VLAttention(nn.Module):
     ) -> Tensor:
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
-        if self.fused and fused.worth_it(qkv) and rope_kernel.wanted(qkv, d):
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            q, k, v = rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, norms)
-        elif self.fused and fused.worth_it(qkv):
-            norm_rope = fused.compiled(qwen3_qk_norm_rope)
-            q, k, v = norm_rope(
-                qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, self.sizes
-            )
+        if self.fused and fused.worth_it(qkv):
+            q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            if rope_kernel.wanted(qkv, d):
+                q, k, v = rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, (q_w, k_w, eps))
+            else:
+                q, k, v = fused.compiled(qwen3_qk_norm_rope)(qkv, q_w, k_w, eps, cos, sin, self.sizes)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rope(self.q_norm(q.view(t, -1, d)), cos, sin)
