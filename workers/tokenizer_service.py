@@ -50,6 +50,7 @@ from workers.engine.kv_cache import block_hashes
 from workers.errors import BadRequest
 from workers.image_prep import PendingWrite
 from workers.proc import freeze_heap
+from workers.step_trace import StepTrace
 
 if TYPE_CHECKING:
     from workers.tokenizer import Admitted, TokenizerWorker
@@ -121,6 +122,7 @@ class TokenizerService:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.cancelled: dict[str, tuple[int, str]] = {}  # rid -> the answer its cancellation gets
         self._encoder = msgspec.msgpack.Encoder()  # the prep thread's own: sockets' encoders stay on the loop
+        self.trace = StepTrace(f"tokenizer{worker.index}")  # GLIMPSE_STEP_TRACE: where a request's time goes here
 
     async def on_prep(self, fn: Callable[..., _T], *args: Any) -> _T:
         # Cancelling the await drops a step that has not started; one already running finishes.
@@ -146,11 +148,14 @@ class TokenizerService:
 
     def _admit_and_prepare(self, req: GenerateRequest, names: list[str]) -> tuple[Admitted, _Ready | None]:
         """Admit; without downloads to wait for, prepare at once too (one thread hop, not two)."""
+        self.trace.event("admit", rid=req.rid)
         admitted = self.worker.admit(req)
+        self.trace.event("admitted", rid=req.rid)
         return admitted, None if admitted.remote else self._prepare(req, admitted, names)
 
     def _prepare(self, req: GenerateRequest, admitted: Admitted, names: list[str]) -> _Ready:
         accepted, tokenized, writes = self.worker._prepare(req, admitted, names, defer=True)
+        self.trace.event("prepared", rid=req.rid, deferred=len(writes))
         try:
             # Encoded before anything is sent: a value msgpack cannot carry (an integer past 64 bits)
             # is the client's mistake, and must not strand an accepted request.
@@ -167,6 +172,7 @@ class TokenizerService:
         names: list[str] = []
         worker = self.worker
         writing: _Writes | None = None
+        self.trace.event("recv", rid=req.rid, bytes=len(req.body))
         try:
             admitted, ready = await self.on_prep(self._admit_and_prepare, req, names)
             if ready is None:

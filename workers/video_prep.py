@@ -30,7 +30,8 @@ from workers.config import ServerConfig
 from workers.engine.processor import ImageSpan, MMProcessor
 from workers.engine.video_prompt import VideoMeta, VideoPlan, VideoProcessor
 from workers.errors import BadRequest
-from workers.image_prep import RequestImage, write_and_publish
+from workers.image_io import write_and_publish
+from workers.image_prep import RequestImage
 from workers.media import MediaFetcher, MediaLimits, is_remote
 from workers.video import VideoError, iter_frames, probe
 

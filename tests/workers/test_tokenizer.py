@@ -340,8 +340,8 @@ def test_reuse_across_workers_and_fallback(demo_model_dir: Path, launch_id: str)
         rb = _handle(b, "b1", body)  # b never saw it: found by listing /dev/shm, grid read from the name
         assert rb.shm_bytes == 0 and b.images_reused == 2 and _inodes(rb) == _inodes(ra)
         assert rb.input_ids == ra.input_ids and rb.items[0].pixels is not None
-        with ShmSegment.attach(rb.items[0].pixels) as seg:  # the frame of its grid
-            assert seg.tensor().shape == (3, rb.items[0].grid[1] * 14, rb.items[0].grid[2] * 14)
+        with ShmSegment.attach(rb.items[0].pixels) as seg:  # the frame of its grid, channels-last
+            assert seg.tensor().shape == (rb.items[0].grid[1] * 14, rb.items[0].grid[2] * 14, 3)  # [H, W, C]
 
         ShmSegment.unlink(ra.shm_names[0])  # a's request finished: a's own hint is now stale
         ra2 = _handle(a, "a2", body)  # ... so a links b's name instead

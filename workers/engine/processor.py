@@ -6,7 +6,7 @@ the caller's process for the offline Engine), never on an event loop.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,9 +22,9 @@ from workers.engine.models.base import ModelSpec, item_spans
 from workers.engine.pixel_frames import (
     FrameLayout,
     frame_layout,
+    frame_resizer,
+    normalised_frames,
     patch_rows_into,
-    probe_image,
-    unpatched_copy,
 )
 from workers.engine.video_prompt import VideoMeta, VideoProcessor
 
@@ -43,7 +43,7 @@ class ProcessedImage:
     grid: tuple[int, int, int]  # (t, h, w) in patches
     num_tokens: int
     # [t * h * w, channels * temporal_patch * patch**2] float32; with ``frame`` set, the normalised [channels, H, W]
-    # float32 image the rows are cut from (`write_rows` lays them out).
+    # float32 image the rows are cut from (`write_rows` lays them out), or with ``uint8`` the [H, W, channels] frame.
     pixel_values: torch.Tensor
     frame: tuple[int, int, int] | None = None  # (patch, merge, temporal patch) of a frame's rows
     # The frame is the resized uint8 image, before rescale and normalise (pixel_frames.py): shm holds it as it is.
@@ -51,7 +51,7 @@ class ProcessedImage:
 
     def write_rows(self, dst: torch.Tensor) -> None:
         """Write what a segment holds of this image into ``dst``: the patch rows ([t * h * w, row], any float
-        dtype), or with ``uint8`` the frame itself ([C, H, W] uint8). From a normalised frame, the patchify, the
+        dtype), or with ``uint8`` the frame itself ([H, W, C] uint8). From a normalised frame, the patchify, the
         temporal repeat and the cast are one strided copy, with no float32 copy of the rows in between: the
         same values, in the same layout, as the processor's own patchify."""
         if self.frame is None or self.uint8:
@@ -179,15 +179,20 @@ class MMProcessor:
         uint8_frames = self.uint8_frames if frame else None
         uint8 = uint8_frames is not None
         framed = frame and not uint8 and self._frames is not None
-        ip = uint8_frames[1] if uint8_frames is not None else self._frames if framed else self.image_processor
-        out = ip(images=[rgb], return_tensors="pt")
-        t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
-        pixels = out["pixel_values"] if uint8 else out["pixel_values"].to(torch.float32)
+        if uint8 and (resize := self._frame_resizer) is not None:
+            pixels = resize(rgb).permute(1, 2, 0)  # [H, W, C], the segment's layout (contiguous: one memcpy into shm)
+            patch = self._geometry[0]
+            t, h, w = 1, pixels.shape[0] // patch, pixels.shape[1] // patch
+        else:
+            ip = uint8_frames[1] if uint8_frames is not None else self._frames if framed else self.image_processor
+            out = ip(images=[rgb], return_tensors="pt")
+            t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
+            pixels = out["pixel_values"].permute(1, 2, 0) if uint8 else out["pixel_values"].to(torch.float32).contiguous()
         return ProcessedImage(
             hash=image_hash if image_hash is not None else self.hash_image(rgb),
             grid=(t, h, w),
             num_tokens=self.tokens_for_grid((t, h, w)),
-            pixel_values=pixels.contiguous(),
+            pixel_values=pixels,
             frame=self._geometry if uint8 or framed else None,
             uint8=uint8,
         )
@@ -199,24 +204,15 @@ class MMProcessor:
         return frame_layout(self.image_processor, self.merge)
 
     @cached_property
+    def _frame_resizer(self) -> Callable[[Image.Image], torch.Tensor] | None:
+        """`frame_resizer` for this processor's uint8 frames, checked on first use; None where it does not apply."""
+        frames = self.uint8_frames
+        return None if frames is None else frame_resizer(self.image_processor, self.merge, frames[1])
+
+    @cached_property
     def _frames(self) -> Any:
-        """A copy of the image processor whose patchify hands back the normalised image (a Qwen2-VL-style processor
-        of transformers 5: resize, rescale and normalise, then patchify); None where that does not give the same
-        rows as the processor itself, byte for byte, on a test image."""
-        ip = self.image_processor
-        if not callable(getattr(ip, "patchify", None)):
-            return None
-        frames, probe = unpatched_copy(ip, normalise=True), probe_image()
-        try:
-            want = ip(images=[probe], return_tensors="pt")
-            got = frames(images=[probe], return_tensors="pt")
-            image = ProcessedImage(b"", (0, 0, 0), 0, got["pixel_values"].to(torch.float32), self._geometry)
-            rows = torch.empty_like(want["pixel_values"], dtype=torch.float32)
-            image.write_rows(rows)
-        except Exception:  # another processor layout: the full path it is
-            return None
-        same = torch.equal(want["image_grid_thw"], got["image_grid_thw"]) and torch.equal(rows, want["pixel_values"])
-        return frames if same else None
+        """`normalised_frames` for this processor: its normalised image, for processors the uint8 layout misses."""
+        return normalised_frames(self.image_processor, self._geometry)
 
     def image_grid(self, width: int, height: int) -> tuple[int, int, int] | None:
         """The patch grid `process_image` gives an image of this size (after EXIF orientation), found by the

@@ -102,8 +102,12 @@ def test_frame_rows_and_header_grid_equal_the_processors_own(processor: MMProces
     framed = processor.process_image(image, frame=True)
     assert framed.uint8 and framed.grid == full.grid and framed.pixel_values.dtype == torch.uint8
     assert framed.pixel_values.shape == layout.shape(full.grid)
+    assert processor._frame_resizer is not None  # the direct resize, not the processor's input conversions
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(layout.rows(framed.pixel_values, dtype), full.pixel_values.to(dtype))
+    segment = torch.zeros(layout.shape(full.grid), dtype=torch.uint8)  # what shm holds: the frame laid out [C, H, W]
+    framed.write_rows(segment)
+    assert torch.equal(layout.rows(segment, torch.float32), full.pixel_values)
     uint8 = processor.__dict__.pop("uint8_frames")
     try:
         processor.__dict__["uint8_frames"] = None  # a processor the uint8 layout does not fit
