@@ -115,8 +115,10 @@ def per_request(records: dict[str, list[dict[str, Any]]]) -> str:
         if role.startswith("tokenizer"):
             for r in rs:
                 tok[r["rid"]][r["kind"]] = r["t"]
+                if r["kind"] == "prepared":  # ImagePrep's marks inside the preparation
+                    tok[r["rid"]].update({k: r[k] for k in ("hashed", "processed", "written") if k in r})
     lines = [
-        "| request | tokenizer ms | (body read; to it, admit, prepare, to scheduler) | to first step ms | prefill steps | prefill ms | "
+        "| request | tokenizer ms | body read; to it, admit, prepare, to scheduler (prepare: hash, images, write, rest) | to first step ms | prefill steps | prefill ms | "
         + " | ".join(PHASES) + " |",
         "|---" * (6 + len(PHASES)) + "|",
     ]
@@ -132,6 +134,10 @@ def per_request(records: dict[str, list[dict[str, Any]]]) -> str:
         split = ", ".join(f"{1e3 * (b - a):.1f}" for a, b in zip(marks, marks[1:])) if None not in marks else ""
         if sub.get("read"):
             split = f"{1e3 * (sub['t'] - sub['read']):.1f}; {split}"
+        keys = ("admitted", "hashed", "processed", "written", "prepared")
+        if all(k in tok[sub["rid"]] for k in keys):  # the preparation: hashes, images not deferred, prompt + write, rest
+            inner = [tok[sub["rid"]][k] for k in keys]
+            split += " (" + ", ".join(f"{1e3 * (b - a):.1f}" for a, b in zip(inner, inner[1:])) + ")"
         lines.append(
             f"| {i} | {1e3 * (at - sub['t']):.1f} | {split} | {1e3 * (mine[0]['start'] - at):.1f} | {len(mine)} | "
             f"{span:.1f} | {phases} |"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -99,6 +100,8 @@ class ImagePrep:
         self.nonce = f"w{index}{os.urandom(3).hex()}-"  # unique names across restarts of this index
         self.counter = 0
         self.images_reused = 0
+        # When the last request's images were hashed, processed (those not deferred) and written: for the step trace.
+        self.marks: dict[str, float] = {}
         # Auto: one thread per core of this process's share, as many as torch's intra-op pool has
         # (run_tokenizer), and intra-op threads left as they are, so k images in flight oversubscribe
         # the share. Deliberately: torch.set_num_threads is process-wide and a pool thread reads it
@@ -133,8 +136,10 @@ class ImagePrep:
         One entry per image, repeats sharing theirs."""
         todo: list[RequestImage] = []
         first: list[Future[ProcessedImage]] = []  # the first fresh image, processed while the others are hashed
+        self.marks = {}
         try:
             order = self._hash_and_look_up(raws, params, todo, first)
+            self.marks["hashed"] = time.monotonic()
             # The first fresh image is processed now even with ``defer``: the request's first chunk then has work the
             # moment it arrives, and a one-image request (most of a loaded server's) gains nothing from deferring: the
             # few tokens before its image are all it could prefill, while its early arrival cost 6% of throughput
@@ -143,6 +148,7 @@ class ImagePrep:
             processed = self._each(self._process, todo[:1] + rest if not first else rest)
             if first:
                 processed.insert(0, first[0].result())
+            self.marks["processed"] = time.monotonic()
         except BaseException as exc:
             if first:  # nothing of the request runs on after it failed, and the first image's failure comes first
                 wait(first)
@@ -279,6 +285,7 @@ class ImagePrep:
         for (image, _, final), ref in zip(now, self._each(self._write, now), strict=True):
             image.ref = ref
             self._remember(image.hash, final, image.grid)
+        self.marks["written"] = time.monotonic()
         later = [PendingWrite(image, tmp, final) for image, tmp, final in jobs if image.deferred]
         for job in later:
             job.image.ref = self._ref(job.final, job.image.grid)
