@@ -21,6 +21,7 @@ first chunks run (`start_writes`).
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import time
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import blake3
+from PIL import Image
 
 from ipc import shm
 from workers.chat_request import BadRequest
@@ -115,6 +117,18 @@ class ImagePrep:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def warm_up(self) -> None:
+        """Pay the image path's one-time costs at start-up, on a pool thread: the processor's fast-path check
+        (`frame_resizer`, ~15 ms) and the first large decode and resize (20 against 8-13 ms later; 2-core box), not
+        inside the time to first token of the first image this process gets."""
+        buf = io.BytesIO()
+        Image.new("RGB", (1920, 1080), (90, 120, 150)).save(buf, format="JPEG")
+        probe = RequestImage(bytes(16), Encoded(buf.getvalue()), "warm-up", _NO_GRID, [])
+        try:
+            self.pool.submit(self._process, probe).result()
+        except BadRequest:  # a processor that refuses this size: its first request pays, as before
+            pass
 
     # ---- planning: reuse or process --------------------------------------------------------------
 

@@ -298,6 +298,7 @@ def run_tokenizer(config: ServerConfig, index: int) -> None:
     # Several tokenizers share the cores with the scheduler; one torch pool per core each would oversubscribe.
     torch.set_num_threads(core_share(config))
     worker = TokenizerWorker(config, index, log)
+    worker.prep.warm_up()
     try:
         uvloop.run(serve_tokenizer(worker, os.getppid()))
     finally:

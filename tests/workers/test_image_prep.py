@@ -233,3 +233,20 @@ def test_a_resent_data_url_is_not_decoded_while_its_image_is_live(
             ShmSegment.unlink(name)
     finally:
         worker.close()
+
+
+def test_warm_up_runs_the_image_path_once_and_writes_nothing(demo_model_dir: Path, launch_id: str) -> None:
+    """run_tokenizer warms the image path before the process reports ready: the processor's fast-path check has run
+    on a pool thread, and nothing of it is in shm or in the reuse hints."""
+    config = dataclasses.replace(server_config(demo_model_dir, launch_id), tokenizer_threads=2)
+    worker = TokenizerWorker(config, 0, logging.getLogger("test"))
+    try:
+        assert "_frame_resizer" not in worker.processor.__dict__
+        worker.prep.warm_up()
+        assert worker.processor.__dict__["_frame_resizer"] is not None
+        assert _pool_threads(0) == 1 and list_segments(launch_id) == [] and not worker.prep.local
+        ok = _handle(worker, "after", chat_body([png(64, 48, seed=3)]))
+        assert len(ok.shm_names) == 1
+        ShmSegment.unlink(ok.shm_names[0])
+    finally:
+        worker.close()
