@@ -140,47 +140,17 @@ class ImagePrep:
         if (h := self.data_urls.get(key)) is not None and h in self.local:
             self.data_urls.move_to_end(key)
             return Encoded(load=load, key=key, hash=h)
-        # Decoded when `plan` hashes it: the request's first fresh image is then being processed while the base64
-        # of the others is decoded (8 x 1080p: ~26 ms of base64 on the 2-core box, no longer before the first pixel).
-        return Encoded(load=load, key=key)
+        return Encoded(load(), key=key)
 
     def plan(self, raws: list[Encoded], params: list[str], defer: bool = False) -> list[RequestImage]:
         """Hash every image; find live segments to reuse, or else decode and process it now (the
         distinct ones that need it all at once), or with ``defer`` only read its grid from the header.
         One entry per image, repeats sharing theirs."""
-        todo: list[RequestImage] = []
-        first: list[Future[ProcessedImage]] = []  # the first fresh image, processed while the others are hashed
-        self.marks = {}
-        try:
-            order = self._hash_and_look_up(raws, params, todo, first)
-            self.marks["hashed"] = time.monotonic()
-            # The first fresh image is processed now even with ``defer``: the request's first chunk then has work the
-            # moment it arrives, and a one-image request (most of a loaded server's) gains nothing from deferring: the
-            # few tokens before its image are all it could prefill, while its early arrival cost 6% of throughput
-            # under load (64 concurrent 1080p requests, H100; docs/perf-notes.md, session 10).
-            rest = [image for image in todo[1:] if not (defer and self._predict(image))]
-            processed = self._each(self._process, todo[:1] + rest if not first else rest)
-            if first:
-                processed.insert(0, first[0].result())
-            self.marks["processed"] = time.monotonic()
-        except BaseException as exc:
-            if first:  # nothing of the request runs on after it failed, and the first image's failure comes first
-                wait(first)
-                if (early := first[0].exception()) is not None and early is not exc:
-                    raise early from None
-            raise
-        for image, done in zip(todo[:1] + rest, processed, strict=True):
-            image.grid, image.processed = done.grid, done
-        return order
-
-    def _hash_and_look_up(
-        self, raws: list[Encoded], params: list[str], todo: list[RequestImage], first: list[Future[ProcessedImage]]
-    ) -> list[RequestImage]:
-        """`plan`'s pass over the images in request order: hash each, and find live segments to link; the fresh
-        ones go to ``todo``, the first of them to the pool at once (into ``first``) when there is a pool."""
         by_hash: dict[bytes, RequestImage] = {}
         order: list[RequestImage] = []
+        todo: list[RequestImage] = []
         listing: dict[str, list[tuple[str, Grid]]] | None = None  # /dev/shm listed at most once
+        self.marks = {}
         for raw, param in zip(raws, params, strict=True):
             h = raw.hash if raw.hash is not None else self.processor.media_hash(raw.data())
             if raw.key is not None and raw.hash is None:  # remembered for this URL's next sending
@@ -200,10 +170,19 @@ class ImagePrep:
             else:
                 image = RequestImage(h, raw, param, _NO_GRID, [])
                 todo.append(image)
-                if len(todo) == 1 and self.threads >= 2:
-                    first.append(self.pool.submit(self._process, image))
             by_hash[h] = image
             order.append(image)
+        self.marks["hashed"] = time.monotonic()
+        # The first fresh image is processed now even with ``defer``: the request's first chunk then has work the
+        # moment it arrives, and a one-image request (most of a loaded server's) gains nothing from deferring: the
+        # few tokens before its image are all it could prefill, while its early arrival cost 6% of throughput
+        # under load (64 concurrent 1080p requests, H100; docs/perf-notes.md, session 10). Alone, it runs on this
+        # thread: under load the pool holds other requests' deferred images, which it must not queue behind (starting
+        # it on the pool while the others were hashed gained nothing once base64 was SIMD: session 17).
+        now = todo[:1] + [image for image in todo[1:] if not (defer and self._predict(image))]
+        for image, processed in zip(now, self._each(self._process, now), strict=True):
+            image.grid, image.processed = processed.grid, processed
+        self.marks["processed"] = time.monotonic()
         return order
 
     def _predict(self, image: RequestImage) -> bool:

@@ -114,18 +114,14 @@ def test_bad_image_among_many_fails_the_request_and_leaves_no_segment(
         assert _refusal(worker, body) == (400, "invalid_image", "messages[0].content[3].image_url")
         body = chat_body([good[1], good[2], good[0], truncated])
         assert _refusal(worker, body) == (400, "invalid_image", "messages[0].content[4].image_url")
-        # The first fresh image is decoding on the pool while later data URLs are read: a broken one of those
-        # (bad base64, found on this thread) still loses to the first image's own failure, which comes first.
         def broken_third(images: list[bytes]) -> bytes:
             body = json.loads(chat_body(images))
             body["messages"][0]["content"][3]["image_url"]["url"] = "data:image/png;base64,***not-base64"
             return json.dumps(body).encode()
 
-        assert _refusal(worker, broken_third([good[1], good[2], good[3]])) == (
-            400, "invalid_base64", "messages[0].content[3].image_url"
-        )
+        # A data URL that is not base64 is refused before any image is decoded, a bad image before it included.
         assert _refusal(worker, broken_third([truncated, good[1], good[2]])) == (
-            400, "invalid_image", "messages[0].content[1].image_url"
+            400, "invalid_base64", "messages[0].content[3].image_url"
         )
         assert list_segments(launch_id) == live.shm_names
         # The worker is fine afterwards: the good images alone go through, the live one linked.
