@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 import re
@@ -15,6 +16,7 @@ import pytest
 import zmq
 
 from ipc.channels import (
+    ZERO_COPY_BYTES,
     AsyncPubSocket,
     AsyncPullSocket,
     AsyncPushSocket,
@@ -28,6 +30,7 @@ from ipc.channels import (
     new_context,
 )
 from ipc.launch import cleanup_launch_dir, ipc_address, launch_dir, new_launch_id
+from ipc.messages import GenerateRequest, RouteRequest, TokenizerInbound
 from ipc.shm import ShmRef, segment_name
 
 # ---- a small tagged-union protocol, defined at module level so spawned children can decode it --
@@ -294,4 +297,34 @@ async def test_async_pub_sub(launch_id: str) -> None:
     finally:
         pub.close()
         sub.close()
+        actx.term()
+
+
+@pytest.mark.asyncio
+async def test_large_messages_go_zero_copy_and_arrive_whole(launch_id: str) -> None:
+    """Messages past ZERO_COPY_BYTES are sent without a copy and every asyncio receive decodes straight from ZeroMQ's
+    buffer: a chat body of megabytes arrives byte for byte, in order with small messages, and a Raw field (a routed
+    request) stays valid after the frame it was decoded from is gone."""
+    actx = new_async_context()
+    addr = ipc_address(launch_id, "big")
+    pull = AsyncPullSocket[TokenizerInbound](actx, addr, TokenizerInbound, bind=True)
+    push = AsyncPushSocket[TokenizerInbound](actx, addr, TokenizerInbound, bind=False)
+    raw_addr = ipc_address(launch_id, "raw")
+    raw_pull = AsyncPullSocket(actx, raw_addr, RouteRequest, bind=True)
+    raw_push = AsyncPushSocket(actx, raw_addr, RouteRequest, bind=False)
+    try:
+        bodies = [os.urandom(size) for size in (8 << 20, 10, ZERO_COPY_BYTES, ZERO_COPY_BYTES - 1, 3 << 20)]
+        for i, body in enumerate(bodies):
+            await push.send(GenerateRequest(f"r{i}", body, float(i)))
+        for i, body in enumerate(bodies):
+            got = await pull.recv()
+            assert isinstance(got, GenerateRequest) and got.rid == f"r{i}" and got.body == body
+        inner = msgspec.msgpack.encode(GenerateRequest("inner", os.urandom(2 << 20), 0.0))
+        await raw_push.send(RouteRequest("inner", 1, [], [], msgspec.Raw(inner)))
+        routed = await raw_pull.recv()
+        gc.collect()  # the frame object is gone; the Raw must still hold its bytes
+        assert bytes(routed.request) == inner
+    finally:
+        for sock in (push, pull, raw_push, raw_pull):
+            sock.close()
         actx.term()
