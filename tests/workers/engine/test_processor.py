@@ -105,9 +105,17 @@ def test_frame_rows_and_header_grid_equal_the_processors_own(processor: MMProces
     assert processor._frame_resizer is not None  # the direct resize, not the processor's input conversions
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(layout.rows(framed.pixel_values, dtype), full.pixel_values.to(dtype))
-    segment = torch.zeros(layout.shape(full.grid), dtype=torch.uint8)  # what shm holds: the frame laid out [C, H, W]
-    framed.write_rows(segment)
-    assert torch.equal(layout.rows(segment, torch.float32), full.pixel_values)
+    resizer = processor.__dict__.pop("_frame_resizer")
+    try:
+        processor.__dict__["_frame_resizer"] = None  # a processor whose resize alone does not give its frame
+        through_processor = processor.process_image(image, frame=True)
+    finally:
+        processor.__dict__["_frame_resizer"] = resizer
+    assert torch.equal(through_processor.pixel_values, framed.pixel_values)
+    for made in (framed, through_processor):
+        segment = torch.zeros(layout.shape(full.grid), dtype=torch.uint8)  # what shm holds: the frame, [H, W, C]
+        made.write_rows(segment)
+        assert torch.equal(layout.rows(segment, torch.float32), full.pixel_values)
     uint8 = processor.__dict__.pop("uint8_frames")
     try:
         processor.__dict__["uint8_frames"] = None  # a processor the uint8 layout does not fit
