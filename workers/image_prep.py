@@ -125,10 +125,7 @@ class ImagePrep:
         buf = io.BytesIO()
         Image.new("RGB", (1920, 1080), (90, 120, 150)).save(buf, format="JPEG")
         probe = RequestImage(bytes(16), Encoded(buf.getvalue()), "warm-up", _NO_GRID, [])
-        try:
-            self.pool.submit(self._process, probe).result()
-        except BadRequest:  # a processor that refuses this size: its first request pays, as before
-            pass
+        self.pool.submit(self._process, probe).result()
 
     # ---- planning: reuse or process --------------------------------------------------------------
 

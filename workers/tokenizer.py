@@ -298,7 +298,10 @@ def run_tokenizer(config: ServerConfig, index: int) -> None:
     # Several tokenizers share the cores with the scheduler; one torch pool per core each would oversubscribe.
     torch.set_num_threads(core_share(config))
     worker = TokenizerWorker(config, index, log)
-    worker.prep.warm_up()
+    try:
+        worker.prep.warm_up()
+    except Exception:  # e.g. a processor that refuses the probe's size: its first request pays, and answers for it
+        log.warning("the image path's warm-up failed; the first image pays its one-time costs", exc_info=True)
     try:
         uvloop.run(serve_tokenizer(worker, os.getppid()))
     finally:
