@@ -136,8 +136,7 @@ class _SyncChannel(_Channel[T]):
 class _SyncSender(_SyncChannel[T]):
     def send(self, msg: T) -> None:
         """Queue `msg`; blocks only while the socket has no peer to route to (PUSH, bound side)."""
-        data = self._encoder.encode(msg)
-        self._sock.send(data, 0, copy=len(data) < ZERO_COPY_BYTES)
+        self.send_bytes(self._encoder.encode(msg))
 
     def send_bytes(self, data: bytes) -> None:
         """Queue a message the caller already encoded as a T (one StepPlan encoded once, then sent to
@@ -223,8 +222,7 @@ class _AsyncChannel(_Channel[T]):
 
 class _AsyncSender(_AsyncChannel[T]):
     async def send(self, msg: T) -> None:
-        data = self._encoder.encode(msg)
-        await self._sock.send(data, copy=len(data) < ZERO_COPY_BYTES)
+        await self.send_bytes(self._encoder.encode(msg))
 
     async def send_bytes(self, data: bytes) -> None:
         """Send a message the caller already encoded as a T (with `encode`, e.g. to learn before

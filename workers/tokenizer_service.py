@@ -148,7 +148,6 @@ class TokenizerService:
 
     def _admit_and_prepare(self, req: GenerateRequest, names: list[str]) -> tuple[Admitted, _Ready | None]:
         """Admit; without downloads to wait for, prepare at once too (one thread hop, not two)."""
-        self.trace.event("admit", rid=req.rid)
         admitted = self.worker.admit(req)
         self.trace.event("admitted", rid=req.rid)
         return admitted, None if admitted.remote else self._prepare(req, admitted, names)
