@@ -20,6 +20,7 @@ LM's prefill chunks.
 
     python -m benchmarks.attn_bench
     python -m benchmarks.attn_bench --chunks "" --backends "64x1:2800+4096:4096,4096:21579,2800:22000"
+    python -m benchmarks.attn_bench --chunks "" --backends "2800:25000" --block-sizes 16,128
     python -m benchmarks.attn_bench --chunks "" --vit-fa3 --vit-windows
     python -m benchmarks.attn_bench --chunks "" --ragged "1385:1385+2711:2711,1326:2711+2770:2770,4096:21579"
 """
@@ -95,8 +96,9 @@ def ragged_row(spec: str, dev: torch.device) -> None:
         print(f"ragged {spec}: cuDNN refused ({str(exc).splitlines()[0][:120]})", flush=True)
 
 
-def backend_row(spec: str, dev: torch.device) -> None:
-    """One step through both served backends: ``new:context`` per sequence joined by '+'; ``NxA:B`` is N of them."""
+def backend_row(spec: str, dev: torch.device, block: int = 16) -> None:
+    """One step through both served backends: ``new:context`` per sequence joined by '+'; ``NxA:B`` is N of them.
+    ``block``: tokens per KV block (FA3 loads a paged cache with TMA only where a block holds whole key tiles)."""
     from workers.engine.attention import FlashVarlenBackend, build_attention_metadata
     from workers.engine.fa3_attention import FA3PagedBackend, unavailable_reason
 
@@ -108,7 +110,7 @@ def backend_row(spec: str, dev: torch.device) -> None:
         count, _, shape = seq.rpartition("x")
         pairs += [(int(shape.split(":")[0]), int(shape.split(":")[1]))] * int(count or 1)
     pairs.sort(key=lambda p: p[0] != 1)  # decode rows first, as the scheduler orders a step
-    heads, kv_heads, d, block = 28, 4, 128, 16
+    heads, kv_heads, d = 28, 4, 128
     need = [-(-c // block) for _, c in pairs]
     order = torch.randperm(sum(need)).tolist()
     tables = [order[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
@@ -118,7 +120,7 @@ def backend_row(spec: str, dev: torch.device) -> None:
     k, v = (torch.randn(q.shape[0], kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     flash, fa3 = FlashVarlenBackend(), FA3PagedBackend()
     flops = sum(4 * n * (c - n / 2) * d * heads for n, c in pairs)
-    row(f"step {spec}", flops, lambda: flash.forward(q, k, v, cache, meta, d**-0.5),
+    row(f"step {spec} /{block}", flops, lambda: flash.forward(q, k, v, cache, meta, d**-0.5),
         lambda: fa3.forward(q, k, v, cache, meta, d**-0.5))
 
 
@@ -182,6 +184,7 @@ def main() -> None:
                     help="LM shapes as new_tokens:context, comma separated")
     ap.add_argument("--backends", default="", help="served LM steps, comma separated: new:context per sequence, "
                     "joined by '+' (NxA:B repeats one N times)")
+    ap.add_argument("--block-sizes", default="16", help="KV block sizes for the --backends rows, comma separated")
     ap.add_argument("--vit-fa3", action="store_true", help="the ViT's windows and full block on FA3 against FA2")
     ap.add_argument("--vit-windows", action="store_true", help="the ViT's windows on the Triton kernel against FA2")
     ap.add_argument("--ragged", default="", help="packed LM steps, comma separated: new:context per sequence, "
@@ -224,7 +227,8 @@ def main() -> None:
         for spec in filter(None, args.ragged.split(",")):
             ragged_row(spec, dev)
         for spec in filter(None, args.backends.split(",")):
-            backend_row(spec, dev)
+            for block in (int(b) for b in args.block_sizes.split(",")):
+                backend_row(spec, dev, block)
         if args.vit_fa3:
             vit_fa3_rows(dev)
         if args.vit_windows:
