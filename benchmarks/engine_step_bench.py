@@ -138,7 +138,8 @@ def measure(args: argparse.Namespace) -> None:
             extra["lone_prefill_tokens"] = args.lone_prefill_tokens
         cfg = EngineConfig(model=str(model_dir), device=args.device, chunk_size=args.chunk_size,
                            load_format="dummy" if args.shape != "demo" else "auto",
-                           kv_cache_mb=args.kv_cache_mb, max_model_len=65536, mm_cache_mb=4096, **extra)
+                           kv_cache_mb=args.kv_cache_mb, max_model_len=65536, mm_cache_mb=4096,
+                           block_size=args.block_size, **extra)
         t0 = time.perf_counter()
         engine = Engine(cfg)
         print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -259,6 +260,7 @@ def main() -> None:
     ap.add_argument("--record-steps", type=int, default=4)
     ap.add_argument("--kv-cache-mb", type=int, default=16384)
     ap.add_argument("--chunk-size", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--lone-prefill-tokens", type=int, default=0, help="0: the engine default (chunk size)")
     ap.add_argument("--ttft-only", action="store_true", help="skip the decode runs")
     ap.add_argument("--profile", action="store_true")
