@@ -57,7 +57,9 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="token budget of a step when no request is decoding (0: --chunk-size)")
     m.add_argument("--max-num-seqs", type=int, default=E["max_num_seqs"], help="most requests running at once")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    m.add_argument("--block-size", type=int, default=E["block_size"], help="tokens per KV cache block")
+    m.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV cache block (default: 128 on CUDA with --attn-backend auto or fa3, whole "
+                   "FlashAttention-3 key tiles; else, and with --num-kv-blocks, 16)")
     m.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default: 512 MB on CPU, 40%% of free GPU memory)")
     m.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-mb)")
     m.add_argument("--mm-cache-mb", type=float, default=E["mm_cache_mb"], help="per-image embedding cache budget")
@@ -137,7 +139,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     import torch
 
     from ipc.launch import new_launch_id
-    from workers.engine.config import EngineConfig
+    from workers.engine.config import EngineConfig, serving_block_size
     from workers.engine.demo_model import ensure_demo_model
     from workers.engine.loader import CheckpointError, check_checkpoint
     from workers.engine.models import UnsupportedModel, load_spec
@@ -149,6 +151,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("glimpse serve: --tokenizer-threads must be 0 (automatic) or more")
     if args.dp < 1:
         raise SystemExit("glimpse serve: --dp must be 1 or more")
+    if args.block_size is not None and args.block_size < 1:
+        raise SystemExit("glimpse serve: --block-size must be 1 or more")
     try:
         info = load_spec(model)  # the one read of config.json: children get the parsed spec
         if args.load_format != "dummy":
@@ -168,7 +172,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         chunk_size=args.chunk_size,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or info.max_position_embeddings,
-        block_size=args.block_size,
+        block_size=args.block_size if args.block_size is not None else serving_block_size(
+            device, args.attn_backend, args.num_kv_blocks),
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_mb=args.kv_cache_mb,
         mm_cache_mb=args.mm_cache_mb,

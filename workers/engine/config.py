@@ -12,6 +12,10 @@ if TYPE_CHECKING:  # torch is imported where a dtype is needed, so the CLI can r
 
 MMCacheMode = Literal["image", "request"]
 LoadFormat = Literal["auto", "dummy"]
+# FlashAttention-3's key tile for head sizes up to 128 under a causal mask (its tile_size_fwd_sm90). A paged cache
+# whose blocks hold whole tiles is loaded with TMA; smaller blocks take a cp.async gather: on an H200 the LM's
+# prefill attention over a 25k context ran 8-9% faster with blocks of 128 than of 16 (docs/perf-notes.md, s. 18).
+FA3_KEY_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,15 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+
+def serving_block_size(device: str, attn_backend: str, num_kv_blocks: int | None) -> int:
+    """The KV block size `glimpse serve` takes when none is given: FA3_KEY_TILE where the LM's attention may be
+    FlashAttention-3 (CUDA, backend auto or fa3), else EngineConfig's 16. Larger blocks also cut the scheduler's
+    per-block work (prefix keys, plans): a 22k-token prompt reached its first step in 3-4.5 ms against 9.3. The cost
+    is the prefix cache's grain: a chat's next turn recomputes up to 127 tokens of its history instead of 15.
+    An explicit ``--num-kv-blocks`` keeps 16: the count was sized in blocks of 16 tokens, and eight times the
+    tokens would not fit the card it was sized for."""
+    if device.startswith("cuda") and attn_backend in ("auto", "fa3") and num_kv_blocks is None:
+        return FA3_KEY_TILE
+    return EngineConfig.block_size

@@ -81,6 +81,8 @@ def main() -> None:
         # One long sequence: several splits, and splits past its end (width > length).
         "splits": check_kernel(4, 1, 32, 16, [700], 64, 1),
         "mha_bs4": check_kernel(2, 2, 16, 4, [3, 9, 33], 12, 2),
+        # Blocks of 128 (`glimpse serve` on CUDA): two key tiles per block, sequences ending inside either.
+        "bs128": check_kernel(14, 2, 32, 128, [1, 64, 65, 200, 256], 3, 4),
         "padded_backend": check_backend(3),
     }
     for name, err in cases.items():

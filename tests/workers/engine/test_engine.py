@@ -96,8 +96,9 @@ def test_eight_concurrent_requests(demo_model_dir: Path, reference: Reference) -
     assert engine.runner.counters.steps < sum(len(o.token_ids) for o in outs)
 
 
-def test_second_request_reuses_cached_embeddings(demo_model_dir: Path, reference: Reference) -> None:
-    engine = make_engine(demo_model_dir, chunk_size=64)
+@pytest.mark.parametrize("block_size", [16, 128])  # 128: what `glimpse serve` takes on CUDA (whole FA3 key tiles)
+def test_second_request_reuses_cached_embeddings(demo_model_dir: Path, reference: Reference, block_size: int) -> None:
+    engine = make_engine(demo_model_dir, chunk_size=64, block_size=block_size)
     first = chat("Read these.", FIVE[:3])
     engine.generate([first], GREEDY)
     encoded = engine.stats()["images_encoded"]
@@ -111,6 +112,7 @@ def test_second_request_reuses_cached_embeddings(demo_model_dir: Path, reference
     stats = engine.stats()
     assert stats["images_encoded"] == encoded + 1  # only the new image went through the ViT
     assert stats["mm_cache"]["hits"] >= 3
+    assert stats["prefix_cache_hit_tokens"] >= block_size  # the first turn's blocks (across its images) reused
 
 
 def test_cache_smaller_than_one_request_is_still_exact(demo_model_dir: Path, reference: Reference) -> None:
