@@ -1,6 +1,7 @@
 """Decode attention per layer: the padded gather + FlashAttention path against the in-place Triton kernel.
 
     python -m benchmarks.paged_decode_bench
+    python -m benchmarks.paged_decode_bench --sweep   # the Triton kernel's launch settings, per shape
 
 Qwen2.5-VL-7B shapes (28 query heads, 4 KV heads, head_dim 128, 16-token blocks), bf16, one layer's call as
 the CUDA-graph decode makes it (tables padded to a power-of-two width). Prints ms per call and the
@@ -9,6 +10,8 @@ effective bandwidth over the live K/V bytes.
 
 from __future__ import annotations
 
+import argparse
+import itertools
 from functools import partial
 
 import torch
@@ -51,5 +54,50 @@ def main() -> None:
     paged_attention.os.environ.pop("GLIMPSE_PAGED_ATTENTION", None)
 
 
+def sweep(block_sizes: list[int]) -> None:
+    """The split kernel's tile, warps, stages and programs per SM over the decode shapes that matter: the time
+    of each setting per call, and its error against the gather path (which must stay at rounding)."""
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per call (one layer), GB/s over live K/V")
+    defaults = (paged_attention.TILE, paged_attention._WARPS, paged_attention._STAGES, paged_attention._TARGET_PROGRAMS)
+    grid = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)))
+    for bs, (batch, context) in itertools.product(block_sizes, ((64, 2900), (32, 2900), (128, 2900), (1, 4000), (8, 20000))):
+        blocks = -(-context // bs)
+        width = 1 << (blocks - 1).bit_length()
+        num_blocks = batch * blocks + 1
+        cache = torch.randn(2, num_blocks, bs, HKV, D, device="cuda", dtype=torch.bfloat16)
+        perm = torch.randperm(num_blocks - 1).tolist()
+        tables = [perm[i * blocks : (i + 1) * blocks] + [num_blocks - 1] * (width - blocks) for i in range(batch)]
+        meta = build_attention_metadata([1] * batch, [context] * batch, tables, bs, device="cuda")
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        args = (q, cache, meta.block_tables, meta.seq_lens, D**-0.5, width * bs)
+        reference = paged_attention.paged_decode(*args).float()
+        live = 2 * batch * context * HKV * D * 2
+        rows = []
+        for tile, warps, stages, target in grid:
+            (paged_attention.TILE, paged_attention._WARPS, paged_attention._STAGES,
+             paged_attention._TARGET_PROGRAMS) = tile, warps, stages, target
+            try:
+                out = paged_attention.paged_decode(*args).float()
+                ms = cuda_ms(partial(paged_attention.paged_decode, *args), 30)
+            except Exception as exc:  # e.g. out of shared memory for a large tile at many stages
+                print(f"  bs {bs} tile {tile} warps {warps} stages {stages} x{target}: {type(exc).__name__}")
+                continue
+            rows.append((ms, tile, warps, stages, target, (out - reference).abs().max().item()))
+        (paged_attention.TILE, paged_attention._WARPS, paged_attention._STAGES,
+         paged_attention._TARGET_PROGRAMS) = defaults
+        now = next(r for r in rows if r[1:5] == defaults)
+        print(f"block {bs}, batch {batch} x {context}: default {now[0]:.4f} ms ({live / now[0] / 1e6:.0f} GB/s)")
+        for ms, tile, warps, stages, target, err in sorted(rows)[:5]:
+            print(f"  tile {tile:3} warps {warps} stages {stages} x{target}: {ms:.4f} ms ({live / ms / 1e6:.0f} GB/s, "
+                  f"{now[0] / ms:.2f}x), max |d| {err:.1e}")
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="the Triton kernel's launch settings instead of the table")
+    ap.add_argument("--block-sizes", default="16,128", help="KV block sizes for --sweep")
+    cli = ap.parse_args()
+    if cli.sweep:
+        sweep([int(b) for b in cli.block_sizes.split(",")])
+    else:
+        main()

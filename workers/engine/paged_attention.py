@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 TILE = 64  # keys per inner step: four 16-token blocks, [64, 128] bf16 = 16 KB per K or V tile
 _TARGET_PROGRAMS = 2  # programs per SM the split count aims for
+_WARPS, _STAGES = 4, 2  # the split kernel's launch (benchmarks/paged_decode_bench.py --sweep)
 # At most this many splits, so the combine kernel has one shape: a new constexpr (or a new value class of an
 # integer argument, which Triton specialises on) would compile a variant in the middle of serving.
 MAX_SPLITS = 64
@@ -223,7 +224,8 @@ def paged_decode(
         scale, q.stride(0), q.stride(1), flat.stride(0), flat.stride(1), flat.stride(2), block_tables.stride(0),
         hq, splits, per_split,
         GROUP=group, GROUP_P=max(16, 1 << (group - 1).bit_length()), D=d, D_P=d_p,
-        BLOCK_SIZE=block_size, TILE=TILE, SPLIT_FROM_PTR=split_tokens is not None, num_warps=4, num_stages=2,
+        BLOCK_SIZE=block_size, TILE=TILE, SPLIT_FROM_PTR=split_tokens is not None, num_warps=_WARPS,
+        num_stages=_STAGES,
     )  # fmt: skip
     combine_kernel[(b, hq)](
         part_out, part_lse, out, out.stride(0), out.stride(1), hq, splits,
