@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 from functools import partial
 
 import torch
@@ -60,6 +61,7 @@ def sweep(block_sizes: list[int]) -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per call (one layer), GB/s over live K/V")
     defaults = (paged_attention.TILE, paged_attention._WARPS, paged_attention._STAGES, paged_attention._TARGET_PROGRAMS)
     grid = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)))
+    ratios: dict[tuple[int, ...], list[float]] = {}  # setting -> its time over the default's, per shape
     for bs, (batch, context) in itertools.product(block_sizes, ((64, 2900), (32, 2900), (128, 2900), (1, 4000), (8, 20000))):
         blocks = -(-context // bs)
         width = 1 << (blocks - 1).bit_length()
@@ -86,10 +88,17 @@ def sweep(block_sizes: list[int]) -> None:
         (paged_attention.TILE, paged_attention._WARPS, paged_attention._STAGES,
          paged_attention._TARGET_PROGRAMS) = defaults
         now = next(r for r in rows if r[1:5] == defaults)
+        for r in rows:
+            ratios.setdefault(r[1:5], []).append(r[0] / now[0])
         print(f"block {bs}, batch {batch} x {context}: default {now[0]:.4f} ms ({live / now[0] / 1e6:.0f} GB/s)")
         for ms, tile, warps, stages, target, err in sorted(rows)[:5]:
             print(f"  tile {tile:3} warps {warps} stages {stages} x{target}: {ms:.4f} ms ({live / ms / 1e6:.0f} GB/s, "
                   f"{now[0] / ms:.2f}x), max |d| {err:.1e}")
+    shapes = max(len(r) for r in ratios.values())
+    print(f"settings over all {shapes} shapes, by the geometric mean of their time over the default's (worst shape)")
+    ranked = sorted((math.prod(r) ** (1 / len(r)), max(r), k) for k, r in ratios.items() if len(r) == shapes)
+    for mean, worst, (tile, warps, stages, target) in ranked[:12]:
+        print(f"  tile {tile:3} warps {warps} stages {stages} x{target}: {mean:.3f} ({worst:.3f})")
 
 
 if __name__ == "__main__":
