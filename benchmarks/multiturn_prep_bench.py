@@ -6,7 +6,9 @@ the 7B-shaped processor (a 1080p image is 10,764 patches). Each pass is a new ch
 one invocation, passes interleaved:
 - ``before``: every data URL decoded, pixels written as bf16 patch rows (the path before session 14);
 - ``resent skip``: resent data URLs not decoded while their image is live (``ImagePrep.encoded``), bf16 rows;
-- ``uint8 frames``: that, and pixels written as the resized uint8 frame (pixel_frames.py): the server's path.
+- ``uint8 frames, trimmed``: that, and pixels written as the resized uint8 frame (pixel_frames.py), with the heap
+  trimmed after each body over 4 MB and no Pillow block cache: the server's path before session 18;
+- ``uint8 frames``: the server's path: no trim between back-to-back rounds (IdleTrim), Pillow keeping blocks.
 
     python -m benchmarks.multiturn_prep_bench --rounds 8 --passes 3
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from benchmarks.bench_plot import image_data_url, random_text, user_message
 from benchmarks.checkpoints import QWEN25_VL_MAX_PIXELS, shaped_checkpoint
@@ -32,9 +35,11 @@ from ipc.shm import sweep
 from server.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.image_io import Encoded
+from workers.image_prep import core_share
 from workers.tokenizer import TokenizerWorker
+from workers.tokenizer_service import trim_memory
 
-MODES = ("before", "resent skip", "uint8 frames")
+MODES = ("before", "resent skip", "uint8 frames, trimmed", "uint8 frames")
 
 
 def one_chat(model: Path, mode: str, rounds: int, seed: int, threads: int) -> list[float]:
@@ -45,7 +50,9 @@ def one_chat(model: Path, mode: str, rounds: int, seed: int, threads: int) -> li
     worker = TokenizerWorker(config, 0, logging.getLogger("bench"))
     if mode == "before":  # every data URL decoded, as before
         worker.prep.encoded = lambda url, load: Encoded(load())  # type: ignore[method-assign]
-    if mode != "uint8 frames":  # bf16 rows from the normalised frame, as before
+    trimmed = mode != "uint8 frames"
+    Image.core.set_blocks_max(0 if trimmed else core_share(config) + 1)  # as run_tokenizer sets it
+    if not mode.startswith("uint8 frames"):  # bf16 rows from the normalised frame, as before
         worker.processor.__dict__["uint8_frames"] = None
         worker.prep.frame_layout = None
     rng = np.random.default_rng(seed)
@@ -60,6 +67,8 @@ def one_chat(model: Path, mode: str, rounds: int, seed: int, threads: int) -> li
             result = worker.handle(GenerateRequest(f"r{r}", body, time.time()))
             times.append((time.perf_counter() - t0) * 1e3)
             assert isinstance(result, tuple), result
+            if trimmed and len(body) > 4 << 20:  # what the server did after each body over 4 MB
+                trim_memory()
             history.append({"role": "assistant", "content": random_text(rng, 12)})
     finally:
         worker.close()
@@ -80,9 +89,9 @@ def main() -> None:
             for mode in MODES:
                 runs[mode].append(one_chat(model, mode, args.rounds, 100 + p, args.threads))
     print(f"\ntokenizer ms per round, median of {args.passes} chats; torch threads {torch.get_num_threads()}")
-    print(f"{'round':>5} {'images':>6} " + " ".join(f"{m:>12}" for m in MODES))
+    print(f"{'round':>5} {'images':>6} " + " ".join(f"{m:>22}" for m in MODES))
     for r in range(args.rounds):
-        cells = " ".join(f"{statistics.median(run[r] for run in runs[m]):>12.1f}" for m in MODES)
+        cells = " ".join(f"{statistics.median(run[r] for run in runs[m]):>22.1f}" for m in MODES)
         print(f"{r + 1:>5} {r + 1:>6} {cells}")
 
 

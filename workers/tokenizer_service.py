@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,7 +57,10 @@ if TYPE_CHECKING:
     from workers.tokenizer import Admitted, TokenizerWorker
 
 STATS_INTERVAL_S = 0.5
-_BIG_BODY = 4 << 20  # after a body this large, the allocator is asked to give its memory back
+# After a body this large the allocator is asked to give its memory back (see IdleTrim): at once past _HUGE_BODY,
+# else once the process has been idle TRIM_IDLE_S.
+_BIG_BODY, _HUGE_BODY = 4 << 20, 32 << 20
+TRIM_IDLE_S = 10.0
 # Prefix keys a routed request carries (16K tokens at block size 16): the first blocks already tell one
 # conversation from another, and deeper keys would only cost bytes and router memory.
 ROUTE_MAX_BLOCKS = 1024
@@ -102,6 +106,37 @@ def trim_memory() -> None:
         pass
 
 
+class IdleTrim:
+    """When to hand freed heap memory back to the OS after big bodies. A trim returns the freed pages of a big
+    request, so the process's RSS does not stay at its peak; but the next request then faults in fresh pages for
+    every large buffer (the body's copies, the decoded image, its resized frame): a trim after each round of a
+    multiturn chat (7 MB bodies by round 5) cost ~10 ms of a round's 35 ms of preparation (2-core box,
+    docs/perf-notes.md, session 18). So a huge body is trimmed after at once, a big one once the process has been
+    idle a while: not between the rounds of a chat that sends them back to back, nor under load."""
+
+    def __init__(self, idle_s: float = TRIM_IDLE_S) -> None:
+        self.idle_s = idle_s
+        self.pending = False
+        self.idle_since = 0.0
+
+    def finished(self, body_bytes: int, now: float, idle: bool) -> bool:
+        """A request ended (``idle``: it was the last in flight); True: trim now."""
+        if idle:
+            self.idle_since = now
+        if body_bytes > _HUGE_BODY:
+            self.pending = False
+            return True
+        self.pending = self.pending or body_bytes > _BIG_BODY
+        return False
+
+    def due(self, now: float, idle: bool) -> bool:
+        """Polled by the process's loop; True (once) when a trim is pending and the process has been idle long enough."""
+        if self.pending and idle and now - self.idle_since >= self.idle_s:
+            self.pending = False
+            return True
+        return False
+
+
 class TokenizerService:
     """The requests in flight in one tokenizer process: one asyncio task each, CPU steps on the
     prep thread, downloads on the loop. Owns the sending sockets (only the loop thread sends)."""
@@ -123,6 +158,7 @@ class TokenizerService:
         self.cancelled: dict[str, tuple[int, str]] = {}  # rid -> the answer its cancellation gets
         self._encoder = msgspec.msgpack.Encoder()  # the prep thread's own: sockets' encoders stay on the loop
         self.trace = StepTrace(f"tokenizer{worker.index}")  # GLIMPSE_STEP_TRACE: where a request's time goes here
+        self.trim = IdleTrim()
 
     async def on_prep(self, fn: Callable[..., _T], *args: Any) -> _T:
         # Cancelling the await drops a step that has not started; one already running finishes.
@@ -203,9 +239,10 @@ class TokenizerService:
             if writing is not None:
                 self.prep.submit(worker.prep.remember, writing.writes)
         finally:
-            if len(req.body) > _BIG_BODY:
+            alone = len(self.tasks) == 1
+            if self.trim.finished(len(req.body), time.monotonic(), alone):
                 self.prep.submit(trim_memory)
-            if len(self.tasks) == 1:  # the last one in flight: report the idle state now, not at the tick
+            if alone:  # the last one in flight: report the idle state now, not at the tick
                 await self.frontend.send(worker.stats(0))
 
     async def _follow(self, rid: str, writing: _Writes) -> list[bytes]:
@@ -279,6 +316,8 @@ async def serve_tokenizer(worker: TokenizerWorker, parent: int) -> None:
                 await frontend.send(worker.stats(len(service.tasks)))
                 next_stats = loop.time() + STATS_INTERVAL_S
             msg = await inbound.recv(int(STATS_INTERVAL_S * 1000))
+            if service.trim.due(time.monotonic(), not service.tasks):
+                service.prep.submit(trim_memory)
             if isinstance(msg, GenerateRequest):
                 service.start(msg)
             elif isinstance(msg, AbortRequest):

@@ -110,3 +110,22 @@ def test_slow_download_abort_and_shutdown(demo_model_dir: Path, launch_id: str, 
             proc.kill()
             proc.join()
         peer.close()
+
+
+def test_big_bodies_are_trimmed_after_once_idle_and_huge_ones_at_once() -> None:
+    from workers.tokenizer_service import IdleTrim
+
+    trim = IdleTrim(idle_s=10.0)
+    # A chat's rounds back to back (7 MB bodies): no trim between them, nor while another request is in flight.
+    assert not trim.finished(7 << 20, now=100.0, idle=True)
+    assert not trim.due(now=105.0, idle=True)
+    assert not trim.finished(7 << 20, now=106.0, idle=False)
+    assert not trim.due(now=120.0, idle=False)
+    assert not trim.finished(1 << 10, now=121.0, idle=True)  # the last one out: idle from 121
+    assert not trim.due(now=130.0, idle=True)
+    assert trim.due(now=131.0, idle=True)  # idle 10 s with a big body behind: trim, once
+    assert not trim.due(now=200.0, idle=True)
+    # Small bodies never ask for one; a huge body is trimmed after at once.
+    assert not trim.finished(1 << 20, now=300.0, idle=True) and not trim.due(now=400.0, idle=True)
+    assert trim.finished(64 << 20, now=500.0, idle=False)
+    assert not trim.due(now=600.0, idle=True)
