@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 STATS_INTERVAL_S = 0.5
 # After a body this large the allocator is asked to give its memory back (see IdleTrim): at once past _HUGE_BODY,
 # else once the process has been idle TRIM_IDLE_S.
-_BIG_BODY, _HUGE_BODY = 4 << 20, 32 << 20
+_BIG_BODY, _HUGE_BODY = 4 << 20, 16 << 20
 TRIM_IDLE_S = 10.0
 # Prefix keys a routed request carries (16K tokens at block size 16): the first blocks already tell one
 # conversation from another, and deeper keys would only cost bytes and router memory.

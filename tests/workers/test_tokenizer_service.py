@@ -127,5 +127,5 @@ def test_big_bodies_are_trimmed_after_once_idle_and_huge_ones_at_once() -> None:
     assert not trim.due(now=200.0, idle=True)
     # Small bodies never ask for one; a huge body is trimmed after at once.
     assert not trim.finished(1 << 20, now=300.0, idle=True) and not trim.due(now=400.0, idle=True)
-    assert trim.finished(64 << 20, now=500.0, idle=False)
+    assert trim.finished(20 << 20, now=500.0, idle=False)
     assert not trim.due(now=600.0, idle=True)
