@@ -110,7 +110,7 @@ class IdleTrim:
     """When to hand freed heap memory back to the OS after big bodies. A trim returns the freed pages of a big
     request, so the process's RSS does not stay at its peak; but the next request then faults in fresh pages for
     every large buffer (the body's copies, the decoded image, its resized frame): a trim after each round of a
-    multiturn chat (7 MB bodies by round 5) cost ~10 ms of a round's 35 ms of preparation (2-core box,
+    multiturn chat (bodies over 4 MB from round 5 on) cost 12-17 ms of a round's 40 ms of preparation (2-core box,
     docs/perf-notes.md, session 18). So a huge body is trimmed after at once, a big one once the process has been
     idle a while: not between the rounds of a chat that sends them back to back, nor under load."""
 
