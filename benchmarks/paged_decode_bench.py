@@ -19,9 +19,22 @@ import torch
 
 from benchmarks.vit_bench import cuda_ms
 from workers.engine import paged_attention
-from workers.engine.attention import PaddedDecodeBackend, build_attention_metadata
+from workers.engine.attention import AttentionMetadata, PaddedDecodeBackend, build_attention_metadata
 
 HQ, HKV, D, BS = 28, 4, 128, 16
+
+
+def decode_case(batch: int, context: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
+    """q, a random paged cache and the metadata of ``batch`` decode rows of ``context`` keys each, their tables padded
+    to a power-of-two width with a scratch block (as a CUDA-graph bucket holds them); and that width in blocks."""
+    blocks = -(-context // block_size)
+    width = 1 << (blocks - 1).bit_length()
+    num_blocks = batch * blocks + 1
+    cache = torch.randn(2, num_blocks, block_size, HKV, D, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(num_blocks - 1).tolist()
+    tables = [perm[i * blocks : (i + 1) * blocks] + [num_blocks - 1] * (width - blocks) for i in range(batch)]
+    meta = build_attention_metadata([1] * batch, [context] * batch, tables, block_size, device="cuda")
+    return torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16), cache, meta, width
 
 
 def main() -> None:
@@ -29,15 +42,8 @@ def main() -> None:
     print("| batch | context | width (tokens) | gather + FA (ms) | paged Triton (ms) | speed-up | Triton GB/s |")
     print("|---|---|---|---|---|---|---|")
     for batch, context in ((1, 300), (1, 4000), (1, 20000), (16, 2900), (32, 2900), (64, 2900), (128, 2900)):
-        blocks = -(-context // BS)
-        width = 1 << (blocks - 1).bit_length()
-        num_blocks = batch * blocks + 1
-        cache = torch.randn(2, num_blocks, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
-        perm = torch.randperm(num_blocks - 1).tolist()
-        tables = [perm[i * blocks : (i + 1) * blocks] + [num_blocks - 1] * (width - blocks) for i in range(batch)]
-        meta = build_attention_metadata([1] * batch, [context] * batch, tables, BS, device="cuda")
+        q, cache, meta, width = decode_case(batch, context, BS)
         meta.block_tables = meta.block_tables.long()
-        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         k, v = torch.randn(2, batch, HKV, D, device="cuda", dtype=torch.bfloat16)
         backend = PaddedDecodeBackend()
         times = []
@@ -63,14 +69,7 @@ def sweep(block_sizes: list[int]) -> None:
     grid = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)))
     ratios: dict[tuple[int, ...], list[float]] = {}  # setting -> its time over the default's, per shape
     for bs, (batch, context) in itertools.product(block_sizes, ((64, 2900), (32, 2900), (128, 2900), (1, 4000), (8, 20000))):
-        blocks = -(-context // bs)
-        width = 1 << (blocks - 1).bit_length()
-        num_blocks = batch * blocks + 1
-        cache = torch.randn(2, num_blocks, bs, HKV, D, device="cuda", dtype=torch.bfloat16)
-        perm = torch.randperm(num_blocks - 1).tolist()
-        tables = [perm[i * blocks : (i + 1) * blocks] + [num_blocks - 1] * (width - blocks) for i in range(batch)]
-        meta = build_attention_metadata([1] * batch, [context] * batch, tables, bs, device="cuda")
-        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        q, cache, meta, width = decode_case(batch, context, bs)
         args = (q, cache, meta.block_tables, meta.seq_lens, D**-0.5, width * bs)
         reference = paged_attention.paged_decode(*args).float()
         live = 2 * batch * context * HKV * D * 2

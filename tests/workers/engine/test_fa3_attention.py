@@ -205,16 +205,12 @@ def test_fa3_kernel_matches_flash_attention_2_on_a_mixed_step() -> None:
 def test_fa3_on_blocks_of_whole_key_tiles_matches_flash_attention_2() -> None:
     """Blocks of 128 tokens (`glimpse serve`'s CUDA default) on the 7B's heads: FA3 loads them with TMA, not the
     gather that blocks of 16 take, so this is a kernel path of its own. Decodes, a long chunk, a fresh prompt."""
+    from tests.workers.engine.test_paged_attention import cuda_step
+
     torch.manual_seed(0)
-    hq, hkv, d, bs = 28, 4, 128, 128
-    query_lens = [1] * 6 + [700, 300]
+    d = 128
     seq_lens = [int(n) for n in torch.randint(1, 3000, (6,))] + [2900, 300]
-    free = torch.randperm(200).tolist()
-    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
-    meta = build_attention_metadata(query_lens, seq_lens, tables, bs, device="cuda")
-    cache = torch.randn(2, 200, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(sum(query_lens), hq, d, device="cuda", dtype=torch.bfloat16)
-    k, v = torch.randn(2, sum(query_lens), hkv, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v, cache, meta = cuda_step([1] * 6 + [700, 300], seq_lens, 128, 200)
     expected_cache = cache.clone()
     expected = FlashVarlenBackend().forward(q, k, v, expected_cache, meta, d**-0.5)
     out = get_attention_backend("fa3", "cuda").forward(q, k, v, cache, meta, d**-0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from tests.workers.engine.interpreted import run_interpreted
 from workers.engine import paged_attention
@@ -54,6 +55,23 @@ def test_mixed_step_splits_leading_decodes_from_prefill_chunks() -> None:
     assert _decode_prefix(build_attention_metadata([3, 1], [3, 4], [[1], [2]], 4)) == 0
 
 
+HQ, HKV, D = 28, 4, 128  # Qwen2.5-VL-7B's LM
+
+
+def cuda_step(
+    query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, AttentionMetadata]:
+    """q, k, v of one LM step on the 7B's heads (bf16, CUDA), a random paged cache and the step's metadata, every
+    sequence's blocks drawn at random from the cache."""
+    free = torch.randperm(num_blocks).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size, device="cuda")
+    cache = torch.randn(2, num_blocks, block_size, HKV, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(query_lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, sum(query_lens), HKV, D, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, cache, meta
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mixed_step_on_cuda_matches_sdpa() -> None:
@@ -61,15 +79,10 @@ def test_mixed_step_on_cuda_matches_sdpa() -> None:
     from workers.engine.attention import FlashVarlenBackend, SdpaBackend
 
     torch.manual_seed(0)
-    hq, hkv, d, bs = 28, 4, 128, 16
+    d = D
     query_lens = [1] * 40 + [700, 1]  # a trailing single-token chunk is not in the decode prefix
     seq_lens = [int(n) for n in torch.randint(1, 3000, (40,))] + [2900, 1200]
-    free = torch.randperm(4000).tolist()
-    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
-    meta = build_attention_metadata(query_lens, seq_lens, tables, bs, device="cuda")
-    cache = torch.randn(2, 4000, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(sum(query_lens), hq, d, device="cuda", dtype=torch.bfloat16)
-    k, v = torch.randn(2, sum(query_lens), hkv, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v, cache, meta = cuda_step(query_lens, seq_lens, 16, 4000)
     ref_cache = cache.clone()
     expected = SdpaBackend().forward(q.float(), k.float(), v.float(), ref_cache.float(), meta, d**-0.5)
     out = FlashVarlenBackend().forward(q, k, v, cache, meta, d**-0.5)
