@@ -2,6 +2,7 @@
 
     python -m benchmarks.paged_decode_bench
     python -m benchmarks.paged_decode_bench --sweep   # the Triton kernel's launch settings, per shape
+    python -m benchmarks.paged_decode_bench --splits  # the split plan: programs per SM, tiles per split
 
 Qwen2.5-VL-7B shapes (28 query heads, 4 KV heads, head_dim 128, 16-token blocks), bf16, one layer's call as
 the CUDA-graph decode makes it (tables padded to a power-of-two width). Prints ms per call and the
@@ -100,12 +101,44 @@ def sweep(block_sizes: list[int]) -> None:
         print(f"  tile {tile:3} warps {warps} stages {stages} x{target}: {mean:.3f} ({worst:.3f})")
 
 
+def splits(block_sizes: list[int], rounds: int = 3) -> None:
+    """The split plan alone (programs per SM it aims for, a cap on tiles per split) at the kernel's launch settings,
+    over short and long contexts; each setting timed ``rounds`` times, interleaved, best kept."""
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per call (one layer), best of {rounds}")
+    # (programs per SM aimed at, tiles per split at most, below how many programs per SM that cap applies)
+    plans = [(2, 1 << 30, 0), (paged_attention._TARGET_PROGRAMS, paged_attention._MAX_TILES_PER_SPLIT,
+             paged_attention._FEW_PROGRAMS), (4, 1 << 30, 0), (8, 1 << 30, 0), (2, 32, 1 << 30), (2, 16, 1 << 30)]
+    shapes = ((64, 2900), (32, 2900), (128, 2900), (16, 2900), (1, 4000), (1, 22000), (8, 20000), (16, 20000),
+              (32, 20000), (4, 8000))
+    defaults = (paged_attention._TARGET_PROGRAMS, paged_attention._MAX_TILES_PER_SPLIT, paged_attention._FEW_PROGRAMS)
+    names = ["x2 (before)", "served", "x4", "x8", "x2, cap 32", "x2, cap 16"]
+    print("| block | batch x context | " + " | ".join(names) + " |")
+    print("|---" * (2 + len(plans)) + "|")
+    for bs, (batch, context) in itertools.product(block_sizes, shapes):
+        q, cache, meta, width = decode_case(batch, context, bs)
+        args = (q, cache, meta.block_tables, meta.seq_lens, D**-0.5, width * bs)
+        reference = paged_attention.paged_decode(*args).float()
+        best = [float("inf")] * len(plans)
+        for _ in range(rounds):
+            for i, plan in enumerate(plans):
+                (paged_attention._TARGET_PROGRAMS, paged_attention._MAX_TILES_PER_SPLIT,
+                 paged_attention._FEW_PROGRAMS) = plan
+                err = (paged_attention.paged_decode(*args).float() - reference).abs().max().item()
+                assert err < 2e-2, (plan, err)
+                best[i] = min(best[i], cuda_ms(partial(paged_attention.paged_decode, *args), 30))
+        paged_attention._TARGET_PROGRAMS, paged_attention._MAX_TILES_PER_SPLIT, paged_attention._FEW_PROGRAMS = defaults
+        print(f"| {bs} | {batch} x {context} | " + " | ".join(f"{ms:.4f} ({best[0] / ms:.2f}x)" for ms in best) + " |")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="the Triton kernel's launch settings instead of the table")
-    ap.add_argument("--block-sizes", default="16,128", help="KV block sizes for --sweep")
+    ap.add_argument("--splits", action="store_true", help="the split plan's settings instead of the table")
+    ap.add_argument("--block-sizes", default="16,128", help="KV block sizes for --sweep and --splits")
     cli = ap.parse_args()
     if cli.sweep:
         sweep([int(b) for b in cli.block_sizes.split(",")])
+    elif cli.splits:
+        splits([int(b) for b in cli.block_sizes.split(",")])
     else:
         main()

@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 TILE = 64  # keys per inner step: four 16-token blocks, [64, 128] bf16 = 16 KB per K or V tile
 _TARGET_PROGRAMS = 2  # programs per SM the split count aims for
 _WARPS, _STAGES = 4, 2  # the split kernel's launch (benchmarks/paged_decode_bench.py --sweep)
+# A grid of few programs (under _FEW_PROGRAMS per SM) whose splits walk many tiles is latency-bound: such a plan gets
+# splits of at most _MAX_TILES_PER_SPLIT tiles. On an H200 that took 8-32 sequences of 20k keys 1.2-1.4x faster, and
+# left 2.9k-key batches alone; cutting a grid that already has ~4 programs per SM (128 x 2.9k keys) lost 6%
+# (benchmarks/paged_decode_bench.py --splits, docs/benchmarks.md session 18).
+_FEW_PROGRAMS, _MAX_TILES_PER_SPLIT = 3, 32
 # At most this many splits, so the combine kernel has one shape: a new constexpr (or a new value class of an
 # integer argument, which Triton specialises on) would compile a variant in the middle of serving.
 MAX_SPLITS = 64
@@ -181,12 +186,14 @@ def _sm_count(index: int) -> int:
 
 def plan_splits(batch: int, max_tokens: int, num_kv_heads: int, device: torch.device) -> tuple[int, int]:
     """(splits, tokens per split) for ``batch`` sequences of at most ``max_tokens`` keys: enough programs
-    to fill the GPU twice over, never a split shorter than one tile. Depends only on its arguments, so a
+    to fill the GPU twice over, short splits where the programs are few, never a split shorter than one tile. Depends only on its arguments, so a
     CUDA-graph bucket (fixed batch and padded width) always gets the same grid."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
     tiles = max(1, -(-max_tokens // TILE))
     want = -(-_TARGET_PROGRAMS * sms // max(1, batch * num_kv_heads))
     splits = max(1, min(tiles, want, MAX_SPLITS))
+    if batch * num_kv_heads * splits < _FEW_PROGRAMS * sms:
+        splits = max(splits, min(tiles, MAX_SPLITS, -(-tiles // _MAX_TILES_PER_SPLIT)))
     per_split = -(-tiles // splits) * TILE
     return -(-max_tokens // per_split) if max_tokens else 1, per_split
 

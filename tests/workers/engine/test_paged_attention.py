@@ -30,7 +30,11 @@ def test_kernel_is_not_taken_for_cpu_tensors_without_the_interpreter() -> None:
 
 @pytest.mark.parametrize(
     ("batch", "tokens", "heads", "expected"),
-    [(64, 4096, 4, (2, 2048)), (1, 300, 4, (5, 64)), (1, 10, 1, (1, 64)), (200, 64, 8, (1, 64))],
+    [
+        (64, 4096, 4, (2, 2048)), (1, 300, 4, (5, 64)), (1, 10, 1, (1, 64)), (200, 64, 8, (1, 64)),
+        # Few programs walking long splits: cut to 32 tiles each. A grid of ~4 programs per SM stays as it is.
+        (8, 32768, 4, (16, 2048)), (32, 32768, 4, (16, 2048)), (128, 4096, 4, (1, 4096)),
+    ],
 )
 def test_split_plan_fills_the_gpu_and_covers_every_key(
     batch: int, tokens: int, heads: int, expected: tuple[int, int], monkeypatch: pytest.MonkeyPatch
