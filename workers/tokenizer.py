@@ -297,11 +297,12 @@ def run_tokenizer(config: ServerConfig, index: int) -> None:
     """Entry point of tokenizer process `index`; returns (exit 0) on Shutdown or when orphaned."""
     log = setup_child(f"glimpse.tokenizer[{index}]", config.log_level)
     # Several tokenizers share the cores with the scheduler; one torch pool per core each would oversubscribe.
-    torch.set_num_threads(core_share(config))
+    share = core_share(config)
+    torch.set_num_threads(share)
     # Pillow hands a decoded image's memory back at once unless it may keep some blocks (up to 16 MB each) for
     # the next image: kept, a 1080p decode writes into warm pages instead of faulting in 6 MB of fresh ones. One
     # per image thread, and one more for the prep thread.
-    Image.core.set_blocks_max(core_share(config) + 1)
+    Image.core.set_blocks_max(share + 1)
     worker = TokenizerWorker(config, index, log)
     try:
         worker.prep.warm_up()

@@ -186,8 +186,8 @@ def _sm_count(index: int) -> int:
 
 def plan_splits(batch: int, max_tokens: int, num_kv_heads: int, device: torch.device) -> tuple[int, int]:
     """(splits, tokens per split) for ``batch`` sequences of at most ``max_tokens`` keys: enough programs
-    to fill the GPU twice over, short splits where the programs are few, never a split shorter than one tile. Depends only on its arguments, so a
-    CUDA-graph bucket (fixed batch and padded width) always gets the same grid."""
+    to fill the GPU twice over, short splits where the programs are few, never a split shorter than one tile.
+    Depends only on its arguments, so a CUDA-graph bucket (fixed batch and padded width) always gets the same grid."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
     tiles = max(1, -(-max_tokens // TILE))
     want = -(-_TARGET_PROGRAMS * sms // max(1, batch * num_kv_heads))
