@@ -59,9 +59,10 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV cache block (default: 128 on CUDA with --attn-backend auto or fa3, whole "
-                   "FlashAttention-3 key tiles; else, and with --num-kv-blocks, 16)")
+                   "FlashAttention-3 key tiles; else 16)")
     m.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default: 512 MB on CPU, 40%% of free GPU memory)")
-    m.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-mb)")
+    m.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks of --block-size tokens, or without "
+                   "it of 16 tokens (laid out in blocks of 128 where those are the default); overrides --kv-cache-mb")
     m.add_argument("--mm-cache-mb", type=float, default=E["mm_cache_mb"], help="per-image embedding cache budget")
     m.add_argument("--mm-cache-mode", default=E["mm_cache_mode"], choices=["image", "request"],
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
@@ -139,7 +140,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     import torch
 
     from ipc.launch import new_launch_id
-    from workers.engine.config import EngineConfig, serving_block_size
+    from workers.engine.config import EngineConfig, serving_kv_blocks
     from workers.engine.demo_model import ensure_demo_model
     from workers.engine.loader import CheckpointError, check_checkpoint
     from workers.engine.models import UnsupportedModel, load_spec
@@ -163,6 +164,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if device.startswith("cuda") and args.dp * args.tp > torch.cuda.device_count():
         raise SystemExit(f"glimpse serve: --dp {args.dp} x --tp {args.tp} needs {args.dp * args.tp} GPUs, "
                          f"{torch.cuda.device_count()} visible")
+    block_size, num_kv_blocks = serving_kv_blocks(device, args.attn_backend, args.block_size, args.num_kv_blocks)
     engine = EngineConfig(
         model=str(model),
         device=device,
@@ -172,9 +174,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         chunk_size=args.chunk_size,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or info.max_position_embeddings,
-        block_size=args.block_size if args.block_size is not None else serving_block_size(
-            device, args.attn_backend, args.num_kv_blocks),
-        num_kv_blocks=args.num_kv_blocks,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
         kv_cache_mb=args.kv_cache_mb,
         mm_cache_mb=args.mm_cache_mb,
         mm_cache_mode=args.mm_cache_mode,

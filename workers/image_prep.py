@@ -21,17 +21,20 @@ first chunks run (`start_writes`).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
 import blake3
+import torch
 from PIL import Image
 
 from ipc import shm
@@ -118,14 +121,31 @@ class ImagePrep:
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def warm_up(self) -> None:
-        """Pay the image path's one-time costs at start-up, on a pool thread: the processor's fast-path check
-        (`frame_resizer`, ~15 ms) and the first large decode and resize (20 against 8-13 ms later; 2-core box), not
-        inside the time to first token of the first image this process gets."""
+    def warm_up(self, prep: Executor) -> None:
+        """Pay the image path's one-time costs at start-up, not inside the time to first token of the first images
+        this process gets: the processor's fast-path check (`frame_resizer`, ~15 ms), and on every thread that
+        processes images (``prep``, which takes a request's first one, and each pool thread, which take the
+        deferred ones) the first large decode, resize and frame copy. A thread's first 1080p image faults in its
+        malloc arena's pages and starts its torch workers: a request landing on a fresh tokenizer spent 25-45 ms
+        more before the scheduler got it than on a warm one (8 x 1080p, H200 host). Writes nothing to shm."""
         buf = io.BytesIO()
         Image.new("RGB", (1920, 1080), (90, 120, 150)).save(buf, format="JPEG")
         probe = RequestImage(bytes(16), Encoded(buf.getvalue()), "warm-up", _NO_GRID, [])
-        self.pool.submit(self._process, probe).result()
+        # All pool tasks wait for each other, so each one runs on a thread of its own (the pool starts a thread
+        # per task while none is idle); the timeout only guards against a pool that cannot start them all.
+        together = threading.Barrier(self.threads)
+        futures = [prep.submit(self._warm, probe, None)]
+        futures += [self.pool.submit(self._warm, probe, together) for _ in range(self.threads)]
+        for future in futures:
+            future.result()
+
+    def _warm(self, probe: RequestImage, together: threading.Barrier | None) -> None:
+        if together is not None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together.wait(timeout=30)
+        processed = self._process(probe)
+        ref = self._ref("", processed.grid)
+        processed.write_rows(torch.empty(ref.shape, dtype=shm.parse_dtype(ref.dtype)))
 
     # ---- planning: reuse or process --------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import asyncio
 import functools
 import logging
 import os
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,22 @@ class TokenizerWorker:
 
     def close(self) -> None:
         self.prep.close()
+
+    def warm_up(self, prep: Executor) -> None:
+        """Before "ready": the image path on every thread that takes images (ImagePrep.warm_up), and on ``prep`` (the
+        thread that builds prompts) the chat template's compile, the first tokenization and the grid of a 1080p
+        page. On a fresh tokenizer these put 15-25 ms in front of its first request's hand-on (2-core box; the 7B's
+        template)."""
+        self.prep.warm_up(prep)
+        prep.submit(self._warm_prompt).result()
+
+    def _warm_prompt(self) -> None:
+        grid = self.processor.image_grid(1920, 1080)
+        if grid is None:  # a processor that cannot tell a grid in advance: any valid one will do
+            grid = (1, 2 * self.processor.merge, 2 * self.processor.merge)
+        messages = [{"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "Describe the page."}]}]
+        media = [ImageInfo(bytes(16), grid, self.processor.tokens_for_grid(grid))]
+        self.processor.build(self.processor.render(messages), media)
 
     def on_scheduler_stats(self, stats: SchedulerStats) -> None:
         # --dp: each replica reports its share of the budget; together they are the server's.
@@ -304,10 +321,6 @@ def run_tokenizer(config: ServerConfig, index: int) -> None:
     # per image thread, and one more for the prep thread.
     Image.core.set_blocks_max(share + 1)
     worker = TokenizerWorker(config, index, log)
-    try:
-        worker.prep.warm_up()
-    except Exception:  # e.g. a processor that refuses the probe's size: its first request pays, and answers for it
-        log.warning("the image path's warm-up failed; the first image pays its one-time costs", exc_info=True)
     try:
         uvloop.run(serve_tokenizer(worker, os.getppid()))
     finally:

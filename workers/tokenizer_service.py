@@ -307,6 +307,10 @@ async def serve_tokenizer(worker: TokenizerWorker, parent: int) -> None:
     reason = "the launcher is gone"
     loop = asyncio.get_running_loop()
     try:
+        try:  # on the threads that will process images, before "ready"
+            worker.warm_up(service.prep)
+        except Exception:  # e.g. a processor that refuses the probe's size: its first request pays, and answers for it
+            log.warning("the image path's warm-up failed; the first images pay its one-time costs", exc_info=True)
         freeze_heap(log)
         await frontend.send(ProcessReady("tokenizer", index, os.getpid()))
         log.info("ready (pid %d, model %s)", os.getpid(), worker.config.served_model_name)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from server.serve_cli import add_serve, build_config
-from workers.engine.config import FA3_KEY_TILE, EngineConfig, serving_block_size
+from workers.engine.config import FA3_KEY_TILE, EngineConfig, serving_kv_blocks
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -18,27 +18,33 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize(
-    ("device", "backend", "num_kv_blocks", "expected"),
+    ("device", "backend", "given", "expected"),
     [
-        ("cuda", "auto", None, FA3_KEY_TILE),  # FA3 loads whole key tiles of a block with TMA
-        ("cuda:1", "fa3", None, FA3_KEY_TILE),
-        ("cuda", "flash", None, 16),  # a backend that gathers the blocks gains nothing from larger ones
-        ("cuda", "sdpa", None, 16),
-        ("cuda", "auto", 12288, 16),  # a count sized in blocks of 16 keeps its meaning (and fits its card)
-        ("cpu", "auto", None, 16),
+        ("cuda", "auto", (None, None), (FA3_KEY_TILE, None)),  # FA3 loads whole key tiles of a block with TMA
+        ("cuda:1", "fa3", (None, None), (FA3_KEY_TILE, None)),
+        ("cuda", "flash", (None, None), (16, None)),  # a backend that gathers the blocks gains nothing from larger ones
+        ("cuda", "sdpa", (None, 12288), (16, 12288)),
+        ("cpu", "auto", (None, 512), (16, 512)),
+        # a count without a block size is in blocks of 16 tokens: the same 196,608 tokens in blocks of 128
+        ("cuda", "auto", (None, 12288), (FA3_KEY_TILE, 1536)),
+        ("cuda", "fa3", (None, 100), (FA3_KEY_TILE, 13)),  # 1,600 tokens: rounded up to whole blocks
+        ("cuda", "auto", (64, 12288), (64, 12288)),  # an explicit block size keeps the count as given
+        ("cuda", "auto", (16, None), (16, None)),
     ],
 )
-def test_serving_block_size_follows_device_backend_and_an_explicit_block_count(
-    device: str, backend: str, num_kv_blocks: int | None, expected: int
+def test_serving_kv_blocks_follow_device_backend_and_the_flags(
+    device: str, backend: str, given: tuple[int | None, int | None], expected: tuple[int, int | None]
 ) -> None:
     assert FA3_KEY_TILE == 128 and EngineConfig.block_size == 16
-    assert serving_block_size(device, backend, num_kv_blocks) == expected
+    assert serving_kv_blocks(device, backend, *given) == expected
 
 
 def test_serve_takes_the_default_block_size_or_the_one_given(demo_model_dir: Path) -> None:
     assert build_config(parse("--model", str(demo_model_dir), "--device", "cpu")).engine.block_size == 16
     given = build_config(parse("--model", str(demo_model_dir), "--device", "cpu", "--block-size", "128"))
     assert given.engine.block_size == 128
+    counted = build_config(parse("--model", str(demo_model_dir), "--device", "cpu", "--num-kv-blocks", "300"))
+    assert (counted.engine.block_size, counted.engine.num_kv_blocks) == (16, 300)
 
 
 def test_serve_refuses_a_block_size_below_one(demo_model_dir: Path) -> None:

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -32,7 +33,8 @@ from ipc.shm import (
 from server.config import ServerConfig
 from tests.workers.test_tokenizer import MODEL, _handle, _inodes, chat_body, png, server_config, shm_path
 from workers.engine.config import EngineConfig
-from workers.engine.processor import MMProcessor
+from workers.engine.processor import MMProcessor, ProcessedImage
+from workers.image_prep import RequestImage
 from workers.media import decode_image
 from workers.tokenizer import TokenizerWorker
 
@@ -231,18 +233,39 @@ def test_a_resent_data_url_is_not_decoded_while_its_image_is_live(
         worker.close()
 
 
-def test_warm_up_runs_the_image_path_once_and_writes_nothing(demo_model_dir: Path, launch_id: str) -> None:
-    """run_tokenizer warms the image path before the process reports ready: the processor's fast-path check has run
-    on a pool thread, and nothing of it is in shm or in the reuse hints."""
-    config = dataclasses.replace(server_config(demo_model_dir, launch_id), tokenizer_threads=2)
+def test_warm_up_runs_the_image_path_on_every_image_thread_and_writes_nothing(
+    demo_model_dir: Path, launch_id: str
+) -> None:
+    """serve_tokenizer warms the image path before the process reports ready: the processor's fast-path check has
+    run, a 1080p probe went through decode, resize and the frame copy once on the prep thread and once on each pool
+    thread, and nothing of it is in shm or in the reuse hints."""
+    config = dataclasses.replace(server_config(demo_model_dir, launch_id), tokenizer_threads=3)
     worker = TokenizerWorker(config, 0, logging.getLogger("test"))
+    prep = ThreadPoolExecutor(1, thread_name_prefix="tok0-prep")
+    seen: list[tuple[str, tuple[int, int, int]]] = []
+    process = worker.prep._process
+
+    def spy(image: RequestImage) -> ProcessedImage:
+        out = process(image)
+        seen.append((threading.current_thread().name, out.grid))
+        return out
+
     try:
         assert "_frame_resizer" not in worker.processor.__dict__
-        worker.prep.warm_up()
+        worker.prep._process = spy  # type: ignore[method-assign]
+        assert (1920, 1080) not in worker.processor._grids
+        worker.warm_up(prep)
+        worker.prep._process = process  # type: ignore[method-assign]
         assert worker.processor.__dict__["_frame_resizer"] is not None
-        assert _pool_threads(0) == 1 and list_segments(launch_id) == [] and not worker.prep.local
+        assert (1920, 1080) in worker.processor._grids  # the prompt path ran too: a 1080p page's grid is known
+        threads = sorted(name.rsplit("_", 1)[0] for name, _ in seen)
+        assert threads == ["tok0-image"] * 3 + ["tok0-prep"], seen
+        assert len({name for name, _ in seen}) == 4  # three distinct pool threads and the prep thread
+        assert {grid for _, grid in seen} == {worker.processor.image_grid(1920, 1080)}
+        assert _pool_threads(0) == 3 and list_segments(launch_id) == [] and not worker.prep.local
         ok = _handle(worker, "after", chat_body([png(64, 48, seed=3)]))
         assert len(ok.shm_names) == 1
         ShmSegment.unlink(ok.shm_names[0])
     finally:
+        prep.shutdown()
         worker.close()

@@ -75,13 +75,20 @@ class EngineConfig:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
 
-def serving_block_size(device: str, attn_backend: str, num_kv_blocks: int | None) -> int:
-    """The KV block size `glimpse serve` takes when none is given: FA3_KEY_TILE where the LM's attention may be
-    FlashAttention-3 (CUDA, backend auto or fa3), else EngineConfig's 16. Larger blocks also cut the scheduler's
-    per-block work (prefix keys, plans): a 22k-token prompt reached its first step in 3-4.5 ms against 9.3. The cost
-    is the prefix cache's grain: a chat's next turn recomputes up to 127 tokens of its history instead of 15.
-    An explicit ``--num-kv-blocks`` keeps 16: the count was sized in blocks of 16 tokens, and eight times the
-    tokens would not fit the card it was sized for."""
-    if device.startswith("cuda") and attn_backend in ("auto", "fa3") and num_kv_blocks is None:
-        return FA3_KEY_TILE
-    return EngineConfig.block_size
+def serving_kv_blocks(
+    device: str, attn_backend: str, block_size: int | None, num_kv_blocks: int | None
+) -> tuple[int, int | None]:
+    """The KV block size and count `glimpse serve` takes from its flags. Without ``--block-size``: FA3_KEY_TILE where
+    the LM's attention may be FlashAttention-3 (CUDA, backend auto or fa3), else EngineConfig's 16. Larger blocks also
+    cut the scheduler's per-block work (prefix keys, plans): a 22k-token prompt reached its first step in 3-4.5 ms
+    against 9.3. The cost is the prefix cache's grain: a chat's next turn recomputes up to 127 tokens of its history
+    instead of 15. A ``--num-kv-blocks`` given without ``--block-size`` counts blocks of EngineConfig's 16 tokens (so
+    a count sized for one card keeps its memory); the same tokens are then laid out in fewer, larger blocks."""
+    if block_size is not None:
+        return block_size, num_kv_blocks
+    unit = EngineConfig.block_size
+    if not (device.startswith("cuda") and attn_backend in ("auto", "fa3")):
+        return unit, num_kv_blocks
+    if num_kv_blocks is None:
+        return FA3_KEY_TILE, None
+    return FA3_KEY_TILE, -(-num_kv_blocks * unit // FA3_KEY_TILE)

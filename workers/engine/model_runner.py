@@ -42,7 +42,7 @@ from workers.engine.pixel_frames import FrameLayout, layout_of
 from workers.engine.prompt_logprobs import score_prompts
 from workers.engine.sampler import Sampler
 from workers.engine.step_inputs import Launched, WorkerSeq, ahead_token_ids, gather_inputs
-from workers.engine.warmup import warm_fused, warm_vision_attention
+from workers.engine.warmup import warm_fused, warm_largest_step, warm_vision_attention
 from workers.grammar import GrammarBook
 from workers.step_trace import StepTrace
 
@@ -104,6 +104,8 @@ class ModelRunner:
             warm_vision_attention(self)
         if cfg.fused_kernels and self.device.type == "cuda":
             warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
+        if self.device.type == "cuda":
+            warm_largest_step(self)  # the first large request's allocations, paid before "ready"
         self.graphs: DecodeGraphs | None = None
         if graphs_wanted(self.device, self.tp):
             max_len = cfg.max_model_len or self.spec.max_position_embeddings

@@ -144,21 +144,48 @@ def test_batched_equals_one_by_one(tiny: tuple[Path, Any]) -> None:
 
 
 def test_grid_cache_hit_on_repeat(tiny: tuple[Path, Any]) -> None:
+    """A repeated call takes its whole plan as kept (no per-grid work at all); the same grids in another call list
+    build that call's plan from the per-grid pieces; every answer equals a fresh tower's."""
     tower = _load(tiny[0])
     pixels, grids = _images(SIZES)
     with torch.no_grad():
         first = tower(pixels, grids)
         assert tower.stats["grid_misses"] == len(SIZES) and tower.stats["grid_hits"] == 0
+        assert tower.stats["plan_hits"] == 0
         second = tower(pixels, grids)
-    assert tower.stats["grid_hits"] == len(SIZES) and tower.stats["grid_misses"] == len(SIZES)
-    assert tower.stats["calls"] == 2 and tower.stats["images"] == 2 * len(SIZES)
-    assert tower.stats["patches"] == 2 * pixels.shape[0]
-    assert torch.equal(first, second)
+        assert tower.stats["plan_hits"] == 1 and tower.stats["grid_hits"] == 0
+        n = grids[0][0] * grids[0][1] * grids[0][2]
+        alone = tower(pixels[:n], grids[:1])  # a new call list of a known grid: per-grid pieces reused
+        fresh = _load(tiny[0])(pixels[:n], grids[:1])
+    assert tower.stats["grid_hits"] == 1 and tower.stats["grid_misses"] == len(SIZES)
+    assert tower.stats["plan_hits"] == 1 and len(tower._calls) == 2
+    assert tower.stats["calls"] == 3 and tower.stats["images"] == 2 * len(SIZES) + 1
+    assert tower.stats["patches"] == 2 * pixels.shape[0] + n
+    assert torch.equal(first, second) and torch.equal(alone, fresh)
+
+
+def test_kept_call_plans_stay_within_their_budget(tiny: tuple[Path, Any]) -> None:
+    """Plans past the byte budget go least recently used first; one larger than the whole budget is not kept."""
+    tower = _load(tiny[0])
+    grids = [(1, 4, 4), (1, 4, 6), (1, 6, 4)]
+    with torch.no_grad():
+        tower(torch.zeros(16, 1176), [grids[0]])
+        one = tower._calls.bytes
+        tower._calls.budget = 2 * one + one // 2  # room for two plans of the smallest grid, not for three
+        for g in grids[1:]:
+            tower(torch.zeros(g[1] * g[2], 1176), [g])
+        assert tower._calls.bytes <= tower._calls.budget and len(tower._calls) == 1  # 24-patch plans: one fits
+        assert ((1, 6, 4),) in {key for key, _ in tower._calls._plans}
+        tower._calls.budget = one - 1
+        tower(torch.zeros(16, 1176), [grids[0]])
+    assert len(tower._calls) == 1 and tower._calls.bytes <= 2 * one + one // 2  # the small plan did not fit
+    assert tower.stats["plan_hits"] == 0
 
 
 def test_grid_cache_is_bounded(tiny: tuple[Path, Any]) -> None:
     tower = _load(tiny[0])
     tower.grid_cache_size = 2
+    tower._calls.budget = 0  # no whole-call plans kept: every call plans from the per-grid pieces
     with torch.no_grad():
         for g in [(1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 4, 4)]:
             tower(torch.zeros(g[1] * g[2], 1176), [g])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from workers.engine.models.qwen3_vl.vision import VisionSpec, VisionTower, build_vision
+from workers.engine.vit_plans import CallPlans
 
 transformers = pytest.importorskip("transformers")
 
@@ -149,15 +150,19 @@ def test_memoized_plan_gives_same_result(reference: Any) -> None:
     with torch.no_grad():
         first = tower(pixels, ODD_GRIDS)
         assert tower.stats["grid_misses"] == 4 and tower.stats["grid_hits"] == 0  # 4 distinct frame shapes
-        second = tower(pixels, ODD_GRIDS)
-    assert tower.stats["grid_misses"] == 4 and tower.stats["grid_hits"] == 4
-    assert tower.stats["calls"] == 2 and tower.stats["patches"] == 2 * pixels.shape[0]
-    assert torch.equal(first, second)
+        second = tower(pixels, ODD_GRIDS)  # the same call list: its whole plan was kept
+        assert tower.stats["plan_hits"] == 1 and tower.stats["grid_hits"] == 0
+        tower._calls = CallPlans(budget=0)  # none kept: the next call plans from the per-frame pieces
+        third = tower(pixels, ODD_GRIDS)
+    assert tower.stats["grid_misses"] == 4 and tower.stats["grid_hits"] == 4 and tower.stats["plan_hits"] == 1
+    assert tower.stats["calls"] == 3 and tower.stats["patches"] == 3 * pixels.shape[0]
+    assert torch.equal(first, second) and torch.equal(first, third)
 
 
 def test_grid_cache_is_bounded(reference: Any) -> None:
     tower = _tower(reference)
     tower.grid_cache_size = 2
+    tower._calls.budget = 0  # no whole-call plans kept: every call plans from the per-grid pieces
     with torch.no_grad():
         for g in [(1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 4, 4)]:
             tower(_pixels([g]), [g])

@@ -26,6 +26,7 @@ from workers.engine.layers import RMSNorm  # transformers' op order (fp32 normal
 from workers.engine.loader import iter_safetensors
 from workers.engine.vision_attention import Segments, VisionAttention, varlen_available
 from workers.engine.vision_mlp import VisionMLP
+from workers.engine.vit_plans import CallPlans
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,8 @@ class VisionTower(nn.Module):
         self._inv_freq_on: dict[torch.device, Tensor] = {}
         self._grids: OrderedDict[Grid, _GridPlan] = OrderedDict()
         self._warned_flash = False
-        self.stats = {"calls": 0, "images": 0, "patches": 0, "grid_hits": 0, "grid_misses": 0}
+        self._calls: CallPlans[_BatchPlan] = CallPlans()
+        self.stats = {"calls": 0, "images": 0, "patches": 0, "grid_hits": 0, "grid_misses": 0, "plan_hits": 0}
 
     def tokens_per_image(self, grid: Sequence[int]) -> int:
         t, h, w = grid
@@ -246,7 +248,9 @@ class VisionTower(nn.Module):
         weight = self.patch_embed.proj.weight
         if n == 0:
             return weight.new_empty(0, self.spec.out_hidden_size)
-        window_index, reverse_index, cos, sin, windows, frames = self._batch_plan(grid_keys, weight.device)
+        plan, kept = self._calls.get((tuple(grid_keys), weight.device), lambda: self._batch_plan(grid_keys, weight.device))
+        self.stats["plan_hits"] += kept
+        window_index, reverse_index, cos, sin, windows, frames = plan
         # Reorder into window order once, before the patch embedding (it is per-row, so this commutes), so every
         # window and every frame is a contiguous segment for all blocks.
         pixels = pixel_values.to(weight.device, non_blocking=True).unflatten(0, (-1, self._unit))
