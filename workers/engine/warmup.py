@@ -86,38 +86,69 @@ def warm_vision_attention(runner: ModelRunner) -> None:
 # The ViT warm-up's frame: 128 x 128 patches (1,792 px a side at 14 px patches), a large page's size; a call of
 # `vit_max_patches` is made of as many as fit (at least one).
 _PEAK_FRAME_SIDE = 128
+# Shares of the largest ViT call and prefill chunk that the warm-up runs, largest first (so smaller activations split
+# blocks the allocator already holds). cuBLAS picks its GEMM kernels by the row count, and each kernel's first launch
+# in a process loads it (CUDA's lazy module loading): a request whose sizes fall between the start-up's would load
+# its own, inside its time to first token.
+_LADDER = (1.0, 0.75, 0.5, 0.33, 0.25, 0.125, 0.0625)
 
 
 def warm_largest_step(runner: ModelRunner) -> None:
-    """One ViT call of as many patches as a step hands the tower (`vit_max_patches`) and one prefill chunk of as many
-    tokens as a step holds, its image rows scattered in, before "ready". The caching allocator then holds their
-    activations (a fresh server's first 8 x 1080p request spent ~40 ms more in the ViT and ~25 ms more in the LM
-    than the next one, H200: cudaMalloc of a few hundred MB per new size), and cuBLAS has met their shapes. Writes
-    KV into blocks that no sequence holds yet, which each sequence overwrites before reading. Only saves time: a
-    failure (out of memory beside an oversized KV cache, say) is logged and serving starts without it."""
+    """ViT calls from as many patches as a step hands the tower (`vit_max_patches`) down, and prefill chunks from as
+    many tokens as a step holds down, image rows scattered in, before "ready". The caching allocator then holds their
+    activations and the kernels of their shapes are loaded: a fresh server's first 8 x 1080p request spent ~50 ms more
+    in the ViT and ~25 ms more in the LM than the next one (H200). Writes KV into blocks that no sequence holds yet,
+    which each sequence overwrites before reading. Only saves time: a failure (out of memory beside an oversized KV
+    cache, say) is logged and serving starts without it."""
     started = time.perf_counter()
     try:
-        patches_done, tokens = _largest_step(runner)
+        patches_done, tokens = _warm_steps(runner)
         torch.cuda.synchronize(runner.device)
     except Exception as exc:  # torch.OutOfMemoryError included: the first such request will say so itself
         torch.cuda.empty_cache()
         log.warning("the largest-step warm-up failed (%s); the first large request pays its allocations", exc)
         return
-    log.info("largest step warmed in %.2f s (ViT %d patches, prefill %d tokens)",
+    log.info("step shapes warmed in %.2f s (ViT calls of %s patches, prefill chunks of %s tokens)",
              time.perf_counter() - started, patches_done, tokens)
 
 
 @torch.inference_mode()
-def _largest_step(r: ModelRunner, frame_side: int = _PEAK_FRAME_SIDE) -> tuple[int, int]:
-    """Run it; returns (patches, tokens). ``frame_side``: patches a side of each frame (tests take small ones)."""
-    side = max(2 * r.merge, frame_side // (2 * r.merge) * 2 * r.merge)
-    frames = max(1, r.cfg.vit_max_patches // (side * side))
-    grids = [(1, side, side)] * frames
-    rows = torch.zeros(frames * side * side, r.spec.patch_dim, dtype=r.dtype, device=r.device)
-    mm_embeds = r.model.encode(rows, grids)
+def _warm_steps(r: ModelRunner, frame_side: int = _PEAK_FRAME_SIDE) -> tuple[list[int], list[int]]:
+    """Run the ladder; returns the patches of each ViT call and the tokens of each chunk. ``frame_side``: patches a side
+    of the largest frame (tests take small ones)."""
+    unit = 2 * r.merge
+    side = max(unit, frame_side // unit * unit)
+    most = max(side * side, r.cfg.vit_max_patches // (side * side) * side * side)
     bs = r.cfg.block_size
-    tokens = max(r.cfg.chunk_size, r.cfg.lone_prefill_tokens)
-    tokens = min(tokens, r.num_blocks * bs, r.cfg.max_model_len or tokens)
+    longest = max(r.cfg.chunk_size, r.cfg.lone_prefill_tokens)
+    longest = min(longest, r.num_blocks * bs, r.cfg.max_model_len or longest)
+    patches_done: list[int] = []
+    tokens_done: list[int] = []
+    for share in _LADDER:
+        grids = _frames(int(most * share), side, unit)
+        n = sum(h * w for _, h, w in grids)
+        if n and n not in patches_done:
+            mm_embeds = r.model.encode(torch.zeros(n, r.spec.patch_dim, dtype=r.dtype, device=r.device), grids)
+            patches_done.append(n)
+        tokens = max(1, int(longest * share))
+        if tokens not in tokens_done:
+            _prefill(r, tokens, mm_embeds)
+            tokens_done.append(tokens)
+    return patches_done, tokens_done
+
+
+def _frames(patches: int, side: int, unit: int) -> list[tuple[int, int, int]]:
+    """Frames of ``side`` x ``side`` patches up to ``patches``, or one square frame of about that many (sides a multiple
+    of ``unit``), empty below one unit square."""
+    if patches >= side * side:
+        return [(1, side, side)] * (patches // (side * side))
+    small = int(patches**0.5) // unit * unit
+    return [(1, small, small)] if small else []
+
+
+def _prefill(r: ModelRunner, tokens: int, mm_embeds: torch.Tensor) -> None:
+    """A prompt's first chunk of ``tokens`` over blocks 0.., its first rows image tokens, and the last row's logits."""
+    bs = r.cfg.block_size
     meta = build_attention_metadata([tokens], [tokens], [list(range(-(-tokens // bs)))], bs, r.device)
     embeds = torch.zeros(tokens, r.spec.hidden_size, dtype=r.dtype, device=r.device)
     positions = torch.arange(tokens, device=r.device).expand(3, -1)
@@ -125,4 +156,3 @@ def _largest_step(r: ModelRunner, frame_side: int = _PEAK_FRAME_SIDE) -> tuple[i
     mm_rows = torch.arange(image_rows, device=r.device)
     hidden = r.model(embeds, positions, r.kv_caches, meta, mm_rows=mm_rows, mm_embeds=mm_embeds[:image_rows])
     r.model.compute_logits(hidden[-1:])
-    return rows.shape[0], tokens
