@@ -56,13 +56,9 @@ def _run_every_fused_site(r: ModelRunner) -> None:
     row, m = r.spec.patch_dim, r.merge
     for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)):
         r.model.encode(torch.zeros(patches(grid), row, dtype=r.dtype, device=r.device), [grid])
-    hidden, bs = r.spec.hidden_size, r.cfg.block_size
     for query, seq in ((2, 2), (3, 5), (1, 6)):
-        scratch = [r.num_blocks] * -(-seq // bs)  # the spare block (see ModelRunner.__init__): nothing live in it
-        meta = build_attention_metadata([query], [seq], [scratch], bs, r.device)
-        embeds = torch.zeros(query, hidden, dtype=r.dtype, device=r.device)
-        positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
-        hidden_states = r.model(embeds, positions, r.kv_caches, meta)
+        scratch = [r.num_blocks] * -(-seq // r.cfg.block_size)  # the spare block (ModelRunner.__init__): nothing live
+        hidden_states = _forward(r, query, seq, scratch)
     # the LM head at a decode step's sampled rows (skinny_gemm's variant for its shape; eager, outside the graphs)
     r.model.compute_logits(hidden_states[-1:])
 
@@ -148,11 +144,17 @@ def _frames(patches: int, side: int, unit: int) -> list[tuple[int, int, int]]:
 
 def _prefill(r: ModelRunner, tokens: int, mm_embeds: torch.Tensor) -> None:
     """A prompt's first chunk of ``tokens`` over blocks 0.., its first rows image tokens, and the last row's logits."""
-    bs = r.cfg.block_size
-    meta = build_attention_metadata([tokens], [tokens], [list(range(-(-tokens // bs)))], bs, r.device)
-    embeds = torch.zeros(tokens, r.spec.hidden_size, dtype=r.dtype, device=r.device)
-    positions = torch.arange(tokens, device=r.device).expand(3, -1)
     image_rows = min(tokens, mm_embeds.shape[0])
     mm_rows = torch.arange(image_rows, device=r.device)
-    hidden = r.model(embeds, positions, r.kv_caches, meta, mm_rows=mm_rows, mm_embeds=mm_embeds[:image_rows])
+    blocks = list(range(-(-tokens // r.cfg.block_size)))
+    hidden = _forward(r, tokens, tokens, blocks, mm_rows=mm_rows, mm_embeds=mm_embeds[:image_rows])
     r.model.compute_logits(hidden[-1:])
+
+
+def _forward(r: ModelRunner, query: int, seq: int, blocks: list[int], **images: torch.Tensor) -> torch.Tensor:
+    """The LM over the last ``query`` of ``seq`` tokens (zero embeddings) in ``blocks``; ``images``: mm_rows, mm_embeds."""
+    meta = build_attention_metadata([query], [seq], [blocks], r.cfg.block_size, r.device)
+    embeds = torch.zeros(query, r.spec.hidden_size, dtype=r.dtype, device=r.device)
+    positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
+    out: torch.Tensor = r.model(embeds, positions, r.kv_caches, meta, **images)
+    return out
