@@ -115,16 +115,17 @@ def lm_rope(
     return rotate(q), rotate(k), v.reshape(t, -1, head_dim).contiguous()
 
 
-def vit_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The ViT's [n, 3, H, D] q|k|v -> rotated q, k and v, each contiguous [n, H, D]; cos, sin float32
-    [n, D/2] (the math vision._rope does, rounded once)."""
+def vit_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The ViT's [n, 3, H, D] q|k|v -> rotated q and k, each contiguous [n, H, D]; cos, sin float32 [n, D/2] (the
+    math vision._rope does, rounded once). v stays where it is (``qkv[:, 2]``): the attention kernels read rows at
+    any stride, and its copy was 8.6 of the 842 ms an 8 x 1080p request spent on the GPU (H200)."""
     c, s = cos[:, None, :], sin[:, None, :]
 
     def rotate(x: Tensor) -> Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
-    return rotate(qkv[:, 0]), rotate(qkv[:, 1]), qkv[:, 2].contiguous()
+    return rotate(qkv[:, 0]), rotate(qkv[:, 1])
 
 
 def enable(module: torch.nn.Module, on: bool = True) -> int:

@@ -65,7 +65,7 @@ class VisionAttention(nn.Module):
         self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
         self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
-        self.fused = False  # CUDA: rope of q and k (and v's copy) in one compiled kernel (fused.py)
+        self.fused = False  # CUDA: rope of q and k in one compiled kernel (fused.py)
         # The model on FA3 (fa3_attention.py): its packed call for whole frames on the CUDA path, 1.5x cuDNN with no
         # plan per frame length; windows keep their own kernel (FA3 is slower at 64 patches). None: cuDNN frames once
         # hot, else FA2
@@ -76,10 +76,10 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
         if self.fused and fused.worth_it(qkv):
-            q, k, v = fused.compiled(fused.vit_rope)(qkv, cos, sin)
+            q, k = fused.compiled(fused.vit_rope)(qkv, cos, sin)
         else:
             q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
-            v = qkv[:, 2]
+        v = qkv[:, 2]  # a strided view: the CUDA kernels take row strides, and the CPU path copies where it must
         out = self._on_fa3(q, k, v, seg) if flash and seg.frames and self.packed is not None else None
         if out is None:
             if flash and seg.frames and _cudnn_frames.wants(seg):

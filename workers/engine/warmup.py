@@ -82,20 +82,31 @@ def warm_vision_attention(runner: ModelRunner) -> None:
 # The ViT warm-up's frame: 128 x 128 patches (1,792 px a side at 14 px patches), a large page's size; a call of
 # `vit_max_patches` is made of as many as fit (at least one).
 _PEAK_FRAME_SIDE = 128
-# Shares of the largest ViT call and prefill chunk that the warm-up runs, largest first (so smaller activations split
-# blocks the allocator already holds). cuBLAS picks its GEMM kernels by the row count, and each kernel's first launch
-# in a process loads it (CUDA's lazy module loading): a request whose sizes fall between the start-up's would load
-# its own, inside its time to first token.
+# Shares of the largest ViT call that the warm-up runs, largest first (so smaller activations split blocks the
+# allocator already holds).
 _LADDER = (1.0, 0.75, 0.5, 0.33, 0.25, 0.125, 0.0625)
+# The sizes people send most (screen and camera formats, a square crop, an A4 page at 150 dpi), width x height: the
+# ViT runs calls of 1, 2, 3 and as many as fit of each. cuBLAS prepares each GEMM kernel it picks at that kernel's
+# first use in a process, 2.5-5.5 ms of host time while the GPU waits (H200, CUDA 13; CUDA's eager module loading
+# does not remove it), and which kernel it picks changes with the row count: a fresh server's first 8 x 1080p request
+# paid ~30 ms for the ViT's row counts alone. Other sizes still pay once per new kernel.
+COMMON_SIZES: tuple[tuple[int, int], ...] = ((1920, 1080), (1280, 720), (2560, 1440), (3840, 2160), (1024, 1024),
+                                             (1240, 1754))
+# Prefill chunks run from the step budget down by this factor to a sixteenth of it: a chunk's row count picks the LM's
+# GEMM kernels the same way, and a prompt's chunks can have any length. After this ladder (27 chunks from 4,096 down),
+# 25 of 100 random row counts in [256, 4096] still met a new kernel in one of the LM's four GEMMs, against 42 of 100
+# after a ladder of 7 shares (H200, .bench-style script: Qwen2.5-7B shapes). Each costs once per process.
+_CHUNK_STEP = 0.9
 
 
 def warm_largest_step(runner: ModelRunner) -> None:
-    """ViT calls from as many patches as a step hands the tower (`vit_max_patches`) down, and prefill chunks from as
-    many tokens as a step holds down, image rows scattered in, before "ready". The caching allocator then holds their
-    activations and the kernels of their shapes are loaded: a fresh server's first 8 x 1080p request spent ~50 ms more
-    in the ViT and ~25 ms more in the LM than the next one (H200). Writes KV into blocks that no sequence holds yet,
-    which each sequence overwrites before reading. Only saves time: a failure (out of memory beside an oversized KV
-    cache, say) is logged and serving starts without it."""
+    """ViT calls from as many patches as a step hands the tower (`vit_max_patches`) down and at the patch counts of
+    `COMMON_SIZES`, and prefill chunks from as many tokens as a step holds down, image rows scattered in, before
+    "ready". The caching allocator then holds their activations and the GEMM kernels of their row counts have had
+    their first use: a fresh server's first 8 x 1080p request spent ~50 ms more in the ViT and ~25 ms more in the LM
+    than the next one (H200). Writes KV into blocks that no sequence holds yet, which each sequence overwrites before
+    reading. Only saves time: a failure (out of memory beside an oversized KV cache, say) is logged and serving starts
+    without it."""
     started = time.perf_counter()
     try:
         patches_done, tokens = _warm_steps(runner)
@@ -104,33 +115,49 @@ def warm_largest_step(runner: ModelRunner) -> None:
         torch.cuda.empty_cache()
         log.warning("the largest-step warm-up failed (%s); the first large request pays its allocations", exc)
         return
-    log.info("step shapes warmed in %.2f s (ViT calls of %s patches, prefill chunks of %s tokens)",
-             time.perf_counter() - started, patches_done, tokens)
+    log.info("step shapes warmed in %.2f s (ViT calls of %s patches, %d prefill chunks of %d-%d tokens)",
+             time.perf_counter() - started, patches_done, len(tokens), min(tokens), max(tokens))
 
 
 @torch.inference_mode()
-def _warm_steps(r: ModelRunner, frame_side: int = _PEAK_FRAME_SIDE) -> tuple[list[int], list[int]]:
-    """Run the ladder; returns the patches of each ViT call and the tokens of each chunk. ``frame_side``: patches a side
-    of the largest frame (tests take small ones)."""
+def _warm_steps(
+    r: ModelRunner, frame_side: int = _PEAK_FRAME_SIDE, sizes: tuple[tuple[int, int], ...] = COMMON_SIZES
+) -> tuple[list[int], list[int]]:
+    """Run the ViT calls, then the prefill chunks; returns the patches of each ViT call and the tokens of each chunk.
+    ``frame_side``: patches a side of the largest ladder frame; ``sizes``: images in pixels (tests take small ones)."""
     unit = 2 * r.merge
     side = max(unit, frame_side // unit * unit)
     most = max(side * side, r.cfg.vit_max_patches // (side * side) * side * side)
-    bs = r.cfg.block_size
-    longest = max(r.cfg.chunk_size, r.cfg.lone_prefill_tokens)
-    longest = min(longest, r.num_blocks * bs, r.cfg.max_model_len or longest)
+    calls = [_frames(int(most * share), side, unit) for share in _LADDER]
+    patch = getattr(r.spec.vision, "patch_size", 0)
+    for width, height in sizes if patch else ():
+        grid = size_grid(width, height, patch, r.merge)
+        fit = max(1, r.cfg.vit_max_patches // patches(grid))
+        calls += [[grid] * k for k in sorted({1, 2, 3, fit}) if k <= fit]
     patches_done: list[int] = []
-    tokens_done: list[int] = []
-    for share in _LADDER:
-        grids = _frames(int(most * share), side, unit)
-        n = sum(h * w for _, h, w in grids)
+    mm_embeds = torch.zeros(0, r.spec.embed_width, dtype=r.dtype, device=r.device)
+    for grids in sorted(calls, key=lambda g: -sum(map(patches, g))):
+        n = sum(map(patches, grids))
         if n and n not in patches_done:
             mm_embeds = r.model.encode(torch.zeros(n, r.spec.patch_dim, dtype=r.dtype, device=r.device), grids)
             patches_done.append(n)
-        tokens = max(1, int(longest * share))
-        if tokens not in tokens_done:
-            _prefill(r, tokens, mm_embeds)
-            tokens_done.append(tokens)
+    longest = max(r.cfg.chunk_size, r.cfg.lone_prefill_tokens)
+    longest = min(longest, r.num_blocks * r.cfg.block_size, r.cfg.max_model_len or longest)
+    tokens_done: list[int] = []
+    tokens = float(longest)
+    while tokens >= max(1, longest // 16):
+        if int(tokens) not in tokens_done:
+            _prefill(r, int(tokens), mm_embeds)
+            tokens_done.append(int(tokens))
+        tokens *= _CHUNK_STEP
     return patches_done, tokens_done
+
+
+def size_grid(width: int, height: int, patch: int, merge: int) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid of a ``width`` x ``height`` image, each side rounded to a multiple of ``patch * merge``
+    as Qwen's processors resize it (their pixel bounds do not clip the sizes above)."""
+    factor = patch * merge
+    return 1, max(factor, round(height / factor) * factor) // patch, max(factor, round(width / factor) * factor) // patch
 
 
 def _frames(patches: int, side: int, unit: int) -> list[tuple[int, int, int]]:

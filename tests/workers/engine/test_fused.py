@@ -67,11 +67,11 @@ def test_vit_rope_matches_eager_rope_on_cuda(dtype: torch.dtype, tol: float) -> 
     n, h, d = 130, 4, 80  # head_dim 80 as in Qwen2.5-VL's ViT
     qkv = torch.randn(n, 3, h, d, device="cuda", dtype=dtype)
     angles = torch.rand(n, d // 2, device="cuda") * 40
-    q, k, v = fused.compiled(fused.vit_rope)(qkv, angles.cos(), angles.sin())
+    q, k = fused.compiled(fused.vit_rope)(qkv, angles.cos(), angles.sin())
     q_ref, k_ref = _rope(qkv[:, :2], angles.cos()[:, None, None], angles.sin()[:, None, None])
     torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(k, k_ref, atol=tol, rtol=tol)
-    assert torch.equal(v, qkv[:, 2])
+    assert q.is_contiguous() and k.is_contiguous()
 
 
 @cuda
