@@ -115,8 +115,8 @@ def warm_largest_step(runner: ModelRunner) -> None:
         torch.cuda.empty_cache()
         log.warning("the largest-step warm-up failed (%s); the first large request pays its allocations", exc)
         return
-    log.info("step shapes warmed in %.2f s (ViT calls of %s patches, %d prefill chunks of %d-%d tokens)",
-             time.perf_counter() - started, patches_done, len(tokens), min(tokens), max(tokens))
+    log.info("step shapes warmed in %.2f s (ViT calls of %s patches, prefill chunks of %s tokens)",
+             time.perf_counter() - started, patches_done, tokens)
 
 
 @torch.inference_mode()
