@@ -64,7 +64,7 @@ def one_chat(model: Path, mode: str, rounds: int, seed: int, threads: int) -> li
             history.append(user_message([urls[r]], random_text(rng, 32)))
             body = json.dumps({"model": "demo", "messages": history, "max_tokens": 16, "stream": True}).encode()
             t0 = time.perf_counter()
-            result = worker.handle(GenerateRequest(f"r{r}", body, time.time()))
+            result = worker.handle(GenerateRequest(f"r{r}", memoryview(body), time.time()))
             times.append((time.perf_counter() - t0) * 1e3)
             assert isinstance(result, tuple), result
             if trimmed and len(body) > 4 << 20:  # what the server did after each body over 4 MB

@@ -197,7 +197,7 @@ def run_pass(
         if queues[worker]:
             rid, body = queues[worker].popleft()
             sent[rid] = (worker, time.perf_counter())
-            peer.toks[worker].send(GenerateRequest(rid, body, time.time()))
+            peer.toks[worker].send(GenerateRequest(rid, memoryview(body), time.time()))
 
     cpu0 = cpu_seconds(pids)
     t0 = time.perf_counter()
@@ -277,7 +277,7 @@ def bench_workers(
             # The first send writes the images; their segments stay alive (as for a chat's next turn),
             # so every later send of the same bytes links them.
             seed_body = make(seed + 20_000)
-            peer.toks[0].send(GenerateRequest("reuse-seed", seed_body, time.time()))
+            peer.toks[0].send(GenerateRequest("reuse-seed", memoryview(seed_body), time.time()))
             keep = set(peer.next_tokenized()[0].shm_names)
             reuse = [seed_body] * (args.requests * 4)
             results.append(run(reuse, "reuse", args.depth, keep))

@@ -8,6 +8,8 @@ the number of sequences and images in the step, not on how many bytes the images
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 # Re-exported: every message type is looked up here.
@@ -168,10 +170,16 @@ class StepResult(Msg, frozen=True):
 
 
 class GenerateRequest(Msg, frozen=True):
-    """Frontend -> tokenizer: the HTTP body as received; the tokenizer parses it, not the event loop."""
+    """Frontend -> tokenizer: the HTTP body as received; the tokenizer parses it, not the event loop.
+
+    A large body travels as a ZeroMQ frame of its own after the message (``payload_field``, ipc/channels.py), so
+    neither end copies it into or out of msgpack, and the tokenizer reads it where ZeroMQ received it (a memoryview
+    that keeps the frame alive). Decoded from one frame (a routed request), it is a view into that frame too."""
+
+    payload_field: ClassVar[str] = "body"
 
     rid: str
-    body: bytes
+    body: memoryview
     arrival: float  # time.time() when the frontend received it
     endpoint: str = "chat"  # which body it is: "chat" (/v1/chat/completions) or "completion" (/v1/completions)
 

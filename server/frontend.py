@@ -272,7 +272,7 @@ class FrontendState:
         self.book.counters.in_flight += 1
         self._idle.clear()
         try:
-            await self.tokenizers[worker].send(GenerateRequest(flight.rid, body, flight.arrival, endpoint))
+            await self.tokenizers[worker].send(GenerateRequest(flight.rid, memoryview(body), flight.arrival, endpoint))
         except BaseException:
             self._release_slot(flight.rid)  # never sent: no answer will come to free it
             self.finish(flight, "failed")

@@ -138,7 +138,7 @@ def _validation_error(exc: msgspec.ValidationError) -> BadRequest:
     return BadRequest(f"{where}: {what.replace('`', '')}", param=param, code="invalid_value")
 
 
-def parse_request(body: bytes) -> ChatCompletionRequest:
+def parse_request(body: bytes | memoryview) -> ChatCompletionRequest:
     """Decode and validate a chat-completions body; raises BadRequest with OpenAI-style fields."""
     req = decode_body(_decoder, body)
     _check(req)
@@ -148,7 +148,7 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
 _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
-def decode_body(decoder: msgspec.json.Decoder[_R], body: bytes) -> _R:
+def decode_body(decoder: msgspec.json.Decoder[_R], body: bytes | memoryview) -> _R:
     """Decode ``body`` with ``decoder``, turning every failure into a BadRequest; fields the struct does
     not know are ignored, with one debug line naming them."""
     try:

@@ -50,7 +50,7 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
 _decoder = msgspec.json.Decoder(CompletionRequest)
 
 
-def parse_completion(body: bytes) -> CompletionRequest:
+def parse_completion(body: bytes | memoryview) -> CompletionRequest:
     req = decode_body(_decoder, body)
     if req.max_tokens is not None and req.max_tokens < (0 if req.echo else 1):
         raise range_error("max_tokens", req.max_tokens, ">= 1 (0 only with echo: the prompt alone)")

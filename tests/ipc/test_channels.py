@@ -30,7 +30,7 @@ from ipc.channels import (
     new_context,
 )
 from ipc.launch import cleanup_launch_dir, ipc_address, launch_dir, new_launch_id
-from ipc.messages import GenerateRequest, RouteRequest, TokenizerInbound
+from ipc.messages import AbortRequest, GenerateRequest, RouteRequest, TokenizerInbound
 from ipc.shm import ShmRef, segment_name
 
 # ---- a small tagged-union protocol, defined at module level so spawned children can decode it --
@@ -315,11 +315,19 @@ async def test_large_messages_go_zero_copy_and_arrive_whole(launch_id: str) -> N
     try:
         bodies = [os.urandom(size) for size in (8 << 20, 10, ZERO_COPY_BYTES, ZERO_COPY_BYTES - 1, 3 << 20)]
         for i, body in enumerate(bodies):
-            await push.send(GenerateRequest(f"r{i}", body, float(i)))
+            await push.send(GenerateRequest(f"r{i}", memoryview(body), float(i), "completion" if i else "chat"))
         for i, body in enumerate(bodies):
             got = await pull.recv()
             assert isinstance(got, GenerateRequest) and got.rid == f"r{i}" and got.body == body
-        inner = msgspec.msgpack.encode(GenerateRequest("inner", os.urandom(2 << 20), 0.0))
+            assert got.arrival == float(i) and got.endpoint == ("completion" if i else "chat")
+            # Read where ZeroMQ put it: a large body in a frame of its own, a small one inside the message's frame.
+            assert isinstance(got.body, memoryview) and isinstance(got.body.obj, zmq.Frame)
+            assert (got.body.obj.buffer.nbytes == len(body)) == (len(body) >= ZERO_COPY_BYTES)
+        # A frame after a message whose type takes none is a protocol error, not a silently dropped payload.
+        await push._sock.send_multipart([push.encode(AbortRequest("x")), b"stray"])
+        with pytest.raises(ValueError, match="AbortRequest arrived with frames"):
+            await pull.recv()
+        inner = msgspec.msgpack.encode(GenerateRequest("inner", memoryview(os.urandom(2 << 20)), 0.0))
         await raw_push.send(RouteRequest("inner", 1, [], [], msgspec.Raw(inner)))
         routed = await raw_pull.recv()
         gc.collect()  # the frame object is gone; the Raw must still hold its bytes
