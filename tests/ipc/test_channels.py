@@ -214,6 +214,23 @@ def test_pub_sub_between_processes(launch_id: str, ctx: zmq.Context[zmq.Socket[b
         acks.close()
 
 
+def test_sync_sockets_carry_a_payload_frame(launch_id: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """The synchronous sockets split and join a large ``payload_field`` as the asyncio ones do (a test's stand-in
+    tokenizer receives what the frontend sends; benchmarks send bodies from a thread)."""
+    addr = ipc_address(launch_id, "sync-payload")
+    with PullSocket[TokenizerInbound](ctx, addr, TokenizerInbound, bind=True) as pull, \
+            PushSocket[TokenizerInbound](ctx, addr, TokenizerInbound, bind=False) as push:
+        bodies = [os.urandom(3 << 20), b"{}"]
+        for i, body in enumerate(bodies):
+            push.send(GenerateRequest(f"s{i}", memoryview(body), 1.0))
+        for i, body in enumerate(bodies):
+            got = pull.recv(TIMEOUT_MS)
+            assert isinstance(got, GenerateRequest) and got.rid == f"s{i}" and got.body == body
+        push._sock.send_multipart([push.encode(AbortRequest("x")), b"stray"])
+        with pytest.raises(ValueError, match="AbortRequest arrived with frames"):
+            pull.recv(TIMEOUT_MS)
+
+
 def test_recv_timeout_returns_none(launch_id: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     with PullSocket[Msg](ctx, ipc_address(launch_id, "idle"), Msg, bind=True) as pull:
         assert pull.recv(0) is None

@@ -59,7 +59,7 @@ class Peers:
         return msg
 
     def accept(self, req: GenerateRequest, prompt_tokens: int = 5) -> None:
-        body = json.loads(req.body)
+        body = json.loads(bytes(req.body))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         self.out.send(RequestAccepted(req.rid, bool(body.get("stream")), include_usage, body["model"], prompt_tokens, 0))
 

@@ -23,7 +23,7 @@ LOOPS = pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_non_streaming_completion(srv: Served) -> None:
     fut = srv.bg(srv.client.chat.completions.create, model="demo", messages=MESSAGES)
     req = srv.peers.request()
-    assert req.rid.startswith("chatcmpl-") and json.loads(req.body)["messages"] == MESSAGES
+    assert req.rid.startswith("chatcmpl-") and json.loads(bytes(req.body))["messages"] == MESSAGES
     srv.peers.accept(req)
     srv.peers.hello(req.rid)
     completion = fut.result(10)
@@ -77,9 +77,12 @@ def test_outputs_before_accepted_are_kept_and_sse_framing(srv: Served) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-1]
 
 
-def test_body_reaches_tokenizer_byte_identical(srv: Served) -> None:
-    # Odd spacing, key order, escapes and number formats: any re-serialization would change them.
-    raw = b'{  "messages":[{"content":"h\\u00e9\\n","role":"user"}], "model" :"demo","temperature":1.50,"x":[1e3]}\n'
+@pytest.mark.parametrize("pad", [0, 200_000], ids=["small", "own-frame"])
+def test_body_reaches_tokenizer_byte_identical(srv: Served, pad: int) -> None:
+    # Odd spacing, key order, escapes and number formats: any re-serialization would change them. A body past
+    # ZERO_COPY_BYTES travels as a ZeroMQ frame of its own (ipc/channels.py) and must arrive the same.
+    raw = b'{  "messages":[{"content":"h\\u00e9\\n","role":"user"}], "model" :"demo","temperature":1.50,"x":[1e3]'
+    raw += b', "pad": "' + b"p" * pad + b'"}\n'
     fut = srv.bg(srv.http.post, "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     req = srv.peers.request()
     assert req.body == raw
@@ -244,8 +247,8 @@ def test_fail_all_fails_in_flight_fast(srv: Served) -> None:
     waiting = srv.bg(srv.client.chat.completions.create, model="demo", messages=never)
     # The three requests may reach the tokenizer in any order: tell them apart by their bodies.
     reqs = [srv.peers.request() for _ in range(3)]
-    accepted = [r for r in reqs if json.loads(r.body)["messages"] == MESSAGES]
-    [stream_req] = [r for r in accepted if json.loads(r.body).get("stream")]
+    accepted = [r for r in reqs if json.loads(bytes(r.body))["messages"] == MESSAGES]
+    [stream_req] = [r for r in accepted if json.loads(bytes(r.body)).get("stream")]
     for req in accepted:
         srv.peers.accept(req)
     srv.peers.output(stream_req.rid, "Hel", None, 1)
