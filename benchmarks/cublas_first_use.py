@@ -55,16 +55,12 @@ def part1() -> list[list[object]]:
 
 
 def ladder(kind: str, longest: int = 4096) -> list[int]:
-    from workers.engine.warmup import _CHUNK_STEP
+    """The chunk lengths of the start-up warm-up (new), or of its earlier 7 shares (old, `_LADDER`)."""
+    from workers.engine.warmup import _LADDER, chunk_ladder
 
     if kind == "old":
-        return sorted({max(1, int(longest * s)) for s in (1.0, 0.75, 0.5, 0.33, 0.25, 0.125, 0.0625)}, reverse=True)
-    out, t = [], float(longest)
-    while t >= max(1, longest // 16):
-        if int(t) not in out:
-            out.append(int(t))
-        t *= _CHUNK_STEP
-    return out
+        return sorted({max(1, int(longest * s)) for s in _LADDER}, reverse=True)
+    return chunk_ladder(longest)
 
 
 def part2(kind: str) -> list[object]:

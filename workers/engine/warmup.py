@@ -143,14 +143,21 @@ def _warm_steps(
             patches_done.append(n)
     longest = max(r.cfg.chunk_size, r.cfg.lone_prefill_tokens)
     longest = min(longest, r.num_blocks * r.cfg.block_size, r.cfg.max_model_len or longest)
-    tokens_done: list[int] = []
+    tokens_done = chunk_ladder(longest)
+    for tokens in tokens_done:
+        _prefill(r, tokens, mm_embeds)
+    return patches_done, tokens_done
+
+
+def chunk_ladder(longest: int) -> list[int]:
+    """Prefill chunk lengths the warm-up runs: ``longest`` down by `_CHUNK_STEP` to a sixteenth of it, largest first."""
+    out: list[int] = []
     tokens = float(longest)
     while tokens >= max(1, longest // 16):
-        if int(tokens) not in tokens_done:
-            _prefill(r, int(tokens), mm_embeds)
-            tokens_done.append(int(tokens))
+        if int(tokens) not in out:
+            out.append(int(tokens))
         tokens *= _CHUNK_STEP
-    return patches_done, tokens_done
+    return out
 
 
 def size_grid(width: int, height: int, patch: int, merge: int) -> tuple[int, int, int]:
