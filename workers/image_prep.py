@@ -42,7 +42,7 @@ from workers.chat_request import BadRequest
 from workers.config import ServerConfig
 from workers.engine.processor import MMProcessor, ProcessedImage
 from workers.image_io import Encoded, write_and_publish
-from workers.media import decode_image, probe_image
+from workers.media import decode_pixels, probe_image
 
 LOCAL_INDEX_SIZE = 4096  # hashes remembered with their newest segment name (a hint; /dev/shm is the truth)
 DATA_URL_INDEX_SIZE = 4096  # data URLs remembered by the hash of their text, with their image's hash
@@ -250,10 +250,10 @@ class ImagePrep:
     def _process(self, image: RequestImage) -> ProcessedImage:
         """Decode and process one image. May run on a pool thread: reads only the image and settings.
 
-        (decode_image's warnings.catch_warnings is not thread-safe before Python 3.14: an unlucky
+        (decode_pixels's warnings.catch_warnings is not thread-safe before Python 3.14: an unlucky
         interleaving leaves PIL's DecompressionBombWarning ignored for the whole process, which
         is harmless, our own pixel limit being the check.)"""
-        decoded = decode_image(image.raw.data(), self.config.max_image_pixels, image.param)
+        decoded = decode_pixels(image.raw.data(), self.config.max_image_pixels, image.param)
         try:
             return self.processor.process_image(decoded, image_hash=image.hash, frame=True)
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses

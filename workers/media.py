@@ -22,10 +22,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pybase64
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from workers.errors import BadRequest
+from workers.jpeg import decode_rgb
 from workers.media_http import HttpMediaClient, Resolver
 
 if TYPE_CHECKING:
@@ -242,6 +244,14 @@ def probe_image(data: bytes, max_pixels: int, param: str | None = None) -> tuple
     return (height, width) if orientation in _QUARTER_TURNS else (width, height)
 
 
+def decode_pixels(data: bytes, max_pixels: int, param: str | None = None) -> Image.Image | np.ndarray:
+    """`decode_image`, or for a plain RGB JPEG the same pixels as a packed [H, W, 3] uint8 array straight from
+    libjpeg-turbo (workers/jpeg.py): what the serving path's resize reads, without Pillow's storage in between."""
+    image = _open(data, max_pixels, param)
+    pixels = decode_rgb(data, image)
+    return pixels if pixels is not None else _decode(image, param)
+
+
 def decode_image(data: bytes, max_pixels: int, param: str | None = None) -> Image.Image:
     """Decode encoded image bytes to an RGB image.
 
@@ -250,7 +260,10 @@ def decode_image(data: bytes, max_pixels: int, param: str | None = None) -> Imag
     is applied (phones store rotated JPEGs), the first frame of an animation is used, and
     transparency is flattened onto white, which is how the image looks to a person in a browser.
     """
-    image = _open(data, max_pixels, param)
+    return _decode(_open(data, max_pixels, param), param)
+
+
+def _decode(image: Image.Image, param: str | None) -> Image.Image:
     try:
         image.load()
         ImageOps.exif_transpose(image, in_place=True)

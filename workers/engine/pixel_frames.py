@@ -161,7 +161,7 @@ def frame_layout(ip: Any, merge: int) -> tuple[FrameLayout, Any] | None:
     return (layout, frames) if same else None
 
 
-def frame_resizer(ip: Any, merge: int, frames: Any) -> Callable[[Image.Image], Tensor] | None:
+def frame_resizer(ip: Any, merge: int, frames: Any) -> Callable[[Image.Image | np.ndarray], Tensor] | None:
     """A function giving an RGB image's resized uint8 frame ([C, H, W] with channels-last strides) by the processor's
     own resize, without its input conversions (another RGB copy, a contiguous [C, H, W] copy): 5.6 against 23 ms for
     a 1080p image on the 2-core box, on the critical path of every request with a fresh image. The resize runs on the
@@ -170,8 +170,9 @@ def frame_resizer(ip: Any, merge: int, frames: Any) -> Callable[[Image.Image], T
     on test images that are scaled up and down."""
     factor = int(ip.patch_size) * merge
 
-    def resize(image: Image.Image) -> Tensor:
-        pixels = torch.from_numpy(np.array(image))  # [H, W, C], a writable copy of the decoded image
+    def resize(image: Image.Image | np.ndarray) -> Tensor:
+        # [H, W, C]: RGB pixels as decoded (`decode_pixels`), else a writable copy of the PIL image's
+        pixels = torch.from_numpy(image if isinstance(image, np.ndarray) else np.array(image))
         return ip.resize(images=pixels.permute(2, 0, 1).unsqueeze(0), size=ip.size, resample=ip.resample, factor=factor)[0]
 
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import blake3
+import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoProcessor
@@ -170,26 +171,37 @@ class MMProcessor:
         h.update(raw)
         return h.digest(16)
 
-    def process_image(self, image: Image.Image, image_hash: bytes | None = None, frame: bool = False) -> ProcessedImage:
+    def process_image(
+        self, image: Image.Image | np.ndarray, image_hash: bytes | None = None, frame: bool = False
+    ) -> ProcessedImage:
         """The image's patch rows, as the checkpoint's processor makes them. With ``frame``, what shared memory
         should hold instead: the resized uint8 frame (pixel_frames.py), else the normalised image for
-        `ProcessedImage.write_rows` to lay out, for processors whose fast paths give the full path's bits."""
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        `ProcessedImage.write_rows` to lay out, for processors whose fast paths give the full path's bits.
+        ``image`` may be [H, W, 3] uint8 RGB pixels (`decode_pixels`), which the uint8 frame's resize reads as
+        they are."""
         # Each fast path is checked on the first such call (the offline Engine never asks for one).
         uint8_frames = self.uint8_frames if frame else None
         uint8 = uint8_frames is not None
         framed = frame and not uint8 and self._frames is not None
-        if uint8 and (resize := self._frame_resizer) is not None:
+        resize = self._frame_resizer if uint8 else None
+        if isinstance(image, np.ndarray) and (resize is None or image_hash is None):
+            image = Image.fromarray(image, "RGB")  # the paths below, and hash_image, read a PIL image
+        rgb = image if isinstance(image, np.ndarray) or image.mode == "RGB" else image.convert("RGB")
+        if image_hash is None:
+            assert isinstance(rgb, Image.Image)
+            image_hash = self.hash_image(rgb)
+        if resize is not None:
             pixels = resize(rgb).permute(1, 2, 0)  # [H, W, C], the segment's layout (contiguous: one memcpy into shm)
             patch = self._geometry[0]
             t, h, w = 1, pixels.shape[0] // patch, pixels.shape[1] // patch
         else:
+            assert isinstance(rgb, Image.Image)
             ip = uint8_frames[1] if uint8_frames is not None else self._frames if framed else self.image_processor
             out = ip(images=[rgb], return_tensors="pt")
             t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
             pixels = out["pixel_values"].permute(1, 2, 0) if uint8 else out["pixel_values"].to(torch.float32).contiguous()
         return ProcessedImage(
-            hash=image_hash if image_hash is not None else self.hash_image(rgb),
+            hash=image_hash,
             grid=(t, h, w),
             num_tokens=self.tokens_for_grid((t, h, w)),
             pixel_values=pixels,
@@ -204,7 +216,7 @@ class MMProcessor:
         return frame_layout(self.image_processor, self.merge)
 
     @cached_property
-    def _frame_resizer(self) -> Callable[[Image.Image], torch.Tensor] | None:
+    def _frame_resizer(self) -> Callable[[Image.Image | np.ndarray], torch.Tensor] | None:
         """`frame_resizer` for this processor's uint8 frames, checked on first use; None where it does not apply."""
         frames = self.uint8_frames
         return None if frames is None else frame_resizer(self.image_processor, self.merge, frames[1])

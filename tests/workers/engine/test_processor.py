@@ -103,12 +103,18 @@ def test_frame_rows_and_header_grid_equal_the_processors_own(processor: MMProces
     assert framed.uint8 and framed.grid == full.grid and framed.pixel_values.dtype == torch.uint8
     assert framed.pixel_values.shape == layout.shape(full.grid)
     assert processor._frame_resizer is not None  # the direct resize, not the processor's input conversions
+    pixels = np.array(image)  # what decode_pixels gives for a plain RGB JPEG: the resize reads it as it is
+    from_array = processor.process_image(pixels, image_hash=framed.hash, frame=True)
+    assert torch.equal(from_array.pixel_values, framed.pixel_values) and from_array.grid == framed.grid
+    assert processor.process_image(pixels).hash == full.hash  # no hash given: the pixel hash, as from the image
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(layout.rows(framed.pixel_values, dtype), full.pixel_values.to(dtype))
     resizer = processor.__dict__.pop("_frame_resizer")
     try:
         processor.__dict__["_frame_resizer"] = None  # a processor whose resize alone does not give its frame
         through_processor = processor.process_image(image, frame=True)
+        assert torch.equal(processor.process_image(pixels, image_hash=b"h", frame=True).pixel_values,
+                           through_processor.pixel_values)
     finally:
         processor.__dict__["_frame_resizer"] = resizer
     assert torch.equal(through_processor.pixel_values, framed.pixel_values)
@@ -120,6 +126,8 @@ def test_frame_rows_and_header_grid_equal_the_processors_own(processor: MMProces
     try:
         processor.__dict__["uint8_frames"] = None  # a processor the uint8 layout does not fit
         normalised = processor.process_image(image, frame=True)
+        assert torch.equal(processor.process_image(pixels, image_hash=b"h", frame=True).pixel_values,
+                           normalised.pixel_values)
     finally:
         processor.__dict__["uint8_frames"] = uint8
     assert normalised.frame is not None and not normalised.uint8 and normalised.grid == full.grid
