@@ -111,7 +111,8 @@ class TokenizerWorker:
             raise ValueError("engine.max_model_len must be resolved by the launcher before children start")
         self.config, self.index, self.log = config, index, log
         self.max_model_len = config.max_model_len
-        self.processor = MMProcessor(config.engine.model, config.engine.model_spec())
+        # Every core of the share takes a strip of a fresh image's resize: the first one is on the critical path.
+        self.processor = MMProcessor(config.engine.model, config.engine.model_spec(), resize_threads=core_share(config))
         info = self.processor.info  # structured outputs are checked here, so a bad schema is a 400
         self.structured = Validator(self.processor.tokenizer, info.vocab_size, info.eos_token_ids)
         self.prep = ImagePrep(config, index, self.processor)

@@ -6,7 +6,8 @@ the caller's process for the offline Engine), never on an event loop.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,6 +23,7 @@ from workers.engine.models import family as family_package, load_spec
 from workers.engine.models.base import ModelSpec, item_spans
 from workers.engine.pixel_frames import (
     FrameLayout,
+    FrameResizer,
     frame_layout,
     frame_resizer,
     normalised_frames,
@@ -125,8 +127,11 @@ def _called(call: dict[str, Any], text: Any) -> dict[str, Any]:
 class MMProcessor:
     """Tokenizer + image processor of one checkpoint."""
 
-    def __init__(self, model_dir: str | Path, spec: ModelSpec | None = None) -> None:
+    def __init__(self, model_dir: str | Path, spec: ModelSpec | None = None, resize_threads: int = 1) -> None:
         self.info = spec or load_spec(model_dir)
+        # > 1: a uint8 frame's resize runs in row strips on the caller and a pool of the others (resize_in_strips).
+        self._resize_strips = resize_threads
+        self._resize_pool = ThreadPoolExecutor(resize_threads - 1, "resize") if resize_threads > 1 else None
         self.family = family_package(self.info.family)
         self.hf = AutoProcessor.from_pretrained(str(model_dir))
         self.tokenizer = self.hf.tokenizer
@@ -177,8 +182,7 @@ class MMProcessor:
         """The image's patch rows, as the checkpoint's processor makes them. With ``frame``, what shared memory
         should hold instead: the resized uint8 frame (pixel_frames.py), else the normalised image for
         `ProcessedImage.write_rows` to lay out, for processors whose fast paths give the full path's bits.
-        ``image`` may be [H, W, 3] uint8 RGB pixels (`decode_pixels`), which the uint8 frame's resize reads as
-        they are."""
+        ``image`` may be [H, W, 3] uint8 RGB pixels (`decode_pixels`), which the uint8 frame's resize reads."""
         # Each fast path is checked on the first such call (the offline Engine never asks for one).
         uint8_frames = self.uint8_frames if frame else None
         uint8 = uint8_frames is not None
@@ -216,10 +220,12 @@ class MMProcessor:
         return frame_layout(self.image_processor, self.merge)
 
     @cached_property
-    def _frame_resizer(self) -> Callable[[Image.Image | np.ndarray], torch.Tensor] | None:
+    def _frame_resizer(self) -> FrameResizer | None:
         """`frame_resizer` for this processor's uint8 frames, checked on first use; None where it does not apply."""
         frames = self.uint8_frames
-        return None if frames is None else frame_resizer(self.image_processor, self.merge, frames[1])
+        if frames is None:
+            return None
+        return frame_resizer(self.image_processor, self.merge, frames[1], self._resize_pool, self._resize_strips)
 
     @cached_property
     def _frames(self) -> Any:

@@ -150,3 +150,35 @@ def test_frame_rows_on_cuda_are_the_processors_rows(processor: MMProcessor) -> N
     frame = processor.process_image(image, frame=True).pixel_values.cuda()
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(layout.rows(frame, dtype).cpu(), full.pixel_values.to(dtype))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
+def test_a_resize_in_strips_gives_the_one_call_frame(request: pytest.FixtureRequest, family: str) -> None:
+    """A tokenizer's processor runs the resize's horizontal pass in row strips on its share of the cores; the
+    frames are the single-threaded processor's, bit for bit, scaled up, down, and along one side only."""
+    model_dir: Path = request.getfixturevalue("demo_model_dir" if family == "qwen2_5" else "qwen3_model_dir")
+    one, three = MMProcessor(model_dir), MMProcessor(model_dir, resize_threads=3)
+    assert three._frame_resizer is not None and three._frame_resizer.strips == 3
+    assert one._frame_resizer is not None and one._frame_resizer.strips == 1
+    rng = np.random.default_rng(1)
+    for width, height in [(1920, 1080), (1240, 1754), (640, 30), (83, 61), (20, 900), (448, 448)]:
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        want = one.process_image(Image.fromarray(pixels), image_hash=b"h", frame=True)
+        got = three.process_image(pixels.copy(), image_hash=b"h", frame=True)
+        assert got.grid == want.grid and torch.equal(got.pixel_values, want.pixel_values), (width, height)
+
+
+def test_resize_in_strips_matches_interpolate_on_every_shape() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.engine.pixel_frames import resize_in_strips
+
+    rng = np.random.default_rng(2)
+    with ThreadPoolExecutor(3) as pool:
+        for (h, w), size in [((1080, 1920), (1092, 1932)), ((1754, 1240), (1764, 1232)), ((900, 1600), (450, 800)),
+                             ((300, 200), (300, 412)), ((300, 200), (600, 200)), ((64, 64), (64, 64)), ((2, 50), (28, 56))]:
+            x = torch.from_numpy(rng.integers(0, 256, (1, h, w, 3), dtype=np.uint8)).permute(0, 3, 1, 2)
+            want = torch.nn.functional.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
+            for strips in (2, 4):
+                got = resize_in_strips(x, size, pool, strips)
+                assert torch.equal(got, want), ((h, w), size, strips)
