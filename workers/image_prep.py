@@ -16,7 +16,7 @@ order, so a pool of any size gives the same names, bytes and prompt.
 With ``defer`` (overlap of preprocessing and prefill), the fresh images after a request's first one get
 their grids from their headers and their names before any pixel is decoded: the prompt goes to the
 scheduler once the first is written, and the pool decodes, processes and writes the others while the
-first chunks run (`start_writes`).
+first chunks run (`start_writes`). The first is decoded on a thread of its own while the prompt is built.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class RequestImage:
     processed: ProcessedImage | None = None  # the pixels, when they must be written
     ref: shm.ShmRef | None = None  # this request's segment, once linked or written (or named, if deferred)
     deferred: bool = False  # grid from the header: decoded, processed and written after the prompt is sent
+    early: Future[ProcessedImage] | None = None  # grid from the header, processing while the prompt is built
 
 
 @dataclass(frozen=True)
@@ -107,34 +108,33 @@ class ImagePrep:
         self.images_reused = 0
         # When the last request's images were hashed, processed (those not deferred) and written: for the step trace.
         self.marks: dict[str, float] = {}
-        # Auto: one thread per core of this process's share, as many as torch's intra-op pool has
-        # (run_tokenizer), and intra-op threads left as they are, so k images in flight oversubscribe
-        # the share. Deliberately: torch.set_num_threads is process-wide and a pool thread reads it
-        # once, when it starts, so it cannot follow the number of images in flight; and fewer
-        # intra-op threads per image did not pay. 8 x 1080p JPEG, one request, 16-core host, 8-core
-        # share: serial 492 ms; pool 2/4/8 with 8 intra-op threads 343/272/274 ms, with 1 (set per
-        # pool thread) 562/395/251 ms. Whole 16 cores: serial 455, pool 8 or 16 222-240 ms.
-        # End to end: benchmarks/tokenizer_bench.py --images-per-request 8 --threads 1,auto.
+        # Auto: a thread per core of this process's share, intra-op threads as they are (torch.set_num_threads
+        # is process-wide, read once per thread), so k images in flight oversubscribe the share. 8 x 1080p JPEG,
+        # 16-core host, 8-core share: serial 492 ms; pool 2/4/8 343/272/274 ms, with 1 intra-op thread each
+        # 562/395/251 ms (benchmarks/tokenizer_bench.py --images-per-request 8 --threads 1,auto).
         self.threads = config.tokenizer_threads or core_share(config)
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"tok{index}-image")
+        # A request's first fresh image: never queued behind other requests' deferred ones on the pool.
+        self.first = ThreadPoolExecutor(1, thread_name_prefix=f"tok{index}-first")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.first.shutdown(wait=True, cancel_futures=True)
 
     def warm_up(self, prep: Executor) -> None:
         """Pay the image path's one-time costs at start-up, not inside the time to first token of the first images
-        this process gets: the processor's fast-path check (`frame_resizer`, ~15 ms), and on every thread that
-        processes images (``prep``, which takes a request's first one, and each pool thread, which take the
-        deferred ones) the first large decode, resize and frame copy. A thread's first 1080p image faults in its
-        malloc arena's pages and starts its torch workers: a request landing on a fresh tokenizer spent 25-45 ms
-        more before the scheduler got it than on a warm one (8 x 1080p, H200 host). Writes nothing to shm."""
+        this process gets: the processor's fast-path checks (~15 ms), and on every thread that processes images
+        (``prep``, `first`, each pool thread) the first large decode, resize and frame copy. A thread's first 1080p
+        image faults in its malloc arena's pages and starts its torch workers: a request landing on a fresh
+        tokenizer spent 25-45 ms more before the scheduler got it than on a warm one (8 x 1080p, H200 host).
+        Writes nothing to shm."""
         buf = io.BytesIO()
         Image.new("RGB", (1920, 1080), (90, 120, 150)).save(buf, format="JPEG")
         probe = RequestImage(bytes(16), Encoded(buf.getvalue()), "warm-up", _NO_GRID, [])
         # All pool tasks wait for each other, so each one runs on a thread of its own (the pool starts a thread
         # per task while none is idle); the timeout only guards against a pool that cannot start them all.
         together = threading.Barrier(self.threads)
-        futures = [prep.submit(self._warm, probe, None)]
+        futures = [prep.submit(self._warm, probe, None), self.first.submit(self._warm, probe, None)]
         futures += [self.pool.submit(self._warm, probe, together) for _ in range(self.threads)]
         for future in futures:
             future.result()
@@ -190,13 +190,15 @@ class ImagePrep:
             by_hash[h] = image
             order.append(image)
         self.marks["hashed"] = time.monotonic()
-        # The first fresh image is processed now even with ``defer``: the request's first chunk then has work the
-        # moment it arrives, and a one-image request (most of a loaded server's) gains nothing from deferring: the
-        # few tokens before its image are all it could prefill, while its early arrival cost 6% of throughput
-        # under load (64 concurrent 1080p requests, H100; docs/perf-notes.md, session 10). Alone, it runs on this
-        # thread: under load the pool holds other requests' deferred images, which it must not queue behind (starting
-        # it on the pool while the others were hashed gained nothing once base64 was SIMD: session 17).
+        # The first fresh image is written before the request leaves even with ``defer``: its first chunk then has
+        # work the moment it arrives, and a one-image request (most of a loaded server's) gains nothing from
+        # deferring, while its early arrival cost 6% of throughput under load (64 concurrent 1080p requests, H100;
+        # docs/perf-notes.md, session 10). Alone, it is decoded on `first` (not the pool, where other requests'
+        # deferred images queue) while this thread builds the prompt and links the resent images.
         now = todo[:1] + [image for image in todo[1:] if not (defer and self._predict(image))]
+        if len(now) == 1 and self._predict(now[0]):
+            now[0].deferred, now[0].early = False, self.first.submit(self._process, now[0])  # materialize waits
+            now = []
         for image, processed in zip(now, self._each(self._process, now), strict=True):
             image.grid, image.processed = processed.grid, processed
         self.marks["processed"] = time.monotonic()
@@ -276,7 +278,7 @@ class ImagePrep:
             if processed.grid != image.grid:
                 raise RuntimeError(f"segment name says grid {image.grid}, processing gives {processed.grid}")
             image.processed = processed
-        fresh = [image for image in images if (image.processed is not None or image.deferred) and image.ref is None]
+        fresh = [im for im in images if (im.processed is not None or im.deferred or im.early) and im.ref is None]
         new_bytes = sum(self._nbytes(image) for image in fresh)
         if new_bytes and shm_bytes + new_bytes > budget:
             if new_bytes > budget:  # could never fit, so retrying would not help
@@ -292,6 +294,9 @@ class ImagePrep:
             jobs.append((image, shm.segment_name(self.launch_id, f"tmp-{self.nonce}{self.counter:x}"), final))
             names.append(final)
         now = [job for job in jobs if not job[0].deferred]
+        for image in (job[0] for job in now if job[0].early is not None):
+            assert image.early is not None
+            image.processed = self._as_predicted(image, image.early.result())
         for (image, _, final), ref in zip(now, self._each(self._write, now), strict=True):
             image.ref = ref
             self._remember(image.hash, final, image.grid)
@@ -308,7 +313,13 @@ class ImagePrep:
 
     def _process_and_write(self, job: PendingWrite) -> shm.ShmRef:
         image = job.image
-        processed = self._process(image)
+        image.processed = self._as_predicted(image, self._process(image))
+        try:
+            return self._write((image, job.tmp, job.final))
+        finally:
+            image.processed = None  # the pixels are in shm now; the request must not keep a second copy
+
+    def _as_predicted(self, image: RequestImage, processed: ProcessedImage) -> ProcessedImage:
         if processed.grid != image.grid:
             # The header promised another size than the data holds (e.g. an orientation stored after the pixels).
             raise BadRequest(
@@ -316,11 +327,7 @@ class ImagePrep:
                 param=image.param,
                 code="invalid_image",
             )
-        image.processed = processed
-        try:
-            return self._write((image, job.tmp, job.final))
-        finally:
-            image.processed = None  # the pixels are in shm now; the request must not keep a second copy
+        return processed
 
     def abandon(self, futures: list[Future[shm.ShmRef]], names: Iterable[str]) -> None:
         """Stop deferred writes (cancel those not started, wait for the running ones), then unlink ``names``."""

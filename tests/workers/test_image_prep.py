@@ -11,9 +11,10 @@ import resource
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
@@ -135,6 +136,59 @@ def test_bad_image_among_many_fails_the_request_and_leaves_no_segment(
         worker.close()
 
 
+_T = TypeVar("_T")
+
+
+class _Inline(Executor):
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        future: Future[_T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
+
+def test_a_lone_fresh_image_is_processed_beside_the_prompt(demo_model_dir: Path, launch_id: str) -> None:
+    """A request whose only fresh image is among resent ones (a chat's next round): that image is decoded on the
+    first-image thread while the prompt is built, and the request is the one a single thread makes; a corrupt one
+    (its header fine) is refused naming it, with nothing of the request left in shm."""
+    worker = TokenizerWorker(server_config(demo_model_dir, launch_id), 0, logging.getLogger("test"))
+    reference = TokenizerWorker(server_config(demo_model_dir, launch_id), 1, logging.getLogger("test"))
+    threads: list[str] = []
+    process = worker.prep._process
+
+    def spy(image: RequestImage) -> ProcessedImage:
+        threads.append(threading.current_thread().name)
+        return process(image)
+
+    worker.prep._process = spy  # type: ignore[method-assign]
+    try:
+        first, fresh = png(64, 48, seed=70), png(72, 40, seed=71)
+        live = _handle(worker, "r0", chat_body([first]))
+        assert threads == ["tok0-first_0"]
+        got = _handle(worker, "r1", chat_body([first, fresh]))
+        assert len(threads) == 2 and threads[1].startswith("tok0-first") and worker.images_reused == 1
+        reference.prep.first.shutdown()
+        reference.prep.first = _Inline()  # the reference processes every image on its calling thread
+        want = reference.handle(GenerateRequest("r1", memoryview(chat_body([first, fresh])), time.time()))
+        assert isinstance(want, tuple)
+        assert got.input_ids == want[1].input_ids and [i.hash for i in got.items] == [i.hash for i in want[1].items]
+        for a, b in zip(got.items, want[1].items, strict=True):
+            assert a.pixels is not None and b.pixels is not None
+            assert Path(shm_path(a.pixels.name)).read_bytes() == Path(shm_path(b.pixels.name)).read_bytes()
+        truncated = png(640, 480, seed=72)[:2000]
+        body = chat_body([first, truncated])
+        assert _refusal(worker, body) == (400, "invalid_image", "messages[0].content[2].image_url")
+        names = set(live.shm_names + got.shm_names + want[1].shm_names)
+        assert set(list_segments(launch_id)) == names
+        for name in names:
+            ShmSegment.unlink(name)
+    finally:
+        worker.close()
+        reference.close()
+
+
 def test_budget_refusal_with_many_images_writes_nothing(demo_model_dir: Path, launch_id: str) -> None:
     config = dataclasses.replace(server_config(demo_model_dir, launch_id), tokenizer_threads=4)
     worker = TokenizerWorker(config, 0, logging.getLogger("test"))
@@ -237,8 +291,8 @@ def test_warm_up_runs_the_image_path_on_every_image_thread_and_writes_nothing(
     demo_model_dir: Path, launch_id: str
 ) -> None:
     """serve_tokenizer warms the image path before the process reports ready: the processor's fast-path check has
-    run, a 1080p probe went through decode, resize and the frame copy once on the prep thread and once on each pool
-    thread, and nothing of it is in shm or in the reuse hints."""
+    run, a 1080p probe went through decode, resize and the frame copy once on the prep thread, the first-image
+    thread and each pool thread, and nothing of it is in shm or in the reuse hints."""
     config = dataclasses.replace(server_config(demo_model_dir, launch_id), tokenizer_threads=3)
     worker = TokenizerWorker(config, 0, logging.getLogger("test"))
     prep = ThreadPoolExecutor(1, thread_name_prefix="tok0-prep")
@@ -259,8 +313,8 @@ def test_warm_up_runs_the_image_path_on_every_image_thread_and_writes_nothing(
         assert worker.processor.__dict__["_frame_resizer"] is not None
         assert (1920, 1080) in worker.processor._grids  # the prompt path ran too: a 1080p page's grid is known
         threads = sorted(name.rsplit("_", 1)[0] for name, _ in seen)
-        assert threads == ["tok0-image"] * 3 + ["tok0-prep"], seen
-        assert len({name for name, _ in seen}) == 4  # three distinct pool threads and the prep thread
+        assert threads == ["tok0-first"] + ["tok0-image"] * 3 + ["tok0-prep"], seen
+        assert len({name for name, _ in seen}) == 5  # three distinct pool threads, the first-image and prep threads
         assert {grid for _, grid in seen} == {worker.processor.image_grid(1920, 1080)}
         assert _pool_threads(0) == 3 and list_segments(launch_id) == [] and not worker.prep.local
         ok = _handle(worker, "after", chat_body([png(64, 48, seed=3)]))
