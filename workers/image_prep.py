@@ -42,7 +42,7 @@ from workers.chat_request import BadRequest
 from workers.config import ServerConfig
 from workers.engine.processor import MMProcessor, ProcessedImage
 from workers.image_io import Encoded, write_and_publish
-from workers.media import decode_pixels, probe_image
+from workers.media import decode_pixels, probe_decodes, probe_image
 
 LOCAL_INDEX_SIZE = 4096  # hashes remembered with their newest segment name (a hint; /dev/shm is the truth)
 DATA_URL_INDEX_SIZE = 4096  # data URLs remembered by the hash of their text, with their image's hash
@@ -196,7 +196,7 @@ class ImagePrep:
         # docs/perf-notes.md, session 10). Alone, it is decoded on `first` (not the pool, where other requests'
         # deferred images queue) while this thread builds the prompt and links the resent images.
         now = todo[:1] + [image for image in todo[1:] if not (defer and self._predict(image))]
-        if len(now) == 1 and self._predict(now[0]):
+        if len(now) == 1 and not probe_decodes(now[0].raw.data()) and self._predict(now[0]):
             now[0].deferred, now[0].early = False, self.first.submit(self._process, now[0])  # materialize waits
             now = []
         for image, processed in zip(now, self._each(self._process, now), strict=True):

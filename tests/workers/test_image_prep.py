@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import resource
@@ -32,6 +33,7 @@ from ipc.shm import (
     segment_name,
 )
 from server.config import ServerConfig
+from tests.conftest import noise_image
 from tests.workers.test_tokenizer import MODEL, _handle, _inodes, chat_body, png, server_config, shm_path
 from workers.engine.config import EngineConfig
 from workers.engine.processor import MMProcessor, ProcessedImage
@@ -139,6 +141,12 @@ def test_bad_image_among_many_fails_the_request_and_leaves_no_segment(
 _T = TypeVar("_T")
 
 
+def jpeg(width: int, height: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    noise_image(width, height, seed).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
 class _Inline(Executor):
     def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
         future: Future[_T] = Future()
@@ -152,7 +160,9 @@ class _Inline(Executor):
 def test_a_lone_fresh_image_is_processed_beside_the_prompt(demo_model_dir: Path, launch_id: str) -> None:
     """A request whose only fresh image is among resent ones (a chat's next round): that image is decoded on the
     first-image thread while the prompt is built, and the request is the one a single thread makes; a corrupt one
-    (its header fine) is refused naming it, with nothing of the request left in shm."""
+    (its header fine) is refused naming it, with nothing of the request left in shm. A PNG goes beside the prompt
+    too (its orientation read from a one-pixel shell), an animated one stays on the calling thread (reading its
+    orientation decodes it, so a second decode beside the prompt would cost more than it hides)."""
     worker = TokenizerWorker(server_config(demo_model_dir, launch_id), 0, logging.getLogger("test"))
     reference = TokenizerWorker(server_config(demo_model_dir, launch_id), 1, logging.getLogger("test"))
     threads: list[str] = []
@@ -164,7 +174,7 @@ def test_a_lone_fresh_image_is_processed_beside_the_prompt(demo_model_dir: Path,
 
     worker.prep._process = spy  # type: ignore[method-assign]
     try:
-        first, fresh = png(64, 48, seed=70), png(72, 40, seed=71)
+        first, fresh = jpeg(64, 48, seed=70), jpeg(72, 40, seed=71)
         live = _handle(worker, "r0", chat_body([first]))
         assert threads == ["tok0-first_0"]
         got = _handle(worker, "r1", chat_body([first, fresh]))
@@ -177,10 +187,16 @@ def test_a_lone_fresh_image_is_processed_beside_the_prompt(demo_model_dir: Path,
         for a, b in zip(got.items, want[1].items, strict=True):
             assert a.pixels is not None and b.pixels is not None
             assert Path(shm_path(a.pixels.name)).read_bytes() == Path(shm_path(b.pixels.name)).read_bytes()
-        truncated = png(640, 480, seed=72)[:2000]
+        truncated = jpeg(640, 480, seed=72)[:2000]
         body = chat_body([first, truncated])
         assert _refusal(worker, body) == (400, "invalid_image", "messages[0].content[2].image_url")
-        names = set(live.shm_names + got.shm_names + want[1].shm_names)
+        as_png = _handle(worker, "r2", chat_body([first, png(72, 40, seed=73)]))
+        assert threads[-1].startswith("tok0-first")
+        buf = io.BytesIO()
+        noise_image(40, 24, seed=74).save(buf, format="PNG", save_all=True, append_images=[noise_image(40, 24, seed=75)])
+        animated = _handle(worker, "r3", chat_body([first, buf.getvalue()]))
+        assert threads[-1] == threading.current_thread().name
+        names = set(live.shm_names + got.shm_names + want[1].shm_names + as_png.shm_names + animated.shm_names)
         assert set(list_segments(launch_id)) == names
         for name in names:
             ShmSegment.unlink(name)

@@ -15,7 +15,7 @@ from PIL import Image
 
 from tests.conftest import noise_image
 from workers.chat_request import BadRequest
-from workers.media import MediaLimits, decode_image, load_media
+from workers.media import MediaLimits, decode_image, load_media, probe_decodes, probe_image
 
 LIMITS = MediaLimits(max_bytes=1 << 20, timeout_s=5.0)
 
@@ -184,3 +184,69 @@ def test_local_files_refused_without_allowed_path(media_dirs: tuple[Path, Path])
     with pytest.raises(BadRequest) as info:
         load_media(f"file://{allowed}/a.png", LIMITS)
     check(info, "local_media_not_allowed", "not allowed")
+
+
+# ---- a PNG's orientation without its pixels -----------------------------------------------------------
+
+
+def png_chunks(raw: bytes) -> list[tuple[bytes, bytes]]:
+    out, pos = [], 8
+    while pos < len(raw):
+        length = int.from_bytes(raw[pos : pos + 4], "big")
+        out.append((raw[pos + 4 : pos + 8], raw[pos + 8 : pos + 8 + length]))
+        pos += 12 + length
+    return out
+
+
+def png_of(chunks: list[tuple[bytes, bytes]]) -> bytes:
+    body = b"".join(len(d).to_bytes(4, "big") + k + d + zlib.crc32(k + d).to_bytes(4, "big") for k, d in chunks)
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+def after_the_pixels(raw: bytes, extra: list[tuple[bytes, bytes]]) -> bytes:
+    """``raw`` with ``extra`` chunks placed between its last IDAT and IEND."""
+    chunks = png_chunks(raw)
+    return png_of(chunks[:-1] + extra + chunks[-1:])
+
+
+def xmp_chunk(orientation: int) -> tuple[bytes, bytes]:
+    packet = f'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:Description tiff:Orientation="{orientation}"/></x:xmpmeta>'
+    return b"iTXt", b"XML:com.adobe.xmp\x00\x00\x00\x00\x00" + packet.encode()
+
+
+@pytest.mark.parametrize("where", ["eXIf", "XMP"])
+def test_a_png_orientation_after_its_pixels_is_read_without_decoding_them(where: str) -> None:
+    image = noise_image(40, 20, seed=8)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    extra = [(b"eXIf", exif.tobytes())] if where == "eXIf" else [xmp_chunk(6)]
+    raw = after_the_pixels(encode(image, "PNG"), extra)
+    assert decode_image(raw, max_pixels=10_000).size == (20, 40)  # Pillow turns it, once the pixels are read
+    assert not probe_decodes(raw) and probe_image(raw, max_pixels=10_000) == (20, 40)
+    # Pixel data that would not even inflate: the probe never reads it.
+    chunks = png_chunks(raw)
+    broken = png_of([(k, bytes(len(d)) if k == b"IDAT" else d) for k, d in chunks])
+    with pytest.raises(BadRequest):
+        decode_image(broken, max_pixels=10_000)
+    assert probe_image(broken, max_pixels=10_000) == (20, 40)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "I;16", "1", "LA"])
+@pytest.mark.parametrize("interlace", [False, True])
+def test_the_png_probe_agrees_with_the_decode_for_every_layout(mode: str, interlace: bool) -> None:
+    image = noise_image(33, 17, seed=9).convert(mode)
+    for orientation in (1, 8):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        raw = after_the_pixels(encode(image, "PNG", interlace=interlace), [(b"eXIf", exif.tobytes())])
+        assert not probe_decodes(raw)
+        assert probe_image(raw, max_pixels=10_000) == decode_image(raw, max_pixels=10_000).size
+
+
+def test_an_animated_png_is_probed_by_pillow_itself() -> None:
+    frames = [noise_image(24, 16, seed=s) for s in (1, 2)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="PNG", save_all=True, append_images=frames[1:])
+    raw = buf.getvalue()
+    assert any(k == b"acTL" for k, _ in png_chunks(raw))
+    assert probe_decodes(raw) and probe_image(raw, max_pixels=10_000) == (24, 16)
