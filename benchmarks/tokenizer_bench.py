@@ -17,6 +17,7 @@ write). `--threads` runs every worker count once per size of each tokenizer's im
 
     python -m benchmarks.tokenizer_bench --workers 1,2 --requests 24 --reuse --json tok.json
     python -m benchmarks.tokenizer_bench --workers 1 --images-per-request 8 --threads 1,auto --requests 6
+    python -m benchmarks.tokenizer_bench --workers 1 --images-per-request 8 --format png --requests 6   # pages as PNG
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ from workers.tokenizer import run_tokenizer
 MODEL = "bench"
 
 
-def jpeg(width: int, height: int, seed: int, content: str, quality: int) -> bytes:
-    """A distinct JPEG: uniform noise (worst case for the decoder), or a smooth photo-like picture."""
+def jpeg(width: int, height: int, seed: int, content: str, quality: int, fmt: str = "jpeg") -> bytes:
+    """A distinct JPEG (or PNG): uniform noise (worst case for the decoder), or a smooth photo-like picture."""
     rng = np.random.default_rng(seed)
     if content == "noise":
         pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
@@ -74,14 +75,18 @@ def jpeg(width: int, height: int, seed: int, content: str, quality: int) -> byte
         grain = rng.integers(-6, 7, (height, width, 3), dtype=np.int16)
         image = Image.fromarray(np.clip(base + grain, 0, 255).astype(np.uint8))
     buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=quality)
+    if fmt == "png":
+        image.save(buf, format="PNG")
+    else:
+        image.save(buf, format="JPEG", quality=quality)
     return buf.getvalue()
 
 
 def chat_body(raws: list[bytes]) -> bytes:
     content: list[dict[str, Any]] = [{"type": "text", "text": "Describe the images."}]
     for raw in raws:
-        url = f"data:image/jpeg;base64,{base64.b64encode(raw).decode()}"
+        mime = "image/png" if raw.startswith(b"\x89PNG") else "image/jpeg"
+        url = f"data:{mime};base64,{base64.b64encode(raw).decode()}"
         content.append({"type": "image_url", "image_url": {"url": url}})
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 16}
     return json.dumps(body).encode()
@@ -262,7 +267,7 @@ def bench_workers(
         peer.wait_ready(n, timeout_s=300)
 
         def make(s: int) -> bytes:  # request s: images s * per ... s * per + per - 1
-            return chat_body([jpeg(1920, 1080, s * per + j, args.content, args.quality) for j in range(per)])
+            return chat_body([jpeg(1920, 1080, s * per + j, args.content, args.quality, args.format) for j in range(per)])
 
         # Warm-up, one request per worker: first-call costs (lazy imports, pool threads) stay out of the numbers.
         pids = [p.pid for p in procs if p.pid is not None]
@@ -312,6 +317,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1, help="requests in flight per worker")
     ap.add_argument("--content", choices=["noise", "photo"], default="noise")
     ap.add_argument("--quality", type=int, default=90, help="JPEG quality")
+    ap.add_argument("--format", choices=["jpeg", "png"], default="jpeg", help="the images' encoding")
     ap.add_argument("--reuse", action="store_true", help="also measure resending one image (4x requests)")
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",
@@ -320,7 +326,7 @@ def main() -> None:
     args = ap.parse_args()
     # Other processes on the box skew CPU numbers: the 1-minute load before we start goes with the table.
     load_before = os.getloadavg()[0]
-    sizes = [len(jpeg(1920, 1080, s, args.content, args.quality)) for s in range(3)]
+    sizes = [len(jpeg(1920, 1080, s, args.content, args.quality, args.format)) for s in range(3)]
     pools = [0 if t.strip() == "auto" else int(t) for t in args.threads.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = shaped_checkpoint(Path(tmp) / "ckpt", "7b")
@@ -330,7 +336,8 @@ def main() -> None:
                 results += bench_workers(model_dir, n, threads, args, seed=i * 100_000)
 
     machine = f"{platform.machine()}, {os.cpu_count()} cores, load {load_before:.2f} before the run"
-    print(f"\n1920x1080 JPEG q{args.quality} ({args.content}, ~{statistics.mean(sizes) / 1024:.0f} KB), "
+    kind = "PNG" if args.format == "png" else f"JPEG q{args.quality}"
+    print(f"\n1920x1080 {kind} ({args.content}, ~{statistics.mean(sizes) / 1024:.0f} KB), "
           f"7B-shaped processor (1092x1932, 10,764 patches), uint8 frames, {args.images_per_request} images "
           f"per request, depth {args.depth}; {machine}; p50/p90: latency of one request (all images written); handoff: p50 until it reached the scheduler")
     print(f"{'workers':>7} {'threads':>7} {'mode':6} {'requests':>8} {'images':>6} {'images/s':>9} {'shm MB/s':>9} "
