@@ -62,11 +62,15 @@ def _snapshot(worker: TokenizerWorker, req: TokenizedRequest) -> tuple[bytes, li
     return encoded, [Path(shm_path(name)).read_bytes() for name in req.shm_names]
 
 
-def test_pool_gives_the_same_request_and_bytes_as_one_thread(demo_model_dir: Path, launch_id: str) -> None:
+@pytest.mark.parametrize("fmt", ["png", "jpeg"])
+def test_pool_gives_the_same_request_and_bytes_as_one_thread(demo_model_dir: Path, launch_id: str, fmt: str) -> None:
+    """JPEGs take the server's fast paths (simplejpeg, the resize in strips); their frames must be the bits of
+    Pillow's decode and the processor's one-call resize, as PNGs' are."""
     engine = EngineConfig(model=str(demo_model_dir), max_model_len=4096, dtype="bfloat16")
     base = ServerConfig(engine=engine, launch_id=launch_id, served_model_name=MODEL, tokenizer_workers=1)
     sizes = [(64, 48), (300, 200), (56, 90), (448, 448), (120, 333), (200, 64)]
-    raws = [png(w, h, seed=40 + k) for k, (w, h) in enumerate(sizes)]
+    encode = png if fmt == "png" else jpeg
+    raws = [encode(w, h, seed=40 + k) for k, (w, h) in enumerate(sizes)]
     # Reused (linked from a live segment), fresh, and repeated within the request, all mixed.
     body = chat_body([raws[0], raws[1], raws[2], raws[0], raws[3], raws[4], raws[5]])
     log = logging.getLogger("test")
