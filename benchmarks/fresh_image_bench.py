@@ -8,8 +8,8 @@ threads set as a tokenizer sets them (cores / ``--tokenizers``):
 - decode: Pillow into its own storage plus the packed copy the resize reads, against `decode_pixels` (simplejpeg);
 - resize: the processor's resize in one call, against `resize_in_strips` (its horizontal pass in row strips on
   ``--strips`` threads, then its vertical pass; the table says whether the bits are equal);
-- write: a new segment (create, allocate, map, copy, publish), against a copy into a segment allocated and
-  faulted in beforehand;
+- write: a new segment as the tokenizer writes one (`write_and_publish`), against a copy into a segment allocated
+  and faulted in beforehand;
 - admit: msgspec decoding a round-8 body (eight 1080p data URLs), and blake3 over its eight URLs.
 
     python -m benchmarks.fresh_image_bench --count 20
@@ -38,9 +38,12 @@ from PIL import Image
 
 from benchmarks.bench_plot import encode_image, image_data_url, make_image
 from benchmarks.checkpoints import QWEN25_VL_MAX_PIXELS, shaped_checkpoint
+from ipc import shm
+from ipc.launch import new_launch_id
 from workers.engine.config import EngineConfig
 from workers.engine.pixel_frames import resize_in_strips
 from workers.engine.processor import MMProcessor
+from workers.image_io import write_and_publish
 from workers.media import decode_image, decode_pixels
 
 
@@ -52,20 +55,6 @@ def median_ms(fn: Callable[[int], Any], count: int) -> float:
         fn(i)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def write_fresh(path: str, frame: torch.Tensor) -> None:
-    nbytes = frame.numel()
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    torch.frombuffer(mm, dtype=torch.uint8).copy_(frame.view(-1))
-    os.link(path, path + "-final")
-    os.unlink(path)
-    os.unlink(path + "-final")
 
 
 def faulted_segment(path: str, nbytes: int) -> mmap.mmap:
@@ -110,10 +99,15 @@ def main() -> None:
         rows.append(("resize", f"{strips} strips, bits {'equal' if same else 'DIFFER'}",
                      median_ms(lambda i: resize_in_strips(pixels[i % 4], size, pool, strips), args.count)))
 
-    shm = Path("/dev/shm")
-    base = str(shm / f"glimpse-bench-{os.getpid()}")
+    launch = new_launch_id()
     flat = frame.contiguous()
-    rows.append(("write", "new segment", median_ms(lambda i: write_fresh(f"{base}-{i}", flat), args.count)))
+
+    def write_new(i: int) -> None:  # the tokenizer's own write: a new segment under a temporary name, published
+        ref = shm.ShmRef(shm.segment_name(launch, f"tmp-{i}"), flat.numel(), "uint8", tuple(flat.shape))
+        shm.ShmSegment.unlink(write_and_publish(ref, flat, shm.segment_name(launch, f"final-{i}")).name)
+
+    rows.append(("write", "new segment (write_and_publish)", median_ms(write_new, args.count)))
+    base = f"/dev/shm/glimpse-bench-{os.getpid()}"
     spares = [faulted_segment(f"{base}-s{i}", flat.numel()) for i in range(args.count + 1)]
     rows.append(("write", "into a faulted-in segment",
                  median_ms(lambda i: torch.frombuffer(spares[i], dtype=torch.uint8).copy_(flat.view(-1)), args.count)))

@@ -63,7 +63,7 @@ from workers.tokenizer import run_tokenizer
 MODEL = "bench"
 
 
-def jpeg(width: int, height: int, seed: int, content: str, quality: int, fmt: str = "jpeg") -> bytes:
+def image_bytes(width: int, height: int, seed: int, content: str, quality: int, fmt: str = "jpeg") -> bytes:
     """A distinct JPEG (or PNG): uniform noise (worst case for the decoder), or a smooth photo-like picture."""
     rng = np.random.default_rng(seed)
     if content == "noise":
@@ -267,7 +267,7 @@ def bench_workers(
         peer.wait_ready(n, timeout_s=300)
 
         def make(s: int) -> bytes:  # request s: images s * per ... s * per + per - 1
-            return chat_body([jpeg(1920, 1080, s * per + j, args.content, args.quality, args.format) for j in range(per)])
+            return chat_body([image_bytes(1920, 1080, s * per + j, args.content, args.quality, args.format) for j in range(per)])
 
         # Warm-up, one request per worker: first-call costs (lazy imports, pool threads) stay out of the numbers.
         pids = [p.pid for p in procs if p.pid is not None]
@@ -326,7 +326,7 @@ def main() -> None:
     args = ap.parse_args()
     # Other processes on the box skew CPU numbers: the 1-minute load before we start goes with the table.
     load_before = os.getloadavg()[0]
-    sizes = [len(jpeg(1920, 1080, s, args.content, args.quality, args.format)) for s in range(3)]
+    sizes = [len(image_bytes(1920, 1080, s, args.content, args.quality, args.format)) for s in range(3)]
     pools = [0 if t.strip() == "auto" else int(t) for t in args.threads.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = shaped_checkpoint(Path(tmp) / "ckpt", "7b")

@@ -109,12 +109,14 @@ class _Channel(Generic[T]):
         return [self._encoder.encode(msgspec.structs.replace(cast(msgspec.Struct, msg), **{field: memoryview(b"")})),
                 payload]
 
-    def _attach(self, msg: T, payload: memoryview) -> T:
-        """``msg`` with the frame that followed it in its ``payload_field``."""
+    def _attach(self, msg: T, payload: zmq.Frame) -> T:
+        """``msg`` with the frame that followed it (the last of its message) in its ``payload_field``."""
         field: str = getattr(type(msg), "payload_field", "")
         if not field:
             raise ValueError(f"{type(msg).__name__} arrived with frames it does not take")
-        return cast(T, msgspec.structs.replace(cast(msgspec.Struct, msg), **{field: payload}))
+        if payload.more:
+            raise ValueError(f"{type(msg).__name__} arrived with more frames than a payload")
+        return cast(T, msgspec.structs.replace(cast(msgspec.Struct, msg), **{field: payload.buffer}))
 
     @property
     def closed(self) -> bool:
@@ -179,10 +181,7 @@ class _SyncReceiver(_SyncChannel[T]):
             return None
         msg = self._decoder.decode(self._sock.recv(copy=True))
         if self._sock.getsockopt(zmq.RCVMORE):  # a payload frame (see send): already here with its message
-            payload = self._sock.recv(copy=False)
-            if payload.more:
-                raise ValueError(f"{type(msg).__name__} arrived with more frames than a payload")
-            msg = self._attach(msg, payload.buffer)
+            msg = self._attach(msg, self._sock.recv(copy=False))
         return msg
 
 
@@ -279,10 +278,7 @@ class _AsyncReceiver(_AsyncChannel[T]):
         frame = await self._sock.recv(copy=False)
         msg = self._decoder.decode(frame.buffer)
         if frame.more:  # a payload frame (see send): the rest of a multipart message is already here
-            payload = await self._sock.recv(copy=False)
-            if payload.more:
-                raise ValueError(f"{type(msg).__name__} arrived with more frames than a payload")
-            msg = self._attach(msg, payload.buffer)
+            msg = self._attach(msg, await self._sock.recv(copy=False))
         return msg
 
 

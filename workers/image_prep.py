@@ -278,7 +278,9 @@ class ImagePrep:
             if processed.grid != image.grid:
                 raise RuntimeError(f"segment name says grid {image.grid}, processing gives {processed.grid}")
             image.processed = processed
-        fresh = [im for im in images if (im.processed is not None or im.deferred or im.early) and im.ref is None]
+        fresh = [
+            im for im in images if im.ref is None and (im.processed is not None or im.deferred or im.early is not None)
+        ]
         new_bytes = sum(self._nbytes(image) for image in fresh)
         if new_bytes and shm_bytes + new_bytes > budget:
             if new_bytes > budget:  # could never fit, so retrying would not help
@@ -294,9 +296,9 @@ class ImagePrep:
             jobs.append((image, shm.segment_name(self.launch_id, f"tmp-{self.nonce}{self.counter:x}"), final))
             names.append(final)
         now = [job for job in jobs if not job[0].deferred]
-        for image in (job[0] for job in now if job[0].early is not None):
-            assert image.early is not None
-            image.processed = self._as_predicted(image, image.early.result())
+        for image, _, _ in now:
+            if image.early is not None:  # decoded beside the prompt: wait for it here
+                image.processed = self._as_predicted(image, image.early.result())
         for (image, _, final), ref in zip(now, self._each(self._write, now), strict=True):
             image.ref = ref
             self._remember(image.hash, final, image.grid)

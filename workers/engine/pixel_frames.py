@@ -188,37 +188,38 @@ def resize_in_strips(x: Tensor, size: tuple[int, int], pool: Executor, strips: i
 
 
 def frame_resizer(
-    ip: Any, merge: int, frames: Any, pool: Executor | None = None, strips: int = 1
+    ip: Any, merge: int, frames: Any, pool: Executor | None = None, strips: int = 1,
+    grid_of: Callable[[int, int], tuple[int, int, int] | None] | None = None,
 ) -> FrameResizer | None:
     """A function giving an RGB image's resized uint8 frame ([C, H, W] with channels-last strides) by the processor's
     own resize, without its input conversions (another RGB copy, a contiguous [C, H, W] copy): 5.6 against 23 ms for
     a 1080p image on the 2-core box, on the critical path of every request with a fresh image. The resize runs on the
     pixels as decoded, channels-last, which torch's antialiased uint8 kernel prefers anyway, and so does the segment
-    (`FrameLayout.shape`). With a ``pool``, a bicubic resize runs its horizontal pass (most of its time) in
-    ``strips`` row strips (`resize_in_strips`). None unless it gives ``frames``' (`frame_layout`'s copy of ``ip``)
+    (`FrameLayout.shape`). With a ``pool`` and ``grid_of`` (`MMProcessor.image_grid`: width, height -> the grid the
+    processor resizes to), a bicubic resize runs its horizontal pass (most of its time) in ``strips`` row strips
+    (`resize_in_strips`). None unless it gives ``frames``' (`frame_layout`'s copy of ``ip``)
     bits, byte for byte, on test images that are scaled up and down; the strips are dropped unless they give them
     too."""
-    factor = int(ip.patch_size) * merge
+    patch = int(ip.patch_size)
 
     def whole(pixels: Tensor) -> Tensor:
-        return ip.resize(images=pixels.permute(2, 0, 1).unsqueeze(0), size=ip.size, resample=ip.resample, factor=factor)[0]
-
-    @functools.lru_cache(maxsize=64)
-    def target(height: int, width: int) -> tuple[int, int]:
-        meta = torch.empty((1, 3, height, width), dtype=torch.uint8, device="meta")
-        out = ip.resize(images=meta, size=ip.size, resample=ip.resample, factor=factor)
-        return int(out.shape[-2]), int(out.shape[-1])
+        return ip.resize(images=pixels.permute(2, 0, 1).unsqueeze(0), size=ip.size, resample=ip.resample,
+                         factor=patch * merge)[0]
 
     def split(pixels: Tensor) -> Tensor:
-        assert pool is not None
-        return resize_in_strips(pixels.permute(2, 0, 1).unsqueeze(0), target(*pixels.shape[:2]), pool, strips)[0]
+        assert pool is not None and grid_of is not None
+        grid = grid_of(pixels.shape[1], pixels.shape[0])
+        if grid is None:
+            return whole(pixels)
+        size = (grid[1] * patch, grid[2] * patch)
+        return resize_in_strips(pixels.permute(2, 0, 1).unsqueeze(0), size, pool, strips)[0]
 
     def pixels_of(image: Image.Image | np.ndarray) -> Tensor:
         # [H, W, C]: RGB pixels as decoded (`decode_pixels`), else a writable copy of the PIL image's
         return torch.from_numpy(image if isinstance(image, np.ndarray) else np.array(image))
 
     bicubic = int(getattr(ip.resample, "value", ip.resample)) == int(Image.Resampling.BICUBIC)
-    use = split if pool is not None and strips > 1 and bicubic else whole
+    use = split if pool is not None and grid_of is not None and strips > 1 and bicubic else whole
     try:
         for probe in (probe_image(), probe_image(301, 457), probe_image(530, 700)):
             want = frames(images=[probe], return_tensors="pt")["pixel_values"]

@@ -225,7 +225,9 @@ class MMProcessor:
         frames = self.uint8_frames
         if frames is None:
             return None
-        return frame_resizer(self.image_processor, self.merge, frames[1], self._resize_pool, self._resize_strips)
+        return frame_resizer(
+            self.image_processor, self.merge, frames[1], self._resize_pool, self._resize_strips, self.image_grid
+        )
 
     @cached_property
     def _frames(self) -> Any:
@@ -240,7 +242,7 @@ class MMProcessor:
         # and a request's pages or a camera's frames share a handful of sizes.
         grids = self._grids
         if (width, height) in grids:
-            return grids[width, height]
+            return grids.get((width, height))  # get: a pool thread's clear() may come in between
         ip = self.image_processor
         grid: tuple[int, int, int] | None = None
         if getattr(ip, "do_resize", False):
