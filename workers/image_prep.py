@@ -122,12 +122,10 @@ class ImagePrep:
         self.first.shutdown(wait=True, cancel_futures=True)
 
     def warm_up(self, prep: Executor) -> None:
-        """Pay the image path's one-time costs at start-up, not inside the time to first token of the first images
-        this process gets: the processor's fast-path checks (~15 ms), and on every thread that processes images
-        (``prep``, `first`, each pool thread) the first large decode, resize and frame copy. A thread's first 1080p
-        image faults in its malloc arena's pages and starts its torch workers: a request landing on a fresh
-        tokenizer spent 25-45 ms more before the scheduler got it than on a warm one (8 x 1080p, H200 host).
-        Writes nothing to shm."""
+        """Pay the image path's one-time costs at start-up, not in the first requests' TTFT: the processor's
+        fast-path checks (~15 ms), and on every thread that processes images (``prep``, `first`, each pool thread)
+        the first large decode, resize and frame copy, which fault in its malloc arena and start its torch workers
+        (a fresh tokenizer's 8 x 1080p request: +25-45 ms to the scheduler, H200 host). Writes nothing to shm."""
         buf = io.BytesIO()
         Image.new("RGB", (1920, 1080), (90, 120, 150)).save(buf, format="JPEG")
         probe = RequestImage(bytes(16), Encoded(buf.getvalue()), "warm-up", _NO_GRID, [])
@@ -150,14 +148,16 @@ class ImagePrep:
     # ---- planning: reuse or process --------------------------------------------------------------
 
     def encoded(self, url: str, load: Callable[[], bytes]) -> Encoded:
-        """A local image of a request (``load`` reads it): a data URL seen with its image live is not decoded."""
+        """A local image of a request (``load`` reads it): a data URL seen with its image live is not decoded, and
+        another data URL only once `plan` reaches it, so a request's first fresh image starts decoding before the
+        base64 of the others is undone (8 x 1080p: ~0.5 ms each on the 2-core box)."""
         if not url.startswith("data:") or len(url) > self.max_data_url_chars:
             return Encoded(load())  # an oversized one is refused there before anything reads all of it
         key = blake3.blake3(url.encode("utf-8", "surrogatepass")).digest(16)  # any str: the check is the decode's
         if (h := self.data_urls.get(key)) is not None and h in self.local:
             self.data_urls.move_to_end(key)
             return Encoded(load=load, key=key, hash=h)
-        return Encoded(load(), key=key)
+        return Encoded(load=load, key=key)
 
     def plan(self, raws: list[Encoded], params: list[str], defer: bool = False) -> list[RequestImage]:
         """Hash every image; find live segments to reuse, or else decode and process it now (the
@@ -187,22 +187,32 @@ class ImagePrep:
             else:
                 image = RequestImage(h, raw, param, _NO_GRID, [])
                 todo.append(image)
+                if defer and len(todo) == 1:  # decoding from here on, while the rest is hashed and probed
+                    self._start_early(image)
             by_hash[h] = image
             order.append(image)
         self.marks["hashed"] = time.monotonic()
         # The first fresh image is written before the request leaves even with ``defer``: its first chunk then has
         # work the moment it arrives, and a one-image request (most of a loaded server's) gains nothing from
         # deferring, while its early arrival cost 6% of throughput under load (64 concurrent 1080p requests, H100;
-        # docs/perf-notes.md, session 10). Alone, it is decoded on `first` (not the pool, where other requests'
-        # deferred images queue) while this thread builds the prompt and links the resent images.
-        now = todo[:1] + [image for image in todo[1:] if not (defer and self._predict(image))]
-        if len(now) == 1 and not probe_decodes(now[0].raw.data()) and self._predict(now[0]):
-            now[0].deferred, now[0].early = False, self.first.submit(self._process, now[0])  # materialize waits
+        # docs/perf-notes.md, session 10). It is decoded on `first` (not the pool, where other requests' deferred
+        # images queue) while this thread builds the prompt and links the resent images: with ``defer`` from the
+        # moment it is found fresh, else where it is the request's only fresh image.
+        head = [image for image in todo[:1] if image.early is None]
+        now = head + [image for image in todo[1:] if not (defer and self._predict(image))]
+        if not defer and len(now) == 1 and now == head and self._start_early(now[0]):
             now = []
         for image, processed in zip(now, self._each(self._process, now), strict=True):
             image.grid, image.processed = processed.grid, processed
         self.marks["processed"] = time.monotonic()
         return order
+
+    def _start_early(self, image: RequestImage) -> bool:
+        """Process ``image`` on `first` (materialize waits for it) where its grid comes from its header."""
+        if probe_decodes(image.raw.data()) or not self._predict(image):
+            return False
+        image.deferred, image.early = False, self.first.submit(self._process, image)
+        return True
 
     def _predict(self, image: RequestImage) -> bool:
         """Read a fresh image's grid from its header (refusing what decoding would refuse for size or format);
@@ -230,12 +240,9 @@ class ImagePrep:
         return live
 
     def _each(self, work: Callable[[_A], _R], args: list[_A]) -> list[_R]:
-        """`work` over `args`, results in order: on the pool when there are two or more (a single
-        one runs inline: no thread hop for the common one-image request).
-
-        Returns or raises only once no call is running any more, so nothing writes shm or touches
-        the request's images after a failure: calls not yet started are cancelled, running ones
-        finish. Raises the failure of the first failed argument in request order."""
+        """`work` over `args`, results in order: on the pool when there are two or more (one runs inline).
+        Returns or raises only once no call is running, so nothing writes shm or touches the request's images
+        after a failure (calls not started are cancelled); raises the first failure in request order."""
         if len(args) < 2 or self.threads < 2:
             return [work(arg) for arg in args]
         futures = [self.pool.submit(work, arg) for arg in args]
@@ -250,11 +257,9 @@ class ImagePrep:
         return [f.result() for f in futures]
 
     def _process(self, image: RequestImage) -> ProcessedImage:
-        """Decode and process one image. May run on a pool thread: reads only the image and settings.
-
-        (decode_pixels's warnings.catch_warnings is not thread-safe before Python 3.14: an unlucky
-        interleaving leaves PIL's DecompressionBombWarning ignored for the whole process, which
-        is harmless, our own pixel limit being the check.)"""
+        """Decode and process one image. May run on a pool thread: reads only the image and settings. (An unlucky
+        interleaving of decode_pixels's warnings.catch_warnings, not thread-safe before Python 3.14, leaves PIL's
+        DecompressionBombWarning ignored for the process: harmless, our own pixel limit being the check.)"""
         decoded = decode_pixels(image.raw.data(), self.config.max_image_pixels, image.param)
         try:
             return self.processor.process_image(decoded, image_hash=image.hash, frame=True)
@@ -272,8 +277,7 @@ class ImagePrep:
         written pixels, refused past `budget` bytes in flight (`shm_bytes` now). Every name made is
         appended to `names`, also when this raises. Returns the bytes new to shm, and the deferred
         images: named (``image.ref``), to be written by `start_writes` once the request is handed on."""
-        # Every live copy of these was unlinked since we looked: fall back to doing the work.
-        redo = [image for image in images if image.candidates and not self._link(image, names)]
+        redo = [image for image in images if image.candidates and not self._link(image, names)]  # all copies gone
         for image, processed in zip(redo, self._each(self._process, redo), strict=True):
             if processed.grid != image.grid:
                 raise RuntimeError(f"segment name says grid {image.grid}, processing gives {processed.grid}")
@@ -287,8 +291,7 @@ class ImagePrep:
                 message = f"The images need {new_bytes} bytes of pixels, over the server's {budget}."
                 raise BadRequest(message, param="messages", code="images_too_large")
             raise overloaded()
-        # Names are made here, on this thread, and recorded before any segment exists: whichever
-        # write fails, the caller's release then unlinks every name the others published.
+        # Named here and recorded before any segment exists: whichever write fails, release unlinks all the others.
         jobs: list[tuple[RequestImage, str, str]] = []
         for image in fresh:
             final = self._new_name(image)

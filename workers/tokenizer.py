@@ -221,7 +221,12 @@ class TokenizerWorker:
             None if is_remote(r.url) else self.prep.encoded(r.url, functools.partial(self.fetcher.load_local, r.url, r.param))
             for r in refs
         ]
-        return Admitted(chat, refs, raws, videos)
+        admitted = Admitted(chat, refs, raws, videos)
+        if admitted.remote:  # a bad data URL is refused before any download is waited for
+            for raw in raws:
+                if raw is not None and raw.hash is None:
+                    raw.data()
+        return admitted
 
     def _check_length(self, chat: ChatCompletionRequest) -> None:
         """Refuse text that cannot fit max_model_len before the template and tokenizer see all of it

@@ -3,6 +3,7 @@ segment left behind when an image, the byte budget or /dev/shm fails midway."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import io
@@ -35,6 +36,7 @@ from ipc.shm import (
 from server.config import ServerConfig
 from tests.conftest import noise_image
 from tests.workers.test_tokenizer import MODEL, _handle, _inodes, chat_body, png, server_config, shm_path
+from workers.chat_request import BadRequest
 from workers.engine.config import EngineConfig
 from workers.engine.processor import MMProcessor, ProcessedImage
 from workers.image_prep import RequestImage
@@ -207,6 +209,64 @@ def test_a_lone_fresh_image_is_processed_beside_the_prompt(demo_model_dir: Path,
     finally:
         worker.close()
         reference.close()
+
+
+def test_with_defer_the_first_fresh_image_decodes_before_the_others_are_read(
+    demo_model_dir: Path, launch_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service's path (``defer``): a request's first fresh image goes to the first-image thread as soon as its own
+    data URL is read and hashed, before the base64 of the others is undone, and the request is the one the path
+    without ``defer`` makes. A bad data URL after it refuses the request naming it, with nothing left in shm; with a
+    download to wait for, the bad data URL is refused at admission, before the download."""
+    worker = TokenizerWorker(server_config(demo_model_dir, launch_id), 0, logging.getLogger("test"))
+    reference = TokenizerWorker(server_config(demo_model_dir, launch_id), 1, logging.getLogger("test"))
+    log: list[str] = []
+    load = worker.fetcher.load_local
+    monkeypatch.setattr(worker.fetcher, "load_local", lambda url, param=None: log.append(f"read {param}") or load(url, param))
+    first = worker.prep.first
+
+    class Recording(Executor):
+        def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+            log.append(f"first {args[0].param}")
+            return first.submit(fn, *args, **kwargs)
+
+    worker.prep.first = Recording()
+    param = "messages[0].content[{}].image_url".format
+    images = [jpeg(64, 48, seed=80), jpeg(72, 40, seed=81), png(40, 56, seed=82)]
+    try:
+        body = chat_body(images)
+        req = GenerateRequest("r1", memoryview(body), time.time())
+        names: list[str] = []
+        _, got, writes = worker._prepare(req, worker.admit(req), names, defer=True)
+        assert log == [f"read {param(1)}", f"first {param(1)}", f"read {param(2)}", f"read {param(3)}"]
+        for future in worker.prep.start_writes(writes):
+            future.result()
+        want = _handle(reference, "r1", body)
+        assert got.input_ids == want.input_ids and len(got.items) == len(want.items) == 3
+        for a, b in zip(got.items, want.items, strict=True):
+            assert a.pixels is not None and b.pixels is not None
+            assert Path(shm_path(a.pixels.name)).read_bytes() == Path(shm_path(b.pixels.name)).read_bytes()
+        kept = set(list_segments(launch_id))
+
+        good = base64.b64encode(b"not an image at all").decode()
+        bad_body = chat_body([jpeg(80, 40, seed=83), b"not an image at all"]).replace(good.encode(), b"@@@@")
+        bad = GenerateRequest("r2", memoryview(bad_body), time.time())
+        with pytest.raises(BadRequest) as refused:
+            worker._prepare(bad, worker.admit(bad), [], defer=True)
+        assert refused.value.param == param(2)
+        first.submit(int).result()  # the first image's thread is idle again: it wrote nothing
+        assert set(list_segments(launch_id)) == kept
+
+        remote = json.loads(bad_body)
+        remote["messages"][0]["content"][1]["image_url"]["url"] = "http://127.0.0.1:9/page.png"
+        with pytest.raises(BadRequest) as refused:
+            worker.admit(GenerateRequest("r3", memoryview(json.dumps(remote).encode()), time.time()))
+        assert refused.value.param == param(2)
+    finally:
+        worker.close()
+        reference.close()
+        for name in list_segments(launch_id):
+            ShmSegment.unlink(name)
 
 
 def test_budget_refusal_with_many_images_writes_nothing(demo_model_dir: Path, launch_id: str) -> None:
