@@ -35,11 +35,6 @@ from server.protocol import error_payload
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
             503: b"Service Unavailable"}
 _REFUSED_GRACE_S = 1.0  # a connection refused at the cap gets this long to send its request, for the 503
-# uvicorn stops reading a socket once 64 KB of body waits for the app. On loopback every such pause let TCP shut
-# its window, and reopening it cost ~6 ms per request body of 7.7 MB (a multi-image chat's), paused once or 33
-# times alike (benchmarks/http_body_bench.py). The app reads a body as it comes, so only a busy event loop lets
-# one pile up; this much may before reading pauses. The app holds up to --max-body-mb of it anyway.
-BODY_HIGH_WATER = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -127,15 +122,6 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_bytes += len(data)
         self._tail = window[-3:]
         return self._header_bytes > self.LIMITS.max_header_bytes
-
-    def on_body(self, body: bytes) -> None:
-        # uvicorn's own, with BODY_HIGH_WATER for its 64 KB.
-        if (self.parser.should_upgrade() and self._should_upgrade()) or self.cycle.response_complete:
-            return
-        self.cycle.body += body
-        if len(self.cycle.body) > BODY_HIGH_WATER:
-            self.flow.pause_reading()
-        self.cycle.message_event.set()
 
     def on_headers_complete(self) -> None:
         self.WAITING.pop(self, None)  # a request is in progress: not evictable until it is answered
