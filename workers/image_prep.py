@@ -159,13 +159,10 @@ class ImagePrep:
             return Encoded(load=load, key=key, hash=h)
         return Encoded(load=load, key=key)
 
-    def plan(
-        self, raws: list[Encoded], params: list[str], defer: bool = False, first_too: bool = False
-    ) -> list[RequestImage]:
+    def plan(self, raws: list[Encoded], params: list[str], defer: bool = False) -> list[RequestImage]:
         """Hash every image; find live segments to reuse, or else decode and process it now (the
         distinct ones that need it all at once), or with ``defer`` only read its grid from the header.
-        With ``first_too`` as well, the first fresh image is deferred too (still decoded from the moment it
-        is found fresh). One entry per image, repeats sharing theirs."""
+        One entry per image, repeats sharing theirs."""
         by_hash: dict[bytes, RequestImage] = {}
         order: list[RequestImage] = []
         todo: list[RequestImage] = []
@@ -191,17 +188,16 @@ class ImagePrep:
                 image = RequestImage(h, raw, param, _NO_GRID, [])
                 todo.append(image)
                 if defer and len(todo) == 1:  # decoding from here on, while the rest is hashed and probed
-                    self._start_early(image, deferred=first_too)
+                    self._start_early(image)
             by_hash[h] = image
             order.append(image)
         self.marks["hashed"] = time.monotonic()
         # The first fresh image is written before the request leaves even with ``defer``: its first chunk then has
         # work the moment it arrives, and a one-image request (most of a loaded server's) gains nothing from
         # deferring, while its early arrival cost 6% of throughput under load (64 concurrent 1080p requests, H100;
-        # docs/perf-notes.md, session 10): ``first_too`` is for a request the tokenizer has alone. It is decoded on
-        # `first` (not the pool, where other requests' deferred images queue) while this thread builds the prompt
-        # and links the resent images: with ``defer`` from the moment it is found fresh, else where it is the
-        # request's only fresh image.
+        # docs/perf-notes.md, session 10). It is decoded on `first` (not the pool, where other requests' deferred
+        # images queue) while this thread builds the prompt and links the resent images: with ``defer`` from the
+        # moment it is found fresh, else where it is the request's only fresh image.
         head = [image for image in todo[:1] if image.early is None]
         now = head + [image for image in todo[1:] if not (defer and self._predict(image))]
         if not defer and len(now) == 1 and now == head and self._start_early(now[0]):
@@ -211,12 +207,11 @@ class ImagePrep:
         self.marks["processed"] = time.monotonic()
         return order
 
-    def _start_early(self, image: RequestImage, deferred: bool = False) -> bool:
-        """Process ``image`` on `first` where its grid comes from its header: materialize waits for it, or with
-        ``deferred`` its write does."""
+    def _start_early(self, image: RequestImage) -> bool:
+        """Process ``image`` on `first` (materialize waits for it) where its grid comes from its header."""
         if probe_decodes(image.raw.data()) or not self._predict(image):
             return False
-        image.deferred, image.early = deferred, self.first.submit(self._process, image)
+        image.deferred, image.early = False, self.first.submit(self._process, image)
         return True
 
     def _predict(self, image: RequestImage) -> bool:
@@ -323,7 +318,7 @@ class ImagePrep:
 
     def _process_and_write(self, job: PendingWrite) -> shm.ShmRef:
         image = job.image
-        image.processed = self._as_predicted(image, image.early.result() if image.early else self._process(image))
+        image.processed = self._as_predicted(image, self._process(image))
         try:
             return self._write((image, job.tmp, job.final))
         finally:
