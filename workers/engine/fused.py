@@ -10,7 +10,7 @@ and write bf16 once.
 Rules:
 - The eager definitions are the reference; every module keeps its exact eager code for the CPU (float32
   tests compare tokens with transformers) and uses these only when ``fused`` is on and ``worth_it`` (CUDA,
-  and enough rows or a CUDA-graph capture). In bf16 the fused kernels round once where eager rounds after every op, so results differ at bf16
+  at least MIN_ROWS rows or a CUDA-graph capture). In bf16 the fused kernels round once where eager rounds after every op, so results differ at bf16
   precision (benchmarks/precision_check.py measures it against a float32 engine).
 - Shapes use torch.compile's automatic dynamic mode: the first call compiles for its exact shapes, the first
   call with another token count recompiles with only that dimension symbolic, and a count of 1 gets its own
@@ -35,11 +35,13 @@ from workers.engine import silu_kernel
 
 _compiled: dict[str, Callable[..., Any]] = {}
 
-# Below this many rows an eager decode step is bound by the CPU, and a compiled call (guards, dispatch:
-# ~70 us) costs more host time than the few eager kernels it replaces: with fused kernels everywhere,
-# eager batch-32 decode went from 14.1 to 18.7 ms per step (H200). Inside a CUDA-graph capture the host
-# cost is paid once, so captures always take the fused kernels.
-MIN_ROWS = 256
+# Every row count takes the fused kernels now. Session 11 had measured the opposite below 256 rows (a compiled
+# call's guards and dispatch, ~70 us, over the few eager kernels it replaced: eager batch-32 decode 14.1 -> 18.7 ms
+# per step), but since the LM's rotary and SiLU*up have Triton kernels the eager side is the heavier one: a
+# 180-token prefill step over a 22k-token context took 23-27 ms of host time fused against 26-32 eager, and eager
+# decode steps without graphs (batch 32-200) were as fast or faster fused (H200, session 22). Small steps are
+# host-bound, so this is their time to first token. (warm_fused compiles the one-row and symbolic graphs.)
+MIN_ROWS = 1
 
 
 _forced = False
