@@ -68,6 +68,10 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` through torch.compile, built on first use (importing dynamo costs ~1 s, which CPU runs skip)."""
     out = _compiled.get(fn.__qualname__)
     if out is None:
+        # A site compiles once per dtype, inner size (LM and ViT hidden, head norms), one row or symbolic rows and
+        # grad mode; a process serving one model stays under Dynamo's default of 8 graphs per function, but one
+        # that runs several model shapes (the test suite) does not, and with fullgraph=True that is a hard error.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         out = _compiled[fn.__qualname__] = torch.compile(fn, dynamic=None, fullgraph=True)
     return out
 
