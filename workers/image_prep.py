@@ -198,10 +198,9 @@ class ImagePrep:
         # docs/perf-notes.md, session 10). It is decoded on `first` (not the pool, where other requests' deferred
         # images queue) while this thread builds the prompt and links the resent images: with ``defer`` from the
         # moment it is found fresh, else where it is the request's only fresh image.
-        head = [image for image in todo[:1] if image.early is None]
-        now = head + [image for image in todo[1:] if not (defer and self._predict(image))]
-        if not defer and len(now) == 1 and now == head and self._start_early(now[0]):
-            now = []
+        if not defer and len(todo) == 1:
+            self._start_early(todo[0])
+        now = [im for im in todo[:1] if im.early is None] + [im for im in todo[1:] if not (defer and self._predict(im))]
         for image, processed in zip(now, self._each(self._process, now), strict=True):
             image.grid, image.processed = processed.grid, processed
         self.marks["processed"] = time.monotonic()
