@@ -72,6 +72,9 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="a ViT call takes a step's images up to this many patches (at least one image)")
     m.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                    help="CUDA: eager PyTorch ops instead of the torch.compile'd norm/rotary/SiLU kernels")
+    m.add_argument("--piecewise-graph-tokens", type=int, default=E["piecewise_graph_tokens"],
+                   help="CUDA: steps of up to this many tokens that are not pure decode replay CUDA graphs between "
+                   "the layers' attention calls (rounded down to a bucket; 0: off)")
     m.add_argument("--seed", type=int, default=E["seed"])
     m.add_argument("--generation-config", default=S["generation_config"], choices=["auto", "none"],
                    help="auto: the checkpoint's generation_config.json gives the defaults of sampling fields a "
@@ -183,6 +186,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         vit_max_patches=args.vit_max_patches,
         lone_prefill_tokens=args.lone_prefill_tokens,
         fused_kernels=args.fused_kernels,
+        piecewise_graph_tokens=args.piecewise_graph_tokens,
         seed=args.seed,
         tp_size=args.tp,
         spec=info,

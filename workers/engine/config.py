@@ -52,6 +52,10 @@ class EngineConfig:
     # CUDA: the elementwise work between GEMMs (norms, rotary, SiLU*up, residual adds) as torch.compile'd
     # kernels (workers/engine/fused.py), compiled at start-up; off = eager PyTorch ops. CPU is always eager.
     fused_kernels: bool = True
+    # CUDA: steps of up to this many tokens that are not pure decode (short prompts, a chat turn's new text, small
+    # chunks beside decodes) replay graphs between the layers' attention calls (workers/engine/piecewise_graphs.py);
+    # rounded down to a bucket, 0 = off.
+    piecewise_graph_tokens: int = 512
     # Share computed KV blocks between requests with the same prefix (a chat's earlier turns).
     enable_prefix_caching: bool = True
     seed: int = 0

@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
-from workers.engine import paged_attention
+from workers.engine import paged_attention, piecewise_graphs
 from workers.engine.attention import AttentionMetadata, PaddedDecodeBackend
-from workers.engine.layers import TPGroup
+from workers.engine.layers import TPGroup, kv_heads_per_rank
 from workers.engine.models.base import LanguageModel
+from workers.engine.piecewise_graphs import PiecewiseGraphs
+
+if TYPE_CHECKING:
+    from workers.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,29 @@ def graphs_wanted(device: torch.device, tp: TPGroup) -> bool:
     if os.environ.get("GLIMPSE_CUDA_GRAPHS", "1") == "0":
         return False
     return device.type == "cuda" and torch.cuda.is_available()
+
+
+def start_graphs(r: ModelRunner) -> tuple[DecodeGraphs | None, PiecewiseGraphs | None]:
+    """A CUDA model worker's graphs, captured before it serves: the pure-decode ones, then the piecewise ones for
+    small eager steps (piecewise_graphs.py; ``EngineConfig.piecewise_graph_tokens``). None for what cannot be
+    captured: graphs only save host time, so the worker then serves eagerly."""
+    cfg, spec = r.cfg, r.spec
+    max_blocks = -(-(cfg.max_model_len or spec.max_position_embeddings) // cfg.block_size)
+    decode = DecodeGraphs(r.lm, r.kv_caches, cfg.block_size, r.num_blocks, max_blocks, r.tp.size)
+    started = time.perf_counter()
+    try:
+        decode.capture_all(cfg.max_num_seqs)
+    except Exception as exc:  # e.g. Qwen3-VL-MoE outside bf16: its experts' loop syncs with the host
+        if r.tp.size > 1:
+            raise  # a rank that captured nothing would not meet the others' collectives
+        log.warning("CUDA graphs unavailable (%s); every step runs eagerly", exc, exc_info=True)
+        return None, None
+    if decode.stats["captures"]:
+        log.info("%d decode graphs captured in %.1f s", decode.stats["captures"], time.perf_counter() - started)
+    heads = (spec.num_heads // r.tp.size, kv_heads_per_rank(spec.num_kv_heads, r.tp.size), spec.head_dim)
+    piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, spec.hidden_size, heads,
+                                       cfg.piecewise_graph_tokens, r.dtype, r.tp.size)
+    return decode, piecewise
 
 
 def decode_bucket(batch: int, width: int, block_size: int, max_width: int) -> tuple[int, int] | None:

@@ -4,7 +4,6 @@ over the paged KV cache, sampling. One instance per model worker (per TP rank)."
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,11 +32,12 @@ from workers.engine.batching import (
     to_device,
 )
 from workers.engine.config import EngineConfig
-from workers.engine.cuda_graphs import DecodeGraphs, graphs_wanted
+from workers.engine.cuda_graphs import DecodeGraphs, graphs_wanted, start_graphs
 from workers.engine.layers import TPGroup
 from workers.engine.mm_cache import EmbeddingStore
 from workers.engine.models import family as family_package
 from workers.engine.models.base import item_spans, load_model
+from workers.engine.piecewise_graphs import PiecewiseGraphs
 from workers.engine.pixel_frames import FrameLayout, layout_of
 from workers.engine.prompt_logprobs import score_prompts
 from workers.engine.sampler import Sampler
@@ -107,16 +107,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             warm_largest_step(self)  # the first large request's allocations, paid before "ready"
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if graphs_wanted(self.device, self.tp):
-            max_len = cfg.max_model_len or self.spec.max_position_embeddings
-            max_blocks = -(-max_len // cfg.block_size)
-            self.graphs = DecodeGraphs(
-                self.lm, self.kv_caches, cfg.block_size, self.num_blocks, max_blocks, self.tp.size
-            )
-            started = time.perf_counter()
-            self.graphs.capture_all(cfg.max_num_seqs)
-            if self.graphs.stats["captures"]:
-                log.info("%d decode graphs captured in %.1f s", self.graphs.stats["captures"], time.perf_counter() - started)
+            self.graphs, self.piecewise = start_graphs(self)
         self.sampler = Sampler(self.device, cfg.seed, self.spec.vocab_size, self.spec.eos_token_ids)
         # Only rank 0 samples, so only rank 0 keeps grammars.
         self.grammar = GrammarBook(cfg.model, self.spec.vocab_size, self.spec.eos_token_ids) if self.tp.rank == 0 else None
@@ -384,7 +377,12 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        hidden = self.model(embeds, positions.view(3, n), self.kv_caches, meta, mm_rows=mm_index, mm_embeds=mm_embeds)
+        deepstack = self.model.splice(embeds, mm_index, mm_embeds)
+        hidden = None
+        if self.piecewise is not None and deepstack is None:  # small steps: graphs between the attention calls
+            hidden = self.piecewise.run(embeds, positions.view(3, n), meta)
+        if hidden is None:
+            hidden = self.lm(embeds, positions.view(3, n), self.kv_caches, meta, None, deepstack)
         return hidden[rows]
 
 

@@ -36,7 +36,7 @@ def test_every_steps_metadata_is_aligned_whatever_the_batch(demo_model_dir: Path
     def record(_module: Any, args: tuple[Any, ...]) -> None:
         seen.append(args[3])
 
-    engine.runner.model.register_forward_pre_hook(record)
+    engine.runner.lm.register_forward_pre_hook(record)
     requests = [chat("Describe the picture.", [noise_image(64, 48, 1)])] + [
         [{"role": "user", "content": f"Count to {i}."}] for i in range(2, 7)
     ]

@@ -182,14 +182,22 @@ class VLModel(nn.Module):
         """One LM forward over a flattened batch. ``mm_rows`` (int64 [N]) are the batch rows of image tokens
         and ``mm_embeds`` ([N, embed_width]) their cache rows: the main part replaces the token embeddings,
         the rest goes to the LM as DeepStack features."""
-        deepstack = None
-        if mm_rows is not None and mm_embeds is not None and mm_rows.numel():
-            hidden = self.spec.hidden_size
-            inputs_embeds[mm_rows] = mm_embeds[:, :hidden].to(inputs_embeds.dtype)
-            if mm_embeds.shape[1] > hidden:
-                deepstack = (mm_rows, mm_embeds[:, hidden:].to(inputs_embeds.dtype))
+        deepstack = self.splice(inputs_embeds, mm_rows, mm_embeds)
         out: Tensor = self.lm(inputs_embeds, positions, kv_caches, meta, backend, deepstack)
         return out
+
+    def splice(
+        self, inputs_embeds: Tensor, mm_rows: Tensor | None, mm_embeds: Tensor | None
+    ) -> tuple[Tensor, Tensor] | None:
+        """Write the image tokens' main embeddings into ``inputs_embeds`` (in place); return their DeepStack
+        features for the LM (rows, levels side by side), or None when the family has none or no row is an image."""
+        if mm_rows is None or mm_embeds is None or not mm_rows.numel():
+            return None
+        hidden = self.spec.hidden_size
+        inputs_embeds[mm_rows] = mm_embeds[:, :hidden].to(inputs_embeds.dtype)
+        if mm_embeds.shape[1] > hidden:
+            return mm_rows, mm_embeds[:, hidden:].to(inputs_embeds.dtype)
+        return None
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         out: Tensor = self.lm.compute_logits(hidden)

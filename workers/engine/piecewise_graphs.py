@@ -1,0 +1,260 @@
+"""CUDA graphs for small steps that are not pure decode: prefill chunks of up to a few hundred tokens, alone or
+beside decodes (a short prompt's first step, the new text of a chat turn, a mixed step under text load).
+
+Such a step costs the host far more than the GPU: ~24 ms of Python and kernel launches for a few hundred tokens on
+a 7B against 11-15 ms of GPU work (docs/perf-notes.md, session 22), so a short prompt's first token waited on the
+host. A whole-step graph (cuda_graphs.py) needs attention of fixed shapes, which a chunk of any length over any
+context is not. So the step is captured in pieces: each stretch between two layers' attention calls is one graph
+(the first starts at the input embeddings, the last ends with the final norm), and each layer's attention runs
+eagerly between two replays, over the step's real rows and metadata, on whichever backend the model uses (FA3,
+FlashAttention-2, SDPA).
+
+A step's rows are padded up to a token bucket. The pieces read and write static buffers: the input embeddings and
+positions, each layer's q, k, v (copied out at the end of a piece) and its attention output (read at the start of
+the next). Padding rows carry stale but finite values through the pieces; the attention never sees them, so they
+reach neither the KV cache nor any real row (every other op works row by row), and they are never sampled.
+
+The pieces are captured by running the model's own forward once per bucket with an attention backend that, instead
+of attending, copies q, k, v out, ends the current capture and begins the next one: a family needs no split layers,
+only a decoder that calls ``backend.forward`` once per layer. Steps with DeepStack features or more tokens than the
+largest bucket run eagerly. CUDA only (TP included: the pieces capture the all-reduces); elsewhere ``emulate`` runs
+the same buffers and splits without graphs, which is how CPU tests check them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from workers.engine.attention import AttentionBackend, AttentionMetadata
+from workers.engine.models.base import LanguageModel
+
+log = logging.getLogger(__name__)
+
+# Token counts a step is padded up to. Below ~512 rows a 7B's GEMMs stream weights rather than compute, so padding
+# costs the GPU little there; steps above the largest bucket in use run eagerly.
+TOKEN_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """The buckets in use when steps of up to ``max_tokens`` tokens are graphed (those not above it)."""
+    return tuple(b for b in TOKEN_BUCKETS if b <= max_tokens)
+
+
+class _Capture:
+    """Consecutive graph captures on one stream: one graph per piece."""
+
+    def __init__(self, pool: Any, mode: Literal["global", "thread_local"]) -> None:
+        self.pool, self.mode = pool, mode
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.open = False
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
+        self.graphs.append(graph)
+        self.open = True
+
+    def end(self) -> None:
+        self.open = False
+        self.graphs[-1].capture_end()
+
+
+class _Splitter:
+    """The attention backend the model's forward sees while pieces are captured (or emulated): it hands the layer's
+    q, k, v to the static buffers and returns the static attention output."""
+
+    name = "piecewise"
+
+    def __init__(self, owner: PiecewiseGraphs, rows: int, capture: _Capture | None = None, real: int = 0,
+                 meta: AttentionMetadata | None = None) -> None:
+        self.owner, self.rows, self.capture, self.real, self.meta = owner, rows, capture, real, meta
+        self.layer = 0
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        o, rows, layer = self.owner, self.rows, self.layer
+        o.q[:rows].copy_(q)
+        o.k[:rows].copy_(k)
+        o.v[:rows].copy_(v)
+        if layer == len(o.layers):
+            o.layers.append((kv_cache, scale))
+        elif o.layers[layer][0] is not kv_cache or o.layers[layer][1] != scale:
+            raise RuntimeError(f"layer {layer} attends over another cache or scale than at its first capture")
+        self.layer += 1
+        if self.capture is not None:
+            self.capture.end()
+            self.capture.begin()
+        elif self.meta is not None:  # emulation: the real rows' attention, here and now
+            o.attend(layer, self.real, self.meta)
+        return o.out[:rows]
+
+
+@dataclass
+class _Bucket:
+    pieces: list[torch.cuda.CUDAGraph]  # one more than the layers; empty when emulated
+    positions: Tensor  # int64 [3, rows]
+    hidden: Tensor | None = None  # [rows, hidden]: final-norm hidden states, rewritten by every replay
+
+
+class PiecewiseGraphs:
+    def __init__(
+        self,
+        lm: LanguageModel,
+        backend: AttentionBackend,
+        kv_caches: list[Tensor],
+        hidden_size: int,
+        head_shapes: tuple[int, int, int],
+        max_tokens: int,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+        emulate: bool = False,
+    ) -> None:
+        """``head_shapes``: (query heads, KV heads, head dim) on this rank; ``backend``: the attention the eager
+        forward uses (the replays run the same). ``emulate``: no graphs (any device): `run` calls the model with
+        the pieces' buffers and splits, for tests."""
+        self.lm, self.backend, self.kv_caches, self.tp_size = lm, backend, kv_caches, tp_size
+        self.device = kv_caches[0].device
+        self.emulate = emulate
+        self.buckets_in_use = token_buckets(max_tokens)
+        most = self.buckets_in_use[-1] if self.buckets_in_use else 0
+        heads, kv_heads, head_dim = head_shapes
+        self.embeds = torch.zeros(most, hidden_size, dtype=dtype, device=self.device)
+        self.q = torch.zeros(most, heads, head_dim, dtype=dtype, device=self.device)
+        self.k = torch.zeros(most, kv_heads, head_dim, dtype=dtype, device=self.device)
+        self.v = torch.zeros_like(self.k)
+        self.out = torch.zeros_like(self.q)
+        self.layers: list[tuple[Tensor, float]] = []  # (KV cache, scale) of each attention call, in order
+        self.buckets: dict[int, _Bucket] = {}
+        self.broken = False
+        self.stats = {"replays": 0, "captures": 0, "misses": 0}
+        mode: Literal["global", "thread_local"] = "thread_local" if tp_size > 1 else "global"  # see DecodeGraphs
+        self.capture_mode = mode
+        if not emulate:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(self.device)
+
+    def bucket(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets_in_use if b >= tokens), None)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Every bucket, largest first (smaller ones then reuse the pool's blocks)."""
+        for rows in reversed(self.buckets_in_use):
+            if rows not in self.buckets:
+                self._capture(rows)
+
+    def run(self, embeds: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor | None:
+        """Final-norm hidden states [T, hidden] of the step whose input embeddings [T, hidden] and positions [3, T]
+        these are, or None when it fits no bucket (or the graphs failed: the caller runs it eagerly, rewriting the
+        same KV slots). The result is a view of a static buffer, valid until the next `run`."""
+        n = embeds.shape[0]
+        rows = self.bucket(n)
+        if rows is None or self.broken:
+            self.stats["misses"] += 1
+            return None
+        if self.emulate:
+            bucket = self.buckets.get(rows) or self._bucket(rows, [])
+        else:
+            bucket = self.buckets.get(rows) or self._capture(rows)
+        self.embeds[:n].copy_(embeds)
+        bucket.positions[:, :n].copy_(positions)
+        if self.emulate:
+            splitter = _Splitter(self, rows, real=n, meta=meta)
+            hidden: Tensor = self.lm(self.embeds[:rows], bucket.positions, self.kv_caches, meta, backend=splitter)
+            self.stats["replays"] += 1
+            return hidden[:n]
+        try:
+            for layer, piece in enumerate(bucket.pieces[:-1]):
+                piece.replay()
+                self.attend(layer, n, meta)
+            bucket.pieces[-1].replay()
+        except RuntimeError:
+            if self.tp_size > 1:
+                raise  # the other ranks would wait in a captured all-reduce: fail the step instead
+            log.exception("piecewise CUDA graphs failed; small steps run eagerly from now on")
+            self.broken = True
+            return None
+        self.stats["replays"] += 1
+        assert bucket.hidden is not None
+        return bucket.hidden[:n]
+
+    def attend(self, layer: int, n: int, meta: AttentionMetadata) -> None:
+        """Layer ``layer``'s attention over the step's ``n`` real rows, into the static output."""
+        kv_cache, scale = self.layers[layer]
+        self.out[:n].copy_(self.backend.forward(self.q[:n], self.k[:n], self.v[:n], kv_cache, meta, scale))
+
+    def _bucket(self, rows: int, pieces: list[torch.cuda.CUDAGraph]) -> _Bucket:
+        positions = torch.zeros(3, rows, dtype=torch.int64, device=self.device)
+        self.buckets[rows] = bucket = _Bucket(pieces, positions)
+        return bucket
+
+    def _capture(self, rows: int) -> _Bucket:
+        bucket = self._bucket(rows, [])
+        meta = _placeholder_meta(rows, self.device)
+        embeds = self.embeds[:rows]
+        # A run outside capture first, on the capture stream: lazy library set-up, compiles and cuBLAS's choice
+        # for this row count happen there, not inside the capture.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.lm(embeds, bucket.positions, self.kv_caches, meta, backend=_Splitter(self, rows))
+        self.stream.synchronize()
+        capture = _Capture(self.pool, self.capture_mode)
+        try:
+            with torch.cuda.stream(self.stream):
+                capture.begin()
+                bucket.hidden = self.lm(embeds, bucket.positions, self.kv_caches, meta,
+                                        backend=_Splitter(self, rows, capture))
+                capture.end()
+        except BaseException:
+            if capture.open:  # leave the stream out of capture mode whatever failed
+                try:
+                    capture.end()
+                except RuntimeError:
+                    pass
+            del self.buckets[rows]
+            raise
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if len(capture.graphs) != len(self.layers) + 1:
+            raise RuntimeError(f"{len(capture.graphs)} pieces captured for {len(self.layers)} attention calls")
+        bucket.pieces = capture.graphs
+        self.stats["captures"] += len(capture.graphs)
+        return bucket
+
+
+def _placeholder_meta(rows: int, device: torch.device) -> AttentionMetadata:
+    """Metadata for the capture run: the splitter never reads it (the replays attend with each step's own)."""
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, rows], dtype=torch.int32, device=device), seq_lens=one * rows,
+        query_lens_cpu=[rows], seq_lens_cpu=[rows], slot_mapping=torch.zeros(rows, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device), max_query_len=rows, max_seq_len=rows,
+    )
+
+
+def build(
+    lm: LanguageModel, backend: AttentionBackend, kv_caches: list[Tensor], hidden_size: int,
+    head_shapes: tuple[int, int, int], max_tokens: int, dtype: torch.dtype, tp_size: int,
+) -> PiecewiseGraphs | None:
+    """Every bucket captured at start-up, or None (logged) when ``max_tokens`` leaves none or a capture fails:
+    graphs only save host time, so the worker serves eagerly rather than not at all."""
+    if not token_buckets(max_tokens):
+        return None
+    started = time.perf_counter()
+    graphs = PiecewiseGraphs(lm, backend, kv_caches, hidden_size, head_shapes, max_tokens, dtype, tp_size)
+    try:
+        graphs.capture_all()
+    except Exception as exc:
+        if tp_size > 1:
+            raise  # a rank that captured nothing would not meet the others' collectives
+        log.warning("piecewise CUDA graphs unavailable (%s); small prefill steps run eagerly", exc, exc_info=True)
+        return None
+    log.info("%d piecewise graphs (%d buckets up to %d tokens) captured in %.1f s", graphs.stats["captures"],
+             len(graphs.buckets), graphs.buckets_in_use[-1], time.perf_counter() - started)
+    return graphs
