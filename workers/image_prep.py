@@ -159,10 +159,13 @@ class ImagePrep:
             return Encoded(load=load, key=key, hash=h)
         return Encoded(load=load, key=key)
 
-    def plan(self, raws: list[Encoded], params: list[str], defer: bool = False) -> list[RequestImage]:
+    def plan(
+        self, raws: list[Encoded], params: list[str], defer: bool = False, first_too: bool = False
+    ) -> list[RequestImage]:
         """Hash every image; find live segments to reuse, or else decode and process it now (the
         distinct ones that need it all at once), or with ``defer`` only read its grid from the header.
-        One entry per image, repeats sharing theirs."""
+        With ``first_too`` as well, the first fresh image is deferred too (still decoded from the moment it
+        is found fresh). One entry per image, repeats sharing theirs."""
         by_hash: dict[bytes, RequestImage] = {}
         order: list[RequestImage] = []
         todo: list[RequestImage] = []
@@ -188,7 +191,7 @@ class ImagePrep:
                 image = RequestImage(h, raw, param, _NO_GRID, [])
                 todo.append(image)
                 if defer and len(todo) == 1:  # decoding from here on, while the rest is hashed and probed
-                    self._start_early(image)
+                    self._start_early(image, deferred=first_too)
             by_hash[h] = image
             order.append(image)
         self.marks["hashed"] = time.monotonic()
@@ -206,11 +209,12 @@ class ImagePrep:
         self.marks["processed"] = time.monotonic()
         return order
 
-    def _start_early(self, image: RequestImage) -> bool:
-        """Process ``image`` on `first` (materialize waits for it) where its grid comes from its header."""
+    def _start_early(self, image: RequestImage, deferred: bool = False) -> bool:
+        """Process ``image`` on `first` where its grid comes from its header: materialize waits for it, or with
+        ``deferred`` its write does."""
         if probe_decodes(image.raw.data()) or not self._predict(image):
             return False
-        image.deferred, image.early = False, self.first.submit(self._process, image)
+        image.deferred, image.early = deferred, self.first.submit(self._process, image)
         return True
 
     def _predict(self, image: RequestImage) -> bool:
@@ -317,7 +321,7 @@ class ImagePrep:
 
     def _process_and_write(self, job: PendingWrite) -> shm.ShmRef:
         image = job.image
-        image.processed = self._as_predicted(image, self._process(image))
+        image.processed = self._as_predicted(image, image.early.result() if image.early else self._process(image))
         try:
             return self._write((image, job.tmp, job.final))
         finally:

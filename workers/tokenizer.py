@@ -256,17 +256,19 @@ class TokenizerWorker:
         await fetch_videos(self.videos.fetcher, admitted.videos)
 
     def _prepare(
-        self, req: GenerateRequest, admitted: Admitted, names: list[str], defer: bool = False
+        self, req: GenerateRequest, admitted: Admitted, names: list[str], defer: bool = False, alone: bool = False
     ) -> tuple[RequestAccepted, TokenizedRequest, list[PendingWrite]]:
         """Images, prompt and shm segments of an admitted request whose images are all loaded; every
         shm name made is appended to `names`, also when this raises. With ``defer`` (and `overlap`), fresh
-        images are only named: the returned writes are for the caller to start once the request is sent."""
+        images after the first are only named (the first too if the request is ``alone`` in this tokenizer):
+        the returned writes are for the caller to start once the request is sent."""
         chat, refs = admitted.chat, admitted.refs
         if isinstance(chat, CompletionRequest):
             return *prepare_completion(self, req, chat), []
         raws = [raw for raw in admitted.raws if raw is not None]
         assert len(raws) == len(refs), "prepare() before every image was loaded"
-        order = self.prep.plan(raws, [r.param for r in refs], defer=defer and self.overlap)
+        defer = defer and self.overlap
+        order = self.prep.plan(raws, [r.param for r in refs], defer=defer, first_too=defer and alone)
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]

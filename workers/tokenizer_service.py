@@ -182,14 +182,14 @@ class TokenizerService:
 
     # ---- on the prep thread ----
 
-    def _admit_and_prepare(self, req: GenerateRequest, names: list[str]) -> tuple[Admitted, _Ready | None]:
+    def _admit_and_prepare(self, req: GenerateRequest, names: list[str], alone: bool) -> tuple[Admitted, _Ready | None]:
         """Admit; without downloads to wait for, prepare at once too (one thread hop, not two)."""
         admitted = self.worker.admit(req)
         self.trace.event("admitted", rid=req.rid)
-        return admitted, None if admitted.remote else self._prepare(req, admitted, names)
+        return admitted, None if admitted.remote else self._prepare(req, admitted, names, alone)
 
-    def _prepare(self, req: GenerateRequest, admitted: Admitted, names: list[str]) -> _Ready:
-        accepted, tokenized, writes = self.worker._prepare(req, admitted, names, defer=True)
+    def _prepare(self, req: GenerateRequest, admitted: Admitted, names: list[str], alone: bool) -> _Ready:
+        accepted, tokenized, writes = self.worker._prepare(req, admitted, names, defer=True, alone=alone)
         self.trace.event("prepared", rid=req.rid, deferred=len(writes), **self.worker.prep.marks)
         try:
             # Encoded before anything is sent: a value msgpack cannot carry (an integer past 64 bits)
@@ -209,10 +209,13 @@ class TokenizerService:
         writing: _Writes | None = None
         self.trace.event("recv", rid=req.rid, bytes=len(req.body))
         try:
-            admitted, ready = await self.on_prep(self._admit_and_prepare, req, names)
+            # Alone here, even its first fresh image is written after the request is sent: the scheduler starts on
+            # the text before it meanwhile. Not under load, where that fragmented the first steps (ImagePrep.plan).
+            alone = len(self.tasks) == 1
+            admitted, ready = await self.on_prep(self._admit_and_prepare, req, names, alone)
             if ready is None:
                 await worker.fetch(admitted)
-                ready = await self.on_prep(self._prepare, req, admitted, names)
+                ready = await self.on_prep(self._prepare, req, admitted, names, alone)
             accepted, encoded, writes = ready
             if writes:
                 # Sent before the deferred images start: their decoding on the pool holds the GIL for stretches,

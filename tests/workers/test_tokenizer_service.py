@@ -86,6 +86,8 @@ def test_slow_download_abort_and_shutdown(demo_model_dir: Path, launch_id: str, 
         assert peer.expect(RequestAccepted).rid == "img"
         scheduled = [peer.scheduled(), peer.scheduled()]
         assert {r.rid for r in scheduled} == {"fast", "img"}
+        # Not alone in the tokenizer (the downloads are in flight): its image was written before it left.
+        assert [r.pending for r in scheduled if r.rid == "img"] == [[]]
         for name in [n for r in scheduled for n in r.shm_names]:
             assert ShmSegment.unlink(name)  # the scheduler's job, played by the test
 
