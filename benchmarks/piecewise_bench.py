@@ -6,6 +6,9 @@ both columns come from the same process, alternating. Prints two tables:
    few new tokens over a cached context (the base prompt, prefilled before);
 2. a text load: a new ~60-word prompt joins at each step while up to ``--running`` others decode 64 tokens each.
 
+Three variants: the graphs as served (each piece writes its layer's new K/V into the cache), the same graphs with the
+K/V written by the eager attention between pieces, and no piecewise graphs.
+
 Measured (session 23, H200, 7B shape): a 37-token prompt 6.7 against 19.1 ms, 173 tokens 8.7 against 23.3 ms,
 44 new tokens over a 15k-token context 28.4 against 41.7 ms (its tokenizing included); the text load 73-74 against
 41-43 req/s.
@@ -26,8 +29,10 @@ import torch
 
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.messages import SamplingParams
+from workers.engine import piecewise_graphs
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+from workers.engine.layers import kv_heads_per_rank
 
 WORDS = ("river", "stone", "paper", "light", "green", "house", "table", "cloud", "metal", "water", "sound", "glass")
 
@@ -55,6 +60,11 @@ def main() -> None:
             raise SystemExit("no piecewise graphs in this engine (CUDA only; see the worker's log)")
         print(f"{torch.cuda.get_device_name()}, {args.shape}: {pieces.stats['captures']} piecewise graphs, buckets up "
               f"to {pieces.buckets_in_use[-1]} tokens", flush=True)
+        r = engine.runner  # the same graphs with each layer's K/V written by the eager attention instead
+        heads = (r.spec.num_heads, kv_heads_per_rank(r.spec.num_kv_heads, 1), r.spec.head_dim)
+        kv_eager = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, r.spec.hidden_size,
+                                          heads, cfg.piecewise_graph_tokens, r.dtype, 1, None)
+        variants = {"graphs": pieces, "graphs, K/V eager": kv_eager, "eager": None}
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
         def first_token(text: str) -> float:
@@ -70,16 +80,17 @@ def main() -> None:
         for _ in range(2):
             first_token(base)  # cached from here on
         tokenizer = engine.processor.tokenizer
-        print(f"{'case':16} {'new tokens':>10} {'graphs ms':>10} {'eager ms':>9}  (medians of {args.repeats})")
+        print(f"{'case':16} {'new tokens':>10} " + " ".join(f"{name + ' ms':>20}" for name in variants)
+              + f"  (medians of {args.repeats})")
         for case, extra in (("short prompt", 8), ("short prompt", 40), ("short prompt", 100), ("over the base", 10),
                             ("over the base", 40), ("over the base", 100), ("over the base", 160)):
             new = len(tokenizer(words(extra))["input_ids"])
-            times: dict[bool, list[float]] = {True: [], False: []}
+            times: dict[str, list[float]] = {name: [] for name in variants}
             for rep in range(args.repeats):
-                for on in (True, False) if rep % 2 == 0 else (False, True):
-                    engine.runner.piecewise = pieces if on else None
-                    times[on].append(first_token(words(extra) if case == "short prompt" else base + " " + words(extra)))
-            print(f"{case:16} {new:10d} {statistics.median(times[True]):10.1f} {statistics.median(times[False]):9.1f}")
+                for name in list(variants) if rep % 2 == 0 else list(reversed(variants)):
+                    engine.runner.piecewise = variants[name]
+                    times[name].append(first_token(words(extra) if case == "short prompt" else base + " " + words(extra)))
+            print(f"{case:16} {new:10d} " + " ".join(f"{statistics.median(times[name]):20.1f}" for name in variants))
 
         decode = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
@@ -97,11 +108,11 @@ def main() -> None:
             return time.perf_counter() - started, steps
 
         print(f"\ntext load: {args.load_requests} requests of ~60 words, 64 tokens out, up to {args.running} running")
-        print(f"{'graphs':7} {'req/s':>7} {'steps':>6}")
-        for on in (True, False, False, True):
-            engine.runner.piecewise = pieces if on else None
+        print(f"{'variant':18} {'req/s':>7} {'steps':>6}")
+        for name in [*variants, *reversed(variants)]:
+            engine.runner.piecewise = variants[name]
             seconds, steps = text_load()
-            print(f"{'on' if on else 'off':7} {args.load_requests / seconds:7.1f} {steps:6d}", flush=True)
+            print(f"{name:18} {args.load_requests / seconds:7.1f} {steps:6d}", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ class AttentionMetadata:
     block_tables: Tensor  # int32 [B, max_blocks_per_seq], padded with 0
     max_query_len: int
     max_seq_len: int
+    # The new tokens' K/V are in the cache already (piecewise graphs write them inside a captured piece): the backend
+    # only attends.
+    kv_written: bool = False
     # Values a backend derives from the fields above. They are the same for every layer, so the first
     # layer computes them and the other layers reuse them (28x fewer index kernels per step on a 7B).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -117,7 +120,8 @@ class SdpaBackend:
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
     ) -> Tensor:
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if not meta.kv_written:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         start = 0
@@ -199,7 +203,8 @@ class FlashVarlenBackend:
     ) -> Tensor:
         if not self.supports(q):
             return self._fallback.forward(q, k, v, kv_cache, meta, scale)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if not meta.kv_written:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         # The scheduler puts decodes first: those rows read the cache in place (paged_attention), and only
         # the prefill chunks after them go through the packed varlen path below.
         decodes = meta.derived.get("decode_prefix")

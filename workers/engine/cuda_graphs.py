@@ -55,24 +55,25 @@ def graphs_wanted(device: torch.device, tp: TPGroup) -> bool:
 
 def start_graphs(r: ModelRunner) -> tuple[DecodeGraphs | None, PiecewiseGraphs | None]:
     """A CUDA model worker's graphs, captured before it serves: the pure-decode ones, then the piecewise ones for
-    small eager steps (piecewise_graphs.py; ``EngineConfig.piecewise_graph_tokens``). None for what cannot be
-    captured: graphs only save host time, so the worker then serves eagerly."""
+    small eager steps (piecewise_graphs.py; ``EngineConfig.piecewise_graph_tokens``). None for both where a module of
+    the model cannot be captured: the worker then serves eagerly."""
     cfg, spec = r.cfg, r.spec
+    # A module that says it cannot be captured (Qwen3-VL-MoE's experts outside bf16 run a loop that syncs with the
+    # host) is checked here, not tried: a capture that fails on the device leaves torch's CUDA generator marked as
+    # capturing, and every sampled request after it would fail.
+    held = [type(m).__name__ for m in r.lm.modules() if not getattr(m, "capturable", lambda: True)()]
+    if held:
+        log.warning("no CUDA graphs: %s cannot be captured with %s; every step runs eagerly", held[0], r.dtype)
+        return None, None
     max_blocks = -(-(cfg.max_model_len or spec.max_position_embeddings) // cfg.block_size)
     decode = DecodeGraphs(r.lm, r.kv_caches, cfg.block_size, r.num_blocks, max_blocks, r.tp.size)
     started = time.perf_counter()
-    try:
-        decode.capture_all(cfg.max_num_seqs)
-    except Exception as exc:  # e.g. Qwen3-VL-MoE outside bf16: its experts' loop syncs with the host
-        if r.tp.size > 1:
-            raise  # a rank that captured nothing would not meet the others' collectives
-        log.warning("CUDA graphs unavailable (%s); every step runs eagerly", exc, exc_info=True)
-        return None, None
+    decode.capture_all(cfg.max_num_seqs)
     if decode.stats["captures"]:
         log.info("%d decode graphs captured in %.1f s", decode.stats["captures"], time.perf_counter() - started)
     heads = (spec.num_heads // r.tp.size, kv_heads_per_rank(spec.num_kv_heads, r.tp.size), spec.head_dim)
     piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, spec.hidden_size, heads,
-                                       cfg.piecewise_graph_tokens, r.dtype, r.tp.size)
+                                       cfg.piecewise_graph_tokens, r.dtype, r.tp.size, r.num_blocks * cfg.block_size)
     return decode, piecewise
 
 

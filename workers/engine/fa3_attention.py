@@ -188,7 +188,8 @@ class FA3PagedBackend:
     ) -> Tensor:
         if not self.supports(q):
             return self._fallback.forward(q, k, v, kv_cache, meta, scale)  # writes the cache itself
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if not meta.kv_written:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         try:
             out: Tensor = self._kernel(
                 q.contiguous(), kv_cache[0], kv_cache[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from workers.engine.attention import AttentionBackend, AttentionMetadata
+from workers.engine.kv_write_kernel import write_kv_cache
 from workers.engine.models.base import LanguageModel
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class _Splitter:
         o.q[:rows].copy_(q)
         o.k[:rows].copy_(k)
         o.v[:rows].copy_(v)
+        if o.slots is not None:  # padding rows write to the scratch slot
+            write_kv_cache(o.k[:rows], o.v[:rows], kv_cache, o.slots[:rows])
         if layer == len(o.layers):
             o.layers.append((kv_cache, scale))
         elif o.layers[layer][0] is not kv_cache or o.layers[layer][1] != scale:
@@ -114,11 +117,14 @@ class PiecewiseGraphs:
         max_tokens: int,
         dtype: torch.dtype,
         tp_size: int = 1,
+        scratch_slot: int | None = None,
         emulate: bool = False,
     ) -> None:
         """``head_shapes``: (query heads, KV heads, head dim) on this rank; ``backend``: the attention the eager
-        forward uses (the replays run the same). ``emulate``: no graphs (any device): `run` calls the model with
-        the pieces' buffers and splits, for tests."""
+        forward uses (the replays run the same). ``scratch_slot``: a cache slot no sequence holds; given, the pieces
+        write each layer's new K/V into the cache themselves (padding rows into that slot), which takes a kernel
+        launch per layer off the eager part. ``emulate``: no graphs (any device): `run` calls the model with the
+        pieces' buffers and splits, for tests."""
         self.lm, self.backend, self.kv_caches, self.tp_size = lm, backend, kv_caches, tp_size
         self.device = kv_caches[0].device
         self.emulate = emulate
@@ -130,6 +136,9 @@ class PiecewiseGraphs:
         self.k = torch.zeros(most, kv_heads, head_dim, dtype=dtype, device=self.device)
         self.v = torch.zeros_like(self.k)
         self.out = torch.zeros_like(self.q)
+        self.scratch_slot = scratch_slot
+        self.slots = None if scratch_slot is None else torch.full((most,), scratch_slot, dtype=torch.int64,
+                                                                    device=self.device)
         self.layers: list[tuple[Tensor, float]] = []  # (KV cache, scale) of each attention call, in order
         self.buckets: dict[int, _Bucket] = {}
         self.broken = False
@@ -165,6 +174,10 @@ class PiecewiseGraphs:
             bucket = self.buckets.get(rows) or self._capture(rows)
         self.embeds[:n].copy_(embeds)
         bucket.positions[:, :n].copy_(positions)
+        if self.slots is not None and self.scratch_slot is not None:
+            self.slots[:n].copy_(meta.slot_mapping)
+            self.slots[n:rows].fill_(self.scratch_slot)
+            meta = replace(meta, kv_written=True, derived={})  # a copy: a fallback to eager must still write
         if self.emulate:
             splitter = _Splitter(self, rows, real=n, meta=meta)
             hidden: Tensor = self.lm(self.embeds[:rows], bucket.positions, self.kv_caches, meta, backend=splitter)
@@ -240,21 +253,20 @@ def _placeholder_meta(rows: int, device: torch.device) -> AttentionMetadata:
 
 def build(
     lm: LanguageModel, backend: AttentionBackend, kv_caches: list[Tensor], hidden_size: int,
-    head_shapes: tuple[int, int, int], max_tokens: int, dtype: torch.dtype, tp_size: int,
+    head_shapes: tuple[int, int, int], max_tokens: int, dtype: torch.dtype, tp_size: int, scratch_slot: int | None,
 ) -> PiecewiseGraphs | None:
-    """Every bucket captured at start-up, or None (logged) when ``max_tokens`` leaves none or a capture fails:
-    graphs only save host time, so the worker serves eagerly rather than not at all."""
+    """Every bucket captured at start-up, or None when ``max_tokens`` leaves none. A capture that fails stops the
+    worker's start, naming the flag that turns the graphs off: a capture that failed on the device leaves torch's
+    CUDA generator marked as capturing, so serving on would fail every sampled request."""
     if not token_buckets(max_tokens):
         return None
     started = time.perf_counter()
-    graphs = PiecewiseGraphs(lm, backend, kv_caches, hidden_size, head_shapes, max_tokens, dtype, tp_size)
+    graphs = PiecewiseGraphs(lm, backend, kv_caches, hidden_size, head_shapes, max_tokens, dtype, tp_size, scratch_slot)
     try:
         graphs.capture_all()
     except Exception as exc:
-        if tp_size > 1:
-            raise  # a rank that captured nothing would not meet the others' collectives
-        log.warning("piecewise CUDA graphs unavailable (%s); small prefill steps run eagerly", exc, exc_info=True)
-        return None
+        raise RuntimeError(f"piecewise CUDA graphs failed to capture ({exc}); --piecewise-graph-tokens 0 serves "
+                           "without them") from exc
     log.info("%d piecewise graphs (%d buckets up to %d tokens) captured in %.1f s", graphs.stats["captures"],
              len(graphs.buckets), graphs.buckets_in_use[-1], time.perf_counter() - started)
     return graphs

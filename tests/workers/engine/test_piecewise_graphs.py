@@ -15,6 +15,7 @@ from ipc.messages import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.layers import kv_heads_per_rank
+from workers.engine.models.qwen3_vl.moe import SparseMoeBlock
 from workers.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -36,11 +37,12 @@ def _prompts() -> list[list[dict[str, Any]]]:
     return texts[:2] + images[:1] + texts[2:] + images[1:]
 
 
-def _emulated(engine: Engine, max_tokens: int) -> PiecewiseGraphs:
+def _emulated(engine: Engine, max_tokens: int, kv_in_pieces: bool = True) -> PiecewiseGraphs:
     r = engine.runner
     heads = (r.spec.num_heads, kv_heads_per_rank(r.spec.num_kv_heads, 1), r.spec.head_dim)
+    scratch = r.num_blocks * r.cfg.block_size if kv_in_pieces else None  # the block no sequence is given
     return PiecewiseGraphs(r.lm, r.lm.attention_backend(r.device), r.kv_caches, r.spec.hidden_size, heads, max_tokens,
-                           r.dtype, emulate=True)
+                           r.dtype, scratch_slot=scratch, emulate=True)
 
 
 def test_steps_pad_up_to_a_bucket_and_larger_ones_do_not_fit() -> None:
@@ -58,12 +60,13 @@ def test_emulated_pieces_give_the_eager_tokens(fixture: str, request: pytest.Fix
                                  chunk_size=40, lone_prefill_tokens=0, enable_prefix_caching=False))
     assert engine.runner.piecewise is None  # CPU: no graphs unless a test emulates them
     eager = [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
-    pieces = engine.runner.piecewise = _emulated(engine, 32)
-    assert pieces.buckets_in_use[-1] == 32
-    assert [o.token_ids for o in engine.generate(_prompts(), GREEDY)] == eager
-    assert pieces.stats["replays"] > 0 and pieces.stats["misses"] > 0
-    assert len(pieces.layers) == engine.runner.spec.num_layers
-    assert sorted(pieces.buckets) == sorted(set(pieces.buckets) & set(token_buckets(32)))
+    for kv_in_pieces in (True, False):  # the pieces write K/V themselves, or the eager attention does
+        pieces = engine.runner.piecewise = _emulated(engine, 32, kv_in_pieces)
+        assert pieces.buckets_in_use[-1] == 32
+        assert [o.token_ids for o in engine.generate(_prompts(), GREEDY)] == eager
+        assert pieces.stats["replays"] > 0 and pieces.stats["misses"] > 0
+        assert len(pieces.layers) == engine.runner.spec.num_layers
+        assert sorted(pieces.buckets) == sorted(set(pieces.buckets) & set(token_buckets(32)))
 
 
 def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir: Path) -> None:
@@ -96,8 +99,21 @@ def test_captured_pieces_give_the_eager_tokens_on_cuda(fixture: str, request: py
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_model_that_cannot_be_captured_serves_eagerly_on_cuda(qwen3_moe_model_dir: Path) -> None:
     """Qwen3-VL-MoE in float32 runs its experts in a loop that syncs with the host, which no capture allows: the
-    worker starts without graphs and serves."""
+    worker starts without graphs, never having tried one (a failed capture would break every sampled request)."""
     engine = Engine(EngineConfig(model=str(qwen3_moe_model_dir), device="cuda", dtype="float32"))
     assert engine.runner.graphs is None and engine.runner.piecewise is None
-    out = engine.generate(_prompts()[:2], GREEDY)
-    assert [len(o.token_ids) for o in out] == [GREEDY.max_tokens] * 2
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    out = engine.generate(_prompts()[:2], [GREEDY, sampled])
+    assert [len(o.token_ids) for o in out] == [10, 10]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_blocks_say_whether_a_graph_can_hold_them(dtype: torch.dtype) -> None:
+    """Only the grouped experts (CUDA, bf16) have no host sync; the loop (CPU, float32, or forced) has."""
+    block = SparseMoeBlock(64, 4, 2, 32).to(dtype)
+    assert not block.capturable()  # on the CPU: the loop
+    if torch.cuda.is_available():
+        block = block.cuda()
+        assert block.capturable() == (dtype == torch.bfloat16)
+        block.use_grouped = False
+        assert not block.capturable()

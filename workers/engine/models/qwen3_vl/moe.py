@@ -233,6 +233,11 @@ class SparseMoeBlock(nn.Module):
         self.fused = False  # CUDA: silu(gate) * up of the grouped path in one compiled kernel
         self.use_grouped = True  # False forces the loop (tests compare the two)
 
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can hold this block: the grouped path has no host sync, the loop has (start_graphs)."""
+        one_row = self.gate.weight[:1]  # [1, H]: the block's device and dtype
+        return self.use_grouped and grouped_mm_usable(one_row, self.experts.gate_up_proj, self.experts.down_proj)
+
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids int64 [T, k])."""
         logits = F.linear(x, self.gate.weight)
