@@ -10,9 +10,10 @@ eagerly between two replays, over the step's real rows and metadata, on whicheve
 FlashAttention-2, SDPA).
 
 A step's rows are padded up to a token bucket. The pieces read and write static buffers: the input embeddings and
-positions, each layer's q, k, v (copied out at the end of a piece) and its attention output (read at the start of
-the next). Padding rows carry stale but finite values through the pieces; the attention never sees them, so they
-reach neither the KV cache nor any real row (every other op works row by row), and they are never sampled.
+positions, each layer's q, k, v (copied out at the end of a piece, and K/V written into the cache there, through a
+static slot buffer) and its attention output (read at the start of the next). Padding rows carry stale but finite
+values through the pieces; they write their K/V into a scratch slot no sequence holds, the attention never sees
+them, so they reach no real row (every other op works row by row), and they are never sampled.
 
 The pieces are captured by running the model's own forward once per bucket with an attention backend that, instead
 of attending, copies q, k, v out, ends the current capture and begins the next one: a family needs no split layers,
