@@ -195,12 +195,11 @@ class ImagePrep:
             by_hash[h] = image
             order.append(image)
         self.marks["hashed"] = time.monotonic()
-        # The first fresh image is written before the request leaves even with ``defer``: its first chunk then has
-        # work the moment it arrives, and a one-image request (most of a loaded server's) gains nothing from
-        # deferring, while its early arrival cost 6% of throughput under load (64 concurrent 1080p requests, H100;
-        # docs/perf-notes.md, session 10). It is decoded on `first` (not the pool, where other requests' deferred
-        # images queue) while this thread builds the prompt and links the resent images: with ``defer`` from the
-        # moment it is found fresh, else where it is the request's only fresh image.
+        # With ``defer`` the first fresh image is still written before the request leaves, unless ``first_too`` (the
+        # request has the tokenizer alone, so its text prefills meanwhile; docs/perf-notes.md, session 23): under load
+        # a one-image request gains nothing from deferring, and its early arrival cost 6% of throughput (64 concurrent
+        # 1080p requests, H100; session 10). It decodes on `first` (not the pool, where other requests' deferred images
+        # queue): with ``defer`` from the moment it is found fresh, else where it is the request's only fresh image.
         if not defer and len(todo) == 1:
             self._start_early(todo[0])
         now = [im for im in todo[:1] if im.early is None] + [im for im in todo[1:] if not (defer and self._predict(im))]
