@@ -166,13 +166,12 @@ class PiecewiseGraphs:
         same KV slots). The result is a view of a static buffer, valid until the next `run`."""
         n = embeds.shape[0]
         rows = self.bucket(n)
-        if rows is None or self.broken:
+        bucket = self.buckets.get(rows) if rows is not None else None
+        if self.emulate and rows is not None and bucket is None:
+            bucket = self._bucket(rows, [])
+        if rows is None or bucket is None or self.broken:  # no capture mid-serving: `capture_all` took them all
             self.stats["misses"] += 1
             return None
-        if self.emulate:
-            bucket = self.buckets.get(rows) or self._bucket(rows, [])
-        else:
-            bucket = self.buckets.get(rows) or self._capture(rows)
         self.embeds[:n].copy_(embeds)
         bucket.positions[:, :n].copy_(positions)
         if self.slots is not None and self.scratch_slot is not None:
@@ -209,7 +208,7 @@ class PiecewiseGraphs:
         self.buckets[rows] = bucket = _Bucket(pieces, positions)
         return bucket
 
-    def _capture(self, rows: int) -> _Bucket:
+    def _capture(self, rows: int) -> None:
         bucket = self._bucket(rows, [])
         meta = _placeholder_meta(rows, self.device)
         embeds = self.embeds[:rows]
@@ -239,7 +238,6 @@ class PiecewiseGraphs:
             raise RuntimeError(f"{len(capture.graphs)} pieces captured for {len(self.layers)} attention calls")
         bucket.pieces = capture.graphs
         self.stats["captures"] += len(capture.graphs)
-        return bucket
 
 
 def _placeholder_meta(rows: int, device: torch.device) -> AttentionMetadata:
