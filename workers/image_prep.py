@@ -320,7 +320,7 @@ class ImagePrep:
 
     def _process_and_write(self, job: PendingWrite) -> shm.ShmRef:
         image = job.image
-        image.processed = self._as_predicted(image, image.early.result() if image.early else self._process(image))
+        image.processed = self._as_predicted(image, image.early.result() if image.early is not None else self._process(image))
         try:
             return self._write((image, job.tmp, job.final))
         finally:

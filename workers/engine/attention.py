@@ -82,6 +82,12 @@ def build_attention_metadata(
     )
 
 
+def write_new_kv(k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> None:
+    """The step's new K/V into their cache slots, unless a piecewise graph already wrote them (``kv_written``)."""
+    if not meta.kv_written:
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+
+
 class AttentionBackend(Protocol):
     name: str
 
@@ -120,8 +126,7 @@ class SdpaBackend:
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
     ) -> Tensor:
-        if not meta.kv_written:
-            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_new_kv(k, v, kv_cache, meta)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         start = 0
@@ -203,8 +208,7 @@ class FlashVarlenBackend:
     ) -> Tensor:
         if not self.supports(q):
             return self._fallback.forward(q, k, v, kv_cache, meta, scale)
-        if not meta.kv_written:
-            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_new_kv(k, v, kv_cache, meta)
         # The scheduler puts decodes first: those rows read the cache in place (paged_attention), and only
         # the prefill chunks after them go through the packed varlen path below.
         decodes = meta.derived.get("decode_prefix")

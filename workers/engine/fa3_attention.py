@@ -33,8 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.attention import AttentionMetadata, FlashVarlenBackend, SdpaBackend, flash_available
-from workers.engine.kv_write_kernel import write_kv_cache
+from workers.engine.attention import (
+    AttentionMetadata,
+    FlashVarlenBackend,
+    SdpaBackend,
+    flash_available,
+    write_new_kv,
+)
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +193,7 @@ class FA3PagedBackend:
     ) -> Tensor:
         if not self.supports(q):
             return self._fallback.forward(q, k, v, kv_cache, meta, scale)  # writes the cache itself
-        if not meta.kv_written:
-            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_new_kv(k, v, kv_cache, meta)
         try:
             out: Tensor = self._kernel(
                 q.contiguous(), kv_cache[0], kv_cache[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout

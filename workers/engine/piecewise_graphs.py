@@ -85,7 +85,7 @@ class _Splitter:
         o.q[:rows].copy_(q)
         o.k[:rows].copy_(k)
         o.v[:rows].copy_(v)
-        if o.slots is not None:  # padding rows write to the scratch slot
+        if o.scratch_slot is not None:  # padding rows write to the scratch slot
             write_kv_cache(o.k[:rows], o.v[:rows], kv_cache, o.slots[:rows])
         if layer == len(o.layers):
             o.layers.append((kv_cache, scale))
@@ -138,8 +138,7 @@ class PiecewiseGraphs:
         self.v = torch.zeros_like(self.k)
         self.out = torch.zeros_like(self.q)
         self.scratch_slot = scratch_slot
-        self.slots = None if scratch_slot is None else torch.full((most,), scratch_slot, dtype=torch.int64,
-                                                                    device=self.device)
+        self.slots = torch.full((most,), scratch_slot or 0, dtype=torch.int64, device=self.device)  # cache slot per row
         self.layers: list[tuple[Tensor, float]] = []  # (KV cache, scale) of each attention call, in order
         self.buckets: dict[int, _Bucket] = {}
         self.broken = False
@@ -168,13 +167,13 @@ class PiecewiseGraphs:
         rows = self.bucket(n)
         bucket = self.buckets.get(rows) if rows is not None else None
         if self.emulate and rows is not None and bucket is None:
-            bucket = self._bucket(rows, [])
+            bucket = self._bucket(rows)
         if rows is None or bucket is None or self.broken:  # no capture mid-serving: `capture_all` took them all
             self.stats["misses"] += 1
             return None
         self.embeds[:n].copy_(embeds)
         bucket.positions[:, :n].copy_(positions)
-        if self.slots is not None and self.scratch_slot is not None:
+        if self.scratch_slot is not None:
             self.slots[:n].copy_(meta.slot_mapping)
             self.slots[n:rows].fill_(self.scratch_slot)
             meta = replace(meta, kv_written=True, derived={})  # a copy: a fallback to eager must still write
@@ -203,13 +202,13 @@ class PiecewiseGraphs:
         kv_cache, scale = self.layers[layer]
         self.out[:n].copy_(self.backend.forward(self.q[:n], self.k[:n], self.v[:n], kv_cache, meta, scale))
 
-    def _bucket(self, rows: int, pieces: list[torch.cuda.CUDAGraph]) -> _Bucket:
+    def _bucket(self, rows: int) -> _Bucket:
         positions = torch.zeros(3, rows, dtype=torch.int64, device=self.device)
-        self.buckets[rows] = bucket = _Bucket(pieces, positions)
+        self.buckets[rows] = bucket = _Bucket([], positions)
         return bucket
 
     def _capture(self, rows: int) -> None:
-        bucket = self._bucket(rows, [])
+        bucket = self._bucket(rows)
         meta = _placeholder_meta(rows, self.device)
         embeds = self.embeds[:rows]
         # A run outside capture first, on the capture stream: lazy library set-up, compiles and cuBLAS's choice
