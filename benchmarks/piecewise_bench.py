@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--load-requests", type=int, default=160)
     ap.add_argument("--running", type=int, default=48)
+    ap.add_argument("--limit", type=int, default=512, help="--piecewise-graph-tokens of the engine (up to 1024)")
     args = ap.parse_args()
     rng = random.Random(0)
 
@@ -53,7 +54,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = shaped_checkpoint(Path(tmp) / "ckpt", args.shape)
         cfg = EngineConfig(model=str(ckpt), device="cuda", load_format="dummy", kv_cache_mb=24576, max_model_len=32768,
-                           mm_cache_mb=1024, block_size=128, max_num_seqs=128)
+                           mm_cache_mb=1024, block_size=128, max_num_seqs=128,
+                           piecewise_graph_tokens=args.limit)
         engine = Engine(cfg, async_scheduling=True)
         pieces = engine.runner.piecewise
         if pieces is None:
@@ -82,8 +84,11 @@ def main() -> None:
         tokenizer = engine.processor.tokenizer
         print(f"{'case':16} {'new tokens':>10} " + " ".join(f"{name + ' ms':>20}" for name in variants)
               + f"  (medians of {args.repeats})")
-        for case, extra in (("short prompt", 8), ("short prompt", 40), ("short prompt", 100), ("over the base", 10),
-                            ("over the base", 40), ("over the base", 100), ("over the base", 160)):
+        cases = [("short prompt", 8), ("short prompt", 40), ("short prompt", 100), ("over the base", 10),
+                 ("over the base", 40), ("over the base", 100), ("over the base", 160)]
+        if args.limit > 512:  # steps of 512-1024 tokens (~3.4 tokens a word here)
+            cases += [("short prompt", 200), ("short prompt", 280), ("over the base", 200), ("over the base", 280)]
+        for case, extra in cases:
             new = len(tokenizer(words(extra))["input_ids"])
             times: dict[str, list[float]] = {name: [] for name in variants}
             for rep in range(args.repeats):
