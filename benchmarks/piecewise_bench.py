@@ -2,8 +2,9 @@
 on a checkpoint of a real model's shape with dummy weights. The graphs are switched per run (``runner.piecewise``), so
 both columns come from the same process, alternating. Prints two tables:
 
-1. a request's time to its first token (one step of new tokens, then one sampled token): a short prompt alone, and a
-   few new tokens over a cached context (the base prompt, prefilled before);
+1. a request's time to its first token (one step of new tokens, then one sampled token): a short prompt alone, a
+   few new tokens over a cached context (the base prompt, prefilled before), and a small new image with a few words
+   (its ViT call included; Qwen3-VL's image steps take the pieces captured with DeepStack features);
 2. a text load: a new ~60-word prompt joins at each step while up to ``--running`` others decode 64 tokens each.
 
 Three variants: the graphs as served (each piece writes its layer's new K/V into the cache), the same graphs with the
@@ -24,8 +25,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.messages import SamplingParams
@@ -44,7 +48,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--load-requests", type=int, default=160)
     ap.add_argument("--running", type=int, default=48)
-    ap.add_argument("--limit", type=int, default=512, help="--piecewise-graph-tokens of the engine (up to 1024)")
+    ap.add_argument("--limit", type=int, default=EngineConfig.piecewise_graph_tokens,
+                    help="--piecewise-graph-tokens of the engine (up to 1024)")
     args = ap.parse_args()
     rng = random.Random(0)
 
@@ -65,14 +70,18 @@ def main() -> None:
         r = engine.runner  # the same graphs with each layer's K/V written by the eager attention instead
         heads = (r.spec.num_heads, kv_heads_per_rank(r.spec.num_kv_heads, 1), r.spec.head_dim)
         kv_eager = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, r.spec.hidden_size,
-                                          heads, cfg.piecewise_graph_tokens, r.dtype, 1, None)
+                                          heads, cfg.piecewise_graph_tokens, r.dtype, 1, None,
+                                          deepstack_levels=pieces.ds_levels)
         variants = {"graphs": pieces, "graphs, K/V eager": kv_eager, "eager": None}
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
-        def first_token(text: str) -> float:
+        def first_token(text: str, image: Image.Image | None = None) -> float:
+            content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+            if image is not None:
+                content.insert(0, {"type": "image", "image": image})
             torch.cuda.synchronize()
             started = time.perf_counter()
-            engine.add_request([{"role": "user", "content": [{"type": "text", "text": text}]}], first)
+            engine.add_request([{"role": "user", "content": content}], first)
             while not engine.step():
                 pass
             torch.cuda.synchronize()
@@ -96,6 +105,17 @@ def main() -> None:
                     engine.runner.piecewise = variants[name]
                     times[name].append(first_token(words(extra) if case == "short prompt" else base + " " + words(extra)))
             print(f"{case:16} {new:10d} " + " ".join(f"{statistics.median(times[name]):20.1f}" for name in variants))
+        # A small image and a few words: the ViT runs on a new image every time, then one LM step (with Qwen3-VL's
+        # DeepStack features, the pieces' second set).
+        for width, height in ((448, 448), (640, 480)):
+            times = {name: [] for name in variants}
+            for rep in range(args.repeats):
+                for name in list(variants) if rep % 2 == 0 else list(reversed(variants)):
+                    engine.runner.piecewise = variants[name]
+                    pixels = np.random.default_rng(rng.randrange(1 << 30)).integers(0, 256, (height, width, 3))
+                    times[name].append(first_token(words(8), Image.fromarray(pixels.astype(np.uint8))))
+            print(f"{f'image {width}x{height}':16} {'':>10} "
+                  + " ".join(f"{statistics.median(times[name]):20.1f}" for name in variants))
 
         decode = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 

@@ -73,7 +73,8 @@ def start_graphs(r: ModelRunner) -> tuple[DecodeGraphs | None, PiecewiseGraphs |
         log.info("%d decode graphs captured in %.1f s", decode.stats["captures"], time.perf_counter() - started)
     heads = (spec.num_heads // r.tp.size, kv_heads_per_rank(spec.num_kv_heads, r.tp.size), spec.head_dim)
     piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, spec.hidden_size, heads,
-                                       cfg.piecewise_graph_tokens, r.dtype, r.tp.size, r.num_blocks * cfg.block_size)
+                                       cfg.piecewise_graph_tokens, r.dtype, r.tp.size, r.num_blocks * cfg.block_size,
+                                       deepstack_levels=spec.embed_width // spec.hidden_size - 1)
     return decode, piecewise
 
 

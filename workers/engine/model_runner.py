@@ -379,8 +379,8 @@ class ModelRunner:
         )
         deepstack = self.model.splice(embeds, mm_index, mm_embeds)
         hidden = None
-        if self.piecewise is not None and deepstack is None:  # small steps: graphs between the attention calls
-            hidden = self.piecewise.run(embeds, positions.view(3, n), meta)
+        if self.piecewise is not None:  # small steps: graphs between the attention calls
+            hidden = self.piecewise.run(embeds, positions.view(3, n), meta, deepstack)
         if hidden is None:
             hidden = self.lm(embeds, positions.view(3, n), self.kv_caches, meta, None, deepstack)
         return hidden[rows]

@@ -17,9 +17,16 @@ them, so they reach no real row (every other op works row by row), and they are 
 
 The pieces are captured by running the model's own forward once per bucket with an attention backend that, instead
 of attending, copies q, k, v out, ends the current capture and begins the next one: a family needs no split layers,
-only a decoder that calls ``backend.forward`` once per layer. Steps with DeepStack features or more tokens than the
-largest bucket run eagerly. CUDA only (TP included: the pieces capture the all-reduces); elsewhere ``emulate`` runs
-the same buffers and splits without graphs, which is how CPU tests check them.
+only a decoder that calls ``backend.forward`` once per layer. Steps with more tokens than the largest bucket run
+eagerly. CUDA only (TP included: the pieces capture the all-reduces); elsewhere ``emulate`` runs the same buffers and
+splits without graphs, which is how CPU tests check them.
+
+DeepStack (Qwen3-VL): a step with image tokens adds each image row's feature levels to the stream after the first
+decoder layers. For such families every bucket has a second set of pieces, captured with the features as a static
+[rows, levels * hidden] buffer over every row (zeros where a row is not an image token, so adding it leaves them
+as they are; image rows get the same one add as in the eager forward). Text steps keep the plain pieces: the
+DeepStack forward materializes the residual add the plain one defers into the next norm, which rounds differently
+in bf16, so a text step's numbers do not depend on whether its family has DeepStack.
 """
 
 from __future__ import annotations
@@ -106,6 +113,8 @@ class _Bucket:
     pieces: list[torch.cuda.CUDAGraph]  # one more than the layers; empty when emulated
     positions: Tensor  # int64 [3, rows]
     hidden: Tensor | None = None  # [rows, hidden]: final-norm hidden states, rewritten by every replay
+    ds_pieces: list[torch.cuda.CUDAGraph] | None = None  # the same with DeepStack features (families that have them)
+    ds_hidden: Tensor | None = None
 
 
 class PiecewiseGraphs:
@@ -121,12 +130,13 @@ class PiecewiseGraphs:
         tp_size: int = 1,
         scratch_slot: int | None = None,
         emulate: bool = False,
+        deepstack_levels: int = 0,
     ) -> None:
         """``head_shapes``: (query heads, KV heads, head dim) on this rank; ``backend``: the attention the eager
         forward uses (the replays run the same). ``scratch_slot``: a cache slot no sequence holds; given, the pieces
         write each layer's new K/V into the cache themselves (padding rows into that slot), which takes a kernel
         launch per layer off the eager part. ``emulate``: no graphs (any device): `run` calls the model with the
-        pieces' buffers and splits, for tests."""
+        pieces' buffers and splits, for tests. ``deepstack_levels``: the family's DeepStack levels (0: none)."""
         self.lm, self.backend, self.kv_caches, self.tp_size = lm, backend, kv_caches, tp_size
         self.device = kv_caches[0].device
         self.emulate = emulate
@@ -140,10 +150,17 @@ class PiecewiseGraphs:
         self.out = torch.zeros_like(self.q)
         self.scratch_slot = scratch_slot
         self.slots = torch.full((most,), scratch_slot or 0, dtype=torch.int64, device=self.device)  # cache slot per row
+        # DeepStack: every row is a feature row of the DeepStack pieces (ds_rows); rows [:ds_dirty] may hold the
+        # last step's features, zeroed before the next one that takes these pieces.
+        self.ds_levels = deepstack_levels
+        self.ds_feats = torch.zeros(most if deepstack_levels else 0, deepstack_levels * hidden_size, dtype=dtype,
+                                    device=self.device)
+        self.ds_rows = torch.arange(self.ds_feats.shape[0], device=self.device)
+        self.ds_dirty = 0
         self.layers: list[tuple[Tensor, float]] = []  # (KV cache, scale) of each attention call, in order
         self.buckets: dict[int, _Bucket] = {}
         self.broken = False
-        self.stats = {"replays": 0, "captures": 0, "misses": 0}
+        self.stats = {"replays": 0, "captures": 0, "misses": 0, "deepstack_replays": 0}
         mode: Literal["global", "thread_local"] = "thread_local" if tp_size > 1 else "global"  # see DecodeGraphs
         self.capture_mode = mode
         if not emulate:
@@ -160,34 +177,48 @@ class PiecewiseGraphs:
             if rows not in self.buckets:
                 self._capture(rows)
 
-    def run(self, embeds: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor | None:
+    def run(self, embeds: Tensor, positions: Tensor, meta: AttentionMetadata,
+            deepstack: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
         """Final-norm hidden states [T, hidden] of the step whose input embeddings [T, hidden] and positions [3, T]
-        these are, or None when it fits no bucket (or the graphs failed: the caller runs it eagerly, rewriting the
-        same KV slots). The result is a view of a static buffer, valid until the next `run`."""
+        these are (``deepstack``: its image rows' features, as the LM takes them), or None when it fits no bucket
+        (or the graphs failed: the caller runs it eagerly, rewriting the same KV slots). The result is a view of a
+        static buffer, valid until the next `run`."""
         n = embeds.shape[0]
         rows = self.bucket(n)
         bucket = self.buckets.get(rows) if rows is not None else None
         if self.emulate and rows is not None and bucket is None:
             bucket = self._bucket(rows)
-        if rows is None or bucket is None or self.broken:  # no capture mid-serving: `capture_all` took them all
+        if (rows is None or bucket is None or self.broken  # no capture mid-serving: `capture_all` took them all
+                or (deepstack is not None and bucket.ds_pieces is None and not self.emulate) or
+                (deepstack is not None and not self.ds_levels)):
             self.stats["misses"] += 1
             return None
+        if deepstack is not None:
+            if self.ds_dirty:
+                self.ds_feats[: self.ds_dirty].zero_()
+            self.ds_feats.index_copy_(0, deepstack[0], deepstack[1])
+            self.ds_dirty = n
         self.embeds[:n].copy_(embeds)
         bucket.positions[:, :n].copy_(positions)
         if self.scratch_slot is not None:
             self.slots[:n].copy_(meta.slot_mapping)
             self.slots[n:rows].fill_(self.scratch_slot)
             meta = replace(meta, kv_written=True, derived={})  # a copy: a fallback to eager must still write
+        with_ds = deepstack is not None
+        self.stats["deepstack_replays"] += with_ds
         if self.emulate:
             splitter = _Splitter(self, rows, real=n, meta=meta)
-            hidden: Tensor = self.lm(self.embeds[:rows], bucket.positions, self.kv_caches, meta, backend=splitter)
+            hidden: Tensor = self.lm(self.embeds[:rows], bucket.positions, self.kv_caches, meta, backend=splitter,
+                                     deepstack=self._deepstack(rows) if with_ds else None)
             self.stats["replays"] += 1
             return hidden[:n]
+        pieces, out = (bucket.ds_pieces, bucket.ds_hidden) if with_ds else (bucket.pieces, bucket.hidden)
+        assert pieces is not None and out is not None
         try:
-            for layer, piece in enumerate(bucket.pieces[:-1]):
+            for layer, piece in enumerate(pieces[:-1]):
                 piece.replay()
                 self.attend(layer, n, meta)
-            bucket.pieces[-1].replay()
+            pieces[-1].replay()
         except RuntimeError:
             if self.tp_size > 1:
                 raise  # the other ranks would wait in a captured all-reduce: fail the step instead
@@ -195,13 +226,16 @@ class PiecewiseGraphs:
             self.broken = True
             return None
         self.stats["replays"] += 1
-        assert bucket.hidden is not None
-        return bucket.hidden[:n]
+        return out[:n]
 
     def attend(self, layer: int, n: int, meta: AttentionMetadata) -> None:
         """Layer ``layer``'s attention over the step's ``n`` real rows, into the static output."""
         kv_cache, scale = self.layers[layer]
         self.out[:n].copy_(self.backend.forward(self.q[:n], self.k[:n], self.v[:n], kv_cache, meta, scale))
+
+    def _deepstack(self, rows: int) -> tuple[Tensor, Tensor]:
+        """The static DeepStack input of a bucket: every row, its features (zeros for rows that are not images)."""
+        return self.ds_rows[:rows], self.ds_feats[:rows]
 
     def _bucket(self, rows: int) -> _Bucket:
         positions = torch.zeros(3, rows, dtype=torch.int64, device=self.device)
@@ -210,20 +244,30 @@ class PiecewiseGraphs:
 
     def _capture(self, rows: int) -> None:
         bucket = self._bucket(rows)
+        try:
+            bucket.pieces, bucket.hidden = self._capture_set(bucket, rows, None)
+            if self.ds_levels:
+                bucket.ds_pieces, bucket.ds_hidden = self._capture_set(bucket, rows, self._deepstack(rows))
+        except BaseException:
+            del self.buckets[rows]
+            raise
+
+    def _capture_set(self, bucket: _Bucket, rows: int,
+                     deepstack: tuple[Tensor, Tensor] | None) -> tuple[list[torch.cuda.CUDAGraph], Tensor]:
         meta = _placeholder_meta(rows, self.device)
         embeds = self.embeds[:rows]
         # A run outside capture first, on the capture stream: lazy library set-up, compiles and cuBLAS's choice
         # for this row count happen there, not inside the capture.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self.lm(embeds, bucket.positions, self.kv_caches, meta, backend=_Splitter(self, rows))
+            self.lm(embeds, bucket.positions, self.kv_caches, meta, backend=_Splitter(self, rows), deepstack=deepstack)
         self.stream.synchronize()
         capture = _Capture(self.pool, self.capture_mode)
         try:
             with torch.cuda.stream(self.stream):
                 capture.begin()
-                bucket.hidden = self.lm(embeds, bucket.positions, self.kv_caches, meta,
-                                        backend=_Splitter(self, rows, capture))
+                hidden = self.lm(embeds, bucket.positions, self.kv_caches, meta,
+                                 backend=_Splitter(self, rows, capture), deepstack=deepstack)
                 capture.end()
         except BaseException:
             if capture.open:  # leave the stream out of capture mode whatever failed
@@ -231,13 +275,12 @@ class PiecewiseGraphs:
                     capture.end()
                 except RuntimeError:
                     pass
-            del self.buckets[rows]
             raise
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         if len(capture.graphs) != len(self.layers) + 1:
             raise RuntimeError(f"{len(capture.graphs)} pieces captured for {len(self.layers)} attention calls")
-        bucket.pieces = capture.graphs
         self.stats["captures"] += len(capture.graphs)
+        return capture.graphs, hidden
 
 
 def _placeholder_meta(rows: int, device: torch.device) -> AttentionMetadata:
@@ -253,6 +296,7 @@ def _placeholder_meta(rows: int, device: torch.device) -> AttentionMetadata:
 def build(
     lm: LanguageModel, backend: AttentionBackend, kv_caches: list[Tensor], hidden_size: int,
     head_shapes: tuple[int, int, int], max_tokens: int, dtype: torch.dtype, tp_size: int, scratch_slot: int | None,
+    deepstack_levels: int = 0,
 ) -> PiecewiseGraphs | None:
     """Every bucket captured at start-up, or None when ``max_tokens`` leaves none. A capture that fails stops the
     worker's start, naming the flag that turns the graphs off: a capture that failed on the device leaves torch's
@@ -260,7 +304,8 @@ def build(
     if not token_buckets(max_tokens):
         return None
     started = time.perf_counter()
-    graphs = PiecewiseGraphs(lm, backend, kv_caches, hidden_size, head_shapes, max_tokens, dtype, tp_size, scratch_slot)
+    graphs = PiecewiseGraphs(lm, backend, kv_caches, hidden_size, head_shapes, max_tokens, dtype, tp_size, scratch_slot,
+                             deepstack_levels=deepstack_levels)
     try:
         graphs.capture_all()
     except Exception as exc:

@@ -42,7 +42,12 @@ def _emulated(engine: Engine, max_tokens: int, kv_in_pieces: bool = True) -> Pie
     heads = (r.spec.num_heads, kv_heads_per_rank(r.spec.num_kv_heads, 1), r.spec.head_dim)
     scratch = r.num_blocks * r.cfg.block_size if kv_in_pieces else None  # the block no sequence is given
     return PiecewiseGraphs(r.lm, r.lm.attention_backend(r.device), r.kv_caches, r.spec.hidden_size, heads, max_tokens,
-                           r.dtype, scratch_slot=scratch, emulate=True)
+                           r.dtype, scratch_slot=scratch, emulate=True, deepstack_levels=_levels(engine))
+
+
+def _levels(engine: Engine) -> int:
+    spec = engine.runner.spec
+    return spec.embed_width // spec.hidden_size - 1
 
 
 def test_steps_pad_up_to_a_bucket_and_larger_ones_do_not_fit() -> None:
@@ -54,19 +59,23 @@ def test_steps_pad_up_to_a_bucket_and_larger_ones_do_not_fit() -> None:
 def test_emulated_pieces_give_the_eager_tokens(fixture: str, request: pytest.FixtureRequest) -> None:
     """Steps of up to 40 tokens (prefill chunks beside decodes, and pure decodes: the CPU has no decode graphs) against
     buckets of up to 32: the smaller steps pad up to a bucket, the larger ones miss and run eagerly. Qwen3-VL's image
-    steps carry DeepStack features, which the pieces do not take: they run eagerly, its text steps through the pieces."""
+    steps carry DeepStack features: they take the DeepStack pieces, its text steps the plain ones."""
     model_dir: Path = request.getfixturevalue(fixture)
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256,
                                  chunk_size=40, lone_prefill_tokens=0, enable_prefix_caching=False))
     assert engine.runner.piecewise is None  # CPU: no graphs unless a test emulates them
     eager = [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
-    for kv_in_pieces in (True, False):  # the pieces write K/V themselves, or the eager attention does
-        pieces = engine.runner.piecewise = _emulated(engine, 32, kv_in_pieces)
-        assert pieces.buckets_in_use[-1] == 32
+    # The pieces write K/V themselves, or the eager attention does; buckets up to 32 (the image steps, 38 and 40
+    # tokens, miss) or 48 (every step fits).
+    for kv_in_pieces, most in ((True, 32), (False, 32), (True, 48)):
+        pieces = engine.runner.piecewise = _emulated(engine, most, kv_in_pieces)
+        assert pieces.buckets_in_use[-1] == most
         assert [o.token_ids for o in engine.generate(_prompts(), GREEDY)] == eager
-        assert pieces.stats["replays"] > 0 and pieces.stats["misses"] > 0
+        assert pieces.stats["replays"] > pieces.stats["deepstack_replays"]
+        assert (pieces.stats["misses"] > 0) == (most == 32)
+        assert (pieces.stats["deepstack_replays"] > 0) == (most == 48 and fixture != "demo_model_dir")  # Qwen3-VL
         assert len(pieces.layers) == engine.runner.spec.num_layers
-        assert sorted(pieces.buckets) == sorted(set(pieces.buckets) & set(token_buckets(32)))
+        assert sorted(pieces.buckets) == sorted(set(pieces.buckets) & set(token_buckets(most)))
 
 
 def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir: Path) -> None:
@@ -74,7 +83,7 @@ def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir:
     pieces = engine.runner.piecewise = _emulated(engine, 16)
     prompt = [{"role": "user", "content": "one two " * 20}]  # one 40-odd-token step: over the largest bucket
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
-    assert pieces.stats == {"replays": 0, "captures": 0, "misses": 1} and not pieces.buckets
+    assert pieces.stats == {"replays": 0, "captures": 0, "misses": 1, "deepstack_replays": 0} and not pieces.buckets
 
 
 @pytest.mark.gpu
@@ -82,15 +91,18 @@ def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir:
 @pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir"])
 def test_captured_pieces_give_the_eager_tokens_on_cuda(fixture: str, request: pytest.FixtureRequest) -> None:
     """float32 on CUDA, so the graphs and the eager forward differ by rounding only and greedy tokens must agree.
-    (Qwen3-VL-MoE captures in bf16 only, where its experts run as grouped GEMMs with no host sync.)"""
+    Qwen3-VL captures a second set of pieces per bucket, for its image steps' DeepStack features. (Qwen3-VL-MoE
+    captures in bf16 only, where its experts run as grouped GEMMs with no host sync.)"""
     model_dir: Path = request.getfixturevalue(fixture)
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", chunk_size=40,
                                  lone_prefill_tokens=0, piecewise_graph_tokens=48,
                                  enable_prefix_caching=False))
     pieces = engine.runner.piecewise
-    assert pieces is not None and pieces.stats["captures"] == len(token_buckets(48)) * (engine.runner.spec.num_layers + 1)
+    sets = 1 + (_levels(engine) > 0)
+    assert pieces is not None
+    assert pieces.stats["captures"] == sets * len(token_buckets(48)) * (engine.runner.spec.num_layers + 1)
     with_graphs = [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
-    assert pieces.stats["replays"] > 0
+    assert pieces.stats["replays"] > 0 and (pieces.stats["deepstack_replays"] > 0) == (sets == 2)
     engine.runner.piecewise = None
     assert [o.token_ids for o in engine.generate(_prompts(), GREEDY)] == with_graphs
 
