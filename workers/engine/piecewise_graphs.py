@@ -188,9 +188,10 @@ class PiecewiseGraphs:
         bucket = self.buckets.get(rows) if rows is not None else None
         if self.emulate and rows is not None and bucket is None:
             bucket = self._bucket(rows)
-        if (rows is None or bucket is None or self.broken  # no capture mid-serving: `capture_all` took them all
-                or (deepstack is not None and bucket.ds_pieces is None and not self.emulate) or
-                (deepstack is not None and not self.ds_levels)):
+        # No capture mid-serving: `capture_all` took every bucket, with its DeepStack set where the family has one.
+        no_set = deepstack is not None and (not self.ds_levels or (bucket is not None and bucket.ds_pieces is None
+                                                                   and not self.emulate))
+        if rows is None or bucket is None or self.broken or no_set:
             self.stats["misses"] += 1
             return None
         if deepstack is not None:
