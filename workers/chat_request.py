@@ -44,7 +44,9 @@ _R = TypeVar("_R", bound=msgspec.Struct)
 
 class ImageURL(msgspec.Struct, frozen=True):
     url: str
-    detail: str | None = None  # accepted for compatibility; the processor's own resizing decides
+    # OpenAI's: "low" scales the image down to 512 px on its longer side before the processor sees it (fewer
+    # tokens); "auto" and "high" leave it as sent, at the processor's own resolution. Images only.
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class TextPart(msgspec.Struct, frozen=True, tag="text", tag_field="type"):
@@ -196,6 +198,7 @@ class ImageRef:
 
     url: str
     param: str
+    low: bool = False  # detail "low"
 
 
 def image_refs(req: ChatCompletionRequest) -> list[ImageRef]:
@@ -204,13 +207,17 @@ def image_refs(req: ChatCompletionRequest) -> list[ImageRef]:
 
 def video_refs(req: ChatCompletionRequest) -> list[ImageRef]:
     """The video parts of the request, in prompt order."""
-    return [
-        ImageRef(part.url, f"messages[{i}].content[{j}].video_url")
+    refs = [
+        (ImageRef(part.url, f"messages[{i}].content[{j}].video_url"), part.video_url)
         for i, message in enumerate(req.messages)
         if isinstance(message.content, list)
         for j, part in enumerate(message.content)
         if isinstance(part, VideoPart)
     ]
+    for ref, url in refs:
+        if isinstance(url, ImageURL) and url.detail == "low":
+            raise unsupported(f"{ref.param}.detail", "'low' is for images; a video's frames keep their resolution")
+    return [ref for ref, _ in refs]
 
 
 def text_parts(req: ChatCompletionRequest) -> list[str]:
@@ -229,7 +236,8 @@ def _iter_images(req: ChatCompletionRequest) -> Iterator[ImageRef]:
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 if isinstance(part, ImagePart):
-                    yield ImageRef(part.url, f"messages[{i}].content[{j}].image_url")
+                    low = isinstance(part.image_url, ImageURL) and part.image_url.detail == "low"
+                    yield ImageRef(part.url, f"messages[{i}].content[{j}].image_url", low)
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

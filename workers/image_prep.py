@@ -42,7 +42,7 @@ from workers.chat_request import BadRequest
 from workers.config import ServerConfig
 from workers.engine.processor import MMProcessor, ProcessedImage
 from workers.image_io import Encoded, write_and_publish
-from workers.media import decode_pixels, probe_decodes, probe_image
+from workers.media import decode_pixels, low_detail, low_detail_size, probe_decodes, probe_image
 
 LOCAL_INDEX_SIZE = 4096  # hashes remembered with their newest segment name (a hint; /dev/shm is the truth)
 DATA_URL_INDEX_SIZE = 4096  # data URLs remembered by the hash of their text, with their image's hash
@@ -68,6 +68,7 @@ class RequestImage:
     ref: shm.ShmRef | None = None  # this request's segment, once linked or written (or named, if deferred)
     deferred: bool = False  # grid from the header: decoded, processed and written after the prompt is sent
     early: Future[ProcessedImage] | None = None  # grid from the header, processing while the prompt is built
+    low: bool = False  # detail "low": scaled down before the processor (media.low_detail); its own hash
 
 
 @dataclass(frozen=True)
@@ -160,23 +161,26 @@ class ImagePrep:
         return Encoded(load=load, key=key)
 
     def plan(
-        self, raws: list[Encoded], params: list[str], defer: bool = False, first_too: bool = False
+        self, raws: list[Encoded], params: list[str], defer: bool = False, first_too: bool = False,
+        low: list[bool] | None = None,
     ) -> list[RequestImage]:
         """Hash every image; find live segments to reuse, or else decode and process it now (the
         distinct ones that need it all at once), or with ``defer`` only read its grid from the header.
         With ``first_too`` as well, the first fresh image is deferred too (still decoded from the moment it
-        is found fresh). One entry per image, repeats sharing theirs."""
+        is found fresh). ``low``: which images have detail "low". One entry per image, repeats sharing theirs."""
         by_hash: dict[bytes, RequestImage] = {}
         order: list[RequestImage] = []
         todo: list[RequestImage] = []
         listing: dict[str, list[tuple[str, Grid]]] | None = None  # /dev/shm listed at most once
         self.marks = {}
-        for raw, param in zip(raws, params, strict=True):
+        for raw, param, small in zip(raws, params, low or [False] * len(raws), strict=True):
             h = raw.hash if raw.hash is not None else self.processor.media_hash(raw.data())
             if raw.key is not None and raw.hash is None:  # remembered for this URL's next sending
                 self.data_urls[raw.key] = h
                 if len(self.data_urls) > DATA_URL_INDEX_SIZE:
                     self.data_urls.popitem(last=False)
+            if small:  # other pixels than the same bytes at full detail: another image to the caches
+                h = blake3.blake3(b"glimpse-low-detail-v1" + h).digest(16)
             if (image := by_hash.get(h)) is not None:
                 self.images_reused += 1  # repeated within the request: shares the first one's segment
                 order.append(image)
@@ -186,9 +190,9 @@ class ImagePrep:
                 listing = self._list_live() if listing is None else listing
                 live = listing.get(h.hex(), [])
             if live:
-                image = RequestImage(h, raw, param, live[0][1], [name for name, _ in live])
+                image = RequestImage(h, raw, param, live[0][1], [name for name, _ in live], low=small)
             else:
-                image = RequestImage(h, raw, param, _NO_GRID, [])
+                image = RequestImage(h, raw, param, _NO_GRID, [], low=small)
                 todo.append(image)
                 if defer and len(todo) == 1:  # decoding from here on, while the rest is hashed and probed
                     self._start_early(image, deferred=first_too)
@@ -220,6 +224,8 @@ class ImagePrep:
         """Read a fresh image's grid from its header (refusing what decoding would refuse for size or format);
         False where the processor cannot tell a grid in advance."""
         width, height = probe_image(image.raw.data(), self.config.max_image_pixels, image.param)
+        if image.low:
+            width, height = low_detail_size(width, height)
         try:
             grid = self.processor.image_grid(width, height)
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses
@@ -263,6 +269,8 @@ class ImagePrep:
         interleaving of decode_pixels's warnings.catch_warnings, not thread-safe before Python 3.14, leaves PIL's
         DecompressionBombWarning ignored for the process: harmless, our own pixel limit being the check.)"""
         decoded = decode_pixels(image.raw.data(), self.config.max_image_pixels, image.param)
+        if image.low:
+            decoded = low_detail(decoded)
         try:
             return self.processor.process_image(decoded, image_hash=image.hash, frame=True)
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses

@@ -345,3 +345,24 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     flat = Image.new("RGB", rgba.size, (255, 255, 255))
     flat.paste(rgba, mask=rgba.getchannel("A"))
     return flat
+
+
+# OpenAI's ``detail: "low"``: the model sees the image at most 512 pixels on its longer side.
+LOW_DETAIL_SIDE = 512
+
+
+def low_detail_size(width: int, height: int) -> tuple[int, int]:
+    """The size an image of ``width`` x ``height`` is scaled down to for ``detail: "low"`` (aspect kept)."""
+    longer = max(width, height)
+    if longer <= LOW_DETAIL_SIDE:
+        return width, height
+    scale = LOW_DETAIL_SIDE / longer
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def low_detail(pixels: Image.Image | np.ndarray) -> Image.Image | np.ndarray:
+    """Decoded RGB pixels (`decode_pixels`) as ``detail: "low"`` has them: Pillow's bicubic resize to
+    `low_detail_size`, the same pixels a client gets by resizing before it sends. Small images pass as they are."""
+    image = Image.fromarray(pixels, "RGB") if isinstance(pixels, np.ndarray) else pixels
+    size = low_detail_size(*image.size)
+    return pixels if size == image.size else image.resize(size, Image.Resampling.BICUBIC)

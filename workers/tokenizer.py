@@ -268,7 +268,8 @@ class TokenizerWorker:
         raws = [raw for raw in admitted.raws if raw is not None]
         assert len(raws) == len(refs), "prepare() before every image was loaded"
         defer = defer and self.overlap
-        order = self.prep.plan(raws, [r.param for r in refs], defer=defer, first_too=defer and alone)
+        order = self.prep.plan(raws, [r.param for r in refs], defer=defer, first_too=defer and alone,
+                               low=[r.low for r in refs])
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
