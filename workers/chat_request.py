@@ -105,6 +105,18 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     # OpenAI's deprecated predecessors of tools: refused (answering them needs message.function_call).
     functions: list[Any] | None = None
     function_call: Any = None
+    # vLLM's chat-template controls: continue the last (assistant) message instead of opening a new turn, and more
+    # variables for the template (e.g. enable_thinking).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Fields other servers take that would change the answer and that are not served here: refused unless default.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    echo: bool = False
+    audio: Any = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
 
     @property
     def tool_mode(self) -> ToolChoice:
@@ -187,6 +199,43 @@ def _check(req: ChatCompletionRequest) -> None:
     if req.functions is not None or req.function_call is not None:
         raise unsupported("functions", "use 'tools' and 'tool_choice' (the legacy function-call fields are not served)")
     check_tools(parse_tools(req.tools) if req.tools else None, req.tool_choice)
+    _check_template(req)
+    refused = (
+        ("skip_special_tokens", not req.skip_special_tokens, "answers are always decoded without special tokens"),
+        ("include_stop_str_in_output", req.include_stop_str_in_output, "a stop string is never part of the answer"),
+        ("echo", req.echo, "a chat answer does not repeat the prompt (/v1/completions echoes)"),
+        ("audio", req.audio is not None, "answers are text only"),
+        ("modalities", bool(set(req.modalities or ()) - {"text"}), "answers are text only"),
+        ("web_search_options", req.web_search_options is not None, "this server does not search the web"),
+    )
+    for param, sent, why in refused:
+        if sent:
+            raise unsupported(param, why)
+
+
+# apply_chat_template's own parameters: chat_template_kwargs may not set them.
+_TEMPLATE_OWN = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _check_template(req: ChatCompletionRequest) -> None:
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise BadRequest("'continue_final_message' needs 'add_generation_prompt' set to false.",
+                             param="continue_final_message", code="invalid_value")
+        if req.messages[-1].role != "assistant":
+            raise BadRequest("'continue_final_message' continues the last message, which must be the assistant's.",
+                             param="continue_final_message", code="invalid_value")
+    if taken := sorted(set(req.chat_template_kwargs or ()) & _TEMPLATE_OWN):
+        raise BadRequest(f"'chat_template_kwargs' may not set {', '.join(taken)} (a request field or the server's).",
+                         param="chat_template_kwargs", code="invalid_value")
+
+
+def template_options(req: ChatCompletionRequest) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments for this request, beside the messages and tools."""
+    return {**(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message}
 
 
 # ---- what the tokenizer needs from a parsed request ---------------------------------------------

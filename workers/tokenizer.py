@@ -47,6 +47,7 @@ from workers.chat_request import (
     image_refs,
     parse_request,
     template_messages,
+    template_options,
     template_tools,
     text_parts,
     to_sampling_params,
@@ -274,7 +275,8 @@ class TokenizerWorker:
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
         try:
-            prompt = self.processor.build(self.processor.render(template_messages(chat), template_tools(chat)), media)
+            rendered = self.processor.render(template_messages(chat), template_tools(chat), template_options(chat))
+            prompt = self.processor.build(rendered, media)
         except (ValueError, jinja2.TemplateError) as exc:  # e.g. image-pad tokens typed into the text
             raise BadRequest(f"The messages cannot be made into a prompt: {exc}", param="messages") from None
         sampling = to_sampling_params(

@@ -256,7 +256,10 @@ class MMProcessor:
         return grid
 
     # ---- prompts --------------------------------------------------------------------------------
-    def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Rendered:
+    def render(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Rendered:
         """Apply the chat template; image parts become the model's image placeholder.
 
         Text that came from the client is put through the template as a sentinel and returned apart from
@@ -269,8 +272,9 @@ class MMProcessor:
         Tool results, the names and arguments of earlier tool calls and the tool definitions are client text
         too. Templates write a tool as ``tool | tojson``: it goes in as a one-key object whose key is a
         sentinel, and the JSON tojson makes of that is turned back into the sentinel (whose text is the
-        tool's JSON, as tojson would have written it). Raises ValueError when ``tools`` are given and the
-        template has no place for them, or reads into them while client text holds a special-token string."""
+        tool's JSON, as tojson would have written it). ``options``: more apply_chat_template arguments (default: a
+        generation prompt). Raises ValueError when ``tools`` are given and the template has no place for them, or
+        reads into them while client text holds a special-token string."""
         texts: list[str] = []
 
         def hold(text: Any) -> str:
@@ -280,14 +284,14 @@ class MMProcessor:
         held = [self._plain(message, hold) for message in messages]
         refs = [hold(json.dumps(tool, ensure_ascii=False)) for tool in tools] if tools else []
         plain = [self._plain(message, str) for message in messages]
-        real = self._apply_template(plain, tools)
-        if tools and real == self._apply_template(plain, None):
+        real = self._apply_template(plain, tools, options)
+        if tools and real == self._apply_template(plain, None, options):
             raise ValueError("the model's chat template does not render tools")
         if not any(self._has_special(t) for t in texts):
             # Nothing to keep apart: the template's own rendering, tokenized in one pass (token_ids), is
             # exactly what transformers tokenizes; the sentinel rendering would buy nothing.
             return Rendered([(real, False)])
-        text = self._apply_template(held, [{ref: 0} for ref in refs] or None)
+        text = self._apply_template(held, [{ref: 0} for ref in refs] or None, options)
         written = [json.dumps({ref: 0}, ensure_ascii=False) for ref in refs]
         tools_held = all(w in text for w in written)  # False: the template reads into a tool
         for ref, w in zip(refs, written, strict=True):
@@ -322,9 +326,13 @@ class MMProcessor:
             out["tool_calls"] = [_called(call, text) for call in message["tool_calls"]]
         return out
 
-    def _apply_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
-        extra: dict[str, Any] = {"tools": tools} if tools else {}
-        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
+    def _apply_template(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None, options: dict[str, Any] | None = None
+    ) -> str:
+        extra: dict[str, Any] = {"add_generation_prompt": True, **(options or {})}
+        if tools:
+            extra["tools"] = tools
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, **extra))
 
     def _has_special(self, text: str) -> bool:
         return any(token in text for token in self._special_strings)
