@@ -111,8 +111,6 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # Fields other servers take that would change the answer and that are not served here: refused unless default.
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     echo: bool = False
     audio: Any = None
     modalities: list[str] | None = None
@@ -201,8 +199,6 @@ def _check(req: ChatCompletionRequest) -> None:
     check_tools(parse_tools(req.tools) if req.tools else None, req.tool_choice)
     _check_template(req)
     refused = (
-        ("skip_special_tokens", not req.skip_special_tokens, "answers are always decoded without special tokens"),
-        ("include_stop_str_in_output", req.include_stop_str_in_output, "a stop string is never part of the answer"),
         ("echo", req.echo, "a chat answer does not repeat the prompt (/v1/completions echoes)"),
         ("audio", req.audio is not None, "answers are text only"),
         ("modalities", bool(set(req.modalities or ()) - {"text"}), "answers are text only"),

@@ -69,6 +69,9 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int | None = None  # vLLM-style extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's detokenizing switches: only their defaults are served (anything else is a 400 naming it).
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # Structured outputs (workers/structured_request.py): OpenAI's, then vLLM's extensions.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -110,6 +113,10 @@ def unsupported(param: str, why: str) -> BadRequest:
 
 def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
     """Value checks msgspec's types cannot express, in parameter order, first failure wins."""
+    if not req.skip_special_tokens:
+        raise unsupported("skip_special_tokens", "answers are always decoded without special tokens")
+    if req.include_stop_str_in_output:
+        raise unsupported("include_stop_str_in_output", "a stop string is never part of the answer")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise range_error("temperature", req.temperature, "between 0 and 2")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:

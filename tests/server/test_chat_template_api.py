@@ -96,3 +96,10 @@ def test_their_defaults_are_accepted(server: LiveServer) -> None:
                 "modalities": ["text"], "add_generation_prompt": True, "continue_final_message": False,
                 "chat_template_kwargs": {}}
     assert _chat(server, messages, **defaults) == _chat(server, messages)
+
+
+@pytest.mark.parametrize("field", [{"skip_special_tokens": False}, {"include_stop_str_in_output": True}])
+def test_completions_refuse_the_same_detokenizing_switches(server: LiveServer, field: dict[str, Any]) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().completions.create(model="demo", prompt="Hello", max_tokens=4, extra_body=field)
+    assert info.value.body["param"] == next(iter(field)), info.value.body  # type: ignore[index]
