@@ -117,6 +117,8 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
         raise unsupported("skip_special_tokens", "answers are always decoded without special tokens")
     if req.include_stop_str_in_output:
         raise unsupported("include_stop_str_in_output", "a stop string is never part of the answer")
+    if req.seed is not None and not -(2**63) <= req.seed <= 2**64 - 1:  # torch's seed range
+        raise range_error("seed", req.seed, "between -2**63 and 2**64 - 1")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise range_error("temperature", req.temperature, "between 0 and 2")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.reference import HFReference, Process, penalize
@@ -125,6 +126,8 @@ def test_out_of_range_parameters_are_refused_naming_them(live: LiveServer) -> No
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"extra_body": {"min_p": 2}}, "min_p"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ]:
         with pytest.raises(openai.BadRequestError) as info:
             ask(live, **fields)
@@ -219,3 +222,20 @@ def test_n_choices_stream_by_index_as_they_answer_whole(live: LiveServer) -> Non
     assert len(set(texts.values())) == 3  # each choice drew its own tokens
     assert set(finishes) == {0, 1, 2} and usage is not None
     assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_choices_at_the_top_of_the_seed_range(live: LiveServer) -> None:
+    """Choice i samples with seed + i: at seed 2**64 - 1 that wraps around instead of overflowing the messages to the
+    model worker (it used to end the scheduler process, and with it the server)."""
+    for seed in (2**64 - 1, -(2**63)):
+        resp = live.client().chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6, temperature=1.0,
+            n=3, seed=seed, extra_body={"ignore_eos": True},
+        )
+        assert [len(c.message.content or "") > 0 for c in resp.choices] == [True] * 3
+        again = live.client().chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6, temperature=1.0,
+            n=3, seed=seed, extra_body={"ignore_eos": True},
+        )
+        assert [c.message.content for c in again.choices] == [c.message.content for c in resp.choices]
+    assert httpx.get(f"{live.base}/health", timeout=10).status_code == 200

@@ -146,6 +146,13 @@ def fork_blocks_needed(prompt_len: int, n: int, block_size: int) -> int:
     return (n - 1) if n > 1 and prompt_len % block_size else 0
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed: the request's plus the index (vLLM's offset), wrapped to stay a 64-bit seed (torch's
+    range, and what the IPC messages carry): a seed near 2**64 - 1 would otherwise overflow for choices past 0."""
+    out = seed + index
+    return out - 2**64 if out > 2**64 - 1 else out
+
+
 def fork(parent: Sequence, allocator: BlockAllocator, arrival: int) -> list[tuple[Sequence, Fork]]:
     """Choices 1..n-1 of ``parent``, whose prompt the step being planned completes. Each shares the
     parent's full prompt blocks (one more reference each) and takes one of the reserved copies of the
@@ -156,7 +163,7 @@ def fork(parent: Sequence, allocator: BlockAllocator, arrival: int) -> list[tupl
     partial = parent.block_table[full] if parent.prompt_len % bs else None
     out = []
     for index in range(1, parent.sampling.n):
-        seed = None if parent.sampling.seed is None else parent.sampling.seed + index
+        seed = None if parent.sampling.seed is None else choice_seed(parent.sampling.seed, index)
         sampling = msgspec.structs.replace(parent.sampling, n=1, seed=seed)
         allocator.share(shared)
         table = list(shared)
