@@ -119,6 +119,9 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
         raise unsupported("include_stop_str_in_output", "a stop string is never part of the answer")
     if req.seed is not None and not -(2**63) <= req.seed <= 2**64 - 1:  # torch's seed range
         raise range_error("seed", req.seed, "between -2**63 and 2**64 - 1")
+    for name in ("top_k", "min_tokens"):  # past 64 bits no message could carry them
+        if (value := getattr(req, name)) is not None and value >= 2**63:
+            raise range_error(name, value, "below 2**63")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise range_error("temperature", req.temperature, "between 0 and 2")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
@@ -147,6 +150,13 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
             raise range_error("min_tokens", req.min_tokens, f"<= max_tokens ({max_tokens})")
     if req.logit_bias is not None and len(req.logit_bias) > MAX_LOGIT_BIAS:
         raise range_error("logit_bias", f"{len(req.logit_bias)} entries", f"of at most {MAX_LOGIT_BIAS} entries")
+
+
+def _token_ids(param: str, ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
+    bad = next((t for t in ids or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise range_error(param, bad, f"made of token ids below {vocab_size}")
+    return tuple(ids or ())
 
 
 def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -239,7 +249,7 @@ def to_sampling_params(
         top_k=top_k if top_k > 0 else 0,
         seed=req.seed,
         stop=req.stop_strings,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
+        stop_token_ids=_token_ids("stop_token_ids", req.stop_token_ids, vocab_size),
         ignore_eos=req.ignore_eos,
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),

@@ -127,6 +127,9 @@ def test_out_of_range_parameters_are_refused_naming_them(live: LiveServer) -> No
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"extra_body": {"min_p": 2}}, "min_p"),
         ({"seed": 2**64}, "seed"),
+        ({"extra_body": {"top_k": 2**64}}, "top_k"),
+        ({"extra_body": {"stop_token_ids": [-5]}}, "stop_token_ids"),
+        ({"extra_body": {"stop_token_ids": [2**64 + 5]}}, "stop_token_ids"),
         ({"seed": -(2**63) - 1}, "seed"),
     ]:
         with pytest.raises(openai.BadRequestError) as info:
