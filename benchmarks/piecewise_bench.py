@@ -24,6 +24,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,25 +98,30 @@ def main() -> None:
                  ("over the base", 40), ("over the base", 100), ("over the base", 160)]
         if args.limit > 512:  # steps of 512-1024 tokens (~3.4 tokens a word here)
             cases += [("short prompt", 200), ("short prompt", 280), ("over the base", 200), ("over the base", 280)]
-        for case, extra in cases:
-            new = len(tokenizer(words(extra))["input_ids"])
+
+        def medians(measure: Callable[..., float], *inputs: Any) -> str:
+            """``measure(*inputs)`` under each variant, ``--repeats`` times in alternating order: a median per variant."""
             times: dict[str, list[float]] = {name: [] for name in variants}
             for rep in range(args.repeats):
                 for name in list(variants) if rep % 2 == 0 else list(reversed(variants)):
                     engine.runner.piecewise = variants[name]
-                    times[name].append(first_token(words(extra) if case == "short prompt" else base + " " + words(extra)))
-            print(f"{case:16} {new:10d} " + " ".join(f"{statistics.median(times[name]):20.1f}" for name in variants))
-        # A small image and a few words: the ViT runs on a new image every time, then one LM step (with Qwen3-VL's
-        # DeepStack features, the pieces' second set).
+                    times[name].append(measure(*inputs))
+            return " ".join(f"{statistics.median(times[name]):20.1f}" for name in variants)
+
+        def text_step(before: str, extra: int) -> float:
+            return first_token(before + words(extra))
+
+        def image_step(width: int, height: int) -> float:
+            pixels = np.random.default_rng(rng.randrange(1 << 30)).integers(0, 256, (height, width, 3), dtype=np.uint8)
+            return first_token(words(8), Image.fromarray(pixels))
+
+        for case, extra in cases:
+            new = len(tokenizer(words(extra))["input_ids"])
+            print(f"{case:16} {new:10d} " + medians(text_step, base + " " if case == "over the base" else "", extra))
+        # A small new image and a few words: the ViT runs every time, then one LM step (with Qwen3-VL's DeepStack
+        # features, the pieces' second set).
         for width, height in ((448, 448), (640, 480)):
-            times = {name: [] for name in variants}
-            for rep in range(args.repeats):
-                for name in list(variants) if rep % 2 == 0 else list(reversed(variants)):
-                    engine.runner.piecewise = variants[name]
-                    pixels = np.random.default_rng(rng.randrange(1 << 30)).integers(0, 256, (height, width, 3))
-                    times[name].append(first_token(words(8), Image.fromarray(pixels.astype(np.uint8))))
-            print(f"{f'image {width}x{height}':16} {'':>10} "
-                  + " ".join(f"{statistics.median(times[name]):20.1f}" for name in variants))
+            print(f"{f'image {width}x{height}':16} {'':>10} " + medians(image_step, width, height))
 
         decode = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 

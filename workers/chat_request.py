@@ -252,17 +252,15 @@ def image_refs(req: ChatCompletionRequest) -> list[ImageRef]:
 
 def video_refs(req: ChatCompletionRequest) -> list[ImageRef]:
     """The video parts of the request, in prompt order."""
-    refs = [
-        (ImageRef(part.url, f"messages[{i}].content[{j}].video_url"), part.video_url)
-        for i, message in enumerate(req.messages)
-        if isinstance(message.content, list)
-        for j, part in enumerate(message.content)
-        if isinstance(part, VideoPart)
-    ]
-    for ref, url in refs:
-        if isinstance(url, ImageURL) and url.detail == "low":
-            raise unsupported(f"{ref.param}.detail", "'low' is for images; a video's frames keep their resolution")
-    return [ref for ref, _ in refs]
+    refs = []
+    for i, message in enumerate(req.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if isinstance(part, VideoPart):
+                param = f"messages[{i}].content[{j}].video_url"
+                if isinstance(part.video_url, ImageURL) and part.video_url.detail == "low":
+                    raise unsupported(f"{param}.detail", "'low' is for images; a video's frames keep their resolution")
+                refs.append(ImageRef(part.url, param))
+    return refs
 
 
 def text_parts(req: ChatCompletionRequest) -> list[str]:

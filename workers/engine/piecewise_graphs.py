@@ -188,10 +188,9 @@ class PiecewiseGraphs:
         bucket = self.buckets.get(rows) if rows is not None else None
         if self.emulate and rows is not None and bucket is None:
             bucket = self._bucket(rows)
+        with_ds = deepstack is not None
         # No capture mid-serving: `capture_all` took every bucket, with its DeepStack set where the family has one.
-        no_set = deepstack is not None and (not self.ds_levels or (bucket is not None and bucket.ds_pieces is None
-                                                                   and not self.emulate))
-        if rows is None or bucket is None or self.broken or no_set:
+        if rows is None or bucket is None or self.broken or (with_ds and not self.ds_levels):
             self.stats["misses"] += 1
             return None
         if deepstack is not None:
@@ -205,7 +204,6 @@ class PiecewiseGraphs:
             self.slots[:n].copy_(meta.slot_mapping)
             self.slots[n:rows].fill_(self.scratch_slot)
             meta = replace(meta, kv_written=True, derived={})  # a copy: a fallback to eager must still write
-        with_ds = deepstack is not None
         self.stats["deepstack_replays"] += with_ds
         if self.emulate:
             splitter = _Splitter(self, rows, real=n, meta=meta)
