@@ -1,0 +1,1 @@
+"""Benchmark scripts that print a table (benchmarks/README.md lists each and the question it answers)."""

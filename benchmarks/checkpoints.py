@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workers.engine.demo_model import ensure_demo_model
+from workers.engine.models.demo_writer import ensure_demo_model
 
 # Qwen2.5-VL-7B-Instruct's published shapes.
 QWEN25_VL_7B_TEXT = {

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoints import shaped_checkpoint
-from benchmarks.engine_bench import RESOLUTIONS, messages_with, noise_image
+from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_image
 from server.cli import main as glimpse_cli
 from tests.server.live import LiveServer
 

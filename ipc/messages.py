@@ -318,7 +318,7 @@ class WorkerStats(Msg, frozen=True):
     gpu_allocated_bytes: int = 0  # allocated after it: weights, KV cache, embedding store
     gc_collections: int = 0  # the interpreter's garbage collections in this process since it got ready
     gc_pause_s_max: float = 0.0
-    gc_frozen: int = 0  # objects moved out of the collector's reach at start-up (workers.proc.freeze_heap)
+    gc_frozen: int = 0  # objects moved out of the collector's reach at start-up (workers.common.proc.freeze_heap)
     gc_full: int = 0  # collections of the oldest generation among gc_collections
     gc_pause_s_sum: float = 0.0  # all of them together: time the process's Python stood still
 

@@ -13,7 +13,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
-    from workers.engine.demo_model import write_demo_model
+    from workers.engine.models.demo_writer import write_demo_model
 
     path = write_demo_model(args.path, args.family)
     print(f"wrote the {args.family} demo model (random weights) to {path}")
@@ -36,7 +36,7 @@ def _add_demo_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # Imported here, not at the top: the load generator is a client-side tool the server never needs.
-    from benchmarks.bench_client import add_bench
+    from benchmarks.serving.bench_client import add_bench
 
     add_bench(sub)
 

@@ -57,7 +57,7 @@ from server.config import ServerConfig
 from server.pool_stats import PoolCollector
 from server.router import Router
 from server.stats import Metrics, StatsBook
-from workers.step_trace import StepTrace
+from workers.common.step_trace import StepTrace
 
 logger = logging.getLogger("glimpse.frontend")
 _ABORTS_KEPT = 65536  # rids remembered for an abort until their RouteRequest comes (old ones fall out)

@@ -40,7 +40,7 @@ from ipc.shm import sweep, sweep_dead_launches
 from server.app import FrontendState, create_app
 from server.config import ServerConfig
 from server.http_guard import HttpLimits, guarded_protocol
-from workers.proc import freeze_heap
+from workers.common.proc import freeze_heap
 
 log = logging.getLogger("glimpse.launcher")
 
@@ -105,15 +105,15 @@ def _child_entry(role: str, config: ServerConfig, index: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if role == "model":
-        from workers.model import run_model_worker
+        from workers.model.process import run_model_worker
 
         run_model_worker(config, index)
     elif role == "scheduler":
-        from workers.scheduler import run_scheduler
+        from workers.scheduler.process import run_scheduler
 
         run_scheduler(config, index)
     elif role == "tokenizer":
-        from workers.tokenizer import run_tokenizer
+        from workers.tokenizer.process import run_tokenizer
 
         run_tokenizer(config, index)
     else:
@@ -267,7 +267,7 @@ class Launcher:
         self.state.start()
         rendezvous = None
         if cfg.engine.tp_size > 1:
-            from workers.model import host_rendezvous
+            from workers.model.process import host_rendezvous
 
             rendezvous, port = host_rendezvous()
             cfg = self.config = replace(cfg, dist_port=port)

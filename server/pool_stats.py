@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,7 +25,16 @@ from ipc.messages import SchedulerStats
 
 if TYPE_CHECKING:
     from server.router import ReplicaView
-    from server.stats import StatsBook
+
+
+class ReplicaReports(Protocol):
+    """What these numbers read of the frontend's stats book (server/stats.py): each replica's latest report and
+    their merge."""
+
+    @property
+    def replicas(self) -> dict[int, SchedulerStats]: ...
+    @property
+    def scheduler(self) -> SchedulerStats | None: ...
 
 # Per-GPU figures, per-step sizes and the longest GC pause: the worst replica's value, not a sum.
 _MAX_FIELDS = frozenset({"plan_bytes_last", "plan_bytes_max", "gpu_peak_bytes", "gpu_idle_bytes", "gc_pause_s_max"})
@@ -53,7 +62,7 @@ def merge(replicas: Iterable[SchedulerStats], tp_size: int = 1) -> SchedulerStat
     return SchedulerStats(**fields)
 
 
-def replica_rows(book: StatsBook, views: Sequence[ReplicaView]) -> list[dict[str, Any]]:
+def replica_rows(book: ReplicaReports, views: Sequence[ReplicaView]) -> list[dict[str, Any]]:
     """``/admin/stats``' ``replicas``: each replica's own numbers and what the router sent it."""
     rows = []
     for r in range(max(len(views), len(book.replicas))):
@@ -85,7 +94,7 @@ class PoolCollector(Collector):
     """Per-replica metrics and the vLLM-named gauges, read from the book at scrape time."""
 
     def __init__(
-        self, book: StatsBook, views: Sequence[ReplicaView], tokenizer_outstanding: Sequence[int], model: str,
+        self, book: ReplicaReports, views: Sequence[ReplicaView], tokenizer_outstanding: Sequence[int], model: str,
         block_size: int,
     ) -> None:
         self._book, self._views, self._tok = book, views, tokenizer_outstanding

@@ -144,9 +144,9 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 
     from ipc.launch import new_launch_id
     from workers.engine.config import EngineConfig, serving_kv_blocks
-    from workers.engine.demo_model import ensure_demo_model
-    from workers.engine.loader import CheckpointError, check_checkpoint
     from workers.engine.models import UnsupportedModel, load_spec
+    from workers.engine.models.demo_writer import ensure_demo_model
+    from workers.engine.models.loader import CheckpointError, check_checkpoint
 
     model = Path(args.model) if args.model else ensure_demo_model()
     if not (model / "config.json").exists():
@@ -235,7 +235,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def _private_exemptions(text: str) -> tuple[str, ...]:
-    from workers.media_http import parse_private_exemptions
+    from workers.tokenizer.media.http_fetch import parse_private_exemptions
 
     entries = tuple(e.strip() for e in text.split(",") if e.strip())
     try:
@@ -246,7 +246,7 @@ def _private_exemptions(text: str) -> tuple[str, ...]:
 
 
 def _sampling_defaults(model: Path, mode: str) -> dict[str, float]:
-    from workers.sampling_request import load_generation_defaults
+    from workers.tokenizer.requests.sampling import load_generation_defaults
 
     defaults = load_generation_defaults(model) if mode == "auto" else {}
     if defaults:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from workers.engine.demo_model import ensure_demo_model
+from workers.engine.models.demo_writer import ensure_demo_model
 
 ImageFactory = Callable[..., Image.Image]
 

@@ -16,7 +16,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from transformers.video_utils import read_video_pyav
 
-from workers.engine.video_prompt import DEFAULT_FPS
+from workers.engine.prompt.video_prompt import DEFAULT_FPS
 
 
 def make_video(

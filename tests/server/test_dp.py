@@ -29,8 +29,8 @@ from ipc.kv_events import BlockRemoved, BlockStored, KVEventBatch, external_hash
 from ipc.messages import SamplingParams
 from tests.server.live import LiveServer, data_url, free_port, image_message, png_bytes
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.processor import MMProcessor
+from workers.engine.offline import Engine
+from workers.engine.prompt.processor import MMProcessor
 
 KV_BLOCKS = 64  # per replica: small, so a little traffic evicts
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.reference import HFReference
 from tests.server.live import LiveServer, serving
-from workers.chat_request import parse_request
+from workers.tokenizer.requests.chat import parse_request
 
 PROMPT = "<|im_start|>user\nRead the invoice total.<|im_end|>\n<|im_start|>assistant\n"
 ORIGIN = "https://app.example.com"

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.server.live import LiveServer, data_url, png_bytes, serving
-from workers.media import LOW_DETAIL_SIDE, low_detail_size
+from workers.tokenizer.media.fetch import LOW_DETAIL_SIDE, low_detail_size
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import pytest
 from tests.media_server import MediaServer
 from tests.server.conftest import MEDIA_TIMEOUT_S
 from tests.server.live import LiveServer, image_message
-from tests.workers.test_media_http import SPELLINGS
-from workers.media_http import FETCH_FAILED
+from tests.workers.tokenizer.media.test_http_fetch import SPELLINGS
+from workers.tokenizer.media.http_fetch import FETCH_FAILED
 
 
 @pytest.fixture

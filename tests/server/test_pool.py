@@ -11,7 +11,7 @@ import msgspec
 from ipc.messages import RouteRequest, SchedulerStats, WorkerStats
 from server.pool_stats import merge
 from server.router import AFFINITY_MIN_BLOCKS, Router
-from workers.engine.kv_cache import block_hashes
+from workers.engine.core.kv_cache import block_hashes
 
 BS = 16
 SYSTEM = list(range(1000, 1000 + BS))  # one block every prompt starts with

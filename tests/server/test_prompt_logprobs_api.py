@@ -17,7 +17,7 @@ import torch
 
 from tests.reference import HFReference
 from tests.server.live import LiveServer, serving
-from workers.logprobs import LogprobRenderer
+from workers.scheduler.logprobs import LogprobRenderer
 
 SHORT = "Read the invoice total."  # under one chunk
 LONG = "The invoice lists seven rows of monthly numbers; add them up and read the total aloud. " * 3

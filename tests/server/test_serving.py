@@ -24,7 +24,7 @@ from PIL import Image
 from ipc.messages import SamplingParams
 from tests.server.live import LiveServer, data_url, image_message, png_bytes
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from workers.engine.offline import Engine
 
 # The loopback media server is a private address: allowed here explicitly, as an operator would.
 LIMITS = ("--max-image-pixels", "300000", "--max-image-mb", "0.5", "--max-images-per-request", "6",

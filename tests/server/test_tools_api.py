@@ -24,7 +24,7 @@ from ipc.messages import GenerateRequest, RequestFailed
 from tests.server.live import LiveServer, serving
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
-from workers.tokenizer import TokenizerWorker
+from workers.tokenizer.worker import TokenizerWorker
 
 WEATHER = {
     "type": "object",

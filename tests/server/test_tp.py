@@ -16,7 +16,7 @@ import torch
 
 from tests.reference import greedy_text
 from tests.server.live import LiveServer, data_url, image_message, png_bytes, serving
-from workers.engine.model_runner import split_by_patches
+from workers.engine.runner.model_runner import split_by_patches
 
 MAX_NEW = 12
 ODD = [(57, 83), (300, 200), (123, 77), (640, 480), (29, 29)]

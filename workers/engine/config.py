@@ -50,10 +50,10 @@ class EngineConfig:
     # tail; the transient grows with the images of a call (docs/perf-notes.md, session 10).
     vit_max_patches: int = 32768
     # CUDA: the elementwise work between GEMMs (norms, rotary, SiLU*up, residual adds) as torch.compile'd
-    # kernels (workers/engine/fused.py), compiled at start-up; off = eager PyTorch ops. CPU is always eager.
+    # kernels (workers/engine/kernels/fused.py), compiled at start-up; off = eager PyTorch ops. CPU is always eager.
     fused_kernels: bool = True
     # CUDA: steps of up to this many tokens that are not pure decode (short prompts, a chat turn's new text, small
-    # chunks beside decodes) replay graphs between the layers' attention calls (workers/engine/piecewise_graphs.py);
+    # chunks beside decodes) replay graphs between the layers' attention calls (workers/engine/runner/piecewise_graphs.py);
     # rounded down to a bucket, 0 = off. 1024: steps of 512-1024 tokens are still partly host-bound on a 7B (691 new
     # tokens over a 15k context: 52.9 ms with graphs against 58.6 eagerly, H200, session 24); above, eager is as fast.
     piecewise_graph_tokens: int = 1024

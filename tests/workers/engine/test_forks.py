@@ -11,7 +11,7 @@ import pytest
 from ipc.messages import SamplingParams
 from tests.conftest import noise_image
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from workers.engine.offline import Engine
 
 
 def make_engine(model_dir: Path, **overrides: Any) -> Engine:

@@ -20,10 +20,10 @@ from ipc.messages import SamplingParams
 from tests.conftest import noise_image
 from tests.videos import VideoReference, make_video, video_chat
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.processor import MMProcessor
-from workers.engine.video_prompt import read_video
-from workers.video import iter_frames, probe
+from workers.engine.offline import Engine
+from workers.engine.prompt.processor import MMProcessor
+from workers.engine.prompt.video_decode import iter_frames, probe
+from workers.engine.prompt.video_prompt import read_video
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -104,7 +104,7 @@ import faulthandler
 import torch  # noqa: F401
 import torchvision.transforms.v2.functional  # noqa: F401 - with it imported, frame threads hang (PyAV 1849/1861)
 from tests.videos import make_video
-from workers.video import iter_frames, probe
+from workers.engine.prompt.video_decode import iter_frames, probe
 
 videos = [make_video(frames=37, width=206, height=118, fps=10), make_video(frames=61, width=98, height=62, seed=1)]
 for i in range(1000):

@@ -29,11 +29,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from workers.engine.attention import AttentionBackend, AttentionMetadata
-from workers.engine.fa3_attention import vision_kernel
-from workers.engine.layers import TPGroup
-from workers.engine.loader import fill_dummy_weights, iter_checkpoint, normalize_name
-from workers.engine.vision_attention import VisionAttention
+from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from workers.engine.kernels.fa3_attention import vision_kernel
+from workers.engine.layers.linear import TPGroup
+from workers.engine.layers.vision_attention import VisionAttention
+from workers.engine.models.loader import fill_dummy_weights, iter_checkpoint, normalize_name
 
 log = logging.getLogger("glimpse.model")
 

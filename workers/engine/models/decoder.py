@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine import fused
-from workers.engine.attention import AttentionBackend, get_attention_backend
-from workers.engine.layers import (
+from workers.engine.kernels import fused
+from workers.engine.kernels.attention import AttentionBackend
+from workers.engine.kernels.backends import get_attention_backend
+from workers.engine.layers.linear import (
     SINGLE_RANK,
     MergedColumnParallelLinear,
     ParallelLMHead,

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from workers.engine.attention import AttentionMetadata, build_attention_metadata
-from workers.engine.layers import (
+from workers.engine.kernels.attention import AttentionMetadata, build_attention_metadata
+from workers.engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -24,7 +24,7 @@ from workers.engine.layers import (
     VocabParallelEmbedding,
     get_weight_loader,
 )
-from workers.engine.loader import normalize_name
+from workers.engine.models.loader import normalize_name
 from workers.engine.models.qwen2_5_vl.lm import Qwen2_5_VLLanguageModel, TextSpec, load_language_model
 
 ATOL = 1e-4

@@ -21,7 +21,7 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
 )
 
-from workers.engine.demo_model import SPECIAL_TOKENS
+from workers.engine.models.demo_writer import SPECIAL_TOKENS
 from workers.engine.models.qwen3_vl.demo import TOOL_TOKENS, write_qwen3_vl, write_qwen3_vl_moe
 
 ImageFactory = Callable[..., Image.Image]  # the `make_image` fixture from tests/conftest.py

@@ -15,8 +15,8 @@ from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VL
 from ipc.messages import SamplingParams
 from tests.conftest import noise_image
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
 from workers.engine.models import UnsupportedModel, load_spec
+from workers.engine.offline import Engine
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)

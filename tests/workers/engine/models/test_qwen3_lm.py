@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from workers.engine import fused
-from workers.engine.attention import build_attention_metadata
-from workers.engine.layers import SINGLE_RANK, TPGroup
-from workers.engine.loader import fill_dummy_weights, normalize_name
+from workers.engine.kernels import fused
+from workers.engine.kernels.attention import build_attention_metadata
+from workers.engine.layers.linear import SINGLE_RANK, TPGroup
+from workers.engine.models.loader import fill_dummy_weights, normalize_name
 from workers.engine.models.qwen3_vl.lm import (
     Qwen3VLLanguageModel,
     RotaryTables,

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
+from workers.engine.layers.vit_plans import CallPlans
 from workers.engine.models.qwen3_vl.vision import VisionSpec, VisionTower, build_vision
-from workers.engine.vit_plans import CallPlans
 
 transformers = pytest.importorskip("transformers")
 
@@ -214,7 +214,8 @@ def test_build_vision_allocates_in_dtype() -> None:
 def test_cuda_bf16_matches_cpu_fp32(
     reference: Any, monkeypatch: pytest.MonkeyPatch, backend: str, fused_on: bool, hot_after: int
 ) -> None:
-    from workers.engine import fused, vision_attention
+    from workers.engine.kernels import fused
+    from workers.engine.layers.linear import vision_attention
 
     monkeypatch.setattr(vision_attention._cudnn_frames, "HOT_AFTER", hot_after)
     grids: list[Grid] = [*ODD_GRIDS, (1, 24, 32)]

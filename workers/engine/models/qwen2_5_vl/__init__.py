@@ -11,7 +11,7 @@ import numpy as np
 from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, builder, spec_from
 from workers.engine.models.qwen2_5_vl.lm import TextSpec, build_language_model
 from workers.engine.models.qwen2_5_vl.vision import VisionSpec, build_vision
-from workers.engine.video_mrope import video_mrope_delta, video_mrope_positions
+from workers.engine.models.video_mrope import video_mrope_delta, video_mrope_positions
 
 
 def parse(cfg: dict[str, Any], model_dir: Path) -> ModelSpec:

@@ -1,5 +1,5 @@
 """The Qwen2.5-VL demo checkpoint: Qwen2.5-VL's architecture at toy sizes (shared pieces in
-workers/engine/demo_model.py)."""
+workers/engine/models/demo_writer.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workers.engine.demo_model import (
+from workers.engine.models.demo_writer import (
     LINEAR_STD,
     SEED,
     SPECIAL_TOKENS,

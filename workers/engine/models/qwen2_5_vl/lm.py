@@ -16,17 +16,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from workers.engine import fused, rope_kernel
-from workers.engine.attention import AttentionBackend, AttentionMetadata
-from workers.engine.layers import (
+from workers.engine.kernels import fused, rope_kernel
+from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from workers.engine.layers.linear import (
     SINGLE_RANK,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     TPGroup,
 )
-from workers.engine.loader import fill_dummy_weights, iter_safetensors, normalize_name
 from workers.engine.models.decoder import PagedDecoder, SwiGLUMLP, allocate, decoder_fields
+from workers.engine.models.loader import fill_dummy_weights, iter_safetensors, normalize_name
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.layers import RMSNorm  # transformers' op order (fp32 normalize, cast, scale)
-from workers.engine.loader import iter_safetensors
-from workers.engine.vision_attention import Segments, VisionAttention, varlen_available
-from workers.engine.vision_mlp import VisionMLP
-from workers.engine.vit_plans import CallPlans
+from workers.engine.layers.linear import RMSNorm  # transformers' op order (fp32 normalize, cast, scale)
+from workers.engine.layers.vision_attention import Segments, VisionAttention, varlen_available
+from workers.engine.layers.vision_mlp import VisionMLP
+from workers.engine.layers.vit_plans import CallPlans
+from workers.engine.models.loader import iter_safetensors
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, builder, spec_from
+from workers.engine.models.mrope import mrope_delta, mrope_positions
 from workers.engine.models.qwen3_vl.lm import TextSpec, build_language_model
 from workers.engine.models.qwen3_vl.vision import VisionSpec, build_vision
-from workers.engine.mrope import mrope_delta, mrope_positions
 
 
 def parse(cfg: dict[str, Any], model_dir: Path) -> ModelSpec:

@@ -1,5 +1,5 @@
 """Tiny, random-weight Qwen3-VL (dense) and Qwen3-VL-MoE checkpoints, written on the spot like the Qwen2.5-VL
-demo (workers/engine/demo_model.py), whose tokenizer, seeds and weight init they share.
+demo (workers/engine/models/demo_writer.py), whose tokenizer, seeds and weight init they share.
 
 What differs from the Qwen2.5-VL demo is what differs between the real families: 16-px patches with 0.5/0.5
 normalization, a learned 2D position table that is interpolated to every grid, DeepStack levels fed into
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from workers.engine.demo_model import (
+from workers.engine.models.demo_writer import (
     LINEAR_STD,
     SEED,
     SPECIAL_TOKENS,

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from workers.engine import fused, rope_kernel
-from workers.engine.attention import AttentionBackend, AttentionMetadata
-from workers.engine.layers import (
+from workers.engine.kernels import fused, rope_kernel
+from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from workers.engine.layers.linear import (
     SINGLE_RANK,
     QKVParallelLinear,
     RMSNorm,

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine import fused
-from workers.engine.layers import (
+from workers.engine.kernels import fused
+from workers.engine.layers.linear import (
     SINGLE_RANK,
     TPGroup,
     divide,

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine import fused
-from workers.engine.vision_attention import Segments, VisionAttention, varlen_available
-from workers.engine.vit_plans import CallPlans
+from workers.engine.kernels import fused
+from workers.engine.layers.vision_attention import Segments, VisionAttention, varlen_available
+from workers.engine.layers.vit_plans import CallPlans
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Kernel micro-benchmarks: attention, paged decode, rotary, SiLU, skinny GEMM, first-use costs."""

@@ -1,0 +1,73 @@
+"""The LM's rotary on the fused qkv, per layer call: Inductor's kernels for ``fused.lm_rope`` against the Triton kernel
+(workers/engine/kernels/rope_kernel.py), 7B shapes (28 query and 4 KV heads of 128), bf16, and the bandwidth each reaches
+(qkv read once, q, k and v written once).
+
+    python -m benchmarks.kernels.rope_bench --tokens 1,64,1024,4096,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from workers.engine.kernels import fused, rope_kernel
+from workers.engine.models.qwen2_5_vl.lm import rope_tables
+from workers.engine.models.qwen3_vl.lm import qwen3_qk_norm_rope
+
+
+def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """GPU time per call, from a CUDA graph of ``reps`` calls: a small kernel launched from Python would otherwise
+    be timed at the host's launch rate (Triton's launcher costs more host time than a 15 us kernel)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,64,1024,4096,8192")
+    args = ap.parse_args()
+    hq, hkv, d = 28, 4, 128
+    print(f"{torch.cuda.get_device_name()}, bf16, {hq}/{hkv} heads of {d}; us per call, GB/s")
+    print(f"{'tokens':>7} {'compiled us':>12} {'GB/s':>7} {'Triton us':>10} {'GB/s':>7} {'speedup':>8}")
+    for t in (int(v) for v in args.tokens.split(",")):
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        angles = torch.rand(t, d, device="cuda") * 100
+        cos, sin = rope_tables(angles.cos().bfloat16(), angles.sin().bfloat16())
+        call = (qkv, cos, sin, hq * d, hkv * d, d)
+        compiled = fused.compiled(fused.lm_rope)
+        a = graph_us(lambda compiled=compiled, call=call: compiled(*call))  # type: ignore[misc]
+        b = graph_us(lambda call=call: rope_kernel.lm_rope(*call))  # type: ignore[misc]
+        gb = 2 * qkv.numel() * qkv.element_size() / 1e3  # bytes / us -> GB/s after the division below
+        print(f"{t:>7} {a:>12.1f} {gb / a:>7.0f} {b:>10.1f} {gb / b:>7.0f} {a / b:>7.2f}x", flush=True)
+    print("Qwen3 (per-head RMSNorm of q and k, then the rotary; 32/8 heads of 128 as in Qwen3-VL-8B):")
+    hq, hkv = 32, 8
+    w = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+    for t in (int(v) for v in args.tokens.split(",")):
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        angles = torch.rand(t, d, device="cuda") * 100
+        cos, sin = rope_tables(angles.cos().bfloat16(), angles.sin().bfloat16())
+        norm_rope = fused.compiled(qwen3_qk_norm_rope)
+        a = graph_us(lambda t_=(qkv, cos, sin), f=norm_rope: f(t_[0], w, w, 1e-6, t_[1], t_[2],  # type: ignore[misc]
+                                                                 (hq * d, hkv * d, d)))
+        b = graph_us(lambda t_=(qkv, cos, sin): rope_kernel.lm_rope(  # type: ignore[misc]
+            t_[0], t_[1], t_[2], hq * d, hkv * d, d, (w, w, 1e-6)))
+        gb = 2 * qkv.numel() * qkv.element_size() / 1e3
+        print(f"{t:>7} {a:>12.1f} {gb / a:>7.0f} {b:>10.1f} {gb / b:>7.0f} {a / b:>7.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

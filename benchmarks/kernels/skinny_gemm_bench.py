@@ -1,0 +1,156 @@
+"""Decode projections: cuBLAS (F.linear) against the Triton skinny GEMM (workers/engine/kernels/skinny_gemm.py).
+
+    python -m benchmarks.kernels.skinny_gemm_bench [--size 7b] [--rows 1,4,16,32,64] [--sweep 1,32]
+
+Qwen2.5-VL's LM projections at a decode batch of ``rows``: every layer's qkv, o, gate_up and down (distinct
+weights per layer, so nothing is served from L2), and the LM head. Each chain is captured in a CUDA graph and
+replayed, as the decode step runs, so launch costs are out and only GPU time is timed. Prints ms per chain and the
+weights' bandwidth for cuBLAS, the kernel's own tile choice and (``--sweep``, at the rows given) the best of a grid of tiles, then the
+whole decode step's projections summed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from workers.engine.kernels import skinny_gemm
+from workers.engine.kernels.skinny_gemm import Tile
+from workers.engine.layers import linear as layers
+
+# (name, out features, in features, bias, layers) of the 7B's LM (hidden 3584, 28 q / 4 kv heads of 128, I 18944)
+SIZES = {
+    "7b": (
+        ("qkv", 4608, 3584, True, 28),
+        ("o", 3584, 3584, False, 28),
+        ("gate_up", 37888, 3584, False, 28),
+        ("down", 3584, 18944, False, 28),
+        ("lm_head", 152064, 3584, False, 1),
+    ),
+    "3b": (
+        ("qkv", 2560, 2048, True, 36),
+        ("o", 2048, 2048, False, 36),
+        ("gate_up", 22016, 2048, False, 36),
+        ("down", 2048, 11008, False, 36),
+        ("lm_head", 151936, 2048, False, 1),
+    ),
+}
+
+
+def graph_ms(fn: Callable[[], None], reps: int = 20) -> float:
+    """GPU ms per call of ``fn`` replayed from a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def chain(
+    x: Tensor, weights: list[Tensor], bias: Tensor | None, tile: Tile | None | str
+) -> Callable[[], None]:
+    """``tile``: None for cuBLAS, "served" for what the model's layers pick (layers.linear), else that tile."""
+
+    def run() -> None:
+        for w in weights:
+            if tile is None:
+                F.linear(x, w, bias)
+            elif isinstance(tile, Tile):
+                skinny_gemm.linear(x, w, bias, use=tile)
+            else:
+                layers.linear(x, w, bias)
+
+    return run
+
+
+def sweep_tiles(n: int, k: int) -> list[Tile]:
+    out = []
+    for block_n in (32, 64, 128):
+        for block_k in (128, 256):
+            for split in (1, 2, 4, 8):
+                if k % (split * block_k) or k // split < 2 * block_k:
+                    continue
+                out.append(Tile(block_n, block_k, split, 4, 4))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="7b", choices=sorted(SIZES))
+    ap.add_argument("--rows", default="1,4,16,32,64")
+    ap.add_argument(
+        "--sweep", default="", help="rows (comma-separated) at which to also time a grid of tiles"
+    )
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}, {sms} SMs, torch {torch.__version__}")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = SIZES[args.size]
+    weights = {
+        name: [
+            torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) / k**0.5 for _ in range(count)
+        ]
+        for name, n, k, _, count in shapes
+    }
+    biases = {
+        name: torch.randn(n, device=dev, dtype=torch.bfloat16) if b else None for name, n, _, b, _ in shapes
+    }
+    print(
+        "| rows | matrix | cuBLAS ms | cuBLAS TB/s | Triton ms | Triton TB/s | tile | best swept ms | best tile "
+        "| served ms | max rel diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    totals: dict[int, list[float]] = {}
+    for rows in (int(r) for r in args.rows.split(",")):
+        tot = totals.setdefault(rows, [0.0, 0.0, 0.0, 0.0])
+        for name, n, k, _, count in shapes:
+            xk = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            ws, b = weights[name], biases[name]
+            moved = n * k * 2 * count
+            ref = F.linear(xk.float(), ws[0].float(), None if b is None else b.float())
+            own = skinny_gemm.tile(n, k, sms)
+            diff = ((skinny_gemm.linear(xk, ws[0], b).float() - ref).abs().max() / ref.abs().max()).item()
+            cub = graph_ms(chain(xk, ws, b, None))
+            tri = graph_ms(chain(xk, ws, b, own))
+            best, best_tile = tri, own
+            if str(rows) in args.sweep.split(","):
+                for t in sweep_tiles(n, k):
+                    try:
+                        ms = graph_ms(chain(xk, ws, b, t), reps=10)
+                    except Exception:  # a tile over the shared-memory limit at this BLOCK_M
+                        continue
+                    if ms < best:
+                        best, best_tile = ms, t
+            tot[0] += cub
+            tot[1] += tri
+            tot[2] += best
+            served = graph_ms(chain(xk, ws, b, "served"))
+            tot[3] += served
+            print(
+                f"| {rows} | {name} x{count} | {cub:.3f} | {moved / cub / 1e9:.2f} | {tri:.3f} | "
+                f"{moved / tri / 1e9:.2f} | {tuple(own)} | {best:.3f} | {tuple(best_tile)} | {served:.3f} "
+                f"| {diff:.2e} |",
+                flush=True,
+            )
+    print("\n| rows | all projections: cuBLAS ms | Triton ms | best swept ms | served ms |")
+    print("|---|---|---|---|---|")
+    for rows, (cub_ms, own_ms, best_ms, served_ms) in totals.items():
+        print(f"| {rows} | {cub_ms:.3f} | {own_ms:.3f} | {best_ms:.3f} | {served_ms:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

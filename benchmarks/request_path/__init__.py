@@ -1,0 +1,1 @@
+"""Benchmarks of the request path before the GPU: tokenizer, image preparation, grammars, body hops."""

@@ -1,0 +1,1 @@
+"""Benchmarks against a running server: the load client, its plots, soak, data parallel, first requests."""

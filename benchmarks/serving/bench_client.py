@@ -1,0 +1,403 @@
+"""`glimpse bench`: a load generator for any OpenAI-compatible chat endpoint (glimpse, vLLM, SGLang).
+
+    glimpse bench serving   --num-prompts 200 --concurrency 32 --resolution 1080p --output-len 128
+    glimpse bench multiturn --rounds 8 --resolution 1080p
+    glimpse bench probe     --max-images 32 --step 4 --resolution 2k
+
+Every image is generated and encoded locally (seeded, so two servers see the same bytes) in a thread
+pool before the clock starts; request bodies are serialized before timing too. Each mode prints a
+table and writes `<out>/<mode>-<timestamp>.json` (config, per-request records, summary) and `.png`.
+
+Client choice: raw httpx + our own SSE parsing rather than the async openai client. The openai client
+validates every chunk into pydantic models, CPU the load generator then spends on its own event loop,
+which shows up as inflated ITL under load; raw lines also let us timestamp bytes as they arrive and
+size the connection pool to the concurrency explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from benchmarks.serving import bench_plot as report
+from benchmarks.serving.bench_plot import (
+    image_data_url,
+    parse_resolution,
+    probe_counts,
+    random_text,
+    user_message,
+)
+
+# ---- SSE and one streamed request ----------------------------------------------------------------
+
+
+class SSEDecoder:
+    """Incremental server-sent-events decoder: feed it lines (no newline), get each event's data."""
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        if not line:  # a blank line ends the event
+            return self.flush()
+        if line.startswith(":"):  # comment / keep-alive
+            return None
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value.removeprefix(" "))  # the spec strips exactly one leading space
+        return None  # event:, id:, retry: carry nothing a chat stream needs
+
+    def flush(self) -> str | None:
+        if not self._data:
+            return None
+        data, self._data = "\n".join(self._data), []
+        return data
+
+
+def parse_sse(lines: Iterable[str]) -> list[str]:
+    """Every event's data in a recorded stream, a trailing unterminated event included."""
+    decoder = SSEDecoder()
+    events = [d for d in map(decoder.feed, lines) if d is not None]
+    tail = decoder.flush()
+    return events + ([tail] if tail is not None else [])
+
+
+@dataclass
+class RequestRecord:
+    """What one streamed chat request did; times in seconds since its own send."""
+
+    num_images: int = 0
+    start_s: float = 0.0  # since the run's start (arrival pattern)
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    tokens_from_usage: bool = False
+    finish_reason: str | None = None
+    text: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        def ms(v: float | None) -> float | None:
+            return None if v is None else round(v * 1000.0, 3)
+
+        tpot = None
+        if self.e2e_s is not None and self.ttft_s is not None:
+            tpot = report.tpot_s(self.e2e_s, self.ttft_s, self.output_tokens)
+        return {
+            "ok": self.ok, "error": self.error, "num_images": self.num_images, "start_ms": ms(self.start_s),
+            "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(tpot), "e2e_ms": ms(self.e2e_s),
+            "itl_ms": [ms(g) for g in self.itl_s], "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens, "tokens_from_usage": self.tokens_from_usage,
+            "finish_reason": self.finish_reason, "output_chars": len(self.text),
+        }
+
+
+def _chunk_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta") or {}
+    # Reasoning models on vLLM/SGLang stream thoughts in a separate field; they are output tokens too.
+    return "".join(delta.get(k) or "" for k in ("reasoning_content", "reasoning", "content"))
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, num_images: int = 0) -> RequestRecord:
+    """POST one prebuilt streaming chat body and time it: TTFT at the first non-empty delta, ITL between
+    later ones. Never raises for a failed request: the failure is the record's `error`."""
+    rec = RequestRecord(num_images=num_images)
+    chunks: list[str] = []
+    done = False
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as resp:
+            if resp.status_code != 200:
+                raw = (await resp.aread())[:600].decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {raw}"
+            else:
+                decoder = SSEDecoder()
+                async for line in resp.aiter_lines():
+                    data = decoder.feed(line)
+                    if data is None:
+                        continue
+                    now = time.perf_counter()
+                    if data.strip() == "[DONE]":
+                        done = True
+                        break
+                    event = json.loads(data)
+                    if event.get("error"):  # a failure after the 200 status line travels in-band
+                        err = event["error"]
+                        rec.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+                        break
+                    if event.get("usage"):
+                        rec.prompt_tokens = event["usage"].get("prompt_tokens")
+                        rec.output_tokens = int(event["usage"].get("completion_tokens") or 0)
+                        rec.tokens_from_usage = True
+                    for choice in event.get("choices") or []:
+                        if text := _chunk_text(choice):
+                            if rec.ttft_s is None:
+                                rec.ttft_s = now - start
+                            else:
+                                rec.itl_s.append(now - last)
+                            last = now
+                            chunks.append(text)
+                        rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # malformed events fail the request, not the run
+        rec.error = f"{type(exc).__name__}: {exc}"
+    rec.e2e_s = time.perf_counter() - start
+    rec.text = "".join(chunks)
+    if not rec.tokens_from_usage:
+        rec.output_tokens = len(chunks)  # one chunk ~ one token when the server sends no usage
+    if rec.error is None and not done and rec.finish_reason is None:
+        rec.error = "stream ended without finish_reason or [DONE]"
+    rec.ok = rec.error is None
+    return rec
+
+
+# ---- plumbing shared by the modes ----------------------------------------------------------------
+
+
+async def fetch_stats(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    """glimpse's /admin/stats, or None where the server has none (404 on vLLM/SGLang) or it fails."""
+    try:
+        resp = await client.get(url)
+        stats = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):  # ValueError: a 200 that is not JSON (some proxy's page)
+        return None
+    return stats if isinstance(stats, dict) else None
+
+
+def _client(args: argparse.Namespace, pool: int) -> httpx.AsyncClient:
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    # +2: the /models and /admin/stats calls must never wait behind a full pool of streams.
+    limits = httpx.Limits(max_connections=pool + 2, max_keepalive_connections=pool + 2)
+    return httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(args.timeout))
+
+
+async def _resolve_model(client: httpx.AsyncClient, args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    resp = await client.get(args.base_url.rstrip("/") + "/models")
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])
+
+
+def _image_urls(args: argparse.Namespace, sizes: Sequence[tuple[int, int]], seeds: Sequence[Sequence[int]],
+                pool: ThreadPoolExecutor) -> list[str]:
+    jobs = [pool.submit(image_data_url, w, h, seed, args.image_format) for (w, h), seed in zip(sizes, seeds)]
+    return [job.result() for job in jobs]
+
+
+# ---- modes ---------------------------------------------------------------------------------------
+
+
+async def run_serving(args: argparse.Namespace) -> dict[str, Any]:
+    """Many independent requests, capped by --concurrency and/or paced by Poisson --request-rate."""
+    rng = np.random.default_rng(args.seed)
+    res, n, k = parse_resolution(args.resolution), args.num_prompts, args.images_per_request
+    sizes = [[res.sample(rng) for _ in range(k)] for _ in range(n)]
+    texts = [random_text(rng, args.input_len) for _ in range(n)]
+    # Poisson arrivals: exponential gaps. Drawn even for rate=inf so the RNG stream doesn't depend on it.
+    gaps = rng.exponential(1.0, n) / args.request_rate if math.isfinite(args.request_rate) else np.zeros(n)
+    url = args.base_url.rstrip("/") + "/chat/completions"
+    async with _client(args, args.concurrency or n) as client:
+        model = await _resolve_model(client, args)
+
+        def build(i: int) -> bytes:  # distinct images per request: no server cache can short-cut the run
+            urls = [image_data_url(w, h, (args.seed, 1, i, j), args.image_format) for j, (w, h) in enumerate(sizes[i])]
+            return report.chat_body(args, model, [user_message(urls, texts[i])])
+
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            bodies = await asyncio.to_thread(lambda: list(pool.map(build, range(n))))
+        gate = asyncio.Semaphore(args.concurrency or n)
+        start = time.perf_counter()
+
+        async def one(body: bytes) -> RequestRecord:
+            async with gate:
+                sent = time.perf_counter() - start
+                rec = await stream_chat(client, url, body, k)
+                rec.start_s = sent
+                return rec
+
+        tasks: list[asyncio.Task[RequestRecord]] = []
+        due = 0.0
+        for body, gap in zip(bodies, gaps):
+            due += float(gap)
+            # Sleep to absolute due times so timer drift does not accumulate over a long run.
+            if (delay := start + due - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(body)))
+        records = [r.to_json() for r in await asyncio.gather(*tasks)]
+        duration = time.perf_counter() - start
+    result = report.result_header(args, "serving", model)
+    result["summary"] = report.summarize_serving(records, duration)
+    result["requests"] = records
+    report.write_result(result, args.out, report.plot_serving)
+    print(report.serving_table(result))
+    return result
+
+
+async def run_multiturn(args: argparse.Namespace) -> dict[str, Any]:
+    """One chat that adds an image per round and resends the whole history, as chat clients do."""
+    rng = np.random.default_rng(args.seed)
+    res = parse_resolution(args.resolution)
+    sizes = [res.sample(rng) for _ in range(args.rounds)]
+    texts = [random_text(rng, args.input_len) for _ in range(args.rounds)]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        seeds = [(args.seed, 2, r) for r in range(args.rounds)]
+        urls = await asyncio.to_thread(_image_urls, args, sizes, seeds, pool)
+    url, admin = args.base_url.rstrip("/") + "/chat/completions", report.stats_url(args.base_url)
+    history: list[dict[str, Any]] = []
+    rounds: list[dict[str, Any]] = []
+    async with _client(args, 1) as client:
+        model = await _resolve_model(client, args)
+        for r in range(args.rounds):
+            history.append(user_message([urls[r]], texts[r]))  # earlier images stay in history: resent as is
+            body = await asyncio.to_thread(report.chat_body, args, model, history)
+            before = await fetch_stats(client, admin)
+            rec = await stream_chat(client, url, body, r + 1)
+            after = await fetch_stats(client, admin)
+            row = {"round": r + 1, **rec.to_json(), "images_encoded": report.stats_delta(before, after, "images_encoded"),
+                   "mm_cache_hits": report.stats_delta(before, after, "mm_cache", "hits")}
+            rounds.append(row)
+            if not rec.ok:
+                break  # no answer to put in the history: the chat cannot go on
+            history.append({"role": "assistant", "content": rec.text})
+    result = report.result_header(args, "multiturn", model)
+    ok = [x for x in rounds if x["ok"]]
+    result["summary"] = {"rounds_ok": len(ok), "rounds_failed": len(rounds) - len(ok),
+                         "ttft_ms": [x["ttft_ms"] for x in ok], "images_encoded": [x["images_encoded"] for x in ok]}
+    result["rounds"] = rounds
+    report.write_result(result, args.out, report.plot_multiturn)
+    print(report.multiturn_table(result))
+    return result
+
+
+async def run_probe(args: argparse.Namespace) -> dict[str, Any]:
+    """One request per image count, growing until --max-images or the first failure."""
+    rng = np.random.default_rng(args.seed)
+    res = parse_resolution(args.resolution)
+    url, admin = args.base_url.rstrip("/") + "/chat/completions", report.stats_url(args.base_url)
+    probes: list[dict[str, Any]] = []
+    async with _client(args, 1) as client:
+        model = await _resolve_model(client, args)
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            for n in probe_counts(args.max_images, args.step):
+                # Fresh images per step (seeded by n) so a per-image cache never hides the encode cost.
+                sizes = [res.sample(rng) for _ in range(n)]
+                urls = await asyncio.to_thread(_image_urls, args, sizes, [(args.seed, 3, n, j) for j in range(n)], pool)
+                messages = [user_message(urls, random_text(rng, args.input_len))]
+                body = await asyncio.to_thread(report.chat_body, args, model, messages)
+                rec = await stream_chat(client, url, body, n)
+                stats = await fetch_stats(client, admin)
+                gpu = stats.get("gpu") if stats else None
+                peak = gpu.get("peak_allocated_bytes") if isinstance(gpu, dict) else None
+                probes.append({**rec.to_json(), "request_bytes": len(body), "peak_gpu_bytes": peak})
+                if not rec.ok:
+                    break
+    result = report.result_header(args, "probe", model)
+    ok = [p for p in probes if p["ok"]]
+    failed = next((p for p in probes if not p["ok"]), None)
+    result["summary"] = {"max_ok_images": max((p["num_images"] for p in ok), default=0), "probes": len(probes)}
+    result["first_failure"] = None if failed is None else {"num_images": failed["num_images"], "error": failed["error"]}
+    result["probes"] = probes
+    report.write_result(result, args.out, report.plot_probe)
+    print(report.probe_table(result))
+    return result
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+
+def _positive(kind: Callable[[str], float], zero_ok: bool = False) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if zero_ok else '>'} 0, got {text}")
+        return value
+
+    return parse
+
+
+def _resolution(spec: str) -> str:
+    try:
+        parse_resolution(spec)  # fail at parse time, not after the server was contacted
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
+
+
+def _common(p: argparse.ArgumentParser, output_len: int) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the OpenAI API root (ends in /v1)")
+    p.add_argument("--model", default=None, help="model name to send; unset: the first of GET /models")
+    # Read from the environment at run time, not as the default: --help would print a default key.
+    p.add_argument("--api-key", default=None, help="bearer token; unset: $OPENAI_API_KEY if set")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="directory for the JSON and PNG")
+    # Same seed, same image bytes: a server with an image cache (glimpse, vLLM) would serve a rerun from it.
+    p.add_argument("--seed", type=int, default=0, help="seeds images, texts, arrivals; vary it between runs "
+                   "against one server, or its image cache serves the repeats")
+    p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per HTTP request")
+    p.add_argument("--resolution", type=_resolution, default="1080p", help="720p, 1080p, 2k, WxH or random:WxH-WxH")
+    p.add_argument("--image-format", default="jpeg", choices=sorted(report.MIME))
+    p.add_argument("--input-len", type=_positive(int), default=32, help="approximate words of text per user turn")
+    p.add_argument("--output-len", type=_positive(int), default=output_len, help="max_tokens of each request")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send ignore_eos so answers run to --output-len (servers that support it)")
+    p.add_argument("--temperature", type=float, default=0.0)
+
+
+def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `glimpse bench {serving,multiturn,probe}`."""
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (glimpse, vLLM, SGLang)",
+                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    modes = bench.add_subparsers(title="modes", metavar="MODE", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = modes.add_parser("serving", help="throughput and latency under load", formatter_class=fmt)
+    _common(p, 128)
+    p.add_argument("--num-prompts", type=_positive(int), default=100)
+    p.add_argument("--concurrency", type=_positive(int), default=None, help="most requests in flight; unset: no cap")
+    p.add_argument("--request-rate", type=_positive(float), default=math.inf, help="Poisson arrivals per second; inf = all at once")
+    p.add_argument("--images-per-request", type=_positive(int, zero_ok=True), default=1)
+    p.set_defaults(handler=run_bench, runner=run_serving)
+    p = modes.add_parser("multiturn", help="one chat adding an image per round", formatter_class=fmt)
+    _common(p, 32)
+    p.add_argument("--rounds", type=_positive(int), default=8)
+    p.set_defaults(handler=run_bench, runner=run_multiturn)
+    p = modes.add_parser("probe", help="TTFT and memory as images per request grow", formatter_class=fmt)
+    _common(p, 8)
+    p.add_argument("--max-images", type=_positive(int), default=32)
+    p.add_argument("--step", type=_positive(int), default=1)
+    p.set_defaults(handler=run_bench, runner=run_probe)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the chosen mode; exit 1 when it produced nothing useful (no successful request)."""
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop  # a faster loop keeps the client's own overhead out of the latencies
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        pass
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            result: dict[str, Any] = runner.run(args.runner(args))
+    except httpx.HTTPError as exc:  # the server is unreachable or /models failed: no run happened
+        print(f"glimpse bench: {args.base_url}: {type(exc).__name__}: {exc}")
+        return 1
+    print(f"\nwrote {result['files']['json']} and {result['files']['png']}")
+    ok = {"serving": result["summary"].get("completed"), "multiturn": result["summary"].get("rounds_ok"),
+          "probe": result["summary"].get("max_ok_images")}[result["mode"]]
+    return 0 if ok else 1

@@ -1,0 +1,123 @@
+"""Data-parallel replicas on one host: `glimpse serve --dp N` (dummy weights at a real shape) driven by the bench
+client, one server after another on the same GPUs. Prints one table (req/s, TTFT, TPOT per N).
+
+    python -m benchmarks.serving.dp_bench --checkpoints .bench/ckpt --shape 7b --dp 1,2 --num-prompts 128
+    python -m benchmarks.serving.dp_bench --dp 2:affinity,2:round-robin --num-prompts 0 --multiturn 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.checkpoints import shaped_checkpoint
+from tests.server.live import free_port
+
+
+def serve(model: Path, dp: int, routing: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--served-model-name", "bench",
+           "--load-format", "dummy", "--port", str(port), "--dp", str(dp), "--dp-routing", routing,
+           "--kv-cache-mb", "16384", "--shm-budget-mb", "16384", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise TimeoutError(log.read_text()[-3000:])
+
+
+def bench(base: str, args: argparse.Namespace, out: Path, seed: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "server.cli", "bench", "serving", "--base-url", base + "/v1", "--out", str(out),
+           "--num-prompts", str(args.num_prompts), "--concurrency", str(args.concurrency),
+           "--images-per-request", "1", "--resolution", "1080p", "--output-len", "128", "--seed", str(seed)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    summary = json.loads(sorted(out.glob("*.json"))[-1].read_text())
+    found: dict[str, Any] = summary.get("summary", summary)
+    return found
+
+
+def multiturn(base: str, chats: int, rounds: int, out: Path) -> dict[str, Any]:
+    """``chats`` concurrent 8-round chats (one new 1080p image per round, the whole history resent): images
+    encoded server-wide and the last round's TTFT, mean over chats."""
+    before = httpx.get(base + "/admin/stats", timeout=10).json()["images_encoded"]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "multiturn", "--base-url", base + "/v1",
+                          "--out", str(out / f"chat{i}"), "--rounds", str(rounds), "--resolution", "1080p",
+                          "--output-len", "16", "--seed", str(1000 + i)], stdout=subprocess.DEVNULL)
+        for i in range(chats)
+    ]
+    for proc in procs:
+        proc.wait()
+    last: list[float] = []
+    failed = no_ttft = 0
+    for i in range(chats):
+        result = json.loads(sorted((out / f"chat{i}").glob("*.json"))[-1].read_text())
+        rows = result["rounds"]
+        failed += sum(1 for r in rows if not r["ok"])
+        # A TTFT is taken at the first streamed chunk with text; random weights often start with tokens that
+        # decode to nothing, so such rounds have none (they still ran: see images_encoded).
+        no_ttft += sum(1 for r in rows if r["ok"] and r.get("ttft_ms") is None)
+        if rows and rows[-1].get("ttft_ms") is not None:
+            last.append(rows[-1]["ttft_ms"])
+    after = httpx.get(base + "/admin/stats", timeout=10).json()["images_encoded"]
+    return {"chats": chats, "images_encoded": after - before, "ideal_encodes": chats * rounds,
+            "failed_rounds": failed, "rounds_without_ttft": no_ttft, "last_round_ttft_ms": sum(last) / len(last) if last else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="7b")
+    ap.add_argument("--checkpoints", type=Path, default=None)
+    ap.add_argument("--dp", default="1,2")
+    ap.add_argument("--routing", default="affinity")
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--multiturn", type=int, default=0, help="also: this many concurrent 8-round chats per server")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        model = args.checkpoints / args.shape if args.checkpoints else shaped_checkpoint(tmp / "ckpt", args.shape)
+        for dp, routing in ((int(n.split(":")[0]), (n.split(":") + [args.routing])[1]) for n in args.dp.split(",")):
+            proc, base = serve(model, dp, routing, tmp / f"serve-{dp}-{routing}.log")
+            try:
+                bench(base, argparse.Namespace(num_prompts=8, concurrency=8), tmp / f"warm-{dp}", seed=100 + dp)
+                if args.num_prompts:
+                    result = bench(base, args, tmp / f"run-{dp}-{routing}", seed=dp)
+                else:
+                    result = {}
+                if args.multiturn:
+                    result["multiturn"] = multiturn(base, args.multiturn, 8, tmp / f"mt-{dp}-{routing}")
+            finally:
+                proc.terminate()
+                proc.wait(60)
+            rows.append({"dp": dp, "routing": routing, **result})
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{args.shape}, {args.num_prompts} requests of 1 x 1080p, 128 out, concurrency {args.concurrency}")
+    for r in rows:
+        keys = {k: v for k, v in r.items() if isinstance(v, (int, float))}
+        print(f"dp {r['dp']}: " + ", ".join(f"{k} {v:.3g}" for k, v in keys.items() if k != "dp"))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

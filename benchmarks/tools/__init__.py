@@ -1,0 +1,1 @@
+"""Tools beside the benchmarks: step traces of a running server."""

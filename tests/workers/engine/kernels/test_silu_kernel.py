@@ -1,0 +1,54 @@
+"""The Triton SiLU*up kernel (the MLPs' fused path on CUDA) checked on the CPU through Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.workers.engine.interpreted import run_interpreted
+
+CHECK = """
+import torch
+import torch.nn.functional as F
+from workers.engine.kernels import silu_kernel
+
+gen = torch.Generator().manual_seed(0)
+# Widths around the 1024-column block (the ViT's padded 3424, a partial last block, one exact block), one row and
+# none; bf16 as served, float32 to see the math itself.
+for rows, width, dtype in ((5, 3424, torch.bfloat16), (1, 2500, torch.bfloat16), (3, 1024, torch.float32),
+                           (4, 700, torch.float32), (0, 1024, torch.bfloat16)):
+    x = (4 * torch.randn(rows, 2 * width, generator=gen)).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    want = (F.silu(gate) * up).to(dtype)  # float32 math, rounded once, as the kernel does
+    got = silu_kernel.silu_mul(x)
+    assert got.shape == (rows, width) and got.dtype == dtype, (got.shape, got.dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)  # one bf16 ulp
+    torch.testing.assert_close(got, want, **tol)
+# Strided input (a view whose rows are not packed) goes through a contiguous copy, not the wrong elements.
+wide = torch.randn(3, 3 * 1024, generator=gen)
+view = wide[:, : 2 * 1024]
+torch.testing.assert_close(silu_kernel.silu_mul(view), F.silu(view[:, :1024]) * view[:, 1024:])
+assert silu_kernel.probe(torch.device("cpu"), torch.bfloat16) and not silu_kernel.SWITCH.broken
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the fused MLP tests run the kernel itself")
+def test_kernel_matches_eager_math_in_triton_interpreter() -> None:
+    run_interpreted("-c", CHECK, timeout=300)
+
+
+def test_probe_turns_the_kernel_off_when_it_cannot_run() -> None:
+    pytest.importorskip("triton")
+    from workers.engine.kernels import silu_kernel
+
+    # On the CPU without the interpreter, Triton cannot launch: the probe must say so instead of raising.
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        pytest.skip("the kernel can run here")
+    try:
+        assert silu_kernel.probe(torch.device("cpu"), torch.float32) is False
+        assert silu_kernel.SWITCH.broken and not silu_kernel.available()
+    finally:
+        silu_kernel.SWITCH.reset()

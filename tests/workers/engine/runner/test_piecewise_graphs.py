@@ -1,0 +1,131 @@
+"""Piecewise CUDA graphs for small steps: the buckets, and the same greedy tokens as the eager forward. On the CPU the
+pieces are emulated (the same static buffers, padding and split attention, no graphs); on CUDA they are captured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ipc.messages import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.layers.linear import kv_heads_per_rank
+from workers.engine.models.qwen3_vl.moe import SparseMoeBlock
+from workers.engine.offline import Engine
+from workers.engine.runner.piecewise_graphs import PiecewiseGraphs, token_buckets
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _prompts() -> list[list[dict[str, Any]]]:
+    """Short and longer text prompts and two with a small image, so that steps mix prefill chunks with decodes."""
+    texts = [[{"role": "user", "content": f"Count to {n}: " + "one two " * n}] for n in (2, 9, 30)]
+    images = [
+        [{"role": "user", "content": [{"type": "image", "image": _image(w, h, seed)},
+                                      {"type": "text", "text": "What is here?"}]}]
+        for w, h, seed in ((57, 83, 1), (120, 64, 2))
+    ]
+    return texts[:2] + images[:1] + texts[2:] + images[1:]
+
+
+def _emulated(engine: Engine, max_tokens: int, kv_in_pieces: bool = True) -> PiecewiseGraphs:
+    r = engine.runner
+    heads = (r.spec.num_heads, kv_heads_per_rank(r.spec.num_kv_heads, 1), r.spec.head_dim)
+    scratch = r.num_blocks * r.cfg.block_size if kv_in_pieces else None  # the block no sequence is given
+    return PiecewiseGraphs(r.lm, r.lm.attention_backend(r.device), r.kv_caches, r.spec.hidden_size, heads, max_tokens,
+                           r.dtype, scratch_slot=scratch, emulate=True, deepstack_levels=_levels(engine))
+
+
+def _levels(engine: Engine) -> int:
+    spec = engine.runner.spec
+    return spec.embed_width // spec.hidden_size - 1
+
+
+def test_steps_pad_up_to_a_bucket_and_larger_ones_do_not_fit() -> None:
+    assert token_buckets(512)[-1] == 512 and token_buckets(300)[-1] == 256 and token_buckets(0) == ()
+    assert list(token_buckets(1024)) == sorted(set(token_buckets(1024)))
+
+
+@pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir", "qwen3_moe_model_dir"])
+def test_emulated_pieces_give_the_eager_tokens(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Steps of up to 40 tokens (prefill chunks beside decodes, and pure decodes: the CPU has no decode graphs) against
+    buckets of up to 32: the smaller steps pad up to a bucket, the larger ones miss and run eagerly. Qwen3-VL's image
+    steps carry DeepStack features: they take the DeepStack pieces, its text steps the plain ones."""
+    model_dir: Path = request.getfixturevalue(fixture)
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256,
+                                 chunk_size=40, lone_prefill_tokens=0, enable_prefix_caching=False))
+    assert engine.runner.piecewise is None  # CPU: no graphs unless a test emulates them
+    eager = [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
+    # The pieces write K/V themselves, or the eager attention does; buckets up to 32 (the image steps, 38 and 40
+    # tokens, miss) or 48 (every step fits).
+    for kv_in_pieces, most in ((True, 32), (False, 32), (True, 48)):
+        pieces = engine.runner.piecewise = _emulated(engine, most, kv_in_pieces)
+        assert pieces.buckets_in_use[-1] == most
+        assert [o.token_ids for o in engine.generate(_prompts(), GREEDY)] == eager
+        assert pieces.stats["replays"] > pieces.stats["deepstack_replays"]
+        assert (pieces.stats["misses"] > 0) == (most == 32)
+        assert (pieces.stats["deepstack_replays"] > 0) == (most == 48 and fixture != "demo_model_dir")  # Qwen3-VL
+        assert len(pieces.layers) == engine.runner.spec.num_layers
+        assert sorted(pieces.buckets) == sorted(set(pieces.buckets) & set(token_buckets(most)))
+
+
+def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir: Path) -> None:
+    engine = Engine(EngineConfig(model=str(demo_model_dir), device="cpu", dtype="float32", num_kv_blocks=64))
+    pieces = engine.runner.piecewise = _emulated(engine, 16)
+    prompt = [{"role": "user", "content": "one two " * 20}]  # one 40-odd-token step: over the largest bucket
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    assert pieces.stats == {"replays": 0, "captures": 0, "misses": 1, "deepstack_replays": 0} and not pieces.buckets
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir"])
+def test_captured_pieces_give_the_eager_tokens_on_cuda(fixture: str, request: pytest.FixtureRequest) -> None:
+    """float32 on CUDA, so the graphs and the eager forward differ by rounding only and greedy tokens must agree.
+    Qwen3-VL captures a second set of pieces per bucket, for its image steps' DeepStack features. (Qwen3-VL-MoE
+    captures in bf16 only, where its experts run as grouped GEMMs with no host sync.)"""
+    model_dir: Path = request.getfixturevalue(fixture)
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", chunk_size=40,
+                                 lone_prefill_tokens=0, piecewise_graph_tokens=48,
+                                 enable_prefix_caching=False))
+    pieces = engine.runner.piecewise
+    sets = 1 + (_levels(engine) > 0)
+    assert pieces is not None
+    assert pieces.stats["captures"] == sets * len(token_buckets(48)) * (engine.runner.spec.num_layers + 1)
+    with_graphs = [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
+    assert pieces.stats["replays"] > 0 and (pieces.stats["deepstack_replays"] > 0) == (sets == 2)
+    engine.runner.piecewise = None
+    assert [o.token_ids for o in engine.generate(_prompts(), GREEDY)] == with_graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_model_that_cannot_be_captured_serves_eagerly_on_cuda(qwen3_moe_model_dir: Path) -> None:
+    """Qwen3-VL-MoE in float32 runs its experts in a loop that syncs with the host, which no capture allows: the
+    worker starts without graphs, never having tried one (a failed capture would break every sampled request)."""
+    engine = Engine(EngineConfig(model=str(qwen3_moe_model_dir), device="cuda", dtype="float32"))
+    assert engine.runner.graphs is None and engine.runner.piecewise is None
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    out = engine.generate(_prompts()[:2], [GREEDY, sampled])
+    assert [len(o.token_ids) for o in out] == [10, 10]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_blocks_say_whether_a_graph_can_hold_them(dtype: torch.dtype) -> None:
+    """Only the grouped experts (CUDA, bf16) have no host sync; the loop (CPU, float32, or forced) has."""
+    block = SparseMoeBlock(64, 4, 2, 32).to(dtype)
+    assert not block.capturable()  # on the CPU: the loop
+    if torch.cuda.is_available():
+        block = block.cuda()
+        assert block.capturable() == (dtype == torch.bfloat16)
+        block.use_grouped = False
+        assert not block.capturable()

@@ -1,0 +1,30 @@
+"""The model worker's start-up warm-up of its largest step (run on CUDA before "ready"): it must leave nothing behind
+that changes an answer, though it writes KV into blocks that later hold real sequences."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.workers.engine.test_offline import FIVE, GREEDY, Reference, chat, make_engine, reference  # noqa: F401
+from workers.engine.runner.warmup import _warm_steps, size_grid
+
+
+def test_largest_step_leaves_every_answer_as_transformers_gives_it(demo_model_dir: Path, reference: Reference) -> None:  # noqa: F811
+    engine = make_engine(demo_model_dir, chunk_size=64, vit_max_patches=200)
+    runner = engine.runner
+    before = runner.model.vision.stats["calls"]
+    patches, tokens = _warm_steps(runner, frame_side=8, sizes=((112, 56), (60, 30)))
+    # vit_max_patches 200 holds three 8 x 8 frames, then shares of that down to one 4 x 4 frame; a 112 x 56 image is
+    # 8 x 4 patches of 14 px (32), run 1, 2, 3 and 6 to a call; 60 x 30 rounds to 56 x 28 px (8 patches, 1, 2, 3 and 25 to a call). Largest first,
+    # a repeated count once. The chunks go from the step budget down by 0.9 to a sixteenth of it, image rows first.
+    assert [size_grid(112, 56, 14, 2), size_grid(60, 30, 14, 2)] == [(1, 4, 8), (1, 2, 4)]
+    assert patches == [200, 192, 128, 96, 64, 32, 24, 16, 8]
+    assert tokens == [64, 57, 51, 46, 41, 37, 34, 30, 27, 24, 22, 20, 18, 16, 14, 13, 11, 10, 9, 8, 7, 6, 5, 4]
+    assert runner.model.vision.stats["calls"] == before + len(patches)
+    assert runner.kv_caches[0][:4].abs().sum() > 0  # the chunk's KV went into blocks 0-3, which requests get next
+    first = chat("Compare these five pages.", FIVE)
+    [out] = engine.generate([first], GREEDY)
+    assert out.token_ids == reference.generate(first)
+    again = chat("And now just these two.", FIVE[1:3])  # prefix cache and embedding cache in play after the warm-up
+    [out] = engine.generate([again], GREEDY)
+    assert out.token_ids == reference.generate(again)

@@ -1,0 +1,155 @@
+"""Greedy tokens of the offline Engine equal transformers' generate on the demo checkpoint (CPU, float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+from ipc.messages import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.offline import Engine
+
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+ODD_SIZES = [(57, 83), (300, 200), (123, 77), (640, 480), (29, 29)]
+
+
+def noise_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def chat(text: str, images: list[Image.Image]) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image", "image": img} for img in images]
+    parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
+
+
+class Reference:
+    def __init__(self, model_dir: Path) -> None:
+        self.processor = AutoProcessor.from_pretrained(str(model_dir))
+        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def generate(self, messages: list[dict[str, Any]]) -> list[int]:
+        inputs = self.processor.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+        return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir: Path) -> Reference:
+    return Reference(demo_model_dir)
+
+
+def make_engine(model_dir: Path, **overrides: Any) -> Engine:
+    # lone_prefill_tokens 0: a lone prompt keeps chunk_size, so the chunk sizes below really split the images
+    args: dict[str, Any] = dict(
+        model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=512, block_size=16, lone_prefill_tokens=0
+    )
+    args.update(overrides)
+    return Engine(EngineConfig(**args))
+
+
+FIVE = [noise_image(w, h, seed=i) for i, (w, h) in enumerate(ODD_SIZES)]
+
+
+def test_text_only(demo_model_dir: Path, reference: Reference) -> None:
+    messages = [{"role": "user", "content": "Describe the chart on page three."}]
+    [out] = make_engine(demo_model_dir).generate([messages], GREEDY)
+    assert out.token_ids == reference.generate(messages)
+
+
+def test_one_image(demo_model_dir: Path, reference: Reference) -> None:
+    messages = chat("What is in this picture?", [noise_image(300, 200, seed=42)])
+    [out] = make_engine(demo_model_dir).generate([messages], GREEDY)
+    assert out.token_ids == reference.generate(messages)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64, 4096])
+def test_five_odd_images_any_chunk_size(demo_model_dir: Path, reference: Reference, chunk_size: int) -> None:
+    messages = chat("Compare these five pages.", FIVE)
+    engine = make_engine(demo_model_dir, chunk_size=chunk_size)
+    [out] = engine.generate([messages], GREEDY)
+    assert out.token_ids == reference.generate(messages)
+    # Each distinct image is encoded exactly once, however the chunks split the spans.
+    assert engine.stats()["images_encoded"] == 5
+
+
+def test_eight_concurrent_requests(demo_model_dir: Path, reference: Reference) -> None:
+    requests = [
+        chat("Short one." * (1 + i), [noise_image(60 + 30 * i, 90 - 5 * i, seed=100 + i)] * (i % 3)) for i in range(8)
+    ]
+    engine = make_engine(demo_model_dir, chunk_size=64)
+    outs = engine.generate(requests, GREEDY)
+    for messages, out in zip(requests, outs, strict=True):
+        assert out.token_ids == reference.generate(messages)
+    # The batch really ran together: some step carried several sequences.
+    assert engine.runner.counters.steps < sum(len(o.token_ids) for o in outs)
+
+
+@pytest.mark.parametrize("block_size", [16, 128])  # 128: what `glimpse serve` takes on CUDA (whole FA3 key tiles)
+def test_second_request_reuses_cached_embeddings(demo_model_dir: Path, reference: Reference, block_size: int) -> None:
+    engine = make_engine(demo_model_dir, chunk_size=64, block_size=block_size)
+    first = chat("Read these.", FIVE[:3])
+    engine.generate([first], GREEDY)
+    encoded = engine.stats()["images_encoded"]
+    assert encoded == 3
+    second = first + [
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": [{"type": "image", "image": FIVE[3]}, {"type": "text", "text": "And this?"}]},
+    ]
+    [out] = engine.generate([second], GREEDY)
+    assert out.token_ids == reference.generate(second)
+    stats = engine.stats()
+    assert stats["images_encoded"] == encoded + 1  # only the new image went through the ViT
+    assert stats["mm_cache"]["hits"] >= 3
+    assert stats["prefix_cache_hit_tokens"] >= block_size  # the first turn's blocks (across its images) reused
+
+
+def test_cache_smaller_than_one_request_is_still_exact(demo_model_dir: Path, reference: Reference) -> None:
+    messages = chat("Compare these five pages.", FIVE)
+    # Room for about one image's embeddings: the rest are encoded for one step and dropped.
+    engine = make_engine(demo_model_dir, chunk_size=32, mm_cache_mb=0.02)
+    [out] = engine.generate([messages], GREEDY)
+    assert out.token_ids == reference.generate(messages)
+    stats = engine.stats()["mm_cache"]
+    assert stats["bytes"] <= 0.02 * (1 << 20)
+    assert stats["refused"] > 0 or stats["evictions"] > 0
+
+
+def test_baseline_request_mode_is_exact(demo_model_dir: Path, reference: Reference) -> None:
+    messages = chat("Compare these five pages.", FIVE)
+    engine = make_engine(demo_model_dir, chunk_size=16, mm_cache_mode="request")
+    [out] = engine.generate([messages], GREEDY)
+    assert out.token_ids == reference.generate(messages)
+    # Baseline: every image encoded in the first step, in one ViT call.
+    assert engine.step_log[0] == (5, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fast_paths_give_the_eager_tokens(demo_model_dir: Path) -> None:
+    """CUDA, float32: fused kernels, the paged embedding pool (with hits across requests) and cuDNN frame
+    attention against the same engine with every fast path off; float32 differs by rounding only, so
+    greedy tokens must agree. Small chunks make images straddle chunks (and pool pages)."""
+    prompts = [chat("Compare.", FIVE[:3]), chat("Again, briefly.", [FIVE[2], FIVE[0], FIVE[4]])]
+    outputs = {}
+    for fast in (True, False):
+        engine = make_engine(demo_model_dir, device="cuda", chunk_size=64, fused_kernels=fast)
+        store = engine.runner.store
+        assert (store.pool is not None) and store.pool_misses == 0  # the pool is CUDA's, either way
+        if not fast:
+            engine.runner.graphs = None
+        outputs[fast] = [o.token_ids for o in engine.generate(prompts[:1], GREEDY)]
+        outputs[fast] += [o.token_ids for o in engine.generate(prompts[1:], GREEDY)]
+        assert engine.stats()["mm_cache"]["hits"] >= 2  # FIVE[2] and FIVE[0] came back from the pool
+    assert outputs[True] == outputs[False]

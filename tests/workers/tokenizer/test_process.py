@@ -1,0 +1,401 @@
+"""Tokenizer worker: a real spawned process on real sockets and /dev/shm, checked against MMProcessor
+run in-process on the same images; plus segment reuse across workers with two in-process workers, and
+(a request's fresh images on the thread pool: test_image_prep.py)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import math
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+import torch
+
+from ipc.channels import PullSocket, PushSocket, new_context
+from ipc.launch import ipc_address
+from ipc.messages import (
+    AbortRequest,
+    FrontendInbound,
+    GenerateRequest,
+    MediaFailed,
+    MediaReady,
+    ProcessReady,
+    RequestAccepted,
+    RequestFailed,
+    SchedulerInbound,
+    SchedulerStats,
+    Shutdown,
+    TokenizedRequest,
+    TokenizerInbound,
+    TokenizerStats,
+)
+from ipc.shm import (
+    SHM_DIR,
+    ShmSegment,
+    find_segments,
+    link_segment,
+    list_segments,
+    segment_name,
+)
+from server.config import ServerConfig
+from tests.conftest import noise_image
+from workers.engine.config import EngineConfig
+from workers.engine.prompt.processor import MMProcessor
+from workers.tokenizer.media.fetch import decode_image
+from workers.tokenizer.process import run_tokenizer
+from workers.tokenizer.requests.chat import parse_request, template_messages, to_sampling_params
+from workers.tokenizer.worker import TokenizerWorker
+
+M = TypeVar("M")
+MODEL = "demo"
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    noise_image(width, height, seed).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def chat_body(images: list[bytes], **extra: Any) -> bytes:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": "what differs?"}]
+    for raw in images:
+        url = f"data:image/png;base64,{base64.b64encode(raw).decode()}"
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 8, **extra}
+    return json.dumps(body).encode()
+
+
+def server_config(model_dir: Path, launch_id: str) -> ServerConfig:
+    engine = EngineConfig(model=str(model_dir), max_model_len=4096)
+    return ServerConfig(engine=engine, launch_id=launch_id, served_model_name=MODEL, tokenizer_workers=1)
+
+
+def shm_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+class Peer:
+    """The test plays frontend (PULL), scheduler (PULL) and the frontend's push to tok0."""
+
+    def __init__(self, launch_id: str) -> None:
+        self.ctx = ctx = new_context()
+        address = {name: ipc_address(launch_id, name) for name in ("frontend", "sched", "tok0")}
+        self.frontend = PullSocket[FrontendInbound](ctx, address["frontend"], FrontendInbound, True)
+        self.sched = PullSocket[SchedulerInbound](ctx, address["sched"], SchedulerInbound, True)
+        self.tok = PushSocket[TokenizerInbound](ctx, address["tok0"], TokenizerInbound, False)
+        self.stats: list[TokenizerStats] = []
+
+    def expect(self, kind: type[M], timeout_s: float = 30.0) -> M:
+        """Next frontend message of `kind`, keeping TokenizerStats aside; anything else fails."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            msg = self.frontend.recv(int(left * 1000) + 1)
+            if isinstance(msg, TokenizerStats):
+                self.stats.append(msg)
+            elif msg is not None:
+                assert isinstance(msg, kind), msg
+                return msg
+        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+    def scheduled(self, timeout_ms: int = 10_000) -> TokenizedRequest:
+        """The next request handed to the scheduler, once all its pending images are reported ready."""
+        msg = self.sched.recv(timeout_ms)
+        assert isinstance(msg, TokenizedRequest), msg
+        left = set(msg.pending)
+        while left:
+            ready = self.sched.recv(timeout_ms)
+            assert isinstance(ready, MediaReady) and ready.rid == msg.rid, ready
+            assert set(ready.hashes) <= left, (ready.hashes, left)
+            for item in msg.items:  # published by the time it is reported
+                if item.hash in ready.hashes and item.pixels is not None:
+                    assert os.path.exists(shm_path(item.pixels.name))
+            left -= set(ready.hashes)
+        return msg
+
+    def close(self) -> None:
+        for sock in (self.frontend, self.sched, self.tok):
+            sock.close()
+        self.ctx.term()
+
+
+def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:
+    config = server_config(demo_model_dir, launch_id)
+    peer = Peer(launch_id)
+    proc = multiprocessing.get_context("spawn").Process(target=run_tokenizer, args=(config, 0), daemon=True)
+    proc.start()
+    try:
+        ready = peer.expect(ProcessReady, timeout_s=120)
+        assert (ready.role, ready.index, ready.pid) == ("tokenizer", 0, proc.pid)
+
+        raws = [png(64, 48, seed=1), png(56, 90, seed=2)]
+        body = chat_body(raws, temperature=0, stream=True, stream_options={"include_usage": True})
+        peer.tok.send(GenerateRequest("r1", body, time.time()))
+        # Fresh images of a request alone in the tokenizer: the prompt goes to the scheduler before their pixels
+        # (grids from their headers); the frontend's answer once they are all written. (Under load the first is
+        # written before: test_tokenizer_service.py.)
+        first = peer.scheduled()
+        assert first.pending == [item.hash for item in first.items]
+        accepted = peer.expect(RequestAccepted)
+
+        # The same prompt built in-process from the same bytes.
+        mm = MMProcessor(demo_model_dir)
+        processed = [
+            mm.process_image(decode_image(raw, 10**6), image_hash=mm.media_hash(raw)) for raw in raws
+        ]
+        chat = parse_request(body)
+        prompt = mm.build(mm.render(template_messages(chat)), processed)
+        assert accepted == RequestAccepted("r1", True, True, MODEL, len(prompt.input_ids), 0)
+        assert first.rid == "r1"
+        assert first.input_ids == prompt.input_ids
+        assert first.mrope_delta == prompt.mrope_delta
+        assert [(i.hash, i.offset, i.length, i.grid) for i in first.items] == [
+            (s.hash, s.offset, s.length, s.grid) for s in prompt.spans
+        ]
+        assert first.sampling == to_sampling_params(chat, len(prompt.input_ids), 4096)
+        assert sorted(first.shm_names) == sorted(i.pixels.name for i in first.items if i.pixels)
+        # Segments hold uint8 frames; made into rows as a model worker makes them, they are the processor's rows.
+        assert mm.uint8_frames is not None
+        layout = mm.uint8_frames[0]
+        assert first.shm_bytes == sum(math.prod(layout.shape(p.grid)) for p in processed)
+        for item, expected in zip(first.items, processed):
+            assert item.pixels is not None and item.pixels.dtype == "uint8"
+            with ShmSegment.attach(item.pixels) as seg:
+                assert torch.equal(layout.rows(seg.tensor(), torch.float32), expected.pixel_values)
+
+        # Resent images: hard links to the live segments, nothing decoded or written.
+        peer.tok.send(GenerateRequest("r2", body, time.time()))
+        peer.expect(RequestAccepted)
+        second = peer.scheduled()
+        assert second.input_ids == first.input_ids and second.shm_bytes == 0 and second.pending == []
+        assert set(second.shm_names).isdisjoint(first.shm_names)
+        for a, b in zip(first.items, second.items):
+            assert a.pixels is not None and b.pixels is not None
+            assert os.stat(shm_path(a.pixels.name)).st_ino == os.stat(shm_path(b.pixels.name)).st_ino
+            assert (
+                msgspec.structs.replace(b.pixels, name=a.pixels.name) == a.pixels
+            )  # same nbytes/dtype/shape
+        stats = _stats_after(peer, requests=2)
+        assert (stats.worker, stats.images, stats.images_reused, stats.images_deferred) == (0, 4, 2, 2)
+
+        # Refusals: OpenAI-shaped errors to the frontend, nothing to the scheduler, no shm left behind.
+        bad = [
+            ("r3", chat_body(raws, temperature=5), 400, "temperature", "invalid_value"),
+            ("r4", chat_body(raws).replace(b'"demo"', b'"gpt-4o"'), 404, "model", "model_not_found"),
+            (
+                "r5",
+                chat_body([raws[0], b"not an image"]),
+                400,
+                "messages[0].content[2].image_url",
+                "invalid_image",
+            ),
+            ("r6", b"{not json", 400, None, "invalid_json"),
+        ]
+        for rid, bad_body, *_ in bad:
+            peer.tok.send(GenerateRequest(rid, bad_body, time.time()))
+        # Requests are prepared concurrently: answers come in any order.
+        answers = {f.rid: f for f in (peer.expect(RequestFailed) for _ in bad)}
+        for rid, _, status, param, code in bad:
+            failed = answers[rid]
+            assert (failed.rid, failed.status, failed.param, failed.code) == (rid, status, param, code)
+        assert peer.sched.recv(300) is None
+        assert sorted(list_segments(launch_id)) == sorted(first.shm_names + second.shm_names)
+
+        # Back-pressure: the scheduler reports the budget spent, new images are refused with 503.
+        fields = {f: 0 for f in SchedulerStats.__struct_fields__ if f != "workers"}
+        peer.tok.send(SchedulerStats(**{**fields, "shm_bytes": 100, "shm_budget_bytes": 100}))
+        peer.tok.send(GenerateRequest("r7", chat_body([png(30, 30, seed=9)]), time.time()))
+        failed = peer.expect(RequestFailed)
+        assert failed.rid == "r7" and failed.type == "server_error"
+        assert (failed.status, failed.code) == (503, "shm_budget_exceeded")
+
+        # The scheduler's job at the end of a request: unlink its names. Then a clean exit.
+        for name in first.shm_names + second.shm_names:
+            assert ShmSegment.unlink(name)
+        peer.tok.send(Shutdown("test over"))
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert list_segments(launch_id) == []
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        peer.close()
+
+
+def truncated_png(width: int, height: int, seed: int) -> bytes:
+    """A PNG whose header is whole and whose pixel data stops halfway: only a full decode finds it corrupt."""
+    raw = png(width, height, seed)
+    return raw[: len(raw) // 2]
+
+
+def test_corrupt_later_image_fails_cleanly_after_the_prompt_went_out(demo_model_dir: Path, launch_id: str) -> None:
+    """Overlap of preprocessing and prefill: the third image's header is fine, so the prompt reaches the
+    scheduler before its pixels are decoded (a lone request: before any image is written); the decode then fails.
+    The frontend gets a 400 naming the image (never a RequestAccepted), the scheduler a MediaFailed, and the only
+    names left are those the scheduler was told of (its to unlink); a client leaving mid-write ends the same way."""
+    config = server_config(demo_model_dir, launch_id)
+    peer = Peer(launch_id)
+    proc = multiprocessing.get_context("spawn").Process(target=run_tokenizer, args=(config, 0), daemon=True)
+    proc.start()
+    try:
+        peer.expect(ProcessReady, timeout_s=120)
+        good = [png(64, 48, seed=11), png(56, 90, seed=12)]
+        peer.tok.send(GenerateRequest("c1", chat_body([*good, truncated_png(640, 480, seed=13)]), time.time()))
+        sent = peer.sched.recv(10_000)
+        assert isinstance(sent, TokenizedRequest) and sent.pending == [i.hash for i in sent.items], sent
+        reported: set[bytes] = set()
+        while not isinstance(msg := peer.sched.recv(10_000), MediaFailed):
+            assert isinstance(msg, MediaReady) and msg.rid == "c1", msg
+            reported.update(msg.hashes)
+        assert msg.rid == "c1" and sent.items[2].hash not in reported
+        failed = peer.expect(RequestFailed)
+        assert (failed.rid, failed.status, failed.code) == ("c1", 400, "invalid_image")
+        assert failed.param == "messages[0].content[3].image_url"
+        # The writes are stopped and the tokenizer's names unlinked before it answers the next request.
+        peer.tok.send(GenerateRequest("c2", chat_body([]), time.time()))
+        peer.expect(RequestAccepted)
+        assert peer.scheduled().rid == "c2"
+        told = sorted(i.pixels.name for i in sent.items if i.pixels is not None and i.hash in reported)
+        assert sorted(list_segments(launch_id)) == told
+        for name in told:  # the scheduler's part
+            ShmSegment.unlink(name)
+
+        # The client leaves while a big second image is still being decoded: same clean end, nothing left behind.
+        big = png(1920, 1080, seed=14)
+        peer.tok.send(GenerateRequest("c3", chat_body([png(32, 32, seed=15), big]), time.time()))
+        sent = peer.sched.recv(10_000)
+        assert isinstance(sent, TokenizedRequest) and sent.pending == [i.hash for i in sent.items], sent
+        peer.tok.send(AbortRequest("c3"))
+        reported = set()
+        while reported != set(sent.pending) and isinstance(msg := peer.sched.recv(10_000), MediaReady):
+            reported.update(msg.hashes)
+        for item in sent.items:  # the names the scheduler was told of are its to unlink
+            if item.hash in reported and item.pixels is not None:
+                ShmSegment.unlink(item.pixels.name)
+        if reported == set(sent.pending):  # the decodes won the race
+            assert peer.expect(RequestAccepted).rid == "c3"
+        else:
+            assert msg == MediaFailed("c3")
+            assert peer.expect(RequestFailed).status == 499
+            peer.tok.send(GenerateRequest("c4", chat_body([]), time.time()))
+            peer.expect(RequestAccepted)
+            peer.scheduled()
+        assert list_segments(launch_id) == []
+        peer.tok.send(Shutdown("test over"))
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        peer.close()
+
+
+def _stats_after(peer: Peer, requests: int) -> TokenizerStats:
+    """The first stats report covering `requests` requests (reports come after each request)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for s in peer.stats:
+            if s.requests >= requests:
+                return s
+        msg = peer.frontend.recv(200)
+        if isinstance(msg, TokenizerStats):
+            peer.stats.append(msg)
+        else:
+            assert msg is None, msg
+    raise AssertionError(f"no stats with {requests} requests: {peer.stats}")
+
+
+# ---- reuse across workers (in-process: two workers share /dev/shm like two tokenizer processes) --------
+
+
+def _handle(worker: TokenizerWorker, rid: str, body: bytes) -> TokenizedRequest:
+    result = worker.handle(GenerateRequest(rid, body, time.time()))
+    assert isinstance(result, tuple), result
+    return result[1]
+
+
+def _inodes(req: TokenizedRequest) -> list[int]:
+    return [os.stat(shm_path(i.pixels.name)).st_ino for i in req.items if i.pixels]
+
+
+def test_reuse_across_workers_and_fallback(demo_model_dir: Path, launch_id: str) -> None:
+    config = server_config(demo_model_dir, launch_id)
+    log = logging.getLogger("test")
+    a, b = TokenizerWorker(config, 0, log), TokenizerWorker(config, 1, log)
+    try:
+        raw = png(64, 64, seed=5)
+        body = chat_body([raw, raw])  # the same image twice: one segment, one name
+        ra = _handle(a, "a1", body)
+        pixels = ra.items[0].pixels
+        assert pixels is not None and len(ra.shm_names) == 1 and ra.items[1].pixels == pixels
+        assert ra.shm_bytes == pixels.nbytes
+        assert a.images_reused == 1
+
+        rb = _handle(b, "b1", body)  # b never saw it: found by listing /dev/shm, grid read from the name
+        assert rb.shm_bytes == 0 and b.images_reused == 2 and _inodes(rb) == _inodes(ra)
+        assert rb.input_ids == ra.input_ids and rb.items[0].pixels is not None
+        with ShmSegment.attach(rb.items[0].pixels) as seg:  # the frame of its grid, channels-last
+            assert seg.tensor().shape == (rb.items[0].grid[1] * 14, rb.items[0].grid[2] * 14, 3)  # [H, W, C]
+
+        ShmSegment.unlink(ra.shm_names[0])  # a's request finished: a's own hint is now stale
+        ra2 = _handle(a, "a2", body)  # ... so a links b's name instead
+        assert ra2.shm_bytes == 0 and _inodes(ra2) == _inodes(rb)
+
+        for name in rb.shm_names + ra2.shm_names:
+            ShmSegment.unlink(name)
+        rb2 = _handle(b, "b2", body)  # no live copy anywhere: decoded, processed and written again
+        assert rb2.shm_bytes > 0 and rb2.input_ids == ra.input_ids
+        for name in rb2.shm_names:
+            ShmSegment.unlink(name)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_link_and_find_segments(launch_id: str) -> None:
+    src = segment_name(launch_id, "abc-1")
+    seg, _ = ShmSegment.create_from_tensor(src, torch.arange(4.0))
+    seg.close()
+    dst = segment_name(launch_id, "abc-2")
+    assert link_segment(src, dst)
+    assert os.stat(shm_path(src)).st_ino == os.stat(shm_path(dst)).st_ino
+    assert find_segments(launch_id, "abc-") == [src, dst] and find_segments(launch_id, "x") == []
+    with pytest.raises(FileExistsError):
+        link_segment(src, dst)
+    assert ShmSegment.unlink(src) and ShmSegment.unlink(dst)
+    assert not link_segment(src, segment_name(launch_id, "abc-3"))
+    assert list_segments(launch_id) == []
+
+
+def test_refusal_after_linking_unlinks_the_requests_names(demo_model_dir: Path, launch_id: str) -> None:
+    config = server_config(demo_model_dir, launch_id)
+    worker = TokenizerWorker(config, 0, logging.getLogger("test"))
+    try:
+        seen, new = png(64, 64, seed=7), png(96, 64, seed=8)
+        first = _handle(worker, "r1", chat_body([seen]))
+        # Room for a little, not for the new image: the live one is linked first, then the budget
+        # check refuses the request, and the link made for it must go again.
+        worker.shm_bytes = worker.shm_budget - 1
+        result = worker.handle(GenerateRequest("r2", chat_body([seen, new]), time.time()))
+        assert isinstance(result, RequestFailed) and (result.status, result.code) == (
+            503,
+            "shm_budget_exceeded",
+        )
+        assert list_segments(launch_id) == first.shm_names
+        # An image that could never fit the budget is the client's problem (400), not overload.
+        worker.shm_bytes, worker.shm_budget = 0, 1000
+        result = worker.handle(GenerateRequest("r3", chat_body([new]), time.time()))
+        assert isinstance(result, RequestFailed) and (result.status, result.code) == (400, "images_too_large")
+        assert list_segments(launch_id) == first.shm_names
+        ShmSegment.unlink(first.shm_names[0])
+    finally:
+        worker.close()

@@ -1,0 +1,274 @@
+"""Tool calling: the request's tools, the grammar that enforces ``tool_choice`` "required" or a named
+function, and the parser that turns the model's ``<tool_call>{json}</tool_call>`` blocks (the Qwen /
+Hermes format) into OpenAI ``tool_calls``, incrementally, as the text streams.
+
+The tools themselves reach the model through the checkpoint's own chat template (processor.render).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+import msgspec
+
+from ipc.messages import StructuredSpec, ToolCallDelta
+from workers.common.errors import BadRequest
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# The separators of Qwen's tool-call JSON ({"name": "f", "arguments": {...}}), which the grammar keeps too.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class FunctionDef(msgspec.Struct, frozen=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, frozen=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, frozen=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def parse_tools(raw: list[dict[str, Any]]) -> list[Tool]:
+    """The request's tools as structs (the raw dicts go to the chat template as the client wrote them, key
+    order and all, so the prompt is the one transformers renders from the same request)."""
+    try:
+        return msgspec.convert(raw, list[Tool])
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"Invalid 'tools': {str(exc).replace('`', '')}", param="tools", code="invalid_value") from None
+
+
+def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> None:
+    names = [t.function.name for t in tools or []]
+    if len(set(names)) != len(names):
+        raise BadRequest("Tool names must be unique.", param="tools", code="invalid_value")
+    if any(not n for n in names):
+        raise BadRequest("Every tool needs a function name.", param="tools", code="invalid_value")
+    if choice is None or choice in ("none", "auto"):
+        return
+    if not tools:
+        raise BadRequest("'tool_choice' needs 'tools'.", param="tool_choice", code="invalid_value")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        message = f"'tool_choice' names the function `{choice.function.name}`, which is not among the tools."
+        raise BadRequest(message, param="tool_choice", code="invalid_value")
+
+
+def tool_grammar(
+    tools: list[Tool], choice: ToolChoice, parallel: bool, tags: tuple[int | None, int | None] = (None, None)
+) -> StructuredSpec | None:
+    """The grammar of an answer that must call a tool ("required": any of them, one or more when
+    ``parallel``; a named choice: that one, once), each call's arguments valid for its schema. ``tags``:
+    the token ids of <tool_call> and </tool_call> where the vocabulary has them as single tokens (Qwen's
+    added tokens), which the grammar then asks for by id: llguidance keeps added tokens apart from text."""
+    if choice in ("none", "auto"):
+        return None
+    if isinstance(choice, NamedToolChoice):
+        tools, parallel = [t for t in tools if t.function.name == choice.function.name], False
+    rules = []
+    for i, tool in enumerate(tools):
+        params = tool.function.parameters or {"type": "object"}
+        schema = {
+            "type": "object",
+            "properties": {"name": {"const": tool.function.name}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+            "x-guidance": _JSON_STYLE,
+        }
+        rules.append(f"fn{i}: %json {json.dumps(schema)}")
+    body = " | ".join(f"fn{i}" for i in range(len(tools)))
+    open_, close = (f"<[{tid}]>" if tid is not None else json.dumps(tag) for tid, tag in zip(tags, (OPEN, CLOSE)))
+    lines = [
+        'start: call ("\\n" call)*' if parallel else "start: call",
+        f'call: {open_} "\\n" ({body}) "\\n" {close}',
+        *rules,
+    ]
+    return StructuredSpec("lark", "\n".join(lines))
+
+
+class ToolCallParser:
+    """Splits a stream of output text into content and tool-call deltas.
+
+    Text before a ``<tool_call>`` is content. Inside a call, once its name is known, the first delta
+    carries a fresh id and the name, later ones the argument text as it arrives (held back by the
+    closing characters that may still turn out to belong to the call's outer object). At
+    ``</tool_call>`` the call is parsed for good: its ``arguments`` are the exact JSON text the model
+    wrote for them. A block that is not valid JSON is given back as content.
+    """
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.in_call = False
+        self.calls = 0  # finished or started calls
+        self._started = False  # the current call's header went out
+        self._sent = 0  # characters of the current call's arguments already sent
+        self._args_at = -1  # where the current call's arguments value starts in the buffer
+
+    def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self.buffer += text
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        while True:
+            if not self.in_call:
+                at = self.buffer.find(OPEN)
+                if at < 0:
+                    # Held back: what may grow into the tag, and blanks that end up not content if it does.
+                    tag = _partial_tail(self.buffer, OPEN)
+                    head = self.buffer[: len(self.buffer) - tag]
+                    keep = tag + len(head) - len(head.rstrip())
+                    content.append(self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                    break
+                content.append(self.buffer[:at])
+                self.buffer = self.buffer[at + len(OPEN) :]
+                self.in_call, self._started, self._sent, self._args_at = True, False, 0, -1
+                continue
+            end = self.buffer.find(CLOSE)
+            if end < 0:
+                deltas.extend(self._stream_partial())
+                break
+            block, self.buffer = self.buffer[:end], self.buffer[end + len(CLOSE) :]
+            self.in_call = False
+            done, text_back = self._finish_call(block)
+            deltas.extend(done)
+            content.append(text_back)
+        return _trim_before_calls("".join(content), bool(deltas) or self.in_call), deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """The output ended: whatever is held back goes out (an unclosed call: what was parsed of it)."""
+        rest, self.buffer = self.buffer, ""
+        if not self.in_call:
+            return rest, []
+        self.in_call = False
+        done, text_back = self._finish_call(rest)
+        return text_back, done
+
+    def _header(self, name: str) -> ToolCallDelta:
+        self._started = True
+        return ToolCallDelta(self.calls, f"call_{uuid.uuid4().hex[:24]}", name)
+
+    def _stream_partial(self) -> list[ToolCallDelta]:
+        out: list[ToolCallDelta] = []
+        block = self.buffer
+        if not self._started:
+            name, args_at = _name_and_args_start(block)
+            if name is None:
+                return out
+            out.append(self._header(name))
+            self._args_at = args_at
+        if self._args_at < 0:
+            return out
+        # Everything but a tail of closing braces and blanks, which may be the outer object's.
+        raw = block[self._args_at :]
+        raw = raw[: len(raw) - _partial_tail(raw, CLOSE)]
+        safe = len(raw.rstrip("} \n\r\t"))
+        if safe > self._sent:
+            out.append(ToolCallDelta(self.calls, arguments=raw[self._sent : safe]))
+            self._sent = safe
+        return out
+
+    def _finish_call(self, block: str) -> tuple[list[ToolCallDelta], str]:
+        """Deltas that complete the call in ``block`` (its text inside the tags), or the block as content."""
+        parsed = _parse_call(block)
+        if parsed is None:
+            if self._started:  # already announced: the call stays, with the text it got
+                self.calls += 1
+                return [], ""
+            return [], OPEN + block + CLOSE
+        name, arguments = parsed
+        out = [] if self._started else [self._header(name)]
+        if arguments[: self._sent] == block[self._args_at : self._args_at + self._sent] and len(arguments) > self._sent:
+            out.append(ToolCallDelta(self.calls, arguments=arguments[self._sent :]))
+        self.calls += 1
+        return out, ""
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def _trim_before_calls(content: str, calls: bool) -> str:
+    # Qwen writes a newline between its text and a call: not part of the content.
+    return content.rstrip() if calls else content
+
+
+def _value_start(block: str, key: str) -> int:
+    """Where the JSON value after ``"key":`` starts in ``block`` (-1: not written that far yet)."""
+    at = block.find(f'"{key}"')
+    colon = block.find(":", at + len(key) + 2) if at >= 0 else -1
+    if colon < 0:
+        return -1
+    start = colon + 1
+    while start < len(block) and block[start] in " \t\r\n":
+        start += 1
+    return start if start < len(block) else -1
+
+
+def _name_and_args_start(block: str) -> tuple[str | None, int]:
+    """The call's name once it is complete, and where its arguments value starts (-1: not yet)."""
+    start = _value_start(block, "name")
+    if start < 0:
+        return None, -1
+    try:
+        name, _ = json.JSONDecoder().raw_decode(block, start)
+    except ValueError:
+        return None, -1
+    if not isinstance(name, str):
+        return None, -1
+    return name, _value_start(block, "arguments")
+
+
+def _parse_call(block: str) -> tuple[str, str] | None:
+    """(name, the exact JSON text of its arguments) of a complete call, or None if it is not one."""
+    text = block.strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
+        return None
+    _, start = _name_and_args_start(text)
+    if start >= 0:
+        try:
+            _, end = json.JSONDecoder().raw_decode(text, start)
+            return obj["name"], text[start:end]
+        except ValueError:
+            pass
+    return obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
+
+
+class ToolOutput:
+    """One choice's output through the parser, as the scheduler hands it on: content, tool-call deltas,
+    and the finish reason ("tool_calls" when the answer called a tool and stopped on its own)."""
+
+    def __init__(self) -> None:
+        self.parser = ToolCallParser()
+
+    def step(self, text: str, reason: str | None) -> tuple[str, list[ToolCallDelta], str | None]:
+        content, deltas = self.parser.push(text)
+        if reason is not None:
+            tail, more = self.parser.finish()
+            content += tail
+            deltas += more
+            if reason == "stop" and self.parser.calls:
+                reason = "tool_calls"
+        return content, deltas, reason

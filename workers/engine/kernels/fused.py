@@ -1,0 +1,144 @@
+"""Fused elementwise steps for the CUDA path: the work between the GEMMs, one kernel each.
+
+Between its GEMMs a decoder layer or ViT block runs RMSNorms (seven PyTorch kernels each, with a float32
+copy of the activations), rotary embeddings (four to six), SiLU*up and residual adds. For one 1080p image
+the ViT spent 37 of its 67 ms in such kernels (H200 profile: GEMMs 19 ms, FlashAttention 11 ms), mostly
+moving float32 intermediates through memory. Here each step is one function that torch.compile (Inductor)
+turns into one or two Triton kernels that read the bf16 inputs once, do the math in float32 in registers
+and write bf16 once.
+
+Rules:
+- The eager definitions are the reference; every module keeps its exact eager code for the CPU (float32
+  tests compare tokens with transformers) and uses these only when ``fused`` is on and ``worth_it`` (CUDA,
+  at least MIN_ROWS rows or a CUDA-graph capture). In bf16 the fused kernels round once where eager rounds after every op, so results differ at bf16
+  precision (benchmarks/engine/precision_check.py measures it against a float32 engine).
+- Shapes use torch.compile's automatic dynamic mode: the first call compiles for its exact shapes, the first
+  call with another token count recompiles with only that dimension symbolic, and a count of 1 gets its own
+  graph. Inner sizes (hidden 1280, heads x 80) stay static, which lets Inductor emit vectorised loads and
+  one-pass reductions: with every dimension symbolic (``dynamic=True``) the same kernels ran 1.3-2.5x
+  slower and the ViT took 42.2 instead of 37.1 ms per 1080p image (H200, measured). ``ModelRunner`` calls
+  every site with three token counts at start-up, before any CUDA graph is captured (compiling or
+  first-launching a kernel inside a capture is not allowed), so serving never compiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from workers.engine.kernels import silu_kernel
+
+_compiled: dict[str, Callable[..., Any]] = {}
+
+# Every row count takes the fused kernels now. Session 11 had measured the opposite below 256 rows (a compiled
+# call's guards and dispatch, ~70 us, over the few eager kernels it replaced: eager batch-32 decode 14.1 -> 18.7 ms
+# per step), but since the LM's rotary and SiLU*up have Triton kernels the eager side is the heavier one: a
+# 180-token prefill step over a 22k-token context took 23-27 ms of host time fused against 26-32 eager, and eager
+# decode steps without graphs (batch 32-200) were as fast or faster fused (H200, session 22). Small steps are
+# host-bound, so this is their time to first token. (warm_fused compiles the one-row and symbolic graphs.)
+MIN_ROWS = 1
+
+
+_forced = False
+
+
+def worth_it(x: Tensor) -> bool:
+    """Whether a call site should take its fused kernel for input ``x`` (rows = tokens or patches)."""
+    return x.is_cuda and (_forced or x.shape[0] >= MIN_ROWS or torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def forced() -> Iterator[None]:
+    """Fused kernels at any row count: the start-up warm-up compiles the small-shape graphs that CUDA-graph
+    captures will replay, since nothing may compile inside a capture."""
+    global _forced
+    _forced = True
+    try:
+        yield
+    finally:
+        _forced = False
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` through torch.compile, built on first use (importing dynamo costs ~1 s, which CPU runs skip)."""
+    out = _compiled.get(fn.__qualname__)
+    if out is None:
+        # A site compiles once per dtype, inner size (LM and ViT hidden, head norms), one row or symbolic rows and
+        # grad mode; a process serving one model stays under Dynamo's default of 8 graphs per function, but one
+        # that runs several model shapes (the test suite) does not, and with fullgraph=True that is a hard error.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        out = _compiled[fn.__qualname__] = torch.compile(fn, dynamic=None, fullgraph=True)
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add and the next norm in one pass: (x + delta, rms_norm(x + delta))."""
+    s = x + delta
+    return s, rms_norm(s, weight, eps)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """[T, 2I] -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fast_silu_mul(gate_up: Tensor) -> Tensor:
+    """The MLPs' fused SiLU*up: the hand-written Triton kernel (silu_kernel.py) where it runs, else the compiled
+    ``silu_mul``. Both stream near bandwidth at the LM's width; at the ViT's (3,424) the compiled one reached only
+    about half of it (H100: 0.142 vs 0.077 ms for one 1080p image's block, ``python -m benchmarks.kernels.silu_bench``)."""
+    if gate_up.is_cuda and silu_kernel.available():
+        return silu_kernel.silu_mul(gate_up)
+    out: Tensor = compiled(silu_mul)(gate_up)
+    return out
+
+
+def lm_rope(
+    qkv: Tensor, cos: Tensor, sin_signed: Tensor, q_size: int, kv_size: int, head_dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The LM's fused q|k|v projection output [T, q + 2kv] -> rotated q [T, Hq, D], rotated k and v
+    [T, Hkv, D], all contiguous (what the KV write and FlashAttention read). cos/sin_signed [T, 1, D]
+    as ``qwen2_5_vl.rope_tables`` makes them."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+
+    def rotate(x: Tensor) -> Tensor:
+        x = x.view(t, -1, head_dim)
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return (x.float() * cos.float() + swapped.float() * sin_signed.float()).to(x.dtype)
+
+    return rotate(q), rotate(k), v.reshape(t, -1, head_dim).contiguous()
+
+
+def vit_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The ViT's [n, 3, H, D] q|k|v -> rotated q and k, each contiguous [n, H, D]; cos, sin float32 [n, D/2] (the
+    math vision._rope does, rounded once). v stays where it is (``qkv[:, 2]``): the attention kernels read rows at
+    any stride, and its copy was 8.6 of the 842 ms an 8 x 1080p request spent on the GPU (H200)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: Tensor) -> Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(qkv[:, 0]), rotate(qkv[:, 1])
+
+
+def enable(module: torch.nn.Module, on: bool = True) -> int:
+    """Switch every submodule that has a ``fused`` flag; returns how many were switched."""
+    count = 0
+    for m in module.modules():
+        if isinstance(getattr(m, "fused", None), bool):
+            setattr(m, "fused", on)  # noqa: B010 - nn.Module's __setattr__ typing rejects a plain bool
+            count += 1
+    return count

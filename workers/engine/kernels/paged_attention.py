@@ -1,0 +1,241 @@
+"""Decode attention that reads the paged KV cache in place (Triton), for sequences with one new token each.
+
+Before this kernel, a decode gathered every sequence's keys and values out of their blocks into a packed
+copy per layer and then ran FlashAttention over the copy. Under load that copy dominated the step: 64
+sequences of ~2.9k tokens padded to 4,096 moved ~1.6 GB per layer (gather read + write, then the kernel's
+read), 26.6 ms per decode step on an H100 where the weights and the live KV need ~8 ms (docs/perf-notes.md,
+session 9). Here each program walks one sequence's block table itself and loads K/V tiles straight from
+the cache.
+
+Split-KV ("flash decoding"): the grid is (sequence, KV head, split). A program takes the query heads that
+share its KV head (GQA: 7 for Qwen2.5-VL-7B, padded to 16 rows for ``tl.dot``), walks its split's slice of
+the keys in tiles of ``TILE`` tokens with an online softmax, and writes an unnormalised partial output and
+its log-sum-exp. A second kernel combines the splits. Splits are chosen from the padded width, not the real
+lengths, so the grid is fixed for a CUDA-graph bucket; a split past a sequence's end costs one length load.
+
+The same code runs under ``TRITON_INTERPRET=1`` on the CPU, which is how CI checks it against the gather
+path (tests/engine/test_paged_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+TILE = 64  # keys per inner step: four 16-token blocks, [64, 128] bf16 = 16 KB per K or V tile
+_TARGET_PROGRAMS = 2  # programs per SM the split count aims for
+_WARPS, _STAGES = 4, 2  # the split kernel's launch (benchmarks/kernels/paged_decode_bench.py --sweep)
+# A grid of few programs (under _FEW_PROGRAMS per SM) whose splits walk many tiles is latency-bound: such a plan gets
+# splits of at most _MAX_TILES_PER_SPLIT tiles. On an H200 that took 8-32 sequences of 20k keys 1.2-1.4x faster, and
+# left 2.9k-key batches alone; cutting a grid that already has ~4 programs per SM (128 x 2.9k keys) lost 6%
+# (benchmarks/kernels/paged_decode_bench.py --splits, docs/benchmarks.md session 18).
+_FEW_PROGRAMS, _MAX_TILES_PER_SPLIT = 3, 32
+# At most this many splits, so the combine kernel has one shape: a new constexpr (or a new value class of an
+# integer argument, which Triton specialises on) would compile a variant in the middle of serving.
+MAX_SPLITS = 64
+
+
+_broken: list[str] = []  # set by probe(): why the kernel is off in this process
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Triton imports and the kernels may run here (CUDA, or the interpreter when TRITON_INTERPRET=1)."""
+    if os.environ.get("GLIMPSE_PAGED_ATTENTION", "1") == "0" or _broken:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def probe(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Run the kernel once on this model's head shapes against a gather + softmax reference. A Triton that
+    cannot compile here (no C compiler for its launcher, an unsupported card) or a wrong answer switches the
+    kernel off for the process, and decode falls back to the gather path, rather than failing mid-serving."""
+    q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
+    if not usable(q):
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        cache = torch.randn(2, 5, 16, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+        q = torch.randn(2, num_q_heads, head_dim, generator=gen, device=device).to(dtype)
+        tables = torch.tensor([[3, 1, 4], [0, 2, 4]], dtype=torch.int32, device=device)
+        lens = [37, 20]
+        out = paged_decode(q, cache, tables, torch.tensor(lens, dtype=torch.int32, device=device), 0.125, 48)
+        group = num_q_heads // num_kv_heads
+        for b, n in enumerate(lens):
+            slots = [int(tables[b, p // 16]) * 16 + p % 16 for p in range(n)]
+            k, v = (cache.view(2, -1, num_kv_heads, head_dim)[i, slots].float().repeat_interleave(group, 1) for i in (0, 1))
+            ref = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[b].float(), k) * 0.125).softmax(-1), v)
+            if not torch.allclose(out[b].float(), ref, atol=3e-2, rtol=3e-2):
+                raise RuntimeError(f"wrong result (max error {(out[b].float() - ref).abs().max().item():.3g})")
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
+        _broken.append(str(exc))
+        triton_available.cache_clear()
+        log.warning("Triton paged decode attention unavailable, decoding through the gather path: %s", exc)
+        return False
+    return True
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def usable(q: Tensor) -> bool:
+    """Whether ``paged_decode`` can take this query: CUDA half types (or the CPU interpreter in tests)."""
+    if not triton_available():
+        return False
+    if q.is_cuda:
+        return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    return interpreted()
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["stride_tb", "num_splits", "tokens_per_split"])
+    def split_kernel(
+        q_ptr, kv_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, split_ptr,
+        scale, stride_qb, stride_qh, stride_side, stride_slot, stride_head, stride_tb,
+        num_q_heads, num_splits, tokens_per_split,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT_FROM_PTR: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        if SPLIT_FROM_PTR:  # a CUDA graph's input, set per replay
+            tokens_per_split = tl.load(split_ptr)
+        seq_len = tl.load(lens_ptr + b)
+        start = split * tokens_per_split
+        end = tl.minimum(seq_len, start + tokens_per_split)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, D_P)
+        heads = kvh * GROUP + g
+        gmask = g < GROUP
+        dmask = d < D
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=gmask[:, None] & dmask[None, :], other=0.0,
+        )
+        m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, D_P], tl.float32)
+        for t0 in range(start, end, TILE):
+            t = t0 + tl.arange(0, TILE)
+            tmask = t < end
+            block = tl.load(table_ptr + b * stride_tb + t // BLOCK_SIZE, mask=tmask, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + t % BLOCK_SIZE
+            offs = slot[:, None] * stride_slot + kvh * stride_head + d[None, :]
+            kv_mask = tmask[:, None] & dmask[None, :]
+            k = tl.load(kv_ptr + offs, mask=kv_mask, other=0.0)
+            v = tl.load(kv_ptr + stride_side + offs, mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k)) * scale
+            qk = tl.where(tmask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        row = (b * num_q_heads + heads) * num_splits + split
+        lse = tl.where(l_sum > 0, m + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=gmask)
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(part_out_ptr + row[:, None] * D_P + d[None, :], out, mask=gmask[:, None])
+
+    @triton.jit(do_not_specialize=["num_splits"])
+    def combine_kernel(
+        part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
+        D: tl.constexpr, D_P: tl.constexpr, SPLITS_P: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, SPLITS_P)
+        d = tl.arange(0, D_P)
+        smask = s < num_splits
+        row = (b * num_q_heads + h) * num_splits + s
+        lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"))
+        top = tl.max(lse, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # no key at all (never for a live sequence)
+        w = tl.exp(lse - top)
+        total = tl.sum(w, 0)
+        w = w / tl.where(total > 0, total, 1.0)
+        parts = tl.load(part_out_ptr + row[:, None] * D_P + d[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(parts * w[:, None], 0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+    return split_kernel, combine_kernel
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan_splits(batch: int, max_tokens: int, num_kv_heads: int, device: torch.device) -> tuple[int, int]:
+    """(splits, tokens per split) for ``batch`` sequences of at most ``max_tokens`` keys: enough programs
+    to fill the GPU twice over, short splits where the programs are few, never a split shorter than one tile.
+    Depends only on its arguments, so a CUDA-graph bucket (fixed batch and padded width) always gets the same grid."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    tiles = max(1, -(-max_tokens // TILE))
+    want = -(-_TARGET_PROGRAMS * sms // max(1, batch * num_kv_heads))
+    splits = max(1, min(tiles, want, MAX_SPLITS))
+    if batch * num_kv_heads * splits < _FEW_PROGRAMS * sms:
+        splits = max(splits, min(tiles, MAX_SPLITS, -(-tiles // _MAX_TILES_PER_SPLIT)))
+    per_split = -(-tiles // splits) * TILE
+    return -(-max_tokens // per_split) if max_tokens else 1, per_split
+
+
+def paged_decode(
+    q: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    max_tokens: int,
+    split_tokens: Tensor | None = None,
+) -> Tensor:
+    """Attention of one query per sequence over its cached keys, read through its block table.
+
+    q [B, Hq, D]; kv_cache [2, num_blocks, block_size, Hkv, D] (this step's K/V already written);
+    block_tables int32 [B, W]; seq_lens int32 [B] (keys per sequence, the new token's included);
+    ``max_tokens`` >= every seq_len (e.g. W * block_size), which fixes the grid. ``split_tokens``: a
+    one-element device tensor with the keys per split to use instead of the plan's (CUDA graphs: the plan
+    for the step's real width, never more splits than the grid has). Returns [B, Hq, D].
+    """
+    split_kernel, combine_kernel = _kernels()
+    b, hq, d = q.shape
+    _, _, block_size, hkv, _ = kv_cache.shape
+    splits, per_split = plan_splits(b, max_tokens, hkv, q.device)
+    group = hq // hkv
+    d_p = 1 << (d - 1).bit_length()
+    q = q.contiguous()
+    part_out = torch.empty((b, hq, splits, d_p), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    flat = kv_cache.view(2, -1, hkv, d)  # [2, slots, Hkv, D]
+    split_kernel[(b, hkv, splits)](
+        q, flat, block_tables, seq_lens, part_out, part_lse, seq_lens if split_tokens is None else split_tokens,
+        scale, q.stride(0), q.stride(1), flat.stride(0), flat.stride(1), flat.stride(2), block_tables.stride(0),
+        hq, splits, per_split,
+        GROUP=group, GROUP_P=max(16, 1 << (group - 1).bit_length()), D=d, D_P=d_p,
+        BLOCK_SIZE=block_size, TILE=TILE, SPLIT_FROM_PTR=split_tokens is not None, num_warps=_WARPS,
+        num_stages=_STAGES,
+    )  # fmt: skip
+    combine_kernel[(b, hq)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), hq, splits,
+        D=d, D_P=d_p, SPLITS_P=MAX_SPLITS, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,194 @@
+"""y = x W^T (+ b) for a few rows of x, in Triton: the decode step's projections on CUDA.
+
+A decode step multiplies a handful of rows by every weight of the model, so its floor is the time to stream the
+weights once: 14.1 GB for a 7B's projections and LM head, 2.9 ms at an H200's 4.8 TB/s. cuBLAS's kernels for one to
+a few dozen rows (nvjet "tst" tiles) streamed the large ones at 3.5-4.0 TB/s (H200, graph-replayed,
+`python -m benchmarks.kernels.skinny_gemm_bench`). Here each program streams a [BLOCK_N, K / SPLIT_K] strip of W with pipelined wide loads and
+multiplies it on the tensor cores against x padded to BLOCK_M rows (16 at least, the smallest tl.dot), so the
+rows cost nothing extra up to BLOCK_M; the accumulation is float32.
+
+A matrix with too few output features to fill the card (a down or o projection: 3,584 rows of W) is split along
+K: each split writes a float32 partial and a second pass sums the partials in a fixed order and adds the bias, so
+the result is deterministic (no atomics) and does not depend on the batch.
+
+Only the CUDA path uses it (``wanted``): the CPU keeps F.linear, whose float32 results the exactness tests compare
+with transformers. The row count is a runtime argument that Triton does not specialise on, and up to MAX_ROWS
+BLOCK_M is always 16, so a variant compiles once per weight shape; the start-up warm-up (warmup.py) runs every
+projection and the LM head at decode row counts, which compiles them all before any CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from workers.engine.kernels.triton_switch import TritonSwitch
+
+# Where the kernel beat cuBLAS (H200, `python -m benchmarks.kernels.skinny_gemm_bench`): up to 16 rows, on matrices of at
+# least 64 MB (gate_up, down and the LM head of a 7B: 3-12% less time). At 64 rows cuBLAS was ahead, and on the
+# 25-33 MB qkv and o projections it was ahead or level at every row count.
+MAX_ROWS = 16
+MIN_WEIGHT_BYTES = 64 << 20
+
+SWITCH = TritonSwitch("GLIMPSE_TRITON_SKINNY")
+available = SWITCH.on
+
+
+class Tile(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int
+    stages: int
+
+
+def wanted(x: Tensor, weight: Tensor) -> bool:
+    """Whether F.linear(x, weight) should take this kernel: CUDA, bf16/fp16, at most MAX_ROWS rows of x, a weight
+    of at least MIN_WEIGHT_BYTES."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+        and weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
+        and available()
+    )
+
+
+def block_m(rows: int) -> int:
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def tile(n: int, k: int, sms: int) -> Tile:
+    """The tile for a [rows, k] x [k, n] product on a card with ``sms`` multiprocessors (the same for any row count
+    up to MAX_ROWS: the weight's stream is the cost).
+
+    Enough programs to keep every SM streaming (at least ~4 per SM, so the last wave is short), each moving a
+    strip large enough to amortise its start: wide W (gate_up, qkv, the LM head) takes 64-column strips of the
+    whole K; narrow W (o, down) splits K until the grid is big enough.
+    """
+    block_n = 64 if n >= 64 * 4 * sms else 32
+    split = 1
+    while -(-n // block_n) * split < 4 * sms and k // (2 * split) >= 512 and k % (2 * split * 128) == 0:
+        split *= 2
+    return Tile(block_n, 128, split, 4, 4)
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["rows"])
+    def skinny_gemm_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        out_ptr,
+        rows,
+        n,
+        k,
+        k_split,
+        HAS_BIAS: tl.constexpr,
+        PARTIAL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        k0 = pid_k * k_split
+        x_ptrs = x_ptr + offs_m[:, None] * k + (k0 + offs_k)[None, :]
+        # W^T's [BLOCK_K, BLOCK_N] tile, read along W's contiguous rows
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * k + (k0 + offs_k)[:, None]
+        m_ok = offs_m[:, None] < rows
+        n_ok = offs_n[None, :] < n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_split, BLOCK_K):
+            k_ok = k0 + kk + offs_k < k
+            x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok & k_ok[:, None], other=0.0)
+            acc = tl.dot(x, w, acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if PARTIAL:
+            dst = out_ptr + pid_k * rows * n + offs_m[:, None] * n + offs_n[None, :]
+            tl.store(dst, acc, mask=m_ok & n_ok)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
+            dst = out_ptr + offs_m[:, None] * n + offs_n[None, :]
+            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_ok & n_ok)
+
+    @triton.jit(do_not_specialize=["rows"])
+    def skinny_sum_kernel(
+        part_ptr, b_ptr, out_ptr, rows, n, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):  # a fixed order: the sum does not depend on timing
+            acc += tl.load(part_ptr + (s * rows + row) * n + offs, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return skinny_gemm_kernel, skinny_sum_kernel
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count works; an H100's keeps CPU tests on the GPU's tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, use: Tile | None = None) -> Tensor:
+    """F.linear(x, weight, bias) for x of at most MAX_ROWS rows (any leading shape); ``use`` overrides the
+    tile (benchmarks)."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    rows = x2.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out.reshape(*lead, n)
+    t = use or tile(n, k, _sms(x.device))
+    skinny, reduce = _kernels()
+    w = weight.contiguous()
+    b = bias if bias is not None else w  # any pointer; HAS_BIAS gates every read
+    k_split = -(-k // (t.split_k * t.block_k)) * t.block_k
+    grid = (-(-n // t.block_n), t.split_k)
+    split = t.split_k > 1  # then float32 partials, summed (with the bias) by the second kernel
+    dst = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device) if split else out
+    skinny[grid](
+        x2, w, b, dst, rows, n, k, k_split, HAS_BIAS=bias is not None and not split, PARTIAL=split,
+        BLOCK_M=block_m(rows), BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
+    )  # fmt: skip
+    if split:
+        reduce[(rows, -(-n // 1024))](
+            dst, b, out, rows, n, SPLIT=t.split_k, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4
+        )
+    return out.reshape(*lead, n)
+
+
+def probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the kernel once (plain and split along K) against F.linear; a Triton that cannot compile here or a wrong
+    answer turns it off for the process (cuBLAS serves instead) rather than failing mid-serving."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1024, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(96, 1024, generator=gen) / 32).to(device=device, dtype=dtype)
+    b = torch.randn(96, generator=gen).to(device=device, dtype=dtype)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+
+    def check() -> bool:
+        got = [linear(x, w, b, use=Tile(32, 128, s, 4, 2)).float() for s in (1, 4)]
+        return all(torch.allclose(g, want, rtol=2e-2, atol=2e-2) for g in got)
+
+    return SWITCH.probe(check)

@@ -1,0 +1,99 @@
+"""Host-side batching helpers of the model runner: staging host tensors onto the device, splitting a
+step's images into ViT calls and over TP ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ipc.messages import EncodeItem
+from workers.engine.prompt.pixel_frames import FrameLayout
+
+
+def to_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Concatenate host tensors onto ``device`` without blocking the host.
+
+    A copy from pageable memory waits until the GPU has drained the stream, so the CPU could not
+    prepare the next step (or the next image) while the GPU runs this one. Staged through pinned
+    memory the copy is queued like a kernel; torch's pinned-memory cache keeps the staging buffer
+    alive until the copy is done.
+    """
+    if device.type != "cuda":
+        return torch.cat(parts).to(device)
+    rows = sum(p.shape[0] for p in parts)
+    staged = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
+    torch.cat(parts, out=staged)
+    return staged.to(device, non_blocking=True)
+
+
+def pixel_rows(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype, layout: FrameLayout | None) -> torch.Tensor:
+    """A ViT call's patch rows on ``device`` in ``dtype``, from what the images' segments hold: rows, or uint8
+    frames (pixel_frames.py), each copied as it is (a quarter of the rows' bytes in bf16) and made into rows there."""
+    if all(p.dtype != torch.uint8 for p in parts):
+        return to_device(parts, device).to(dtype)
+    if layout is None:
+        raise ValueError("an image's segment holds a uint8 frame, but this checkpoint's processor has no frame layout")
+    rows = [layout.rows(to_device([p], device), dtype) if p.dtype == torch.uint8 else to_device([p], device).to(dtype)
+            for p in parts]
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
+def patches(grid: tuple[int, int, int]) -> int:
+    return grid[0] * grid[1] * grid[2]
+
+
+def group_by_patches(items: list[EncodeItem], max_patches: int) -> list[list[EncodeItem]]:
+    """Consecutive runs of ``items`` of at most ``max_patches`` patches each (an image larger than that
+    gets a run of its own), so a step's ViT transient is bounded by the cap, not by how many images it has."""
+    groups: list[list[EncodeItem]] = []
+    total = max_patches + 1
+    for item in items:
+        n = patches(item.grid)
+        if total + n > max_patches:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += n
+    return groups
+
+
+def split_by_patches(patches: list[int], ranks: int) -> list[list[int]]:
+    """Assign item indices to ranks, largest first, each to the least-loaded rank (deterministic, so
+    every rank computes the same split without talking)."""
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for i in sorted(range(len(patches)), key=lambda i: (-patches[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shares[rank].append(i)
+        load[rank] += patches[i]
+    for share in shares:
+        share.sort()  # keep prompt order inside a share
+    return shares
+
+
+def cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+# Triton compiles one variant of a kernel per alignment class of its pointer arguments (16 bytes or not). The
+# step's index fields are packed into one copy, so each starts on a 16-byte boundary: otherwise a field's offset
+# follows the batch size, and the paged decode kernel met unaligned block tables and lengths only under load,
+# compiling two more variants mid-serving (~0.7 s each, stalling a fresh server's first loaded steps on an H200).
+def aligned_pack(parts: Sequence[Sequence[int]], per_16_bytes: int) -> list[int]:
+    """``parts`` end to end, each padded with zeros to a multiple of ``per_16_bytes`` elements."""
+    flat: list[int] = []
+    for part in parts:
+        flat += part
+        flat += [0] * (-len(part) % per_16_bytes)
+    return flat
+
+
+def aligned_split(packed: torch.Tensor, parts: Sequence[Sequence[int]], per_16_bytes: int) -> list[torch.Tensor]:
+    """The views of ``packed`` (from `aligned_pack`) holding each part, padding left out."""
+    sizes = [len(p) + (-len(p) % per_16_bytes) for p in parts]
+    return [chunk[: len(p)] for chunk, p in zip(packed.split(sizes), parts, strict=True)]

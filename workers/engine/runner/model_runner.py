@@ -1,0 +1,396 @@
+"""Model-side execution of a ``StepPlan``: pixel reads, batched ViT, embedding store, LM forward
+over the paged KV cache, sampling. One instance per model worker (per TP rank)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+from transformers import AutoImageProcessor
+
+from ipc.messages import (
+    EncodeItem,
+    EncodeJob,
+    Fork,
+    NewSeq,
+    StepPlan,
+    StepResult,
+)
+from workers.common.step_trace import StepTrace
+from workers.engine.config import EngineConfig
+from workers.engine.core.mm_cache import EmbeddingStore
+from workers.engine.kernels import paged_attention
+from workers.engine.kernels.attention import AttentionMetadata
+from workers.engine.layers.linear import TPGroup
+from workers.engine.models import family as family_package
+from workers.engine.models.base import item_spans, load_model
+from workers.engine.prompt.pixel_frames import FrameLayout, layout_of
+from workers.engine.runner.batching import (
+    aligned_pack,
+    aligned_split,
+    cumsum,
+    group_by_patches,
+    patches,
+    pixel_rows,
+    split_by_patches,
+    to_device,
+)
+from workers.engine.runner.cuda_graphs import DecodeGraphs, graphs_wanted, start_graphs
+from workers.engine.runner.grammar import GrammarBook
+from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
+from workers.engine.runner.prompt_logprobs import score_prompts
+from workers.engine.runner.sampler import Sampler
+from workers.engine.runner.step_inputs import Launched, WorkerSeq, ahead_token_ids, gather_inputs
+from workers.engine.runner.warmup import warm_fused, warm_largest_step, warm_vision_attention
+
+__all__ = ["Launched", "ModelRunner", "WorkerSeq", "split_by_patches", "to_device"]
+
+log = logging.getLogger("glimpse.model")
+
+PixelSource = Callable[[EncodeItem], torch.Tensor]
+CUDA_HOST_THREADS = 4
+
+
+@dataclass
+class RunnerCounters:
+    steps: int = 0
+    vit_calls: int = 0
+    images_encoded: int = 0
+    pixel_reads: int = 0
+    encoded_per_step: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, pixel_source: PixelSource, tp: TPGroup | None = None) -> None:
+        self.cfg = cfg
+        self.tp = tp or TPGroup()
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            # A CUDA worker's host work is packing lists and staging copies. torch's OpenMP pool, one thread
+            # per core, spins between those ops and starves the threads that matter here (grammar masks of
+            # 32 sequences: 7.9 ms a step with 16 threads, 1.3 ms with 4, on the H200 box's 16 cores).
+            torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
+        self.dtype = cfg.torch_dtype()
+        self.spec = cfg.model_spec()
+        self.family = family_package(self.spec.family)
+        self.merge = self.spec.spatial_merge_size
+        self.pixel_source = pixel_source
+        built = self.family.build(self.spec, self.tp, self.dtype, self.device, cfg.attn_backend)
+        self.model = load_model(built, cfg.model, load_format=cfg.load_format, rank=self.tp.rank)
+        self.lm, self.vision = self.model.lm, self.model.vision
+        log.info(
+            "%s ready: %d layers, tp %d/%d, %s on %s",
+            self.spec.architecture,
+            self.spec.num_layers,
+            self.tp.rank,
+            self.tp.size,
+            self.dtype,
+            self.device,
+        )
+        # Images in shm may be uint8 frames (pixel_frames.py): made into rows here, by the processor's own numbers.
+        self.frame_layout = _frame_layout(cfg.model, self.merge)
+        self.store = self._embedding_store()  # before the KV cache takes its share of what is free
+        self.num_blocks = self._num_kv_blocks()
+        # One block more than the scheduler is told about: block ``num_blocks`` is scratch that CUDA-graph
+        # padding rows write to and read from, so they never touch a live sequence's cache.
+        shape = self.model.kv_cache_shape(self.num_blocks + 1, cfg.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
+            heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
+            paged_attention.probe(self.device, self.dtype, heads, kv_heads, self.spec.head_dim)
+            warm_vision_attention(self)
+        if cfg.fused_kernels and self.device.type == "cuda":
+            warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
+        if self.device.type == "cuda":
+            warm_largest_step(self)  # the first large request's allocations, paid before "ready"
+        self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        if graphs_wanted(self.device, self.tp):
+            self.graphs, self.piecewise = start_graphs(self)
+        self.sampler = Sampler(self.device, cfg.seed, self.spec.vocab_size, self.spec.eos_token_ids)
+        # Only rank 0 samples, so only rank 0 keeps grammars.
+        self.grammar = GrammarBook(cfg.model, self.spec.vocab_size, self.spec.eos_token_ids) if self.tp.rank == 0 else None
+        self.seqs: dict[str, WorkerSeq] = {}
+        # The last step's sampled ids on the device, and each sequence's row in them: a step planned ahead
+        # (asynchronous scheduling) reads its input ids from here. Cleared while a step runs, so a step after a
+        # failed one cannot read stale ids.
+        self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self.counters = RunnerCounters()
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
+        self.trace = StepTrace(f"worker{self.tp.rank}", sync, enabled=self.tp.rank == 0)
+
+    def _embedding_store(self) -> EmbeddingStore:
+        """On CUDA the embedding cache's whole budget is reserved now (see EmbeddingStore); on the CPU its
+        entries are plain tensors, allocated as they come."""
+        cfg = self.cfg
+        if self.device.type != "cuda" or cfg.mm_cache_mode != "image" or cfg.mm_cache_mb <= 0:
+            return EmbeddingStore()
+        return EmbeddingStore(int(cfg.mm_cache_mb * 2**20), self.spec.embed_width, self.dtype, self.device)
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.cfg
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.spec.kv_bytes_per_block(cfg.block_size, self.dtype, self.tp.size)
+        if cfg.kv_cache_mb is not None:
+            budget = cfg.kv_cache_mb << 20
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.4)
+        else:
+            budget = 512 << 20
+        return max(1, budget // per_block)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step to its end (the offline Engine, tests)."""
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
+        """Queue one step's GPU work; its result comes from the returned `Launched`."""
+        self.trace.begin()
+        last, self.last_sampled = self.last_sampled, None
+        for rid in plan.finished:
+            self.seqs.pop(rid, None)
+            self.sampler.remove(rid)
+            if self.grammar is not None:
+                self.grammar.remove(rid)
+        for new in plan.new_seqs:
+            self._register(new)
+        self.store.evict(plan.evict)
+        self.trace.mark("setup")
+        calls_before = self.counters.vit_calls
+        encoded = self._encode(plan.encode) if plan.encode else 0
+        launched = Launched(plan.step_id, encoded, self.counters.vit_calls - calls_before)
+        self.trace.mark("vit")
+        self.counters.encoded_per_step.append(encoded)
+        self.counters.steps += 1
+        if not plan.chunks:
+            return launched
+        try:
+            self._forward(plan, launched, last)
+        finally:
+            self.store.end_step()
+        self.trace.mark("sample")
+        if self.trace.enabled:
+            decodes = sum(1 for c in plan.chunks if c.length == 1)
+            tokens = sum(c.length for c in plan.chunks)
+            captures = self.graphs.stats["captures"] if self.graphs is not None else 0
+            self.trace.end(
+                step=plan.step_id, seqs=len(plan.chunks), decodes=decodes, tokens=tokens, images=encoded,
+                graph_captures=captures, ahead=plan.ahead,
+            )  # fmt: skip
+        return launched
+
+    def _register(self, new: NewSeq) -> None:
+        rows, offset = [], 0
+        for item in new.items:
+            rows.append(offset)
+            offset += item.length
+        self.seqs[new.rid] = WorkerSeq(
+            new.rid,
+            list(new.input_ids),
+            self.family.positions(len(new.input_ids), item_spans(new.items), self.merge)[0],
+            new.mrope_delta,
+            new.items,
+            new.sampling,
+            new.mm_key,
+            rows,
+        )
+        split = len(new.input_ids) - new.num_output
+        if new.sampling.prompt_logprobs is not None and not new.num_output:  # a recompute after outputs: sent before
+            self.seqs[new.rid].prompt_until = split - 1
+        self.sampler.add(new.rid, new.sampling, new.input_ids[:split], new.input_ids[split:])
+        if new.sampling.structured is not None and self.grammar is not None:
+            self.grammar.add(new.rid, new.sampling.structured, new.input_ids[split:])
+
+    def _encode(self, jobs: list[EncodeJob]) -> int:
+        """Encode every distinct image of the step's jobs and store the jobs' entries.
+
+        With TP, the ViT runs data-parallel: each rank reads from shm and encodes only its share
+        (split by patch count, largest first), then the embeddings are all-gathered so every rank's
+        store ends up with the same entries. A rank's share runs in ViT calls of at most
+        ``vit_max_patches`` patches each (one image at least), reading each call's pixels just before it.
+        """
+        unique: dict[bytes, EncodeItem] = {}
+        for job in jobs:
+            for item in job.items:
+                unique.setdefault(item.hash, item)
+        items = list(unique.values())
+        shares = split_by_patches([patches(item.grid) for item in items], self.tp.size)
+        mine = [items[i] for i in shares[self.tp.rank]]
+        hidden = self.spec.embed_width  # main embedding and DeepStack levels side by side
+        outs: list[torch.Tensor] = []
+        for group in group_by_patches(mine, self.cfg.vit_max_patches):
+            pixels = [self.pixel_source(item) for item in group]
+            self.counters.pixel_reads += len(group)
+            batch = pixel_rows(pixels, self.device, self.dtype, self.frame_layout)
+            outs.append(self.model.encode(batch, [item.grid for item in group]))
+            self.counters.vit_calls += 1
+            self.counters.images_encoded += len(group)
+        if len(outs) == 1:
+            local = outs[0]
+        else:  # several ViT calls, or none (this rank's share is empty)
+            local = torch.cat(outs) if outs else torch.empty((0, hidden), dtype=self.dtype, device=self.device)
+        per_hash: dict[bytes, torch.Tensor] = {}
+        if self.tp.size == 1:
+            per_hash.update(zip(unique, local.split([item.length for item in items]), strict=True))
+        else:
+            # Every rank knows every share's token count from the plan, so the gather needs no size exchange.
+            counts = [sum(items[i].length for i in share) for share in shares]
+            padded = torch.zeros((max(counts), hidden), dtype=self.dtype, device=self.device)
+            padded[: local.shape[0]] = local
+            gathered = self.tp.all_gather(padded, dim=0).split(max(counts))
+            for share, rows, count in zip(shares, gathered, counts, strict=True):
+                split = rows[:count].split([items[i].length for i in share])
+                per_hash.update((items[i].hash, t) for i, t in zip(share, split, strict=True))
+        for job in jobs:
+            parts = [per_hash[item.hash] for item in job.items]
+            entry = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if entry.shape[0] != sum(item.length for item in job.items):
+                raise RuntimeError(f"ViT returned {entry.shape[0]} tokens for key {job.key.hex()[:16]}")
+            self.store.put(job.key, entry, job.transient)
+        return len(items)
+
+    def _forward(self, plan: StepPlan, launched: Launched, last: tuple[torch.Tensor, dict[str, int]] | None) -> None:
+        """The step's LM forward and sampling, queued; fills ``launched``. ``last``: the step before's sampled ids
+        on the device, and each sequence's row in them."""
+        step = gather_inputs(plan, self.seqs, self.cfg.block_size, self.spec, self._fork)
+        ids, pos, slots, seq_lens, tables = step.ids, step.positions, step.slots, step.seq_lens, step.tables
+        splices, spans, sample_rows, sample_seqs = step.splices, step.spans, step.sample_rows, step.sample_seqs
+        ahead_ids = ahead_token_ids(ids, step.ahead, last, self.device) if step.ahead else None
+        self.trace.mark("prep")
+        hidden: torch.Tensor | None = None
+        graph_used = False
+        if self.graphs is not None and not splices and not spans and len(ids) == len(plan.chunks) == len(sample_rows):
+            # Pure decode (one token per sequence, all sampled, no image rows): replay a CUDA graph.
+            try:
+                hidden = self.graphs.run(ids, pos, slots, seq_lens, tables, ahead_ids)
+                graph_used = True
+            except RuntimeError:  # graphs only save launches: keep serving, eagerly (it rewrites the same slots)
+                if self.tp.size > 1:
+                    raise  # the other ranks would wait in a captured all-reduce: fail the launch instead
+                log.exception("CUDA-graph decode failed; decoding eagerly from now on")
+                self.graphs = None
+        if hidden is None:
+            rows = sample_rows + [r for span in spans for r in span.rows]  # prompt logprobs: eager only
+            hidden = self._eager_forward(ids, pos, slots, step.query_lens, seq_lens, tables, splices, rows, ahead_ids)
+        if plan.forks:
+            self._copy_blocks([f.copy for f in plan.forks if f.copy is not None])
+        n, rank0 = len(sample_rows), self.tp.rank == 0
+        if spans:  # every rank computes the logits (a gather over ranks); rank 0 alone returns entries
+            launched.scored = score_prompts(hidden[n:], spans, self.model.compute_logits, self.spec.vocab_size, rank0)
+        hidden = hidden[:n]
+        if hidden.shape[0] == 0:
+            return
+        logits = self.model.compute_logits(hidden)
+        self.trace.mark("graph" if graph_used else "forward")
+        rids = [s.rid for s in sample_seqs]
+        rows_of = {rid: row for row, rid in enumerate(rids)}
+        if not rank0:
+            # Rank 0 samples; the other ranks get its ids on the device, so a step planned ahead of this one's result
+            # (asynchronous scheduling) finds its input ids here as on rank 0. Queued, the host does not wait.
+            self.last_sampled = self.tp.broadcast(torch.empty(n, dtype=torch.int64, device=self.device)), rows_of
+            return
+        # Structured outputs: masks are filled here, on the CPU, while the GPU still runs the queued forward.
+        mask = self.grammar.mask_for(rids) if self.grammar is not None else None
+        out = self.sampler.sample(logits, rids, [s.sampling for s in sample_seqs], mask)
+        self.tp.broadcast(out.device.contiguous())  # the same collective as the other ranks' above
+        if mask is not None and self.grammar is not None:
+            self.grammar.accept_all(rids, out.tokens)
+        self.last_sampled = out.device, rows_of
+        launched.rids, launched.logprobs = rids, out.logprobs
+        if self.device.type == "cuda":
+            # The ids come to the host by a queued copy, and the worker reads them once the event has passed: in
+            # the meantime it can queue the next step (asynchronous scheduling).
+            launched.tokens = torch.empty(len(rids), dtype=torch.int64, pin_memory=True)
+            launched.tokens.copy_(out.device, non_blocking=True)
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+        else:
+            launched.tokens = out.device
+
+    def _fork(self, parent: WorkerSeq, forks: list[Fork]) -> list[WorkerSeq]:
+        """The choices of an n > 1 request, registered as copies of the parent that has just computed its
+        prompt (same tokens, positions and images; own block table and sampling state)."""
+        children = []
+        for spec in forks:
+            params = msgspec.structs.replace(parent.sampling, n=1, seed=spec.seed)
+            child = WorkerSeq(
+                spec.child, list(parent.token_ids), parent.positions, parent.mrope_delta, parent.items, params,
+                parent.mm_key, parent.item_rows, list(spec.block_table),
+            )
+            self.seqs[spec.child] = child
+            self.sampler.fork(parent.rid, spec.child, params)
+            if self.grammar is not None:
+                self.grammar.fork(parent.rid, spec.child)
+            children.append(child)
+        return children
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (a partial prompt block into each choice's own), after the step's forward wrote
+        them: queued behind it on the same stream, one copy per layer for all pairs."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        for kv in self.kv_caches:
+            kv[:, dst] = kv[:, src]
+
+    def _eager_forward(
+        self,
+        ids: list[int],
+        pos: list[list[int]],
+        slots: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+        splices: list[tuple[int, bytes, int, int]],
+        sample_rows: list[int],
+        ahead_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """LM forward over the flattened step; returns the final hidden states of ``sample_rows``. ``ahead_ids``
+        replaces ``ids`` (a step planned ahead: the ids are on the device only)."""
+        n, width = len(ids), max(len(t) for t in tables)
+        mm_rows = [row for dst, _, _, count in splices for row in range(dst, dst + count)]
+        # All index data in two copies (one per dtype) rather than eight, none of them blocking.
+        long_parts = [ids, [*pos[0], *pos[1], *pos[2]], slots, sample_rows, mm_rows]
+        longs = to_device([torch.tensor(aligned_pack(long_parts, 2))], self.device)
+        int_parts = [[0, *cumsum(query_lens)], seq_lens, [i for t in tables for i in (*t, *[0] * (width - len(t)))]]
+        int32 = to_device([torch.tensor(aligned_pack(int_parts, 4), dtype=torch.int32)], self.device)
+        input_ids, positions, slot_mapping, rows, mm_index = aligned_split(longs, long_parts, 2)
+        starts, lens, table_rows = aligned_split(int32, int_parts, 4)
+        embeds = self.model.embed(input_ids if ahead_ids is None else ahead_ids)
+        parts = [self.store.rows(key, first, count) for _, key, first, count in splices]
+        mm_embeds = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
+        meta = AttentionMetadata(
+            query_start_loc=starts,
+            seq_lens=lens,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            slot_mapping=slot_mapping,
+            block_tables=table_rows.view(len(tables), width),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        deepstack = self.model.splice(embeds, mm_index, mm_embeds)
+        hidden = None
+        if self.piecewise is not None:  # small steps: graphs between the attention calls
+            hidden = self.piecewise.run(embeds, positions.view(3, n), meta, deepstack)
+        if hidden is None:
+            hidden = self.lm(embeds, positions.view(3, n), self.kv_caches, meta, None, deepstack)
+        return hidden[rows]
+
+
+def _frame_layout(model: str, merge: int) -> FrameLayout | None:
+    """The numbers that make a uint8 frame into rows. A tokenizer writes frames only where its own check found them
+    the processor's bits, so the worker needs the numbers, not the check."""
+    try:
+        return layout_of(AutoImageProcessor.from_pretrained(model), merge)
+    except Exception as exc:  # a checkpoint without an image processor: its tokenizers write no frames either
+        log.info("no uint8 frame layout for %s: %s", model, exc)
+        return None

@@ -1,0 +1,315 @@
+"""CUDA graphs for small steps that are not pure decode: prefill chunks of up to a few hundred tokens, alone or
+beside decodes (a short prompt's first step, the new text of a chat turn, a mixed step under text load).
+
+Such a step costs the host far more than the GPU: ~24 ms of Python and kernel launches for a few hundred tokens on
+a 7B against 11-15 ms of GPU work (docs/perf-notes.md, session 22), so a short prompt's first token waited on the
+host. A whole-step graph (cuda_graphs.py) needs attention of fixed shapes, which a chunk of any length over any
+context is not. So the step is captured in pieces: each stretch between two layers' attention calls is one graph
+(the first starts at the input embeddings, the last ends with the final norm), and each layer's attention runs
+eagerly between two replays, over the step's real rows and metadata, on whichever backend the model uses (FA3,
+FlashAttention-2, SDPA).
+
+A step's rows are padded up to a token bucket. The pieces read and write static buffers: the input embeddings and
+positions, each layer's q, k, v (copied out at the end of a piece, and K/V written into the cache there, through a
+static slot buffer) and its attention output (read at the start of the next). Padding rows carry stale but finite
+values through the pieces; they write their K/V into a scratch slot no sequence holds, the attention never sees
+them, so they reach no real row (every other op works row by row), and they are never sampled.
+
+The pieces are captured by running the model's own forward once per bucket with an attention backend that, instead
+of attending, copies q, k, v out, ends the current capture and begins the next one: a family needs no split layers,
+only a decoder that calls ``backend.forward`` once per layer. Steps with more tokens than the largest bucket run
+eagerly. CUDA only (TP included: the pieces capture the all-reduces); elsewhere ``emulate`` runs the same buffers and
+splits without graphs, which is how CPU tests check them.
+
+DeepStack (Qwen3-VL): a step with image tokens adds each image row's feature levels to the stream after the first
+decoder layers. For such families every bucket has a second set of pieces, captured with the features as a static
+[rows, levels * hidden] buffer over every row (zeros where a row is not an image token, so adding it leaves them
+as they are; image rows get the same one add as in the eager forward). Text steps keep the plain pieces: the
+DeepStack forward materializes the residual add the plain one defers into the next norm, which rounds differently
+in bf16, so a text step's numbers do not depend on whether its family has DeepStack.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from workers.engine.kernels.kv_write_kernel import write_kv_cache
+from workers.engine.models.base import LanguageModel
+
+log = logging.getLogger(__name__)
+
+# Token counts a step is padded up to. Below ~512 rows a 7B's GEMMs stream weights rather than compute, so padding
+# costs the GPU little there; above, the buckets are 128 apart (at most ~25% of padding). Steps above the largest
+# bucket in use run eagerly: past ~1k tokens a step's host time hides under its GPU time anyway.
+TOKEN_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """The buckets in use when steps of up to ``max_tokens`` tokens are graphed (those not above it)."""
+    return tuple(b for b in TOKEN_BUCKETS if b <= max_tokens)
+
+
+class _Capture:
+    """Consecutive graph captures on one stream: one graph per piece."""
+
+    def __init__(self, pool: Any, mode: Literal["global", "thread_local"]) -> None:
+        self.pool, self.mode = pool, mode
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.open = False
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
+        self.graphs.append(graph)
+        self.open = True
+
+    def end(self) -> None:
+        self.open = False
+        self.graphs[-1].capture_end()
+
+
+class _Splitter:
+    """The attention backend the model's forward sees while pieces are captured (or emulated): it hands the layer's
+    q, k, v to the static buffers and returns the static attention output."""
+
+    name = "piecewise"
+
+    def __init__(self, owner: PiecewiseGraphs, rows: int, capture: _Capture | None = None, real: int = 0,
+                 meta: AttentionMetadata | None = None) -> None:
+        self.owner, self.rows, self.capture, self.real, self.meta = owner, rows, capture, real, meta
+        self.layer = 0
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        o, rows, layer = self.owner, self.rows, self.layer
+        o.q[:rows].copy_(q)
+        o.k[:rows].copy_(k)
+        o.v[:rows].copy_(v)
+        if o.scratch_slot is not None:  # padding rows write to the scratch slot
+            write_kv_cache(o.k[:rows], o.v[:rows], kv_cache, o.slots[:rows])
+        if layer == len(o.layers):
+            o.layers.append((kv_cache, scale))
+        elif o.layers[layer][0] is not kv_cache or o.layers[layer][1] != scale:
+            raise RuntimeError(f"layer {layer} attends over another cache or scale than at its first capture")
+        self.layer += 1
+        if self.capture is not None:
+            self.capture.end()
+            self.capture.begin()
+        elif self.meta is not None:  # emulation: the real rows' attention, here and now
+            o.attend(layer, self.real, self.meta)
+        return o.out[:rows]
+
+
+@dataclass
+class _Bucket:
+    pieces: list[torch.cuda.CUDAGraph]  # one more than the layers; empty when emulated
+    positions: Tensor  # int64 [3, rows]
+    hidden: Tensor | None = None  # [rows, hidden]: final-norm hidden states, rewritten by every replay
+    ds_pieces: list[torch.cuda.CUDAGraph] | None = None  # the same with DeepStack features (families that have them)
+    ds_hidden: Tensor | None = None
+
+
+class PiecewiseGraphs:
+    def __init__(
+        self,
+        lm: LanguageModel,
+        backend: AttentionBackend,
+        kv_caches: list[Tensor],
+        hidden_size: int,
+        head_shapes: tuple[int, int, int],
+        max_tokens: int,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+        scratch_slot: int | None = None,
+        emulate: bool = False,
+        deepstack_levels: int = 0,
+    ) -> None:
+        """``head_shapes``: (query heads, KV heads, head dim) on this rank; ``backend``: the attention the eager
+        forward uses (the replays run the same). ``scratch_slot``: a cache slot no sequence holds; given, the pieces
+        write each layer's new K/V into the cache themselves (padding rows into that slot), which takes a kernel
+        launch per layer off the eager part. ``emulate``: no graphs (any device): `run` calls the model with the
+        pieces' buffers and splits, for tests. ``deepstack_levels``: the family's DeepStack levels (0: none)."""
+        self.lm, self.backend, self.kv_caches, self.tp_size = lm, backend, kv_caches, tp_size
+        self.device = kv_caches[0].device
+        self.emulate = emulate
+        self.buckets_in_use = token_buckets(max_tokens)
+        most = self.buckets_in_use[-1] if self.buckets_in_use else 0
+        heads, kv_heads, head_dim = head_shapes
+        self.embeds = torch.zeros(most, hidden_size, dtype=dtype, device=self.device)
+        self.q = torch.zeros(most, heads, head_dim, dtype=dtype, device=self.device)
+        self.k = torch.zeros(most, kv_heads, head_dim, dtype=dtype, device=self.device)
+        self.v = torch.zeros_like(self.k)
+        self.out = torch.zeros_like(self.q)
+        self.scratch_slot = scratch_slot
+        self.slots = torch.full((most,), scratch_slot or 0, dtype=torch.int64, device=self.device)  # cache slot per row
+        # DeepStack: every row is a feature row of the DeepStack pieces (ds_rows); rows [:ds_dirty] may hold the
+        # last step's features, zeroed before the next one that takes these pieces.
+        self.ds_levels = deepstack_levels
+        self.ds_feats = torch.zeros(most if deepstack_levels else 0, deepstack_levels * hidden_size, dtype=dtype,
+                                    device=self.device)
+        self.ds_rows = torch.arange(self.ds_feats.shape[0], device=self.device)
+        self.ds_dirty = 0
+        self.layers: list[tuple[Tensor, float]] = []  # (KV cache, scale) of each attention call, in order
+        self.buckets: dict[int, _Bucket] = {}
+        self.broken = False
+        self.stats = {"replays": 0, "captures": 0, "misses": 0, "deepstack_replays": 0}
+        mode: Literal["global", "thread_local"] = "thread_local" if tp_size > 1 else "global"  # see DecodeGraphs
+        self.capture_mode = mode
+        if not emulate:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(self.device)
+
+    def bucket(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets_in_use if b >= tokens), None)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Every bucket, largest first (smaller ones then reuse the pool's blocks)."""
+        for rows in reversed(self.buckets_in_use):
+            if rows not in self.buckets:
+                self._capture(rows)
+
+    def run(self, embeds: Tensor, positions: Tensor, meta: AttentionMetadata,
+            deepstack: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
+        """Final-norm hidden states [T, hidden] of the step whose input embeddings [T, hidden] and positions [3, T]
+        these are (``deepstack``: its image rows' features, as the LM takes them), or None when it fits no bucket
+        (or the graphs failed: the caller runs it eagerly, rewriting the same KV slots). The result is a view of a
+        static buffer, valid until the next `run`."""
+        n = embeds.shape[0]
+        rows = self.bucket(n)
+        bucket = self.buckets.get(rows) if rows is not None else None
+        if self.emulate and rows is not None and bucket is None:
+            bucket = self._bucket(rows)
+        with_ds = deepstack is not None
+        # No capture mid-serving: `capture_all` took every bucket, with its DeepStack set where the family has one.
+        if rows is None or bucket is None or self.broken or (with_ds and not self.ds_levels):
+            self.stats["misses"] += 1
+            return None
+        if deepstack is not None:
+            if self.ds_dirty:
+                self.ds_feats[: self.ds_dirty].zero_()
+            self.ds_feats.index_copy_(0, deepstack[0], deepstack[1])
+            self.ds_dirty = n
+        self.embeds[:n].copy_(embeds)
+        bucket.positions[:, :n].copy_(positions)
+        if self.scratch_slot is not None:
+            self.slots[:n].copy_(meta.slot_mapping)
+            self.slots[n:rows].fill_(self.scratch_slot)
+            meta = replace(meta, kv_written=True, derived={})  # a copy: a fallback to eager must still write
+        self.stats["deepstack_replays"] += with_ds
+        if self.emulate:
+            splitter = _Splitter(self, rows, real=n, meta=meta)
+            hidden: Tensor = self.lm(self.embeds[:rows], bucket.positions, self.kv_caches, meta, backend=splitter,
+                                     deepstack=self._deepstack(rows) if with_ds else None)
+            self.stats["replays"] += 1
+            return hidden[:n]
+        pieces, out = (bucket.ds_pieces, bucket.ds_hidden) if with_ds else (bucket.pieces, bucket.hidden)
+        assert pieces is not None and out is not None
+        try:
+            for layer, piece in enumerate(pieces[:-1]):
+                piece.replay()
+                self.attend(layer, n, meta)
+            pieces[-1].replay()
+        except RuntimeError:
+            if self.tp_size > 1:
+                raise  # the other ranks would wait in a captured all-reduce: fail the step instead
+            log.exception("piecewise CUDA graphs failed; small steps run eagerly from now on")
+            self.broken = True
+            return None
+        self.stats["replays"] += 1
+        return out[:n]
+
+    def attend(self, layer: int, n: int, meta: AttentionMetadata) -> None:
+        """Layer ``layer``'s attention over the step's ``n`` real rows, into the static output."""
+        kv_cache, scale = self.layers[layer]
+        self.out[:n].copy_(self.backend.forward(self.q[:n], self.k[:n], self.v[:n], kv_cache, meta, scale))
+
+    def _deepstack(self, rows: int) -> tuple[Tensor, Tensor]:
+        """The static DeepStack input of a bucket: every row, its features (zeros for rows that are not images)."""
+        return self.ds_rows[:rows], self.ds_feats[:rows]
+
+    def _bucket(self, rows: int) -> _Bucket:
+        positions = torch.zeros(3, rows, dtype=torch.int64, device=self.device)
+        self.buckets[rows] = bucket = _Bucket([], positions)
+        return bucket
+
+    def _capture(self, rows: int) -> None:
+        bucket = self._bucket(rows)
+        try:
+            bucket.pieces, bucket.hidden = self._capture_set(bucket, rows, None)
+            if self.ds_levels:
+                bucket.ds_pieces, bucket.ds_hidden = self._capture_set(bucket, rows, self._deepstack(rows))
+        except BaseException:
+            del self.buckets[rows]
+            raise
+
+    def _capture_set(self, bucket: _Bucket, rows: int,
+                     deepstack: tuple[Tensor, Tensor] | None) -> tuple[list[torch.cuda.CUDAGraph], Tensor]:
+        meta = _placeholder_meta(rows, self.device)
+        embeds = self.embeds[:rows]
+        # A run outside capture first, on the capture stream: lazy library set-up, compiles and cuBLAS's choice
+        # for this row count happen there, not inside the capture.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.lm(embeds, bucket.positions, self.kv_caches, meta, backend=_Splitter(self, rows), deepstack=deepstack)
+        self.stream.synchronize()
+        capture = _Capture(self.pool, self.capture_mode)
+        try:
+            with torch.cuda.stream(self.stream):
+                capture.begin()
+                hidden = self.lm(embeds, bucket.positions, self.kv_caches, meta,
+                                 backend=_Splitter(self, rows, capture), deepstack=deepstack)
+                capture.end()
+        except BaseException:
+            if capture.open:  # leave the stream out of capture mode whatever failed
+                try:
+                    capture.end()
+                except RuntimeError:
+                    pass
+            raise
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if len(capture.graphs) != len(self.layers) + 1:
+            raise RuntimeError(f"{len(capture.graphs)} pieces captured for {len(self.layers)} attention calls")
+        self.stats["captures"] += len(capture.graphs)
+        return capture.graphs, hidden
+
+
+def _placeholder_meta(rows: int, device: torch.device) -> AttentionMetadata:
+    """Metadata for the capture run: the splitter never reads it (the replays attend with each step's own)."""
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, rows], dtype=torch.int32, device=device), seq_lens=one * rows,
+        query_lens_cpu=[rows], seq_lens_cpu=[rows], slot_mapping=torch.zeros(rows, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device), max_query_len=rows, max_seq_len=rows,
+    )
+
+
+def build(
+    lm: LanguageModel, backend: AttentionBackend, kv_caches: list[Tensor], hidden_size: int,
+    head_shapes: tuple[int, int, int], max_tokens: int, dtype: torch.dtype, tp_size: int, scratch_slot: int | None,
+    deepstack_levels: int = 0,
+) -> PiecewiseGraphs | None:
+    """Every bucket captured at start-up, or None when ``max_tokens`` leaves none. A capture that fails stops the
+    worker's start, naming the flag that turns the graphs off: a capture that failed on the device leaves torch's
+    CUDA generator marked as capturing, so serving on would fail every sampled request."""
+    if not token_buckets(max_tokens):
+        return None
+    started = time.perf_counter()
+    graphs = PiecewiseGraphs(lm, backend, kv_caches, hidden_size, head_shapes, max_tokens, dtype, tp_size, scratch_slot,
+                             deepstack_levels=deepstack_levels)
+    try:
+        graphs.capture_all()
+    except Exception as exc:
+        raise RuntimeError(f"piecewise CUDA graphs failed to capture ({exc}); --piecewise-graph-tokens 0 serves "
+                           "without them") from exc
+    log.info("%d piecewise graphs (%d buckets up to %d tokens) captured in %.1f s", graphs.stats["captures"],
+             len(graphs.buckets), graphs.buckets_in_use[-1], time.perf_counter() - started)
+    return graphs

@@ -1,0 +1,247 @@
+"""Token sampling, batched over the rows of a step: logit processing (workers/engine/runner/logits.py),
+greedy, temperature, min_p, top_k, top_p, per-request seeds, and log probabilities.
+
+Order, as vLLM does it: logit_bias and min_tokens, then the penalties, then (sampled rows only)
+temperature, min_p and top_k/top_p. Log probabilities are the log-softmax of the logits after the
+penalties, biases and masks (what the token was really drawn from) and before temperature and the
+truncations, so a greedy request's sampled token is always its top-1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ipc.messages import SampleLogprobs, SamplingParams
+from workers.engine.runner.logits import (
+    Pack,
+    PenaltyBook,
+    apply_logit_bias,
+    mask_stops,
+    plan_logit_bias,
+    plan_stops,
+)
+
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+# A masking hook: logits [N, vocab] float32 -> None, in place. Structured outputs pass one; it runs
+# before everything else, so every later step (and the log probabilities) sees only allowed tokens.
+RowMask = Callable[[torch.Tensor], None]
+
+
+@dataclass
+class SampleOutput:
+    """The sampled ids stay on the device until ``tokens`` is read: a worker that schedules asynchronously feeds
+    ``device`` to the next step's input before this step's ids reach the host."""
+
+    device: torch.Tensor  # int64 [N]
+    logprobs: list[SampleLogprobs]
+    _host: list[int] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._host is None:
+            self._host = self.device.tolist()
+        return self._host
+
+
+class Sampler:
+    """Samples one token per row of logits. Seeded requests get their own generator, so a seed
+    reproduces the same tokens whatever else is batched with the request."""
+
+    def __init__(
+        self, device: torch.device, seed: int = 0, vocab_size: int = 0, eos_token_ids: Sequence[int] = ()
+    ) -> None:
+        self.device = device
+        self._default = torch.Generator(device=device)
+        self._default.manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._generated: dict[str, int] = {}  # tokens sampled so far, for min_tokens
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self._penalties: PenaltyBook | None = None
+
+    def add(
+        self, rid: str, params: SamplingParams, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
+    ) -> None:
+        self._seed(rid, params)
+        self._generated[rid] = len(output_ids)
+        if params.penalized:
+            self._book().add(rid, prompt_ids, output_ids)
+
+    def fork(self, parent: str, child: str, params: SamplingParams) -> None:
+        """A sequence that shares ``parent``'s prompt and samples its own tokens (n > 1). Its seed, when
+        it has one, is its own (the caller offsets it per choice, as vLLM does)."""
+        self._seed(child, params)
+        self._generated[child] = self._generated.get(parent, 0)
+        if params.penalized and self._penalties is not None and parent in self._penalties.rows:
+            self._penalties.fork(parent, child)
+
+    def _seed(self, rid: str, params: SamplingParams) -> None:
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            self._generators[rid] = gen
+
+    def _book(self) -> PenaltyBook:
+        if self._penalties is None:
+            if self.vocab_size <= 0:
+                raise ValueError("penalties need the sampler to know the vocabulary size")
+            self._penalties = PenaltyBook(self.vocab_size, self.device)
+        return self._penalties
+
+    def remove(self, rid: str) -> None:
+        self._generators.pop(rid, None)
+        self._generated.pop(rid, None)
+        if self._penalties is not None:
+            self._penalties.remove(rid)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rids: list[str],
+        params: list[SamplingParams],
+        mask: RowMask | None = None,
+    ) -> SampleOutput:
+        """``logits`` [N, vocab]; returns N token ids and the log probabilities asked for."""
+        plain = mask is None and all(p.greedy and _plain(p) for p in params)
+        if plain:
+            self._count(rids)
+            return SampleOutput(logits.argmax(dim=-1), [])
+        # Every per-row number the step needs goes to the device in two copies that do not block.
+        pack = Pack()
+        plan = self._plan(pack, rids, params)
+        _plan_draw(pack, params)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        pack.ints("lp_at", lp_rows)
+        pack.send(logits.device)
+        logits = logits.to(torch.float32, copy=True)  # the steps below write in place
+        if mask is not None:
+            mask(logits)
+        if plan.bias:
+            apply_logit_bias(logits, pack)
+        if plan.stops:
+            mask_stops(logits, pack)
+        if plan.penalties and self._penalties is not None:
+            self._penalties.apply(logits, pack)
+        tokens = self._draw(logits, rids, params, pack)
+        logprobs = self._logprobs(logits, tokens, rids, params, lp_rows, pack)
+        out = SampleOutput(tokens, logprobs)
+        self._count(rids)
+        if plan.penalties and self._penalties is not None:
+            self._penalties.record(tokens, pack)
+        return out
+
+    def _plan(self, pack: Pack, rids: list[str], params: list[SamplingParams]) -> _Plan:
+        pack_plan = _Plan()
+        pack_plan.bias = plan_logit_bias(pack, [p.logit_bias for p in params])
+        rows, stops = [], []
+        for i, (rid, p) in enumerate(zip(rids, params, strict=True)):
+            if p.min_tokens and self._generated.get(rid, 0) < p.min_tokens:
+                rows.append(i)
+                stops.append([*([] if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids])
+        pack_plan.stops = plan_stops(pack, rows, stops)
+        book = self._penalties
+        penalized = [i for i, p in enumerate(params) if p.penalized and book is not None and rids[i] in book.rows]
+        if penalized and book is not None:
+            PenaltyBook.plan(
+                pack,
+                [book.rows[rids[i]] for i in penalized],
+                penalized,
+                [params[i].repetition_penalty for i in penalized],
+                [params[i].frequency_penalty for i in penalized],
+                [params[i].presence_penalty for i in penalized],
+            )
+            pack_plan.penalties = True
+        return pack_plan
+
+    def _draw(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams], pack: Pack) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            return greedy
+        picked = [params[i] for i in sampled_rows]
+        at = pack["draw_at"]
+        x = logits[at] / pack["temperature"].unsqueeze(1)
+        if any(p.min_p > 0 for p in picked):
+            probs = torch.softmax(x, dim=-1)
+            floor = probs.amax(dim=-1, keepdim=True) * pack["min_p"].unsqueeze(1)
+            x = x.masked_fill(probs < floor, float("-inf"))
+        if any(0 < p.top_k < x.shape[-1] or p.top_p < 1.0 for p in picked):
+            x = _top_k_top_p(x, pack["top_k"], pack["top_p"])
+        probs = torch.softmax(x, dim=-1)
+        # Exponential race (argmax of p / E with E ~ Exp(1)) draws from p: one batched draw for the
+        # unseeded rows, one per seeded row from its own generator (the seed's stream stays its own).
+        race = torch.empty_like(probs).exponential_(generator=self._default)
+        for j, i in enumerate(sampled_rows):
+            gen = self._generators.get(rids[i])
+            if gen is not None:
+                race[j].exponential_(generator=gen)
+        drawn = (probs / race).argmax(dim=-1)
+        return greedy.index_copy(0, at, drawn)
+
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        rids: list[str],
+        params: list[SamplingParams],
+        rows: list[int],
+        pack: Pack,
+    ) -> list[SampleLogprobs]:
+        if not rows:
+            return []
+        at = pack["lp_at"]
+        lp = torch.log_softmax(logits[at], dim=-1)
+        chosen = lp.gather(1, tokens[at].unsqueeze(1)).squeeze(1)
+        k = max(min(params[i].logprobs or 0, MAX_LOGPROBS) for i in rows)
+        top = lp.topk(k, dim=-1) if k else None
+        chosen_list = chosen.tolist()
+        top_values = top.values.tolist() if top is not None else [[] for _ in rows]
+        top_ids = top.indices.tolist() if top is not None else [[] for _ in rows]
+        out = []
+        for j, i in enumerate(rows):
+            want = params[i].logprobs or 0
+            out.append(SampleLogprobs(rids[i], chosen_list[j], top_ids[j][:want], top_values[j][:want]))
+        return out
+
+    def _count(self, rids: list[str]) -> None:
+        for rid in rids:
+            if rid in self._generated:
+                self._generated[rid] += 1
+
+
+@dataclass
+class _Plan:
+    bias: bool = False
+    stops: bool = False
+    penalties: bool = False
+
+
+def _plan_draw(pack: Pack, params: list[SamplingParams]) -> None:
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    pack.ints("draw_at", rows)
+    pack.floats("temperature", [params[i].temperature for i in rows])
+    pack.floats("min_p", [params[i].min_p for i in rows])
+    pack.floats("top_p", [params[i].top_p for i in rows])
+    pack.ints("top_k", [max(params[i].top_k, 0) for i in rows])  # 0: off
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Nothing to do but the argmax (or a draw): no processing, no log probabilities."""
+    return not (p.penalized or p.logit_bias or p.min_tokens or p.logprobs is not None)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_k and top_p for every row with one sort: rank >= k goes (k 0: none does), and so does the tail
+    whose mass before it already reaches top_p (the best token always stays)."""
+    vocab = x.shape[-1]
+    ordered, order = torch.sort(x, dim=-1, descending=True)
+    ks = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    ranks = torch.arange(vocab, device=x.device).unsqueeze(0)
+    drop = ranks >= ks.unsqueeze(1)
+    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= (torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    return torch.full_like(x, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))

@@ -1,0 +1,147 @@
+"""The host side of one model step on a worker: its sequences as the worker knows them, the flat inputs a plan's
+chunks make (token ids, M-RoPE positions, KV slots, block tables, image splices, sampled rows), and the queued step
+whose sampled ids come back later (`Launched`, for asynchronous scheduling)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ipc.messages import Fork, MMItem, PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
+from workers.engine.core.kv_cache import slot_mapping
+from workers.engine.models.base import ModelSpec
+from workers.engine.runner.batching import to_device
+from workers.engine.runner.prompt_logprobs import PromptSpan, span_for
+
+
+@dataclass
+class WorkerSeq:
+    rid: str
+    token_ids: list[int]
+    positions: list[list[int]]  # M-RoPE positions of the tokens known at registration; later: p + mrope_delta
+    mrope_delta: int
+    items: list[MMItem]
+    sampling: SamplingParams
+    mm_key: bytes
+    item_rows: list[int]  # baseline mode: row offset of each item inside the request's entry
+    block_table: list[int] = field(default_factory=list)
+    prompt_until: int = 0  # prompt_logprobs: positions below this are scored (see prompt_logprobs.py)
+
+
+@dataclass
+class Launched:
+    """A step whose GPU work is queued: its sampled ids reach the host (and the StepResult is made) in `result`,
+    which a worker calls once `done`, after it has queued the next step."""
+
+    step_id: int
+    images_encoded: int
+    vit_calls: int
+    rids: list[str] = field(default_factory=list)
+    tokens: torch.Tensor | None = None  # int64 [len(rids)]: pinned host memory on CUDA, filled by a queued copy
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    scored: list[PromptLogprobs] = field(default_factory=list)
+    event: torch.cuda.Event | None = None  # recorded after the copy; None: finished already (CPU)
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def result(self) -> StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        ids = self.tokens.tolist() if self.tokens is not None else []
+        sampled = list(zip(self.rids, ids, strict=True))
+        return StepResult(self.step_id, sampled, self.images_encoded, self.vit_calls, self.logprobs, self.scored)
+
+
+@dataclass
+class StepInputs:
+    ids: list[int] = field(default_factory=list)
+    positions: list[list[int]] = field(default_factory=lambda: [[], [], []])
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_seqs: list[WorkerSeq] = field(default_factory=list)
+    splices: list[tuple[int, bytes, int, int]] = field(default_factory=list)  # (row in batch, key, first entry row, count)
+    spans: list[PromptSpan] = field(default_factory=list)  # rows whose prompt logprobs were asked for
+    ahead: list[tuple[int, str]] = field(default_factory=list)  # (row, sequence): its id is being sampled (see below)
+
+
+ForkFn = Callable[[WorkerSeq, list[Fork]], list[WorkerSeq]]
+
+
+def gather_inputs(
+    plan: StepPlan, seqs: dict[str, WorkerSeq], block_size: int, spec: ModelSpec, fork: ForkFn
+) -> StepInputs:
+    """The step's flat inputs, its sequences' block tables and tokens brought up to date from the plan.
+
+    A chunk that starts right past the tokens this worker was sent computes a token the step before is still
+    sampling (asynchronous scheduling planned it before the id was known): its row goes to ``ahead`` with a
+    placeholder id, which `ahead_token_ids` replaces on the device."""
+    out = StepInputs()
+    ids, pos = out.ids, out.positions
+    for chunk in plan.chunks:
+        seq = seqs[chunk.rid]
+        seq.block_table.extend(chunk.new_blocks)
+        seq.token_ids.extend(chunk.new_token_ids)
+        start, end = chunk.start, chunk.start + chunk.length
+        base = len(ids)
+        if end <= len(seq.token_ids):
+            ids.extend(seq.token_ids[start:end])
+        elif start == len(seq.token_ids) and chunk.length == 1:
+            out.ahead.append((base, chunk.rid))
+            ids.append(0)
+        else:
+            raise RuntimeError(f"step {plan.step_id} computes {chunk.rid} past the tokens it was sent")
+        prompt_len = len(seq.positions[0])
+        for r in range(3):
+            row = seq.positions[r]
+            pos[r].extend(row[p] if p < prompt_len else p + seq.mrope_delta for p in range(start, end))
+        out.slots.extend(slot_mapping(seq.block_table, start, chunk.length, block_size))
+        out.query_lens.append(chunk.length)
+        out.seq_lens.append(end)
+        out.tables.append(seq.block_table)
+        for i, item in enumerate(seq.items):
+            lo, hi = max(start, item.offset), min(end, item.offset + item.length)
+            if lo >= hi:
+                continue
+            key, row0 = (seq.mm_key, seq.item_rows[i]) if seq.mm_key else (item.hash, 0)
+            out.splices.append((base + lo - start, key, row0 + lo - item.offset, hi - lo))
+        if (span := span_for(seq, start, end, base, spec)) is not None:
+            out.spans.append(span)
+        if chunk.sample:
+            out.sample_rows.append(len(ids) - 1)
+            out.sample_seqs.append(seq)
+            for child in fork(seq, [f for f in plan.forks if f.parent == chunk.rid]):
+                out.sample_rows.append(len(ids) - 1)  # a choice's first token comes from the parent's logits
+                out.sample_seqs.append(child)
+    # Image spans hold pad values above the vocabulary; their embeddings are replaced in the forward.
+    top = spec.vocab_size - 1
+    out.ids = [min(i, top) for i in ids]
+    return out
+
+
+def ahead_token_ids(
+    ids: list[int],
+    ahead: list[tuple[int, str]],
+    last: tuple[torch.Tensor, dict[str, int]] | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The step's input ids on the device, where the ``ahead`` rows (batch row, sequence) take the id the step
+    before sampled for their sequence. ``last``: that step's sampled ids on the device and each sequence's row."""
+    out = to_device([torch.tensor(ids, dtype=torch.int64)], device)
+    if last is None:
+        # The step before failed (the scheduler fails its requests before this step's result can reach them), so
+        # these rows compute placeholders that nobody reads; the step's other sequences go on.
+        return out
+    sampled, row_of = last
+    try:
+        src = [row_of[rid] for _, rid in ahead]
+    except KeyError as exc:
+        raise RuntimeError(f"a step planned ahead needs a token of {exc} that the step before did not sample") from None
+    index = to_device([torch.tensor([*(row for row, _ in ahead), *src], dtype=torch.int64)], device)
+    dst, src_rows = index.split(len(ahead))
+    return out.index_copy_(0, dst, sampled.index_select(0, src_rows))

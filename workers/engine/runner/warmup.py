@@ -1,0 +1,201 @@
+"""Start-up work of a CUDA model worker that must happen before it serves: the fused kernels are compiled (or
+loaded from Inductor's on-disk cache) by running every call site once, before any CUDA-graph capture, so that
+neither the first request nor a capture is a kernel's first launch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.engine.kernels import (
+    fused,
+    kv_write_kernel,
+    rope_kernel,
+    silu_kernel,
+    skinny_gemm,
+    window_attention,
+)
+from workers.engine.kernels.attention import build_attention_metadata
+from workers.engine.layers.vision_attention import VisionAttention, warm_cudnn_frames
+from workers.engine.runner.batching import patches
+
+if TYPE_CHECKING:
+    from workers.engine.runner.loaded import LoadedModel
+
+log = logging.getLogger("glimpse.model")
+
+
+@torch.inference_mode()
+def warm_fused(runner: LoadedModel) -> None:
+    """Switch the fused kernels on and run every call site. Falls back to eager ops if that fails."""
+    started = time.perf_counter()
+    if not silu_kernel.probe(runner.device, runner.dtype):
+        log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel.SWITCH.why_off())
+    if not skinny_gemm.probe(runner.device, runner.dtype):
+        log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm.SWITCH.why_off())
+    if not kv_write_kernel.probe(runner.device, runner.dtype):
+        log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel.SWITCH.why_off())
+    if not rope_kernel.probe(runner.device, runner.dtype):
+        log.warning("the Triton LM rotary kernel is off (%s); the compiled one serves", rope_kernel.SWITCH.why_off())
+    if not window_attention.probe(runner.device, runner.dtype):
+        log.warning("the Triton window attention is off (%s); FlashAttention varlen serves the ViT's windows",
+                    window_attention.SWITCH.why_off())
+    fused.enable(runner.lm)
+    fused.enable(runner.vision)
+    try:
+        with fused.forced():
+            _run_every_fused_site(runner)
+        torch.cuda.synchronize(runner.device)
+    except Exception as exc:  # e.g. no C compiler for Triton's launcher: serve eagerly rather than not at all
+        fused.enable(runner.lm, False)
+        fused.enable(runner.vision, False)
+        log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
+        return
+    log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
+
+
+def _run_every_fused_site(r: LoadedModel) -> None:
+    # Three sizes per site: the first compiles static shapes, the second makes the row count symbolic, and 1 (a
+    # lone decode) is specialised apart (fused.py). The (1, 6) query also compiles the paged decode kernel.
+    row, m = r.spec.patch_dim, r.merge
+    for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)):
+        r.model.encode(torch.zeros(patches(grid), row, dtype=r.dtype, device=r.device), [grid])
+    for query, seq in ((2, 2), (3, 5), (1, 6)):
+        scratch = [r.num_blocks] * -(-seq // r.cfg.block_size)  # the spare block (ModelRunner.__init__): nothing live
+        hidden_states = _forward(r, query, seq, scratch)
+    # the LM head at a decode step's sampled rows (skinny_gemm's variant for its shape; eager, outside the graphs)
+    r.model.compute_logits(hidden_states[-1:])
+
+
+@torch.inference_mode()
+def warm_vision_attention(runner: LoadedModel) -> None:
+    """The ViT's full-attention kernels' first use, before "ready" (see `warm_cudnn_frames`)."""
+    attn = next((m for m in runner.vision.modules() if isinstance(m, VisionAttention)), None)
+    if attn is None or attn.packed is not None:  # full blocks on FA3: no cuDNN to warm
+        return
+    started = time.perf_counter()
+    try:
+        warm_cudnn_frames(attn, runner.device, runner.dtype)
+        torch.cuda.synchronize(runner.device)
+    except Exception as exc:  # a warm-up only saves time: serve without it rather than not at all
+        log.warning("vision attention warm-up failed: %s", exc, exc_info=True)
+        return
+    log.info("vision attention warmed in %.2f s", time.perf_counter() - started)
+
+
+# The ViT warm-up's frame: 128 x 128 patches (1,792 px a side at 14 px patches), a large page's size; a call of
+# `vit_max_patches` is made of as many as fit (at least one).
+_PEAK_FRAME_SIDE = 128
+# Shares of the largest ViT call that the warm-up runs, largest first (so smaller activations split blocks the
+# allocator already holds).
+_LADDER = (1.0, 0.75, 0.5, 0.33, 0.25, 0.125, 0.0625)
+# The sizes people send most (screen and camera formats, a square crop, an A4 page at 150 dpi), width x height: the
+# ViT runs calls of 1, 2, 3 and as many as fit of each. cuBLAS prepares each GEMM kernel it picks at that kernel's
+# first use in a process, 2.2-5.6 ms of host time while the GPU waits (H200, CUDA 13; CUDA's eager module loading
+# does not remove it; benchmarks/kernels/cublas_first_use.py), and which kernel it picks changes with the row count: a fresh
+# server's first 8 x 1080p request paid ~26 ms for the ViT's row counts alone. Other sizes still pay once per new kernel.
+COMMON_SIZES: tuple[tuple[int, int], ...] = ((1920, 1080), (1280, 720), (2560, 1440), (3840, 2160), (1024, 1024),
+                                             (1240, 1754))
+# Prefill chunks run from the step budget down by this factor to a sixteenth of it: a chunk's row count picks the LM's
+# GEMM kernels the same way, and a prompt's chunks can have any length. After this ladder (27 chunks from 4,096 down),
+# 25 of 100 random row counts in [256, 4096] still met a new kernel in one of the LM's four GEMMs, against 42 of 100
+# after a ladder of 7 shares (H200, Qwen2.5-7B shapes; benchmarks/kernels/cublas_first_use.py). Each costs once per process.
+_CHUNK_STEP = 0.9
+
+
+def warm_largest_step(runner: LoadedModel) -> None:
+    """ViT calls from as many patches as a step hands the tower (`vit_max_patches`) down and at the patch counts of
+    `COMMON_SIZES`, and prefill chunks from as many tokens as a step holds down, image rows scattered in, before
+    "ready". The caching allocator then holds their activations and the GEMM kernels of their row counts have had
+    their first use: a fresh server's first 8 x 1080p request spent ~50 ms more in the ViT and ~25 ms more in the LM
+    than the next one (H200). Writes KV into blocks that no sequence holds yet, which each sequence overwrites before
+    reading. Only saves time: a failure (out of memory beside an oversized KV cache, say) is logged and serving starts
+    without it."""
+    started = time.perf_counter()
+    try:
+        patches_done, tokens = _warm_steps(runner)
+        torch.cuda.synchronize(runner.device)
+    except Exception as exc:  # torch.OutOfMemoryError included: the first such request will say so itself
+        torch.cuda.empty_cache()
+        log.warning("the largest-step warm-up failed (%s); the first large request pays its allocations", exc)
+        return
+    log.info("step shapes warmed in %.2f s (ViT calls of %s patches, prefill chunks of %s tokens)",
+             time.perf_counter() - started, patches_done, tokens)
+
+
+@torch.inference_mode()
+def _warm_steps(
+    r: LoadedModel, frame_side: int = _PEAK_FRAME_SIDE, sizes: tuple[tuple[int, int], ...] = COMMON_SIZES
+) -> tuple[list[int], list[int]]:
+    """Run the ViT calls, then the prefill chunks; returns the patches of each ViT call and the tokens of each chunk.
+    ``frame_side``: patches a side of the largest ladder frame; ``sizes``: images in pixels (tests take small ones)."""
+    unit = 2 * r.merge
+    side = max(unit, frame_side // unit * unit)
+    most = max(side * side, r.cfg.vit_max_patches // (side * side) * side * side)
+    calls = [_frames(int(most * share), side, unit) for share in _LADDER]
+    patch = getattr(r.spec.vision, "patch_size", 0)
+    for width, height in sizes if patch else ():
+        grid = size_grid(width, height, patch, r.merge)
+        fit = max(1, r.cfg.vit_max_patches // patches(grid))
+        calls += [[grid] * k for k in sorted({1, 2, 3, fit}) if k <= fit]
+    patches_done: list[int] = []
+    mm_embeds = torch.zeros(0, r.spec.embed_width, dtype=r.dtype, device=r.device)
+    for grids in sorted(calls, key=lambda g: -sum(map(patches, g))):
+        n = sum(map(patches, grids))
+        if n and n not in patches_done:
+            mm_embeds = r.model.encode(torch.zeros(n, r.spec.patch_dim, dtype=r.dtype, device=r.device), grids)
+            patches_done.append(n)
+    longest = max(r.cfg.chunk_size, r.cfg.lone_prefill_tokens)
+    longest = min(longest, r.num_blocks * r.cfg.block_size, r.cfg.max_model_len or longest)
+    tokens_done = chunk_ladder(longest)
+    for tokens in tokens_done:
+        _prefill(r, tokens, mm_embeds)
+    return patches_done, tokens_done
+
+
+def chunk_ladder(longest: int) -> list[int]:
+    """Prefill chunk lengths the warm-up runs: ``longest`` down by `_CHUNK_STEP` to a sixteenth of it, largest first."""
+    out: list[int] = []
+    tokens = float(longest)
+    while tokens >= max(1, longest // 16):
+        if int(tokens) not in out:
+            out.append(int(tokens))
+        tokens *= _CHUNK_STEP
+    return out
+
+
+def size_grid(width: int, height: int, patch: int, merge: int) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid of a ``width`` x ``height`` image, each side rounded to a multiple of ``patch * merge``
+    as Qwen's processors resize it (their pixel bounds do not clip the sizes above)."""
+    factor = patch * merge
+    return 1, max(factor, round(height / factor) * factor) // patch, max(factor, round(width / factor) * factor) // patch
+
+
+def _frames(patches: int, side: int, unit: int) -> list[tuple[int, int, int]]:
+    """Frames of ``side`` x ``side`` patches up to ``patches``, or one square frame of about that many (sides a multiple
+    of ``unit``), empty below one unit square."""
+    if patches >= side * side:
+        return [(1, side, side)] * (patches // (side * side))
+    small = int(patches**0.5) // unit * unit
+    return [(1, small, small)] if small else []
+
+
+def _prefill(r: LoadedModel, tokens: int, mm_embeds: torch.Tensor) -> None:
+    """A prompt's first chunk of ``tokens`` over blocks 0.., its first rows image tokens, and the last row's logits."""
+    image_rows = min(tokens, mm_embeds.shape[0])
+    mm_rows = torch.arange(image_rows, device=r.device)
+    blocks = list(range(-(-tokens // r.cfg.block_size)))
+    hidden = _forward(r, tokens, tokens, blocks, mm_rows=mm_rows, mm_embeds=mm_embeds[:image_rows])
+    r.model.compute_logits(hidden[-1:])
+
+
+def _forward(r: LoadedModel, query: int, seq: int, blocks: list[int], **images: torch.Tensor) -> torch.Tensor:
+    """The LM over the last ``query`` of ``seq`` tokens (zero embeddings) in ``blocks``; ``images``: mm_rows, mm_embeds."""
+    meta = build_attention_metadata([query], [seq], [blocks], r.cfg.block_size, r.device)
+    embeds = torch.zeros(query, r.spec.hidden_size, dtype=r.dtype, device=r.device)
+    positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
+    out: torch.Tensor = r.model(embeds, positions, r.kv_caches, meta, **images)
+    return out

@@ -1,0 +1,87 @@
+"""The scheduler's periodic ``SchedulerStats``: what the frontend's /admin/stats and /metrics and the tokenizers'
+routing read, built from the scheduler's core, ledger and counters."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ipc.messages import SchedulerStats, WorkerStats
+from workers.common.proc import GcWatch
+from workers.engine.core.scheduler import SchedulerCore
+from workers.scheduler.shm_ledger import ShmLedger
+
+STATS_INTERVAL_S = 0.25
+LOG_STATS_INTERVAL_S = 10.0
+
+
+class SchedulerState(Protocol):
+    """The scheduler's parts and counters a snapshot reads (the scheduler process implements it)."""
+
+    @property
+    def core(self) -> SchedulerCore: ...
+    @property
+    def ledger(self) -> ShmLedger: ...
+    @property
+    def gc(self) -> GcWatch: ...
+    @property
+    def worker_stats(self) -> dict[int, WorkerStats]: ...
+    @property
+    def plan_bytes(self) -> dict[str, int]: ...
+    @property
+    def replica(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def steps_ahead(self) -> int: ...
+    @property
+    def generated_tokens(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def images_encoded(self) -> int: ...
+    @property
+    def vit_batches(self) -> int: ...
+    @property
+    def gpu_peak(self) -> int: ...
+    @property
+    def gpu_idle(self) -> int: ...
+
+
+def snapshot(s: SchedulerState) -> SchedulerStats:
+    core, idx = s.core, s.core.mm_index
+    return SchedulerStats(
+        requests_running=len(core.running),
+        requests_waiting=len(core.waiting),
+        kv_blocks_used=core.allocator.num_used,
+        kv_blocks_total=core.allocator.num_blocks,
+        generated_tokens=s.generated_tokens,
+        prompt_tokens=s.prompt_tokens,
+        mm_cache_entries=len(idx),
+        mm_cache_bytes=idx.used_bytes,
+        mm_cache_hits=idx.stats.hits,
+        mm_cache_misses=idx.stats.misses,
+        mm_cache_evictions=idx.stats.evictions,
+        images_encoded=s.images_encoded,
+        vit_batches=s.vit_batches,
+        shm_segments=s.ledger.segments,
+        shm_bytes=s.ledger.used_bytes,
+        shm_budget_bytes=s.ledger.budget_bytes,
+        steps=s.steps,
+        shm_retained_segments=s.ledger.retained_segments,
+        shm_retained_bytes=s.ledger.retained_bytes,
+        plan_bytes_last=s.plan_bytes["last"],
+        plan_bytes_max=s.plan_bytes["max"],
+        workers=[s.worker_stats[r] for r in sorted(s.worker_stats)],
+        prefix_cache_hit_tokens=core.allocator.prefix_hit_tokens,
+        prompt_tokens_computed=core.prompt_tokens_computed,
+        gpu_peak_bytes=s.gpu_peak,
+        gpu_idle_bytes=s.gpu_idle,
+        replica=s.replica,
+        steps_ahead=s.steps_ahead,
+        samples_dropped=core.samples_dropped,
+        gc_collections=s.gc.collections,
+        gc_pause_s_max=s.gc.pause_s_max,
+        gc_frozen=s.gc.frozen,
+        gc_full=s.gc.full,
+        gc_pause_s_sum=s.gc.pause_s_sum,
+    )

@@ -1,0 +1,425 @@
+"""A tokenizer's images: a request's encoded images in, one shared-memory name per image out.
+
+Image identity is the hash of the encoded bytes (framed with the processor settings). Segments are
+named ``{hash}-{t}x{h}x{w}-{unique}`` so any tokenizer of the launch can find a live segment of an
+image by listing /dev/shm, and knows its grid from the name alone. A resent image is then a hard
+link to a new name: no decode, no processing, no write. Pixels (the resized uint8 frame where the
+processor allows, pixel_frames.py) are written under a temporary name and published under the hash name
+only once complete, so a reader never links a half-written file.
+
+The distinct fresh images of one request are decoded, processed and written on a thread pool:
+Pillow's decoder, torch's ops and the copy into shm release the GIL, so a request with many new
+images does not pay for them one after another inside its time to first token. Everything else
+(hashing, reuse, names, the byte budget, the local index) stays on the calling thread, in request
+order, so a pool of any size gives the same names, bytes and prompt.
+
+With ``defer`` (overlap of preprocessing and prefill), the fresh images after a request's first one get
+their grids from their headers and their names before any pixel is decoded: the prompt goes to the
+scheduler once the first is written, and the pool decodes, processes and writes the others while the
+first chunks run (`start_writes`). The first is decoded on a thread of its own while the prompt is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TypeVar
+
+import blake3
+import torch
+from PIL import Image
+
+from ipc import shm
+from workers.config import ServerConfig
+from workers.engine.prompt.processor import MMProcessor, ProcessedImage
+from workers.tokenizer.media.fetch import (
+    decode_pixels,
+    low_detail,
+    low_detail_size,
+    probe_decodes,
+    probe_image,
+)
+from workers.tokenizer.media.image_io import Encoded, write_and_publish
+from workers.tokenizer.requests.chat import BadRequest
+
+LOCAL_INDEX_SIZE = 4096  # hashes remembered with their newest segment name (a hint; /dev/shm is the truth)
+DATA_URL_INDEX_SIZE = 4096  # data URLs remembered by the hash of their text, with their image's hash
+# No "^": match(name, pos) anchors at pos itself, while "^" would only match at index 0.
+_KEY_RE = re.compile(r"(?P<hash>[0-9a-f]{32})-(?P<t>\d+)x(?P<h>\d+)x(?P<w>\d+)-")
+_NO_GRID = (0, 0, 0)  # of an image until it is processed
+
+Grid = tuple[int, int, int]
+_A = TypeVar("_A")
+_R = TypeVar("_R")
+
+
+@dataclass
+class RequestImage:
+    """One distinct image of a request while it is being prepared."""
+
+    hash: bytes
+    raw: Encoded
+    param: str
+    grid: Grid
+    candidates: list[str]  # live segments of this image to link from (reuse); empty: process and write
+    processed: ProcessedImage | None = None  # the pixels, when they must be written
+    ref: shm.ShmRef | None = None  # this request's segment, once linked or written (or named, if deferred)
+    deferred: bool = False  # grid from the header: decoded, processed and written after the prompt is sent
+    early: Future[ProcessedImage] | None = None  # grid from the header, processing while the prompt is built
+    low: bool = False  # detail "low": scaled down before the processor (media.low_detail); its own hash
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """A deferred image of a request that was handed on: written under ``tmp``, published as ``final``."""
+
+    image: RequestImage
+    tmp: str
+    final: str
+
+
+def core_share(config: ServerConfig) -> int:
+    """Cores one tokenizer process may count on: they are shared with the other tokenizers."""
+    return max(1, (os.cpu_count() or 1) // max(1, config.tokenizer_workers))
+
+
+def overloaded() -> BadRequest:
+    message = "The server has too many images in flight; retry shortly."
+    return BadRequest(message, status=503, type="server_error", code="shm_budget_exceeded")
+
+
+class ImagePrep:
+    """Reuse, processing and shm segments for the images of one tokenizer's requests."""
+
+    def __init__(self, config: ServerConfig, index: int, processor: MMProcessor) -> None:
+        self.config, self.processor = config, processor
+        self.launch_id = config.launch_id
+        self.dtype = config.engine.torch_dtype()
+        ip = processor.image_processor
+        # Width of one patch row in pixel_values; with the grid it gives a segment's shape from its name.
+        self.row = 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
+        self.frame_layout = processor.uint8_frames[0] if processor.uint8_frames is not None else None
+        self.local: OrderedDict[bytes, tuple[str, Grid]] = OrderedDict()
+        self.data_urls: OrderedDict[bytes, bytes] = OrderedDict()  # see Encoded
+        self.max_data_url_chars = 4 * config.max_image_bytes // 3 + 4096  # base64 of the largest image, header
+        self.nonce = f"w{index}{os.urandom(3).hex()}-"  # unique names across restarts of this index
+        self.counter = 0
+        self.images_reused = 0
+        # When the last request's images were hashed, processed (those not deferred) and written: for the step trace.
+        self.marks: dict[str, float] = {}
+        # Auto: a thread per core of this process's share, intra-op threads as they are (torch.set_num_threads
+        # is process-wide, read once per thread), so k images in flight oversubscribe the share. 8 x 1080p JPEG,
+        # 16-core host, 8-core share: serial 492 ms; pool 2/4/8 343/272/274 ms, with 1 intra-op thread each
+        # 562/395/251 ms (benchmarks/request_path/tokenizer_bench.py --images-per-request 8 --threads 1,auto).
+        self.threads = config.tokenizer_threads or core_share(config)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"tok{index}-image")
+        # A request's first fresh image: never queued behind other requests' deferred ones on the pool.
+        self.first = ThreadPoolExecutor(1, thread_name_prefix=f"tok{index}-first")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.first.shutdown(wait=True, cancel_futures=True)
+
+    def warm_up(self, prep: Executor) -> None:
+        """Pay the image path's one-time costs at start-up, not in the first requests' TTFT: the processor's
+        fast-path checks (~15 ms), and on every thread that processes images (``prep``, `first`, each pool thread)
+        the first large decode, resize and frame copy, which fault in its malloc arena and start its torch workers
+        (a fresh tokenizer's 8 x 1080p request: +25-45 ms to the scheduler, H200 host). Writes nothing to shm."""
+        buf = io.BytesIO()
+        Image.new("RGB", (1920, 1080), (90, 120, 150)).save(buf, format="JPEG")
+        probe = RequestImage(bytes(16), Encoded(buf.getvalue()), "warm-up", _NO_GRID, [])
+        # All pool tasks wait for each other, so each one runs on a thread of its own (the pool starts a thread
+        # per task while none is idle); the timeout only guards against a pool that cannot start them all.
+        together = threading.Barrier(self.threads)
+        futures = [prep.submit(self._warm, probe, None), self.first.submit(self._warm, probe, None)]
+        futures += [self.pool.submit(self._warm, probe, together) for _ in range(self.threads)]
+        for future in futures:
+            future.result()
+
+    def _warm(self, probe: RequestImage, together: threading.Barrier | None) -> None:
+        if together is not None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together.wait(timeout=30)
+        processed = self._process(probe)
+        ref = self._ref("", processed.grid)
+        processed.write_rows(torch.empty(ref.shape, dtype=shm.parse_dtype(ref.dtype)))
+
+    # ---- planning: reuse or process --------------------------------------------------------------
+
+    def encoded(self, url: str, load: Callable[[], bytes]) -> Encoded:
+        """A local image of a request (``load`` reads it): a data URL seen with its image live is not decoded, and
+        another data URL only once `plan` reaches it, so a request's first fresh image starts decoding before the
+        base64 of the others is undone (8 x 1080p: ~0.5 ms each on the 2-core box)."""
+        if not url.startswith("data:") or len(url) > self.max_data_url_chars:
+            return Encoded(load())  # an oversized one is refused there before anything reads all of it
+        key = blake3.blake3(url.encode("utf-8", "surrogatepass")).digest(16)  # any str: the check is the decode's
+        if (h := self.data_urls.get(key)) is not None and h in self.local:
+            self.data_urls.move_to_end(key)
+            return Encoded(load=load, key=key, hash=h)
+        return Encoded(load=load, key=key)
+
+    def plan(
+        self, raws: list[Encoded], params: list[str], defer: bool = False, first_too: bool = False,
+        low: list[bool] | None = None,
+    ) -> list[RequestImage]:
+        """Hash every image; find live segments to reuse, or else decode and process it now (the
+        distinct ones that need it all at once), or with ``defer`` only read its grid from the header.
+        With ``first_too`` as well, the first fresh image is deferred too (still decoded from the moment it
+        is found fresh). ``low``: which images have detail "low". One entry per image, repeats sharing theirs."""
+        by_hash: dict[bytes, RequestImage] = {}
+        order: list[RequestImage] = []
+        todo: list[RequestImage] = []
+        listing: dict[str, list[tuple[str, Grid]]] | None = None  # /dev/shm listed at most once
+        self.marks = {}
+        for raw, param, small in zip(raws, params, low or [False] * len(raws), strict=True):
+            h = raw.hash if raw.hash is not None else self.processor.media_hash(raw.data())
+            if raw.key is not None and raw.hash is None:  # remembered for this URL's next sending
+                self.data_urls[raw.key] = h
+                if len(self.data_urls) > DATA_URL_INDEX_SIZE:
+                    self.data_urls.popitem(last=False)
+            if small:  # other pixels than the same bytes at full detail: another image to the caches
+                h = blake3.blake3(b"glimpse-low-detail-v1" + h).digest(16)
+            if (image := by_hash.get(h)) is not None:
+                self.images_reused += 1  # repeated within the request: shares the first one's segment
+                order.append(image)
+                continue
+            live = [self.local[h]] if h in self.local else None
+            if live is None:
+                listing = self._list_live() if listing is None else listing
+                live = listing.get(h.hex(), [])
+            if live:
+                image = RequestImage(h, raw, param, live[0][1], [name for name, _ in live], low=small)
+            else:
+                image = RequestImage(h, raw, param, _NO_GRID, [], low=small)
+                todo.append(image)
+                if defer and len(todo) == 1:  # decoding from here on, while the rest is hashed and probed
+                    self._start_early(image, deferred=first_too)
+            by_hash[h] = image
+            order.append(image)
+        self.marks["hashed"] = time.monotonic()
+        # With ``defer`` the first fresh image is still written before the request leaves, unless ``first_too`` (the
+        # request has the tokenizer alone, so its text prefills meanwhile; docs/perf-notes.md, session 23): under load
+        # a one-image request gains nothing from deferring, and its early arrival cost 6% of throughput (64 concurrent
+        # 1080p requests, H100; session 10). It decodes on `first` (not the pool, where other requests' deferred images
+        # queue): with ``defer`` from the moment it is found fresh, else where it is the request's only fresh image.
+        if not defer and len(todo) == 1:
+            self._start_early(todo[0])
+        now = [im for im in todo[:1] if im.early is None] + [im for im in todo[1:] if not (defer and self._predict(im))]
+        for image, processed in zip(now, self._each(self._process, now), strict=True):
+            image.grid, image.processed = processed.grid, processed
+        self.marks["processed"] = time.monotonic()
+        return order
+
+    def _start_early(self, image: RequestImage, deferred: bool = False) -> bool:
+        """Process ``image`` on `first` where its grid comes from its header: materialize waits for it, or with
+        ``deferred`` its write does."""
+        if probe_decodes(image.raw.data()) or not self._predict(image):
+            return False
+        image.deferred, image.early = deferred, self.first.submit(self._process, image)
+        return True
+
+    def _predict(self, image: RequestImage) -> bool:
+        """Read a fresh image's grid from its header (refusing what decoding would refuse for size or format);
+        False where the processor cannot tell a grid in advance."""
+        width, height = probe_image(image.raw.data(), self.config.max_image_pixels, image.param)
+        if image.low:
+            width, height = low_detail_size(width, height)
+        try:
+            grid = self.processor.image_grid(width, height)
+        except ValueError as exc:  # e.g. an aspect ratio the processor refuses
+            raise BadRequest(
+                f"The image cannot be processed: {exc}", param=image.param, code="invalid_image"
+            ) from None
+        if grid is None:
+            return False
+        image.grid, image.deferred = grid, True
+        return True
+
+    def _list_live(self) -> dict[str, list[tuple[str, Grid]]]:
+        """Live segments of the launch by image hash (hex), with the grid their names carry."""
+        skip = len(shm.shm_prefix(self.launch_id))
+        live: dict[str, list[tuple[str, Grid]]] = {}
+        for name in reversed(shm.list_segments(self.launch_id)):
+            if m := _KEY_RE.match(name, skip):
+                grid = (int(m.group("t")), int(m.group("h")), int(m.group("w")))
+                live.setdefault(m.group("hash"), []).append((name, grid))
+        return live
+
+    def _each(self, work: Callable[[_A], _R], args: list[_A]) -> list[_R]:
+        """`work` over `args`, results in order: on the pool when there are two or more (one runs inline).
+        Returns or raises only once no call is running, so nothing writes shm or touches the request's images
+        after a failure (calls not started are cancelled); raises the first failure in request order."""
+        if len(args) < 2 or self.threads < 2:
+            return [work(arg) for arg in args]
+        futures = [self.pool.submit(work, arg) for arg in args]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            for future in futures:
+                future.cancel()  # a no-op for those running or finished
+            wait(futures)
+            for future in futures:
+                if not future.cancelled() and (exc := future.exception()) is not None:
+                    raise exc
+        return [f.result() for f in futures]
+
+    def _process(self, image: RequestImage) -> ProcessedImage:
+        """Decode and process one image. May run on a pool thread: reads only the image and settings. (An unlucky
+        interleaving of decode_pixels's warnings.catch_warnings, not thread-safe before Python 3.14, leaves PIL's
+        DecompressionBombWarning ignored for the process: harmless, our own pixel limit being the check.)"""
+        decoded = decode_pixels(image.raw.data(), self.config.max_image_pixels, image.param)
+        if image.low:
+            decoded = low_detail(decoded)
+        try:
+            return self.processor.process_image(decoded, image_hash=image.hash, frame=True)
+        except ValueError as exc:  # e.g. an aspect ratio the processor refuses
+            raise BadRequest(
+                f"The image cannot be processed: {exc}", param=image.param, code="invalid_image"
+            ) from None
+
+    # ---- segments --------------------------------------------------------------------------------
+
+    def materialize(
+        self, images: list[RequestImage], names: list[str], shm_bytes: int, budget: int
+    ) -> tuple[int, list[PendingWrite]]:
+        """Give this request a name for every distinct image: a link to a live segment, else freshly
+        written pixels, refused past `budget` bytes in flight (`shm_bytes` now). Every name made is
+        appended to `names`, also when this raises. Returns the bytes new to shm, and the deferred
+        images: named (``image.ref``), to be written by `start_writes` once the request is handed on."""
+        redo = [image for image in images if image.candidates and not self._link(image, names)]  # all copies gone
+        for image, processed in zip(redo, self._each(self._process, redo), strict=True):
+            if processed.grid != image.grid:
+                raise RuntimeError(f"segment name says grid {image.grid}, processing gives {processed.grid}")
+            image.processed = processed
+        fresh = [
+            im for im in images if im.ref is None and (im.processed is not None or im.deferred or im.early is not None)
+        ]
+        new_bytes = sum(self._nbytes(image) for image in fresh)
+        if new_bytes and shm_bytes + new_bytes > budget:
+            if new_bytes > budget:  # could never fit, so retrying would not help
+                message = f"The images need {new_bytes} bytes of pixels, over the server's {budget}."
+                raise BadRequest(message, param="messages", code="images_too_large")
+            raise overloaded()
+        # Named here and recorded before any segment exists: whichever write fails, release unlinks all the others.
+        jobs: list[tuple[RequestImage, str, str]] = []
+        for image in fresh:
+            final = self._new_name(image)
+            self.counter += 1
+            jobs.append((image, shm.segment_name(self.launch_id, f"tmp-{self.nonce}{self.counter:x}"), final))
+            names.append(final)
+        now = [job for job in jobs if not job[0].deferred]
+        for image, _, _ in now:
+            if image.early is not None:  # decoded beside the prompt: wait for it here
+                image.processed = self._as_predicted(image, image.early.result())
+        for (image, _, final), ref in zip(now, self._each(self._write, now), strict=True):
+            image.ref = ref
+            self._remember(image.hash, final, image.grid)
+        self.marks["written"] = time.monotonic()
+        later = [PendingWrite(image, tmp, final) for image, tmp, final in jobs if image.deferred]
+        for job in later:
+            job.image.ref = self._ref(job.final, job.image.grid)
+        return new_bytes, later
+
+    def start_writes(self, writes: list[PendingWrite]) -> list[Future[shm.ShmRef]]:
+        """Decode, process and write the deferred images on the pool, one future each (in `writes` order).
+        `abandon` stops them; `remember` records the finished ones as reuse hints (on the calling thread)."""
+        return [self.pool.submit(self._process_and_write, job) for job in writes]
+
+    def _process_and_write(self, job: PendingWrite) -> shm.ShmRef:
+        image = job.image
+        image.processed = self._as_predicted(image, image.early.result() if image.early is not None else self._process(image))
+        try:
+            return self._write((image, job.tmp, job.final))
+        finally:
+            image.processed = None  # the pixels are in shm now; the request must not keep a second copy
+
+    def _as_predicted(self, image: RequestImage, processed: ProcessedImage) -> ProcessedImage:
+        if processed.grid != image.grid:
+            # The header promised another size than the data holds (e.g. an orientation stored after the pixels).
+            raise BadRequest(
+                f"The image data does not match its header (grid {processed.grid}, header {image.grid}).",
+                param=image.param,
+                code="invalid_image",
+            )
+        return processed
+
+    def abandon(self, futures: list[Future[shm.ShmRef]], names: Iterable[str]) -> None:
+        """Stop deferred writes (cancel those not started, wait for the running ones), then unlink ``names``."""
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        self.release(list(names))
+
+    def remember(self, writes: list[PendingWrite]) -> None:
+        for job in writes:
+            self._remember(job.image.hash, job.final, job.image.grid)
+
+    def _nbytes(self, image: RequestImage) -> int:
+        return self._ref("", image.grid).nbytes
+
+    def _ref(self, name: str, grid: Grid) -> shm.ShmRef:
+        """The segment of an image of this grid: its uint8 frame where the processor allows (pixel_frames.py), else
+        its patch rows in the model's dtype. Every tokenizer of a launch has the same processor, so a name's grid
+        tells any of them which."""
+        if self.frame_layout is not None:
+            shape = self.frame_layout.shape(grid)
+            return shm.ShmRef(name, shape[0] * shape[1] * shape[2], "uint8", shape)
+        rows = (grid[0] * grid[1] * grid[2], self.row)
+        return shm.ShmRef(name, rows[0] * rows[1] * self.dtype.itemsize, shm.dtype_name(self.dtype), rows)
+
+    def _sources(self, image: RequestImage) -> Iterator[str]:
+        yield from image.candidates
+        # The local hint may be stale; then another live name of the image (any tokenizer's) will do.
+        # Listed only when needed: the common case links the hint and never pays for a listdir.
+        yield from (n for n, _ in self._list_live().get(image.hash.hex(), []) if n not in image.candidates)
+
+    def _link(self, image: RequestImage, names: list[str]) -> bool:
+        new = self._new_name(image)
+        for source in self._sources(image):
+            if shm.link_segment(source, new):
+                names.append(new)
+                image.ref = self._ref(new, image.grid)
+                self._remember(image.hash, new, image.grid)
+                self.images_reused += 1
+                return True
+        self.local.pop(image.hash, None)
+        return False
+
+    def _write(self, job: tuple[RequestImage, str, str]) -> shm.ShmRef:
+        """Write one image's pixels under its temporary name, then publish them under its final one.
+        May run on a pool thread: touches only its own two names."""
+        image, tmp, final = job
+        processed = image.processed
+        assert processed is not None
+        pixels = processed.pixel_values
+        if processed.frame is None and (pixels.dim() != 2 or pixels.shape[1] != self.row):
+            raise RuntimeError(f"pixels are {tuple(pixels.shape)}, expected rows {self.row} wide")
+        return write_and_publish(self._ref(tmp, image.grid), processed, final)
+
+    def _new_name(self, image: RequestImage) -> str:
+        self.counter += 1
+        t, h, w = image.grid
+        return shm.segment_name(
+            self.launch_id, f"{image.hash.hex()}-{t}x{h}x{w}-{self.nonce}{self.counter:x}"
+        )
+
+    def _remember(self, h: bytes, name: str, grid: Grid) -> None:
+        self.local[h] = (name, grid)
+        self.local.move_to_end(h)
+        if len(self.local) > LOCAL_INDEX_SIZE:
+            self.local.popitem(last=False)
+
+    def release(self, names: list[str]) -> None:
+        """Unlink a failed request's names, and forget them as hints."""
+        for name in names:
+            shm.ShmSegment.unlink(name)
+        gone = set(names)
+        for h in [h for h, (name, _) in self.local.items() if name in gone]:
+            del self.local[h]

@@ -1,0 +1,350 @@
+"""The OpenAI chat-completions request body: msgspec Structs, validation, and OpenAI-shaped errors.
+
+Decoding and validation run in a tokenizer process, never on the frontend's event loop. msgspec
+checks types (its error path becomes the error's ``param``); value ranges are checked by hand so
+the messages read like OpenAI's rather than like a schema validator's.
+
+Unknown fields are ignored with one debug log line (OpenAI answers 400; SDKs and agent frameworks send
+extras freely, and vLLM ignores them too), but a known parameter that is not served is refused with 400
+naming it, never silently ignored. The sampling fields both endpoints share live in
+workers/tokenizer/requests/sampling.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+from ipc.messages import SamplingParams
+from workers.common.errors import BadRequest
+from workers.common.tools import ToolChoice, check_tools, parse_tools, tool_grammar
+from workers.tokenizer.requests.sampling import (
+    MAX_TOP_LOGPROBS,
+    SamplingFields,
+    Validate,
+    check_sampling,
+    range_error,
+    to_sampling_params as _to_sampling_params,
+    unsupported,
+)
+
+__all__ = ["BadRequest", "ChatCompletionRequest", "parse_request", "to_sampling_params"]
+
+log = logging.getLogger("glimpse.request")
+_R = TypeVar("_R", bound=msgspec.Struct)
+
+
+# ---- request structs ---------------------------------------------------------------------------
+
+
+class ImageURL(msgspec.Struct, frozen=True):
+    url: str
+    # OpenAI's: "low" scales the image down to 512 px on its longer side before the processor sees it (fewer
+    # tokens); "auto" and "high" leave it as sent, at the processor's own resolution. Images only.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(msgspec.Struct, frozen=True, tag="text", tag_field="type"):
+    text: str
+
+
+class ImagePart(msgspec.Struct, frozen=True, tag="image_url", tag_field="type"):
+    # Some clients send the URL as a bare string instead of {"url": ...}.
+    image_url: ImageURL | str
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+class VideoPart(msgspec.Struct, frozen=True, tag="video_url", tag_field="type"):
+    # vLLM's and SGLang's shape: {"type": "video_url", "video_url": {"url": ...}} (or the URL as a bare string).
+    video_url: ImageURL | str
+
+    @property
+    def url(self) -> str:
+        return self.video_url if isinstance(self.video_url, str) else self.video_url.url
+
+
+ContentPart = TextPart | ImagePart | VideoPart
+
+
+class CalledFunction(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients an object
+
+
+class AssistantToolCall(msgspec.Struct, frozen=True):
+    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+class Message(msgspec.Struct, frozen=True):
+    # "developer" is OpenAI's newer name for the system role (sent by the SDK for some models).
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # None: an assistant turn that only called tools
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # as sent (the template gets them verbatim); checked by parse_tools
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated predecessors of tools: refused (answering them needs message.function_call).
+    functions: list[Any] | None = None
+    function_call: Any = None
+    # vLLM's chat-template controls: continue the last (assistant) message instead of opening a new turn, and more
+    # variables for the template (e.g. enable_thinking).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Fields other servers take that would change the answer and that are not served here: refused unless default.
+    echo: bool = False
+    audio: Any = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
+
+    @property
+    def tool_mode(self) -> ToolChoice:
+        """tool_choice, defaulted as OpenAI does: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+# msgspec error texts end in " - at `$.messages[0].content`"; missing fields are named in the text.
+_PATH_RE = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def _validation_error(exc: msgspec.ValidationError) -> BadRequest:
+    m = _PATH_RE.match(str(exc))
+    what, path = (m.group("what"), m.group("path") or "") if m else (str(exc), "")
+    missing = _MISSING_RE.search(what)
+    if missing:
+        field = f"{path}.{missing.group('field')}".removeprefix(".")
+        return BadRequest(
+            f"Missing required parameter: '{field}'.", param=field, code="missing_required_parameter"
+        )
+    param = path.removeprefix(".") or None
+    # msgspec writes `type` in backticks; plain quotes read better in an API error.
+    where = f"Invalid value for '{param}'" if param else "Invalid request body"
+    return BadRequest(f"{where}: {what.replace('`', '')}", param=param, code="invalid_value")
+
+
+def parse_request(body: bytes | memoryview) -> ChatCompletionRequest:
+    """Decode and validate a chat-completions body; raises BadRequest with OpenAI-style fields."""
+    req = decode_body(_decoder, body)
+    _check(req)
+    return req
+
+
+_keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def decode_body(decoder: msgspec.json.Decoder[_R], body: bytes | memoryview) -> _R:
+    """Decode ``body`` with ``decoder``, turning every failure into a BadRequest; fields the struct does
+    not know are ignored, with one debug line naming them."""
+    try:
+        req = decoder.decode(body)
+    except msgspec.ValidationError as exc:  # a subclass of DecodeError: must come first
+        raise _validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's guard against deep nesting, hit even inside ignored fields
+        raise BadRequest("The request body is nested too deeply.", code="invalid_json") from None
+    except UnicodeDecodeError:
+        raise BadRequest("The request body is not valid UTF-8.", code="invalid_json") from None
+    if log.isEnabledFor(logging.DEBUG):  # a second pass over the top level only (values stay raw)
+        unknown = sorted(set(_keys.decode(body)) - set(req.__struct_fields__))
+        if unknown:
+            log.debug("ignoring unknown request fields: %s", ", ".join(unknown))
+    return req
+
+
+def _check(req: ChatCompletionRequest) -> None:
+    """Value checks msgspec's types cannot express, in parameter order, first failure wins."""
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise range_error("max_tokens", req.max_tokens, ">= 1")
+    if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+        raise range_error("max_completion_tokens", req.max_completion_tokens, ">= 1")
+    check_sampling(req, req.requested_max_tokens)
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise range_error("top_logprobs", req.top_logprobs, f"between 0 and {MAX_TOP_LOGPROBS}")
+        if req.top_logprobs > 0 and not req.logprobs:
+            raise BadRequest(
+                "'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs", code="invalid_value"
+            )
+    if req.functions is not None or req.function_call is not None:
+        raise unsupported("functions", "use 'tools' and 'tool_choice' (the legacy function-call fields are not served)")
+    check_tools(parse_tools(req.tools) if req.tools else None, req.tool_choice)
+    _check_template(req)
+    refused = (
+        ("echo", req.echo, "a chat answer does not repeat the prompt (/v1/completions echoes)"),
+        ("audio", req.audio is not None, "answers are text only"),
+        ("modalities", bool(set(req.modalities or ()) - {"text"}), "answers are text only"),
+        ("web_search_options", req.web_search_options is not None, "this server does not search the web"),
+    )
+    for param, sent, why in refused:
+        if sent:
+            raise unsupported(param, why)
+
+
+# apply_chat_template's own parameters: chat_template_kwargs may not set them.
+_TEMPLATE_OWN = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                           "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _check_template(req: ChatCompletionRequest) -> None:
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise BadRequest("'continue_final_message' needs 'add_generation_prompt' set to false.",
+                             param="continue_final_message", code="invalid_value")
+        if req.messages[-1].role != "assistant":
+            raise BadRequest("'continue_final_message' continues the last message, which must be the assistant's.",
+                             param="continue_final_message", code="invalid_value")
+    if taken := sorted(set(req.chat_template_kwargs or ()) & _TEMPLATE_OWN):
+        raise BadRequest(f"'chat_template_kwargs' may not set {', '.join(taken)} (a request field or the server's).",
+                         param="chat_template_kwargs", code="invalid_value")
+
+
+def template_options(req: ChatCompletionRequest) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments for this request, beside the messages and tools."""
+    return {**(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message}
+
+
+# ---- what the tokenizer needs from a parsed request ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image part of the request, in prompt order, with the param path to blame on failure."""
+
+    url: str
+    param: str
+    low: bool = False  # detail "low"
+
+
+def image_refs(req: ChatCompletionRequest) -> list[ImageRef]:
+    return list(_iter_images(req))
+
+
+def video_refs(req: ChatCompletionRequest) -> list[ImageRef]:
+    """The video parts of the request, in prompt order."""
+    refs = []
+    for i, message in enumerate(req.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if isinstance(part, VideoPart):
+                param = f"messages[{i}].content[{j}].video_url"
+                if isinstance(part.video_url, ImageURL) and part.video_url.detail == "low":
+                    raise unsupported(f"{param}.detail", "'low' is for images; a video's frames keep their resolution")
+                refs.append(ImageRef(part.url, param))
+    return refs
+
+
+def text_parts(req: ChatCompletionRequest) -> list[str]:
+    """Every text of the messages, in order (what the prompt's length bound is computed from)."""
+    out: list[str] = []
+    for message in req.messages:
+        if isinstance(message.content, str):
+            out.append(message.content)
+        elif message.content is not None:
+            out.extend(p.text for p in message.content if isinstance(p, TextPart))
+    return out
+
+
+def _iter_images(req: ChatCompletionRequest) -> Iterator[ImageRef]:
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if isinstance(part, ImagePart):
+                    low = isinstance(part.image_url, ImageURL) and part.image_url.detail == "low"
+                    yield ImageRef(part.url, f"messages[{i}].content[{j}].image_url", low)
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages in the shape `MMProcessor.render` takes; image parts become bare placeholders."""
+    out: list[dict[str, Any]] = []
+    for message in req.messages:
+        role = "system" if message.role == "developer" else message.role
+        raw = message.content
+        content: str | list[dict[str, Any]] | None
+        if raw is None and message.tool_calls:
+            content = None  # as the client sent it: templates test it before writing a newline
+        elif raw is None or isinstance(raw, str):
+            content = raw or ""
+        else:
+            content = [
+                {"type": "text", "text": p.text}
+                if isinstance(p, TextPart)
+                else {"type": "video_url"} if isinstance(p, VideoPart) else {"type": "image_url"}
+                for p in raw
+            ]
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    return out
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools for the chat template (None: the template renders no tool section)."""
+    return list(req.tools) if req.tools else None
+
+
+def tool_parser(req: ChatCompletionRequest) -> str:
+    """How the scheduler reads the answer: "hermes" (<tool_call> blocks) when tools may be called."""
+    return "hermes" if req.tools and req.tool_mode != "none" else ""
+
+
+def to_sampling_params(
+    req: ChatCompletionRequest,
+    prompt_len: int,
+    max_model_len: int,
+    defaults: Mapping[str, float] = {},  # noqa: B006 - read only
+    vocab_size: int = 1 << 31,
+    validate: Validate | None = None,
+    tool_tags: tuple[int | None, int | None] = (None, None),
+) -> SamplingParams:
+    """Sampling settings of a chat request whose prompt has ``prompt_len`` tokens (see
+    workers/tokenizer/requests/sampling.py: context checks, max_tokens clamping, checkpoint defaults)."""
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    tools = parse_tools(req.tools) if req.tools else None
+    grammar = tool_grammar(tools, req.tool_mode, req.parallel_tool_calls is not False, tool_tags) if tools else None
+    return _to_sampling_params(
+        req,
+        prompt_len,
+        max_model_len,
+        requested_max_tokens=req.requested_max_tokens,
+        logprobs=logprobs,
+        defaults=defaults,
+        vocab_size=vocab_size,
+        validate=validate,
+        structured=(grammar, "tool_choice") if grammar is not None else None,
+    )

@@ -1,0 +1,263 @@
+"""Sampling fields shared by /v1/chat/completions and /v1/completions: their struct, their checks, the
+checkpoint's generation_config.json defaults, and the ``SamplingParams`` they become.
+
+A field the request leaves out (or sends as null) takes the checkpoint's default where
+generation_config.json has one (``--generation-config auto``, as vLLM does: Qwen ships near-greedy
+settings with a repetition penalty), else glimpse's own default.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ipc.messages import SamplingParams, StructuredSpec
+from workers.common.errors import BadRequest
+from workers.tokenizer.requests.structured import ResponseFormat, StructuredOutputs, structured_spec
+
+# Checks a structured-output spec (raising BadRequest naming the field); the tokenizer passes llguidance's.
+Validate = Callable[[StructuredSpec, str], None]
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; stop strings are cheap for us, so allow a few more
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16  # choices of one request: each is a sequence of its own in the batch
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300
+
+log = logging.getLogger("glimpse.sampling")
+
+# generation_config.json keys vLLM takes as defaults, and the request field each one fills.
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (GuideLLM sends it)
+
+
+class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
+    """Request fields both endpoints take. null is what several SDKs send for "default", so every knob
+    takes None."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM-style extension: 0 or -1 disable it
+    min_p: float | None = None  # vLLM-style extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM-style extension
+    ignore_eos: bool = False  # vLLM-style extension, for benchmarks
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM-style extension
+    min_tokens: int | None = None  # vLLM-style extension
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's detokenizing switches: only their defaults are served (anything else is a 400 naming it).
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Structured outputs (workers/tokenizer/requests/structured.py): OpenAI's, then vLLM's extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark syntax (llguidance's)
+    structured_outputs: StructuredOutputs | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+
+def range_error(param: str, value: object, expected: str) -> BadRequest:
+    return BadRequest(
+        f"Invalid '{param}': expected a value {expected}, but got {value!r} instead.",
+        param=param,
+        code="invalid_value",
+    )
+
+
+def unsupported(param: str, why: str) -> BadRequest:
+    return BadRequest(f"'{param}' is not supported: {why}", param=param, code="unsupported_parameter")
+
+
+def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
+    """Value checks msgspec's types cannot express, in parameter order, first failure wins."""
+    if not req.skip_special_tokens:
+        raise unsupported("skip_special_tokens", "answers are always decoded without special tokens")
+    if req.include_stop_str_in_output:
+        raise unsupported("include_stop_str_in_output", "a stop string is never part of the answer")
+    if req.seed is not None and not -(2**63) <= req.seed <= 2**64 - 1:  # torch's seed range
+        raise range_error("seed", req.seed, "between -2**63 and 2**64 - 1")
+    for name in ("top_k", "min_tokens"):  # past 64 bits no message could carry them
+        if (value := getattr(req, name)) is not None and value >= 2**63:
+            raise range_error(name, value, "below 2**63")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise range_error("temperature", req.temperature, "between 0 and 2")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise range_error("top_p", req.top_p, "in (0, 1]")
+    if req.top_k is not None and req.top_k < -1:
+        raise range_error("top_k", req.top_k, ">= -1 (-1 or 0 disable top-k)")
+    if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
+        raise range_error("min_p", req.min_p, "between 0 and 1")
+    stops = req.stop_strings
+    if len(stops) > MAX_STOP_STRINGS:
+        raise range_error("stop", f"{len(stops)} strings", f"of at most {MAX_STOP_STRINGS} strings")
+    if any(not s for s in stops):
+        raise range_error("stop", "", "that is a non-empty string")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise range_error("n", req.n, f"between 1 and {MAX_N}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise range_error(name, value, "between -2 and 2")
+    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= 2.0:
+        raise range_error("repetition_penalty", req.repetition_penalty, "in (0, 2]")
+    if req.min_tokens is not None:
+        if req.min_tokens < 0:
+            raise range_error("min_tokens", req.min_tokens, ">= 0")
+        if max_tokens is not None and req.min_tokens > max_tokens:
+            raise range_error("min_tokens", req.min_tokens, f"<= max_tokens ({max_tokens})")
+    if req.logit_bias is not None and len(req.logit_bias) > MAX_LOGIT_BIAS:
+        raise range_error("logit_bias", f"{len(req.logit_bias)} entries", f"of at most {MAX_LOGIT_BIAS} entries")
+
+
+def _token_ids(param: str, ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
+    bad = next((t for t in ids or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise range_error(param, bad, f"made of token ids below {vocab_size}")
+    return tuple(ids or ())
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if not raw:
+        return ()
+    out = []
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise range_error("logit_bias", key, "keyed by token ids") from None
+        if not 0 <= token < vocab_size:
+            raise range_error("logit_bias", token, f"keyed by token ids below {vocab_size}")
+        if not -100.0 <= value <= 100.0:
+            raise range_error("logit_bias", value, "between -100 and 100")
+        out.append((token, float(value)))
+    return tuple(out)
+
+
+def load_generation_defaults(model_dir: str | Path) -> dict[str, float]:
+    """The sampling defaults of a checkpoint's generation_config.json (empty if it has none), keyed by
+    request field. Read once by the launcher; tokenizers get the result inside ServerConfig."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        raw: Any = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, float] = {}
+    for key, field in _GENERATION_KEYS.items():
+        value = raw.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[field] = float(value)
+    return out
+
+
+def to_sampling_params(
+    req: SamplingFields,
+    prompt_len: int,
+    max_model_len: int,
+    *,
+    requested_max_tokens: int | None,
+    logprobs: int | None,
+    defaults: Mapping[str, float] = {},  # noqa: B006 - read only
+    vocab_size: int = 1 << 31,
+    prompt_param: str = "messages",
+    validate: Validate | None = None,
+    structured: tuple[StructuredSpec, str] | None = None,
+) -> SamplingParams:
+    """Sampling settings for a prompt of ``prompt_len`` tokens.
+
+    A prompt that leaves no room for one new token is refused (context_length_exceeded); otherwise
+    max_tokens defaults to, and is clamped to, the room left in the context window, so a client
+    asking for "as much as possible" with a large max_tokens still gets an answer.
+    """
+    if prompt_len >= max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_param} "
+            f"resulted in {prompt_len} tokens. Please reduce the length of the {prompt_param} or images.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = max_model_len - prompt_len
+
+    def pick(name: str, value: float | None, fallback: float) -> float:
+        if value is not None:
+            return float(value)
+        return defaults.get(name, fallback)
+
+    requested = requested_max_tokens
+    if requested is None and "max_tokens" in defaults:
+        requested = int(defaults["max_tokens"])
+    top_k = int(pick("top_k", req.top_k, 0))
+    found = structured_spec(req)
+    if structured is not None:  # a grammar of the endpoint's own (tool_choice)
+        if found is not None:
+            message = f"'{found[1]}' and '{structured[1]}' both constrain the answer; send one of them."
+            raise BadRequest(message, param=found[1], code="invalid_value")
+        found = structured
+    if found is not None and validate is not None:
+        validate(*found)
+    return SamplingParams(
+        max_tokens=room if requested is None else min(requested, room),
+        temperature=pick("temperature", req.temperature, 1.0),
+        top_p=pick("top_p", req.top_p, 1.0),
+        top_k=top_k if top_k > 0 else 0,
+        seed=req.seed,
+        stop=req.stop_strings,
+        stop_token_ids=_token_ids("stop_token_ids", req.stop_token_ids, vocab_size),
+        ignore_eos=req.ignore_eos,
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=pick("repetition_penalty", req.repetition_penalty, 1.0),
+        min_p=pick("min_p", req.min_p, 0.0),
+        min_tokens=req.min_tokens or 0,
+        logit_bias=_logit_bias(req.logit_bias, vocab_size),
+        logprobs=logprobs,
+        n=req.choices,
+        structured=found[0] if found is not None else None,
+    )

@@ -1,0 +1,318 @@
+"""The tokenizer's request handling: HTTP body in, ready prompt with pixels in shared memory out.
+
+All CPU work of a request happens here, never on the frontend's event loop: JSON parsing and
+validation, base64, downloads, decoding, hashing, image processing, the chat template and
+tokenization. Per request the worker answers the frontend with `RequestAccepted` and hands the
+scheduler a `TokenizedRequest`, or answers `RequestFailed` and sends the scheduler nothing.
+
+Several requests are in flight in one tokenizer at once: `TokenizerWorker` holds the steps of one
+request (admit, download, prepare), workers/tokenizer/service.py runs them under an asyncio loop
+(downloads on the loop, CPU steps on one prep thread) and cancels a request whose client left.
+
+Images become shared-memory segments in workers/tokenizer/media/image_prep.py: reused by the hash of their bytes
+when a live segment exists, else decoded, processed and written, the fresh images of one request
+concurrently on a thread pool. With ``overlap_media`` the fresh images after a request's first have
+their grids read from their headers, the prompt goes to the scheduler once the first is written and the
+others' pixels follow (TokenizedRequest.pending, MediaReady): the first chunks run while later images
+are still being decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+
+from ipc.messages import (
+    GenerateRequest,
+    RequestAccepted,
+    RequestFailed,
+    SchedulerStats,
+    TokenizedRequest,
+    TokenizerStats,
+)
+from workers.config import ServerConfig
+from workers.engine.prompt.processor import ImageInfo, MMProcessor
+from workers.engine.prompt.video_prompt import VideoMeta
+from workers.engine.runner.grammar import Validator
+from workers.tokenizer.media.fetch import MediaFetcher, MediaLimits, is_remote
+from workers.tokenizer.media.image_io import Encoded
+from workers.tokenizer.media.image_prep import ImagePrep, PendingWrite, core_share, overloaded
+from workers.tokenizer.media.video_prep import (
+    VideoInputs,
+    VideoPrep,
+    fetch_videos,
+    fetch_videos_once,
+    media_items,
+)
+from workers.tokenizer.requests.chat import (
+    BadRequest,
+    ChatCompletionRequest,
+    ImageRef,
+    image_refs,
+    parse_request,
+    template_messages,
+    template_options,
+    template_tools,
+    text_parts,
+    to_sampling_params,
+    tool_parser,
+    video_refs,
+)
+from workers.tokenizer.requests.completion import CompletionRequest, parse_completion, prepare_completion
+
+# Unicode normalization (NFC/NFKC, which tokenizers apply first) composes at most four code points
+# into one (a Greek vowel with three marks), so text of c characters is at least c / 4 after it.
+_NORMALIZATION_SHRINK = 4
+# Past this many characters of text per context token a prompt is probably too long: a prefix of
+# that size is tokenized to find out before tokenizing everything (typical text: ~4 chars a token).
+_PROBE_CHARS_PER_TOKEN = 16
+
+
+def _longest_token_bytes(tokenizer: Any) -> int:
+    """UTF-8 length of the longest vocabulary entry: no token covers more bytes of text than this
+    (byte-level entries spell one byte per character, and encode to at least that many)."""
+    return max((len(t.encode()) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def _too_long(max_model_len: int, what: str) -> BadRequest:
+    return BadRequest(
+        f"This model's maximum context length is {max_model_len} tokens. However, your messages "
+        f"resulted in {what}. Please reduce the length of the messages or images.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+@dataclass
+class Admitted:
+    """A request past its cheap checks: parsed, its local images loaded, downloads still to do."""
+
+    chat: ChatCompletionRequest | CompletionRequest
+    refs: list[ImageRef]
+    raws: list[Encoded | None]  # None: an http(s) image not downloaded yet
+    videos: VideoInputs = field(default_factory=VideoInputs)
+
+    @property
+    def remote(self) -> list[int]:
+        """Media still to download: images by index, then videos numbered after them."""
+        return [i for i, raw in enumerate([*self.raws, *self.videos.raws]) if raw is None]
+
+
+class TokenizerWorker:
+    """The request handling of one tokenizer, independent of sockets."""
+
+    def __init__(self, config: ServerConfig, index: int, log: logging.Logger) -> None:
+        if config.max_model_len is None:
+            raise ValueError("engine.max_model_len must be resolved by the launcher before children start")
+        self.config, self.index, self.log = config, index, log
+        self.max_model_len = config.max_model_len
+        # Every core of the share takes a strip of a fresh image's resize: the first one is on the critical path.
+        self.processor = MMProcessor(config.engine.model, config.engine.model_spec(), resize_threads=core_share(config))
+        info = self.processor.info  # structured outputs are checked here, so a bad schema is a 400
+        self.structured = Validator(self.processor.tokenizer, info.vocab_size, info.eos_token_ids)
+        self.prep = ImagePrep(config, index, self.processor)
+        self.videos = VideoPrep(config, index, self.processor)
+        self.limits = MediaLimits.from_config(config)
+        self.fetcher = MediaFetcher(self.limits)  # its downloads belong to the process's event loop
+        # A prompt with more text than this cannot fit max_model_len, however it tokenizes.
+        longest = _longest_token_bytes(self.processor.tokenizer)
+        self.max_text_chars = self.max_model_len * longest * _NORMALIZATION_SHRINK
+        # Back-pressure: the scheduler's last word on shm in flight, plus what we sent since.
+        self.shm_bytes = 0
+        self.shm_budget = config.shm_budget_bytes
+        dp = max(1, config.dp_size)
+        self.shm_by_replica = {r: (0, config.shm_budget_bytes // dp) for r in range(dp)}  # until each reports
+        self.requests = self.images = 0
+        # Overlap needs the one scheduler that gets the prompt to get its MediaReady too (not so through the
+        # --dp router), and per-image embedding keys (a request-wide key would encode every image at once).
+        self.overlap = config.overlap_media and config.dp_size <= 1 and config.engine.mm_cache_mode == "image"
+        self.images_deferred = 0  # fresh images written after their request was handed on
+
+    @property
+    def images_reused(self) -> int:
+        return self.prep.images_reused
+
+    def close(self) -> None:
+        self.prep.close()
+
+    def warm_up(self, prep: Executor) -> None:
+        """Before "ready": the image path on every thread that takes images (ImagePrep.warm_up), and on ``prep`` (the
+        thread that builds prompts) the chat template's compile, the first tokenization and the grid of a 1080p
+        page. On a fresh tokenizer these put 15-25 ms in front of its first request's hand-on (2-core box; the 7B's
+        template)."""
+        self.prep.warm_up(prep)
+        prep.submit(self._warm_prompt).result()
+
+    def _warm_prompt(self) -> None:
+        grid = self.processor.image_grid(1920, 1080)
+        if grid is None:  # a processor that cannot tell a grid in advance: any valid one will do
+            grid = (1, 2 * self.processor.merge, 2 * self.processor.merge)
+        messages = [{"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "Describe the page."}]}]
+        media = [ImageInfo(bytes(16), grid, self.processor.tokens_for_grid(grid))]
+        self.processor.build(self.processor.render(messages), media)
+
+    def on_scheduler_stats(self, stats: SchedulerStats) -> None:
+        # --dp: each replica reports its share of the budget; together they are the server's.
+        self.shm_by_replica[stats.replica] = (stats.shm_bytes, stats.shm_budget_bytes)
+        self.shm_bytes = sum(used for used, _ in self.shm_by_replica.values())
+        self.shm_budget = sum(budget for _, budget in self.shm_by_replica.values())
+
+    def stats(self, queue_depth: int) -> TokenizerStats:
+        v = self.videos
+        return TokenizerStats(
+            self.index, queue_depth, self.requests, self.images, self.images_reused,
+            v.videos, v.videos_decoded, v.frames_decoded, v.groups_reused, self.images_deferred,
+        )
+
+    # ---- one request ----------------------------------------------------------------------------
+
+    def handle(self, req: GenerateRequest) -> tuple[RequestAccepted, TokenizedRequest] | RequestFailed:
+        """Prepare one request start to end on the calling thread (tests, benchmarks; the process
+        runs the same steps through TokenizerService)."""
+        names: list[str] = []
+        try:
+            admitted = self.admit(req)
+            if admitted.remote:
+                asyncio.run(_fetch_once(MediaFetcher(self.limits), admitted))
+                asyncio.run(fetch_videos_once(self.videos.fetcher.limits, admitted.videos))
+            accepted, tokenized, _ = self._prepare(req, admitted, names)
+            return accepted, tokenized
+        except Exception as exc:
+            self.prep.release(names)
+            return self.failure(req, exc)
+
+    def failure(self, req: GenerateRequest, exc: Exception) -> RequestFailed:
+        """The answer to a request that raised `exc`. The caller unlinks the names it made, since the
+        scheduler (the owner of unlinking) only learns of them through the TokenizedRequest."""
+        if isinstance(exc, BadRequest):
+            # Client mistakes are the frontend's access log's business; overload is the operator's.
+            level = logging.WARNING if exc.status >= 500 else logging.DEBUG
+            self.log.log(level, "request %s refused: %d %s", req.rid, exc.status, exc.message)
+            return exc.to_failed(req.rid)
+        self.log.error("request %s failed", req.rid, exc_info=exc)
+        return RequestFailed(req.rid, 500, f"Internal error preparing the request: {exc}", "server_error")
+
+    def admit(self, req: GenerateRequest) -> Admitted:
+        """Parse and check a request, everything that can refuse it before a download: the model,
+        the prompt's length bound, the image count, shm pressure; data: and file: images load here."""
+        self.requests += 1
+        chat = parse_completion(req.body) if req.endpoint == "completion" else parse_request(req.body)
+        if chat.model != self.config.served_model_name:
+            message = f"The model `{chat.model}` does not exist."
+            raise BadRequest(message, status=404, param="model", code="model_not_found")
+        if isinstance(chat, CompletionRequest):  # no images, no template: prepare_completion does the rest
+            return Admitted(chat, [], [])
+        self._check_length(chat)
+        refs = image_refs(chat)
+        if len(refs) > (limit := self.config.max_images_per_request):
+            message = f"The request has {len(refs)} images; this server accepts at most {limit}."
+            raise BadRequest(message, param="messages", code="too_many_images")
+        vrefs = video_refs(chat)
+        if (refs or vrefs) and self.shm_bytes >= self.shm_budget:
+            raise overloaded()  # refuse before spending CPU on a request we could not hand on
+        videos = self.videos.admit(vrefs)  # the count cap, data: and file: videos
+        self.images += len(refs)
+        raws = [
+            None if is_remote(r.url) else self.prep.encoded(r.url, functools.partial(self.fetcher.load_local, r.url, r.param))
+            for r in refs
+        ]
+        admitted = Admitted(chat, refs, raws, videos)
+        if admitted.remote:  # a bad data URL is refused before any download is waited for
+            for raw in raws:
+                if raw is not None and raw.hash is None:
+                    raw.data()
+        return admitted
+
+    def _check_length(self, chat: ChatCompletionRequest) -> None:
+        """Refuse text that cannot fit max_model_len before the template and tokenizer see all of it
+        (a 40 MB prompt would otherwise take half a minute and gigabytes to be found too long)."""
+        texts = text_parts(chat)
+        chars = sum(len(t) for t in texts)
+        if chars > self.max_text_chars:
+            raise _too_long(self.max_model_len, f"more than {self.max_text_chars} characters of text")
+        probe = _PROBE_CHARS_PER_TOKEN * self.max_model_len
+        if chars <= probe:
+            return
+        prefix, size = [], 0
+        for text in texts:
+            prefix.append(text[: probe - size])
+            size += len(prefix[-1])
+            if size >= probe:
+                break
+        # The prompt holds this prefix and more: at least as many tokens, less a few where the
+        # texts meet (the template puts tokens of its own between them anyway).
+        n = len(self.processor.tokenizer("\n".join(prefix), add_special_tokens=False)["input_ids"])
+        if n > self.max_model_len + 16:
+            raise _too_long(self.max_model_len, f"more than {n} tokens")
+
+    async def fetch(self, admitted: Admitted) -> None:
+        """Download the request's http(s) images at once (on the process's event loop)."""
+        await _fetch_with(self.fetcher, admitted)
+        await fetch_videos(self.videos.fetcher, admitted.videos)
+
+    def _prepare(
+        self, req: GenerateRequest, admitted: Admitted, names: list[str], defer: bool = False, alone: bool = False
+    ) -> tuple[RequestAccepted, TokenizedRequest, list[PendingWrite]]:
+        """Images, prompt and shm segments of an admitted request whose images are all loaded; every
+        shm name made is appended to `names`, also when this raises. With ``defer`` (and `overlap`), fresh
+        images after the first are only named (the first too if the request is ``alone`` in this tokenizer):
+        the returned writes are for the caller to start once the request is sent."""
+        chat, refs = admitted.chat, admitted.refs
+        if isinstance(chat, CompletionRequest):
+            return *prepare_completion(self, req, chat), []
+        raws = [raw for raw in admitted.raws if raw is not None]
+        assert len(raws) == len(refs), "prepare() before every image was loaded"
+        defer = defer and self.overlap
+        order = self.prep.plan(raws, [r.param for r in refs], defer=defer, first_too=defer and alone,
+                               low=[r.low for r in refs])
+        metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
+        videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
+        media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
+        try:
+            rendered = self.processor.render(template_messages(chat), template_tools(chat), template_options(chat))
+            prompt = self.processor.build(rendered, media)
+        except (ValueError, jinja2.TemplateError) as exc:  # e.g. image-pad tokens typed into the text
+            raise BadRequest(f"The messages cannot be made into a prompt: {exc}", param="messages") from None
+        sampling = to_sampling_params(
+            chat, len(prompt.input_ids), self.max_model_len, self.config.sampling_defaults, self.processor.info.vocab_size,
+            validate=self.structured.check, tool_tags=self.structured.tool_tags,
+        )
+        # Segments only now, after every check that could refuse the request.
+        distinct = list({im.hash: im for im in order}.values())
+        new_bytes, writes = self.prep.materialize(distinct, names, self.shm_bytes, self.shm_budget)
+        self.images_deferred += len(writes)
+        if videos:  # frame groups: linked if live, else decoded, processed and written now
+            unique = list({v.hash: v for v in videos}.values())
+            new_bytes += self.videos.materialize(unique, names, self.shm_bytes + new_bytes, self.shm_budget)
+        self.shm_bytes += new_bytes
+        items = media_items(prompt.spans, order, videos)
+        n = len(prompt.input_ids)
+        accepted = RequestAccepted(
+            req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
+            logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
+        )
+        tokenized = TokenizedRequest(
+            req.rid, prompt.input_ids, prompt.mrope_delta, items, sampling, names, new_bytes, tool_parser(chat),
+            pending=[w.image.hash for w in writes],
+        )  # fmt: skip
+        return accepted, tokenized, writes
+
+
+async def _fetch_with(fetcher: MediaFetcher, admitted: Admitted) -> None:
+    todo = [i for i, raw in enumerate(admitted.raws) if raw is None]
+    raws = await fetcher.fetch_all([(admitted.refs[i].url, admitted.refs[i].param) for i in todo])
+    for i, raw in zip(todo, raws, strict=True):
+        admitted.raws[i] = Encoded(raw)
+
+
+async def _fetch_once(fetcher: MediaFetcher, admitted: Admitted) -> None:
+    try:
+        await _fetch_with(fetcher, admitted)
+    finally:
+        await fetcher.aclose()
