@@ -31,10 +31,8 @@ class ReplicaReports(Protocol):
     """What these numbers read of the frontend's stats book (server/stats.py): each replica's latest report and
     their merge."""
 
-    @property
-    def replicas(self) -> dict[int, SchedulerStats]: ...
-    @property
-    def scheduler(self) -> SchedulerStats | None: ...
+    replicas: dict[int, SchedulerStats]
+    scheduler: SchedulerStats | None
 
 # Per-GPU figures, per-step sizes and the longest GC pause: the worst replica's value, not a sum.
 _MAX_FIELDS = frozenset({"plan_bytes_last", "plan_bytes_max", "gpu_peak_bytes", "gpu_idle_bytes", "gc_pause_s_max"})

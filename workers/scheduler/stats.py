@@ -17,34 +17,20 @@ LOG_STATS_INTERVAL_S = 10.0
 class SchedulerState(Protocol):
     """The scheduler's parts and counters a snapshot reads (the scheduler process implements it)."""
 
-    @property
-    def core(self) -> SchedulerCore: ...
-    @property
-    def ledger(self) -> ShmLedger: ...
-    @property
-    def gc(self) -> GcWatch: ...
-    @property
-    def worker_stats(self) -> dict[int, WorkerStats]: ...
-    @property
-    def plan_bytes(self) -> dict[str, int]: ...
-    @property
-    def replica(self) -> int: ...
-    @property
-    def steps(self) -> int: ...
-    @property
-    def steps_ahead(self) -> int: ...
-    @property
-    def generated_tokens(self) -> int: ...
-    @property
-    def prompt_tokens(self) -> int: ...
-    @property
-    def images_encoded(self) -> int: ...
-    @property
-    def vit_batches(self) -> int: ...
-    @property
-    def gpu_peak(self) -> int: ...
-    @property
-    def gpu_idle(self) -> int: ...
+    core: SchedulerCore
+    ledger: ShmLedger
+    gc: GcWatch
+    worker_stats: dict[int, WorkerStats]
+    plan_bytes: dict[str, int]
+    replica: int
+    steps: int
+    steps_ahead: int
+    generated_tokens: int
+    prompt_tokens: int
+    images_encoded: int
+    vit_batches: int
+    gpu_peak: int
+    gpu_idle: int
 
 
 def snapshot(s: SchedulerState) -> SchedulerStats:

@@ -14,27 +14,16 @@ from workers.engine.models.base import ModelSpec, VLModel
 
 
 class LoadedModel(Protocol):
-    @property
-    def cfg(self) -> EngineConfig: ...
-    @property
-    def tp(self) -> TPGroup: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def dtype(self) -> torch.dtype: ...
-    @property
-    def spec(self) -> ModelSpec: ...
-    @property
-    def merge(self) -> int: ...
-    @property
-    def model(self) -> VLModel: ...
+    cfg: EngineConfig
+    tp: TPGroup
+    device: torch.device
+    dtype: torch.dtype
+    spec: ModelSpec
+    merge: int
+    model: VLModel
     # Typed as loosely as VLModel holds them: the families' modules follow LanguageModel / VisionModel
     # structurally and are nn.Modules besides.
-    @property
-    def lm(self) -> Any: ...
-    @property
-    def vision(self) -> Any: ...
-    @property
-    def kv_caches(self) -> list[torch.Tensor]: ...
-    @property
-    def num_blocks(self) -> int: ...
+    lm: Any
+    vision: Any
+    kv_caches: list[torch.Tensor]
+    num_blocks: int

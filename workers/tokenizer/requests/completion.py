@@ -35,18 +35,12 @@ from workers.tokenizer.requests.sampling import (
 class PromptContext(Protocol):
     """What tokenizing a completions prompt reads of its tokenizer worker."""
 
-    @property
-    def processor(self) -> MMProcessor: ...
-    @property
-    def config(self) -> ServerConfig: ...
-    @property
-    def structured(self) -> Validator: ...
-    @property
-    def index(self) -> int: ...
-    @property
-    def max_model_len(self) -> int: ...
-    @property
-    def max_text_chars(self) -> int: ...
+    processor: MMProcessor
+    config: ServerConfig
+    structured: Validator
+    index: int
+    max_model_len: int
+    max_text_chars: int
 
 MAX_PROMPTS = 1024  # prompts of one batch: each is a sequence (and a choice) of its own
 
