@@ -24,8 +24,8 @@ import zmq
 import zmq.asyncio
 
 from ipc.channels import AsyncPullSocket, AsyncPushSocket, PullSocket, PushSocket
+from ipc.inbound import FrontendInbound, ModelInbound, SchedulerInbound, TokenizerInbound
 from ipc.launch import ipc_address
-from ipc.messages import FrontendInbound, ModelInbound, SchedulerInbound, TokenizerInbound
 
 T = TypeVar("T")
 

@@ -1,9 +1,9 @@
 """KV-cache events in vLLM's wire format, published over ZMQ for external prefix-cache indexers (llm-d's
 precise prefix-cache scorer and anything else that reads vLLM's events).
 
-This is an external format, not one of glimpse's own messages (those are in ipc/messages.py): field
-order, tags and framing follow what vLLM publishes and llm-d decodes, so an indexer built for vLLM
-reads glimpse unchanged.
+This is an external format, not one of glimpse's own messages (those are in ipc/control.py and the per-hop
+modules beside it): field order, tags and framing follow what vLLM publishes and llm-d decodes, so an indexer
+built for vLLM reads glimpse unchanged.
 
 Framing: one ZMQ PUB message per batch, three frames: ``[topic, sequence (8-byte big-endian), payload]``.
 The payload is msgpack of ``KVEventBatch`` as an array ``[ts, events, data_parallel_rank]``; each event is

@@ -22,7 +22,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ipc.messages import RequestAccepted, RequestFailed, RequestOutput
+from ipc.control import RequestFailed
+from ipc.outputs import RequestOutput
+from ipc.requests import RequestAccepted
 from server import protocol
 from server.config import ServerConfig
 from server.frontend import (

@@ -38,21 +38,11 @@ import zmq.asyncio
 
 from ipc import endpoints
 from ipc.channels import AsyncPushSocket, new_async_context
-from ipc.messages import (
-    AbortRequest,
-    FrontendInbound,
-    GenerateRequest,
-    Msg,
-    OutputBatch,
-    ProcessReady,
-    RequestAccepted,
-    RequestFailed,
-    RequestOutput,
-    RouteRequest,
-    SchedulerStats,
-    Shutdown,
-    TokenizerStats,
-)
+from ipc.control import AbortRequest, Msg, ProcessReady, RequestFailed, Shutdown
+from ipc.inbound import FrontendInbound
+from ipc.outputs import OutputBatch, RequestOutput
+from ipc.requests import GenerateRequest, RequestAccepted, RouteRequest
+from ipc.stats import SchedulerStats, TokenizerStats
 from server.config import ServerConfig
 from server.pool_stats import PoolCollector
 from server.router import Router

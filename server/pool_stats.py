@@ -21,7 +21,7 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ipc.messages import SchedulerStats
+from ipc.stats import SchedulerStats
 
 if TYPE_CHECKING:
     from server.router import ReplicaView

@@ -13,7 +13,9 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Send
 
-from ipc.messages import RequestFailed, RequestOutput, TokenLogprob
+from ipc.control import RequestFailed
+from ipc.logprob_messages import TokenLogprob
+from ipc.outputs import RequestOutput
 
 _encoder = msgspec.json.Encoder()
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ipc.messages import PromptLogprob, RequestAccepted, RequestOutput, TokenLogprob, ToolCallDelta
+from ipc.logprob_messages import PromptLogprob, TokenLogprob
+from ipc.outputs import RequestOutput, ToolCallDelta
+from ipc.requests import RequestAccepted
 from server import protocol
 from server.protocol import (
     SSE_DONE,

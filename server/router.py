@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ipc.messages import RouteRequest
+from ipc.requests import RouteRequest
 
 AFFINITY_MIN_SHARE = 0.25  # of the prompt's tokens a replica must save over the worst one to win by affinity
 AFFINITY_MIN_BLOCKS = 4  # and at least this many blocks' worth of tokens

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ipc.messages import SchedulerStats, TokenizerStats
+from ipc.stats import SchedulerStats, TokenizerStats
 from server.pool_stats import merge, replica_rows
 
 # Throughput is averaged over this window: one stats interval alone is too jumpy (a step that

@@ -70,7 +70,7 @@ class Spy:
 
 def ttft_run(engine: Any, spy: Spy, seed: int, images: int, record: bool) -> dict[str, Any]:
     from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_image, run_to_first_token
-    from ipc.messages import SamplingParams
+    from ipc.prompts import SamplingParams
 
     w, h = RESOLUTIONS["1080p"]
     imgs = [noise_image(w, h, seed=seed + i) for i in range(images)]
@@ -87,7 +87,7 @@ def ttft_run(engine: Any, spy: Spy, seed: int, images: int, record: bool) -> dic
 
 def decode_run(engine: Any, spy: Spy, batch: int, tokens: int, record_steps: int) -> dict[str, Any]:
     """``batch`` text requests decoded together; throughput over the steps where all of them decode."""
-    from ipc.messages import SamplingParams
+    from ipc.prompts import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request([{"role": "user", "content": f"Story {i}: " + "word " * 60}], params)
@@ -122,7 +122,7 @@ def measure(args: argparse.Namespace) -> None:
     import workers
     from benchmarks.checkpoints import shaped_checkpoint
     from benchmarks.engine.engine_bench import messages_with, noise_image
-    from ipc.messages import SamplingParams
+    from ipc.prompts import SamplingParams
     from workers.engine.config import EngineConfig
     from workers.engine.offline import Engine
 

@@ -20,7 +20,7 @@ import torch
 from benchmarks.checkpoints import shaped_checkpoint
 from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_image, run_to_first_token
 from benchmarks.engine.vit_bench import cuda_ms, matmul_peak_tflops, vit_flops
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.models.base import ModelSpec
 from workers.engine.offline import Engine

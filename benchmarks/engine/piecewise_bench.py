@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 
 from benchmarks.checkpoints import shaped_checkpoint
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.layers.linear import kv_heads_per_rank
 from workers.engine.offline import Engine

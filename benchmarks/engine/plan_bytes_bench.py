@@ -27,8 +27,9 @@ from PIL import Image
 
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.launch import new_launch_id
-from ipc.messages import MMItem, SamplingParams, StepPlan, StepResult
+from ipc.prompts import MMItem, SamplingParams
 from ipc.shm import ShmRef, dtype_name, segment_name
+from ipc.steps import StepPlan, StepResult
 from server.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.prompt.processor import MMProcessor, ProcessedImage

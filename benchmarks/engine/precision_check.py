@@ -20,7 +20,7 @@ import torch
 from benchmarks.checkpoints import shaped_checkpoint
 from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_image
 from benchmarks.engine.engine_step_bench import Spy, rel
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.kernels import fused
 from workers.engine.offline import Engine

@@ -18,7 +18,7 @@ import msgspec
 import torch
 
 from benchmarks.checkpoints import shaped_checkpoint
-from ipc.messages import SamplingParams, StructuredSpec
+from ipc.prompts import SamplingParams, StructuredSpec
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
 

@@ -18,7 +18,8 @@ import time
 
 import msgspec
 
-from ipc.messages import MMItem, SamplingParams, StepPlan, StepResult
+from ipc.prompts import MMItem, SamplingParams
+from ipc.steps import StepPlan, StepResult
 from workers.engine.core.scheduler import SchedulerCore
 
 IMAGE_TOKENS, GRID = 2691, (1, 78, 138)  # one 1080p image, merged 2 x 2

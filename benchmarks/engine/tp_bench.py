@@ -24,20 +24,13 @@ import torch
 from benchmarks.checkpoints import shaped_checkpoint
 from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_image
 from ipc.channels import PullSocket, PushSocket, new_context
+from ipc.control import ProcessReady, RequestFailed, Shutdown
+from ipc.inbound import FrontendInbound, SchedulerInbound
 from ipc.launch import cleanup_launch_dir, ipc_address, new_launch_id
-from ipc.messages import (
-    FrontendInbound,
-    MMItem,
-    OutputBatch,
-    ProcessReady,
-    RequestFailed,
-    SamplingParams,
-    SchedulerInbound,
-    SchedulerStats,
-    Shutdown,
-    TokenizedRequest,
-)
+from ipc.outputs import OutputBatch
+from ipc.prompts import MMItem, SamplingParams, TokenizedRequest
 from ipc.shm import ShmSegment, segment_name, sweep
+from ipc.stats import SchedulerStats
 from server.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.offline import images_in

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from benchmarks.checkpoints import edit_processor_configs, shaped_checkpoint
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
 from workers.engine.prompt.video_decode import iter_frames, probe

@@ -22,7 +22,7 @@ import uvloop
 
 import ipc
 from ipc.channels import AsyncPullSocket, AsyncPushSocket, new_async_context
-from ipc.messages import GenerateRequest
+from ipc.requests import GenerateRequest
 
 
 def _receive(address: str, count: int, ready: Any, out: Any) -> None:

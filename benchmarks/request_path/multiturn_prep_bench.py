@@ -30,7 +30,7 @@ from PIL import Image
 from benchmarks.checkpoints import QWEN25_VL_MAX_PIXELS, shaped_checkpoint
 from benchmarks.serving.bench_plot import image_data_url, random_text, user_message
 from ipc.launch import new_launch_id
-from ipc.messages import GenerateRequest
+from ipc.requests import GenerateRequest
 from ipc.shm import sweep
 from server.config import ServerConfig
 from workers.engine.config import EngineConfig

@@ -42,18 +42,11 @@ from PIL import Image
 
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.channels import Poller, PullSocket, PushSocket, new_context
+from ipc.control import ProcessReady, RequestFailed, Shutdown
+from ipc.inbound import FrontendInbound, SchedulerInbound, TokenizerInbound
 from ipc.launch import cleanup_launch_dir, ipc_address, new_launch_id
-from ipc.messages import (
-    FrontendInbound,
-    GenerateRequest,
-    MediaReady,
-    ProcessReady,
-    RequestFailed,
-    SchedulerInbound,
-    Shutdown,
-    TokenizedRequest,
-    TokenizerInbound,
-)
+from ipc.prompts import MediaReady, TokenizedRequest
+from ipc.requests import GenerateRequest
 from ipc.shm import ShmSegment, list_segments, sweep
 from server.config import ServerConfig
 from workers.engine.config import EngineConfig

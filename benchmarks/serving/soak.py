@@ -1,12 +1,20 @@
 """Soak and slow-drip benchmarks against a real `glimpse serve` on loopback (demo model by default).
 
-soak:  N clients for D seconds, mixed requests (text; 1-3 images as data: URLs or from a loopback media
-       server; streaming or not), a share of them disconnecting mid-stream. Prints requests, failures,
-       p50/p99 latency, RSS of the server's processes and /dev/shm bytes of the launch at start and end.
+soak:  N clients of mixed load (soak_load.py: chat with 0-3 fresh or repeated images as data: or loopback http
+       URLs, completions, streamed or not, disconnects mid-stream) for a warm-up and then ``--seconds``, bounded
+       by ``--max-requests`` too. Every ``--interval`` s it samples each server process (launcher/frontend, each
+       tokenizer, scheduler, each model worker: RSS, fds, threads), the launch's /dev/shm segments and
+       /admin/stats (embedding-cache and shm bytes); prints a table at fixed marks; at the end a plateau verdict
+       per process (RSS growth over the last half after warm-up), requests, failures (expected 0; disconnects
+       counted apart), and writes ``<out>/soak.json`` and ``<out>/soak.png`` (memory over time).
 drip:  requests/s of 1-image requests while 0, 2, 8 slow-drip image URLs are in flight.
 
-    python -m benchmarks.serving.soak soak --seconds 600 --clients 10
+    python -m benchmarks.serving.soak soak --seconds 240 --warmup 60 --clients 10 --out /tmp/soak
+    python -m benchmarks.serving.soak soak --shape 7b --clients 48 --seconds 600 --out /tmp/soak-7b   # one GPU
+    python -m benchmarks.serving.soak soak --url http://127.0.0.1:8000 --pid <launcher pid> --seconds 600
     python -m benchmarks.serving.soak drip --seconds 30 --drips 0,2,8
+
+Exit status: 0 when the run had no failures, left no segment behind and every process was flat; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -15,86 +23,118 @@ import argparse
 import asyncio
 import json
 import os
-import random
-import subprocess
+import shlex
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.serving.soak_load import Load, Mix
+from benchmarks.serving.soak_procs import Sampler, plateau
+from benchmarks.serving.soak_report import mark_every, plot, table, verdict_lines, write_json
 from tests.media_server import MediaServer
 from tests.server.live import LiveServer, data_url, image_message, png_bytes
 from workers.engine.models.demo_writer import ensure_demo_model
 
-
-def rss_mib(root: int) -> float:
-    """Resident memory of a process and all its descendants, from /proc."""
-    out = subprocess.run(["pgrep", "-g", str(os.getpgid(root))], capture_output=True, text=True).stdout.split()
-    total = 0
-    for pid in {*out, str(root)}:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
+IDLE_AFTER_S = 15.0  # sampled after the load stops too: what an idle server gives back (idle trims)
 
 
-def shm_bytes(server: LiveServer) -> int:
-    return sum(os.path.getsize(f"/dev/shm/{name}") for name in server.segments() if os.path.exists(f"/dev/shm/{name}"))
+def start_server(args: argparse.Namespace, workdir: Path) -> LiveServer:
+    """The server to soak: the CPU demo model, or with ``--shape`` a real-shaped checkpoint with random weights."""
+    extra = ["--allow-private-media-addresses", "127.0.0.1", "--media-timeout", "10",
+             "--tokenizer-workers", str(args.tokenizer_workers)]
+    if args.shape:
+        from benchmarks.checkpoints import shaped_checkpoint
+
+        model = shaped_checkpoint(workdir / f"ckpt-{args.shape}", args.shape)
+        extra += ["--load-format", "dummy"]
+    else:
+        model = args.model or ensure_demo_model()
+    # LiveServer passes --num-kv-blocks 512 (the demo's size); a later flag wins, so --serve-args can override it.
+    return LiveServer(model, *extra, *shlex.split(args.serve_args), ready_timeout=args.ready_timeout)
 
 
-def snapshot(server: LiveServer) -> dict[str, float]:
-    return {"rss_mib": rss_mib(server.proc.pid), "shm_mib": shm_bytes(server) / 2**20,
-            "segments": len(server.segments())}
-
-
-async def one_request(client: httpx.AsyncClient, server: LiveServer, media: MediaServer, rng: random.Random,
-                      images: list[bytes]) -> tuple[str, float]:
-    """One mixed request; returns (outcome, seconds). Outcomes: ok, disconnect, failed:<status>."""
-    count = rng.choice([0, 1, 1, 2, 3])
-    urls = [data_url(rng.choice(images)) if rng.random() < 0.5 else media.url("/img.png") for _ in range(count)]
-    body: dict[str, Any] = {"model": "demo", "messages": image_message("Describe.", urls),
-                            "max_tokens": rng.choice([4, 16, 32]), "temperature": rng.choice([0, 0.7])}
-    stream = rng.random() < 0.5
-    disconnect = rng.random() < 0.2
-    body["stream"] = stream or disconnect
-    started = time.perf_counter()
+def launch_id_of(pid: int) -> str | None:
+    """The --launch-id on a running server's command line (its /dev/shm segments are named after it)."""
     try:
-        async with client.stream("POST", server.base + "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                return f"failed:{resp.status_code}", time.perf_counter() - started
-            async for _ in resp.aiter_lines():
-                if disconnect:
-                    return "disconnect", time.perf_counter() - started  # leaving the block closes the socket
-    except httpx.HTTPError as exc:
-        return f"failed:{type(exc).__name__}", time.perf_counter() - started
-    return "ok", time.perf_counter() - started
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return None
+    return argv[argv.index("--launch-id") + 1] if "--launch-id" in argv[:-1] else None
 
 
-async def soak(server: LiveServer, media: MediaServer, seconds: float, clients: int) -> dict[str, Any]:
-    images = [png_bytes(w, h, seed=i) for i, (w, h) in enumerate([(640, 480), (300, 200), (1280, 720), (96, 96)])]
-    outcomes: dict[str, int] = {}
-    latencies: list[float] = []
-    deadline = time.monotonic() + seconds
+def run_soak(base: str, root: int | None, launch_id: str | None, media: MediaServer, args: argparse.Namespace,
+             print_marks: bool = True) -> dict[str, Any]:
+    """Drive the load and sample alongside it; returns the result document (samples included)."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    sampler = Sampler(root, base, launch_id, headers)
+    load = Load(base, args.served_model_name, media.url("/img.png"), Mix(), headers)
+    total = args.warmup + args.seconds
+    every = args.mark_every or mark_every(total)
+    stop = threading.Event()
 
-    async def worker(seed: int) -> None:
-        rng = random.Random(seed)
-        async with httpx.AsyncClient(timeout=120) as client:
-            while time.monotonic() < deadline:
-                outcome, took = await one_request(client, server, media, rng, images)
-                outcomes[outcome] = outcomes.get(outcome, 0) + 1
-                if outcome == "ok":
-                    latencies.append(took)
+    def sample_loop() -> None:
+        next_mark = 0.0
+        while True:
+            row = sampler.take()
+            if print_marks and row["t"] >= next_mark:
+                res = load.result
+                print(table(row, res.requests, res.failures, res.outcomes["disconnect"]), flush=True)
+                next_mark += every
+            if stop.wait(args.interval):
+                return
 
-    await asyncio.gather(*(worker(i) for i in range(clients)))
-    latencies.sort()
-    return {"outcomes": outcomes, "requests": sum(outcomes.values()),
-            "p50_s": latencies[len(latencies) // 2] if latencies else 0.0,
-            "p99_s": latencies[int(len(latencies) * 0.99)] if latencies else 0.0}
+    thread = threading.Thread(target=sample_loop, name="soak-sampler", daemon=True)
+    thread.start()
+    try:
+        asyncio.run(load.run(args.clients, total, args.max_requests, args.seed))
+        load_s = time.monotonic() - sampler.started
+        time.sleep(IDLE_AFTER_S)  # aborted requests finish releasing, idle trims run
+    finally:
+        stop.set()
+        thread.join()
+    idle = sampler.take()
+    loaded = [s for s in sampler.samples[:-1] if s["t"] <= load_s]  # the verdict is about the loaded run
+    verdict = plateau(loaded, args.warmup, args.flat_mib, args.flat_pct)
+    return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "cores": os.cpu_count(), "load_s": round(load_s, 1), **load.result.summary(),
+            "plateau": verdict, "idle_after": idle, "samples": sampler.samples}
+
+
+def soak_main(args: argparse.Namespace) -> int:
+    media = MediaServer(png_bytes(800, 600, seed=9))
+    server: LiveServer | None = None
+    with tempfile.TemporaryDirectory(prefix="glimpse-soak-") as tmp:
+        try:
+            if args.url:
+                base, root = args.url.rstrip("/"), args.pid
+                launch_id = args.launch_id or (launch_id_of(root) if root else None)
+            else:
+                server = start_server(args, Path(tmp))
+                base, root, launch_id = server.base, server.proc.pid, server.launch_id
+            result = run_soak(base, root, launch_id, media, args)
+            result["healthy_after"] = httpx.get(base + "/health", timeout=5).status_code == 200
+        finally:
+            if server is not None:
+                exit_code = server.stop()
+            media.close()
+        if server is not None:
+            result["exit"] = exit_code
+            result["segments_left"] = len(server.segments())
+    print(verdict_lines(result["plateau"]))
+    print(f"requests {result['requests']} ok {result['ok']} failures {result['failures']} "
+          f"disconnects {result['disconnects']} p50 {result['p50_s']} s p99 {result['p99_s']} s; "
+          f"segments left {result.get('segments_left', 'n/a')}; outcomes {result['outcomes']}")
+    out: Path = args.out
+    write_json(out / "soak.json", result)
+    title = f"glimpse soak: {args.shape or 'demo'}, {args.clients} clients, {result['load_s']:.0f} s"
+    plot(out / "soak.png", result["samples"], args.warmup, title)
+    print(f"wrote {out / 'soak.json'} and {out / 'soak.png'}")
+    flat = all(v["flat"] for v in result["plateau"].values())
+    return 0 if result["failures"] == 0 and not result.get("segments_left") and flat else 1
 
 
 async def drip(server: LiveServer, media: MediaServer, seconds: float, drips: int) -> float:
@@ -121,39 +161,55 @@ async def drip(server: LiveServer, media: MediaServer, seconds: float, drips: in
         return done / (time.monotonic() - started)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["soak", "drip"])
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--seconds", type=float, default=60)
-    ap.add_argument("--clients", type=int, default=10)
-    ap.add_argument("--drips", default="0,2,8")
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+def drip_main(args: argparse.Namespace) -> int:
     model = args.model or ensure_demo_model()
     media = MediaServer(png_bytes(800, 600, seed=9))
     server = LiveServer(model, "--allow-private-media-addresses", "127.0.0.1", "--media-timeout", "5")
     try:
-        result: dict[str, Any] = {"mode": args.mode, "cores": os.cpu_count()}
-        if args.mode == "soak":
-            result["start"] = snapshot(server)
-            result |= asyncio.run(soak(server, media, args.seconds, args.clients))
-            time.sleep(2)  # let aborted requests finish releasing
-            result["end"] = snapshot(server)
-            stats = server.stats()
-            result["server"] = {k: stats.get(k) for k in ("requests", "shm")}
-        else:
-            result["req_per_s"] = {n: asyncio.run(drip(server, media, args.seconds, int(n)))
-                                   for n in args.drips.split(",")}
-        healthy = httpx.get(server.base + "/health", timeout=5).status_code
-        result["healthy_after"] = healthy == 200
+        result: dict[str, Any] = {"mode": "drip", "cores": os.cpu_count()}
+        result["req_per_s"] = {n: asyncio.run(drip(server, media, args.seconds, int(n))) for n in args.drips.split(",")}
     finally:
         result["exit"] = server.stop()
         result["segments_left"] = len(server.segments())
         media.close()
     print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.out / "drip.json", result)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["soak", "drip"])
+    ap.add_argument("--seconds", type=float, default=240, help="load after the warm-up (soak); per setting (drip)")
+    ap.add_argument("--warmup", type=float, default=60, help="first seconds of load, left out of the verdict")
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--max-requests", type=int, default=1_000_000, help="stop after this many requests")
+    ap.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
+    ap.add_argument("--mark-every", type=float, default=0, help="seconds between printed tables (0: by duration)")
+    ap.add_argument("--flat-mib", type=float, default=24, help="growth over the last half still called flat ...")
+    ap.add_argument("--flat-pct", type=float, default=2.0, help="... or this % of RSS, whichever is larger")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/glimpse-soak"))
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint to serve (default: the demo model)")
+    ap.add_argument("--shape", default=None, help="serve a real-shaped checkpoint with dummy weights (e.g. 7b)")
+    ap.add_argument("--tokenizer-workers", type=int, default=2)
+    ap.add_argument("--serve-args", default="", help="more `glimpse serve` flags, one string")
+    ap.add_argument("--ready-timeout", type=float, default=600)
+    ap.add_argument("--url", default=None, help="soak a running server at this loopback URL instead")
+    ap.add_argument("--pid", type=int, default=None, help="with --url: the launcher's pid (per-process samples)")
+    ap.add_argument("--launch-id", default=None, help="with --url: its launch id (default: from its command line)")
+    ap.add_argument("--served-model-name", default="demo")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--drips", default="0,2,8")
+    args = ap.parse_args(argv)
+    if args.url and not args.url.startswith(("http://127.0.0.1", "http://localhost")):
+        ap.error("--url: loopback only (http://127.0.0.1:PORT)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    raise SystemExit(soak_main(args) if args.mode == "soak" else drip_main(args))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ from ipc.channels import (
     new_async_context,
     new_context,
 )
+from ipc.control import AbortRequest
+from ipc.inbound import TokenizerInbound
 from ipc.launch import cleanup_launch_dir, ipc_address, launch_dir, new_launch_id
-from ipc.messages import AbortRequest, GenerateRequest, RouteRequest, TokenizerInbound
+from ipc.requests import GenerateRequest, RouteRequest
 from ipc.shm import ShmRef, segment_name
 
 # ---- a small tagged-union protocol, defined at module level so spawned children can decode it --

@@ -18,18 +18,11 @@ import uvicorn
 import uvloop
 
 from ipc.channels import PullSocket, PushSocket, new_context
+from ipc.control import AbortRequest, Msg, ProcessReady
+from ipc.inbound import SchedulerInbound, TokenizerInbound
 from ipc.launch import cleanup_launch_dir, ipc_address
-from ipc.messages import (
-    AbortRequest,
-    GenerateRequest,
-    Msg,
-    OutputBatch,
-    ProcessReady,
-    RequestAccepted,
-    RequestOutput,
-    SchedulerInbound,
-    TokenizerInbound,
-)
+from ipc.outputs import OutputBatch, RequestOutput
+from ipc.requests import GenerateRequest, RequestAccepted
 from server.app import create_app
 from server.config import ServerConfig
 from server.frontend import FrontendState

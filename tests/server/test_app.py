@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from ipc.messages import ProcessReady, RequestFailed, SchedulerStats, TokenizerStats
+from ipc.control import ProcessReady, RequestFailed
+from ipc.stats import SchedulerStats, TokenizerStats
 from tests.server.harness import MESSAGES, Served, ServeFactory, wait_for
 
 # The launcher serves on uvloop; nothing in the app may depend on that.

@@ -26,7 +26,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from ipc.kv_events import BlockRemoved, BlockStored, KVEventBatch, external_hash
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from tests.server.live import LiveServer, data_url, free_port, image_message, png_bytes
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine

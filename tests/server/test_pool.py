@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from ipc.messages import RouteRequest, SchedulerStats, WorkerStats
+from ipc.requests import RouteRequest
+from ipc.stats import SchedulerStats, WorkerStats
 from server.pool_stats import merge
 from server.router import AFFINITY_MIN_BLOCKS, Router
 from workers.engine.core.kv_cache import block_hashes

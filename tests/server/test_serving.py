@@ -21,7 +21,7 @@ import openai
 import pytest
 from PIL import Image
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from tests.server.live import LiveServer, data_url, image_message, png_bytes
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine

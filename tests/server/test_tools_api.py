@@ -19,8 +19,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from ipc.control import RequestFailed
 from ipc.launch import new_launch_id
-from ipc.messages import GenerateRequest, RequestFailed
+from ipc.requests import GenerateRequest
 from tests.server.live import LiveServer, serving
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig

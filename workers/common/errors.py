@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ipc.messages import RequestFailed
+from ipc.control import RequestFailed
 
 
 class BadRequest(Exception):

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from ipc.messages import StructuredSpec, ToolCallDelta
+from ipc.outputs import ToolCallDelta
+from ipc.prompts import StructuredSpec
 from workers.common.errors import BadRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

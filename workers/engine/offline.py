@@ -13,7 +13,8 @@ from typing import Any, cast
 import torch
 from PIL import Image
 
-from ipc.messages import EncodeItem, MMItem, SamplingParams
+from ipc.prompts import MMItem, SamplingParams
+from ipc.steps import EncodeItem
 from workers.common.detokenizer import TextStream
 from workers.engine.config import EngineConfig
 from workers.engine.core.scheduler import FinishReason, SchedulerCore, Sequence as SchedSeq

@@ -22,17 +22,11 @@ import torch.distributed as dist
 
 from ipc import endpoints
 from ipc.channels import PullSocket, PushSocket, new_context
-from ipc.messages import (
-    EncodeItem,
-    ModelInbound,
-    ProcessReady,
-    SchedulerInbound,
-    Shutdown,
-    StepPlan,
-    WorkerFailed,
-    WorkerStats,
-)
+from ipc.control import ProcessReady, Shutdown
+from ipc.inbound import ModelInbound, SchedulerInbound
 from ipc.shm import ShmSegment
+from ipc.stats import WorkerStats
+from ipc.steps import EncodeItem, StepPlan, WorkerFailed
 from workers.common.proc import GcWatch, freeze_heap, setup_child
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig

@@ -25,7 +25,7 @@ from ipc.kv_events import (
     external_hash,
     replica_endpoint,
 )
-from ipc.messages import MMItem
+from ipc.prompts import MMItem
 from workers.config import ServerConfig
 from workers.engine.core.scheduler import SchedulerCore, Sequence
 

@@ -13,14 +13,8 @@ import math
 from functools import lru_cache
 from typing import Any
 
-from ipc.messages import (
-    PromptLogprob,
-    PromptLogprobs,
-    SampleLogprobs,
-    SamplingParams,
-    TokenLogprob,
-    TopLogprob,
-)
+from ipc.logprob_messages import PromptLogprob, PromptLogprobs, SampleLogprobs, TokenLogprob, TopLogprob
+from ipc.prompts import SamplingParams
 from workers.engine.core.sequence import child_rid
 
 # JSON has no -inf; OpenAI (and vLLM) report a token that cannot be sampled with this value.

@@ -23,24 +23,14 @@ from transformers import AutoTokenizer
 
 from ipc import endpoints
 from ipc.channels import new_context
+from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
+from ipc.inbound import SchedulerInbound
 from ipc.launch import cleanup_launch_dir
-from ipc.messages import (
-    AbortRequest,
-    MediaFailed,
-    MediaReady,
-    OutputBatch,
-    ProcessReady,
-    RequestFailed,
-    RequestOutput,
-    SchedulerInbound,
-    Shutdown,
-    StepPlan,
-    StepResult,
-    TokenizedRequest,
-    WorkerFailed,
-    WorkerStats,
-)
+from ipc.outputs import OutputBatch, RequestOutput
+from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
 from ipc.shm import ShmSegment, sweep
+from ipc.stats import WorkerStats
+from ipc.steps import StepPlan, StepResult, WorkerFailed
 from workers.common.detokenizer import TextStream
 from workers.common.proc import GcWatch, freeze_heap, setup_child
 from workers.common.step_trace import StepTrace

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ipc.messages import SchedulerStats, WorkerStats
+from ipc.stats import SchedulerStats, WorkerStats
 from workers.common.proc import GcWatch
 from workers.engine.core.scheduler import SchedulerCore
 from workers.scheduler.shm_ledger import ShmLedger

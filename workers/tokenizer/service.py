@@ -31,22 +31,12 @@ import msgspec
 
 from ipc import endpoints
 from ipc.channels import AsyncPushSocket, new_async_context
-from ipc.messages import (
-    AbortRequest,
-    FrontendInbound,
-    GenerateRequest,
-    MediaFailed,
-    MediaReady,
-    ProcessReady,
-    RequestAccepted,
-    RequestFailed,
-    RouteRequest,
-    SchedulerInbound,
-    SchedulerStats,
-    Shutdown,
-    TokenizedRequest,
-)
+from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
+from ipc.inbound import FrontendInbound, SchedulerInbound
+from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
+from ipc.requests import GenerateRequest, RequestAccepted, RouteRequest
 from ipc.shm import ShmRef
+from ipc.stats import SchedulerStats
 from workers.common.errors import BadRequest
 from workers.common.proc import freeze_heap
 from workers.common.step_trace import StepTrace

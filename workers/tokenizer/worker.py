@@ -28,14 +28,10 @@ from typing import Any
 
 import jinja2
 
-from ipc.messages import (
-    GenerateRequest,
-    RequestAccepted,
-    RequestFailed,
-    SchedulerStats,
-    TokenizedRequest,
-    TokenizerStats,
-)
+from ipc.control import RequestFailed
+from ipc.prompts import TokenizedRequest
+from ipc.requests import GenerateRequest, RequestAccepted
+from ipc.stats import SchedulerStats, TokenizerStats
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import ImageInfo, MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta

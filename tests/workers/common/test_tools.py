@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from ipc.messages import StructuredSpec, ToolCallDelta
+from ipc.outputs import ToolCallDelta
+from ipc.prompts import StructuredSpec
 from workers.common.tools import FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolOutput, tool_grammar
 
 ANSWER = (

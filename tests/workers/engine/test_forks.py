@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from tests.conftest import noise_image
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine

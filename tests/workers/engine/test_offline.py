@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
 

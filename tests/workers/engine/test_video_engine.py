@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from transformers.video_utils import read_video_pyav
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from tests.conftest import noise_image
 from tests.videos import VideoReference, make_video, video_chat
 from workers.engine.config import EngineConfig

@@ -22,7 +22,8 @@ from ipc.kv_events import (
     external_hash,
     replica_endpoint,
 )
-from ipc.messages import MMItem, SamplingParams, StepResult
+from ipc.prompts import MMItem, SamplingParams
+from ipc.steps import StepResult
 from workers.engine.core.kv_cache import block_hashes
 from workers.engine.core.scheduler import SchedulerCore
 from workers.scheduler.kv_events import KVEventRecorder

@@ -24,26 +24,14 @@ import zmq
 from PIL import Image
 
 from ipc.channels import PullSocket, PushSocket, new_context
+from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
+from ipc.inbound import FrontendInbound, SchedulerInbound, TokenizerInbound
 from ipc.launch import cleanup_launch_dir, ipc_address, new_launch_id
-from ipc.messages import (
-    AbortRequest,
-    FrontendInbound,
-    MediaFailed,
-    MediaReady,
-    MMItem,
-    OutputBatch,
-    ProcessReady,
-    RequestFailed,
-    RequestOutput,
-    SamplingParams,
-    SchedulerInbound,
-    SchedulerStats,
-    Shutdown,
-    StepResult,
-    TokenizedRequest,
-    TokenizerInbound,
-)
+from ipc.outputs import OutputBatch, RequestOutput
+from ipc.prompts import MediaFailed, MediaReady, MMItem, SamplingParams, TokenizedRequest
 from ipc.shm import SHM_DIR, ShmRef, ShmSegment, link_segment, list_segments, segment_name, sweep
+from ipc.stats import SchedulerStats
+from ipc.steps import StepResult
 from server.config import ServerConfig
 from tests.conftest import noise_image
 from workers.engine.config import EngineConfig

@@ -20,23 +20,11 @@ import pytest
 import torch
 
 from ipc.channels import PullSocket, PushSocket, new_context
+from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
+from ipc.inbound import FrontendInbound, SchedulerInbound, TokenizerInbound
 from ipc.launch import ipc_address
-from ipc.messages import (
-    AbortRequest,
-    FrontendInbound,
-    GenerateRequest,
-    MediaFailed,
-    MediaReady,
-    ProcessReady,
-    RequestAccepted,
-    RequestFailed,
-    SchedulerInbound,
-    SchedulerStats,
-    Shutdown,
-    TokenizedRequest,
-    TokenizerInbound,
-    TokenizerStats,
-)
+from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
+from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.shm import (
     SHM_DIR,
     ShmSegment,
@@ -45,6 +33,7 @@ from ipc.shm import (
     list_segments,
     segment_name,
 )
+from ipc.stats import SchedulerStats, TokenizerStats
 from server.config import ServerConfig
 from tests.conftest import noise_image
 from workers.engine.config import EngineConfig

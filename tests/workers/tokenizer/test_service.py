@@ -14,16 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ipc.messages import (
-    AbortRequest,
-    GenerateRequest,
-    ProcessReady,
-    RequestAccepted,
-    RequestFailed,
-    Shutdown,
-    TokenizerStats,
-)
+from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
+from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.shm import ShmSegment
+from ipc.stats import TokenizerStats
 from tests.media_server import MediaServer
 from tests.workers.tokenizer.test_process import MODEL, Peer, png, server_config
 from workers.tokenizer.process import run_tokenizer

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import blake3
 
-from ipc.messages import MMItem
+from ipc.prompts import MMItem
 
 
 class OutOfBlocks(RuntimeError):

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ipc.messages import EncodeItem, EncodeJob, MMItem
+from ipc.prompts import MMItem
+from ipc.steps import EncodeItem, EncodeJob
 
 
 @dataclass

@@ -17,15 +17,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from ipc.messages import (
-    Fork,
-    MMItem,
-    NewSeq,
-    SamplingParams,
-    SeqChunk,
-    StepPlan,
-    StepResult,
-)
+from ipc.prompts import MMItem, SamplingParams
+from ipc.steps import Fork, NewSeq, SeqChunk, StepPlan, StepResult
 from workers.engine.core.kv_cache import BlockAllocator, block_hashes
 from workers.engine.core.mm_cache import EmbeddingCacheIndex
 from workers.engine.core.sequence import (

@@ -8,7 +8,9 @@ from typing import Literal
 import blake3
 import msgspec
 
-from ipc.messages import Fork, MMItem, SampleLogprobs, SamplingParams
+from ipc.logprob_messages import SampleLogprobs
+from ipc.prompts import MMItem, SamplingParams
+from ipc.steps import Fork
 from workers.engine.core.kv_cache import BlockAllocator
 
 FinishReason = Literal["stop", "length", "abort", "error"]

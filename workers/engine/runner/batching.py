@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ipc.messages import EncodeItem
+from ipc.steps import EncodeItem
 from workers.engine.prompt.pixel_frames import FrameLayout
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ipc.messages import StructuredSpec
+from ipc.prompts import StructuredSpec
 from workers.common.errors import BadRequest
 from workers.engine.runner.batching import to_device
 

@@ -11,14 +11,7 @@ import msgspec
 import torch
 from transformers import AutoImageProcessor
 
-from ipc.messages import (
-    EncodeItem,
-    EncodeJob,
-    Fork,
-    NewSeq,
-    StepPlan,
-    StepResult,
-)
+from ipc.steps import EncodeItem, EncodeJob, Fork, NewSeq, StepPlan, StepResult
 from workers.common.step_trace import StepTrace
 from workers.engine.config import EngineConfig
 from workers.engine.core.mm_cache import EmbeddingStore

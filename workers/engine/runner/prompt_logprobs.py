@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ipc.messages import PromptLogprobs, SamplingParams
+from ipc.logprob_messages import PromptLogprobs
+from ipc.prompts import SamplingParams
 
 if TYPE_CHECKING:
     from workers.engine.models.base import ModelSpec

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ipc.messages import SampleLogprobs, SamplingParams
+from ipc.logprob_messages import SampleLogprobs
+from ipc.prompts import SamplingParams
 from workers.engine.runner.logits import (
     Pack,
     PenaltyBook,

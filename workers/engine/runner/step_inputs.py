@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ipc.messages import Fork, MMItem, PromptLogprobs, SampleLogprobs, SamplingParams, StepPlan, StepResult
+from ipc.logprob_messages import PromptLogprobs, SampleLogprobs
+from ipc.prompts import MMItem, SamplingParams
+from ipc.steps import Fork, StepPlan, StepResult
 from workers.engine.core.kv_cache import slot_mapping
 from workers.engine.models.base import ModelSpec
 from workers.engine.runner.batching import to_device

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ipc import shm
-from ipc.messages import MMItem
+from ipc.prompts import MMItem
 from workers.common.errors import BadRequest
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import ImageSpan, MMProcessor

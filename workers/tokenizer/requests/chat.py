@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.common.errors import BadRequest
 from workers.common.tools import ToolChoice, check_tools, parse_tools, tool_grammar
 from workers.tokenizer.requests.sampling import (

@@ -16,7 +16,8 @@ from typing import Protocol
 
 import msgspec
 
-from ipc.messages import GenerateRequest, RequestAccepted, TokenizedRequest
+from ipc.prompts import TokenizedRequest
+from ipc.requests import GenerateRequest, RequestAccepted
 from workers.common.errors import BadRequest
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import MMProcessor, Prompt, Rendered

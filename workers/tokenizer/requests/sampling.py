@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from ipc.messages import SamplingParams, StructuredSpec
+from ipc.prompts import SamplingParams, StructuredSpec
 from workers.common.errors import BadRequest
 from workers.tokenizer.requests.structured import ResponseFormat, StructuredOutputs, structured_spec
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from ipc.messages import StructuredSpec
+from ipc.prompts import StructuredSpec
 from workers.common.errors import BadRequest
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ipc.messages import MMItem, SamplingParams, StepPlan, StepResult
+from ipc.prompts import MMItem, SamplingParams
+from ipc.steps import StepPlan, StepResult
 from workers.engine.core.scheduler import RequestRejected, SchedulerCore
 
 EOS = 99

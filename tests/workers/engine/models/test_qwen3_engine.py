@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from tests.conftest import noise_image
 from workers.engine.config import EngineConfig
 from workers.engine.models import UnsupportedModel, load_spec

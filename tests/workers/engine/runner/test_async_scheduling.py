@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from ipc.messages import SamplingParams, StepPlan, StepResult, StructuredSpec
+from ipc.prompts import SamplingParams, StructuredSpec
+from ipc.steps import StepPlan, StepResult
 from tests.workers.engine.core.test_scheduler import EOS, add, core
 from tests.workers.engine.test_offline import chat, noise_image
 from workers.engine.config import EngineConfig

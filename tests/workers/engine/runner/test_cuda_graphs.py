@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.layers.linear import TPGroup
 from workers.engine.offline import Engine

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from ipc.messages import StructuredSpec
+from ipc.prompts import StructuredSpec
 from workers.engine.models import load_spec
 from workers.engine.runner.grammar import GrammarBook, GrammarError, Validator, apply_bitmask
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.layers.linear import kv_heads_per_rank
 from workers.engine.models.qwen3_vl.moe import SparseMoeBlock

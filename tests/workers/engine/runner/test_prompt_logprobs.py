@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ipc.messages import PromptLogprobs, SamplingParams, StepResult
+from ipc.logprob_messages import PromptLogprobs
+from ipc.prompts import SamplingParams
+from ipc.steps import StepResult
 from workers.engine.core.scheduler import SchedulerCore
 from workers.engine.runner import prompt_logprobs
 from workers.engine.runner.prompt_logprobs import PromptSpan, score_prompts

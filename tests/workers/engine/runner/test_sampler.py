@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
 from workers.engine.runner.sampler import Sampler

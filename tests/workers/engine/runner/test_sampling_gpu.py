@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ipc.messages import SamplingParams, StructuredSpec
+from ipc.prompts import SamplingParams, StructuredSpec
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
 

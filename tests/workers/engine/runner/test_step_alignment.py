@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from tests.workers.engine.runner.test_async_scheduling import make_engine
 from tests.workers.engine.test_offline import chat, noise_image
 from workers.engine.kernels.attention import AttentionMetadata

@@ -22,11 +22,9 @@ import msgspec
 import pytest
 import torch
 
-from ipc.messages import (
-    GenerateRequest,
-    RequestFailed,
-    TokenizedRequest,
-)
+from ipc.control import RequestFailed
+from ipc.prompts import TokenizedRequest
+from ipc.requests import GenerateRequest
 from ipc.shm import (
     ShmFullError,
     ShmSegment,

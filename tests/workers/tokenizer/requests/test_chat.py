@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ipc.messages import SamplingParams
+from ipc.prompts import SamplingParams
 from workers.tokenizer.requests.chat import (
     BadRequest,
     ImagePart,

@@ -1,0 +1,24 @@
+"""The tagged union each receiving socket decodes, one per process role (ipc/endpoints.py binds them).
+
+Every member derives from the tagged ``Msg`` (ipc/control.py), so a PULL socket typed with one of these unions
+decodes whichever member arrives and rejects anything else at the boundary.
+"""
+
+from __future__ import annotations
+
+from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
+from ipc.outputs import OutputBatch
+from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
+from ipc.requests import GenerateRequest, RequestAccepted, RouteRequest
+from ipc.stats import SchedulerStats, TokenizerStats, WorkerStats
+from ipc.steps import StepPlan, StepResult, WorkerFailed
+
+FrontendInbound = (
+    RequestAccepted | RequestFailed | OutputBatch | SchedulerStats | TokenizerStats | ProcessReady | RouteRequest
+)
+TokenizerInbound = GenerateRequest | AbortRequest | SchedulerStats | Shutdown
+SchedulerInbound = (
+    TokenizedRequest | MediaReady | MediaFailed | AbortRequest | StepResult | WorkerFailed | WorkerStats
+    | ProcessReady | Shutdown
+)
+ModelInbound = StepPlan | Shutdown

@@ -1,0 +1,60 @@
+"""The frontend <-> tokenizer hop: an HTTP body on its way in, and what the tokenizer answers about it.
+
+The frontend hands the body over unparsed (``GenerateRequest``); the tokenizer answers how to reply to the client
+(``RequestAccepted``) or that it failed (``RequestFailed``, ipc/control.py), and with ``--dp`` > 1 hands the
+prepared request back for routing (``RouteRequest``) instead of straight to a scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from ipc.control import Msg
+
+
+class GenerateRequest(Msg, frozen=True):
+    """Frontend -> tokenizer: the HTTP body as received; the tokenizer parses it, not the event loop.
+
+    A large body travels as a ZeroMQ frame of its own after the message (``payload_field``, ipc/channels.py), so
+    neither end copies it into or out of msgpack, and the tokenizer reads it where ZeroMQ received it (a memoryview
+    that keeps the frame alive). Decoded from one frame (a routed request), it is a view into that frame too."""
+
+    payload_field: ClassVar[str] = "body"
+
+    rid: str
+    body: memoryview
+    arrival: float  # time.time() when the frontend received it
+    endpoint: str = "chat"  # which body it is: "chat" (/v1/chat/completions) or "completion" (/v1/completions)
+
+
+class RequestAccepted(Msg, frozen=True):
+    """Tokenizer -> frontend: the body parsed; how to answer the client."""
+
+    rid: str
+    stream: bool
+    include_usage: bool
+    model: str
+    prompt_tokens: int
+    worker: int
+    n: int = 1  # choices: outputs carry their index; the answer ends when all n finished
+    endpoint: str = "chat"  # "chat" (/v1/chat/completions) or "completion" (/v1/completions)
+    echo: str = ""  # completions with echo: the prompt's text, put before each choice's text
+    logprobs: bool = False  # the answer carries logprobs (even where a token has none to report)
+    echoes: list[str] = []  # a batch of prompts: each choice's own echo (``echo`` is then unused)
+    echo_logprobs: int | None = None  # echo with logprobs: the prompt's tokens lead the logprobs, k best each
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: choices[].prompt_logprobs, k best each
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
+
+
+class RouteRequest(Msg, frozen=True):
+    """Tokenizer -> frontend with ``--dp`` > 1: a prepared request and what its router scores replicas by (the
+    content keys the replica's caches use), sent after RequestAccepted. The frontend forwards ``request``, the
+    encoded TokenizedRequest, unchanged to the chosen replica's scheduler."""
+
+    rid: str
+    prompt_tokens: int
+    blocks: list[bytes]  # prefix-cache keys of the prompt's first full blocks (kv_cache.block_hashes)
+    images: list[tuple[bytes, int, int]]  # (content hash, first token, tokens) of each distinct image
+    request: msgspec.Raw

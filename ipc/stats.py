@@ -1,0 +1,79 @@
+"""The counters each process reports: model-worker ranks to their scheduler, schedulers and tokenizers to the
+frontend, and schedulers to the tokenizers, which read shm pressure from them.
+"""
+
+from __future__ import annotations
+
+from ipc.control import Msg
+
+
+class WorkerStats(Msg, frozen=True):
+    """Model worker rank -> scheduler, after a step in which it read pixels: cumulative counters."""
+
+    rank: int
+    pixel_reads: int
+    pixel_bytes: int
+    images_encoded: int
+    vit_calls: int
+    steps: int = 0
+    broadcast_s_sum: float = 0.0  # scheduler encode -> this rank decoded, summed over steps
+    broadcast_s_max: float = 0.0
+    gpu_step_peak_bytes: int = 0  # peak allocated during the last step (0 on CPU)
+    gpu_allocated_bytes: int = 0  # allocated after it: weights, KV cache, embedding store
+    gc_collections: int = 0  # the interpreter's garbage collections in this process since it got ready
+    gc_pause_s_max: float = 0.0
+    gc_frozen: int = 0  # objects moved out of the collector's reach at start-up (workers.common.proc.freeze_heap)
+    gc_full: int = 0  # collections of the oldest generation among gc_collections
+    gc_pause_s_sum: float = 0.0  # all of them together: time the process's Python stood still
+
+
+class SchedulerStats(Msg, frozen=True):
+    """Scheduler -> frontend (periodic) and -> tokenizers (shm pressure)."""
+
+    requests_running: int
+    requests_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    generated_tokens: int
+    prompt_tokens: int
+    mm_cache_entries: int
+    mm_cache_bytes: int
+    mm_cache_hits: int
+    mm_cache_misses: int
+    mm_cache_evictions: int
+    images_encoded: int
+    vit_batches: int
+    shm_segments: int
+    shm_bytes: int
+    shm_budget_bytes: int
+    steps: int
+    shm_retained_segments: int = 0  # kept after their requests ended, for reuse by later turns
+    shm_retained_bytes: int = 0
+    plan_bytes_last: int = 0
+    plan_bytes_max: int = 0
+    workers: list[WorkerStats] = []
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
+    prompt_tokens_computed: int = 0  # prompt tokens run through the LM (prefill work; n > 1 computes a prompt once)
+    gpu_peak_bytes: int = 0  # highest step peak over ranks since the engine was last idle
+    gpu_idle_bytes: int = 0  # allocated when the engine was last idle (the steady part of the peak)
+    replica: int = 0  # which data-parallel replica's scheduler sent it (--dp)
+    steps_ahead: int = 0  # steps planned while the step before them ran (asynchronous scheduling)
+    samples_dropped: int = 0  # tokens sampled for a sequence that had ended meanwhile (e.g. on the token in flight)
+    gc_collections: int = 0  # the scheduler process's garbage collections since it started
+    gc_pause_s_max: float = 0.0
+    gc_frozen: int = 0
+    gc_full: int = 0
+    gc_pause_s_sum: float = 0.0
+
+
+class TokenizerStats(Msg, frozen=True):
+    worker: int
+    queue_depth: int  # requests this tokenizer is working on (fetching, waiting for or using the CPU)
+    requests: int
+    images: int
+    images_reused: int  # served from a live shm segment: not decoded, processed or written again
+    videos: int = 0
+    videos_decoded: int = 0  # videos with at least one frame group decoded (the others: every group linked)
+    video_frames_decoded: int = 0
+    video_groups_reused: int = 0  # frame groups linked from a live shm segment
+    images_deferred: int = 0  # fresh images written after their request went to the scheduler (overlap)

@@ -1,0 +1,105 @@
+"""The scheduler <-> model-worker hop: the step plan every TP rank runs and the result rank 0 sends back.
+
+The engine's scheduling core produces ``StepPlan`` and consumes ``StepResult`` even when it runs in-process (the
+offline ``Engine``), so the in-process path and the multi-process path share one vocabulary. A plan carries
+pointers (``ShmRef``) and token ids, never pixels: its size depends on the number of sequences and images in the
+step, not on how many bytes the images have. ``WorkerFailed`` is a rank's answer when a step raised.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ipc.control import Msg
+from ipc.logprob_messages import PromptLogprobs, SampleLogprobs
+from ipc.prompts import MMItem, SamplingParams
+from ipc.shm import ShmRef
+
+
+class NewSeq(msgspec.Struct, frozen=True):
+    """Everything a model worker needs to know about a sequence, sent once when it is first scheduled."""
+
+    rid: str
+    input_ids: list[int]
+    # No M-RoPE positions: each rank derives them from the items' spans and grids (mrope_positions),
+    # which keeps a first plan at a quarter of the bytes. Decoded tokens sit at p + mrope_delta.
+    mrope_delta: int
+    items: list[MMItem]
+    sampling: SamplingParams
+    mm_key: bytes = b""  # baseline mode only: the combined hash of all the request's images
+    # After a preemption input_ids is prompt + tokens generated so far: the last num_output of them are output
+    # (presence/frequency penalties and min_tokens count only those).
+    num_output: int = 0
+
+
+class SeqChunk(msgspec.Struct, frozen=True):
+    """The slice of one sequence computed in a step: tokens [start, start + length)."""
+
+    rid: str
+    start: int
+    length: int
+    new_blocks: list[int]  # KV blocks appended to the sequence's block_table since the last step
+    new_token_ids: list[int]  # tokens appended to the sequence since the worker last saw it (sampled ones)
+    sample: bool  # sample a token after this chunk (last prefill chunk, or decode)
+
+
+class EncodeItem(msgspec.Struct, frozen=True):
+    hash: bytes
+    grid: tuple[int, int, int]
+    length: int
+    pixels: ShmRef | None = None
+
+
+class EncodeJob(msgspec.Struct, frozen=True):
+    """Embeddings to compute this step and store under ``key``: one image (per-image mode) or all of a
+    request's images concatenated (baseline mode). A transient job is dropped after the step: the
+    cache could not hold it, so it is used once and recomputed if needed again."""
+
+    key: bytes
+    items: list[EncodeItem]
+    transient: bool = False
+
+
+class Fork(msgspec.Struct, frozen=True, array_like=True):
+    """Choice ``index`` of an n > 1 request starts as a copy of ``parent`` right after the parent's prompt is
+    computed (this step): it shares the prompt's full KV blocks, gets its own copy of the partial last one
+    (``copy``: source block -> destination block, after this step's forward wrote it), and samples its first
+    token from the parent's logits. No second prefill, no second image encode."""
+
+    parent: str
+    child: str
+    index: int
+    block_table: list[int]
+    copy: tuple[int, int] | None
+    seed: int | None  # the parent's seed + index, as vLLM offsets it, so choices differ under one seed
+
+
+class StepPlan(Msg, frozen=True):
+    step_id: int
+    new_seqs: list[NewSeq]
+    chunks: list[SeqChunk]
+    evict: list[bytes]  # embedding-store keys to drop before encoding
+    encode: list[EncodeJob]
+    finished: list[str]  # rids whose worker-side state can be dropped
+    sent_at: float = 0.0  # time.monotonic() when the scheduler encoded it (one clock for the whole host)
+    forks: list[Fork] = []
+    # Asynchronous scheduling: planned while the step before it was still running. A chunk that starts right past
+    # the tokens sent so far decodes the token that step is sampling: the worker takes its id from its own samples.
+    ahead: bool = False
+
+
+class StepResult(Msg, frozen=True):
+    step_id: int
+    sampled: list[tuple[str, int]]  # (rid, token id) for every chunk with sample=True
+    images_encoded: int = 0
+    vit_calls: int = 0
+    logprobs: list[SampleLogprobs] = []  # for the sampled rows whose request asked for them
+    prompt_logprobs: list[PromptLogprobs] = []  # for the prefill chunks whose request asked for them
+
+
+class WorkerFailed(Msg, frozen=True):
+    """Model worker -> scheduler: a step raised; the scheduler fails the step's requests."""
+
+    rank: int
+    step_id: int
+    message: str
