@@ -1,5 +1,6 @@
-"""Prompt building for the Qwen-style VLM families: chat template, image processing, content hashing and
-placeholder expansion (M-RoPE positions are left to the model workers, which derive them from the spans). Runs where the tokenizer runs (a tokenizer process when serving,
+"""Prompt building for the Qwen-style VLM families: image processing, content hashing and placeholder
+expansion around the chat template (chat_template.py renders and tokenizes). M-RoPE positions are left to the
+model workers, which derive them from the spans. Runs where the tokenizer runs (a tokenizer process when serving,
 the caller's process for the offline Engine), never on an event loop.
 """
 
@@ -21,6 +22,7 @@ from transformers import AutoProcessor
 
 from workers.engine.models import family as family_package, load_spec
 from workers.engine.models.base import ModelSpec, item_spans
+from workers.engine.prompt.chat_template import ChatTemplate, Rendered
 from workers.engine.prompt.pixel_frames import (
     FrameLayout,
     FrameResizer,
@@ -82,22 +84,6 @@ class ImageInfo:
     num_tokens: int
 
 
-# Marks where the client's text goes in the rendered template. The client's text itself never passes through
-# the template (only its index does), so nothing a client sends can forge or break a marker.
-_SENTINEL = "\x00glimpse\x00"
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """A chat rendered by the template, as (text, came from the client) pieces in order."""
-
-    pieces: list[tuple[str, bool]]
-
-    @property
-    def text(self) -> str:
-        return "".join(text for text, _ in self.pieces)
-
-
 @dataclass(frozen=True)
 class ImageSpan:
     hash: bytes
@@ -112,16 +98,6 @@ class Prompt:
     input_ids: list[int]  # image spans hold hash-derived pad values
     mrope_delta: int  # a decoded token at index p sits at position p + mrope_delta on every row
     spans: list[ImageSpan]
-
-
-def _called(call: dict[str, Any], text: Any) -> dict[str, Any]:
-    """An earlier assistant turn's tool call with its client text (name, string arguments) through ``text``."""
-    fn = dict(call.get("function") or {})
-    if "name" in fn:
-        fn["name"] = text(fn["name"])
-    if isinstance(fn.get("arguments"), str):
-        fn["arguments"] = text(fn["arguments"])
-    return {**call, "function": fn}
 
 
 class MMProcessor:
@@ -141,8 +117,7 @@ class MMProcessor:
         self._geometry = (int(getattr(ip, "patch_size", 0)), self.merge, int(getattr(ip, "temporal_patch_size", 1)))
         self._grids: dict[tuple[int, int], tuple[int, int, int] | None] = {}  # image_grid's answers by (width, height)
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.info.image_token_id)
-        # Strings the tokenizer would turn into control tokens (special and added tokens alike).
-        self._special_strings = tuple(str(t) for t in self.tokenizer.get_added_vocab())
+        self.template = ChatTemplate(self.tokenizer)
         settings = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
         # Everything that changes the pixels the ViT sees goes into every image's hash.
         self._settings_digest = blake3.blake3(settings.encode()).digest(16)
@@ -260,99 +235,12 @@ class MMProcessor:
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
         options: dict[str, Any] | None = None,
     ) -> Rendered:
-        """Apply the chat template; image parts become the model's image placeholder.
-
-        Text that came from the client is put through the template as a sentinel and returned apart from
-        the template's own text, so ``build`` can tokenize it with special-token strings kept as text:
-        only the chat template inserts control tokens (a user typing ``<|im_end|>`` cannot end its turn).
-        A template that transforms content (strips it, branches on it) sees the sentinel, not the text; so
-        the real text is rendered too, and where the two disagree the real rendering is used as one template
-        piece -- unless some client text holds a special-token string, where keeping it text comes first.
-
-        Tool results, the names and arguments of earlier tool calls and the tool definitions are client text
-        too. Templates write a tool as ``tool | tojson``: it goes in as a one-key object whose key is a
-        sentinel, and the JSON tojson makes of that is turned back into the sentinel (whose text is the
-        tool's JSON, as tojson would have written it). ``options``: more apply_chat_template arguments (default: a
-        generation prompt). Raises ValueError when ``tools`` are given and the template has no place for them, or
-        reads into them while client text holds a special-token string."""
-        texts: list[str] = []
-
-        def hold(text: Any) -> str:
-            texts.append(str(text))
-            return f"{_SENTINEL}{len(texts) - 1}{_SENTINEL}"
-
-        held = [self._plain(message, hold) for message in messages]
-        refs = [hold(json.dumps(tool, ensure_ascii=False)) for tool in tools] if tools else []
-        plain = [self._plain(message, str) for message in messages]
-        real = self._apply_template(plain, tools, options)
-        if tools and real == self._apply_template(plain, None, options):
-            raise ValueError("the model's chat template does not render tools")
-        if not any(self._has_special(t) for t in texts):
-            # Nothing to keep apart: the template's own rendering, tokenized in one pass (token_ids), is
-            # exactly what transformers tokenizes; the sentinel rendering would buy nothing.
-            return Rendered([(real, False)])
-        text = self._apply_template(held, [{ref: 0} for ref in refs] or None, options)
-        written = [json.dumps({ref: 0}, ensure_ascii=False) for ref in refs]
-        tools_held = all(w in text for w in written)  # False: the template reads into a tool
-        for ref, w in zip(refs, written, strict=True):
-            text = text.replace(w, ref)
-        pieces: list[tuple[str, bool]] = []
-        for i, chunk in enumerate(text.split(_SENTINEL)):
-            # Odd chunks are sentinel indices: the client's text; even chunks are the template's.
-            if i % 2:
-                pieces.append((texts[int(chunk)], True))
-            elif chunk:
-                pieces.append((chunk, False))
-        rendered = Rendered(pieces)
-        if real != rendered.text and not tools_held:
-            raise ValueError("client text holds a control-token string and the template reads into the tools")
-        return rendered
-
-    @staticmethod
-    def _plain(message: dict[str, Any], text: Any) -> dict[str, Any]:
-        content = message.get("content")
-        if isinstance(content, list):
-            parts: list[dict[str, Any]] = []
-            for part in content:
-                if part.get("type") in ("image", "image_url", "input_image"):
-                    parts.append({"type": "image"})
-                elif part.get("type") in ("video", "video_url"):
-                    parts.append({"type": "video"})
-                else:
-                    parts.append({"type": "text", "text": text(part.get("text", ""))})
-            return {**message, "content": parts}
-        out = {**message, "content": text(content)} if isinstance(content, str) else dict(message)
-        if message.get("tool_calls"):
-            out["tool_calls"] = [_called(call, text) for call in message["tool_calls"]]
-        return out
-
-    def _apply_template(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None = None, options: dict[str, Any] | None = None
-    ) -> str:
-        extra: dict[str, Any] = {"add_generation_prompt": True, **(options or {})}
-        if tools:
-            extra["tools"] = tools
-        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, **extra))
-
-    def _has_special(self, text: str) -> bool:
-        return any(token in text for token in self._special_strings)
+        """Apply the chat template (`ChatTemplate.render`): client text kept apart from the template's own."""
+        return self.template.render(messages, tools, options)
 
     def token_ids(self, rendered: Rendered | str) -> list[int]:
-        """Tokenize a rendered prompt: the template's text with its special tokens, the client's text with
-        special-token strings split into ordinary tokens. The pieces meet at pretokenizer boundaries (a
-        newline or a special token on the template's side), so this equals tokenizing the joined string
-        whenever the client's text holds no special-token string."""
-        if isinstance(rendered, str):
-            rendered = Rendered([(rendered, False)])
-        if not any(client and self._has_special(text) for text, client in rendered.pieces):
-            # Nothing to keep apart: one pass over the whole text, as transformers tokenizes it (pieces
-            # do not always meet at pretokenizer boundaries: "." + "\n\n" is one pretoken, "}" + "}" too).
-            return list(self.tokenizer(rendered.text, add_special_tokens=False)["input_ids"])
-        ids: list[int] = []
-        for text, client in rendered.pieces:
-            out = self.tokenizer(text, add_special_tokens=False, split_special_tokens=client)["input_ids"]
-            ids.extend(out)
-        return ids
+        """Tokenize a rendered prompt so that only the template inserts control tokens (`ChatTemplate.token_ids`)."""
+        return self.template.token_ids(rendered)
 
     def tokens_for_grid(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
