@@ -32,6 +32,7 @@ from ipc.control import RequestFailed
 from ipc.prompts import TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.stats import SchedulerStats, TokenizerStats
+from workers.common.errors import BadRequest
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import ImageInfo, MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta
@@ -47,7 +48,6 @@ from workers.tokenizer.media.video_prep import (
     media_items,
 )
 from workers.tokenizer.requests.chat import (
-    BadRequest,
     ChatCompletionRequest,
     ImageRef,
     image_refs,

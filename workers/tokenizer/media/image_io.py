@@ -9,8 +9,8 @@ import msgspec
 import torch
 
 from ipc import shm
+from workers.common.errors import BadRequest
 from workers.engine.prompt.processor import ProcessedImage
-from workers.tokenizer.requests.chat import BadRequest
 
 
 class Encoded:

@@ -1,11 +1,9 @@
 """A tokenizer's images: a request's encoded images in, one shared-memory name per image out.
 
-Image identity is the hash of the encoded bytes (framed with the processor settings). Segments are
-named ``{hash}-{t}x{h}x{w}-{unique}`` so any tokenizer of the launch can find a live segment of an
-image by listing /dev/shm, and knows its grid from the name alone. A resent image is then a hard
-link to a new name: no decode, no processing, no write. Pixels (the resized uint8 frame where the
-processor allows, pixel_frames.py) are written under a temporary name and published under the hash name
-only once complete, so a reader never links a half-written file.
+Image identity is the hash of the encoded bytes (framed with the processor settings); a resent image is a hard
+link to a live segment of it under a new name: no decode, no processing, no write. How segments are named,
+found, linked and written is image_segments.py's; this module plans a request's images (reuse or process),
+processes the fresh ones and decides when each is written.
 
 The distinct fresh images of one request are decoded, processed and written on a thread pool:
 Pillow's decoder, torch's ops and the copy into shm release the GIL, so a request with many new
@@ -24,13 +22,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import TypeVar
 
 import blake3
@@ -38,6 +34,7 @@ import torch
 from PIL import Image
 
 from ipc import shm
+from workers.common.errors import BadRequest
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import MMProcessor, ProcessedImage
 from workers.tokenizer.media.fetch import (
@@ -47,43 +44,12 @@ from workers.tokenizer.media.fetch import (
     probe_decodes,
     probe_image,
 )
-from workers.tokenizer.media.image_io import Encoded, write_and_publish
-from workers.tokenizer.requests.chat import BadRequest
+from workers.tokenizer.media.image_io import Encoded
+from workers.tokenizer.media.image_segments import NO_GRID, Grid, ImageSegments, PendingWrite, RequestImage
 
-LOCAL_INDEX_SIZE = 4096  # hashes remembered with their newest segment name (a hint; /dev/shm is the truth)
 DATA_URL_INDEX_SIZE = 4096  # data URLs remembered by the hash of their text, with their image's hash
-# No "^": match(name, pos) anchors at pos itself, while "^" would only match at index 0.
-_KEY_RE = re.compile(r"(?P<hash>[0-9a-f]{32})-(?P<t>\d+)x(?P<h>\d+)x(?P<w>\d+)-")
-_NO_GRID = (0, 0, 0)  # of an image until it is processed
-
-Grid = tuple[int, int, int]
 _A = TypeVar("_A")
 _R = TypeVar("_R")
-
-
-@dataclass
-class RequestImage:
-    """One distinct image of a request while it is being prepared."""
-
-    hash: bytes
-    raw: Encoded
-    param: str
-    grid: Grid
-    candidates: list[str]  # live segments of this image to link from (reuse); empty: process and write
-    processed: ProcessedImage | None = None  # the pixels, when they must be written
-    ref: shm.ShmRef | None = None  # this request's segment, once linked or written (or named, if deferred)
-    deferred: bool = False  # grid from the header: decoded, processed and written after the prompt is sent
-    early: Future[ProcessedImage] | None = None  # grid from the header, processing while the prompt is built
-    low: bool = False  # detail "low": scaled down before the processor (media.low_detail); its own hash
-
-
-@dataclass(frozen=True)
-class PendingWrite:
-    """A deferred image of a request that was handed on: written under ``tmp``, published as ``final``."""
-
-    image: RequestImage
-    tmp: str
-    final: str
 
 
 def core_share(config: ServerConfig) -> int:
@@ -96,23 +62,14 @@ def overloaded() -> BadRequest:
     return BadRequest(message, status=503, type="server_error", code="shm_budget_exceeded")
 
 
-class ImagePrep:
+class ImagePrep(ImageSegments):
     """Reuse, processing and shm segments for the images of one tokenizer's requests."""
 
     def __init__(self, config: ServerConfig, index: int, processor: MMProcessor) -> None:
+        super().__init__(config, index, processor)
         self.config, self.processor = config, processor
-        self.launch_id = config.launch_id
-        self.dtype = config.engine.torch_dtype()
-        ip = processor.image_processor
-        # Width of one patch row in pixel_values; with the grid it gives a segment's shape from its name.
-        self.row = 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
-        self.frame_layout = processor.uint8_frames[0] if processor.uint8_frames is not None else None
-        self.local: OrderedDict[bytes, tuple[str, Grid]] = OrderedDict()
         self.data_urls: OrderedDict[bytes, bytes] = OrderedDict()  # see Encoded
         self.max_data_url_chars = 4 * config.max_image_bytes // 3 + 4096  # base64 of the largest image, header
-        self.nonce = f"w{index}{os.urandom(3).hex()}-"  # unique names across restarts of this index
-        self.counter = 0
-        self.images_reused = 0
         # When the last request's images were hashed, processed (those not deferred) and written: for the step trace.
         self.marks: dict[str, float] = {}
         # Auto: a thread per core of this process's share, intra-op threads as they are (torch.set_num_threads
@@ -135,7 +92,7 @@ class ImagePrep:
         (a fresh tokenizer's 8 x 1080p request: +25-45 ms to the scheduler, H200 host). Writes nothing to shm."""
         buf = io.BytesIO()
         Image.new("RGB", (1920, 1080), (90, 120, 150)).save(buf, format="JPEG")
-        probe = RequestImage(bytes(16), Encoded(buf.getvalue()), "warm-up", _NO_GRID, [])
+        probe = RequestImage(bytes(16), Encoded(buf.getvalue()), "warm-up", NO_GRID, [])
         # All pool tasks wait for each other, so each one runs on a thread of its own (the pool starts a thread
         # per task while none is idle); the timeout only guards against a pool that cannot start them all.
         together = threading.Barrier(self.threads)
@@ -198,7 +155,7 @@ class ImagePrep:
             if live:
                 image = RequestImage(h, raw, param, live[0][1], [name for name, _ in live], low=small)
             else:
-                image = RequestImage(h, raw, param, _NO_GRID, [], low=small)
+                image = RequestImage(h, raw, param, NO_GRID, [], low=small)
                 todo.append(image)
                 if defer and len(todo) == 1:  # decoding from here on, while the rest is hashed and probed
                     self._start_early(image, deferred=first_too)
@@ -242,16 +199,6 @@ class ImagePrep:
             return False
         image.grid, image.deferred = grid, True
         return True
-
-    def _list_live(self) -> dict[str, list[tuple[str, Grid]]]:
-        """Live segments of the launch by image hash (hex), with the grid their names carry."""
-        skip = len(shm.shm_prefix(self.launch_id))
-        live: dict[str, list[tuple[str, Grid]]] = {}
-        for name in reversed(shm.list_segments(self.launch_id)):
-            if m := _KEY_RE.match(name, skip):
-                grid = (int(m.group("t")), int(m.group("h")), int(m.group("w")))
-                live.setdefault(m.group("hash"), []).append((name, grid))
-        return live
 
     def _each(self, work: Callable[[_A], _R], args: list[_A]) -> list[_R]:
         """`work` over `args`, results in order: on the pool when there are two or more (one runs inline).
@@ -361,65 +308,3 @@ class ImagePrep:
         for job in writes:
             self._remember(job.image.hash, job.final, job.image.grid)
 
-    def _nbytes(self, image: RequestImage) -> int:
-        return self._ref("", image.grid).nbytes
-
-    def _ref(self, name: str, grid: Grid) -> shm.ShmRef:
-        """The segment of an image of this grid: its uint8 frame where the processor allows (pixel_frames.py), else
-        its patch rows in the model's dtype. Every tokenizer of a launch has the same processor, so a name's grid
-        tells any of them which."""
-        if self.frame_layout is not None:
-            shape = self.frame_layout.shape(grid)
-            return shm.ShmRef(name, shape[0] * shape[1] * shape[2], "uint8", shape)
-        rows = (grid[0] * grid[1] * grid[2], self.row)
-        return shm.ShmRef(name, rows[0] * rows[1] * self.dtype.itemsize, shm.dtype_name(self.dtype), rows)
-
-    def _sources(self, image: RequestImage) -> Iterator[str]:
-        yield from image.candidates
-        # The local hint may be stale; then another live name of the image (any tokenizer's) will do.
-        # Listed only when needed: the common case links the hint and never pays for a listdir.
-        yield from (n for n, _ in self._list_live().get(image.hash.hex(), []) if n not in image.candidates)
-
-    def _link(self, image: RequestImage, names: list[str]) -> bool:
-        new = self._new_name(image)
-        for source in self._sources(image):
-            if shm.link_segment(source, new):
-                names.append(new)
-                image.ref = self._ref(new, image.grid)
-                self._remember(image.hash, new, image.grid)
-                self.images_reused += 1
-                return True
-        self.local.pop(image.hash, None)
-        return False
-
-    def _write(self, job: tuple[RequestImage, str, str]) -> shm.ShmRef:
-        """Write one image's pixels under its temporary name, then publish them under its final one.
-        May run on a pool thread: touches only its own two names."""
-        image, tmp, final = job
-        processed = image.processed
-        assert processed is not None
-        pixels = processed.pixel_values
-        if processed.frame is None and (pixels.dim() != 2 or pixels.shape[1] != self.row):
-            raise RuntimeError(f"pixels are {tuple(pixels.shape)}, expected rows {self.row} wide")
-        return write_and_publish(self._ref(tmp, image.grid), processed, final)
-
-    def _new_name(self, image: RequestImage) -> str:
-        self.counter += 1
-        t, h, w = image.grid
-        return shm.segment_name(
-            self.launch_id, f"{image.hash.hex()}-{t}x{h}x{w}-{self.nonce}{self.counter:x}"
-        )
-
-    def _remember(self, h: bytes, name: str, grid: Grid) -> None:
-        self.local[h] = (name, grid)
-        self.local.move_to_end(h)
-        if len(self.local) > LOCAL_INDEX_SIZE:
-            self.local.popitem(last=False)
-
-    def release(self, names: list[str]) -> None:
-        """Unlink a failed request's names, and forget them as hints."""
-        for name in names:
-            shm.ShmSegment.unlink(name)
-        gone = set(names)
-        for h in [h for h, (name, _) in self.local.items() if name in gone]:
-            del self.local[h]

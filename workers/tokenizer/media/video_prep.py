@@ -32,7 +32,7 @@ from workers.engine.prompt.video_decode import VideoError, iter_frames, probe
 from workers.engine.prompt.video_prompt import VideoMeta, VideoPlan, VideoProcessor
 from workers.tokenizer.media.fetch import MediaFetcher, MediaLimits, is_remote
 from workers.tokenizer.media.image_io import write_and_publish
-from workers.tokenizer.media.image_prep import RequestImage
+from workers.tokenizer.media.image_segments import RequestImage
 from workers.tokenizer.requests.chat import ImageRef
 
 log = logging.getLogger("glimpse.video")

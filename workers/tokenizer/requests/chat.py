@@ -33,7 +33,7 @@ from workers.tokenizer.requests.sampling import (
     unsupported,
 )
 
-__all__ = ["BadRequest", "ChatCompletionRequest", "parse_request", "to_sampling_params"]
+__all__ = ["ChatCompletionRequest", "parse_request", "to_sampling_params"]
 
 log = logging.getLogger("glimpse.request")
 _R = TypeVar("_R", bound=msgspec.Struct)

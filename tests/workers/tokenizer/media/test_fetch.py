@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from tests.conftest import noise_image
+from workers.common.errors import BadRequest
 from workers.tokenizer.media.fetch import MediaLimits, decode_image, load_media, probe_decodes, probe_image
-from workers.tokenizer.requests.chat import BadRequest
 
 LIMITS = MediaLimits(max_bytes=1 << 20, timeout_s=5.0)
 

@@ -13,9 +13,9 @@ import pytest
 from tests.conftest import noise_image
 from tests.media_server import MediaServer
 from tests.workers.tokenizer.media.test_fetch import encode
+from workers.common.errors import BadRequest
 from workers.tokenizer.media.fetch import MediaFetcher, MediaLimits
 from workers.tokenizer.media.http_fetch import FETCH_FAILED, AddressPolicy, Resolver, classify
-from workers.tokenizer.requests.chat import BadRequest
 
 PNG = encode(noise_image(40, 30, seed=1), "PNG")
 

@@ -42,11 +42,11 @@ from tests.workers.tokenizer.test_process import (
     server_config,
     shm_path,
 )
+from workers.common.errors import BadRequest
 from workers.engine.config import EngineConfig
 from workers.engine.prompt.processor import MMProcessor, ProcessedImage
 from workers.tokenizer.media.fetch import decode_image
-from workers.tokenizer.media.image_prep import RequestImage
-from workers.tokenizer.requests.chat import BadRequest
+from workers.tokenizer.media.image_segments import RequestImage
 from workers.tokenizer.worker import TokenizerWorker
 
 # ---- a request's fresh images on the worker's thread pool ------------------------------------------

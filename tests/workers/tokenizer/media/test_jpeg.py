@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from tests.conftest import noise_image
-from workers.tokenizer.media.fetch import decode_image, decode_pixels
+from workers.common.errors import BadRequest
 from workers.tokenizer.media import jpeg
-from workers.tokenizer.requests.chat import BadRequest
+from workers.tokenizer.media.fetch import decode_image, decode_pixels
 
 
 def encode(image: Image.Image, fmt: str = "JPEG", **kw: object) -> bytes:

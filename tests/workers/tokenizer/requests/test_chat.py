@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from ipc.prompts import SamplingParams
+from workers.common.errors import BadRequest
 from workers.tokenizer.requests.chat import (
-    BadRequest,
     ImagePart,
     TextPart,
     image_refs,
