@@ -83,14 +83,18 @@ def set_weight_loader(param: Tensor, loader: WeightLoader) -> None:
     setattr(param, "weight_loader", loader)  # noqa: B010 - mypy rejects the attribute form
 
 
+def copy_into(dst: Tensor, src: Tensor, what: str = "shard") -> None:
+    """Copy a checkpoint tensor (or this rank's slice of it) into a parameter (or a slice of one), checking the
+    shape first: a mismatch means the checkpoint and the model disagree, never something to broadcast."""
+    if dst.shape != src.shape:
+        raise ValueError(f"{what} shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
 def default_weight_loader(param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
     """Copy a replicated (unsharded) tensor, checking the shape."""
-    if param.shape != loaded.shape:
-        raise ValueError(
-            f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}"
-        )
-    with torch.no_grad():
-        param.copy_(loaded)
+    copy_into(param, loaded, what="tensor")
 
 
 def get_weight_loader(param: Tensor) -> WeightLoader:
@@ -98,13 +102,18 @@ def get_weight_loader(param: Tensor) -> WeightLoader:
     return loader
 
 
-def _copy_into(dst: Tensor, src: Tensor) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(
-            f"shard shape mismatch: parameter slice {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}"
-        )
-    with torch.no_grad():
-        dst.copy_(src)
+def sharded_parameters(
+    weight_shape: tuple[int, int], bias_size: int | None, weight_loader: WeightLoader, bias_loader: WeightLoader
+) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """A parallel linear's (weight, bias or None), allocated uninitialised at this rank's shapes, each carrying the
+    loader that copies its slice out of the full checkpoint tensor."""
+    weight = nn.Parameter(torch.empty(weight_shape), requires_grad=False)
+    set_weight_loader(weight, weight_loader)
+    if bias_size is None:
+        return weight, None
+    bias = nn.Parameter(torch.empty(bias_size), requires_grad=False)
+    set_weight_loader(bias, bias_loader)
+    return weight, bias
 
 
 class ColumnParallelLinear(nn.Module):
@@ -124,16 +133,13 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = out_features
         self.out_local = divide(out_features, tp.size)
         self.gather_output = gather_output
-        self.weight = nn.Parameter(torch.empty(self.out_local, in_features), requires_grad=False)
-        set_weight_loader(self.weight, self.weight_loader)
-        self.bias: nn.Parameter | None = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_local), requires_grad=False)
-            set_weight_loader(self.bias, self.weight_loader)
+        self.weight, self.bias = sharded_parameters(
+            (self.out_local, in_features), self.out_local if bias else None, self.weight_loader, self.weight_loader
+        )
 
     def weight_loader(self, param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
         n = param.shape[0]
-        _copy_into(param, loaded.narrow(0, self.tp.rank * n, n))
+        copy_into(param, loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: Tensor) -> Tensor:
         y = linear(x, self.weight, self.bias)
@@ -159,7 +165,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         local = [divide(s, self.tp.size) for s in self.output_sizes]
         offset = sum(local[:shard_id])
         n = local[shard_id]
-        _copy_into(param.narrow(0, offset, n), loaded.narrow(0, self.tp.rank * n, n))
+        copy_into(param.narrow(0, offset, n), loaded.narrow(0, self.tp.rank * n, n))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -206,7 +212,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             src = loaded.narrow(0, self.kv_head_start() * d, self.kv_size)
         else:
             raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _copy_into(dst, src)
+        copy_into(dst, src)
 
 
 class RowParallelLinear(nn.Module):
@@ -228,16 +234,14 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_local = divide(in_features, tp.size)
         self.reduce_output = reduce_output
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
-        set_weight_loader(self.weight, self.weight_loader)
-        self.bias: nn.Parameter | None = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            set_weight_loader(self.bias, default_weight_loader)
+        # The bias is replicated: every rank loads it whole.
+        self.weight, self.bias = sharded_parameters(
+            (out_features, self.in_local), out_features if bias else None, self.weight_loader, default_weight_loader
+        )
 
     def weight_loader(self, param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
         n = param.shape[1]
-        _copy_into(param, loaded.narrow(1, self.tp.rank * n, n))
+        copy_into(param, loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: Tensor) -> Tensor:
         y = linear(x, self.weight)
@@ -273,7 +277,7 @@ class VocabParallelEmbedding(nn.Module):
         n = self.vocab_end - self.vocab_start
         with torch.no_grad():
             param.zero_()
-        _copy_into(param.narrow(0, 0, n), loaded.narrow(0, self.vocab_start, n))
+        copy_into(param.narrow(0, 0, n), loaded.narrow(0, self.vocab_start, n))
 
     def forward(self, input_ids: Tensor) -> Tensor:
         if self.tp.size == 1:

@@ -1,28 +1,34 @@
-"""What every family's decoder shares: the vocab-parallel embedding and head, the attention backend picked on
-the first forward, logits gathered over TP ranks, the paged KV cache's shape, allocation straight in the
-target dtype, and loading canonical ``lm.*`` checkpoint tensors into fused, sharded parameters.
+"""What every family's decoder shares: its config fields, the pre-norm layer (rotary GQA attention over the paged
+KV cache, SwiGLU MLP, residual adds deferred into the next norm), the vocab-parallel embedding and head, the
+attention backend picked on the first forward, the layer loop, logits gathered over TP ranks, the paged KV cache's
+shape, allocation straight in the target dtype, and loading canonical ``lm.*`` checkpoint tensors into fused,
+sharded parameters.
 
 A family's LM subclasses ``PagedDecoder``: it builds ``self.layers`` between ``super().__init__`` and
-``self.add_head()``, and overrides ``route`` / ``shards_needed`` where its checkpoint has more fused layouts
-(Qwen3-VL-MoE's experts)."""
+``self.add_head()``, then sets ``self.rotary`` (positions, dtype -> cos and sign-folded sin tables); it overrides
+``forward`` where something joins the layer loop (Qwen3-VL's DeepStack), ``DecoderAttention.rotate`` where q and k
+take more than rotary (Qwen3's q/k norms), and ``route`` / ``shards_needed`` where its checkpoint has more fused
+layouts (Qwen3-VL-MoE's experts)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import fused
-from workers.engine.kernels.attention import AttentionBackend
+from workers.engine.kernels import fused, rope_kernel
+from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.backends import get_attention_backend
 from workers.engine.layers.linear import (
     SINGLE_RANK,
     MergedColumnParallelLinear,
     ParallelLMHead,
+    QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     TPGroup,
@@ -30,6 +36,7 @@ from workers.engine.layers.linear import (
     get_weight_loader,
     kv_heads_per_rank,
 )
+from workers.engine.layers.rotary import apply_rope
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -41,6 +48,25 @@ FUSED_PROJECTIONS: tuple[tuple[str, str, str | int], ...] = (
     (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
     (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
 )
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Shape and numerics of a decoder, read from a checkpoint's config.json (``decoder_fields`` plus the tie flag,
+    which each family reads its own way); a family's TextSpec adds its own fields."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    tie_word_embeddings: bool
+    max_position_embeddings: int
 
 
 def decoder_fields(
@@ -100,13 +126,87 @@ class SwiGLUMLP(nn.Module):
         return result
 
 
+class DecoderAttention(nn.Module):
+    """GQA self-attention over the paged KV cache: q, k and v in one column-parallel matmul (heads split over TP
+    ranks), rotary from the per-forward tables, the output projection row-parallel."""
+
+    def __init__(self, spec: DecoderSpec, tp: TPGroup, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        d = spec.head_dim
+        self.head_dim = d
+        heads, kv_heads = spec.num_attention_heads, spec.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, d, heads, kv_heads, bias=qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(heads * d, spec.hidden_size, bias=o_bias, tp=tp)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.scale = d**-0.5
+        self.fused = False  # CUDA: rotary of q and k in one kernel (rope_kernel.py; compiled where it is off)
+
+    def rotate(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The projection's output [T, q + 2 kv] -> q and k with rotary applied, and v, each [T, heads, D]."""
+        t, d = qkv.shape[0], self.head_dim
+        if self.fused and fused.worth_it(qkv):
+            rope = rope_kernel.lm_rope if rope_kernel.wanted(qkv, d) else fused.compiled(fused.lm_rope)
+            q, k, v = rope(qkv, cos, sin, self.q_size, self.kv_size, d)
+            return q, k, v
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return apply_rope(q.view(t, -1, d), cos, sin), apply_rope(k.view(t, -1, d), cos, sin), v.view(t, -1, d)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        q, k, v = self.rotate(self.qkv_proj(x), cos, sin)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        result: Tensor = self.o_proj(out.reshape(x.shape[0], -1))
+        return result
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: attention, then the MLP (dense or sparse), each behind an RMSNorm."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(
+        self,
+        h: Tensor,
+        delta: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[Tensor, Tensor]:
+        """(residual stream, previous layer's MLP output or None) -> the same pair after this layer.
+
+        The MLP output is added to the stream by the *next* norm (``RMSNorm.add``), so on CUDA each residual
+        add shares a kernel with the norm after it; the ops and their order are transformers' either way."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm.add(h, delta)
+        h, x = self.post_attention_layernorm.add(h, self.self_attn(x, cos, sin, kv_cache, meta, backend))
+        out: Tensor = self.mlp(x)
+        return h, out
+
+
 class PagedDecoder(nn.Module):
     """Base of a decoder over a flattened batch of new tokens with a paged KV cache.
 
-    ``spec`` needs vocab_size, hidden_size, num_key_value_heads, head_dim, rms_norm_eps, tie_word_embeddings.
-    ``embed_tokens`` maps ids [T] -> [T, H] (vocab-parallel)."""
+    ``embed_tokens`` maps ids [T] -> [T, H] (vocab-parallel); ``rotary`` maps (positions [3, T], dtype) to the
+    cos and sign-folded sin tables [T, 1, D] every layer's attention takes."""
 
     layers: nn.ModuleList
+    rotary: nn.Module
 
     def __init__(self, spec: Any, tp: TPGroup, attn_backend: str) -> None:
         super().__init__()
@@ -139,6 +239,37 @@ class PagedDecoder(nn.Module):
     def final_norm(self, h: Tensor, delta: Tensor | None) -> Tensor:
         out: Tensor = self.norm(h) if delta is None else self.norm.add(h, delta)[1]
         return out
+
+    def prepare(
+        self, inputs_embeds: Tensor, positions: Tensor, kv_caches: list[Tensor], backend: AttentionBackend | None
+    ) -> tuple[AttentionBackend, Tensor, Tensor]:
+        """What every layer of one forward takes: the attention backend (``backend`` if given) and the rotary
+        tables, built once for all layers."""
+        self.check_kv_caches(kv_caches)
+        backend = backend or self.attention_backend(inputs_embeds.device)
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        return backend, cos, sin
+
+    def forward(
+        self,
+        inputs_embeds: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend | None = None,
+        deepstack: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """inputs_embeds [T, H], positions int64 [3, T] (t/h/w rows) -> final-norm hidden states [T, H].
+
+        ``backend`` overrides the model's attention backend for this call (CUDA-graph decode uses a fixed-shape
+        one). ``deepstack`` is for families that take DeepStack features (and override this method)."""
+        if deepstack is not None:
+            raise ValueError(f"{type(self).__name__} takes no DeepStack features")
+        backend, cos, sin = self.prepare(inputs_embeds, positions, kv_caches, backend)
+        h, delta = inputs_embeds, None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h, delta = layer(h, delta, cos, sin, kv_cache, meta, backend)
+        return self.final_norm(h, delta)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> float32 logits [N, vocab], gathered over TP ranks (every rank gets all)."""

@@ -3,8 +3,8 @@
 Numerically it follows transformers' ``Qwen3VLTextModel`` / ``Qwen3VLMoeTextModel``: unlike Qwen2.5-VL, no
 q/k/v bias, an RMSNorm over every q and k head before rotary, *interleaved* M-RoPE, DeepStack (vision
 features added to the image rows after the first L layers) and, for MoE, sparse expert MLPs (moe.py).
-Structurally it is the serving layout of the Qwen2.5-VL LM: flattened batch, paged KV cache behind an
-attention backend, TP layers loading per-rank slices, residual adds deferred into the next norm.
+Structurally it is the serving decoder of models/decoder.py, as the Qwen2.5-VL LM: flattened batch, paged KV cache
+behind an attention backend, TP layers loading per-rank slices, residual adds deferred into the next norm.
 """
 
 from __future__ import annotations
@@ -17,14 +17,17 @@ from torch import Tensor, nn
 
 from workers.engine.kernels import fused, rope_kernel
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from workers.engine.layers.linear import (
-    SINGLE_RANK,
-    QKVParallelLinear,
-    RMSNorm,
-    RowParallelLinear,
-    TPGroup,
+from workers.engine.layers.linear import SINGLE_RANK, RMSNorm, TPGroup
+from workers.engine.layers.rotary import MRopeAngles, apply_rope, mrope_rows
+from workers.engine.models.decoder import (
+    DecoderAttention,
+    DecoderLayer,
+    DecoderSpec,
+    PagedDecoder,
+    SwiGLUMLP,
+    allocate,
+    decoder_fields,
 )
-from workers.engine.models.decoder import PagedDecoder, SwiGLUMLP, allocate, decoder_fields
 from workers.engine.models.qwen3_vl.moe import (
     SparseMoeBlock,
     expert_shard,
@@ -34,22 +37,10 @@ from workers.engine.models.qwen3_vl.moe import (
 
 
 @dataclass(frozen=True)
-class TextSpec:
+class TextSpec(DecoderSpec):
     """Shape and numerics of the language model, read from a checkpoint's config.json."""
 
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    mrope_section: tuple[int, ...]
     mrope_interleaved: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
     attention_bias: bool = False
     num_experts: int = 0  # 0: dense model
     num_experts_per_tok: int = 0
@@ -88,48 +79,16 @@ class TextSpec:
         )
 
 
-def mrope_rows(section: tuple[int, ...], interleaved: bool) -> list[int]:
-    """Per rotary frequency, the position row (0 = t, 1 = h, 2 = w) driving it. Interleaved (transformers'
-    Qwen3-VL): all t, but frequency j goes to h if j % 3 == 1 and j < 3 * section[1], to w if j % 3 == 2 and
-    j < 3 * section[2]. Otherwise contiguous sections, as in Qwen2-VL."""
-    if not interleaved:
-        return [row for row, n in enumerate(section) for _ in range(n)]
-    half = sum(section)
-    rows = [0] * half
-    for row in (1, 2):
-        for j in range(row, min(3 * section[row], half), 3):
-            rows[j] = row
-    return rows
+class RotaryTables(MRopeAngles):
+    """positions [3, T] -> cos [T, 1, D] and sign-folded sin [T, 1, D] in ``dtype``, for every layer of a forward.
 
-
-class RotaryTables(nn.Module):
-    """positions [3, T] -> cos [T, 1, D] and sign-folded sin [T, 1, D], once per forward for all layers.
-
-    Each frequency's position row is picked with one gather, then multiplied: the same float32 products
-    transformers forms before it recomposes its three per-row tables. ``rotate_half(x) * sin`` equals
-    ``swap_halves(x) * cat(-sin_lo, sin_hi)`` bit for bit (negation is exact), so the negation happens here.
-    """
-
-    def __init__(self, head_dim: int, theta: float, rows: list[int]) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.inv_freq: Tensor
-        self.row_of_freq: Tensor
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("row_of_freq", torch.tensor(rows, dtype=torch.long), persistent=False)
+    As transformers' Qwen3-VL does: cos and sin of the float32 angles, cast, then duplicated over both halves of
+    head_dim (the rotate_half layout); the sign of rotate_half is folded into sin (see ``apply_rope``)."""
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        if positions.dim() == 1:
-            positions = positions.unsqueeze(0).expand(3, -1)
-        freqs = positions[self.row_of_freq].t().float() * self.inv_freq.float()  # [T, D/2]
+        freqs = self.angles(positions)  # [T, D/2]
         cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)  # transformers casts before duplicating
         return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """x [T, H, D] -> x * cos + rotate_half(x) * sin, with transformers' roundings."""
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return x * cos + swapped * sin_signed
 
 
 def qwen3_qk_norm_rope(
@@ -150,83 +109,42 @@ def qwen3_qk_norm_rope(
     return norm_rotate(q, q_w), norm_rotate(k, k_w), v.reshape(t, -1, head_dim).contiguous()
 
 
-class Qwen3VLAttention(nn.Module):
-    def __init__(self, spec: TextSpec, tp: TPGroup) -> None:
-        super().__init__()
-        d = spec.head_dim
-        self.head_dim = d
-        self.qkv_proj = QKVParallelLinear(
-            spec.hidden_size, d, spec.num_attention_heads, spec.num_key_value_heads, spec.attention_bias, tp
-        )
-        self.o_proj = RowParallelLinear(
-            spec.num_attention_heads * d, spec.hidden_size, spec.attention_bias, tp
-        )
-        self.q_norm = RMSNorm(d, spec.rms_norm_eps)  # over head_dim, so replicated on every rank
-        self.k_norm = RMSNorm(d, spec.rms_norm_eps)
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.sizes = (self.q_size, self.kv_size, d)
-        self.scale = d**-0.5
-        self.fused = False  # CUDA: q/k norm + rope in one kernel (rope_kernel.py; compiled where it is off)
+class Qwen3VLAttention(DecoderAttention):
+    """Qwen3's attention: an RMSNorm over every q and k head before rotary, no q/k/v bias (unless configured)."""
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        kv_cache: Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> Tensor:
-        t, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
+    def __init__(self, spec: TextSpec, tp: TPGroup) -> None:
+        super().__init__(spec, tp, qkv_bias=spec.attention_bias, o_bias=spec.attention_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)  # over head_dim, so replicated on every rank
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.sizes = (self.q_size, self.kv_size, spec.head_dim)
+
+    def rotate(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The q and k norms, then rotary; on CUDA (``fused``) both in one kernel (rope_kernel.py; compiled where
+        it is off)."""
+        t, d = qkv.shape[0], self.head_dim
         if self.fused and fused.worth_it(qkv):
             q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
             if rope_kernel.wanted(qkv, d):
-                q, k, v = rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, (q_w, k_w, eps))
-            else:
-                q, k, v = fused.compiled(qwen3_qk_norm_rope)(qkv, q_w, k_w, eps, cos, sin, self.sizes)
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(self.q_norm(q.view(t, -1, d)), cos, sin)
-            k = apply_rope(self.k_norm(k.view(t, -1, d)), cos, sin)
-            v = v.view(t, -1, d)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, -1))
-
-
-class Qwen3VLDecoderLayer(nn.Module):
-    def __init__(self, spec: TextSpec, layer: int, tp: TPGroup) -> None:
-        super().__init__()
-        self.self_attn = Qwen3VLAttention(spec, tp)
-        self.mlp: nn.Module
-        if spec.layer_is_sparse(layer):
-            self.mlp = SparseMoeBlock(
-                spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size, tp
+                return rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, (q_w, k_w, eps))
+            out: tuple[Tensor, Tensor, Tensor] = fused.compiled(qwen3_qk_norm_rope)(
+                qkv, q_w, k_w, eps, cos, sin, self.sizes
             )
-        else:
-            self.mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            return out
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.view(t, -1, d)), cos, sin)
+        k = apply_rope(self.k_norm(k.view(t, -1, d)), cos, sin)
+        return q, k, v.view(t, -1, d)
 
-    def forward(
-        self,
-        h: Tensor,
-        delta: Tensor | None,
-        cos: Tensor,
-        sin: Tensor,
-        kv_cache: Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> tuple[Tensor, Tensor]:
-        """(residual stream, previous layer's MLP output or None) -> the same pair after this layer; the
-        MLP output is added by the next norm, in transformers' order."""
-        if delta is None:
-            x = self.input_layernorm(h)
-        else:
-            h, x = self.input_layernorm.add(h, delta)
-        h, x = self.post_attention_layernorm.add(h, self.self_attn(x, cos, sin, kv_cache, meta, backend))
-        out: Tensor = self.mlp(x)
-        return h, out
+
+def _layer(spec: TextSpec, layer: int, tp: TPGroup) -> DecoderLayer:
+    mlp: nn.Module
+    if spec.layer_is_sparse(layer):
+        mlp = SparseMoeBlock(
+            spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size, tp
+        )
+    else:
+        mlp = SwiGLUMLP(spec.hidden_size, spec.intermediate_size, tp)
+    return DecoderLayer(Qwen3VLAttention(spec, tp), mlp, spec.hidden_size, spec.rms_norm_eps)
 
 
 class Qwen3VLLanguageModel(PagedDecoder):
@@ -234,7 +152,7 @@ class Qwen3VLLanguageModel(PagedDecoder):
 
     def __init__(self, spec: TextSpec, tp: TPGroup = SINGLE_RANK, attn_backend: str = "auto") -> None:
         super().__init__(spec, tp, attn_backend)
-        self.layers = nn.ModuleList([Qwen3VLDecoderLayer(spec, i, tp) for i in range(spec.num_hidden_layers)])
+        self.layers = nn.ModuleList(_layer(spec, i, tp) for i in range(spec.num_hidden_layers))
         self.add_head()
         rows = mrope_rows(spec.mrope_section, spec.mrope_interleaved)
         self.rotary = RotaryTables(spec.head_dim, spec.rope_theta, rows)
@@ -253,9 +171,7 @@ class Qwen3VLLanguageModel(PagedDecoder):
         ``deepstack`` = (rows int64 [N] of image tokens in this batch, features [N, L*H]): level i is added
         to those rows after decoder layer i. ``backend`` overrides the model's attention backend (CUDA-graph
         decode uses a fixed-shape one)."""
-        self.check_kv_caches(kv_caches)
-        backend = backend or self.attention_backend(inputs_embeds.device)
-        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        backend, cos, sin = self.prepare(inputs_embeds, positions, kv_caches, backend)
         hidden = self.spec.hidden_size
         rows, feats, levels = None, None, 0
         if deepstack is not None and deepstack[0].numel():

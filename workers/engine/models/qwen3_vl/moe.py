@@ -32,12 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.engine.kernels import fused
-from workers.engine.layers.linear import (
-    SINGLE_RANK,
-    TPGroup,
-    divide,
-    set_weight_loader,
-)
+from workers.engine.layers.linear import SINGLE_RANK, TPGroup, copy_into, divide, set_weight_loader
 
 
 def moe_fields(text: dict[str, Any]) -> dict[str, Any]:
@@ -87,15 +82,6 @@ def expert_shards_needed(param_name: str, num_experts: int) -> int:
     return 1
 
 
-def _copy(dst: Tensor, src: Tensor) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(
-            f"expert shard shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}"
-        )
-    with torch.no_grad():
-        dst.copy_(src)
-
-
 class StackedExperts(nn.Module):
     """This rank's slice of every expert's SwiGLU weights (see the module docstring for the layout)."""
 
@@ -128,24 +114,24 @@ class StackedExperts(nn.Module):
         il, full, start = self.inter_local, self.intermediate_size, self.tp.rank * self.inter_local
         if shard_id is None:  # every expert's gate then up rows, [E, 2I, H] once in Linear layout
             w = self._linear_layout(loaded, 2 * full, self.hidden_size)
-            _copy(param[:, :il], w[:, start : start + il])
-            _copy(param[:, il:], w[:, full + start : full + start + il])
+            copy_into(param[:, :il], w[:, start : start + il], "expert shard")
+            copy_into(param[:, il:], w[:, full + start : full + start + il], "expert shard")
             return
         if not (isinstance(shard_id, tuple) and shard_id[0] in ("gate", "up")):
             raise ValueError(f"gate_up_proj shard id must be ('gate'|'up', expert), got {shard_id!r}")
         which, e = shard_id
         offset = 0 if which == "gate" else il
-        _copy(param[e, offset : offset + il], loaded.narrow(0, start, il))
+        copy_into(param[e, offset : offset + il], loaded.narrow(0, start, il), "expert shard")
 
     def load_down(self, param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
         il, start = self.inter_local, self.tp.rank * self.inter_local
         if shard_id is None:
             w = self._linear_layout(loaded, self.hidden_size, self.intermediate_size)
-            _copy(param, w[:, :, start : start + il])
+            copy_into(param, w[:, :, start : start + il], "expert shard")
             return
         if not isinstance(shard_id, int):
             raise ValueError(f"down_proj shard id must be an expert index, got {shard_id!r}")
-        _copy(param[shard_id], loaded.narrow(1, start, il))
+        copy_into(param[shard_id], loaded.narrow(1, start, il), "expert shard")
 
 
 def experts_loop(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
