@@ -1,0 +1,232 @@
+"""The sequences a scheduling core tracks, and everything that happens to them outside step planning.
+
+``SequenceBook`` holds the core's state (the waiting and running queues, every live sequence by rid, n > 1 and
+batched-prompt families, the KV allocator, the embedding-cache index, the steps in flight) and its request-side
+operations: queueing a request, images becoming ready, aborts and finishes, and applying a step's result
+(publishing completed KV blocks to the prefix cache, appending sampled tokens, ending sequences). Planning the
+next step over that state is scheduler.py's ``SchedulerCore``, which derives from it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+from ipc.prompts import MMItem, SamplingParams
+from ipc.steps import StepPlan, StepResult
+from workers.engine.core.kv_cache import BlockAllocator, block_hashes
+from workers.engine.core.mm_cache import EmbeddingCacheIndex
+from workers.engine.core.sequence import (
+    FinishReason,
+    Sequence,
+    SeqUpdate,
+    check_prompt,
+    child_rid,
+    combined_mm_key,
+    prompt_only_updates,
+)
+
+
+class SequenceBook:
+    """A scheduling core's sequences and their lifecycle: added, made ready, sampled into, finished."""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        chunk_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        mm_cache_bytes: int,
+        embedding_bytes_per_token: int,
+        eos_token_ids: tuple[int, ...],
+        mm_cache_mode: Literal["image", "request"] = "image",
+        enable_prefix_caching: bool = True,
+        lone_prefill_tokens: int = 0,
+    ) -> None:
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.chunk_size = chunk_size
+        # Budget of a step with no decoding sequence: no one's inter-token latency depends on it, and a lone
+        # prompt's prefill gets fewer, larger chunks (fewer steps, better GEMM and attention shapes).
+        self.lone_prefill_tokens = max(chunk_size, lone_prefill_tokens)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.mm_cache_mode = mm_cache_mode
+        self.prefix_caching = enable_prefix_caching
+        self.mm_index = EmbeddingCacheIndex(mm_cache_bytes, embedding_bytes_per_token)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._step_ids = itertools.count()
+        self._finished_for_workers: list[str] = []
+        self._in_flight: deque[StepPlan] = deque()  # sent, result not back yet; two only with schedule(ahead=True)
+        self._drain = False  # a step planned ahead lacked blocks: plan the next one from the results
+        self.on_finished: Callable[[Sequence], None] | None = None  # e.g. unlink the request's shm
+        # (sequence, indices of blocks it just published, its block keys): KV-cache events' BlockStored.
+        self.on_blocks_stored: Callable[[Sequence, list[int], list[bytes]], None] | None = None
+        self.preemptions = 0
+        self.samples_dropped = 0  # sampled for a sequence that ended (or lost its KV) while the step ran
+        self.images_planned = 0
+        self.prompt_tokens_computed = 0
+        # n > 1: the live sequences of each request; the request ends (on_finished) with its last one.
+        self.families: dict[str, list[Sequence]] = {}
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add(
+        self,
+        rid: str,
+        input_ids: list[int],
+        mrope_delta: int,
+        items: list[MMItem],
+        sampling: SamplingParams,
+        more_prompts: list[list[int]] | None = None,
+        pending: Iterable[bytes] = (),
+    ) -> None:
+        """Queue request ``rid``. ``more_prompts``: a batch of text prompts after the first (completions), prompt
+        p computed as sequence child_rid(rid, p) answering choice p; like n > 1 choices, one request ends with all.
+        ``pending``: hashes of images whose pixels are not written yet; prefill stops short of them until
+        `media_ready` names them."""
+        if rid in self.seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if more_prompts and sampling.n > 1:
+            raise ValueError("a batch of prompts takes n = 1")
+        for ids in [input_ids, *(more_prompts or [])]:
+            check_prompt(ids, sampling.n, self.max_model_len, self.allocator)
+        seq = Sequence(rid, list(input_ids), mrope_delta, list(items), sampling, next(self._arrivals))
+        seq.pending = set(pending)
+        if self.mm_cache_mode == "request" and items:
+            seq.mm_key = combined_mm_key(seq.items)
+        # Text prompts (no images) have no M-RoPE delta.
+        more = [Sequence(child_rid(rid, p), list(ids), 0, [], sampling, next(self._arrivals), request_id=rid, index=p)
+                for p, ids in enumerate(more_prompts or [], 1)]
+        for member in (seq, *more):
+            self.seqs[member.rid] = member
+        if sampling.n > 1 or more:
+            self.families[rid] = [seq, *more]
+        self.waiting.extend([seq, *more])
+
+
+    def media_ready(self, rid: str, hashes: list[bytes]) -> None:
+        if (seq := self.seqs.get(rid)) is not None:
+            seq.pending.difference_update(hashes)
+
+
+    def abort(self, rid: str) -> bool:
+        """End request ``rid``: all its choices."""
+        family = self.families.get(rid)
+        seqs = list(family) if family is not None else [self.seqs[rid]] if rid in self.seqs else []
+        for seq in seqs:
+            self._finish(seq, "abort")
+        return bool(seqs)
+
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_for_workers)
+
+    # ---- results --------------------------------------------------------------------------------
+    def update(self, result: StepResult) -> list[SeqUpdate]:
+        if not self._in_flight or self._in_flight[0].step_id != result.step_id:
+            raise RuntimeError(f"result for step {result.step_id} does not match the step in flight")
+        plan = self._in_flight.popleft()  # results come back in the order the steps were sent
+        prompt_only: list[Sequence] = []  # max_tokens 0: the prompt was all there was to compute
+        for chunk in plan.chunks:
+            seq = self.seqs.get(chunk.rid)
+            if seq is not None and seq.finish_reason is None and seq.announced:
+                seq.num_computed = chunk.start + chunk.length
+                self._register_blocks(seq)
+                if seq.sampling.max_tokens == 0 and seq.num_computed >= seq.prompt_len:
+                    prompt_only.append(seq)
+        updates: list[SeqUpdate] = []
+        for seq in prompt_only:
+            self._finish(seq, "length")
+            updates.extend(prompt_only_updates(seq))
+        logprobs = {lp.rid: lp for lp in result.logprobs}
+        for rid, token_id in result.sampled:
+            seq = self.seqs.get(rid)
+            if seq is None or seq.finish_reason is not None or not seq.announced:
+                self.samples_dropped += 1  # ended or preempted while the step ran (a step planned ahead: on its last token)
+                continue
+            seq.in_flight -= 1
+            seq.output_ids.append(token_id)
+            reason = self._check_finish(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+            updates.append(
+                SeqUpdate(rid, token_id, reason, logprobs.get(rid), seq.request_id, seq.index, seq.cached_tokens)
+            )
+        return updates
+
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's newly completed full blocks to the prefix cache."""
+        bs = self.allocator.block_size
+        full = min(seq.num_computed // bs, len(seq.block_table))
+        if not self.prefix_caching or full <= seq.registered:
+            return
+        hashes = block_hashes(seq.all_token_ids(), bs, full, seq.block_hashes, seq.items)
+        stored = [i for i in range(seq.registered, full) if self.allocator.register(seq.block_table[i], hashes[i])]
+        seq.registered = full
+        if stored and self.on_blocks_stored is not None:
+            self.on_blocks_stored(seq, stored, hashes)
+
+
+    def fail_step(self, step_id: int) -> list[str]:
+        """The step in flight failed on a worker: abort its requests and forget the embeddings it was
+        to store (the workers may not hold them). Returns the aborted rids."""
+        if not self._in_flight or self._in_flight[0].step_id != step_id:
+            raise RuntimeError(f"step {step_id} is not the step in flight")
+        plan = self._in_flight.popleft()
+        for job in plan.encode:
+            self.mm_index.discard(job.key)
+        # Whole requests: a failed choice fails its siblings too.
+        rids = list(dict.fromkeys(self.seqs[c.rid].request_id for c in plan.chunks if c.rid in self.seqs))
+        for rid in rids:
+            self.abort(rid)
+        return rids
+
+
+    def _check_finish(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        sp = seq.sampling
+        if (not sp.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= sp.max_tokens or seq.total_len >= self.max_model_len:
+            return "length"
+        return None
+
+
+    def finish(self, rid: str, reason: FinishReason) -> None:
+        """End a request from outside (a stop string matched, the client went away)."""
+        seq = self.seqs.get(rid)
+        if seq is not None:
+            self._finish(seq, reason)
+
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table or seq.fork_blocks:
+            self.allocator.free(seq.block_table + seq.fork_blocks)
+            seq.block_table, seq.fork_blocks = [], []
+        if seq.announced:
+            self._finished_for_workers.append(seq.rid)
+        if self.seqs.pop(seq.rid, None) is None:
+            return  # finished before
+        family = self.families.get(seq.request_id)
+        if family is not None:
+            family.remove(seq)
+            if family:
+                return  # the request's pixels stay until its last choice is done
+            del self.families[seq.request_id]
+        if self.on_finished is not None:
+            self.on_finished(seq)
