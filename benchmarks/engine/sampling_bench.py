@@ -58,12 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="runs of each batch variant; the median is reported")
+    ap.add_argument("--kv-cache-mb", type=int, default=None, help="default: 8192 on CUDA, 256 on the CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    kv_cache_mb = args.kv_cache_mb or (8192 if args.device.startswith("cuda") else 256)
     with tempfile.TemporaryDirectory() as tmp:
         model = shaped_checkpoint(Path(tmp) / "ckpt", args.shape)
         cfg = EngineConfig(
-            model=str(model), device=args.device, load_format="dummy", max_model_len=4096, kv_cache_mb=8192,
+            model=str(model), device=args.device, load_format="dummy", max_model_len=4096, kv_cache_mb=kv_cache_mb,
             max_num_seqs=max(64, args.batch),
         )
         engine = Engine(cfg)
@@ -86,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         engine.core.prefix_caching = False  # both sides below prefill their prompts from scratch
         before = engine.core.prompt_tokens_computed
-        rows["n=4"] = run(engine, reqs[: args.batch // 4], msgspec.structs.replace(base, n=4))
+        rows["n=4"] = run(engine, reqs[: max(1, args.batch // 4)], msgspec.structs.replace(base, n=4))
         rows["n=4"]["prompt_tokens_computed"] = engine.core.prompt_tokens_computed - before
         before = engine.core.prompt_tokens_computed
-        four = [r for r in reqs[: args.batch // 4] for _ in range(4)]
+        four = [r for r in reqs[: max(1, args.batch // 4)] for _ in range(4)]
         rows["4 separate"] = run(engine, four, base)
         rows["4 separate"]["prompt_tokens_computed"] = engine.core.prompt_tokens_computed - before
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device

@@ -1,1 +1,1 @@
-"""Kernel micro-benchmarks: attention, paged decode, rotary, SiLU, skinny GEMM, first-use costs."""
+"""Kernel micro-benchmarks on CUDA: attention, paged decode, rotary, SiLU-and-mul, skinny GEMM."""

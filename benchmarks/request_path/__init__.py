@@ -1,1 +1,2 @@
-"""Benchmarks of the request path before the GPU: tokenizer, image preparation, grammars, body hops."""
+"""Benchmarks of the request path before the GPU: tokenizer processes, a fresh image's stages, a multiturn chat's
+tokenizer time, grammar engines."""

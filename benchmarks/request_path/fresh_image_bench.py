@@ -91,13 +91,13 @@ def main() -> None:
               for raw in images[:4]]
 
     def whole(i: int) -> torch.Tensor:
-        return F.interpolate(pixels[i % 4], size=size, mode="bicubic", antialias=True)
+        return F.interpolate(pixels[i % len(pixels)], size=size, mode="bicubic", antialias=True)
 
     with ThreadPoolExecutor(strips) as pool:
-        same = all(torch.equal(whole(i), resize_in_strips(pixels[i], size, pool, strips)) for i in range(4))
+        same = all(torch.equal(whole(i), resize_in_strips(pixels[i], size, pool, strips)) for i in range(len(pixels)))
         rows.append(("resize", "one call", median_ms(whole, args.count)))
         rows.append(("resize", f"{strips} strips, bits {'equal' if same else 'DIFFER'}",
-                     median_ms(lambda i: resize_in_strips(pixels[i % 4], size, pool, strips), args.count)))
+                     median_ms(lambda i: resize_in_strips(pixels[i % len(pixels)], size, pool, strips), args.count)))
 
     launch = new_launch_id()
     flat = frame.contiguous()

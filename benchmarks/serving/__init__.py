@@ -1,1 +1,2 @@
-"""Benchmarks against a running server: the load client, its plots, soak, data parallel, first requests."""
+"""Benchmarks against a running server: the load client and its plots, soak, data parallel, a fresh server's first
+requests."""
