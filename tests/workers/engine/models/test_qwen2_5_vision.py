@@ -242,7 +242,7 @@ def test_parameter_names_match_transformers(tiny: tuple[Path, Any]) -> None:
 def test_flash_matches_sdpa_on_cuda(tiny: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch, hot_after: int) -> None:
     """The CUDA path (bf16: varlen FlashAttention for windows; FlashAttention or, once a frame length is hot,
     cuDNN for the full-attention blocks) against the grouped-SDPA path on the same card and weights."""
-    from workers.engine.layers.linear import vision_attention
+    from workers.engine.layers import vision_attention
 
     assert vision_attention._varlen_attn is not None, "this torch has no torch.nn.attention.varlen"
     monkeypatch.setattr(vision_attention._cudnn_frames, "HOT_AFTER", hot_after)
@@ -277,7 +277,7 @@ def test_cudnn_frames_only_for_recurring_frame_lengths() -> None:
 def test_the_start_up_warm_up_of_cudnn_counts_no_length_and_gives_flashs_answer() -> None:
     """The warm-up's cuDNN calls (workers.engine.runner.warmup) leave every frame length's count alone, and at the ragged
     warm-up length cuDNN agrees with FlashAttention varlen on the same frame."""
-    from workers.engine.layers.linear import vision_attention as va
+    from workers.engine.layers import vision_attention as va
 
     attn = va.VisionAttention(hidden_size=1280, num_heads=16)
     seen = dict(va._cudnn_frames._seen)

@@ -199,7 +199,7 @@ def test_load_weights_names_missing_and_unexpected(reference: Any) -> None:
 def test_build_vision_allocates_in_dtype() -> None:
     tower = build_vision(_spec(), dtype=torch.bfloat16, device="cpu")
     assert {p.dtype for p in tower.parameters()} == {torch.bfloat16}
-    assert tower._inv_freq.dtype == torch.float32  # rotary angles stay float32 math
+    assert tower.rotary.inv_freq.dtype == torch.float32  # rotary angles stay float32 math
     tower.init_dummy()
     assert tower.state_dict()["blocks.0.norm1.weight"].eq(1).all()
 
@@ -215,7 +215,7 @@ def test_cuda_bf16_matches_cpu_fp32(
     reference: Any, monkeypatch: pytest.MonkeyPatch, backend: str, fused_on: bool, hot_after: int
 ) -> None:
     from workers.engine.kernels import fused
-    from workers.engine.layers.linear import vision_attention
+    from workers.engine.layers import vision_attention
 
     monkeypatch.setattr(vision_attention._cudnn_frames, "HOT_AFTER", hot_after)
     grids: list[Grid] = [*ODD_GRIDS, (1, 24, 32)]

@@ -1,9 +1,9 @@
 """glimpse's own Qwen3-VL vision tower (ViT, patch merger and DeepStack mergers).
 
 Numerically equal to transformers' ``Qwen3VLVisionModel`` in float32 (same parameter names, so a checkpoint's
-``model.visual.*`` / ``visual.*`` tensors load by name), built for serving like the Qwen2.5-VL tower
-(models/qwen2_5_vl/vision.py), whose attention (``VisionAttention``: grouped SDPA on the CPU, FlashAttention varlen
-or cuDNN on CUDA) it reuses:
+``model.visual.*`` / ``visual.*`` tensors load by name), built for serving on the Qwen-style tower of
+models/qwen_vit.py, as the Qwen2.5-VL tower is, with the same attention (``VisionAttention``: grouped SDPA on the
+CPU, FlashAttention varlen or cuDNN on CUDA):
 - the images of one call are packed into one sequence; every block attends within whole frames (``cu_seqlens``
   per frame, no windows);
 - everything that depends only on a frame's (h, w) is memoized (``_FramePlan``) and the per-call index data goes
@@ -14,40 +14,21 @@ or cuDNN on CUDA) it reuses:
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.engine.kernels import fused
-from workers.engine.layers.vision_attention import Segments, VisionAttention, varlen_available
-from workers.engine.layers.vit_plans import CallPlans
-
-logger = logging.getLogger(__name__)
-
-AttnBackend = Literal["sdpa", "flash", "auto"]  # same values as the Qwen2.5-VL tower's
-Grid = tuple[int, int, int]
+from workers.engine.layers.vision_attention import Segments, VisionAttention
+from workers.engine.models.qwen_vit import AttnBackend, Grid, QwenVisionTower, activation, vision_fields
 
 _EPS = 1e-6  # every LayerNorm of the tower
-
-
-def _gelu_tanh(x: Tensor) -> Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-# Only activations whose transformers definition is exactly this torch op (ACT2FN["gelu_new"] is a Python
-# formula that differs in the last bits, so it is not offered under the same name).
-_ACTS: dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu": F.gelu,
-    "silu": F.silu,
-}
 
 
 @dataclass(frozen=True)
@@ -72,17 +53,9 @@ class VisionSpec:
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> VisionSpec:
         """Accepts the whole config.json dict or its ``vision_config``."""
-        v = cfg.get("vision_config", cfg)
-        kw = {f.name: v[f.name] for f in fields(VisionSpec) if f.name in v}
         # transformers' attribute_map spellings, in case a config was written with them
-        for alias, name in (("num_attention_heads", "num_heads"), ("num_hidden_layers", "depth")):
-            if alias in v:
-                kw.setdefault(name, v[alias])
-        if "rope_theta" in (v.get("rope_parameters") or {}):  # transformers 5 nests it
-            kw["rope_theta"] = v["rope_parameters"]["rope_theta"]
-        if "deepstack_visual_indexes" in kw:
-            kw["deepstack_visual_indexes"] = tuple(kw["deepstack_visual_indexes"])
-        return VisionSpec(**kw)
+        aliases = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
+        return VisionSpec(**vision_fields(cfg, VisionSpec, aliases))
 
     @property
     def head_dim(self) -> int:
@@ -134,25 +107,12 @@ def _qwen3_vit_pos_embed(table: Tensor, taps: Tensor, weights: Tensor) -> Tensor
     return (F.embedding(taps, table) * weights[:, :, None]).sum(1)
 
 
-class _PatchEmbed(nn.Module):
-    def __init__(self, spec: VisionSpec) -> None:
-        super().__init__()
-        # The Conv3d only holds the checkpoint's weight and bias. Its kernel equals its stride, so it is a plain
-        # matmul over each flattened (C, T, P, P) patch: one GEMM instead of a cuDNN conv3d call.
-        k = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
-        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=k, stride=k, bias=True)
-
-    def forward(self, pixels: Tensor) -> Tensor:
-        weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
-
-
 class _MLP(nn.Module):
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
         self.linear_fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=True)
-        self.act = _ACTS[spec.hidden_act]
+        self.act = activation(spec.hidden_act)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
@@ -198,18 +158,18 @@ class _Merger(nn.Module):
 _BatchPlan = tuple[Tensor, Tensor, Tensor, Tensor | None, Segments]
 
 
-class VisionTower(nn.Module):
-    """Qwen3-VL vision encoder; encodes several images per call, packed into one sequence."""
+class VisionTower(QwenVisionTower[_BatchPlan]):
+    """Qwen3-VL vision encoder: a learned position table, full-frame attention in every block, DeepStack mergers."""
+
+    spec: VisionSpec
+    patch_bias = True
 
     def __init__(self, spec: VisionSpec, attn_backend: AttnBackend = "auto", grid_cache: int = 128) -> None:
-        super().__init__()
-        if spec.hidden_act not in _ACTS:
-            raise ValueError(f"vision hidden_act {spec.hidden_act!r} not supported (have {sorted(_ACTS)})")
+        activation(spec.hidden_act)  # raises for an unsupported one before anything is allocated
         levels = spec.deepstack_visual_indexes
         if len(set(levels)) != len(levels) or not all(0 <= i < spec.depth for i in levels):
             raise ValueError(f"deepstack_visual_indexes {levels}: need distinct blocks < depth {spec.depth}")
-        self.spec, self.attn_backend, self.grid_cache_size = spec, attn_backend, grid_cache
-        self.patch_embed = _PatchEmbed(spec)
+        super().__init__(spec, attn_backend, grid_cache)
         self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
         self.blocks = nn.ModuleList(_Block(spec) for _ in range(spec.depth))
         self.merger = _Merger(spec, postshuffle=False)
@@ -219,35 +179,14 @@ class VisionTower(nn.Module):
         # block -> (merger, output column slot). transformers appends DeepStack features in block order and the
         # LM adds the k-th to its k-th layer, so the slots follow block order (= index order when sorted).
         self._deepstack = {b: (levels.index(b), 1 + slot) for slot, b in enumerate(sorted(levels))}
-        self._unit = spec.spatial_merge_size**2
         self._side = int(spec.num_position_embeddings**0.5)
-        # Not a buffer, so .to(bfloat16) cannot round it (rotary angles are float32 math); explicitly on the CPU
-        # because build_vision constructs the module under a meta-device context.
-        half = spec.head_dim // 2  # head_dim / 4 frequencies each for rows and columns
-        steps = torch.arange(0, half, 2, dtype=torch.float, device="cpu")
-        self._inv_freq = 1.0 / (spec.rope_theta ** (steps / half))
-        self._inv_freq_on: dict[torch.device, Tensor] = {}
         self._frames: OrderedDict[tuple[int, int], _FramePlan] = OrderedDict()
-        self._warned_flash = False
         # CUDA: position-embedding interpolation in one compiled kernel. fused.enable also switches the blocks'
         # VisionAttention to its compiled rotary: 48.2 -> 42.0 ms per 1088x1920 image (H200, Qwen3-VL-8B shapes).
         self.fused = False
-        self._calls: CallPlans[_BatchPlan] = CallPlans()
-        self.stats = {"calls": 0, "images": 0, "patches": 0, "grid_hits": 0, "grid_misses": 0, "plan_hits": 0}
-
-    def tokens_per_image(self, grid: Sequence[int]) -> int:
-        t, h, w = grid
-        return t * h * w // self._unit
 
     def _frame_plan(self, hw: tuple[int, int]) -> _FramePlan:
-        plan = self._frames.pop(hw, None)  # re-inserted below as the most recently used
-        self.stats["grid_misses" if plan is None else "grid_hits"] += 1
-        if plan is None:
-            plan = _plan_frame(*hw, self.spec.spatial_merge_size, self._side)
-        self._frames[hw] = plan
-        if len(self._frames) > self.grid_cache_size:
-            self._frames.popitem(last=False)
-        return plan
+        return self._memoized(self._frames, hw, lambda: _plan_frame(*hw, self.spec.spatial_merge_size, self._side))
 
     def _batch_plan(self, grids: Sequence[Grid], device: torch.device) -> _BatchPlan:
         """Plans of the call's distinct frame shapes, stitched on the host and shipped in one copy."""
@@ -275,47 +214,23 @@ class VisionTower(nn.Module):
         frames = Segments(d_cu.int(), cu.tolist(), max(frame_lens), frames=True)
         return d_taps.view(d, 4), weights, positions.view(d, 2), None if identity else d_rows, frames
 
-    def _use_flash(self, x: Tensor) -> bool:
-        if self.attn_backend == "sdpa":
-            return False
-        ok = varlen_available() and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-        if not ok and self.attn_backend == "flash" and not self._warned_flash:
-            self._warned_flash = True
-            logger.warning("vision attention: flash needs CUDA, fp16/bf16 and torch varlen_attn; using sdpa")
-        return ok
-
-    def forward(self, pixel_values: Tensor, grids: Sequence[Sequence[int]]) -> Tensor:
-        """pixel_values [sum(t*h*w), in_channels*temporal_patch_size*patch_size**2]: several images' patches
-        concatenated in order (as the image processor emits them); grids: (t, h, w) in patches per image.
-        Returns [sum(t*h*w // merge**2), embed_width] in the same image order: each row is the main merger's
-        embedding, then each DeepStack level's (block order), out_hidden_size columns each."""
-        grid_keys = [(int(t), int(h), int(w)) for t, h, w in grids]
-        n = sum(t * h * w for t, h, w in grid_keys)
-        if pixel_values.shape[0] != n:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grids say {n}")
-        for key, count in (("calls", 1), ("images", len(grid_keys)), ("patches", n)):
-            self.stats[key] += count
-        weight = self.patch_embed.proj.weight
-        if n == 0:
-            return weight.new_empty(0, self.embed_width)
-        plan, kept = self._calls.get((tuple(grid_keys), weight.device), lambda: self._batch_plan(grid_keys, weight.device))
-        self.stats["plan_hits"] += kept
+    def _encode(self, pixel_values: Tensor, plan: _BatchPlan) -> Tensor:
+        """Each output row is the main merger's embedding, then each DeepStack level's (block order),
+        out_hidden_size columns each."""
         taps, interp, positions, rows, frames = plan
         table = self.pos_embed.weight
         if self.fused and fused.worth_it(taps):
             pos = fused.compiled(_qwen3_vit_pos_embed)(table, taps, interp)
         else:
             pos = _qwen3_vit_pos_embed(table, taps, interp)
-        inv_freq = self._inv_freq_on.get(weight.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq_on[weight.device] = self._inv_freq.to(weight.device)
-        angles = (positions[:, :, None].float() * inv_freq).flatten(1)  # [D, head_dim // 2]: (row, col) freqs
+        angles = self.rotary.angles(positions)  # [D, head_dim // 2]
         cos, sin = angles.cos(), angles.sin()
         if rows is not None:  # per distinct shape above; now per patch
             pos, cos, sin = pos[rows], cos[rows], sin[rows]
+        weight = self.patch_embed.proj.weight
         x = self.patch_embed(pixel_values.to(weight.device, non_blocking=True)) + pos.to(weight.dtype)
         flash = self._use_flash(x)
-        out = x.new_empty(n // self._unit, self.embed_width)
+        out = x.new_empty(pixel_values.shape[0] // self._unit, self.embed_width)
         width = self.spec.out_hidden_size
         for i, block in enumerate(self.blocks):
             x = block(x, frames, cos, sin, flash)
@@ -326,45 +241,5 @@ class VisionTower(nn.Module):
         self.merger(x, out[:, :width])
         return out
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """Copy (name relative to the tower, tensor) pairs into the parameters (cast to their dtype and device).
-        Every parameter must be given and every name must fit one; returns the loaded names."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            param = params.get(name)
-            if param is None or param.shape != tensor.shape:
-                unexpected.append(f"{name} {tuple(tensor.shape)}")
-                continue
-            param.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing or unexpected:
-            raise ValueError(
-                f"Qwen3-VL vision weights do not fit the tower: missing {missing[:8]}"
-                f"{' ...' if len(missing) > 8 else ''} ({len(missing)}), unexpected or misshapen {unexpected[:8]}"
-                f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
-            )
-        return loaded
 
-    @torch.no_grad()
-    def init_dummy(self, seed: int = 0) -> None:
-        """Deterministic random weights for runs without a checkpoint: matrices ~ N(0, 0.02), biases 0, norms 1."""
-        gen = torch.Generator(device=self.patch_embed.proj.weight.device).manual_seed(seed)
-        for name, p in self.named_parameters():
-            if p.ndim > 1:
-                p.normal_(0.0, 0.02, generator=gen)
-            else:
-                p.fill_(0.0 if name.endswith("bias") else 1.0)
-
-
-def build_vision(
-    spec: VisionSpec, *, dtype: torch.dtype, device: torch.device | str, attn_backend: AttnBackend = "auto"
-) -> VisionTower:
-    """The tower on ``device`` in ``dtype``, storage allocated once there (no float32 host init first), weights
-    uninitialized: fill them with ``load_weights`` (or ``init_dummy``)."""
-    with torch.device("meta"):
-        tower = VisionTower(spec, attn_backend=attn_backend).to(dtype=dtype)
-    return tower.to_empty(device=torch.device(device)).eval()
+build_vision = VisionTower.build
