@@ -152,6 +152,22 @@ def train_tokenizer() -> Any:
     return tok
 
 
+def demo_tokenizer() -> tuple[Any, dict[str, int], int]:
+    """The trained tokenizer with Qwen's tool tokens added, the ids of the special and tool tokens, and how many
+    tokens it has in all."""
+    from tokenizers import AddedToken
+
+    raw_tok = train_tokenizer()
+    raw_tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS + TOOL_TOKENS}
+    return raw_tok, ids, raw_tok.get_vocab_size(with_added_tokens=True)
+
+
+def padded_vocab(n_tokens: int) -> int:
+    """Embedding rows for ``n_tokens``, rounded up to a multiple of 64 as real checkpoints pad their vocabularies."""
+    return -(-n_tokens // 64) * 64
+
+
 def _tokenizer_config() -> dict[str, Any]:
     # Mirrors Qwen2.5-VL-Instruct: chat turns end with <|im_end|>, padding uses <|endoftext|>, no BOS.
     return {
@@ -196,6 +212,32 @@ def init_weights(model: Any) -> None:
             tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float32) * std + mean)
 
 
+def init_model(model_cls: Any, config: Any) -> Any:
+    """``model_cls(config)`` in eval mode with every weight from ``init_weights`` (torch's global seed is fixed
+    first, for whatever the constructor draws)."""
+    import torch
+
+    torch.manual_seed(SEED)
+    model = model_cls(config).eval()
+    init_weights(model)
+    return model
+
+
+def save_model(model: Any, special_ids: dict[str, int], n_tokens: int, out: Path) -> None:
+    """Save the model into ``out`` with the unused outputs silenced and Qwen's generation config: greedy, stopping
+    at <|im_end|> or <|endoftext|>."""
+    from transformers import GenerationConfig
+
+    _silence_unused_outputs(model, special_ids, n_tokens)
+    model.generation_config = GenerationConfig(
+        bos_token_id=special_ids["<|endoftext|>"],
+        eos_token_id=[special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
+        pad_token_id=special_ids["<|endoftext|>"],
+        do_sample=False,
+    )
+    model.save_pretrained(out)
+
+
 def _silence_unused_outputs(model: Any, special_ids: dict[str, int], n_tokens: int) -> None:
     """Zero the LM-head rows of ids a trained model never emits: vocabulary padding and the special tokens
     other than the two stop tokens. Their logit is then exactly 0, far below the top logit (std ~8 over
@@ -225,11 +267,12 @@ def write_demo_model(path: str | os.PathLike[str], family: str = "qwen2_5_vl") -
     return written
 
 
-def save_tokenizer(raw_tok: Any, config: dict[str, Any]) -> Any:
+def save_tokenizer(raw_tok: Any, model_max_length: int = 8192) -> Any:
     """Let transformers load our tokenizer files and hand back its own tokenizer object, so what is saved
     with the processor is exactly what AutoTokenizer/AutoProcessor produce and re-read."""
     from transformers import AutoTokenizer
 
+    config = {**_tokenizer_config(), "model_max_length": model_max_length}
     with tempfile.TemporaryDirectory(prefix="glimpse-demo-tok-") as staging:
         raw_tok.save(os.path.join(staging, "tokenizer.json"))
         with open(os.path.join(staging, "tokenizer_config.json"), "w", encoding="utf-8") as f:

@@ -7,16 +7,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from workers.engine.models.demo_templates import (
+    GENERATION_PROMPT,
+    MESSAGES_AND_TOOL_RESPONSES,
+    TOOL_SCHEMAS,
+    chat_template,
+    render_macro,
+)
 from workers.engine.models.demo_writer import (
     LINEAR_STD,
-    SEED,
-    SPECIAL_TOKENS,
-    TOOL_TOKENS,
-    _silence_unused_outputs,
-    _tokenizer_config,
-    init_weights,
+    demo_tokenizer,
+    init_model,
+    padded_vocab,
+    save_model,
     save_tokenizer,
-    train_tokenizer,
 )
 
 # Qwen2-VL's prompt format, written from scratch: a default system turn, `<|im_start|>role\n...<|im_end|>\n`
@@ -26,47 +30,22 @@ from workers.engine.models.demo_writer import (
 # line inside <tools>; an assistant turn's tool calls follow its text as <tool_call> JSON blocks, each on a
 # new line; consecutive `tool` messages share one user turn of <tool_response> blocks. Every literal
 # newline is emitted by an expression so the `-` whitespace control can keep the template itself readable.
-CHAT_TEMPLATE = r"""
-{%- macro render(content) -%}
-  {%- if content is string -%}
-    {{- content -}}
-  {%- elif content is iterable -%}
-    {%- for part in content -%}
-      {%- if part['type'] in ('image', 'image_url', 'input_image') -%}
-        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
-      {%- elif part['type'] in ('video', 'video_url') -%}
-        {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
-      {%- elif part['type'] == 'text' -%}
-        {{- part['text'] -}}
-      {%- endif -%}
-    {%- endfor -%}
-  {%- endif -%}
-{%- endmacro -%}
-{%- set has_system = messages and messages[0]['role'] == 'system' -%}
+CHAT_TEMPLATE = chat_template(
+    render_macro("<|vision_start|><|video_pad|><|vision_end|>"),
+    r"""
 {%- if tools -%}
   {{- '<|im_start|>system\n' -}}
   {{- render(messages[0]['content']) if has_system else 'You are a helpful assistant.' -}}
   {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
-  {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
-  {%- for tool in tools -%}
-    {{- '\n' + (tool | tojson) -}}
-  {%- endfor -%}
-  {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' -}}
-  {{- 'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": ' -}}
-  {{- '<args-json-object>}\n</tool_call><|im_end|>\n' -}}
+""",
+    TOOL_SCHEMAS,
+    r"""
 {%- elif not has_system -%}
   {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
 {%- endif -%}
-{%- for message in messages -%}
-  {%- set role = message['role'] -%}
-  {%- if role == 'tool' -%}
-    {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}
-      {{- '<|im_start|>user' -}}
-    {%- endif -%}
-    {{- '\n<tool_response>\n' + render(message['content']) + '\n</tool_response>' -}}
-    {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}
-      {{- '<|im_end|>\n' -}}
-    {%- endif -%}
+""",
+    MESSAGES_AND_TOOL_RESPONSES,
+    r"""
   {%- elif role == 'assistant' and message['tool_calls'] -%}
     {{- '<|im_start|>assistant' -}}
     {%- if message['content'] -%}
@@ -81,12 +60,9 @@ CHAT_TEMPLATE = r"""
   {%- elif not (loop.first and has_system and tools) -%}
     {{- '<|im_start|>' + role + '\n' + render(message['content']) + '<|im_end|>\n' -}}
   {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-""".strip()
-
+""",
+    GENERATION_PROMPT,
+)
 
 
 def _preprocessor_config(ip: Any) -> dict[str, Any]:
@@ -143,25 +119,17 @@ def build_config(special_ids: dict[str, int], vocab_size: int) -> Any:
     )
 
 
-
-
 def write_demo(out: Path, variant: str = "qwen2_5_vl") -> Path:
     """Write the Qwen2.5-VL demo checkpoint into the existing directory `out`. Same bytes on every run."""
-    import torch
-    from tokenizers import AddedToken
     from transformers import (
-        GenerationConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLProcessor,
         Qwen2VLImageProcessor,
         Qwen2VLVideoProcessor,
     )
 
-
-    raw_tok = train_tokenizer()
-    raw_tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    special_ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS + TOOL_TOKENS}
-    tokenizer = save_tokenizer(raw_tok, _tokenizer_config())
+    raw_tok, special_ids, n_tokens = demo_tokenizer()
+    tokenizer = save_tokenizer(raw_tok)
     # min 56x56 px; max 256 merged 28x28 tiles, so a large image costs at most 256 LM tokens.
     min_pixels, max_pixels = 56 * 56, 256 * 28 * 28
     processor = Qwen2_5_VLProcessor(
@@ -181,20 +149,6 @@ def write_demo(out: Path, variant: str = "qwen2_5_vl") -> Path:
         json.dump(_preprocessor_config(processor.image_processor), f, indent=2, sort_keys=True)
         f.write("\n")
 
-    # Round the embedding rows up to a multiple of 64, as real checkpoints pad their vocabularies.
-    vocab_size = -(-raw_tok.get_vocab_size(with_added_tokens=True) // 64) * 64
-    config = build_config(special_ids, vocab_size)
-    torch.manual_seed(SEED)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    init_weights(model)
-    _silence_unused_outputs(model, special_ids, raw_tok.get_vocab_size(with_added_tokens=True))
-    model.generation_config = GenerationConfig(
-        bos_token_id=special_ids["<|endoftext|>"],
-        eos_token_id=[special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
-        pad_token_id=special_ids["<|endoftext|>"],
-        do_sample=False,
-    )
-    model.save_pretrained(out)
+    model = init_model(Qwen2_5_VLForConditionalGeneration, build_config(special_ids, padded_vocab(n_tokens)))
+    save_model(model, special_ids, n_tokens, out)
     return out
-
-

@@ -14,16 +14,20 @@ import os
 from pathlib import Path
 from typing import Any
 
+from workers.engine.models.demo_templates import (
+    GENERATION_PROMPT,
+    MESSAGES_AND_TOOL_RESPONSES,
+    TOOL_SCHEMAS,
+    chat_template,
+    render_macro,
+)
 from workers.engine.models.demo_writer import (
     LINEAR_STD,
-    SEED,
-    SPECIAL_TOKENS,
-    TOOL_TOKENS,
-    _silence_unused_outputs,
-    _tokenizer_config,
-    init_weights,
+    demo_tokenizer,
+    init_model,
+    padded_vocab,
+    save_model,
     save_tokenizer,
-    train_tokenizer,
 )
 
 PATCH, MERGE, TEMPORAL = 16, 2, 2
@@ -41,49 +45,24 @@ MAX_VIDEO_PIXELS = TEMPORAL * MAX_PIXELS
 # temporal patch, so a vision_start/end pair around it (as the Hub template writes, for processors that
 # replace the whole triple) would end up doubled. Every newline comes from an expression so the `-`
 # whitespace control can keep the template itself readable.
-CHAT_TEMPLATE = r"""
-{%- macro render(content) -%}
-  {%- if content is string -%}
-    {{- content -}}
-  {%- elif content is iterable -%}
-    {%- for part in content -%}
-      {%- if part['type'] in ('image', 'image_url', 'input_image') -%}
-        {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
-      {%- elif part['type'] in ('video', 'video_url') -%}
-        {{- '<|video_pad|>' -}}
-      {%- elif part['type'] == 'text' -%}
-        {{- part['text'] -}}
-      {%- endif -%}
-    {%- endfor -%}
-  {%- endif -%}
-{%- endmacro -%}
-{%- set has_system = messages and messages[0]['role'] == 'system' -%}
+CHAT_TEMPLATE = chat_template(
+    render_macro("<|video_pad|>"),
+    r"""
 {%- if tools -%}
   {{- '<|im_start|>system\n' -}}
   {%- if has_system -%}
     {{- render(messages[0]['content']) + '\n\n' -}}
   {%- endif -%}
   {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
-  {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
-  {%- for tool in tools -%}
-    {{- '\n' + (tool | tojson) -}}
-  {%- endfor -%}
-  {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' -}}
-  {{- 'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": ' -}}
-  {{- '<args-json-object>}\n</tool_call><|im_end|>\n' -}}
+""",
+    TOOL_SCHEMAS,
+    r"""
 {%- elif has_system -%}
   {{- '<|im_start|>system\n' + render(messages[0]['content']) + '<|im_end|>\n' -}}
 {%- endif -%}
-{%- for message in messages -%}
-  {%- set role = message['role'] -%}
-  {%- if role == 'tool' -%}
-    {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}
-      {{- '<|im_start|>user' -}}
-    {%- endif -%}
-    {{- '\n<tool_response>\n' + render(message['content']) + '\n</tool_response>' -}}
-    {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}
-      {{- '<|im_end|>\n' -}}
-    {%- endif -%}
+""",
+    MESSAGES_AND_TOOL_RESPONSES,
+    r"""
   {%- elif not (loop.first and has_system) -%}
     {{- '<|im_start|>' + role + '\n' + render(message['content']) -}}
     {%- if role == 'assistant' and message['tool_calls'] -%}
@@ -98,13 +77,11 @@ CHAT_TEMPLATE = r"""
     {%- endif -%}
     {{- '<|im_end|>\n' -}}
   {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-""".strip()
+""",
+    GENERATION_PROMPT,
+)
 
-# Gains applied on top of the shared per-name init (demo_model.init_weights), picked by measuring greedy
+# Gains applied on top of the shared per-name init (demo_writer.init_weights), picked by measuring greedy
 # decoding over text, one- and two-image prompts. Qwen3's q/k RMSNorms pin q and k to unit RMS per head, so
 # with weights ~1 the attention logits have std ~1 and attention stays nearly uniform: the first answer
 # token then changed with the image for 1 of 8 noise images. QK_NORM_GAIN 3 gives logit std ~9, about where
@@ -233,10 +210,7 @@ def _store_experts_as_on_hub(file: Path) -> None:
 
 
 def _write(out: Path, moe: bool) -> Path:
-    import torch
-    from tokenizers import AddedToken
     from transformers import (
-        GenerationConfig,
         Qwen2VLImageProcessor,
         Qwen3VLForConditionalGeneration,
         Qwen3VLMoeForConditionalGeneration,
@@ -245,11 +219,7 @@ def _write(out: Path, moe: bool) -> Path:
     )
 
     out.mkdir(parents=True, exist_ok=True)
-    raw_tok = train_tokenizer()
-    raw_tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    n_tokens = raw_tok.get_vocab_size(with_added_tokens=True)
-    ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS + TOOL_TOKENS}
-
+    raw_tok, ids, n_tokens = demo_tokenizer()
     pixels: dict[str, Any] = {
         "patch_size": PATCH, "temporal_patch_size": TEMPORAL, "merge_size": MERGE,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
@@ -258,7 +228,7 @@ def _write(out: Path, moe: bool) -> Path:
         image_processor=Qwen2VLImageProcessor(
             size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, **pixels
         ),
-        tokenizer=save_tokenizer(raw_tok, {**_tokenizer_config(), "model_max_length": 262144}),
+        tokenizer=save_tokenizer(raw_tok, model_max_length=262144),
         video_processor=Qwen3VLVideoProcessor(
             size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_VIDEO_PIXELS}, **pixels
         ),
@@ -270,23 +240,12 @@ def _write(out: Path, moe: bool) -> Path:
     for name, content in _hub_preprocessor_configs().items():
         (out / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
 
-    # Embedding rows rounded up to a multiple of 64, as real checkpoints pad their vocabularies.
-    config = _config(moe, ids, -(-n_tokens // 64) * 64)
-    torch.manual_seed(SEED)
     model_cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
-    model = model_cls(config).eval()
-    init_weights(model)
+    model = init_model(model_cls, _config(moe, ids, padded_vocab(n_tokens)))
     _apply_gains(model)
     # A trained model never opens a tool response, and a random one should not open tool calls by chance
     # (a parser would swallow the rest of the reply): those rows are zeroed along with the special tokens.
-    _silence_unused_outputs(model, ids, n_tokens)
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
-        do_sample=False,
-    )
-    model.save_pretrained(out)
+    save_model(model, ids, n_tokens, out)
     if moe:
         _store_experts_as_on_hub(out / "model.safetensors")
     return out
