@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -218,6 +218,20 @@ class PagedDecoder(nn.Module):
         self.num_kv_heads_local = kv_heads_per_rank(spec.num_key_value_heads, tp.size)
         self.head_dim = spec.head_dim
         self._loaded: dict[str, set[object]] = {}  # parameter -> shard ids loaded so far
+
+    @classmethod
+    def build(
+        cls,
+        spec: Any,
+        *,
+        tp: TPGroup = SINGLE_RANK,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        attn_backend: str = "auto",
+    ) -> Self:
+        """The LM allocated on ``device`` in ``dtype``, weights uninitialised (``load_weights`` fills them; see
+        models.base.load_model)."""
+        return allocate(lambda: cls(spec, tp, attn_backend), dtype, device)
 
     def add_head(self) -> None:
         """The final norm and the LM head (after the layers, so parameters keep the checkpoint's order)."""

@@ -66,6 +66,11 @@ GENERATION_PROMPT = r"""
 """
 
 
-def chat_template(*pieces: str) -> str:
-    """The pieces joined, without the blank lines their triple-quoted spelling leaves at each end."""
-    return "\n".join(piece.strip("\n") for piece in pieces)
+def qwen_chat_template(video: str, tools_system: str, plain_system: str, turns: str) -> str:
+    """A chat template in Qwen's format from the parts where the families differ: ``video``, what a video part
+    renders as; ``tools_system``, the system turn's opening up to its "# Tools" heading (inside ``{%- if tools -%}``);
+    ``plain_system``, the system turn without tools (the ``elif`` branches and the closing ``endif``); ``turns``, the
+    message loop's branches after the one for `tool` messages."""
+    pieces = (render_macro(video), tools_system, TOOL_SCHEMAS, plain_system, MESSAGES_AND_TOOL_RESPONSES, turns)
+    # joined without the blank lines their triple-quoted spelling leaves at each end
+    return "\n".join(piece.strip("\n") for piece in (*pieces, GENERATION_PROMPT))

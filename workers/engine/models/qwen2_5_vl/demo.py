@@ -7,13 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workers.engine.models.demo_templates import (
-    GENERATION_PROMPT,
-    MESSAGES_AND_TOOL_RESPONSES,
-    TOOL_SCHEMAS,
-    chat_template,
-    render_macro,
-)
+from workers.engine.models.demo_templates import qwen_chat_template
 from workers.engine.models.demo_writer import (
     LINEAR_STD,
     demo_tokenizer,
@@ -30,21 +24,19 @@ from workers.engine.models.demo_writer import (
 # line inside <tools>; an assistant turn's tool calls follow its text as <tool_call> JSON blocks, each on a
 # new line; consecutive `tool` messages share one user turn of <tool_response> blocks. Every literal
 # newline is emitted by an expression so the `-` whitespace control can keep the template itself readable.
-CHAT_TEMPLATE = chat_template(
-    render_macro("<|vision_start|><|video_pad|><|vision_end|>"),
+CHAT_TEMPLATE = qwen_chat_template(
+    "<|vision_start|><|video_pad|><|vision_end|>",
     r"""
 {%- if tools -%}
   {{- '<|im_start|>system\n' -}}
   {{- render(messages[0]['content']) if has_system else 'You are a helpful assistant.' -}}
   {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
 """,
-    TOOL_SCHEMAS,
     r"""
 {%- elif not has_system -%}
   {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
 {%- endif -%}
 """,
-    MESSAGES_AND_TOOL_RESPONSES,
     r"""
   {%- elif role == 'assistant' and message['tool_calls'] -%}
     {{- '<|im_start|>assistant' -}}
@@ -61,7 +53,6 @@ CHAT_TEMPLATE = chat_template(
     {{- '<|im_start|>' + role + '\n' + render(message['content']) + '<|im_end|>\n' -}}
   {%- endif -%}
 """,
-    GENERATION_PROMPT,
 )
 
 

@@ -24,7 +24,6 @@ from workers.engine.models.decoder import (
     DecoderSpec,
     PagedDecoder,
     SwiGLUMLP,
-    allocate,
     decoder_fields,
 )
 from workers.engine.models.loader import fill_dummy_weights, iter_safetensors, normalize_name
@@ -94,16 +93,7 @@ class Qwen2_5_VLLanguageModel(PagedDecoder):
         self.rotary = MRotaryEmbedding(spec.head_dim, spec.rope_theta, mrope_rows(spec.mrope_section, False))
 
 
-def build_language_model(
-    spec: TextSpec,
-    *,
-    tp: TPGroup = SINGLE_RANK,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    attn_backend: str = "auto",
-) -> Qwen2_5_VLLanguageModel:
-    """The LM allocated on ``device`` in ``dtype`` (weights not loaded: see models.base.load_model)."""
-    return allocate(lambda: Qwen2_5_VLLanguageModel(spec, tp, attn_backend), dtype, device)
+build_language_model = Qwen2_5_VLLanguageModel.build
 
 
 def load_language_model(

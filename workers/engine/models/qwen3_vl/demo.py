@@ -14,13 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from workers.engine.models.demo_templates import (
-    GENERATION_PROMPT,
-    MESSAGES_AND_TOOL_RESPONSES,
-    TOOL_SCHEMAS,
-    chat_template,
-    render_macro,
-)
+from workers.engine.models.demo_templates import qwen_chat_template
 from workers.engine.models.demo_writer import (
     LINEAR_STD,
     demo_tokenizer,
@@ -45,8 +39,8 @@ MAX_VIDEO_PIXELS = TEMPORAL * MAX_PIXELS
 # temporal patch, so a vision_start/end pair around it (as the Hub template writes, for processors that
 # replace the whole triple) would end up doubled. Every newline comes from an expression so the `-`
 # whitespace control can keep the template itself readable.
-CHAT_TEMPLATE = chat_template(
-    render_macro("<|video_pad|>"),
+CHAT_TEMPLATE = qwen_chat_template(
+    "<|video_pad|>",
     r"""
 {%- if tools -%}
   {{- '<|im_start|>system\n' -}}
@@ -55,13 +49,11 @@ CHAT_TEMPLATE = chat_template(
   {%- endif -%}
   {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
 """,
-    TOOL_SCHEMAS,
     r"""
 {%- elif has_system -%}
   {{- '<|im_start|>system\n' + render(messages[0]['content']) + '<|im_end|>\n' -}}
 {%- endif -%}
 """,
-    MESSAGES_AND_TOOL_RESPONSES,
     r"""
   {%- elif not (loop.first and has_system) -%}
     {{- '<|im_start|>' + role + '\n' + render(message['content']) -}}
@@ -78,7 +70,6 @@ CHAT_TEMPLATE = chat_template(
     {{- '<|im_end|>\n' -}}
   {%- endif -%}
 """,
-    GENERATION_PROMPT,
 )
 
 # Gains applied on top of the shared per-name init (demo_writer.init_weights), picked by measuring greedy

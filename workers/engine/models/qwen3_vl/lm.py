@@ -25,7 +25,6 @@ from workers.engine.models.decoder import (
     DecoderSpec,
     PagedDecoder,
     SwiGLUMLP,
-    allocate,
     decoder_fields,
 )
 from workers.engine.models.qwen3_vl.moe import (
@@ -203,13 +202,4 @@ class Qwen3VLLanguageModel(PagedDecoder):
         return needed if needed != 1 else super().shards_needed(param)
 
 
-def build_language_model(
-    spec: TextSpec,
-    *,
-    tp: TPGroup = SINGLE_RANK,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    attn_backend: str = "auto",
-) -> Qwen3VLLanguageModel:
-    """Allocate the LM on ``device`` in ``dtype`` (weights uninitialised: ``load_weights`` fills them)."""
-    return allocate(lambda: Qwen3VLLanguageModel(spec, tp, attn_backend), dtype, device)
+build_language_model = Qwen3VLLanguageModel.build
