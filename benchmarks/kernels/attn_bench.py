@@ -99,8 +99,9 @@ def ragged_row(spec: str, dev: torch.device) -> None:
 def backend_row(spec: str, dev: torch.device, block: int = 16) -> None:
     """One step through both served backends: ``new:context`` per sequence joined by '+'; ``NxA:B`` is N of them.
     ``block``: tokens per KV block (FA3 loads a paged cache with TMA only where a block holds whole key tiles)."""
-    from workers.engine.kernels.attention import FlashVarlenBackend, build_attention_metadata
+    from workers.engine.kernels.attention import build_attention_metadata
     from workers.engine.kernels.fa3_attention import FA3PagedBackend, unavailable_reason
+    from workers.engine.kernels.torch_attention import FlashVarlenBackend
 
     if reason := unavailable_reason(dev):
         print(f"backends {spec}: no FA3 ({reason[:200]})", flush=True)

@@ -20,7 +20,8 @@ import torch
 
 from benchmarks.engine.vit_bench import cuda_ms
 from workers.engine.kernels import paged_attention
-from workers.engine.kernels.attention import AttentionMetadata, PaddedDecodeBackend, build_attention_metadata
+from workers.engine.kernels.attention import AttentionMetadata, build_attention_metadata
+from workers.engine.kernels.torch_attention import PaddedDecodeBackend
 
 HQ, HKV, D, BS = 28, 4, 128, 16
 

@@ -13,12 +13,8 @@ from typing import Literal
 import torch
 
 from workers.engine.kernels import fa3_attention
-from workers.engine.kernels.attention import (
-    AttentionBackend,
-    FlashVarlenBackend,
-    SdpaBackend,
-    flash_available,
-)
+from workers.engine.kernels.attention import AttentionBackend
+from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend, flash_available
 
 log = logging.getLogger(__name__)
 

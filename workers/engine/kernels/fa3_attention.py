@@ -33,13 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.kernels.attention import (
-    AttentionMetadata,
-    FlashVarlenBackend,
-    SdpaBackend,
-    flash_available,
-    write_new_kv,
-)
+from workers.engine.kernels.attention import AttentionMetadata, write_new_kv
+from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend, flash_available
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from workers.engine.kernels import paged_attention
-from workers.engine.kernels.attention import AttentionMetadata, PaddedDecodeBackend
+from workers.engine.kernels.attention import AttentionMetadata
+from workers.engine.kernels.torch_attention import PaddedDecodeBackend
 from workers.engine.layers.linear import TPGroup, kv_heads_per_rank
 from workers.engine.models.base import LanguageModel
 from workers.engine.runner import piecewise_graphs

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from workers.engine.kernels import paged_attention
-from workers.engine.kernels.attention import PaddedDecodeBackend, SdpaBackend, build_attention_metadata
+from workers.engine.kernels.attention import build_attention_metadata
+from workers.engine.kernels.torch_attention import PaddedDecodeBackend, SdpaBackend
 
 
 def naive(q: Tensor, cache: Tensor, table: list[int], seq_len: int, scale: float) -> Tensor:

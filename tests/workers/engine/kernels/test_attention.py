@@ -9,16 +9,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from workers.engine.kernels.attention import (
-    AttentionBackend,
-    AttentionMetadata,
+from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
+from workers.engine.kernels.backends import get_attention_backend
+from workers.engine.kernels.torch_attention import (
     FlashVarlenBackend,
     PaddedDecodeBackend,
     SdpaBackend,
-    build_attention_metadata,
     flash_available,
 )
-from workers.engine.kernels.backends import get_attention_backend
 
 HQ, HKV, D = 6, 2, 16
 BLOCK_SIZE = 4

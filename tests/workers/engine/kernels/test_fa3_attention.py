@@ -16,14 +16,10 @@ from torch import Tensor
 
 from tests.workers.engine.test_offline import GREEDY, Reference, chat, make_engine, noise_image
 from workers.engine.kernels import fa3_attention
-from workers.engine.kernels.attention import (
-    AttentionMetadata,
-    FlashVarlenBackend,
-    SdpaBackend,
-    build_attention_metadata,
-)
+from workers.engine.kernels.attention import AttentionMetadata, build_attention_metadata
 from workers.engine.kernels.backends import get_attention_backend
 from workers.engine.kernels.fa3_attention import FA3PagedBackend, unavailable_reason
+from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend
 from workers.engine.layers.vision_attention import Segments, VisionAttention, _grouped_sdpa
 
 BLOCK = 4

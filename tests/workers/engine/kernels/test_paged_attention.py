@@ -10,9 +10,9 @@ from tests.workers.engine.interpreted import run_interpreted
 from workers.engine.kernels import paged_attention
 from workers.engine.kernels.attention import (
     AttentionMetadata,
-    _decode_prefix,
-    _tail_metadata,
     build_attention_metadata,
+    decode_prefix,
+    tail_metadata,
 )
 
 
@@ -49,14 +49,14 @@ def test_split_plan_fills_the_gpu_and_covers_every_key(
 def test_mixed_step_splits_leading_decodes_from_prefill_chunks() -> None:
     # Two decodes first (as the scheduler orders a step), then a chunk continuing a prefix and a fresh prompt.
     meta = build_attention_metadata([1, 1, 4, 3], [9, 5, 10, 3], [[1, 2, 3], [4, 5], [6, 7, 8], [9]], 4)
-    assert _decode_prefix(meta) == 2
-    tail: AttentionMetadata = _tail_metadata(meta, 2)
+    assert decode_prefix(meta) == 2
+    tail: AttentionMetadata = tail_metadata(meta, 2)
     assert tail.query_start_loc.tolist() == [0, 4, 7]
     assert tail.seq_lens.tolist() == [10, 3] and tail.query_lens_cpu == [4, 3]
     assert tail.block_tables.tolist() == [[6, 7, 8], [9, 0, 0]]
     assert tail.slot_mapping.tolist() == meta.slot_mapping[2:].tolist()
     assert (tail.max_query_len, tail.max_seq_len) == (4, 10)
-    assert _decode_prefix(build_attention_metadata([3, 1], [3, 4], [[1], [2]], 4)) == 0
+    assert decode_prefix(build_attention_metadata([3, 1], [3, 4], [[1], [2]], 4)) == 0
 
 
 HQ, HKV, D = 28, 4, 128  # Qwen2.5-VL-7B's LM
@@ -80,7 +80,7 @@ def cuda_step(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mixed_step_on_cuda_matches_sdpa() -> None:
     """FlashVarlenBackend with decodes first: the decode rows take the kernel, the chunks the packed path."""
-    from workers.engine.kernels.attention import FlashVarlenBackend, SdpaBackend
+    from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend
 
     torch.manual_seed(0)
     d = D

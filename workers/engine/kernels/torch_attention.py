@@ -1,0 +1,241 @@
+"""Paged-KV attention backends on torch's own kernels: SDPA, FlashAttention-2 varlen, and fixed-shape decode.
+
+``SdpaBackend`` is the reference and the CPU path (a loop over sequences, each gathered from its blocks);
+``FlashVarlenBackend`` serves CUDA steps, decodes in place through paged_attention and prefill chunks through
+torch's FlashAttention-2 varlen kernel; ``PaddedDecodeBackend`` is the decode-only one whose shapes CUDA graphs
+can capture. All of them take the metadata and follow the protocol of attention.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from workers.engine.kernels import paged_attention
+from workers.engine.kernels.attention import (
+    AttentionMetadata,
+    bottom_right_causal_mask,
+    decode_prefix,
+    gather_sequence_kv,
+    packed_kv_slots,
+    tail_metadata,
+    write_new_kv,
+)
+from workers.engine.kernels.kv_write_kernel import write_kv_cache
+
+
+class SdpaBackend:
+    """Reference backend: a loop over sequences, each gathered from its blocks, then torch SDPA.
+
+    Works on any device and dtype; it is the CPU path and the fallback for everything else.
+    """
+
+    name = "sdpa"
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        write_new_kv(k, v, kv_cache, meta)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        start = 0
+        for b, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            k_b, v_b = gather_sequence_kv(kv_cache, meta.block_tables[b], s_len)
+            q_b = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+            mask: Tensor | None = None
+            is_causal = False
+            if q_len == s_len:
+                is_causal = q_len > 1  # no cached prefix: top-left and bottom-right alignment coincide
+            elif q_len > 1:
+                mask = bottom_right_causal_mask(q_len, s_len, q.device)
+            o = F.scaled_dot_product_attention(
+                q_b,
+                k_b.transpose(0, 1).to(q.dtype),
+                v_b.transpose(0, 1).to(q.dtype),
+                attn_mask=mask,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[start : start + q_len] = o.transpose(0, 1)
+            start += q_len
+        return out
+
+
+def _varlen_api() -> tuple[Callable[..., Any] | None, set[str]]:
+    """Find torch's public varlen attention and the keyword arguments this torch version accepts.
+
+    The signature moved between releases (2.10: ``is_causal``; 2.11: ``scale``; 2.12+: ``window_size``,
+    ``enable_gqa``, ``seqused_k``, ``block_table``), so callers look at the parameter names.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, set()
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_op_available() -> bool:
+    return hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
+class FlashVarlenBackend:
+    """CUDA backend on torch's built-in FlashAttention-2 varlen kernel.
+
+    Every step, each sequence's whole KV (cached prefix + new tokens) is gathered from the paged
+    cache into one packed tensor, then a single varlen call with a causal mask covers prefill,
+    chunked prefill and decode in the same batch: FlashAttention aligns the causal mask to the
+    bottom-right when seq_q < seq_k, which is exactly "query i sits at context + i". The gather
+    costs an extra read+write of the KV per layer; a block-table kernel can replace it later
+    without changing this interface. Inputs the kernel cannot take (float32, head_dim > 256) go
+    to the sdpa backend.
+
+    Kernel entry point:
+    * torch >= 2.12 (``varlen_attn`` has ``enable_gqa``): the public ``varlen_attn`` with
+      ``window_size=(-1, 0)`` (causal) and ``enable_gqa=True``. ``enable_gqa`` is passed even for
+      MHA because it keeps the wrapper on the FlashAttention kernel: its cuDNN branch is skipped
+      when ``enable_gqa`` is set, and we have not verified that cuDNN's causal mask is bottom-right.
+    * older torch (2.10/2.11 wrappers have no GQA and may route to cuDNN): the op those wrappers
+      call, ``torch.ops.aten._flash_attention_forward``, which takes GQA natively.
+    """
+
+    name = "flash"
+
+    def __init__(self) -> None:
+        fn, params = _varlen_api()
+        self._varlen = fn if fn is not None and "enable_gqa" in params and "window_size" in params else None
+        if self._varlen is None and not _flash_op_available():
+            raise RuntimeError("this torch has no FlashAttention varlen kernel")
+        self._fallback = SdpaBackend()
+
+    @staticmethod
+    def supports(q: Tensor) -> bool:
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        if not self.supports(q):
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale)
+        write_new_kv(k, v, kv_cache, meta)
+        # The scheduler puts decodes first: those rows read the cache in place (paged_attention), and only
+        # the prefill chunks after them go through the packed varlen path below.
+        decodes = meta.derived.get("decode_prefix")
+        if decodes is None:
+            decodes = meta.derived["decode_prefix"] = decode_prefix(meta) if paged_attention.usable(q) else 0
+        if not decodes:
+            return self._varlen_forward(q, k, v, kv_cache, meta, scale)
+        head = paged_attention.paged_decode(
+            q[:decodes], kv_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
+            max(meta.seq_lens_cpu[:decodes]),
+        )
+        if decodes == len(meta.seq_lens_cpu):
+            return head
+        rest = meta.derived.get("prefill_meta")
+        if rest is None:
+            rest = meta.derived["prefill_meta"] = tail_metadata(meta, decodes)
+        return torch.cat([head, self._varlen_forward(q[decodes:], k[decodes:], v[decodes:], kv_cache, rest, scale)])
+
+    def _varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        if meta.derived.setdefault("no_prefix", meta.query_lens_cpu == meta.seq_lens_cpu):
+            # Every sequence starts in this step (fresh prompts, first chunks): its whole KV is k, v.
+            k_all, v_all, cu_seq_k = k.contiguous(), v.contiguous(), meta.query_start_loc
+        else:
+            k_all, v_all, cu_seq_k = self._gather_packed_kv(kv_cache, meta)
+        # Both entry points take the packed q, k, v, their cu_seqlens and maximum lengths first.
+        args = (q.contiguous(), k_all, v_all, meta.query_start_loc, cu_seq_k, meta.max_query_len, meta.max_seq_len)
+        if self._varlen is not None:
+            result: Tensor = self._varlen(*args, scale=scale, window_size=(-1, 0), enable_gqa=True)
+            return result
+        # dropout_p 0, is_causal, no debug mask
+        out: Tensor = torch.ops.aten._flash_attention_forward(*args, 0.0, True, False, scale=scale)[0]
+        return out
+
+    @staticmethod
+    def _gather_packed_kv(kv_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+        """Packed [sum(seq_lens), Hkv, D] K and V plus their int32 cu_seqlens, built without host syncs.
+
+        The slot of every packed row depends only on the metadata, so it is computed once per forward.
+        """
+        cached = meta.derived.get("flash_packed_kv")
+        if cached is None:
+            cached = meta.derived["flash_packed_kv"] = packed_kv_slots(meta, kv_cache.shape[2])
+        slot, cu = cached
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        return flat[0, slot], flat[1, slot], cu
+
+
+class PaddedDecodeBackend:
+    """Decode-only attention whose shapes depend only on (batch, block-table width): for CUDA graphs.
+
+    Every sequence has exactly one new token. Its keys are read through the whole padded block table
+    (``[B, W]`` blocks -> ``[B, W * block_size]`` keys) and only the first ``seq_len`` of them count, so
+    no shape follows the sequences' lengths and nothing is read back to the host.
+
+    On CUDA (fp16/bf16) this is FlashAttention varlen with fixed ``cu_seqlens_k`` over the padded rows
+    and the real lengths in ``seqused_k``: with one query per sequence and no causal flag it takes its
+    split-KV decode kernel, so a single long sequence still spreads over the SMs (a masked SDPA on the
+    fused mem-efficient kernel runs one block per (sequence, KV head): 1.4 ms per layer at 21k tokens,
+    measured). Elsewhere: SDPA with a length mask, GQA folded into the query length (the G query heads
+    sharing a KV head become G query rows of that head).
+    """
+
+    name = "padded_decode"
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if paged_attention.usable(q):  # in place: no padded copy of the keys (see paged_attention)
+            width = meta.block_tables.shape[1] * kv_cache.shape[2]
+            split = meta.derived.get("split_tokens")
+            return paged_attention.paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, width, split)
+        b, hq, d = q.shape
+        hkv = kv_cache.shape[-2]
+        kv = kv_cache[:, meta.block_tables].flatten(2, 3)  # [2, B, L = W * block_size, Hkv, D]
+        width = kv.shape[2]
+        if _flash_seqused_available() and FlashVarlenBackend.supports(q):
+            lens = meta.derived.get("decode_lens")
+            if lens is None:  # same for all layers
+                step = torch.arange(b + 1, dtype=torch.int32, device=q.device) * width
+                lens = meta.derived["decode_lens"] = (step, meta.seq_lens.int())
+            out: Tensor = torch.ops.aten._flash_attention_forward(
+                q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), meta.query_start_loc, lens[0], 1, width,
+                0.0, False, False, scale=scale, seqused_k=lens[1],
+            )[0]
+            return out
+        mask = meta.derived.get("decode_mask")
+        if mask is None:  # same for all layers
+            keys = torch.arange(width, device=q.device)
+            mask = meta.derived["decode_mask"] = (keys < meta.seq_lens[:, None]).view(b, 1, 1, -1)
+        args = (q.view(b, hkv, hq // hkv, d), kv[0].transpose(1, 2), kv[1].transpose(1, 2))
+        if q.is_cuda:  # no cuDNN: its masked path is not needed here and we capture this in graphs
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                out = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale)
+        return out.reshape(b, hq, d)
+
+
+@functools.cache
+def _flash_seqused_available() -> bool:
+    """torch's FlashAttention op takes per-sequence used key counts (``seqused_k``)."""
+    if not _flash_op_available():
+        return False
+    schema = torch.ops.aten._flash_attention_forward.default._schema
+    return any(arg.name == "seqused_k" for arg in schema.arguments)
+
+
+def flash_available() -> bool:
+    """True when this torch has a FlashAttention varlen entry point (CUDA is checked separately)."""
+    fn, params = _varlen_api()
+    return (fn is not None and "enable_gqa" in params and "window_size" in params) or _flash_op_available()
