@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,14 @@ def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> 
 
         edit_processor_configs(dest, ("preprocessor_config.json", "processor_config.json"), "image_processor", cap)
     return dest
+
+
+@contextmanager
+def processor_checkpoint() -> Iterator[Path]:
+    """The demo checkpoint with Qwen2.5-VL-7B's image processor (a 1080p image is 10,764 patches) in a temporary
+    directory: what the request-path benchmarks prepare images for."""
+    with tempfile.TemporaryDirectory() as tmp:
+        yield shaped_checkpoint(Path(tmp) / "ckpt", "demo", max_pixels=QWEN25_VL_MAX_PIXELS)
 
 
 def edit_processor_configs(

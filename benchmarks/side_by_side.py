@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_image
 from server.cli import main as glimpse_cli
@@ -121,7 +122,7 @@ def glimpse_side(ckpt: Path, out: Path, args: argparse.Namespace, *extra: str) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--out", type=Path, default=Path("side-by-side"))
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-requests", type=int, default=2)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
@@ -123,7 +124,7 @@ def run_mode(model_dir: Path, args: argparse.Namespace, mode: str, images: list[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--shape", choices=["demo", "7b"], default="demo")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto")

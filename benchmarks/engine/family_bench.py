@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.args import engine_flags, parser
 from benchmarks.checkpoints import shaped_checkpoint
 from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_image, run_to_first_token
 from benchmarks.engine.vit_bench import cuda_ms, matmul_peak_tflops, vit_flops
@@ -103,13 +104,10 @@ def decode_tok_s(engine: Engine, batch: int, new_tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--shapes", default="7b,qwen3-8b,qwen3-30b-a3b")
-    ap.add_argument("--images", type=int, default=8)
-    ap.add_argument("--chunk-size", type=int, default=1024)
-    ap.add_argument("--kv-cache-mb", type=int, default=16384)
+    engine_flags(ap)
     ap.add_argument("--mm-cache-mb", type=float, default=2048)
-    ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--checkpoints", type=Path, default=None,
                     help="folder of SHAPE/ checkpoint dirs written beforehand (benchmarks.checkpoints), e.g. on a "
                     "machine whose transformers cannot write the demo models")

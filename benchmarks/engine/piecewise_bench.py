@@ -19,7 +19,6 @@ Measured (session 23, H200, 7B shape): a 37-token prompt 6.7 against 19.1 ms, 17
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import tempfile
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
@@ -43,7 +43,7 @@ WORDS = ("river", "stone", "paper", "light", "green", "house", "table", "cloud",
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--shape", default="7b", help="benchmarks.checkpoints shape")
     ap.add_argument("--base-words", type=int, default=3500, help="the cached context (~15k tokens at 3500)")
     ap.add_argument("--repeats", type=int, default=6)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.launch import new_launch_id
 from ipc.prompts import MMItem, SamplingParams
@@ -139,7 +140,7 @@ def measure(model_dir: Path, processor: MMProcessor, resolution: str, args: argp
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--resolutions", default="720p,1080p,2k", help=f"comma-separated: {', '.join(RESOLUTIONS)}")
     ap.add_argument("--images", type=int, default=16)
     ap.add_argument("--chunk-size", type=int, default=1024)

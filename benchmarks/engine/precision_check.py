@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_image
 from benchmarks.engine.engine_step_bench import Spy, rel
@@ -99,7 +100,7 @@ def check(model_dir: Path, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", choices=["demo", "7b"], default="7b")

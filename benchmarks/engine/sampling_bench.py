@@ -7,7 +7,6 @@ batch 32 plain vs every request under a JSON schema (grammar masks), penalties a
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -17,6 +16,7 @@ from typing import Any
 import msgspec
 import torch
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.prompts import SamplingParams, StructuredSpec
 from workers.engine.config import EngineConfig
@@ -52,7 +52,7 @@ def run(engine: Engine, reqs: list[list[dict[str, Any]]], params: SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = parser(__doc__)
     ap.add_argument("--shape", choices=["demo", "7b"], default="demo")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=32)

@@ -11,13 +11,13 @@ with the prompt. Block sizes are interleaved; the table shows medians over the p
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
 
 import msgspec
 
+from benchmarks.args import parser
 from ipc.prompts import MMItem, SamplingParams
 from ipc.steps import StepPlan, StepResult
 from workers.engine.core.scheduler import SchedulerCore
@@ -60,7 +60,7 @@ def one_chat(block_size: int, rounds: int, seed: int) -> list[tuple[int, float, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--block-sizes", default="16,128")
     ap.add_argument("--passes", type=int, default=5)

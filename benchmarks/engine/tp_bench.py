@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.args import engine_flags, parser
 from benchmarks.checkpoints import shaped_checkpoint
 from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_image
 from ipc.channels import PullSocket, PushSocket, new_context
@@ -181,18 +182,15 @@ def bench_tp(model_dir: Path, tp: int, args: argparse.Namespace) -> dict[str, An
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--shape", choices=["demo", "7b"], default="7b")
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--images", type=int, default=8)
-    ap.add_argument("--chunk-size", type=int, default=1024)
-    ap.add_argument("--decode-tokens", type=int, default=128, help="0: no decode run")
+    engine_flags(ap, kv_cache_mb=None)
     ap.add_argument("--ttft-repeats", type=int, default=1, help="8 x 1080p requests one after another, fresh images each")
     ap.add_argument("--broadcast-res", default="720p,1080p")
     ap.add_argument("--max-model-len", type=int, default=131072)
-    ap.add_argument("--kv-cache-mb", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--attn-backend", default="auto", choices=["auto", "sdpa", "flash", "fa3"])
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",

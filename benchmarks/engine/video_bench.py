@@ -30,6 +30,7 @@ import av
 import numpy as np
 import torch
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import edit_processor_configs, shaped_checkpoint
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
@@ -171,7 +172,7 @@ def engine_row(model_dir: Path, video: Path, mode: str, args: argparse.Namespace
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--shape", default="7b", help="7b (Qwen2.5-VL-7B), qwen3-8b, ... (benchmarks/checkpoints.py)")
     ap.add_argument("--durations", default="30,120,300", help="seconds of 720p video")
     ap.add_argument("--source-fps", type=int, default=30)

@@ -11,7 +11,6 @@ CUDA; ``eager`` is plain PyTorch ops. Both run on the same weights in the same p
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from workers.engine.kernels import fused
 from workers.engine.kernels.attention import build_attention_metadata
@@ -70,7 +70,7 @@ def lm_prefill_flops(spec: TextSpec, tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--images", default="1,4")
     ap.add_argument("--prefill-tokens", default="1024,4096")
     ap.add_argument("--variants", default="eager,fused", help="comma list of eager, fused")

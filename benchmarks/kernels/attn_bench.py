@@ -27,7 +27,6 @@ LM's prefill chunks.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from itertools import accumulate
 
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.args import parser
 from benchmarks.engine.vit_bench import cuda_ms
 
 
@@ -180,7 +180,7 @@ def vit_window_rows(dev: torch.device) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--chunks", default="1024:4096,1024:16384,1024:21504,4096:16384",
                     help="LM shapes as new_tokens:context, comma separated")
     ap.add_argument("--backends", default="", help="served LM steps, comma separated: new:context per sequence, "

@@ -11,13 +11,13 @@ effective bandwidth over the live K/V bytes.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 from functools import partial
 
 import torch
 
+from benchmarks.args import parser
 from benchmarks.engine.vit_bench import cuda_ms
 from workers.engine.kernels import paged_attention
 from workers.engine.kernels.attention import AttentionMetadata, build_attention_metadata
@@ -132,7 +132,7 @@ def splits(block_sizes: list[int], rounds: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--sweep", action="store_true", help="the Triton kernel's launch settings instead of the table")
     ap.add_argument("--splits", action="store_true", help="the split plan's settings instead of the table")
     ap.add_argument("--block-sizes", default="16,128", help="KV block sizes for --sweep and --splits")

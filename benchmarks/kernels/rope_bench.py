@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.args import parser
 from workers.engine.kernels import fused, rope_kernel
 from workers.engine.models.qwen2_5_vl.lm import rope_tables
 from workers.engine.models.qwen3_vl.lm import qwen3_qk_norm_rope
@@ -37,7 +37,7 @@ def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--tokens", default="1,64,1024,4096,8192")
     args = ap.parse_args()
     hq, hkv, d = 28, 4, 128

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks.args import parser
 from benchmarks.engine.vit_bench import cuda_ms
 from workers.engine.kernels import fused, silu_kernel
 
@@ -27,6 +28,7 @@ def eager(x: Tensor) -> Tensor:
 
 
 def main() -> None:
+    parser(__doc__).parse_args()  # no flags: --help prints the docstring
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape | tokens x I | eager ms | compiled ms | Triton ms | Triton GB/s | compiled GB/s | max diff vs eager |")
     print("|---|---|---|---|---|---|---|---|")

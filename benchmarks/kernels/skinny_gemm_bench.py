@@ -11,33 +11,33 @@ whole decode step's projections summed.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks.args import parser
 from workers.engine.kernels import skinny_gemm
 from workers.engine.kernels.skinny_gemm import Tile
 from workers.engine.layers import linear as layers
 
-# (name, out features, in features, bias, layers) of the 7B's LM (hidden 3584, 28 q / 4 kv heads of 128, I 18944)
+
+def lm_projections(hidden: int, qkv: int, inter: int, depth: int, vocab: int) -> tuple[tuple[str, int, int, bool, int], ...]:
+    """(name, out features, in features, bias, layers) of a Qwen2.5-VL LM's decode projections."""
+    return (
+        ("qkv", qkv, hidden, True, depth),
+        ("o", hidden, hidden, False, depth),
+        ("gate_up", 2 * inter, hidden, False, depth),
+        ("down", hidden, inter, False, depth),
+        ("lm_head", vocab, hidden, False, 1),
+    )
+
+
+# 7B: hidden 3584, 28 q / 4 kv heads of 128, I 18944; 3B: hidden 2048, 16 q / 2 kv heads of 128, I 11008.
 SIZES = {
-    "7b": (
-        ("qkv", 4608, 3584, True, 28),
-        ("o", 3584, 3584, False, 28),
-        ("gate_up", 37888, 3584, False, 28),
-        ("down", 3584, 18944, False, 28),
-        ("lm_head", 152064, 3584, False, 1),
-    ),
-    "3b": (
-        ("qkv", 2560, 2048, True, 36),
-        ("o", 2048, 2048, False, 36),
-        ("gate_up", 22016, 2048, False, 36),
-        ("down", 2048, 11008, False, 36),
-        ("lm_head", 151936, 2048, False, 1),
-    ),
+    "7b": lm_projections(3584, (28 + 2 * 4) * 128, 18944, 28, 152064),
+    "3b": lm_projections(2048, (16 + 2 * 2) * 128, 11008, 36, 151936),
 }
 
 
@@ -88,7 +88,7 @@ def sweep_tiles(n: int, k: int) -> list[Tile]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--size", default="7b", choices=sorted(SIZES))
     ap.add_argument("--rows", default="1,4,16,32,64")
     ap.add_argument(

@@ -17,16 +17,13 @@ threads set as a tokenizer sets them (cores / ``--tokenizers``):
 
 from __future__ import annotations
 
-import argparse
 import io
 import mmap
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import blake3
@@ -36,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from benchmarks.checkpoints import QWEN25_VL_MAX_PIXELS, shaped_checkpoint
+from benchmarks.args import parser
+from benchmarks.checkpoints import processor_checkpoint
 from benchmarks.serving.bench_plot import encode_image, image_data_url, make_image
 from ipc import shm
 from ipc.launch import new_launch_id
@@ -67,7 +65,7 @@ def faulted_segment(path: str, nbytes: int) -> mmap.mmap:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--tokenizers", type=int, default=4, help="the server's --tokenizer-workers (threads = cores / this)")
     ap.add_argument("--strips", type=int, default=0, help="threads for the horizontal pass (0: the tokenizer's share)")
@@ -81,8 +79,7 @@ def main() -> None:
     rows.append(("decode", "Pillow + packed copy", median_ms(lambda i: np.array(decode_image(images[i], 10**8)), args.count)))
     rows.append(("decode", "decode_pixels", median_ms(lambda i: decode_pixels(images[i], 10**8), args.count)))
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = shaped_checkpoint(Path(tmp) / "ckpt", "demo", max_pixels=QWEN25_VL_MAX_PIXELS)
+    with processor_checkpoint() as model:
         engine = EngineConfig(model=str(model), max_model_len=32768, dtype="bfloat16")
         mm = MMProcessor(engine.model, engine.model_spec())
         frame = mm.process_image(decode_pixels(images[0], 10**8), image_hash=bytes(16), frame=True).pixel_values

@@ -10,7 +10,6 @@ trained here on Python's standard library, a real vocabulary's size, so mask tim
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.args import parser
 
 
 def schema_20() -> dict[str, Any]:
@@ -105,12 +106,12 @@ def _p99(values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--model", default=None, help="checkpoint dir whose tokenizer to use")
-    parser.add_argument("--vocab", type=int, default=32000, help="size of the trained tokenizer without --model")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    ap = parser(__doc__)
+    ap.add_argument("--model", default=None, help="checkpoint dir whose tokenizer to use")
+    ap.add_argument("--vocab", type=int, default=32000, help="size of the trained tokenizer without --model")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.model:
         from transformers import AutoTokenizer

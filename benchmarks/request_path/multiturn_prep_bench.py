@@ -15,11 +15,9 @@ one invocation, passes interleaved:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +25,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from benchmarks.checkpoints import QWEN25_VL_MAX_PIXELS, shaped_checkpoint
+from benchmarks.args import parser
+from benchmarks.checkpoints import processor_checkpoint
 from benchmarks.serving.bench_plot import image_data_url, random_text, user_message
 from ipc.launch import new_launch_id
 from ipc.requests import GenerateRequest
@@ -77,13 +76,12 @@ def one_chat(model: Path, mode: str, rounds: int, seed: int, threads: int) -> li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--passes", type=int, default=3, help="chats per mode (interleaved); the table shows medians")
     ap.add_argument("--threads", type=int, default=0, help="the tokenizer's image threads (0: its cores' share)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = shaped_checkpoint(Path(tmp) / "ckpt", "demo", max_pixels=QWEN25_VL_MAX_PIXELS)
+    with processor_checkpoint() as model:
         runs: dict[str, list[list[float]]] = {m: [] for m in MODES}
         for p in range(args.passes):
             for mode in MODES:

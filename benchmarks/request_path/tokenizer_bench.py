@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.channels import Poller, PullSocket, PushSocket, new_context
 from ipc.control import ProcessReady, RequestFailed, Shutdown
@@ -300,7 +301,7 @@ def bench_workers(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--workers", default="1,2", help="comma-separated tokenizer worker counts to run")
     ap.add_argument("--requests", type=int, default=24, help="requests (of distinct images) per pass")
     ap.add_argument("--images-per-request", type=int, default=1, help="distinct images in each request")

@@ -33,6 +33,8 @@ import numpy as np
 
 from benchmarks.serving import bench_plot as report
 from benchmarks.serving.bench_plot import (
+    PlotFn,
+    Resolution,
     image_data_url,
     parse_resolution,
     probe_counts,
@@ -203,10 +205,23 @@ def _image_urls(args: argparse.Namespace, sizes: Sequence[tuple[int, int]], seed
 # ---- modes ---------------------------------------------------------------------------------------
 
 
+def _seeded(args: argparse.Namespace) -> tuple[np.random.Generator, Resolution]:
+    """The run's random generator (seeded by --seed) and its --resolution."""
+    return np.random.default_rng(args.seed), parse_resolution(args.resolution)
+
+
+def _finish(
+    args: argparse.Namespace, result: dict[str, Any], plot: PlotFn, table: Callable[[dict[str, Any]], str]
+) -> dict[str, Any]:
+    """Write the run's JSON and plot under --out and print its table."""
+    report.write_result(result, args.out, plot)
+    print(table(result))
+    return result
+
+
 async def run_serving(args: argparse.Namespace) -> dict[str, Any]:
     """Many independent requests, capped by --concurrency and/or paced by Poisson --request-rate."""
-    rng = np.random.default_rng(args.seed)
-    res, n, k = parse_resolution(args.resolution), args.num_prompts, args.images_per_request
+    (rng, res), n, k = _seeded(args), args.num_prompts, args.images_per_request
     sizes = [[res.sample(rng) for _ in range(k)] for _ in range(n)]
     texts = [random_text(rng, args.input_len) for _ in range(n)]
     # Poisson arrivals: exponential gaps. Drawn even for rate=inf so the RNG stream doesn't depend on it.
@@ -244,15 +259,12 @@ async def run_serving(args: argparse.Namespace) -> dict[str, Any]:
     result = report.result_header(args, "serving", model)
     result["summary"] = report.summarize_serving(records, duration)
     result["requests"] = records
-    report.write_result(result, args.out, report.plot_serving)
-    print(report.serving_table(result))
-    return result
+    return _finish(args, result, report.plot_serving, report.serving_table)
 
 
 async def run_multiturn(args: argparse.Namespace) -> dict[str, Any]:
     """One chat that adds an image per round and resends the whole history, as chat clients do."""
-    rng = np.random.default_rng(args.seed)
-    res = parse_resolution(args.resolution)
+    rng, res = _seeded(args)
     sizes = [res.sample(rng) for _ in range(args.rounds)]
     texts = [random_text(rng, args.input_len) for _ in range(args.rounds)]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
@@ -280,15 +292,12 @@ async def run_multiturn(args: argparse.Namespace) -> dict[str, Any]:
     result["summary"] = {"rounds_ok": len(ok), "rounds_failed": len(rounds) - len(ok),
                          "ttft_ms": [x["ttft_ms"] for x in ok], "images_encoded": [x["images_encoded"] for x in ok]}
     result["rounds"] = rounds
-    report.write_result(result, args.out, report.plot_multiturn)
-    print(report.multiturn_table(result))
-    return result
+    return _finish(args, result, report.plot_multiturn, report.multiturn_table)
 
 
 async def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     """One request per image count, growing until --max-images or the first failure."""
-    rng = np.random.default_rng(args.seed)
-    res = parse_resolution(args.resolution)
+    rng, res = _seeded(args)
     url, admin = args.base_url.rstrip("/") + "/chat/completions", report.stats_url(args.base_url)
     probes: list[dict[str, Any]] = []
     async with _client(args, 1) as client:
@@ -313,9 +322,7 @@ async def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     result["summary"] = {"max_ok_images": max((p["num_images"] for p in ok), default=0), "probes": len(probes)}
     result["first_failure"] = None if failed is None else {"num_images": failed["num_images"], "error": failed["error"]}
     result["probes"] = probes
-    report.write_result(result, args.out, report.plot_probe)
-    print(report.probe_table(result))
-    return result
+    return _finish(args, result, report.plot_probe, report.probe_table)
 
 
 # ---- CLI -----------------------------------------------------------------------------------------

@@ -320,6 +320,12 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_serving(result: dict[str, Any], path: Path) -> None:
     """Histogram (top) and CDF (bottom) of TTFT and E2E over the successful requests."""
     plt = _pyplot()
@@ -337,9 +343,7 @@ def plot_serving(result: dict[str, Any], path: Path) -> None:
     s = result["summary"]
     fig.suptitle(f"{result['model']}: {s['completed']} ok, {s['failed']} failed, "
                  f"{s['request_throughput']} req/s, {s['output_throughput']} tok/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _counts_axis(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
@@ -351,6 +355,15 @@ def _counts_axis(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
+def _ttft_figure(xs: list[Any], ys: list[Any], xlabel: str, ylabel: str, title: str) -> tuple[Any, Any, Any]:
+    """(pyplot, figure, axes) with TTFT as a line over a whole-number count; the caller adds its second series."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(xs, ys, marker="o", color="tab:blue")
+    _counts_axis(ax, xlabel, ylabel, title)
+    return plt, fig, ax
+
+
 def _on_top(ax: Any, twin: Any) -> None:
     # twinx axes draw over the original; lift the line axis so bars stay behind it.
     ax.set_zorder(twin.get_zorder() + 1)
@@ -359,12 +372,10 @@ def _on_top(ax: Any, twin: Any) -> None:
 
 def plot_multiturn(result: dict[str, Any], path: Path) -> None:
     """TTFT per round (line), with images encoded per round (bars) when the server reports them."""
-    plt = _pyplot()
     rounds = [r for r in result["rounds"] if r["ok"]]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ax.plot([r["round"] for r in rounds], [r["ttft_ms"] for r in rounds], marker="o", color="tab:blue")
-    _counts_axis(ax, "round (= images in the request)", "TTFT ms (line)",
-                 f"{result['model']}: one chat, one new image per round")
+    plt, fig, ax = _ttft_figure([r["round"] for r in rounds], [r["ttft_ms"] for r in rounds],
+                                "round (= images in the request)", "TTFT ms (line)",
+                                f"{result['model']}: one chat, one new image per round")
     encoded = [(r["round"], r["images_encoded"]) for r in rounds if r["images_encoded"] is not None]
     if encoded:
         twin = ax.twinx()
@@ -373,19 +384,15 @@ def plot_multiturn(result: dict[str, Any], path: Path) -> None:
         twin.set_ylabel("images encoded by the server (bars)")
         twin.set_ylim(0, max(2, max(y for _, y in encoded)) * 1.2)
         _on_top(ax, twin)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_probe(result: dict[str, Any], path: Path) -> None:
     """TTFT and (when reported) peak GPU memory against images per request."""
-    plt = _pyplot()
     probes = [p for p in result["probes"] if p["ok"]]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ax.plot([p["num_images"] for p in probes], [p["ttft_ms"] for p in probes], marker="o", color="tab:blue")
-    _counts_axis(ax, "images per request", "TTFT ms (blue)",
-                 f"{result['model']}: images per request at {result['config']['resolution']}")
+    plt, fig, ax = _ttft_figure([p["num_images"] for p in probes], [p["ttft_ms"] for p in probes],
+                                "images per request", "TTFT ms (blue)",
+                                f"{result['model']}: images per request at {result['config']['resolution']}")
     memory = [(p["num_images"], p["peak_gpu_bytes"] / 2**30) for p in probes if p["peak_gpu_bytes"] is not None]
     if memory:
         twin = ax.twinx()
@@ -396,6 +403,4 @@ def plot_probe(result: dict[str, Any], path: Path) -> None:
     if failure:
         ax.axvline(failure["num_images"], color="gray", linestyle="--", label=f"failed at {failure['num_images']}")
         ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)

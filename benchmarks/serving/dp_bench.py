@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from tests.server.live import free_port
 
@@ -82,7 +83,7 @@ def multiturn(base: str, chats: int, rounds: int, out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--shape", default="7b")
     ap.add_argument("--checkpoints", type=Path, default=None)
     ap.add_argument("--dp", default="1,2")

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.args import parser
 from server.cli import main as glimpse_cli
 from tests.server.live import LiveServer
 
@@ -59,7 +60,7 @@ def one_server(model: str, flags: list[str], args: argparse.Namespace, out: Path
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", required=True)
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--requests", type=int, default=4, help="large requests per server after the warm-up")
