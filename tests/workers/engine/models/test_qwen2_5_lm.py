@@ -1,12 +1,10 @@
-"""glimpse's Qwen2.5-VL language model against transformers on a tiny random checkpoint (CPU, float32)."""
+"""glimpse's Qwen2.5-VL language model against transformers on a tiny random checkpoint (CPU, float32), and over
+real tensor-parallel ranks. The parallel layers' shards alone: tests/workers/engine/layers/test_linear.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import random
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,21 +12,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from workers.engine.kernels.attention import AttentionMetadata, build_attention_metadata
-from workers.engine.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    TPGroup,
-    VocabParallelEmbedding,
-    get_weight_loader,
-)
+from tests.workers.engine.models.lm_harness import PagedCache, run_tp_ranks
+from workers.engine.layers.linear import TPGroup
 from workers.engine.models.loader import normalize_name
 from workers.engine.models.qwen2_5_vl.lm import Qwen2_5_VLLanguageModel, TextSpec, load_language_model
 
 ATOL = 1e-4
-BLOCK_SIZE = 4
 NUM_BLOCKS = 40
 TEXT_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
@@ -98,38 +87,25 @@ class PagedRunner:
 
     model: Qwen2_5_VLLanguageModel
     seed: int = 0
-    caches: list[Tensor] = field(init=False)
-    free: list[int] = field(init=False)
-    tables: dict[str, list[int]] = field(default_factory=dict)
-    done: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        shape = self.model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)
-        self.caches = [torch.zeros(shape) for _ in self.model.layers]
-        self.free = list(range(NUM_BLOCKS))
-        random.Random(self.seed).shuffle(self.free)
+        self.cache = PagedCache(self.model, self.seed, NUM_BLOCKS)
+
+    @property
+    def tables(self) -> dict[str, list[int]]:
+        return self.cache.tables
 
     def step(
         self, chunks: list[tuple[str, int]], embeds: dict[str, Tensor], positions: dict[str, Tensor]
     ) -> list[Tensor]:
         """Run one flattened forward over ``(seq, n_new_tokens)`` chunks; return each chunk's logits."""
-        q_lens, s_lens, tables, parts_e, parts_p = [], [], [], [], []
-        for seq, n in chunks:
-            start = self.done.get(seq, 0)
-            table = self.tables.setdefault(seq, [])
-            while len(table) * BLOCK_SIZE < start + n:
-                table.append(self.free.pop())
-            q_lens.append(n)
-            s_lens.append(start + n)
-            tables.append(table)
-            parts_e.append(embeds[seq][start : start + n])
-            parts_p.append(positions[seq][:, start : start + n])
-            self.done[seq] = start + n
-        meta: AttentionMetadata = build_attention_metadata(q_lens, s_lens, tables, BLOCK_SIZE)
+        meta, starts = self.cache.schedule(chunks)
+        parts_e = [embeds[seq][start : start + n] for (seq, n), start in zip(chunks, starts, strict=True)]
+        parts_p = [positions[seq][:, start : start + n] for (seq, n), start in zip(chunks, starts, strict=True)]
         with torch.no_grad():
-            hidden = self.model(torch.cat(parts_e), torch.cat(parts_p, dim=1), self.caches, meta)
+            hidden = self.model(torch.cat(parts_e), torch.cat(parts_p, dim=1), self.cache.caches, meta)
             logits = self.model.compute_logits(hidden)
-        return list(logits.split(q_lens))
+        return list(logits.split([n for _, n in chunks]))
 
 
 def random_sequence(model: Qwen2_5_VLLanguageModel, n: int, seed: int) -> Tensor:
@@ -286,129 +262,11 @@ def test_dummy_load_needs_no_weights(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- tensor parallelism
 
 
-def _rank_layers(make: Any, tp_size: int, loads: Sequence[tuple[str, Tensor, object]]) -> list[Any]:
-    """Build one layer per rank and feed every rank the same full tensors through the weight loaders."""
-    layers = []
-    for rank in range(tp_size):
-        layer = make(TPGroup(rank=rank, size=tp_size))
-        for attr, full, shard_id in loads:
-            param = getattr(layer, attr)
-            get_weight_loader(param)(param, full, shard_id)
-        layers.append(layer)
-    return layers
-
-
-@pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_column_row_merged_and_vocab_shards_concatenate_to_the_full_tensor(tp_size: int) -> None:
-    w, b = torch.randn(8, 6), torch.randn(8)
-    cols = _rank_layers(
-        lambda tp: ColumnParallelLinear(6, 8, bias=True, tp=tp),
-        tp_size,
-        [("weight", w, None), ("bias", b, None)],
-    )
-    assert torch.equal(torch.cat([c.weight for c in cols]), w) and torch.equal(
-        torch.cat([c.bias for c in cols]), b
-    )
-
-    w_row = torch.randn(6, 8)
-    rows = _rank_layers(
-        lambda tp: RowParallelLinear(8, 6, bias=True, tp=tp),
-        tp_size,
-        [("weight", w_row, None), ("bias", b[:6], None)],
-    )
-    assert torch.equal(torch.cat([r.weight for r in rows], dim=1), w_row)
-    assert all(torch.equal(r.bias, b[:6]) for r in rows)  # replicated, added once after the all-reduce
-    x = torch.randn(3, 8)  # partial products summed over ranks == the full matmul (what all-reduce does)
-    partial = sum(xs @ r.weight.T for xs, r in zip(x.chunk(tp_size, dim=-1), rows, strict=True))
-    torch.testing.assert_close(partial, x @ w_row.T)
-
-    gate, up = torch.randn(8, 6), torch.randn(8, 6)
-    merged = _rank_layers(
-        lambda tp: MergedColumnParallelLinear(6, [8, 8], bias=False, tp=tp),
-        tp_size,
-        [("weight", gate, 0), ("weight", up, 1)],
-    )
-    halves = [m.weight.chunk(2) for m in merged]
-    assert torch.equal(torch.cat([g for g, _ in halves]), gate) and torch.equal(
-        torch.cat([u for _, u in halves]), up
-    )
-
-    emb = torch.randn(10, 4)  # 10 rows do not split evenly over 4 ranks: the table is padded to 12
-    vocab = _rank_layers(lambda tp: VocabParallelEmbedding(10, 4, tp=tp), tp_size, [("weight", emb, None)])
-    table = torch.cat([v.weight for v in vocab])
-    assert torch.equal(table[:10], emb) and not table[10:].any()
-
-
-@pytest.mark.parametrize(("tp_size", "num_kv_heads"), [(1, 2), (2, 2), (2, 4), (4, 2), (4, 1)])
-def test_qkv_shards_split_or_replicate_kv_heads(tp_size: int, num_kv_heads: int) -> None:
-    hidden, head_dim, num_heads = 6, 2, 4
-    q_w, q_b = torch.randn(num_heads * head_dim, hidden), torch.randn(num_heads * head_dim)
-    k_w, v_w = torch.randn(2, num_kv_heads * head_dim, hidden).unbind()
-    k_b, v_b = torch.randn(2, num_kv_heads * head_dim).unbind()
-    loads = [
-        ("weight", q_w, "q"),
-        ("weight", k_w, "k"),
-        ("weight", v_w, "v"),
-        ("bias", q_b, "q"),
-        ("bias", k_b, "k"),
-        ("bias", v_b, "v"),
-    ]
-    ranks = _rank_layers(
-        lambda tp: QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=True, tp=tp),
-        tp_size,
-        loads,
-    )
-    group = num_heads // num_kv_heads
-    q_parts, kv_heads_seen = [], {}
-    for layer in ranks:
-        for param, full_k, full_v in ((layer.weight, k_w, v_w), (layer.bias, k_b, v_b)):
-            q, k, v = param.split([layer.q_size, layer.kv_size, layer.kv_size])
-            if param is layer.weight:
-                q_parts.append(q)
-            start = layer.kv_head_start()
-            rows = slice(start * head_dim, (start + layer.num_kv_heads_local) * head_dim)
-            assert torch.equal(k, full_k[rows]) and torch.equal(v, full_v[rows])
-        # Local query head i must find its KV head at local index i // per_kv (what enable_gqa assumes).
-        first_q = layer.tp.rank * layer.num_heads_local
-        per_kv = layer.num_heads_local // layer.num_kv_heads_local
-        for i in range(layer.num_heads_local):
-            assert (first_q + i) // group == layer.kv_head_start() + i // per_kv
-        kv_heads_seen.update(
-            dict.fromkeys(range(layer.kv_head_start(), layer.kv_head_start() + layer.num_kv_heads_local))
-        )
-    assert torch.equal(torch.cat(q_parts), q_w)
-    assert sorted(kv_heads_seen) == list(range(num_kv_heads))  # replicated or split, every KV head is held
-
-
-def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
-    """One TP rank over gloo on CPU: load its shards, run prefill chunks + decodes, save the logits."""
-    import faulthandler
-
-    import torch.distributed as dist
-
-    # A rank that dies in native code leaves its reason here (pytest does not capture children).
-    err = open(Path(out) / f"rank{rank}.stderr", "w")  # noqa: SIM115 - lives as long as the process
-    os.dup2(err.fileno(), 2)
-    faulthandler.enable(err)
-    torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # ranks talk over loopback only, whatever the host's name resolves to
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        spec = TextSpec.from_hf_config(json.loads((Path(ckpt) / "config.json").read_text()))
-        tp = TPGroup(rank=rank, size=world, group=dist.group.WORLD)
-        m = load_language_model(
-            Path(ckpt), spec, dtype=torch.float32, device="cpu", tp=tp, attn_backend="sdpa"
-        )
-        torch.save(_tp_scenario(m), Path(out) / f"rank{rank}.pt")
-        # Everyone done before anyone tears down: a rank leaving early makes gloo abort its peers.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Done and saved: skip the interpreter's teardown, where gloo's threads once aborted a rank ("terminate called
-    # without an active exception") after every rank had saved its result (a CI run, session 18).
-    err.flush()
-    os._exit(0)
+def _tp_run(tp: TPGroup, ckpt: str) -> Tensor:
+    """One rank: load its shards, run prefill chunks + decodes."""
+    spec = TextSpec.from_hf_config(json.loads((Path(ckpt) / "config.json").read_text()))
+    m = load_language_model(Path(ckpt), spec, dtype=torch.float32, device="cpu", tp=tp, attn_backend="sdpa")
+    return _tp_scenario(m)
 
 
 def _tp_scenario(m: Qwen2_5_VLLanguageModel) -> Tensor:
@@ -426,19 +284,8 @@ def test_tensor_parallel_forward_over_gloo_matches_single_rank(
     tmp_path: Path, checkpoint: tuple[Path, Any], model: Qwen2_5_VLLanguageModel, tp_size: int
 ) -> None:
     """Real TP: tp_size processes on CPU (gloo); tp=4 with 2 KV heads exercises KV replication."""
-    import torch.multiprocessing as mp
-
     path, _ = checkpoint
-    import torch.distributed as dist
-
-    # The test serves the rendezvous store on a port the OS picked: nothing to race other tests for.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    try:
-        mp.spawn(_tp_worker, args=(tp_size, int(store.port), str(path), str(tmp_path)), nprocs=tp_size, join=True)
-    except Exception:
-        for log in sorted(tmp_path.glob("rank*.stderr")):
-            print(f"--- {log.name}\n{log.read_text()}")
-        raise
+    results = run_tp_ranks(_tp_run, tp_size, tmp_path, str(path))
     expected = _tp_scenario(model)
-    for rank in range(tp_size):
-        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), expected, atol=ATOL, rtol=0)
+    for got in results:
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
