@@ -1,118 +1,38 @@
 """Tokenizer worker: a real spawned process on real sockets and /dev/shm, checked against MMProcessor
-run in-process on the same images; plus segment reuse across workers with two in-process workers, and
-(a request's fresh images on the thread pool: test_image_prep.py)."""
+run in-process on the same images (segment reuse across workers: test_segment_reuse.py; a request's fresh
+images on the thread pool: media/test_image_prep.py; the shared helpers: harness.py)."""
 
 from __future__ import annotations
 
-import base64
-import io
-import json
-import logging
 import math
 import multiprocessing
 import os
 import time
 from pathlib import Path
-from typing import Any, TypeVar
 
 import msgspec
-import pytest
 import torch
 
-from ipc.channels import PullSocket, PushSocket, new_context
 from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
-from ipc.inbound import FrontendInbound, SchedulerInbound, TokenizerInbound
-from ipc.launch import ipc_address
 from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.shm import (
-    SHM_DIR,
     ShmSegment,
-    find_segments,
-    link_segment,
     list_segments,
-    segment_name,
 )
 from ipc.stats import SchedulerStats, TokenizerStats
-from server.config import ServerConfig
-from tests.conftest import noise_image
-from workers.engine.config import EngineConfig
+from tests.workers.tokenizer.harness import (
+    MODEL,
+    Peer,
+    chat_body,
+    png,
+    server_config,
+    shm_path,
+)
 from workers.engine.prompt.processor import MMProcessor
 from workers.tokenizer.media.fetch import decode_image
 from workers.tokenizer.process import run_tokenizer
 from workers.tokenizer.requests.chat import parse_request, template_messages, to_sampling_params
-from workers.tokenizer.worker import TokenizerWorker
-
-M = TypeVar("M")
-MODEL = "demo"
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    buf = io.BytesIO()
-    noise_image(width, height, seed).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def chat_body(images: list[bytes], **extra: Any) -> bytes:
-    parts: list[dict[str, Any]] = [{"type": "text", "text": "what differs?"}]
-    for raw in images:
-        url = f"data:image/png;base64,{base64.b64encode(raw).decode()}"
-        parts.append({"type": "image_url", "image_url": {"url": url}})
-    body = {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 8, **extra}
-    return json.dumps(body).encode()
-
-
-def server_config(model_dir: Path, launch_id: str) -> ServerConfig:
-    engine = EngineConfig(model=str(model_dir), max_model_len=4096)
-    return ServerConfig(engine=engine, launch_id=launch_id, served_model_name=MODEL, tokenizer_workers=1)
-
-
-def shm_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
-
-
-class Peer:
-    """The test plays frontend (PULL), scheduler (PULL) and the frontend's push to tok0."""
-
-    def __init__(self, launch_id: str) -> None:
-        self.ctx = ctx = new_context()
-        address = {name: ipc_address(launch_id, name) for name in ("frontend", "sched", "tok0")}
-        self.frontend = PullSocket[FrontendInbound](ctx, address["frontend"], FrontendInbound, True)
-        self.sched = PullSocket[SchedulerInbound](ctx, address["sched"], SchedulerInbound, True)
-        self.tok = PushSocket[TokenizerInbound](ctx, address["tok0"], TokenizerInbound, False)
-        self.stats: list[TokenizerStats] = []
-
-    def expect(self, kind: type[M], timeout_s: float = 30.0) -> M:
-        """Next frontend message of `kind`, keeping TokenizerStats aside; anything else fails."""
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            msg = self.frontend.recv(int(left * 1000) + 1)
-            if isinstance(msg, TokenizerStats):
-                self.stats.append(msg)
-            elif msg is not None:
-                assert isinstance(msg, kind), msg
-                return msg
-        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
-
-    def scheduled(self, timeout_ms: int = 10_000) -> TokenizedRequest:
-        """The next request handed to the scheduler, once all its pending images are reported ready."""
-        msg = self.sched.recv(timeout_ms)
-        assert isinstance(msg, TokenizedRequest), msg
-        left = set(msg.pending)
-        while left:
-            ready = self.sched.recv(timeout_ms)
-            assert isinstance(ready, MediaReady) and ready.rid == msg.rid, ready
-            assert set(ready.hashes) <= left, (ready.hashes, left)
-            for item in msg.items:  # published by the time it is reported
-                if item.hash in ready.hashes and item.pixels is not None:
-                    assert os.path.exists(shm_path(item.pixels.name))
-            left -= set(ready.hashes)
-        return msg
-
-    def close(self) -> None:
-        for sock in (self.frontend, self.sched, self.tok):
-            sock.close()
-        self.ctx.term()
 
 
 def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:
@@ -301,90 +221,3 @@ def _stats_after(peer: Peer, requests: int) -> TokenizerStats:
         else:
             assert msg is None, msg
     raise AssertionError(f"no stats with {requests} requests: {peer.stats}")
-
-
-# ---- reuse across workers (in-process: two workers share /dev/shm like two tokenizer processes) --------
-
-
-def _handle(worker: TokenizerWorker, rid: str, body: bytes) -> TokenizedRequest:
-    result = worker.handle(GenerateRequest(rid, body, time.time()))
-    assert isinstance(result, tuple), result
-    return result[1]
-
-
-def _inodes(req: TokenizedRequest) -> list[int]:
-    return [os.stat(shm_path(i.pixels.name)).st_ino for i in req.items if i.pixels]
-
-
-def test_reuse_across_workers_and_fallback(demo_model_dir: Path, launch_id: str) -> None:
-    config = server_config(demo_model_dir, launch_id)
-    log = logging.getLogger("test")
-    a, b = TokenizerWorker(config, 0, log), TokenizerWorker(config, 1, log)
-    try:
-        raw = png(64, 64, seed=5)
-        body = chat_body([raw, raw])  # the same image twice: one segment, one name
-        ra = _handle(a, "a1", body)
-        pixels = ra.items[0].pixels
-        assert pixels is not None and len(ra.shm_names) == 1 and ra.items[1].pixels == pixels
-        assert ra.shm_bytes == pixels.nbytes
-        assert a.images_reused == 1
-
-        rb = _handle(b, "b1", body)  # b never saw it: found by listing /dev/shm, grid read from the name
-        assert rb.shm_bytes == 0 and b.images_reused == 2 and _inodes(rb) == _inodes(ra)
-        assert rb.input_ids == ra.input_ids and rb.items[0].pixels is not None
-        with ShmSegment.attach(rb.items[0].pixels) as seg:  # the frame of its grid, channels-last
-            assert seg.tensor().shape == (rb.items[0].grid[1] * 14, rb.items[0].grid[2] * 14, 3)  # [H, W, C]
-
-        ShmSegment.unlink(ra.shm_names[0])  # a's request finished: a's own hint is now stale
-        ra2 = _handle(a, "a2", body)  # ... so a links b's name instead
-        assert ra2.shm_bytes == 0 and _inodes(ra2) == _inodes(rb)
-
-        for name in rb.shm_names + ra2.shm_names:
-            ShmSegment.unlink(name)
-        rb2 = _handle(b, "b2", body)  # no live copy anywhere: decoded, processed and written again
-        assert rb2.shm_bytes > 0 and rb2.input_ids == ra.input_ids
-        for name in rb2.shm_names:
-            ShmSegment.unlink(name)
-    finally:
-        a.close()
-        b.close()
-
-
-def test_link_and_find_segments(launch_id: str) -> None:
-    src = segment_name(launch_id, "abc-1")
-    seg, _ = ShmSegment.create_from_tensor(src, torch.arange(4.0))
-    seg.close()
-    dst = segment_name(launch_id, "abc-2")
-    assert link_segment(src, dst)
-    assert os.stat(shm_path(src)).st_ino == os.stat(shm_path(dst)).st_ino
-    assert find_segments(launch_id, "abc-") == [src, dst] and find_segments(launch_id, "x") == []
-    with pytest.raises(FileExistsError):
-        link_segment(src, dst)
-    assert ShmSegment.unlink(src) and ShmSegment.unlink(dst)
-    assert not link_segment(src, segment_name(launch_id, "abc-3"))
-    assert list_segments(launch_id) == []
-
-
-def test_refusal_after_linking_unlinks_the_requests_names(demo_model_dir: Path, launch_id: str) -> None:
-    config = server_config(demo_model_dir, launch_id)
-    worker = TokenizerWorker(config, 0, logging.getLogger("test"))
-    try:
-        seen, new = png(64, 64, seed=7), png(96, 64, seed=8)
-        first = _handle(worker, "r1", chat_body([seen]))
-        # Room for a little, not for the new image: the live one is linked first, then the budget
-        # check refuses the request, and the link made for it must go again.
-        worker.shm_bytes = worker.shm_budget - 1
-        result = worker.handle(GenerateRequest("r2", chat_body([seen, new]), time.time()))
-        assert isinstance(result, RequestFailed) and (result.status, result.code) == (
-            503,
-            "shm_budget_exceeded",
-        )
-        assert list_segments(launch_id) == first.shm_names
-        # An image that could never fit the budget is the client's problem (400), not overload.
-        worker.shm_bytes, worker.shm_budget = 0, 1000
-        result = worker.handle(GenerateRequest("r3", chat_body([new]), time.time()))
-        assert isinstance(result, RequestFailed) and (result.status, result.code) == (400, "images_too_large")
-        assert list_segments(launch_id) == first.shm_names
-        ShmSegment.unlink(first.shm_names[0])
-    finally:
-        worker.close()

@@ -19,7 +19,7 @@ from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.shm import ShmSegment
 from ipc.stats import TokenizerStats
 from tests.media_server import MediaServer
-from tests.workers.tokenizer.test_process import MODEL, Peer, png, server_config
+from tests.workers.tokenizer.harness import MODEL, Peer, png, server_config
 from workers.tokenizer.process import run_tokenizer
 
 
