@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -10,6 +11,7 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -279,31 +281,35 @@ def test_shm_ref_message_is_tiny(launch_id: str) -> None:
 # ---- asyncio ------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def bound_and_connected(launch_id: str, name: str, bound: Any, connected: Any) -> Iterator[tuple[Any, Any]]:
+    """Asyncio sockets of ``Msg`` on endpoint ``name``: one of class ``bound`` binds it, one of ``connected`` connects;
+    both closed, last made first, and their context ended when the test is done with them."""
+    actx = new_async_context()
+    addr = ipc_address(launch_id, name)
+    first = bound[Msg](actx, addr, Msg, bind=True)
+    second = connected[Msg](actx, addr, Msg, bind=False)
+    try:
+        yield first, second
+    finally:
+        second.close()
+        first.close()
+        actx.term()
+
+
 @pytest.mark.asyncio
 async def test_async_push_pull(launch_id: str) -> None:
-    actx = new_async_context()
-    addr = ipc_address(launch_id, "async")
-    pull = AsyncPullSocket[Msg](actx, addr, Msg, bind=True)
-    push = AsyncPushSocket[Msg](actx, addr, Msg, bind=False)
-    try:
+    with bound_and_connected(launch_id, "async", AsyncPullSocket, AsyncPushSocket) as (pull, push):
         sent: list[Msg] = [*(Ping(i) for i in range(50)), _work(launch_id), Stop()]
         for msg in sent:
             await push.send(msg)
         assert [await pull.recv() for _ in sent] == sent
         assert await pull.recv(50) is None
-    finally:
-        push.close()
-        pull.close()
-        actx.term()
 
 
 @pytest.mark.asyncio
 async def test_async_pub_sub(launch_id: str) -> None:
-    actx = new_async_context()
-    addr = ipc_address(launch_id, "apub")
-    pub = AsyncPubSocket[Msg](actx, addr, Msg, bind=True)
-    sub = AsyncSubSocket[Msg](actx, addr, Msg, bind=False)
-    try:
+    with bound_and_connected(launch_id, "apub", AsyncPubSocket, AsyncSubSocket) as (pub, sub):
         async with asyncio.timeout(TIMEOUT_MS / 1000):
             while True:  # slow-joiner handshake, as in the sync test
                 await pub.send(Ping(HANDSHAKE))
@@ -313,10 +319,6 @@ async def test_async_pub_sub(launch_id: str) -> None:
             while (msg := await sub.recv()) == Ping(HANDSHAKE):
                 pass
         assert msg == Stop("bye")
-    finally:
-        pub.close()
-        sub.close()
-        actx.term()
 
 
 @pytest.mark.asyncio

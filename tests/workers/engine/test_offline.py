@@ -12,6 +12,7 @@ from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from ipc.prompts import SamplingParams
+from tests.workers.engine.hf_reference import chat, greedy_tokens
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
 
@@ -25,24 +26,13 @@ def noise_image(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def chat(text: str, images: list[Image.Image]) -> list[dict[str, Any]]:
-    parts: list[dict[str, Any]] = [{"type": "image", "image": img} for img in images]
-    parts.append({"type": "text", "text": text})
-    return [{"role": "user", "content": parts}]
-
-
 class Reference:
     def __init__(self, model_dir: Path) -> None:
         self.processor = AutoProcessor.from_pretrained(str(model_dir))
         self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
     def generate(self, messages: list[dict[str, Any]]) -> list[int]:
-        inputs = self.processor.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )
-        with torch.inference_mode():
-            out = self.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-        return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
+        return greedy_tokens(self.processor, self.model, messages, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

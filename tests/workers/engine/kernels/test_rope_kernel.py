@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.engine.interpreted import run_interpreted
+from tests.workers.engine.kernels.kernel_check import run_kernel_check
 
 CHECK = """
 import torch
@@ -50,14 +50,12 @@ for t, hq, hkv, d in ((5, 32, 8, 128), (2, 3, 1, 16)):
         plain = rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d)
         assert not torch.allclose(plain[0].float(), got[0].float(), atol=1e-2)  # the norm did something
 assert rope_kernel.lm_rope(torch.zeros(0, 6 * 16), torch.zeros(0, 1, 16), torch.zeros(0, 1, 16), 64, 16, 16)[0].shape == (0, 4, 16)
-assert rope_kernel.probe(torch.device("cpu"), torch.float16) and not rope_kernel.SWITCH.broken
-print("ok")
 """
 
 
 def test_kernel_matches_the_rotary_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    run_interpreted("-c", CHECK)
+    run_kernel_check(CHECK, "rope_kernel", "float16")
 
 
 def test_wanted_only_on_cuda_for_power_of_two_heads() -> None:

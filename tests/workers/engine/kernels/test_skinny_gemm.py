@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.workers.engine.interpreted import run_interpreted
+from tests.workers.engine.kernels.kernel_check import run_kernel_check
 from workers.engine.kernels import skinny_gemm
 from workers.engine.layers import linear as layers
 
@@ -48,14 +48,12 @@ once = skinny_gemm.linear(x, w, use=Tile(32, 64, 2, 4, 2))
 torch.testing.assert_close(once, F.linear(x, w), rtol=1e-4, atol=1e-4)
 assert once.shape == (2, 3, 40) and torch.equal(once, skinny_gemm.linear(x, w, use=Tile(32, 64, 2, 4, 2)))
 assert skinny_gemm.linear(torch.zeros(0, 256), w).shape == (0, 40)
-assert skinny_gemm.probe(torch.device("cpu"), torch.float16) and not skinny_gemm.SWITCH.broken
-print("ok")
 """
 
 
 def test_kernel_matches_linear_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    run_interpreted("-c", CHECK)
+    run_kernel_check(CHECK, "skinny_gemm", "float16")
 
 
 def test_tiles_fill_the_card() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.engine.interpreted import run_interpreted
+from tests.workers.engine.kernels.kernel_check import run_kernel_check
 
 CHECK = """
 import torch
@@ -54,14 +54,12 @@ except ValueError as exc:
     assert "129" in str(exc)
 else:
     raise AssertionError("a segment over MAX_LEN must be refused")
-assert window_attention.probe(torch.device("cpu"), torch.float16) and not window_attention.SWITCH.broken
-print("ok")
 """
 
 
 def test_kernel_matches_grouped_sdpa_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    run_interpreted("-c", CHECK)
+    run_kernel_check(CHECK, "window_attention", "float16")
 
 
 def test_wanted_only_for_short_segments_of_half_precision_on_cuda() -> None:

@@ -13,7 +13,8 @@ import torch
 from ipc.prompts import SamplingParams, StructuredSpec
 from ipc.steps import StepPlan, StepResult
 from tests.workers.engine.core.test_scheduler import EOS, add, core
-from tests.workers.engine.test_offline import chat, noise_image
+from tests.workers.engine.hf_reference import chat
+from tests.workers.engine.test_offline import noise_image
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
 
@@ -24,6 +25,14 @@ def first_step(c: Any) -> StepPlan:
     return plan
 
 
+def planned_ahead(c: Any) -> tuple[StepPlan, StepPlan]:
+    """The first step, and the step planned ahead while it runs."""
+    prefill = first_step(c)
+    ahead = c.schedule(ahead=True)
+    assert ahead is not None
+    return prefill, ahead
+
+
 def sampled(plan: StepPlan, tokens: dict[str, int]) -> StepResult:
     return StepResult(plan.step_id, [(ch.rid, tokens[ch.rid]) for ch in plan.chunks if ch.sample])
 
@@ -32,9 +41,8 @@ def test_a_decode_step_is_planned_while_the_prefill_runs() -> None:
     c = core(block_size=4)
     add(c, "a", 7, max_tokens=8)
     add(c, "b", 4, max_tokens=8)
-    prefill = first_step(c)
-    ahead = c.schedule(ahead=True)
-    assert ahead is not None and ahead.ahead
+    prefill, ahead = planned_ahead(c)
+    assert ahead.ahead
     # Each sequence decodes the token the prefill is sampling: one past what the worker was sent, no ids to send.
     assert [(ch.rid, ch.start, ch.length, ch.new_token_ids, ch.sample) for ch in ahead.chunks] == [
         ("a", 7, 1, [], True),
@@ -86,9 +94,8 @@ def test_a_grammar_waits_for_its_token() -> None:
     g = core()
     g.add("s", [1] * 6, 0, [], SamplingParams(max_tokens=8, structured=StructuredSpec("json_object")))
     add(g, "plain", 6, max_tokens=8)
-    prefill = first_step(g)
-    ahead = g.schedule(ahead=True)
-    assert ahead is not None and [ch.rid for ch in ahead.chunks] == ["plain"]  # its next mask needs the token
+    prefill, ahead = planned_ahead(g)
+    assert [ch.rid for ch in ahead.chunks] == ["plain"]  # its next mask needs the token
     g.update(sampled(prefill, {"s": 3, "plain": 4}))
     nxt = g.schedule(ahead=True)
     assert nxt is not None and [(ch.rid, ch.start, ch.new_token_ids) for ch in nxt.chunks] == [("s", 6, [3]), ("plain", 7, [4])]
@@ -98,9 +105,8 @@ def test_a_sequence_whose_token_in_flight_is_its_last_is_left_out() -> None:
     c = core()
     add(c, "one", 5, max_tokens=1)
     add(c, "two", 5, max_tokens=2)
-    prefill = first_step(c)
-    ahead = c.schedule(ahead=True)
-    assert ahead is not None and [ch.rid for ch in ahead.chunks] == ["two"]
+    prefill, ahead = planned_ahead(c)
+    assert [ch.rid for ch in ahead.chunks] == ["two"]
     updates = c.update(sampled(prefill, {"one": 7, "two": 7}))
     assert [(u.rid, u.finish_reason) for u in updates] == [("one", "length"), ("two", None)]
     assert c.schedule(ahead=True) is None  # "two"'s token in flight is its last; "one" alone is not worth a step
@@ -115,9 +121,7 @@ def test_eos_on_the_token_in_flight_drops_the_sample_planned_ahead() -> None:
     c = core()
     add(c, "a", 5, max_tokens=8)
     add(c, "b", 5, max_tokens=8)
-    prefill = first_step(c)
-    ahead = c.schedule(ahead=True)
-    assert ahead is not None
+    prefill, ahead = planned_ahead(c)
     updates = c.update(sampled(prefill, {"a": EOS, "b": 4}))
     assert [(u.rid, u.finish_reason) for u in updates] == [("a", "stop"), ("b", None)]
     nxt = c.schedule(ahead=True)
@@ -130,9 +134,8 @@ def test_eos_on_the_token_in_flight_drops_the_sample_planned_ahead() -> None:
 def test_short_of_blocks_it_waits_instead_of_preempting() -> None:
     c = core(num_blocks=2, block_size=4)
     add(c, "a", 7, max_tokens=8)  # both blocks: positions 0-7
-    prefill = first_step(c)
-    ahead = c.schedule(ahead=True)
-    assert ahead is not None and c.allocator.num_free == 0  # position 7 fits the blocks it holds
+    prefill, ahead = planned_ahead(c)
+    assert c.allocator.num_free == 0  # position 7 fits the blocks it holds
     c.update(sampled(prefill, {"a": 1}))
     assert c.schedule(ahead=True) is None  # position 8 needs a third block: wait for the result, do not preempt
     assert c.preemptions == 0 and c.seqs["a"] in c.running

@@ -38,6 +38,13 @@ def check(
     assert text.lower() in err.message.lower(), err.message
 
 
+def check_load_refused(url: str, limits: MediaLimits, code: str, text: str = "", param: str | None = None) -> None:
+    """``load_media`` refuses ``url`` with a 400 of ``code`` naming ``param``, its message holding ``text``."""
+    with pytest.raises(BadRequest) as info:
+        load_media(url, limits, param=param)
+    check(info, code, text, param=param)
+
+
 PNG = encode(noise_image(40, 30, seed=1), "PNG")
 
 
@@ -75,15 +82,11 @@ def test_data_url_wrapped_base64_is_accepted() -> None:
     ],
 )
 def test_bad_urls(url: str, code: str, text: str) -> None:
-    with pytest.raises(BadRequest) as info:
-        load_media(url, LIMITS, param="messages[0].content[1].image_url")
-    check(info, code, text, param="messages[0].content[1].image_url")
+    check_load_refused(url, LIMITS, code, text, param="messages[0].content[1].image_url")
 
 
 def test_data_url_over_byte_cap() -> None:
-    with pytest.raises(BadRequest) as info:
-        load_media(data_url(PNG), MediaLimits(max_bytes=len(PNG) - 1, timeout_s=1))
-    check(info, "image_too_large")
+    check_load_refused(data_url(PNG), MediaLimits(max_bytes=len(PNG) - 1, timeout_s=1), "image_too_large")
 
 
 def test_non_image_bytes() -> None:
@@ -146,18 +149,10 @@ def test_local_file_inside_allowed_dir(media_dirs: tuple[Path, Path]) -> None:
     limits = MediaLimits(max_bytes=1 << 20, timeout_s=1.0, allowed_local_path=str(allowed))
     assert load_media(f"file://{allowed}/a.png", limits) == PNG
     assert load_media(f"file://localhost{allowed}/a%2Epng", limits) == PNG  # percent-encoding decoded
-    with pytest.raises(BadRequest) as info:
-        load_media(
-            f"file://{allowed}/a.png",
-            MediaLimits(max_bytes=100, timeout_s=1.0, allowed_local_path=str(allowed)),
-        )
-    check(info, "image_too_large")
-    with pytest.raises(BadRequest) as info:
-        load_media(f"file://{allowed}/missing.png", limits)
-    check(info, "invalid_image_url", "does not exist")
-    with pytest.raises(BadRequest) as info:
-        load_media(f"file://{allowed}", limits)
-    check(info, "invalid_image_url", "regular file")
+    small = MediaLimits(max_bytes=100, timeout_s=1.0, allowed_local_path=str(allowed))
+    check_load_refused(f"file://{allowed}/a.png", small, "image_too_large")
+    check_load_refused(f"file://{allowed}/missing.png", limits, "invalid_image_url", "does not exist")
+    check_load_refused(f"file://{allowed}", limits, "invalid_image_url", "regular file")
 
 
 def test_local_file_escapes_are_refused(media_dirs: tuple[Path, Path]) -> None:
@@ -171,19 +166,13 @@ def test_local_file_escapes_are_refused(media_dirs: tuple[Path, Path]) -> None:
         f"file://{allowed}/%2E%2E/outside/b.png",  # via an encoded ..
     ]
     for url in escapes:
-        with pytest.raises(BadRequest) as info:
-            load_media(url, limits)
-        check(info, "local_media_not_allowed", "outside")
-    with pytest.raises(BadRequest) as info:
-        load_media(f"file://otherhost{allowed}/a.png", limits)
-    check(info, "invalid_image_url", "host")
+        check_load_refused(url, limits, "local_media_not_allowed", "outside")
+    check_load_refused(f"file://otherhost{allowed}/a.png", limits, "invalid_image_url", "host")
 
 
 def test_local_files_refused_without_allowed_path(media_dirs: tuple[Path, Path]) -> None:
     allowed, _ = media_dirs
-    with pytest.raises(BadRequest) as info:
-        load_media(f"file://{allowed}/a.png", LIMITS)
-    check(info, "local_media_not_allowed", "not allowed")
+    check_load_refused(f"file://{allowed}/a.png", LIMITS, "local_media_not_allowed", "not allowed")
 
 
 # ---- a PNG's orientation without its pixels -----------------------------------------------------------

@@ -1,0 +1,18 @@
+"""The Triton kernels' interpreter checks end alike: after a kernel's own cases, its start-up probe must pass on the
+CPU under the interpreter and leave the kernel's switch on. ``run_kernel_check`` appends that ending to a check
+script and runs it (tests/workers/engine/interpreted.py), so each test file writes only its own cases."""
+
+from __future__ import annotations
+
+from tests.workers.engine.interpreted import run_interpreted
+
+
+def run_kernel_check(check: str, kernel: str, dtype: str, timeout: float = 600) -> None:
+    """Run ``check`` under Triton's interpreter, then ``workers.engine.kernels.<kernel>``'s probe in ``dtype``."""
+    probe = (
+        "import torch\n"
+        f"from workers.engine.kernels import {kernel}\n"
+        f'assert {kernel}.probe(torch.device("cpu"), torch.{dtype}) and not {kernel}.SWITCH.broken\n'
+        'print("ok")\n'
+    )
+    run_interpreted("-c", check + probe, timeout=timeout)
