@@ -15,27 +15,18 @@ from PIL import Image
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from server.cli import main
+from tests.workers.engine.models.demo_harness import DEMO_FILES, greedy
 from workers.engine.models.demo_writer import CACHE_ENV_VAR, SPECIAL_TOKENS, ensure_demo_model
 
 ImageFactory = Callable[..., Image.Image]  # the `make_image` fixture from tests/conftest.py
 REPO_ROOT = Path(__file__).resolve().parents[4]
-EXPECTED_FILES = {
-    "chat_template.jinja",
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "preprocessor_config.json",
-    "processor_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-}
 
 
 def test_second_write_is_byte_identical(demo_model_dir: Path, tmp_path: Path) -> None:
     again = tmp_path / "again"
     assert main(["demo-model", str(again)]) == 0
     names = {p.name for p in demo_model_dir.iterdir()}
-    assert names == EXPECTED_FILES
+    assert names == DEMO_FILES
     assert {p.name for p in again.iterdir()} == names
     for name in sorted(names):
         assert (again / name).read_bytes() == (demo_model_dir / name).read_bytes(), name
@@ -103,23 +94,11 @@ def test_image_token_budget(demo_model_dir: Path, make_image: ImageFactory) -> N
     assert tokens[1] == 4  # min_pixels = 56x56
 
 
-def _generate(processor: Any, model: Any, images: list[Any]) -> tuple[list[int], Any]:
-    parts: list[dict[str, Any]] = [{"type": "image", "image": im} for im in images]
-    parts.append({"type": "text", "text": "What does the chart show?"})
-    inputs = processor.apply_chat_template(
-        [{"role": "user", "content": parts}],
-        tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt",
-    )
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
-    return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]], inputs
-
-
 def test_transformers_runs_two_odd_images(demo_model_dir: Path, make_image: ImageFactory) -> None:
     processor = AutoProcessor.from_pretrained(demo_model_dir)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(demo_model_dir).eval()
     images = [make_image(123, 77, seed=1), make_image(300, 200, seed=2)]
-    generated, inputs = _generate(processor, model, images)
+    generated, inputs = greedy(processor, model, images, 16)
     assert inputs["image_grid_thw"].tolist() == [[1, 6, 8], [1, 14, 22]]
     n_pad = int((inputs["input_ids"] == model.config.image_token_id).sum())
     assert n_pad == (6 * 8 + 14 * 22) // 4
@@ -127,7 +106,7 @@ def test_transformers_runs_two_odd_images(demo_model_dir: Path, make_image: Imag
     # Greedy-equality tests are only as strong as the output is varied: it must not repeat one token.
     assert len(set(generated)) >= 8, generated
     # ... and it must depend on the pixels, or a misplaced image embedding would go unnoticed.
-    other, _ = _generate(processor, model, [make_image(123, 77, seed=3), images[1]])
+    other, _ = greedy(processor, model, [make_image(123, 77, seed=3), images[1]], 16)
     assert other != generated
 
 
@@ -145,7 +124,7 @@ def test_ensure_demo_model_survives_a_race(tmp_path: Path, monkeypatch: pytest.M
         stdout, _ = racer.communicate(timeout=300)
         assert racer.returncode == 0
         assert stdout.decode().strip() == str(target)
-    assert {p.name for p in target.iterdir()} == EXPECTED_FILES
+    assert {p.name for p in target.iterdir()} == DEMO_FILES
     assert [p.name for p in target.parent.iterdir()] == ["demo-model"]  # no staging dirs left behind
 
     # Present already: returned as is, not rewritten; the env var picks the location when none is given.

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.workers.engine.models.vit_harness import encode_one_by_one
 from workers.engine.models.qwen2_5_vl.vision import VisionSpec, VisionTower, load_vision
 
 transformers = pytest.importorskip("transformers")
@@ -135,12 +136,7 @@ def test_batched_equals_one_by_one(tiny: tuple[Path, Any]) -> None:
     pixels, grids = _images(SIZES)
     with torch.no_grad():
         batched = tower(pixels, grids)
-        alone, start = [], 0
-        for g in grids:
-            n = g[0] * g[1] * g[2]
-            alone.append(tower(pixels[start : start + n], [g]))
-            start += n
-    torch.testing.assert_close(batched, torch.cat(alone), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched, encode_one_by_one(tower, pixels, grids), atol=1e-5, rtol=1e-5)
 
 
 def test_grid_cache_hit_on_repeat(tiny: tuple[Path, Any]) -> None:
@@ -180,16 +176,6 @@ def test_kept_call_plans_stay_within_their_budget(tiny: tuple[Path, Any]) -> Non
         tower(torch.zeros(16, 1176), [grids[0]])
     assert len(tower._calls) == 1 and tower._calls.bytes <= 2 * one + one // 2  # the small plan did not fit
     assert tower.stats["plan_hits"] == 0
-
-
-def test_grid_cache_is_bounded(tiny: tuple[Path, Any]) -> None:
-    tower = _load(tiny[0])
-    tower.grid_cache_size = 2
-    tower._calls.budget = 0  # no whole-call plans kept: every call plans from the per-grid pieces
-    with torch.no_grad():
-        for g in [(1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 4, 4)]:
-            tower(torch.zeros(g[1] * g[2], 1176), [g])
-    assert len(tower._grids) == 2 and tower.stats["grid_misses"] == 4
 
 
 def test_rejects_mismatched_grids(tiny: tuple[Path, Any]) -> None:

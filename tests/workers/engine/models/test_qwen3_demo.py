@@ -21,8 +21,9 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
 )
 
-from workers.engine.models.demo_writer import SPECIAL_TOKENS
-from workers.engine.models.qwen3_vl.demo import TOOL_TOKENS, write_qwen3_vl, write_qwen3_vl_moe
+from tests.workers.engine.models.demo_harness import DEMO_FILES, chat_inputs, greedy
+from workers.engine.models.demo_writer import SPECIAL_TOKENS, TOOL_TOKENS
+from workers.engine.models.qwen3_vl.demo import write_qwen3_vl, write_qwen3_vl_moe
 
 ImageFactory = Callable[..., Image.Image]  # the `make_image` fixture from tests/conftest.py
 WRITERS: dict[str, Callable[[Path], Path]] = {"qwen3_vl": write_qwen3_vl, "qwen3_vl_moe": write_qwen3_vl_moe}
@@ -30,17 +31,7 @@ MODEL_CLASSES: dict[str, Any] = {
     "qwen3_vl": Qwen3VLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
 }
-EXPECTED_FILES = {
-    "chat_template.jinja",
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "preprocessor_config.json",
-    "processor_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "video_preprocessor_config.json",
-}
+EXPECTED_FILES = {*DEMO_FILES, "video_preprocessor_config.json"}
 FAMILIES = pytest.mark.parametrize("family", sorted(WRITERS))
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -167,7 +158,7 @@ def test_image_token_layout_and_budget(
     family: str, loaded: dict[str, tuple[Any, Any]], make_image: ImageFactory
 ) -> None:
     processor, _ = loaded[family]
-    inputs = _inputs(processor, [make_image(123, 77, seed=1)], "Describe it.")
+    inputs = chat_inputs(processor, [make_image(123, 77, seed=1)], "Describe it.")
     grid = inputs["image_grid_thw"].tolist()
     assert grid == [[1, 4, 8]]
     n_pads = 1 * 4 * 8 // 4
@@ -181,31 +172,15 @@ def test_image_token_layout_and_budget(
     assert tokens[1] == 4  # min = 2x2 merged tiles
 
 
-def _inputs(processor: Any, images: list[Image.Image], text: str = "What does the chart show?") -> Any:
-    parts: list[dict[str, Any]] = [{"type": "image", "image": im} for im in images]
-    parts.append({"type": "text", "text": text})
-    return processor.apply_chat_template(
-        [{"role": "user", "content": parts}],
-        tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt",
-    )
-
-
-def _generate(processor: Any, model: Any, images: list[Image.Image]) -> list[int]:
-    inputs = _inputs(processor, images)
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
-
-
 @FAMILIES
 def test_generate_depends_on_images(
     family: str, loaded: dict[str, tuple[Any, Any]], make_image: ImageFactory
 ) -> None:
     processor, model = loaded[family]
-    text_only = _generate(processor, model, [])
+    text_only = greedy(processor, model, [], 12)[0]
     images = [make_image(123, 77, seed=1), make_image(300, 200, seed=2)]
-    generated = _generate(processor, model, images)
-    other = _generate(processor, model, [make_image(123, 77, seed=3), images[1]])
+    generated = greedy(processor, model, images, 12)[0]
+    other = greedy(processor, model, [make_image(123, 77, seed=3), images[1]], 12)[0]
     for tokens in (text_only, generated, other):
         assert len(tokens) == 12
         # Greedy-equality tests are only as strong as the output is varied.
@@ -215,7 +190,7 @@ def test_generate_depends_on_images(
     firsts = set()
     for seed in range(4):
         with torch.inference_mode():
-            logits = model(**_inputs(processor, [make_image(200, 130, seed=seed)])).logits
+            logits = model(**chat_inputs(processor, [make_image(200, 130, seed=seed)])).logits
         firsts.add(int(logits[0, -1].argmax()))
     assert len(firsts) >= 2, firsts
 
@@ -229,7 +204,7 @@ def test_moe_router_spreads_tokens(loaded: dict[str, tuple[Any, Any]], make_imag
     ]
     try:
         with torch.inference_mode():
-            model(**_inputs(processor, [make_image(123, 77, seed=1), make_image(300, 200, seed=2)]))
+            model(**chat_inputs(processor, [make_image(123, 77, seed=1), make_image(300, 200, seed=2)]))
     finally:
         for hook in hooks:
             hook.remove()

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.workers.engine.models.vit_harness import encode_one_by_one
 from workers.engine.layers.vit_plans import CallPlans
 from workers.engine.models.qwen3_vl.vision import VisionSpec, VisionTower, build_vision
 
@@ -136,12 +137,7 @@ def test_batched_rows_equal_alone(reference: Any) -> None:
     pixels = _pixels(ODD_GRIDS)
     with torch.no_grad():
         batched = tower(pixels, ODD_GRIDS)
-        alone, start = [], 0
-        for g in ODD_GRIDS:
-            n = g[0] * g[1] * g[2]
-            alone.append(tower(pixels[start : start + n], [g]))
-            start += n
-    torch.testing.assert_close(batched, torch.cat(alone), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched, encode_one_by_one(tower, pixels, ODD_GRIDS), atol=1e-5, rtol=1e-5)
 
 
 def test_memoized_plan_gives_same_result(reference: Any) -> None:
@@ -157,16 +153,6 @@ def test_memoized_plan_gives_same_result(reference: Any) -> None:
     assert tower.stats["grid_misses"] == 4 and tower.stats["grid_hits"] == 4 and tower.stats["plan_hits"] == 1
     assert tower.stats["calls"] == 3 and tower.stats["patches"] == 3 * pixels.shape[0]
     assert torch.equal(first, second) and torch.equal(first, third)
-
-
-def test_grid_cache_is_bounded(reference: Any) -> None:
-    tower = _tower(reference)
-    tower.grid_cache_size = 2
-    tower._calls.budget = 0  # no whole-call plans kept: every call plans from the per-grid pieces
-    with torch.no_grad():
-        for g in [(1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 4, 4)]:
-            tower(_pixels([g]), [g])
-    assert len(tower._frames) == 2 and tower.stats["grid_misses"] == 4
 
 
 def test_rejects_bad_input(reference: Any) -> None:
