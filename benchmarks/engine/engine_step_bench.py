@@ -118,6 +118,12 @@ def decode_run(engine: Any, spy: Spy, batch: int, tokens: int, record_steps: int
     }
 
 
+def save(result: dict[str, Any], out: Path | None) -> None:
+    """The run's numbers and sampled rows' logits, for a later --compare (nothing without --out)."""
+    if out is not None:
+        torch.save(result, out)
+
+
 def measure(args: argparse.Namespace) -> None:
     import workers
     from benchmarks.checkpoints import shaped_checkpoint
@@ -152,7 +158,7 @@ def measure(args: argparse.Namespace) -> None:
         if args.ttft_only:
             if args.profile:
                 profile_ttft(engine, spy, args)
-            torch.save(result, args.out)
+            save(result, args.out)
             return
         decode_run(engine, spy, args.batch, 8, 0)  # warm-up: captures this batch's graph if the tree has graphs
         result["decode"] = decode_run(engine, spy, args.batch, args.decode_tokens, args.record_steps)
@@ -171,7 +177,7 @@ def measure(args: argparse.Namespace) -> None:
             profile_ttft(engine, spy, args)
         if args.profile_decode:
             profile_decode(engine, spy, args)
-    torch.save(result, args.out)
+    save(result, args.out)
 
 
 def profile_decode(engine: Any, spy: Spy, args: argparse.Namespace) -> None:
@@ -250,7 +256,7 @@ def compare(old_path: Path, new_path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="where to save the results for --compare")
     ap.add_argument("--compare", type=Path, nargs=2, metavar=("OLD", "NEW"))
     ap.add_argument("--shape", choices=["demo", "7b"], default="7b")
     ap.add_argument("--device", default="cuda")

@@ -12,11 +12,12 @@ chunk), ``prefill`` (chunks only), ``vit-only`` (images encoded, nothing to forw
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from benchmarks.args import parser
 
 PHASES = ("setup", "vit", "prep", "forward", "graph", "sample")
 
@@ -146,11 +147,11 @@ def per_request(records: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder", type=Path)
-    parser.add_argument("--since", type=float, default=0.0, help="ignore records before this monotonic time")
-    parser.add_argument("--requests", action="store_true", help="one row per request (requests sent one at a time)")
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--since", type=float, default=0.0, help="ignore records before this monotonic time")
+    ap.add_argument("--requests", action="store_true", help="one row per request (requests sent one at a time)")
+    args = ap.parse_args()
     records = load(args.folder)
     print(per_request(records) if args.requests else report(records, args.since))
 
