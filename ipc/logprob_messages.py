@@ -1,9 +1,11 @@
-"""Log-probability records that ride inside other messages (StepResult, RequestOutput); re-exported by
-ipc/messages.py, where every message is looked up."""
+"""Log-probability records that ride inside other messages (StepResult, RequestOutput)."""
 
 from __future__ import annotations
 
 import msgspec
+
+# JSON has no -inf; OpenAI (and vLLM) report a token that cannot be sampled with this value.
+LOGPROB_FLOOR = -9999.0
 
 
 class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -28,13 +30,24 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
 
 
 class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
-    """Scheduler -> frontend: one prompt token, rendered. The first token has no logprob (nothing before it)."""
+    """Scheduler -> frontend: one prompt's log probabilities, packed (``array`` typecodes "i" and "f", native
+    byte order: every process of a launch runs on one host). float32 loses nothing: the model worker's
+    numbers are float32 already. The frontend renders OpenAI's and vLLM's JSON from these in slices, so a
+    large prompt never exists as millions of Python objects, neither here nor there (issue 40).
 
-    token_id: int
-    token: str
-    logprob: float | None
-    rank: int
-    top: list[tuple[int, str, float]]  # (token id, token text, logprob) of the k best, best first
+    Position 0 of ``token_ids`` has no entry in the other arrays (nothing comes before it); position i >= 1
+    has ``logprobs[i - 1]``, ``ranks[i - 1]`` and ``k`` alternatives at ``top_*[(i - 1) * k : i * k]``,
+    best first. ``texts`` holds the token text of every id these arrays name (``vocab_ids`` in the same order).
+    """
+
+    token_ids: bytes  # int32
+    logprobs: bytes  # float32; -inf stays -inf (the frontend writes JSON's stand-in)
+    ranks: bytes  # int32: 1 + how many tokens were more likely
+    k: int
+    top_ids: bytes  # int32
+    top_logprobs: bytes  # float32
+    vocab_ids: bytes  # int32
+    texts: list[str]
 
 
 class TopLogprob(msgspec.Struct, frozen=True):

@@ -36,7 +36,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     index: int = 0  # the choice (n > 1)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     tool_calls: list[ToolCallDelta] | None = None
-    prompt_logprobs: list[PromptLogprob] | None = None  # with the choice's first output, when asked for
+    prompt_logprobs: PromptLogprob | None = None  # with the choice's first output, when asked for (packed)
 
 
 class OutputBatch(Msg, frozen=True):

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from itertools import chain
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -26,6 +27,7 @@ from ipc.control import RequestFailed
 from ipc.outputs import RequestOutput
 from ipc.requests import RequestAccepted
 from server import protocol
+from server.completion_answer import CompletionAnswer
 from server.config import ServerConfig
 from server.frontend import (
     DISCONNECTED,
@@ -37,7 +39,7 @@ from server.frontend import (
     Outcome,
 )
 from server.protocol import error_response, is_json
-from server.responder import answer_for
+from server.responder import Answer, ChatAnswer
 from server.tokenize_api import TokenizerEndpoints
 
 __all__ = ["ChatResponder", "FrontendState", "create_app"]
@@ -60,6 +62,50 @@ async def _next_batch(flight: Flight, early: list[FlightEvent]) -> list[FlightEv
     while not flight.queue.empty():
         batch.append(flight.queue.get_nowait())
     return batch
+
+
+# A large answer goes out in sends of about this size, the loop free for other requests between them.
+_SEND_BYTES = 1 << 18
+
+
+def answer_for(rid: str, created: int, accepted: RequestAccepted) -> Answer:
+    cls = CompletionAnswer if accepted.endpoint == "completion" else ChatAnswer
+    return cls(rid, created, accepted)
+
+
+def _gather(pieces: Iterator[bytes]) -> bytes:
+    """The next pieces up to about _SEND_BYTES (b"" once they are all taken)."""
+    buf, size = [], 0
+    for piece in pieces:
+        buf.append(piece)
+        size += len(piece)
+        if size >= _SEND_BYTES:
+            break
+    return b"".join(buf)
+
+
+async def _send_pieces(send: Send, first: bytes, pieces: Iterator[bytes], more: bool) -> None:
+    """Send ``first`` then the rest of ``pieces`` in sends of about _SEND_BYTES, yielding to the loop between
+    them: pieces are rendered as they are taken, so neither the whole body nor the loop is held (issue 40)."""
+    body = first
+    while True:
+        rest = _gather(pieces)
+        if not rest:
+            await send({"type": "http.response.body", "body": body, "more_body": more})
+            return
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await asyncio.sleep(0)
+        body = rest
+
+
+async def _send_whole(send: Send, pieces: Iterator[bytes]) -> None:
+    """A non-streamed 200: with Content-Length when it fits one send, else chunked, as it is rendered."""
+    first = _gather(pieces)
+    if len(first) < _SEND_BYTES:
+        await protocol.send_json(send, 200, first)
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": protocol.JSON_HEADERS})
+    await _send_pieces(send, first, pieces, False)
 
 
 class ChatResponder:
@@ -130,16 +176,16 @@ class ChatResponder:
                 if failed is not None:
                     await protocol.send_json(send, failed.status, protocol.failed_payload(failed))
                 elif answer.done:
-                    await protocol.send_json(send, 200, answer.body())
+                    await _send_whole(send, iter(answer.body()))
             else:
                 # Everything that arrived since the last write goes out in one send: a loop that fell
                 # behind catches up instead of paying per-token overhead.
-                body = answer.flush()
+                pieces = answer.flush()
                 if failed is not None:  # the status line is gone: report in-band, then end as every stream does
-                    body += protocol.error_event(failed) + protocol.SSE_DONE
-                if body:
-                    more = failed is None and not answer.done
-                    await send({"type": "http.response.body", "body": body, "more_body": more})
+                    pieces = chain(pieces, [protocol.error_event(failed), protocol.SSE_DONE])
+                first = _gather(pieces)
+                if first:
+                    await _send_pieces(send, first, pieces, failed is None and not answer.done)
             if failed is not None:
                 return "failed"
             if answer.done:

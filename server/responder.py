@@ -1,16 +1,21 @@
 """Answers assembled from a request's ``RequestOutput``s: n choices, log probabilities, tool calls, for
-/v1/chat/completions and /v1/completions, streamed (SSE events as outputs arrive) or whole.
+/v1/chat/completions (the /v1/completions shapes are server/completion_answer.py's), streamed (SSE events as
+outputs arrive) or whole.
 
 Outputs of all choices arrive interleaved on the request's flight queue; each carries its choice's
 index. An ``Answer`` keeps what each choice has produced since the last flush, and knows the request
 is over when every choice has a finish reason.
+
+``flush`` and ``body`` hand back their bytes as an iterable of pieces, rendered as the caller takes them:
+a large answer (a long prompt's log probabilities) is written in slices, never held whole (issue 40).
+A whole answer keeps what it has compact until then: text joined, tool-call pieces merged per call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-
-import msgspec
+from itertools import chain
 
 from ipc.logprob_messages import PromptLogprob, TokenLogprob
 from ipc.outputs import RequestOutput, ToolCallDelta
@@ -31,6 +36,8 @@ from server.protocol import (
     sse_event,
 )
 
+_COMPACT_AT = 64  # pieces a choice keeps before they are joined (a whole answer of 32K steps: 32K objects)
+
 
 @dataclass
 class ChoiceState:
@@ -38,7 +45,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)  # stream: since the last flush; else everything
     logprobs: list[TokenLogprob] = field(default_factory=list)
     calls: list[ToolCallDelta] = field(default_factory=list)
-    prompt: list[PromptLogprob] | None = None  # completions: the prompt's log probabilities, until written
+    prompt: PromptLogprob | None = None  # completions: the prompt's log probabilities (packed), until written
     finish_reason: str | None = None
     finish_sent: bool = False
     completion_tokens: int = 0
@@ -58,10 +65,14 @@ class Answer:
         choice = self.choices[out.index]
         if out.text:
             choice.text.append(out.text)
+            if len(choice.text) > _COMPACT_AT:  # a whole answer: one string, not a Python object per step
+                choice.text[:] = ["".join(choice.text)]
         if out.logprobs:
             choice.logprobs.extend(out.logprobs)
         if out.tool_calls:
             choice.calls.extend(out.tool_calls)
+            if len(choice.calls) > _COMPACT_AT and not self.accepted.stream:
+                choice.calls[:] = _merged(choice.calls)
         if out.prompt_logprobs is not None:
             choice.prompt = out.prompt_logprobs
         choice.completion_tokens = out.completion_tokens
@@ -84,33 +95,35 @@ class Answer:
         """What a stream begins with (before any output)."""
         return b""
 
-    def flush(self) -> bytes:
-        """Stream: events for everything added since the last flush; after the last output, the end too."""
+    def flush(self) -> Iterator[bytes]:
+        """Stream: events for everything added since the last flush; after the last output, the end too. Each
+        choice's event takes what it needs now (``_chunk``), so its pieces may be rendered after the clearing."""
         events = [self._chunk(c) for c in self.choices if c.text or c.logprobs or c.calls or c.prompt or self._finishing(c)]
         for c in self.choices:
-            c.text.clear()
-            c.logprobs.clear()
-            c.calls.clear()
+            c.text = []
+            c.logprobs = []
+            c.calls = []
             c.prompt = None
             c.finish_sent = c.finish_reason is not None
+        tail = []
         if self.done:
             if self.accepted.include_usage:
-                events.append(self._usage_event())
-            events.append(SSE_DONE)
-        return b"".join(events)
+                tail.append(self._usage_event())
+            tail.append(SSE_DONE)
+        return chain(*events, tail)
 
     @staticmethod
     def _finishing(c: ChoiceState) -> bool:
         return c.finish_reason is not None and not c.finish_sent
 
-    def _chunk(self, c: ChoiceState) -> bytes:
+    def _chunk(self, c: ChoiceState) -> Iterable[bytes]:
         raise NotImplementedError
 
     def _usage_event(self) -> bytes:
         raise NotImplementedError
 
-    def body(self) -> bytes:
-        """Not streamed: the whole answer, once ``done``."""
+    def body(self) -> Iterator[bytes]:
+        """Not streamed: the whole answer, once ``done``, in pieces."""
         raise NotImplementedError
 
 
@@ -126,7 +139,7 @@ class ChatAnswer(Answer):
     def _logprobs(self, c: ChoiceState) -> ChoiceLogprobs | None:
         return ChoiceLogprobs(list(c.logprobs)) if self.accepted.logprobs else None
 
-    def _chunk(self, c: ChoiceState) -> bytes:
+    def _chunk(self, c: ChoiceState) -> Iterable[bytes]:
         text = "".join(c.text)
         calls = [_call_delta(d) for d in c.calls] or None
         out = b""
@@ -135,25 +148,33 @@ class ChatAnswer(Answer):
             out = self._event([ChunkChoice(c.index, delta, None, self._logprobs(c))])
         if self._finishing(c):  # as OpenAI ends a choice: an empty delta with the finish reason
             out += self._event([ChunkChoice(c.index, Delta(), c.finish_reason)])
-        return out
+        return [out]
 
     def _usage_event(self) -> bytes:
         return self._event([], self.usage())
 
-    def body(self) -> bytes:
+    def body(self) -> Iterator[bytes]:
         choices = []
         for c in self.choices:
             calls = _whole_calls(c.calls)
             text = "".join(c.text)
             message = AssistantMessage(role="assistant", content=text if text or not calls else None, tool_calls=calls)
             choices.append(protocol.Choice(c.index, message, c.finish_reason, self._logprobs(c)))
-        return encode(ChatCompletion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage()))
+        yield encode(ChatCompletion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage()))
 
 
 def _call_delta(d: ToolCallDelta) -> ToolCallDeltaOut:
     if d.id:
         return ToolCallDeltaOut(d.index, d.id, "function", FunctionCall(d.name, d.arguments))
     return ToolCallDeltaOut(d.index, function=FunctionCall(arguments=d.arguments))
+
+
+def _merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """One delta per call (its id, name and all its argument text so far): what ``_whole_calls`` makes of them."""
+    calls: dict[int, list[ToolCallDelta]] = {}
+    for d in deltas:
+        calls.setdefault(d.index, []).append(d)
+    return [ToolCallDelta(i, ds[0].id, ds[0].name, "".join(d.arguments for d in ds)) for i, ds in calls.items()]
 
 
 def _whole_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
@@ -165,133 +186,3 @@ def _whole_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
         else:
             call.function.arguments = (call.function.arguments or "") + (d.arguments or "")
     return [calls[i] for i in sorted(calls)]
-
-
-# ---- /v1/completions ------------------------------------------------------------------------------
-
-
-class CompletionLogprobs(msgspec.Struct):
-    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class RankedLogprob(msgspec.Struct):
-    """vLLM's ``prompt_logprobs`` entry: a token's logprob, its rank (1: the most likely) and its text."""
-
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-class CompletionChoice(msgspec.Struct, omit_defaults=True):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: str | None
-    # vLLM's extension, only when asked for: None for the first token, then {token id: entry} per token.
-    prompt_logprobs: list[dict[str, RankedLogprob] | None] | None = None
-
-
-class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-def with_chosen(top: dict[str, float], token: str, logprob: float) -> dict[str, float]:
-    """OpenAI's legacy completions always list the chosen token among a position's alternatives, so there may be
-    logprobs + 1 of them."""
-    top.setdefault(token, logprob)
-    return top
-
-
-class CompletionAnswer(Answer):
-    def __init__(self, rid: str, created: int, accepted: RequestAccepted) -> None:
-        super().__init__(rid, created, accepted)
-        self.offsets = [len(self._echo(c.index)) for c in self.choices]  # text_offset of each choice's next token
-        self.echoed = [False] * len(self.choices)
-
-    def _echo(self, index: int) -> str:
-        return self.accepted.echoes[index] if self.accepted.echoes else self.accepted.echo
-
-    def _logprobs(self, c: ChoiceState) -> CompletionLogprobs | None:
-        if not self.accepted.logprobs:
-            return None
-        out = CompletionLogprobs([], [], [], [])
-        k = self.accepted.echo_logprobs
-        if k is not None and c.prompt:  # echo: the prompt's tokens first, the first one with nothing before it
-            offset = 0
-            for p in c.prompt:
-                out.tokens.append(p.token)
-                out.token_logprobs.append(p.logprob)
-                out.top_logprobs.append(None if p.logprob is None else with_chosen(
-                    {text: lp for _, text, lp in p.top[:k]}, p.token, p.logprob
-                ))  # fmt: skip
-                out.text_offset.append(offset)
-                offset += len(p.token)
-        for entry in c.logprobs:
-            out.tokens.append(entry.token)
-            out.token_logprobs.append(entry.logprob)
-            out.top_logprobs.append(with_chosen({t.token: t.logprob for t in entry.top_logprobs}, entry.token, entry.logprob))
-            out.text_offset.append(self.offsets[c.index])
-            self.offsets[c.index] += len(entry.token)
-        return out
-
-    def _text(self, c: ChoiceState) -> str:
-        text = "".join(c.text)
-        if not self.echoed[c.index]:  # echo: the prompt comes first, once
-            self.echoed[c.index] = True
-            text = self._echo(c.index) + text
-        return text
-
-    def _ranked(self, c: ChoiceState) -> list[dict[str, RankedLogprob] | None] | None:
-        """vLLM's prompt_logprobs: per token after the first, the token itself and the k best there."""
-        k = self.accepted.prompt_logprobs
-        if k is None or not c.prompt:
-            return None
-        out: list[dict[str, RankedLogprob] | None] = [None]
-        for p in c.prompt[1:]:
-            entries = {str(p.token_id): RankedLogprob(p.logprob or 0.0, p.rank, p.token)}
-            for rank, (tid, text, lp) in enumerate(p.top[:k], 1):
-                entries.setdefault(str(tid), RankedLogprob(lp, rank, text))
-            out.append(entries)
-        return out
-
-    def _chunk(self, c: ChoiceState) -> bytes:
-        reason = c.finish_reason if self._finishing(c) else None
-        choice = CompletionChoice(c.index, self._text(c), self._logprobs(c), reason)
-        return sse_event(encode(Completion(
-            id=self.rid, object="text_completion", created=self.created, model=self.model, choices=[choice],
-            usage=self.running_usage(),
-        )))  # fmt: skip
-
-    def start(self) -> bytes:
-        if not self.accepted.echo or self.accepted.echo_logprobs is not None:
-            return b""  # with logprobs, the echo waits for the first output, which brings the prompt's
-        choices = [CompletionChoice(c.index, self._text(c), None, None) for c in self.choices]
-        return sse_event(encode(Completion(id=self.rid, object="text_completion", created=self.created, model=self.model, choices=choices)))
-
-    def _usage_event(self) -> bytes:
-        return sse_event(
-            encode(Completion(id=self.rid, object="text_completion", created=self.created, model=self.model, choices=[], usage=self.usage()))
-        )
-
-    def body(self) -> bytes:
-        choices = [
-            CompletionChoice(c.index, self._text(c), self._logprobs(c), c.finish_reason, self._ranked(c)) for c in self.choices
-        ]
-        return encode(
-            Completion(id=self.rid, object="text_completion", created=self.created, model=self.model, choices=choices, usage=self.usage())
-        )
-
-
-def answer_for(rid: str, created: int, accepted: RequestAccepted) -> Answer:
-    cls = CompletionAnswer if accepted.endpoint == "completion" else ChatAnswer
-    return cls(rid, created, accepted)

@@ -108,6 +108,8 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lim.add_argument("--max-video-frames", type=int, default=S["max_video_frames"],
                      help="sampled (decoded) frames of one request, all its videos together")
     lim.add_argument("--max-body-mb", type=float, default=_whole(S["max_body_bytes"] / MB), help="HTTP request body cap")
+    lim.add_argument("--max-logprob-entries", type=int, default=S["max_logprob_entries"],
+                     help="log-prob entries (and echoed tokens) one answer may hold; past it: 400 (docs/limits.md)")
     lim.add_argument("--media-timeout", type=float, default=S["media_timeout_s"], help="seconds to fetch one image URL")
     lim.add_argument("--allowed-media-domains", default="", help="comma-separated hosts for http(s) image URLs (empty: any)")
     lim.add_argument("--allowed-local-media-path", default=None, help="directory file:// images may come from (default: none)")
@@ -211,6 +213,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_video_seconds=args.max_video_seconds,
         max_video_frames=args.max_video_frames,
         max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        max_logprob_entries=args.max_logprob_entries,
         media_timeout_s=args.media_timeout,
         allowed_media_domains=tuple(d.strip() for d in args.allowed_media_domains.split(",") if d.strip()),
         allowed_local_media_path=args.allowed_local_media_path,

@@ -37,6 +37,10 @@ class ServerConfig:
     max_video_seconds: float = 600.0  # duration of one video, from its packets, checked before decoding
     max_video_frames: int = 2048  # sampled (decoded) frames of one request, all its videos together
     max_body_bytes: int = 256 << 20
+    # Log-prob entries one answer may hold (docs/limits.md): per choice, a prompt token echoed is 1, with echo
+    # logprobs 1 + k more, with prompt_logprobs 1 + k more; a generated token of an answer that is not streamed
+    # 1 + k with logprobs. At most ~120 bytes of JSON each with short tokens: 2**18 keep one answer near 30 MB.
+    max_logprob_entries: int = 1 << 18
     media_timeout_s: float = 10.0
     allowed_media_domains: tuple[str, ...] = ()  # empty: any host for http(s) URLs
     allowed_local_media_path: str | None = None  # None: file:// and local paths are refused

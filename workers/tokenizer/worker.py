@@ -61,6 +61,7 @@ from workers.tokenizer.requests.chat import (
     video_refs,
 )
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion, prepare_completion
+from workers.tokenizer.requests.sampling import hold_to_budget
 
 # Unicode normalization (NFC/NFKC, which tokenizers apply first) composes at most four code points
 # into one (a Greek vowel with three marks), so text of c characters is at least c / 4 after it.
@@ -279,6 +280,7 @@ class TokenizerWorker:
             chat, len(prompt.input_ids), self.max_model_len, self.config.sampling_defaults, self.processor.info.vocab_size,
             validate=self.structured.check, tool_tags=self.structured.tool_tags,
         )
+        sampling = hold_to_budget(sampling, chat, self.config.max_logprob_entries)  # docs/limits.md
         # Segments only now, after every check that could refuse the request.
         distinct = list({im.hash: im for im in order}.values())
         new_bytes, writes = self.prep.materialize(distinct, names, self.shm_bytes, self.shm_budget)

@@ -27,6 +27,7 @@ from workers.tokenizer.requests.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingFields,
     check_sampling,
+    hold_to_budget,
     range_error,
     to_sampling_params,
     unsupported,
@@ -121,6 +122,17 @@ def _tokenize(worker: PromptContext, raw: str | list[int]) -> Prompt:
     return Prompt(raw, processor.family.delta(len(raw), [], processor.merge), [])
 
 
+def _prompt_entries(req: CompletionRequest, ids: list[list[int]], n: int) -> int:
+    """Log-prob entries the prompt side of the answer holds (docs/limits.md): every choice reports its prompt
+    (n choices share one prompt; a batch has one choice per prompt)."""
+    per_token = 0
+    if req.echo:
+        per_token += 1 + (1 + req.logprobs if req.logprobs is not None else 0)
+    if req.prompt_logprobs is not None:
+        per_token += 1 + req.prompt_logprobs
+    return per_token * sum(len(i) for i in ids) * (n if len(ids) == 1 else 1)
+
+
 def prepare_completion(
     worker: PromptContext, req: GenerateRequest, completion: CompletionRequest
 ) -> tuple[RequestAccepted, TokenizedRequest]:
@@ -145,6 +157,10 @@ def prepare_completion(
     wanted = [k for k in (echo_logprobs, completion.prompt_logprobs) if k is not None]
     if wanted:
         sampling = msgspec.structs.replace(sampling, prompt_logprobs=max(wanted))
+    sampling = hold_to_budget(
+        sampling, completion, worker.config.max_logprob_entries, _prompt_entries(completion, ids, sampling.n),
+        "prompt_logprobs" if completion.prompt_logprobs is not None else "logprobs" if echo_logprobs is not None else "prompt",
+    )  # fmt: skip
     echoes = [(r if isinstance(r, str) else processor.decode(i)) if completion.echo else "" for r, i in zip(raws, ids, strict=True)]
     accepted = RequestAccepted(
         req.rid, completion.stream, completion.include_usage, completion.model, sum(len(i) for i in ids), worker.index,

@@ -152,6 +152,44 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
         raise range_error("logit_bias", f"{len(req.logit_bias)} entries", f"of at most {MAX_LOGIT_BIAS} entries")
 
 
+def hold_to_budget(
+    sampling: SamplingParams, req: SamplingFields, budget: int, prompt_entries: int = 0, prompt_param: str = "messages"
+) -> SamplingParams:
+    """Hold one answer to ``budget`` log-prob entries (``--max-logprob-entries``, docs/limits.md), checked before
+    any model work: what the scheduler and the frontend hold of an answer, and the JSON it becomes, stay bounded.
+
+    ``prompt_entries``: what the prompt side asks for over every choice (echoed tokens, their logprobs, vLLM's
+    prompt_logprobs); past the budget a 400 names ``prompt_param``. A generated token of an answer that is not
+    streamed costs 1 + k per choice with logprobs (streamed, it is written as it comes and held nowhere). A
+    max_tokens the client sent that does not fit is a 400 naming it; one left to the server (the context's room,
+    or generation_config's) is lowered to fit instead."""
+    if prompt_entries > budget:
+        raise BadRequest(
+            f"This request asks for {prompt_entries:,} log-probability entries for its prompt tokens (per choice and "
+            f"token: 1 echoed, 1 + k with logprobs, 1 + k with prompt_logprobs); this server answers at most "
+            f"{budget:,} per request. Send fewer or shorter prompts, or ask for fewer alternatives.",
+            param=prompt_param,
+            code="logprob_budget_exceeded",
+        )
+    if sampling.logprobs is None or req.stream:
+        return sampling
+    per_token = sampling.n * (1 + sampling.logprobs)
+    fit = (budget - prompt_entries) // per_token
+    if sampling.max_tokens <= fit:
+        return sampling
+    sent = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    if fit < 1 or getattr(req, sent) is not None:
+        raise BadRequest(
+            f"'{sent}' of {sampling.max_tokens} with logprobs asks for {prompt_entries + sampling.max_tokens * per_token:,}"
+            f" log-probability entries ({sampling.n} choice(s) x (1 + {sampling.logprobs}) per token"
+            f"{', and the prompt' if prompt_entries else ''}); this server answers at most {budget:,} per request. "
+            f"Ask for at most {max(fit, 0)} tokens, fewer alternatives or choices, or stream the answer.",
+            param=sent,
+            code="logprob_budget_exceeded",
+        )
+    return msgspec.structs.replace(sampling, max_tokens=fit)
+
+
 def _token_ids(param: str, ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
     bad = next((t for t in ids or () if not 0 <= t < vocab_size), None)
     if bad is not None:
