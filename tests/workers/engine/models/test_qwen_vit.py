@@ -14,7 +14,7 @@ from workers.engine.models.qwen2_5_vl import vision as qwen2_5
 from workers.engine.models.qwen3_vl import vision as qwen3
 from workers.engine.models.qwen_vit import QwenVisionTower, VisionPatchEmbed, activation, vision_fields
 
-SMALL = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+SMALL: dict[str, Any] = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
 FAMILIES: dict[str, tuple[Any, dict[str, Any], str]] = {  # vision module, extra config, its per-grid memo
     "qwen2_5_vl": (qwen2_5, dict(window_size=112, fullatt_block_indexes=[1]), "_grids"),
     "qwen3_vl": (qwen3, dict(num_position_embeddings=64, deepstack_visual_indexes=[0]), "_frames"),
