@@ -1,2 +1,2 @@
-"""Building blocks of models: tensor-parallel linears, vocab embedding and RMSNorm, vision attention (full and
-windowed) and the vision MLP, and the ViT call plans that batch images. Imports only ``kernels``."""
+"""Building blocks of models: tensor-parallel linears, vocab embedding and RMSNorm, multimodal rotary (M-RoPE), vision
+attention (full and windowed) and the vision MLP, and the ViT call plans that batch images. Imports only ``kernels``."""

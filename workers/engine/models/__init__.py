@@ -1,7 +1,9 @@
 """Model families, chosen by ``architectures`` in a checkpoint's config.json.
 
 Adding a family: one package under this folder exporting ``FAMILY`` (see base.py for what it provides)
-and one line in ``ARCHITECTURES``.
+and one line in ``ARCHITECTURES``. What families share sits beside the packages: decoder.py (the paged decoder, its
+layer and weight loading), qwen_vit.py (the Qwen-style vision tower), demo_writer.py and demo_templates.py (tiny demo
+checkpoints).
 """
 
 from __future__ import annotations
