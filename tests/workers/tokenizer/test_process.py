@@ -16,19 +16,9 @@ import torch
 from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
 from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
-from ipc.shm import (
-    ShmSegment,
-    list_segments,
-)
+from ipc.shm import ShmSegment, list_segments
 from ipc.stats import SchedulerStats, TokenizerStats
-from tests.workers.tokenizer.harness import (
-    MODEL,
-    Peer,
-    chat_body,
-    png,
-    server_config,
-    shm_path,
-)
+from tests.workers.tokenizer.harness import MODEL, Peer, chat_body, png, server_config, shm_path
 from workers.engine.prompt.processor import MMProcessor
 from workers.tokenizer.media.fetch import decode_image
 from workers.tokenizer.process import run_tokenizer

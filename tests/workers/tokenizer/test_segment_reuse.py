@@ -14,21 +14,8 @@ import torch
 
 from ipc.control import RequestFailed
 from ipc.requests import GenerateRequest
-from ipc.shm import (
-    ShmSegment,
-    find_segments,
-    link_segment,
-    list_segments,
-    segment_name,
-)
-from tests.workers.tokenizer.harness import (
-    chat_body,
-    handle,
-    inodes,
-    png,
-    server_config,
-    shm_path,
-)
+from ipc.shm import ShmSegment, find_segments, link_segment, list_segments, segment_name
+from tests.workers.tokenizer.harness import chat_body, handle, inodes, png, server_config, shm_path
 from workers.tokenizer.worker import TokenizerWorker
 
 

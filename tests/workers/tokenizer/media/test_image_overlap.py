@@ -21,15 +21,7 @@ import pytest
 from ipc.requests import GenerateRequest
 from ipc.shm import ShmSegment, list_segments
 from tests.conftest import noise_image
-from tests.workers.tokenizer.harness import (
-    chat_body,
-    handle,
-    jpeg,
-    png,
-    refusal_of,
-    server_config,
-    shm_path,
-)
+from tests.workers.tokenizer.harness import chat_body, handle, jpeg, png, refusal_of, server_config, shm_path
 from workers.common.errors import BadRequest
 from workers.engine.prompt.processor import ProcessedImage
 from workers.tokenizer.media.image_segments import RequestImage
