@@ -120,7 +120,7 @@ class _EchoLogprobs:
         return head + [e.logprob for e in self._gen(a, b)]
 
     def tops(self, a: int, b: int) -> list[dict[str, float] | None]:
-        p, out = self.prompt, []
+        p, out = self.prompt, list[dict[str, float] | None]()
         for i in range(a, min(b, self.lead)):
             if p is None or i == 0:
                 out.append(None)

@@ -39,7 +39,8 @@ class ServerConfig:
     max_body_bytes: int = 256 << 20
     # Log-prob entries one answer may hold (docs/limits.md): per choice, a prompt token echoed is 1, with echo
     # logprobs 1 + k more, with prompt_logprobs 1 + k more; a generated token of an answer that is not streamed
-    # 1 + k with logprobs. At most ~120 bytes of JSON each with short tokens: 2**18 keep one answer near 30 MB.
+    # 1, with logprobs 1 + k more. At most T + 4L + 80 bytes of JSON each (T, L: the longest token's JSON and
+    # byte lengths): 2**18 of them keep one answer of the demo vocabulary under 42 MB (~13 MB typically).
     max_logprob_entries: int = 1 << 18
     media_timeout_s: float = 10.0
     allowed_media_domains: tuple[str, ...] = ()  # empty: any host for http(s) URLs

@@ -160,6 +160,7 @@ def prepare_completion(
     sampling = hold_to_budget(
         sampling, completion, worker.config.max_logprob_entries, _prompt_entries(completion, ids, sampling.n),
         "prompt_logprobs" if completion.prompt_logprobs is not None else "logprobs" if echo_logprobs is not None else "prompt",
+        max(sampling.n, len(ids)),  # a batch: a choice per prompt
     )  # fmt: skip
     echoes = [(r if isinstance(r, str) else processor.decode(i)) if completion.echo else "" for r, i in zip(raws, ids, strict=True)]
     accepted = RequestAccepted(

@@ -24,6 +24,9 @@ from workers.tokenizer.requests.structured import ResponseFormat, StructuredOutp
 Validate = Callable[[StructuredSpec, str], None]
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; stop strings are cheap for us, so allow a few more
+# Characters of one stop string: every step of a choice checks its new text against each stop's prefixes, a
+# cost that grows with the square of a stop's length (workers/common/detokenizer.py StopChecker).
+MAX_STOP_CHARS = 1024
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16  # choices of one request: each is a sequence of its own in the batch
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300
@@ -135,6 +138,8 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
         raise range_error("stop", f"{len(stops)} strings", f"of at most {MAX_STOP_STRINGS} strings")
     if any(not s for s in stops):
         raise range_error("stop", "", "that is a non-empty string")
+    if (longest := max((len(s) for s in stops), default=0)) > MAX_STOP_CHARS:
+        raise range_error("stop", f"a string of {longest} characters", f"of at most {MAX_STOP_CHARS} characters")
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise range_error("n", req.n, f"between 1 and {MAX_N}")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -153,16 +158,21 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
 
 
 def hold_to_budget(
-    sampling: SamplingParams, req: SamplingFields, budget: int, prompt_entries: int = 0, prompt_param: str = "messages"
+    sampling: SamplingParams,
+    req: SamplingFields,
+    budget: int,
+    prompt_entries: int = 0,
+    prompt_param: str = "messages",
+    choices: int = 0,
 ) -> SamplingParams:
     """Hold one answer to ``budget`` log-prob entries (``--max-logprob-entries``, docs/limits.md), checked before
     any model work: what the scheduler and the frontend hold of an answer, and the JSON it becomes, stay bounded.
 
     ``prompt_entries``: what the prompt side asks for over every choice (echoed tokens, their logprobs, vLLM's
     prompt_logprobs); past the budget a 400 names ``prompt_param``. A generated token of an answer that is not
-    streamed costs 1 + k per choice with logprobs (streamed, it is written as it comes and held nowhere). A
-    max_tokens the client sent that does not fit is a 400 naming it; one left to the server (the context's room,
-    or generation_config's) is lowered to fit instead."""
+    streamed costs 1 per choice (``choices``, default n), 1 + k more with logprobs; streamed, it is written as it
+    comes and held nowhere. A max_tokens the client sent that does not fit is a 400 naming it; one left to the
+    server (the context's room, or generation_config's) is lowered to fit instead."""
     if prompt_entries > budget:
         raise BadRequest(
             f"This request asks for {prompt_entries:,} log-probability entries for its prompt tokens (per choice and "
@@ -171,19 +181,21 @@ def hold_to_budget(
             param=prompt_param,
             code="logprob_budget_exceeded",
         )
-    if sampling.logprobs is None or req.stream:
+    if req.stream:
         return sampling
-    per_token = sampling.n * (1 + sampling.logprobs)
+    choices = choices or sampling.n
+    per_token = choices * (1 + (1 + sampling.logprobs if sampling.logprobs is not None else 0))
     fit = (budget - prompt_entries) // per_token
     if sampling.max_tokens <= fit:
         return sampling
     sent = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     if fit < 1 or getattr(req, sent) is not None:
+        with_logprobs = f" with logprobs (1 + 1 + {sampling.logprobs})" if sampling.logprobs is not None else " (1)"
         raise BadRequest(
-            f"'{sent}' of {sampling.max_tokens} with logprobs asks for {prompt_entries + sampling.max_tokens * per_token:,}"
-            f" log-probability entries ({sampling.n} choice(s) x (1 + {sampling.logprobs}) per token"
-            f"{', and the prompt' if prompt_entries else ''}); this server answers at most {budget:,} per request. "
-            f"Ask for at most {max(fit, 0)} tokens, fewer alternatives or choices, or stream the answer.",
+            f"'{sent}' of {sampling.max_tokens} asks for {prompt_entries + sampling.max_tokens * per_token:,} "
+            f"log-probability entries in a whole answer: {choices} choice(s) x {sampling.max_tokens} tokens"
+            f"{with_logprobs} per token{', and the prompt' if prompt_entries else ''}; this server answers at most "
+            f"{budget:,} per request. Ask for at most {max(fit, 0)} tokens, fewer choices or alternatives, or stream.",
             param=sent,
             code="logprob_budget_exceeded",
         )
