@@ -70,15 +70,14 @@ class PromptRows:
     def token(self, i: int) -> str:
         return self.text[self.ids[i]]
 
-    def top(self, i: int, k: int) -> list[tuple[str, float]]:
-        """Position i's (i >= 1) k best alternatives: (text, logprob), best first."""
-        at = (i - 1) * self.k
-        ids, values = self.top_ids[at : at + k], self.top_logprobs[at : at + k]
-        return [(self.text[t], _finite(v)) for t, v in zip(ids, values, strict=True)]
-
     def top_ids_at(self, i: int, k: int) -> list[tuple[int, float]]:
+        """Position i's (i >= 1) k best alternatives: (token id, logprob), best first."""
         at = (i - 1) * self.k
         return list(zip(self.top_ids[at : at + k], map(_finite, self.top_logprobs[at : at + k]), strict=True))
+
+    def top(self, i: int, k: int) -> list[tuple[str, float]]:
+        """The same by token text."""
+        return [(self.text[t], v) for t, v in self.top_ids_at(i, k)]
 
 
 def json_list(size: int, items: Callable[[int, int], list[Any]], step: int) -> Iterator[bytes]:

@@ -134,6 +134,9 @@ def test_past_the_budget_is_a_400_naming_the_field(live: LiveServer) -> None:
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], logprobs=True,
                                        top_logprobs=K, n=16, max_tokens=2000)  # fmt: skip
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:  # a stop string past 1,024 characters (checked per step)
+        client.completions.create(model="demo", prompt="hi", max_tokens=1, stop=["x" * 1025])
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "stop"
     assert live.stats()["prompt_tokens"] == computed  # refused at admission: the scheduler never saw them
     # Streamed, those tokens are written as they come: the same request is served.
     stream = client.chat.completions.create(
