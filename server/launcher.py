@@ -40,6 +40,7 @@ from ipc.shm import sweep, sweep_dead_launches
 from server.app import FrontendState, create_app
 from server.config import ServerConfig
 from server.http_guard import HttpLimits, guarded_protocol
+from workers.common.memory import tune_malloc
 from workers.common.proc import freeze_heap
 
 log = logging.getLogger("glimpse.launcher")
@@ -97,6 +98,10 @@ def describe_exit(code: int | None) -> str:
 
 def _child_entry(role: str, config: ServerConfig, index: int) -> None:
     """First code a child runs: die with the launcher, then hand over to the role's entry point."""
+    # Before the role starts any thread: arenas already made would stay (workers/common/memory.py says why). A
+    # tokenizer keeps glibc's moving mmap threshold: its big buffers (bodies, decoded images) recur per request,
+    # and its IdleTrim hands them back once idle.
+    tune_malloc(fixed_thresholds=role != "tokenizer")
     if role != "scheduler":
         # The scheduler is the one child that outlives a killed launcher for a moment: it notices
         # (its loop polls the parent) and removes the launch's segments and sockets before it exits.
@@ -393,5 +398,6 @@ def serve(config: ServerConfig, runner: Callable[[Any], int] | None = None) -> i
     """Run the server until it is stopped; returns the process exit code."""
     import uvloop
 
+    tune_malloc()  # the frontend's bodies and answers come in all sizes too (workers/common/memory.py)
     launcher = Launcher(config)
     return uvloop.run(launcher.run()) if runner is None else runner(launcher.run())

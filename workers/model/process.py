@@ -27,14 +27,20 @@ from ipc.inbound import ModelInbound, SchedulerInbound
 from ipc.shm import ShmSegment
 from ipc.stats import WorkerStats
 from ipc.steps import EncodeItem, StepPlan, WorkerFailed
+from workers.common.memory import IdleTrim, trim_memory
 from workers.common.proc import GcWatch, freeze_heap, setup_child
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.layers.linear import TPGroup
 from workers.engine.runner.model_runner import Launched, ModelRunner
+from workers.model import mem_diag
 
 # Enough for the last StepResult / WorkerFailed to reach the scheduler before the process exits.
 _LINGER_MS = 2_000
+# After this long without a plan, following work, the heap's freed memory goes back to the OS (malloc_trim): under
+# load the allocator reuses it, but a worker that served a burst would otherwise keep its peak RSS while idle.
+TRIM_IDLE_S = 10.0
+_TRIM_POLL_MS = 1_000
 
 
 @dataclass
@@ -114,6 +120,7 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
         t0 = time.monotonic()
         tp, engine = _init_tp(config, index)
         runner = ModelRunner(engine, pixel_source=reader, tp=tp)
+        runner.counters.keep_per_step = False  # a serving worker's steps never end: keep no list of them
         log.info(
             "loaded %s in %.1fs: %d KV blocks of %d tokens, dtype %s, device %s, tp %d/%d",
             engine.model,
@@ -126,6 +133,7 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
             engine.tp_size,
         )
         gc_watch = GcWatch(frozen=freeze_heap(log))  # pauses while serving, not the freeze's own collection
+        mem_diag.start(index, lambda: _books(runner))
         to_sched.send(
             ProcessReady(role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks)
         )
@@ -156,16 +164,24 @@ def _serve(
     the running one is reported, so the GPU goes from one step to the next without waiting on the host.
     The wait spins on the step's event and the socket (a CUDA sync spins as well)."""
     running: deque[Launched] = deque()
+    trim = IdleTrim(TRIM_IDLE_S, big=0, huge=1 << 62)  # any step counts as work; none is big enough to trim at once
     while True:
         waiting_since = time.monotonic()
         if running:
             if running[0].done():
                 _report(runner, reader, rank, running.popleft(), to_sched, gc_watch)
+                trim.finished(1, time.monotonic(), not running)
                 continue
             msg = inbound.recv(0)
             if msg is None:
                 continue
             waiting_since = 0.0  # polled for while a step ran: it is taken as it lands
+        elif trim.pending:  # wake up now and then to see whether the worker has been idle long enough
+            msg = inbound.recv(_TRIM_POLL_MS)
+            if msg is None:
+                if trim.due(time.monotonic(), True):
+                    trim_memory()
+                continue
         else:
             msg = inbound.recv()
         if isinstance(msg, Shutdown):
@@ -223,3 +239,18 @@ def _report(
             gc_watch.collections, gc_watch.pause_s_max, gc_watch.frozen, gc_watch.full, gc_watch.pause_s_sum,
         )
     )
+
+
+def _books(runner: ModelRunner) -> dict[str, int]:
+    """Sizes of the runner's per-request and per-step books, for GLIMPSE_MEM_DIAG (read from another thread:
+    a dict's len is atomic under the GIL)."""
+    sampler = runner.sampler
+    books = {"seqs": len(runner.seqs), "store": len(runner.store), "store_bytes": runner.store.nbytes,
+             "generators": len(sampler._generators), "generated": len(sampler._generated),
+             "per_step": len(runner.counters.encoded_per_step),
+             "vit_plan_bytes": getattr(getattr(runner.vision, "_calls", None), "bytes", 0)}
+    if runner.device.type == "cuda":  # pinned staging buffers: torch caches them by size and never frees them
+        host = torch.cuda.host_memory_stats()
+        books["pinned_bytes"] = int(host.get("allocated_bytes.current", 0))  # owned: in use + cached
+        books["pinned_active_bytes"] = int(host.get("active_bytes.current", 0))
+    return books

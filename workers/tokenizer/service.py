@@ -19,7 +19,6 @@ owns the rest) and the scheduler is told to drop the request (MediaFailed): the 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import time
 from collections.abc import Callable
@@ -37,7 +36,9 @@ from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted, RouteRequest
 from ipc.shm import ShmRef
 from ipc.stats import SchedulerStats
+from workers.common import memory
 from workers.common.errors import BadRequest
+from workers.common.memory import trim_memory
 from workers.common.proc import freeze_heap
 from workers.common.step_trace import StepTrace
 from workers.engine.core.kv_cache import block_hashes
@@ -85,44 +86,12 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def trim_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc keeps freed blocks of a big request otherwise,
-    and the RSS of the process would stay at its peak); a no-op where malloc_trim is missing."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class IdleTrim:
-    """When to hand freed heap memory back to the OS after big bodies. A trim returns the freed pages of a big
-    request, so the process's RSS does not stay at its peak; but the next request then faults in fresh pages for
-    every large buffer (the body's copies, the decoded image, its resized frame): a trim after each round of a
-    multiturn chat (bodies over 4 MB from round 5 on) cost 12-17 ms of a round's 40 ms of preparation (2-core box,
-    docs/perf-notes.md, session 18). So a huge body is trimmed after at once, a big one once the process has been
-    idle a while: not between the rounds of a chat that sends them back to back, nor under load."""
+class IdleTrim(memory.IdleTrim):
+    """The shared idle-trim policy (workers/common/memory.py) with a tokenizer's thresholds: request bodies past
+    4 MB are trimmed after once idle, past 16 MB at once."""
 
     def __init__(self, idle_s: float = TRIM_IDLE_S) -> None:
-        self.idle_s = idle_s
-        self.pending = False
-        self.idle_since = 0.0
-
-    def finished(self, body_bytes: int, now: float, idle: bool) -> bool:
-        """A request ended (``idle``: it was the last in flight); True: trim now."""
-        if idle:
-            self.idle_since = now
-        if body_bytes > _HUGE_BODY:
-            self.pending = False
-            return True
-        self.pending = self.pending or body_bytes > _BIG_BODY
-        return False
-
-    def due(self, now: float, idle: bool) -> bool:
-        """Polled by the process's loop; True (once) when a trim is pending and the process has been idle long enough."""
-        if self.pending and idle and now - self.idle_since >= self.idle_s:
-            self.pending = False
-            return True
-        return False
+        super().__init__(idle_s, _BIG_BODY, _HUGE_BODY)
 
 
 class TokenizerService:

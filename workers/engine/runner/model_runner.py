@@ -54,6 +54,7 @@ class RunnerCounters:
     images_encoded: int = 0
     pixel_reads: int = 0
     encoded_per_step: list[int] = field(default_factory=list)
+    keep_per_step: bool = True  # the offline engine and tests read encoded_per_step; a server's worker turns it off
 
 
 class ModelRunner:
@@ -160,7 +161,8 @@ class ModelRunner:
         encoded = self._encode(plan.encode) if plan.encode else 0
         launched = Launched(plan.step_id, encoded, self.counters.vit_calls - calls_before)
         self.trace.mark("vit")
-        self.counters.encoded_per_step.append(encoded)
+        if self.counters.keep_per_step:  # one int a step, forever: off in a serving worker
+            self.counters.encoded_per_step.append(encoded)
         self.counters.steps += 1
         if not plan.chunks:
             return launched

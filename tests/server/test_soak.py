@@ -1,0 +1,65 @@
+"""A short soak of the real server on the CPU demo model (issue 40): a minute of mixed load (benchmarks/serving/
+soak_load.py: fresh and repeated images, multi-image, streaming or not, disconnects, completions) after a
+warm-up, sampled per process (benchmarks/serving/soak_procs.py). It asserts that no request failed, that each
+process's RSS stays in a band once warm, that fds come back to where they were, and that the launch leaves no
+/dev/shm segment behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.serving.soak_load import Load, Mix
+from benchmarks.serving.soak_procs import Sampler
+from tests.media_server import MediaServer
+from tests.server.live import LiveServer, png_bytes
+
+WARMUP_S, LOAD_S, CLIENTS = 8.0, 50.0, 4
+# RSS of each process may rise this much over its value at the end of the warm-up, at any sample of the minute
+# after it. Measured on the 2-core box (several other test runs beside it): the model worker, the one that grows
+# most, rose 4-9 MiB over such a minute with the allocator tuned (workers/common/memory.py) and ~15-25 MiB untuned
+# (issue 40's steps); the other processes 0-4 MiB. 48 MiB leaves room for a first large image landing late,
+# and still catches the untuned growth of a longer run or a per-request leak (~0.1 MiB a request would show).
+RSS_BAND_MIB = 48.0
+FD_SLACK = 2  # a connection the launcher has not yet closed when sampled
+
+
+def test_short_soak_stays_flat(demo_model_dir: Path) -> None:
+    media = MediaServer(png_bytes(320, 240, seed=9))
+    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1", "--allow-private-media-addresses", "127.0.0.1",
+                        "--media-timeout", "10")
+    try:
+        sampler = Sampler(server.proc.pid, server.base, server.launch_id)
+        load = Load(server.base, "demo", media.url("/img.png"), Mix(max_tokens=(4, 8, 16)), timeout_s=60)
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(1.0):
+                sampler.take()
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        try:
+            asyncio.run(load.run(CLIENTS, WARMUP_S + LOAD_S, max_requests=2_000, seed=40))
+            time.sleep(2.0)  # aborted requests release; clients' connections close
+        finally:
+            stop.set()
+            thread.join()
+        idle = sampler.take()
+        samples = sampler.samples
+    finally:
+        exit_code = server.stop()
+        media.close()
+    result = load.result
+    assert result.failures == 0, (result.outcomes, server.output()[-4000:])
+    assert result.requests >= 10, result.outcomes  # the load did run: at least a few of each kind
+    assert exit_code == 0
+    assert server.segments() == [], "a /dev/shm segment outlived the server"
+    warm = min((s for s in samples if s["t"] >= WARMUP_S), key=lambda s: s["t"])
+    after = [s for s in samples if s["t"] >= warm["t"]]
+    for role, start in warm["procs"].items():
+        peak = max(s["procs"][role]["rss_mib"] for s in after if role in s["procs"])
+        assert peak - start["rss_mib"] <= RSS_BAND_MIB, (role, start["rss_mib"], peak)
+        assert idle["procs"][role]["fds"] <= start["fds"] + FD_SLACK, (role, start["fds"], idle["procs"][role]["fds"])
