@@ -126,7 +126,7 @@ def soak_main(args: argparse.Namespace) -> int:
             result["segments_left"] = len(server.segments())
     print(verdict_lines(result["plateau"]))
     print(f"requests {result['requests']} ok {result['ok']} failures {result['failures']} "
-          f"disconnects {result['disconnects']} p50 {result['p50_s']} s p99 {result['p99_s']} s; "
+          f"disconnects {result['disconnects']} cut {result['cut']} p50 {result['p50_s']} s p99 {result['p99_s']} s; "
           f"segments left {result.get('segments_left', 'n/a')}; outcomes {result['outcomes']}")
     out: Path = args.out
     write_json(out / "soak.json", result)

@@ -53,6 +53,7 @@ class LoadResult:
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
         return {"requests": self.requests, "ok": self.outcomes["ok"], "disconnects": self.outcomes["disconnect"],
+                "cut": self.outcomes["cut"],
                 "failures": self.failures, "outcomes": dict(self.outcomes), "kinds": dict(self.kinds),
                 "p50_s": round(lat[len(lat) // 2], 3) if lat else 0.0,
                 "p99_s": round(lat[int(len(lat) * 0.99)], 3) if lat else 0.0}
@@ -122,9 +123,13 @@ class Load:
         self.result.latencies.append(time.perf_counter() - started)
         return "ok"
 
-    async def run(self, clients: int, seconds: float, max_requests: int, seed: int = 0) -> LoadResult:
-        """``clients`` loops until ``seconds`` have passed or ``max_requests`` were sent, whichever comes first."""
+    async def run(self, clients: int, seconds: float, max_requests: int, seed: int = 0,
+                  grace_s: float | None = None) -> LoadResult:
+        """``clients`` loops until ``seconds`` have passed or ``max_requests`` were sent, whichever comes first.
+        A request still running ``grace_s`` after that (default: the request timeout) is abandoned and counted as
+        ``cut``, neither ok nor failed: it bounds a run's wall time on a slow machine."""
         deadline = time.monotonic() + seconds
+        hard_stop = deadline + (self.timeout_s if grace_s is None else grace_s)
         sent = 0
 
         async def loop(index: int) -> None:
@@ -134,7 +139,10 @@ class Load:
             async with httpx.AsyncClient(timeout=self.timeout_s, limits=httpx.Limits(max_connections=1)) as client:
                 while time.monotonic() < deadline and sent < max_requests:
                     sent += 1
-                    outcome = await self.one(client, rng)
+                    try:
+                        outcome = await asyncio.wait_for(self.one(client, rng), hard_stop - time.monotonic())
+                    except TimeoutError:
+                        outcome = "cut"
                     self.result.outcomes[outcome] += 1
 
         await asyncio.gather(*(loop(i) for i in range(clients)))

@@ -23,7 +23,7 @@ WARMUP_S, LOAD_S, CLIENTS = 8.0, 50.0, 4
 # (issue 40's steps); the other processes 0-4 MiB. 48 MiB leaves room for a first large image landing late,
 # and still catches the untuned growth of a longer run or a per-request leak (~0.1 MiB a request would show).
 RSS_BAND_MIB = 48.0
-FD_SLACK = 2  # a connection the launcher has not yet closed when sampled
+FD_SLACK = 2  # a connection not yet closed when sampled
 
 
 def test_short_soak_stays_flat(demo_model_dir: Path) -> None:
@@ -42,7 +42,8 @@ def test_short_soak_stays_flat(demo_model_dir: Path) -> None:
         thread = threading.Thread(target=sample, daemon=True)
         thread.start()
         try:
-            asyncio.run(load.run(CLIENTS, WARMUP_S + LOAD_S, max_requests=2_000, seed=40))
+            # Requests still running 5 s past the load's end are cut (not failures): a bound on wall time.
+            asyncio.run(load.run(CLIENTS, WARMUP_S + LOAD_S, max_requests=2_000, seed=40, grace_s=5.0))
             time.sleep(2.0)  # aborted requests release; clients' connections close
         finally:
             stop.set()
@@ -59,7 +60,12 @@ def test_short_soak_stays_flat(demo_model_dir: Path) -> None:
     assert server.segments() == [], "a /dev/shm segment outlived the server"
     warm = min((s for s in samples if s["t"] >= WARMUP_S), key=lambda s: s["t"])
     after = [s for s in samples if s["t"] >= warm["t"]]
+    first_half = [s for s in after if s["t"] <= WARMUP_S + LOAD_S / 2]
     for role, start in warm["procs"].items():
         peak = max(s["procs"][role]["rss_mib"] for s in after if role in s["procs"])
+        print(f"{role}: RSS {start['rss_mib']:.1f} MiB after warm-up, peak {peak:.1f} (+{peak - start['rss_mib']:.1f})")
         assert peak - start["rss_mib"] <= RSS_BAND_MIB, (role, start["rss_mib"], peak)
-        assert idle["procs"][role]["fds"] <= start["fds"] + FD_SLACK, (role, start["fds"], idle["procs"][role]["fds"])
+        # fds: a tokenizer opens its media client's sockets on first use, a launcher one per open connection; a
+        # leak grows with requests, so the idle count is held to the most seen in the first half of the load.
+        most = max(s["procs"][role]["fds"] for s in first_half if role in s["procs"])
+        assert idle["procs"][role]["fds"] <= most + FD_SLACK, (role, most, idle["procs"][role]["fds"])
