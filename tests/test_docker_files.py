@@ -220,10 +220,10 @@ def serve_flags() -> dict[str, object]:
 
 
 def readme_flag_rows() -> dict[str, str]:
-    """`--flag` -> its default cell, from the table under "### Serving flags"."""
+    """`--flag` -> its default cell, from the table under the "Serving flags" heading (up to the next heading)."""
     text = README.read_text()
-    start = text.index("### Serving flags")
-    end = text.index("\n## ", start)
+    start = text.index("## Serving flags")
+    end = text.index("\n#", start + 1)
     rows = {}
     for line in text[start:end].splitlines():
         if m := re.match(r"^\| `(--[a-z0-9-]+)[^`]*` \| (.*?) \| .* \|$", line):
