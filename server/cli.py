@@ -36,7 +36,7 @@ def _add_demo_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # Imported here, not at the top: the load generator is a client-side tool the server never needs.
-    from benchmarks.serving.bench_client import add_bench
+    from benchmarks.serving.bench_cli import add_bench
 
     add_bench(sub)
 
