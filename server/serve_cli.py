@@ -95,7 +95,7 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "their sizes are read from their headers, while later images are still decoded and written)")
     s.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="plan each step only once the step before it is back (default: the next step is planned and "
-                   "sent while the one before it runs; TP 1 only)")
+                   "sent while the one before it runs, at any --tp)")
     s.add_argument("--launch-id", default=None, help="names this launch's sockets and shm segments (default: random)")
     s.add_argument("--log-level", default=S["log_level"], choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits")

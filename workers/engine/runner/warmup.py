@@ -95,14 +95,14 @@ _LADDER = (1.0, 0.75, 0.5, 0.33, 0.25, 0.125, 0.0625)
 # The sizes people send most (screen and camera formats, a square crop, an A4 page at 150 dpi), width x height: the
 # ViT runs calls of 1, 2, 3 and as many as fit of each. cuBLAS prepares each GEMM kernel it picks at that kernel's
 # first use in a process, 2.2-5.6 ms of host time while the GPU waits (H200, CUDA 13; CUDA's eager module loading
-# does not remove it; benchmarks/kernels/cublas_first_use.py), and which kernel it picks changes with the row count: a fresh
+# does not remove it; measured by a since-deleted benchmark, docs/perf-notes.md), and which kernel it picks changes with the row count: a fresh
 # server's first 8 x 1080p request paid ~26 ms for the ViT's row counts alone. Other sizes still pay once per new kernel.
 COMMON_SIZES: tuple[tuple[int, int], ...] = ((1920, 1080), (1280, 720), (2560, 1440), (3840, 2160), (1024, 1024),
                                              (1240, 1754))
 # Prefill chunks run from the step budget down by this factor to a sixteenth of it: a chunk's row count picks the LM's
 # GEMM kernels the same way, and a prompt's chunks can have any length. After this ladder (27 chunks from 4,096 down),
 # 25 of 100 random row counts in [256, 4096] still met a new kernel in one of the LM's four GEMMs, against 42 of 100
-# after a ladder of 7 shares (H200, Qwen2.5-7B shapes; benchmarks/kernels/cublas_first_use.py). Each costs once per process.
+# after a ladder of 7 shares (H200, Qwen2.5-7B shapes; measured by a since-deleted benchmark, docs/perf-notes.md). Each costs once per process.
 _CHUNK_STEP = 0.9
 
 
