@@ -4,6 +4,8 @@ collects them chunk by chunk."""
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 
@@ -125,14 +127,18 @@ def test_the_book_renders_each_choice_once_and_a_recompute_replaces_positions() 
     book.collect([PromptLogprobs("r", 1, [-2.5, -3.0], [3, 4], [[7], [8]], [[-0.2], [-0.3]])])
     first = book.take("r")
     assert first is not None
-    assert [(p.token_id, p.token, p.logprob, p.rank) for p in first] == [
-        (10, "t10", None, 0), (11, "t11", -1.5, 2), (12, "t12", -2.5, 3), (13, "t13", -3.0, 4)
-    ]
-    assert first[1].top == [(4, "t4", -0.1)]
+    # Packed for the frontend (ipc/logprob_messages.py PromptLogprob): position 0 has no entry; float32 values.
+    assert array("i", first.token_ids).tolist() == [10, 11, 12, 13]
+    assert array("f", first.logprobs).tolist() == pytest.approx([-1.5, -2.5, -3.0])
+    assert array("i", first.ranks).tolist() == [2, 3, 4] and first.k == 1
+    assert array("i", first.top_ids).tolist() == [4, 7, 8]
+    assert array("f", first.top_logprobs).tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    texts = dict(zip(array("i", first.vocab_ids).tolist(), first.texts, strict=True))
+    assert {i: texts[i] for i in (4, 10, 11, 12, 13)} == {i: f"t{i}" for i in (4, 10, 11, 12, 13)}
     assert book.take("r") is None and book.take("r/1") == first  # each choice once, the prompt shared
-    assert not book._raw and not book._owner
+    assert not book._packed and not book._owner
     book.expect("s", [[1, 2], [3, 4]], SamplingParams(prompt_logprobs=0))
     book.drop("s")
-    assert not book._raw and not book._owner and not book._prompts
+    assert not book._packed and not book._owner and not book._readers
     book.expect("u", [[1, 2]], SamplingParams())  # not asked for: nothing kept
-    assert book.take("u") is None and not book._raw
+    assert book.take("u") is None and not book._packed
