@@ -14,7 +14,7 @@ its log-sum-exp. A second kernel combines the splits. Splits are chosen from the
 lengths, so the grid is fixed for a CUDA-graph bucket; a split past a sequence's end costs one length load.
 
 The same code runs under ``TRITON_INTERPRET=1`` on the CPU, which is how CI checks it against the gather
-path (tests/engine/test_paged_attention.py).
+path (tests/workers/engine/kernels/test_paged_attention.py).
 """
 
 from __future__ import annotations
