@@ -187,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
     ap.add_argument("--mark-every", type=float, default=0, help="seconds between printed tables (0: by duration)")
     ap.add_argument("--flat-mib", type=float, default=24, help="growth over the last half still called flat ...")
-    ap.add_argument("--flat-pct", type=float, default=2.0, help="... or this % of RSS, whichever is larger")
+    ap.add_argument("--flat-pct", type=float, default=2.0, help="... or this %% of RSS, whichever is larger")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/glimpse-soak"))
     ap.add_argument("--model", type=Path, default=None, help="checkpoint to serve (default: the demo model)")
