@@ -31,6 +31,25 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class StateMetadata:
+    """The recurrent state of a hybrid model's linear-attention layers for one forward; row b is sequence b of the
+    AttentionMetadata it rides on.
+
+    Every linear-attention layer keeps a pool of per-sequence states (a conv window and a recurrent matrix per
+    value head), indexed by slot. A sequence reads its slot's state before its new tokens (or zeros where
+    ``has_initial`` is False: its first chunk at position 0) and leaves its state after them in the same slot.
+    ``snapshots`` asks for copies of the state part-way through a chunk (prefix caching at block boundaries)."""
+
+    slots: Tensor  # int64 [B] on the model device: each sequence's live slot in the layers' state pools
+    slots_cpu: list[int]
+    has_initial: Tensor  # bool [B] on the model device
+    has_initial_cpu: list[bool]
+    # (sequence b, n, slot): once sequence b has taken its first n new tokens of this step (1 <= n <= its query
+    # length), copy its state (conv window and recurrent matrix) into pool slot ``slot``.
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
 class AttentionMetadata:
     """One forward over a flattened batch: the new tokens of B sequences, one sequence after another."""
 
@@ -45,6 +64,8 @@ class AttentionMetadata:
     # The new tokens' K/V are in the cache already (piecewise graphs write them inside a captured piece): the backend
     # only attends.
     kv_written: bool = False
+    # Hybrid models: the linear-attention layers' per-sequence state (None for pure-attention models).
+    state: StateMetadata | None = None
     # Values a backend derives from the fields above. They are the same for every layer, so the first
     # layer computes them and the other layers reuse them (28x fewer index kernels per step on a 7B).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

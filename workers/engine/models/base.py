@@ -83,6 +83,38 @@ VideoLayoutFn = Callable[["ModelSpec", VideoTiming, tuple[str, str, str]], tuple
 
 
 @dataclass(frozen=True)
+class RecurrentSpec:
+    """A hybrid model's linear-attention layers (e.g. Gated DeltaNet): the per-sequence state each of them keeps,
+    at TP 1 (``bytes_per_slot`` divides the heads over ranks). One slot of the state pool holds one sequence's
+    state in every such layer: a conv window of ``conv_kernel - 1`` inputs over the q, k and v channels, and a
+    [key_head_dim, value_head_dim] recurrent matrix per value head."""
+
+    num_layers: int  # layers with linear attention (the rest keep paged KV)
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    def conv_shape(self, tp_size: int = 1) -> tuple[int, int]:
+        """One slot's conv window in one layer on one rank: [channels, conv_kernel - 1]."""
+        return self.conv_dim // tp_size, self.conv_kernel - 1
+
+    def ssm_shape(self, tp_size: int = 1) -> tuple[int, int, int]:
+        """One slot's recurrent state in one layer on one rank: [value heads, key_head_dim, value_head_dim]."""
+        return self.num_value_heads // tp_size, self.key_head_dim, self.value_head_dim
+
+    def bytes_per_slot(self, dtype: torch.dtype, tp_size: int = 1) -> int:
+        c, w = self.conv_shape(tp_size)
+        h, k, v = self.ssm_shape(tp_size)
+        return self.num_layers * (c * w + h * k * v) * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What every process needs to know about a checkpoint: family-agnostic facts plus the family's own
     frozen text and vision specs (opaque to everything outside the family package)."""
@@ -105,6 +137,12 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     text: Any  # the family's frozen text-model spec
     vision: Any  # the family's frozen vision-tower spec
+    recurrent: RecurrentSpec | None = None  # hybrid models: the linear-attention layers' state (None: all attention)
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with a paged KV cache (all of them, unless some keep recurrent state instead)."""
+        return self.num_layers - (self.recurrent.num_layers if self.recurrent is not None else 0)
 
     def tokens_for_grid(self, grid: Sequence[int]) -> int:
         """LM tokens of one image with this (t, h, w) patch grid."""
@@ -118,7 +156,7 @@ class ModelSpec:
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
         kv_heads = max(1, self.num_kv_heads // tp_size)
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * kv_heads * self.head_dim * element
+        return 2 * self.kv_layers * block_size * kv_heads * self.head_dim * element
 
 
 class LanguageModel(Protocol):
@@ -234,7 +272,13 @@ def text_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def spec_from(
-    family: str, cfg: dict[str, Any], model_dir: Path, text: Any, vision: Any, embed_width: int
+    family: str,
+    cfg: dict[str, Any],
+    model_dir: Path,
+    text: Any,
+    vision: Any,
+    embed_width: int,
+    recurrent: RecurrentSpec | None = None,
 ) -> ModelSpec:
     """A family's ModelSpec from its parsed text and vision specs (Qwen-style field names) plus what every
     Qwen-style VLM spells the same way in config.json: special token ids, stop ids, architecture."""
@@ -269,6 +313,7 @@ def spec_from(
         eos_token_ids=tuple(int(t) for t in eos),
         text=text,
         vision=vision,
+        recurrent=recurrent,
     )
 
 
