@@ -47,3 +47,4 @@ class ProcessReady(Msg, frozen=True):
     index: int
     pid: int
     num_kv_blocks: int = 0
+    num_state_slots: int = 0  # hybrid models: slots of the linear-attention state pool

@@ -64,6 +64,14 @@ class SchedulerStats(Msg, frozen=True):
     gc_frozen: int = 0
     gc_full: int = 0
     gc_pause_s_sum: float = 0.0
+    # Hybrid models: the linear-attention state pool (live states and prefix snapshots; all 0 for other models).
+    state_slots_total: int = 0
+    state_slots_live: int = 0
+    state_snapshots: int = 0  # published snapshots held now
+    state_snapshots_taken: int = 0
+    state_snapshots_evicted: int = 0
+    state_restores: int = 0  # admissions that resumed from a snapshot
+    state_restored_tokens: int = 0  # prompt tokens those skipped
 
 
 class TokenizerStats(Msg, frozen=True):

@@ -30,6 +30,8 @@ class NewSeq(msgspec.Struct, frozen=True):
     # After a preemption input_ids is prompt + tokens generated so far: the last num_output of them are output
     # (presence/frequency penalties and min_tokens count only those).
     num_output: int = 0
+    # Hybrid models: its live slot in the linear-attention layers' state pools (-1: the model keeps no state).
+    state_slot: int = -1
 
 
 class SeqChunk(msgspec.Struct, frozen=True):
@@ -72,6 +74,8 @@ class Fork(msgspec.Struct, frozen=True, array_like=True):
     block_table: list[int]
     copy: tuple[int, int] | None
     seed: int | None  # the parent's seed + index, as vLLM offsets it, so choices differ under one seed
+    # Hybrid models: the choice's own state slot, a copy of the parent's after this step's forward (-1: none).
+    state_slot: int = -1
 
 
 class StepPlan(Msg, frozen=True):
@@ -86,6 +90,12 @@ class StepPlan(Msg, frozen=True):
     # Asynchronous scheduling: planned while the step before it was still running. A chunk that starts right past
     # the tokens sent so far decodes the token that step is sampling: the worker takes its id from its own samples.
     ahead: bool = False
+    # Hybrid models' prefix cache on recurrent state. ``state_copies`` (source slot, destination slot) run before the
+    # forward: a request whose prefix hit a snapshot starts from a copy of it in its live slot. ``snapshots``
+    # (rid, position, slot): the sequence's state after token ``position`` (a block boundary inside this step's
+    # chunk) is copied into ``slot``, to be published under that block's prefix key.
+    state_copies: list[tuple[int, int]] = []
+    snapshots: list[tuple[str, int, int]] = []
 
 
 class StepResult(Msg, frozen=True):

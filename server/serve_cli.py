@@ -68,6 +68,12 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
     m.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt instead of reusing KV blocks of earlier requests")
+    m.add_argument("--state-slots", type=int, default=None,
+                   help="hybrid models (Qwen3.5): slots of the linear-attention state pool, live states and prefix "
+                   "snapshots (default: 2 per --max-num-seqs if half the cache budget holds them)")
+    m.add_argument("--state-snapshot-every", type=int, default=E["state_snapshot_every"],
+                   help="hybrid models: snapshot a prompt's state every N KV blocks for the prefix cache, besides at its "
+                   "last full block (0: only there)")
     m.add_argument("--vit-max-patches", type=int, default=E["vit_max_patches"],
                    help="a ViT call takes a step's images up to this many patches (at least one image)")
     m.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
@@ -185,6 +191,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         mm_cache_mb=args.mm_cache_mb,
         mm_cache_mode=args.mm_cache_mode,
         enable_prefix_caching=args.enable_prefix_caching,
+        state_slots=args.state_slots,
+        state_snapshot_every=args.state_snapshot_every,
         vit_max_patches=args.vit_max_patches,
         lone_prefill_tokens=args.lone_prefill_tokens,
         fused_kernels=args.fused_kernels,

@@ -117,6 +117,15 @@ class StatsBook:
             "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "prompt_tokens_computed": s.prompt_tokens_computed,
+            "state_pool": {  # hybrid models (Qwen3.5's linear attention): live states and prefix snapshots
+                "slots": s.state_slots_total,
+                "live": s.state_slots_live,
+                "snapshots": s.state_snapshots,
+                "snapshots_taken": s.state_snapshots_taken,
+                "snapshots_evicted": s.state_snapshots_evicted,
+                "restores": s.state_restores,
+                "restored_tokens": s.state_restored_tokens,
+            },
             "mm_cache": {
                 "entries": s.mm_cache_entries,
                 "bytes": s.mm_cache_bytes,
@@ -218,6 +227,12 @@ class _BookCollector(Collector):
             yield counter("scheduler_steps", "Scheduler steps run.", s.steps)
             yield gauge("kv_blocks_used", "KV cache blocks in use.", s.kv_blocks_used)
             yield gauge("kv_blocks_total", "KV cache blocks available.", s.kv_blocks_total)
+            if s.state_slots_total:
+                yield gauge("state_slots_total", "Linear-attention state slots (hybrid models).", s.state_slots_total)
+                yield gauge("state_slots_live", "State slots holding a running sequence.", s.state_slots_live)
+                yield gauge("state_snapshots", "State snapshots held for the prefix cache.", s.state_snapshots)
+                yield counter("state_restores", "Requests resumed from a state snapshot.", s.state_restores)
+                yield counter("state_restored_tokens", "Prompt tokens skipped by state snapshots.", s.state_restored_tokens)
             yield gauge("mm_cache_entries", "Image embeddings cached.", s.mm_cache_entries)
             yield gauge("mm_cache_bytes", "Bytes of cached image embeddings.", s.mm_cache_bytes)
             yield counter("mm_cache_hits", "Image embedding cache hits.", s.mm_cache_hits)

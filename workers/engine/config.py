@@ -59,6 +59,11 @@ class EngineConfig:
     piecewise_graph_tokens: int = 1024
     # Share computed KV blocks between requests with the same prefix (a chat's earlier turns).
     enable_prefix_caching: bool = True
+    # Hybrid models (Qwen3.5's linear attention): slots of the per-sequence state pool (live states and prefix
+    # snapshots; None: workers/engine/runner/cache_memory.py's rule), and a state snapshot every this many KV
+    # blocks of a prompt besides the one at its last full block (0: only that one). Each snapshot costs a slot.
+    state_slots: int | None = None
+    state_snapshot_every: int = 16
     seed: int = 0
     tp_size: int = 1
     # The checkpoint's parsed config.json: the launcher reads it once and every process gets this copy.

@@ -86,6 +86,8 @@ class Engine:
             mm_cache_mode=config.mm_cache_mode,
             enable_prefix_caching=config.enable_prefix_caching,
             lone_prefill_tokens=config.lone_prefill_tokens,
+            state_slots=self.runner.num_state_slots,
+            state_snapshot_every=config.state_snapshot_every,
         )
         self.core.on_finished = self._release
         self._outputs: dict[str, RequestOutput] = {}

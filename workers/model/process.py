@@ -135,7 +135,10 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
         gc_watch = GcWatch(frozen=freeze_heap(log))  # pauses while serving, not the freeze's own collection
         mem_diag.start(index, lambda: _books(runner))
         to_sched.send(
-            ProcessReady(role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks)
+            ProcessReady(
+                role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks,
+                num_state_slots=runner.num_state_slots,
+            )  # fmt: skip
         )
         _serve(runner, reader, rank, inbound, to_sched, log, gc_watch)
     except Exception:

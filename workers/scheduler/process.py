@@ -38,8 +38,9 @@ from workers.scheduler.results import StepResults
 _MAX_DRAIN = 256  # messages handled per loop turn before the next step is planned
 
 
-def build_core(config: ServerConfig, num_blocks: int) -> SchedulerCore:
-    """The scheduling core for ``config`` with ``num_blocks`` KV blocks (the smallest rank's count)."""
+def build_core(config: ServerConfig, num_blocks: int, state_slots: int = 0) -> SchedulerCore:
+    """The scheduling core for ``config`` with ``num_blocks`` KV blocks and, for a hybrid model, ``state_slots``
+    linear-attention state slots (each the smallest rank's count)."""
     eng = config.engine
     info = eng.model_spec()
     return SchedulerCore(
@@ -55,6 +56,8 @@ def build_core(config: ServerConfig, num_blocks: int) -> SchedulerCore:
         mm_cache_mode=eng.mm_cache_mode,
         enable_prefix_caching=eng.enable_prefix_caching,
         lone_prefill_tokens=eng.lone_prefill_tokens,
+        state_slots=state_slots,
+        state_snapshot_every=eng.state_snapshot_every,
     )
 
 
@@ -65,6 +68,7 @@ class Scheduler(StepResults):
         """Collect ProcessReady from every rank and build the core; False if told to stop first."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         blocks: dict[int, int] = {}
+        slots: dict[int, int] = {}
         while len(blocks) < len(self.models):
             if self.stop_reason is not None or self._orphaned():
                 return False
@@ -76,13 +80,14 @@ class Scheduler(StepResults):
                 continue
             if isinstance(msg, ProcessReady) and msg.role == "model":
                 blocks[msg.index] = msg.num_kv_blocks
+                slots[msg.index] = msg.num_state_slots
                 self.log.info("model rank %d ready: %d KV blocks", msg.index, msg.num_kv_blocks)
             elif isinstance(msg, Shutdown):
                 self.stop_reason = msg.reason or "shutdown"
             else:
                 self.early.append(msg)
         # Ranks may have sized their caches from different free memory: the smallest one binds all.
-        self.core = build_core(self.config, min(blocks.values()))
+        self.core = build_core(self.config, min(blocks.values()), min(slots.values()))
         self.core.on_finished = self._release
         if (events := KVEventRecorder.open(self.ctx, self.config, self.replica)) is not None:
             self.kv_events = events.attach(self.core)

@@ -27,6 +27,7 @@ from workers.engine.core.sequence import (
     combined_mm_key,
     prompt_only_updates,
 )
+from workers.engine.core.state_cache import StatePool
 
 
 class SequenceBook:
@@ -46,6 +47,8 @@ class SequenceBook:
         mm_cache_mode: Literal["image", "request"] = "image",
         enable_prefix_caching: bool = True,
         lone_prefill_tokens: int = 0,
+        state_slots: int = 0,
+        state_snapshot_every: int = 16,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
@@ -59,6 +62,13 @@ class SequenceBook:
         self.mm_cache_mode = mm_cache_mode
         self.prefix_caching = enable_prefix_caching
         self.mm_index = EmbeddingCacheIndex(mm_cache_bytes, embedding_bytes_per_token)
+        # Hybrid models (state_slots > 0): the linear-attention state pool, its snapshots kept under block keys,
+        # a snapshot planned every ``state_snapshot_every`` blocks of a prompt (0: only at its last full block).
+        self.state = StatePool(state_slots) if state_slots > 0 else None
+        self.state_snapshot_every = state_snapshot_every
+        self._state_copies: list[tuple[int, int]] = []  # restores planned for the next step: (snapshot, live slot)
+        if self.state is not None:
+            self.allocator.on_unregister = self.state.drop
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -143,6 +153,7 @@ class SequenceBook:
                 self._register_blocks(seq)
                 if seq.sampling.max_tokens == 0 and seq.num_computed >= seq.prompt_len:
                     prompt_only.append(seq)
+        self._settle_snapshots(plan, failed=False)
         updates: list[SeqUpdate] = []
         for seq in prompt_only:
             self._finish(seq, "length")
@@ -163,6 +174,24 @@ class SequenceBook:
             )
         return updates
 
+
+    def _settle_snapshots(self, plan: StepPlan, failed: bool) -> None:
+        """The step's state snapshots are computed: publish each whose block is in the prefix cache (its sequence's
+        KV there was registered above; without it no request could ever match the snapshot), free the others'."""
+        if self.state is None:
+            return
+        for _, _, slot in plan.snapshots:
+            key = self.state.pending_key(slot)
+            if failed or not self.allocator.is_cached(key):
+                self.state.cancel(slot)
+            else:
+                self.state.publish(slot)
+
+    def _release_state(self, seq: Sequence) -> None:
+        """A sequence ends or loses its KV: its live slot (and its unforked choices') go back to the pool."""
+        if self.state is not None and seq.state_slot >= 0:
+            self.state.release([seq.state_slot, *seq.fork_slots])
+        seq.state_slot, seq.fork_slots = -1, []
 
     def _register_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full blocks to the prefix cache."""
@@ -185,6 +214,7 @@ class SequenceBook:
         plan = self._in_flight.popleft()
         for job in plan.encode:
             self.mm_index.discard(job.key)
+        self._settle_snapshots(plan, failed=True)
         # Whole requests: a failed choice fails its siblings too.
         rids = list(dict.fromkeys(self.seqs[c.rid].request_id for c in plan.chunks if c.rid in self.seqs))
         for rid in rids:
@@ -218,6 +248,7 @@ class SequenceBook:
         if seq.block_table or seq.fork_blocks:
             self.allocator.free(seq.block_table + seq.fork_blocks)
             seq.block_table, seq.fork_blocks = [], []
+        self._release_state(seq)
         if seq.announced:
             self._finished_for_workers.append(seq.rid)
         if self.seqs.pop(seq.rid, None) is None:

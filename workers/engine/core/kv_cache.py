@@ -80,6 +80,8 @@ class BlockAllocator:
         self.prefix_hit_tokens = 0
         # Called with a key whose block is recycled (its registration ends): KV-cache events' BlockRemoved.
         self.on_evict: Callable[[bytes], None] | None = None
+        # Called first with the same key: a hybrid model's state snapshot kept under it goes with the block.
+        self.on_unregister: Callable[[bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -110,6 +112,8 @@ class BlockAllocator:
             digest = self._hash_of.pop(block, None)
             if digest is not None:  # recycled: its old contents are about to be overwritten
                 del self._by_hash[digest]
+                if self.on_unregister is not None:
+                    self.on_unregister(digest)
                 if self.on_evict is not None:
                     self.on_evict(digest)
             self._refs[block] = 1
@@ -134,6 +138,10 @@ class BlockAllocator:
                 break
             blocks.append(block)
         return blocks
+
+    def is_cached(self, digest: bytes) -> bool:
+        """Whether a block is registered under ``digest``."""
+        return digest in self._by_hash
 
     def reusable_free(self, blocks: list[int]) -> int:
         """How many of ``blocks`` would leave the free list if acquired."""

@@ -25,6 +25,7 @@ from workers.engine.core.sequence import (
     fork,
     fork_blocks_needed,
 )
+from workers.engine.core.state_cache import snapshot_points
 
 __all__ = ["FinishReason", "RequestRejected", "SchedulerCore", "SeqUpdate", "Sequence"]
 
@@ -70,11 +71,14 @@ class SchedulerCore(SequenceBook):
             budget -= length
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self._cached_prefix(seq)
+            cached, snapshot = self._cached_prefix(seq)
             extra = fork_blocks_needed(seq.prompt_len, seq.sampling.n, self.allocator.block_size) if seq.wants_fork else 0
             need = self.allocator.blocks_for(seq.total_len + 1) - len(cached) + extra
             if need > self.allocator.num_free - self.allocator.reusable_free(cached):
                 break  # it fits later, once running requests free blocks; keep FCFS order
+            slots = seq.sampling.n if seq.wants_fork else 1  # hybrid models: a live state slot per choice
+            if self.state is not None and slots > self.state.available:
+                break
             self.waiting.pop(0)
             if cached:
                 # The prompt starts with blocks another request computed: share them, skip their prefill.
@@ -84,6 +88,13 @@ class SchedulerCore(SequenceBook):
                 seq.num_computed = seq.num_scheduled = len(cached) * self.allocator.block_size
                 if not seq.output_ids:  # a first admission, not the recompute after a preemption
                     seq.cached_tokens = seq.num_computed
+            if self.state is not None:
+                # Taken before the live slots, so that they cannot evict it first (if they take its slot, the copy
+                # runs before this step's forward writes there, so it is still right).
+                source = self.state.use(snapshot, seq.num_computed) if snapshot is not None else -1
+                seq.state_slot, *seq.fork_slots = self.state.allocate(slots)
+                if source >= 0:
+                    self._state_copies.append((source, seq.state_slot))
             seq.block_table.extend(self.allocator.allocate(need - extra))
             seq.fork_blocks = self.allocator.allocate(extra)
             self.running.append(seq)
@@ -98,13 +109,22 @@ class SchedulerCore(SequenceBook):
         return plan
 
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], bytes | None]:
+        """The cached blocks the sequence's prompt starts with and, on a hybrid model, the key of the state
+        snapshot at their end: there the prefix ends at the deepest block with a snapshot (or is empty)."""
         if not self.prefix_caching or seq.sampling.prompt_logprobs is not None:  # it must compute every position
-            return []
+            return [], None
         bs = self.allocator.block_size
         # Leave at least the last token to compute: its logits give the first sampled token.
         limit = (seq.total_len - 1) // bs
-        return self.allocator.match(block_hashes(seq.all_token_ids(), bs, limit, seq.block_hashes, seq.items))
+        hashes = block_hashes(seq.all_token_ids(), bs, limit, seq.block_hashes, seq.items)
+        blocks = self.allocator.match(hashes)
+        if self.state is None:
+            return blocks, None
+        for depth in range(len(blocks), 0, -1):
+            if self.state.lookup(hashes[depth - 1]) is not None:
+                return blocks[:depth], hashes[depth - 1]
+        return [], None
 
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, picked: set[Sequence], ahead: bool = False) -> bool:
@@ -131,6 +151,7 @@ class SchedulerCore(SequenceBook):
         self.running.remove(seq)
         self.allocator.free(seq.block_table + seq.fork_blocks)
         seq.block_table, seq.fork_blocks = [], []
+        self._release_state(seq)
         seq.num_computed = seq.num_scheduled = seq.registered = seq.in_flight = 0
         if seq.announced:
             self._finished_for_workers.append(seq.rid)
@@ -144,6 +165,7 @@ class SchedulerCore(SequenceBook):
         chunks: list[SeqChunk] = []
         needed: dict[bytes, list[MMItem]] = {}  # key -> items to encode under it, in first-seen order
         forks: list[Fork] = []
+        snapshots: list[tuple[str, int, int]] = []
         for seq, length in picked:
             if not seq.announced:
                 new_seqs.append(self._announce(seq))
@@ -166,12 +188,35 @@ class SchedulerCore(SequenceBook):
             self.prompt_tokens_computed += max(0, min(start + length, seq.prompt_len) - start)
             for key, items in self._keys_for_chunk(seq, start, start + length):
                 needed.setdefault(key, items)
+            if self.state is not None and self.prefix_caching:
+                snapshots.extend(self._plan_snapshots(seq, start, start + length))
             if chunks[-1].sample and seq.wants_fork:
                 forks.extend(self._fork(seq))
         evict, encode = self.mm_index.plan(needed)
         self.images_planned += sum(len(job.items) for job in encode)
         finished, self._finished_for_workers = self._finished_for_workers, []
-        return StepPlan(next(self._step_ids), new_seqs, chunks, evict, encode, finished, forks=forks, ahead=ahead)
+        copies, self._state_copies = self._state_copies, []
+        return StepPlan(
+            next(self._step_ids), new_seqs, chunks, evict, encode, finished, forks=forks, ahead=ahead,
+            state_copies=copies, snapshots=snapshots,
+        )  # fmt: skip
+
+    def _plan_snapshots(self, seq: Sequence, start: int, end: int) -> list[tuple[str, int, int]]:
+        """Snapshots of the sequence's state at the block boundaries of its prompt in (start, end] worth keeping,
+        each under its block's prefix key, in a slot reserved now (published with the step's result)."""
+        if self.state is None or seq.sampling.prompt_logprobs is not None:
+            return []  # (a request with prompt logprobs never matches a prefix, see _cached_prefix)
+        bs = self.allocator.block_size
+        points = snapshot_points(start, end, seq.prompt_len, bs, self.state_snapshot_every)
+        if not points:
+            return []
+        hashes = block_hashes(seq.all_token_ids(), bs, points[-1] // bs, seq.block_hashes, seq.items)
+        out = []
+        for point in points:
+            key = hashes[point // bs - 1]
+            if self.state.wanted(key) and (slot := self.state.reserve(key)) is not None:
+                out.append((seq.rid, point, slot))
+        return out
 
 
     def _fork(self, parent: Sequence) -> list[Fork]:
@@ -191,8 +236,9 @@ class SchedulerCore(SequenceBook):
         # and there the EncodeItem carries it, so each pointer crosses the link once per encode.
         items = [MMItem(it.hash, it.offset, it.length, it.grid, frame=it.frame) for it in seq.items]
         return NewSeq(
-            seq.rid, seq.all_token_ids(), seq.mrope_delta, items, seq.sampling, seq.mm_key, len(seq.output_ids)
-        )
+            seq.rid, seq.all_token_ids(), seq.mrope_delta, items, seq.sampling, seq.mm_key, len(seq.output_ids),
+            seq.state_slot,
+        )  # fmt: skip
 
 
     def _keys_for_chunk(self, seq: Sequence, start: int, end: int) -> list[tuple[bytes, list[MMItem]]]:

@@ -54,6 +54,8 @@ class Sequence:
     forked: bool = False  # n > 1: its choices exist
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     pending: set[bytes] = field(default_factory=set)  # images whose pixels are still being written (overlap)
+    state_slot: int = -1  # hybrid models: its live slot in the linear-attention state pool
+    fork_slots: list[int] = field(default_factory=list)  # n > 1 on a hybrid model, not forked yet: its choices' slots
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.rid
@@ -193,6 +195,7 @@ def fork(parent: Sequence, allocator: BlockAllocator, arrival: int) -> list[tupl
             index=index,
             cached_tokens=parent.cached_tokens,
         )
-        out.append((child, Fork(parent.rid, child.rid, index, table, copy, seed)))
+        child.state_slot = parent.fork_slots.pop() if parent.fork_slots else -1
+        out.append((child, Fork(parent.rid, child.rid, index, table, copy, seed, child.state_slot)))
     parent.forked = True
     return out

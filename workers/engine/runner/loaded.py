@@ -11,6 +11,7 @@ import torch
 from workers.engine.config import EngineConfig
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models.base import ModelSpec, VLModel
+from workers.engine.runner.cache_memory import RecurrentState
 
 
 class LoadedModel(Protocol):
@@ -27,3 +28,4 @@ class LoadedModel(Protocol):
     vision: Any
     kv_caches: list[torch.Tensor]
     num_blocks: int
+    state: RecurrentState | None  # hybrid models' linear-attention state pools

@@ -14,9 +14,8 @@ from transformers import AutoImageProcessor
 from ipc.steps import EncodeItem, EncodeJob, Fork, NewSeq, StepPlan, StepResult
 from workers.common.step_trace import StepTrace
 from workers.engine.config import EngineConfig
-from workers.engine.core.mm_cache import EmbeddingStore
 from workers.engine.kernels import paged_attention
-from workers.engine.kernels.attention import AttentionMetadata
+from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
 from workers.engine.models.base import item_spans, load_model
@@ -31,12 +30,19 @@ from workers.engine.runner.batching import (
     split_by_patches,
     to_device,
 )
+from workers.engine.runner.cache_memory import (
+    RecurrentState,
+    cache_budget,
+    embedding_store,
+    num_kv_blocks,
+    state_slots,
+)
 from workers.engine.runner.cuda_graphs import DecodeGraphs, graphs_wanted, start_graphs
 from workers.engine.runner.grammar import GrammarBook
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
 from workers.engine.runner.prompt_logprobs import score_prompts
 from workers.engine.runner.sampler import Sampler
-from workers.engine.runner.step_inputs import Launched, WorkerSeq, ahead_token_ids, gather_inputs
+from workers.engine.runner.step_inputs import Launched, StepInputs, WorkerSeq, ahead_token_ids, gather_inputs
 from workers.engine.runner.warmup import warm_fused, warm_largest_step, warm_vision_attention
 
 __all__ = ["Launched", "ModelRunner", "WorkerSeq", "split_by_patches", "to_device"]
@@ -86,12 +92,19 @@ class ModelRunner:
         )
         # Images in shm may be uint8 frames (pixel_frames.py): made into rows here, by the processor's own numbers.
         self.frame_layout = _frame_layout(cfg.model, self.merge)
-        self.store = self._embedding_store()  # before the KV cache takes its share of what is free
-        self.num_blocks = self._num_kv_blocks()
+        # The embedding store first: on CUDA it reserves its budget before the caches take their share of what is free.
+        self.store = embedding_store(cfg, self.spec, self.dtype, self.device)
+        budget = cache_budget(cfg, self.device)
+        self.state: RecurrentState | None = None
+        if self.spec.recurrent is not None:  # hybrid: the linear-attention layers' state pools come out of the budget
+            slots = state_slots(cfg, self.spec.recurrent, budget, self.dtype, self.tp.size)
+            self.state = RecurrentState(self.lm, slots, self.dtype, self.device)
+            budget = max(0, budget - self.state.nbytes)
+        self.num_blocks = num_kv_blocks(cfg, self.spec, self.dtype, self.tp.size, budget)
         # One block more than the scheduler is told about: block ``num_blocks`` is scratch that CUDA-graph
         # padding rows write to and read from, so they never touch a live sequence's cache.
         shape = self.model.kv_cache_shape(self.num_blocks + 1, cfg.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.kv_layers)]
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
             heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
             paged_attention.probe(self.device, self.dtype, heads, kv_heads, self.spec.head_dim)
@@ -102,8 +115,10 @@ class ModelRunner:
             warm_largest_step(self)  # the first large request's allocations, paid before "ready"
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        if graphs_wanted(self.device, self.tp):
+        if graphs_wanted(self.device, self.tp) and self.state is None:
             self.graphs, self.piecewise = start_graphs(self)
+        elif self.state is not None and self.device.type == "cuda":
+            log.info("hybrid model: no CUDA graphs yet; every step runs eagerly")
         self.sampler = Sampler(self.device, cfg.seed, self.spec.vocab_size, self.spec.eos_token_ids)
         # Only rank 0 samples, so only rank 0 keeps grammars.
         self.grammar = GrammarBook(cfg.model, self.spec.vocab_size, self.spec.eos_token_ids) if self.tp.rank == 0 else None
@@ -116,27 +131,9 @@ class ModelRunner:
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
         self.trace = StepTrace(f"worker{self.tp.rank}", sync, enabled=self.tp.rank == 0)
 
-    def _embedding_store(self) -> EmbeddingStore:
-        """On CUDA the embedding cache's whole budget is reserved now (see EmbeddingStore); on the CPU its
-        entries are plain tensors, allocated as they come."""
-        cfg = self.cfg
-        if self.device.type != "cuda" or cfg.mm_cache_mode != "image" or cfg.mm_cache_mb <= 0:
-            return EmbeddingStore()
-        return EmbeddingStore(int(cfg.mm_cache_mb * 2**20), self.spec.embed_width, self.dtype, self.device)
-
-    def _num_kv_blocks(self) -> int:
-        cfg = self.cfg
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = self.spec.kv_bytes_per_block(cfg.block_size, self.dtype, self.tp.size)
-        if cfg.kv_cache_mb is not None:
-            budget = cfg.kv_cache_mb << 20
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.4)
-        else:
-            budget = 512 << 20
-        return max(1, budget // per_block)
+    @property
+    def num_state_slots(self) -> int:
+        return self.state.num_slots if self.state is not None else 0
 
     # ---- one step -------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -166,6 +163,8 @@ class ModelRunner:
         self.counters.steps += 1
         if not plan.chunks:
             return launched
+        if self.state is not None:  # requests resuming from a prefix snapshot start from a copy of it
+            self.state.copy(plan.state_copies)
         try:
             self._forward(plan, launched, last)
         finally:
@@ -195,6 +194,7 @@ class ModelRunner:
             new.sampling,
             new.mm_key,
             rows,
+            state_slot=new.state_slot,
         )
         split = len(new.input_ids) - new.num_output
         if new.sampling.prompt_logprobs is not None and not new.num_output:  # a recompute after outputs: sent before
@@ -273,9 +273,11 @@ class ModelRunner:
                 self.graphs = None
         if hidden is None:
             rows = sample_rows + [r for span in spans for r in span.rows]  # prompt logprobs: eager only
-            hidden = self._eager_forward(ids, pos, slots, step.query_lens, seq_lens, tables, splices, rows, ahead_ids)
+            hidden = self._eager_forward(step, rows, ahead_ids)
         if plan.forks:
             self._copy_blocks([f.copy for f in plan.forks if f.copy is not None])
+            if self.state is not None:  # each choice goes on from a copy of its parent's state
+                self.state.copy([(self.seqs[f.parent].state_slot, f.state_slot) for f in plan.forks])
         n, rank0 = len(sample_rows), self.tp.rank == 0
         if spans:  # every rank computes the logits (a gather over ranks); rank 0 alone returns entries
             launched.scored = score_prompts(hidden[n:], spans, self.model.compute_logits, self.spec.vocab_size, rank0)
@@ -317,7 +319,7 @@ class ModelRunner:
             params = msgspec.structs.replace(parent.sampling, n=1, seed=spec.seed)
             child = WorkerSeq(
                 spec.child, list(parent.token_ids), parent.positions, parent.mrope_delta, parent.items, params,
-                parent.mm_key, parent.item_rows, list(spec.block_table),
+                parent.mm_key, parent.item_rows, list(spec.block_table), state_slot=spec.state_slot,
             )
             self.seqs[spec.child] = child
             self.sampler.fork(parent.rid, spec.child, params)
@@ -336,31 +338,22 @@ class ModelRunner:
         for kv in self.kv_caches:
             kv[:, dst] = kv[:, src]
 
-    def _eager_forward(
-        self,
-        ids: list[int],
-        pos: list[list[int]],
-        slots: list[int],
-        query_lens: list[int],
-        seq_lens: list[int],
-        tables: list[list[int]],
-        splices: list[tuple[int, bytes, int, int]],
-        sample_rows: list[int],
-        ahead_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _eager_forward(self, step: StepInputs, sample_rows: list[int], ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
         """LM forward over the flattened step; returns the final hidden states of ``sample_rows``. ``ahead_ids``
-        replaces ``ids`` (a step planned ahead: the ids are on the device only)."""
+        replaces the step's ids (a step planned ahead: the ids are on the device only)."""
+        ids, pos, query_lens, seq_lens, tables = step.ids, step.positions, step.query_lens, step.seq_lens, step.tables
         n, width = len(ids), max(len(t) for t in tables)
-        mm_rows = [row for dst, _, _, count in splices for row in range(dst, dst + count)]
+        mm_rows = [row for dst, _, _, count in step.splices for row in range(dst, dst + count)]
         # All index data in two copies (one per dtype) rather than eight, none of them blocking.
-        long_parts = [ids, [*pos[0], *pos[1], *pos[2]], slots, sample_rows, mm_rows]
+        state_parts = [step.state_slots, [int(b) for b in step.has_initial]] if self.state is not None else []
+        long_parts = [ids, [*pos[0], *pos[1], *pos[2]], step.slots, sample_rows, mm_rows, *state_parts]
         longs = to_device([torch.tensor(aligned_pack(long_parts, 2))], self.device)
         int_parts = [[0, *cumsum(query_lens)], seq_lens, [i for t in tables for i in (*t, *[0] * (width - len(t)))]]
         int32 = to_device([torch.tensor(aligned_pack(int_parts, 4), dtype=torch.int32)], self.device)
-        input_ids, positions, slot_mapping, rows, mm_index = aligned_split(longs, long_parts, 2)
+        input_ids, positions, slot_mapping, rows, mm_index, *state_rows = aligned_split(longs, long_parts, 2)
         starts, lens, table_rows = aligned_split(int32, int_parts, 4)
         embeds = self.model.embed(input_ids if ahead_ids is None else ahead_ids)
-        parts = [self.store.rows(key, first, count) for _, key, first, count in splices]
+        parts = [self.store.rows(key, first, count) for _, key, first, count in step.splices]
         mm_embeds = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
         meta = AttentionMetadata(
             query_start_loc=starts,
@@ -372,6 +365,10 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
+        if state_rows:
+            meta.state = StateMetadata(
+                state_rows[0], step.state_slots, state_rows[1].bool(), step.has_initial, step.snapshots
+            )
         deepstack = self.model.splice(embeds, mm_index, mm_embeds)
         hidden = None
         if self.piecewise is not None:  # small steps: graphs between the attention calls

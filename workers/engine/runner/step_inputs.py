@@ -30,6 +30,7 @@ class WorkerSeq:
     item_rows: list[int]  # baseline mode: row offset of each item inside the request's entry
     block_table: list[int] = field(default_factory=list)
     prompt_until: int = 0  # prompt_logprobs: positions below this are scored (see prompt_logprobs.py)
+    state_slot: int = -1  # hybrid models: its live slot in the linear-attention state pools
 
 
 @dataclass
@@ -70,6 +71,11 @@ class StepInputs:
     splices: list[tuple[int, bytes, int, int]] = field(default_factory=list)  # (row in batch, key, first entry row, count)
     spans: list[PromptSpan] = field(default_factory=list)  # rows whose prompt logprobs were asked for
     ahead: list[tuple[int, str]] = field(default_factory=list)  # (row, sequence): its id is being sampled (see below)
+    # Hybrid models, per sequence: its state slot, whether it has state before this chunk (a chunk at position 0 starts
+    # from zeros), and the snapshots of the step as StateMetadata takes them: (sequence, tokens into its chunk, slot).
+    state_slots: list[int] = field(default_factory=list)
+    has_initial: list[bool] = field(default_factory=list)
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 ForkFn = Callable[[WorkerSeq, list[Fork]], list[WorkerSeq]]
@@ -85,6 +91,9 @@ def gather_inputs(
     placeholder id, which `ahead_token_ids` replaces on the device."""
     out = StepInputs()
     ids, pos = out.ids, out.positions
+    snapshots: dict[str, list[tuple[int, int]]] = {}
+    for rid, position, slot in plan.snapshots:
+        snapshots.setdefault(rid, []).append((position, slot))
     for chunk in plan.chunks:
         seq = seqs[chunk.rid]
         seq.block_table.extend(chunk.new_blocks)
@@ -106,6 +115,11 @@ def gather_inputs(
         out.query_lens.append(chunk.length)
         out.seq_lens.append(end)
         out.tables.append(seq.block_table)
+        if seq.state_slot >= 0:
+            b = len(out.state_slots)
+            out.state_slots.append(seq.state_slot)
+            out.has_initial.append(start > 0)
+            out.snapshots.extend((b, position - start, slot) for position, slot in snapshots.get(chunk.rid, ()))
         for i, item in enumerate(seq.items):
             lo, hi = max(start, item.offset), min(end, item.offset + item.length)
             if lo >= hi:

@@ -195,6 +195,8 @@ def _prefill(r: LoadedModel, tokens: int, mm_embeds: torch.Tensor) -> None:
 def _forward(r: LoadedModel, query: int, seq: int, blocks: list[int], **images: torch.Tensor) -> torch.Tensor:
     """The LM over the last ``query`` of ``seq`` tokens (zero embeddings) in ``blocks``; ``images``: mm_rows, mm_embeds."""
     meta = build_attention_metadata([query], [seq], [blocks], r.cfg.block_size, r.device)
+    if r.state is not None:  # a hybrid model's linear-attention layers run in the scratch slot
+        meta.state = r.state.scratch_metadata(1)
     embeds = torch.zeros(query, r.spec.hidden_size, dtype=r.dtype, device=r.device)
     positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
     out: torch.Tensor = r.model(embeds, positions, r.kv_caches, meta, **images)

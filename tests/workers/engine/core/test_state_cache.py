@@ -1,0 +1,166 @@
+"""A hybrid model's state pool on the scheduling side: live slots, snapshots at block boundaries under prefix keys,
+restores on a prefix hit, and what happens to them on eviction, preemption, forks and failed steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from ipc.prompts import MMItem, SamplingParams
+from ipc.steps import StepPlan, StepResult
+from workers.engine.core.scheduler import SchedulerCore
+from workers.engine.core.state_cache import OutOfStateSlots, StatePool, snapshot_points
+
+EOS = 99
+BS = 4
+
+
+def core(**overrides: object) -> SchedulerCore:
+    args: dict[str, object] = dict(
+        num_blocks=64, block_size=BS, chunk_size=16, max_num_seqs=8, max_model_len=512,
+        mm_cache_bytes=10_000, embedding_bytes_per_token=10, eos_token_ids=(EOS,),
+        enable_prefix_caching=True, state_slots=8, state_snapshot_every=0,
+    )
+    args.update(overrides)
+    return SchedulerCore(**args)  # type: ignore[arg-type]
+
+
+def add(c: SchedulerCore, rid: str, ids: list[int], max_tokens: int = 2, n: int = 1, items: list[MMItem] | None = None) -> None:
+    c.add(rid, ids, 0, items or [], SamplingParams(max_tokens=max_tokens, temperature=0, n=n))
+
+
+def step(c: SchedulerCore, token: int = 5) -> StepPlan:
+    plan = c.schedule()
+    assert plan is not None
+    sampled = [ch.rid for ch in plan.chunks if ch.sample] + [f.child for f in plan.forks]  # a choice: parent's logits
+    c.update(StepResult(plan.step_id, [(rid, token) for rid in sampled]))
+    return plan
+
+
+def finish_all(c: SchedulerCore) -> list[StepPlan]:
+    plans = []
+    while c.has_work():
+        plans.append(step(c))
+    return plans
+
+
+def test_pool_hands_out_live_slots_and_evicts_the_oldest_snapshot_for_them() -> None:
+    pool = StatePool(3)
+    a, b = pool.allocate(2)
+    snap = pool.reserve(b"k1")
+    assert snap is not None and snap not in (a, b) and pool.reserve(b"k2") is None  # every slot live or pending
+    assert not pool.wanted(b"k1")
+    pool.publish(snap)
+    assert pool.lookup(b"k1") == snap and pool.available == 1
+    assert pool.allocate(1) == [snap]  # the snapshot goes for a live state
+    assert pool.lookup(b"k1") is None and pool.snapshots_evicted == 1
+    with pytest.raises(OutOfStateSlots):
+        pool.allocate(1)
+    pool.release([a])
+    with pytest.raises(ValueError):
+        pool.release([a])
+
+
+def test_pool_publishes_a_prefix_once_and_drops_it_with_its_block() -> None:
+    pool = StatePool(4)
+    first, second = pool.reserve(b"k"), pool.reserve(b"k")  # two sequences computing the same prefix at once
+    assert first is not None and second is not None
+    pool.publish(first)
+    pool.publish(second)  # a duplicate: its slot is freed
+    assert pool.num_snapshots == 1 and pool.available == 4
+    pool.drop(b"k")
+    assert pool.num_snapshots == 0 and pool.lookup(b"k") is None
+
+
+def test_snapshot_points() -> None:
+    # The last block boundary before the prompt's final token, and every `every` blocks.
+    assert snapshot_points(0, 16, 16, 4, 0) == [12]
+    assert snapshot_points(0, 16, 17, 4, 0) == [16]
+    assert snapshot_points(0, 8, 17, 4, 0) == []  # the last boundary lies in a later chunk
+    assert snapshot_points(0, 40, 40, 4, 2) == [8, 16, 24, 32, 36]
+    assert snapshot_points(8, 24, 40, 4, 2) == [16, 24]  # (start, end]
+    assert snapshot_points(0, 3, 3, 4, 1) == []  # no full block before the final token
+
+
+def test_a_prompt_snapshots_its_last_block_and_a_repeat_resumes_from_it() -> None:
+    c = core()
+    prompt = list(range(1, 15))  # 14 tokens: boundary 12
+    add(c, "a", prompt)
+    first = c.schedule()
+    assert first is not None
+    assert first.new_seqs[0].state_slot >= 0
+    [(rid, position, slot)] = first.snapshots
+    assert (rid, position) == ("a", 12) and slot != first.new_seqs[0].state_slot
+    c.update(StepResult(first.step_id, [("a", 5)]))
+    assert c.state is not None and c.state.num_snapshots == 1
+    finish_all(c)
+    assert c.state.live == 0 and c.state.num_snapshots == 1
+    add(c, "b", prompt)
+    plan = step(c)
+    assert plan.state_copies == [(slot, plan.new_seqs[0].state_slot)]
+    assert [(ch.start, ch.length) for ch in plan.chunks] == [(12, 2)]
+    assert c.state.restores == 1 and c.state.restored_tokens == 12
+
+
+def test_a_longer_turn_resumes_from_the_deepest_snapshot_within_its_cached_blocks() -> None:
+    c = core(state_snapshot_every=1, chunk_size=64)
+    add(c, "a", list(range(1, 22)))  # snapshots at 4, 8, 12, 16, 20
+    finish_all(c)
+    add(c, "b", list(range(1, 19)) + [77, 78, 79, 80, 81])  # shares 18 tokens: blocks up to 16
+    plan = step(c)
+    assert [(ch.start, ch.length) for ch in plan.chunks] == [(16, 7)]
+    assert len(plan.state_copies) == 1
+
+
+def test_kv_blocks_without_a_snapshot_give_a_hybrid_model_no_hit() -> None:
+    c = core()
+    prompt = list(range(1, 15))
+    add(c, "a", prompt)
+    finish_all(c)
+    assert c.state is not None
+    c.state.drop(next(iter(c.state._snapshots)))  # the KV blocks stay cached, the state is gone
+    add(c, "b", prompt)
+    plan = step(c)
+    assert plan.state_copies == [] and plan.chunks[0].start == 0
+
+
+def test_evicted_blocks_take_their_snapshots_along() -> None:
+    c = core(num_blocks=8)
+    add(c, "a", list(range(1, 15)))
+    finish_all(c)
+    assert c.state is not None and c.state.num_snapshots == 1
+    add(c, "b", list(range(100, 128)))  # needs every block: a's cached ones are recycled
+    step(c)
+    assert c.state.num_snapshots == 0
+
+
+def test_live_slots_bound_admission() -> None:
+    c = core(state_slots=1)
+    add(c, "a", [1, 2, 3], max_tokens=3)
+    add(c, "b", [4, 5, 6], max_tokens=3)
+    plan = step(c)
+    assert [ch.rid for ch in plan.chunks] == ["a"]  # b waits for a's slot
+    plans = finish_all(c)
+    assert any(ch.rid == "b" for p in plans for ch in p.chunks)
+    assert c.state is not None and c.state.live == 0
+
+
+def test_choices_get_slots_copied_from_their_parent_after_the_prompt() -> None:
+    c = core(state_slots=4)
+    add(c, "a", list(range(1, 10)), n=3)
+    plan = step(c)
+    parent = plan.new_seqs[0].state_slot
+    slots = {f.state_slot for f in plan.forks}
+    assert len(plan.forks) == 2 and len(slots) == 2 and parent not in slots and -1 not in slots
+    assert c.state is not None and c.state.live == 3
+    finish_all(c)
+    assert c.state.live == 0
+
+
+def test_preemption_frees_the_slot_and_a_failed_step_its_snapshots() -> None:
+    c = core()
+    add(c, "a", list(range(1, 15)))
+    plan = c.schedule()
+    assert plan is not None and plan.snapshots
+    assert c.state is not None and c.state.live == 1
+    c.fail_step(plan.step_id)
+    assert c.state.live == 0 and c.state.num_snapshots == 0 and c.state.available == 8

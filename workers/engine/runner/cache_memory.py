@@ -1,0 +1,96 @@
+"""How a model worker sizes its caches out of memory (embedding store, KV blocks), and the linear-attention state
+pools of hybrid models such as Qwen3.5: how many slots, their memory, and the copies between slots that the
+scheduler plans.
+
+Each linear-attention layer of the LM keeps two pools (``LanguageModel.allocate_state``): a conv window and a
+recurrent matrix per slot. A slot is one running sequence's live state or a snapshot of some sequence's state at a
+block boundary (the prefix cache on state, workers/engine/core/state_cache.py says which). Copying a slot copies it
+in every pool: a request that resumes from a snapshot starts from a copy of it, an n > 1 choice from a copy of its
+parent's. One slot past the scheduler's count is scratch (warm-up and padded rows write there).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from workers.engine.config import EngineConfig
+from workers.engine.core.mm_cache import EmbeddingStore
+from workers.engine.kernels.attention import StateMetadata
+from workers.engine.models.base import ModelSpec, RecurrentSpec
+
+log = logging.getLogger("glimpse.model")
+
+# Without --state-slots: live states for every running sequence plus as many snapshots, if half the cache budget
+# holds them (a Qwen3.5-27B slot is ~75 MB in bf16: 48 layers of 48 heads x 128 x 128); else what that half holds.
+SLOTS_PER_SEQ = 2
+STATE_SHARE = 0.5
+
+
+def embedding_store(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> EmbeddingStore:
+    """On CUDA the embedding cache's whole budget is reserved now (see EmbeddingStore); on the CPU its entries are plain
+    tensors, allocated as they come."""
+    if device.type != "cuda" or cfg.mm_cache_mode != "image" or cfg.mm_cache_mb <= 0:
+        return EmbeddingStore()
+    return EmbeddingStore(int(cfg.mm_cache_mb * 2**20), spec.embed_width, dtype, device)
+
+
+def cache_budget(cfg: EngineConfig, device: torch.device) -> int:
+    """Bytes for the KV cache and a hybrid model's state pools: --kv-cache-mb, else 40% of the free GPU memory or
+    512 MB on the CPU."""
+    if cfg.kv_cache_mb is not None:
+        return cfg.kv_cache_mb << 20
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.4)
+    return 512 << 20
+
+
+def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tp_size: int, budget: int) -> int:
+    """--num-kv-blocks, or as many blocks as ``budget`` bytes hold."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    return max(1, budget // spec.kv_bytes_per_block(cfg.block_size, dtype, tp_size))
+
+
+def state_slots(cfg: EngineConfig, recurrent: RecurrentSpec, budget: int, dtype: torch.dtype, tp_size: int) -> int:
+    """Slots of the pool: ``--state-slots``, or as many as the rule above gives out of ``budget`` cache bytes."""
+    if cfg.state_slots is not None:
+        return cfg.state_slots
+    per_slot = recurrent.bytes_per_slot(dtype, tp_size)
+    return max(1, min(SLOTS_PER_SEQ * cfg.max_num_seqs, int(budget * STATE_SHARE) // per_slot))
+
+
+class RecurrentState:
+    """The pools of every linear-attention layer, allocated once at start-up."""
+
+    def __init__(self, lm: torch.nn.Module, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.scratch = num_slots
+        self.device = device
+        allocate = getattr(lm, "allocate_state")  # noqa: B009 (only hybrid LMs have it)
+        self.pools: list[Tensor] = allocate(num_slots + 1, dtype)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.pools)
+        log.info("linear-attention state: %d slots, %.1f MiB", num_slots, self.nbytes / 2**20)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy slot ``src`` into slot ``dst`` in every pool, for each (src, dst); queued on the current stream."""
+        pairs = [(a, b) for a, b in pairs if a != b]
+        if not pairs:
+            return
+        index = torch.tensor([a for a, _ in pairs] + [b for _, b in pairs], device=self.device)
+        src, dst = index.split(len(pairs))
+        for pool in self.pools:
+            pool[dst] = pool[src]  # the gather runs before the scatter: chains of pairs read the old contents
+
+    def scratch_metadata(self, sequences: int) -> StateMetadata:
+        """Metadata that runs ``sequences`` sequences from zero state in the scratch slot (warm-up)."""
+        slots = [self.scratch] * sequences
+        return StateMetadata(
+            slots=torch.tensor(slots, device=self.device),
+            slots_cpu=slots,
+            has_initial=torch.zeros(sequences, dtype=torch.bool, device=self.device),
+            has_initial_cpu=[False] * sequences,
+        )
