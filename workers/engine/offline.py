@@ -216,4 +216,5 @@ class Engine:
             "images_encoded": c.images_encoded,
             "vit_calls": c.vit_calls,
             "steps": c.steps,
+            **(self.core.state.stats() if self.core.state is not None else {}),  # hybrid models' state pool
         }

@@ -70,21 +70,6 @@ def snapshot(s: SchedulerState) -> SchedulerStats:
         gc_frozen=s.gc.frozen,
         gc_full=s.gc.full,
         gc_pause_s_sum=s.gc.pause_s_sum,
-        **state_fields(core),
+        **(core.state.stats() if core.state is not None else {}),  # hybrid models' state pool
     )
 
-
-def state_fields(core: SchedulerCore) -> dict[str, int]:
-    """A hybrid model's state-pool numbers (none for other models: SchedulerStats' zeros stand)."""
-    pool = core.state
-    if pool is None:
-        return {}
-    return {
-        "state_slots_total": pool.num_slots,
-        "state_slots_live": pool.live,
-        "state_snapshots": pool.num_snapshots,
-        "state_snapshots_taken": pool.snapshots_taken,
-        "state_snapshots_evicted": pool.snapshots_evicted,
-        "state_restores": pool.restores,
-        "state_restored_tokens": pool.restored_tokens,
-    }

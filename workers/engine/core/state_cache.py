@@ -118,6 +118,18 @@ class StatePool:
             self._free.append(slot)
             self.snapshots_evicted += 1
 
+    def stats(self) -> dict[str, int]:
+        """The pool's numbers, named as SchedulerStats' ``state_*`` fields."""
+        return {
+            "state_slots_total": self.num_slots,
+            "state_slots_live": self.live,
+            "state_snapshots": self.num_snapshots,
+            "state_snapshots_taken": self.snapshots_taken,
+            "state_snapshots_evicted": self.snapshots_evicted,
+            "state_restores": self.restores,
+            "state_restored_tokens": self.restored_tokens,
+        }
+
     def _evict_oldest(self) -> None:
         _, slot = self._snapshots.popitem(last=False)
         self._free.append(slot)
