@@ -8,7 +8,8 @@ built for vLLM reads glimpse unchanged.
 Framing: one ZMQ PUB message per batch, three frames: ``[topic, sequence (8-byte big-endian), payload]``.
 The payload is msgpack of ``KVEventBatch`` as an array ``[ts, events, data_parallel_rank]``; each event is
 an array whose first element is its tag (``"BlockStored"``, ``"BlockRemoved"``, ``"AllBlocksCleared"``),
-then its fields in declaration order (trailing fields left at their defaults are omitted).
+then its fields in declaration order (msgspec writes every field of an array, defaults included, so each length
+that goes out is its own struct below).
 
 Block hashes are integers: the first 8 bytes of glimpse's 16-byte prefix-cache key, big-endian, unsigned
 (README, "Prefix-cache keys"). ``extra_keys`` (vLLM's newer field) has one entry per stored block: None for
@@ -17,6 +18,12 @@ the image]`` for every image the block overlaps, exactly what the key hashes bes
 BlockStored none of whose blocks covers an image is sent without it (8 elements, as vLLM sent it before
 the field existed): decoders that read a fixed array of 8 (llm-d's) take those unchanged, and decoders
 that know the field read it as absent.
+
+Hybrid models (Qwen3.5's linear attention) publish two KV-cache groups, as vLLM does: group 0
+(``kv_cache_spec_kind`` "full_attention") for the attention layers' blocks, and group 1 ("mamba") for the blocks
+at whose end a recurrent-state snapshot is kept, the only places a prefix hit can resume. BlockStored then
+carries ``extra_keys`` (or nil), ``group_idx`` and ``kv_cache_spec_kind`` as its 9th-11th fields, BlockRemoved
+``group_idx`` as its 3rd; other models send neither.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ class BlockStored(KVCacheEvent, frozen=True):
     medium: str | None
     lora_name: str | None
     extra_keys: list[list[tuple[str, int]] | None] | None = None
+    # Hybrid models only (as vLLM sends them for its KV-cache groups): which group the blocks belong to and its kind.
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _TextBlockStored(KVCacheEvent, frozen=True, tag="BlockStored"):
@@ -61,19 +71,40 @@ class _TextBlockStored(KVCacheEvent, frozen=True, tag="BlockStored"):
     lora_name: str | None
 
 
+class _ImageBlockStored(_TextBlockStored, frozen=True, tag="BlockStored"):
+    """BlockStored with ``extra_keys`` and no group fields: a model of one KV-cache group, blocks with images."""
+
+    extra_keys: list[list[tuple[str, int]] | None] | None = None
+
+
 def block_stored(
     hashes: list[int], parent: int | None, tokens: list[int], block_size: int, medium: str,
-    extra_keys: list[list[tuple[str, int]] | None] | None,
+    extra_keys: list[list[tuple[str, int]] | None] | None, group: tuple[int, str] | None = None,
 ) -> KVCacheEvent:
-    """A BlockStored event (no LoRA), in its short form when no block covers an image."""
+    """A BlockStored event (no LoRA), in its short form when no block covers an image and no ``group`` (a hybrid
+    model's KV-cache group: index and kind) is named."""
+    if group is not None:
+        return BlockStored(hashes, parent, tokens, block_size, None, medium, None, extra_keys, *group)
     if extra_keys is None or all(e is None for e in extra_keys):
         return _TextBlockStored(hashes, parent, tokens, block_size, None, medium, None)
-    return BlockStored(hashes, parent, tokens, block_size, None, medium, None, extra_keys)
+    return _ImageBlockStored(hashes, parent, tokens, block_size, None, medium, None, extra_keys)
 
 
 class BlockRemoved(KVCacheEvent, frozen=True):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None  # hybrid models: the KV-cache group (see BlockStored)
+
+
+class _PlainBlockRemoved(KVCacheEvent, frozen=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+def block_removed(hashes: list[int], medium: str, group: int | None = None) -> KVCacheEvent:
+    """A BlockRemoved event; ``group`` only for hybrid models (msgspec writes every field of an array, defaults too, so
+    each form is its own struct)."""
+    return _PlainBlockRemoved(hashes, medium) if group is None else BlockRemoved(hashes, medium, group)
 
 
 class AllBlocksCleared(KVCacheEvent, frozen=True):

@@ -18,9 +18,9 @@ from ipc.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
-    BlockRemoved,
     KVCacheEvent,
     KVEventPublisher,
+    block_removed,
     block_stored,
     external_hash,
     replica_endpoint,
@@ -28,6 +28,10 @@ from ipc.kv_events import (
 from ipc.prompts import MMItem
 from workers.config import ServerConfig
 from workers.engine.core.scheduler import SchedulerCore, Sequence
+
+# A hybrid model's groups, named as vLLM names its KV-cache spec kinds.
+KV_GROUP = (0, "full_attention")
+STATE_GROUP = (1, "mamba")
 
 
 def image_keys(items: list[MMItem], lo: int, hi: int) -> list[tuple[str, int]] | None:
@@ -58,6 +62,9 @@ class KVEventRecorder:
         self.medium = medium
         self.events: list[KVCacheEvent] = []
         self._removed: list[int] = []  # consecutive evictions become one BlockRemoved
+        # Hybrid models: KV blocks are group 0, state snapshots group 1 (ipc/kv_events.py); None: one group, unnamed.
+        self.kv_group: tuple[int, str] | None = None
+        self._snapshots_removed: list[int] = []
         self.published = 0
 
     @classmethod
@@ -73,6 +80,10 @@ class KVEventRecorder:
     def attach(self, core: SchedulerCore) -> KVEventRecorder:
         core.on_blocks_stored = self.stored
         core.allocator.on_evict = self.removed
+        if core.state is not None:
+            self.kv_group = KV_GROUP
+            core.on_snapshot_stored = self.snapshot_stored
+            core.state.on_drop = self.snapshot_removed
         self.cleared()  # a new core holds nothing: whatever an earlier run published is gone
         return self
 
@@ -84,19 +95,38 @@ class KVEventRecorder:
             parent = external_hash(keys[first - 1]) if first > 0 else None
             extra = [image_keys(seq.items, i * bs, (i + 1) * bs) for i in run]
             hashes = [external_hash(keys[i]) for i in run]
-            self.events.append(block_stored(hashes, parent, tokens[first * bs : end * bs], bs, self.medium, extra))
+            self.events.append(
+                block_stored(hashes, parent, tokens[first * bs : end * bs], bs, self.medium, extra, self.kv_group)
+            )
+
+    def snapshot_stored(self, seq: Sequence, end: int, key: bytes) -> None:
+        """A state snapshot at the end of block [end - bs, end) of ``seq``: a stored block of the state group."""
+        self._flush_removed()
+        bs, first = self.block_size, end // self.block_size - 1
+        parent = external_hash(seq.block_hashes[first - 1]) if first > 0 else None
+        extra = [image_keys(seq.items, end - bs, end)]
+        tokens = seq.tokens_since(end - bs)[:bs]
+        self.events.append(block_stored([external_hash(key)], parent, tokens, bs, self.medium, extra, STATE_GROUP))
 
     def removed(self, key: bytes) -> None:
         self._removed.append(external_hash(key))
 
+    def snapshot_removed(self, key: bytes) -> None:
+        self._snapshots_removed.append(external_hash(key))
+
     def cleared(self) -> None:
         self._removed.clear()
+        self._snapshots_removed.clear()
         self.events.append(AllBlocksCleared())
 
     def _flush_removed(self) -> None:
         if self._removed:
-            self.events.append(BlockRemoved(self._removed, self.medium))
+            group = self.kv_group[0] if self.kv_group is not None else None
+            self.events.append(block_removed(self._removed, self.medium, group))
             self._removed = []
+        if self._snapshots_removed:
+            self.events.append(block_removed(self._snapshots_removed, self.medium, STATE_GROUP[0]))
+            self._snapshots_removed = []
 
     def flush(self) -> None:
         """Publish what collected since the last flush (one batch, one sequence number)."""

@@ -18,6 +18,7 @@ from ipc.kv_events import (
     KVEvent,
     KVEventBatch,
     KVEventPublisher,
+    block_removed,
     block_stored,
     external_hash,
     replica_endpoint,
@@ -52,8 +53,8 @@ def run(core: SchedulerCore, recorder: KVEventRecorder) -> None:
 
 
 def test_the_wire_layout_is_vllms_array_form() -> None:
-    stored = BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", None, [[("ab" * 16, 0)], None])
-    batch = KVEventBatch(12.5, [stored, BlockRemoved([2], "GPU"), AllBlocksCleared()], 1)
+    stored = block_stored([1, 2], None, list(range(8)), 4, "GPU", [[("ab" * 16, 0)], None])
+    batch = KVEventBatch(12.5, [stored, block_removed([2], "GPU"), AllBlocksCleared()], 1)  # type: ignore[list-item]
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))  # what a schema-less decoder sees
     assert raw == [
         12.5,
@@ -70,6 +71,12 @@ def test_the_wire_layout_is_vllms_array_form() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(text)) == ["BlockStored", [1], 5, [1, 2], 2, None, "GPU", None]
     decoded = msgspec.msgpack.Decoder(KVEvent).decode(msgspec.msgpack.encode(text))
     assert decoded == BlockStored([1], 5, [1, 2], 2, None, "GPU", None, None)
+    # A hybrid model's events name their group (vLLM's group_idx and kv_cache_spec_kind, after extra_keys).
+    grouped = block_stored([1], 5, [1, 2], 2, "GPU", [None], (1, "mamba"))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(grouped)) == [
+        "BlockStored", [1], 5, [1, 2], 2, None, "GPU", None, [None], 1, "mamba"
+    ]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(block_removed([3], "GPU", 1))) == ["BlockRemoved", [3], "GPU", 1]
 
 
 def test_replicas_get_consecutive_ports() -> None:
@@ -130,3 +137,32 @@ def test_stored_blocks_carry_the_prefix_keys_and_their_images() -> None:
     run(core, recorder)
     removed = [h for e in sink.events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert set(removed) >= {external_hash(k) for k in keys[:3]}
+
+
+def test_a_hybrid_model_publishes_its_blocks_and_its_state_snapshots_as_two_groups() -> None:
+    """As vLLM does for hybrid models: the attention layers' blocks in group 0 ("full_attention"), the blocks a state
+    snapshot ends (where a prefix hit can resume) in group 1 ("mamba"); each group's removals name it."""
+    core = SchedulerCore(
+        num_blocks=8, block_size=BS, chunk_size=64, max_num_seqs=4, max_model_len=64, mm_cache_bytes=1 << 20,
+        embedding_bytes_per_token=4, eos_token_ids=(0,), state_slots=4, state_snapshot_every=2,
+    )
+    sink = Collect()
+    recorder = KVEventRecorder(sink, BS, "CPU").attach(core)  # type: ignore[arg-type]
+    prompt = list(range(1, 14))  # 13 tokens: snapshots at 8 (every 2 blocks) and 12 (the last full block)
+    core.add("r", prompt, 0, [], SamplingParams(max_tokens=2, ignore_eos=True))
+    run(core, recorder)
+    stored = [e for e in sink.events() if isinstance(e, BlockStored)]
+    keys = block_hashes(prompt, BS)
+    kv = [h for e in stored if e.group_idx == 0 for h in e.block_hashes]
+    assert kv == [external_hash(k) for k in keys] and {e.kv_cache_spec_kind for e in stored if e.group_idx == 0} == {"full_attention"}
+    state = [e for e in stored if e.group_idx == 1]
+    assert [e.block_hashes for e in state] == [[external_hash(keys[1])], [external_hash(keys[2])]]
+    assert [e.parent_block_hash for e in state] == [external_hash(keys[0]), external_hash(keys[1])]
+    assert state[1].token_ids == prompt[8:12] and {e.kv_cache_spec_kind for e in state} == {"mamba"}
+
+    # A prompt that needs every block recycles the cached ones: their snapshots go with them, each group announced.
+    core.add("s", list(range(50, 75)), 0, [], SamplingParams(max_tokens=1))
+    run(core, recorder)
+    removed = [e for e in sink.events() if isinstance(e, BlockRemoved)]
+    assert {h for e in removed if e.group_idx == 1 for h in e.block_hashes} == {external_hash(keys[1]), external_hash(keys[2])}
+    assert {h for e in removed if e.group_idx == 0 for h in e.block_hashes} >= {external_hash(k) for k in keys}

@@ -67,6 +67,9 @@ class SequenceBook:
         self.state = StatePool(state_slots) if state_slots > 0 else None
         self.state_snapshot_every = state_snapshot_every
         self._state_copies: list[tuple[int, int]] = []  # restores planned for the next step: (snapshot, live slot)
+        # (sequence, block boundary, key) of a published snapshot: KV-cache events' BlockStored of the state group.
+        self.on_snapshot_stored: Callable[[Sequence, int, bytes], None] | None = None
+        self._snapshot_at: dict[int, tuple[Sequence, int]] = {}  # pending slot -> its sequence and boundary (events)
         if self.state is not None:
             self.allocator.on_unregister = self.state.drop
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -182,10 +185,11 @@ class SequenceBook:
             return
         for _, _, slot in plan.snapshots:
             key = self.state.pending_key(slot)
+            at = self._snapshot_at.pop(slot, None)
             if failed or not self.allocator.is_cached(key):
                 self.state.cancel(slot)
-            else:
-                self.state.publish(slot)
+            elif self.state.publish(slot) and at is not None and self.on_snapshot_stored is not None:
+                self.on_snapshot_stored(at[0], at[1], key)
 
     def _release_state(self, seq: Sequence) -> None:
         """A sequence ends or loses its KV: its live slot (and its unforked choices') go back to the pool."""

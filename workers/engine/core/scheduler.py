@@ -216,6 +216,8 @@ class SchedulerCore(SequenceBook):
             key = hashes[point // bs - 1]
             if self.state.wanted(key) and (slot := self.state.reserve(key)) is not None:
                 out.append((seq.rid, point, slot))
+                if self.on_snapshot_stored is not None:
+                    self._snapshot_at[slot] = (seq, point)
         return out
 
 

@@ -15,6 +15,7 @@ step's result comes back (``publish``), as KV blocks are registered only once co
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class OutOfStateSlots(RuntimeError):
@@ -36,6 +37,7 @@ class StatePool:
         self.snapshots_evicted = 0
         self.restores = 0  # admissions that started from a snapshot
         self.restored_tokens = 0  # prompt tokens those restores skipped
+        self.on_drop: Callable[[bytes], None] | None = None  # a published snapshot is gone (KV-cache events)
 
     @property
     def num_snapshots(self) -> int:
@@ -97,14 +99,16 @@ class StatePool:
     def pending_key(self, slot: int) -> bytes:
         return self._pending[slot]
 
-    def publish(self, slot: int) -> None:
-        """The step that computed a pending snapshot has come back: later requests may resume from it."""
+    def publish(self, slot: int) -> bool:
+        """The step that computed a pending snapshot has come back: later requests may resume from it. False when
+        another sequence published the same prefix meanwhile (the slot is freed)."""
         key = self._pending.pop(slot)
-        if key in self._snapshots:  # another sequence published the same prefix meanwhile
+        if key in self._snapshots:
             self._free.append(slot)
-            return
+            return False
         self._snapshots[key] = slot
         self.snapshots_taken += 1
+        return True
 
     def cancel(self, slot: int) -> None:
         """A pending snapshot whose step failed: its slot is free again, its contents unknown."""
@@ -117,6 +121,8 @@ class StatePool:
         if slot is not None:
             self._free.append(slot)
             self.snapshots_evicted += 1
+            if self.on_drop is not None:
+                self.on_drop(key)
 
     def stats(self) -> dict[str, int]:
         """The pool's numbers, named as SchedulerStats' ``state_*`` fields."""
@@ -131,9 +137,11 @@ class StatePool:
         }
 
     def _evict_oldest(self) -> None:
-        _, slot = self._snapshots.popitem(last=False)
+        key, slot = self._snapshots.popitem(last=False)
         self._free.append(slot)
         self.snapshots_evicted += 1
+        if self.on_drop is not None:
+            self.on_drop(key)
 
 
 def snapshot_points(start: int, end: int, prompt_len: int, block_size: int, every: int) -> list[int]:
