@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from workers.engine.kernels import paged_attention
-from workers.engine.kernels.attention import AttentionMetadata
+from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 from workers.engine.kernels.torch_attention import PaddedDecodeBackend
 from workers.engine.layers.linear import TPGroup, kv_heads_per_rank
 from workers.engine.models.base import LanguageModel
@@ -68,11 +68,14 @@ def start_graphs(r: LoadedModel) -> tuple[DecodeGraphs | None, PiecewiseGraphs |
         log.warning("no CUDA graphs: %s cannot be captured with %s; every step runs eagerly", held[0], r.dtype)
         return None, None
     max_blocks = -(-(cfg.max_model_len or spec.max_position_embeddings) // cfg.block_size)
-    decode = DecodeGraphs(r.lm, r.kv_caches, cfg.block_size, r.num_blocks, max_blocks, r.tp.size)
+    scratch_state = r.state.scratch if r.state is not None else None
+    decode = DecodeGraphs(r.lm, r.kv_caches, cfg.block_size, r.num_blocks, max_blocks, r.tp.size, scratch_state)
     started = time.perf_counter()
     decode.capture_all(cfg.max_num_seqs)
     if decode.stats["captures"]:
         log.info("%d decode graphs captured in %.1f s", decode.stats["captures"], time.perf_counter() - started)
+    if r.state is not None:  # a hybrid model's linear-attention layers are not split points of the pieces
+        return decode, None
     heads = (spec.num_heads // r.tp.size, kv_heads_per_rank(spec.num_kv_heads, r.tp.size), spec.head_dim)
     piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, spec.hidden_size, heads,
                                        cfg.piecewise_graph_tokens, r.dtype, r.tp.size, r.num_blocks * cfg.block_size,
@@ -109,8 +112,11 @@ class DecodeGraphs:
         scratch_block: int,
         max_blocks_per_seq: int,
         tp_size: int = 1,
+        scratch_state: int | None = None,
     ) -> None:
         self.lm, self.kv_caches, self.block_size = lm, kv_caches, block_size
+        # Hybrid models: each row's linear-attention state slot is one more input (padding rows: the scratch slot).
+        self.scratch_state = scratch_state
         # NCCL's watchdog thread queries events while a rank captures; "global" capture mode would fail those
         # calls, so with TP only this thread's calls are checked.
         self.capture_mode: Literal["global", "thread_local"] = "thread_local" if tp_size > 1 else "global"
@@ -153,6 +159,7 @@ class DecodeGraphs:
         seq_lens: list[int],
         tables: list[list[int]],
         ids_device: Tensor | None = None,
+        state_slots: list[int] | None = None,
     ) -> Tensor | None:
         """Hidden states [B, hidden] of one decode step (one new token per sequence), or None when the
         step fits no bucket. The result is a view of a static buffer: valid until the next replay.
@@ -163,7 +170,7 @@ class DecodeGraphs:
             self.stats["misses"] += 1
             return None
         graph = self.graphs.get(key) or self._capture(*key)
-        host = self._pack(key, width, ids, positions, slots, seq_lens)
+        host = self._pack(key, width, ids, positions, slots, seq_lens, state_slots or [])
         table = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.int64)
         graph.inputs.copy_(host.pin_memory(), non_blocking=True)
         if ids_device is not None:  # the ids lead the inputs buffer; queued after the copy above, so they win
@@ -181,6 +188,7 @@ class DecodeGraphs:
         positions: list[list[int]],
         slots: list[int],
         seq_lens: list[int],
+        state_slots: list[int],
     ) -> Tensor:
         b, _ = key
         pad = b - len(ids)
@@ -195,10 +203,13 @@ class DecodeGraphs:
         values.append(
             paged_attention.plan_splits(b, width * self.block_size, self.num_kv_heads, self.device)[1] if self.paged else 0
         )
+        if self.scratch_state is not None:
+            values += [*state_slots, *[self.scratch_state] * (b - len(state_slots))]
         return torch.tensor(values, dtype=torch.int64)
 
     def _forward(self, inputs: Tensor, table: Tensor, b: int, w: int) -> Tensor:
-        ids, pos, slots, seq_lens, split = inputs.split([b, 3 * b, b, b, 1])
+        hybrid = self.scratch_state is not None
+        ids, pos, slots, seq_lens, split, *state = inputs.split([b, 3 * b, b, b, 1, *([b] if hybrid else [])])
         width = w * self.block_size
         meta = AttentionMetadata(
             query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=self.device),
@@ -211,10 +222,15 @@ class DecodeGraphs:
             max_seq_len=width,
         )
         meta.derived["split_tokens"] = split
+        if state:
+            # Every decoding row has state (a sequence decodes only after its prompt); padding rows decode in the
+            # scratch slot, whatever it holds. The host lists give only the batch size to the kernels.
+            meta.state = StateMetadata(state[0], [self.scratch_state or 0] * b,
+                                       torch.ones(b, dtype=torch.bool, device=self.device), [True] * b)
         return self.lm(self.lm.embed_tokens(ids), pos.view(3, b), self.kv_caches, meta, backend=self.backend)
 
     def _capture(self, b: int, w: int) -> _Graph:
-        inputs = self._pack((b, w), 1, [], [[], [], []], [], []).to(self.device)  # all padding rows
+        inputs = self._pack((b, w), 1, [], [[], [], []], [], [], []).to(self.device)  # all padding rows
         table = torch.full((b, w), self.scratch_block, dtype=torch.int64, device=self.device)
         # Warm up on a side stream first (lazy library init and workspaces must not happen in capture).
         side = torch.cuda.Stream(self.device)

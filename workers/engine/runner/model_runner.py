@@ -115,10 +115,8 @@ class ModelRunner:
             warm_largest_step(self)  # the first large request's allocations, paid before "ready"
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        if graphs_wanted(self.device, self.tp) and self.state is None:
+        if graphs_wanted(self.device, self.tp):
             self.graphs, self.piecewise = start_graphs(self)
-        elif self.state is not None and self.device.type == "cuda":
-            log.info("hybrid model: no CUDA graphs yet; every step runs eagerly")
         self.sampler = Sampler(self.device, cfg.seed, self.spec.vocab_size, self.spec.eos_token_ids)
         # Only rank 0 samples, so only rank 0 keeps grammars.
         self.grammar = GrammarBook(cfg.model, self.spec.vocab_size, self.spec.eos_token_ids) if self.tp.rank == 0 else None
@@ -264,7 +262,7 @@ class ModelRunner:
         if self.graphs is not None and not splices and not spans and len(ids) == len(plan.chunks) == len(sample_rows):
             # Pure decode (one token per sequence, all sampled, no image rows): replay a CUDA graph.
             try:
-                hidden = self.graphs.run(ids, pos, slots, seq_lens, tables, ahead_ids)
+                hidden = self.graphs.run(ids, pos, slots, seq_lens, tables, ahead_ids, step.state_slots or None)
                 graph_used = True
             except RuntimeError:  # graphs only save launches: keep serving, eagerly (it rewrites the same slots)
                 if self.tp.size > 1:
