@@ -21,12 +21,16 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
 }
 # The families `glimpse demo-model --family` can write (a family may serve several architectures).
 DEMO_FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
 }
 
 

@@ -1,0 +1,60 @@
+"""Qwen3.5-MoE's sparse block: Qwen3-VL-MoE's router and routed experts (qwen3_vl/moe.py: same routing, the same
+three checkpoint layouts of expert weights) plus a shared expert every token takes, scaled by a sigmoid gate.
+
+transformers' ``Qwen3_5MoeSparseMoeBlock``: out = routed + sigmoid(x @ shared_expert_gate^T) * shared(x). Under
+tensor parallelism the shared expert is split like a dense MLP; its row-parallel down projection does not reduce on
+its own, so the routed and shared partial sums share the block's one all-reduce (the sigmoid gate, replicated,
+scales every rank's partial alike).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workers.engine.kernels import fused
+from workers.engine.layers.linear import SINGLE_RANK, TPGroup
+from workers.engine.models.decoder import SwiGLUMLP
+from workers.engine.models.qwen3_vl.moe import (
+    SparseMoeBlock,
+    experts_grouped,
+    experts_loop,
+    grouped_mm_usable,
+)
+
+# Checkpoint projection -> (fused parameter part, shard id) of the shared expert's gate_up_proj.
+SHARED_EXPERT_PARTS: tuple[tuple[str, str, int], ...] = (
+    (".shared_expert.gate_proj.", ".shared_expert.gate_up_proj.", 0),
+    (".shared_expert.up_proj.", ".shared_expert.gate_up_proj.", 1),
+)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Router (``gate``) and routed ``experts`` as in Qwen3-VL-MoE, plus ``shared_expert`` and its
+    ``shared_expert_gate`` (one logit per token, replicated)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        shared_intermediate_size: int,
+        tp: TPGroup = SINGLE_RANK,
+    ) -> None:
+        super().__init__(hidden_size, num_experts, top_k, intermediate_size, tp)
+        self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, tp)
+        self.shared_expert.down_proj.reduce_output = False  # reduced with the routed experts' partial sum
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.shared_expert_gate.weight.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, ids = self.route(x)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if self.use_grouped and grouped_mm_usable(x, gate_up, down):
+            routed = experts_grouped(x, weights, ids, gate_up, down, self.fused and fused.worth_it(x))
+        else:
+            routed = experts_loop(x, weights, ids, gate_up, down)
+        shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return self.tp.all_reduce(routed + shared)
