@@ -11,13 +11,62 @@ API (implemented by the kernels owner; the model family calls exactly these):
     causal_conv1d(x [T, C], weight [C, K], bias [C] | None, conv_state [S, C, K-1], meta, activation="silu") -> [T, C]
     gated_delta_rule(q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv], beta [T, Hv], ssm_state [S, Hv, Dk, Dv],
                      meta, use_qk_l2norm=True) -> [T, Hv, Dv]
+
+Both compute in float32 (as transformers' reference does) and store states back in the pools' dtype. The conv is
+plain torch on every device (one grouped conv over the whole batch; elementwise ops for an all-decode step). The
+gated delta rule runs flash-linear-attention's Triton kernels (gated_delta_fla.py) where ``fla`` imports and the
+tensors are on CUDA, unless ``GLIMPSE_FLA=0``; else the torch path here: the reference's chunked algorithm (chunk
+64, same op order) for a sequence of several new tokens, its recurrent step for one of a single token.
+
+An all-decode step (every query length 1) does no host sync and branches only on the host lists, on either path,
+so it can be captured in a CUDA graph (padding rows may share a scratch slot).
 """
 
 from __future__ import annotations
 
+import os
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels.attention import AttentionMetadata
+from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
+
+CHUNK = 64  # the reference's chunk_size: the chunked results match it only with the same chunking
+
+
+def _state(meta: AttentionMetadata) -> StateMetadata:
+    if meta.state is None:
+        raise ValueError("gated delta kernels need meta.state (the linear-attention state slots)")
+    return meta.state
+
+
+def _starts(meta: AttentionMetadata) -> list[int]:
+    """Host prefix sums of the query lengths: sequence b's rows are starts[b]..starts[b+1]."""
+    starts = [0]
+    for n in meta.query_lens_cpu:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+def _all_decode(meta: AttentionMetadata) -> bool:
+    return all(n == 1 for n in meta.query_lens_cpu)
+
+
+def _initial(pool: Tensor, st: StateMetadata) -> Tensor:
+    """Every sequence's state before its new tokens, float32; zeros where it has none. ``where`` rather than a
+    multiply: a slot without initial state may hold NaN or inf from an earlier owner."""
+    got = pool.index_select(0, st.slots).float()
+    keep = st.has_initial.view(-1, *([1] * (pool.dim() - 1)))
+    return torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))
+
+
+def _activate(y: Tensor, activation: str | None) -> Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"unsupported conv activation {activation!r} (silu, swish or None)")
 
 
 def causal_conv1d(
@@ -30,7 +79,171 @@ def causal_conv1d(
 ) -> Tensor:
     """Depthwise causal conv over each sequence's new tokens, its window of the K-1 inputs before them taken from
     ``conv_state`` (zeros without initial state); the window after them is written back (and to snapshot slots)."""
-    raise NotImplementedError
+    st = _state(meta)
+    tokens, channels = x.shape
+    width = weight.shape[1] - 1  # the window: K-1 inputs
+    batch = st.slots.shape[0]
+    device = x.device
+    w32 = weight.float()
+    b32 = None if bias is None else bias.float()
+    windows = _initial(conv_state, st).transpose(1, 2)  # [B, K-1, C]: oldest input first
+
+    if _all_decode(meta):
+        # One token per sequence: [window; x] is each row's whole receptive field, so the conv is a weighted sum
+        # over K taps. Elementwise ops only (no cuDNN algorithm choice, nothing data-dependent): graph-capturable.
+        field = torch.cat([windows, x.float().unsqueeze(1)], dim=1)  # [B, K, C]
+        y = (field * w32.t()).sum(dim=1)
+        if b32 is not None:
+            y = y + b32
+        conv_state.index_copy_(0, st.slots, field[:, 1:].transpose(1, 2).to(conv_state.dtype))
+        for b, _, slot in st.snapshots:  # n is 1 here: the state after the only token
+            conv_state[slot].copy_(field[b, 1:].t())
+        return _activate(y, activation).to(x.dtype)
+
+    # Lay every sequence out as [its window; its new tokens] one after another ("ext" rows), then one grouped conv
+    # without padding over all of it: output row r sees ext rows r..r+K-1, so for sequence b's token i (ext row
+    # start_b + b*(K-1) + (K-1) + i) it is exactly the window and tokens of b. Rows spanning two sequences are
+    # dropped. The row indices come from device tensors only (no host sync).
+    lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), lens.long(), output_size=tokens)
+    token_rows = torch.arange(tokens, device=device) + (seq + 1) * width
+    span = torch.arange(width, device=device)
+    first = meta.query_start_loc[:-1].long() + torch.arange(batch, device=device) * width  # window start of each b
+    ext = torch.empty(tokens + batch * width, channels, dtype=torch.float32, device=device)
+    ext[(first.unsqueeze(1) + span).flatten()] = windows.reshape(batch * width, channels)
+    ext[token_rows] = x.float()
+    y = F.conv1d(ext.t().unsqueeze(0), w32.unsqueeze(1), b32, groups=channels)[0].t()  # [rows - (K-1), C]
+    out = _activate(y[token_rows - width], activation).to(x.dtype)
+
+    # The window after sequence b's n-th token is ext rows first_b + n .. first_b + n + K-2 (its last K-1 inputs,
+    # reaching back into the old window when n < K-1).
+    last = (meta.query_start_loc[1:].long() + torch.arange(batch, device=device) * width).unsqueeze(1) + span
+    conv_state.index_copy_(0, st.slots, ext[last].transpose(1, 2).to(conv_state.dtype))
+    starts = _starts(meta)
+    for b, n, slot in st.snapshots:
+        row = starts[b] + b * width + n
+        conv_state[slot].copy_(ext[row : row + width].t())
+    return out
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    """transformers' l2norm (eps 1e-6), in float32."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _chunk_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """One sequence's run (q, k [n, H, Dk] normalized and q scaled; v [n, H, Dv]; g, beta [n, H]; state [H, Dk, Dv];
+    all float32) by the reference's chunked algorithm: the same padding, op order and solver, so float32 results
+    match ``torch_chunk_gated_delta_rule`` to rounding. Returns the output [n, H, Dv] and the state after it."""
+    n, heads, _ = q.shape
+    pad = (CHUNK - n % CHUNK) % CHUNK
+    # [H, n, D] padded to whole chunks with zeros (k = beta = g = 0 on padding leaves the state as it is).
+    q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)) for t in (q, k, v))
+    beta, g = (F.pad(t.t(), (0, pad)) for t in (beta, g))
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (t.reshape(heads, -1, CHUNK, t.shape[-1]) for t in (q, k, k_beta, v_beta))
+    g = g.reshape(heads, -1, CHUNK)
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=-1)  # log of the decay from the chunk's start to each position
+    pair = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # decay j -> i
+    system = (k_beta @ k.transpose(-1, -2)) * pair
+    intra = (q @ k.transpose(-1, -2)) * pair
+    decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
+    # The UT transform: unit lower-triangular solves condense the chunk's delta updates into matmuls.
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, decayed_k_beta, upper=False, unitriangular=True)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(new_v)
+    for i in range(new_v.shape[1]):  # the sequential scan: each chunk reads the state the previous one left
+        v_new = new_v[:, i] - k_cum[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(heads, -1, out.shape[-1])[:, :n].transpose(0, 1), state
+
+
+def _recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """One token for each of N sequences (q, k [N, H, Dk] normalized and q scaled; v [N, H, Dv]; g, beta [N, H];
+    state [N, H, Dk, Dv]), the reference's recurrent step."""
+    state = state * g.exp()[..., None, None]
+    kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(dim=-2), state
+
+
+def _snapshot_points(st: StateMetadata, batch: int) -> list[dict[int, list[int]]]:
+    """Per sequence: n -> the slots that want its state after its first n new tokens."""
+    points: list[dict[int, list[int]]] = [{} for _ in range(batch)]
+    for b, n, slot in st.snapshots:
+        points[b].setdefault(n, []).append(slot)
+    return points
+
+
+def _torch_gated_delta(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, meta: AttentionMetadata,
+    use_qk_l2norm: bool,
+) -> Tensor:
+    st = _state(meta)
+    tokens, k_heads, k_dim = q.shape
+    v_heads = v.shape[1]
+    qf, kf = q.float(), k.float()
+    if use_qk_l2norm:
+        qf, kf = _l2norm(qf), _l2norm(kf)
+    if v_heads != k_heads:  # each q/k head serves v_heads // k_heads consecutive value heads
+        qf = qf.repeat_interleave(v_heads // k_heads, dim=1)
+        kf = kf.repeat_interleave(v_heads // k_heads, dim=1)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    states = _initial(ssm_state, st)  # [B, Hv, Dk, Dv]
+
+    if _all_decode(meta):  # rows are sequences: one vectorized step, no host sync
+        out, states = _recurrent_step(qf / k_dim**0.5, kf, vf, gf, bf, states)
+        ssm_state.index_copy_(0, st.slots, states.to(ssm_state.dtype))
+        for b, _, slot in st.snapshots:
+            ssm_state[slot].copy_(states[b])
+        return out.to(v.dtype)
+
+    out = torch.empty(tokens, v_heads, v.shape[2], dtype=torch.float32, device=v.device)
+    starts = _starts(meta)
+    points = _snapshot_points(st, len(meta.query_lens_cpu))
+    singles = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+    if singles:  # the decodes of a mixed step, together
+        rows = torch.tensor([starts[b] for b in singles], device=v.device)
+        seqs = torch.tensor(singles, device=v.device)
+        step_out, step_states = _recurrent_step(
+            qf[rows] / k_dim**0.5, kf[rows], vf[rows], gf[rows], bf[rows], states[seqs]
+        )
+        out[rows] = step_out
+        states[seqs] = step_states
+    scale = k_dim**-0.5  # the chunked reference multiplies; its recurrent step divides by sqrt(Dk)
+    for b, n in enumerate(meta.query_lens_cpu):
+        if n == 1:
+            continue
+        # Segments end at the snapshot points and at the sequence's end; the state runs on across them.
+        state, begin = states[b], 0
+        for end in sorted({*points[b], n}):
+            s, e = starts[b] + begin, starts[b] + end
+            out[s:e], state = _chunk_rule(qf[s:e] * scale, kf[s:e], vf[s:e], gf[s:e], bf[s:e], state)
+            begin = end
+            for slot in points[b].get(end, []):
+                ssm_state[slot].copy_(state)
+        states[b] = state
+    ssm_state.index_copy_(0, st.slots, states.to(ssm_state.dtype))
+    for b in singles:
+        for slot in points[b].get(1, []):
+            ssm_state[slot].copy_(states[b])
+    return out.to(v.dtype)
+
+
+def fla_path(device: torch.device) -> bool:
+    """Whether gated_delta_rule takes flash-linear-attention's kernels for tensors on ``device``."""
+    if device.type != "cuda" or os.environ.get("GLIMPSE_FLA", "1") == "0":
+        return False
+    from workers.engine.kernels import gated_delta_fla
+
+    return gated_delta_fla.available()
 
 
 def gated_delta_rule(
@@ -45,4 +258,10 @@ def gated_delta_rule(
 ) -> Tensor:
     """The gated delta rule of transformers' ``torch_chunk_gated_delta_rule`` (prefill) and
     ``torch_recurrent_gated_delta_rule`` (decode) for every sequence, from and back into ``ssm_state``."""
-    raise NotImplementedError
+    if v.shape[1] % q.shape[1] != 0:
+        raise ValueError(f"value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})")
+    if fla_path(q.device):
+        from workers.engine.kernels import gated_delta_fla
+
+        return gated_delta_fla.gated_delta_rule(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
+    return _torch_gated_delta(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
