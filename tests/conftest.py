@@ -38,6 +38,18 @@ def qwen3_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("demo") / "qwen3-vl-moe", family="qwen3_vl_moe")
 
 
+@pytest.fixture(scope="session")
+def qwen3_5_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen3.5 (dense, hybrid Gated DeltaNet) demo checkpoint, written once per test session."""
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "qwen3.5", family="qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen3.5-MoE demo checkpoint, written once per test session."""
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "qwen3.5-moe", family="qwen3_5_moe")
+
+
 @pytest.fixture
 def make_image() -> ImageFactory:
     """`make_image(width, height, seed=0)` -> a deterministic noise image (see `noise_image`)."""

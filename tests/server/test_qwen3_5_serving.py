@@ -1,0 +1,98 @@
+"""Qwen3.5 dense and MoE (hybrid linear attention) served end to end: `glimpse serve --tp 2` over gloo, real processes,
+the official openai client. Five images equal transformers' greedy answer; a four-turn chat that resends every earlier
+image matches transformers on every turn, encodes each image once and resumes every later turn from a state
+snapshot (/admin/stats' state_pool)."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from tests.reference import greedy_text
+from tests.server.live import LiveServer, data_url, png_bytes
+
+MAX_NEW = 12
+ODD = [(57, 83), (300, 200), (123, 77), (640, 480), (29, 29)]
+FIVE = [png_bytes(w, h, seed=90 + i) for i, (w, h) in enumerate(ODD)]
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, Path]]:
+    model_dir: Path = request.getfixturevalue("qwen3_5_moe_model_dir" if request.param == "moe" else "qwen3_5_model_dir")
+    server = LiveServer(model_dir, "--tp", "2", "--tokenizer-workers", "1", "--chunk-size", "64")
+    yield server, model_dir
+    assert server.stop() == 0, server.output()
+    assert server.segments() == []
+
+
+def settled(server: LiveServer, key: str, value: int) -> dict[str, Any]:
+    """/admin/stats once ``key`` (a top-level or state_pool count) reached ``value`` (stats arrive every 0.25 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        stats = server.stats()
+        got = stats["state_pool"][key] if key in stats["state_pool"] else stats[key]
+        if got >= value or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+class Turns:
+    """transformers' greedy answers to a chat of image turns (the reference for every turn)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.processor = AutoProcessor.from_pretrained(str(model_dir))
+        self.model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def answer(self, messages: list[dict[str, Any]]) -> str:
+        inputs = self.processor.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+        return str(self.processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+
+
+def test_five_images_over_tp2_equal_transformers(served: tuple[LiveServer, Path]) -> None:
+    server, model_dir = served
+    text = "Compare these five pages."
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in FIVE]
+    resp = server.client(timeout=120).chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],  # type: ignore[list-item]
+        max_tokens=MAX_NEW, temperature=0,
+    )
+    assert resp.choices[0].message.content == greedy_text(model_dir, FIVE, text, MAX_NEW)
+
+
+def test_four_turn_chat_resends_its_images_and_resumes_from_state_snapshots(served: tuple[LiveServer, Path]) -> None:
+    server, model_dir = served
+    reference = Turns(model_dir)
+    client = server.client(timeout=120)
+    sent: list[dict[str, Any]] = []  # what the client sends (data URLs)
+    local: list[dict[str, Any]] = []  # the same chat for transformers (PIL images)
+    start = server.stats()
+    for turn in range(4):
+        image = FIVE[turn]
+        text = f"Page {turn}: what changed?"
+        sent.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                                 {"type": "text", "text": text}]})
+        local.append({"role": "user", "content": [{"type": "image", "image": Image.open(io.BytesIO(image)).convert("RGB")},
+                                                  {"type": "text", "text": text}]})
+        resp = client.chat.completions.create(model="demo", messages=sent, max_tokens=MAX_NEW, temperature=0)  # type: ignore[arg-type]
+        answer = resp.choices[0].message.content or ""
+        assert answer == reference.answer(local), turn
+        stats = settled(server, "restores", start["state_pool"]["restores"] + turn)
+        assert stats["state_pool"]["restores"] - start["state_pool"]["restores"] == turn  # every turn after the first
+        assert stats["images_encoded"] - start["images_encoded"] == turn + 1  # each image once
+        if turn:
+            cached = resp.usage.prompt_tokens_details.cached_tokens if resp.usage and resp.usage.prompt_tokens_details else 0
+            assert cached and cached >= 0.5 * (resp.usage.prompt_tokens if resp.usage else 0)
+        sent.append({"role": "assistant", "content": answer})
+        local.append({"role": "assistant", "content": answer})
