@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from workers.engine.kernels import gated_delta_fla
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
 CHUNK = 64  # the reference's chunk_size: the chunked results match it only with the same chunking
@@ -241,9 +242,7 @@ def fla_path(device: torch.device) -> bool:
     """Whether gated_delta_rule takes flash-linear-attention's kernels for tensors on ``device``."""
     if device.type != "cuda" or os.environ.get("GLIMPSE_FLA", "1") == "0":
         return False
-    from workers.engine.kernels import gated_delta_fla
-
-    return gated_delta_fla.available()
+    return gated_delta_fla.available()  # imports fla on first use only: never on a CPU-only step
 
 
 def gated_delta_rule(
@@ -261,7 +260,5 @@ def gated_delta_rule(
     if v.shape[1] % q.shape[1] != 0:
         raise ValueError(f"value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})")
     if fla_path(q.device):
-        from workers.engine.kernels import gated_delta_fla
-
         return gated_delta_fla.gated_delta_rule(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
     return _torch_gated_delta(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from workers.engine.kernels import gated_delta
+from workers.engine.kernels import gated_delta, gated_delta_fla
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
 # transformers swaps in flash-linear-attention's or causal-conv1d's kernels where those packages import (CUDA only);
@@ -268,6 +268,75 @@ def test_the_fla_path_is_cuda_only_and_switched_off_by_the_environment(monkeypat
     assert not gated_delta.fla_path(torch.device("cuda", 0))
 
 
+FLA_CASES = [
+    ([1, 1, 1, 1], [True, False, True, True], [(2, 1, 7)]),  # all decode: the fused recurrent kernel
+    ([1, 200, 1, 3, 130], [True, True, False, False, True], [(1, 200, 7), (0, 1, 8)]),  # one varlen call
+    ([1, 150, 90], [True, True, False], [(1, 16, 7), (1, 100, 8), (1, 150, 9), (2, 64, 10), (0, 1, 11)]),  # rounds
+]
+
+
+def fake_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, initial_state: Tensor,
+               output_final_state: bool, use_qk_l2norm_in_kernel: bool, cu_seqlens: Tensor,
+               cu_seqlens_cpu: Tensor, chunk_indices: Tensor) -> tuple[Tensor, Tensor]:
+    """fla's varlen chunk rule as its signature says (q [1, T, H, K], initial_state [N, H, K, V], final float32),
+    each sequence through transformers' torch function."""
+    assert q.shape[0] == 1 and cu_seqlens.dtype == cu_seqlens_cpu.dtype == torch.int64
+    assert cu_seqlens.tolist() == cu_seqlens_cpu.tolist() and initial_state.shape[0] == len(cu_seqlens) - 1
+    assert output_final_state and chunk_indices.shape == (len(cu_seqlens) - 1, 2)  # stand-in: one row a sequence
+    bounds = cu_seqlens_cpu.tolist()
+    outs, finals = [], []
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        out, final = torch_chunk_gated_delta_rule(
+            *(t[:, s:e] for t in (q, k, v, g, beta)), initial_state=initial_state[i : i + 1].float(),
+            output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )
+        outs.append(out.to(v.dtype))
+        finals.append(final)
+    return torch.cat(outs, dim=1), torch.cat(finals)
+
+
+def fake_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, initial_state: Tensor,
+                   output_final_state: bool, use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
+    """fla's fused recurrent rule on a batch of one-token sequences ([B, 1, H, K], no cu_seqlens)."""
+    assert q.shape[1] == 1 and initial_state.shape[0] == q.shape[0] and output_final_state
+    out, final = torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=initial_state.float(), output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+    assert final is not None
+    return out.to(v.dtype), final
+
+
+def fake_indices(cu: Tensor, chunk: int, cu_seqlens_cpu: Tensor) -> Tensor:
+    return torch.zeros(len(cu) - 1, 2, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lens", "has_initial", "snapshots"), FLA_CASES)
+def test_the_fla_wrapper_gathers_splits_and_scatters_like_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, lens: list[int], has_initial: list[bool], snapshots: list[tuple[int, int, int]],
+    pool_dtype: torch.dtype,
+) -> None:
+    """The fla path's own work (gathering states with garbage slots zeroed, one varlen call or rounds split at the
+    snapshot points, the scatter back, snapshots) with fla's kernels stood in for by transformers' torch functions:
+    it runs on the CPU whether fla is installed or not. The kernels themselves: the CUDA test below."""
+    monkeypatch.setattr(gated_delta_fla, "_kernels", (fake_chunk, fake_recurrent, fake_indices))
+    monkeypatch.setattr(gated_delta_fla, "_tried", True)
+    inp = Inputs(sum(lens), v_heads=2 * K_HEADS, seed=8)
+    _, ssm = pools(inp.v_heads, inp.channels, dtype=pool_dtype)
+    slots = [3, 0, 5, 1, 9][: len(lens)]
+    for slot, initial in zip(slots, has_initial):
+        if not initial:
+            ssm[slot] = float("nan")
+    ssm_t = ssm.clone()
+    meta = make_meta(lens, slots, has_initial, snapshots)
+    got = gated_delta_fla.gated_delta_rule(*inp.rows(0, sum(lens)), ssm, meta, True)
+    want = gated_delta._torch_gated_delta(*inp.rows(0, sum(lens)), ssm_t, meta, True)
+    close(got, want, LOOSE)
+    # Every slot (the untouched ones equal); in bfloat16 one rounding apart at most.
+    close(ssm.float(), ssm_t.float(), LOOSE if pool_dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fla_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
@@ -276,12 +345,7 @@ def test_the_fla_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, dt
     monkeypatch.delenv("GLIMPSE_FLA", raising=False)
     if not gated_delta.fla_path(torch.device("cuda")):
         pytest.skip("flash-linear-attention (fla-core) does not import")
-    cases = [
-        ([1, 1, 1, 1], [True, False, True, True], []),  # all decode
-        ([1, 200, 1, 3, 130], [True, True, False, False, True], []),  # mixed, one varlen call
-        ([1, 150, 90], [True, True, False], [(1, 16, 7), (1, 100, 8), (1, 150, 9), (2, 64, 10), (0, 1, 11)]),
-    ]
-    for lens, has_initial, snapshots in cases:
+    for lens, has_initial, snapshots in FLA_CASES:
         inp = Inputs(sum(lens), v_heads=2 * K_HEADS, seed=8, dtype=dtype)
         for name in ("x", "weight", "bias", "q", "k", "v", "g", "beta"):
             setattr(inp, name, getattr(inp, name).cuda())
@@ -296,8 +360,49 @@ def test_the_fla_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, dt
         monkeypatch.setenv("GLIMPSE_FLA", "0")
         _, want = run(inp, meta, conv_t, ssm_t)
         monkeypatch.delenv("GLIMPSE_FLA")
-        tol = 2e-3 if dtype == torch.float32 else 3e-2
-        close(got.float(), want.float(), tol)
+        # fla's float32 dots may run in TF32, and in bfloat16 it keeps the chunk states in bfloat16: relative
+        # error over the whole tensor rather than per element.
+        tol = 5e-3 if dtype == torch.float32 else 2e-2
         written = slots + [slot for _, _, slot in snapshots]
-        close(ssm[written].float(), ssm_t[written].float(), tol)
+        assert rel_err(got, want) < tol and rel_err(ssm[written], ssm_t[written]) < tol, (lens, dtype)
         assert torch.equal(conv, conv_t)
+
+
+def rel_err(got: Tensor, want: Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fla", [True, False], ids=["fla", "torch"])
+def test_an_all_decode_step_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, fla: bool) -> None:
+    """Captured once, replayed on new inputs: the same results as an eager step (no host sync broke the capture,
+    nothing data-dependent was frozen in). Two padding rows share a scratch slot (11), as the runner pads."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setenv("GLIMPSE_FLA", "1" if fla else "0")
+    if fla and not gated_delta.fla_path(torch.device("cuda")):
+        pytest.skip("flash-linear-attention (fla-core) does not import")
+    slots, has_initial = [2, 5, 7, 11, 11], [True, False, True, True, True]
+    meta = make_meta([1] * 5, slots, has_initial, snapshots=[(2, 1, 9)], device="cuda")
+    inp = Inputs(5, v_heads=2 * K_HEADS, seed=9, dtype=torch.bfloat16)
+    names = ("x", "weight", "bias", "q", "k", "v", "g", "beta")
+    for name in names:
+        setattr(inp, name, getattr(inp, name).cuda())
+    conv, ssm = (p.to(torch.bfloat16).cuda() for p in pools(inp.v_heads, inp.channels))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile fla's kernels outside the capture
+        run(inp, meta, conv.clone(), ssm.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        conv_out, out = run(inp, meta, conv, ssm)
+    fresh = Inputs(5, v_heads=2 * K_HEADS, seed=10, dtype=torch.bfloat16)
+    for name in names:
+        getattr(inp, name).copy_(getattr(fresh, name))
+    start_conv, start_ssm = conv.clone(), ssm.clone()
+    graph.replay()
+    want_conv, want = run(inp, meta, start_conv, start_ssm)
+    real = [2, 5, 7, 9]
+    assert torch.equal(conv_out[:3], want_conv[:3]) and torch.equal(out[:3], want[:3])
+    assert torch.equal(conv[real], start_conv[real]) and torch.equal(ssm[real], start_ssm[real])

@@ -1,0 +1,127 @@
+"""Gated DeltaNet's token mixing for one linear-attention layer (workers/engine/kernels/gated_delta.py: the causal
+conv, then the gated delta rule): flash-linear-attention's kernels against the torch path, as prefill tokens per
+second and decode step time.
+
+    python -m benchmarks.kernels.gated_delta_bench
+    python -m benchmarks.kernels.gated_delta_bench --prefill 1024,8192 --batch 1,64,256
+    python -m benchmarks.kernels.gated_delta_bench --device cpu --prefill 64 --batch 2 --heads 2,4 --dim 32
+
+Qwen3.5's shapes by default (16 key heads, 32 value heads, head dims 128, conv kernel 4), bf16 inputs and state
+pools on the GPU (float32 on the CPU). Prefill: one prompt of N tokens from no state. Decode: B sequences of one
+token each, every one from its slot's state. The fla rows (GPU with fla-core only) give their largest difference
+from the torch path's output.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from benchmarks.args import parser
+from workers.engine.kernels import gated_delta
+from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
+
+KERNEL = 4
+
+
+def metadata(query_lens: list[int], device: torch.device) -> AttentionMetadata:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    batch = len(query_lens)
+    initial = [n == 1 for n in query_lens]  # decodes carry a state, a prompt starts from none
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
+        query_lens_cpu=query_lens, seq_lens_cpu=query_lens,
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=device),
+        max_query_len=max(query_lens), max_seq_len=max(query_lens),
+        state=StateMetadata(
+            slots=torch.arange(batch, device=device), slots_cpu=list(range(batch)),
+            has_initial=torch.tensor(initial, device=device), has_initial_cpu=initial,
+        ),
+    )
+
+
+def layer_call(
+    query_lens: list[int], heads: tuple[int, int], dim: int, dtype: torch.dtype, device: torch.device
+) -> Callable[[], Tensor]:
+    """One layer's conv + rule over a step of these query lengths, on random inputs and pools."""
+    k_heads, v_heads = heads
+    tokens, channels = sum(query_lens), (2 * k_heads + v_heads) * dim
+    x = torch.randn(tokens, channels, device=device, dtype=dtype)
+    weight = torch.randn(channels, KERNEL, device=device, dtype=dtype) * 0.5
+    q, k = (torch.randn(tokens, k_heads, dim, device=device, dtype=dtype) for _ in range(2))
+    v = torch.randn(tokens, v_heads, dim, device=device, dtype=dtype)
+    g = -torch.rand(tokens, v_heads, device=device) * 0.2  # float32, as the model computes it
+    beta = torch.rand(tokens, v_heads, device=device, dtype=dtype)
+    conv = torch.randn(len(query_lens), channels, KERNEL - 1, device=device, dtype=dtype)
+    ssm = torch.randn(len(query_lens), v_heads, dim, dim, device=device, dtype=dtype) * 0.1
+    meta = metadata(query_lens, device)
+
+    def call() -> Tensor:
+        gated_delta.causal_conv1d(x, weight, None, conv, meta)
+        return gated_delta.gated_delta_rule(q, k, v, g, beta, ssm, meta)
+
+    return call
+
+
+def ms_per_call(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    fn()  # compile / warm up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prefill", default="1024,4096,16384", help="prompt lengths, comma-separated")
+    ap.add_argument("--batch", default="1,16,64,256", help="decode batch sizes, comma-separated")
+    ap.add_argument("--heads", default="16,32", help="key heads,value heads")
+    ap.add_argument("--dim", type=int, default=128, help="key and value head dim")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    k_heads, v_heads = (int(h) for h in args.heads.split(","))
+    paths = ["torch"] + (["fla"] if gated_delta.fla_path(device) else [])
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}, {dtype}, heads {k_heads}/{v_heads} x {args.dim}, paths: {paths}")
+    print("| case | tokens | path | ms per call | tokens/s | max diff vs torch |")
+    print("|---|---|---|---|---|---|")
+    cases = [("prefill", [int(n)]) for n in args.prefill.split(",")]
+    cases += [(f"decode x{b}", [1] * int(b)) for b in args.batch.split(",")]
+    before = os.environ.get("GLIMPSE_FLA")
+    try:
+        for case, lens in cases:
+            baseline: Tensor | None = None
+            for path in paths:
+                os.environ["GLIMPSE_FLA"] = "1" if path == "fla" else "0"
+                torch.manual_seed(0)  # the same inputs for both paths
+                call = layer_call(lens, (k_heads, v_heads), args.dim, dtype, device)
+                torch.manual_seed(0)
+                out = layer_call(lens, (k_heads, v_heads), args.dim, dtype, device)()  # fresh pools: comparable
+                diff = "" if baseline is None else f"{(out.float() - baseline.float()).abs().max().item():.3g}"
+                baseline = out if baseline is None else baseline
+                ms = ms_per_call(call, device, args.reps)
+                print(f"| {case} | {sum(lens)} | {path} | {ms:.3f} | {sum(lens) / ms * 1e3:,.0f} | {diff} |")
+    finally:
+        if before is None:
+            os.environ.pop("GLIMPSE_FLA", None)
+        else:
+            os.environ["GLIMPSE_FLA"] = before
+
+
+if __name__ == "__main__":
+    main()
