@@ -74,12 +74,50 @@ QWEN3_VL_30B_A3B_TEXT = {
     "moe_intermediate_size": 768,
 }
 QWEN3_VL_MAX_PIXELS = 16777216  # the real processor's longest_edge: a 1080p image becomes 1920 x 1088
+# Qwen3.5-27B and Qwen3.6-35B-A3B (= Qwen3.5-35B-A3B's topology): hybrid LMs, a gated full-attention layer every 4th
+# (head_dim 256, rotary over a quarter of it), Gated DeltaNet in the others; the ViT is Qwen3-VL's without DeepStack.
+QWEN3_5_LINEAR = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+}
+QWEN3_5_27B_TEXT = {
+    **QWEN3_5_LINEAR,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_value_heads": 48,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+}
+QWEN3_5_35B_A3B_TEXT = {
+    **QWEN3_5_LINEAR,
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_value_heads": 32,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
 # shape -> (demo family it starts from, text fields, LM mrope_section)
 SHAPES: dict[str, tuple[str, dict[str, Any], list[int]]] = {
     "7b": ("qwen2_5_vl", QWEN25_VL_7B_TEXT, [16, 24, 24]),
     "qwen3-8b": ("qwen3_vl", QWEN3_VL_8B_TEXT, [24, 20, 20]),
     "qwen3-30b-a3b": ("qwen3_vl_moe", QWEN3_VL_30B_A3B_TEXT, [24, 20, 20]),
+    "qwen3.5-27b": ("qwen3_5", QWEN3_5_27B_TEXT, [11, 11, 10]),
+    "qwen3.5-35b-a3b": ("qwen3_5_moe", QWEN3_5_35B_A3B_TEXT, [11, 11, 10]),
 }
+HYBRID = ("qwen3_5", "qwen3_5_moe")
 
 
 def _set_rope(section: dict[str, Any], mrope: list[int]) -> None:
@@ -90,9 +128,10 @@ def _set_rope(section: dict[str, Any], mrope: list[int]) -> None:
 
 def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> Path:
     """Write a checkpoint directory: ``shape`` is "demo" (real tiny weights) or a key of SHAPES (config only:
-    "7b" Qwen2.5-VL-7B, "qwen3-8b", "qwen3-30b-a3b").
+    "7b" Qwen2.5-VL-7B, "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-27b", "qwen3.5-35b-a3b").
 
-    ``max_pixels`` overrides the image processor's cap (e.g. the demo model at real 1080p token counts).
+    ``max_pixels`` overrides the image processor's cap (e.g. the demo model at real 1080p token counts). Hybrid
+    shapes get a full-attention layer every 4th (a prefix of ``layer_types`` keeps the pattern for fewer layers).
     """
     family = SHAPES[shape][0] if shape in SHAPES else "qwen2_5_vl"
     src = ensure_demo_model(family=family)
@@ -108,8 +147,12 @@ def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> 
         _, fields, mrope = SHAPES[shape]
         text = cfg.get("text_config", cfg)
         text.update(fields)
-        text.setdefault("head_dim", 128)
-        text["head_dim"] = 128
+        text["head_dim"] = fields.get("head_dim", 128)
+        if family in HYBRID:
+            n = text["num_hidden_layers"]
+            text["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+            if family == "qwen3_5_moe":
+                text.pop("intermediate_size", None)  # the MoE LM has no dense MLP
         if family == "qwen2_5_vl":
             text["layer_types"] = ["full_attention"] * text["num_hidden_layers"]
             text["max_window_layers"] = text["num_hidden_layers"]
@@ -123,7 +166,9 @@ def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> 
         else:
             cfg["vision_config"].update(QWEN3_VL_VISION, out_hidden_size=text["hidden_size"])
             if isinstance(text.get("rope_parameters"), dict):
-                text["rope_parameters"]["rope_theta"] = 5_000_000.0
+                text["rope_parameters"]["rope_theta"] = 10_000_000.0 if family in HYBRID else 5_000_000.0
+            if family in HYBRID:
+                cfg["vision_config"].pop("deepstack_visual_indexes", None)
         cfg["torch_dtype"] = "bfloat16"
         max_pixels = max_pixels or (QWEN25_VL_MAX_PIXELS if family == "qwen2_5_vl" else QWEN3_VL_MAX_PIXELS)
     elif shape != "demo":
