@@ -1,6 +1,7 @@
 """The gated delta rule on CUDA through flash-linear-attention (pip ``fla-core``, import ``fla``, MIT): its Triton
-chunked kernel over the whole varlen batch for prefill and mixed steps, its fused recurrent kernel for an all-decode
-step. gated_delta.py picks this path (``fla_path``); the semantics are the torch path's, up to rounding.
+chunked kernel over the whole varlen batch for steps with prefill (decode rows ride along as one-token sequences). An
+all-decode step never comes here (gated_delta.py keeps it on torch: see there). The semantics are the torch path's,
+up to rounding.
 
 fla keeps no state pools: each sequence's state is gathered from its slot (zeros without initial state), passed as
 ``initial_state`` [N, Hv, Dk, Dv], and the final states (float32) are scattered back into the pool's dtype.
@@ -21,20 +22,20 @@ from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
 log = logging.getLogger(__name__)
 
-_kernels: tuple[Any, Any, Any] | None = None
+_kernels: tuple[Any, Any] | None = None
 _tried = False
 
 
-def _load() -> tuple[Any, Any, Any] | None:
-    """fla's (chunk rule, fused recurrent rule, prepare_chunk_indices), imported once; None where it fails."""
+def _load() -> tuple[Any, Any] | None:
+    """fla's (chunk rule, prepare_chunk_indices), imported once; None where it fails."""
     global _kernels, _tried
     if not _tried:
         _tried = True
         try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
             from fla.ops.utils import prepare_chunk_indices
 
-            _kernels = (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, prepare_chunk_indices)
+            _kernels = (chunk_gated_delta_rule, prepare_chunk_indices)
         except Exception as exc:  # noqa: BLE001 - not installed, or a Triton it cannot use: the torch path serves
             log.info("flash-linear-attention unavailable (%s: %s); the gated delta rule runs in torch", type(exc).__name__, exc)
     return _kernels
@@ -89,20 +90,8 @@ def gated_delta_rule(
     kernels = _load()
     if kernels is None or meta.state is None:
         raise RuntimeError("the fla path needs flash-linear-attention and meta.state")
-    chunk_rule, recurrent_rule, chunk_indices = kernels
+    chunk_rule, chunk_indices = kernels
     st = meta.state
-
-    if all(n == 1 for n in meta.query_lens_cpu):
-        # One token per sequence, as a batch of B one-token sequences: no cu_seqlens, no host sync, fixed shapes
-        # (CUDA-graph capturable once the kernel is compiled).
-        o, final = recurrent_rule(
-            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.unsqueeze(1),
-            initial_state=_gather(ssm_state, st), output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-        )
-        ssm_state.index_copy_(0, st.slots, final.to(ssm_state.dtype))
-        for b, _, slot in st.snapshots:
-            ssm_state[slot].copy_(final[b])
-        return o.squeeze(1)
 
     starts = [0]
     for n in meta.query_lens_cpu:
