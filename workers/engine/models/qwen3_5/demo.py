@@ -13,30 +13,24 @@ linear / full / linear, so neither the first nor the last layer's kind is the sa
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from workers.engine.models.demo_writer import (
     LINEAR_STD,
-    demo_tokenizer,
     init_model,
     padded_vocab,
     save_model,
-    save_tokenizer,
 )
 from workers.engine.models.qwen3_vl.demo import (
-    CHAT_TEMPLATE,
-    MAX_PIXELS,
-    MAX_VIDEO_PIXELS,
     MERGE,
     MERGER_OUT_GAIN,
-    MIN_PIXELS,
     PATCH,
     POS_EMBED_GAIN,
     QK_NORM_GAIN,
     TEMPORAL,
+    write_processor,
 )
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -108,24 +102,6 @@ def _config(moe: bool, ids: dict[str, int], vocab_size: int) -> Any:
     )
 
 
-def _preprocessor_configs() -> dict[str, dict[str, Any]]:
-    """The classic separate files the Hub repos carry (transformers 5 folds them into processor_config.json)."""
-    common = {
-        "patch_size": PATCH, "temporal_patch_size": TEMPORAL, "merge_size": MERGE,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
-    }
-    return {
-        "preprocessor_config.json": {
-            "size": {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS},
-            **common, "image_processor_type": "Qwen2VLImageProcessorFast",
-        },
-        "video_preprocessor_config.json": {
-            "size": {"longest_edge": MAX_VIDEO_PIXELS, "shortest_edge": MIN_PIXELS},
-            **common, "video_processor_type": "Qwen3VLVideoProcessor",
-        },
-    }
-
-
 def _apply_gains(model: Any) -> None:
     import torch
 
@@ -159,32 +135,9 @@ def _add_mtp_head(file: Path) -> None:
 def write_qwen3_5(out: Path, moe: bool) -> Path:
     """Write the Qwen3.5 (``moe``: Qwen3.5-MoE) demo checkpoint into ``out`` (created if missing). Same bytes on every
     run."""
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5MoeForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
-    out.mkdir(parents=True, exist_ok=True)
-    raw_tok, ids, n_tokens = demo_tokenizer()
-    pixels: dict[str, Any] = {
-        "patch_size": PATCH, "temporal_patch_size": TEMPORAL, "merge_size": MERGE,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    }
-    processor = Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, **pixels),
-        tokenizer=save_tokenizer(raw_tok, model_max_length=262144),
-        video_processor=Qwen3VLVideoProcessor(
-            size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_VIDEO_PIXELS}, **pixels
-        ),
-        chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)
-    for name, content in _preprocessor_configs().items():
-        (out / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
-
+    ids, n_tokens = write_processor(out)
     model_cls = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
     model = init_model(model_cls, _config(moe, ids, padded_vocab(n_tokens)))
     _apply_gains(model)

@@ -200,14 +200,11 @@ def _store_experts_as_on_hub(file: Path) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def _write(out: Path, moe: bool) -> Path:
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLMoeForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+def write_processor(out: Path) -> tuple[dict[str, int], int]:
+    """The demo tokenizer (trained on the spot), the Qwen3-VL processor with its chat template and the Hub's
+    separate preprocessor files into ``out`` (created if missing): what every Qwen3-VL-style demo shares. Returns the
+    special tokens' ids and the tokenizer's size."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     out.mkdir(parents=True, exist_ok=True)
     raw_tok, ids, n_tokens = demo_tokenizer()
@@ -230,7 +227,13 @@ def _write(out: Path, moe: bool) -> Path:
     # so code reading either layout finds the same settings.
     for name, content in _hub_preprocessor_configs().items():
         (out / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    return ids, n_tokens
 
+
+def _write(out: Path, moe: bool) -> Path:
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+
+    ids, n_tokens = write_processor(out)
     model_cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
     model = init_model(model_cls, _config(moe, ids, padded_vocab(n_tokens)))
     _apply_gains(model)
