@@ -5,59 +5,19 @@ prefix-cache hits that end inside an image."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from PIL import Image
-from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
-from ipc.prompts import SamplingParams
 from tests.conftest import noise_image
-from workers.engine.config import EngineConfig
+from tests.workers.engine.models.engine_harness import FIVE, GREEDY, Reference, chat, make_engine
 from workers.engine.models import UnsupportedModel, load_spec
-from workers.engine.offline import Engine
-
-MAX_NEW = 12
-GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
-ODD_SIZES = [(57, 83), (300, 200), (123, 77), (640, 480), (29, 29)]
-FIVE = [noise_image(w, h, seed=i) for i, (w, h) in enumerate(ODD_SIZES)]
-
-
-def chat(text: str, images: list[Image.Image]) -> list[dict[str, Any]]:
-    parts: list[dict[str, Any]] = [{"type": "image", "image": img} for img in images]
-    parts.append({"type": "text", "text": text})
-    return [{"role": "user", "content": parts}]
-
-
-class Reference:
-    def __init__(self, model_dir: Path, moe: bool) -> None:
-        self.processor = AutoProcessor.from_pretrained(str(model_dir))
-        cls: Any = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
-        self.model = cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-    def generate(self, messages: list[dict[str, Any]]) -> list[int]:
-        inputs = self.processor.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )
-        with torch.inference_mode():
-            out = self.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-        return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def family(request: pytest.FixtureRequest) -> tuple[Path, Reference]:
     moe = request.param == "moe"
     model_dir: Path = request.getfixturevalue("qwen3_moe_model_dir" if moe else "qwen3_model_dir")
-    return model_dir, Reference(model_dir, moe)
-
-
-def make_engine(model_dir: Path, **overrides: Any) -> Engine:
-    args: dict[str, Any] = dict(
-        model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=512, block_size=16, lone_prefill_tokens=0
-    )
-    args.update(overrides)
-    return Engine(EngineConfig(**args))
+    return model_dir, Reference(model_dir)
 
 
 def test_spec_carries_deepstack_width(qwen3_model_dir: Path) -> None:
