@@ -12,6 +12,7 @@ parent's. One slot past the scheduler's count is scratch (warm-up and padded row
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -66,12 +67,12 @@ def state_slots(cfg: EngineConfig, recurrent: RecurrentSpec, budget: int, dtype:
 class RecurrentState:
     """The pools of every linear-attention layer, allocated once at start-up."""
 
-    def __init__(self, lm: torch.nn.Module, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, lm: Any, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        """``lm``: a hybrid family's language model (its ``allocate_state``)."""
         self.num_slots = num_slots
         self.scratch = num_slots
         self.device = device
-        allocate = getattr(lm, "allocate_state")  # noqa: B009 (only hybrid LMs have it)
-        self.pools: list[Tensor] = allocate(num_slots + 1, dtype)
+        self.pools: list[Tensor] = lm.allocate_state(num_slots + 1, dtype)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.pools)
         log.info("linear-attention state: %d slots, %.1f MiB", num_slots, self.nbytes / 2**20)
 

@@ -13,14 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import fused
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
 from workers.engine.models.decoder import SwiGLUMLP
 from workers.engine.models.qwen3_vl.moe import (
     SparseMoeBlock,
-    experts_grouped,
-    experts_loop,
-    grouped_mm_usable,
 )
 
 # Checkpoint projection -> (fused parameter part, shard id) of the shared expert's gate_up_proj.
@@ -50,11 +46,5 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert_gate.weight.requires_grad_(False)
 
     def forward(self, x: Tensor) -> Tensor:
-        weights, ids = self.route(x)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if self.use_grouped and grouped_mm_usable(x, gate_up, down):
-            routed = experts_grouped(x, weights, ids, gate_up, down, self.fused and fused.worth_it(x))
-        else:
-            routed = experts_loop(x, weights, ids, gate_up, down)
         shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
-        return self.tp.all_reduce(routed + shared)
+        return self.tp.all_reduce(self.routed(x) + shared)

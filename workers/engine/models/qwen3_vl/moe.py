@@ -232,11 +232,13 @@ class SparseMoeBlock(nn.Module):
         top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), ids
 
-    def forward(self, x: Tensor) -> Tensor:
+    def routed(self, x: Tensor) -> Tensor:
+        """This rank's partial sum of the routed experts' outputs for x [T, H] (not yet reduced over TP ranks)."""
         weights, ids = self.route(x)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if self.use_grouped and grouped_mm_usable(x, gate_up, down):
-            out = experts_grouped(x, weights, ids, gate_up, down, self.fused and fused.worth_it(x))
-        else:
-            out = experts_loop(x, weights, ids, gate_up, down)
-        return self.tp.all_reduce(out)
+            return experts_grouped(x, weights, ids, gate_up, down, self.fused and fused.worth_it(x))
+        return experts_loop(x, weights, ids, gate_up, down)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.tp.all_reduce(self.routed(x))
