@@ -66,6 +66,11 @@ class AttentionMetadata:
     kv_written: bool = False
     # Hybrid models: the linear-attention layers' per-sequence state (None for pure-attention models).
     state: StateMetadata | None = None
+    # Families whose image tokens attend to each other both ways (ModelSpec.bidirectional_images): per sequence,
+    # the absolute [start, end) positions of the images whose spans overlap this step's new tokens. A span is
+    # never cut by a step (the scheduler's rule), so every key a span's query needs is cached or new this step.
+    # None: every layer is causal.
+    bidir_spans: list[list[tuple[int, int]]] | None = None
     # Values a backend derives from the fields above. They are the same for every layer, so the first
     # layer computes them and the other layers reuse them (28x fewer index kernels per step on a 7B).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -114,11 +119,18 @@ class AttentionBackend(Protocol):
     name: str
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+        window: int = 0, bidirectional: bool = False,
     ) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; writes k, v into kv_cache at
         meta.slot_mapping, then returns attention output [T, Hq, D] over the cached prefix + new
-        tokens (GQA: Hq is a multiple of Hkv)."""
+        tokens (GQA: Hq is a multiple of Hkv).
+
+        k = v = None: the new tokens' K/V are already in ``kv_cache`` (a layer reading another layer's cache,
+        Gemma 4's KV sharing): attend only. ``window`` > 0: a sliding-window layer, the query at position i sees
+        keys j with i - window < j (transformers' ``sliding_window_overlay``). ``bidirectional``: inside each span
+        of ``meta.bidir_spans`` every query also sees the span's later keys (causal OR same-image, then AND the
+        window, as transformers' Gemma 4 masks compose)."""
         ...
 
 

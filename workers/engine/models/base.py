@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -138,6 +139,13 @@ class ModelSpec:
     text: Any  # the family's frozen text-model spec
     vision: Any  # the family's frozen vision-tower spec
     recurrent: RecurrentSpec | None = None  # hybrid models: the linear-attention layers' state (None: all attention)
+    # Families whose KV layers differ in shape (Gemma 4: sliding layers and global layers have other head dims and
+    # KV head counts): (num_kv_heads, head_dim) of each paged-KV cache, in the LM's kv_caches order. None: every
+    # cache is (num_kv_heads, head_dim).
+    kv_shapes: tuple[tuple[int, int], ...] | None = None
+    # The tokens of one image attend to each other both ways (Gemma 4's sliding layers): the scheduler never ends
+    # a prefill chunk inside an image's span, so a chunk always holds every uncomputed token of an image it starts.
+    bidirectional_images: bool = False
 
     @property
     def kv_layers(self) -> int:
@@ -153,10 +161,15 @@ class ModelSpec:
         """Bytes one image token takes in the embedding cache (every DeepStack level included)."""
         return self.embed_width * torch.empty((), dtype=dtype).element_size()
 
+    def kv_cache_shapes(self, num_blocks: int, block_size: int, tp_size: int = 1) -> list[tuple[int, ...]]:
+        """The shape of each paged-KV cache (``[2, num_blocks, block_size, kv_heads per rank, head_dim]``), in the
+        LM's kv_caches order."""
+        shapes = self.kv_shapes or ((self.num_kv_heads, self.head_dim),) * self.kv_layers
+        return [(2, num_blocks, block_size, max(1, heads // tp_size), dim) for heads, dim in shapes]
+
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-        kv_heads = max(1, self.num_kv_heads // tp_size)
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.kv_layers * block_size * kv_heads * self.head_dim * element
+        return sum(math.prod(shape) for shape in self.kv_cache_shapes(1, block_size, tp_size)) * element
 
 
 class LanguageModel(Protocol):
@@ -232,7 +245,8 @@ class VLModel(nn.Module):
         if mm_rows is None or mm_embeds is None or not mm_rows.numel():
             return None
         hidden = self.spec.hidden_size
-        inputs_embeds[mm_rows] = mm_embeds[:, :hidden].to(inputs_embeds.dtype)
+        # [:, :hidden]: an LM's token rows may be wider than hidden (Gemma 4's per-layer inputs ride beside them).
+        inputs_embeds[mm_rows, :hidden] = mm_embeds[:, :hidden].to(inputs_embeds.dtype)
         if mm_embeds.shape[1] > hidden:
             return mm_rows, mm_embeds[:, hidden:].to(inputs_embeds.dtype)
         return None

@@ -103,8 +103,11 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(cfg, self.spec, self.dtype, self.tp.size, budget)
         # One block more than the scheduler is told about: block ``num_blocks`` is scratch that CUDA-graph
         # padding rows write to and read from, so they never touch a live sequence's cache.
-        shape = self.model.kv_cache_shape(self.num_blocks + 1, cfg.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.kv_layers)]
+        if self.spec.kv_shapes is not None:  # caches of several shapes (Gemma 4's sliding and global layers)
+            shapes = self.spec.kv_cache_shapes(self.num_blocks + 1, cfg.block_size, self.tp.size)
+        else:
+            shapes = [self.model.kv_cache_shape(self.num_blocks + 1, cfg.block_size)] * self.spec.kv_layers
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
             heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
             paged_attention.probe(self.device, self.dtype, heads, kv_heads, self.spec.head_dim)
