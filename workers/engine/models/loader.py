@@ -25,6 +25,12 @@ _PREFIX_RULES: tuple[tuple[str, str], ...] = (
     ("language_model.model.", "lm."),  # some intermediate 4.x exports
     ("language_model.lm_head.", "lm.lm_head."),
     ("model.visual.", "visual."),
+    # Gemma 4: the vision tower and its multimodal embedder are the family's tower; the E models' audio tower is
+    # not served (no lm./visual. prefix: the walk drops it).
+    ("model.vision_tower.", "visual.vision_tower."),
+    ("model.embed_vision.", "visual.embed_vision."),
+    ("model.audio_tower.", "audio.audio_tower."),
+    ("model.embed_audio.", "audio.embed_audio."),
     ("visual.", "visual."),
     ("lm_head.", "lm.lm_head."),
     ("model.", "lm."),
