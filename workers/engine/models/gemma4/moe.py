@@ -1,0 +1,72 @@
+"""Gemma 4's routed experts (26B-A4B): they run beside each layer's dense MLP, routed by their own router.
+
+transformers' ``Gemma4TextRouter``: the residual stream (not the MLP's normed input) is RMS-normalised without a
+scale, multiplied by a learned ``scale`` and by hidden_size**-0.5, projected to expert logits; softmax in float32,
+top-k, the k weights renormalised to sum to 1, then multiplied by the chosen experts' ``per_expert_scale``. The
+weights stay float32 (transformers never casts them back): each expert's output is scaled in float32 and cast to the
+model dtype when it is index-added, as ``Gemma4TextExperts`` does.
+
+The experts are Qwen3-VL-MoE's stacked layout (qwen3_vl/moe.py's StackedExperts: ``gate_up_proj`` [E, 2I, H] and
+``down_proj`` [E, H, I], the Hub's own layout for Gemma 4, each expert's intermediate dim split over TP ranks) with a
+GELU (tanh) gate instead of SiLU. The block returns this rank's partial sum; the layer all-reduces it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workers.engine.layers.linear import SINGLE_RANK, TPGroup
+from workers.engine.models.gemma4.lm_layers import GemmaRMSNorm
+from workers.engine.models.qwen3_vl.moe import StackedExperts
+
+
+class GemmaRouter(nn.Module):
+    """Replicated on every rank (its input, the residual stream, is the same everywhere), so every rank picks the same
+    experts. Parameter names are the checkpoint's: ``router.proj.weight``, ``router.scale``, ``router.per_expert_scale``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.scalar_root_size = hidden_size**-0.5
+        self.norm = GemmaRMSNorm(hidden_size, eps, with_scale=False)
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.proj.weight.requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts), requires_grad=False)
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """h [T, H] -> (float32 weights [T, k], expert ids int64 [T, k])."""
+        x = self.norm(h) * self.scale * self.scalar_root_size
+        probs = torch.softmax(F.linear(x, self.proj.weight), dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return top * self.per_expert_scale[ids], ids
+
+
+def gelu_experts_loop(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """transformers' expert loop: for each expert that got tokens, in id order, gelu_tanh(gate) * up on those tokens,
+    down-projected, scaled by their routing weight and index-added to the output. x [T, H], weights / ids [T, k]."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        g, u = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.gelu(g, approximate="tanh") * u, down[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+class GemmaExperts(StackedExperts):
+    """This rank's slice of every expert (``experts.gate_up_proj`` / ``experts.down_proj``, as the checkpoint names
+    them); forward returns the rank's partial sum of the routed outputs, not yet reduced."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE_RANK) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size, tp)
+
+    def capturable(self) -> bool:
+        """The loop syncs with the host (which experts got tokens): no CUDA graph can hold it."""
+        return False
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        return gelu_experts_loop(x, weights, ids, self.gate_up_proj, self.down_proj)
