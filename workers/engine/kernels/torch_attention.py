@@ -21,12 +21,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from workers.engine.kernels import paged_attention
 from workers.engine.kernels.attention import (
     AttentionMetadata,
-    bottom_right_causal_mask,
     decode_prefix,
-    gather_sequence_kv,
     packed_kv_slots,
     tail_metadata,
     write_new_kv,
+)
+from workers.engine.kernels.attention_masks import (
+    SequencePlan,
+    gather_key_range,
+    sequence_plan,
+    sequence_spans,
 )
 from workers.engine.kernels.kv_write_kernel import write_kv_cache
 
@@ -40,33 +44,44 @@ class SdpaBackend:
     name = "sdpa"
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+        window: int = 0, bidirectional: bool = False,
     ) -> Tensor:
-        write_new_kv(k, v, kv_cache, meta)
+        if k is not None and v is not None:
+            write_new_kv(k, v, kv_cache, meta)
         out = torch.empty_like(q)
-        gqa = q.shape[1] != k.shape[1]
+        gqa = q.shape[1] != kv_cache.shape[-2]
         start = 0
-        for b, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-            k_b, v_b = gather_sequence_kv(kv_cache, meta.block_tables[b], s_len)
+        for b, plan in enumerate(self._plans(meta, window, bidirectional, q.device)):
+            q_len = meta.query_lens_cpu[b]
+            k_b, v_b = gather_key_range(kv_cache, meta.block_tables[b], plan.first_key, meta.seq_lens_cpu[b])
             q_b = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-            mask: Tensor | None = None
-            is_causal = False
-            if q_len == s_len:
-                is_causal = q_len > 1  # no cached prefix: top-left and bottom-right alignment coincide
-            elif q_len > 1:
-                mask = bottom_right_causal_mask(q_len, s_len, q.device)
             o = F.scaled_dot_product_attention(
                 q_b,
                 k_b.transpose(0, 1).to(q.dtype),
                 v_b.transpose(0, 1).to(q.dtype),
-                attn_mask=mask,
-                is_causal=is_causal,
+                attn_mask=plan.mask,
+                is_causal=plan.is_causal,
                 scale=scale,
                 enable_gqa=gqa,
             )
             out[start : start + q_len] = o.transpose(0, 1)
             start += q_len
         return out
+
+    @staticmethod
+    def _plans(meta: AttentionMetadata, window: int, bidirectional: bool, device: torch.device) -> list[SequencePlan]:
+        """Each sequence's key range and mask; the same for every layer of this (window, bidirectional) kind, so the
+        first such layer builds them and the others reuse them."""
+        key = f"sdpa_plans:{window}:{bidirectional and meta.bidir_spans is not None}"
+        plans: list[SequencePlan] | None = meta.derived.get(key)
+        if plans is None:
+            spans = sequence_spans(meta, bidirectional)
+            plans = meta.derived[key] = [
+                sequence_plan(q_len, s_len, window, spans[b], device)
+                for b, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True))
+            ]
+        return plans
 
 
 def _varlen_api() -> tuple[Callable[..., Any] | None, set[str]]:
