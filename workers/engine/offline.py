@@ -88,6 +88,7 @@ class Engine:
             lone_prefill_tokens=config.lone_prefill_tokens,
             state_slots=self.runner.num_state_slots,
             state_snapshot_every=config.state_snapshot_every,
+            whole_images=self.info.bidirectional_images,
         )
         self.core.on_finished = self._release
         self._outputs: dict[str, RequestOutput] = {}

@@ -58,6 +58,7 @@ def build_core(config: ServerConfig, num_blocks: int, state_slots: int = 0) -> S
         lone_prefill_tokens=eng.lone_prefill_tokens,
         state_slots=state_slots,
         state_snapshot_every=eng.state_snapshot_every,
+        whole_images=info.bidirectional_images,
     )
 
 

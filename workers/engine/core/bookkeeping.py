@@ -49,6 +49,7 @@ class SequenceBook:
         lone_prefill_tokens: int = 0,
         state_slots: int = 0,
         state_snapshot_every: int = 16,
+        whole_images: bool = False,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
@@ -66,6 +67,9 @@ class SequenceBook:
         # a snapshot planned every ``state_snapshot_every`` blocks of a prompt (0: only at its last full block).
         self.state = StatePool(state_slots) if state_slots > 0 else None
         self.state_snapshot_every = state_snapshot_every
+        # Image tokens attend to each other both ways (ModelSpec.bidirectional_images): a chunk never ends inside an
+        # image's span (`fit_chunk`).
+        self.whole_images = whole_images
         self._state_copies: list[tuple[int, int]] = []  # restores planned for the next step: (snapshot, live slot)
         # (sequence, block boundary, key) of a published snapshot: KV-cache events' BlockStored of the state group.
         self.on_snapshot_stored: Callable[[Sequence, int, bytes], None] | None = None

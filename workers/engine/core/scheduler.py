@@ -62,7 +62,7 @@ class SchedulerCore(SequenceBook):
                 break
             if seq not in self.running:  # preempted while making room for an earlier one
                 continue
-            length = min(seq.computable() - seq.num_scheduled, budget)
+            length = self._chunk_length(seq, budget)
             if length <= 0:  # waiting for an image to be written, or all of it is in flight
                 continue
             if not self._ensure_blocks(seq, seq.num_scheduled + length, {s for s, _ in picked}, ahead):
@@ -98,7 +98,7 @@ class SchedulerCore(SequenceBook):
             seq.block_table.extend(self.allocator.allocate(need - extra))
             seq.fork_blocks = self.allocator.allocate(extra)
             self.running.append(seq)
-            length = min(seq.computable() - seq.num_scheduled, budget)
+            length = self._chunk_length(seq, budget)
             if length > 0:  # else admitted (its blocks are reserved) but waiting for an image to be written
                 picked.append((seq, length))
                 budget -= length
@@ -108,6 +108,26 @@ class SchedulerCore(SequenceBook):
         self._in_flight.append(plan)
         return plan
 
+
+    def _chunk_length(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq`` this step computes: up to the budget and what is computable, and, where image tokens
+        attend both ways (``whole_images``), never ending inside an image's span. Such a span is cut before it
+        when the chunk has tokens before it; a chunk that starts inside or at it takes the rest of the span whole,
+        past the budget if need be (at most one image's tokens, 1,120 on Gemma 4), since no token of it could be
+        computed without its later tokens' keys."""
+        start, computable = seq.num_scheduled, seq.computable()
+        length = min(computable - start, budget)
+        if not self.whole_images or length <= 0:
+            return length
+        end = start + length
+        for item in seq.items:
+            span_end = item.offset + item.length
+            if not item.offset < end < span_end:
+                continue
+            if item.offset > start:
+                return item.offset - start
+            return span_end - start if span_end <= computable else 0
+        return length
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], bytes | None]:
         """The cached blocks the sequence's prompt starts with and, on a hybrid model, the key of the state

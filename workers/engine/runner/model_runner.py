@@ -365,6 +365,7 @@ class ModelRunner:
             block_tables=table_rows.view(len(tables), width),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            bidir_spans=step.bidir_spans if step.bidir_spans and any(step.bidir_spans) else None,
         )
         if state_rows:
             meta.state = StateMetadata(

@@ -76,6 +76,9 @@ class StepInputs:
     state_slots: list[int] = field(default_factory=list)
     has_initial: list[bool] = field(default_factory=list)
     snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    # Families whose image tokens attend both ways (ModelSpec.bidirectional_images): per sequence, the absolute
+    # [start, end) spans of its images that overlap this step's chunk (AttentionMetadata.bidir_spans). None: causal.
+    bidir_spans: list[list[tuple[int, int]]] | None = None
 
 
 ForkFn = Callable[[WorkerSeq, list[Fork]], list[WorkerSeq]]
@@ -89,7 +92,7 @@ def gather_inputs(
     A chunk that starts right past the tokens this worker was sent computes a token the step before is still
     sampling (asynchronous scheduling planned it before the id was known): its row goes to ``ahead`` with a
     placeholder id, which `ahead_token_ids` replaces on the device."""
-    out = StepInputs()
+    out = StepInputs(bidir_spans=[] if spec.bidirectional_images else None)
     ids, pos = out.ids, out.positions
     snapshots: dict[str, list[tuple[int, int]]] = {}
     for rid, position, slot in plan.snapshots:
@@ -120,6 +123,10 @@ def gather_inputs(
             out.state_slots.append(seq.state_slot)
             out.has_initial.append(start > 0)
             out.snapshots.extend((b, position - start, slot) for position, slot in snapshots.get(chunk.rid, ()))
+        if out.bidir_spans is not None:
+            out.bidir_spans.append(
+                [(it.offset, it.offset + it.length) for it in seq.items if it.offset < end and start < it.offset + it.length]
+            )
         for i, item in enumerate(seq.items):
             lo, hi = max(start, item.offset), min(end, item.offset + item.length)
             if lo >= hi:
@@ -134,9 +141,11 @@ def gather_inputs(
             for child in fork(seq, [f for f in plan.forks if f.parent == chunk.rid]):
                 out.sample_rows.append(len(ids) - 1)  # a choice's first token comes from the parent's logits
                 out.sample_seqs.append(child)
-    # Image spans hold pad values above the vocabulary; their embeddings are replaced in the forward.
+    # Image spans hold pad values above the vocabulary; their embeddings are replaced in the forward, from the id the
+    # family names (Gemma 4's per-layer inputs read the pad token's row there), else the vocabulary's last.
     top = spec.vocab_size - 1
-    out.ids = [min(i, top) for i in ids]
+    image_id = top if spec.image_input_id is None else spec.image_input_id
+    out.ids = [i if i <= top else image_id for i in ids]
     return out
 
 

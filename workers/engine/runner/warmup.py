@@ -197,7 +197,8 @@ def _forward(r: LoadedModel, query: int, seq: int, blocks: list[int], **images: 
     meta = build_attention_metadata([query], [seq], [blocks], r.cfg.block_size, r.device)
     if r.state is not None:  # a hybrid model's linear-attention layers run in the scratch slot
         meta.state = r.state.scratch_metadata(1)
-    embeds = torch.zeros(query, r.spec.hidden_size, dtype=r.dtype, device=r.device)
+    # The embedding's own rows (zeros in, as wide as the LM takes them: Gemma 4's carry per-layer inputs).
+    embeds = r.model.embed(torch.zeros(query, dtype=torch.long, device=r.device))
     positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
     out: torch.Tensor = r.model(embeds, positions, r.kv_caches, meta, **images)
     return out
