@@ -173,12 +173,15 @@ class GemmaCache(PagedCache):
         return list(logits.split([len(ids) for _, ids in chunks]))
 
 
-def greedy(cache: GemmaCache, prompts: dict[str, Tensor], plan: Iterable[dict[str, int]], new: int) -> dict[str, list[int]]:
-    """Greedy answers of ``new`` tokens to prompts sharing steps as the scheduler mixes them: each step of ``plan``
-    (seq -> prompt tokens this step) also decodes one token of every sequence whose prompt is done (decodes first);
-    after the plan, decode steps until every answer is whole."""
+def greedy(
+    cache: GemmaCache, prompts: dict[str, Tensor], plan: Iterable[dict[str, int]], new: int
+) -> dict[str, tuple[list[int], Tensor]]:
+    """Greedy answers of ``new`` tokens to prompts sharing steps as the scheduler mixes them, and the logits each token
+    was picked from ([new, vocab]): each step of ``plan`` (seq -> prompt tokens this step) also decodes one token of
+    every sequence whose prompt is done (decodes first); after the plan, decode steps until every answer is whole."""
     fed = dict.fromkeys(prompts, 0)
     out: dict[str, list[int]] = {s: [] for s in prompts}
+    picked: dict[str, list[Tensor]] = {s: [] for s in prompts}
     steps = list(plan)
     while steps or any(len(o) < new for o in out.values()):
         step = steps.pop(0) if steps else {}
@@ -191,7 +194,8 @@ def greedy(cache: GemmaCache, prompts: dict[str, Tensor], plan: Iterable[dict[st
                 if fed[s] < len(prompts[s]):
                     continue
             out[s].append(int(logits[-1].argmax()))
-    return out
+            picked[s].append(logits[-1])
+    return {s: (out[s], torch.stack(picked[s])) for s in prompts}
 
 
 # transformers 5.24 drops the prompt's rows before the KV-shared layers (``_maybe_slice_kv_shared_inputs``) and then
@@ -199,11 +203,13 @@ def greedy(cache: GemmaCache, prompts: dict[str, Tensor], plan: Iterable[dict[st
 NO_SLICING = {"output_hidden_states": True}
 
 
-def hf_greedy(hf: Any, ids: Tensor, new: int) -> list[int]:
+def hf_greedy(hf: Any, ids: Tensor, new: int) -> tuple[list[int], Tensor]:
+    """transformers' greedy continuation (its own KV cache) and the logits of each step, [new, vocab]."""
     with torch.inference_mode():
         out = hf.generate(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=new, min_new_tokens=new, do_sample=False, **NO_SLICING)
-    return [int(t) for t in out[0, len(ids) :]]
+                          max_new_tokens=new, min_new_tokens=new, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, **NO_SLICING)
+    return [int(t) for t in out.sequences[0, len(ids) :]], torch.cat(out.logits).float()
 
 
 def hf_logits(hf: Any, ids: Tensor) -> Tensor:
