@@ -152,7 +152,10 @@ class ModelSpec:
 
     @property
     def kv_layers(self) -> int:
-        """Layers with a paged KV cache (all of them, unless some keep recurrent state instead)."""
+        """Layers with a paged KV cache of their own (all of them, unless some keep recurrent state instead or read
+        another layer's cache, as Gemma 4's KV-shared layers do)."""
+        if self.kv_shapes is not None:
+            return len(self.kv_shapes)
         return self.num_layers - (self.recurrent.num_layers if self.recurrent is not None else 0)
 
     def tokens_for_grid(self, grid: Sequence[int]) -> int:
