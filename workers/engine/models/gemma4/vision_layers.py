@@ -1,0 +1,228 @@
+"""The layers of Gemma 4's vision encoder: RMSNorm (with and without scale), the clippable linear, the axial 2-D rotary,
+self-attention with q/k/v norms over whole images, the gated MLP and the sandwich-normed encoder layer.
+
+Numerics follow transformers' ``modeling_gemma4`` op for op (float32 on the CPU is compared with it to 1e-5): norms
+compute in float32 and cast back, the rotary runs in the activations' dtype with cos/sin cast to it, attention has
+scale 1 (the q/k norms stand in for 1/sqrt(d)). On CUDA, with ``fused`` set (fused.enable), the elementwise runs
+between GEMMs are compiled into single kernels that round once; the eager code stays the reference.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from workers.engine.kernels import fused
+from workers.engine.layers.vision_attention import Segments, varlen_available
+from workers.engine.models.qwen_vit import activation
+
+try:  # torch >= 2.10 (see layers/vision_attention.py)
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None  # type: ignore[assignment]
+
+# FlashAttention varlen serves here only where it takes an explicit softmax scale (Gemma's is 1, not 1/sqrt(d)).
+VARLEN_TAKES_SCALE = _varlen_attn is not None and "scale" in inspect.signature(_varlen_attn).parameters
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """transformers' Gemma4RMSNorm: float32, ``x * pow(mean(x^2) + eps, -0.5)`` (pow, not rsqrt, as the reference
+    spells it), times the weight itself (no 1 + w), cast back to x's dtype. ``weight`` None: the scale-less norm."""
+    xf = x.float()
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.type_as(x)
+
+
+def axial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """transformers' ``apply_multidimensional_rope`` with 2 axes on x [N, H, D]; cos/sin [N, 1, D] laid out as
+    (x-axis angles twice, y-axis angles twice): each half of the head is rotate-half rotary over its own axis."""
+    a, b, c, d = x.unflatten(-1, (4, -1)).unbind(-2)  # (a, b): the x-axis half's halves, (c, d): the y-axis half's
+    rotated = torch.cat((-b, a, -d, c), dim=-1)
+    return x * cos + rotated * sin
+
+
+def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """q or k [N, H, D]: the per-head RMSNorm, then the axial rotary."""
+    return axial_rope(rms_norm(x, weight, eps), cos, sin)
+
+
+def gelu_tanh_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def add_rms_norm(residual: Tensor, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``residual + rms_norm(x)``: a sublayer's post-norm and the residual add."""
+    return residual + rms_norm(x, weight, eps)
+
+
+# The clip bounds' names and transformers' initial values (no clipping); a checkpoint's replace them.
+CLIP_DEFAULTS = {
+    "input_min": -float("inf"),
+    "input_max": float("inf"),
+    "output_min": -float("inf"),
+    "output_max": float("inf"),
+}
+
+
+class RMSNorm(nn.Module):
+    """Gemma 4's RMSNorm; ``with_scale=False`` has no weight (the v norm, the embedder's pre-projection norm)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class ClippableLinear(nn.Module):
+    """A bias-free linear (``.linear``, the checkpoint's name) whose input and output are clamped to the checkpoint's
+    scalar bounds (``input_min`` ... ``output_max`` buffers) when the config has ``use_clipped_linears``."""
+
+    input_min: Tensor
+    input_max: Tensor
+    output_min: Tensor
+    output_max: Tensor
+
+    def __init__(self, in_features: int, out_features: int, clipped: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features, bias=False)
+        self.clipped = clipped
+        if clipped:  # transformers' init: no clipping until the checkpoint says otherwise
+            for name, value in CLIP_DEFAULTS.items():
+                self.register_buffer(name, torch.tensor(value))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.clipped:
+            return self.linear(x)
+        x = torch.clamp(x, self.input_min, self.input_max)
+        return torch.clamp(self.linear(x), self.output_min, self.output_max)
+
+
+def _run(on: bool, fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor:
+    """``fn(x, *args)``, compiled (fused.py) when the module's ``fused`` flag is on and the call is worth it."""
+    if on and fused.worth_it(x):
+        out: Tensor = fused.compiled(fn)(x, *args)
+        return out
+    return fn(x, *args)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, seg: Segments, flash: bool) -> Tensor:
+    """Bidirectional attention within each image (a segment of ``seg``), softmax scale 1. q [N, H, D], k and v
+    [N, Hkv, D] (key/value heads repeated for grouped queries) -> [N, H, D]."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if flash and VARLEN_TAKES_SCALE:
+        out = _varlen_attn(q, k, v, seg.cu, seg.cu, seg.max_len, seg.max_len, scale=1.0)
+        assert isinstance(out, Tensor)
+        return out
+    # SDPA, one call per distinct image length (equal-length images batched): on the CPU its math matches
+    # transformers' to float32 rounding; on CUDA it takes FlashAttention / cuDNN / memory-efficient kernels.
+    perm, inv, groups = seg.sdpa_groups
+    qkv = (q, k, v) if perm is None else (q[perm], k[perm], v[perm])
+    outs = []
+    for start, count, length in groups:
+        q_g, k_g, v_g = (t[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for t in qkv)
+        outs.append(F.scaled_dot_product_attention(q_g, k_g, v_g, scale=1.0).transpose(1, 2).flatten(0, 1))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out[inv] if inv is not None else out
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, clipped: bool
+    ) -> None:
+        super().__init__()
+        if heads % kv_heads:
+            raise ValueError(f"vision num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.q_proj = ClippableLinear(hidden, heads * head_dim, clipped)
+        self.k_proj = ClippableLinear(hidden, kv_heads * head_dim, clipped)
+        self.v_proj = ClippableLinear(hidden, kv_heads * head_dim, clipped)
+        self.o_proj = ClippableLinear(heads * head_dim, hidden, clipped)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.v_norm = RMSNorm(head_dim, eps, with_scale=False)
+        self.fused = False
+
+    def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
+        """x [N, hidden]; cos/sin [N, 1, head_dim] in x's dtype."""
+        n = x.shape[0]
+        q_w, k_w = self.q_norm.weight, self.k_norm.weight
+        assert q_w is not None and k_w is not None
+        q = _run(self.fused, norm_rope, self.q_proj(x).view(n, self.heads, self.head_dim), q_w, self.eps, cos, sin)
+        k = _run(self.fused, norm_rope, self.k_proj(x).view(n, self.kv_heads, self.head_dim), k_w, self.eps, cos, sin)
+        v = _run(self.fused, rms_norm, self.v_proj(x).view(n, self.kv_heads, self.head_dim), None, self.eps)
+        return self.o_proj(attend(q, k, v, seg, flash).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, clipped: bool) -> None:
+        super().__init__()
+        self.gate_proj = ClippableLinear(hidden, intermediate, clipped)
+        self.up_proj = ClippableLinear(hidden, intermediate, clipped)
+        self.down_proj = ClippableLinear(intermediate, hidden, clipped)
+        self.act = activation(act)
+        self.tanh_gelu = act == "gelu_pytorch_tanh"  # the one activation with a fused gate * up
+        self.fused = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.tanh_gelu:
+            return self.down_proj(_run(self.fused, gelu_tanh_mul, gate, up))
+        return self.down_proj(self.act(gate) * up)
+
+
+class EncoderLayer(nn.Module):
+    """Pre- and post-norm around both sublayers (transformers' Gemma4VisionEncoderLayer)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        act: str,
+        eps: float,
+        clipped: bool,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.self_attn = SelfAttention(hidden, heads, kv_heads, head_dim, eps, clipped)
+        self.mlp = MLP(hidden, intermediate, act, clipped)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.fused = False
+
+    def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
+        norms = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                 self.post_feedforward_layernorm)
+        w_in, w_post_attn, w_pre_ff, w_post_ff = (norm.weight for norm in norms)
+        assert w_in is not None and w_post_attn is not None and w_pre_ff is not None and w_post_ff is not None
+        attn = self.self_attn(_run(self.fused, rms_norm, x, w_in, self.eps), seg, cos, sin, flash)
+        x = _run(self.fused, add_rms_norm, x, attn, w_post_attn, self.eps)
+        mlp = self.mlp(_run(self.fused, rms_norm, x, w_pre_ff, self.eps))
+        return _run(self.fused, add_rms_norm, x, mlp, w_post_ff, self.eps)
+
+
+def use_flash(x: Tensor, backend: str) -> bool:
+    """Whether attention takes FlashAttention varlen: CUDA, half precision, a torch whose varlen takes a scale, and a
+    backend other than "sdpa"."""
+    return (
+        backend != "sdpa"
+        and x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and varlen_available()
+        and VARLEN_TAKES_SCALE
+    )
