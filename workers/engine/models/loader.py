@@ -139,10 +139,16 @@ def iter_checkpoint(
             bar.close()
 
 
+# Multiplicative gains that are not norms but must start at 1 too (Gemma 4's per-layer scalar and router scales):
+# N(0, 0.02) there would shrink the residual stream at every layer of a dummy-weight model.
+_UNIT_GAINS = ("layer_scalar", "scale", "per_expert_scale")
+
+
 def is_norm_param(name: str) -> bool:
-    """True for weights/biases of normalization layers (their module name contains "norm")."""
+    """True for weights/biases of normalization layers (their module name contains "norm") and for the unit gains
+    above (filled with 1 like a norm's weight)."""
     parts = name.split(".")
-    return len(parts) >= 2 and "norm" in parts[-2]
+    return (len(parts) >= 2 and "norm" in parts[-2]) or parts[-1] in _UNIT_GAINS
 
 
 @torch.no_grad()
@@ -155,7 +161,7 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     """
     for i, (name, param) in enumerate(model.named_parameters()):
         if is_norm_param(name):
-            param.fill_(1.0 if name.endswith("weight") else 0.0)
+            param.fill_(1.0 if name.endswith(("weight", *_UNIT_GAINS)) else 0.0)
             continue
         gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + i)
         if param.dtype.is_floating_point and param.element_size() >= 4:
