@@ -6,6 +6,7 @@ image, and must give transformers' soft tokens (``Gemma4Model.get_image_features
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 
 from workers.engine.models.gemma4.vision import Gemma4VisionTower, VisionSpec, build_vision
+from workers.engine.models.loader import fill_dummy_weights
 
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402  (after the skip: PIL comes with transformers' vision extras)
@@ -90,7 +92,7 @@ def _images(seed: int = 0) -> list[Any]:
 
 
 def _processed(images: list[Any], max_soft_tokens: int) -> Any:
-    proc = transformers.Gemma4ImageProcessor(patch_size=PATCH, max_soft_tokens=max_soft_tokens, pooling_kernel_size=3)
+    proc = transformers.Gemma4ImageProcessor(patch_size=PATCH, max_soft_tokens=max_soft_tokens)
     return proc(images=images, return_tensors="pt")
 
 
@@ -163,6 +165,27 @@ def test_clip_bounds_and_standardization_take_part() -> None:
         assert (tower(rows, grids) - expected).abs().max().item() > 1e-2, dropped
 
 
+def test_bfloat16_stays_near_float32() -> None:
+    """The tower in bf16 (the GPU dtype) on the CPU: bf16 out, within bf16 noise of transformers' float32 rows."""
+    vision, embed = _reference("clipped")
+    batch = _processed(_images(), 70)
+    rows, grids = _unpadded(batch)
+    tower = build_vision(VisionSpec.from_hf_config(_config("clipped")), dtype=torch.bfloat16, device="cpu")
+    tower.load_weights(_hub_weights(vision, embed))
+    ours, expected = tower(rows, grids), _expected(vision, embed, batch)
+    assert ours.dtype == torch.bfloat16
+    assert (ours.float() - expected).abs().max().item() < 0.03 * expected.abs().max().item()
+
+
+def test_dummy_weights_run() -> None:
+    """Built and filled the way ``--load-format dummy`` does (the loader's fill leaves buffers to the build)."""
+    tower = build_vision(VisionSpec.from_hf_config(_config("clipped")), dtype=torch.float32, device="cpu")
+    fill_dummy_weights(tower, seed=0)
+    assert bool((tower.vision_tower.encoder.layers[0].self_attn.q_norm.weight == 1).all())
+    out = tower(torch.rand(6 * 9, 3 * PATCH * PATCH), [(1, 6, 9)])
+    assert out.shape == (6, TEXT_HIDDEN) and bool(out.isfinite().all())
+
+
 def test_ragged_batch_equals_one_by_one() -> None:
     vision, embed = _reference("plain", seed=1)
     tower = _tower("plain", _hub_weights(vision, embed))
@@ -229,16 +252,17 @@ def test_spec_from_hub_config() -> None:
         },
     }
     spec = VisionSpec.from_hf_config(cfg)
-    assert (spec.hidden_size, spec.num_hidden_layers, spec.head_dim, spec.out_hidden_size) == (1152, 27, 72, 2816)
+    shape = (spec.hidden_size, spec.num_hidden_layers, spec.head_dim, spec.out_hidden_size)
+    assert shape == (1152, 27, 72, 2816)
     assert spec.use_clipped_linears and spec.standardize and spec.rope_theta == 100.0
-    assert (spec.spatial_merge_size, spec.in_channels, spec.temporal_patch_size, spec.patch_size) == (3, 3, 1, 16)
+    seams = (spec.spatial_merge_size, spec.in_channels, spec.temporal_patch_size, spec.patch_size)
+    assert seams == (3, 3, 1, 16)
     # missing keys: transformers' Gemma4VisionConfig defaults
     bare = VisionSpec.from_hf_config({"vision_config": {}, "text_config": {}})
     defaults = transformers.Gemma4VisionConfig()
-    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                  "num_key_value_heads", "pooling_kernel_size", "patch_size", "position_embedding_size",
-                  "use_clipped_linears", "standardize", "rms_norm_eps", "hidden_activation"):
-        assert getattr(bare, field) == getattr(defaults, field), field
+    for field in fields(VisionSpec):
+        if hasattr(defaults, field.name):
+            assert getattr(bare, field.name) == getattr(defaults, field.name), field.name
     assert bare.rope_theta == defaults.rope_parameters["rope_theta"]
     assert bare.out_hidden_size == transformers.Gemma4TextConfig().hidden_size
     assert VisionSpec.from_hf_config({"vision_config": {"rope_theta": 50}}).rope_theta == 50.0

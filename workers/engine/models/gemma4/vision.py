@@ -28,8 +28,8 @@ from workers.engine.models.gemma4.vision_layers import (
     CLIP_DEFAULTS,
     ClippableLinear,
     EncoderLayer,
-    rms_norm,
     use_flash,
+    vit_rms_norm,
 )
 from workers.engine.models.qwen_vit import activation
 
@@ -77,7 +77,9 @@ class VisionSpec:
         if "vision_config" in cfg:
             vision = cfg["vision_config"]
             if vision is None:
-                raise ValueError("config.json's vision_config is null: this Gemma 4 checkpoint has no vision tower")
+                raise ValueError(
+                    "config.json's vision_config is null: this Gemma 4 checkpoint has no vision tower"
+                )
             text = cfg.get("text_config") or {}
             out_hidden = text.get("hidden_size", DEFAULT_TEXT_HIDDEN)
         else:
@@ -95,14 +97,18 @@ class PatchEmbedder(nn.Module):
         super().__init__()
         self.input_proj = nn.Linear(spec.patch_dim, spec.hidden_size, bias=False)
         # [2, size, hidden]: row 0 indexed by a patch's column (x), row 1 by its row (y)
-        self.position_embedding_table = nn.Parameter(torch.ones(2, spec.position_embedding_size, spec.hidden_size))
+        self.position_embedding_table = nn.Parameter(
+            torch.ones(2, spec.position_embedding_size, spec.hidden_size)
+        )
 
     def forward(self, pixels: Tensor, xs: Tensor, ys: Tensor) -> Tensor:
         # No normalization in the image processor: the model maps [0, 1] to [-1, 1] itself, in the rows' dtype.
         pixels = 2 * (pixels - 0.5)
         weight = self.input_proj.weight
         table = self.position_embedding_table
-        return self.input_proj(pixels.to(weight.dtype)) + (F.embedding(xs, table[0]) + F.embedding(ys, table[1]))
+        return self.input_proj(pixels.to(weight.dtype)) + (
+            F.embedding(xs, table[0]) + F.embedding(ys, table[1])
+        )
 
 
 class Encoder(nn.Module):
@@ -147,7 +153,7 @@ class MultimodalEmbedder(nn.Module):
         self.embedding_projection = nn.Linear(spec.hidden_size, spec.out_hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.embedding_projection(rms_norm(x, None, self.eps))
+        return self.embedding_projection(vit_rms_norm(x, None, self.eps))
 
 
 class _Plan(NamedTuple):
@@ -195,7 +201,12 @@ class Gemma4VisionTower(nn.Module):
 
     @classmethod
     def build(
-        cls, spec: VisionSpec, *, dtype: torch.dtype, device: torch.device | str, attn_backend: AttnBackend = "auto"
+        cls,
+        spec: VisionSpec,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        attn_backend: AttnBackend = "auto",
     ) -> Self:
         """The tower on ``device`` in ``dtype``: parameters uninitialized (``load_weights`` or the loader's dummy fill
         sets them), the clip bounds and standardization buffers at transformers' initial values."""
@@ -225,7 +236,9 @@ class Gemma4VisionTower(nn.Module):
         t, h, w = grid
         k, size = self.spec.pooling_kernel_size, self.spec.position_embedding_size
         if t != 1 or h <= 0 or w <= 0 or h % k or w % k:
-            raise ValueError(f"grid {grid}: need (1, h, w) with h and w positive multiples of pooling_kernel_size={k}")
+            raise ValueError(
+                f"grid {grid}: need (1, h, w) with h and w positive multiples of pooling_kernel_size={k}"
+            )
         if max(h, w) > size:
             raise ValueError(f"grid {grid}: a side past the position table's {size} entries")
 
@@ -247,10 +260,13 @@ class Gemma4VisionTower(nn.Module):
         packed = torch.cat([*xs, *ys, *orders, cu])
         if device.type == "cuda":
             packed = packed.pin_memory()  # so non_blocking is truly asynchronous
-        d_xs, d_ys, d_order, d_cu = packed.to(device, non_blocking=True).split([offset, offset, offset, len(cu)])
+        d_xs, d_ys, d_order, d_cu = packed.to(device, non_blocking=True).split(
+            [offset, offset, offset, len(cu)]
+        )
         # transformers' Gemma4VisionRotaryEmbedding: float32 angles per axis, laid out (x, x, y, y) over the head,
         # cast to the activations' dtype.
-        angles = torch.stack((d_xs, d_ys), dim=-1)[:, :, None].float() * self._inv_freq.to(device)  # [N, 2, D/4]
+        positions = torch.stack((d_xs, d_ys), dim=-1)[:, :, None].float()
+        angles = positions * self._inv_freq.to(device)  # [N, 2, head_dim / 4]
         dtype = self.embed_vision.embedding_projection.weight.dtype
 
         def layout(t: Tensor) -> Tensor:

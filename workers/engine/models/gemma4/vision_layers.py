@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - older torch
 VARLEN_TAKES_SCALE = _varlen_attn is not None and "scale" in inspect.signature(_varlen_attn).parameters
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+def vit_rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """transformers' Gemma4RMSNorm: float32, ``x * pow(mean(x^2) + eps, -0.5)`` (pow, not rsqrt, as the reference
     spells it), times the weight itself (no 1 + w), cast back to x's dtype. ``weight`` None: the scale-less norm."""
     xf = x.float()
@@ -43,23 +43,24 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 def axial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """transformers' ``apply_multidimensional_rope`` with 2 axes on x [N, H, D]; cos/sin [N, 1, D] laid out as
     (x-axis angles twice, y-axis angles twice): each half of the head is rotate-half rotary over its own axis."""
-    a, b, c, d = x.unflatten(-1, (4, -1)).unbind(-2)  # (a, b): the x-axis half's halves, (c, d): the y-axis half's
+    # (a, b): the halves of the x-axis half, (c, d): those of the y-axis half
+    a, b, c, d = x.unflatten(-1, (4, -1)).unbind(-2)
     rotated = torch.cat((-b, a, -d, c), dim=-1)
     return x * cos + rotated * sin
 
 
-def norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+def vit_qk_norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
     """q or k [N, H, D]: the per-head RMSNorm, then the axial rotary."""
-    return axial_rope(rms_norm(x, weight, eps), cos, sin)
+    return axial_rope(vit_rms_norm(x, weight, eps), cos, sin)
 
 
-def gelu_tanh_mul(gate: Tensor, up: Tensor) -> Tensor:
+def vit_gelu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def add_rms_norm(residual: Tensor, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``residual + rms_norm(x)``: a sublayer's post-norm and the residual add."""
-    return residual + rms_norm(x, weight, eps)
+def vit_add_post_norm(residual: Tensor, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``residual + vit_rms_norm(x)``: a sublayer's post-norm and the residual add."""
+    return residual + vit_rms_norm(x, weight, eps)
 
 
 # The clip bounds' names and transformers' initial values (no clipping); a checkpoint's replace them.
@@ -72,15 +73,16 @@ CLIP_DEFAULTS = {
 
 
 class RMSNorm(nn.Module):
-    """Gemma 4's RMSNorm; ``with_scale=False`` has no weight (the v norm, the embedder's pre-projection norm)."""
+    """Gemma 4's RMSNorm with its scale (the scale-less ones, v's and the embedder's, hold nothing: they are
+    ``vit_rms_norm(x, None, eps)`` calls where they are used)."""
 
-    def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return vit_rms_norm(x, self.weight, self.eps)
 
 
 class ClippableLinear(nn.Module):
@@ -108,7 +110,8 @@ class ClippableLinear(nn.Module):
 
 
 def _run(on: bool, fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor:
-    """``fn(x, *args)``, compiled (fused.py) when the module's ``fused`` flag is on and the call is worth it."""
+    """``fn(x, *args)``, compiled (fused.py) when the module's ``fused`` flag is on and the call is worth it.
+    fused.compiled memoizes by ``__qualname__``: hence the ``vit_`` names, apart from fused.py's own."""
     if on and fused.worth_it(x):
         out: Tensor = fused.compiled(fn)(x, *args)
         return out
@@ -130,7 +133,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, seg: Segments, flash: bool) -> Tenso
     qkv = (q, k, v) if perm is None else (q[perm], k[perm], v[perm])
     outs = []
     for start, count, length in groups:
-        q_g, k_g, v_g = (t[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for t in qkv)
+        q_g, k_g, v_g = (
+            t[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for t in qkv
+        )
         outs.append(F.scaled_dot_product_attention(q_g, k_g, v_g, scale=1.0).transpose(1, 2).flatten(0, 1))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out[inv] if inv is not None else out
@@ -142,7 +147,9 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         if heads % kv_heads:
-            raise ValueError(f"vision num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise ValueError(
+                f"vision num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.q_proj = ClippableLinear(hidden, heads * head_dim, clipped)
         self.k_proj = ClippableLinear(hidden, kv_heads * head_dim, clipped)
@@ -150,17 +157,17 @@ class SelfAttention(nn.Module):
         self.o_proj = ClippableLinear(heads * head_dim, hidden, clipped)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
-        self.v_norm = RMSNorm(head_dim, eps, with_scale=False)
         self.fused = False
 
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         """x [N, hidden]; cos/sin [N, 1, head_dim] in x's dtype."""
         n = x.shape[0]
-        q_w, k_w = self.q_norm.weight, self.k_norm.weight
-        assert q_w is not None and k_w is not None
-        q = _run(self.fused, norm_rope, self.q_proj(x).view(n, self.heads, self.head_dim), q_w, self.eps, cos, sin)
-        k = _run(self.fused, norm_rope, self.k_proj(x).view(n, self.kv_heads, self.head_dim), k_w, self.eps, cos, sin)
-        v = _run(self.fused, rms_norm, self.v_proj(x).view(n, self.kv_heads, self.head_dim), None, self.eps)
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        q = _run(self.fused, vit_qk_norm_rope, q, self.q_norm.weight, self.eps, cos, sin)
+        k = _run(self.fused, vit_qk_norm_rope, k, self.k_norm.weight, self.eps, cos, sin)
+        v = _run(self.fused, vit_rms_norm, v, None, self.eps)  # transformers' v_norm: no scale
         return self.o_proj(attend(q, k, v, seg, flash).reshape(n, -1))
 
 
@@ -177,7 +184,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.tanh_gelu:
-            return self.down_proj(_run(self.fused, gelu_tanh_mul, gate, up))
+            return self.down_proj(_run(self.fused, vit_gelu_mul, gate, up))
         return self.down_proj(self.act(gate) * up)
 
 
@@ -206,14 +213,13 @@ class EncoderLayer(nn.Module):
         self.fused = False
 
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
-        norms = (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
-                 self.post_feedforward_layernorm)
-        w_in, w_post_attn, w_pre_ff, w_post_ff = (norm.weight for norm in norms)
-        assert w_in is not None and w_post_attn is not None and w_pre_ff is not None and w_post_ff is not None
-        attn = self.self_attn(_run(self.fused, rms_norm, x, w_in, self.eps), seg, cos, sin, flash)
-        x = _run(self.fused, add_rms_norm, x, attn, w_post_attn, self.eps)
-        mlp = self.mlp(_run(self.fused, rms_norm, x, w_pre_ff, self.eps))
-        return _run(self.fused, add_rms_norm, x, mlp, w_post_ff, self.eps)
+        eps, on = self.eps, self.fused
+        attn = self.self_attn(
+            _run(on, vit_rms_norm, x, self.input_layernorm.weight, eps), seg, cos, sin, flash
+        )
+        x = _run(on, vit_add_post_norm, x, attn, self.post_attention_layernorm.weight, eps)
+        mlp = self.mlp(_run(on, vit_rms_norm, x, self.pre_feedforward_layernorm.weight, eps))
+        return _run(on, vit_add_post_norm, x, mlp, self.post_feedforward_layernorm.weight, eps)
 
 
 def use_flash(x: Tensor, backend: str) -> bool:
