@@ -181,7 +181,7 @@ def test_dummy_weights_run() -> None:
     """Built and filled the way ``--load-format dummy`` does (the loader's fill leaves buffers to the build)."""
     tower = build_vision(VisionSpec.from_hf_config(_config("clipped")), dtype=torch.float32, device="cpu")
     fill_dummy_weights(tower, seed=0)
-    assert bool((tower.vision_tower.encoder.layers[0].self_attn.q_norm.weight == 1).all())
+    assert bool((tower.get_parameter("vision_tower.encoder.layers.0.self_attn.q_norm.weight") == 1).all())
     out = tower(torch.rand(6 * 9, 3 * PATCH * PATCH), [(1, 6, 9)])
     assert out.shape == (6, TEXT_HIDDEN) and bool(out.isfinite().all())
 
