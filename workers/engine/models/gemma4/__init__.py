@@ -23,7 +23,7 @@ from typing import Any
 from workers.engine.models.base import ModelFamily, ModelSpec, builder, spec_from
 from workers.engine.models.gemma4.lm import Gemma4LanguageModel
 from workers.engine.models.gemma4.spec import TextSpec
-from workers.engine.models.gemma4.vision import Gemma4VisionTower, VisionSpec
+from workers.engine.models.gemma4.vision import VisionSpec, build_vision
 from workers.engine.models.linear_positions import linear_delta, linear_positions
 
 
@@ -41,7 +41,7 @@ def parse(cfg: dict[str, Any], model_dir: Path) -> ModelSpec:
     )
 
 
-build = builder(Gemma4LanguageModel.build, Gemma4VisionTower.build)
+build = builder(Gemma4LanguageModel.build, build_vision)
 
 
 def write_demo(out: Path, variant: str) -> Path:
