@@ -34,9 +34,9 @@ def first_visible_key(context: int, window: int) -> int:
 
 
 def step_spans(spans: Sequence[Span], context: int, seq_len: int) -> list[Span]:
-    """The spans that change some new row's mask: those holding a new token (ending after ``context``) and longer
-    than one token (a lone token's span is its causal self)."""
-    return [(s, min(e, seq_len)) for s, e in spans if e > context and s < seq_len and min(e, seq_len) - s > 1]
+    """The spans that change some new row's mask: those with a new row that is not their last token (the last one
+    sees no later key; a decode row ending its image is causal)."""
+    return [(s, min(e, seq_len)) for s, e in spans if max(s, context) < min(e, seq_len) - 1]
 
 
 def sequence_spans(meta: AttentionMetadata, bidirectional: bool) -> list[list[Span]]:
@@ -150,6 +150,7 @@ def windowed_packed_kv_slots(meta: AttentionMetadata, block_size: int, window: i
     count_t = torch.tensor(counts, dtype=torch.long, device=device)
     cu = F.pad(count_t.cumsum(0), (1, 0))
     seq_of = torch.repeat_interleave(torch.arange(len(counts), device=device), count_t, output_size=total)
-    pos = torch.arange(total, device=device) - cu[seq_of] + torch.tensor(firsts, dtype=torch.long, device=device)[seq_of]
+    first_t = torch.tensor(firsts, dtype=torch.long, device=device)
+    pos = torch.arange(total, device=device) - cu[seq_of] + first_t[seq_of]
     block = meta.block_tables.long()[seq_of, pos // block_size]
     return block * block_size + pos % block_size, cu.to(torch.int32), max(counts)

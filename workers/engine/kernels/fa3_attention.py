@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from workers.engine.kernels.attention import AttentionMetadata, write_new_kv
+from workers.engine.kernels.attention_masks import attend_span_rows, sequence_spans
 from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend, flash_available
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ LIBRARY = "_vllm_fa3_C"  # its compiled FA3 ops; loading the file registers torc
 # checked by name against the loaded op's schema so that a build with another order is refused, not misfed.
 FWD_ARITY = 37
 FWD_NAMES = {7: "cu_seqlens_q", 11: "seqused_k", 12: "max_seqlen_q", 13: "max_seqlen_k", 14: "page_table",
-             23: "softmax_scale", 24: "is_causal"}
+             23: "softmax_scale", 24: "is_causal", 25: "window_size_left", 26: "window_size_right"}
 
 
 def _candidates() -> list[tuple[str, Path]]:
@@ -92,16 +93,18 @@ def _check_schema(op: Any) -> str:
 def _fwd(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None, seqused_k: Tensor | None,
     max_seqlen_q: int, max_seqlen_k: int, page_table: Tensor | None, softmax_scale: float, causal: bool,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> Tensor:
     """The fork's FA3 op; the arguments glimpse does not use take the fork's defaults (no new KV, no rotary, no
-    scaling, no sliding window or softcap, heuristic splits)."""
+    scaling, no softcap, heuristic splits). ``window_size`` (left, right): keys [i - left, i + right] of the query
+    at (bottom-right aligned) position i, -1 unbounded."""
     outs = _fwd_op()(
         q, k, v, None, None, None, None,  # k_new, v_new, q_v, out
         cu_seqlens_q, cu_seqlens_k, None, None, seqused_k,  # cu_seqlens_k_new, seqused_q
         max_seqlen_q, max_seqlen_k, page_table,
         None, None, None, None, None,  # kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary
         None, None, None,  # q, k, v descale
-        softmax_scale, causal, -1, -1, 0.0,  # window left, right; softcap
+        softmax_scale, causal, window_size[0], window_size[1], 0.0,  # window left, right; softcap
         True, None, 0, None, 0,  # rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin
         None, 1, 0, None,  # s_aux, cp_world_size, cp_rank, cp_tot_seqused_k
     )
@@ -112,11 +115,12 @@ def _fwd(
 def varlen_kernel(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, max_seqlen_q: int, cu_seqlens_q: Tensor, max_seqlen_k: int, *,
     seqused_k: Tensor, block_table: Tensor, softmax_scale: float, causal: bool, fa_version: int = 3,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> Tensor:
     """``flash_attn_varlen_func``'s paged call (the contract the backend and its tests use) on the FA3 op."""
     assert fa_version == 3
     return _fwd(q, k_cache, v_cache, cu_seqlens_q, None, seqused_k, max_seqlen_q, max_seqlen_k, block_table,
-                softmax_scale, causal)
+                softmax_scale, causal, window_size)
 
 
 def packed_kernel(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float) -> Tensor:
@@ -184,22 +188,31 @@ class FA3PagedBackend:
                 and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256)
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+        window: int = 0, bidirectional: bool = False,
     ) -> Tensor:
-        if not self.supports(q):
-            return self._fallback.forward(q, k, v, kv_cache, meta, scale)  # writes the cache itself
-        write_new_kv(k, v, kv_cache, meta)
+        if not self.supports(q):  # writes the cache itself
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
+        if k is not None and v is not None:
+            write_new_kv(k, v, kv_cache, meta)
+        # A sliding layer: FA3 keeps keys [i - left, i] (causal sets right to 0), ours i - window < j <= i.
+        windowed = {"window_size": (window - 1, 0)} if window > 0 else {}
         try:
             out: Tensor = self._kernel(
                 q.contiguous(), kv_cache[0], kv_cache[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout
                 meta.max_query_len, meta.query_start_loc, meta.max_seq_len,
                 seqused_k=meta.seq_lens, block_table=meta.block_tables, softmax_scale=scale, causal=True,
-                fa_version=3,
+                fa_version=3, **windowed,
             )
         except RuntimeError as exc:  # the build's argument checks (a head size or layout it was not built for)
             log.warning("FlashAttention-3 refused a step (%s); the LM's attention runs on %s from now on",
                         str(exc).splitlines()[0][:200], self._fallback.name)
             self._refused = True
-            return self._fallback.forward(q, k, v, kv_cache, meta, scale)  # rewrites the same KV: harmless
+            # rewrites the same KV: harmless
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
+        # FA3's mask is causal (+ window); rows inside an image span also see the span's later keys.
+        spans = sequence_spans(meta, bidirectional)
+        if any(spans):
+            attend_span_rows(out, q, kv_cache, meta, scale, window, spans)
         return out
 

@@ -104,21 +104,25 @@ def _kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["stride_tb", "num_splits", "tokens_per_split"])
+    @triton.jit(do_not_specialize=["stride_tb", "num_splits", "tokens_per_split", "window"])
     def split_kernel(
         q_ptr, kv_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, split_ptr,
         scale, stride_qb, stride_qh, stride_side, stride_slot, stride_head, stride_tb,
-        num_q_heads, num_splits, tokens_per_split,
+        num_q_heads, num_splits, tokens_per_split, window,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT_FROM_PTR: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT_FROM_PTR: tl.constexpr, WINDOWED: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        if SPLIT_FROM_PTR:  # a CUDA graph's input, set per replay
-            tokens_per_split = tl.load(split_ptr)
         seq_len = tl.load(lens_ptr + b)
+        if SPLIT_FROM_PTR:  # a CUDA graph's input, set per replay
+            # Never shorter than this grid needs to cover the sequence: the input is planned from one KV head
+            # count, and a model with caches of several shapes (Gemma 4) has layers of another.
+            tokens_per_split = tl.maximum(tl.load(split_ptr), tl.cdiv(seq_len, num_splits))
         start = split * tokens_per_split
+        if WINDOWED:  # the splits cover the window's keys only: its first block is the first one read
+            start += tl.maximum(seq_len - window, 0)
         end = tl.minimum(seq_len, start + tokens_per_split)
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, D_P)
@@ -206,6 +210,7 @@ def paged_decode(
     scale: float,
     max_tokens: int,
     split_tokens: Tensor | None = None,
+    window: int = 0,
 ) -> Tensor:
     """Attention of one query per sequence over its cached keys, read through its block table.
 
@@ -213,12 +218,18 @@ def paged_decode(
     block_tables int32 [B, W]; seq_lens int32 [B] (keys per sequence, the new token's included);
     ``max_tokens`` >= every seq_len (e.g. W * block_size), which fixes the grid. ``split_tokens``: a
     one-element device tensor with the keys per split to use instead of the plan's (CUDA graphs: the plan
-    for the step's real width, never more splits than the grid has). Returns [B, Hq, D].
+    for the step's real width, never more splits than the grid has). ``window`` > 0 (a sliding-window layer): the
+    query sees only its sequence's last ``window`` keys, and the grid is planned over those (``split_tokens`` is
+    then unused: the plan for ``min(max_tokens, window)`` keys depends only on constants of a CUDA-graph bucket).
+    Returns [B, Hq, D].
     """
     split_kernel, combine_kernel = _kernels()
     b, hq, d = q.shape
     _, _, block_size, hkv, _ = kv_cache.shape
-    splits, per_split = plan_splits(b, max_tokens, hkv, q.device)
+    windowed = 0 < window < max_tokens  # a window as long as every sequence cuts nothing
+    if windowed:
+        split_tokens = None
+    splits, per_split = plan_splits(b, window if windowed else max_tokens, hkv, q.device)
     group = hq // hkv
     d_p = 1 << (d - 1).bit_length()
     q = q.contiguous()
@@ -229,9 +240,10 @@ def paged_decode(
     split_kernel[(b, hkv, splits)](
         q, flat, block_tables, seq_lens, part_out, part_lse, seq_lens if split_tokens is None else split_tokens,
         scale, q.stride(0), q.stride(1), flat.stride(0), flat.stride(1), flat.stride(2), block_tables.stride(0),
-        hq, splits, per_split,
+        hq, splits, per_split, window,
         GROUP=group, GROUP_P=max(16, 1 << (group - 1).bit_length()), D=d, D_P=d_p,
-        BLOCK_SIZE=block_size, TILE=TILE, SPLIT_FROM_PTR=split_tokens is not None, num_warps=_WARPS,
+        BLOCK_SIZE=block_size, TILE=TILE, SPLIT_FROM_PTR=split_tokens is not None, WINDOWED=windowed,
+        num_warps=_WARPS,
         num_stages=_STAGES,
     )  # fmt: skip
     combine_kernel[(b, hq)](

@@ -28,9 +28,11 @@ from workers.engine.kernels.attention import (
 )
 from workers.engine.kernels.attention_masks import (
     SequencePlan,
+    attend_span_rows,
     gather_key_range,
     sequence_plan,
     sequence_spans,
+    windowed_packed_kv_slots,
 )
 from workers.engine.kernels.kv_write_kernel import write_kv_cache
 
@@ -128,6 +130,9 @@ class FlashVarlenBackend:
         self._varlen = fn if fn is not None and "enable_gqa" in params and "window_size" in params else None
         if self._varlen is None and not _flash_op_available():
             raise RuntimeError("this torch has no FlashAttention varlen kernel")
+        # Sliding windows: the public entry takes ``window_size``; the op, ``window_size_left/right`` where its
+        # schema has them. Without either, windowed layers go to SDPA.
+        self._windows = self._varlen is not None or _flash_op_has("window_size_left")
         self._fallback = SdpaBackend()
 
     @staticmethod
@@ -135,42 +140,71 @@ class FlashVarlenBackend:
         return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+        window: int = 0, bidirectional: bool = False,
     ) -> Tensor:
-        if not self.supports(q):
-            return self._fallback.forward(q, k, v, kv_cache, meta, scale)
-        write_new_kv(k, v, kv_cache, meta)
+        if not self.supports(q) or (window > 0 and not self._windows):
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
+        if k is not None and v is not None:
+            write_new_kv(k, v, kv_cache, meta)
+        out = self._causal_forward(q, k, v, kv_cache, meta, scale, window)
+        # The kernels' masks are causal (+ window); rows inside an image span also see the span's later keys.
+        spans = meta.derived.get(f"spans:{bidirectional}")
+        if spans is None:
+            spans = meta.derived[f"spans:{bidirectional}"] = sequence_spans(meta, bidirectional)
+        if any(spans):
+            attend_span_rows(out, q, kv_cache, meta, scale, window, spans)
+        return out
+
+    def _causal_forward(
+        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+        window: int,
+    ) -> Tensor:
         # The scheduler puts decodes first: those rows read the cache in place (paged_attention), and only
         # the prefill chunks after them go through the packed varlen path below.
         decodes = meta.derived.get("decode_prefix")
         if decodes is None:
             decodes = meta.derived["decode_prefix"] = decode_prefix(meta) if paged_attention.usable(q) else 0
         if not decodes:
-            return self._varlen_forward(q, k, v, kv_cache, meta, scale)
+            return self._varlen_forward(q, k, v, kv_cache, meta, scale, window)
         head = paged_attention.paged_decode(
             q[:decodes], kv_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
-            max(meta.seq_lens_cpu[:decodes]),
+            max(meta.seq_lens_cpu[:decodes]), window=window,
         )
         if decodes == len(meta.seq_lens_cpu):
             return head
         rest = meta.derived.get("prefill_meta")
         if rest is None:
             rest = meta.derived["prefill_meta"] = tail_metadata(meta, decodes)
-        return torch.cat([head, self._varlen_forward(q[decodes:], k[decodes:], v[decodes:], kv_cache, rest, scale)])
+        k_rest, v_rest = (None, None) if k is None or v is None else (k[decodes:], v[decodes:])
+        return torch.cat([head, self._varlen_forward(q[decodes:], k_rest, v_rest, kv_cache, rest, scale, window)])
 
     def _varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+        window: int,
     ) -> Tensor:
-        if meta.derived.setdefault("no_prefix", meta.query_lens_cpu == meta.seq_lens_cpu):
+        max_k = meta.max_seq_len
+        no_prefix = meta.derived.setdefault("no_prefix", meta.query_lens_cpu == meta.seq_lens_cpu)
+        if no_prefix and k is not None and v is not None:
             # Every sequence starts in this step (fresh prompts, first chunks): its whole KV is k, v.
             k_all, v_all, cu_seq_k = k.contiguous(), v.contiguous(), meta.query_start_loc
+        elif window > 0:  # from each sequence's first visible key only: the kernel aligns its window bottom-right
+            k_all, v_all, cu_seq_k, max_k = self._gather_window_kv(kv_cache, meta, window)
         else:
             k_all, v_all, cu_seq_k = self._gather_packed_kv(kv_cache, meta)
         # Both entry points take the packed q, k, v, their cu_seqlens and maximum lengths first.
-        args = (q.contiguous(), k_all, v_all, meta.query_start_loc, cu_seq_k, meta.max_query_len, meta.max_seq_len)
+        args = (q.contiguous(), k_all, v_all, meta.query_start_loc, cu_seq_k, meta.max_query_len, max_k)
+        # FlashAttention's window (left, right) keeps keys [i - left, i + right] of the query at (aligned) position
+        # i; ours keeps i - window < j <= i, so left = window - 1.
+        left = window - 1 if window > 0 else -1
         if self._varlen is not None:
-            result: Tensor = self._varlen(*args, scale=scale, window_size=(-1, 0), enable_gqa=True)
+            result: Tensor = self._varlen(*args, scale=scale, window_size=(left, 0), enable_gqa=True)
             return result
+        if window > 0:  # dropout_p 0, not causal (the window's right edge 0 is), no debug mask
+            windowed: Tensor = torch.ops.aten._flash_attention_forward(
+                *args, 0.0, False, False, scale=scale, window_size_left=left, window_size_right=0
+            )[0]
+            return windowed
         # dropout_p 0, is_causal, no debug mask
         out: Tensor = torch.ops.aten._flash_attention_forward(*args, 0.0, True, False, scale=scale)[0]
         return out
@@ -188,6 +222,19 @@ class FlashVarlenBackend:
         flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
         return flat[0, slot], flat[1, slot], cu
 
+    @staticmethod
+    def _gather_window_kv(
+        kv_cache: Tensor, meta: AttentionMetadata, window: int
+    ) -> tuple[Tensor, Tensor, Tensor, int]:
+        """``_gather_packed_kv`` for a sliding layer: each sequence's keys from its first visible one, so a long
+        context costs a window's worth of copying, not the whole sequence. Slots computed once per forward."""
+        cached = meta.derived.get(f"flash_window_kv:{window}")
+        if cached is None:
+            cached = meta.derived[f"flash_window_kv:{window}"] = windowed_packed_kv_slots(meta, kv_cache.shape[2], window)
+        slot, cu, max_k = cached
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        return flat[0, slot], flat[1, slot], cu, max_k
+
 
 class PaddedDecodeBackend:
     """Decode-only attention whose shapes depend only on (batch, block-table width): for CUDA graphs.
@@ -202,36 +249,51 @@ class PaddedDecodeBackend:
     fused mem-efficient kernel runs one block per (sequence, KV head): 1.4 ms per layer at 21k tokens,
     measured). Elsewhere: SDPA with a length mask, GQA folded into the query length (the G query heads
     sharing a KV head become G query rows of that head).
+
+    A sliding-window layer passes its ``window`` as a Python constant, so a captured graph holds it: the Triton
+    kernel reads only the window's blocks, FlashAttention gets ``window_size_left`` (its window follows
+    ``seqused_k``), and the SDPA mask hides the keys before the window. ``bidirectional`` changes nothing here:
+    a decode row is never inside an image span with later keys. ``k = v = None``: nothing is written.
     """
 
     name = "padded_decode"
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float
+        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+        window: int = 0, bidirectional: bool = False,
     ) -> Tensor:
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if k is not None and v is not None:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         if paged_attention.usable(q):  # in place: no padded copy of the keys (see paged_attention)
             width = meta.block_tables.shape[1] * kv_cache.shape[2]
             split = meta.derived.get("split_tokens")
-            return paged_attention.paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, width, split)
+            return paged_attention.paged_decode(
+                q, kv_cache, meta.block_tables, meta.seq_lens, scale, width, split, window
+            )
         b, hq, d = q.shape
         hkv = kv_cache.shape[-2]
         kv = kv_cache[:, meta.block_tables].flatten(2, 3)  # [2, B, L = W * block_size, Hkv, D]
         width = kv.shape[2]
-        if _flash_seqused_available() and FlashVarlenBackend.supports(q):
+        windowed = 0 < window < width
+        flash = _flash_seqused_available() and FlashVarlenBackend.supports(q)
+        if flash and (not windowed or _flash_op_has("window_size_left")):
             lens = meta.derived.get("decode_lens")
             if lens is None:  # same for all layers
                 step = torch.arange(b + 1, dtype=torch.int32, device=q.device) * width
                 lens = meta.derived["decode_lens"] = (step, meta.seq_lens.int())
+            extra = {"window_size_left": window - 1, "window_size_right": 0} if windowed else {}
             out: Tensor = torch.ops.aten._flash_attention_forward(
                 q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), meta.query_start_loc, lens[0], 1, width,
-                0.0, False, False, scale=scale, seqused_k=lens[1],
+                0.0, False, False, scale=scale, seqused_k=lens[1], **extra,
             )[0]
             return out
-        mask = meta.derived.get("decode_mask")
-        if mask is None:  # same for all layers
+        key = f"decode_mask:{window if windowed else 0}"
+        mask = meta.derived.get(key)
+        if mask is None:  # same for all layers of this window
             keys = torch.arange(width, device=q.device)
-            mask = meta.derived["decode_mask"] = (keys < meta.seq_lens[:, None]).view(b, 1, 1, -1)
+            lens = meta.seq_lens[:, None]
+            visible = (keys < lens) & (keys >= lens - window) if windowed else keys < lens
+            mask = meta.derived[key] = visible.view(b, 1, 1, -1)
         args = (q.view(b, hkv, hq // hkv, d), kv[0].transpose(1, 2), kv[1].transpose(1, 2))
         if q.is_cuda:  # no cuDNN: its masked path is not needed here and we capture this in graphs
             with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
@@ -242,12 +304,17 @@ class PaddedDecodeBackend:
 
 
 @functools.cache
-def _flash_seqused_available() -> bool:
-    """torch's FlashAttention op takes per-sequence used key counts (``seqused_k``)."""
+def _flash_op_has(argument: str) -> bool:
+    """torch's FlashAttention op takes the keyword ``argument`` (the schema grew between releases)."""
     if not _flash_op_available():
         return False
     schema = torch.ops.aten._flash_attention_forward.default._schema
-    return any(arg.name == "seqused_k" for arg in schema.arguments)
+    return any(arg.name == argument for arg in schema.arguments)
+
+
+def _flash_seqused_available() -> bool:
+    """torch's FlashAttention op takes per-sequence used key counts (``seqused_k``)."""
+    return _flash_op_has("seqused_k")
 
 
 def flash_available() -> bool:

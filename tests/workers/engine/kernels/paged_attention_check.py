@@ -16,10 +16,11 @@ from workers.engine.kernels.attention import build_attention_metadata
 from workers.engine.kernels.torch_attention import PaddedDecodeBackend, SdpaBackend
 
 
-def naive(q: Tensor, cache: Tensor, table: list[int], seq_len: int, scale: float) -> Tensor:
-    """q [Hq, D] over the first seq_len keys of one sequence's blocks, float64."""
+def naive(q: Tensor, cache: Tensor, table: list[int], seq_len: int, scale: float, window: int = 0) -> Tensor:
+    """q [Hq, D] over the first seq_len keys of one sequence's blocks (the last ``window`` of them), float64."""
     block_size, hkv = cache.shape[2], cache.shape[3]
-    slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+    first = max(0, seq_len - window) if window else 0
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(first, seq_len)]
     flat = cache.view(2, -1, hkv, cache.shape[-1]).double()
     group = q.shape[0] // hkv
     k = flat[0, slots].repeat_interleave(group, dim=1)
@@ -28,7 +29,9 @@ def naive(q: Tensor, cache: Tensor, table: list[int], seq_len: int, scale: float
     return torch.einsum("hk,khd->hd", scores.softmax(-1), v)
 
 
-def check_kernel(hq: int, hkv: int, d: int, block_size: int, seq_lens: list[int], width: int, seed: int) -> float:
+def check_kernel(
+    hq: int, hkv: int, d: int, block_size: int, seq_lens: list[int], width: int, seed: int, window: int = 0
+) -> float:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = len(seq_lens) * width + 1
     cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen)
@@ -39,16 +42,16 @@ def check_kernel(hq: int, hkv: int, d: int, block_size: int, seq_lens: list[int]
     scale = d**-0.5
     out = paged_attention.paged_decode(
         q, cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), scale,
-        width * block_size,
+        width * block_size, window=window,
     )
     worst = 0.0
     for i, n in enumerate(seq_lens):
-        expected = naive(q[i], cache, tables[i], n, scale)
+        expected = naive(q[i], cache, tables[i], n, scale, window)
         worst = max(worst, (out[i].double() - expected).abs().max().item())
     return worst
 
 
-def check_backend(seed: int) -> float:
+def check_backend(seed: int, window: int = 0) -> float:
     """PaddedDecodeBackend (the CUDA-graph decode) takes the kernel here; it must equal the SDPA backend
     and write the same slots, with padding blocks full of huge values."""
     hq, hkv, d, block_size = 6, 2, 16, 4
@@ -67,9 +70,41 @@ def check_backend(seed: int) -> float:
     )
     padded.block_tables = padded.block_tables.long()  # as the CUDA graphs hold it
     ref_cache, cache_out = cache.clone(), cache.clone()
-    expected = SdpaBackend().forward(q, k, v, ref_cache, meta, d**-0.5)
-    out = PaddedDecodeBackend().forward(q, k, v, cache_out, padded, d**-0.5)
+    expected = SdpaBackend().forward(q, k, v, ref_cache, meta, d**-0.5, window)
+    out = PaddedDecodeBackend().forward(q, k, v, cache_out, padded, d**-0.5, window)
     assert torch.equal(cache_out, ref_cache), "the backend must write this step's K/V into the same slots"
+    return (out - expected).abs().max().item()
+
+
+def check_split_tokens(seed: int) -> float:
+    """A CUDA graph's split length (an input planned for other layers' head count, or too short for the grid) must
+    still cover every key: the kernel stretches a split to cover its sequence. A windowed layer ignores it."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, d, block_size, width = 4, 1, 16, 16, 32
+    seq_lens = [500, 37, 129]
+    cache = torch.randn(2, len(seq_lens) * width, block_size, hkv, d, generator=gen)
+    tables = [list(range(i * width, (i + 1) * width)) for i in range(len(seq_lens))]
+    q = torch.randn(len(seq_lens), hq, d, generator=gen)
+    worst = 0.0
+    for window in (0, 100):
+        out = paged_attention.paged_decode(
+            q, cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), 0.25,
+            width * block_size, torch.tensor([64], dtype=torch.int32), window,
+        )
+        for i, n in enumerate(seq_lens):
+            worst = max(worst, (out[i].double() - naive(q[i], cache, tables[i], n, 0.25, window)).abs().max().item())
+    return worst
+
+
+def check_flash_mixed_step(seed: int) -> float:
+    """FlashVarlenBackend on a mixed step of a sliding layer with images: decode rows through the kernel (with the
+    window), the chunks through the varlen contract's reference, then the span rows; against the SDPA backend."""
+    from tests.workers.engine.kernels.window_scenarios import Seq, cpu_flash_backend, make_step
+
+    step = make_step([Seq(20, 1), Seq(3, 1), Seq(5, 9, ((7, 12),)), Seq(8, 8, ((5, 12),))], seed=seed)
+    expected = SdpaBackend().forward(step.q, step.k, step.v, step.cache.clone(), step.meta, 0.25, 4, True)
+    out = cpu_flash_backend().forward(step.q, step.k, step.v, step.cache, step.meta, 0.25, 4, True)
+    assert step.meta.derived["decode_prefix"] == 2
     return (out - expected).abs().max().item()
 
 
@@ -85,6 +120,12 @@ def main() -> None:
         # Blocks of 128 (`glimpse serve` on CUDA): two key tiles per block, sequences ending inside either.
         "bs128": check_kernel(14, 2, 32, 128, [1, 64, 65, 200, 256], 3, 4),
         "padded_backend": check_backend(3),
+        # Sliding windows: the splits cover only each sequence's last `window` keys, starting inside a block.
+        "window_splits": check_kernel(4, 1, 32, 16, [700, 5, 130], 64, 5, window=200),
+        "window_bs4": check_kernel(2, 2, 16, 4, [3, 9, 33], 12, 6, window=7),
+        "window_padded_backend": check_backend(7, window=3),
+        "window_graph_split": check_split_tokens(8),
+        "flash_mixed_step": check_flash_mixed_step(9),
     }
     for name, err in cases.items():
         print(f"{name}: max abs error {err:.2e}")

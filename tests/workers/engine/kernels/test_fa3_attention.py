@@ -33,11 +33,13 @@ SEQ_LENS = [37, 6, 30, 12]
 def reference_kernel(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, max_seqlen_q: int, cu_seqlens_q: Tensor, max_seqlen_k: int, *,
     seqused_k: Tensor, block_table: Tensor, softmax_scale: float, causal: bool, fa_version: int,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> Tensor:
     """``flash_attn_varlen_func``'s documented contract for a paged cache, in float32 torch: sequence b's keys are
     the first ``seqused_k[b]`` slots of its blocks, query head h reads KV head ``h // (Hq / Hkv)``, and the causal
-    mask is aligned bottom-right."""
-    assert fa_version == 3 and causal
+    mask is aligned bottom-right; ``window_size`` (left, right) keeps keys [i - left, i + right] of the aligned
+    position i (-1: unbounded; causal makes right 0)."""
+    assert fa_version == 3 and causal and window_size[1] in (-1, 0)
     assert cu_seqlens_q.dtype == seqused_k.dtype == block_table.dtype == torch.int32
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
@@ -49,7 +51,11 @@ def reference_kernel(
         slots = block_table[b, pos // block_size].long() * block_size + pos % block_size
         keys, values = (c.flatten(0, 1)[slots].float().repeat_interleave(group, 1) for c in (k_cache, v_cache))
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * softmax_scale
-        scores = scores.masked_fill(pos[None] > torch.arange(new)[:, None] + (used - new), float("-inf"))
+        aligned = torch.arange(new)[:, None] + (used - new)
+        hidden = pos[None] > aligned
+        if window_size[0] >= 0:
+            hidden |= pos[None] < aligned - window_size[0]
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
     return out
 

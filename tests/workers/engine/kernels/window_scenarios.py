@@ -21,6 +21,7 @@ from transformers.masking_utils import (
 from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_for_mask
 
 from workers.engine.kernels.attention import AttentionMetadata, build_attention_metadata
+from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend
 
 Span = tuple[int, int]
 
@@ -88,7 +89,8 @@ def transformers_mask(seq: Seq, window: int, bidirectional: bool) -> Tensor:
         types = torch.zeros(1, seq_len, dtype=torch.long)
         for start, end in seq.spans:
             types[0, start:end] = 1
-        mask_fn = or_masks(causal_mask_function, blockwise_overlay(get_block_sequence_ids_for_mask(types, torch.device("cpu"))))
+        block_ids = get_block_sequence_ids_for_mask(types, torch.device("cpu"))
+        mask_fn = or_masks(causal_mask_function, blockwise_overlay(block_ids))
     if window:
         mask_fn = and_masks(sliding_window_overlay(window), mask_fn)
     q_idx = torch.arange(seq.context, seq_len)[:, None]
@@ -109,3 +111,42 @@ def reference(step: Step, scale: float, window: int = 0, bidirectional: bool = F
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).float())
         start += seq.new
     return torch.cat(outs)
+
+
+def reference_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int, max_k: int, *,
+    scale: float, window_size: tuple[int, int], enable_gqa: bool,
+) -> Tensor:
+    """torch's ``varlen_attn`` as documented (FlashAttention-2's contract), in float32: segment b's rows are
+    ``cu_seq_q[b]:cu_seq_q[b+1]`` and its keys ``cu_seq_k[b]:cu_seq_k[b+1]``; with the rows aligned to the last keys
+    (row r at key position r + sk - sq), window (left, right) keeps keys [r' - left, r' + right], -1 meaning
+    unbounded."""
+    assert enable_gqa and cu_seq_q.dtype == cu_seq_k.dtype == torch.int32
+    left, right = window_size
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    bq, bk = cu_seq_q.tolist(), cu_seq_k.tolist()
+    for b in range(len(bq) - 1):
+        sq, sk = bq[b + 1] - bq[b], bk[b + 1] - bk[b]
+        assert sq <= max_q and sk <= max_k
+        aligned = torch.arange(sq)[:, None] + (sk - sq)
+        keys = torch.arange(sk)[None, :]
+        allowed = torch.ones(sq, sk, dtype=torch.bool)
+        if left >= 0:
+            allowed &= keys >= aligned - left
+        if right >= 0:
+            allowed &= keys <= aligned + right
+        kb, vb = (t[bk[b] : bk[b + 1]].float().repeat_interleave(group, 1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[bq[b] : bq[b + 1]].float(), kb) * scale
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[bq[b] : bq[b + 1]] = torch.einsum("hqk,khd->qhd", probs, vb).to(q.dtype)
+    return out
+
+
+def cpu_flash_backend() -> FlashVarlenBackend:
+    """A FlashVarlenBackend that takes CPU float32 steps, with ``reference_varlen`` standing in for the kernel: the
+    backend's own work (decode rows, packed or windowed gathers, window arguments, span rows) is what runs."""
+    backend = FlashVarlenBackend.__new__(FlashVarlenBackend)
+    backend._varlen, backend._windows, backend._fallback = reference_varlen, True, SdpaBackend()
+    backend.supports = lambda q: True  # type: ignore[method-assign]
+    return backend
