@@ -10,7 +10,9 @@ why and serves on the default backend, and ``auto`` quietly keeps FlashAttention
 
 One kernel call covers the whole LM step and reads the paged KV cache in place: every sequence's keys through its
 block table up to ``seq_lens`` (``seqused_k``), the causal mask aligned bottom-right, GQA heads taken as they
-are. Decode rows are sequences of one new token in the same call, so nothing is gathered or split. Pure-decode
+are. Decode rows are sequences of one new token in the same call, so nothing is gathered or split. Sliding-window
+layers pass FA3's window ``(window - 1, 0)``; rows inside an image span are recomputed by SDPA after the call
+(attention_masks.py). Pure-decode
 steps keep their CUDA graphs (PaddedDecodeBackend). The ViT's windows keep their own kernel (window_attention.py:
 FA3 is slower at 64 patches).
 

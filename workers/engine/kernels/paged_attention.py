@@ -13,6 +13,10 @@ the keys in tiles of ``TILE`` tokens with an online softmax, and writes an unnor
 its log-sum-exp. A second kernel combines the splits. Splits are chosen from the padded width, not the real
 lengths, so the grid is fixed for a CUDA-graph bucket; a split past a sequence's end costs one length load.
 
+Sliding-window layers (``window``): each sequence's splits start at its window's first key, so only the window's
+blocks are read, and the grid is planned over the window, not the table width. A ``WINDOWED`` constexpr keeps the
+full-attention kernel's code as it was.
+
 The same code runs under ``TRITON_INTERPRET=1`` on the CPU, which is how CI checks it against the gather
 path (tests/workers/engine/kernels/test_paged_attention.py).
 """
@@ -57,10 +61,14 @@ def triton_available() -> bool:
     return True
 
 
-def probe(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+def probe(
+    device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    sliding: bool = False,
+) -> bool:
     """Run the kernel once on this model's head shapes against a gather + softmax reference. A Triton that
     cannot compile here (no C compiler for its launcher, an unsupported card) or a wrong answer switches the
-    kernel off for the process, and decode falls back to the gather path, rather than failing mid-serving."""
+    kernel off for the process, and decode falls back to the gather path, rather than failing mid-serving.
+    ``sliding``: these heads serve sliding-window layers, so the windowed variant is compiled and checked too."""
     q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
     if not usable(q):
         return False
@@ -70,14 +78,19 @@ def probe(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_hea
         q = torch.randn(2, num_q_heads, head_dim, generator=gen, device=device).to(dtype)
         tables = torch.tensor([[3, 1, 4], [0, 2, 4]], dtype=torch.int32, device=device)
         lens = [37, 20]
-        out = paged_decode(q, cache, tables, torch.tensor(lens, dtype=torch.int32, device=device), 0.125, 48)
         group = num_q_heads // num_kv_heads
-        for b, n in enumerate(lens):
-            slots = [int(tables[b, p // 16]) * 16 + p % 16 for p in range(n)]
-            k, v = (cache.view(2, -1, num_kv_heads, head_dim)[i, slots].float().repeat_interleave(group, 1) for i in (0, 1))
-            ref = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[b].float(), k) * 0.125).softmax(-1), v)
-            if not torch.allclose(out[b].float(), ref, atol=3e-2, rtol=3e-2):
-                raise RuntimeError(f"wrong result (max error {(out[b].float() - ref).abs().max().item():.3g})")
+        for window in (0, 24) if sliding else (0,):
+            out = paged_decode(
+                q, cache, tables, torch.tensor(lens, dtype=torch.int32, device=device), 0.125, 48, window=window
+            )
+            for b, n in enumerate(lens):
+                slots = [int(tables[b, p // 16]) * 16 + p % 16 for p in range(max(0, n - window) if window else 0, n)]
+                k, v = (cache.view(2, -1, num_kv_heads, head_dim)[i, slots].float().repeat_interleave(group, 1)
+                        for i in (0, 1))
+                scores = torch.einsum("hd,khd->hk", q[b].float(), k) * 0.125
+                ref = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+                if not torch.allclose(out[b].float(), ref, atol=3e-2, rtol=3e-2):
+                    raise RuntimeError(f"wrong result (max error {(out[b].float() - ref).abs().max().item():.3g})")
     except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
         _broken.append(str(exc))
         triton_available.cache_clear()

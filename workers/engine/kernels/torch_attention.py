@@ -4,6 +4,10 @@
 ``FlashVarlenBackend`` serves CUDA steps, decodes in place through paged_attention and prefill chunks through
 torch's FlashAttention-2 varlen kernel; ``PaddedDecodeBackend`` is the decode-only one whose shapes CUDA graphs
 can capture. All of them take the metadata and follow the protocol of attention.py.
+
+Sliding-window layers and image spans (Gemma 4; the rules in attention_masks.py): SDPA builds each sequence's mask
+when a plain causal call cannot express it; the flash kernels take the window as FlashAttention's ``(window - 1, 0)``
+and cannot take a span, so after them the rows inside a span are recomputed by SDPA (``attend_span_rows``).
 """
 
 from __future__ import annotations
@@ -121,6 +125,10 @@ class FlashVarlenBackend:
       when ``enable_gqa`` is set, and we have not verified that cuDNN's causal mask is bottom-right.
     * older torch (2.10/2.11 wrappers have no GQA and may route to cuDNN): the op those wrappers
       call, ``torch.ops.aten._flash_attention_forward``, which takes GQA natively.
+
+    Sliding-window layers: ``window_size=(window - 1, 0)`` (the op: ``window_size_left/right``; a torch whose op
+    has neither sends windowed layers to SDPA), over each sequence's keys from its first visible one, and decode
+    rows' kernel reads only the window's blocks. Image spans: the rows inside one are recomputed after the call.
     """
 
     name = "flash"

@@ -132,6 +132,7 @@ def main() -> None:
         assert err < 1e-5, name
     # The start-up probe passes here, and a kernel that fails switches itself off for the process.
     assert paged_attention.probe(torch.device("cpu"), torch.float32, 14, 2, 80)
+    assert paged_attention.probe(torch.device("cpu"), torch.float32, 8, 2, 32, sliding=True)
 
     def broken(*args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError("no C compiler")
