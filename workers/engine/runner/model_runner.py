@@ -110,7 +110,10 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
             heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
-            paged_attention.probe(self.device, self.dtype, heads, kv_heads, self.spec.head_dim)
+            # Families with caches of several shapes (Gemma 4): the top-level shape is the sliding layers', so the
+            # windowed variant is compiled and checked too.
+            paged_attention.probe(self.device, self.dtype, heads, kv_heads, self.spec.head_dim,
+                                  sliding=self.spec.kv_shapes is not None)
             warm_vision_attention(self)
         if cfg.fused_kernels and self.device.type == "cuda":
             warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
