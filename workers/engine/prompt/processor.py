@@ -1,7 +1,11 @@
-"""Prompt building for the Qwen-style VLM families: image processing, content hashing and placeholder
-expansion around the chat template (chat_template.py renders and tokenizes). M-RoPE positions are left to the
-model workers, which derive them from the spans. Runs where the tokenizer runs (a tokenizer process when serving,
-the caller's process for the offline Engine), never on an event loop.
+"""Prompt building for the VLM families: image processing, content hashing and placeholder expansion around the
+chat template (chat_template.py renders and tokenizes). M-RoPE positions are left to the model workers, which derive
+them from the spans. Runs where the tokenizer runs (a tokenizer process when serving, the caller's process for the
+offline Engine), never on an event loop.
+
+The Qwen-style processors are driven here directly (with pixel_frames.py's fast paths); a family whose processor
+works otherwise brings its own image side (``FamilyImages``, the family's ``images`` hook: Gemma 4's per-image token
+budgets, and the ids around each image's span).
 """
 
 from __future__ import annotations
@@ -40,6 +44,27 @@ PAD_BASE = 1 << 30
 
 def pad_value(image_hash: bytes) -> int:
     return PAD_BASE + int.from_bytes(image_hash[:4], "little") % PAD_BASE
+
+
+Grid = tuple[int, int, int]
+
+
+class FamilyImages(Protocol):
+    """A family's own image side, for processors the Qwen-style path does not fit (the family's ``images`` hook makes
+    one from the checkpoint's transformers processor and the spec). Images then carry a token budget: one of
+    ``budgets``, ``default_budget`` unless a request asks for another."""
+
+    budgets: tuple[int, ...]
+    default_budget: int
+    wrap: tuple[int, int] | None  # ids written before and after each image's span (None: the span alone)
+
+    def grid(self, width: int, height: int, budget: int) -> Grid:
+        """The patch grid of an image of this size (no pixels); ValueError where the processor refuses it."""
+        ...
+
+    def rows(self, image: Image.Image, budget: int) -> tuple[torch.Tensor, Grid]:
+        """An RGB image's patch rows (float32) and grid."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -112,10 +137,14 @@ class MMProcessor:
         self.hf = AutoProcessor.from_pretrained(str(model_dir))
         self.tokenizer = self.hf.tokenizer
         self.image_processor = self.hf.image_processor
+        # getattr: the hook is optional on ModelFamily (the Qwen families have none).
+        hook = getattr(self.family, "images", None)
+        self.images: FamilyImages | None = hook(self.hf, self.info) if hook is not None else None
         self.merge = int(getattr(self.image_processor, "merge_size", self.info.spatial_merge_size))
         ip = self.image_processor
         self._geometry = (int(getattr(ip, "patch_size", 0)), self.merge, int(getattr(ip, "temporal_patch_size", 1)))
-        self._grids: dict[tuple[int, int], tuple[int, int, int] | None] = {}  # image_grid's answers by (width, height)
+        # image_grid's answers by (width, height, budget)
+        self._grids: dict[tuple[int, int, int | None], tuple[int, int, int] | None] = {}
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.info.image_token_id)
         self.template = ChatTemplate(self.tokenizer)
         settings = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
@@ -131,17 +160,44 @@ class MMProcessor:
             self.video = VideoProcessor(self.hf.video_processor, self.info, self.family, tokens)
 
     # ---- images ---------------------------------------------------------------------------------
-    def hash_image(self, image: Image.Image) -> bytes:
-        """Content hash framed with mode, size and processor settings (16 bytes)."""
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """The image token budgets a request may ask for (empty: the family has none)."""
+        return self.images.budgets if self.images is not None else ()
+
+    def budget(self, budget: int | None) -> int | None:
+        """``budget`` checked, the default where None or equal to it (so the hashes agree); None for families without
+        budgets. Raises ValueError for a budget the family does not take."""
+        if self.images is None:
+            if budget is not None:
+                raise ValueError(f"{self.info.family} images take no token budget")
+            return None
+        if budget is None:
+            return self.images.default_budget
+        if budget not in self.images.budgets:
+            raise ValueError(f"an image's token budget must be one of {self.images.budgets}, not {budget}")
+        return budget
+
+    def budgeted(self, image_hash: bytes, budget: int | None) -> bytes:
+        """The hash of an image at ``budget``: another budget gives other tokens (another image to the caches), while
+        the default budget keeps the plain hash, which the processor settings in it already cover."""
+        checked = self.budget(budget)
+        if checked is None or self.images is None or checked == self.images.default_budget:
+            return image_hash
+        return blake3.blake3(b"glimpse-budget-v1" + checked.to_bytes(4, "little") + image_hash).digest(16)
+
+    def hash_image(self, image: Image.Image, budget: int | None = None) -> bytes:
+        """Content hash framed with mode, size and processor settings (16 bytes), and the token ``budget``."""
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         h = blake3.blake3(b"glimpse-image-v1")
         h.update(self._settings_digest)
         h.update(f"{rgb.mode}:{rgb.width}x{rgb.height}:uint8".encode())
         h.update(rgb.tobytes())
-        return h.digest(16)
+        return self.budgeted(h.digest(16), budget)
 
-    def media_hash(self, raw: bytes) -> bytes:
-        """Hash of an encoded media file as received (16 bytes), framed with the processor settings.
+    def media_hash(self, raw: bytes, budget: int | None = None) -> bytes:
+        """Hash of an encoded media file as received (16 bytes), framed with the processor settings, and the token
+        ``budget``.
 
         Used when serving: hashing the encoded bytes lets a tokenizer recognise a resent image
         before decoding it. Its own tag keeps it apart from `hash_image`'s pixel hashes.
@@ -149,15 +205,21 @@ class MMProcessor:
         h = blake3.blake3(b"glimpse-media-v1")
         h.update(self._settings_digest)
         h.update(raw)
-        return h.digest(16)
+        return self.budgeted(h.digest(16), budget)
 
     def process_image(
-        self, image: Image.Image | np.ndarray, image_hash: bytes | None = None, frame: bool = False
+        self, image: Image.Image | np.ndarray, image_hash: bytes | None = None, frame: bool = False,
+        budget: int | None = None,
     ) -> ProcessedImage:
         """The image's patch rows, as the checkpoint's processor makes them. With ``frame``, what shared memory
         should hold instead: the resized uint8 frame (pixel_frames.py), else the normalised image for
         `ProcessedImage.write_rows` to lay out, for processors whose fast paths give the full path's bits.
-        ``image`` may be [H, W, 3] uint8 RGB pixels (`decode_pixels`), which the uint8 frame's resize reads."""
+        ``image`` may be [H, W, 3] uint8 RGB pixels (`decode_pixels`), which the uint8 frame's resize reads.
+        ``budget``: the image's token budget (families with budgets; None: the default). ``image_hash``, when given,
+        must be the image's hash at that budget."""
+        if self.images is not None:
+            return self._family_image(image, image_hash, budget)
+        self.budget(budget)  # refuses a budget for a family without them
         # Each fast path is checked on the first such call (the offline Engine never asks for one).
         uint8_frames = self.uint8_frames if frame else None
         uint8 = uint8_frames is not None
@@ -188,10 +250,28 @@ class MMProcessor:
             uint8=uint8,
         )
 
+    def _family_image(self, image: Image.Image | np.ndarray, image_hash: bytes | None, budget: int | None) -> ProcessedImage:
+        """`process_image` through the family's own image side: always patch rows (no frame fast paths)."""
+        assert self.images is not None
+        rgb = Image.fromarray(image, "RGB") if isinstance(image, np.ndarray) else image
+        rgb = rgb if rgb.mode == "RGB" else rgb.convert("RGB")
+        checked = self.budget(budget)
+        assert checked is not None
+        rows, grid = self.images.rows(rgb, checked)
+        return ProcessedImage(
+            hash=image_hash if image_hash is not None else self.hash_image(rgb, checked),
+            grid=grid,
+            num_tokens=self.tokens_for_grid(grid),
+            pixel_values=rows,
+        )
+
     @cached_property
     def uint8_frames(self) -> tuple[FrameLayout, Any] | None:
         """The layout of this processor's images as uint8 frames in shm, and the processor copy that makes them;
-        None where its rows would not come out the same bits (then frames are normalised, or rows)."""
+        None where its rows would not come out the same bits (then frames are normalised, or rows), and for a family
+        with its own image side (which writes rows)."""
+        if self.images is not None:
+            return None
         return frame_layout(self.image_processor, self.merge)
 
     @cached_property
@@ -206,28 +286,36 @@ class MMProcessor:
 
     @cached_property
     def _frames(self) -> Any:
-        """`normalised_frames` for this processor: its normalised image, for processors the uint8 layout misses."""
+        """`normalised_frames` for this processor: its normalised image, for processors the uint8 layout misses (never
+        for a family with its own image side)."""
+        if self.images is not None:
+            return None
         return normalised_frames(self.image_processor, self._geometry)
 
-    def image_grid(self, width: int, height: int) -> tuple[int, int, int] | None:
-        """The patch grid `process_image` gives an image of this size (after EXIF orientation), found by the
-        processor's own resize run on a meta tensor: no pixels. None where it cannot be told in advance (a
-        processor that does not resize). Raises ValueError where the processor refuses the size."""
+    def image_grid(self, width: int, height: int, budget: int | None = None) -> tuple[int, int, int] | None:
+        """The patch grid `process_image` gives an image of this size (after EXIF orientation) at ``budget``, found by
+        the processor's own resize run on a meta tensor (or the family's own arithmetic): no pixels. None where it
+        cannot be told in advance (a processor that does not resize). Raises ValueError where the processor refuses
+        the size or the budget."""
+        budget = self.budget(budget)
         # Kept per size: the meta-tensor resize costs ~3-6 ms of dispatch (most of a deferred image's planning),
         # and a request's pages or a camera's frames share a handful of sizes.
         grids = self._grids
-        if (width, height) in grids:
-            return grids.get((width, height))  # get: a pool thread's clear() may come in between
+        key = (width, height, budget)
+        if key in grids:
+            return grids.get(key)  # get: a pool thread's clear() may come in between
         ip = self.image_processor
         grid: tuple[int, int, int] | None = None
-        if getattr(ip, "do_resize", False):
+        if self.images is not None and budget is not None:
+            grid = self.images.grid(width, height, budget)
+        elif getattr(ip, "do_resize", False):
             patch = int(ip.patch_size)
             meta = torch.empty((1, 3, height, width), dtype=torch.uint8, device="meta")
             h, w = ip.resize(images=meta, size=ip.size, resample=ip.resample, factor=patch * self.merge).shape[-2:]
             grid = (1, int(h) // patch, int(w) // patch)
         if len(grids) >= 4096:
             grids.clear()
-        grids[width, height] = grid
+        grids[key] = grid
         return grid
 
     # ---- prompts --------------------------------------------------------------------------------
@@ -248,8 +336,9 @@ class MMProcessor:
 
     def build(self, text: Rendered | str, media: Sequence[ImageMeta | VideoMeta]) -> Prompt:
         """Tokenize ``text`` (one placeholder per image or video, in prompt order) and expand each image
-        placeholder into the image's span, each video's into its frame groups' spans laid out as the family
-        lays a video out (Qwen3-VL: each group after its timestamp text)."""
+        placeholder into the image's span (between the family's wrapping ids, if it has them: Gemma 4's
+        ``<|image>`` ... ``<image|>``; the span's offset is its first image token), each video's into its frame
+        groups' spans laid out as the family lays a video out (Qwen3-VL: each group after its timestamp text)."""
         images = [m for m in media if not isinstance(m, VideoMeta)]
         videos = [m for m in media if isinstance(m, VideoMeta)]
         ids = self.token_ids(self._lay_out_videos(text, videos) if videos else text)
@@ -264,6 +353,7 @@ class MMProcessor:
                 else f"the prompt has {len(slots) - n_images} video frame placeholders, the videos {len(groups)} frame groups"
             )
         next_image, next_group = iter(images), iter(groups)
+        wrap = self.images.wrap if self.images is not None else None
         input_ids: list[int] = []
         spans: list[ImageSpan] = []
         cursor = 0
@@ -274,8 +364,12 @@ class MMProcessor:
                 item: ImageMeta = next(next_image)
             else:
                 item, frame = next(next_group)
+            if wrap is not None and frame is None:
+                input_ids.append(wrap[0])
             spans.append(ImageSpan(item.hash, len(input_ids), item.num_tokens, item.grid, frame))
             input_ids.extend([pad_value(item.hash)] * item.num_tokens)
+            if wrap is not None and frame is None:
+                input_ids.append(wrap[1])
             cursor = slot + 1
         input_ids.extend(ids[cursor:])
         delta = self.family.delta(len(input_ids), item_spans(spans), self.merge)
