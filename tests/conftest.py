@@ -50,6 +50,18 @@ def qwen3_5_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("demo") / "qwen3.5-moe", family="qwen3_5_moe")
 
 
+@pytest.fixture(scope="session")
+def gemma4_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Gemma 4 (dense) demo checkpoint, written once per test session."""
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "gemma4", family="gemma4")
+
+
+@pytest.fixture(scope="session")
+def gemma4_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Gemma 4 MoE demo checkpoint, written once per test session."""
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "gemma4-moe", family="gemma4_moe")
+
+
 @pytest.fixture
 def make_image() -> ImageFactory:
     """`make_image(width, height, seed=0)` -> a deterministic noise image (see `noise_image`)."""

@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 # The families `glimpse demo-model --family` can write (a family may serve several architectures).
 DEMO_FAMILIES: dict[str, str] = {
@@ -31,6 +32,8 @@ DEMO_FAMILIES: dict[str, str] = {
     "qwen3_vl_moe": "qwen3_vl",
     "qwen3_5": "qwen3_5",
     "qwen3_5_moe": "qwen3_5",
+    "gemma4": "gemma4",
+    "gemma4_moe": "gemma4",
 }
 
 
