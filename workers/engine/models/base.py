@@ -283,6 +283,9 @@ class ModelFamily:
     write_demo: Callable[[Path, str], Path]  # (existing directory, demo variant) -> that directory
     description: str = ""
     video_layout: VideoLayoutFn | None = None  # None: the family takes no video
+    # The family's own image side for processors the Qwen-style path does not fit (Gemma 4's token budgets):
+    # (transformers' processor, spec) -> an object with the FamilyImages interface of prompt/processor.py.
+    images: Callable[[Any, ModelSpec], Any] | None = None
 
 
 def text_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from workers.engine.models.base import ModelFamily, ModelSpec, builder, spec_from
 from workers.engine.models.gemma4.lm import Gemma4LanguageModel
+from workers.engine.models.gemma4.processing import Gemma4Images
 from workers.engine.models.gemma4.spec import TextSpec
 from workers.engine.models.gemma4.vision import VisionSpec, build_vision
 from workers.engine.models.linear_positions import linear_delta, linear_positions
@@ -58,4 +59,5 @@ FAMILY = ModelFamily(
     delta=linear_delta,
     write_demo=write_demo,
     description="Gemma 4 dense and MoE (sliding-window + global attention, per-image token budgets)",
+    images=Gemma4Images,
 )
