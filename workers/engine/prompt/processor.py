@@ -137,14 +137,13 @@ class MMProcessor:
         self.hf = AutoProcessor.from_pretrained(str(model_dir))
         self.tokenizer = self.hf.tokenizer
         self.image_processor = self.hf.image_processor
-        # getattr: the hook is optional on ModelFamily (the Qwen families have none).
-        hook = getattr(self.family, "images", None)
+        hook = self.family.images  # the Qwen families have none
         self.images: FamilyImages | None = hook(self.hf, self.info) if hook is not None else None
         self.merge = int(getattr(self.image_processor, "merge_size", self.info.spatial_merge_size))
         ip = self.image_processor
         self._geometry = (int(getattr(ip, "patch_size", 0)), self.merge, int(getattr(ip, "temporal_patch_size", 1)))
-        # image_grid's answers by (width, height, budget)
-        self._grids: dict[tuple[int, int, int | None], tuple[int, int, int] | None] = {}
+        # image_grid's answers by (width, height), and the budget for families with budgets
+        self._grids: dict[tuple[int, ...], tuple[int, int, int] | None] = {}
         self.image_token = self.tokenizer.convert_ids_to_tokens(self.info.image_token_id)
         self.template = ChatTemplate(self.tokenizer)
         settings = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
@@ -301,7 +300,7 @@ class MMProcessor:
         # Kept per size: the meta-tensor resize costs ~3-6 ms of dispatch (most of a deferred image's planning),
         # and a request's pages or a camera's frames share a handful of sizes.
         grids = self._grids
-        key = (width, height, budget)
+        key = (width, height) if budget is None else (width, height, budget)
         if key in grids:
             return grids.get(key)  # get: a pool thread's clear() may come in between
         ip = self.image_processor

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -23,6 +23,7 @@ import msgspec
 from ipc.prompts import SamplingParams
 from workers.common.errors import BadRequest
 from workers.common.tools import ToolChoice, check_tools, parse_tools, tool_grammar
+from workers.tokenizer.requests.mm_kwargs import image_options, request_budget
 from workers.tokenizer.requests.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingFields,
@@ -45,7 +46,8 @@ _R = TypeVar("_R", bound=msgspec.Struct)
 class ImageURL(msgspec.Struct, frozen=True):
     url: str
     # OpenAI's: "low" scales the image down to 512 px on its longer side before the processor sees it (fewer
-    # tokens); "auto" and "high" leave it as sent, at the processor's own resolution. Images only.
+    # tokens); "auto" and "high" leave it as sent, at the processor's own resolution. Families with token budgets
+    # (Gemma 4) give "low" the smallest and "high" the largest (mm_kwargs.py). Images only.
     detail: Literal["auto", "low", "high"] | None = None
 
 
@@ -71,7 +73,15 @@ class VideoPart(msgspec.Struct, frozen=True, tag="video_url", tag_field="type"):
         return self.video_url if isinstance(self.video_url, str) else self.video_url.url
 
 
-ContentPart = TextPart | ImagePart | VideoPart
+class InputAudioPart(msgspec.Struct, frozen=True, tag="input_audio", tag_field="type"):
+    input_audio: Any = None  # OpenAI's {"data": ..., "format": ...}: refused, no audio is served
+
+
+class AudioURLPart(msgspec.Struct, frozen=True, tag="audio_url", tag_field="type"):
+    audio_url: Any = None  # vLLM's: refused, no audio is served
+
+
+ContentPart = TextPart | ImagePart | VideoPart | InputAudioPart | AudioURLPart
 
 
 class CalledFunction(msgspec.Struct, frozen=True):
@@ -110,6 +120,8 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's per-request settings of the multimodal processor (mm_kwargs.py: Gemma 4's max_soft_tokens).
+    mm_processor_kwargs: dict[str, Any] | None = None
     # Fields other servers take that would change the answer and that are not served here: refused unless default.
     echo: bool = False
     audio: Any = None
@@ -182,6 +194,7 @@ def decode_body(decoder: msgspec.json.Decoder[_R], body: bytes | memoryview) -> 
 
 def _check(req: ChatCompletionRequest) -> None:
     """Value checks msgspec's types cannot express, in parameter order, first failure wins."""
+    _check_parts(req)
     if req.max_tokens is not None and req.max_tokens < 1:
         raise range_error("max_tokens", req.max_tokens, ">= 1")
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
@@ -207,6 +220,14 @@ def _check(req: ChatCompletionRequest) -> None:
     for param, sent, why in refused:
         if sent:
             raise unsupported(param, why)
+
+
+def _check_parts(req: ChatCompletionRequest) -> None:
+    for i, message in enumerate(req.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if isinstance(part, InputAudioPart | AudioURLPart):
+                kind = "input_audio" if isinstance(part, InputAudioPart) else "audio_url"
+                raise unsupported(f"messages[{i}].content[{j}].{kind}", "audio input is not supported")
 
 
 # apply_chat_template's own parameters: chat_template_kwargs may not set them.
@@ -243,11 +264,15 @@ class ImageRef:
 
     url: str
     param: str
-    low: bool = False  # detail "low"
+    low: bool = False  # detail "low", for families without token budgets: scaled down before the processor
+    budget: int | None = None  # the image's token budget (families with budgets; None: the checkpoint's default)
 
 
-def image_refs(req: ChatCompletionRequest) -> list[ImageRef]:
-    return list(_iter_images(req))
+def image_refs(req: ChatCompletionRequest, budgets: Sequence[int] = ()) -> list[ImageRef]:
+    """The image parts of the request, in prompt order, with their token budgets for a family whose processor takes
+    ``budgets`` (`MMProcessor.budgets`; empty: none). Raises BadRequest for mm_processor_kwargs the family does not
+    take, even without images."""
+    return list(_iter_images(req, request_budget(req.mm_processor_kwargs, budgets), budgets))
 
 
 def video_refs(req: ChatCompletionRequest) -> list[ImageRef]:
@@ -274,13 +299,14 @@ def text_parts(req: ChatCompletionRequest) -> list[str]:
     return out
 
 
-def _iter_images(req: ChatCompletionRequest) -> Iterator[ImageRef]:
+def _iter_images(req: ChatCompletionRequest, budget: int | None, budgets: Sequence[int]) -> Iterator[ImageRef]:
     for i, message in enumerate(req.messages):
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 if isinstance(part, ImagePart):
-                    low = isinstance(part.image_url, ImageURL) and part.image_url.detail == "low"
-                    yield ImageRef(part.url, f"messages[{i}].content[{j}].image_url", low)
+                    detail = part.image_url.detail if isinstance(part.image_url, ImageURL) else None
+                    low, image_budget = image_options(detail, budget, budgets)
+                    yield ImageRef(part.url, f"messages[{i}].content[{j}].image_url", low, image_budget)
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -295,12 +321,7 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         elif raw is None or isinstance(raw, str):
             content = raw or ""
         else:
-            content = [
-                {"type": "text", "text": p.text}
-                if isinstance(p, TextPart)
-                else {"type": "video_url"} if isinstance(p, VideoPart) else {"type": "image_url"}
-                for p in raw
-            ]
+            content = [_template_part(p) for p in raw]
         entry: dict[str, Any] = {"role": role, "content": content}
         if message.tool_calls:
             entry["tool_calls"] = [
@@ -311,6 +332,16 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
+
+
+def _template_part(part: ContentPart) -> dict[str, Any]:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    if isinstance(part, VideoPart):
+        return {"type": "video_url"}
+    if isinstance(part, ImagePart):
+        return {"type": "image_url"}
+    raise ValueError(f"a {type(part).__name__} reached the template (parse_request refuses them)")
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:

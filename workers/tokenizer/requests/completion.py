@@ -12,7 +12,7 @@ with ``echo`` computes the prompt alone (a loglikelihood, no generation).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -23,6 +23,7 @@ from workers.config import ServerConfig
 from workers.engine.prompt.processor import MMProcessor, Prompt, Rendered
 from workers.engine.runner.grammar import Validator
 from workers.tokenizer.requests.chat import decode_body
+from workers.tokenizer.requests.mm_kwargs import request_budget
 from workers.tokenizer.requests.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingFields,
@@ -56,6 +57,8 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM-style extension: choices[].prompt_logprobs, 0-20 best per position
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's multimodal processor settings: checked as for chat (a prompt here has no images to apply them to).
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 _decoder = msgspec.json.Decoder(CompletionRequest)
@@ -138,6 +141,7 @@ def prepare_completion(
 ) -> tuple[RequestAccepted, TokenizedRequest]:
     """Tokenize a completions prompt (or batch) and build what the frontend and the scheduler get."""
     processor = worker.processor
+    request_budget(completion.mm_processor_kwargs, processor.budgets)
     raws = _prompts(completion)
     prompts = [_tokenize(worker, raw) for raw in raws]
     ids = [p.input_ids for p in prompts]
