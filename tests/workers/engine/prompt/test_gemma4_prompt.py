@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from tests.conftest import noise_image
+from workers.engine.models.gemma4.demo import write_gemma4
 from workers.engine.prompt.processor import ImageInfo, MMProcessor, pad_value
 
 # (width, height): landscape, portrait, slivers both ways (the processor's 0-side fallbacks), odd sizes, a size that
@@ -184,6 +185,14 @@ def test_image_and_turn_strings_typed_by_a_client_stay_text(gemma: MMProcessor) 
     )
     with pytest.raises(ValueError, match="image placeholders"):
         gemma.build(gemma.render(messages), [])
+
+
+def test_demo_checkpoint_is_deterministic(gemma4_model_dir: Path, tmp_path: Path) -> None:
+    again = write_gemma4(tmp_path / "again", moe=False)
+    names = sorted(p.name for p in gemma4_model_dir.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    assert {"config.json", "processor_config.json", "preprocessor_config.json", "chat_template.jinja"} <= set(names)
+    assert all((gemma4_model_dir / n).read_bytes() == (again / n).read_bytes() for n in names)
 
 
 def test_demo_checkpoint_is_the_hubs_layout(gemma4_model_dir: Path, gemma4_moe_model_dir: Path) -> None:
