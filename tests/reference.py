@@ -101,3 +101,23 @@ def greedy_text(model_dir: Path, images: list[bytes], text: str, max_new: int) -
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False)
     return str(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+
+
+class ChatReference:
+    """transformers' greedy answers (CPU, float32) to whole chats of image turns, decoded as the server decodes them:
+    the reference for every turn of a served multi-turn chat. ``processor_kwargs`` go to the processor (e.g. Gemma 4's
+    ``processor_kwargs={"max_soft_tokens": 70}``)."""
+
+    def __init__(self, model_dir: Path, max_new: int) -> None:
+        self.processor = AutoProcessor.from_pretrained(str(model_dir))
+        self.model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.max_new = max_new
+
+    def answer(self, messages: list[dict[str, Any]], **processor_kwargs: Any) -> str:
+        inputs = self.processor.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt",
+            **processor_kwargs,
+        )
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, max_new_tokens=self.max_new, do_sample=False)
+        return str(self.processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))

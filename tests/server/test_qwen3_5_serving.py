@@ -12,11 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from tests.reference import greedy_text
+from tests.reference import ChatReference, greedy_text
 from tests.server.live import LiveServer, data_url, png_bytes
 
 MAX_NEW = 12
@@ -45,22 +43,6 @@ def settled(server: LiveServer, key: str, value: int) -> dict[str, Any]:
         time.sleep(0.05)
 
 
-class Turns:
-    """transformers' greedy answers to a chat of image turns (the reference for every turn)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.processor = AutoProcessor.from_pretrained(str(model_dir))
-        self.model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-    def answer(self, messages: list[dict[str, Any]]) -> str:
-        inputs = self.processor.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )
-        with torch.inference_mode():
-            out = self.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-        return str(self.processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
-
-
 def test_five_images_over_tp2_equal_transformers(served: tuple[LiveServer, Path]) -> None:
     server, model_dir = served
     text = "Compare these five pages."
@@ -74,7 +56,7 @@ def test_five_images_over_tp2_equal_transformers(served: tuple[LiveServer, Path]
 
 def test_four_turn_chat_resends_its_images_and_resumes_from_state_snapshots(served: tuple[LiveServer, Path]) -> None:
     server, model_dir = served
-    reference = Turns(model_dir)
+    reference = ChatReference(model_dir, MAX_NEW)
     client = server.client(timeout=120)
     sent: list[dict[str, Any]] = []  # what the client sends (data URLs)
     local: list[dict[str, Any]] = []  # the same chat for transformers (PIL images)

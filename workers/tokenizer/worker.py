@@ -206,7 +206,7 @@ class TokenizerWorker:
         if isinstance(chat, CompletionRequest):  # no images, no template: prepare_completion does the rest
             return Admitted(chat, [], [])
         self._check_length(chat)
-        refs = image_refs(chat)
+        refs = image_refs(chat, self.processor.budgets)
         if len(refs) > (limit := self.config.max_images_per_request):
             message = f"The request has {len(refs)} images; this server accepts at most {limit}."
             raise BadRequest(message, param="messages", code="too_many_images")
@@ -267,7 +267,7 @@ class TokenizerWorker:
         assert len(raws) == len(refs), "prepare() before every image was loaded"
         defer = defer and self.overlap
         order = self.prep.plan(raws, [r.param for r in refs], defer=defer, first_too=defer and alone,
-                               low=[r.low for r in refs])
+                               low=[r.low for r in refs], budgets=[r.budget for r in refs])
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]

@@ -125,18 +125,21 @@ class ImagePrep(ImageSegments):
 
     def plan(
         self, raws: list[Encoded], params: list[str], defer: bool = False, first_too: bool = False,
-        low: list[bool] | None = None,
+        low: list[bool] | None = None, budgets: list[int | None] | None = None,
     ) -> list[RequestImage]:
         """Hash every image; find live segments to reuse, or else decode and process it now (the
         distinct ones that need it all at once), or with ``defer`` only read its grid from the header.
         With ``first_too`` as well, the first fresh image is deferred too (still decoded from the moment it
-        is found fresh). ``low``: which images have detail "low". One entry per image, repeats sharing theirs."""
+        is found fresh). ``low``: which images have detail "low"; ``budgets``: each image's token budget (families
+        with budgets; None: the default). One entry per image, repeats sharing theirs."""
         by_hash: dict[bytes, RequestImage] = {}
         order: list[RequestImage] = []
         todo: list[RequestImage] = []
         listing: dict[str, list[tuple[str, Grid]]] | None = None  # /dev/shm listed at most once
         self.marks = {}
-        for raw, param, small in zip(raws, params, low or [False] * len(raws), strict=True):
+        for raw, param, small, budget in zip(
+            raws, params, low or [False] * len(raws), budgets or [None] * len(raws), strict=True
+        ):
             h = raw.hash if raw.hash is not None else self.processor.media_hash(raw.data())
             if raw.key is not None and raw.hash is None:  # remembered for this URL's next sending
                 self.data_urls[raw.key] = h
@@ -144,6 +147,7 @@ class ImagePrep(ImageSegments):
                     self.data_urls.popitem(last=False)
             if small:  # other pixels than the same bytes at full detail: another image to the caches
                 h = blake3.blake3(b"glimpse-low-detail-v1" + h).digest(16)
+            h = self.processor.budgeted(h, budget)  # another budget: other tokens, another image to the caches
             if (image := by_hash.get(h)) is not None:
                 self.images_reused += 1  # repeated within the request: shares the first one's segment
                 order.append(image)
@@ -153,9 +157,9 @@ class ImagePrep(ImageSegments):
                 listing = self._list_live() if listing is None else listing
                 live = listing.get(h.hex(), [])
             if live:
-                image = RequestImage(h, raw, param, live[0][1], [name for name, _ in live], low=small)
+                image = RequestImage(h, raw, param, live[0][1], [name for name, _ in live], low=small, budget=budget)
             else:
-                image = RequestImage(h, raw, param, NO_GRID, [], low=small)
+                image = RequestImage(h, raw, param, NO_GRID, [], low=small, budget=budget)
                 todo.append(image)
                 if defer and len(todo) == 1:  # decoding from here on, while the rest is hashed and probed
                     self._start_early(image, deferred=first_too)
@@ -190,7 +194,7 @@ class ImagePrep(ImageSegments):
         if image.low:
             width, height = low_detail_size(width, height)
         try:
-            grid = self.processor.image_grid(width, height)
+            grid = self.processor.image_grid(width, height, image.budget)
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses
             raise BadRequest(
                 f"The image cannot be processed: {exc}", param=image.param, code="invalid_image"
@@ -225,7 +229,7 @@ class ImagePrep(ImageSegments):
         if image.low:
             decoded = low_detail(decoded)
         try:
-            return self.processor.process_image(decoded, image_hash=image.hash, frame=True)
+            return self.processor.process_image(decoded, image_hash=image.hash, frame=True, budget=image.budget)
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses
             raise BadRequest(
                 f"The image cannot be processed: {exc}", param=image.param, code="invalid_image"

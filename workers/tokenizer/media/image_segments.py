@@ -44,6 +44,7 @@ class RequestImage:
     deferred: bool = False  # grid from the header: decoded, processed and written after the prompt is sent
     early: Future[ProcessedImage] | None = None  # grid from the header, processing while the prompt is built
     low: bool = False  # detail "low": scaled down before the processor (media.low_detail); its own hash
+    budget: int | None = None  # its token budget (families with budgets, MMProcessor.budgets; None: the default)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class ImageSegments:
         self.dtype = config.engine.torch_dtype()
         ip = processor.image_processor
         # Width of one patch row in pixel_values; with the grid it gives a segment's shape from its name.
-        self.row = 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
+        self.row = 3 * int(getattr(ip, "temporal_patch_size", 1)) * int(ip.patch_size) ** 2  # Gemma 4: no temporal
         self.frame_layout = processor.uint8_frames[0] if processor.uint8_frames is not None else None
         self.local: OrderedDict[bytes, tuple[str, Grid]] = OrderedDict()
         self.nonce = f"w{index}{os.urandom(3).hex()}-"  # unique names across restarts of this index

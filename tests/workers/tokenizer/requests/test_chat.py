@@ -42,7 +42,7 @@ BAD: list[tuple[str, bytes, int, str | None, str | None]] = [
     ),
     (
         "unknown part type",
-        body(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
+        body(messages=[{"role": "user", "content": [{"type": "input_file", "input_file": {}}]}]),
         400,
         "messages[0].content[0].type",
         "invalid_value",
