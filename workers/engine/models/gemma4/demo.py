@@ -19,6 +19,7 @@ beside each layer's dense MLP.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -123,14 +124,22 @@ def write_processor(out: Path) -> tuple[dict[str, int], int]:
     return ids, len(tokenizer)
 
 
-def _shape_weights(model: Any, ids: dict[str, int], n_tokens: int, tied: bool) -> None:
+def _byte_ids(out: Path) -> list[int]:
+    """The tokenizer's byte-fallback tokens (``<0x00>`` .. ``<0xFF>``)."""
+    vocab: dict[str, int] = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"]
+    return [i for tok, i in vocab.items() if re.fullmatch(r"<0x[0-9A-F]{2}>", tok)]
+
+
+def _shape_weights(model: Any, ids: dict[str, int], n_tokens: int, tied: bool, byte_ids: list[int]) -> None:
     """Gains on top of the shared per-name init (see ROW_NORM), and the output rows of ids a trained model never emits
     silenced: the vocabulary's padding rows zeroed, the control tokens' other than the two stop tokens zeroed in an
-    untied head or scaled down in a tied one (where the rows are the tokens' input embeddings too)."""
+    untied head or scaled down in a tied one (where the rows are the tokens' input embeddings too). Byte-fallback
+    tokens go with them: random weights would emit runs of them that are not UTF-8, whose text a streaming
+    detokenizer and one decode of the whole answer spell differently (transformers folds the run into U+FFFDs)."""
     import torch
 
     stops = {ids["<eos>"], ids["<turn|>"]}
-    specials = torch.tensor([i for i in ids.values() if i not in stops])
+    specials = torch.tensor([i for i in ids.values() if i not in stops] + byte_ids)
     with torch.no_grad():
         for name, tensor in model.state_dict(keep_vars=True).items():
             # Scales the model multiplies by: around 1, as trained ones are (the shared init draws them around 0).
@@ -160,7 +169,7 @@ def write_gemma4(out: Path, moe: bool) -> Path:
     ids, n_tokens = write_processor(out)
     config = hub_config(moe, ids, padded_vocab(n_tokens))
     model = init_model(Gemma4ForConditionalGeneration, Gemma4Config.from_dict(config))
-    _shape_weights(model, ids, n_tokens, tied=not moe)
+    _shape_weights(model, ids, n_tokens, tied=not moe, byte_ids=_byte_ids(out))
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<bos>"], eos_token_id=[ids["<eos>"], ids["<turn|>"]], pad_token_id=ids["<pad>"],
         do_sample=False,
