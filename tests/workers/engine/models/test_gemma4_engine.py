@@ -74,6 +74,7 @@ def test_multi_turn_chat_past_the_window_hits_the_prefix_cache(family: tuple[Pat
     model_dir, reference = family
     engine = make_engine(model_dir, chunk_size=64)
     messages: list[dict[str, Any]] = []
+    previous = 0  # the last turn's prompt tokens
     for turn in range(3):
         messages.append(chat(f"Page {turn}: what changed?", [FIVE[turn]])[0])
         before = engine.stats()
