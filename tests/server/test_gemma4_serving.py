@@ -86,8 +86,9 @@ def test_three_turn_chat_past_the_window_hits_the_prefix_cache(served: tuple[Liv
         stats = settled(server, "images_encoded", start["images_encoded"] + turn + 1)
         assert stats["images_encoded"] - start["images_encoded"] == turn + 1  # each image once
         assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
-        if turn:  # all of the turn before's prompt but its last partial block (16-token blocks on the CPU)
-            assert previous - 16 <= (resp.usage.prompt_tokens_details.cached_tokens or 0) < previous
+        if turn:  # the turn before's prompt (and the blocks its answer filled) but the last partial block (16 on the CPU)
+            cached = resp.usage.prompt_tokens_details.cached_tokens or 0
+            assert previous - 16 <= cached < resp.usage.prompt_tokens, (turn, cached, previous)
         previous = resp.usage.prompt_tokens
         sent.append({"role": "assistant", "content": answer})
         local.append({"role": "assistant", "content": answer})
