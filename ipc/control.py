@@ -48,3 +48,4 @@ class ProcessReady(Msg, frozen=True):
     pid: int
     num_kv_blocks: int = 0
     num_state_slots: int = 0  # hybrid models: slots of the linear-attention state pool
+    num_window_blocks: int = 0  # sliding-window models (Gemma 4): blocks of the sliding layers' own KV pool

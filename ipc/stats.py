@@ -72,6 +72,10 @@ class SchedulerStats(Msg, frozen=True):
     state_snapshots_evicted: int = 0
     state_restores: int = 0  # admissions that resumed from a snapshot
     state_restored_tokens: int = 0  # prompt tokens those skipped
+    # Sliding-window models (Gemma 4): the sliding layers' own KV block pool (all 0 for other models).
+    window_blocks_total: int = 0
+    window_blocks_used: int = 0
+    window_blocks_released: int = 0  # given back before their sequence ended (fell out of every later window)
 
 
 class TokenizerStats(Msg, frozen=True):

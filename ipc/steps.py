@@ -34,7 +34,7 @@ class NewSeq(msgspec.Struct, frozen=True):
     state_slot: int = -1
 
 
-class SeqChunk(msgspec.Struct, frozen=True):
+class SeqChunk(msgspec.Struct, frozen=True, omit_defaults=True):
     """The slice of one sequence computed in a step: tokens [start, start + length)."""
 
     rid: str
@@ -43,6 +43,10 @@ class SeqChunk(msgspec.Struct, frozen=True):
     new_blocks: list[int]  # KV blocks appended to the sequence's block_table since the last step
     new_token_ids: list[int]  # tokens appended to the sequence since the worker last saw it (sampled ones)
     sample: bool  # sample a token after this chunk (last prefill chunk, or decode)
+    # Families with sliding-window layers: entries appended to the sequence's window table (the sliding layers' own
+    # block pool) since the last step; -1 for a block it does not hold (before a prefix hit's window). Omitted when
+    # empty, so other families' chunks encode as before.
+    new_window_blocks: list[int] = []
 
 
 class EncodeItem(msgspec.Struct, frozen=True):
@@ -76,6 +80,9 @@ class Fork(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None  # the parent's seed + index, as vLLM offsets it, so choices differ under one seed
     # Hybrid models: the choice's own state slot, a copy of the parent's after this step's forward (-1: none).
     state_slot: int = -1
+    # Families with sliding-window layers: the choice's window table and its copy of the parent's partial block there.
+    window_table: list[int] = []
+    window_copy: tuple[int, int] | None = None
 
 
 class StepPlan(Msg, frozen=True):

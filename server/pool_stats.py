@@ -76,6 +76,7 @@ def replica_rows(book: ReplicaReports, views: Sequence[ReplicaView]) -> list[dic
             row.update(
                 requests={"running": s.requests_running, "waiting": s.requests_waiting},
                 kv_blocks={"used": s.kv_blocks_used, "total": s.kv_blocks_total},
+                window_blocks={"used": s.window_blocks_used, "total": s.window_blocks_total},
                 generated_tokens=s.generated_tokens,
                 prompt_tokens=s.prompt_tokens,
                 prompt_tokens_computed=s.prompt_tokens_computed,

@@ -63,6 +63,10 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default: 512 MB on CPU, 40%% of free GPU memory)")
     m.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks of --block-size tokens, or without "
                    "it of 16 tokens (laid out in blocks of 128 where those are the default); overrides --kv-cache-mb")
+    m.add_argument("--num-window-blocks", type=int, default=None,
+                   help="sliding-window models (Gemma 4): blocks of --block-size tokens in the sliding layers' own KV "
+                   "pool (default: 2 x each of --max-num-seqs sequences' window plus a chunk, at most half the cache "
+                   "budget)")
     m.add_argument("--mm-cache-mb", type=float, default=E["mm_cache_mb"], help="per-image embedding cache budget")
     m.add_argument("--mm-cache-mode", default=E["mm_cache_mode"], choices=["image", "request"],
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
@@ -187,6 +191,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_model_len or info.max_position_embeddings,
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
+        num_window_blocks=args.num_window_blocks,
         kv_cache_mb=args.kv_cache_mb,
         mm_cache_mb=args.mm_cache_mb,
         mm_cache_mode=args.mm_cache_mode,

@@ -115,6 +115,10 @@ class StatsBook:
             "samples_dropped": s.samples_dropped,
             "scheduler_gc": gc_row(s.gc_collections, s.gc_full, s.gc_pause_s_sum, s.gc_pause_s_max, s.gc_frozen),
             "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
+            # Sliding-window models (Gemma 4): the sliding layers' own pool (kv_blocks is the global layers').
+            "window_blocks": {
+                "used": s.window_blocks_used, "total": s.window_blocks_total, "released": s.window_blocks_released,
+            },
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "prompt_tokens_computed": s.prompt_tokens_computed,
             "state_pool": {  # hybrid models (Qwen3.5's linear attention): live states and prefix snapshots
@@ -227,6 +231,9 @@ class _BookCollector(Collector):
             yield counter("scheduler_steps", "Scheduler steps run.", s.steps)
             yield gauge("kv_blocks_used", "KV cache blocks in use.", s.kv_blocks_used)
             yield gauge("kv_blocks_total", "KV cache blocks available.", s.kv_blocks_total)
+            if s.window_blocks_total:
+                yield gauge("window_blocks_used", "Sliding-window layers' KV blocks in use.", s.window_blocks_used)
+                yield gauge("window_blocks_total", "Sliding-window layers' KV blocks.", s.window_blocks_total)
             if s.state_slots_total:
                 yield gauge("state_slots_total", "Linear-attention state slots (hybrid models).", s.state_slots_total)
                 yield gauge("state_slots_live", "State slots holding a running sequence.", s.state_slots_live)

@@ -40,6 +40,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_mb: int | None = None  # default: 512 on CPU, 40% of free memory on CUDA
+    # Families with sliding-window layers (Gemma 4): blocks of those layers' own pool (None: cache_memory.py's rule).
+    num_window_blocks: int | None = None
     # Per-image embedding cache.
     mm_cache_mb: float = 1024  # fractions allowed (tests size the cache below one request)
     mm_cache_mode: MMCacheMode = "image"

@@ -87,6 +87,8 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             lone_prefill_tokens=config.lone_prefill_tokens,
             state_slots=self.runner.num_state_slots,
+            window=self.runner.window,
+            window_blocks=self.runner.num_window_blocks,
             state_snapshot_every=config.state_snapshot_every,
             whole_images=self.info.bidirectional_images,
         )
@@ -201,6 +203,7 @@ class Engine:
             "requests_waiting": len(self.core.waiting),
             "kv_blocks_used": self.core.allocator.num_used,
             "kv_blocks_total": self.core.allocator.num_blocks,
+            **(self.core.windows.stats() if self.core.windows is not None else {}),
             "preemptions": self.core.preemptions,
             "prefix_cache_hit_tokens": self.core.allocator.prefix_hit_tokens,
             "prompt_tokens_computed": self.core.prompt_tokens_computed,

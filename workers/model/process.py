@@ -138,6 +138,7 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
             ProcessReady(
                 role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks,
                 num_state_slots=runner.num_state_slots,
+                num_window_blocks=runner.num_window_blocks,
             )  # fmt: skip
         )
         _serve(runner, reader, rank, inbound, to_sched, log, gc_watch)

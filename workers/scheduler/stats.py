@@ -71,5 +71,6 @@ def snapshot(s: SchedulerState) -> SchedulerStats:
         gc_full=s.gc.full,
         gc_pause_s_sum=s.gc.pause_s_sum,
         **(core.state.stats() if core.state is not None else {}),  # hybrid models' state pool
+        **(core.windows.stats() if core.windows is not None else {}),  # sliding-window models' window pool
     )
 

@@ -20,6 +20,7 @@ from workers.engine.core.kv_cache import BlockAllocator, block_hashes
 from workers.engine.core.mm_cache import EmbeddingCacheIndex
 from workers.engine.core.sequence import (
     FinishReason,
+    RequestRejected,
     Sequence,
     SeqUpdate,
     check_prompt,
@@ -28,6 +29,7 @@ from workers.engine.core.sequence import (
     prompt_only_updates,
 )
 from workers.engine.core.state_cache import StatePool
+from workers.engine.core.window_blocks import WindowBlocks
 
 
 class SequenceBook:
@@ -50,6 +52,8 @@ class SequenceBook:
         state_slots: int = 0,
         state_snapshot_every: int = 16,
         whole_images: bool = False,
+        window: int = 0,
+        window_blocks: int = 0,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
@@ -76,6 +80,8 @@ class SequenceBook:
         self._snapshot_at: dict[int, tuple[Sequence, int]] = {}  # pending slot -> its sequence and boundary (events)
         if self.state is not None:
             self.allocator.on_unregister = self.state.drop
+        # Families with sliding-window layers (window > 0): those layers' own block pool (window_blocks.py).
+        self.windows = WindowBlocks(window_blocks, block_size, window) if window > 0 and window_blocks > 0 else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -116,6 +122,13 @@ class SequenceBook:
             raise ValueError("a batch of prompts takes n = 1")
         for ids in [input_ids, *(more_prompts or [])]:
             check_prompt(ids, sampling.n, self.max_model_len, self.allocator)
+        if self.windows is not None:
+            need = self.windows.per_sequence(self.lone_prefill_tokens) + max(0, sampling.n - 1)
+            if need > self.windows.allocator.num_blocks:
+                raise RequestRejected(
+                    f"a sequence needs {need} sliding-window KV blocks, the window pool has "
+                    f"{self.windows.allocator.num_blocks} in all"
+                )
         seq = Sequence(rid, list(input_ids), mrope_delta, list(items), sampling, next(self._arrivals))
         seq.pending = set(pending)
         if self.mm_cache_mode == "request" and items:
@@ -209,6 +222,8 @@ class SequenceBook:
             return
         hashes = block_hashes(seq.all_token_ids(), bs, full, seq.block_hashes, seq.items)
         stored = [i for i in range(seq.registered, full) if self.allocator.register(seq.block_table[i], hashes[i])]
+        if self.windows is not None:
+            self.windows.register(seq, seq.registered, full, hashes)
         seq.registered = full
         if stored and self.on_blocks_stored is not None:
             self.on_blocks_stored(seq, stored, hashes)
@@ -256,6 +271,8 @@ class SequenceBook:
         if seq.block_table or seq.fork_blocks:
             self.allocator.free(seq.block_table + seq.fork_blocks)
             seq.block_table, seq.fork_blocks = [], []
+        if self.windows is not None:
+            self.windows.free_all(seq)
         self._release_state(seq)
         if seq.announced:
             self._finished_for_workers.append(seq.rid)

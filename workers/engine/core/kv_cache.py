@@ -139,6 +139,10 @@ class BlockAllocator:
             blocks.append(block)
         return blocks
 
+    def lookup(self, digest: bytes) -> int | None:
+        """The block registered under ``digest``, if any (no side effects)."""
+        return self._by_hash.get(digest)
+
     def is_cached(self, digest: bytes) -> bool:
         """Whether a block is registered under ``digest``."""
         return digest in self._by_hash

@@ -71,11 +71,13 @@ class SchedulerCore(SequenceBook):
             budget -= length
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached, snapshot = self._cached_prefix(seq)
+            cached, snapshot, window_table = self._cached_prefix(seq)
             extra = fork_blocks_needed(seq.prompt_len, seq.sampling.n, self.allocator.block_size) if seq.wants_fork else 0
             need = self.allocator.blocks_for(seq.total_len + 1) - len(cached) + extra
             if need > self.allocator.num_free - self.allocator.reusable_free(cached):
                 break  # it fits later, once running requests free blocks; keep FCFS order
+            if not self._window_fits(seq, window_table, len(cached) * self.allocator.block_size, budget, extra):
+                break
             slots = seq.sampling.n if seq.wants_fork else 1  # hybrid models: a live state slot per choice
             if self.state is not None and slots > self.state.available:
                 break
@@ -99,6 +101,11 @@ class SchedulerCore(SequenceBook):
             seq.fork_blocks = self.allocator.allocate(extra)
             self.running.append(seq)
             length = self._chunk_length(seq, budget)
+            if self.windows is not None:  # the hit's window blocks, then the first chunk's (checked free above)
+                self.windows.acquire(window_table)
+                seq.window_table = list(window_table)
+                self.windows.extend(seq, seq.num_scheduled + max(0, length))
+                seq.window_fork_blocks = self.windows.allocator.allocate(extra)
             if length > 0:  # else admitted (its blocks are reserved) but waiting for an image to be written
                 picked.append((seq, length))
                 budget -= length
@@ -129,32 +136,60 @@ class SchedulerCore(SequenceBook):
             return span_end - start if span_end <= computable else 0
         return length
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], bytes | None]:
-        """The cached blocks the sequence's prompt starts with and, on a hybrid model, the key of the state
-        snapshot at their end: there the prefix ends at the deepest block with a snapshot (or is empty)."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], bytes | None, list[int]]:
+        """The cached blocks the sequence's prompt starts with, on a hybrid model the key of the state snapshot at
+        their end (there the prefix ends at the deepest block with a snapshot, or is empty), and with sliding-window
+        layers the hit's window table (the prefix ends where the window pool still holds every block the next
+        query sees)."""
         if not self.prefix_caching or seq.sampling.prompt_logprobs is not None:  # it must compute every position
-            return [], None
+            return [], None, []
         bs = self.allocator.block_size
         # Leave at least the last token to compute: its logits give the first sampled token.
         limit = (seq.total_len - 1) // bs
         hashes = block_hashes(seq.all_token_ids(), bs, limit, seq.block_hashes, seq.items)
         blocks = self.allocator.match(hashes)
+        window_table: list[int] = []
+        if self.windows is not None:
+            depth, window_table = self.windows.prefix(hashes, len(blocks))
+            blocks = blocks[:depth]
         if self.state is None:
-            return blocks, None
+            return blocks, None, window_table
         for depth in range(len(blocks), 0, -1):
             if self.state.lookup(hashes[depth - 1]) is not None:
-                return blocks[:depth], hashes[depth - 1]
-        return [], None
+                return blocks[:depth], hashes[depth - 1], window_table  # (hybrid families have no windows)
+        return [], None, []
+
+    def _window_fits(self, seq: Sequence, window_table: list[int], start: int, budget: int, extra: int) -> bool:
+        """Whether the window pool holds what admitting ``seq`` takes there now: the hit's blocks that sit free, the
+        first chunk's and the choices' copies of the partial prompt block."""
+        if self.windows is None:
+            return True
+        scheduled = seq.num_scheduled
+        seq.num_scheduled = start  # (the first chunk's length as it will be planned, from the hit's end)
+        length = self._chunk_length(seq, budget)
+        seq.num_scheduled = scheduled
+        alloc = self.windows.allocator
+        new = max(0, alloc.blocks_for(start + max(0, length)) - len(window_table))
+        return new + extra <= alloc.num_free - self.windows.reusable_free(window_table)
 
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int, picked: set[Sequence], ahead: bool = False) -> bool:
         need = self.allocator.blocks_for(num_tokens) - len(seq.block_table)
-        if ahead and need > 0 and not self.allocator.can_allocate(need):
+        windows = self.windows
+        if windows is not None:  # blocks before the chunk's window go back first (see window_blocks.py)
+            windows.release(seq, seq.num_scheduled)
+
+        def short() -> bool:
+            if need > 0 and not self.allocator.can_allocate(need):
+                return True
+            return windows is not None and not windows.allocator.can_allocate(windows.need(seq, num_tokens))
+
+        if ahead and short():
             # A step in flight may still write the victim's blocks, and its result would land on a sequence that
             # lost its KV: no preemption now. The next plan waits for the results and preempts if it must.
             self._drain = True
             return False
-        while need > 0 and not self.allocator.can_allocate(need):
+        while short():
             # The newest sequence not already in this step loses its KV (it alone, if nothing else is left).
             victim = max((s for s in self.running if s not in picked), key=lambda s: s.arrival)
             self._preempt(victim)
@@ -162,6 +197,8 @@ class SchedulerCore(SequenceBook):
                 return False
         if need > 0:
             seq.block_table.extend(self.allocator.allocate(need))
+        if windows is not None:
+            windows.extend(seq, num_tokens)
         return True
 
 
@@ -171,6 +208,8 @@ class SchedulerCore(SequenceBook):
         self.running.remove(seq)
         self.allocator.free(seq.block_table + seq.fork_blocks)
         seq.block_table, seq.fork_blocks = [], []
+        if self.windows is not None:
+            self.windows.free_all(seq)
         self._release_state(seq)
         seq.num_computed = seq.num_scheduled = seq.registered = seq.in_flight = 0
         if seq.announced:
@@ -201,10 +240,12 @@ class SchedulerCore(SequenceBook):
                     new_blocks=seq.block_table[seq.sent_blocks :],
                     new_token_ids=new_tokens,
                     sample=start + length == seq.planned_len and seq.sampling.max_tokens > 0,
+                    new_window_blocks=seq.window_table[seq.sent_window_blocks :],
                 )
             )
             seq.in_flight += chunks[-1].sample
             seq.sent_blocks = len(seq.block_table)
+            seq.sent_window_blocks = len(seq.window_table)
             self.prompt_tokens_computed += max(0, min(start + length, seq.prompt_len) - start)
             for key, items in self._keys_for_chunk(seq, start, start + length):
                 needed.setdefault(key, items)
@@ -243,7 +284,8 @@ class SchedulerCore(SequenceBook):
 
     def _fork(self, parent: Sequence) -> list[Fork]:
         out = []
-        for child, spec in fork(parent, self.allocator, next(self._arrivals)):
+        window = self.windows.allocator if self.windows is not None else None
+        for child, spec in fork(parent, self.allocator, next(self._arrivals), window):
             self.seqs[child.rid] = child
             self.running.append(child)
             self.families[parent.request_id].append(child)

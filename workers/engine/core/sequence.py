@@ -56,6 +56,11 @@ class Sequence:
     pending: set[bytes] = field(default_factory=set)  # images whose pixels are still being written (overlap)
     state_slot: int = -1  # hybrid models: its live slot in the linear-attention state pool
     fork_slots: list[int] = field(default_factory=list)  # n > 1 on a hybrid model, not forked yet: its choices' slots
+    # Families with sliding-window layers (window_blocks.py): the sliding layers' blocks, entry i for block i or -1
+    # once released; the prefix the worker knows; n > 1, not forked yet: copies of the partial block in that pool.
+    window_table: list[int] = field(default_factory=list)
+    sent_window_blocks: int = 0
+    window_fork_blocks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.rid
@@ -157,14 +162,19 @@ def choice_seed(seed: int, index: int) -> int:
     return out - 2**64 if out > 2**64 - 1 else out
 
 
-def fork(parent: Sequence, allocator: BlockAllocator, arrival: int) -> list[tuple[Sequence, Fork]]:
+def fork(
+    parent: Sequence, allocator: BlockAllocator, arrival: int, window: BlockAllocator | None = None
+) -> list[tuple[Sequence, Fork]]:
     """Choices 1..n-1 of ``parent``, whose prompt the step being planned completes. Each shares the
     parent's full prompt blocks (one more reference each) and takes one of the reserved copies of the
-    partial block; it starts as computed up to the prompt's end and samples from the parent's logits."""
+    partial block; it starts as computed up to the prompt's end and samples from the parent's logits.
+    ``window``: the sliding layers' allocator, whose blocks are shared and copied alike (released ones stay -1)."""
     bs = allocator.block_size
     full = parent.prompt_len // bs
     shared = parent.block_table[:full]
     partial = parent.block_table[full] if parent.prompt_len % bs else None
+    window_shared = parent.window_table[:full]
+    window_partial = parent.window_table[full] if window is not None and partial is not None else None
     out = []
     for index in range(1, parent.sampling.n):
         seed = None if parent.sampling.seed is None else choice_seed(parent.sampling.seed, index)
@@ -196,6 +206,16 @@ def fork(parent: Sequence, allocator: BlockAllocator, arrival: int) -> list[tupl
             cached_tokens=parent.cached_tokens,
         )
         child.state_slot = parent.fork_slots.pop() if parent.fork_slots else -1
-        out.append((child, Fork(parent.rid, child.rid, index, table, copy, seed, child.state_slot)))
+        window_copy = None
+        if window is not None:
+            window.share([b for b in window_shared if b >= 0])
+            child.window_table = list(window_shared)
+            if window_partial is not None:
+                child.window_table.append(parent.window_fork_blocks.pop())
+                window_copy = (window_partial, child.window_table[-1])
+            child.sent_window_blocks = len(child.window_table)
+        out.append((child, Fork(
+            parent.rid, child.rid, index, table, copy, seed, child.state_slot, child.window_table, window_copy,
+        )))  # fmt: skip
     parent.forked = True
     return out

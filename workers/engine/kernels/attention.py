@@ -71,6 +71,10 @@ class AttentionMetadata:
     # never cut by a step (the scheduler's rule), so every key a span's query needs is cached or new this step.
     # None: every layer is causal.
     bidir_spans: list[list[tuple[int, int]]] | None = None
+    # Families with sliding-window layers whose caches have a block pool of their own (ModelSpec.kv_windows): the
+    # same step seen through those caches' block tables and slots (same query and sequence lengths, bidir spans);
+    # the sliding layers attend with it. None: every layer uses this metadata.
+    window: AttentionMetadata | None = None
     # Values a backend derives from the fields above. They are the same for every layer, so the first
     # layer computes them and the other layers reuse them (28x fewer index kernels per step on a 7B).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

@@ -143,6 +143,10 @@ class ModelSpec:
     # KV head counts): (num_kv_heads, head_dim) of each paged-KV cache, in the LM's kv_caches order. None: every
     # cache is (num_kv_heads, head_dim).
     kv_shapes: tuple[tuple[int, int], ...] | None = None
+    # Families with sliding-window layers (Gemma 4): each paged-KV cache's window in kv_caches order (0: a global
+    # cache). The windowed caches live in a block pool of their own, indexed by each sequence's window table
+    # (workers/engine/core/window_blocks.py). None: one pool for every cache.
+    kv_windows: tuple[int, ...] | None = None
     # The tokens of one image attend to each other both ways (Gemma 4's sliding layers): the scheduler never ends
     # a prefill chunk inside an image's span, so a chunk always holds every uncomputed token of an image it starts.
     bidirectional_images: bool = False
@@ -173,9 +177,20 @@ class ModelSpec:
         shapes = self.kv_shapes or ((self.num_kv_heads, self.head_dim),) * self.kv_layers
         return [(2, num_blocks, block_size, max(1, heads // tp_size), dim) for heads, dim in shapes]
 
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    def kv_bytes_per_block(
+        self, block_size: int, dtype: torch.dtype, tp_size: int = 1, windowed: bool | None = None
+    ) -> int:
+        """Bytes of one block over the caches; ``windowed``: only the windowed caches (True) or the others (False)."""
         element = torch.empty((), dtype=dtype).element_size()
-        return sum(math.prod(shape) for shape in self.kv_cache_shapes(1, block_size, tp_size)) * element
+        shapes = self.kv_cache_shapes(1, block_size, tp_size)
+        if windowed is not None and self.kv_windows is not None:
+            shapes = [s for s, w in zip(shapes, self.kv_windows, strict=True) if (w > 0) == windowed]
+        return sum(math.prod(shape) for shape in shapes) * element
+
+    @property
+    def window(self) -> int:
+        """The sliding window of the windowed caches (their block pool frees what falls before it), 0: none."""
+        return max(self.kv_windows, default=0) if self.kv_windows is not None else 0
 
 
 class LanguageModel(Protocol):

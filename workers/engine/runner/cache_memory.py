@@ -28,6 +28,9 @@ log = logging.getLogger("glimpse.model")
 # holds them (a Qwen3.5-27B slot is ~75 MB in bf16: 48 layers of 48 heads x 128 x 128); else what that half holds.
 SLOTS_PER_SEQ = 2
 STATE_SHARE = 0.5
+# Without --num-window-blocks: twice what the running sequences' windows take, out of at most half the cache budget.
+WINDOW_REUSE = 2
+WINDOW_SHARE = 0.5
 
 
 def embedding_store(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> EmbeddingStore:
@@ -50,10 +53,27 @@ def cache_budget(cfg: EngineConfig, device: torch.device) -> int:
 
 
 def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tp_size: int, budget: int) -> int:
-    """--num-kv-blocks, or as many blocks as ``budget`` bytes hold."""
+    """--num-kv-blocks, or as many blocks as ``budget`` bytes hold (with a window pool: blocks of the global caches)."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
-    return max(1, budget // spec.kv_bytes_per_block(cfg.block_size, dtype, tp_size))
+    windowed = False if spec.window else None
+    return max(1, budget // spec.kv_bytes_per_block(cfg.block_size, dtype, tp_size, windowed))
+
+
+def num_window_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tp_size: int, budget: int) -> int:
+    """Blocks of the sliding-window layers' own pool (0 without windowed caches): --num-window-blocks, else every
+    running sequence's window plus a chunk (window_blocks.py's per-sequence bound), twice over so that released blocks
+    stay prefix-cache hits for a while, and at most what WINDOW_SHARE of ``budget`` holds (one sequence's need at
+    least); the rest of the budget is the global pool's."""
+    if not spec.window:
+        return 0
+    if cfg.num_window_blocks is not None:
+        return cfg.num_window_blocks
+    chunk = max(cfg.chunk_size, cfg.lone_prefill_tokens)
+    per_seq = -(-(spec.window + chunk) // cfg.block_size) + 1
+    per_block = spec.kv_bytes_per_block(cfg.block_size, dtype, tp_size, windowed=True)
+    cap = int(budget * WINDOW_SHARE) // per_block
+    return max(per_seq, min(WINDOW_REUSE * cfg.max_num_seqs * per_seq, cap))
 
 
 def state_slots(cfg: EngineConfig, recurrent: RecurrentSpec, budget: int, dtype: torch.dtype, tp_size: int) -> int:
@@ -95,3 +115,36 @@ class RecurrentState:
             has_initial=torch.zeros(sequences, dtype=torch.bool, device=self.device),
             has_initial_cpu=[False] * sequences,
         )
+
+
+def allocate_kv_caches(
+    spec: ModelSpec, model: Any, num_blocks: int, window_blocks: int, block_size: int, tp_size: int,
+    dtype: torch.dtype, device: torch.device,
+) -> list[Tensor]:
+    """The LM's paged-KV caches, each with one block past the scheduler's count: block ``num_blocks`` (or
+    ``window_blocks`` in the window pool) is scratch that CUDA-graph padding rows and released window-table entries
+    point at, so they never touch a live sequence's cache. With a window pool the windowed caches hold
+    ``window_blocks`` + 1 blocks, the others ``num_blocks`` + 1."""
+    if spec.kv_shapes is not None:  # caches of several shapes (Gemma 4's sliding and global layers)
+        shapes = spec.kv_cache_shapes(num_blocks + 1, block_size, tp_size)
+    else:
+        shapes = [model.kv_cache_shape(num_blocks + 1, block_size)] * spec.kv_layers
+    if window_blocks and spec.kv_windows is not None:
+        shapes = [(s[0], window_blocks + 1, *s[2:]) if w else s for s, w in zip(shapes, spec.kv_windows, strict=True)]
+    return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+
+
+def copy_kv_blocks(
+    caches: list[Tensor], windows: tuple[int, ...] | None, pairs: list[tuple[int, int]],
+    window_pairs: list[tuple[int, int]], device: torch.device,
+) -> None:
+    """Copy KV blocks (src, dst) in every cache of their group (``windows``: each cache's window, a non-zero one
+    takes ``window_pairs``; None: one group), queued on the current stream: one copy per cache for all pairs."""
+    groups = {False: pairs, True: window_pairs}
+    index = {key: torch.tensor([a for a, _ in p] + [b for _, b in p], device=device).split(len(p))
+             for key, p in groups.items() if p}  # fmt: skip
+    for i, kv in enumerate(caches):
+        key = bool(windows[i]) if windows is not None else False
+        if key in index:
+            src, dst = index[key]
+            kv[:, dst] = kv[:, src]

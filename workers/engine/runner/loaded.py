@@ -28,4 +28,5 @@ class LoadedModel(Protocol):
     vision: Any
     kv_caches: list[torch.Tensor]
     num_blocks: int
+    num_window_blocks: int  # the sliding layers' own pool (0: none); its block num_window_blocks is scratch
     state: RecurrentState | None  # hybrid models' linear-attention state pools

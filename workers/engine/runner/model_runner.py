@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import torch
@@ -32,9 +32,12 @@ from workers.engine.runner.batching import (
 )
 from workers.engine.runner.cache_memory import (
     RecurrentState,
+    allocate_kv_caches,
     cache_budget,
+    copy_kv_blocks,
     embedding_store,
     num_kv_blocks,
+    num_window_blocks,
     state_slots,
 )
 from workers.engine.runner.cuda_graphs import DecodeGraphs, graphs_wanted, start_graphs
@@ -100,14 +103,15 @@ class ModelRunner:
             slots = state_slots(cfg, self.spec.recurrent, budget, self.dtype, self.tp.size)
             self.state = RecurrentState(self.lm, slots, self.dtype, self.device)
             budget = max(0, budget - self.state.nbytes)
+        # Sliding-window layers (Gemma 4) keep a block pool of their own, sized first (core/window_blocks.py).
+        self.window = self.spec.window
+        self.num_window_blocks = num_window_blocks(cfg, self.spec, self.dtype, self.tp.size, budget)
+        if self.num_window_blocks:
+            per_block = self.spec.kv_bytes_per_block(cfg.block_size, self.dtype, self.tp.size, windowed=True)
+            budget = max(0, budget - self.num_window_blocks * per_block)
         self.num_blocks = num_kv_blocks(cfg, self.spec, self.dtype, self.tp.size, budget)
-        # One block more than the scheduler is told about: block ``num_blocks`` is scratch that CUDA-graph
-        # padding rows write to and read from, so they never touch a live sequence's cache.
-        if self.spec.kv_shapes is not None:  # caches of several shapes (Gemma 4's sliding and global layers)
-            shapes = self.spec.kv_cache_shapes(self.num_blocks + 1, cfg.block_size, self.tp.size)
-        else:
-            shapes = [self.model.kv_cache_shape(self.num_blocks + 1, cfg.block_size)] * self.spec.kv_layers
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
+        self.kv_caches = allocate_kv_caches(self.spec, self.model, self.num_blocks, self.num_window_blocks,
+                                            cfg.block_size, self.tp.size, self.dtype, self.device)
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
             heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
             # Families with caches of several shapes (Gemma 4): the top-level shape is the sliding layers', so the
@@ -258,7 +262,7 @@ class ModelRunner:
     def _forward(self, plan: StepPlan, launched: Launched, last: tuple[torch.Tensor, dict[str, int]] | None) -> None:
         """The step's LM forward and sampling, queued; fills ``launched``. ``last``: the step before's sampled ids
         on the device, and each sequence's row in them."""
-        step = gather_inputs(plan, self.seqs, self.cfg.block_size, self.spec, self._fork)
+        step = gather_inputs(plan, self.seqs, self.cfg.block_size, self.spec, self._fork, self.num_window_blocks)
         ids, pos, slots, seq_lens, tables = step.ids, step.positions, step.slots, step.seq_lens, step.tables
         splices, spans, sample_rows, sample_seqs = step.splices, step.spans, step.sample_rows, step.sample_seqs
         ahead_ids = ahead_token_ids(ids, step.ahead, last, self.device) if step.ahead else None
@@ -278,8 +282,10 @@ class ModelRunner:
         if hidden is None:
             rows = sample_rows + [r for span in spans for r in span.rows]  # prompt logprobs: eager only
             hidden = self._eager_forward(step, rows, ahead_ids)
-        if plan.forks:
-            self._copy_blocks([f.copy for f in plan.forks if f.copy is not None])
+        if plan.forks:  # each choice's copy of the partial prompt block, after the forward wrote it
+            copy_kv_blocks(self.kv_caches, self.spec.kv_windows if self.num_window_blocks else None,
+                           [f.copy for f in plan.forks if f.copy is not None],
+                           [f.window_copy for f in plan.forks if f.window_copy is not None], self.device)
             if self.state is not None:  # each choice goes on from a copy of its parent's state
                 self.state.copy([(self.seqs[f.parent].state_slot, f.state_slot) for f in plan.forks])
         n, rank0 = len(sample_rows), self.tp.rank == 0
@@ -324,6 +330,7 @@ class ModelRunner:
             child = WorkerSeq(
                 spec.child, list(parent.token_ids), parent.positions, parent.mrope_delta, parent.items, params,
                 parent.mm_key, parent.item_rows, list(spec.block_table), state_slot=spec.state_slot,
+                window_table=[b if b >= 0 else self.num_window_blocks for b in spec.window_table],
             )
             self.seqs[spec.child] = child
             self.sampler.fork(parent.rid, spec.child, params)
@@ -331,16 +338,6 @@ class ModelRunner:
                 self.grammar.fork(parent.rid, spec.child)
             children.append(child)
         return children
-
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy KV blocks (a partial prompt block into each choice's own), after the step's forward wrote
-        them: queued behind it on the same stream, one copy per layer for all pairs."""
-        if not pairs:
-            return
-        src = torch.tensor([a for a, _ in pairs], device=self.device)
-        dst = torch.tensor([b for _, b in pairs], device=self.device)
-        for kv in self.kv_caches:
-            kv[:, dst] = kv[:, src]
 
     def _eager_forward(self, step: StepInputs, sample_rows: list[int], ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
         """LM forward over the flattened step; returns the final hidden states of ``sample_rows``. ``ahead_ids``
@@ -350,12 +347,17 @@ class ModelRunner:
         mm_rows = [row for dst, _, _, count in step.splices for row in range(dst, dst + count)]
         # All index data in two copies (one per dtype) rather than eight, none of them blocking.
         state_parts = [step.state_slots, [int(b) for b in step.has_initial]] if self.state is not None else []
-        long_parts = [ids, [*pos[0], *pos[1], *pos[2]], step.slots, sample_rows, mm_rows, *state_parts]
+        # A window pool's slots and tables ride in the same copies (window_parts: empty without one).
+        wtables = step.window_tables
+        wwidth = max((len(t) for t in wtables), default=0)
+        window_parts = [step.window_slots, [i for t in wtables for i in (*t, *[0] * (wwidth - len(t)))]]
+        long_parts = [ids, [*pos[0], *pos[1], *pos[2]], step.slots, sample_rows, mm_rows, window_parts[0], *state_parts]
         longs = to_device([torch.tensor(aligned_pack(long_parts, 2))], self.device)
-        int_parts = [[0, *cumsum(query_lens)], seq_lens, [i for t in tables for i in (*t, *[0] * (width - len(t)))]]
+        int_parts = [[0, *cumsum(query_lens)], seq_lens, [i for t in tables for i in (*t, *[0] * (width - len(t)))],
+                     window_parts[1]]  # fmt: skip
         int32 = to_device([torch.tensor(aligned_pack(int_parts, 4), dtype=torch.int32)], self.device)
-        input_ids, positions, slot_mapping, rows, mm_index, *state_rows = aligned_split(longs, long_parts, 2)
-        starts, lens, table_rows = aligned_split(int32, int_parts, 4)
+        input_ids, positions, slot_mapping, rows, mm_index, window_slots, *state_rows = aligned_split(longs, long_parts, 2)
+        starts, lens, table_rows, window_rows = aligned_split(int32, int_parts, 4)
         embeds = self.model.embed(input_ids if ahead_ids is None else ahead_ids)
         parts = [self.store.rows(key, first, count) for _, key, first, count in step.splices]
         mm_embeds = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
@@ -370,6 +372,9 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             bidir_spans=step.bidir_spans if step.bidir_spans and any(step.bidir_spans) else None,
         )
+        if wtables:  # the sliding layers' view: the same step through the window pool's tables and slots
+            meta.window = replace(meta, slot_mapping=window_slots, block_tables=window_rows.view(len(wtables), wwidth),
+                                  derived={})
         if state_rows:
             meta.state = StateMetadata(
                 state_rows[0], step.state_slots, state_rows[1].bool(), step.has_initial, step.snapshots

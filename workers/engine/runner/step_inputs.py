@@ -31,6 +31,10 @@ class WorkerSeq:
     block_table: list[int] = field(default_factory=list)
     prompt_until: int = 0  # prompt_logprobs: positions below this are scored (see prompt_logprobs.py)
     state_slot: int = -1  # hybrid models: its live slot in the linear-attention state pools
+    # Sliding-window layers' own pool: the sequence's window table (released entries point at the scratch block) and
+    # how many leading entries are known released.
+    window_table: list[int] = field(default_factory=list)
+    window_released: int = 0
 
 
 @dataclass
@@ -79,15 +83,19 @@ class StepInputs:
     # Families whose image tokens attend both ways (ModelSpec.bidirectional_images): per sequence, the absolute
     # [start, end) spans of its images that overlap this step's chunk (AttentionMetadata.bidir_spans). None: causal.
     bidir_spans: list[list[tuple[int, int]]] | None = None
+    # A window pool (ModelSpec.kv_windows): the new tokens' slots there and each sequence's window table.
+    window_slots: list[int] = field(default_factory=list)
+    window_tables: list[list[int]] = field(default_factory=list)
 
 
 ForkFn = Callable[[WorkerSeq, list[Fork]], list[WorkerSeq]]
 
 
 def gather_inputs(
-    plan: StepPlan, seqs: dict[str, WorkerSeq], block_size: int, spec: ModelSpec, fork: ForkFn
+    plan: StepPlan, seqs: dict[str, WorkerSeq], block_size: int, spec: ModelSpec, fork: ForkFn, window_blocks: int = 0
 ) -> StepInputs:
     """The step's flat inputs, its sequences' block tables and tokens brought up to date from the plan.
+    ``window_blocks``: the size of the sliding layers' own pool (0: none), whose block ``window_blocks`` is scratch.
 
     A chunk that starts right past the tokens this worker was sent computes a token the step before is still
     sampling (asynchronous scheduling planned it before the id was known): its row goes to ``ahead`` with a
@@ -118,6 +126,8 @@ def gather_inputs(
         out.query_lens.append(chunk.length)
         out.seq_lens.append(end)
         out.tables.append(seq.block_table)
+        if window_blocks:
+            _window_inputs(out, seq, chunk.new_window_blocks, start, chunk.length, block_size, spec.window, window_blocks)
         if seq.state_slot >= 0:
             b = len(out.state_slots)
             out.state_slots.append(seq.state_slot)
@@ -147,6 +157,23 @@ def gather_inputs(
     image_id = top if spec.image_input_id is None else spec.image_input_id
     out.ids = [i if i <= top else image_id for i in ids]
     return out
+
+
+def _window_inputs(
+    out: StepInputs, seq: WorkerSeq, new: list[int], start: int, length: int, block_size: int, window: int, scratch: int
+) -> None:
+    """A chunk's slots and table in the window pool. -1 entries (before a prefix hit's window) and the entries the
+    scheduler released by the same rule as here (window_blocks.py: wholly before the chunk's first query's window,
+    maybe handed to another sequence since) point at the scratch block, which the window mask never lets a query
+    see: the kernels may read it, never use it."""
+    table = seq.window_table
+    table.extend(b if b >= 0 else scratch for b in new)
+    dead = min(len(table), max(0, start - window + 1) // block_size)
+    for i in range(seq.window_released, dead):
+        table[i] = scratch
+    seq.window_released = max(seq.window_released, dead)
+    out.window_slots.extend(slot_mapping(table, start, length, block_size))
+    out.window_tables.append(table)
 
 
 def ahead_token_ids(

@@ -197,6 +197,9 @@ def _forward(r: LoadedModel, query: int, seq: int, blocks: list[int], **images: 
     meta = build_attention_metadata([query], [seq], [blocks], r.cfg.block_size, r.device)
     if r.state is not None:  # a hybrid model's linear-attention layers run in the scratch slot
         meta.state = r.state.scratch_metadata(1)
+    if r.num_window_blocks:  # the sliding layers' pool: blocks past it are its scratch block (warm-up reads nothing)
+        window = [min(b, r.num_window_blocks) for b in blocks]
+        meta.window = build_attention_metadata([query], [seq], [window], r.cfg.block_size, r.device)
     # The embedding's own rows (zeros in, as wide as the LM takes them: Gemma 4's carry per-layer inputs).
     embeds = r.model.embed(torch.zeros(query, dtype=torch.long, device=r.device))
     positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)

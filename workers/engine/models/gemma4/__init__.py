@@ -37,6 +37,7 @@ def parse(cfg: dict[str, Any], model_dir: Path) -> ModelSpec:
         video_token_id=int(cfg.get("video_token_id", 258_884)),
         vision_start_token_id=int(cfg.get("boi_token_id", 255_999)),
         kv_shapes=text.kv_shapes(),
+        kv_windows=tuple(text.window(layer) for layer in text.kv_owner_layers),
         bidirectional_images=text.bidirectional_vision,
         image_input_id=text.pad_token_id,
     )

@@ -236,7 +236,9 @@ class Gemma4LanguageModel(nn.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.spec.layer_types[i]]
             layer_input = per_layer[:, i] if per_layer is not None else None
-            h = layer(h, layer_input, cos, sin, kv_caches[self.cache_index[i]], meta, backend)
+            # Sliding layers read and write the window pool's caches through its tables when the worker keeps one.
+            layer_meta = meta.window if meta.window is not None and self.spec.is_sliding(i) else meta
+            h = layer(h, layer_input, cos, sin, kv_caches[self.cache_index[i]], layer_meta, backend)
         out: Tensor = self.norm(h)
         return out
 
