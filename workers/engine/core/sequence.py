@@ -215,7 +215,7 @@ def fork(
                 window_copy = (window_partial, child.window_table[-1])
             child.sent_window_blocks = len(child.window_table)
         out.append((child, Fork(
-            parent.rid, child.rid, index, table, copy, seed, child.state_slot, child.window_table, window_copy,
+            parent.rid, child.rid, index, table, copy, seed, child.state_slot, list(child.window_table), window_copy,
         )))  # fmt: skip
     parent.forked = True
     return out
