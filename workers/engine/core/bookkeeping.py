@@ -122,8 +122,9 @@ class SequenceBook:
             raise ValueError("a batch of prompts takes n = 1")
         for ids in [input_ids, *(more_prompts or [])]:
             check_prompt(ids, sampling.n, self.max_model_len, self.allocator)
-        if self.windows is not None:
-            need = self.windows.per_sequence(self.lone_prefill_tokens) + max(0, sampling.n - 1)
+        if self.windows is not None:  # its window plus its longest chunk (an image's span is never cut: whole_images)
+            longest = max([self.lone_prefill_tokens, *(it.length for it in items if self.whole_images)])
+            need = self.windows.per_sequence(longest) + max(0, sampling.n - 1)
             if need > self.windows.allocator.num_blocks:
                 raise RequestRejected(
                     f"a sequence needs {need} sliding-window KV blocks, the window pool has "

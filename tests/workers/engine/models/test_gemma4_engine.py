@@ -106,3 +106,42 @@ def test_small_caches_stay_exact(family: tuple[Path, Reference]) -> None:
     outs = engine.generate(conversations, GREEDY)
     for messages, out in zip(conversations, outs, strict=True):
         assert out.token_ids == reference.generate(messages)
+
+
+def test_a_window_pool_just_above_one_sequence_stays_exact(family: tuple[Path, Reference]) -> None:
+    """The sliding layers' pool holds little more than one sequence's window and chunk (64 + 32 tokens in blocks of
+    16: 7 blocks) while three long prompts run: blocks fall out of the windows, go back and serve the next sequence,
+    and every answer is still transformers'."""
+    model_dir, reference = family
+    prompts = [
+        [{"role": "user", "content": " ".join(f"Item {i} of list {k} reads {i * k}." for i in range(25))}]
+        for k in range(3)
+    ]
+    engine = make_engine(model_dir, chunk_size=32, num_window_blocks=9)
+    outs = engine.generate(prompts, GREEDY)
+    for messages, out in zip(prompts, outs, strict=True):
+        assert out.prompt_tokens > 4 * 64
+        assert out.token_ids == reference.generate(messages)
+    stats = engine.stats()
+    assert stats["window_blocks_total"] == 9 and stats["window_blocks_used"] == 0
+    # Each prompt alone passes through 16+ blocks: blocks were released and handed out again many times over.
+    assert stats["window_blocks_released"] > 3 * 9
+    # Each pool has one scratch block past the scheduler's count: the sliding caches 9 + 1, the global ones 512 + 1.
+    windows = engine.runner.spec.kv_windows
+    assert windows is not None and any(windows) and not all(windows)
+    assert [c.shape[1] for c in engine.runner.kv_caches] == [10 if w else 513 for w in windows]
+
+
+def test_a_small_window_pool_in_a_multi_turn_chat_with_images(family: tuple[Path, Reference]) -> None:
+    """A chat past the window over a pool just above what one turn needs (the window and a whole image's span):
+    recycled window blocks shrink the prefix hits, and the answers stay transformers'."""
+    model_dir, reference = family
+    engine = make_engine(model_dir, chunk_size=64, num_window_blocks=28)
+    messages: list[dict[str, Any]] = []
+    for turn in range(3):
+        messages.append(chat(f"Page {turn}: what changed?", [FIVE[turn]])[0])
+        [out] = engine.generate([messages], GREEDY)
+        assert out.token_ids == reference.generate(messages), turn
+        messages.append({"role": "assistant", "content": out.text})
+    stats = engine.stats()
+    assert stats["window_blocks_released"] > 0 and stats["prefix_cache_hit_tokens"] > 0
