@@ -180,6 +180,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit(f"glimpse serve: --dp {args.dp} x --tp {args.tp} needs {args.dp * args.tp} GPUs, "
                          f"{torch.cuda.device_count()} visible")
     block_size, num_kv_blocks = serving_kv_blocks(device, args.attn_backend, args.block_size, args.num_kv_blocks)
+    _, num_window_blocks = serving_kv_blocks(device, args.attn_backend, args.block_size, args.num_window_blocks)
     engine = EngineConfig(
         model=str(model),
         device=device,
@@ -191,7 +192,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_model_len or info.max_position_embeddings,
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
-        num_window_blocks=args.num_window_blocks,
+        num_window_blocks=num_window_blocks,
         kv_cache_mb=args.kv_cache_mb,
         mm_cache_mb=args.mm_cache_mb,
         mm_cache_mode=args.mm_cache_mode,

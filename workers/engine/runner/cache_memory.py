@@ -52,11 +52,14 @@ def cache_budget(cfg: EngineConfig, device: torch.device) -> int:
     return 512 << 20
 
 
-def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tp_size: int, budget: int) -> int:
-    """--num-kv-blocks, or as many blocks as ``budget`` bytes hold (with a window pool: blocks of the global caches)."""
+def num_kv_blocks(
+    cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tp_size: int, budget: int, window_pool: bool = False
+) -> int:
+    """--num-kv-blocks, or as many blocks as ``budget`` bytes hold (``window_pool``: the windowed caches have a pool
+    of their own, so a block costs only the global caches' bytes)."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
-    windowed = False if spec.window else None
+    windowed = False if window_pool else None
     return max(1, budget // spec.kv_bytes_per_block(cfg.block_size, dtype, tp_size, windowed))
 
 
@@ -64,7 +67,8 @@ def num_window_blocks(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, tp
     """Blocks of the sliding-window layers' own pool (0 without windowed caches): --num-window-blocks, else every
     running sequence's window plus a chunk (window_blocks.py's per-sequence bound), twice over so that released blocks
     stay prefix-cache hits for a while, and at most what WINDOW_SHARE of ``budget`` holds (one sequence's need at
-    least); the rest of the budget is the global pool's."""
+    least); the rest of the budget is the global pool's. 0 (--num-window-blocks 0): no window pool, every layer keeps
+    every block in the one pool."""
     if not spec.window:
         return 0
     if cfg.num_window_blocks is not None:

@@ -104,12 +104,12 @@ class ModelRunner:
             self.state = RecurrentState(self.lm, slots, self.dtype, self.device)
             budget = max(0, budget - self.state.nbytes)
         # Sliding-window layers (Gemma 4) keep a block pool of their own, sized first (core/window_blocks.py).
-        self.window = self.spec.window
+        self.window = self.spec.window  # (the scheduler keeps no window pool where num_window_blocks is 0)
         self.num_window_blocks = num_window_blocks(cfg, self.spec, self.dtype, self.tp.size, budget)
         if self.num_window_blocks:
             per_block = self.spec.kv_bytes_per_block(cfg.block_size, self.dtype, self.tp.size, windowed=True)
             budget = max(0, budget - self.num_window_blocks * per_block)
-        self.num_blocks = num_kv_blocks(cfg, self.spec, self.dtype, self.tp.size, budget)
+        self.num_blocks = num_kv_blocks(cfg, self.spec, self.dtype, self.tp.size, budget, self.num_window_blocks > 0)
         self.kv_caches = allocate_kv_caches(self.spec, self.model, self.num_blocks, self.num_window_blocks,
                                             cfg.block_size, self.tp.size, self.dtype, self.device)
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
