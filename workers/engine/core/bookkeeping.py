@@ -82,6 +82,10 @@ class SequenceBook:
             self.allocator.on_unregister = self.state.drop
         # Families with sliding-window layers (window > 0): those layers' own block pool (window_blocks.py).
         self.windows = WindowBlocks(window_blocks, block_size, window) if window > 0 and window_blocks > 0 else None
+        if self.windows is not None and self.state is not None:
+            # A prefix hit would have to end at a state snapshot and have its window resident (_cached_prefix
+            # does one or the other): no family needs both yet.
+            raise ValueError("a window pool and a linear-attention state pool together are not supported")
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []

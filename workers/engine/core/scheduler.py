@@ -156,7 +156,7 @@ class SchedulerCore(SequenceBook):
             return blocks, None, window_table
         for depth in range(len(blocks), 0, -1):
             if self.state.lookup(hashes[depth - 1]) is not None:
-                return blocks[:depth], hashes[depth - 1], window_table  # (hybrid families have no windows)
+                return blocks[:depth], hashes[depth - 1], []  # (no window pool beside a state pool: SequenceBook)
         return [], None, []
 
     def _window_fits(self, seq: Sequence, window_table: list[int], start: int, budget: int, extra: int) -> bool:

@@ -108,16 +108,19 @@ def test_small_caches_stay_exact(family: tuple[Path, Reference]) -> None:
         assert out.token_ids == reference.generate(messages)
 
 
-def test_a_window_pool_just_above_one_sequence_stays_exact(family: tuple[Path, Reference]) -> None:
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_window_pool_just_above_one_sequence_stays_exact(family: tuple[Path, Reference], ahead: bool) -> None:
     """The sliding layers' pool holds little more than one sequence's window and chunk (64 + 32 tokens in blocks of
     16: 7 blocks) while three long prompts run: blocks fall out of the windows, go back and serve the next sequence,
-    and every answer is still transformers'."""
+    and every answer is still transformers'. ``ahead``: asynchronous scheduling, which releases blocks the step in
+    flight still reads (handed out again only in the step after it)."""
     model_dir, reference = family
     prompts = [
         [{"role": "user", "content": " ".join(f"Item {i} of list {k} reads {i * k}." for i in range(25))}]
         for k in range(3)
     ]
     engine = make_engine(model_dir, chunk_size=32, num_window_blocks=9)
+    engine.async_scheduling = ahead
     outs = engine.generate(prompts, GREEDY)
     for messages, out in zip(prompts, outs, strict=True):
         assert out.prompt_tokens > 4 * 64
