@@ -93,6 +93,9 @@ def test_three_turn_chat_past_the_window_hits_the_prefix_cache(served: tuple[Liv
         sent.append({"role": "assistant", "content": answer})
         local.append({"role": "assistant", "content": answer})
     assert previous > 4 * 64  # the last turn's context passed the sliding window four times over
+    # The sliding layers keep their own pool (the smallest over the TP ranks): blocks left the window and went back.
+    pool = server.stats()["window_blocks"]
+    assert pool["total"] > 0 and pool["released"] > 0, pool
 
 
 def test_token_budgets_per_request_and_per_image(served: tuple[LiveServer, Path]) -> None:
