@@ -102,6 +102,17 @@ class LiveServer:
         result: dict[str, Any] = httpx.get(self.base + "/admin/stats", timeout=5.0).json()
         return result
 
+    def stats_when(self, key: str, value: int, timeout: float = 5.0) -> dict[str, Any]:
+        """/admin/stats once count ``key`` (top level, or in ``state_pool``) reached ``value``, or after ``timeout``
+        (the scheduler's counters arrive every 0.25 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            pool = stats.get("state_pool") or {}
+            if (pool[key] if key in pool else stats[key]) >= value or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
     def child_pids(self, role: str) -> list[int]:
         """PIDs of this server's children of one role, read from /proc (name set by the launcher)."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()

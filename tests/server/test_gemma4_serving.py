@@ -7,7 +7,6 @@ once and serves each turn's history from the prefix cache; per-request token bud
 from __future__ import annotations
 
 import io
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,16 +46,6 @@ def image_turn(image: bytes, text: str, detail: str | None = None) -> tuple[dict
     return sent, local
 
 
-def settled(server: LiveServer, key: str, value: int) -> dict[str, Any]:
-    """/admin/stats once ``key`` reached ``value`` (stats arrive every 0.25 s)."""
-    deadline = time.monotonic() + 5
-    while True:
-        stats = server.stats()
-        if stats[key] >= value or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
-
-
 def test_five_images_equal_transformers(served: tuple[LiveServer, Path]) -> None:
     server, model_dir = served
     text = "Compare these five pages."
@@ -83,7 +72,7 @@ def test_three_turn_chat_past_the_window_hits_the_prefix_cache(served: tuple[Liv
         resp = client.chat.completions.create(model="demo", messages=sent, max_tokens=MAX_NEW, temperature=0)  # type: ignore[arg-type]
         answer = resp.choices[0].message.content or ""
         assert answer == reference.answer(local), turn
-        stats = settled(server, "images_encoded", start["images_encoded"] + turn + 1)
+        stats = server.stats_when("images_encoded", start["images_encoded"] + turn + 1)
         assert stats["images_encoded"] - start["images_encoded"] == turn + 1  # each image once
         assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
         if turn:  # the turn before's prompt (and the blocks its answer filled) but the last partial block (16 on the CPU)

@@ -6,7 +6,6 @@ snapshot (/admin/stats' state_pool)."""
 from __future__ import annotations
 
 import io
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,17 +29,6 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, Path]]:
     yield server, model_dir
     assert server.stop() == 0, server.output()
     assert server.segments() == []
-
-
-def settled(server: LiveServer, key: str, value: int) -> dict[str, Any]:
-    """/admin/stats once ``key`` (a top-level or state_pool count) reached ``value`` (stats arrive every 0.25 s)."""
-    deadline = time.monotonic() + 5
-    while True:
-        stats = server.stats()
-        got = stats["state_pool"][key] if key in stats["state_pool"] else stats[key]
-        if got >= value or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 def test_five_images_over_tp2_equal_transformers(served: tuple[LiveServer, Path]) -> None:
@@ -72,8 +60,8 @@ def test_four_turn_chat_resends_its_images_and_resumes_from_state_snapshots(serv
         resp = client.chat.completions.create(model="demo", messages=sent, max_tokens=MAX_NEW, temperature=0)  # type: ignore[arg-type]
         answer = resp.choices[0].message.content or ""
         assert answer == reference.answer(local), turn
-        settled(server, "images_encoded", start["images_encoded"] + turn + 1)
-        stats = settled(server, "restores", start["state_pool"]["restores"] + turn)
+        server.stats_when("images_encoded", start["images_encoded"] + turn + 1)
+        stats = server.stats_when("restores", start["state_pool"]["restores"] + turn)
         assert stats["state_pool"]["restores"] - start["state_pool"]["restores"] == turn  # every turn after the first
         assert stats["images_encoded"] - start["images_encoded"] == turn + 1  # each image once
         assert resp.usage is not None and resp.usage.prompt_tokens_details is not None

@@ -208,13 +208,16 @@ class PagedDecoder(nn.Module):
     layers: nn.ModuleList
     rotary: nn.Module
 
-    def __init__(self, spec: Any, tp: TPGroup, attn_backend: str) -> None:
+    def __init__(
+        self, spec: Any, tp: TPGroup, attn_backend: str, embed_tokens: VocabParallelEmbedding | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.tp = tp
         self.attn_backend_name = attn_backend
         self._backend: AttentionBackend | None = None  # resolved on first forward, from the input's device
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        # A family's own token embedding (Gemma 4's scaled rows with per-layer inputs), else the plain vocab-parallel one.
+        self.embed_tokens = embed_tokens or VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
         self.num_kv_heads_local = kv_heads_per_rank(spec.num_key_value_heads, tp.size)
         self.head_dim = spec.head_dim
         self._loaded: dict[str, set[object]] = {}  # parameter -> shard ids loaded so far
@@ -306,6 +309,10 @@ class PagedDecoder(nn.Module):
     def shards_needed(self, param: str) -> int:
         return 3 if ".qkv_proj." in param else 2 if ".gate_up_proj." in param else 1
 
+    def unused(self, name: str) -> bool:
+        """Checkpoint tensors (without ``lm.``) the model skips: a tied head's copy (some exports store one)."""
+        return name == "lm_head.weight" and bool(self.spec.tie_word_embeddings)
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]], partial: bool = False) -> set[str]:
         """Load canonical ``lm.*`` tensors (see loader.normalize_name); other names are ignored.
 
@@ -317,8 +324,8 @@ class PagedDecoder(nn.Module):
             if not canonical.startswith("lm."):
                 continue
             name = canonical[len("lm.") :]
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue  # tied: the embedding already provides it (some exports store a copy)
+            if self.unused(name):
+                continue
             name, shard_id = self.route(name)
             if name not in params:
                 raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})")

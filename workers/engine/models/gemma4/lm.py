@@ -17,24 +17,20 @@ layers, ``TextSpec.kv_shapes``); a KV-shared layer attends over its store layer'
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from workers.engine.kernels.backends import get_attention_backend
 from workers.engine.layers.linear import (
     SINGLE_RANK,
     MergedColumnParallelLinear,
     ParallelLMHead,
     TPGroup,
     VocabParallelEmbedding,
-    get_weight_loader,
     kv_heads_per_rank,
 )
-from workers.engine.models.decoder import allocate
+from workers.engine.models.decoder import PagedDecoder
 from workers.engine.models.gemma4.lm_layers import (
     GemmaAttention,
     GemmaMLP,
@@ -149,48 +145,29 @@ class GemmaDecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
-class Gemma4LanguageModel(nn.Module):
-    """The decoder stack over a flattened batch of new tokens with paged KV caches (see the module docstring)."""
+class Gemma4LanguageModel(PagedDecoder):
+    """The decoder stack over a flattened batch of new tokens with paged KV caches (see the module docstring). From
+    PagedDecoder: allocation, the attention backend, weight loading and its completeness check."""
+
+    spec: TextSpec
 
     def __init__(self, spec: TextSpec, tp: TPGroup = SINGLE_RANK, attn_backend: str = "auto") -> None:
         check_tp(spec, tp.size)
-        super().__init__()
-        self.spec = spec
-        self.tp = tp
-        self.attn_backend_name = attn_backend
-        self._backend: AttentionBackend | None = None  # resolved on first forward, from the input's device
-        self.embed_tokens = GemmaTokenEmbedding(spec, tp)
+        super().__init__(spec, tp, attn_backend, embed_tokens=GemmaTokenEmbedding(spec, tp))
         self.layers = nn.ModuleList(GemmaDecoderLayer(spec, i, tp) for i in range(spec.num_hidden_layers))
         if spec.hidden_size_per_layer_input:
             # transformers' project_per_layer_inputs: replicated (its input, the token rows, is the same on every rank).
             self.per_layer_model_projection = nn.Linear(spec.hidden_size, spec.per_layer_width, bias=False)
             self.per_layer_model_projection.weight.requires_grad_(False)
             self.per_layer_projection_norm = GemmaRMSNorm(spec.hidden_size_per_layer_input, spec.rms_norm_eps)
-        self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # transformers' Gemma RMSNorm (its own float32 form), where PagedDecoder.add_head would put the shared one.
+        self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)  # type: ignore[assignment]
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # same vocab sharding, so one shard serves both
         self.rotary = GemmaRotary(spec)
         self.cache_index = [spec.cache_index(i) for i in range(spec.num_hidden_layers)]
-        self._loaded: dict[str, set[object]] = {}  # parameter -> shard ids loaded so far
-
-    @classmethod
-    def build(
-        cls,
-        spec: TextSpec,
-        *,
-        tp: TPGroup = SINGLE_RANK,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        attn_backend: str = "auto",
-    ) -> Gemma4LanguageModel:
-        """The LM allocated on ``device`` in ``dtype``, weights uninitialised (``load_weights`` fills them)."""
-        return allocate(lambda: cls(spec, tp, attn_backend), dtype, device)
-
-    def attention_backend(self, device: torch.device) -> AttentionBackend:
-        if self._backend is None:
-            self._backend = get_attention_backend(self.attn_backend_name, device)
-        return self._backend
+        self._shards = self._fused_shards()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The first KV cache's shape on this rank (the others: ``kv_cache_shapes``)."""
@@ -264,59 +241,25 @@ class Gemma4LanguageModel(nn.Module):
 
     def unused(self, name: str) -> bool:
         """Checkpoint tensors that transformers ignores too: a tied head's copy, a KV-shared layer's K/V weights."""
-        if name == "lm_head.weight":
-            return self.spec.tie_word_embeddings
         if name.startswith("layers.") and any(part in name for part in SHARED_LAYER_UNUSED):
             return not self.spec.owns_kv(int(name.split(".")[1]))
-        return False
+        return super().unused(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]], partial: bool = False) -> set[str]:
-        """Load canonical ``lm.*`` tensors (loader.normalize_name: the Hub's ``model.language_model.X`` is ``lm.X``,
-        ``lm_head.weight`` is ``lm.lm_head.weight``); other names are ignored. Returns the parameter names loaded by
-        this call; unless ``partial``, raises if any parameter or shard is still missing."""
-        params = dict(self.named_parameters())
-        names: set[str] = set()
-        for canonical, tensor in weights:
-            if not canonical.startswith("lm."):
-                continue
-            name = canonical[len("lm.") :]
-            if self.unused(name):
-                continue
-            name, shard_id = self.route(name)
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})")
-            param = params[name]
-            get_weight_loader(param)(param, tensor, shard_id)
-            self._loaded.setdefault(name, set()).add(shard_id)
-            names.add(name)
-        if not partial:
-            self.check_loaded()
-        return names
+    def shards_needed(self, param: str) -> int:
+        return self._shards.get(param, 1)
 
-    def shards_needed(self) -> dict[str, int]:
-        """Fused parameters and how many checkpoint tensors make them up (1 for the rest)."""
-        needed: dict[str, int] = {}
+    def _fused_shards(self) -> dict[str, int]:
+        """Parameters made of several checkpoint tensors and how many: the fused projections' parts, the experts'."""
+        shards: dict[str, int] = {}
         for prefix, module in self.named_modules():
             if isinstance(module, GemmaQKVLinear):
-                needed[f"{prefix}.weight"] = len(module.parts)
+                shards[f"{prefix}.weight"] = len(module.parts)
             elif isinstance(module, MergedColumnParallelLinear):
-                needed[f"{prefix}.weight"] = len(module.output_sizes)
+                shards[f"{prefix}.weight"] = len(module.output_sizes)
             elif isinstance(module, GemmaExperts):
-                for param in ("gate_up_proj", "down_proj"):
-                    needed[f"{prefix}.{param}"] = expert_shards_needed(f"{prefix}.{param}", module.num_experts)
-        return needed
-
-    def check_loaded(self) -> None:
-        """Raise, naming them, if parameters (or shards of fused ones) were never loaded; a tensor loaded with shard id
-        None filled its parameter whole."""
-        needed = self.shards_needed()
-        missing = []
-        for name, _ in self.named_parameters():
-            got = self._loaded.get(name, set())
-            if len(got) < needed.get(name, 1) and None not in got:
-                missing.append(name)
-        if missing:
-            raise ValueError(f"checkpoint lacks language-model weights for: {missing[:8]}")
+                for part in ("gate_up_proj", "down_proj"):
+                    shards[f"{prefix}.{part}"] = expert_shards_needed(f"{prefix}.{part}", module.num_experts)
+        return shards
 
 
 build_language_model = Gemma4LanguageModel.build
