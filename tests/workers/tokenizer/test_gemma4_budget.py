@@ -6,7 +6,6 @@ to the caches, audio parts refused by name."""
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -22,19 +21,12 @@ from ipc.shm import ShmSegment
 from tests.workers.tokenizer.harness import MODEL, png, server_config
 from workers.common.errors import BadRequest
 from workers.engine.prompt.processor import MMProcessor
-from workers.tokenizer.media.image_segments import RequestImage
 from workers.tokenizer.requests.chat import image_refs, parse_request
 from workers.tokenizer.requests.completion import parse_completion
 from workers.tokenizer.requests.mm_kwargs import image_options, request_budget
 from workers.tokenizer.worker import TokenizerWorker
 
 GEMMA = (70, 140, 280, 560, 1120)
-# The tokenizer carries an image's budget from its request part to its processing (RequestImage.budget); the
-# worker-level Gemma 4 tests need that wiring.
-wired = pytest.mark.skipif(
-    "budget" not in {f.name for f in dataclasses.fields(RequestImage)},
-    reason="the tokenizer worker does not carry image budgets yet (RequestImage.budget)",
-)
 
 
 def image_part(raw: bytes, detail: str | None = None) -> dict[str, Any]:
@@ -172,7 +164,6 @@ def _tokens(processor: MMProcessor, size: tuple[int, int], budget: int | None) -
     return processor.tokens_for_grid(grid)
 
 
-@wired
 def test_gemma_budgets_reach_the_prompt(gemma_worker: TokenizerWorker) -> None:
     processor = gemma_worker.processor
     size = (320, 200)
@@ -197,7 +188,6 @@ def test_gemma_budgets_reach_the_prompt(gemma_worker: TokenizerWorker) -> None:
         assert item.pixels is not None and item.pixels.shape == (item.length * 9, 768)
 
 
-@wired
 def test_gemma_refusals(gemma_worker: TokenizerWorker) -> None:
     raw = png(200, 100, seed=4)
     bad = (400, "invalid_value", "mm_processor_kwargs.max_soft_tokens")
