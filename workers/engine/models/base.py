@@ -150,9 +150,6 @@ class ModelSpec:
     # The tokens of one image attend to each other both ways (Gemma 4's sliding layers): the scheduler never ends
     # a prefill chunk inside an image's span, so a chunk always holds every uncomputed token of an image it starts.
     bidirectional_images: bool = False
-    # The id an image token's row embeds before the image's features replace it (None: the vocabulary's last id).
-    # Gemma 4 names its pad token: its per-layer inputs are looked up from that id at image positions.
-    image_input_id: int | None = None
 
     @property
     def kv_layers(self) -> int:

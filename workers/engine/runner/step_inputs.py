@@ -151,10 +151,11 @@ def gather_inputs(
             for child in fork(seq, [f for f in plan.forks if f.parent == chunk.rid]):
                 out.sample_rows.append(len(ids) - 1)  # a choice's first token comes from the parent's logits
                 out.sample_seqs.append(child)
-    # Image spans hold pad values above the vocabulary; their embeddings are replaced in the forward, from the id the
-    # family names (Gemma 4's per-layer inputs read the pad token's row there), else the vocabulary's last.
+    # Image spans hold pad values above the vocabulary; they embed as the image token (its row is replaced by the
+    # image's features in the forward; Gemma 4's embedding reads the pad token's per-layer inputs there, as
+    # transformers does for its placeholders).
     top = spec.vocab_size - 1
-    image_id = top if spec.image_input_id is None else spec.image_input_id
+    image_id = spec.image_token_id if spec.image_token_id <= top else top
     out.ids = [i if i <= top else image_id for i in ids]
     return out
 

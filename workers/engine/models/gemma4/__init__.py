@@ -39,7 +39,6 @@ def parse(cfg: dict[str, Any], model_dir: Path) -> ModelSpec:
         kv_shapes=text.kv_shapes(),
         kv_windows=tuple(text.window(layer) for layer in text.kv_owner_layers),
         bidirectional_images=text.bidirectional_vision,
-        image_input_id=text.pad_token_id,
     )
 
 
