@@ -69,6 +69,14 @@ class MMItem(msgspec.Struct, frozen=True):
     # A video's frame group (one temporal patch of frames, its own item: encoded, cached and split across
     # chunks like an image): (its index in the video, its temporal M-RoPE offset). None: an image.
     frame: tuple[int, int] | None = None
+    # The client's id for this media (a content part's "uuid", vLLM's multi_modal_uuids): what KV-cache events and
+    # the render routes name the item by. None: the client gave none (its content hash names it).
+    uuid: str | None = None
+
+    @property
+    def external_id(self) -> str:
+        """What systems outside glimpse (llm-d's indexer, a render's caller) call this item."""
+        return self.uuid if self.uuid is not None else self.hash.hex()
 
 
 class TokenizedRequest(Msg, frozen=True):
