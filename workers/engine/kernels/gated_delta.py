@@ -14,9 +14,10 @@ API (implemented by the kernels owner; the model family calls exactly these):
 
 Both compute in float32 (as transformers' reference does) and store states back in the pools' dtype. The conv is
 plain torch on every device (one grouped conv over the whole batch; elementwise ops for an all-decode step). The
-gated delta rule of a step with prefill runs flash-linear-attention's Triton kernels (gated_delta_fla.py) where ``fla``
-imports and the tensors are on CUDA, unless ``GLIMPSE_FLA=0``; an all-decode step and everything else the torch path here: the reference's chunked algorithm (chunk
-64, same op order) for a sequence of several new tokens, its recurrent step for one of a single token.
+gated delta rule runs flash-linear-attention's Triton kernels (gated_delta_fla.py: chunked with prefill, fused recurrent
+for an all-decode step) where ``fla`` imports and the tensors are on CUDA, unless ``GLIMPSE_FLA=0``; everything else
+the torch path here: the reference's chunked algorithm (chunk 64, same op order) for a sequence of several new tokens,
+its recurrent step for one of a single token.
 
 An all-decode step (every query length 1) does no host sync and branches only on the host lists, on either path,
 so it can be captured in a CUDA graph (padding rows may share a scratch slot).
@@ -259,10 +260,8 @@ def gated_delta_rule(
     ``torch_recurrent_gated_delta_rule`` (decode) for every sequence, from and back into ``ssm_state``."""
     if v.shape[1] % q.shape[1] != 0:
         raise ValueError(f"value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})")
-    # An all-decode step stays on the torch path: fla 0.6's fused recurrent kernel gave NaN against it with fewer key
-    # than value heads (Qwen3.5's 16/32, H100), and the torch step is CUDA-graph safe and near it (64 sequences:
-    # 1.34 ms a layer against 0.98; 1 sequence: 0.71 against 0.88; benchmarks/kernels/gated_delta_bench.py).
-    decode = all(n == 1 for n in meta.query_lens_cpu)
-    if fla_path(q.device) and not decode:
+    if fla_path(q.device):
+        if all(n == 1 for n in meta.query_lens_cpu):
+            return gated_delta_fla.decode_step(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
         return gated_delta_fla.gated_delta_rule(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
     return _torch_gated_delta(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)

@@ -299,6 +299,21 @@ def fake_indices(cu: Tensor, chunk: int, cu_seqlens_cpu: Tensor) -> Tensor:
     return torch.zeros(len(cu) - 1, 2, dtype=torch.int64)
 
 
+def fake_recurrent(*, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, initial_state: Tensor,
+                   output_final_state: bool, use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
+    """fla's fused recurrent rule as its signature says (q [N, 1, H, K], initial_state [N, Hv, K, V], final float32),
+    through transformers' torch function (which scales by 1/sqrt(K) itself)."""
+    assert q.shape[1] == 1 and output_final_state and scale == q.shape[-1] ** -0.5
+    out, final = hf.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=initial_state.float(), output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+    return out.to(v.dtype), final
+
+
+FAKE_KERNELS = (fake_chunk, fake_indices, fake_recurrent)
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("lens", "has_initial", "snapshots"), FLA_CASES)
 def test_the_fla_wrapper_gathers_splits_and_scatters_like_the_torch_path(
@@ -308,7 +323,7 @@ def test_the_fla_wrapper_gathers_splits_and_scatters_like_the_torch_path(
     """The fla path's own work (gathering states with garbage slots zeroed, one varlen call or rounds split at the
     snapshot points, the scatter back, snapshots) with fla's kernels stood in for by transformers' torch functions:
     it runs on the CPU whether fla is installed or not. The kernels themselves: the CUDA test below."""
-    monkeypatch.setattr(gated_delta_fla, "_kernels", (fake_chunk, fake_indices))
+    monkeypatch.setattr(gated_delta_fla, "_kernels", FAKE_KERNELS)
     monkeypatch.setattr(gated_delta_fla, "_tried", True)
     inp = Inputs(sum(lens), v_heads=2 * K_HEADS, seed=8)
     _, ssm = pools(inp.v_heads, inp.channels, dtype=pool_dtype)
@@ -322,6 +337,27 @@ def test_the_fla_wrapper_gathers_splits_and_scatters_like_the_torch_path(
     want = gated_delta._torch_gated_delta(*inp.rows(0, sum(lens)), ssm_t, meta, True)
     close(got, want, LOOSE)
     # Every slot (the untouched ones equal); in bfloat16 one rounding apart at most.
+    close(ssm.float(), ssm_t.float(), LOOSE if pool_dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_the_fla_decode_step_gathers_and_scatters_like_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, pool_dtype: torch.dtype
+) -> None:
+    """An all-decode step on the fused recurrent kernel (stood in for by transformers' torch function, keywords only
+    as fla's signature needs): garbage in the slots of sequences without state is ignored, every slot and the
+    snapshot are written as the torch path writes them."""
+    monkeypatch.setattr(gated_delta_fla, "_kernels", FAKE_KERNELS)
+    monkeypatch.setattr(gated_delta_fla, "_tried", True)
+    lens, slots, has_initial = [1, 1, 1, 1], [3, 0, 5, 1], [True, False, True, True]
+    inp = Inputs(4, v_heads=2 * K_HEADS, seed=9)
+    _, ssm = pools(inp.v_heads, inp.channels, dtype=pool_dtype)
+    ssm[0] = float("nan")
+    ssm_t = ssm.clone()
+    meta = make_meta(lens, slots, has_initial, [(2, 1, 7)])
+    got = gated_delta_fla.decode_step(*inp.rows(0, 4), ssm, meta, True)
+    want = gated_delta._torch_gated_delta(*inp.rows(0, 4), ssm_t, meta, True)
+    close(got, want, LOOSE)
     close(ssm.float(), ssm_t.float(), LOOSE if pool_dtype == torch.float32 else 1e-2)
 
 
@@ -363,8 +399,8 @@ def rel_err(got: Tensor, want: Tensor) -> float:
 @pytest.mark.gpu
 def test_an_all_decode_step_replays_in_a_cuda_graph() -> None:
     """Captured once, replayed on new inputs: the same results as an eager step (no host sync broke the capture,
-    nothing data-dependent was frozen in). Two padding rows share a scratch slot (11), as the runner pads. (An
-    all-decode step takes the torch path with or without fla.)"""
+    nothing data-dependent was frozen in). Two padding rows share a scratch slot (11), as the runner pads. (The
+    path in use: fla's fused recurrent kernel where it imports, else the torch step.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     slots, has_initial = [2, 5, 7, 11, 11], [True, False, True, True, True]
