@@ -15,8 +15,9 @@ fields positionally, tag first, trailing unset fields left off.
 
 ``token_ids`` are the prompt's tokens as vLLM has them: an image's or video's span holds the checkpoint's
 ``image_token_id`` / ``video_token_id``, not glimpse's internal pad values. ``extra_keys`` has one entry per
-stored block: None for a block that covers no media, else the identifiers (``media_spans``) of the media it
-overlaps, in prompt order. Block hashes are integers: the first 8 bytes of glimpse's 16-byte prefix-cache key,
+stored block: None for a block that covers no media, else ``[identifier, offset]`` for every media item it
+overlaps, in prompt order: the item's identifier (``media_spans``) and where the item starts relative to the
+block's first token (negative when it began in an earlier block), vLLM's ``(mm_feature.identifier, offset)``. Block hashes are integers: the first 8 bytes of glimpse's 16-byte prefix-cache key,
 big-endian (README, "Prefix-cache keys"); indexers use them only to pair stores with removals.
 
 Hybrid models (Qwen3.5's linear attention) publish two KV-cache groups, as vLLM does: group 0 ("full_attention")
@@ -37,7 +38,7 @@ MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 Layout = Literal["map", "array"]
 LAYOUTS: tuple[Layout, ...] = ("map", "array")
-ExtraKeys = list[list[str] | None]
+ExtraKeys = list[list[tuple[str, int]] | None]
 
 
 class KVCacheEvent(msgspec.Struct, frozen=True, omit_defaults=True, tag=True):
@@ -53,7 +54,7 @@ class BlockStored(KVCacheEvent, frozen=True):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: ExtraKeys | None = None  # per block: the media identifiers it overlaps, or None
+    extra_keys: ExtraKeys | None = None  # per block: (identifier, item start - block start) per media item, or None
     # Hybrid models only: which KV-cache group the blocks belong to and its kind.
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -156,8 +157,8 @@ def media_spans(items: list[MMItem]) -> list[MediaSpan]:
     return spans
 
 
-def block_media(spans: list[MediaSpan], lo: int, hi: int) -> list[str] | None:
-    """The identifiers of the media overlapping tokens [lo, hi), in prompt order (vLLM's per-block
-    multimodal extra keys); None when none does."""
-    ids = [s.identifier for s in spans if s.offset < hi and s.end > lo]
-    return ids or None
+def block_media(spans: list[MediaSpan], lo: int, hi: int) -> list[tuple[str, int]] | None:
+    """vLLM's multimodal extra keys of the block of tokens [lo, hi): ``(identifier, item offset - lo)`` for every
+    media item overlapping it, in prompt order; None when none does."""
+    keys = [(s.identifier, s.offset - lo) for s in spans if s.offset < hi and s.end > lo]
+    return keys or None

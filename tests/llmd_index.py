@@ -86,7 +86,9 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | Non
             extra = ev.get("extra_keys")
             if extra is not None:
                 assert isinstance(extra, list) and len(extra) == len(hashes)
-                assert all(e is None or (isinstance(e, list) and e and all(isinstance(i, str) for i in e)) for e in extra)
+                for e in extra:  # vLLM's (identifier, item offset - block start) per media item
+                    assert e is None or (isinstance(e, list) and e and all(
+                        isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and isinstance(k[1], int) for k in e))
         elif kind == "BlockRemoved":
             assert _REMOVED_REQUIRED <= ev.keys() <= _REMOVED_REQUIRED | {"group_idx"}, sorted(ev)
             _check_int_list(ev["block_hashes"], "block_hashes")
@@ -128,7 +130,8 @@ class Index:
             assert ev["block_size"] == self.block_size, "llm-d's blockSizeTokens must equal the engine's block size"
             parent = ev["parent_block_hash"]
             start = self.root() if parent is None else self.by_engine[parent]
-            extra = ev.get("extra_keys") or [None] * len(ev["block_hashes"])
+            # llm-d keeps each entry's identifier and drops the offset (kvblock.ParseRawExtraKeys).
+            extra = [None if e is None else [k[0] for k in e] for e in ev.get("extra_keys") or [None] * len(ev["block_hashes"])]
             keys = self.chain(start, ev["token_ids"], extra)
             self.by_engine.update(zip(ev["block_hashes"], keys, strict=True))
             self.keys.update(keys)

@@ -68,13 +68,13 @@ def run(core: SchedulerCore, recorder: KVEventRecorder) -> None:
 
 
 def test_the_wire_layout_is_vllm_024s_and_the_array_layout_is_the_older_one() -> None:
-    stored = block_stored([1, 2], None, list(range(8)), 4, "GPU", [["cat-1"], None])
+    stored = block_stored([1, 2], None, list(range(8)), 4, "GPU", [[("cat-1", 2)], None])
     events: list[KVCacheEvent] = [stored, block_removed([2], "GPU"), AllBlocksCleared()]
     ts, raw, rank = decode_batch(BatchEncoder("map", 1).encode(events))
     assert rank == 1 and ts > 0
     assert raw == [
         {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": list(range(8)),
-         "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [["cat-1"], None]},
+         "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [[["cat-1", 2]], None]},
         {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"},
         {"type": "AllBlocksCleared"},
     ]
@@ -85,7 +85,7 @@ def test_the_wire_layout_is_vllm_024s_and_the_array_layout_is_the_older_one() ->
     # --kv-events-layout array: vLLM <= 0.23's positional events, trailing unset fields left off.
     array = msgspec.msgpack.decode(BatchEncoder("array", 1).encode([*events, text]))
     assert array[1:] == [[
-        ["BlockStored", [1, 2], None, list(range(8)), 4, None, "GPU", None, [["cat-1"], None]],
+        ["BlockStored", [1, 2], None, list(range(8)), 4, None, "GPU", None, [[["cat-1", 2]], None]],
         ["BlockRemoved", [2], "GPU"],
         ["AllBlocksCleared"],
         ["BlockStored", [1], 5, [1, 2], 2, None, "GPU", None, None, 1, "mamba"],
@@ -205,8 +205,9 @@ def test_a_multi_image_chat_matches_every_block_the_way_llm_d_keys_it() -> None:
     stored = [e for e in sink.events() if isinstance(e, BlockStored)]
     assert [h for e in stored for h in e.block_hashes] == [external_hash(k) for k in block_hashes([*prompt, 7, 7], BS, items=items)]
     extra = [x for e in stored for x in (e.extra_keys or [None] * len(e.block_hashes))]
-    assert extra[:7] == [["cat-1"], ["cat-1", b.hash.hex()], [b.hash.hex()], [g0.hash.hex()], [g0.hash.hex()],
-                         [g0.hash.hex()], None]
+    # (identifier, where the item starts relative to the block), as vLLM keys a block; a video is one item.
+    bh, vh = b.hash.hex(), g0.hash.hex()
+    assert extra[:7] == [[("cat-1", 2)], [("cat-1", -2), (bh, 3)], [(bh, -1)], [(vh, 2)], [(vh, -2)], [(vh, -6)], None]
 
     # Another prompt needs every block: the cached ones are recycled, announced, and gone from the index.
     seen = len(sink.raw)
