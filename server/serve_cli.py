@@ -259,7 +259,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         dp_size=args.dp,
         dp_routing=args.dp_routing,
         kv_events_endpoint=args.kv_events_endpoint,
-        kv_events_topic=args.kv_events_topic or default_topic(args.host, args.port, name),
+        kv_events_topic=args.kv_events_topic or (default_topic(args.host, args.port, name) if args.kv_events_endpoint else ""),
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_buffer_steps=args.kv_events_buffer_steps,
         kv_events_layout=args.kv_events_layout,
