@@ -151,8 +151,8 @@ class Launcher:
             rendezvous, port = host_rendezvous()
             cfg = self.config = replace(cfg, dist_port=port)
         try:
-            if cfg.kv_events_endpoint:
-                self._open_kv_events()
+            if cfg.kv_events_endpoint and not self._open_kv_events():
+                return 1
             self.children = start_children(cfg)
             self._watch(loop)
             if not await self._wait_ready():
@@ -167,16 +167,22 @@ class Launcher:
                 signal.signal(sig, handler)
             del rendezvous  # the ranks are gone: stop serving the store
 
-    def _open_kv_events(self) -> None:
+    def _open_kv_events(self) -> bool:
         """The KV-event publisher, before the schedulers that feed it (a taken port fails the launch here)."""
         cfg = self.config
         self._zmq = zmq.Context()
-        self.kv_events = KVEventPublisher(
-            self._zmq, cfg.launch_id, cfg.kv_events_endpoint, cfg.kv_events_topic,
-            cfg.kv_events_replay_endpoint, cfg.kv_events_buffer_steps,
-        ).start()
+        try:
+            self.kv_events = KVEventPublisher(
+                self._zmq, cfg.launch_id, cfg.kv_events_endpoint, cfg.kv_events_topic,
+                cfg.kv_events_replay_endpoint, cfg.kv_events_buffer_steps,
+            ).start()
+        except zmq.ZMQError as exc:
+            self.failure = f"cannot open the KV-event sockets ({cfg.kv_events_endpoint}): {exc}"
+            log.error("%s", self.failure)
+            return False
         replay = f", replay on {cfg.kv_events_replay_endpoint}" if cfg.kv_events_replay_endpoint else ""
         log.info("publishing KV-cache events on %s (topic %s%s)", cfg.kv_events_endpoint, cfg.kv_events_topic, replay)
+        return True
 
     def _close_kv_events(self) -> None:
         """After the schedulers exited: their last batches (AllBlocksCleared) go out first."""
