@@ -8,7 +8,8 @@ asyncio twins), so an endpoint's address and message type are written once.
 | ``tok{i}`` | TokenizerInbound | tokenizer worker i | frontend, schedulers |
 | ``sched`` / ``sched{i}`` | SchedulerInbound | the scheduler of replica i (``sched`` for replica 0) | frontend, tokenizers (``--dp 1``), its model workers |
 | ``model{i}`` | ModelInbound | model worker i = replica * tp + rank | its replica's scheduler |
-| ``--kv-events-endpoint`` | (vLLM's KVEventBatch) | replica i's scheduler, port + i (ipc/kv_events.py) | - (external subscribers) |
+| ``kvev`` | encoded KV-event batches (ipc/kv_events.py) | the launcher's KV-event publisher (ipc/kv_event_publisher.py) | schedulers |
+| ``--kv-events-endpoint`` | (vLLM's KV-event batches) | the launcher's KV-event publisher, every replica on one PUB | - (external subscribers) |
 
 With ``--dp 1`` tokenizers hand a prepared request straight to ``sched``; with more replicas they hand it
 to the frontend (``RouteRequest``), whose router forwards it to the chosen ``sched{i}``. Replica 0 keeps
@@ -48,7 +49,9 @@ SCHEDULER: Endpoint[SchedulerInbound] = Endpoint(
     "sched{i}", SchedulerInbound, "scheduler", ("frontend", "tokenizer", "model"), first="sched"
 )
 MODEL: Endpoint[ModelInbound] = Endpoint("model{i}", ModelInbound, "model", ("scheduler",))
-ENDPOINTS: tuple[Endpoint[Any], ...] = (FRONTEND, TOKENIZER, SCHEDULER, MODEL)
+# Raw frames (already-encoded vLLM batches), not a glimpse message: opened as plain zmq sockets.
+KV_EVENTS: Endpoint[bytes] = Endpoint("kvev", bytes, "launcher", ("scheduler",))
+ENDPOINTS: tuple[Endpoint[Any], ...] = (FRONTEND, TOKENIZER, SCHEDULER, MODEL, KV_EVENTS)
 
 
 def pull(ctx: zmq.Context[Any], launch_id: str, endpoint: Endpoint[T], index: int = 0) -> PullSocket[T]:

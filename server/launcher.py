@@ -30,7 +30,9 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+import zmq
 
+from ipc.kv_event_publisher import KVEventPublisher
 from ipc.launch import cleanup_launch_dir
 from ipc.shm import sweep, sweep_dead_launches
 from server.app import FrontendState, create_app
@@ -79,6 +81,8 @@ class Launcher:
         self._stop = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deaths: dict[int, deque[float]] = {}  # tokenizer index -> recent death times
+        self.kv_events: KVEventPublisher | None = None  # every replica's KV-cache events (--kv-events-endpoint)
+        self._zmq: zmq.Context[Any] | None = None
 
     # ---- supervision ----------------------------------------------------------------------------
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -147,6 +151,8 @@ class Launcher:
             rendezvous, port = host_rendezvous()
             cfg = self.config = replace(cfg, dist_port=port)
         try:
+            if cfg.kv_events_endpoint and not self._open_kv_events():
+                return 1
             self.children = start_children(cfg)
             self._watch(loop)
             if not await self._wait_ready():
@@ -160,6 +166,32 @@ class Launcher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             del rendezvous  # the ranks are gone: stop serving the store
+
+    def _open_kv_events(self) -> bool:
+        """The KV-event publisher, before the schedulers that feed it (a taken port fails the launch here)."""
+        cfg = self.config
+        self._zmq = zmq.Context()
+        try:
+            self.kv_events = KVEventPublisher(
+                self._zmq, cfg.launch_id, cfg.kv_events_endpoint, cfg.kv_events_topic,
+                cfg.kv_events_replay_endpoint, cfg.kv_events_buffer_steps,
+            ).start()
+        except zmq.ZMQError as exc:
+            self.failure = f"cannot open the KV-event sockets ({cfg.kv_events_endpoint}): {exc}"
+            log.error("%s", self.failure)
+            return False
+        replay = f", replay on {cfg.kv_events_replay_endpoint}" if cfg.kv_events_replay_endpoint else ""
+        log.info("publishing KV-cache events on %s (topic %s%s)", cfg.kv_events_endpoint, cfg.kv_events_topic, replay)
+        return True
+
+    def _close_kv_events(self) -> None:
+        """After the schedulers exited: their last batches (AllBlocksCleared) go out first."""
+        if self.kv_events is not None:
+            self.kv_events.stop(linger_ms=0 if self.failure else 200)
+            self.kv_events = None
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
 
     async def _wait_ready(self) -> bool:
         assert self.state is not None
@@ -258,6 +290,7 @@ class Launcher:
         finally:
             if self.state is not None:
                 await self.state.close(linger_ms=0)
+            self._close_kv_events()
         removed = sweep(cfg.launch_id)
         if removed:
             log.info("swept %d shm segments of launch %s", removed, cfg.launch_id)

@@ -126,10 +126,17 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lim.add_argument("--shm-budget-mb", type=int, default=S["shm_budget_bytes"] // MB, help="pixels in shared memory in flight; past it: 503")
     pool = p.add_argument_group("pool", "serving behind an inference gateway (llm-d / Gateway API Inference Extension)")
     pool.add_argument("--kv-events-endpoint", default=S["kv_events_endpoint"], metavar="ADDR",
-                      help="publish KV-cache events in vLLM's format on this ZMQ address (tcp://*:PORT binds, "
-                      "tcp://HOST:PORT connects; replica r uses PORT + r); empty: off")
+                      help="publish KV-cache events in vLLM's format on this ZMQ PUB address, every --dp replica on it "
+                      "(tcp://*:PORT binds, tcp://HOST:PORT connects); empty: off (docs/kv-events.md)")
     pool.add_argument("--kv-events-topic", default=S["kv_events_topic"],
-                      help="topic frame of every KV-event message (llm-d reads kv@<pod>@<model>)")
+                      help="topic frame of every KV-event message; empty: kv@<address>:<port>@<served model name>, "
+                      "what llm-d reads (address: --host, or $POD_IP / the hostname's address for a wildcard host)")
+    pool.add_argument("--kv-events-replay-endpoint", default=S["kv_events_replay_endpoint"], metavar="ADDR",
+                      help="bind vLLM's KV-event replay ROUTER socket here (e.g. tcp://*:5558); empty: off")
+    pool.add_argument("--kv-events-buffer-steps", type=int, default=S["kv_events_buffer_steps"], metavar="N",
+                      help="KV-event batches kept for replay")
+    pool.add_argument("--kv-events-layout", choices=("map", "array"), default=S["kv_events_layout"],
+                      help="event encoding: map (vLLM >= 0.24, llm-d-router) or array (vLLM <= 0.23, older indexers)")
     h = p.add_argument_group("hardening", "what hostile clients may cost: downloads, shared memory, HTTP connections")
     h.add_argument("--allow-private-media-addresses", default="", metavar="LIST",
                    help="private addresses image URLs may reach anyway: '*' (all), ADDR, CIDR, ADDR:PORT, [V6]:PORT "
@@ -154,6 +161,7 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def build_config(args: argparse.Namespace) -> ServerConfig:
     import torch
 
+    from ipc.kv_event_publisher import default_topic
     from ipc.launch import new_launch_id
     from workers.engine.config import EngineConfig, serving_kv_blocks
     from workers.engine.models import UnsupportedModel, load_spec
@@ -169,6 +177,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("glimpse serve: --dp must be 1 or more")
     if args.block_size is not None and args.block_size < 1:
         raise SystemExit("glimpse serve: --block-size must be 1 or more")
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        raise SystemExit("glimpse serve: --kv-events-replay-endpoint needs --kv-events-endpoint")
+    if args.kv_events_buffer_steps < 1:
+        raise SystemExit("glimpse serve: --kv-events-buffer-steps must be 1 or more")
     try:
         info = load_spec(model)  # the one read of config.json: children get the parsed spec
         if args.load_format != "dummy":
@@ -247,7 +259,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         dp_size=args.dp,
         dp_routing=args.dp_routing,
         kv_events_endpoint=args.kv_events_endpoint,
-        kv_events_topic=args.kv_events_topic,
+        kv_events_topic=args.kv_events_topic or (default_topic(args.host, args.port, name) if args.kv_events_endpoint else ""),
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_buffer_steps=args.kv_events_buffer_steps,
+        kv_events_layout=args.kv_events_layout,
     )
 
 

@@ -6,6 +6,7 @@ it; workers and ipc never import server/."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from workers.engine.config import EngineConfig
 
@@ -74,10 +75,14 @@ class ServerConfig:
     # and tokenizer pool; the frontend's router (server/router.py) picks a replica per request.
     dp_size: int = 1
     dp_routing: str = "affinity"  # "round-robin": replicas in turn, blind to what they hold (the baseline)
-    # KV-cache events in vLLM's format (ZMQ PUB, per replica: port + replica): "" = off. An endpoint with
-    # "*" is bound, any other is connected to (an indexer that binds), as vLLM does.
+    # KV-cache events in vLLM's format (docs/kv-events.md): every replica's on one ZMQ PUB, "" = off. An endpoint
+    # with "*" is bound, any other is connected to (an indexer that binds), as vLLM does.
     kv_events_endpoint: str = ""
-    kv_events_topic: str = ""  # first frame of every event message (llm-d: "kv@<pod>@<model>")
+    # First frame of every event message; the CLI fills in llm-d's kv@<address>:<port>@<model> when left empty.
+    kv_events_topic: str = ""
+    kv_events_replay_endpoint: str = ""  # vLLM's replay ROUTER (bound); "" = off
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay (vLLM's default)
+    kv_events_layout: Literal["map", "array"] = "map"  # vLLM >= 0.24 (maps) or <= 0.23 (arrays)
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -1,7 +1,8 @@
 """Data parallelism end to end: `glimpse serve --dp 2` on the CPU (demo model), real processes, one server
 for the module. Answers equal the one-engine reference; a chat keeps landing where its images are while
-unrelated load spreads; KV-cache events reach a ZMQ subscriber in vLLM's format (image hashes in stored
-blocks, removals after eviction); /metrics carries the gateway gauges; one image served by both replicas
+unrelated load spreads; KV-cache events of both replicas reach one ZMQ subscriber on one stream in vLLM 0.24's
+format, keyed the way llm-d's indexer keys the request (tests/llmd_index.py), removals after eviction, and a gap
+replayed; /metrics carries the gateway gauges; one image served by both replicas
 is one segment with a name per replica; and last, a replica killed under load fails what was in flight,
 stops the server and leaves no shared memory."""
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 import zmq
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from ipc.kv_events import BlockRemoved, BlockStored, KVEventBatch, external_hash
+from ipc.kv_events import external_hash
 from ipc.prompts import SamplingParams
+from tests.llmd_index import Index, decode_batch
 from tests.server.live import LiveServer, data_url, free_port, image_message, png_bytes
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
@@ -36,13 +36,12 @@ KV_BLOCKS = 64  # per replica: small, so a little traffic evicts
 
 
 class EventLog:
-    """A SUB socket bound on both replicas' event ports (the server connects, as to llm-d's indexer),
-    drained by a thread from before the server starts, so no batch is missed."""
+    """A SUB socket bound on the server's event port (the server connects, as to an indexer that binds),
+    drained by a thread from before the server starts, so no batch is missed: frames kept as they came."""
 
     def __init__(self) -> None:
-        self.port = _two_free_ports()
-        self.batches: list[KVEventBatch] = []
-        self.topics: set[bytes] = set()
+        self.port, self.replay_port = free_port(), free_port()
+        self.frames: list[tuple[bytes, int, bytes]] = []  # (topic, seq, payload)
         self._stop, self._ready = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -53,34 +52,23 @@ class EventLog:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.bind(f"tcp://127.0.0.1:{self.port}")
-        sub.bind(f"tcp://127.0.0.1:{self.port + 1}")
-        decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._ready.set()
         while not self._stop.is_set():
             if sub.poll(50):
-                topic, _, payload = sub.recv_multipart()
-                self.topics.add(topic)
-                self.batches.append(decoder.decode(payload))
+                topic, seq, payload = sub.recv_multipart()
+                self.frames.append((topic, int.from_bytes(seq, "big"), payload))
         sub.close(linger=0)
         ctx.term()
 
-    def events(self, replica: int | None = None) -> list[Any]:
-        return [e for b in list(self.batches) if replica in (None, b.data_parallel_rank) for e in b.events]
+    def batches(self) -> list[tuple[float, list[dict[str, Any]], int | None]]:
+        return [decode_batch(payload) for _, _, payload in list(self.frames)]  # strictly vLLM 0.24's layout
+
+    def events(self, replica: int | None = None) -> list[dict[str, Any]]:
+        return [e for _, events, rank in self.batches() if replica in (None, rank) for e in events]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-
-
-def _two_free_ports() -> int:
-    while True:
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +83,7 @@ def dp2(demo_model_dir: Path, events: EventLog) -> Iterator[LiveServer]:
     server = LiveServer(
         demo_model_dir, "--dp", "2", "--tokenizer-workers", "1", "--max-model-len", "2048",
         "--num-kv-blocks", str(KV_BLOCKS), "--kv-events-endpoint", f"tcp://127.0.0.1:{events.port}",
-        "--kv-events-topic", "kv@test-pod@demo",
+        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{events.replay_port}", "--kv-events-buffer-steps", "100000",
     )
     server.crashed = False  # type: ignore[attr-defined]
     yield server
@@ -175,33 +163,67 @@ def test_a_chat_stays_with_its_images_while_unrelated_load_spreads(dp2: LiveServ
     assert sum(r["routed_by_affinity"] for r in end["replicas"]) >= 3
 
 
-def test_kv_events_carry_image_hashes_and_evictions(dp2: LiveServer, events: EventLog, demo_model_dir: Path) -> None:
-    raws = [png_bytes(280, 140, seed=401), png_bytes(140, 280, seed=402)]
-    processor = MMProcessor(demo_model_dir)
-    wanted = {processor.media_hash(raw).hex() for raw in raws}
-    ask(dp2, image_message("Two new pages.", [data_url(b) for b in raws]), max_tokens=4)
+def rendered(processor: MMProcessor, text: str, images: list[bytes]) -> tuple[list[int], list[tuple[str, int, int]]]:
+    """The chat as a vLLM-style render gives it to a router: tokens with the real image token id in each image's
+    span, and per image its identifier (no uuid given: glimpse's media hash, docs/kv-events.md) and range."""
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    parts: list[dict[str, Any]] = [{"type": "image", "image": im} for im in pil]
+    parts.append({"type": "text", "text": text})
+    prompt = processor.build(processor.render([{"role": "user", "content": parts}]), [processor.process_image(im) for im in pil])
+    tokens = list(prompt.input_ids)
+    media = []
+    for span, raw in zip(prompt.spans, images, strict=True):
+        tokens[span.offset : span.offset + span.length] = [processor.info.image_token_id] * span.length
+        media.append((processor.media_hash(raw).hex(), span.offset, span.length))
+    return tokens, media
 
-    def stored_with_images() -> list[tuple[int | None, BlockStored]]:
-        out = []
-        for batch in list(events.batches):
-            for e in batch.events:
-                if isinstance(e, BlockStored) and wanted & {k for x in e.extra_keys or [] for k, _ in x or []}:
-                    out.append((batch.data_parallel_rank, e))
-        return out
+
+def test_kv_events_key_image_chats_as_llm_d_does_on_one_stream(dp2: LiveServer, events: EventLog, demo_model_dir: Path) -> None:
+    processor = MMProcessor(demo_model_dir)
+    text, raws = "Two new pages.", [png_bytes(280, 140, seed=401), png_bytes(140, 280, seed=402)]
+    ask(dp2, image_message(text, [data_url(b) for b in raws]), max_tokens=4)
+    tokens, media = rendered(processor, text, raws)
+    index = Index(block_size=16, model="demo")  # the topic's model; llm-d's blockSizeTokens = glimpse's block size
+    keys = index.request_keys(tokens, media)
+    assert len(keys) >= 6 and all(m[2] > 16 for m in media)  # blocks inside and across both images
+
+    def matched() -> list[bool]:
+        index.by_engine.clear()
+        index.keys.clear()
+        for _, evs, _ in events.batches():
+            for ev in evs:
+                index.apply(ev)
+        return [k in index.keys for k in keys]
 
     deadline = time.monotonic() + 10
-    while not stored_with_images() and time.monotonic() < deadline:
+    while not all(matched()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    found = stored_with_images()
-    assert found, "no BlockStored event names the request's images"
-    replica = found[0][0]
-    assert replica in (0, 1) and {r for r, _ in found} == {replica}
-    seen = {k for _, e in found for x in e.extra_keys or [] for k, _ in x or []}
-    assert seen >= wanted  # both images, in the blocks that cover them
-    offsets = [o for _, e in found for x in e.extra_keys or [] for _, o in x or []]
-    assert 0 in offsets and max(offsets) > 0  # a block's first offset inside its image
-    ours = {h for _, e in found for h in e.block_hashes}
-    assert events.topics == {b"kv@test-pod@demo"}
+    assert all(matched()), matched()  # every block of the chat, images included
+
+    # Both replicas on one stream: one topic (llm-d's kv@<address>:<port>@<model>), one consecutive sequence.
+    assert {t for t, _, _ in events.frames} == {f"kv@127.0.0.1:{dp2.port}@demo".encode()}
+    seqs = [seq for _, seq, _ in list(events.frames)]
+    assert seqs == list(range(len(seqs)))
+    assert {rank for _, _, rank in events.batches()} == {0, 1}
+    ours = {h for ev in events.events() if ev["type"] == "BlockStored" for h in ev["block_hashes"]}
+
+    # A subscriber that lost batches asks the replay socket for them: the same frames, topic and all.
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{events.replay_port}")
+    try:
+        start = len(seqs) // 2
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        replayed = []
+        while dealer.poll(10_000):
+            _, topic, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            replayed.append((topic, int.from_bytes(seq, "big"), payload))
+        assert replayed[: len(seqs) - start] == events.frames[start : len(seqs)]
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
 
     # Fill both replicas' caches with other prompts: the request's blocks are recycled and announced.
     words = " ".join(f"w{i}" for i in range(100))  # ~25 blocks a prompt: 10 of them overflow 2 x 64
@@ -209,13 +231,12 @@ def test_kv_events_carry_image_hashes_and_evictions(dp2: LiveServer, events: Eve
         list(pool.map(lambda i: ask(dp2, [{"role": "user", "content": f"{i} {words}"}], max_tokens=2), range(10)))
 
     def removed() -> set[int]:
-        return {h for e in events.events(replica) if isinstance(e, BlockRemoved) for h in e.block_hashes}
+        return {h for ev in events.events() if ev["type"] == "BlockRemoved" for h in ev["block_hashes"]}
 
     deadline = time.monotonic() + 10
     while not (ours & removed()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ours & removed()
-    assert all(isinstance(h, int) and 0 <= h < 2**64 for h in ours)
     assert external_hash(b"\x00" * 8 + b"\xff" * 8) == 0  # the first 8 bytes of the key, big-endian
 
 

@@ -50,3 +50,16 @@ def test_serve_takes_the_default_block_size_or_the_one_given(demo_model_dir: Pat
 def test_serve_refuses_a_block_size_below_one(demo_model_dir: Path) -> None:
     with pytest.raises(SystemExit, match="--block-size"):
         build_config(parse("--model", str(demo_model_dir), "--device", "cpu", "--block-size", "0"))
+
+
+def test_kv_event_flags_default_to_llm_ds_topic_and_need_an_endpoint(demo_model_dir: Path) -> None:
+    base = ("--model", str(demo_model_dir), "--device", "cpu", "--served-model-name", "qwen", "--port", "8123")
+    config = build_config(parse(*base, "--host", "10.1.2.3", "--kv-events-endpoint", "tcp://*:5557",
+                                "--kv-events-replay-endpoint", "tcp://*:5558", "--kv-events-layout", "array"))
+    assert config.kv_events_topic == "kv@10.1.2.3:8123@qwen"  # what llm-d's indexer splits into pod and model
+    assert (config.kv_events_replay_endpoint, config.kv_events_buffer_steps, config.kv_events_layout) == (
+        "tcp://*:5558", 10_000, "array")
+    given = build_config(parse(*base, "--kv-events-endpoint", "tcp://*:5557", "--kv-events-topic", "kv@p@m"))
+    assert (given.kv_events_topic, given.kv_events_layout) == ("kv@p@m", "map")
+    with pytest.raises(SystemExit, match="--kv-events-replay-endpoint"):
+        build_config(parse(*base, "--kv-events-replay-endpoint", "tcp://*:5558"))

@@ -3,27 +3,36 @@
 
 Hooked into the scheduling core: ``SchedulerCore.on_blocks_stored`` fires when a sequence's full,
 computed blocks are registered in the prefix cache (BlockStored: their keys, parent key, tokens and the
-images they cover), ``BlockAllocator.on_evict`` when a registered block is recycled for other contents
+media they cover), ``BlockAllocator.on_evict`` when a registered block is recycled for other contents
 (BlockRemoved). A fresh or stopping scheduler announces AllBlocksCleared, so an indexer forgets whatever
-an earlier run of this replica published. Events collect during a loop turn and go out as one batch.
+an earlier run of this replica published. Events collect during a loop turn and go out as one batch, encoded
+here (with this replica's ``data_parallel_rank``) and handed to the launcher's publisher
+(ipc/kv_event_publisher.py), which numbers and publishes every replica's batches on one stream.
+
+Tokens go out as vLLM has them: a media span's positions hold the checkpoint's image/video token id, not the
+pad values glimpse's prompts carry (distinct per image, so the prefix cache tells images apart by tokens too).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
+from ipc.kv_event_publisher import KVEventSender
 from ipc.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
+    BatchEncoder,
     KVCacheEvent,
-    KVEventPublisher,
+    Layout,
+    MediaSpan,
+    block_media,
     block_removed,
     block_stored,
     external_hash,
-    replica_endpoint,
+    media_spans,
 )
 from ipc.prompts import MMItem
 from workers.config import ServerConfig
@@ -34,12 +43,38 @@ KV_GROUP = (0, "full_attention")
 STATE_GROUP = (1, "mamba")
 
 
-def image_keys(items: list[MMItem], lo: int, hi: int) -> list[tuple[str, int]] | None:
-    """What a block of tokens [lo, hi) hashes besides its tokens (kv_cache.block_hashes): for every image
-    it overlaps, the image's content hash and the block's first offset inside the image."""
-    keys = [(it.hash.hex(), max(0, lo - it.offset)) for it in sorted(items, key=lambda it: it.offset)
-            if it.offset < hi and it.offset + it.length > lo]
-    return keys or None
+class Sink(Protocol):
+    """Where a flushed batch goes: the publisher's sender when serving, a list in tests."""
+
+    def publish(self, events: list[KVCacheEvent]) -> None: ...
+
+    def close(self, linger_ms: int = 0) -> None: ...
+
+
+class EncodingSink:
+    """Encodes a replica's batches and hands them to the launcher's publisher."""
+
+    def __init__(self, sender: KVEventSender, layout: Layout, replica: int) -> None:
+        self.sender, self.encoder = sender, BatchEncoder(layout, replica)
+        self.endpoint = sender.endpoint
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        self.sender.send(self.encoder.encode(events))
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.sender.close(linger_ms)
+
+
+def vllm_tokens(tokens: list[int], lo: int, items: list[MMItem], image_id: int, video_id: int) -> list[int]:
+    """``tokens`` (the prompt from position ``lo`` on) with every media span's positions set to the checkpoint's
+    image or video token id, as vLLM's prompt has them."""
+    out = list(tokens)
+    hi = lo + len(out)
+    for it in items:
+        a, b = max(it.offset, lo), min(it.offset + it.length, hi)
+        if a < b:
+            out[a - lo : b - lo] = [image_id if it.frame is None else video_id] * (b - a)
+    return out
 
 
 def _runs(indices: list[int]) -> list[list[int]]:
@@ -56,10 +91,11 @@ def _runs(indices: list[int]) -> list[list[int]]:
 class KVEventRecorder:
     """Collects one replica's events between flushes and publishes them as one batch."""
 
-    def __init__(self, publisher: KVEventPublisher, block_size: int, medium: str) -> None:
+    def __init__(self, publisher: Sink, block_size: int, medium: str, media_tokens: tuple[int, int] = (-1, -1)) -> None:
         self.publisher = publisher
         self.block_size = block_size
         self.medium = medium
+        self.image_id, self.video_id = media_tokens  # the checkpoint's image_token_id and video_token_id
         self.events: list[KVCacheEvent] = []
         self._removed: list[int] = []  # consecutive evictions become one BlockRemoved
         # Hybrid models: KV blocks are group 0, state snapshots group 1 (ipc/kv_events.py); None: one group, unnamed.
@@ -72,10 +108,10 @@ class KVEventRecorder:
         """Replica ``replica``'s recorder, or None when ``--kv-events-endpoint`` is not set."""
         if not config.kv_events_endpoint:
             return None
-        endpoint = replica_endpoint(config.kv_events_endpoint, replica)
-        publisher = KVEventPublisher(ctx, endpoint, config.kv_events_topic, replica)
+        sink = EncodingSink(KVEventSender(ctx, config.launch_id), config.kv_events_layout, replica)
         medium = MEDIUM_GPU if config.engine.device.startswith("cuda") else MEDIUM_CPU
-        return cls(publisher, config.engine.block_size, medium)
+        spec = config.engine.model_spec()
+        return cls(sink, config.engine.block_size, medium, (spec.image_token_id, spec.video_token_id))
 
     def attach(self, core: SchedulerCore) -> KVEventRecorder:
         core.on_blocks_stored = self.stored
@@ -87,25 +123,31 @@ class KVEventRecorder:
         self.cleared()  # a new core holds nothing: whatever an earlier run published is gone
         return self
 
+    def spans(self, seq: Sequence) -> list[MediaSpan]:
+        return media_spans(seq.items) if seq.items else []  # a few items: cheaper to redo than to track
+
+    def tokens(self, seq: Sequence, lo: int, hi: int) -> list[int]:
+        tokens = seq.tokens_since(lo)[: hi - lo]
+        return vllm_tokens(tokens, lo, seq.items, self.image_id, self.video_id) if seq.items else tokens
+
     def stored(self, seq: Sequence, indices: list[int], keys: list[bytes]) -> None:
         self._flush_removed()
-        bs, tokens = self.block_size, seq.all_token_ids()
+        bs, spans = self.block_size, self.spans(seq)
         for run in _runs(indices):
             first, end = run[0], run[-1] + 1
             parent = external_hash(keys[first - 1]) if first > 0 else None
-            extra = [image_keys(seq.items, i * bs, (i + 1) * bs) for i in run]
+            extra = [block_media(spans, i * bs, (i + 1) * bs) for i in run]
             hashes = [external_hash(keys[i]) for i in run]
-            self.events.append(
-                block_stored(hashes, parent, tokens[first * bs : end * bs], bs, self.medium, extra, self.kv_group)
-            )
+            tokens = self.tokens(seq, first * bs, end * bs)
+            self.events.append(block_stored(hashes, parent, tokens, bs, self.medium, extra, self.kv_group))
 
     def snapshot_stored(self, seq: Sequence, end: int, key: bytes) -> None:
         """A state snapshot at the end of block [end - bs, end) of ``seq``: a stored block of the state group."""
         self._flush_removed()
         bs, first = self.block_size, end // self.block_size - 1
         parent = external_hash(seq.block_hashes[first - 1]) if first > 0 else None
-        extra = [image_keys(seq.items, end - bs, end)]
-        tokens = seq.tokens_since(end - bs)[:bs]
+        extra = [block_media(self.spans(seq), end - bs, end)]
+        tokens = self.tokens(seq, end - bs, end)
         self.events.append(block_stored([external_hash(key)], parent, tokens, bs, self.medium, extra, STATE_GROUP))
 
     def removed(self, key: bytes) -> None:

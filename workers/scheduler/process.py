@@ -97,7 +97,7 @@ class Scheduler(StepResults):
         self.core.on_finished = self._release
         if (events := KVEventRecorder.open(self.ctx, self.config, self.replica)) is not None:
             self.kv_events = events.attach(self.core)
-            self.log.info("publishing KV-cache events on %s", events.publisher.endpoint)
+            self.log.info("KV-cache events go to the launcher's publisher (%s)", self.config.kv_events_endpoint)
         self.gc = GcWatch(frozen=freeze_heap(self.log))
         self.frontend.send(ProcessReady(role="scheduler", index=self.replica, pid=os.getpid()))
         self.log.info("ready: %d KV blocks", self.core.allocator.num_blocks)
