@@ -41,7 +41,7 @@ from ipc.channels import AsyncPushSocket, new_async_context
 from ipc.control import AbortRequest, Msg, ProcessReady, RequestFailed, Shutdown
 from ipc.inbound import FrontendInbound
 from ipc.outputs import OutputBatch, RequestOutput
-from ipc.requests import GenerateRequest, RequestAccepted, RouteRequest
+from ipc.requests import GenerateRequest, RequestAccepted, RequestRendered, RouteRequest
 from ipc.stats import SchedulerStats, TokenizerStats
 from server.config import ServerConfig
 from server.pool_stats import PoolCollector
@@ -58,7 +58,7 @@ class Disconnected:
 
 
 DISCONNECTED = Disconnected()
-FlightEvent = RequestAccepted | RequestFailed | RequestOutput | Disconnected
+FlightEvent = RequestAccepted | RequestFailed | RequestOutput | RequestRendered | Disconnected
 Outcome = Literal["ok", "failed", "aborted"]
 
 
@@ -217,7 +217,7 @@ class FrontendState:
                     flight.queue.put_nowait(out)
         elif isinstance(msg, RouteRequest):
             self._route(msg)
-        elif isinstance(msg, RequestAccepted | RequestFailed):
+        elif isinstance(msg, RequestAccepted | RequestRendered | RequestFailed):
             self._release_slot(msg.rid)  # the tokenizer's part is over (also for a forgotten flight)
             if isinstance(msg, RequestFailed):
                 self._abort_on_route.pop(msg.rid, None)  # refused: no RouteRequest will follow
@@ -253,7 +253,7 @@ class FrontendState:
         is up. ``endpoint``: "chat" or "completion" (the body's kind, and its answer's id prefix); ``started``: the
         handler's time.monotonic() before it read the body, for the step trace."""
         worker = self._pick_tokenizer()
-        prefix = "cmpl-" if endpoint == "completion" else "chatcmpl-"
+        prefix = "cmpl-" if endpoint.startswith("completion") else "chatcmpl-"
         flight = Flight(prefix + uuid.uuid4().hex, worker, time.time(), replica=0 if self.dp == 1 else -1)
         self.flights[flight.rid] = flight
         self.trace.event("submit", rid=flight.rid, bytes=len(body), read=started)
