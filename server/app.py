@@ -41,6 +41,7 @@ from server.frontend import (
 from server.protocol import error_response, is_json
 from server.render_api import RENDER_PATHS, render_answer
 from server.responder import Answer, ChatAnswer
+from server.stats import RequestCounters
 from server.tokenize_api import TokenizerEndpoints
 
 __all__ = ["ChatResponder", "FrontendState", "create_app"]
@@ -238,9 +239,10 @@ class _ApiKeyMiddleware:
 def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     """The OpenAI-compatible app over `state`. Its lifespan starts the pump; closing is the launcher's."""
 
-    async def take_body(request: Request) -> Response | bytes:
-        """The body of a request for a tokenizer (a generation or a render), or the answer that refuses it."""
-        counters = state.book.counters
+    async def take_body(request: Request, counted: bool = True) -> Response | bytes:
+        """The body of a request for a tokenizer (a generation or a render), or the answer that refuses it. Renders
+        are not ``counted``: the request counters are generations' (behind llm-d each one is rendered first)."""
+        counters = state.book.counters if counted else RequestCounters()
         counters.total += 1
         if state.failed is not None or state.draining:
             counters.failed += 1
@@ -271,7 +273,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     def renders(endpoint: str) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             started = time.monotonic()
-            body = await take_body(request)
+            body = await take_body(request, counted=False)
             return body if isinstance(body, Response) else await render_answer(state, body, endpoint, started)
 
         return handler

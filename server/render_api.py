@@ -3,7 +3,9 @@
 A render needs what a generation's preparation needs (media fetched, hashed and probed for their grids, the chat
 template applied): CPU work that must stay off the event loop, so the body goes to a tokenizer worker like any
 generation's, marked as a render, and comes back as the JSON answer (workers/tokenizer/render.py builds it). The
-tokenizer sends it to no scheduler, so with ``--dp`` > 1 it needs no routing either.
+tokenizer sends it to no scheduler, so with ``--dp`` > 1 it needs no routing either. Renders are left out of the
+request counters (/admin/stats ``requests``, ``glimpse_requests*``): behind llm-d every generation is rendered first,
+and counting both would double the request rate operators read.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ async def render_answer(state: FrontendState, body: bytes, endpoint: str, starte
     try:
         flight = await state.submit(body, endpoint, started)
     except NoTokenizer:
-        state.book.counters.failed += 1
         message = "Service unavailable: no tokenizer is running (one is restarting); retry shortly."
         payload = protocol.error_payload(message, "server_error", code="service_unavailable")
         return Response(payload, 503, media_type="application/json")

@@ -88,7 +88,8 @@ def test_chat_render_is_transformers_prompt_with_the_generation_ids(
     assert live.segments() == []
     after = live.stats_when("prompt_tokens", before["prompt_tokens"] + 1, timeout=0.6)
     assert (after["prompt_tokens"], after["steps"]) == (before["prompt_tokens"], before["steps"])
-    assert after["requests"]["ok"] == before["requests"]["ok"] + 3
+    # Renders are not generations: the request counters leave them out (llm-d renders every request first).
+    assert after["requests"] == before["requests"]
 
 
 @pytest.mark.skip(reason="content parts' 'uuid' is parsed on another branch (issue 39); enable after the merge")
