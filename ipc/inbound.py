@@ -9,12 +9,13 @@ from __future__ import annotations
 from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
 from ipc.outputs import OutputBatch
 from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
-from ipc.requests import GenerateRequest, RequestAccepted, RouteRequest
+from ipc.requests import GenerateRequest, RequestAccepted, RequestRendered, RouteRequest
 from ipc.stats import SchedulerStats, TokenizerStats, WorkerStats
 from ipc.steps import StepPlan, StepResult, WorkerFailed
 
 FrontendInbound = (
     RequestAccepted | RequestFailed | OutputBatch | SchedulerStats | TokenizerStats | ProcessReady | RouteRequest
+    | RequestRendered
 )
 TokenizerInbound = GenerateRequest | AbortRequest | SchedulerStats | Shutdown
 SchedulerInbound = (

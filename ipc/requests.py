@@ -1,8 +1,8 @@
 """The frontend <-> tokenizer hop: an HTTP body on its way in, and what the tokenizer answers about it.
 
 The frontend hands the body over unparsed (``GenerateRequest``); the tokenizer answers how to reply to the client
-(``RequestAccepted``) or that it failed (``RequestFailed``, ipc/control.py), and with ``--dp`` > 1 hands the
-prepared request back for routing (``RouteRequest``) instead of straight to a scheduler.
+(``RequestAccepted``; a render: ``RequestRendered``) or that it failed (``RequestFailed``, ipc/control.py), and
+with ``--dp`` > 1 hands the prepared request back for routing (``RouteRequest``) instead of straight to a scheduler.
 """
 
 from __future__ import annotations
@@ -26,7 +26,20 @@ class GenerateRequest(Msg, frozen=True):
     rid: str
     body: memoryview
     arrival: float  # time.time() when the frontend received it
-    endpoint: str = "chat"  # which body it is: "chat" (/v1/chat/completions) or "completion" (/v1/completions)
+    # Which body it is: "chat" (/v1/chat/completions), "completion" (/v1/completions), or a render of either
+    # ("chat_render", "completion_render": vLLM's /render routes), answered by RequestRendered, never scheduled.
+    endpoint: str = "chat"
+
+
+RENDER_ENDPOINTS = {"chat_render": "chat", "completion_render": "completion"}  # a render -> the body it renders
+
+
+class RequestRendered(Msg, frozen=True):
+    """Tokenizer -> frontend: a render's answer, the response body already JSON (the tokenizer encodes it, so the
+    event loop only forwards bytes). Nothing went to a scheduler and no shared memory was written for it."""
+
+    rid: str
+    body: bytes
 
 
 class RequestAccepted(Msg, frozen=True):

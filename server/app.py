@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from itertools import chain
 
@@ -39,7 +39,9 @@ from server.frontend import (
     Outcome,
 )
 from server.protocol import error_response, is_json
+from server.render_api import RENDER_PATHS, render_answer
 from server.responder import Answer, ChatAnswer
+from server.stats import RequestCounters
 from server.tokenize_api import TokenizerEndpoints
 
 __all__ = ["ChatResponder", "FrontendState", "create_app"]
@@ -237,8 +239,10 @@ class _ApiKeyMiddleware:
 def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     """The OpenAI-compatible app over `state`. Its lifespan starts the pump; closing is the launcher's."""
 
-    async def chat_completions(request: Request, endpoint: str = "chat") -> Response | ChatResponder:
-        counters = state.book.counters
+    async def take_body(request: Request, counted: bool = True) -> Response | bytes:
+        """The body of a request for a tokenizer (a generation or a render), or the answer that refuses it. Renders
+        are not ``counted``: the request counters are generations' (behind llm-d each one is rendered first)."""
+        counters = state.book.counters if counted else RequestCounters()
         counters.total += 1
         if state.failed is not None or state.draining:
             counters.failed += 1
@@ -248,9 +252,8 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
             counters.failed += 1
             message = "The request body must be JSON: send it with 'Content-Type: application/json'."
             return error_response(400, message, code="invalid_content_type")
-        started = time.monotonic()
         try:
-            body = await _read_body(request, config.max_body_bytes)
+            return await _read_body(request, config.max_body_bytes)
         except _TooLarge:
             counters.failed += 1
             message = f"Request body exceeds {config.max_body_bytes} bytes."
@@ -258,10 +261,22 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         except ClientDisconnect:
             counters.aborted += 1
             return Response(status_code=400)  # nobody is listening; uvicorn drops it
-        return ChatResponder(state, body, endpoint, started)
+
+    async def chat_completions(request: Request, endpoint: str = "chat") -> Response | ChatResponder:
+        started = time.monotonic()
+        body = await take_body(request)
+        return body if isinstance(body, Response) else ChatResponder(state, body, endpoint, started)
 
     async def completions(request: Request) -> Response | ChatResponder:
         return await chat_completions(request, "completion")
+
+    def renders(endpoint: str) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
+            started = time.monotonic()
+            body = await take_body(request, counted=False)
+            return body if isinstance(body, Response) else await render_answer(state, body, endpoint, started)
+
+        return handler
 
     async def model(request: Request) -> Response:
         if request.path_params["model"] != config.served_model_name:
@@ -315,6 +330,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        *(Route(path, renders(endpoint), methods=["POST"]) for endpoint, path in RENDER_PATHS.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

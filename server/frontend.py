@@ -41,7 +41,7 @@ from ipc.channels import AsyncPushSocket, new_async_context
 from ipc.control import AbortRequest, Msg, ProcessReady, RequestFailed, Shutdown
 from ipc.inbound import FrontendInbound
 from ipc.outputs import OutputBatch, RequestOutput
-from ipc.requests import GenerateRequest, RequestAccepted, RouteRequest
+from ipc.requests import RENDER_ENDPOINTS, GenerateRequest, RequestAccepted, RequestRendered, RouteRequest
 from ipc.stats import SchedulerStats, TokenizerStats
 from server.config import ServerConfig
 from server.pool_stats import PoolCollector
@@ -58,7 +58,7 @@ class Disconnected:
 
 
 DISCONNECTED = Disconnected()
-FlightEvent = RequestAccepted | RequestFailed | RequestOutput | Disconnected
+FlightEvent = RequestAccepted | RequestFailed | RequestOutput | RequestRendered | Disconnected
 Outcome = Literal["ok", "failed", "aborted"]
 
 
@@ -71,6 +71,7 @@ class Flight:
     arrival: float
     queue: asyncio.Queue[FlightEvent] = field(default_factory=asyncio.Queue)
     replica: int = 0  # the scheduler it went to; -1 while a --dp router has not chosen one yet
+    render: bool = False  # a render (vLLM's /render routes): answered by its tokenizer, in no request counter
 
 
 class NoTokenizer(Exception):
@@ -217,7 +218,7 @@ class FrontendState:
                     flight.queue.put_nowait(out)
         elif isinstance(msg, RouteRequest):
             self._route(msg)
-        elif isinstance(msg, RequestAccepted | RequestFailed):
+        elif isinstance(msg, RequestAccepted | RequestRendered | RequestFailed):
             self._release_slot(msg.rid)  # the tokenizer's part is over (also for a forgotten flight)
             if isinstance(msg, RequestFailed):
                 self._abort_on_route.pop(msg.rid, None)  # refused: no RouteRequest will follow
@@ -253,8 +254,9 @@ class FrontendState:
         is up. ``endpoint``: "chat" or "completion" (the body's kind, and its answer's id prefix); ``started``: the
         handler's time.monotonic() before it read the body, for the step trace."""
         worker = self._pick_tokenizer()
-        prefix = "cmpl-" if endpoint == "completion" else "chatcmpl-"
-        flight = Flight(prefix + uuid.uuid4().hex, worker, time.time(), replica=0 if self.dp == 1 else -1)
+        prefix = "cmpl-" if endpoint.startswith("completion") else "chatcmpl-"
+        flight = Flight(prefix + uuid.uuid4().hex, worker, time.time(), replica=0 if self.dp == 1 else -1,
+                        render=endpoint in RENDER_ENDPOINTS)
         self.flights[flight.rid] = flight
         self.trace.event("submit", rid=flight.rid, bytes=len(body), read=started)
         self.slots[flight.rid] = worker
@@ -298,7 +300,10 @@ class FrontendState:
             return
         if self.dp > 1 and flight.replica >= 0:
             self.router.done(flight.replica)
-        self.book.counters.record(outcome)
+        if flight.render:
+            self.book.counters.in_flight -= 1  # in flight like any request, counted as none (RequestCounters)
+        else:
+            self.book.counters.record(outcome)
         if not self.flights:
             self._idle.set()
 

@@ -281,6 +281,18 @@ def test_one_image_on_both_replicas_has_a_name_on_each(dp2: LiveServer, demo_mod
     ask(dp2, image_message("again", [data_url(raw)]), max_tokens=2)  # still served from a live name
 
 
+def test_a_render_is_answered_by_the_tokenizer_and_routed_nowhere(dp2: LiveServer, demo_model_dir: Path) -> None:
+    """With --dp a render still goes no further than a tokenizer: no replica is chosen, none counts it."""
+    raw = png_bytes(48, 40, seed=31)
+    before = [(r["routed"], r["requests"]) for r in replicas(dp2)]
+    body = {"model": "demo", "messages": image_message("Which replica?", [data_url(raw)])}
+    got = httpx.post(dp2.base + "/v1/chat/completions/render", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["features"]["mm_hashes"] == {"image": [MMProcessor(demo_model_dir).media_hash(raw).hex()]}
+    time.sleep(0.6)  # the replicas' counters arrive every 0.25 s
+    assert [(r["routed"], r["requests"]) for r in replicas(dp2)] == before
+
+
 def test_a_replica_killed_under_load_fails_its_requests_fast_and_leaves_no_shm(dp2: LiveServer) -> None:
     [victim] = dp2.child_pids("model[1]")
     children = dp2.child_pids("scheduler") + dp2.child_pids("model")

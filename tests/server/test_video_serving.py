@@ -192,3 +192,24 @@ def test_caps_and_bad_files_are_400(served: tuple[LiveServer, VideoReference], c
     assert isinstance(body, dict) and body.get("code") == code, body
     assert httpx.get(server.base + "/health", timeout=5).status_code == 200
     assert len(server.segments()) <= settle_segments  # a refused video leaves no segment behind
+
+
+def test_render_is_transformers_prompt_with_video_tokens(served: tuple[LiveServer, VideoReference]) -> None:
+    """/v1/chat/completions/render of an image and a video: transformers' input_ids (the video's frame groups as
+    video_token_id runs), one identifier and span per image and per frame group, in prompt order."""
+    server, reference = served
+    text = "What happens?"
+    body = {"model": "demo", "messages": [user(text, [video_url(VIDEO)], [data_url(IMAGE)])]}
+    got = httpx.post(server.base + "/v1/chat/completions/render", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    rendered = got.json()
+    ids = reference.inputs(reference_messages(text, [VIDEO], [IMAGE]))["input_ids"][0].tolist()
+    assert rendered["token_ids"] == ids
+    tokenizer = reference.processor.tokenizer
+    spans = rendered["features"]["mm_placeholders"]
+    for modality, token in (("image", reference.processor.image_token), ("video", reference.processor.video_token)):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        covered = [p for span in spans[modality] for p in range(span["offset"], span["offset"] + span["length"])]
+        assert covered == [i for i, t in enumerate(ids) if t == token_id], modality
+        assert len(rendered["features"]["mm_hashes"][modality]) == len(spans[modality])
+    assert len(spans["image"]) == 1 and len(spans["video"]) > 1  # a video: one item per frame group

@@ -6,7 +6,7 @@ images, shm) run on one "prep" thread, one request after another, and fan a requ
 out to the image pool. A request whose client went away (AbortRequest) or that Shutdown finds
 unfinished is cancelled wherever it is: its download stops at once, a CPU step already running
 finishes and is thrown away, and the shm names it made are unlinked on the prep thread after it.
-Every GenerateRequest gets exactly one answer (RequestAccepted or RequestFailed), which is what
+Every GenerateRequest gets exactly one answer (RequestAccepted, RequestRendered or RequestFailed), which is what
 frees its slot in the frontend's routing.
 
 A request with deferred images (overlap of preprocessing and prefill) goes to the scheduler once its first
@@ -33,7 +33,7 @@ from ipc.channels import AsyncPushSocket, new_async_context
 from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
 from ipc.inbound import FrontendInbound, SchedulerInbound
 from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
-from ipc.requests import GenerateRequest, RequestAccepted, RouteRequest
+from ipc.requests import RENDER_ENDPOINTS, GenerateRequest, RequestAccepted, RequestRendered, RouteRequest
 from ipc.shm import ShmRef
 from ipc.stats import SchedulerStats
 from workers.common import memory
@@ -43,6 +43,7 @@ from workers.common.proc import freeze_heap
 from workers.common.step_trace import StepTrace
 from workers.engine.core.kv_cache import block_hashes
 from workers.tokenizer.media.image_prep import PendingWrite
+from workers.tokenizer.render import render
 from workers.tokenizer.worker import Admitted, TokenizerWorker
 
 STATS_INTERVAL_S = 0.5
@@ -125,7 +126,8 @@ class TokenizerService:
         if req.rid in self.tasks:
             self.worker.log.error("request %s arrived twice; ignoring the second", req.rid)
             return
-        task = asyncio.get_running_loop().create_task(self._run(req), name=f"request-{req.rid}")
+        run = self._render(req) if req.endpoint in RENDER_ENDPOINTS else self._run(req)
+        task = asyncio.get_running_loop().create_task(run, name=f"request-{req.rid}")
         self.tasks[req.rid] = task
         task.add_done_callback(lambda _: self.tasks.pop(req.rid, None))
 
@@ -204,6 +206,17 @@ class TokenizerService:
                 self.prep.submit(trim_memory)
             if alone:  # the last one in flight: report the idle state now, not at the tick
                 await self.frontend.send(worker.stats(0))
+
+    async def _render(self, req: GenerateRequest) -> None:
+        """A render (workers/tokenizer/render.py): answered to the frontend alone; it made no shm name to release."""
+        try:
+            answer: RequestRendered | RequestFailed = RequestRendered(req.rid, await render(self.worker, self.on_prep, req))
+        except asyncio.CancelledError:
+            status, message = self.cancelled.pop(req.rid, (503, "The request was cancelled."))
+            answer = RequestFailed(req.rid, status, message, "server_error")
+        except Exception as exc:
+            answer = self.worker.failure(req, exc)
+        await self.frontend.send(answer)
 
     async def _follow(self, rid: str, writing: _Writes) -> list[bytes]:
         """Report the deferred images to the scheduler as they land, all but the last batch, which is returned

@@ -140,14 +140,7 @@ class ImagePrep(ImageSegments):
         for raw, param, small, budget in zip(
             raws, params, low or [False] * len(raws), budgets or [None] * len(raws), strict=True
         ):
-            h = raw.hash if raw.hash is not None else self.processor.media_hash(raw.data())
-            if raw.key is not None and raw.hash is None:  # remembered for this URL's next sending
-                self.data_urls[raw.key] = h
-                if len(self.data_urls) > DATA_URL_INDEX_SIZE:
-                    self.data_urls.popitem(last=False)
-            if small:  # other pixels than the same bytes at full detail: another image to the caches
-                h = blake3.blake3(b"glimpse-low-detail-v1" + h).digest(16)
-            h = self.processor.budgeted(h, budget)  # another budget: other tokens, another image to the caches
+            h = self.identify(raw, small, budget)
             if (image := by_hash.get(h)) is not None:
                 self.images_reused += 1  # repeated within the request: shares the first one's segment
                 order.append(image)
@@ -178,6 +171,25 @@ class ImagePrep(ImageSegments):
             image.grid, image.processed = processed.grid, processed
         self.marks["processed"] = time.monotonic()
         return order
+
+    def identify(self, raw: Encoded, low: bool = False, budget: int | None = None) -> bytes:
+        """The image's hash as the caches (and KV events, and renders) know it: its encoded bytes' hash, then its own
+        image at detail "low" or at another token budget."""
+        h = raw.hash if raw.hash is not None else self.processor.media_hash(raw.data())
+        if raw.key is not None and raw.hash is None:  # remembered for this URL's next sending
+            self.data_urls[raw.key] = h
+            if len(self.data_urls) > DATA_URL_INDEX_SIZE:
+                self.data_urls.popitem(last=False)
+        if low:  # other pixels than the same bytes at full detail: another image to the caches
+            h = blake3.blake3(b"glimpse-low-detail-v1" + h).digest(16)
+        return self.processor.budgeted(h, budget)  # another budget: other tokens, another image to the caches
+
+    def grid_only(self, image: RequestImage) -> Grid:
+        """An image's grid with nothing written (a render): from its header, else (a processor that cannot tell a
+        grid in advance) from processing its pixels in memory."""
+        if self._predict(image):
+            return image.grid
+        return self._process(image).grid
 
     def _start_early(self, image: RequestImage, deferred: bool = False) -> bool:
         """Process ``image`` on `first` where its grid comes from its header: materialize waits for it, or with

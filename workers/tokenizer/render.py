@@ -1,0 +1,185 @@
+"""vLLM's render routes (/v1/chat/completions/render, /v1/completions/render) on the tokenizer side: the prompt a
+request would be served with, as the token ids and media identifiers an external router tokenizes with (llm-d's EPP
+reads ``token_ids`` and ``features``), without serving it.
+
+A render is parsed and checked exactly as its generation would be (the same 4xx), its media fetched and identified
+the same way (the identifiers are the ``MMItem.external_id`` the KV-cache events name them by), and its grids read
+from headers. Unlike a generation nothing is written: no pixels, no shared memory segment, nothing for a scheduler.
+The response has vLLM 0.24's shape (vllm/entrypoints/serve/disagg/protocol.py, ``GenerateRequest``): a chat render
+is one object, a completions render a list of them, one per prompt. Media spans hold the model's real
+``image_token_id`` / ``video_token_id``, as transformers' processor writes them, not glimpse's internal pad values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import jinja2
+import msgspec
+
+from ipc.prompts import MMItem
+from ipc.requests import RENDER_ENDPOINTS, GenerateRequest
+from workers.common.errors import BadRequest
+from workers.engine.prompt.processor import ImageInfo
+from workers.engine.prompt.video_prompt import VideoMeta
+from workers.tokenizer.media.image_io import Encoded
+from workers.tokenizer.media.image_prep import ImagePrep
+from workers.tokenizer.media.image_segments import NO_GRID, RequestImage
+from workers.tokenizer.media.video_prep import media_items
+from workers.tokenizer.requests.chat import (
+    ChatCompletionRequest,
+    ImageRef,
+    template_messages,
+    template_options,
+    template_tools,
+    to_sampling_params,
+)
+from workers.tokenizer.requests.completion import CompletionRequest, prepare_completion
+from workers.tokenizer.requests.sampling import hold_to_budget
+from workers.tokenizer.worker import Admitted, TokenizerWorker
+
+OnPrep = Callable[..., Awaitable[Any]]  # TokenizerService.on_prep: a CPU step on the prep thread
+
+
+# ---- vLLM's response shape ----------------------------------------------------------------------
+
+
+class PlaceholderRange(msgspec.Struct, frozen=True):
+    offset: int  # first token of the item's span in token_ids
+    length: int  # tokens in the span
+
+
+class Features(msgspec.Struct, frozen=True):
+    """Per modality ("image", "video"), the items in prompt order: identifiers and spans, entry for entry."""
+
+    mm_hashes: dict[str, list[str]]
+    mm_placeholders: dict[str, list[PlaceholderRange]]
+    kwargs_data: None = None  # vLLM's serialized tensors: a render here carries none (metadata only)
+
+
+class Rendered(msgspec.Struct, frozen=True):
+    """One rendered prompt: what vLLM's render returns (its GenerateRequest), with the fields glimpse has."""
+
+    request_id: str
+    token_ids: list[int]
+    features: Features | None
+    sampling_params: dict[str, Any]
+    model: str
+    stream: bool = False
+    priority: int = 0
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def features(items: list[MMItem]) -> Features | None:
+    """The items' identifiers and spans by modality (None for a text-only prompt, as vLLM gives)."""
+    if not items:
+        return None
+    hashes: dict[str, list[str]] = {}
+    spans: dict[str, list[PlaceholderRange]] = {}
+    for item in items:
+        modality = "image" if item.frame is None else "video"
+        hashes.setdefault(modality, []).append(item.external_id)
+        spans.setdefault(modality, []).append(PlaceholderRange(item.offset, item.length))
+    return Features(hashes, spans)
+
+
+def real_token_ids(input_ids: list[int], items: list[MMItem], image_id: int, video_id: int) -> list[int]:
+    """``input_ids`` with every media span's internal pad values (``pad_value(hash)``) back to the model's own
+    placeholder token, as the checkpoint's processor writes the prompt."""
+    ids = list(input_ids)
+    for item in items:
+        ids[item.offset : item.offset + item.length] = [image_id if item.frame is None else video_id] * item.length
+    return ids
+
+
+def _sampling_json(sampling: Any) -> dict[str, Any]:
+    # The settings the generation would run with, in OpenAI's/vLLM's names; a grammar is not one vLLM's field takes.
+    out: dict[str, Any] = msgspec.to_builtins(sampling)
+    out.pop("structured", None)
+    return out
+
+
+# ---- the request ---------------------------------------------------------------------------------
+
+
+def as_generation(req: GenerateRequest) -> GenerateRequest:
+    """The render's request as the generation it renders: parsed and admitted by the same code."""
+    return msgspec.structs.replace(req, endpoint=RENDER_ENDPOINTS[req.endpoint])
+
+
+async def render(worker: TokenizerWorker, on_prep: OnPrep, req: GenerateRequest) -> bytes:
+    """The JSON answer to a render (raises BadRequest as its generation would): admit, fetch, then lay the prompt
+    out on the prep thread."""
+    gen = as_generation(req)
+    admitted: Admitted = await on_prep(worker.admit, gen)
+    if admitted.remote:
+        await worker.fetch(admitted)
+    body: bytes = await on_prep(render_admitted, worker, gen, admitted)
+    return body
+
+
+def render_admitted(worker: TokenizerWorker, req: GenerateRequest, admitted: Admitted) -> bytes:
+    chat = admitted.chat
+    if isinstance(chat, CompletionRequest):
+        return _render_completion(worker, req, chat)
+    return _render_chat(worker, req, chat, admitted)
+
+
+def _render_completion(worker: TokenizerWorker, req: GenerateRequest, completion: CompletionRequest) -> bytes:
+    # The generation's own preparation: its checks, its token ids (a completions prompt has no media).
+    _, tokenized = prepare_completion(worker, req, completion)
+    sampling = _sampling_json(tokenized.sampling)
+    prompts = [tokenized.input_ids, *tokenized.more_prompts]
+    out = [
+        Rendered(req.rid if len(prompts) == 1 else f"{req.rid}-{i}", ids, None, sampling, completion.model)
+        for i, ids in enumerate(prompts)
+    ]
+    return _encoder.encode(out)
+
+
+def plan_images(prep: ImagePrep, raws: list[Encoded], refs: list[ImageRef]) -> list[RequestImage]:
+    """Each image part's identity and grid, repeats sharing theirs, as ImagePrep.plan finds them, with no pixels
+    decoded where the header tells the grid, and nothing looked up or written in shared memory."""
+    by_hash: dict[bytes, RequestImage] = {}
+    order: list[RequestImage] = []
+    for raw, ref in zip(raws, refs, strict=True):
+        h = prep.identify(raw, ref.low, ref.budget)
+        image = by_hash.get(h)
+        if image is None:
+            image = RequestImage(h, raw, ref.param, NO_GRID, [], low=ref.low, budget=ref.budget)
+            image.grid = prep.grid_only(image)
+            by_hash[h] = image
+        order.append(image)
+    return order
+
+
+def _render_chat(
+    worker: TokenizerWorker, req: GenerateRequest, chat: ChatCompletionRequest, admitted: Admitted
+) -> bytes:
+    processor = worker.processor
+    raws = [raw for raw in admitted.raws if raw is not None]
+    assert len(raws) == len(admitted.refs), "render before every image was loaded"
+    order = plan_images(worker.prep, raws, admitted.refs)
+    videos = worker.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts only: nothing decoded
+    metas = [ImageInfo(im.hash, im.grid, processor.tokens_for_grid(im.grid)) for im in order]
+    media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
+    try:
+        rendered = processor.render(template_messages(chat), template_tools(chat), template_options(chat))
+        prompt = processor.build(rendered, media)
+    except (ValueError, jinja2.TemplateError) as exc:  # the generation's own refusal (TokenizerWorker._prepare)
+        raise BadRequest(f"The messages cannot be made into a prompt: {exc}", param="messages") from None
+    # The generation's sampling checks too (context length, max_tokens, structured outputs): a render that succeeds
+    # is a request that would be served.
+    sampling = to_sampling_params(
+        chat, len(prompt.input_ids), worker.max_model_len, worker.config.sampling_defaults, processor.info.vocab_size,
+        validate=worker.structured.check, tool_tags=worker.structured.tool_tags,
+    )
+    sampling = hold_to_budget(sampling, chat, worker.config.max_logprob_entries)
+    items = media_items(prompt.spans, order, videos)  # the MMItems the generation would send, without pixels
+    info = processor.info
+    ids = real_token_ids(prompt.input_ids, items, info.image_token_id, info.video_token_id)
+    answer = Rendered(req.rid, ids, features(items), _sampling_json(sampling), chat.model)
+    return _encoder.encode(answer)
