@@ -157,6 +157,18 @@ def media_spans(items: list[MMItem]) -> list[MediaSpan]:
     return spans
 
 
+def vllm_tokens(tokens: list[int], lo: int, items: list[MMItem], image_id: int, video_id: int) -> list[int]:
+    """``tokens`` (the prompt from position ``lo`` on) with every media span's positions set to the checkpoint's
+    image or video token id, as vLLM's prompt has them."""
+    out = list(tokens)
+    hi = lo + len(out)
+    for it in items:
+        a, b = max(it.offset, lo), min(it.offset + it.length, hi)
+        if a < b:
+            out[a - lo : b - lo] = [image_id if it.frame is None else video_id] * (b - a)
+    return out
+
+
 def block_media(spans: list[MediaSpan], lo: int, hi: int) -> list[tuple[str, int]] | None:
     """vLLM's multimodal extra keys of the block of tokens [lo, hi): ``(identifier, item offset - lo)`` for every
     media item overlapping it, in prompt order; None when none does."""

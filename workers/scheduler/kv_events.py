@@ -33,8 +33,8 @@ from ipc.kv_events import (
     block_stored,
     external_hash,
     media_spans,
+    vllm_tokens,
 )
-from ipc.prompts import MMItem
 from workers.config import ServerConfig
 from workers.engine.core.scheduler import SchedulerCore, Sequence
 
@@ -63,18 +63,6 @@ class EncodingSink:
 
     def close(self, linger_ms: int = 0) -> None:
         self.sender.close(linger_ms)
-
-
-def vllm_tokens(tokens: list[int], lo: int, items: list[MMItem], image_id: int, video_id: int) -> list[int]:
-    """``tokens`` (the prompt from position ``lo`` on) with every media span's positions set to the checkpoint's
-    image or video token id, as vLLM's prompt has them."""
-    out = list(tokens)
-    hi = lo + len(out)
-    for it in items:
-        a, b = max(it.offset, lo), min(it.offset + it.length, hi)
-        if a < b:
-            out[a - lo : b - lo] = [image_id if it.frame is None else video_id] * (b - a)
-    return out
 
 
 def _runs(indices: list[int]) -> list[list[int]]:

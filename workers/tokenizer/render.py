@@ -18,6 +18,7 @@ from typing import Any
 import jinja2
 import msgspec
 
+from ipc.kv_events import media_spans, vllm_tokens
 from ipc.prompts import MMItem
 from ipc.requests import RENDER_ENDPOINTS, GenerateRequest
 from workers.common.errors import BadRequest
@@ -74,25 +75,16 @@ _encoder = msgspec.json.Encoder()
 
 
 def features(items: list[MMItem]) -> Features | None:
-    """The items' identifiers and spans by modality (None for a text-only prompt, as vLLM gives)."""
+    """The media's identifiers and placeholder ranges by modality (None for a text-only prompt, as vLLM gives): the
+    items the KV-cache events name (``media_spans``: a video is one item however many frame groups it has)."""
     if not items:
         return None
     hashes: dict[str, list[str]] = {}
     spans: dict[str, list[PlaceholderRange]] = {}
-    for item in items:
-        modality = "image" if item.frame is None else "video"
-        hashes.setdefault(modality, []).append(item.external_id)
-        spans.setdefault(modality, []).append(PlaceholderRange(item.offset, item.length))
+    for span in media_spans(items):
+        hashes.setdefault(span.modality, []).append(span.identifier)
+        spans.setdefault(span.modality, []).append(PlaceholderRange(span.offset, span.end - span.offset))
     return Features(hashes, spans)
-
-
-def real_token_ids(input_ids: list[int], items: list[MMItem], image_id: int, video_id: int) -> list[int]:
-    """``input_ids`` with every media span's internal pad values (``pad_value(hash)``) back to the model's own
-    placeholder token, as the checkpoint's processor writes the prompt."""
-    ids = list(input_ids)
-    for item in items:
-        ids[item.offset : item.offset + item.length] = [image_id if item.frame is None else video_id] * item.length
-    return ids
 
 
 def _sampling_json(sampling: Any) -> dict[str, Any]:
@@ -180,6 +172,6 @@ def _render_chat(
     sampling = hold_to_budget(sampling, chat, worker.config.max_logprob_entries)
     items = media_items(prompt.spans, order, videos)  # the MMItems the generation would send, without pixels
     info = processor.info
-    ids = real_token_ids(prompt.input_ids, items, info.image_token_id, info.video_token_id)
+    ids = vllm_tokens(prompt.input_ids, 0, items, info.image_token_id, info.video_token_id)
     answer = Rendered(req.rid, ids, features(items), _sampling_json(sampling), chat.model)
     return _encoder.encode(answer)
