@@ -65,9 +65,9 @@ def test_ports_match_the_serve_flags(server: dict[str, Any], flags: argparse.Nam
     [http] = service["spec"]["ports"]
     assert http["targetPort"] in ("http", flags.port)
     assert service["spec"]["selector"].items() <= server["pod"]["metadata"]["labels"].items()
-    # One KV-event port per replica: the flag's port plus the replica.
-    base = int(flags.kv_events_endpoint.rsplit(":", 1)[1])
-    assert sorted(v for k, v in ports.items() if k.startswith("kv-events")) == [base + r for r in range(flags.dp)]
+    # One KV-event port for the pod: every replica publishes on the flag's socket.
+    assert ports["kv-events"] == int(flags.kv_events_endpoint.rsplit(":", 1)[1])
+    assert not [k for k in ports if k.startswith("kv-events") and k != "kv-events"]
 
 
 def test_probes_ask_health_on_the_http_port(server: dict[str, Any]) -> None:
@@ -141,10 +141,7 @@ def llmd() -> dict[str, Any]:
     epp_config = yaml.safe_load(llmd_one("ConfigMap", "-epp")["data"]["config.yaml"])
     plugins = {p["type"]: p.get("parameters", {}) for p in epp_config["plugins"]}
     args = container["args"]
-    # --kv-events-replay-endpoint comes with the KV-events work of issue 39 (another branch): until it is merged
-    # here it is the one flag this parser may not know.
-    parsed, unknown = build_parser().parse_known_args(["serve", "--host", "0.0.0.0", *args])
-    assert unknown in ([], ["--kv-events-replay-endpoint", _arg(args, "--kv-events-replay-endpoint")]), unknown
+    parsed = build_parser().parse_args(["serve", "--host", "0.0.0.0", *args])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     return {"deployment": deployment, "container": container, "flags": parsed, "args": args, "ports": ports,
             "config": epp_config, "plugins": plugins}
