@@ -217,6 +217,7 @@ class TokenizerWorker:
             message = f"The request has {len(refs)} images; this server accepts at most {limit}."
             raise BadRequest(message, param="messages", code="too_many_images")
         vrefs = video_refs(chat)
+        settings.check_videos(bool(vrefs))
         if (refs or vrefs) and self.shm_bytes >= self.shm_budget:
             raise overloaded()  # refuse before spending CPU on a request we could not hand on
         videos = self.videos.admit(vrefs)  # the count cap, data: and file: videos, uuid-only parts' records

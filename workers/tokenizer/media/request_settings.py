@@ -3,6 +3,7 @@ of its images and of its videos' frames (transformers' ``size``), and its videos
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from workers.common.errors import BadRequest
@@ -10,6 +11,7 @@ from workers.engine.prompt.pixel_range import size_for
 from workers.engine.prompt.processor import MMProcessor
 from workers.engine.prompt.video_prompt import DEFAULT_SETTINGS, VideoSettings
 from workers.tokenizer.requests.mm_kwargs import FIELD, MediaSettings
+from workers.tokenizer.requests.sampling import unsupported
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,12 @@ class ProcessorSettings:
     image_size: dict[str, int] | None = None  # None: the image processor's own range
     video: VideoSettings = DEFAULT_SETTINGS
     blame: str = ""  # the mm_processor_kwargs key a video's sampling failure is the fault of ("": the video's)
+    video_refuses: str = ""  # a key the checkpoint's video processor does not take, refused for requests with video
+
+    def check_videos(self, has_videos: bool) -> None:
+        if has_videos and self.video_refuses:
+            why = "this model's video processor sizes a video as a whole and takes no pixel range (only its images do)"
+            raise unsupported(f"{FIELD}.{self.video_refuses}", why)
 
 
 def processor_settings(settings: MediaSettings, processor: MMProcessor) -> ProcessorSettings:
@@ -25,14 +33,22 @@ def processor_settings(settings: MediaSettings, processor: MMProcessor) -> Proce
     image_size = _size(processor.image_processor, settings) if processor.images is None else None
     if processor.video is None:
         return ProcessorSettings(image_size)
+    # Qwen2-VL's video processor takes min/max_pixels per frame; Qwen3-VL's bounds the whole video's volume through
+    # its ``size`` and ignores them, so a video there would not honour them: refused (`check_videos`), as transformers'
+    # processor would leave them unused.
+    standardize = getattr(processor.video.hf, "_standardize_kwargs", None)
+    per_frame = standardize is not None and "min_pixels" in inspect.signature(standardize).parameters
+    refuses = "" if per_frame or settings.pixels == (None, None) else (
+        "min_pixels" if settings.min_pixels is not None else "max_pixels"
+    )
     video = VideoSettings(
         fps=settings.fps,
         num_frames=settings.num_frames,
         sample=settings.do_sample_frames is not False,
-        size=_size(processor.video.hf, settings),
+        size=_size(processor.video.hf, settings) if per_frame else None,
     )
     blame = f"{FIELD}.fps" if settings.fps is not None else f"{FIELD}.num_frames" if settings.num_frames else ""
-    return ProcessorSettings(image_size, video, blame)
+    return ProcessorSettings(image_size, video, blame, refuses)
 
 
 def _size(hf: object, settings: MediaSettings) -> dict[str, int] | None:
