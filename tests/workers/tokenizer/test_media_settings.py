@@ -26,7 +26,7 @@ from ipc.control import RequestFailed
 from ipc.requests import GenerateRequest
 from tests.conftest import noise_image
 from tests.videos import make_video
-from tests.workers.tokenizer.harness import MODEL, handle, png, server_config
+from tests.workers.tokenizer.harness import MODEL, handle, png, refusal_of, server_config
 from workers.engine.prompt.processor import PAD_BASE
 from workers.tokenizer.media.uuids import MediaRecord, UuidRegistry
 from workers.tokenizer.worker import TokenizerWorker
@@ -119,6 +119,18 @@ def test_do_sample_frames_false_is_the_qwen2_5_checkpoints_own(worker: Tokenizer
     frames, meta = read_video_pyav(io.BytesIO(VIDEO), lambda metadata, **_: np.arange(metadata.total_num_frames))
     want = hf(text=[template(hf, "video")], videos=[frames], video_metadata=[meta], return_tensors="pt")
     assert ids == want["input_ids"][0].tolist()
+
+
+def test_a_uuid_names_the_image_while_its_segment_lives(worker: TokenizerWorker, launch_id: str) -> None:
+    url = f"data:image/png;base64,{base64.b64encode(png(90, 70, seed=6)).decode()}"
+    sent = handle(worker, "a", body({"type": "image_url", "image_url": {"url": url}, "uuid": "u1"}, {}))
+    assert [i.uuid for i in sent.items] == ["u1"] and sent.items[0].external_id == "u1"  # what KV events name it by
+    named = handle(worker, "b", body({"type": "image_url", "image_url": None, "uuid": "u1"}, {}))
+    assert named.input_ids == sent.input_ids and [i.uuid for i in named.items] == ["u1"]
+    worker.prep.release(sent.shm_names + named.shm_names)  # the segment is gone (the scheduler's unlink)
+    gone = refusal_of(worker, body({"type": "image_url", "uuid": "u1"}, {}))
+    assert gone == (400, "media_not_cached", "messages[0].content[0].uuid")
+    assert shm.sweep(launch_id) == 1  # the record, nothing else left
 
 
 def test_uuid_records_live_under_the_launch_prefix_and_are_swept(launch_id: str) -> None:

@@ -81,7 +81,8 @@ class UuidRegistry:
         self.written += 1
         tmp = self._path(shm.segment_name(self.launch_id, f"tmp-{self.nonce}u{self.written:x}"))
         try:
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # private, as the pixel segments are
+            with os.fdopen(fd, "wb") as f:
                 f.write(_encoder.encode(record))
             os.replace(tmp, final)  # atomic: a reader sees the old record or the new one
         except OSError:
