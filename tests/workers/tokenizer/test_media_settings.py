@@ -26,7 +26,7 @@ from ipc.control import RequestFailed
 from ipc.requests import GenerateRequest
 from tests.conftest import noise_image
 from tests.videos import make_video
-from tests.workers.tokenizer.harness import MODEL, handle, png, refusal_of, server_config
+from tests.workers.tokenizer.harness import MODEL, handle, inodes, png, refusal_of, server_config
 from workers.engine.prompt.processor import PAD_BASE
 from workers.tokenizer.media.uuids import MediaRecord, UuidRegistry
 from workers.tokenizer.worker import TokenizerWorker
@@ -110,6 +110,18 @@ def test_video_sampling_matches_transformers(worker: TokenizerWorker, hf: Any, k
     assert [i.grid for i in items] == [(1, h, w)] * t
 
 
+def test_naming_the_default_keeps_the_identity(worker: TokenizerWorker) -> None:
+    video = {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{base64.b64encode(VIDEO).decode()}"}}
+    assert worker.videos.video is not None
+    plain = [i.hash for i in ours(worker, video, {}, 0)[1]]
+    assert [i.hash for i in ours(worker, video, {"fps": worker.videos.video.fps, "do_sample_frames": True}, 0)[1]] == plain
+    size = worker.processor.image_processor.size
+    pixels = {"min_pixels": int(size.shortest_edge), "max_pixels": int(size.longest_edge)}
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(png(60, 40, 7)).decode()}"}}
+    assert [i.hash for i in ours(worker, image, pixels, 0)[1]] == [i.hash for i in ours(worker, image, {}, 0)[1]]
+    assert ours(worker, video, {"fps": 1}, 0)[1][0].hash != plain[0]
+
+
 def test_do_sample_frames_false_is_the_qwen2_5_checkpoints_own(worker: TokenizerWorker, hf: Any) -> None:
     if hf.video_processor.do_sample_frames:
         pytest.skip("this checkpoint's processor samples frames itself")
@@ -125,8 +137,13 @@ def test_a_uuid_names_the_image_while_its_segment_lives(worker: TokenizerWorker,
     url = f"data:image/png;base64,{base64.b64encode(png(90, 70, seed=6)).decode()}"
     sent = handle(worker, "a", body({"type": "image_url", "image_url": {"url": url}, "uuid": "u1"}, {}))
     assert [i.uuid for i in sent.items] == ["u1"] and sent.items[0].external_id == "u1"  # what KV events name it by
-    named = handle(worker, "b", body({"type": "image_url", "image_url": None, "uuid": "u1"}, {}))
+    other = TokenizerWorker(worker.config, 1, logging.getLogger("test"))  # another tokenizer process of the launch
+    try:
+        named = handle(other, "b", body({"type": "image_url", "image_url": None, "uuid": "u1"}, {}))
+    finally:
+        other.close()
     assert named.input_ids == sent.input_ids and [i.uuid for i in named.items] == ["u1"]
+    assert inodes(named) == inodes(sent)  # the same pixels, linked: nothing decoded or written
     worker.prep.release(sent.shm_names + named.shm_names)  # the segment is gone (the scheduler's unlink)
     gone = refusal_of(worker, body({"type": "image_url", "uuid": "u1"}, {}))
     assert gone == (400, "media_not_cached", "messages[0].content[0].uuid")

@@ -42,7 +42,7 @@ def processor_settings(settings: MediaSettings, processor: MMProcessor) -> Proce
         "min_pixels" if settings.min_pixels is not None else "max_pixels"
     )
     video = VideoSettings(
-        fps=settings.fps,
+        fps=None if settings.fps == processor.video.fps else settings.fps,  # the default rate: the plain identity
         num_frames=settings.num_frames,
         sample=settings.do_sample_frames is not False,
         size=_size(processor.video.hf, settings) if per_frame else None,
