@@ -29,7 +29,6 @@ from ipc import shm
 from workers.common.errors import BadRequest
 from workers.engine.prompt.video_decode import VideoProbe
 
-MAX_UUID_CHARS = 256
 MAX_RECORDS = 1 << 16  # per launch: past it the least recently used go (a record is one small tmpfs file)
 _PRUNE_EVERY = 256  # records written by this tokenizer between two prunes
 _KEY = "uuid-"
@@ -43,12 +42,6 @@ class MediaRecord(msgspec.Struct, frozen=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(MediaRecord)
-
-
-def check_uuid(uuid: str, param: str) -> None:
-    if not uuid or len(uuid) > MAX_UUID_CHARS:
-        raise BadRequest(f"Invalid '{param}': expected 1 to {MAX_UUID_CHARS} characters.", param=param,
-                         code="invalid_value")
 
 
 def unknown_uuid(uuid: str, param: str) -> BadRequest:

@@ -23,7 +23,6 @@ import msgspec
 from ipc.prompts import SamplingParams
 from workers.common.errors import BadRequest
 from workers.common.tools import ToolChoice, check_tools, parse_tools, tool_grammar
-from workers.tokenizer.media.uuids import check_uuid
 from workers.tokenizer.requests.mm_kwargs import MediaSettings, image_options, request_budget
 from workers.tokenizer.requests.sampling import (
     MAX_TOP_LOGPROBS,
@@ -38,6 +37,7 @@ from workers.tokenizer.requests.sampling import (
 __all__ = ["ChatCompletionRequest", "parse_request", "to_sampling_params"]
 
 log = logging.getLogger("glimpse.request")
+MAX_UUID_CHARS = 256  # a media part's uuid (workers/tokenizer/media/uuids.py)
 _R = TypeVar("_R", bound=msgspec.Struct)
 
 
@@ -323,7 +323,9 @@ def _check_named(part: ImagePart | VideoPart, param: str, i: int, j: int) -> str
     """A media part's uuid param path, once checked: data, a uuid or both (a 400 naming the part without either)."""
     where = f"messages[{i}].content[{j}].uuid"
     if part.uuid is not None:
-        check_uuid(part.uuid, where)
+        if not 0 < len(part.uuid) <= MAX_UUID_CHARS:
+            raise BadRequest(f"Invalid '{where}': expected 1 to {MAX_UUID_CHARS} characters.", param=where,
+                             code="invalid_value")
     elif part.url is None:
         raise BadRequest(f"Missing required parameter: '{param}' (or a 'uuid' naming media sent before).",
                          param=param, code="missing_required_parameter")
