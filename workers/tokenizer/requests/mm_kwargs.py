@@ -5,7 +5,7 @@ The keys are transformers' processor arguments, as vLLM and SGLang pass them on:
 
 - ``min_pixels`` / ``max_pixels`` (Qwen families): the pixel range an image, or a video's every frame, is resized into
   (transformers' ``size={"shortest_edge": min_pixels, "longest_edge": max_pixels}``); unset, the checkpoint's.
-  ``min_pixels`` may not pass the server's ``--max-image-pixels`` (it scales small images up).
+  Neither may pass the server's ``--max-image-pixels``.
 - ``fps`` / ``num_frames`` (videos): sample this many frames per second, or this many frames in all (rounded to the
   temporal patch as transformers does); one or the other. Unset: the checkpoint's rate, else 2 per second.
 - ``do_sample_frames`` (videos): false takes every frame, as a Qwen2.5-VL checkpoint's own processor does (held to
@@ -93,7 +93,9 @@ def media_settings(
             code="invalid_value",
         )
     low = _integer("min_pixels", kwargs["min_pixels"], 1, pixel_cap) if "min_pixels" in kwargs else None
-    high = _integer("max_pixels", kwargs["max_pixels"], 1, 1 << 40) if "max_pixels" in kwargs else None
+    # Both ends held to the server's image cap: a request may not make a tokenizer process (or upscale to) a larger
+    # frame than it would accept as input.
+    high = _integer("max_pixels", kwargs["max_pixels"], 1, pixel_cap) if "max_pixels" in kwargs else None
     if low is not None and high is not None and low > high:
         raise range_error(_param("max_pixels"), high, f">= min_pixels ({low})")
     fps = kwargs.get("fps")
