@@ -132,17 +132,22 @@ def _render_completion(worker: TokenizerWorker, req: GenerateRequest, completion
     return _encoder.encode(out)
 
 
-def plan_images(prep: ImagePrep, raws: list[Encoded], refs: list[ImageRef]) -> list[RequestImage]:
-    """Each image part's identity and grid, repeats sharing theirs, as ImagePrep.plan finds them, with no pixels
-    decoded where the header tells the grid, and nothing looked up or written in shared memory."""
+def plan_images(
+    prep: ImagePrep, raws: list[Encoded], refs: list[ImageRef], size: dict[str, int] | None
+) -> list[RequestImage]:
+    """Each image part's identity and grid, repeats sharing theirs, as ImagePrep.plan finds them (``size``: the
+    request's pixel range), with nothing written: the grid from a live segment of the image, else from its header
+    (or its pixels processed in memory). A part named by its uuid alone renders while its segment lives, else it is
+    the generation's 400 naming the uuid."""
     by_hash: dict[bytes, RequestImage] = {}
     order: list[RequestImage] = []
     for raw, ref in zip(raws, refs, strict=True):
-        h = prep.identify(raw, ref.low, ref.budget)
+        h = prep.identify(raw, ref.low, ref.budget, size)
         image = by_hash.get(h)
         if image is None:
-            image = RequestImage(h, raw, ref.param, NO_GRID, [], low=ref.low, budget=ref.budget)
-            image.grid = prep.grid_only(image)
+            image = RequestImage(h, raw, ref.param, NO_GRID, [], low=ref.low, budget=ref.budget, size=size)
+            live = prep.live_grid(h)
+            image.grid = live if live is not None else prep.grid_only(image)
             by_hash[h] = image
         order.append(image)
     return order
@@ -154,7 +159,7 @@ def _render_chat(
     processor = worker.processor
     raws = [raw for raw in admitted.raws if raw is not None]
     assert len(raws) == len(admitted.refs), "render before every image was loaded"
-    order = plan_images(worker.prep, raws, admitted.refs)
+    order = plan_images(worker.prep, raws, admitted.refs, admitted.settings.image_size)
     videos = worker.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts only: nothing decoded
     metas = [ImageInfo(im.hash, im.grid, processor.tokens_for_grid(im.grid)) for im in order]
     media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
@@ -170,7 +175,9 @@ def _render_chat(
         validate=worker.structured.check, tool_tags=worker.structured.tool_tags,
     )
     sampling = hold_to_budget(sampling, chat, worker.config.max_logprob_entries)
-    items = media_items(prompt.spans, order, videos)  # the MMItems the generation would send, without pixels
+    # The MMItems the generation would send (without pixels), named as it names them: the parts' uuids.
+    items = media_items(prompt.spans, order, videos, [r.uuid for r in admitted.refs],
+                        [r.uuid for r in admitted.videos.refs])
     info = processor.info
     ids = vllm_tokens(prompt.input_ids, 0, items, info.image_token_id, info.video_token_id)
     answer = Rendered(req.rid, ids, features(items), _sampling_json(sampling), chat.model)

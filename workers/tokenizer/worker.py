@@ -40,6 +40,7 @@ from workers.engine.runner.grammar import Validator
 from workers.tokenizer.media.fetch import MediaFetcher, MediaLimits, is_remote
 from workers.tokenizer.media.image_io import Encoded
 from workers.tokenizer.media.image_prep import ImagePrep, PendingWrite, core_share, overloaded
+from workers.tokenizer.media.request_settings import ProcessorSettings, processor_settings
 from workers.tokenizer.media.video_prep import (
     VideoInputs,
     VideoPrep,
@@ -61,6 +62,7 @@ from workers.tokenizer.requests.chat import (
     video_refs,
 )
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion, prepare_completion
+from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.sampling import hold_to_budget
 
 # Unicode normalization (NFC/NFKC, which tokenizers apply first) composes at most four code points
@@ -94,6 +96,7 @@ class Admitted:
     refs: list[ImageRef]
     raws: list[Encoded | None]  # None: an http(s) image not downloaded yet
     videos: VideoInputs = field(default_factory=VideoInputs)
+    settings: ProcessorSettings = field(default_factory=ProcessorSettings)  # mm_processor_kwargs
 
     @property
     def remote(self) -> list[int]:
@@ -206,25 +209,37 @@ class TokenizerWorker:
         if isinstance(chat, CompletionRequest):  # no images, no template: prepare_completion does the rest
             return Admitted(chat, [], [])
         self._check_length(chat)
-        refs = image_refs(chat, self.processor.budgets)
+        kwargs = media_settings(chat.mm_processor_kwargs, self.processor.budgets, video=self.processor.video is not None,
+                                pixel_cap=self.config.max_image_pixels)
+        settings = processor_settings(kwargs, self.processor)
+        refs = image_refs(chat, self.processor.budgets, kwargs)
         if len(refs) > (limit := self.config.max_images_per_request):
             message = f"The request has {len(refs)} images; this server accepts at most {limit}."
             raise BadRequest(message, param="messages", code="too_many_images")
         vrefs = video_refs(chat)
+        settings.check_videos(bool(vrefs))
         if (refs or vrefs) and self.shm_bytes >= self.shm_budget:
             raise overloaded()  # refuse before spending CPU on a request we could not hand on
-        videos = self.videos.admit(vrefs)  # the count cap, data: and file: videos
+        videos = self.videos.admit(vrefs)  # the count cap, data: and file: videos, uuid-only parts' records
+        videos.settings, videos.blame = settings.video, settings.blame
         self.images += len(refs)
-        raws = [
-            None if is_remote(r.url) else self.prep.encoded(r.url, functools.partial(self.fetcher.load_local, r.url, r.param))
-            for r in refs
-        ]
-        admitted = Admitted(chat, refs, raws, videos)
+        raws = [self._image_raw(r) for r in refs]
+        admitted = Admitted(chat, refs, raws, videos, settings)
         if admitted.remote:  # a bad data URL is refused before any download is waited for
             for raw in raws:
                 if raw is not None and raw.hash is None:
                     raw.data()
         return admitted
+
+    def _image_raw(self, ref: ImageRef) -> Encoded | None:
+        """An image part's bytes as far as admission gets them: None for a download still to do; a uuid-only part's
+        comes from the launch's record of it (a 400 naming the uuid if none)."""
+        if ref.url is None:
+            assert ref.uuid is not None
+            return self.prep.named(ref.uuid, ref.uuid_param)
+        if is_remote(ref.url):
+            return None
+        return self.prep.encoded(ref.url, functools.partial(self.fetcher.load_local, ref.url, ref.param))
 
     def _check_length(self, chat: ChatCompletionRequest) -> None:
         """Refuse text that cannot fit max_model_len before the template and tokenizer see all of it
@@ -267,7 +282,8 @@ class TokenizerWorker:
         assert len(raws) == len(refs), "prepare() before every image was loaded"
         defer = defer and self.overlap
         order = self.prep.plan(raws, [r.param for r in refs], defer=defer, first_too=defer and alone,
-                               low=[r.low for r in refs], budgets=[r.budget for r in refs])
+                               low=[r.low for r in refs], budgets=[r.budget for r in refs],
+                               size=admitted.settings.image_size, uuids=[r.uuid if r.url else None for r in refs])
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
@@ -289,7 +305,7 @@ class TokenizerWorker:
             unique = list({v.hash: v for v in videos}.values())
             new_bytes += self.videos.materialize(unique, names, self.shm_bytes + new_bytes, self.shm_budget)
         self.shm_bytes += new_bytes
-        items = media_items(prompt.spans, order, videos)
+        items = media_items(prompt.spans, order, videos, [r.uuid for r in refs], [r.uuid for r in admitted.videos.refs])
         n = len(prompt.input_ids)
         accepted = RequestAccepted(
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
@@ -304,7 +320,7 @@ class TokenizerWorker:
 
 async def _fetch_with(fetcher: MediaFetcher, admitted: Admitted) -> None:
     todo = [i for i, raw in enumerate(admitted.raws) if raw is None]
-    raws = await fetcher.fetch_all([(admitted.refs[i].url, admitted.refs[i].param) for i in todo])
+    raws = await fetcher.fetch_all([(admitted.refs[i].url or "", admitted.refs[i].param) for i in todo])
     for i, raw in zip(todo, raws, strict=True):
         admitted.raws[i] = Encoded(raw)
 

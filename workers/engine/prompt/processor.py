@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoProcessor
+from transformers.image_utils import SizeDict
 
 from workers.engine.models import family as family_package, load_spec
 from workers.engine.models.base import ModelSpec, item_spans
@@ -208,22 +209,25 @@ class MMProcessor:
 
     def process_image(
         self, image: Image.Image | np.ndarray, image_hash: bytes | None = None, frame: bool = False,
-        budget: int | None = None,
+        budget: int | None = None, size: dict[str, int] | None = None,
     ) -> ProcessedImage:
         """The image's patch rows, as the checkpoint's processor makes them. With ``frame``, what shared memory
         should hold instead: the resized uint8 frame (pixel_frames.py), else the normalised image for
         `ProcessedImage.write_rows` to lay out, for processors whose fast paths give the full path's bits.
         ``image`` may be [H, W, 3] uint8 RGB pixels (`decode_pixels`), which the uint8 frame's resize reads.
         ``budget``: the image's token budget (families with budgets; None: the default). ``image_hash``, when given,
-        must be the image's hash at that budget."""
+        must be the image's hash at that budget. ``size``: a request's pixel range (pixel_range.py; None: the
+        checkpoint's), for which the processor's own call resizes (not the fast resize, which is checked at its size)."""
         if self.images is not None:
+            if size is not None:
+                raise ValueError(f"{self.info.family} images take a token budget, not a pixel range")
             return self._family_image(image, image_hash, budget)
         self.budget(budget)  # refuses a budget for a family without them
         # Each fast path is checked on the first such call (the offline Engine never asks for one).
         uint8_frames = self.uint8_frames if frame else None
         uint8 = uint8_frames is not None
         framed = frame and not uint8 and self._frames is not None
-        resize = self._frame_resizer if uint8 else None
+        resize = self._frame_resizer if uint8 and size is None else None
         if isinstance(image, np.ndarray) and (resize is None or image_hash is None):
             image = Image.fromarray(image, "RGB")  # the paths below, and hash_image, read a PIL image
         rgb = image if isinstance(image, np.ndarray) or image.mode == "RGB" else image.convert("RGB")
@@ -237,7 +241,7 @@ class MMProcessor:
         else:
             assert isinstance(rgb, Image.Image)
             ip = uint8_frames[1] if uint8_frames is not None else self._frames if framed else self.image_processor
-            out = ip(images=[rgb], return_tensors="pt")
+            out = ip(images=[rgb], return_tensors="pt", **({"size": size} if size is not None else {}))
             t, h, w = (int(v) for v in out["image_grid_thw"][0].tolist())
             pixels = out["pixel_values"].permute(1, 2, 0) if uint8 else out["pixel_values"].to(torch.float32).contiguous()
         return ProcessedImage(
@@ -291,16 +295,20 @@ class MMProcessor:
             return None
         return normalised_frames(self.image_processor, self._geometry)
 
-    def image_grid(self, width: int, height: int, budget: int | None = None) -> tuple[int, int, int] | None:
+    def image_grid(
+        self, width: int, height: int, budget: int | None = None, size: dict[str, int] | None = None
+    ) -> tuple[int, int, int] | None:
         """The patch grid `process_image` gives an image of this size (after EXIF orientation) at ``budget``, found by
         the processor's own resize run on a meta tensor (or the family's own arithmetic): no pixels. None where it
         cannot be told in advance (a processor that does not resize). Raises ValueError where the processor refuses
-        the size or the budget."""
+        the size or the budget. ``size``: a request's pixel range (pixel_range.py; None: the checkpoint's)."""
         budget = self.budget(budget)
         # Kept per size: the meta-tensor resize costs ~3-6 ms of dispatch (most of a deferred image's planning),
         # and a request's pages or a camera's frames share a handful of sizes.
         grids = self._grids
         key = (width, height) if budget is None else (width, height, budget)
+        if size is not None:
+            key = (*key, -size["shortest_edge"], -size["longest_edge"])  # negative: never a budget's key
         if key in grids:
             return grids.get(key)  # get: a pool thread's clear() may come in between
         ip = self.image_processor
@@ -310,7 +318,8 @@ class MMProcessor:
         elif getattr(ip, "do_resize", False):
             patch = int(ip.patch_size)
             meta = torch.empty((1, 3, height, width), dtype=torch.uint8, device="meta")
-            h, w = ip.resize(images=meta, size=ip.size, resample=ip.resample, factor=patch * self.merge).shape[-2:]
+            target = SizeDict(**size) if size is not None else ip.size
+            h, w = ip.resize(images=meta, size=target, resample=ip.resample, factor=patch * self.merge).shape[-2:]
             grid = (1, int(h) // patch, int(w) // patch)
         if len(grids) >= 4096:
             grids.clear()

@@ -67,6 +67,30 @@ class VideoPlan:
     probe: VideoProbe
 
 
+@dataclass(frozen=True)
+class VideoSettings:
+    """A request's sampling and sizing of its videos (``mm_processor_kwargs``; None: the checkpoint's)."""
+
+    fps: float | None = None  # frames sampled per second
+    num_frames: int | None = None  # frames sampled in all (rounded to the temporal patch by the processor)
+    sample: bool = True  # False: every frame, as a processor with do_sample_frames off takes them
+    size: dict[str, int] | None = None  # the pixel range of a frame (pixel_range.py)
+
+    def digest(self) -> bytes:
+        """What sets these apart in a video's identity (empty: the checkpoint's settings)."""
+        if self == VideoSettings():
+            return b""
+        return json.dumps([self.fps, self.num_frames, self.sample, self.size], sort_keys=True).encode()
+
+
+DEFAULT_SETTINGS = VideoSettings()
+
+
+def content_digest(raw: bytes) -> bytes:
+    """The encoded file's own digest (16 bytes): what a client's uuid names, whatever settings a request uses."""
+    return blake3.blake3(raw).digest(16)
+
+
 def group_hash(video_hash: bytes, index: int) -> bytes:
     """Group ``index`` of a video: its identity in the embedding cache, the prefix cache and shm (16 bytes)."""
     h = blake3.blake3(b"glimpse-video-group-v1")
@@ -101,15 +125,31 @@ class VideoProcessor:
         settings = json.dumps({"processor": hf.to_dict(), "fps": self.fps}, sort_keys=True, default=str)
         self._settings_digest = blake3.blake3(settings.encode()).digest(16)
 
-    def video_hash(self, raw: bytes) -> bytes:
-        """Hash of the encoded file as received, framed with everything that decides its frames' pixels."""
-        h = blake3.blake3(b"glimpse-video-v1")
+    def video_hash(self, digest: bytes, settings: VideoSettings = DEFAULT_SETTINGS) -> bytes:
+        """Hash of the encoded file (its `content_digest`), framed with everything that decides its frames' pixels:
+        the checkpoint's processor settings and the request's."""
+        h = blake3.blake3(b"glimpse-video-v2")
         h.update(self._settings_digest)
-        h.update(raw)
+        h.update(settings.digest())
+        h.update(digest)
         return h.digest(16)
 
-    def plan(self, info: VideoProbe, video_hash: bytes) -> VideoPlan:
-        """Sample, size and lay out a probed video (nothing decoded)."""
+    def sample(self, metadata: VideoMetadata, settings: VideoSettings) -> list[int]:
+        """The frames to decode under ``settings``, by the video processor's own ``sample_frames``; ValueError where it
+        refuses them (e.g. more frames than the video has)."""
+        if not settings.sample:
+            return list(range(metadata.total_num_frames))
+        try:
+            if settings.num_frames is not None:
+                picked = self.hf.sample_frames(metadata, num_frames=settings.num_frames)
+            else:
+                picked = self.hf.sample_frames(metadata, fps=settings.fps if settings.fps is not None else self.fps)
+        except ZeroDivisionError:  # Qwen2-VL's: num_frames rounded down to no frame
+            raise ValueError("num_frames rounds to no frame group") from None
+        return [int(i) for i in picked]
+
+    def plan(self, info: VideoProbe, video_hash: bytes, settings: VideoSettings = DEFAULT_SETTINGS) -> VideoPlan:
+        """Sample, size and lay out a probed video under ``settings`` (nothing decoded)."""
         metadata = VideoMetadata(
             total_num_frames=info.total_frames,
             fps=info.fps,
@@ -118,12 +158,13 @@ class VideoProcessor:
             duration=info.duration,
             video_backend="pyav",
         )
-        indices = tuple(int(i) for i in self.hf.sample_frames(metadata, fps=self.fps))
+        indices = tuple(self.sample(metadata, settings))
         if not indices:
             raise ValueError("the video is too short to sample")
         shape = (1, len(indices), 3, info.height, info.width)
         meta_video = torch.empty(shape, dtype=torch.uint8, device="meta")
-        height, width = (int(v) for v in self.hf.resize(videos=meta_video, **self.resize_kwargs).shape[-2:])
+        resize = self.resize_kwargs if settings.size is None else {**self.resize_kwargs, "size": SizeDict(**settings.size)}
+        height, width = (int(v) for v in self.hf.resize(videos=meta_video, **resize).shape[-2:])
         grid = (1, height // self.patch, width // self.patch)
         timing = VideoTiming(indices, info.fps, info.total_frames, self.temporal)
         text, frame_t = self.layout(self.spec, timing, self.tokens)
@@ -168,7 +209,7 @@ class VideoProcessor:
 def read_video(processor: VideoProcessor, source: bytes | str | Path) -> tuple[VideoMeta, list[torch.Tensor]]:
     """A whole video in one call (the offline Engine): its layout and every group's pixel_values."""
     raw = source if isinstance(source, bytes) else Path(source).read_bytes()
-    plan = processor.plan(probe(raw), processor.video_hash(raw))
+    plan = processor.plan(probe(raw), processor.video_hash(content_digest(raw)))
     pixels = list(processor.group_pixels(iter_frames(raw, plan.probe, list(plan.indices)), plan))
     return plan.meta, pixels
 

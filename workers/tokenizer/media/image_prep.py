@@ -36,6 +36,7 @@ from PIL import Image
 from ipc import shm
 from workers.common.errors import BadRequest
 from workers.config import ServerConfig
+from workers.engine.prompt.pixel_range import sized_hash
 from workers.engine.prompt.processor import MMProcessor, ProcessedImage
 from workers.tokenizer.media.fetch import (
     decode_pixels,
@@ -46,6 +47,7 @@ from workers.tokenizer.media.fetch import (
 )
 from workers.tokenizer.media.image_io import Encoded
 from workers.tokenizer.media.image_segments import NO_GRID, Grid, ImageSegments, PendingWrite, RequestImage
+from workers.tokenizer.media.uuids import MediaRecord, UuidRegistry, unknown_uuid
 
 DATA_URL_INDEX_SIZE = 4096  # data URLs remembered by the hash of their text, with their image's hash
 _A = TypeVar("_A")
@@ -80,6 +82,7 @@ class ImagePrep(ImageSegments):
         self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"tok{index}-image")
         # A request's first fresh image: never queued behind other requests' deferred ones on the pool.
         self.first = ThreadPoolExecutor(1, thread_name_prefix=f"tok{index}-first")
+        self.uuids = UuidRegistry(config.launch_id, config.shm_retain_idle_s, self.nonce)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -123,24 +126,40 @@ class ImagePrep(ImageSegments):
             return Encoded(load=load, key=key, hash=h)
         return Encoded(load=load, key=key)
 
+    def named(self, uuid: str, param: str) -> Encoded:
+        """An image part that names its image by ``uuid`` alone: its hash from the launch's record, and no bytes (a
+        400 naming ``param``, the uuid, wherever they would be needed: its segment is gone)."""
+        record = self.uuids.get(uuid)
+        if record is None or record.kind != "image":
+            raise unknown_uuid(uuid, param)
+
+        def gone() -> bytes:
+            raise unknown_uuid(uuid, param)
+
+        return Encoded(load=gone, hash=record.digest)
+
     def plan(
         self, raws: list[Encoded], params: list[str], defer: bool = False, first_too: bool = False,
-        low: list[bool] | None = None, budgets: list[int | None] | None = None,
+        low: list[bool] | None = None, budgets: list[int | None] | None = None, size: dict[str, int] | None = None,
+        uuids: list[str | None] | None = None,
     ) -> list[RequestImage]:
         """Hash every image; find live segments to reuse, or else decode and process it now (the
         distinct ones that need it all at once), or with ``defer`` only read its grid from the header.
         With ``first_too`` as well, the first fresh image is deferred too (still decoded from the moment it
         is found fresh). ``low``: which images have detail "low"; ``budgets``: each image's token budget (families
-        with budgets; None: the default). One entry per image, repeats sharing theirs."""
+        with budgets; None: the default); ``size``: the request's pixel range (pixel_range.py; None: the checkpoint's).
+        ``uuids``: the client's ids of the images sent with their bytes, recorded for later requests to name them by.
+        One entry per image, repeats sharing theirs."""
         by_hash: dict[bytes, RequestImage] = {}
         order: list[RequestImage] = []
         todo: list[RequestImage] = []
         listing: dict[str, list[tuple[str, Grid]]] | None = None  # /dev/shm listed at most once
         self.marks = {}
-        for raw, param, small, budget in zip(
-            raws, params, low or [False] * len(raws), budgets or [None] * len(raws), strict=True
+        nothing: list[None] = [None] * len(raws)
+        for raw, param, small, budget, uuid in zip(
+            raws, params, low or [False] * len(raws), budgets or nothing, uuids or nothing, strict=True
         ):
-            h = self.identify(raw, small, budget)
+            h = self.identify(raw, small, budget, size, uuid)
             if (image := by_hash.get(h)) is not None:
                 self.images_reused += 1  # repeated within the request: shares the first one's segment
                 order.append(image)
@@ -150,9 +169,11 @@ class ImagePrep(ImageSegments):
                 listing = self._list_live() if listing is None else listing
                 live = listing.get(h.hex(), [])
             if live:
-                image = RequestImage(h, raw, param, live[0][1], [name for name, _ in live], low=small, budget=budget)
+                image = RequestImage(
+                    h, raw, param, live[0][1], [name for name, _ in live], low=small, budget=budget, size=size
+                )
             else:
-                image = RequestImage(h, raw, param, NO_GRID, [], low=small, budget=budget)
+                image = RequestImage(h, raw, param, NO_GRID, [], low=small, budget=budget, size=size)
                 todo.append(image)
                 if defer and len(todo) == 1:  # decoding from here on, while the rest is hashed and probed
                     self._start_early(image, deferred=first_too)
@@ -172,17 +193,32 @@ class ImagePrep(ImageSegments):
         self.marks["processed"] = time.monotonic()
         return order
 
-    def identify(self, raw: Encoded, low: bool = False, budget: int | None = None) -> bytes:
+    def identify(
+        self, raw: Encoded, low: bool = False, budget: int | None = None, size: dict[str, int] | None = None,
+        uuid: str | None = None,
+    ) -> bytes:
         """The image's hash as the caches (and KV events, and renders) know it: its encoded bytes' hash, then its own
-        image at detail "low" or at another token budget."""
+        image at detail "low", at another token budget or in another pixel range. ``uuid``: the client's id of these
+        bytes, recorded (under the bytes' hash, before this request's settings frame it) for later requests."""
         h = raw.hash if raw.hash is not None else self.processor.media_hash(raw.data())
         if raw.key is not None and raw.hash is None:  # remembered for this URL's next sending
             self.data_urls[raw.key] = h
             if len(self.data_urls) > DATA_URL_INDEX_SIZE:
                 self.data_urls.popitem(last=False)
+        if uuid is not None:
+            self.uuids.put(uuid, MediaRecord("image", h))
         if low:  # other pixels than the same bytes at full detail: another image to the caches
             h = blake3.blake3(b"glimpse-low-detail-v1" + h).digest(16)
-        return self.processor.budgeted(h, budget)  # another budget: other tokens, another image to the caches
+        h = self.processor.budgeted(h, budget)  # another budget: other tokens, another image to the caches
+        return sized_hash(h, size)  # another pixel range: the same
+
+    def live_grid(self, h: bytes) -> Grid | None:
+        """The grid of a live segment of image ``h`` (this process's or any tokenizer's), or None: a lookup, nothing
+        linked or written (a render)."""
+        if h in self.local:
+            return self.local[h][1]
+        live = self._list_live().get(h.hex(), [])
+        return live[0][1] if live else None
 
     def grid_only(self, image: RequestImage) -> Grid:
         """An image's grid with nothing written (a render): from its header, else (a processor that cannot tell a
@@ -206,7 +242,7 @@ class ImagePrep(ImageSegments):
         if image.low:
             width, height = low_detail_size(width, height)
         try:
-            grid = self.processor.image_grid(width, height, image.budget)
+            grid = self.processor.image_grid(width, height, image.budget, image.size)
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses
             raise BadRequest(
                 f"The image cannot be processed: {exc}", param=image.param, code="invalid_image"
@@ -241,7 +277,9 @@ class ImagePrep(ImageSegments):
         if image.low:
             decoded = low_detail(decoded)
         try:
-            return self.processor.process_image(decoded, image_hash=image.hash, frame=True, budget=image.budget)
+            return self.processor.process_image(
+                decoded, image_hash=image.hash, frame=True, budget=image.budget, size=image.size
+            )
         except ValueError as exc:  # e.g. an aspect ratio the processor refuses
             raise BadRequest(
                 f"The image cannot be processed: {exc}", param=image.param, code="invalid_image"

@@ -45,6 +45,7 @@ class RequestImage:
     early: Future[ProcessedImage] | None = None  # grid from the header, processing while the prompt is built
     low: bool = False  # detail "low": scaled down before the processor (media.low_detail); its own hash
     budget: int | None = None  # its token budget (families with budgets, MMProcessor.budgets; None: the default)
+    size: dict[str, int] | None = None  # the request's pixel range (pixel_range.py; None: the checkpoint's)
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,18 @@ from workers.common.errors import BadRequest
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import ImageSpan, MMProcessor
 from workers.engine.prompt.video_decode import VideoError, iter_frames, probe
-from workers.engine.prompt.video_prompt import VideoMeta, VideoPlan, VideoProcessor
+from workers.engine.prompt.video_prompt import (
+    DEFAULT_SETTINGS,
+    VideoMeta,
+    VideoPlan,
+    VideoProcessor,
+    VideoSettings,
+    content_digest,
+)
 from workers.tokenizer.media.fetch import MediaFetcher, MediaLimits, is_remote
 from workers.tokenizer.media.image_io import write_and_publish
 from workers.tokenizer.media.image_segments import RequestImage
+from workers.tokenizer.media.uuids import MediaRecord, UuidRegistry, unknown_uuid
 from workers.tokenizer.requests.chat import ImageRef
 
 log = logging.getLogger("glimpse.video")
@@ -52,7 +60,10 @@ class VideoInputs:
     """A request's video parts in prompt order, their bytes once loaded (None: a download still to do)."""
 
     refs: list[ImageRef] = field(default_factory=list)
-    raws: list[bytes | None] = field(default_factory=list)
+    raws: list[bytes | None] = field(default_factory=list)  # b"": named by uuid alone (``records``)
+    records: list[MediaRecord | None] = field(default_factory=list)  # what each uuid-only part names
+    settings: VideoSettings = DEFAULT_SETTINGS  # the request's (mm_processor_kwargs)
+    blame: str = ""  # the mm_processor_kwargs key a sampling failure is the fault of ("": the video's)
 
     @property
     def remote(self) -> list[int]:
@@ -65,7 +76,7 @@ async def fetch_videos(fetcher: MediaFetcher, inputs: VideoInputs) -> None:
     if not todo:
         return
     try:
-        raws = await fetcher.fetch_all([(inputs.refs[i].url, inputs.refs[i].param) for i in todo])
+        raws = await fetcher.fetch_all([(inputs.refs[i].url or "", inputs.refs[i].param) for i in todo])
     except BadRequest as exc:
         raise as_video_error(exc) from None
     for i, raw in zip(todo, raws, strict=True):
@@ -82,6 +93,7 @@ class RequestVideo:
     plan: VideoPlan
     candidates: list[list[str]]  # per group: live segments to link from (empty: decode and write)
     refs: list[shm.ShmRef | None]  # per group: this request's segment, once linked or written
+    named: ImageRef | None = None  # the part, where it named the video by uuid alone (no bytes to decode)
 
     @property
     def meta(self) -> VideoMeta:
@@ -100,6 +112,7 @@ class VideoPrep:
         self.plans: OrderedDict[bytes, VideoPlan] = OrderedDict()
         self.nonce = f"v{index}{os.urandom(3).hex()}-"
         self.counter = 0
+        self.uuids = UuidRegistry(config.launch_id, config.shm_retain_idle_s, self.nonce)
         limits = MediaLimits.from_config(config)
         self.fetcher = MediaFetcher(dataclasses.replace(limits, max_bytes=config.max_video_bytes))
         # Counters (TokenizerStats): videos seen, videos that needed decoding, frames decoded, groups linked.
@@ -117,13 +130,23 @@ class VideoPrep:
             message = f"The request has {len(refs)} videos; this server accepts at most {limit}."
             raise BadRequest(message, param="messages", code="too_many_videos")
         raws: list[bytes | None] = []
+        records: list[MediaRecord | None] = []
         for ref in refs:
+            records.append(None)
+            if ref.url is None:  # named by its uuid alone: what the launch's record of it says
+                assert ref.uuid is not None
+                record = self.uuids.get(ref.uuid)
+                if record is None or record.kind != "video" or record.probe is None:
+                    raise unknown_uuid(ref.uuid, ref.uuid_param)
+                records[-1] = record
+                raws.append(b"")
+                continue
             try:
                 raws.append(None if is_remote(ref.url) else self.fetcher.load_local(ref.url, ref.param))
             except BadRequest as exc:
                 raise as_video_error(exc) from None
         self.videos += len(refs)
-        return VideoInputs(list(refs), raws)
+        return VideoInputs(list(refs), raws, records)
 
     def plan(self, inputs: VideoInputs) -> list[RequestVideo]:
         """Hash and lay out every video (demuxing those whose layout is not remembered), enforce the caps,
@@ -133,30 +156,35 @@ class VideoPrep:
         order: list[RequestVideo] = []
         live: dict[str, list[str]] | None = None
         frames = 0
-        for ref, raw in zip(inputs.refs, inputs.raws, strict=True):
+        for ref, raw, record in zip(inputs.refs, inputs.raws, inputs.records or [None] * len(inputs.refs), strict=True):
             assert raw is not None, "plan() before every video was loaded"
-            h = self.video.video_hash(raw)
+            digest = record.digest if record is not None else content_digest(raw)
+            h = self.video.video_hash(digest, inputs.settings)
             if (video := by_hash.get(h)) is not None:
                 order.append(video)
                 continue
-            plan = self._plan(h, raw, ref.param)
+            plan = self._plan(h, raw, ref.param, inputs, record)
+            if ref.uuid is not None and record is None:  # sent with its bytes: any tokenizer may now name it
+                self.uuids.put(ref.uuid, MediaRecord("video", digest, plan.probe))
             frames += len(plan.indices)
             if frames > (cap := self.config.max_video_frames):
                 message = f"The request's videos sample {frames} frames; this server decodes at most {cap} per request."
                 raise BadRequest(message, param=ref.param, code="too_many_video_frames")
             live = self._list_live() if live is None else live
             candidates = [live.get(g.hash.hex(), []) for g in plan.meta.groups]
-            video = RequestVideo(h, raw, ref.param, plan, candidates, [None] * len(candidates))
+            video = RequestVideo(
+                h, raw, ref.param, plan, candidates, [None] * len(candidates), ref if record is not None else None
+            )
             by_hash[h] = video
             order.append(video)
         return order
 
-    def _plan(self, h: bytes, raw: bytes, param: str) -> VideoPlan:
+    def _plan(self, h: bytes, raw: bytes, param: str, inputs: VideoInputs, record: MediaRecord | None) -> VideoPlan:
         assert self.video is not None
         plan = self.plans.get(h)
         if plan is None:
             try:
-                info = probe(raw)
+                info = record.probe if record is not None and record.probe is not None else probe(raw)
             except VideoError as exc:
                 raise BadRequest(f"The video cannot be read: {exc}.", param=param, code="invalid_video") from None
             if info.duration > (seconds := self.config.max_video_seconds):
@@ -166,9 +194,11 @@ class VideoPrep:
                 message = f"The video's {info.width}x{info.height} frames exceed the {self.config.max_image_pixels}-pixel limit."
                 raise BadRequest(message, param=param, code="video_too_large")
             try:
-                plan = self.video.plan(info, h)
+                plan = self.video.plan(info, h, inputs.settings)
             except ValueError as exc:  # e.g. too few frames to sample, an aspect ratio the processor refuses
-                raise BadRequest(f"The video cannot be processed: {exc}.", param=param, code="invalid_video") from None
+                raise BadRequest(
+                    f"The video cannot be processed: {exc}.", param=inputs.blame or param, code="invalid_video"
+                ) from None
         self.plans[h] = plan
         self.plans.move_to_end(h)
         if len(self.plans) > LOCAL_PLANS:
@@ -202,6 +232,9 @@ class VideoPrep:
             message = "The server has too many images in flight; retry shortly."
             raise BadRequest(message, status=503, type="server_error", code="shm_budget_exceeded")
         for video, missing in todo:
+            if video.named is not None:  # no bytes to decode the gone groups from
+                assert video.named.uuid is not None
+                raise unknown_uuid(video.named.uuid, video.named.uuid_param)
             self._decode_and_write(video, missing, names)
         return new_bytes
 
@@ -263,19 +296,24 @@ async def fetch_videos_once(limits: MediaLimits, inputs: VideoInputs) -> None:
         await fetcher.aclose()
 
 
-def media_items(spans: list[ImageSpan], images: list[RequestImage], videos: list[RequestVideo]) -> list[MMItem]:
+def media_items(
+    spans: list[ImageSpan], images: list[RequestImage], videos: list[RequestVideo],
+    image_uuids: list[str | None] | None = None, video_uuids: list[str | None] | None = None,
+) -> list[MMItem]:
     """The request's MMItems in prompt order: image spans take the images' segments in order, frame-group
-    spans the groups' segments of the videos in order."""
+    spans the groups' segments of the videos in order; each carries its part's uuid (a video's on every group)."""
     next_image, next_video = iter(images), iter(videos)
+    next_image_uuid, next_video_uuid = iter(image_uuids or [None] * len(images)), iter(video_uuids or [None] * len(videos))
     video: RequestVideo | None = None
+    uuid: str | None = None
     items: list[MMItem] = []
     for span in spans:
         if span.frame is None:
-            ref = next(next_image).ref
+            ref, uuid = next(next_image).ref, next(next_image_uuid)
         else:
             if span.frame[0] == 0:
-                video = next(next_video)
+                video, uuid = next(next_video), next(next_video_uuid)
             assert video is not None
             ref = video.refs[span.frame[0]]
-        items.append(MMItem(span.hash, span.offset, span.length, span.grid, ref, span.frame))
+        items.append(MMItem(span.hash, span.offset, span.length, span.grid, ref, span.frame, uuid))
     return items

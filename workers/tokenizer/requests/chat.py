@@ -23,7 +23,7 @@ import msgspec
 from ipc.prompts import SamplingParams
 from workers.common.errors import BadRequest
 from workers.common.tools import ToolChoice, check_tools, parse_tools, tool_grammar
-from workers.tokenizer.requests.mm_kwargs import image_options, request_budget
+from workers.tokenizer.requests.mm_kwargs import MediaSettings, image_options, request_budget
 from workers.tokenizer.requests.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingFields,
@@ -37,6 +37,7 @@ from workers.tokenizer.requests.sampling import (
 __all__ = ["ChatCompletionRequest", "parse_request", "to_sampling_params"]
 
 log = logging.getLogger("glimpse.request")
+MAX_UUID_CHARS = 256  # a media part's uuid (workers/tokenizer/media/uuids.py)
 _R = TypeVar("_R", bound=msgspec.Struct)
 
 
@@ -56,21 +57,24 @@ class TextPart(msgspec.Struct, frozen=True, tag="text", tag_field="type"):
 
 
 class ImagePart(msgspec.Struct, frozen=True, tag="image_url", tag_field="type"):
-    # Some clients send the URL as a bare string instead of {"url": ...}.
-    image_url: ImageURL | str
+    # Some clients send the URL as a bare string instead of {"url": ...}. None (or left out): the part names media
+    # sent before by its ``uuid`` (vLLM's shape: {"type": "image_url", "image_url": null, "uuid": "..."}).
+    image_url: ImageURL | str | None = None
+    uuid: str | None = None  # the client's id for this media (workers/tokenizer/media/uuids.py)
 
     @property
-    def url(self) -> str:
-        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+    def url(self) -> str | None:
+        return self.image_url if isinstance(self.image_url, str) or self.image_url is None else self.image_url.url
 
 
 class VideoPart(msgspec.Struct, frozen=True, tag="video_url", tag_field="type"):
     # vLLM's and SGLang's shape: {"type": "video_url", "video_url": {"url": ...}} (or the URL as a bare string).
-    video_url: ImageURL | str
+    video_url: ImageURL | str | None = None
+    uuid: str | None = None
 
     @property
-    def url(self) -> str:
-        return self.video_url if isinstance(self.video_url, str) else self.video_url.url
+    def url(self) -> str | None:
+        return self.video_url if isinstance(self.video_url, str) or self.video_url is None else self.video_url.url
 
 
 class InputAudioPart(msgspec.Struct, frozen=True, tag="input_audio", tag_field="type"):
@@ -262,17 +266,21 @@ def template_options(req: ChatCompletionRequest) -> dict[str, Any]:
 class ImageRef:
     """One image part of the request, in prompt order, with the param path to blame on failure."""
 
-    url: str
+    url: str | None  # None: named by ``uuid`` alone (sent before)
     param: str
     low: bool = False  # detail "low", for families without token budgets: scaled down before the processor
     budget: int | None = None  # the image's token budget (families with budgets; None: the checkpoint's default)
+    uuid: str | None = None  # the client's id for the media
+    uuid_param: str = ""  # the uuid's param path
 
 
-def image_refs(req: ChatCompletionRequest, budgets: Sequence[int] = ()) -> list[ImageRef]:
+def image_refs(req: ChatCompletionRequest, budgets: Sequence[int] = (), settings: MediaSettings | None = None) -> list[ImageRef]:
     """The image parts of the request, in prompt order, with their token budgets for a family whose processor takes
-    ``budgets`` (`MMProcessor.budgets`; empty: none). Raises BadRequest for mm_processor_kwargs the family does not
-    take, even without images."""
-    return list(_iter_images(req, request_budget(req.mm_processor_kwargs, budgets), budgets))
+    ``budgets`` (`MMProcessor.budgets`; empty: none), under the request's ``settings`` (`media_settings`; None: read
+    here, video keys refused). Raises BadRequest for mm_processor_kwargs the family does not take, even without
+    images."""
+    budget = settings.budget if settings is not None else request_budget(req.mm_processor_kwargs, budgets)
+    return list(_iter_images(req, budget, budgets))
 
 
 def video_refs(req: ChatCompletionRequest) -> list[ImageRef]:
@@ -284,7 +292,7 @@ def video_refs(req: ChatCompletionRequest) -> list[ImageRef]:
                 param = f"messages[{i}].content[{j}].video_url"
                 if isinstance(part.video_url, ImageURL) and part.video_url.detail == "low":
                     raise unsupported(f"{param}.detail", "'low' is for images; a video's frames keep their resolution")
-                refs.append(ImageRef(part.url, param))
+                refs.append(ImageRef(part.url, param, uuid=part.uuid, uuid_param=_check_named(part, param, i, j)))
     return refs
 
 
@@ -306,7 +314,22 @@ def _iter_images(req: ChatCompletionRequest, budget: int | None, budgets: Sequen
                 if isinstance(part, ImagePart):
                     detail = part.image_url.detail if isinstance(part.image_url, ImageURL) else None
                     low, image_budget = image_options(detail, budget, budgets)
-                    yield ImageRef(part.url, f"messages[{i}].content[{j}].image_url", low, image_budget)
+                    param = f"messages[{i}].content[{j}].image_url"
+                    named = _check_named(part, param, i, j)
+                    yield ImageRef(part.url, param, low, image_budget, part.uuid, named)
+
+
+def _check_named(part: ImagePart | VideoPart, param: str, i: int, j: int) -> str:
+    """A media part's uuid param path, once checked: data, a uuid or both (a 400 naming the part without either)."""
+    where = f"messages[{i}].content[{j}].uuid"
+    if part.uuid is not None:
+        if not 0 < len(part.uuid) <= MAX_UUID_CHARS:
+            raise BadRequest(f"Invalid '{where}': expected 1 to {MAX_UUID_CHARS} characters.", param=where,
+                             code="invalid_value")
+    elif part.url is None:
+        raise BadRequest(f"Missing required parameter: '{param}' (or a 'uuid' naming media sent before).",
+                         param=param, code="missing_required_parameter")
+    return where
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from workers.config import ServerConfig
 from workers.engine.prompt.processor import MMProcessor, Prompt, Rendered
 from workers.engine.runner.grammar import Validator
 from workers.tokenizer.requests.chat import decode_body
-from workers.tokenizer.requests.mm_kwargs import request_budget
+from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingFields,
@@ -141,7 +141,9 @@ def prepare_completion(
 ) -> tuple[RequestAccepted, TokenizedRequest]:
     """Tokenize a completions prompt (or batch) and build what the frontend and the scheduler get."""
     processor = worker.processor
-    request_budget(completion.mm_processor_kwargs, processor.budgets)
+    # No media in a completions prompt, but its settings are checked as a chat's are (a 400 for a bad one).
+    media_settings(completion.mm_processor_kwargs, processor.budgets, video=processor.video is not None,
+                   pixel_cap=worker.config.max_image_pixels)
     raws = _prompts(completion)
     prompts = [_tokenize(worker, raw) for raw in raws]
     ids = [p.input_ids for p in prompts]
