@@ -92,27 +92,6 @@ def test_chat_render_is_transformers_prompt_with_the_generation_ids(
     assert after["requests"] == before["requests"]
 
 
-def test_a_media_uuid_is_its_identifier(live: LiveServer) -> None:
-    """A part's uuid names it; a render records nothing, so a uuid first seen by a render cannot be named later
-    without its bytes (a 400 naming it), while one a generation recorded renders from its live segment."""
-    part = {"type": "image_url", "image_url": {"url": data_url(PNGS[0])}, "uuid": "scan-0042"}
-    messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]
-    rendered = post(live, CHAT, {"model": "demo", "messages": messages})
-    assert rendered.status_code == 200, rendered.text
-    assert rendered.json()["features"]["mm_hashes"] == {"image": ["scan-0042"]}
-    named = [{"role": "user", "content": [{"type": "image_url", "uuid": "scan-0042"}, {"type": "text", "text": "And?"}]}]
-    refused = post(live, CHAT, {"model": "demo", "messages": named})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages[0].content[0].uuid"
-    chat = {"model": "demo", "messages": messages, "max_tokens": 1}
-    assert post(live, "/v1/chat/completions", chat).status_code == 200  # a generation records the uuid
-    again = post(live, CHAT, {"model": "demo", "messages": named})
-    assert again.status_code == 200, again.text
-    first = rendered.json()
-    got = again.json()
-    assert got["features"]["mm_hashes"] == {"image": ["scan-0042"]}
-    assert got["features"]["mm_placeholders"] == first["features"]["mm_placeholders"]
-
-
 def test_completions_render_one_entry_per_prompt(live: LiveServer, processor: Any) -> None:
     tok = processor.tokenizer
     one = post(live, COMPLETION, {"model": "demo", "prompt": "The total is"})
@@ -140,3 +119,25 @@ def test_bad_renders_are_the_chat_endpoints_4xx(live: LiveServer) -> None:
     as_text = httpx.post(live.base + CHAT, content=b"{}", headers={"content-type": "text/plain"}, timeout=30)
     assert as_text.status_code == 400
     assert live.segments() == []
+
+
+def test_a_media_uuid_is_its_identifier(live: LiveServer) -> None:
+    """(Last in the module: its generation leaves a segment the other tests would see.) A part's uuid names it; a
+    render records nothing, so a uuid first seen by a render cannot be named later
+    without its bytes (a 400 naming it), while one a generation recorded renders from its live segment."""
+    part = {"type": "image_url", "image_url": {"url": data_url(PNGS[0])}, "uuid": "scan-0042"}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]
+    rendered = post(live, CHAT, {"model": "demo", "messages": messages})
+    assert rendered.status_code == 200, rendered.text
+    assert rendered.json()["features"]["mm_hashes"] == {"image": ["scan-0042"]}
+    named = [{"role": "user", "content": [{"type": "image_url", "uuid": "scan-0042"}, {"type": "text", "text": "And?"}]}]
+    refused = post(live, CHAT, {"model": "demo", "messages": named})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages[0].content[0].uuid"
+    chat = {"model": "demo", "messages": messages, "max_tokens": 1}
+    assert post(live, "/v1/chat/completions", chat).status_code == 200  # a generation records the uuid
+    again = post(live, CHAT, {"model": "demo", "messages": named})
+    assert again.status_code == 200, again.text
+    first = rendered.json()
+    got = again.json()
+    assert got["features"]["mm_hashes"] == {"image": ["scan-0042"]}
+    assert got["features"]["mm_placeholders"] == first["features"]["mm_placeholders"]
