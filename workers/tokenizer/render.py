@@ -12,6 +12,7 @@ is one object, a completions render a list of them, one per prompt. Media spans 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -106,7 +107,7 @@ async def render(worker: TokenizerWorker, on_prep: OnPrep, req: GenerateRequest)
     """The JSON answer to a render (raises BadRequest as its generation would): admit, fetch, then lay the prompt
     out on the prep thread."""
     gen = as_generation(req)
-    admitted: Admitted = await on_prep(worker.admit, gen)
+    admitted: Admitted = await on_prep(functools.partial(worker.admit, render=True), gen)
     if admitted.remote:
         await worker.fetch(admitted)
     body: bytes = await on_prep(render_admitted, worker, gen, admitted)

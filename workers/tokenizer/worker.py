@@ -198,10 +198,11 @@ class TokenizerWorker:
         self.log.error("request %s failed", req.rid, exc_info=exc)
         return RequestFailed(req.rid, 500, f"Internal error preparing the request: {exc}", "server_error")
 
-    def admit(self, req: GenerateRequest) -> Admitted:
+    def admit(self, req: GenerateRequest, render: bool = False) -> Admitted:
         """Parse and check a request, everything that can refuse it before a download: the model,
-        the prompt's length bound, the image count, shm pressure; data: and file: images load here."""
-        self.requests += 1
+        the prompt's length bound, the image count, shm pressure; data: and file: images load here. A ``render``
+        (workers/tokenizer/render.py) writes no segment, so shm pressure does not refuse it, and is not counted."""
+        self.requests += 0 if render else 1
         chat = parse_completion(req.body) if req.endpoint == "completion" else parse_request(req.body)
         if chat.model != self.config.served_model_name:
             message = f"The model `{chat.model}` does not exist."
@@ -218,11 +219,11 @@ class TokenizerWorker:
             raise BadRequest(message, param="messages", code="too_many_images")
         vrefs = video_refs(chat)
         settings.check_videos(bool(vrefs))
-        if (refs or vrefs) and self.shm_bytes >= self.shm_budget:
+        if (refs or vrefs) and self.shm_bytes >= self.shm_budget and not render:
             raise overloaded()  # refuse before spending CPU on a request we could not hand on
         videos = self.videos.admit(vrefs)  # the count cap, data: and file: videos, uuid-only parts' records
         videos.settings, videos.blame = settings.video, settings.blame
-        self.images += len(refs)
+        self.images += 0 if render else len(refs)
         raws = [self._image_raw(r) for r in refs]
         admitted = Admitted(chat, refs, raws, videos, settings)
         if admitted.remote:  # a bad data URL is refused before any download is waited for
