@@ -94,6 +94,21 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gated DeltaNet's output norm (transformers' ``Qwen3_5RMSNormGated``): RMSNorm over each value head, weight,
+    times SiLU(gate), with the eager module's casts (qwen3_5/linear_attention.py ``GatedRMSNorm``)."""
+    dtype = x.dtype
+    xf = x.float()
+    out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (out * F.silu(gate.float())).to(dtype)
+
+
+def delta_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """Gated DeltaNet's per-head decay (log space, float32) and write strength: -exp(A_log) * softplus(a + dt_bias)
+    and sigmoid(b), as the eager layer computes them."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 def fast_silu_mul(gate_up: Tensor) -> Tensor:
     """The MLPs' fused SiLU*up: the hand-written Triton kernel (silu_kernel.py) where it runs, else the compiled
     ``silu_mul``. Both stream near bandwidth at the LM's width; at the ViT's (3,424) the compiled one reached only

@@ -86,3 +86,27 @@ def test_packed_vision_mlp_fused_on_cuda(dtype: torch.dtype, tol: float) -> None
     mlp.pack()
     fused.enable(mlp)
     torch.testing.assert_close(mlp(x), want, atol=tol, rtol=tol)
+
+
+@cuda
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_gated_delta_net_norm_and_gates_on_cuda(dtype: torch.dtype, tol: float, tokens: int) -> None:
+    """Qwen3.5's gated output norm and decay/write gates, compiled, against the eager layer's code."""
+    from workers.engine.models.qwen3_5.linear_attention import GatedRMSNorm
+
+    torch.manual_seed(0)
+    norm = GatedRMSNorm(128, 1e-6).to("cuda", dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x, gate = (torch.randn(tokens, 8, 128, device="cuda", dtype=dtype) * 3 for _ in range(2))
+    want = norm(x, gate)
+    norm.fused = True
+    got = norm(x, gate)
+    assert got.dtype == want.dtype and torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    a, b = (torch.randn(tokens, 8, device="cuda", dtype=dtype) for _ in range(2))
+    a_log, dt_bias = torch.randn(8, device="cuda", dtype=dtype), torch.randn(8, device="cuda", dtype=dtype)
+    g, beta = fused.compiled(fused.delta_gates)(a, b, a_log, dt_bias)
+    want_g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    assert g.dtype == torch.float32 and torch.allclose(g, want_g, atol=1e-5, rtol=1e-5)
+    assert torch.equal(beta, b.sigmoid())

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.engine.kernels import fused
 from workers.engine.kernels.attention import AttentionMetadata
 from workers.engine.kernels.gated_delta import causal_conv1d, gated_delta_rule
 from workers.engine.layers.linear import (
@@ -84,8 +85,12 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.fused = False  # CUDA: one compiled kernel (fused.gated_rms_norm); set by fused.enable
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        if self.fused and fused.worth_it(x):
+            out: Tensor = fused.compiled(fused.gated_rms_norm)(x, gate, self.weight, self.eps)
+            return out
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -141,6 +146,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = _head_sharded(hv, tp)
         self.norm = GatedRMSNorm(dv, spec.rms_norm_eps)
         self.out_proj = RowParallelLinear(value, spec.hidden_size, bias=False, tp=tp)
+        self.fused = False  # CUDA: the decay and write-strength gates in one compiled kernel (fused.delta_gates)
         self.key_local, self.value_local = self.hk * dk, self.hv * dv
         self.conv_dim_local = 2 * self.key_local + self.value_local
         # This layer's state pools (allocate_state); plain attributes, not buffers: they are no part of the weights.
@@ -164,9 +170,12 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight
         mixed = causal_conv1d(mixed, weight.view(weight.shape[0], -1), None, self.conv_state, meta, activation="silu")
         q, k, v = mixed.split([self.key_local, self.key_local, self.value_local], dim=-1)
-        beta = b.sigmoid()
-        # float32 before exp and softplus, as transformers does (in fp16 exp(A_log) could overflow to inf).
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if self.fused and fused.worth_it(a):
+            g, beta = fused.compiled(fused.delta_gates)(a, b, self.A_log, self.dt_bias)
+        else:
+            beta = b.sigmoid()
+            # float32 before exp and softplus, as transformers does (in fp16 exp(A_log) could overflow to inf).
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = gated_delta_rule(
             q.reshape(t, self.hk, self.dk),
             k.reshape(t, self.hk, self.dk),
