@@ -186,6 +186,13 @@ def test_kv_events_key_image_chats_as_llm_d_does_on_one_stream(dp2: LiveServer, 
     index = Index(block_size=16, model="demo")  # the topic's model; llm-d's blockSizeTokens = glimpse's block size
     keys = index.request_keys(tokens, media)
     assert len(keys) >= 6 and all(m[2] > 16 for m in media)  # blocks inside and across both images
+    # What llm-d's token producer does: glimpse's own render route keys the request the same way.
+    body = {"model": "demo", "messages": image_message(text, [data_url(b) for b in raws])}
+    got = httpx.post(dp2.base + "/v1/chat/completions/render", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    features = got.json()["features"]
+    placed = zip(features["mm_hashes"]["image"], features["mm_placeholders"]["image"], strict=True)
+    assert index.request_keys(got.json()["token_ids"], [(h, p["offset"], p["length"]) for h, p in placed]) == keys
 
     def matched() -> list[bool]:
         index.by_engine.clear()
