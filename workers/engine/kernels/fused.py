@@ -109,6 +109,17 @@ def delta_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[T
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
+def conv_decode(conv_state: Tensor, slots: Tensor, has_initial: Tensor, x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Gated DeltaNet's causal conv for one token per sequence, SiLU'd (gated_delta.causal_conv1d's all-decode branch):
+    each row's window from its slot (zeros without initial state), the K taps' weighted sum, and the window after
+    the token (in the pool's dtype, for the caller to write back). x [B, C], weight [C, K], conv_state [S, C, K-1]."""
+    got = conv_state.index_select(0, slots).float()
+    window = torch.where(has_initial.view(-1, 1, 1), got, torch.zeros((), dtype=got.dtype, device=got.device))
+    taps = torch.cat([window.transpose(1, 2), x.float().unsqueeze(1)], dim=1)  # [B, K, C]
+    y = F.silu((taps * weight.float().t()).sum(dim=1))
+    return y.to(x.dtype), taps[:, 1:].transpose(1, 2).to(conv_state.dtype)
+
+
 def fast_silu_mul(gate_up: Tensor) -> Tensor:
     """The MLPs' fused SiLU*up: the hand-written Triton kernel (silu_kernel.py) where it runs, else the compiled
     ``silu_mul``. Both stream near bandwidth at the LM's width; at the ViT's (3,424) the compiled one reached only

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels import gated_delta_fla
+from workers.engine.kernels import fused, gated_delta_fla
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
 CHUNK = 64  # the reference's chunk_size: the chunked results match it only with the same chunking
@@ -78,10 +78,18 @@ def causal_conv1d(
     conv_state: Tensor,
     meta: AttentionMetadata,
     activation: str | None = "silu",
+    fuse: bool = False,
 ) -> Tensor:
     """Depthwise causal conv over each sequence's new tokens, its window of the K-1 inputs before them taken from
-    ``conv_state`` (zeros without initial state); the window after them is written back (and to snapshot slots)."""
+    ``conv_state`` (zeros without initial state); the window after them is written back (and to snapshot slots).
+    ``fuse`` (CUDA, the layer's fused flag): an all-decode step's SiLU'd conv as one compiled kernel (fused.py)."""
     st = _state(meta)
+    if fuse and bias is None and activation in ("silu", "swish") and _all_decode(meta):
+        out, after = fused.compiled(fused.conv_decode)(conv_state, st.slots, st.has_initial, x, weight)
+        conv_state.index_copy_(0, st.slots, after)
+        for b, _, slot in st.snapshots:
+            conv_state[slot].copy_(after[b])
+        return out
     tokens, channels = x.shape
     width = weight.shape[1] - 1  # the window: K-1 inputs
     batch = st.slots.shape[0]

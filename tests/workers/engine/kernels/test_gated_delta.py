@@ -427,3 +427,25 @@ def test_an_all_decode_step_replays_in_a_cuda_graph() -> None:
     real = [2, 5, 7, 9]
     assert torch.equal(conv_out[:3], want_conv[:3]) and torch.equal(out[:3], want[:3])
     assert torch.equal(conv[real], start_conv[real]) and torch.equal(ssm[real], start_ssm[real])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_decode_conv_matches_the_eager_one(dtype: torch.dtype) -> None:
+    """An all-decode step's conv as one compiled kernel (``fuse``): the same outputs, windows and snapshot as the
+    eager branch, garbage in a slot without initial state ignored."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(3)
+    channels, kernel = 96, 4
+    x = torch.randn(4, channels, device="cuda", dtype=dtype)
+    weight = torch.randn(channels, kernel, device="cuda", dtype=dtype)
+    conv = torch.randn(12, channels, kernel - 1, device="cuda", dtype=dtype)
+    conv[0] = float("nan")
+    meta = make_meta([1, 1, 1, 1], [3, 0, 5, 1], [True, False, True, True], [(2, 1, 7)], device="cuda")
+    eager_pool = conv.clone()
+    want = gated_delta.causal_conv1d(x, weight, None, eager_pool, meta)
+    got = gated_delta.causal_conv1d(x, weight, None, conv, meta, fuse=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    close(got.float(), want.float(), tol)
+    close(conv.float(), eager_pool.float(), tol)

@@ -146,7 +146,9 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = _head_sharded(hv, tp)
         self.norm = GatedRMSNorm(dv, spec.rms_norm_eps)
         self.out_proj = RowParallelLinear(value, spec.hidden_size, bias=False, tp=tp)
-        self.fused = False  # CUDA: the decay and write-strength gates in one compiled kernel (fused.delta_gates)
+        # CUDA: the decay and write-strength gates in one compiled kernel (fused.delta_gates), and an all-decode step's
+        # conv in another (fused.conv_decode). Set by fused.enable.
+        self.fused = False
         self.key_local, self.value_local = self.hk * dk, self.hv * dv
         self.conv_dim_local = 2 * self.key_local + self.value_local
         # This layer's state pools (allocate_state); plain attributes, not buffers: they are no part of the weights.
@@ -168,9 +170,11 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim_local, self.value_local, self.hv, self.hv], dim=-1)
         weight = self.conv1d.weight
-        mixed = causal_conv1d(mixed, weight.view(weight.shape[0], -1), None, self.conv_state, meta, activation="silu")
+        fuse = self.fused and fused.worth_it(x)
+        mixed = causal_conv1d(mixed, weight.view(weight.shape[0], -1), None, self.conv_state, meta, activation="silu",
+                              fuse=fuse)
         q, k, v = mixed.split([self.key_local, self.key_local, self.value_local], dim=-1)
-        if self.fused and fused.worth_it(a):
+        if fuse:
             g, beta = fused.compiled(fused.delta_gates)(a, b, self.A_log, self.dt_bias)
         else:
             beta = b.sigmoid()
