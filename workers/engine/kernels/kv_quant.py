@@ -25,19 +25,8 @@ log = logging.getLogger("glimpse.model")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-# vLLM's spellings; fp8 is e4m3 (the format with FP8 KV support on Hopper and in the Triton kernels). e5m2 is refused.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _SCALES = "glimpse_kv_scales"
 _logged: set[tuple[str, str]] = set()
-
-
-def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type for ``--kv-cache-dtype name``: auto keeps the model's dtype."""
-    if name == "auto":
-        return model_dtype
-    if name in ("fp8", "fp8_e4m3"):
-        return FP8
-    raise ValueError(f"unknown KV cache dtype {name!r}; known: {', '.join(KV_CACHE_DTYPES)}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -19,8 +19,11 @@ from torch import Tensor
 
 from workers.engine.config import EngineConfig
 from workers.engine.core.mm_cache import EmbeddingStore
+from workers.engine.kernels import kv_quant
 from workers.engine.kernels.attention import StateMetadata
+from workers.engine.layers.linear import TPGroup
 from workers.engine.models.base import ModelSpec, RecurrentSpec
+from workers.engine.models.kv_scales import load_kv_scales
 
 log = logging.getLogger("glimpse.model")
 
@@ -136,6 +139,17 @@ def allocate_kv_caches(
     if window_blocks and spec.kv_windows is not None:
         shapes = [(s[0], window_blocks + 1, *s[2:]) if w else s for s, w in zip(shapes, spec.kv_windows, strict=True)]
     return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+
+
+def attach_kv_scales(caches: list[Tensor], cfg: EngineConfig, spec: ModelSpec, tp: TPGroup) -> None:
+    """FP8 caches: each gets its scales, this rank's heads of the checkpoint's (or 1.0; models/kv_scales.py)."""
+    if not caches or not kv_quant.is_fp8(caches[0]):
+        return
+    scales = load_kv_scales(None if cfg.load_format == "dummy" else cfg.model, spec, tp.size, tp.rank)
+    for cache, scale in zip(caches, scales, strict=True):
+        kv_quant.attach_scales(cache, scale.to(cache.device))
+    size = sum(c.numel() for c in caches) / 2**20
+    log.info("KV cache in %s: %d caches, %.1f MiB", kv_quant.dtype_name(caches[0].dtype), len(caches), size)
 
 
 def copy_kv_blocks(
