@@ -1,0 +1,62 @@
+"""transformers' model as the FP8 KV cache's reference: its language model's attention sees K and V rounded through
+e4m3 with the cache's scale, and nothing else changes.
+
+The rounding is added as an attention function of transformers' own registry (``AttentionInterface``) wrapping
+its SDPA one: it receives K and V after the projection, the norms and rotary, the past ones read from transformers'
+cache (Gemma 4's KV-shared layers: their store layer's), and rounds them before SDPA. Rounding is idempotent, so
+rounding the whole K/V every step equals rounding each token once when it is written, which is what the engine's
+cache does. The towers' attention (classes named ``*Vision*``/``*Audio*``) passes through unchanged. Written apart from workers/engine/kernels/kv_quant.py
+on purpose: the test compares two implementations, not one with itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from tests.workers.engine.models.engine_harness import Reference
+
+NAME = "glimpse_fp8_kv_reference"
+
+
+def e4m3_round_trip(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale saturated at e4m3's +-448, rounded to e4m3, times scale (in x's dtype)."""
+    return ((x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)) * scale
+
+
+class Fp8KVAttention:
+    """The attention function: rounds the LM's K/V (every attention module but the vision and audio towers'); counts
+    the calls it rounded."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale, self.rounded = scale, 0
+
+    def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> Any:
+        name = type(module).__name__
+        if "Vision" not in name and "Audio" not in name:
+            key, value = e4m3_round_trip(key, self.scale), e4m3_round_trip(value, self.scale)
+            self.rounded += 1
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+class Fp8Reference(Reference):
+    """``Reference`` whose LM attends over e4m3-rounded K/V (per-tensor scale 1.0, the engine's default)."""
+
+    def __init__(self, model_dir: Path, scale: float = 1.0) -> None:
+        super().__init__(model_dir)
+        self.attention = Fp8KVAttention(scale)
+        AttentionInterface.register(NAME, self.attention)
+        self.model.set_attn_implementation(NAME)
+
+    def plain(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The same generate with SDPA unrounded (to show the rounding changes the answer)."""
+        self.model.set_attn_implementation("sdpa")
+        try:
+            return self.generate(messages)
+        finally:
+            self.model.set_attn_implementation(NAME)
