@@ -1,26 +1,28 @@
 """transformers' model as the FP8 KV cache's reference: its language model's attention sees K and V rounded through
 e4m3 with the cache's scale, and nothing else changes.
 
-The rounding is added as an attention function of transformers' own registry (``AttentionInterface``) wrapping
-its SDPA one: it receives K and V after the projection, the norms and rotary, the past ones read from transformers'
-cache (Gemma 4's KV-shared layers: their store layer's), and rounds them before SDPA. Rounding is idempotent, so
-rounding the whole K/V every step equals rounding each token once when it is written, which is what the engine's
-cache does. The towers' attention (classes named ``*Vision*``/``*Audio*``) passes through unchanged. Written apart from workers/engine/kernels/kv_quant.py
-on purpose: the test compares two implementations, not one with itself.
+While it generates, transformers' own SDPA attention function is wrapped (an override of the ``sdpa`` entry in its
+attention registry, ``ALL_ATTENTION_FUNCTIONS``, so every other choice transformers makes for SDPA, its masks
+and caches, stays as it is): the wrapper receives K and V after the projection, the norms and rotary, the past
+ones read from transformers' cache (Gemma 4's KV-shared layers: their store layer's), and rounds them before SDPA.
+Rounding is idempotent, so rounding the whole K/V every step equals rounding each token once when it is written,
+which is what the engine's cache does. The towers' attention (classes named ``*Vision*``/``*Audio*``) passes
+through unchanged. Written apart from workers/engine/kernels/kv_quant.py on purpose: the test compares two
+implementations, not one with itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from tests.workers.engine.models.engine_harness import Reference
-
-NAME = "glimpse_fp8_kv_reference"
+from tests.workers.engine.models.engine_harness import MAX_NEW, Reference
 
 
 def e4m3_round_trip(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -29,8 +31,7 @@ def e4m3_round_trip(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 class Fp8KVAttention:
-    """The attention function: rounds the LM's K/V (every attention module but the vision and audio towers'); counts
-    the calls it rounded."""
+    """SDPA over rounded K/V for the LM's attention modules; counts the calls it rounded."""
 
     def __init__(self, scale: float = 1.0) -> None:
         self.scale, self.rounded = scale, 0
@@ -44,19 +45,28 @@ class Fp8KVAttention:
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
 
+@contextmanager
+def rounded_kv(attention: Fp8KVAttention) -> Iterator[None]:
+    """transformers' ``sdpa`` is ``attention`` inside the block (a local override, removed after)."""
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    try:
+        yield
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
 class Fp8Reference(Reference):
     """``Reference`` whose LM attends over e4m3-rounded K/V (per-tensor scale 1.0, the engine's default)."""
 
     def __init__(self, model_dir: Path, scale: float = 1.0) -> None:
         super().__init__(model_dir)
+        self.model.set_attn_implementation("sdpa")
         self.attention = Fp8KVAttention(scale)
-        AttentionInterface.register(NAME, self.attention)
-        self.model.set_attn_implementation(NAME)
+
+    def generate(self, messages: list[dict[str, Any]], max_new: int = MAX_NEW) -> list[int]:
+        with rounded_kv(self.attention):
+            return super().generate(messages, max_new)
 
     def plain(self, messages: list[dict[str, Any]]) -> list[int]:
         """The same generate with SDPA unrounded (to show the rounding changes the answer)."""
-        self.model.set_attn_implementation("sdpa")
-        try:
-            return self.generate(messages)
-        finally:
-            self.model.set_attn_implementation(NAME)
+        return super().generate(messages)

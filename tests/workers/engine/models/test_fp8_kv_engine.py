@@ -1,0 +1,40 @@
+"""``kv_cache_dtype="fp8"`` through the offline Engine: greedy tokens equal transformers' on the same checkpoint
+whose LM attention sees K/V rounded through e4m3 (fp8_reference.py), for Qwen2.5-VL (the demo) and Gemma 4
+(sliding and global caches in two pools, KV-shared layers, an image's bidirectional span). The unrounded
+reference answers differently on these prompts, so the rounding is really there and really the same.
+
+e4m3 keeps 3 mantissa bits: a K/V element that float32 op order (engine vs transformers) puts on the other side of
+a rounding midpoint moves by a whole e4m3 step, which a random-weight demo can turn into another greedy token some
+tokens later. The prompts here are fixed; other prompts may diverge late without anything being wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import noise_image
+from tests.workers.engine.models.engine_harness import GREEDY, chat, make_engine
+from tests.workers.engine.models.fp8_reference import Fp8Reference
+
+PROMPTS = [chat("What is in this picture?", [noise_image(300, 200, seed=42)]),
+           [{"role": "user", "content": "Describe the chart on page three."}]]
+
+
+@pytest.mark.parametrize("family", ["demo_model_dir", "gemma4_model_dir"])
+def test_fp8_engine_matches_reference_with_rounded_kv(family: str, request: pytest.FixtureRequest) -> None:
+    model_dir: Path = request.getfixturevalue(family)
+    reference = Fp8Reference(model_dir)
+    engine = make_engine(model_dir, kv_cache_dtype="fp8", chunk_size=64)  # chunks read a cached FP8 prefix
+    for messages in PROMPTS:
+        want = reference.generate(messages)
+        assert engine.generate([messages], GREEDY)[0].token_ids == want
+        assert reference.plain(messages) != want  # the rounding changes this answer
+    assert reference.attention.rounded > 0
+    assert engine.stats()["kv_cache_dtype"] == "fp8_e4m3"
+
+
+def test_bad_kv_cache_dtype_is_refused(demo_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8'"):
+        make_engine(demo_model_dir, kv_cache_dtype="int8")
