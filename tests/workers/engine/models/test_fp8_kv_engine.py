@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import noise_image
 from tests.workers.engine.models.engine_harness import GREEDY, chat, make_engine
@@ -38,3 +39,14 @@ def test_fp8_engine_matches_reference_with_rounded_kv(family: str, request: pyte
 def test_bad_kv_cache_dtype_is_refused(demo_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8'"):
         make_engine(demo_model_dir, kv_cache_dtype="int8")
+
+
+def test_hybrid_qwen3_5_rounds_only_the_attention_layers(qwen3_5_model_dir: Path) -> None:
+    """Qwen3.5: the full-attention layers' caches are FP8, the linear-attention state pools stay float32, and the
+    answer is the rounded reference's."""
+    engine = make_engine(qwen3_5_model_dir, kv_cache_dtype="fp8")
+    runner = engine.runner
+    assert runner.state is not None and {p.dtype for p in runner.state.pools} == {torch.float32}
+    assert {c.dtype for c in runner.kv_caches} == {torch.float8_e4m3fn}
+    messages = PROMPTS[0]
+    assert engine.generate([messages], GREEDY)[0].token_ids == Fp8Reference(qwen3_5_model_dir).generate(messages)
