@@ -219,7 +219,7 @@ class FlashVarlenBackend:
 
     @staticmethod
     def _gather_packed_kv(
-        kv_cache: Tensor, meta: AttentionMetadata, dtype: torch.dtype
+        kv_cache: Tensor, meta: AttentionMetadata, dtype: torch.dtype | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Packed [sum(seq_lens), Hkv, D] K and V plus their int32 cu_seqlens, built without host syncs.
 
@@ -234,7 +234,7 @@ class FlashVarlenBackend:
 
     @staticmethod
     def _gather_window_kv(
-        kv_cache: Tensor, meta: AttentionMetadata, window: int, dtype: torch.dtype
+        kv_cache: Tensor, meta: AttentionMetadata, window: int, dtype: torch.dtype | None = None
     ) -> tuple[Tensor, Tensor, Tensor, int]:
         """``_gather_packed_kv`` for a sliding layer: each sequence's keys from its first visible one, so a long
         context costs a window's worth of copying, not the whole sequence. Slots computed once per forward."""
@@ -246,11 +246,13 @@ class FlashVarlenBackend:
         return *_read_slots(flat, slot, kv_cache, dtype), cu, max_k
 
 
-def _read_slots(flat: Tensor, slot: Tensor, kv_cache: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """K and V at ``slot`` of the cache viewed as ``flat`` [2, slots, Hkv, D]; an FP8 cache's dequantized to the
-    model's dtype (the kernel cannot take e4m3 keys beside half-precision queries)."""
+def _read_slots(flat: Tensor, slot: Tensor, kv_cache: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """K and V at ``slot`` of the cache viewed as ``flat`` [2, slots, Hkv, D]; an FP8 cache's dequantized to
+    ``dtype``, the queries' (the kernel cannot take e4m3 keys beside half-precision queries)."""
     if not kv_quant.is_fp8(kv_cache):
         return flat[0, slot], flat[1, slot]
+    if dtype is None:
+        raise ValueError("reading an FP8 cache needs the queries' dtype")
     kv_quant.note_path("flash", "over dequantized gathers of the cache (prefill chunks)")
     return kv_quant.dequantize_pair(flat[0, slot], flat[1, slot], kv_cache, dtype)
 
