@@ -19,13 +19,16 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from workers.engine.layers.linear import kv_heads_per_rank
-from workers.engine.models.base import ModelSpec
 from workers.engine.models.loader import iter_safetensors, normalize_name
+
+if TYPE_CHECKING:  # decoder.py imports scale_name, and models.base's import chain is not needed for that
+    from workers.engine.models.base import ModelSpec
 
 log = logging.getLogger("glimpse.model")
 

@@ -25,22 +25,28 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from tests.workers.engine.models.engine_harness import MAX_NEW, Reference
 
 
-def e4m3_round_trip(x: torch.Tensor, scale: float) -> torch.Tensor:
+def e4m3_round_trip(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """x / scale saturated at e4m3's +-448, rounded to e4m3, times scale (in x's dtype)."""
     return ((x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)) * scale
 
 
 class Fp8KVAttention:
-    """SDPA over rounded K/V for the LM's attention modules; counts the calls it rounded."""
+    """SDPA over rounded K/V for the LM's attention modules; counts the calls it rounded. ``per_head``: layer index
+    -> float32 [2, kv heads] (K row, V row) scales, for layers without KV sharing; others use ``scale``."""
 
-    def __init__(self, scale: float = 1.0) -> None:
-        self.scale, self.rounded = scale, 0
+    def __init__(self, scale: float = 1.0, per_head: dict[int, torch.Tensor] | None = None) -> None:
+        self.scale, self.per_head, self.rounded = scale, per_head or {}, 0
 
     def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
                  **kwargs: Any) -> Any:
         name = type(module).__name__
         if "Vision" not in name and "Audio" not in name:
-            key, value = e4m3_round_trip(key, self.scale), e4m3_round_trip(value, self.scale)
+            scales = self.per_head.get(module.layer_idx)
+            if scales is None:
+                key, value = e4m3_round_trip(key, self.scale), e4m3_round_trip(value, self.scale)
+            else:  # key, value: [batch, kv heads, tokens, D]
+                key = e4m3_round_trip(key, scales[0].view(1, -1, 1, 1))
+                value = e4m3_round_trip(value, scales[1].view(1, -1, 1, 1))
             self.rounded += 1
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
@@ -56,12 +62,13 @@ def rounded_kv(attention: Fp8KVAttention) -> Iterator[None]:
 
 
 class Fp8Reference(Reference):
-    """``Reference`` whose LM attends over e4m3-rounded K/V (per-tensor scale 1.0, the engine's default)."""
+    """``Reference`` whose LM attends over e4m3-rounded K/V: per-tensor scale 1.0 (the engine's default without
+    checkpoint scales), or ``per_head`` scales of some layers."""
 
-    def __init__(self, model_dir: Path, scale: float = 1.0) -> None:
+    def __init__(self, model_dir: Path, per_head: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__(model_dir)
         self.model.set_attn_implementation("sdpa")
-        self.attention = Fp8KVAttention(scale)
+        self.attention = Fp8KVAttention(1.0, per_head)
 
     def generate(self, messages: list[dict[str, Any]], max_new: int = MAX_NEW) -> list[int]:
         with rounded_kv(self.attention):

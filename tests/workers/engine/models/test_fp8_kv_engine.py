@@ -10,14 +10,17 @@ tokens later. The prompts here are fixed; other prompts may diverge late without
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.conftest import noise_image
 from tests.workers.engine.models.engine_harness import GREEDY, chat, make_engine
 from tests.workers.engine.models.fp8_reference import Fp8Reference
+from workers.engine.kernels import kv_quant
 
 PROMPTS = [chat("What is in this picture?", [noise_image(300, 200, seed=42)]),
            [{"role": "user", "content": "Describe the chart on page three."}]]
@@ -50,3 +53,24 @@ def test_hybrid_qwen3_5_rounds_only_the_attention_layers(qwen3_5_model_dir: Path
     assert {c.dtype for c in runner.kv_caches} == {torch.float8_e4m3fn}
     messages = PROMPTS[0]
     assert engine.generate([messages], GREEDY)[0].token_ids == Fp8Reference(qwen3_5_model_dir).generate(messages)
+
+
+def test_per_head_scales_from_the_checkpoint(demo_model_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint carrying per-head k_scale / v_scale (llm-compressor's names and vLLM's): the engine loads it (the
+    scales are no parameters), quantizes each head with its own scale, and answers as the reference rounding each
+    head with the same scale."""
+    model = tmp_path / "scaled"
+    shutil.copytree(demo_model_dir, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    per_head = {0: torch.tensor([[0.002, 0.03], [0.001, 0.004]]), 2: torch.tensor([[0.05, 0.0005], [0.01, 0.002]])}
+    tensors["model.layers.0.self_attn.k_scale"] = per_head[0][0]
+    tensors["model.layers.0.self_attn.v_scale"] = per_head[0][1]
+    tensors["model.layers.2.self_attn.k_proj.output_scale"] = per_head[2][0]
+    tensors["model.layers.2.self_attn.v_proj.output_scale"] = per_head[2][1]
+    save_file(tensors, str(model / "model.safetensors"))
+    engine = make_engine(model, kv_cache_dtype="fp8")
+    assert kv_quant.scales_of(engine.runner.kv_caches[2]).tolist() == per_head[2].tolist()
+    messages = PROMPTS[0]
+    want = Fp8Reference(model, per_head).generate(messages)
+    assert engine.generate([messages], GREEDY)[0].token_ids == want
+    assert Fp8Reference(model).generate(messages) != want  # the scales change this answer
