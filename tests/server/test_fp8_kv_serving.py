@@ -72,3 +72,24 @@ def test_an_unknown_kv_cache_dtype_is_refused_at_start_up(demo_model_dir: Path) 
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
     assert "--kv-cache-dtype" in last and "invalid choice: 'fp8_e5m2'" in last and "fp8_e4m3" in last
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_serving_on_cuda(demo_model_dir: Path) -> None:
+    """On CUDA (bf16, decode graphs, the default attention backend): an image chat answers, and the same
+    --kv-cache-mb holds twice the blocks of a bf16 cache (blocks of 128 tokens, the CUDA default)."""
+    server = LiveServer(demo_model_dir, "--tokenizer-workers", "1", "--device", "cuda", "--kv-cache-mb", "64",
+                        "--kv-cache-dtype", "fp8", ready_timeout=300)
+    try:
+        reply = server.client(timeout=120).chat.completions.create(
+            model="demo", messages=image_message("What is in this picture?", [data_url(png_bytes(300, 200, 42))]),  # type: ignore[arg-type]
+            max_tokens=MAX_NEW, temperature=0.0,
+        )
+        assert reply.choices[0].message.content
+        stats = server.stats()
+        spec = load_spec(demo_model_dir)
+        bf16 = num_kv_blocks(EngineConfig(model="m", block_size=128), spec, torch.bfloat16, 1, 64 << 20)
+        assert stats["kv_cache_dtype"] == "fp8_e4m3" and 0 <= stats["kv_blocks"]["total"] - 2 * bf16 <= 1
+    finally:
+        assert server.stop() == 0, server.output()
