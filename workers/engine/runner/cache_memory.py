@@ -141,15 +141,16 @@ def allocate_kv_caches(
     return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
 
 
-def attach_kv_scales(caches: list[Tensor], cfg: EngineConfig, spec: ModelSpec, tp: TPGroup) -> None:
-    """FP8 caches: each gets its scales, this rank's heads of the checkpoint's (or 1.0; models/kv_scales.py)."""
+def attach_kv_scales(caches: list[Tensor], cfg: EngineConfig, spec: ModelSpec, tp: TPGroup) -> list[Tensor]:
+    """``caches``, each FP8 one with its scales: this rank's heads of the checkpoint's (or 1.0; models/kv_scales.py)."""
     if not caches or not kv_quant.is_fp8(caches[0]):
-        return
+        return caches
     scales = load_kv_scales(None if cfg.load_format == "dummy" else cfg.model, spec, tp.size, tp.rank)
     for cache, scale in zip(caches, scales, strict=True):
         kv_quant.attach_scales(cache, scale.to(cache.device))
     size = sum(c.numel() for c in caches) / 2**20
     log.info("KV cache in %s: %d caches, %.1f MiB", kv_quant.dtype_name(caches[0].dtype), len(caches), size)
+    return caches
 
 
 def copy_kv_blocks(

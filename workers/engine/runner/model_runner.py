@@ -106,17 +106,15 @@ class ModelRunner:
             budget = max(0, budget - self.state.nbytes)
         # Sliding-window layers (Gemma 4) keep a block pool of their own, sized first (core/window_blocks.py).
         self.window = self.spec.window  # (the scheduler keeps no window pool where num_window_blocks is 0)
-        # The attention layers' KV (only theirs: state pools stay in the model's dtype) in --kv-cache-dtype, counted
-        # in its bytes: FP8 holds twice the blocks of bf16 in the same budget.
-        self.kv_dtype = kv = cfg.kv_torch_dtype()
+        self.kv_dtype = kv = cfg.kv_torch_dtype()  # attention KV only (state pools: model dtype); budget in its bytes
         self.num_window_blocks = num_window_blocks(cfg, self.spec, kv, self.tp.size, budget)
         if self.num_window_blocks:
             per_block = self.spec.kv_bytes_per_block(cfg.block_size, kv, self.tp.size, windowed=True)
             budget = max(0, budget - self.num_window_blocks * per_block)
         self.num_blocks = num_kv_blocks(cfg, self.spec, kv, self.tp.size, budget, self.num_window_blocks > 0)
-        self.kv_caches = allocate_kv_caches(self.spec, self.model, self.num_blocks, self.num_window_blocks,
-                                            cfg.block_size, self.tp.size, kv, self.device)
-        attach_kv_scales(self.kv_caches, cfg, self.spec, self.tp)
+        caches = allocate_kv_caches(self.spec, self.model, self.num_blocks, self.num_window_blocks, cfg.block_size,
+                                    self.tp.size, kv, self.device)
+        self.kv_caches = attach_kv_scales(caches, cfg, self.spec, self.tp)
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
             heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
             # Families with caches of several shapes (Gemma 4): the top-level shape is the sliding layers', so the
