@@ -267,6 +267,8 @@ def paged_decode(
     out = torch.empty_like(q)
     flat = kv_cache.view(2, -1, hkv, d)  # [2, slots, Hkv, D]
     fp8 = kv_quant.is_fp8(kv_cache)
+    if fp8:
+        kv_quant.note_path("Triton paged decode", "reads e4m3 in place")
     scales = kv_quant.scales_of(kv_cache) if fp8 else None
     k_scales, v_scales = (scales[0], scales[1]) if scales is not None else (seq_lens, seq_lens)  # unread when not FP8
     split_kernel[(b, hkv, splits)](

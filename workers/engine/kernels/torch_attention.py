@@ -55,6 +55,8 @@ class SdpaBackend:
     ) -> Tensor:
         if k is not None and v is not None:
             write_new_kv(k, v, kv_cache, meta)
+        if kv_quant.is_fp8(kv_cache):
+            kv_quant.note_path(self.name, "over dequantized per-sequence gathers of the cache")
         out = torch.empty_like(q)
         gqa = q.shape[1] != kv_cache.shape[-2]
         start = 0

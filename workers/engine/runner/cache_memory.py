@@ -166,4 +166,5 @@ def copy_kv_blocks(
         key = bool(windows[i]) if windows is not None else False
         if key in index:
             src, dst = index[key]
+            kv = kv.view(torch.uint8) if kv_quant.is_fp8(kv) else kv  # bytes: not every device indexes e4m3
             kv[:, dst] = kv[:, src]

@@ -126,3 +126,15 @@ def test_saturation_keeps_values_finite() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the kernels themselves")
 def test_triton_paged_decode_and_write_over_fp8_in_interpreter() -> None:
     run_interpreted("-m", "tests.workers.engine.kernels.fp8_kv_check")
+
+
+def test_block_copies_move_the_fp8_bytes() -> None:
+    """copy_kv_blocks (a fork's partial block, window pools) on an FP8 cache copies the e4m3 bytes as they are."""
+    from workers.engine.runner.cache_memory import copy_kv_blocks
+
+    cache = (torch.randn(2, 5, 4, 2, D) * 10).to(kv_quant.FP8)
+    before = cache.clone()
+    copy_kv_blocks([cache], None, [(1, 4), (0, 2)], [], torch.device("cpu"))
+    raw, old = cache.view(torch.uint8), before.view(torch.uint8)
+    assert torch.equal(raw[:, 4], old[:, 1]) and torch.equal(raw[:, 2], old[:, 0])
+    assert torch.equal(raw[:, [0, 1, 3]], old[:, [0, 1, 3]])
