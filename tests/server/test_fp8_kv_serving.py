@@ -93,3 +93,21 @@ def test_fp8_serving_on_cuda(demo_model_dir: Path) -> None:
         assert stats["kv_cache_dtype"] == "fp8_e4m3" and 0 <= stats["kv_blocks"]["total"] - 2 * bf16 <= 1
     finally:
         assert server.stop() == 0, server.output()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_fp8_tp2_answers_as_one_gpu(demo_model_dir: Path) -> None:
+    """TP=2 (each rank its KV head and that head's scales; float32, so the two differ by rounding only): the same
+    greedy answers as one GPU, with and without decode graphs."""
+    answers = []
+    for tp, env in ((("--tp", "1"), {}), (("--tp", "2"), {}), (("--tp", "2"), {"GLIMPSE_CUDA_GRAPHS": "0"})):
+        server = LiveServer(demo_model_dir, *tp, "--device", "cuda", "--dtype", "float32", "--tokenizer-workers", "1",
+                            "--kv-cache-dtype", "fp8", env=env, ready_timeout=300)
+        try:
+            client = server.client(timeout=120)
+            answers.append([client.completions.create(model="demo", prompt=f"Count to {n}: " + "one " * n,
+                                                      max_tokens=16, temperature=0).choices[0].text for n in (3, 40)])
+        finally:
+            assert server.stop() == 0, server.output()
+    assert answers[0] == answers[1] == answers[2]
