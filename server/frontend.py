@@ -112,8 +112,9 @@ class FrontendState:
             self.dp, config.engine.block_size, config.engine.max_num_seqs, config.dp_routing == "affinity"
         )
         self.book.routing, self.book.tp_size = self.router.views, config.engine.tp_size
+        self.book.kv_cache_dtype = config.engine.kv_dtype_name()
         pool = PoolCollector(self.book, self.router.views, self.outstanding, config.served_model_name,
-                             config.engine.block_size)
+                             config.engine.block_size, self.book.kv_cache_dtype)
         self.metrics.registry.register(pool)
         # Requests to drop as soon as their RouteRequest arrives (aborted before a replica was chosen).
         self._abort_on_route: OrderedDict[str, None] = OrderedDict()

@@ -94,10 +94,10 @@ class PoolCollector(Collector):
 
     def __init__(
         self, book: ReplicaReports, views: Sequence[ReplicaView], tokenizer_outstanding: Sequence[int], model: str,
-        block_size: int,
+        block_size: int, kv_cache_dtype: str = "",
     ) -> None:
         self._book, self._views, self._tok = book, views, tokenizer_outstanding
-        self._model, self._block_size = model, block_size
+        self._model, self._block_size, self._kv_dtype = model, block_size, kv_cache_dtype
 
     def collect(self) -> Iterable[Metric]:
         yield from self._vllm()
@@ -127,9 +127,10 @@ class PoolCollector(Collector):
         lora.add_metric(["0", "", ""], time.time())
         yield lora
         cache = GaugeMetricFamily(
-            "vllm:cache_config_info", "KV cache configuration (vLLM's name).", labels=["block_size", "num_gpu_blocks"]
+            "vllm:cache_config_info", "KV cache configuration (vLLM's name).",
+            labels=["block_size", "cache_dtype", "num_gpu_blocks"],
         )
-        cache.add_metric([str(self._block_size), str(s.kv_blocks_total if s else 0)], 1)
+        cache.add_metric([str(self._block_size), self._kv_dtype, str(s.kv_blocks_total if s else 0)], 1)
         yield cache
 
     def _replicas(self) -> Iterable[Metric]:

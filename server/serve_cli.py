@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig
-from workers.engine.config import EngineConfig
+from workers.engine.config import KV_CACHE_DTYPES, EngineConfig
 
 
 def _defaults(cls: type) -> dict[str, Any]:
@@ -61,6 +61,9 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="tokens per KV cache block (default: 128 on CUDA with --attn-backend auto or fa3, whole "
                    "FlashAttention-3 key tiles; else 16)")
     m.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default: 512 MB on CPU, 40%% of free GPU memory)")
+    m.add_argument("--kv-cache-dtype", default=E["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
+                   help="KV cache element type: auto = the model's dtype; fp8 (= fp8_e4m3): e4m3 with per-head scales "
+                   "(the checkpoint's k_scale/v_scale, else 1.0), twice the blocks of bf16 in the same memory")
     m.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks of --block-size tokens, or without "
                    "it of 16 tokens (laid out in blocks of 128 where those are the default); overrides --kv-cache-mb")
     m.add_argument("--num-window-blocks", type=int, default=None,
@@ -206,6 +209,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         num_kv_blocks=num_kv_blocks,
         num_window_blocks=num_window_blocks,
         kv_cache_mb=args.kv_cache_mb,
+        kv_cache_dtype=args.kv_cache_dtype,
         mm_cache_mb=args.mm_cache_mb,
         mm_cache_mode=args.mm_cache_mode,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -61,6 +61,7 @@ class StatsBook:
     replicas: dict[int, SchedulerStats] = field(default_factory=dict)
     routing: Sequence[Any] = ()  # server.router.ReplicaView per replica
     tp_size: int = 1
+    kv_cache_dtype: str = ""  # the KV cache's element type (EngineConfig.kv_dtype_name), set by the frontend
     # (monotonic arrival time, cumulative generated tokens) of recent scheduler reports.
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
 
@@ -115,6 +116,7 @@ class StatsBook:
             "samples_dropped": s.samples_dropped,
             "scheduler_gc": gc_row(s.gc_collections, s.gc_full, s.gc_pause_s_sum, s.gc_pause_s_max, s.gc_frozen),
             "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
+            "kv_cache_dtype": self.kv_cache_dtype,
             # Sliding-window models (Gemma 4): the sliding layers' own pool (kv_blocks is the global layers').
             "window_blocks": {
                 "used": s.window_blocks_used, "total": s.window_blocks_total, "released": s.window_blocks_released,

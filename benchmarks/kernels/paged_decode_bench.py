@@ -3,6 +3,7 @@
     python -m benchmarks.kernels.paged_decode_bench
     python -m benchmarks.kernels.paged_decode_bench --sweep   # the Triton kernel's launch settings, per shape
     python -m benchmarks.kernels.paged_decode_bench --splits  # the split plan: programs per SM, tiles per split
+    python -m benchmarks.kernels.paged_decode_bench --kv-cache-dtype fp8  # the table over an e4m3 cache
 
 Qwen2.5-VL-7B shapes (28 query heads, 4 KV heads, head_dim 128, 16-token blocks), bf16, one layer's call as
 the CUDA-graph decode makes it (tables padded to a power-of-two width). Prints ms per call and the
@@ -19,7 +20,7 @@ import torch
 
 from benchmarks.args import parser
 from benchmarks.engine.vit_bench import cuda_ms
-from workers.engine.kernels import paged_attention
+from workers.engine.kernels import kv_quant, paged_attention
 from workers.engine.kernels.attention import AttentionMetadata, build_attention_metadata
 from workers.engine.kernels.torch_attention import PaddedDecodeBackend
 
@@ -39,12 +40,18 @@ def decode_case(batch: int, context: int, block_size: int) -> tuple[torch.Tensor
     return torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16), cache, meta, width
 
 
-def main() -> None:
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+def main(fp8: bool = False) -> None:
+    """``fp8``: the cache in e4m3 with per-head scales (--kv-cache-dtype fp8): the gather path dequantizes what it
+    gathers, the Triton kernel its tiles."""
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, KV cache {'fp8_e4m3' if fp8 else 'bf16'}")
     print("| batch | context | width (tokens) | gather + FA (ms) | paged Triton (ms) | speed-up | Triton GB/s |")
     print("|---|---|---|---|---|---|---|")
     for batch, context in ((1, 300), (1, 4000), (1, 20000), (16, 2900), (32, 2900), (64, 2900), (128, 2900)):
         q, cache, meta, width = decode_case(batch, context, BS)
+        if fp8:
+            scales = torch.full((2, HKV), 0.05, device="cuda")
+            cache = torch.stack([kv_quant.quantize(cache[i], scales[i]) for i in (0, 1)])
+            kv_quant.attach_scales(cache, scales)
         meta.block_tables = meta.block_tables.long()
         k, v = torch.randn(2, batch, HKV, D, device="cuda", dtype=torch.bfloat16)
         backend = PaddedDecodeBackend()
@@ -54,7 +61,7 @@ def main() -> None:
             paged_attention.os.environ["GLIMPSE_PAGED_ATTENTION"] = "1" if use_kernel else "0"
             meta.derived.clear()
             times.append(cuda_ms(partial(backend.forward, q, k, v, cache, meta, D**-0.5), 50))
-        live = 2 * batch * context * HKV * D * 2
+        live = 2 * batch * context * HKV * D * cache.element_size()
         print(
             f"| {batch} | {context} | {width * BS} | {times[0]:.3f} | {times[1]:.3f} | {times[0] / times[1]:.1f}x "
             f"| {live / times[1] / 1e6:.0f} |"
@@ -136,10 +143,13 @@ if __name__ == "__main__":
     ap.add_argument("--sweep", action="store_true", help="the Triton kernel's launch settings instead of the table")
     ap.add_argument("--splits", action="store_true", help="the split plan's settings instead of the table")
     ap.add_argument("--block-sizes", default="16,128", help="KV block sizes for --sweep and --splits")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: the table over an e4m3 cache")
     cli = ap.parse_args()
+    if cli.kv_cache_dtype == "fp8" and (cli.sweep or cli.splits):
+        raise SystemExit("paged_decode_bench: --kv-cache-dtype fp8 applies to the table, not --sweep or --splits")
     if cli.sweep:
         sweep([int(b) for b in cli.block_sizes.split(",")])
     elif cli.splits:
         splits([int(b) for b in cli.block_sizes.split(",")])
     else:
-        main()
+        main(cli.kv_cache_dtype == "fp8")

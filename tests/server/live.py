@@ -66,7 +66,8 @@ class LiveServer:
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--served-model-name", "demo",
-            "--port", str(self.port), "--launch-id", self.launch_id, "--num-kv-blocks", "512",
+            "--port", str(self.port), "--launch-id", self.launch_id,
+            *([] if "--kv-cache-mb" in extra else ["--num-kv-blocks", "512"]),  # a count would override the budget
             "--log-level", "warning", *extra,
         ]
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"glimpse-{self.launch_id}.log", "w+")  # noqa: SIM115

@@ -259,7 +259,8 @@ def test_metrics_carry_the_gateway_gauges_per_replica_and_in_total(dp2: LiveServ
     assert 0.0 <= usage <= 1.0
     lora_labels = (("max_lora", "0"), ("running_lora_adapters", ""), ("waiting_lora_adapters", ""))
     assert ("vllm:lora_requests_info", lora_labels) in samples
-    assert samples[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", str(2 * KV_BLOCKS))))] == 1
+    config = (("block_size", "16"), ("cache_dtype", "float32"), ("num_gpu_blocks", str(2 * KV_BLOCKS)))
+    assert samples[("vllm:cache_config_info", config)] == 1
     stats = dp2.stats()
     rows = stats["replicas"]
     assert [r["replica"] for r in rows] == [0, 1]

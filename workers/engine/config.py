@@ -11,6 +11,8 @@ if TYPE_CHECKING:  # torch is imported where a dtype is needed, so the CLI can r
     from workers.engine.models.base import ModelSpec
 
 MMCacheMode = Literal["image", "request"]
+# vLLM's spellings of --kv-cache-dtype; fp8 means e4m3 (fp8_e5m2 is not served).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 LoadFormat = Literal["auto", "dummy"]
 # FlashAttention-3's key tile for head sizes up to 128 under a causal mask (its tile_size_fwd_sm90). A paged cache
 # whose blocks hold whole tiles is loaded with TMA; smaller blocks take a cp.async gather: on an H200 the LM's
@@ -40,6 +42,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_mb: int | None = None  # default: 512 on CPU, 40% of free memory on CUDA
+    # The paged KV cache's element type: auto = the model's dtype; fp8 / fp8_e4m3 = e4m3 with per-head scales
+    # (workers/engine/kernels/kv_quant.py), half the bytes of bf16, so twice the blocks for the same memory.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     # Families with sliding-window layers (Gemma 4): blocks of those layers' own pool (None: cache_memory.py's rule).
     num_window_blocks: int | None = None
     # Per-image embedding cache.
@@ -79,12 +84,30 @@ class EngineConfig:
 
         return load_spec(self.model)
 
+    def dtype_name(self) -> str:
+        """The model's dtype: --dtype, or for auto bfloat16 on CUDA and float32 on the CPU."""
+        if self.dtype == "auto":
+            return "bfloat16" if self.device.startswith("cuda") else "float32"
+        return self.dtype
+
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype_name()]
+
+    def kv_dtype_name(self) -> str:
+        """How stats name the KV cache's element type (kv_quant.dtype_name's spelling), read without torch."""
+        return self.dtype_name() if self.kv_cache_dtype == "auto" else "fp8_e4m3"
+
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type: auto keeps the model's; fp8 is e4m3 (ValueError for an unknown name)."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype()
+        if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            return torch.float8_e4m3fn
+        raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
 
 
 def serving_kv_blocks(

@@ -203,6 +203,7 @@ class Engine:
             "requests_waiting": len(self.core.waiting),
             "kv_blocks_used": self.core.allocator.num_used,
             "kv_blocks_total": self.core.allocator.num_blocks,
+            "kv_cache_dtype": self.runner.cfg.kv_dtype_name(),
             **(self.core.windows.stats() if self.core.windows is not None else {}),
             "preemptions": self.core.preemptions,
             "prefix_cache_hit_tokens": self.core.allocator.prefix_hit_tokens,

@@ -6,7 +6,8 @@ seq_lens[b] - query_lens[b]) and attends causally to KV positions ``[0, context_
 i.e. the causal mask is aligned to the bottom-right of the [query_len, seq_len] score matrix.
 
 KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V).
-Slot ``s`` is ``(block_id, offset) = divmod(s, block_size)``.
+Slot ``s`` is ``(block_id, offset) = divmod(s, block_size)``. Its dtype is the model's, or e4m3 with per-head scales
+(``--kv-cache-dtype fp8``, kv_quant.py): the write quantizes, every backend's read dequantizes.
 
 Here: the metadata, how it is built and what backends derive from it (the leading decodes, the metadata of the
 rest, packed-KV slots), the ``AttentionBackend`` protocol and the small helpers every backend shares. The

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from workers.engine.kernels import kv_quant
 from workers.engine.kernels.attention import AttentionMetadata
 
 Span = tuple[int, int]
@@ -97,13 +98,18 @@ def sequence_plan(
     return SequencePlan(first, window_mask(context, seq_len, first, 0, (), device), False)
 
 
-def gather_key_range(kv_cache: Tensor, block_table: Tensor, first: int, end: int) -> tuple[Tensor, Tensor]:
-    """Keys and values ``first..end`` of one sequence, [end - first, Hkv, D], reading only the blocks they sit in."""
+def gather_key_range(
+    kv_cache: Tensor, block_table: Tensor, first: int, end: int, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """Keys and values ``first..end`` of one sequence, [end - first, Hkv, D], reading only the blocks they sit in;
+    in ``dtype`` if given (an FP8 cache's values dequantized with its scales)."""
     block_size = kv_cache.shape[2]
     first_block = first // block_size
     blocks = block_table[first_block : -(-end // block_size)].long()
     offset = first_block * block_size
     kv = kv_cache[:, blocks].flatten(1, 2)[:, first - offset : end - offset]
+    if dtype is not None:
+        kv = kv_quant.dequantize_kv(kv, kv_cache, dtype)
     return kv[0], kv[1]
 
 
@@ -125,14 +131,14 @@ def attend_span_rows(
         for start, end in seq_spans:
             r0 = max(start, context)  # the span's first new row (its earlier tokens are cached)
             first = first_visible_key(r0, window)
-            k_b, v_b = gather_key_range(kv_cache, meta.block_tables[b], first, end)
+            k_b, v_b = gather_key_range(kv_cache, meta.block_tables[b], first, end, q.dtype)
             mask = None
             if window > 0 and end - 1 - window >= first:  # a later row's window starts after `first`
                 q_pos = torch.arange(r0, end, device=q.device)[:, None]
                 mask = torch.arange(first, end, device=q.device)[None, :] > q_pos - window
             rows = slice(starts[b] + r0 - context, starts[b] + end - context)
             o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k_b.transpose(0, 1).to(q.dtype), v_b.transpose(0, 1).to(q.dtype),
+                q[rows].transpose(0, 1), k_b.transpose(0, 1), v_b.transpose(0, 1),
                 attn_mask=mask, scale=scale, enable_gqa=gqa,
             )
             out[rows] = o.transpose(0, 1)

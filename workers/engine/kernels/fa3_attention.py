@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import kv_quant
 from workers.engine.kernels.attention import AttentionMetadata, write_new_kv
 from workers.engine.kernels.attention_masks import attend_span_rows, sequence_spans
 from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend, flash_available
@@ -169,6 +170,17 @@ def unavailable_reason(device: torch.device) -> str:
     return _load()[1]
 
 
+def dequantized_pages(kv_cache: Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """An FP8 cache as the kernel can read it: the blocks of the step's tables gathered and dequantized to ``dtype``
+    (FA3 takes e4m3 keys only beside e4m3 queries), [2, B * W, block_size, Hkv, D], and the table that reads them
+    (sequence b's blocks at b * W ..). Costs a copy of the tables' blocks per layer: the price of FP8 on this path."""
+    kv_quant.note_path("fa3", "over dequantized gathers of the step's blocks")
+    batch, width = meta.block_tables.shape
+    pages = kv_quant.dequantize_kv(kv_cache[:, meta.block_tables.long()].flatten(1, 2), kv_cache, dtype)
+    table = torch.arange(batch * width, dtype=torch.int32, device=kv_cache.device).view(batch, width)
+    return pages, table
+
+
 class FA3PagedBackend:
     """The LM's attention on FA3 with the KV cache read in place (see the module docstring).
 
@@ -199,11 +211,13 @@ class FA3PagedBackend:
             write_new_kv(k, v, kv_cache, meta)
         # A sliding layer: FA3 keeps keys [i - left, i] (causal sets right to 0), ours i - window < j <= i.
         windowed = {"window_size": (window - 1, 0)} if window > 0 else {}
+        pages, table = dequantized_pages(kv_cache, meta, q.dtype) if kv_quant.is_fp8(kv_cache) else (kv_cache, None)
         try:
             out: Tensor = self._kernel(
-                q.contiguous(), kv_cache[0], kv_cache[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout
+                q.contiguous(), pages[0], pages[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout
                 meta.max_query_len, meta.query_start_loc, meta.max_seq_len,
-                seqused_k=meta.seq_lens, block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                seqused_k=meta.seq_lens, block_table=meta.block_tables if table is None else table,
+                softmax_scale=scale, causal=True,
                 fa_version=3, **windowed,
             )
         except RuntimeError as exc:  # the build's argument checks (a head size or layout it was not built for)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import kv_quant
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_KV_WRITE")
@@ -52,8 +53,14 @@ def _kernel() -> Any:
 
 
 def write_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter the new tokens' K/V into their slots (cache viewed as [2, num_slots, Hkv, D])."""
-    if k.dtype != kv_cache.dtype:  # a same-dtype .to() is free on the GPU but not on the CPU that launches it
+    """Scatter the new tokens' K/V into their slots (cache viewed as [2, num_slots, Hkv, D]). An FP8 cache gets them
+    quantized with its per-head scales, then copied as bytes (neither index_copy_ on the CPU nor every GPU's Triton
+    takes e4m3 itself; a copy of bytes is the same copy)."""
+    if kv_quant.is_fp8(kv_cache):
+        scales = kv_quant.scales_of(kv_cache)
+        k, v = kv_quant.quantize(k, scales[0]).view(torch.uint8), kv_quant.quantize(v, scales[1]).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
+    elif k.dtype != kv_cache.dtype:  # a same-dtype .to() is free on the GPU but not on the CPU that launches it
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     if k.is_cuda and usable(k, v, kv_cache):  # both in one launch
         write(k, v, kv_cache, slot_mapping)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import kv_quant
+
 log = logging.getLogger(__name__)
 
 TILE = 64  # keys per inner step: four 16-token blocks, [64, 128] bf16 = 16 KB per K or V tile
@@ -63,18 +65,25 @@ def triton_available() -> bool:
 
 def probe(
     device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
-    sliding: bool = False,
+    sliding: bool = False, kv_dtype: torch.dtype | None = None,
 ) -> bool:
     """Run the kernel once on this model's head shapes against a gather + softmax reference. A Triton that
     cannot compile here (no C compiler for its launcher, an unsupported card) or a wrong answer switches the
     kernel off for the process, and decode falls back to the gather path, rather than failing mid-serving.
-    ``sliding``: these heads serve sliding-window layers, so the windowed variant is compiled and checked too."""
+    ``sliding``: these heads serve sliding-window layers, so the windowed variant is compiled and checked too.
+    ``kv_dtype`` FP8: the cache is e4m3 with per-head scales, so the FP8 variant is the one checked (a card whose
+    Triton cannot convert e4m3 decodes through the dequantizing gather path)."""
     q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
     if not usable(q):
         return False
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         cache = torch.randn(2, 5, 16, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+        if kv_dtype == kv_quant.FP8:
+            scales = torch.linspace(0.5, 2.0, 2 * num_kv_heads, device=device).view(2, num_kv_heads)
+            values = cache
+            cache = torch.stack([kv_quant.quantize(values[i], scales[i]) for i in (0, 1)])
+            kv_quant.attach_scales(cache, scales)
         q = torch.randn(2, num_q_heads, head_dim, generator=gen, device=device).to(dtype)
         tables = torch.tensor([[3, 1, 4], [0, 2, 4]], dtype=torch.int32, device=device)
         lens = [37, 20]
@@ -85,8 +94,8 @@ def probe(
             )
             for b, n in enumerate(lens):
                 slots = [int(tables[b, p // 16]) * 16 + p % 16 for p in range(max(0, n - window) if window else 0, n)]
-                k, v = (cache.view(2, -1, num_kv_heads, head_dim)[i, slots].float().repeat_interleave(group, 1)
-                        for i in (0, 1))
+                kv = kv_quant.dequantize_kv(cache.view(2, -1, num_kv_heads, head_dim)[:, slots], cache, torch.float32)
+                k, v = (kv[i].repeat_interleave(group, 1) for i in (0, 1))
                 scores = torch.einsum("hd,khd->hk", q[b].float(), k) * 0.125
                 ref = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
                 if not torch.allclose(out[b].float(), ref, atol=3e-2, rtol=3e-2):
@@ -119,11 +128,12 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit(do_not_specialize=["stride_tb", "num_splits", "tokens_per_split", "window"])
     def split_kernel(
-        q_ptr, kv_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, split_ptr,
+        q_ptr, kv_ptr, table_ptr, lens_ptr, part_out_ptr, part_lse_ptr, split_ptr, k_scale_ptr, v_scale_ptr,
         scale, stride_qb, stride_qh, stride_side, stride_slot, stride_head, stride_tb,
         num_q_heads, num_splits, tokens_per_split, window,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT_FROM_PTR: tl.constexpr, WINDOWED: tl.constexpr,
+        FP8: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -146,6 +156,9 @@ def _kernels() -> tuple[Any, Any]:
             q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
             mask=gmask[:, None] & dmask[None, :], other=0.0,
         )
+        if FP8:  # this program's KV head's scales: e4m3 tiles are widened, scaled and rounded to q's dtype
+            k_scale = tl.load(k_scale_ptr + kvh)
+            v_scale = tl.load(v_scale_ptr + kvh)
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D_P], tl.float32)
@@ -158,6 +171,9 @@ def _kernels() -> tuple[Any, Any]:
             kv_mask = tmask[:, None] & dmask[None, :]
             k = tl.load(kv_ptr + offs, mask=kv_mask, other=0.0)
             v = tl.load(kv_ptr + stride_side + offs, mask=kv_mask, other=0.0)
+            if FP8:
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             qk = tl.dot(q, tl.trans(k)) * scale
             qk = tl.where(tmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m, tl.max(qk, 1))
@@ -250,12 +266,18 @@ def paged_decode(
     part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     flat = kv_cache.view(2, -1, hkv, d)  # [2, slots, Hkv, D]
+    fp8 = kv_quant.is_fp8(kv_cache)
+    if fp8:
+        kv_quant.note_path("Triton paged decode", "reads e4m3 in place")
+    scales = kv_quant.scales_of(kv_cache) if fp8 else None
+    k_scales, v_scales = (scales[0], scales[1]) if scales is not None else (seq_lens, seq_lens)  # unread when not FP8
     split_kernel[(b, hkv, splits)](
         q, flat, block_tables, seq_lens, part_out, part_lse, seq_lens if split_tokens is None else split_tokens,
+        k_scales, v_scales,
         scale, q.stride(0), q.stride(1), flat.stride(0), flat.stride(1), flat.stride(2), block_tables.stride(0),
         hq, splits, per_split, window,
         GROUP=group, GROUP_P=max(16, 1 << (group - 1).bit_length()), D=d, D_P=d_p,
-        BLOCK_SIZE=block_size, TILE=TILE, SPLIT_FROM_PTR=split_tokens is not None, WINDOWED=windowed,
+        BLOCK_SIZE=block_size, TILE=TILE, SPLIT_FROM_PTR=split_tokens is not None, WINDOWED=windowed, FP8=fp8,
         num_warps=_WARPS,
         num_stages=_STAGES,
     )  # fmt: skip

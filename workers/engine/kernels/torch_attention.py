@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.engine.kernels import paged_attention
+from workers.engine.kernels import kv_quant, paged_attention
 from workers.engine.kernels.attention import (
     AttentionMetadata,
     decode_prefix,
@@ -55,17 +55,19 @@ class SdpaBackend:
     ) -> Tensor:
         if k is not None and v is not None:
             write_new_kv(k, v, kv_cache, meta)
+        if kv_quant.is_fp8(kv_cache):
+            kv_quant.note_path(self.name, "over dequantized per-sequence gathers of the cache")
         out = torch.empty_like(q)
         gqa = q.shape[1] != kv_cache.shape[-2]
         start = 0
         for b, plan in enumerate(self._plans(meta, window, bidirectional, q.device)):
             q_len = meta.query_lens_cpu[b]
-            k_b, v_b = gather_key_range(kv_cache, meta.block_tables[b], plan.first_key, meta.seq_lens_cpu[b])
+            k_b, v_b = gather_key_range(kv_cache, meta.block_tables[b], plan.first_key, meta.seq_lens_cpu[b], q.dtype)
             q_b = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
             o = F.scaled_dot_product_attention(
                 q_b,
-                k_b.transpose(0, 1).to(q.dtype),
-                v_b.transpose(0, 1).to(q.dtype),
+                k_b.transpose(0, 1),
+                v_b.transpose(0, 1),
                 attn_mask=plan.mask,
                 is_causal=plan.is_causal,
                 scale=scale,
@@ -193,13 +195,13 @@ class FlashVarlenBackend:
     ) -> Tensor:
         max_k = meta.max_seq_len
         no_prefix = meta.derived.setdefault("no_prefix", meta.query_lens_cpu == meta.seq_lens_cpu)
-        if no_prefix and k is not None and v is not None:
+        if no_prefix and k is not None and v is not None and not kv_quant.is_fp8(kv_cache):
             # Every sequence starts in this step (fresh prompts, first chunks): its whole KV is k, v.
             k_all, v_all, cu_seq_k = k.contiguous(), v.contiguous(), meta.query_start_loc
         elif window > 0:  # from each sequence's first visible key only: the kernel aligns its window bottom-right
-            k_all, v_all, cu_seq_k, max_k = self._gather_window_kv(kv_cache, meta, window)
+            k_all, v_all, cu_seq_k, max_k = self._gather_window_kv(kv_cache, meta, window, q.dtype)
         else:
-            k_all, v_all, cu_seq_k = self._gather_packed_kv(kv_cache, meta)
+            k_all, v_all, cu_seq_k = self._gather_packed_kv(kv_cache, meta, q.dtype)
         # Both entry points take the packed q, k, v, their cu_seqlens and maximum lengths first.
         args = (q.contiguous(), k_all, v_all, meta.query_start_loc, cu_seq_k, meta.max_query_len, max_k)
         # FlashAttention's window (left, right) keeps keys [i - left, i + right] of the query at (aligned) position
@@ -218,7 +220,9 @@ class FlashVarlenBackend:
         return out
 
     @staticmethod
-    def _gather_packed_kv(kv_cache: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+    def _gather_packed_kv(
+        kv_cache: Tensor, meta: AttentionMetadata, dtype: torch.dtype | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Packed [sum(seq_lens), Hkv, D] K and V plus their int32 cu_seqlens, built without host syncs.
 
         The slot of every packed row depends only on the metadata, so it is computed once per forward.
@@ -228,11 +232,11 @@ class FlashVarlenBackend:
             cached = meta.derived["flash_packed_kv"] = packed_kv_slots(meta, kv_cache.shape[2])
         slot, cu = cached
         flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-        return flat[0, slot], flat[1, slot], cu
+        return *_read_slots(flat, slot, kv_cache, dtype), cu
 
     @staticmethod
     def _gather_window_kv(
-        kv_cache: Tensor, meta: AttentionMetadata, window: int
+        kv_cache: Tensor, meta: AttentionMetadata, window: int, dtype: torch.dtype | None = None
     ) -> tuple[Tensor, Tensor, Tensor, int]:
         """``_gather_packed_kv`` for a sliding layer: each sequence's keys from its first visible one, so a long
         context costs a window's worth of copying, not the whole sequence. Slots computed once per forward."""
@@ -241,7 +245,18 @@ class FlashVarlenBackend:
             cached = meta.derived[f"flash_window_kv:{window}"] = windowed_packed_kv_slots(meta, kv_cache.shape[2], window)
         slot, cu, max_k = cached
         flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-        return flat[0, slot], flat[1, slot], cu, max_k
+        return *_read_slots(flat, slot, kv_cache, dtype), cu, max_k
+
+
+def _read_slots(flat: Tensor, slot: Tensor, kv_cache: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """K and V at ``slot`` of the cache viewed as ``flat`` [2, slots, Hkv, D]; an FP8 cache's dequantized to
+    ``dtype``, the queries' (the kernel cannot take e4m3 keys beside half-precision queries)."""
+    if not kv_quant.is_fp8(kv_cache):
+        return flat[0, slot], flat[1, slot]
+    if dtype is None:
+        raise ValueError("reading an FP8 cache needs the queries' dtype")
+    kv_quant.note_path("flash", "over dequantized gathers of the cache (prefill chunks)")
+    return kv_quant.dequantize_pair(flat[0, slot], flat[1, slot], kv_cache, dtype)
 
 
 class PaddedDecodeBackend:
@@ -281,6 +296,9 @@ class PaddedDecodeBackend:
         b, hq, d = q.shape
         hkv = kv_cache.shape[-2]
         kv = kv_cache[:, meta.block_tables].flatten(2, 3)  # [2, B, L = W * block_size, Hkv, D]
+        if kv_quant.is_fp8(kv_cache):  # the kernels below take no e4m3: the padded gather is dequantized
+            kv_quant.note_path(self.name, "over a dequantized padded gather of the cache")
+            kv = kv_quant.dequantize_kv(kv, kv_cache, q.dtype)
         width = kv.shape[2]
         windowed = 0 < window < width
         flash = _flash_seqused_available() and FlashVarlenBackend.supports(q)

@@ -37,6 +37,7 @@ from workers.engine.layers.linear import (
     kv_heads_per_rank,
 )
 from workers.engine.layers.rotary import apply_rope
+from workers.engine.models.kv_scales import scale_name
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -324,7 +325,7 @@ class PagedDecoder(nn.Module):
             if not canonical.startswith("lm."):
                 continue
             name = canonical[len("lm.") :]
-            if self.unused(name):
+            if self.unused(name) or scale_name(canonical) is not None:  # KV-cache scales: models/kv_scales.py
                 continue
             name, shard_id = self.route(name)
             if name not in params:

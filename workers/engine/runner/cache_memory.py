@@ -19,8 +19,11 @@ from torch import Tensor
 
 from workers.engine.config import EngineConfig
 from workers.engine.core.mm_cache import EmbeddingStore
+from workers.engine.kernels import kv_quant
 from workers.engine.kernels.attention import StateMetadata
+from workers.engine.layers.linear import TPGroup
 from workers.engine.models.base import ModelSpec, RecurrentSpec
+from workers.engine.models.kv_scales import load_kv_scales
 
 log = logging.getLogger("glimpse.model")
 
@@ -138,6 +141,18 @@ def allocate_kv_caches(
     return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
 
 
+def attach_kv_scales(caches: list[Tensor], cfg: EngineConfig, spec: ModelSpec, tp: TPGroup) -> list[Tensor]:
+    """``caches``, each FP8 one with its scales: this rank's heads of the checkpoint's (or 1.0; models/kv_scales.py)."""
+    if not caches or not kv_quant.is_fp8(caches[0]):
+        return caches
+    scales = load_kv_scales(None if cfg.load_format == "dummy" else cfg.model, spec, tp.size, tp.rank)
+    for cache, scale in zip(caches, scales, strict=True):
+        kv_quant.attach_scales(cache, scale.to(cache.device))
+    size = sum(c.numel() for c in caches) / 2**20
+    log.info("KV cache in %s: %d caches, %.1f MiB", kv_quant.dtype_name(caches[0].dtype), len(caches), size)
+    return caches
+
+
 def copy_kv_blocks(
     caches: list[Tensor], windows: tuple[int, ...] | None, pairs: list[tuple[int, int]],
     window_pairs: list[tuple[int, int]], device: torch.device,
@@ -151,4 +166,5 @@ def copy_kv_blocks(
         key = bool(windows[i]) if windows is not None else False
         if key in index:
             src, dst = index[key]
+            kv = kv.view(torch.uint8) if kv_quant.is_fp8(kv) else kv  # bytes: not every device indexes e4m3
             kv[:, dst] = kv[:, src]

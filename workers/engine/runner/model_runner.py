@@ -33,6 +33,7 @@ from workers.engine.runner.batching import (
 from workers.engine.runner.cache_memory import (
     RecurrentState,
     allocate_kv_caches,
+    attach_kv_scales,
     cache_budget,
     copy_kv_blocks,
     embedding_store,
@@ -105,19 +106,21 @@ class ModelRunner:
             budget = max(0, budget - self.state.nbytes)
         # Sliding-window layers (Gemma 4) keep a block pool of their own, sized first (core/window_blocks.py).
         self.window = self.spec.window  # (the scheduler keeps no window pool where num_window_blocks is 0)
-        self.num_window_blocks = num_window_blocks(cfg, self.spec, self.dtype, self.tp.size, budget)
+        self.kv_dtype = kv = cfg.kv_torch_dtype()  # attention KV only (state pools: model dtype); budget in its bytes
+        self.num_window_blocks = num_window_blocks(cfg, self.spec, kv, self.tp.size, budget)
         if self.num_window_blocks:
-            per_block = self.spec.kv_bytes_per_block(cfg.block_size, self.dtype, self.tp.size, windowed=True)
+            per_block = self.spec.kv_bytes_per_block(cfg.block_size, kv, self.tp.size, windowed=True)
             budget = max(0, budget - self.num_window_blocks * per_block)
-        self.num_blocks = num_kv_blocks(cfg, self.spec, self.dtype, self.tp.size, budget, self.num_window_blocks > 0)
-        self.kv_caches = allocate_kv_caches(self.spec, self.model, self.num_blocks, self.num_window_blocks,
-                                            cfg.block_size, self.tp.size, self.dtype, self.device)
+        self.num_blocks = num_kv_blocks(cfg, self.spec, kv, self.tp.size, budget, self.num_window_blocks > 0)
+        caches = allocate_kv_caches(self.spec, self.model, self.num_blocks, self.num_window_blocks, cfg.block_size,
+                                    self.tp.size, kv, self.device)
+        self.kv_caches = attach_kv_scales(caches, cfg, self.spec, self.tp)
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
             heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
             # Families with caches of several shapes (Gemma 4): the top-level shape is the sliding layers', so the
             # windowed variant is compiled and checked too.
             paged_attention.probe(self.device, self.dtype, heads, kv_heads, self.spec.head_dim,
-                                  sliding=self.spec.kv_shapes is not None)
+                                  sliding=self.spec.kv_shapes is not None, kv_dtype=kv)
             warm_vision_attention(self)
         if cfg.fused_kernels and self.device.type == "cuda":
             warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
