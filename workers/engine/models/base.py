@@ -34,7 +34,9 @@ from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.fa3_attention import vision_kernel
 from workers.engine.layers.linear import TPGroup
 from workers.engine.layers.vision_attention import VisionAttention
+from workers.engine.models.fp8_layers import convert_loaded
 from workers.engine.models.loader import fill_dummy_weights, iter_checkpoint, normalize_name
+from workers.engine.models.quantization import checkpoint_scheme, dequantized
 
 log = logging.getLogger("glimpse.model")
 
@@ -381,7 +383,11 @@ def load_model(
     rank: int = 0,
 ) -> VLModel:
     """Fill ``model`` from the checkpoint in one walk over its safetensors shards (``lm.*`` tensors to the
-    language model, ``visual.*`` to the vision tower), or with deterministic random weights (``dummy``)."""
+    language model, ``visual.*`` to the vision tower), or with deterministic random weights (``dummy``).
+
+    An FP8 checkpoint (quantization.py) is read dequantized, so every weight reaches its loader in float32 and lands
+    in the model dtype; on a GPU with FP8 GEMMs the language model's FP8 layers are then made FP8 again
+    (fp8_layers.py). The vision tower always stays in the model dtype."""
     started = time.perf_counter()
     if load_format == "dummy":
         fill_dummy_weights(model.lm, seed=seed + rank)  # LM shards differ per rank
@@ -392,10 +398,13 @@ def load_model(
         # (a few GB at most) are kept aside and loaded once the walk is done.
         vision_weights: list[tuple[str, Tensor]] = []
         nbytes = 0
+        scheme = checkpoint_scheme(model_dir)
+        fp8_names: set[str] = set()  # checkpoint names of the FP8 weights, for fp8_layers
 
         def lm_weights() -> Iterator[tuple[str, Tensor]]:
             nonlocal nbytes
-            for name, tensor in iter_checkpoint(model_dir, show_progress=rank == 0):
+            stream = iter_checkpoint(model_dir, show_progress=rank == 0)
+            for name, tensor in dequantized(stream, scheme, fp8_names) if scheme is not None else stream:
                 canonical = normalize_name(name)
                 nbytes += tensor.numel() * tensor.element_size()
                 if canonical.startswith("lm."):
@@ -406,6 +415,8 @@ def load_model(
 
         model.lm.load_weights(lm_weights())
         model.vision.load_weights(vision_weights)
+        if scheme is not None:
+            convert_loaded(model.lm, [normalize_name(n) for n in fp8_names], scheme.block, rank)
         if rank == 0:
             log.info(
                 "loaded %.2f GB of weights from %s in %.1f s",

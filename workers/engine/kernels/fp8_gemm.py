@@ -1,0 +1,170 @@
+"""FP8 GEMMs of the language model's linear layers and routed experts: the one place that picks how an FP8
+weight is multiplied, so each variant can be measured on the GPU (benchmarks/kernels/fp8_gemm_bench.py).
+
+Variants (``GLIMPSE_FP8_GEMM``, read once per process):
+* ``auto`` (default): the native kernel where torch has one for the device and the weight's scales, else
+  ``dequant``. Channel scales: ``torch._scaled_mm`` row-wise (activations quantized per token). 128 x 128
+  block scales: ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128 (activations quantized per 1 x 128 token
+  group; cuBLAS on Hopper). Routed experts: ``torch._scaled_grouped_mm`` row-wise.
+* ``dequant``: FP8 weights in memory, each call dequantizes the weight to the activation dtype and runs the
+  bf16 GEMM (half the weight memory, no FP8 tensor cores).
+* ``bf16``: no FP8 layer at all: the loader's dequantized weights stay as they are (the CPU path everywhere).
+A native kernel that raises on its first call for a shape (a layout or size cuBLAS refuses) is not tried again
+for that shape: the call and later ones take ``dequant``, with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from workers.engine.kernels.fp8_quant import BLOCK, dequantize, quantize_token_groups, quantize_tokens
+
+log = logging.getLogger("glimpse.fp8")
+
+Variant = Literal["auto", "dequant", "bf16"]
+VARIANTS: tuple[Variant, ...] = ("auto", "dequant", "bf16")
+VARIANT_ENV = "GLIMPSE_FP8_GEMM"
+_refused: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()  # (kernel, weight shape, scale shape)
+
+
+def variant() -> Variant:
+    value = os.environ.get(VARIANT_ENV, "auto")
+    for v in VARIANTS:
+        if value == v:
+            return v
+    raise ValueError(f"{VARIANT_ENV}={value!r}: choose one of {', '.join(VARIANTS)}")
+
+
+@functools.cache
+def device_supports_fp8(device: torch.device) -> bool:
+    """FP8 tensor cores: SM89 (Ada) and SM90+ (Hopper, Blackwell). Elsewhere FP8 layers would only save memory
+    and ``bf16`` keeps the weights dequantized."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def wants_fp8_layers(device: torch.device) -> bool:
+    """Whether the loader should turn the checkpoint's FP8 layers into FP8 parameters on ``device``."""
+    return variant() != "bf16" and device_supports_fp8(device)
+
+
+def is_channel_scale(weight: Tensor, scale: Tensor) -> bool:
+    """Per-output-row scales [N, 1] (else 128 x 128 block scales [ceil(N/128), ceil(K/128)])."""
+    return scale.shape[-1] == 1 and scale.shape[-2] == weight.shape[-2]
+
+
+def block_of(weight: Tensor, scale: Tensor) -> int | None:
+    return None if is_channel_scale(weight, scale) else BLOCK
+
+
+def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The reference: the weight dequantized to x's dtype, then the plain GEMM."""
+    return F.linear(x, dequantize(weight, scale, block_of(weight, scale)).to(x.dtype), bias)
+
+
+def rowwise_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] quantized per token, weight [N, K] fp8 with per-row scales [N, 1]: one ``torch._scaled_mm``."""
+    q, sx = quantize_tokens(x)
+    out: Tensor = torch._scaled_mm(
+        q, weight.t(), scale_a=sx, scale_b=scale.reshape(1, -1).float(), bias=bias, out_dtype=x.dtype
+    )
+    return out
+
+
+def block_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] quantized per 1 x 128 group, weight [N, K] fp8 with 128 x 128 block scales: cuBLAS's block-scaled
+    GEMM through ``F.scaled_mm``. cuBLAS takes the activation scales token-major with M a multiple of 4 (rows
+    are zero-padded) and the weight's K blocks padded to a multiple of 4."""
+    m = x.shape[0]
+    xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    q, sx = quantize_token_groups(xp, BLOCK)
+    kb = scale.shape[1]
+    sw = F.pad(scale.float(), (0, -kb % 4)) if kb % 4 else scale.float()
+    out: Tensor = F.scaled_mm(
+        q,
+        weight.t(),
+        sx.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        sw.t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )[:m]
+    return out if bias is None else out + bias
+
+
+def native_kernel(x: Tensor, weight: Tensor, scale: Tensor) -> str | None:
+    """The native kernel ``linear`` would try for these operands ("rowwise", "block"), or None (dequant)."""
+    if variant() != "auto" or not x.is_cuda or not device_supports_fp8(x.device):
+        return None
+    n, k = weight.shape
+    if is_channel_scale(weight, scale):
+        kernel = "rowwise" if k % 16 == 0 and n % 16 == 0 and x.dtype == torch.bfloat16 else None
+    else:
+        kernel = "block" if k % BLOCK == 0 and n % BLOCK == 0 and torch.cuda.get_device_capability(x.device) >= (9, 0) else None
+    if kernel is None or (kernel, tuple(weight.shape), tuple(scale.shape)) in _refused:
+        return None
+    return kernel
+
+
+def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x W^T + b for an FP8 weight [N, K] with its scales (channel or block); x [..., K] in bf16/fp16."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    kernel = native_kernel(x2, weight, scale)
+    y: Tensor | None = None
+    if kernel is not None:
+        try:
+            y = rowwise_linear(x2, weight, scale, bias) if kernel == "rowwise" else block_linear(x2, weight, scale, bias)
+        except RuntimeError as exc:  # a layout/size this torch build refuses: measured once, then dequant
+            _refused.add((kernel, tuple(weight.shape), tuple(scale.shape)))
+            log.warning("FP8 %s GEMM refused weight %s (%s); using dequantized bf16 GEMM", kernel, tuple(weight.shape), exc)
+    if y is None:
+        y = dequant_linear(x2, weight, scale, bias)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def grouped_usable(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``grouped_mm`` can run the routed experts: CUDA FP8 hardware, bf16 activations, and strides
+    cuBLAS takes (K and N multiples of 16)."""
+    return (
+        variant() == "auto"
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_scaled_grouped_mm")
+        and device_supports_fp8(x.device)
+        and weight.shape[-1] % 16 == 0
+        and weight.shape[-2] % 16 == 0
+    )
+
+
+def grouped_mm(rows: Tensor, weight: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
+    """rows [R, K] (grouped by expert, group ends ``offs``) times each expert's fp8 weight [E, N, K] with per-row
+    scales [E, N, 1]: ``torch._scaled_grouped_mm`` row-wise, activations quantized per token."""
+    q, sx = quantize_tokens(rows)
+    out: Tensor = torch._scaled_grouped_mm(
+        q,
+        weight.transpose(1, 2),
+        sx.reshape(-1),
+        scale.reshape(scale.shape[0], -1).float(),
+        offs=offs,
+        out_dtype=rows.dtype,
+    )
+    return out
+
+
+def grouped_reference(rows: Tensor, weight: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
+    """``grouped_mm`` with the weights dequantized: one F.linear per expert's rows (any device)."""
+    out = rows.new_zeros(rows.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            w = dequantize(weight[e], scale[e], None).to(rows.dtype)
+            out[start:end] = F.linear(rows[start:end], w)
+        start = end
+    return out
