@@ -9,6 +9,10 @@ Variants (``GLIMPSE_FP8_GEMM``, read once per process):
 * ``dequant``: FP8 weights in memory, each call dequantizes the weight to the activation dtype and runs the
   bf16 GEMM (half the weight memory, no FP8 tensor cores).
 * ``bf16``: no FP8 layer at all: the loader's dequantized weights stay as they are (the CPU path everywhere).
+Routed experts of a 128 x 128 block checkpoint stay dequantized in the model dtype unless
+``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` re-quantizes them per row for the grouped row-wise kernel (torch's grouped
+GEMM has no block-scaled recipe on Hopper; one scale per row over the whole K is coarser than the checkpoint's
+tiles, and on the demo checkpoints it changes greedy tokens, so it is opt-in until measured on real models).
 A native kernel that raises on its first call for a shape (a layout or size cuBLAS refuses) is not tried again
 for that shape: the call and later ones take ``dequant``, with one warning.
 """
@@ -42,6 +46,16 @@ def variant() -> Variant:
     raise ValueError(f"{VARIANT_ENV}={value!r}: choose one of {', '.join(VARIANTS)}")
 
 
+BLOCK_EXPERTS_ENV = "GLIMPSE_FP8_BLOCK_EXPERTS"
+
+
+def block_experts_rowwise() -> bool:
+    value = os.environ.get(BLOCK_EXPERTS_ENV, "bf16")
+    if value not in ("bf16", "rowwise"):
+        raise ValueError(f"{BLOCK_EXPERTS_ENV}={value!r}: choose bf16 or rowwise")
+    return value == "rowwise"
+
+
 @functools.cache
 def device_supports_fp8(device: torch.device) -> bool:
     """FP8 tensor cores: SM89 (Ada) and SM90+ (Hopper, Blackwell). Elsewhere FP8 layers would only save memory
@@ -54,18 +68,21 @@ def wants_fp8_layers(device: torch.device) -> bool:
     return variant() != "bf16" and device_supports_fp8(device)
 
 
-def is_channel_scale(weight: Tensor, scale: Tensor) -> bool:
-    """Per-output-row scales [N, 1] (else 128 x 128 block scales [ceil(N/128), ceil(K/128)])."""
-    return scale.shape[-1] == 1 and scale.shape[-2] == weight.shape[-2]
+ScaleKind = Literal["channel", "block", "row-block"]
 
 
-def block_of(weight: Tensor, scale: Tensor) -> int | None:
-    return None if is_channel_scale(weight, scale) else BLOCK
+def scale_kind(weight: Tensor, scale: Tensor) -> ScaleKind:
+    """How a weight [N, K]'s scales are laid out: ``channel`` [N, 1] (also a row-block scale when K <= 128),
+    ``block`` 128 x 128 tiles [ceil(N/128), ceil(K/128)], ``row-block`` one per row and 128 columns [N, ceil(K/128)]."""
+    n = weight.shape[-2]
+    if scale.shape[-1] == 1 and scale.shape[-2] == n:
+        return "channel"
+    return "row-block" if scale.shape[-2] == n and n > 1 else "block"
 
 
 def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """The reference: the weight dequantized to x's dtype, then the plain GEMM."""
-    return F.linear(x, dequantize(weight, scale, block_of(weight, scale)).to(x.dtype), bias)
+    return F.linear(x, dequantize(weight, scale).to(x.dtype), bias)
 
 
 def rowwise_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -78,9 +95,10 @@ def rowwise_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None
 
 
 def block_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] quantized per 1 x 128 group, weight [N, K] fp8 with 128 x 128 block scales: cuBLAS's block-scaled
-    GEMM through ``F.scaled_mm``. cuBLAS takes the activation scales token-major with M a multiple of 4 (rows
-    are zero-padded) and the weight's K blocks padded to a multiple of 4."""
+    """x [M, K] quantized per 1 x 128 group, weight [N, K] fp8 with 128 x 128 block scales (or row-block scales,
+    recipe BlockWise1x128 for both operands): cuBLAS's block-scaled GEMM through ``F.scaled_mm``. cuBLAS takes the
+    activation scales token-major with M a multiple of 4 (rows are zero-padded) and the weight's K blocks padded
+    to a multiple of 4."""
     m = x.shape[0]
     xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
     q, sx = quantize_token_groups(xp, BLOCK)
@@ -91,29 +109,30 @@ def block_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None =
         weight.t(),
         sx.t().contiguous().t(),
         F.ScalingType.BlockWise1x128,
-        sw.t(),
-        F.ScalingType.BlockWise128x128,
+        sw.t() if scale_kind(weight, scale) == "block" else sw.t().contiguous().t(),
+        F.ScalingType.BlockWise128x128 if scale_kind(weight, scale) == "block" else F.ScalingType.BlockWise1x128,
         output_dtype=x.dtype,
     )[:m]
     return out if bias is None else out + bias
 
 
 def native_kernel(x: Tensor, weight: Tensor, scale: Tensor) -> str | None:
-    """The native kernel ``linear`` would try for these operands ("rowwise", "block"), or None (dequant)."""
+    """The native kernel ``linear`` would try for these operands ("rowwise" or "block"), or None (dequant)."""
     if variant() != "auto" or not x.is_cuda or not device_supports_fp8(x.device):
         return None
     n, k = weight.shape
-    if is_channel_scale(weight, scale):
+    if scale_kind(weight, scale) == "channel":
         kernel = "rowwise" if k % 16 == 0 and n % 16 == 0 and x.dtype == torch.bfloat16 else None
-    else:
-        kernel = "block" if k % BLOCK == 0 and n % BLOCK == 0 and torch.cuda.get_device_capability(x.device) >= (9, 0) else None
+    else:  # both block layouts: cuBLAS's block-scaled GEMM on Hopper and newer, K in whole 128-blocks
+        hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)
+        kernel = "block" if k % BLOCK == 0 and n % 16 == 0 and hopper else None
     if kernel is None or (kernel, tuple(weight.shape), tuple(scale.shape)) in _refused:
         return None
     return kernel
 
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x W^T + b for an FP8 weight [N, K] with its scales (channel or block); x [..., K] in bf16/fp16."""
+    """y = x W^T + b for an FP8 weight [N, K] with its scales (any ``scale_kind``); x [..., K] in bf16/fp16."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     kernel = native_kernel(x2, weight, scale)
@@ -121,7 +140,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None)
     if kernel is not None:
         try:
             y = rowwise_linear(x2, weight, scale, bias) if kernel == "rowwise" else block_linear(x2, weight, scale, bias)
-        except RuntimeError as exc:  # a layout/size this torch build refuses: measured once, then dequant
+        except (RuntimeError, ValueError) as exc:  # a layout or size this build refuses: tried once, then dequant
             _refused.add((kernel, tuple(weight.shape), tuple(scale.shape)))
             log.warning("FP8 %s GEMM refused weight %s (%s); using dequantized bf16 GEMM", kernel, tuple(weight.shape), exc)
     if y is None:
@@ -164,7 +183,7 @@ def grouped_reference(rows: Tensor, weight: Tensor, scale: Tensor, offs: Tensor)
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            w = dequantize(weight[e], scale[e], None).to(rows.dtype)
+            w = dequantize(weight[e], scale[e]).to(rows.dtype)
             out[start:end] = F.linear(rows[start:end], w)
         start = end
     return out

@@ -4,7 +4,9 @@ layouts published checkpoints use, and the dynamic activation scales the GEMMs t
 Scales are *dequantization* factors (real = fp8 * scale) in float32, as both formats store them:
 * block (Qwen's ``-FP8`` repos, ``weight_scale_inv``; compressed-tensors ``strategy: block``): one scale per
   128 x 128 tile of the last two dims, ``[..., ceil(out/128), ceil(in/128)]``;
-* channel (compressed-tensors ``strategy: channel``, ``weight_scale``): one per output row, ``[..., out, 1]``.
+* channel (compressed-tensors ``strategy: channel``, ``weight_scale``): one per output row, ``[..., out, 1]``;
+* row blocks (glimpse's own, for fused tensor-parallel layers whose sub-projections do not start on a 128-row
+  boundary): one per row and 128 columns, ``[out, ceil(in/128)]`` (models/fp8_layers.py).
 Everything here is plain torch and runs on any device; it is the CPU reference the CUDA kernels are held to.
 """
 
@@ -20,20 +22,23 @@ BLOCK = 128
 _MIN_SCALE = 1e-12
 
 
-def expand_block_scale(scale: Tensor, shape: torch.Size | tuple[int, ...], block: int = BLOCK) -> Tensor:
-    """Block scales [..., ceil(R/b), ceil(C/b)] -> one scale per element [..., R, C] (float32)."""
+def expand_scale(scale: Tensor, shape: torch.Size | tuple[int, ...], block: int = BLOCK) -> Tensor:
+    """Scales in any of the layouts (per ``block`` x ``block`` tile, per row and ``block`` columns, per row) as a
+    float32 tensor that broadcasts over a weight of ``shape``; the layout is read from the scale's shape."""
     rows, cols = shape[-2], shape[-1]
-    s = scale.float().repeat_interleave(block, dim=-2)[..., :rows, :]
-    return s.repeat_interleave(block, dim=-1)[..., :cols]
+    s = scale.float()
+    if s.shape[-2] != rows:
+        s = s.repeat_interleave(block, dim=-2)[..., :rows, :]
+    if s.shape[-1] not in (1, cols):
+        s = s.repeat_interleave(block, dim=-1)[..., :cols]
+    return s
 
 
-def dequantize(weight: Tensor, scale: Tensor, block: int | None) -> Tensor:
-    """An FP8 weight with its stored scale -> float32 (one rounding: fp8 -> f32 is exact). ``block`` None: the
-    scale is per output row ([..., out, 1]); else one per ``block`` x ``block`` tile of the last two dims."""
+def dequantize(weight: Tensor, scale: Tensor) -> Tensor:
+    """An FP8 weight with its scales -> float32 (one rounding: fp8 -> f32 is exact). The scales are one per
+    128 x 128 tile of the last two dims, one per row and 128 columns, or one per row ([..., rows, 1])."""
     w = weight.float()
-    if block is None:
-        return w * scale.float()
-    return w * expand_block_scale(scale, w.shape, block)
+    return w * expand_scale(scale, w.shape)
 
 
 def quantize_block(weight: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
@@ -46,7 +51,7 @@ def quantize_block(weight: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     tiles = padded.reshape(*lead, (rows + pr) // block, block, (cols + pc) // block, block)
     amax = tiles.abs().amax(dim=(-3, -1))
     scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-    q = (w / expand_block_scale(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = (w / expand_scale(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
 

@@ -36,7 +36,7 @@ from workers.engine.layers.linear import TPGroup
 from workers.engine.layers.vision_attention import VisionAttention
 from workers.engine.models.fp8_layers import convert_loaded
 from workers.engine.models.loader import fill_dummy_weights, iter_checkpoint, normalize_name
-from workers.engine.models.quantization import checkpoint_scheme, dequantized
+from workers.engine.models.quantization import Fp8Record, checkpoint_scheme, dequantized
 
 log = logging.getLogger("glimpse.model")
 
@@ -399,12 +399,12 @@ def load_model(
         vision_weights: list[tuple[str, Tensor]] = []
         nbytes = 0
         scheme = checkpoint_scheme(model_dir)
-        fp8_names: set[str] = set()  # checkpoint names of the FP8 weights, for fp8_layers
+        fp8_record: Fp8Record = {}  # the FP8 weights' scales, for fp8_layers
 
         def lm_weights() -> Iterator[tuple[str, Tensor]]:
             nonlocal nbytes
             stream = iter_checkpoint(model_dir, show_progress=rank == 0)
-            for name, tensor in dequantized(stream, scheme, fp8_names) if scheme is not None else stream:
+            for name, tensor in dequantized(stream, scheme, fp8_record) if scheme is not None else stream:
                 canonical = normalize_name(name)
                 nbytes += tensor.numel() * tensor.element_size()
                 if canonical.startswith("lm."):
@@ -416,7 +416,7 @@ def load_model(
         model.lm.load_weights(lm_weights())
         model.vision.load_weights(vision_weights)
         if scheme is not None:
-            convert_loaded(model.lm, [normalize_name(n) for n in fp8_names], scheme.block, rank)
+            convert_loaded(model.lm, {normalize_name(n): v for n, v in fp8_record.items()}, scheme.block, rank)
         if rank == 0:
             log.info(
                 "loaded %.2f GB of weights from %s in %.1f s",

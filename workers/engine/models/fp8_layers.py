@@ -2,15 +2,18 @@
 checkpoint (quantization.py), the layers whose checkpoint weights were FP8 get FP8 parameters back, and their
 forward goes through kernels/fp8_gemm.py.
 
-* Tensor-parallel linears (q/k/v, o, gate/up, down, Qwen3.5's linear-attention projections, shared experts): the
-  rank's shard re-quantized with the checkpoint's own granularity: 128 x 128 blocks for block FP8, one scale per
-  row for channel FP8. Where the shard's tiles coincide with the checkpoint's (offsets multiples of 128; always
-  true at TP 1) this gives back the checkpoint's FP8 values exactly: each value was dequantized with one float32
-  rounding, so dividing by the recomputed scale (within 2^-9 of the stored one) lands well inside the same e4m3
-  rounding interval.
-* Stacked routed experts (Qwen3-VL-MoE, Qwen3.5-MoE): one scale per expert row, for ``torch._scaled_grouped_mm``'s
-  row-wise recipe; a block checkpoint's experts are therefore re-quantized more coarsely than stored. Experts that
-  only run as a loop (Gemma 4) stay in the model dtype.
+* Tensor-parallel linears (q/k/v, o, gate/up, down, Qwen3.5's linear-attention projections, shared experts) get
+  the checkpoint's own FP8 values and scales back, exactly: each value was dequantized with one rounding, so
+  dividing by the stored scale lands inside the same e4m3 rounding interval. Channel scales are recomputed from
+  the rows (each row's max is 448 x its scale). Block scales are laid out for the rank's fused shard by replaying
+  the layer's own weight loader on the scales expanded to rows (``[rows, ceil(in/128)]``: the same row slicing as
+  the weight); where every 128-row group then has one scale (sub-projections on 128-row boundaries, as in the
+  published models) they are stored as 128 x 128 tiles, else per row and 128 columns. A row-parallel shard that
+  splits a 128-column block stays in the model dtype.
+* Stacked routed experts (Qwen3-VL-MoE, Qwen3.5-MoE) of a channel checkpoint: one scale per expert row, for
+  ``torch._scaled_grouped_mm``'s row-wise recipe (exact, as above). A block checkpoint's experts stay in the model
+  dtype unless ``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` (fp8_gemm.py says why). Experts that only run as a loop
+  (Gemma 4) stay in the model dtype.
 * Replicated ``nn.Linear`` layers (routers, Gemma 4's per-layer-input projections) and the vision tower stay in the
   model dtype: they were dequantized at load, and stay so.
 The load itself holds the language model in the model dtype until this pass runs (peak memory as a bf16 model).
@@ -19,43 +22,84 @@ The load itself holds the language model in the model dtype until this pass runs
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from workers.engine.kernels import fp8_gemm
-from workers.engine.kernels.fp8_quant import quantize_block, quantize_rows
-from workers.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-from workers.engine.models.qwen3_vl.moe import StackedExperts
+from workers.engine.kernels.fp8_quant import BLOCK, FP8, FP8_MAX, expand_scale, quantize_rows
+from workers.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, get_weight_loader
+from workers.engine.models.quantization import Fp8Record
 
 log = logging.getLogger("glimpse.fp8")
 
 
-def fp8_parameters(lm: nn.Module, checkpoint_names: Iterable[str]) -> set[str]:
-    """The LM parameter names the given canonical checkpoint names (``lm.*``, FP8 on disk) were loaded into."""
+def _routes(lm: nn.Module, record: Fp8Record) -> dict[str, list[tuple[object, str]]]:
+    """LM parameter name -> [(shard id, canonical checkpoint name)] of the FP8 checkpoint weights loaded into it."""
     route = getattr(lm, "route", None)
-    params = set()
-    for name in checkpoint_names:
+    params: dict[str, list[tuple[object, str]]] = {}
+    for name in record:
         if name.startswith("lm."):
             local = name[len("lm.") :]
-            params.add(route(local)[0] if route is not None else local)
+            param, shard_id = route(local) if route is not None else (local, None)
+            params.setdefault(param, []).append((shard_id, name))
     return params
 
 
+def _shard_block_scales(
+    owner: ColumnParallelLinear | RowParallelLinear, entries: list[tuple[object, str]], record: Fp8Record
+) -> Tensor | None:
+    """The rank's shard's block scales, [rows, ceil(in/128)] (row-expanded), built by the layer's weight loader from
+    each checkpoint tensor's scales; None where a row-parallel shard splits a 128-column block."""
+    w = owner.weight
+    rows, cols = w.shape
+    if isinstance(owner, RowParallelLinear) and owner.tp.size > 1 and cols % BLOCK:
+        return None
+    scales = torch.empty(rows, -(-cols // BLOCK), device=w.device)
+    load = get_weight_loader(w)
+    for shard_id, name in entries:
+        scale, shape = record[name]
+        load(scales, scale.float().repeat_interleave(BLOCK, dim=0)[: shape[0]].to(w.device), shard_id)
+    return scales
+
+
+def _compact(scales: Tensor) -> Tensor:
+    """Row-expanded block scales as 128 x 128 tiles where every 128-row group holds one value, else as they are."""
+    rows, kb = scales.shape
+    if rows % BLOCK:
+        return scales
+    tiles = scales[::BLOCK]
+    return tiles if torch.equal(tiles.repeat_interleave(BLOCK, dim=0), scales) else scales
+
+
 @torch.no_grad()
-def convert_to_fp8(lm: nn.Module, params: set[str], block: int | None) -> int:
-    """Give the modules owning ``params`` FP8 weights (see the module docstring); returns how many were converted."""
+def _convert_linear(owner: ColumnParallelLinear | RowParallelLinear, scales: Tensor | None) -> None:
+    if scales is None:  # channel: each row's scale is its max / 448, as the checkpoint computed it
+        q, scale = quantize_rows(owner.weight)
+    else:
+        w = owner.weight.float()
+        q = (w / expand_scale(scales, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale = _compact(scales)
+    owner.weight = nn.Parameter(q, requires_grad=False)
+    owner.weight_scale = scale
+
+
+@torch.no_grad()
+def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
+    """Give the modules the checkpoint's FP8 weights were loaded into FP8 weights (see the module docstring);
+    returns how many were converted."""
     converted = 0
-    for name in sorted(params):
+    for name, entries in sorted(_routes(lm, record).items()):
         owner_name, _, attr = name.rpartition(".")
         owner = lm.get_submodule(owner_name)
         if isinstance(owner, ColumnParallelLinear | RowParallelLinear) and attr == "weight":
-            q, scale = quantize_block(owner.weight) if block else quantize_rows(owner.weight)
-            owner.weight = nn.Parameter(q, requires_grad=False)
-            owner.weight_scale = scale
+            scales = _shard_block_scales(owner, entries, record) if block else None
+            if block and scales is None:
+                continue
+            _convert_linear(owner, scales)
             converted += 1
-        elif isinstance(owner, StackedExperts) and owner.fp8_grouped and attr == "gate_up_proj":
+        elif getattr(owner, "fp8_grouped", False) and attr == "gate_up_proj":  # qwen3_vl/moe.py's StackedExperts
+            if block is not None and not fp8_gemm.block_experts_rowwise():
+                continue
             if not fp8_gemm.grouped_usable(owner.down_proj[0, :1], owner.down_proj):
                 continue
             # Both stacks at once: the grouped path needs the two in FP8 (down's name is in ``params`` too).
@@ -68,12 +112,12 @@ def convert_to_fp8(lm: nn.Module, params: set[str], block: int | None) -> int:
     return converted
 
 
-def convert_loaded(lm: nn.Module, checkpoint_names: Iterable[str], block: int | None, rank: int = 0) -> int:
+def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: int = 0) -> int:
     """After the load: FP8 layers for the checkpoint's FP8 weights where the device runs FP8 GEMMs (else none)."""
     device = next(lm.parameters()).device
     if not fp8_gemm.wants_fp8_layers(device):
         return 0
-    n = convert_to_fp8(lm, fp8_parameters(lm, checkpoint_names), block)
+    n = convert_to_fp8(lm, record, block)
     if rank == 0:
         log.info("FP8: %d language-model layers hold FP8 weights (%s scales, GEMM variant %s)",
                  n, "128x128 block" if block else "per-channel", fp8_gemm.variant())

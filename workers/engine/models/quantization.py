@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from workers.engine.kernels.fp8_quant import BLOCK, FP8, dequantize
@@ -122,13 +123,17 @@ def checkpoint_scheme(model_dir: str | Path) -> Fp8Scheme | None:
     return parse_quantization(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
+# An FP8 weight's checkpoint name -> (its stored scales, the weight's shape): what fp8_layers.py re-makes layers from.
+Fp8Record = dict[str, tuple[Tensor, torch.Size]]
+
+
 def dequantized(
-    weights: Iterable[tuple[str, Tensor]], scheme: Fp8Scheme, fp8_names: set[str] | None = None
+    weights: Iterable[tuple[str, Tensor]], scheme: Fp8Scheme, record: Fp8Record | None = None
 ) -> Iterator[tuple[str, Tensor]]:
     """The checkpoint's tensors with every FP8 weight and its scale replaced by one float32 tensor under the
     weight's name (the scale is found by name; whichever of the pair comes first waits for the other, so shard
-    boundaries do not matter). Other tensors pass through untouched. The names of the FP8 weights are added to
-    ``fp8_names``."""
+    boundaries do not matter). Other tensors pass through untouched. Each FP8 weight's scales and shape go into
+    ``record`` (scales are 1/16384 of the weights' elements for block FP8: small enough to keep until the end)."""
     suffix = scheme.scale_suffix
     waiting_weights: dict[str, Tensor] = {}
     waiting_scales: dict[str, Tensor] = {}
@@ -138,14 +143,12 @@ def dequantized(
         base = name[: -len(suffix)] if name.endswith(suffix) else ""
         if base.endswith((".weight", "_proj")):  # a Linear's weight or a fused expert tensor (not Gemma's per_expert_scale)
             if base in waiting_weights:
-                _note(fp8_names, base)
-                yield base, dequantize(waiting_weights.pop(base), tensor, scheme.block)
+                yield base, _dequantize(base, waiting_weights.pop(base), tensor, record)
             else:
                 waiting_scales[base] = tensor
         elif tensor.dtype == FP8:
             if name in waiting_scales:
-                _note(fp8_names, name)
-                yield name, dequantize(tensor, waiting_scales.pop(name), scheme.block)
+                yield name, _dequantize(name, tensor, waiting_scales.pop(name), record)
             else:
                 waiting_weights[name] = tensor
         else:
@@ -155,6 +158,7 @@ def dequantized(
         raise ValueError(f"FP8 checkpoint has weights without scales or scales without weights: {', '.join(lone)}")
 
 
-def _note(names: set[str] | None, name: str) -> None:
-    if names is not None:
-        names.add(name)
+def _dequantize(name: str, weight: Tensor, scale: Tensor, record: Fp8Record | None) -> Tensor:
+    if record is not None:
+        record[name] = (scale, weight.shape)
+    return dequantize(weight, scale)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,6 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import noise_image
 from tests.workers.engine.models.engine_harness import GREEDY, Reference, chat, make_engine
 from workers.engine.kernels.fp8_quant import FP8
-from workers.engine.models.demo_writer import write_demo_model
 
 # (demo family, FP8 layout): every architecture kind, each layout on a dense and a sparse model.
 CASES = [
@@ -61,17 +61,11 @@ def dequantize_dir(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    root = tmp_path_factory.mktemp("fp8")
-    return {(fam, fmt): write_demo_model(root / f"{fam}-{fmt}", fam, fmt) for fam, fmt in CASES}
-
-
 @pytest.mark.parametrize(("family", "fmt"), CASES)
 def test_greedy_tokens_equal_transformers_on_the_dequantized_checkpoint(
-    family: str, fmt: str, fp8_dirs: dict[tuple[str, str], Path], tmp_path: Path
+    family: str, fmt: str, fp8_demo: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
-    fp8_dir = fp8_dirs[family, fmt]
+    fp8_dir = fp8_demo(family, fmt)
     tensors = load_file(fp8_dir / "model.safetensors")
     assert sum(t.dtype == FP8 for t in tensors.values()) >= 8  # the language model really is FP8 on disk
     messages = chat("Describe the picture.", [IMAGE])

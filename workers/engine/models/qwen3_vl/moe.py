@@ -117,8 +117,8 @@ class StackedExperts(nn.Module):
         scales = self.fp8_scales()
         if scales is None:
             return self.gate_up_proj, self.down_proj
-        return (dequantize(self.gate_up_proj, scales[0], None).to(dtype),
-                dequantize(self.down_proj, scales[1], None).to(dtype))
+        return (dequantize(self.gate_up_proj, scales[0]).to(dtype),
+                dequantize(self.down_proj, scales[1]).to(dtype))
 
     def _linear_layout(self, loaded: Tensor, out_features: int, in_features: int) -> Tensor:
         """A fused [E, out, in] (Linear) or [E, in, out] (Hub) tensor as an [E, out, in] view."""
