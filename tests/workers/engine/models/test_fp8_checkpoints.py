@@ -2,10 +2,11 @@
 same checkpoint dequantized, for a Qwen dense, a Qwen MoE, the Qwen3.5 hybrid and Gemma 4 (each format twice).
 
 The reference checkpoint is dequantized here by ``dequantize_dir``, a few independent lines (``torch.kron`` tiles,
-not the engine's ``repeat_interleave``), and read by transformers as a plain float32 checkpoint. transformers itself
-only reads block FP8 without a GPU (``FineGrainedFP8Config(dequantize=True)``, checked once below); its
-compressed-tensors loader needs the ``compressed-tensors`` package, which glimpse does not depend on (it would add
-it and loguru to the test environment for this one comparison), so both formats share the independent reference.
+not the engine's ``repeat_interleave``), and read by transformers as a plain float32 checkpoint. transformers 5.24's
+own FP8 loaders need packages glimpse does not depend on: block FP8 (``FineGrainedFP8Config(dequantize=True)``)
+raises "Loading an FP8 quantized model requires accelerate", and compressed-tensors needs the
+``compressed-tensors`` package (installable, with loguru). Neither is added to the test environment for this one
+comparison: what they would check is the dequantizing multiplication, which ``dequantize_dir`` writes out.
 """
 
 from __future__ import annotations

@@ -21,10 +21,11 @@ from tests.workers.engine.models.engine_harness import GREEDY, chat, make_engine
 from tests.workers.engine.models.lm_harness import PagedCache
 from workers.engine.kernels import fp8_gemm
 from workers.engine.kernels.fp8_quant import FP8, dequantize, quantize_block, quantize_rows
-from workers.engine.layers.linear import TPGroup
+from workers.engine.layers.linear import MergedColumnParallelLinear, TPGroup
 from workers.engine.models import family, load_spec
 from workers.engine.models.base import load_model
 from workers.engine.models.demo_quantize import quantization_config
+from workers.engine.models.fp8_layers import convert_to_fp8
 from workers.engine.models.quantization import Fp8Scheme, UnsupportedQuantization, dequantized, parse_quantization
 
 SUPPORTED = (
@@ -107,6 +108,26 @@ def test_an_fp8_vision_weight_is_dequantized_into_the_model_dtype(fp8_demo: Call
     assert qkv.dtype == torch.bfloat16
     assert torch.equal(qkv, dequantize(tensors[name], tensors[name + "_scale_inv"]).to(torch.bfloat16))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # no FP8 layer on the CPU either
+
+
+def test_block_scales_follow_a_fused_shard_and_become_tiles_when_aligned() -> None:
+    """gate/up fused at TP 1: aligned halves (256 + 128 rows) keep 128 x 128 tiles, a 96-row half leaves per-row
+    block scales; either way the layer holds the checkpoint's FP8 values."""
+    for sizes, tiles in (((256, 128), True), ((96, 96), False)):
+        layer = MergedColumnParallelLinear(256, list(sizes), bias=False)
+        lm = torch.nn.ModuleDict({"gate_up_proj": layer})
+        record, stored = {}, []
+        for shard, rows in enumerate(sizes):
+            q, s = quantize_block(torch.randn(rows, 256))
+            layer.weight_loader(layer.weight, dequantize(q, s), shard)
+            record[f"gate_up_proj.weight#{shard}"] = (s, q.shape)
+            stored.append(q)
+        routes = {f"gate_up_proj.weight#{i}": ("gate_up_proj.weight", i) for i in range(2)}
+        lm.route = lambda name, routes=routes: routes[name]  # type: ignore[assignment]
+        assert convert_to_fp8(lm, {"lm." + k: v for k, v in record.items()}, 128) == 1
+        assert torch.equal(layer.weight.float(), torch.cat(stored).float())
+        assert layer.weight_scale is not None
+        assert layer.weight_scale.shape == ((3, 2) if tiles else (192, 2))
 
 
 def _always(*_: Any) -> bool:
