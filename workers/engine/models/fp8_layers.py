@@ -22,6 +22,7 @@ The load itself holds the language model in the model dtype until this pass runs
 from __future__ import annotations
 
 import logging
+
 import torch
 from torch import Tensor, nn
 

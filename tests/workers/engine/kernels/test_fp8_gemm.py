@@ -37,7 +37,7 @@ def test_block_scales_have_the_published_shape_and_each_tile_reaches_448() -> No
 def test_requantizing_a_dequantized_weight_gives_back_its_fp8_values() -> None:
     """What fp8_layers.py relies on: the CUDA layers re-made from the loader's dequantized weights hold the
     checkpoint's FP8 values, for both layouts, also after rounding the dequantized weight to bf16."""
-    for quantize, block in ((quantize_block, 128), (quantize_rows, None)):
+    for quantize in (quantize_block, quantize_rows):
         q, s = quantize(weight(256, 384, seed=1))
         for dtype in (torch.float32, torch.bfloat16):
             again, s2 = quantize(dequantize(q, s).to(dtype))

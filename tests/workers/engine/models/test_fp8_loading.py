@@ -26,7 +26,12 @@ from workers.engine.models import family, load_spec
 from workers.engine.models.base import load_model
 from workers.engine.models.demo_quantize import quantization_config
 from workers.engine.models.fp8_layers import convert_to_fp8
-from workers.engine.models.quantization import Fp8Scheme, UnsupportedQuantization, dequantized, parse_quantization
+from workers.engine.models.quantization import (
+    Fp8Scheme,
+    UnsupportedQuantization,
+    dequantized,
+    parse_quantization,
+)
 
 SUPPORTED = (
     "glimpse loads fp8 (128x128 weight blocks, dynamic activations) and compressed-tensors float-quantized FP8 "
