@@ -401,12 +401,16 @@ def load_model(
         scheme = checkpoint_scheme(model_dir)
         fp8_record: Fp8Record = {}  # the FP8 weights' scales, for fp8_layers
 
-        def lm_weights() -> Iterator[tuple[str, Tensor]]:
+        def stored() -> Iterator[tuple[str, Tensor]]:
             nonlocal nbytes
-            stream = iter_checkpoint(model_dir, show_progress=rank == 0)
+            for name, tensor in iter_checkpoint(model_dir, show_progress=rank == 0):
+                nbytes += tensor.numel() * tensor.element_size()  # as stored: FP8 bytes, not the dequantized ones
+                yield name, tensor
+
+        def lm_weights() -> Iterator[tuple[str, Tensor]]:
+            stream = stored()
             for name, tensor in dequantized(stream, scheme, fp8_record) if scheme is not None else stream:
                 canonical = normalize_name(name)
-                nbytes += tensor.numel() * tensor.element_size()
                 if canonical.startswith("lm."):
                     yield canonical, tensor
                 elif canonical.startswith("visual."):

@@ -73,7 +73,7 @@ def quantization_config(fmt: str, not_converted: list[str]) -> dict[str, Any]:
             "quant_method": "fp8",
             "weight_block_size": [BLOCK, BLOCK],
         }
-    args = {"actorder": None, "block_structure": None, "group_size": None, "num_bits": 8, "observer_kwargs": {},
+    args: dict[str, Any] = {"actorder": None, "block_structure": None, "group_size": None, "num_bits": 8, "observer_kwargs": {},
             "symmetric": True, "type": "float"}
     return {
         "config_groups": {

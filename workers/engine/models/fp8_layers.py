@@ -22,6 +22,7 @@ The load itself holds the language model in the model dtype until this pass runs
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -85,6 +86,22 @@ def _convert_linear(owner: ColumnParallelLinear | RowParallelLinear, scales: Ten
 
 
 @torch.no_grad()
+def _convert_experts(experts: Any) -> int:
+    """Both stacks of a StackedExperts in FP8 with per-row scales, where the grouped FP8 GEMM can run them (it needs
+    the two); returns 1 if converted."""
+    gate_up: Tensor = experts.gate_up_proj
+    down: Tensor = experts.down_proj
+    if not fp8_gemm.grouped_usable(down[0, :1], down):
+        return 0
+    q_gu, s_gu = quantize_rows(gate_up)
+    q_d, s_d = quantize_rows(down)
+    experts.gate_up_proj = nn.Parameter(q_gu, requires_grad=False)
+    experts.down_proj = nn.Parameter(q_d, requires_grad=False)
+    experts.gate_up_scale, experts.down_scale = s_gu, s_d
+    return 1
+
+
+@torch.no_grad()
 def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
     """Give the modules the checkpoint's FP8 weights were loaded into FP8 weights (see the module docstring);
     returns how many were converted."""
@@ -101,15 +118,7 @@ def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
         elif getattr(owner, "fp8_grouped", False) and attr == "gate_up_proj":  # qwen3_vl/moe.py's StackedExperts
             if block is not None and not fp8_gemm.block_experts_rowwise():
                 continue
-            if not fp8_gemm.grouped_usable(owner.down_proj[0, :1], owner.down_proj):
-                continue
-            # Both stacks at once: the grouped path needs the two in FP8 (down's name is in ``params`` too).
-            q_gu, s_gu = quantize_rows(owner.gate_up_proj)
-            q_d, s_d = quantize_rows(owner.down_proj)
-            owner.gate_up_proj = nn.Parameter(q_gu, requires_grad=False)
-            owner.down_proj = nn.Parameter(q_d, requires_grad=False)
-            owner.gate_up_scale, owner.down_scale = s_gu, s_d
-            converted += 1
+            converted += _convert_experts(owner)
     return converted
 
 

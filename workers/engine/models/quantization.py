@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 
 from workers.engine.kernels.fp8_quant import BLOCK, FP8, dequantize
-from workers.engine.models import UnsupportedModel
 
 SUPPORTED = (
     "fp8 (128x128 weight blocks, dynamic activations) and compressed-tensors float-quantized FP8 "
@@ -39,9 +38,9 @@ SUPPORTED = (
 )
 
 
-class UnsupportedQuantization(UnsupportedModel):
+class UnsupportedQuantization(ValueError):
     """A ``quantization_config`` glimpse cannot serve (the one-line message names the method and what it loads);
-    ``glimpse serve`` prints it as one start-up line, as it does any ``UnsupportedModel``."""
+    ``models.load_spec`` raises it as an ``UnsupportedModel``, which ``glimpse serve`` prints as one start-up line."""
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ def test_fp8_logits_match_the_dequantized_model_on_gpu(
     logits = []
     for variant in ("auto", "bf16"):
         monkeypatch.setenv(fp8_gemm.VARIANT_ENV, variant)
-        built = family(spec.family).build(spec, TPGroup(), torch.bfloat16, torch.device("cuda"), "auto")
+        built = family(spec.family).build(spec, TPGroup(), torch.bfloat16, torch.device("cuda"), "sdpa")
         model = load_model(built, model_dir)
         fp8 = [p for p in model.lm.parameters() if p.dtype == FP8]
         assert bool(fp8) == (variant == "auto")

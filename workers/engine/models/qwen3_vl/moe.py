@@ -272,7 +272,8 @@ class SparseMoeBlock(nn.Module):
     def routed(self, x: Tensor) -> Tensor:
         """This rank's partial sum of the routed experts' outputs for x [T, H] (not yet reduced over TP ranks)."""
         weights, ids = self.route(x)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        gate_up: Tensor = self.experts.gate_up_proj
+        down: Tensor = self.experts.down_proj
         scales = self.experts.fp8_scales()
         if scales is not None:
             if self.use_grouped and fp8_gemm.grouped_usable(x, down):
