@@ -1,5 +1,6 @@
 """FP8 checkpoints of both published layouts served on the CPU: the engine's greedy tokens equal transformers' on the
-same checkpoint dequantized, for a Qwen dense, a Qwen MoE, the Qwen3.5 hybrid and Gemma 4 (each format twice).
+same checkpoint dequantized, for Qwen2.5-VL, Qwen3-VL dense and MoE, the Qwen3.5 hybrid (MoE) and Gemma 4 dense and
+MoE (each format three times).
 
 The reference checkpoint is dequantized here by ``dequantize_dir``, a few independent lines (``torch.kron`` tiles,
 not the engine's ``repeat_interleave``), and read by transformers as a plain float32 checkpoint. transformers 5.24's
@@ -24,11 +25,13 @@ from tests.conftest import noise_image
 from tests.workers.engine.models.engine_harness import GREEDY, Reference, chat, make_engine
 from workers.engine.kernels.fp8_quant import FP8
 
-# (demo family, FP8 layout): every architecture kind, each layout on a dense and a sparse model.
+# (demo family, FP8 layout): every family, each layout on dense and sparse models.
 CASES = [
-    ("qwen3_vl", "fp8-block"),  # Qwen dense
+    ("qwen2_5_vl", "fp8-dynamic"),  # Qwen dense, biased q/k/v
+    ("qwen3_vl", "fp8-block"),  # Qwen dense, DeepStack
     ("qwen3_vl_moe", "fp8-dynamic"),  # Qwen MoE, stacked experts quantized per expert
     ("qwen3_5_moe", "fp8-block"),  # hybrid linear attention, per-expert FP8 tensors
+    ("gemma4", "fp8-block"),  # Gemma 4 dense: K = V layers, per-layer inputs
     ("gemma4_moe", "fp8-dynamic"),  # Gemma 4: dense MLP and routed experts in every layer
 ]
 IMAGE = noise_image(64, 48, seed=3)
