@@ -13,8 +13,10 @@ Routed experts of a 128 x 128 block checkpoint stay dequantized in the model dty
 ``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` re-quantizes them per row for the grouped row-wise kernel (torch's grouped
 GEMM has no block-scaled recipe on Hopper; one scale per row over the whole K is coarser than the checkpoint's
 tiles, and on the demo checkpoints it changes greedy tokens, so it is opt-in until measured on real models).
-A native kernel that raises on its first call for a shape (a layout or size cuBLAS refuses) is not tried again
-for that shape: the call and later ones take ``dequant``, with one warning.
+Each native kernel is probed once per process on a small problem against the dequantized GEMM (``probe``: it
+must not raise and must compute the same product; for the block recipes this also settles how the weight scales are
+laid out). A kernel that fails its probe, or raises later for one shape, is not used again (for that shape): those
+calls take ``dequant``, with one warning.
 """
 
 from __future__ import annotations
@@ -22,13 +24,21 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels.fp8_quant import BLOCK, dequantize, quantize_token_groups, quantize_tokens
+from workers.engine.kernels.fp8_quant import (
+    BLOCK,
+    dequantize,
+    quantize_block,
+    quantize_rows,
+    quantize_token_groups,
+    quantize_tokens,
+)
 
 log = logging.getLogger("glimpse.fp8")
 
@@ -94,41 +104,105 @@ def rowwise_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None
     return out
 
 
-def block_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+# How the weight's block scales are handed to F.scaled_mm: torch's docs do not pin the layout per recipe, so each
+# candidate is tried by ``probe`` on the first use of a recipe and the first that computes the right product is kept.
+_B_SCALE_LAYOUTS: tuple[Callable[[Tensor], Tensor], ...] = (
+    lambda s: s.t(),  # [K blocks, N blocks or rows], K-blocks contiguous (the 128 x 128 layout torch's tests use)
+    lambda s: s.t().contiguous(),  # the same shape, N contiguous
+    lambda s: s.t().contiguous().t(),  # [N, K blocks], N contiguous (how the activations' 1 x 128 scales go)
+    lambda s: s,  # [N, K blocks] as stored
+)
+_chosen_layout: dict[str, int] = {}  # recipe ("block" / "row-block") -> index into _B_SCALE_LAYOUTS
+_probed: dict[str, bool] = {}  # kernel kind -> whether its probe passed
+
+
+def block_linear(
+    x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None, layout: int | None = None
+) -> Tensor:
     """x [M, K] quantized per 1 x 128 group, weight [N, K] fp8 with 128 x 128 block scales (or row-block scales,
     recipe BlockWise1x128 for both operands): cuBLAS's block-scaled GEMM through ``F.scaled_mm``. cuBLAS takes the
     activation scales token-major with M a multiple of 4 (rows are zero-padded) and the weight's K blocks padded
-    to a multiple of 4."""
+    to a multiple of 4. ``layout``: which of ``_B_SCALE_LAYOUTS`` (default: the one the probe chose)."""
+    kind = scale_kind(weight, scale)
     m = x.shape[0]
     xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
     q, sx = quantize_token_groups(xp, BLOCK)
     kb = scale.shape[1]
     sw = F.pad(scale.float(), (0, -kb % 4)) if kb % 4 else scale.float()
+    arrange = _B_SCALE_LAYOUTS[_chosen_layout.get(kind, 0) if layout is None else layout]
     out: Tensor = F.scaled_mm(
         q,
         weight.t(),
         sx.t().contiguous().t(),
         F.ScalingType.BlockWise1x128,
-        sw.t() if scale_kind(weight, scale) == "block" else sw.t().contiguous().t(),
-        F.ScalingType.BlockWise128x128 if scale_kind(weight, scale) == "block" else F.ScalingType.BlockWise1x128,
+        arrange(sw),
+        F.ScalingType.BlockWise128x128 if kind == "block" else F.ScalingType.BlockWise1x128,
         output_dtype=x.dtype,
     )[:m]
     return out if bias is None else out + bias
 
 
+def _close(got: Tensor, ref: Tensor) -> bool:
+    """Within FP8 activation error of the dequantized product (a wrong scale layout is off by far more)."""
+    err = (got.float() - ref.float()).pow(2).mean().sqrt()
+    return bool(err <= 0.05 * ref.float().pow(2).mean().sqrt())
+
+
+def probe(kind: str, device: torch.device) -> bool:
+    """Run native kernel ``kind`` ("rowwise", "block", "row-block", "grouped") once on a small problem against the
+    dequantized bf16 GEMM; a kernel that raises or computes something else is never used (one warning). For the block
+    recipes this also picks the weight-scale layout. Not run inside a CUDA graph capture (the call there dequantizes)."""
+    if kind in _probed:
+        return _probed[kind]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(8, 256, device=device, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2, 256, 256, device=device, generator=gen)
+    ok, why = False, "wrong result"
+    try:
+        if kind == "grouped":
+            q, s = quantize_rows(w)
+            offs = torch.tensor([3, 8], dtype=torch.int32, device=device)
+            ok = _close(grouped_mm(x, q, s, offs), grouped_reference(x, q, s, offs))
+        elif kind == "rowwise":
+            q, s = quantize_rows(w[0])
+            ok = _close(rowwise_linear(x, q, s), dequant_linear(x, q, s))
+        else:
+            q, s = quantize_block(w[0])
+            if kind == "row-block":
+                s = s.repeat_interleave(BLOCK, dim=0)
+            for i in range(len(_B_SCALE_LAYOUTS)):
+                try:
+                    ok = _close(block_linear(x, q, s, layout=i), dequant_linear(x, q, s))
+                except (RuntimeError, ValueError) as exc:
+                    why = str(exc).splitlines()[0]
+                if ok:
+                    _chosen_layout[kind] = i
+                    break
+    except (RuntimeError, ValueError) as exc:
+        why = str(exc).splitlines()[0]
+    if not ok:
+        log.warning("FP8 %s GEMM unusable on %s (%s): that layout's weights use the dequantized bf16 GEMM", kind, device, why)
+    _probed[kind] = ok
+    return ok
+
+
 def native_kernel(x: Tensor, weight: Tensor, scale: Tensor) -> str | None:
-    """The native kernel ``linear`` would try for these operands ("rowwise" or "block"), or None (dequant)."""
+    """The native kernel ``linear`` would run for these operands ("rowwise", "block" or "row-block"), or None
+    (dequant)."""
     if variant() != "auto" or not x.is_cuda or not device_supports_fp8(x.device):
         return None
     n, k = weight.shape
-    if scale_kind(weight, scale) == "channel":
+    kind = scale_kind(weight, scale)
+    if kind == "channel":
         kernel = "rowwise" if k % 16 == 0 and n % 16 == 0 and x.dtype == torch.bfloat16 else None
     else:  # both block layouts: cuBLAS's block-scaled GEMM on Hopper and newer, K in whole 128-blocks
         hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)
-        kernel = "block" if k % BLOCK == 0 and n % 16 == 0 and hopper else None
+        kernel = kind if k % BLOCK == 0 and n % 16 == 0 and hopper and x.dtype == torch.bfloat16 else None
     if kernel is None or (kernel, tuple(weight.shape), tuple(scale.shape)) in _refused:
         return None
-    return kernel
+    return kernel if probe(kernel, x.device) else None
 
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -159,6 +233,7 @@ def grouped_usable(x: Tensor, weight: Tensor) -> bool:
         and device_supports_fp8(x.device)
         and weight.shape[-1] % 16 == 0
         and weight.shape[-2] % 16 == 0
+        and probe("grouped", x.device)
     )
 
 

@@ -122,12 +122,20 @@ def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
     return converted
 
 
+def _kernel_kind(layer: nn.Module) -> str:
+    kind = fp8_gemm.scale_kind(layer.weight, layer.weight_scale)  # type: ignore[arg-type]
+    return "rowwise" if kind == "channel" else kind
+
+
 def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: int = 0) -> int:
     """After the load: FP8 layers for the checkpoint's FP8 weights where the device runs FP8 GEMMs (else none)."""
     device = next(lm.parameters()).device
     if not fp8_gemm.wants_fp8_layers(device):
         return 0
     n = convert_to_fp8(lm, record, block)
+    # Probe the kernels now, eagerly: a first call inside a CUDA graph capture could not, and would dequantize.
+    for kind in sorted({_kernel_kind(m) for m in lm.modules() if getattr(m, "weight_scale", None) is not None}):
+        fp8_gemm.probe(kind, device)
     if rank == 0:
         log.info("FP8: %d language-model layers hold FP8 weights (%s scales, GEMM variant %s)",
                  n, "128x128 block" if block else "per-channel", fp8_gemm.variant())

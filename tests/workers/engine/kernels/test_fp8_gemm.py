@@ -76,6 +76,20 @@ def test_linear_takes_the_dequantized_gemm_on_cpu_for_both_layouts() -> None:
         torch.testing.assert_close(got[0], x @ dequantize(q, s).t())
 
 
+def test_probe_keeps_a_kernel_that_computes_the_product_and_drops_one_that_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(fp8_gemm, "_probed", {})
+    monkeypatch.setattr(fp8_gemm, "_chosen_layout", {})
+    cpu = torch.device("cpu")
+    assert fp8_gemm.probe("rowwise", cpu)  # torch._scaled_mm runs row-wise on the CPU too
+    assert not fp8_gemm.probe("block", cpu) and "block" not in fp8_gemm._chosen_layout  # no block recipe there
+    assert "FP8 block GEMM unusable on cpu" in caplog.text
+    monkeypatch.setattr(fp8_gemm, "rowwise_linear", lambda x, q, s, bias=None: fp8_gemm.dequant_linear(x, q, s) * 2)
+    monkeypatch.setattr(fp8_gemm, "_probed", {})
+    assert not fp8_gemm.probe("rowwise", cpu)  # a kernel computing the wrong product is not used
+
+
 def test_variant_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(fp8_gemm.VARIANT_ENV, "bf16")
     assert fp8_gemm.variant() == "bf16" and not fp8_gemm.wants_fp8_layers(torch.device("cpu"))
@@ -96,10 +110,12 @@ GPU_TOLERANCE = 0.03
 def test_native_kernels_match_the_dequantized_gemm_on_gpu(m: int) -> None:
     x = weight(m, 1024, seed=7).to("cuda", torch.bfloat16)
     w = weight(2048, 1024, seed=8).cuda()
-    for q, s, kernel in ((*quantize_block(w), "block"), (*quantize_rows(w), "rowwise")):
-        assert fp8_gemm.native_kernel(x, q, s) == kernel
+    qb, sb = quantize_block(w)
+    cases = ((qb, sb, "block"), (qb, sb.repeat_interleave(128, dim=0), "row-block"), (*quantize_rows(w), "rowwise"))
+    for q, s, kernel in cases:
+        assert fp8_gemm.native_kernel(x, q, s) == kernel  # its probe passed
         ref = fp8_gemm.dequant_linear(x, q, s).float()
-        got = (fp8_gemm.block_linear if kernel == "block" else fp8_gemm.rowwise_linear)(x, q, s).float()
+        got = (fp8_gemm.rowwise_linear if kernel == "rowwise" else fp8_gemm.block_linear)(x, q, s).float()
         assert (got - ref).abs().max() <= GPU_TOLERANCE * ref.pow(2).mean().sqrt() * 4  # max over 2M elements
         assert (got - ref).pow(2).mean().sqrt() <= GPU_TOLERANCE * ref.pow(2).mean().sqrt()
 
