@@ -21,7 +21,12 @@ from tests.workers.engine.models.engine_harness import GREEDY, chat, make_engine
 from tests.workers.engine.models.lm_harness import PagedCache
 from workers.engine.kernels import fp8_gemm
 from workers.engine.kernels.fp8_quant import FP8, dequantize, quantize_block, quantize_rows
-from workers.engine.layers.linear import MergedColumnParallelLinear, TPGroup
+from workers.engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+)
 from workers.engine.models import family, load_spec
 from workers.engine.models.base import load_model
 from workers.engine.models.demo_quantize import quantization_config
@@ -133,6 +138,30 @@ def test_block_scales_follow_a_fused_shard_and_become_tiles_when_aligned() -> No
         assert torch.equal(layer.weight.float(), torch.cat(stored).float())
         assert layer.weight_scale is not None
         assert layer.weight_scale.shape == ((3, 2) if tiles else (192, 2))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_block_scales_follow_the_rank_shard_at_tp2(rank: int) -> None:
+    """TP 2 without communication (loading and conversion are per rank): a row-parallel down projection takes its
+    128-column blocks, a column-parallel q/k/v its rows, each with the checkpoint's values and scales."""
+    tp = TPGroup(rank=rank, size=2)
+    down = RowParallelLinear(512, 256, bias=False, tp=tp)
+    qkv = QKVParallelLinear(256, 128, 4, 2, bias=False, tp=tp)  # q 512 rows, k and v 256 each
+    lm = torch.nn.ModuleDict({"down": down, "qkv": qkv})
+    record, full = {}, {}
+    for name, rows, cols, layer, shard in (("down", 256, 512, down, None), ("q", 512, 256, qkv, "q"),
+                                           ("k", 256, 256, qkv, "k"), ("v", 256, 256, qkv, "v")):
+        q, s = quantize_block(torch.randn(rows, cols))
+        layer.weight_loader(layer.weight, dequantize(q, s), shard)
+        record[f"lm.{name}"], full[name] = (s, q.shape), q
+    routes = {"down": ("down.weight", None), "q": ("qkv.weight", "q"), "k": ("qkv.weight", "k"), "v": ("qkv.weight", "v")}
+    lm.route = lambda name: routes[name]  # type: ignore[assignment]
+    assert convert_to_fp8(lm, record, 128) == 2
+    assert torch.equal(down.weight.float(), full["down"][:, 256 * rank : 256 * (rank + 1)].float())
+    assert down.weight_scale is not None and down.weight_scale.shape == (2, 2)  # 128 x 128 tiles of the shard
+    halves = [full[p][len(full[p]) // 2 * rank :][: len(full[p]) // 2] for p in "qkv"]
+    assert torch.equal(qkv.weight.float(), torch.cat(halves).float())
+    assert qkv.weight_scale is not None and qkv.weight_scale.shape == (4, 2)
 
 
 def _always(*_: Any) -> bool:
