@@ -4,12 +4,12 @@ forward goes through kernels/fp8_gemm.py.
 
 * Tensor-parallel linears (q/k/v, o, gate/up, down, Qwen3.5's linear-attention projections, shared experts) get
   the checkpoint's own FP8 values and scales back, exactly: each value was dequantized with one rounding, so
-  dividing by the stored scale lands inside the same e4m3 rounding interval. Channel scales are recomputed from
-  the rows (each row's max is 448 x its scale). Block scales are laid out for the rank's fused shard by replaying
-  the layer's own weight loader on the scales expanded to rows (``[rows, ceil(in/128)]``: the same row slicing as
-  the weight); where every 128-row group then has one scale (sub-projections on 128-row boundaries, as in the
-  published models) they are stored as 128 x 128 tiles, else per row and 128 columns. A row-parallel shard that
-  splits a 128-column block stays in the model dtype.
+  dividing by the stored scale lands inside the same e4m3 rounding interval. The scales are laid out for the rank's
+  fused shard by replaying the layer's own weight loader on them, block scales expanded to rows first
+  (``[rows, ceil(in/128)]``: the same row slicing as the weight). Where every 128-row group then has one block scale
+  (sub-projections on 128-row boundaries, as in the published models) they are stored as 128 x 128 tiles, else per
+  row and 128 columns. A row-parallel shard that splits a 128-column block, and a fused layer with a part the
+  checkpoint kept in the model dtype, stay in the model dtype.
 * Stacked routed experts (Qwen3-VL-MoE, Qwen3.5-MoE) of a channel checkpoint: one scale per expert row, for
   ``torch._scaled_grouped_mm``'s row-wise recipe (exact, as above). A block checkpoint's experts stay in the model
   dtype unless ``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` (fp8_gemm.py says why). Experts that only run as a loop
@@ -47,21 +47,27 @@ def _routes(lm: nn.Module, record: Fp8Record) -> dict[str, list[tuple[object, st
     return params
 
 
-def _shard_block_scales(
-    owner: ColumnParallelLinear | RowParallelLinear, entries: list[tuple[object, str]], record: Fp8Record
+def _shard_scales(
+    owner: ColumnParallelLinear | RowParallelLinear, entries: list[tuple[object, str]], record: Fp8Record, block: int | None
 ) -> Tensor | None:
-    """The rank's shard's block scales, [rows, ceil(in/128)] (row-expanded), built by the layer's weight loader from
-    each checkpoint tensor's scales; None where a row-parallel shard splits a 128-column block."""
+    """The rank's shard's scales as the checkpoint stored them, laid out like its weight: [rows, ceil(in/128)] (block,
+    row-expanded) or [rows, 1] (channel), built by the layer's own weight loader from each checkpoint tensor's scales.
+    None where the layer cannot be FP8 with them: a row-parallel shard that splits a 128-column block, or a fused
+    layer some of whose parts the checkpoint kept in the model dtype (rows no FP8 tensor covered)."""
     w = owner.weight
     rows, cols = w.shape
-    if isinstance(owner, RowParallelLinear) and owner.tp.size > 1 and cols % BLOCK:
-        return None
-    scales = torch.empty(rows, -(-cols // BLOCK), device=w.device)
+    if isinstance(owner, RowParallelLinear):
+        if block is None:  # per output row, and a row-parallel layer has all its output rows
+            return record[entries[0][1]][0].float().reshape(rows, 1).to(w.device) if len(entries) == 1 else None
+        if owner.tp.size > 1 and cols % block:
+            return None
+    scales = torch.full((rows, -(-cols // block) if block else 1), float("nan"), device=w.device)
     load = get_weight_loader(w)
     for shard_id, name in entries:
         scale, shape = record[name]
-        load(scales, scale.float().repeat_interleave(BLOCK, dim=0)[: shape[0]].to(w.device), shard_id)
-    return scales
+        expanded = scale.float().repeat_interleave(block, dim=0)[: shape[0]] if block else scale.float().reshape(-1, 1)
+        load(scales, expanded.to(w.device), shard_id)
+    return None if bool(torch.isnan(scales).any()) else scales
 
 
 def _compact(scales: Tensor) -> Tensor:
@@ -74,15 +80,11 @@ def _compact(scales: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _convert_linear(owner: ColumnParallelLinear | RowParallelLinear, scales: Tensor | None) -> None:
-    if scales is None:  # channel: each row's scale is its max / 448, as the checkpoint computed it
-        q, scale = quantize_rows(owner.weight)
-    else:
-        w = owner.weight.float()
-        q = (w / expand_scale(scales, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        scale = _compact(scales)
+def _convert_linear(owner: ColumnParallelLinear | RowParallelLinear, scales: Tensor) -> None:
+    w = owner.weight.float()
+    q = (w / expand_scale(scales, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     owner.weight = nn.Parameter(q, requires_grad=False)
-    owner.weight_scale = scale
+    owner.weight_scale = _compact(scales) if scales.shape[1] > 1 or w.shape[1] <= BLOCK else scales
 
 
 @torch.no_grad()
@@ -110,8 +112,8 @@ def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
         owner_name, _, attr = name.rpartition(".")
         owner = lm.get_submodule(owner_name)
         if isinstance(owner, ColumnParallelLinear | RowParallelLinear) and attr == "weight":
-            scales = _shard_block_scales(owner, entries, record) if block else None
-            if block and scales is None:
+            scales = _shard_scales(owner, entries, record, block)
+            if scales is None:
                 continue
             _convert_linear(owner, scales)
             converted += 1

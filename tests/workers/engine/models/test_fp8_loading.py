@@ -140,28 +140,45 @@ def test_block_scales_follow_a_fused_shard_and_become_tiles_when_aligned() -> No
         assert layer.weight_scale.shape == ((3, 2) if tiles else (192, 2))
 
 
+@pytest.mark.parametrize("block", [128, None])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_block_scales_follow_the_rank_shard_at_tp2(rank: int) -> None:
+def test_scales_follow_the_rank_shard_at_tp2(rank: int, block: int | None) -> None:
     """TP 2 without communication (loading and conversion are per rank): a row-parallel down projection takes its
-    128-column blocks, a column-parallel q/k/v its rows, each with the checkpoint's values and scales."""
+    128-column blocks (or keeps every row's scale), a column-parallel q/k/v its rows, each with the checkpoint's
+    values and scales."""
     tp = TPGroup(rank=rank, size=2)
     down = RowParallelLinear(512, 256, bias=False, tp=tp)
     qkv = QKVParallelLinear(256, 128, 4, 2, bias=False, tp=tp)  # q 512 rows, k and v 256 each
     lm = torch.nn.ModuleDict({"down": down, "qkv": qkv})
-    record, full = {}, {}
+    record, full, scales = {}, {}, {}
     for name, rows, cols, layer, shard in (("down", 256, 512, down, None), ("q", 512, 256, qkv, "q"),
                                            ("k", 256, 256, qkv, "k"), ("v", 256, 256, qkv, "v")):
-        q, s = quantize_block(torch.randn(rows, cols))
+        q, s = (quantize_block if block else quantize_rows)(torch.randn(rows, cols))
         layer.weight_loader(layer.weight, dequantize(q, s), shard)
-        record[f"lm.{name}"], full[name] = (s, q.shape), q
+        record[f"lm.{name}"], full[name], scales[name] = (s, q.shape), q, s
     routes = {"down": ("down.weight", None), "q": ("qkv.weight", "q"), "k": ("qkv.weight", "k"), "v": ("qkv.weight", "v")}
     lm.route = lambda name: routes[name]  # type: ignore[assignment]
-    assert convert_to_fp8(lm, record, 128) == 2
+    assert convert_to_fp8(lm, record, block) == 2
     assert torch.equal(down.weight.float(), full["down"][:, 256 * rank : 256 * (rank + 1)].float())
-    assert down.weight_scale is not None and down.weight_scale.shape == (2, 2)  # 128 x 128 tiles of the shard
+    assert down.weight_scale is not None and qkv.weight_scale is not None
     halves = [full[p][len(full[p]) // 2 * rank :][: len(full[p]) // 2] for p in "qkv"]
     assert torch.equal(qkv.weight.float(), torch.cat(halves).float())
-    assert qkv.weight_scale is not None and qkv.weight_scale.shape == (4, 2)
+    if block:  # 128 x 128 tiles of each shard
+        assert down.weight_scale.shape == (2, 2) and qkv.weight_scale.shape == (4, 2)
+    else:  # the stored per-row scales: all of down's rows, this rank's q/k/v rows
+        assert torch.equal(down.weight_scale, scales["down"])
+        assert torch.equal(qkv.weight_scale, torch.cat([scales[p][len(scales[p]) // 2 * rank :][: len(scales[p]) // 2] for p in "qkv"]))
+
+
+def test_a_fused_layer_with_a_part_kept_in_the_model_dtype_stays_unconverted() -> None:
+    layer = MergedColumnParallelLinear(256, [128, 128], bias=False)
+    lm = torch.nn.ModuleDict({"gate_up_proj": layer})
+    q, s = quantize_block(torch.randn(128, 256))
+    layer.weight_loader(layer.weight, dequantize(q, s), 0)
+    layer.weight_loader(layer.weight, torch.randn(128, 256), 1)  # up_proj in bf16, as a modules_to_not_convert entry
+    lm.route = lambda name: ("gate_up_proj.weight", 0)  # type: ignore[assignment]
+    assert convert_to_fp8(lm, {"lm.gate_proj": (s, q.shape)}, 128) == 0
+    assert layer.weight.dtype == torch.float32 and layer.weight_scale is None
 
 
 def _always(*_: Any) -> bool:
