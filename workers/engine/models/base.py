@@ -34,7 +34,7 @@ from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.fa3_attention import vision_kernel
 from workers.engine.layers.linear import TPGroup
 from workers.engine.layers.vision_attention import VisionAttention
-from workers.engine.models.fp8_layers import convert_loaded
+from workers.engine.models.fp8_layers import convert_dummy, convert_loaded
 from workers.engine.models.loader import fill_dummy_weights, iter_checkpoint, normalize_name
 from workers.engine.models.quantization import Fp8Record, checkpoint_scheme, dequantized
 
@@ -392,6 +392,8 @@ def load_model(
     if load_format == "dummy":
         fill_dummy_weights(model.lm, seed=seed + rank)  # LM shards differ per rank
         fill_dummy_weights(model.vision, seed=seed)  # the ViT is replicated: every rank the same weights
+        if (dummy_scheme := checkpoint_scheme(model_dir)) is not None:  # FP8 serving measured without a checkpoint
+            convert_dummy(model.lm, dummy_scheme.block, rank)
     elif load_format == "auto":
         # One walk over the shards: language-model tensors stream straight into their (sharded) parameters,
         # so host memory holds one tensor at a time even for a 235B checkpoint; the vision tower's tensors

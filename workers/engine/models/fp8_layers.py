@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from workers.engine.kernels import fp8_gemm
-from workers.engine.kernels.fp8_quant import BLOCK, FP8, FP8_MAX, expand_scale, quantize_rows
+from workers.engine.kernels.fp8_quant import BLOCK, FP8, FP8_MAX, expand_scale, quantize_block, quantize_rows
 from workers.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, get_weight_loader
 from workers.engine.models.quantization import Fp8Record
 
@@ -141,4 +141,26 @@ def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: in
     if rank == 0:
         log.info("FP8: %d language-model layers hold FP8 weights (%s scales, GEMM variant %s)",
                  n, "128x128 block" if block else "per-channel", fp8_gemm.variant())
+    return n
+
+
+@torch.no_grad()
+def convert_dummy(lm: nn.Module, block: int | None, rank: int = 0) -> int:
+    """``--load-format dummy`` with an FP8 ``quantization_config``: every tensor-parallel linear (and, as for a
+    checkpoint, the grouped experts) made FP8 from its random weights in the configured layout, so FP8 serving can be
+    measured at real shapes without a checkpoint."""
+    device = next(lm.parameters()).device
+    if not fp8_gemm.wants_fp8_layers(device):
+        return 0
+    n = 0
+    for module in lm.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            q, scale = quantize_block(module.weight) if block else quantize_rows(module.weight)
+            module.weight = nn.Parameter(q, requires_grad=False)
+            module.weight_scale = scale
+            n += 1
+        elif getattr(module, "fp8_grouped", False) and (block is None or fp8_gemm.block_experts_rowwise()):
+            n += _convert_experts(module)
+    if rank == 0:
+        log.info("FP8 (dummy weights): %d language-model layers hold FP8 weights", n)
     return n

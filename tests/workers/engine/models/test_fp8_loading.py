@@ -210,6 +210,22 @@ def test_fp8_layers_built_on_the_cpu_give_the_dequantized_models_tokens(
     assert fp8.token_ids == plain.token_ids
 
 
+def test_dummy_weights_with_an_fp8_config_get_fp8_layers(
+    fp8_demo: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--load-format dummy`` over an FP8 config.json: FP8 layers from the random weights (for measuring)."""
+    model_dir = fp8_demo("qwen3_5_moe", "fp8-dynamic")
+    monkeypatch.setattr(fp8_gemm, "wants_fp8_layers", _always)
+    monkeypatch.setattr(fp8_gemm, "grouped_usable", _always)
+    spec = load_spec(model_dir)
+    model = load_model(family(spec.family).build(spec, TPGroup(), torch.float32, torch.device("cpu"), "auto"),
+                       model_dir, load_format="dummy")
+    layer = model.lm.layers[0]
+    assert layer.mlp.experts.down_proj.dtype == FP8 and layer.linear_attn.in_proj.weight.dtype == FP8
+    assert layer.linear_attn.in_proj.weight_scale.shape == (layer.linear_attn.in_proj.weight.shape[0], 1)
+    assert model.lm.lm_head.weight.dtype == torch.float32
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)), reason="needs FP8 CUDA")
 def test_fp8_logits_match_the_dequantized_model_on_gpu(
