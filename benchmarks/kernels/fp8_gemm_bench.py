@@ -10,7 +10,7 @@ milliseconds per call of
 * ``row-block``: the same with one weight scale per row and 128 columns (fused layers not on 128-row boundaries);
 * ``dequant``: the FP8 weight dequantized to bf16 each call, then F.linear (the fallback where no kernel runs);
 each with the activation quantization included, and its error against the dequantized-weight bf16 GEMM (relative
-RMS). A kernel torch refuses for a shape prints ``refused``. ``--moe``: the routed experts' grouped GEMM
+RMS). A kernel torch refuses for a shape prints ``refused``; ``-`` where it cannot run at all (its probe failed). ``--moe``: the routed experts' grouped GEMM
 (``torch._grouped_mm`` bf16 against ``torch._scaled_grouped_mm`` row-wise) at the 30B-A3B expert shapes.
 On the CPU (``--device cpu``) only bf16, rowwise and dequant run: a smoke test of the script, not a measurement.
 """
@@ -62,9 +62,8 @@ def variant_fn(name: str, x: Tensor, w: Tensor) -> Callable[[], Tensor] | None:
     """The call for one variant at weight ``w`` (bf16 [N, K]), or None where it cannot run on this device."""
     if name == "bf16":
         return lambda: F.linear(x, w)
-    cuda = x.is_cuda
-    if name in ("block", "row-block") and not cuda:
-        return None
+    if name in ("block", "row-block") and not (x.is_cuda and fp8_gemm.probe(name, x.device)):
+        return None  # no block recipe here, or its probe failed (fp8_gemm logs why)
     if name == "rowwise":
         q, s = quantize_rows(w)
         return lambda: fp8_gemm.rowwise_linear(x, q, s)
