@@ -246,7 +246,7 @@ def test_fp8_logits_match_the_dequantized_model_on_gpu(
         assert bool(fp8) == (variant == "auto")
         cache = PagedCache(model.lm, device="cuda", dtype=torch.bfloat16)
         meta, _ = cache.schedule([("a", len(ids))])
-        positions = torch.arange(len(ids), device="cuda").expand(3, -1)
+        positions = torch.arange(len(ids), device="cuda").repeat(3, 1)
         with torch.inference_mode():
             logits.append(model.compute_logits(model(model.embed(ids), positions, cache.caches, meta)))
     got, ref = logits
