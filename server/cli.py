@@ -15,8 +15,9 @@ Handler = Callable[[argparse.Namespace], int]
 def _run_demo_model(args: argparse.Namespace) -> int:
     from workers.engine.models.demo_writer import write_demo_model
 
-    path = write_demo_model(args.path, args.family)
-    print(f"wrote the {args.family} demo model (random weights) to {path}")
+    path = write_demo_model(args.path, args.family, args.quantize)
+    fp8 = f" in {args.quantize}" if args.quantize else ""
+    print(f"wrote the {args.family} demo model (random weights){fp8} to {path}")
     return 0
 
 
@@ -31,6 +32,12 @@ def _add_demo_model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("path", metavar="PATH", type=Path, help="directory to write (created if missing)")
     p.add_argument("--family", default="qwen2_5_vl", choices=sorted(DEMO_FAMILIES), help="model family")
+    p.add_argument(
+        "--quantize",
+        choices=("fp8-block", "fp8-dynamic"),
+        help="write the language model's Linear weights in FP8: fp8-block as Qwen's -FP8 repos (128x128 blocks, "
+        "weight_scale_inv), fp8-dynamic as llm-compressor's FP8_DYNAMIC (compressed-tensors, per-channel)",
+    )
     p.set_defaults(handler=_run_demo_model)
 
 

@@ -51,6 +51,8 @@ CPU: list[tuple[str, list[str], str]] = [
     ("engine.video_bench", ["--decode-only", "--decode-seconds", "0.5"], "  size  all frames/s  sampled frames/s"),
     ("kernels.gated_delta_bench", ["--device", "cpu", "--prefill", "64", "--batch", "2", "--heads", "2,4", "--dim", "32",
                                    "--reps", "1"], "| case | tokens | path | ms per call | tokens/s |"),
+    ("kernels.fp8_gemm_bench", ["--device", "cpu", "--size", "tiny", "--rows", "1", "--chunks", "16", "--reps", "1"],
+     "| M | proj | N x K | bf16 ms | rowwise ms |"),
     ("request_path.fresh_image_bench", ["--count", "1"], "stage    variant"),
     ("request_path.multiturn_prep_bench", ["--rounds", "2", "--passes", "1"], "round images"),
     ("request_path.tokenizer_bench", ["--workers", "1", "--requests", "2", "--json", f"{OUT}/tok.json"],

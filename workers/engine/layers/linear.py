@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import fused, skinny_gemm
+from workers.engine.kernels import fp8_gemm, fused, skinny_gemm
 
 WeightLoader = Callable[..., None]
 
@@ -56,9 +56,11 @@ class TPGroup:
 SINGLE_RANK = TPGroup()
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """F.linear, or on CUDA at decode row counts the Triton kernel that streams large weights faster
-    (skinny_gemm.py)."""
+    (skinny_gemm.py); an FP8 weight (``scale`` given: its dequantization scales) goes to fp8_gemm.py."""
+    if scale is not None:
+        return fp8_gemm.linear(x, weight, scale, bias)
     if skinny_gemm.wanted(x, weight):
         return skinny_gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -136,13 +138,15 @@ class ColumnParallelLinear(nn.Module):
         self.weight, self.bias = sharded_parameters(
             (self.out_local, in_features), self.out_local if bias else None, self.weight_loader, self.weight_loader
         )
+        self.weight_scale: Tensor | None
+        self.register_buffer("weight_scale", None)  # set when the weight becomes FP8 (models/fp8_layers.py)
 
     def weight_loader(self, param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
         n = param.shape[0]
         copy_into(param, loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.weight_scale)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -238,13 +242,15 @@ class RowParallelLinear(nn.Module):
         self.weight, self.bias = sharded_parameters(
             (out_features, self.in_local), out_features if bias else None, self.weight_loader, default_weight_loader
         )
+        self.weight_scale: Tensor | None
+        self.register_buffer("weight_scale", None)  # set when the weight becomes FP8 (models/fp8_layers.py)
 
     def weight_loader(self, param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
         n = param.shape[1]
         copy_into(param, loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, scale=self.weight_scale)
         if self.reduce_output:
             y = self.tp.all_reduce(y)
         if self.bias is not None:

@@ -65,7 +65,17 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         config = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
         raise UnsupportedModel(f"{path} is not a checkpoint directory (no config.json)") from None
-    return family_for(config).parse(config, path)
+    from workers.engine.models.quantization import (  # imports torch
+        UnsupportedQuantization,
+        parse_quantization,
+    )
+
+    fam = family_for(config)
+    try:
+        parse_quantization(config)  # an unsupported method stops here, before any worker starts
+    except UnsupportedQuantization as exc:
+        raise UnsupportedModel(str(exc)) from None
+    return fam.parse(config, path)
 
 
 __all__ = ["ARCHITECTURES", "DEMO_FAMILIES", "UnsupportedModel", "family", "family_for", "load_spec"]

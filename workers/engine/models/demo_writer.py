@@ -251,16 +251,20 @@ def _silence_unused_outputs(model: Any, special_ids: dict[str, int], n_tokens: i
         model.lm_head.weight[torch.tensor(rows)] = 0.0
 
 
-def write_demo_model(path: str | os.PathLike[str], family: str = "qwen2_5_vl") -> Path:
+def write_demo_model(path: str | os.PathLike[str], family: str = "qwen2_5_vl", quantize: str | None = None) -> Path:
     """Write the demo checkpoint of ``family`` (a key of models.DEMO_FAMILIES) into `path` (created if
-    missing). Same bytes on every run."""
+    missing), its language model in FP8 when ``quantize`` names a format of demo_quantize.py. Same bytes on every
+    run."""
     from workers.engine.models import DEMO_FAMILIES, family as family_package
+    from workers.engine.models.demo_quantize import quantize_checkpoint
 
     if family not in DEMO_FAMILIES:
         raise ValueError(f"no demo model for family {family!r}; choose from {', '.join(DEMO_FAMILIES)}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     written = family_package(DEMO_FAMILIES[family]).write_demo(out, family)
+    if quantize is not None:
+        quantize_checkpoint(written, quantize)
     # safetensors writes 0600; a cache filled by one user (say, a container build) must be readable by others.
     for file in written.iterdir():
         file.chmod(0o644)

@@ -64,6 +64,8 @@ class GemmaExperts(StackedExperts):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, tp)
 
+    fp8_grouped = False  # the loop only: FP8 checkpoints' experts stay dequantized in the model dtype
+
     def capturable(self) -> bool:
         """The loop syncs with the host (which experts got tokens): no CUDA graph can hold it."""
         return False

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import fused
+from workers.engine.kernels import fp8_gemm, fused
+from workers.engine.kernels.fp8_quant import dequantize
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup, copy_into, divide, set_weight_loader
 
 
@@ -97,6 +98,27 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, il), requires_grad=False)
         set_weight_loader(self.gate_up_proj, self.load_gate_up)
         set_weight_loader(self.down_proj, self.load_down)
+        # FP8 experts (models/fp8_layers.py): per-expert, per-row scales [E, rows, 1] of the two stacks, or None.
+        self.gate_up_scale: Tensor | None
+        self.down_scale: Tensor | None
+        self.register_buffer("gate_up_scale", None)
+        self.register_buffer("down_scale", None)
+
+    # The grouped FP8 GEMM (torch._scaled_grouped_mm) can run these experts; GemmaExperts' loop cannot.
+    fp8_grouped = True
+
+    def fp8_scales(self) -> tuple[Tensor, Tensor] | None:
+        if self.gate_up_scale is None or self.down_scale is None:
+            return None
+        return self.gate_up_scale, self.down_scale
+
+    def bf16_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The two stacks in ``dtype``: as they are, or dequantized from FP8 (the fallback when no FP8 kernel runs)."""
+        scales = self.fp8_scales()
+        if scales is None:
+            return self.gate_up_proj, self.down_proj
+        return (dequantize(self.gate_up_proj, scales[0]).to(dtype),
+                dequantize(self.down_proj, scales[1]).to(dtype))
 
     def _linear_layout(self, loaded: Tensor, out_features: int, in_features: int) -> Tensor:
         """A fused [E, out, in] (Linear) or [E, in, out] (Hub) tensor as an [E, out, in] view."""
@@ -149,7 +171,13 @@ def experts_loop(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down:
 
 
 def experts_grouped(
-    x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, fuse_act: bool = False
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    fuse_act: bool = False,
+    fp8_scales: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The same combine as ``experts_loop`` as two grouped GEMMs, with no loop and no host sync (so it can be
     captured in a CUDA graph).
@@ -157,20 +185,27 @@ def experts_grouped(
     Token-expert pairs are sorted by expert, so each expert's rows are one contiguous group of the gathered
     input; ``searchsorted`` over the sorted ids gives the groups' end offsets (empty groups included). The
     weighted outputs are put back in (token, slot) order and each token's k rows summed: deterministic,
-    unlike atomic scatter-adds, and the sum of k rounds once."""
+    unlike atomic scatter-adds, and the sum of k rounds once. ``fp8_scales``: the stacks are FP8 with these per-row
+    scales, and both GEMMs are ``fp8_gemm.grouped_mm``."""
     t, k = ids.shape
     flat = ids.flatten()
     order = flat.argsort(stable=True)
     experts = torch.arange(gate_up.shape[0], device=ids.device, dtype=flat.dtype)
     ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
     rows = x[order // k]  # [t*k, H], grouped by expert
-    h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)  # [t*k, 2I]
+    if fp8_scales is None:
+        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)  # [t*k, 2I]
+    else:
+        h = fp8_gemm.grouped_mm(rows, gate_up, fp8_scales[0], ends)
     if fuse_act:
         h = fused.fast_silu_mul(h)
     else:
         g, u = h.chunk(2, dim=-1)
         h = F.silu(g) * u
-    y = torch._grouped_mm(h, down.transpose(1, 2), offs=ends)  # [t*k, H]
+    if fp8_scales is None:
+        y = torch._grouped_mm(h, down.transpose(1, 2), offs=ends)  # [t*k, H]
+    else:
+        y = fp8_gemm.grouped_mm(h, down, fp8_scales[1], ends)
     y = y * weights.flatten()[order].unsqueeze(-1)
     unsorted = torch.empty_like(y)
     unsorted[order] = y
@@ -222,6 +257,8 @@ class SparseMoeBlock(nn.Module):
     def capturable(self) -> bool:
         """Whether a CUDA graph can hold this block: the grouped path has no host sync, the loop has (start_graphs)."""
         one_row = self.gate.weight[:1]  # [1, H]: the block's device and dtype
+        if self.experts.fp8_scales() is not None:
+            return self.use_grouped and fp8_gemm.grouped_usable(one_row, self.experts.down_proj)
         return self.use_grouped and grouped_mm_usable(one_row, self.experts.gate_up_proj, self.experts.down_proj)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -235,7 +272,13 @@ class SparseMoeBlock(nn.Module):
     def routed(self, x: Tensor) -> Tensor:
         """This rank's partial sum of the routed experts' outputs for x [T, H] (not yet reduced over TP ranks)."""
         weights, ids = self.route(x)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        gate_up: Tensor = self.experts.gate_up_proj
+        down: Tensor = self.experts.down_proj
+        scales = self.experts.fp8_scales()
+        if scales is not None:
+            if self.use_grouped and fp8_gemm.grouped_usable(x, down):
+                return experts_grouped(x, weights, ids, gate_up, down, self.fused and fused.worth_it(x), scales)
+            gate_up, down = self.experts.bf16_weights(x.dtype)
         if self.use_grouped and grouped_mm_usable(x, gate_up, down):
             return experts_grouped(x, weights, ids, gate_up, down, self.fused and fused.worth_it(x))
         return experts_loop(x, weights, ids, gate_up, down)

@@ -1,0 +1,154 @@
+"""FP8 GEMMs (workers/engine/kernels/fp8_gemm.py) against bf16, at a model's LM projections, per row count.
+
+    python -m benchmarks.kernels.fp8_gemm_bench [--size 8b] [--rows 1,2,4,8,16] [--chunks 512,2048,8192] [--moe]
+
+For each projection (qkv, o, gate_up, down) and each M (decode batches ``--rows``, prefill chunks ``--chunks``):
+milliseconds per call of
+* ``bf16``: F.linear on the bf16 weight (what an unquantized checkpoint runs);
+* ``rowwise``: per-token activations x per-channel weights, ``torch._scaled_mm`` (compressed-tensors FP8_DYNAMIC);
+* ``block``: per-1x128-group activations x 128x128 weight tiles, ``F.scaled_mm`` (Qwen's -FP8 repos);
+* ``row-block``: the same with one weight scale per row and 128 columns (fused layers not on 128-row boundaries);
+* ``dequant``: the FP8 weight dequantized to bf16 each call, then F.linear (the fallback where no kernel runs);
+each with the activation quantization included, and its error against the dequantized-weight bf16 GEMM (relative
+RMS). A kernel torch refuses for a shape prints ``refused``; ``-`` where it cannot run at all (its probe failed). ``--moe``: the routed experts' grouped GEMM
+(``torch._grouped_mm`` bf16 against ``torch._scaled_grouped_mm`` row-wise) at the 30B-A3B expert shapes.
+On the CPU (``--device cpu``) only bf16, rowwise and dequant run: a smoke test of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from benchmarks.args import parser
+from workers.engine.kernels import fp8_gemm
+from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows
+
+# (name, out features, in features) of one decoder layer's projections. 8b: Qwen3-VL-8B (hidden 4096, 32 q / 8 kv
+# heads of 128, I 12288); 32b: Qwen3-VL-32B (5120, 64 / 8, 25600); tiny: a CPU smoke run.
+SIZES: dict[str, tuple[tuple[str, int, int], ...]] = {
+    "8b": (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)),
+    "32b": (("qkv", 10240, 5120), ("o", 5120, 8192), ("gate_up", 51200, 5120), ("down", 5120, 25600)),
+    "tiny": (("qkv", 256, 256), ("down", 256, 512)),
+}
+# Qwen3-VL-30B-A3B's routed experts: 128 experts, top 8, hidden 2048, moe_intermediate 768.
+MOE = (128, 8, 2048, 768)
+VARIANTS = ("bf16", "rowwise", "block", "row-block", "dequant")
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end)) / reps
+    began = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - began) * 1e3 / reps
+
+
+def variant_fn(name: str, x: Tensor, w: Tensor) -> Callable[[], Tensor] | None:
+    """The call for one variant at weight ``w`` (bf16 [N, K]), or None where it cannot run on this device."""
+    if name == "bf16":
+        return lambda: F.linear(x, w)
+    if name in ("block", "row-block") and not (x.is_cuda and fp8_gemm.probe(name, x.device)):
+        return None  # no block recipe here, or its probe failed (fp8_gemm logs why)
+    if name == "rowwise":
+        q, s = quantize_rows(w)
+        return lambda: fp8_gemm.rowwise_linear(x, q, s)
+    q, s = quantize_block(w)
+    if name == "row-block":
+        s = s.repeat_interleave(BLOCK, dim=0)[: w.shape[0]]
+    if name == "dequant":
+        return lambda: fp8_gemm.dequant_linear(x, q, s)
+    return lambda: fp8_gemm.block_linear(x, q, s)
+
+
+def rel_err(got: Tensor, ref: Tensor) -> float:
+    return float((got.float() - ref.float()).pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt())
+
+
+def dense_table(shapes: tuple[tuple[str, int, int], ...], ms: list[int], device: torch.device, reps: int) -> None:
+    print("| M | proj | N x K | " + " | ".join(f"{v} ms" for v in VARIANTS) + " | best FP8 / bf16 | errors (rowwise, block) |")
+    print("|---" * (len(VARIANTS) + 5) + "|")
+    gen = torch.Generator(device=device).manual_seed(0)
+    for m in ms:
+        for proj, n, k in shapes:
+            w = torch.randn(n, k, device=device, generator=gen).mul_(0.02).to(torch.bfloat16)
+            x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+            cells, errors = [], []
+            best = float("inf")
+            for v in VARIANTS:
+                fn = variant_fn(v, x, w)
+                if fn is None:
+                    cells.append("-")
+                    continue
+                try:
+                    t = timed_ms(fn, device, reps)
+                except (RuntimeError, ValueError):
+                    cells.append("refused")
+                    continue
+                cells.append(f"{t:.3f}")
+                if v != "bf16":
+                    best = min(best, t) if v != "dequant" else best
+                if v in ("rowwise", "block"):
+                    errors.append(f"{rel_err(fn(), F.linear(x, w)):.3f}")
+            bf16 = float(cells[0])
+            ratio = f"{best / bf16:.2f}" if best < float("inf") else "-"
+            print(f"| {m} | {proj} | {n} x {k} | " + " | ".join(cells) + f" | {ratio} | {', '.join(errors)} |")
+
+
+def moe_table(tokens: list[int], device: torch.device, reps: int) -> None:
+    experts, top_k, hidden, inter = MOE
+    gen = torch.Generator(device=device).manual_seed(1)
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=device, generator=gen).mul_(0.02).to(torch.bfloat16)
+    q, s = quantize_rows(gate_up)
+    print("| tokens | rows | bf16 grouped ms | fp8 grouped ms | fp8 / bf16 | error |")
+    print("|---|---|---|---|---|---|")
+    for t in tokens:
+        rows = torch.randn(t * top_k, hidden, device=device, generator=gen).to(torch.bfloat16)
+        ids = torch.randint(0, experts, (t * top_k,), device=device, generator=gen).sort().values
+        offs = torch.searchsorted(ids, torch.arange(experts, device=device), right=True).to(torch.int32)
+        ref = functools.partial(torch._grouped_mm, rows, gate_up.transpose(1, 2), offs=offs)
+        fp8 = functools.partial(fp8_gemm.grouped_mm, rows, q, s, offs)
+        a = timed_ms(ref, device, reps)
+        try:
+            b = timed_ms(fp8, device, reps)
+        except (RuntimeError, ValueError, NotImplementedError):
+            print(f"| {t} | {t * top_k} | {a:.3f} | refused | - | - |")
+            continue
+        print(f"| {t} | {t * top_k} | {a:.3f} | {b:.3f} | {b / a:.2f} | {rel_err(fp8(), ref()):.3f} |")
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--size", default="8b", choices=sorted(SIZES))
+    p.add_argument("--rows", default="1,2,4,8,16", help="decode batch sizes (M)")
+    p.add_argument("--chunks", default="512,2048,8192", help="prefill chunk sizes (M)")
+    p.add_argument("--moe", action="store_true", help="also the routed experts' grouped GEMM (CUDA)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    ms = [int(v) for v in f"{args.rows},{args.chunks}".split(",") if v]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run: no FP8 tensor cores)"
+    print(f"FP8 GEMMs at {args.size} projections on {where}, torch {torch.__version__}")
+    dense_table(SIZES[args.size], ms, device, args.reps)
+    if args.moe and device.type == "cuda":
+        print()
+        moe_table([int(v) for v in args.rows.split(",")] + [int(v) for v in args.chunks.split(",")], device, args.reps)
+
+
+if __name__ == "__main__":
+    main()

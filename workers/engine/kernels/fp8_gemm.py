@@ -1,0 +1,264 @@
+"""FP8 GEMMs of the language model's linear layers and routed experts: the one place that picks how an FP8
+weight is multiplied, so each variant can be measured on the GPU (benchmarks/kernels/fp8_gemm_bench.py).
+
+Variants (``GLIMPSE_FP8_GEMM``, read once per process):
+* ``auto`` (default): the native kernel where torch has one for the device and the weight's scales, else
+  ``dequant``. Channel scales: ``torch._scaled_mm`` row-wise (activations quantized per token). 128 x 128
+  block scales: ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128 (activations quantized per 1 x 128 token
+  group; cuBLAS on Hopper). Routed experts: ``torch._scaled_grouped_mm`` row-wise.
+* ``dequant``: FP8 weights in memory, each call dequantizes the weight to the activation dtype and runs the
+  bf16 GEMM (half the weight memory, no FP8 tensor cores).
+* ``bf16``: no FP8 layer at all: the loader's dequantized weights stay as they are (the CPU path everywhere).
+Routed experts of a 128 x 128 block checkpoint stay dequantized in the model dtype unless
+``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` re-quantizes them per row for the grouped row-wise kernel (torch's grouped
+GEMM has no block-scaled recipe on Hopper; one scale per row over the whole K is coarser than the checkpoint's
+tiles, and on the demo checkpoints it changes greedy tokens, so it is opt-in until measured on real models).
+Each native kernel is probed once per process on a small problem against the dequantized GEMM (``probe``: it
+must not raise and must compute the same product; for the block recipes this also settles how the weight scales are
+laid out). A kernel that fails its probe, or raises later for one shape, is not used again (for that shape): those
+calls take ``dequant``, with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from workers.engine.kernels.fp8_quant import (
+    BLOCK,
+    dequantize,
+    quantize_block,
+    quantize_rows,
+    quantize_token_groups,
+    quantize_tokens,
+)
+
+log = logging.getLogger("glimpse.fp8")
+
+Variant = Literal["auto", "dequant", "bf16"]
+VARIANTS: tuple[Variant, ...] = ("auto", "dequant", "bf16")
+VARIANT_ENV = "GLIMPSE_FP8_GEMM"
+_refused: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()  # (kernel, weight shape, scale shape)
+
+
+def variant() -> Variant:
+    value = os.environ.get(VARIANT_ENV, "auto")
+    for v in VARIANTS:
+        if value == v:
+            return v
+    raise ValueError(f"{VARIANT_ENV}={value!r}: choose one of {', '.join(VARIANTS)}")
+
+
+BLOCK_EXPERTS_ENV = "GLIMPSE_FP8_BLOCK_EXPERTS"
+
+
+def block_experts_rowwise() -> bool:
+    value = os.environ.get(BLOCK_EXPERTS_ENV, "bf16")
+    if value not in ("bf16", "rowwise"):
+        raise ValueError(f"{BLOCK_EXPERTS_ENV}={value!r}: choose bf16 or rowwise")
+    return value == "rowwise"
+
+
+@functools.cache
+def device_supports_fp8(device: torch.device) -> bool:
+    """FP8 tensor cores: SM89 (Ada) and SM90+ (Hopper, Blackwell). Elsewhere FP8 layers would only save memory
+    and ``bf16`` keeps the weights dequantized."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def wants_fp8_layers(device: torch.device) -> bool:
+    """Whether the loader should turn the checkpoint's FP8 layers into FP8 parameters on ``device``."""
+    return variant() != "bf16" and device_supports_fp8(device)
+
+
+ScaleKind = Literal["channel", "block", "row-block"]
+
+
+def scale_kind(weight: Tensor, scale: Tensor) -> ScaleKind:
+    """How a weight [N, K]'s scales are laid out: ``channel`` [N, 1] (also a row-block scale when K <= 128),
+    ``block`` 128 x 128 tiles [ceil(N/128), ceil(K/128)], ``row-block`` one per row and 128 columns [N, ceil(K/128)]."""
+    n = weight.shape[-2]
+    if scale.shape[-1] == 1 and scale.shape[-2] == n:
+        return "channel"
+    return "row-block" if scale.shape[-2] == n and n > 1 else "block"
+
+
+def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The reference: the weight dequantized to x's dtype, then the plain GEMM."""
+    return F.linear(x, dequantize(weight, scale).to(x.dtype), bias)
+
+
+def rowwise_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] quantized per token, weight [N, K] fp8 with per-row scales [N, 1]: one ``torch._scaled_mm``."""
+    q, sx = quantize_tokens(x)
+    out: Tensor = torch._scaled_mm(
+        q, weight.t(), scale_a=sx, scale_b=scale.reshape(1, -1).float(), bias=bias, out_dtype=x.dtype
+    )
+    return out
+
+
+# How the weight's block scales are handed to F.scaled_mm: torch's docs do not pin the layout per recipe, so each
+# candidate is tried by ``probe`` on the first use of a recipe and the first that computes the right product is kept.
+_B_SCALE_LAYOUTS: tuple[Callable[[Tensor], Tensor], ...] = (
+    lambda s: s.t(),  # [K blocks, N blocks or rows], K-blocks contiguous (the 128 x 128 layout torch's tests use)
+    lambda s: s.t().contiguous(),  # the same shape, N contiguous
+    lambda s: s.t().contiguous().t(),  # [N, K blocks], N contiguous (how the activations' 1 x 128 scales go)
+    lambda s: s,  # [N, K blocks] as stored
+)
+_chosen_layout: dict[str, int] = {}  # recipe ("block" / "row-block") -> index into _B_SCALE_LAYOUTS
+_probed: dict[str, bool] = {}  # kernel kind -> whether its probe passed
+
+
+def block_linear(
+    x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None, layout: int | None = None
+) -> Tensor:
+    """x [M, K] quantized per 1 x 128 group, weight [N, K] fp8 with 128 x 128 block scales (or row-block scales,
+    recipe BlockWise1x128 for both operands): cuBLAS's block-scaled GEMM through ``F.scaled_mm``. cuBLAS takes the
+    activation scales token-major with M a multiple of 4 (rows are zero-padded) and the weight's K blocks padded
+    to a multiple of 4. ``layout``: which of ``_B_SCALE_LAYOUTS`` (default: the one the probe chose)."""
+    kind = scale_kind(weight, scale)
+    m = x.shape[0]
+    xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    q, sx = quantize_token_groups(xp, BLOCK)
+    kb = scale.shape[1]
+    sw = F.pad(scale.float(), (0, -kb % 4)) if kb % 4 else scale.float()
+    arrange = _B_SCALE_LAYOUTS[_chosen_layout.get(kind, 0) if layout is None else layout]
+    out: Tensor = F.scaled_mm(
+        q,
+        weight.t(),
+        sx.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        arrange(sw),
+        F.ScalingType.BlockWise128x128 if kind == "block" else F.ScalingType.BlockWise1x128,
+        output_dtype=x.dtype,
+    )[:m]
+    return out if bias is None else out + bias
+
+
+def _close(got: Tensor, ref: Tensor) -> bool:
+    """Within FP8 activation error of the dequantized product (a wrong scale layout is off by far more)."""
+    err = (got.float() - ref.float()).pow(2).mean().sqrt()
+    return bool(err <= 0.05 * ref.float().pow(2).mean().sqrt())
+
+
+def probe(kind: str, device: torch.device) -> bool:
+    """Run native kernel ``kind`` ("rowwise", "block", "row-block", "grouped") once on a small problem against the
+    dequantized bf16 GEMM; a kernel that raises or computes something else is never used (one warning). For the block
+    recipes this also picks the weight-scale layout. Not run inside a CUDA graph capture (the call there dequantizes)."""
+    if kind in _probed:
+        return _probed[kind]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(8, 256, device=device, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2, 256, 256, device=device, generator=gen)
+    ok, why = False, "wrong result"
+    try:
+        if kind == "grouped":
+            q, s = quantize_rows(w)
+            offs = torch.tensor([3, 8], dtype=torch.int32, device=device)
+            ok = _close(grouped_mm(x, q, s, offs), grouped_reference(x, q, s, offs))
+        elif kind == "rowwise":
+            q, s = quantize_rows(w[0])
+            ok = _close(rowwise_linear(x, q, s), dequant_linear(x, q, s))
+        else:
+            q, s = quantize_block(w[0])
+            if kind == "row-block":
+                s = s.repeat_interleave(BLOCK, dim=0)
+            for i in range(len(_B_SCALE_LAYOUTS)):
+                try:
+                    ok = _close(block_linear(x, q, s, layout=i), dequant_linear(x, q, s))
+                except (RuntimeError, ValueError) as exc:
+                    why = str(exc).splitlines()[0]
+                if ok:
+                    _chosen_layout[kind] = i
+                    break
+    except (RuntimeError, ValueError) as exc:
+        why = str(exc).splitlines()[0]
+    if not ok:
+        log.warning("FP8 %s GEMM unusable on %s (%s): that layout's weights use the dequantized bf16 GEMM", kind, device, why)
+    _probed[kind] = ok
+    return ok
+
+
+def native_kernel(x: Tensor, weight: Tensor, scale: Tensor) -> str | None:
+    """The native kernel ``linear`` would run for these operands ("rowwise", "block" or "row-block"), or None
+    (dequant)."""
+    if variant() != "auto" or not x.is_cuda or not device_supports_fp8(x.device):
+        return None
+    n, k = weight.shape
+    kind = scale_kind(weight, scale)
+    if kind == "channel":
+        kernel = "rowwise" if k % 16 == 0 and n % 16 == 0 and x.dtype == torch.bfloat16 else None
+    else:  # both block layouts: cuBLAS's block-scaled GEMM on Hopper and newer, K in whole 128-blocks
+        hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)
+        kernel = kind if k % BLOCK == 0 and n % 16 == 0 and hopper and x.dtype == torch.bfloat16 else None
+    if kernel is None or (kernel, tuple(weight.shape), tuple(scale.shape)) in _refused:
+        return None
+    return kernel if probe(kernel, x.device) else None
+
+
+def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x W^T + b for an FP8 weight [N, K] with its scales (any ``scale_kind``); x [..., K] in bf16/fp16."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    kernel = native_kernel(x2, weight, scale)
+    y: Tensor | None = None
+    if kernel is not None:
+        try:
+            y = rowwise_linear(x2, weight, scale, bias) if kernel == "rowwise" else block_linear(x2, weight, scale, bias)
+        except (RuntimeError, ValueError) as exc:  # a layout or size this build refuses: tried once, then dequant
+            _refused.add((kernel, tuple(weight.shape), tuple(scale.shape)))
+            log.warning("FP8 %s GEMM refused weight %s (%s); using dequantized bf16 GEMM", kernel, tuple(weight.shape), exc)
+    if y is None:
+        y = dequant_linear(x2, weight, scale, bias)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def grouped_usable(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``grouped_mm`` can run the routed experts: CUDA FP8 hardware, bf16 activations, and strides
+    cuBLAS takes (K and N multiples of 16)."""
+    return (
+        variant() == "auto"
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_scaled_grouped_mm")
+        and device_supports_fp8(x.device)
+        and weight.shape[-1] % 16 == 0
+        and weight.shape[-2] % 16 == 0
+        and probe("grouped", x.device)
+    )
+
+
+def grouped_mm(rows: Tensor, weight: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
+    """rows [R, K] (grouped by expert, group ends ``offs``) times each expert's fp8 weight [E, N, K] with per-row
+    scales [E, N, 1]: ``torch._scaled_grouped_mm`` row-wise, activations quantized per token."""
+    q, sx = quantize_tokens(rows)
+    out: Tensor = torch._scaled_grouped_mm(
+        q,
+        weight.transpose(1, 2),
+        sx.reshape(-1),
+        scale.reshape(scale.shape[0], -1).float(),
+        offs=offs,
+        out_dtype=rows.dtype,
+    )
+    return out
+
+
+def grouped_reference(rows: Tensor, weight: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
+    """``grouped_mm`` with the weights dequantized: one F.linear per expert's rows (any device)."""
+    out = rows.new_zeros(rows.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            w = dequantize(weight[e], scale[e]).to(rows.dtype)
+            out[start:end] = F.linear(rows[start:end], w)
+        start = end
+    return out

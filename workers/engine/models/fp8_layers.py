@@ -1,0 +1,166 @@
+"""The CUDA side of an FP8 checkpoint: once the loader has filled the language model from the dequantized
+checkpoint (quantization.py), the layers whose checkpoint weights were FP8 get FP8 parameters back, and their
+forward goes through kernels/fp8_gemm.py.
+
+* Tensor-parallel linears (q/k/v, o, gate/up, down, Qwen3.5's linear-attention projections, shared experts) get
+  the checkpoint's own FP8 values and scales back, exactly: each value was dequantized with one rounding, so
+  dividing by the stored scale lands inside the same e4m3 rounding interval. The scales are laid out for the rank's
+  fused shard by replaying the layer's own weight loader on them, block scales expanded to rows first
+  (``[rows, ceil(in/128)]``: the same row slicing as the weight). Where every 128-row group then has one block scale
+  (sub-projections on 128-row boundaries, as in the published models) they are stored as 128 x 128 tiles, else per
+  row and 128 columns. A row-parallel shard that splits a 128-column block, and a fused layer with a part the
+  checkpoint kept in the model dtype, stay in the model dtype.
+* Stacked routed experts (Qwen3-VL-MoE, Qwen3.5-MoE) of a channel checkpoint: one scale per expert row, for
+  ``torch._scaled_grouped_mm``'s row-wise recipe (exact, as above). A block checkpoint's experts stay in the model
+  dtype unless ``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` (fp8_gemm.py says why). Experts that only run as a loop
+  (Gemma 4) stay in the model dtype.
+* Replicated ``nn.Linear`` layers (routers, Gemma 4's per-layer-input projections) and the vision tower stay in the
+  model dtype: they were dequantized at load, and stay so.
+The load itself holds the language model in the model dtype until this pass runs (peak memory as a bf16 model).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from workers.engine.kernels import fp8_gemm
+from workers.engine.kernels.fp8_quant import BLOCK, FP8, FP8_MAX, expand_scale, quantize_block, quantize_rows
+from workers.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, get_weight_loader
+from workers.engine.models.quantization import Fp8Record
+
+log = logging.getLogger("glimpse.fp8")
+
+
+def _routes(lm: nn.Module, record: Fp8Record) -> dict[str, list[tuple[object, str]]]:
+    """LM parameter name -> [(shard id, canonical checkpoint name)] of the FP8 checkpoint weights loaded into it."""
+    route = getattr(lm, "route", None)
+    params: dict[str, list[tuple[object, str]]] = {}
+    for name in record:
+        if name.startswith("lm."):
+            local = name[len("lm.") :]
+            param, shard_id = route(local) if route is not None else (local, None)
+            params.setdefault(param, []).append((shard_id, name))
+    return params
+
+
+def _shard_scales(
+    owner: ColumnParallelLinear | RowParallelLinear, entries: list[tuple[object, str]], record: Fp8Record, block: int | None
+) -> Tensor | None:
+    """The rank's shard's scales as the checkpoint stored them, laid out like its weight: [rows, ceil(in/128)] (block,
+    row-expanded) or [rows, 1] (channel), built by the layer's own weight loader from each checkpoint tensor's scales.
+    None where the layer cannot be FP8 with them: a row-parallel shard that splits a 128-column block, or a fused
+    layer some of whose parts the checkpoint kept in the model dtype (rows no FP8 tensor covered)."""
+    w = owner.weight
+    rows, cols = w.shape
+    if isinstance(owner, RowParallelLinear):
+        if block is None:  # per output row, and a row-parallel layer has all its output rows
+            return record[entries[0][1]][0].float().reshape(rows, 1).to(w.device) if len(entries) == 1 else None
+        if owner.tp.size > 1 and cols % block:
+            return None
+    scales = torch.full((rows, -(-cols // block) if block else 1), float("nan"), device=w.device)
+    load = get_weight_loader(w)
+    for shard_id, name in entries:
+        scale, shape = record[name]
+        expanded = scale.float().repeat_interleave(block, dim=0)[: shape[0]] if block else scale.float().reshape(-1, 1)
+        load(scales, expanded.to(w.device), shard_id)
+    return None if bool(torch.isnan(scales).any()) else scales
+
+
+def _compact(scales: Tensor) -> Tensor:
+    """Row-expanded block scales as 128 x 128 tiles where every 128-row group holds one value, else as they are."""
+    rows, kb = scales.shape
+    if rows % BLOCK:
+        return scales
+    tiles = scales[::BLOCK]
+    return tiles if torch.equal(tiles.repeat_interleave(BLOCK, dim=0), scales) else scales
+
+
+@torch.no_grad()
+def _convert_linear(owner: ColumnParallelLinear | RowParallelLinear, scales: Tensor) -> None:
+    w = owner.weight.float()
+    q = (w / expand_scale(scales, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    owner.weight = nn.Parameter(q, requires_grad=False)
+    owner.weight_scale = _compact(scales) if scales.shape[1] > 1 or w.shape[1] <= BLOCK else scales
+
+
+@torch.no_grad()
+def _convert_experts(experts: Any) -> int:
+    """Both stacks of a StackedExperts in FP8 with per-row scales, where the grouped FP8 GEMM can run them (it needs
+    the two); returns 1 if converted."""
+    gate_up: Tensor = experts.gate_up_proj
+    down: Tensor = experts.down_proj
+    if not fp8_gemm.grouped_usable(down[0, :1], down):
+        return 0
+    q_gu, s_gu = quantize_rows(gate_up)
+    q_d, s_d = quantize_rows(down)
+    experts.gate_up_proj = nn.Parameter(q_gu, requires_grad=False)
+    experts.down_proj = nn.Parameter(q_d, requires_grad=False)
+    experts.gate_up_scale, experts.down_scale = s_gu, s_d
+    return 1
+
+
+@torch.no_grad()
+def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
+    """Give the modules the checkpoint's FP8 weights were loaded into FP8 weights (see the module docstring);
+    returns how many were converted."""
+    converted = 0
+    for name, entries in sorted(_routes(lm, record).items()):
+        owner_name, _, attr = name.rpartition(".")
+        owner = lm.get_submodule(owner_name)
+        if isinstance(owner, ColumnParallelLinear | RowParallelLinear) and attr == "weight":
+            scales = _shard_scales(owner, entries, record, block)
+            if scales is None:
+                continue
+            _convert_linear(owner, scales)
+            converted += 1
+        elif getattr(owner, "fp8_grouped", False) and attr == "gate_up_proj":  # qwen3_vl/moe.py's StackedExperts
+            if block is not None and not fp8_gemm.block_experts_rowwise():
+                continue
+            converted += _convert_experts(owner)
+    return converted
+
+
+def _kernel_kind(layer: nn.Module) -> str:
+    kind = fp8_gemm.scale_kind(layer.weight, layer.weight_scale)  # type: ignore[arg-type]
+    return "rowwise" if kind == "channel" else kind
+
+
+def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: int = 0) -> int:
+    """After the load: FP8 layers for the checkpoint's FP8 weights where the device runs FP8 GEMMs (else none)."""
+    device = next(lm.parameters()).device
+    if not fp8_gemm.wants_fp8_layers(device):
+        return 0
+    n = convert_to_fp8(lm, record, block)
+    # Probe the kernels now, eagerly: a first call inside a CUDA graph capture could not, and would dequantize.
+    for kind in sorted({_kernel_kind(m) for m in lm.modules() if getattr(m, "weight_scale", None) is not None}):
+        fp8_gemm.probe(kind, device)
+    if rank == 0:
+        log.info("FP8: %d language-model layers hold FP8 weights (%s scales, GEMM variant %s)",
+                 n, "128x128 block" if block else "per-channel", fp8_gemm.variant())
+    return n
+
+
+@torch.no_grad()
+def convert_dummy(lm: nn.Module, block: int | None, rank: int = 0) -> int:
+    """``--load-format dummy`` with an FP8 ``quantization_config``: every tensor-parallel linear (and, as for a
+    checkpoint, the grouped experts) made FP8 from its random weights in the configured layout, so FP8 serving can be
+    measured at real shapes without a checkpoint."""
+    device = next(lm.parameters()).device
+    if not fp8_gemm.wants_fp8_layers(device):
+        return 0
+    n = 0
+    for module in lm.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            q, scale = quantize_block(module.weight) if block else quantize_rows(module.weight)
+            module.weight = nn.Parameter(q, requires_grad=False)
+            module.weight_scale = scale
+            n += 1
+        elif getattr(module, "fp8_grouped", False) and (block is None or fp8_gemm.block_experts_rowwise()):
+            n += _convert_experts(module)
+    if rank == 0:
+        log.info("FP8 (dummy weights): %d language-model layers hold FP8 weights", n)
+    return n
