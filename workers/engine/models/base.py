@@ -5,7 +5,7 @@ A family package (``workers/engine/models/<family>/``) exports ``FAMILY``, a ``M
 - ``parse(config_json, model_dir) -> ModelSpec``: every fact the other processes need, read once (in the
   launcher, or by the offline Engine) and shipped down frozen inside ``EngineConfig``;
 - ``build(spec, tp, dtype, device, attn_backend) -> VLModel``: the modules, allocated on the device in the
-  dtype, weights not yet loaded (``load_model`` below fills them: one safetensors walk for both towers);
+  dtype, weights not yet loaded (``load_model`` in load.py fills them: one safetensors walk for both towers);
 - ``positions`` / ``delta``: its M-RoPE variant (3 x T rows and the decode delta of a prompt with image
   spans; tokenizers need only the delta, model workers derive the rows themselves);
 - ``write_demo(path)``: a tiny deterministic checkpoint of the family, for tests and ``glimpse serve``;
@@ -21,8 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,9 +33,6 @@ from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.fa3_attention import vision_kernel
 from workers.engine.layers.linear import TPGroup
 from workers.engine.layers.vision_attention import VisionAttention
-from workers.engine.models.fp8_layers import convert_dummy, convert_loaded
-from workers.engine.models.loader import fill_dummy_weights, iter_checkpoint, normalize_name
-from workers.engine.models.quantization import Fp8Record, checkpoint_scheme, dequantized
 
 log = logging.getLogger("glimpse.model")
 
@@ -372,65 +368,3 @@ def builder(
         return VLModel(spec, lm, vision)
 
     return build
-
-
-def load_model(
-    model: VLModel,
-    model_dir: str | Path,
-    *,
-    load_format: str = "auto",
-    seed: int = 0,
-    rank: int = 0,
-) -> VLModel:
-    """Fill ``model`` from the checkpoint in one walk over its safetensors shards (``lm.*`` tensors to the
-    language model, ``visual.*`` to the vision tower), or with deterministic random weights (``dummy``).
-
-    An FP8 checkpoint (quantization.py) is read dequantized, so every weight reaches its loader in float32 and lands
-    in the model dtype; on a GPU with FP8 GEMMs the language model's FP8 layers are then made FP8 again
-    (fp8_layers.py). The vision tower always stays in the model dtype."""
-    started = time.perf_counter()
-    if load_format == "dummy":
-        fill_dummy_weights(model.lm, seed=seed + rank)  # LM shards differ per rank
-        fill_dummy_weights(model.vision, seed=seed)  # the ViT is replicated: every rank the same weights
-        if (dummy_scheme := checkpoint_scheme(model_dir)) is not None:  # FP8 serving measured without a checkpoint
-            convert_dummy(model.lm, dummy_scheme.block, rank)
-    elif load_format == "auto":
-        # One walk over the shards: language-model tensors stream straight into their (sharded) parameters,
-        # so host memory holds one tensor at a time even for a 235B checkpoint; the vision tower's tensors
-        # (a few GB at most) are kept aside and loaded once the walk is done.
-        vision_weights: list[tuple[str, Tensor]] = []
-        nbytes = 0
-        scheme = checkpoint_scheme(model_dir)
-        fp8_record: Fp8Record = {}  # the FP8 weights' scales, for fp8_layers
-
-        def stored() -> Iterator[tuple[str, Tensor]]:
-            nonlocal nbytes
-            for name, tensor in iter_checkpoint(model_dir, show_progress=rank == 0):
-                nbytes += tensor.numel() * tensor.element_size()  # as stored: FP8 bytes, not the dequantized ones
-                yield name, tensor
-
-        def lm_weights() -> Iterator[tuple[str, Tensor]]:
-            stream = stored()
-            for name, tensor in dequantized(stream, scheme, fp8_record) if scheme is not None else stream:
-                canonical = normalize_name(name)
-                if canonical.startswith("lm."):
-                    yield canonical, tensor
-                elif canonical.startswith("visual."):
-                    vision_weights.append((canonical[len("visual.") :], tensor))
-                # Anything else (e.g. a multi-token-prediction head) is not part of serving.
-
-        model.lm.load_weights(lm_weights())
-        model.vision.load_weights(vision_weights)
-        if scheme is not None:
-            convert_loaded(model.lm, {normalize_name(n): v for n, v in fp8_record.items()}, scheme.block, rank)
-        if rank == 0:
-            log.info(
-                "loaded %.2f GB of weights from %s in %.1f s",
-                nbytes / 1e9,
-                model_dir,
-                time.perf_counter() - started,
-            )
-    else:
-        raise ValueError(f"unknown load_format {load_format!r}")
-    model.after_load()
-    return model.eval()

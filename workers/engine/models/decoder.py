@@ -234,7 +234,7 @@ class PagedDecoder(nn.Module):
         attn_backend: str = "auto",
     ) -> Self:
         """The LM allocated on ``device`` in ``dtype``, weights uninitialised (``load_weights`` fills them; see
-        models.base.load_model)."""
+        models.load.load_model)."""
         return allocate(lambda: cls(spec, tp, attn_backend), dtype, device)
 
     def add_head(self) -> None:

@@ -18,7 +18,8 @@ from workers.engine.kernels import paged_attention
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
-from workers.engine.models.base import item_spans, load_model
+from workers.engine.models.base import item_spans
+from workers.engine.models.load import load_model
 from workers.engine.prompt.pixel_frames import FrameLayout, layout_of
 from workers.engine.runner.batching import (
     aligned_pack,

@@ -18,7 +18,8 @@ from tests.workers.engine.models.lm_harness import BLOCK_SIZE, PagedCache
 from workers.engine.kernels.attention import StateMetadata
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
 from workers.engine.models import family, load_spec
-from workers.engine.models.base import VLModel, load_model
+from workers.engine.models.base import VLModel
+from workers.engine.models.load import load_model
 from workers.engine.models.qwen3_5.lm import Qwen3_5LanguageModel
 
 

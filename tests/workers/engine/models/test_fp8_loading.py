@@ -28,9 +28,9 @@ from workers.engine.layers.linear import (
     TPGroup,
 )
 from workers.engine.models import family, load_spec
-from workers.engine.models.base import load_model
 from workers.engine.models.demo_quantize import quantization_config
 from workers.engine.models.fp8_layers import convert_to_fp8
+from workers.engine.models.load import load_model
 from workers.engine.models.quantization import (
     Fp8Scheme,
     UnsupportedQuantization,
