@@ -2,13 +2,17 @@
 weight is multiplied, so each variant can be measured on the GPU (benchmarks/kernels/fp8_gemm_bench.py).
 
 Variants (``GLIMPSE_FP8_GEMM``, read once per process):
-* ``auto`` (default): the native kernel where torch has one for the device and the weight's scales, else
+* ``bf16`` (default, by measurement): no FP8 layer at all: the loader's dequantized weights stay as they are (the
+  CPU path everywhere). On an H200 (torch 2.11, ``fp8_gemm_bench --size 8b --moe``, session 28) every FP8 variant
+  lost to the bf16 GEMM at decode: row-wise 0.09-0.11 ms against 0.016-0.058 ms per projection at 1-16 rows
+  (activation quantization is separate torch ops), block 0.13-0.17 ms; at 512-row chunks 1.0-3.4x bf16's time; only
+  gate_up at 2,048-8,192 rows ran faster (0.77-0.81x); the grouped experts 0.86-2.95x at 1-16 tokens.
+* ``auto``: the native kernel where torch has one for the device and the weight's scales, else
   ``dequant``. Channel scales: ``torch._scaled_mm`` row-wise (activations quantized per token). 128 x 128
   block scales: ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128 (activations quantized per 1 x 128 token
   group; cuBLAS on Hopper). Routed experts: ``torch._scaled_grouped_mm`` row-wise.
 * ``dequant``: FP8 weights in memory, each call dequantizes the weight to the activation dtype and runs the
   bf16 GEMM (half the weight memory, no FP8 tensor cores).
-* ``bf16``: no FP8 layer at all: the loader's dequantized weights stay as they are (the CPU path everywhere).
 Routed experts of a 128 x 128 block checkpoint stay dequantized in the model dtype unless
 ``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` re-quantizes them per row for the grouped row-wise kernel (torch's grouped
 GEMM has no block-scaled recipe on Hopper; one scale per row over the whole K is coarser than the checkpoint's
@@ -49,7 +53,7 @@ _refused: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()  # (kernel, 
 
 
 def variant() -> Variant:
-    value = os.environ.get(VARIANT_ENV, "auto")
+    value = os.environ.get(VARIANT_ENV, "bf16")
     for v in VARIANTS:
         if value == v:
             return v
