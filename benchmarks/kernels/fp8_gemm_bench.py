@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks.args import parser
+from benchmarks.engine.vit_bench import cuda_ms
 from workers.engine.kernels import fp8_gemm
 from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows
 
@@ -42,16 +43,9 @@ VARIANTS = ("bf16", "rowwise", "block", "row-block", "dequant")
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    fn()
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return float(start.elapsed_time(end)) / reps
+        return float(cuda_ms(fn, reps))
+    fn()
     began = time.perf_counter()
     for _ in range(reps):
         fn()
