@@ -89,9 +89,8 @@ def block_stored(
     model's KV-cache group: index and kind) only when named."""
     if extra_keys is not None and all(e is None for e in extra_keys):
         extra_keys = None
-    if group is None:
-        return BlockStored(hashes, parent, tokens, block_size, None, medium, None, extra_keys)
-    return BlockStored(hashes, parent, tokens, block_size, None, medium, None, extra_keys, *group)
+    index, kind = group if group is not None else (None, None)
+    return BlockStored(hashes, parent, tokens, block_size, None, medium, None, extra_keys, index, kind)
 
 
 def block_removed(hashes: list[int], medium: str, group: int | None = None) -> BlockRemoved:

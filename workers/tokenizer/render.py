@@ -27,7 +27,7 @@ from workers.engine.prompt.processor import ImageInfo
 from workers.engine.prompt.video_prompt import VideoMeta
 from workers.tokenizer.media.image_io import Encoded
 from workers.tokenizer.media.image_prep import ImagePrep
-from workers.tokenizer.media.image_segments import NO_GRID, RequestImage
+from workers.tokenizer.media.image_segments import NO_GRID, Listing, RequestImage
 from workers.tokenizer.media.video_prep import media_items
 from workers.tokenizer.requests.chat import (
     ChatCompletionRequest,
@@ -142,13 +142,14 @@ def plan_images(
     the generation's 400 naming the uuid."""
     by_hash: dict[bytes, RequestImage] = {}
     order: list[RequestImage] = []
+    listing: Listing | None = None
     for raw, ref in zip(raws, refs, strict=True):
         h = prep.identify(raw, ref.low, ref.budget, size)
         image = by_hash.get(h)
         if image is None:
             image = RequestImage(h, raw, ref.param, NO_GRID, [], low=ref.low, budget=ref.budget, size=size)
-            live = prep.live_grid(h)
-            image.grid = live if live is not None else prep.grid_only(image)
+            live, listing = prep.live_segments(h, listing)
+            image.grid = live[0][1] if live else prep.grid_only(image)
             by_hash[h] = image
         order.append(image)
     return order

@@ -21,10 +21,10 @@ import logging
 import torch
 from torch import Tensor
 
+from workers.engine.kernels.fp8_quant import FP8, FP8_MAX
+
 log = logging.getLogger("glimpse.model")
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _SCALES = "glimpse_kv_scales"
 _logged: set[tuple[str, str]] = set()
 

@@ -46,7 +46,14 @@ from workers.tokenizer.media.fetch import (
     probe_image,
 )
 from workers.tokenizer.media.image_io import Encoded
-from workers.tokenizer.media.image_segments import NO_GRID, Grid, ImageSegments, PendingWrite, RequestImage
+from workers.tokenizer.media.image_segments import (
+    NO_GRID,
+    Grid,
+    ImageSegments,
+    Listing,
+    PendingWrite,
+    RequestImage,
+)
 from workers.tokenizer.media.uuids import MediaRecord, UuidRegistry, unknown_uuid
 
 DATA_URL_INDEX_SIZE = 4096  # data URLs remembered by the hash of their text, with their image's hash
@@ -153,7 +160,7 @@ class ImagePrep(ImageSegments):
         by_hash: dict[bytes, RequestImage] = {}
         order: list[RequestImage] = []
         todo: list[RequestImage] = []
-        listing: dict[str, list[tuple[str, Grid]]] | None = None  # /dev/shm listed at most once
+        listing: Listing | None = None  # /dev/shm listed at most once
         self.marks = {}
         nothing: list[None] = [None] * len(raws)
         for raw, param, small, budget, uuid in zip(
@@ -164,10 +171,7 @@ class ImagePrep(ImageSegments):
                 self.images_reused += 1  # repeated within the request: shares the first one's segment
                 order.append(image)
                 continue
-            live = [self.local[h]] if h in self.local else None
-            if live is None:
-                listing = self._list_live() if listing is None else listing
-                live = listing.get(h.hex(), [])
+            live, listing = self.live_segments(h, listing)
             if live:
                 image = RequestImage(
                     h, raw, param, live[0][1], [name for name, _ in live], low=small, budget=budget, size=size
@@ -211,14 +215,6 @@ class ImagePrep(ImageSegments):
             h = blake3.blake3(b"glimpse-low-detail-v1" + h).digest(16)
         h = self.processor.budgeted(h, budget)  # another budget: other tokens, another image to the caches
         return sized_hash(h, size)  # another pixel range: the same
-
-    def live_grid(self, h: bytes) -> Grid | None:
-        """The grid of a live segment of image ``h`` (this process's or any tokenizer's), or None: a lookup, nothing
-        linked or written (a render)."""
-        if h in self.local:
-            return self.local[h][1]
-        live = self._list_live().get(h.hex(), [])
-        return live[0][1] if live else None
 
     def grid_only(self, image: RequestImage) -> Grid:
         """An image's grid with nothing written (a render): from its header, else (a processor that cannot tell a

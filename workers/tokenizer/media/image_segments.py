@@ -28,6 +28,7 @@ _KEY_RE = re.compile(r"(?P<hash>[0-9a-f]{32})-(?P<t>\d+)x(?P<h>\d+)x(?P<w>\d+)-"
 NO_GRID = (0, 0, 0)  # of an image until it is processed
 
 Grid = tuple[int, int, int]
+Listing = dict[str, list[tuple[str, Grid]]]  # live segments of the launch by image hash (hex): (name, grid)
 
 
 @dataclass
@@ -72,10 +73,18 @@ class ImageSegments:
         self.counter = 0
         self.images_reused = 0
 
-    def _list_live(self) -> dict[str, list[tuple[str, Grid]]]:
+    def live_segments(self, h: bytes, listing: Listing | None) -> tuple[list[tuple[str, Grid]], Listing | None]:
+        """Live segments of image ``h`` (name, grid): this process's own, else any tokenizer's from the launch's
+        /dev/shm, listed at most once per caller (``listing``: the caller's, None until first needed; returned)."""
+        if h in self.local:
+            return [self.local[h]], listing
+        listing = self._list_live() if listing is None else listing
+        return listing.get(h.hex(), []), listing
+
+    def _list_live(self) -> Listing:
         """Live segments of the launch by image hash (hex), with the grid their names carry."""
         skip = len(shm.shm_prefix(self.launch_id))
-        live: dict[str, list[tuple[str, Grid]]] = {}
+        live: Listing = {}
         for name in reversed(shm.list_segments(self.launch_id)):
             if m := _KEY_RE.match(name, skip):
                 grid = (int(m.group("t")), int(m.group("h")), int(m.group("w")))
