@@ -219,14 +219,8 @@ class Engine:
                 "refused": idx.stats.refused,
                 "hit_rate": idx.stats.hit_rate,
             },
-            "mm_host_cache": {  # the host tier under it (core/mm_host_tier.py); worker_* are the runner's copies
-                "entries": len(idx.host),
-                "bytes": idx.host.used_bytes,
-                "budget_bytes": idx.host.budget_bytes,
-                "hits": idx.host.stats.hits,
-                "spills": idx.host.stats.spills,
-                "reloads": idx.host.stats.reloads,
-                "evictions": idx.host.stats.evictions,
+            "mm_host_cache": {  # the host tier under it (core/mm_host_tier.py); worker_*: what the runner did
+                **{k.removeprefix("mm_host_cache_"): v for k, v in idx.host.report().items()},
                 "refused": idx.host.stats.refused,
                 "worker_spills": self.runner.host.spilled,
                 "worker_reloads": self.runner.host.reloaded,

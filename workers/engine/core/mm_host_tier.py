@@ -61,6 +61,18 @@ class HostTierIndex:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
+    def report(self) -> dict[str, int]:
+        """The tier's numbers, named as SchedulerStats' ``mm_host_cache_*`` fields."""
+        return {
+            "mm_host_cache_budget_bytes": self.budget_bytes,
+            "mm_host_cache_bytes": self.used_bytes,
+            "mm_host_cache_entries": len(self._entries),
+            "mm_host_cache_hits": self.stats.hits,
+            "mm_host_cache_spills": self.stats.spills,
+            "mm_host_cache_reloads": self.stats.reloads,
+            "mm_host_cache_evictions": self.stats.evictions,
+        }
+
     def priority(self, key: bytes) -> float:
         return self._entries[key][1]
 
