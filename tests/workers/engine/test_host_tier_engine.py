@@ -79,3 +79,18 @@ def test_host_tier_is_off_by_default_on_the_cpu(demo_model_dir: Path) -> None:
     host = engine.stats()["mm_host_cache"]
     assert host["budget_bytes"] == 0 and host["spills"] == 0 and engine.runner.host.pool is None
     assert engine.stats()["mm_cache"]["evictions"] == 1  # an evicted entry is dropped, as before the tier
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_host_tier_reloads_give_the_big_cache_tokens(demo_model_dir: Path) -> None:
+    """CUDA, float32: the pinned pool, the side-stream reloads and the paged GPU store, against a GPU tier that holds
+    everything (both planned ahead, so reloads overlap the step before)."""
+    first, second = chat("Compare these.", IMAGES), chat("Once more, the same three.", IMAGES)
+    outputs = []
+    for gpu_mb, host_mb in ((1024.0, 0.0), (GPU_MB, 1.0)):
+        engine = make_engine(demo_model_dir, True, device="cuda", mm_cache_mb=gpu_mb, mm_host_cache_mb=host_mb)
+        outputs.append([out.token_ids for out in engine.generate([first], GREEDY) + engine.generate([second], GREEDY)])
+    assert outputs[0] == outputs[1]
+    host = engine.stats()["mm_host_cache"]
+    assert engine.stats()["images_encoded"] == 3 and host["worker_reloads"] == 3 and engine.runner.host.pool is not None

@@ -3,6 +3,7 @@ store of host entries (copies out of and back into the GPU store), on the CPU.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ipc.prompts import MMItem
@@ -102,3 +103,28 @@ def test_worker_spill_and_reload_round_trip_the_rows() -> None:
     host.spill([], [b"a"], store)  # a again, into the pages freed first
     host.land(host.reload([b"a"]), store)
     assert torch.equal(store.rows(b"a", 13, 20), a[13:33]) and host.pool_misses == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_copies_are_ordered_against_page_reuse() -> None:
+    """CUDA: the pinned pool, spills on the compute stream and reloads on the side stream. Entries are large (32 MiB)
+    so that a copy still runs while the next operation is queued: a spilled entry's GPU pages are taken by a new entry
+    at once, and a reload's host pages by a new spill before the reload has landed."""
+    rows, hidden, device = 8192 * PAGE_TOKENS // 16, 1024, torch.device("cuda")
+    entry_bytes = rows * hidden * 4
+    store = EmbeddingStore(2 * entry_bytes, hidden, torch.float32, device)
+    host = HostEmbeddings(2 * entry_bytes, hidden, torch.float32, device)
+    assert host.pool is not None and not host.pool.is_cuda
+    data = {k: torch.randn(rows, hidden, device=device) for k in (b"a", b"b", b"c")}
+    store.put(b"a", data[b"a"], transient=False)
+    host.spill([], [b"a"], store)
+    store.put(b"b", data[b"b"], transient=False)  # into a's GPU pages, right behind a's device-to-host copy
+    store.put(b"c", data[b"c"], transient=False)
+    reloading = host.reload([b"a"])  # waits for a's spill on the side stream
+    host.spill([], [b"c"], store)  # into a's host pages: waits for that reload first
+    host.land(reloading, store)
+    assert torch.equal(store.rows(b"a", 0, rows), data[b"a"]) and torch.equal(store.rows(b"b", 0, rows), data[b"b"])
+    host.land(host.reload([b"c"]), store)
+    torch.cuda.synchronize()
+    assert torch.equal(store.rows(b"c", 0, rows), data[b"c"]) and host.pool_misses == 0 and len(host) == 0
