@@ -55,7 +55,10 @@ class HostEmbeddings:
         self.dtype = dtype
         self.cuda = device.type == "cuda"
         self.page_bytes = PAGE_TOKENS * hidden * torch.empty((), dtype=dtype).element_size()
-        pages = -(-pool_bytes // self.page_bytes) + POOL_SLACK_PAGES if pool_bytes > 0 and hidden else 0
+        # Slack for the last page of each entry, as in the GPU store, but never more than the budget itself (a
+        # small tier of a wide model would otherwise be mostly slack); past it, entries get tensors of their own.
+        budget_pages = -(-pool_bytes // self.page_bytes) if pool_bytes > 0 and hidden else 0
+        pages = budget_pages + min(POOL_SLACK_PAGES, budget_pages)
         self.pool = _host_pool(pages * PAGE_TOKENS, hidden, dtype, self.cuda) if pages else None
         if self.pool is not None and self.cuda:
             # Unregistered when this object goes (the callback holds the pool, so its memory outlives the pinning).

@@ -36,6 +36,19 @@ def test_worker_spill_and_reload_round_trip_the_rows() -> None:
     assert torch.equal(store.rows(b"a", 13, 20), a[13:33]) and host.pool_misses == 0
 
 
+
+def test_entry_the_full_pool_cannot_take_is_kept_apart() -> None:
+    hidden = 3
+    store = EmbeddingStore()
+    host = HostEmbeddings(PAGE_TOKENS * hidden * 4, hidden, torch.float32, torch.device("cpu"))  # 1 page + 1 slack
+    a = torch.randn(40, hidden)
+    store.put(b"a", a.clone(), transient=False)
+    host.spill([], [b"a"], store)  # 3 pages: more than the pool has
+    assert host.pool_misses == 1 and host.nbytes == 40 * hidden * 4
+    host.land(host.reload([b"a"]), store)
+    assert torch.equal(store.rows(b"a", 0, 40), a) and len(host) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_copies_are_ordered_against_page_reuse() -> None:
