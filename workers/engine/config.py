@@ -139,7 +139,8 @@ def serving_kv_blocks(
 
 # The host tier's default: at most this many MiB per rank, and all ranks of the host together at most this share of
 # its RAM. Pinned pages cannot be swapped or reclaimed, so the share leaves the OS, the tokenizers' pixels in
-# /dev/shm and the page cache most of the machine; 8 GiB holds ~400 Qwen2.5-VL-7B 1080p images (19 MiB each).
+# /dev/shm and the page cache most of the machine. 8 GiB holds ~440 Qwen2.5-VL-7B 1080p images (2,691 tokens x
+# 3,584 x 2 bytes = 18.4 MiB each), or 128 Qwen3-VL-8B ones (64 MiB with their DeepStack levels).
 HOST_CACHE_CAP_MB = 8192
 HOST_CACHE_RAM_SHARE = 0.2
 
