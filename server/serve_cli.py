@@ -71,6 +71,11 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "pool (default: 2 x each of --max-num-seqs sequences' window plus a chunk, at most half the cache "
                    "budget)")
     m.add_argument("--mm-cache-mb", type=float, default=E["mm_cache_mb"], help="per-image embedding cache budget")
+    m.add_argument("--mm-host-cache-mb", type=float, default=E["mm_host_cache_mb"],
+                   help="host tier of the embedding cache, per model worker: pinned host memory that entries the GPU "
+                   "cache evicts spill into and later requests reload from instead of re-encoding; 0 = off (default: "
+                   "off on the CPU; on CUDA min(8192, 20%% of MemTotal / (dp x tp)) MiB, reserved at start-up: every "
+                   "rank holds a copy, and pinned pages cannot be swapped, so most of the RAM stays free)")
     m.add_argument("--mm-cache-mode", default=E["mm_cache_mode"], choices=["image", "request"],
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
     m.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -166,7 +171,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 
     from ipc.kv_event_publisher import default_topic
     from ipc.launch import new_launch_id
-    from workers.engine.config import EngineConfig, serving_kv_blocks
+    from workers.engine.config import EngineConfig, default_host_cache_mb, serving_kv_blocks
     from workers.engine.models import UnsupportedModel, load_spec
     from workers.engine.models.demo_writer import ensure_demo_model
     from workers.engine.models.loader import CheckpointError, check_checkpoint
@@ -212,6 +217,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         mm_cache_mb=args.mm_cache_mb,
         mm_cache_mode=args.mm_cache_mode,
+        mm_host_cache_mb=(default_host_cache_mb(device, args.dp * args.tp) if args.mm_host_cache_mb is None
+                          else args.mm_host_cache_mb),
         enable_prefix_caching=args.enable_prefix_caching,
         state_slots=args.state_slots,
         state_snapshot_every=args.state_snapshot_every,

@@ -253,13 +253,14 @@ class SchedulerCore(SequenceBook):
                 snapshots.extend(self._plan_snapshots(seq, start, start + length))
             if chunks[-1].sample and seq.wants_fork:
                 forks.extend(self._fork(seq))
-        evict, encode = self.mm_index.plan(needed)
-        self.images_planned += sum(len(job.items) for job in encode)
+        mm = self.mm_index.plan(needed)
+        self.images_planned += sum(len(job.items) for job in mm.encode)
         finished, self._finished_for_workers = self._finished_for_workers, []
         copies, self._state_copies = self._state_copies, []
         return StepPlan(
-            next(self._step_ids), new_seqs, chunks, evict, encode, finished, forks=forks, ahead=ahead,
-            state_copies=copies, snapshots=snapshots,
+            next(self._step_ids), new_seqs, chunks, mm.evict, mm.encode, finished, forks=forks, ahead=ahead,
+            state_copies=copies, snapshots=snapshots, mm_host_evict=mm.host_evict, mm_spill=mm.spill,
+            mm_reload=mm.reload,
         )  # fmt: skip
 
     def _plan_snapshots(self, seq: Sequence, start: int, end: int) -> list[tuple[str, int, int]]:

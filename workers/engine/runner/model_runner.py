@@ -38,6 +38,7 @@ from workers.engine.runner.cache_memory import (
     cache_budget,
     copy_kv_blocks,
     embedding_store,
+    host_embeddings,
     num_kv_blocks,
     num_window_blocks,
     state_slots,
@@ -99,6 +100,7 @@ class ModelRunner:
         self.frame_layout = _frame_layout(cfg.model, self.merge)
         # The embedding store first: on CUDA it reserves its budget before the caches take their share of what is free.
         self.store = embedding_store(cfg, self.spec, self.dtype, self.device)
+        self.host = host_embeddings(cfg, self.spec, self.dtype, self.device)  # its spills and reloads: StepPlan
         budget = cache_budget(cfg, self.device)
         self.state: RecurrentState | None = None
         if self.spec.recurrent is not None:  # hybrid: the linear-attention layers' state pools come out of the budget
@@ -164,10 +166,13 @@ class ModelRunner:
                 self.grammar.remove(rid)
         for new in plan.new_seqs:
             self._register(new)
+        self.host.spill(plan.mm_host_evict, plan.mm_spill, self.store)  # StepPlan's order: spills read the store
         self.store.evict(plan.evict)
+        reloading = self.host.reload(plan.mm_reload)  # copies overlap the encodes; landed before the forward
         self.trace.mark("setup")
         calls_before = self.counters.vit_calls
         encoded = self._encode(plan.encode) if plan.encode else 0
+        self.host.land(reloading, self.store)
         launched = Launched(plan.step_id, encoded, self.counters.vit_calls - calls_before)
         self.trace.mark("vit")
         if self.counters.keep_per_step:  # one int a step, forever: off in a serving worker
