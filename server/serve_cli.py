@@ -55,6 +55,8 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--chunk-size", type=int, default=E["chunk_size"], help="token budget of one step (chunked prefill)")
     m.add_argument("--lone-prefill-tokens", type=int, default=E["lone_prefill_tokens"],
                    help="token budget of a step when no request is decoding (0: --chunk-size)")
+    m.add_argument("--decode-step-image-tokens", type=int, default=E["decode_step_image_tokens"],
+                   help="image tokens a step that carries decodes may encode (at least one image; 0: no cap)")
     m.add_argument("--max-num-seqs", type=int, default=E["max_num_seqs"], help="most requests running at once")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--block-size", type=int, default=None,
@@ -224,6 +226,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         state_snapshot_every=args.state_snapshot_every,
         vit_max_patches=args.vit_max_patches,
         lone_prefill_tokens=args.lone_prefill_tokens,
+        decode_step_image_tokens=args.decode_step_image_tokens,
         fused_kernels=args.fused_kernels,
         piecewise_graph_tokens=args.piecewise_graph_tokens,
         seed=args.seed,

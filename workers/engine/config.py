@@ -36,6 +36,10 @@ class EngineConfig:
     # Budget of a step in which no sequence is decoding (so no inter-token latency is at stake): a lone
     # prompt prefills in chunks this large. 0: chunk_size.
     lone_prefill_tokens: int = 4096
+    # Tokens of images a step that carries decodes may send through the vision encoder (the images its chunks reach
+    # that are in neither tier of the embedding cache), at least one image; 0: no cap beyond the chunks. Each image's
+    # encode runs inside the step, so every decoding request waits for it: the cap bounds that wait.
+    decode_step_image_tokens: int = 0
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Paged KV cache. num_kv_blocks wins over kv_cache_mb when both are set.

@@ -87,6 +87,7 @@ class Engine:
             mm_cache_mode=config.mm_cache_mode,
             enable_prefix_caching=config.enable_prefix_caching,
             lone_prefill_tokens=config.lone_prefill_tokens,
+            decode_step_image_tokens=config.decode_step_image_tokens,
             state_slots=self.runner.num_state_slots,
             window=self.runner.window,
             window_blocks=self.runner.num_window_blocks,

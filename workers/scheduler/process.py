@@ -58,6 +58,7 @@ def build_core(config: ServerConfig, num_blocks: int, state_slots: int = 0, wind
         mm_cache_mode=eng.mm_cache_mode,
         enable_prefix_caching=eng.enable_prefix_caching,
         lone_prefill_tokens=eng.lone_prefill_tokens,
+        decode_step_image_tokens=eng.decode_step_image_tokens,
         state_slots=state_slots,
         state_snapshot_every=eng.state_snapshot_every,
         whole_images=info.bidirectional_images,

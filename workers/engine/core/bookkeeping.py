@@ -50,6 +50,7 @@ class SequenceBook:
         mm_cache_mode: Literal["image", "request"] = "image",
         enable_prefix_caching: bool = True,
         lone_prefill_tokens: int = 0,
+        decode_step_image_tokens: int = 0,
         state_slots: int = 0,
         state_snapshot_every: int = 16,
         whole_images: bool = False,
@@ -63,6 +64,11 @@ class SequenceBook:
         # Budget of a step with no decoding sequence: no one's inter-token latency depends on it, and a lone
         # prompt's prefill gets fewer, larger chunks (fewer steps, better GEMM and attention shapes).
         self.lone_prefill_tokens = max(chunk_size, lone_prefill_tokens)
+        # Image tokens a step with decodes may encode (0: no cap); what is left of it while a step is planned (None:
+        # no cap this step) and the images the step encodes so far (SchedulerCore._cap_encodes).
+        self.decode_step_image_tokens = max(0, decode_step_image_tokens)
+        self._encode_left: int | None = None
+        self._encoding: set[bytes] = set()
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.mm_cache_mode = mm_cache_mode
