@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig
+from workers.common.reasoning import PARSERS
 from workers.engine.config import KV_CACHE_DTYPES, EngineConfig
 
 
@@ -100,6 +101,10 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="auto: the checkpoint's generation_config.json gives the defaults of sampling fields a "
                    "request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), "
                    "as vLLM does; none: glimpse's own defaults")
+    m.add_argument("--reasoning-parser", default=S["reasoning_parser"], choices=["", *PARSERS],
+                   help="chat answers of thinking models: the text between the reasoning markers goes to "
+                   "message.reasoning_content / .reasoning (delta.* when streaming), the rest to content "
+                   "(qwen3: Qwen3 / Qwen3.5 / Qwen3.6 <think>...</think>; deepseek_r1: the same markers)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default=S["host"])
     s.add_argument("--port", type=int, default=S["port"])
@@ -261,6 +266,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         generation_config=args.generation_config,
         sampling_defaults=_sampling_defaults(model, args.generation_config),
+        reasoning_parser=args.reasoning_parser,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         drain_timeout_s=args.drain_timeout,
         allow_private_media_addresses=_private_exemptions(args.allow_private_media_addresses),
