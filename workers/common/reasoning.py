@@ -13,6 +13,8 @@ and never leaks into either part. Whitespace right after a marker is dropped, as
 
 from __future__ import annotations
 
+from workers.common.tools import partial_tail
+
 # parser name -> (start marker, end marker); the names are vLLM's.
 PARSERS: dict[str, tuple[str, str]] = {
     "qwen3": ("<think>", "</think>"),
@@ -56,7 +58,7 @@ class ReasoningSplit:
                 self.state = "content"
                 reasoning, self.trim = self._head(reasoning), True
             else:
-                keep = 0 if finished else _partial_tail(text, self.end)
+                keep = 0 if finished else partial_tail(text, self.end)
                 reasoning, self.held = self._head(text[: len(text) - keep]), text[len(text) - keep:]
                 return reasoning, ""
         content = self._head(text)
@@ -69,10 +71,3 @@ class ReasoningSplit:
             self.trim = not text
         return text
 
-
-def _partial_tail(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0

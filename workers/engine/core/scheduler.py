@@ -156,7 +156,7 @@ class SchedulerCore(SequenceBook):
         if left is None or length <= 0:
             return length
         for item in self._uncached_images(seq, start, start + length):
-            if item.length > left and (self._encoding or left < (self.decode_step_image_tokens or 0)):
+            if item.length > left and (self._encoding or left < self.decode_step_image_tokens):
                 return max(0, item.offset - start)
             left -= item.length
         return length
