@@ -109,15 +109,69 @@ QWEN3_5_35B_A3B_TEXT = {
     "moe_intermediate_size": 512,
     "shared_expert_intermediate_size": 512,
 }
-# shape -> (demo family it starts from, text fields, LM mrope_section)
+# Gemma 4's published shapes (google/gemma-4-26B-A4B-it, -31B-it): 5 sliding-window layers to 1 global one, the global
+# layers' 512-wide heads with K = V, routed experts beside the dense MLP on 26B-A4B.
+GEMMA4_TEXT = {
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "attention_k_eq_v": True,
+    "sliding_window": 1024,
+    "vocab_size": 262144,
+    "vocab_size_per_layer_input": 262144,
+    "max_position_embeddings": 262144,
+}
+GEMMA4_26B_A4B_TEXT = {
+    **GEMMA4_TEXT,
+    "hidden_size": 2816,
+    "intermediate_size": 2112,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "num_global_key_value_heads": 2,
+    "num_experts": 128,
+    "top_k_experts": 8,
+    "moe_intermediate_size": 704,
+}
+GEMMA4_31B_TEXT = {
+    **GEMMA4_TEXT,
+    "hidden_size": 5376,
+    "intermediate_size": 21504,
+    "num_hidden_layers": 60,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 16,
+    "num_global_key_value_heads": 4,
+}
+GEMMA4_VISION = {  # both sizes' SigLIP-style tower
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 72,
+    "use_clipped_linears": True,
+    "standardize": True,
+}
+# shape -> (demo family it starts from, text fields, LM mrope_section; Gemma 4 has none)
 SHAPES: dict[str, tuple[str, dict[str, Any], list[int]]] = {
     "7b": ("qwen2_5_vl", QWEN25_VL_7B_TEXT, [16, 24, 24]),
     "qwen3-8b": ("qwen3_vl", QWEN3_VL_8B_TEXT, [24, 20, 20]),
     "qwen3-30b-a3b": ("qwen3_vl_moe", QWEN3_VL_30B_A3B_TEXT, [24, 20, 20]),
     "qwen3.5-27b": ("qwen3_5", QWEN3_5_27B_TEXT, [11, 11, 10]),
     "qwen3.5-35b-a3b": ("qwen3_5_moe", QWEN3_5_35B_A3B_TEXT, [11, 11, 10]),
+    "gemma4-26b-a4b": ("gemma4_moe", GEMMA4_26B_A4B_TEXT, []),
+    "gemma4-31b": ("gemma4", GEMMA4_31B_TEXT, []),
 }
 HYBRID = ("qwen3_5", "qwen3_5_moe")
+GEMMA4 = ("gemma4", "gemma4_moe")
+
+
+def _gemma4_fields(cfg: dict[str, Any], fields: dict[str, Any]) -> None:
+    text = cfg["text_config"]
+    text.update(fields, enable_moe_block="num_experts" in fields, dtype="bfloat16")
+    n = text["num_hidden_layers"]
+    text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+    cfg["vision_config"].update(GEMMA4_VISION, dtype="bfloat16")
+    cfg["dtype"] = "bfloat16"
 
 
 def _set_rope(section: dict[str, Any], mrope: list[int]) -> None:
@@ -128,10 +182,12 @@ def _set_rope(section: dict[str, Any], mrope: list[int]) -> None:
 
 def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> Path:
     """Write a checkpoint directory: ``shape`` is "demo" (real tiny weights) or a key of SHAPES (config only:
-    "7b" Qwen2.5-VL-7B, "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-27b", "qwen3.5-35b-a3b").
+    "7b" Qwen2.5-VL-7B, "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-27b", "qwen3.5-35b-a3b", "gemma4-26b-a4b",
+    "gemma4-31b").
 
-    ``max_pixels`` overrides the image processor's cap (e.g. the demo model at real 1080p token counts). Hybrid
-    shapes get a full-attention layer every 4th (a prefix of ``layer_types`` keeps the pattern for fewer layers).
+    ``max_pixels`` overrides the image processor's cap (e.g. the demo model at real 1080p token counts; Gemma 4
+    sizes images by its token budget instead). Hybrid shapes get a full-attention layer every 4th, Gemma 4 a global
+    layer every 6th (a prefix of ``layer_types`` keeps the pattern for fewer layers).
     """
     family = SHAPES[shape][0] if shape in SHAPES else "qwen2_5_vl"
     src = ensure_demo_model(family=family)
@@ -143,7 +199,9 @@ def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> 
             continue
         shutil.copy(f, dest / f.name)
     cfg = json.loads((dest / "config.json").read_text())
-    if shape in SHAPES:
+    if shape in SHAPES and family in GEMMA4:
+        _gemma4_fields(cfg, SHAPES[shape][1])
+    elif shape in SHAPES:
         _, fields, mrope = SHAPES[shape]
         text = cfg.get("text_config", cfg)
         text.update(fields)

@@ -36,6 +36,10 @@ from workers.engine.kernels import kv_quant
 log = logging.getLogger(__name__)
 
 TILE = 64  # keys per inner step: four 16-token blocks, [64, 128] bf16 = 16 KB per K or V tile
+# Heads wider than 256 (Gemma 4's global layers: 512) walk half the keys per step with twice the warps, so a K or V
+# tile stays 32 KB and two pipeline stages of both fit in a Hopper SM's shared memory. Each such width is taken only
+# after the start-up probe passed on it (``probe``): its register and shared-memory budget is the card's to refuse.
+WIDE_HEAD_DIM, MAX_HEAD_DIM, WIDE_TILE, WIDE_WARPS = 256, 512, 32, 8
 _TARGET_PROGRAMS = 2  # programs per SM the split count aims for
 _WARPS, _STAGES = 4, 2  # the split kernel's launch (benchmarks/kernels/paged_decode_bench.py --sweep)
 # A grid of few programs (under _FEW_PROGRAMS per SM) whose splits walk many tiles is latency-bound: such a plan gets
@@ -49,6 +53,7 @@ MAX_SPLITS = 64
 
 
 _broken: list[str] = []  # set by probe(): why the kernel is off in this process
+_wide_checked: set[int] = set()  # head dims over WIDE_HEAD_DIM whose probe passed on this process's card
 
 
 @functools.cache
@@ -74,6 +79,9 @@ def probe(
     ``kv_dtype`` FP8: the cache is e4m3 with per-head scales, so the FP8 variant is the one checked (a card whose
     Triton cannot convert e4m3 decodes through the dequantizing gather path)."""
     q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
+    wide = WIDE_HEAD_DIM < head_dim <= MAX_HEAD_DIM
+    if wide and triton_available() and (dtype in (torch.float16, torch.bfloat16) or not q.is_cuda):
+        _wide_checked.add(head_dim)  # on trial: a failure below takes it back without switching the kernel off
     if not usable(q):
         return False
     try:
@@ -101,6 +109,10 @@ def probe(
                 if not torch.allclose(out[b].float(), ref, atol=3e-2, rtol=3e-2):
                     raise RuntimeError(f"wrong result (max error {(out[b].float() - ref).abs().max().item():.3g})")
     except Exception as exc:  # noqa: BLE001 - any failure means: do not use it
+        if wide:  # the narrower heads keep the kernel; only this width decodes through the gather path
+            _wide_checked.discard(head_dim)
+            log.warning("Triton paged decode attention unavailable for head_dim %d (gather path): %s", head_dim, exc)
+            return False
         _broken.append(str(exc))
         triton_available.cache_clear()
         log.warning("Triton paged decode attention unavailable, decoding through the gather path: %s", exc)
@@ -116,9 +128,10 @@ def usable(q: Tensor) -> bool:
     """Whether ``paged_decode`` can take this query: CUDA half types (or the CPU interpreter in tests)."""
     if not triton_available():
         return False
+    d = q.shape[-1]
     if q.is_cuda:
-        return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-    return interpreted()
+        return q.dtype in (torch.float16, torch.bfloat16) and (d <= WIDE_HEAD_DIM or d in _wide_checked)
+    return interpreted() and d <= MAX_HEAD_DIM
 
 
 @functools.cache
@@ -261,6 +274,7 @@ def paged_decode(
     splits, per_split = plan_splits(b, window if windowed else max_tokens, hkv, q.device)
     group = hq // hkv
     d_p = 1 << (d - 1).bit_length()
+    wide = d_p > WIDE_HEAD_DIM
     q = q.contiguous()
     part_out = torch.empty((b, hq, splits, d_p), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
@@ -277,12 +291,12 @@ def paged_decode(
         scale, q.stride(0), q.stride(1), flat.stride(0), flat.stride(1), flat.stride(2), block_tables.stride(0),
         hq, splits, per_split, window,
         GROUP=group, GROUP_P=max(16, 1 << (group - 1).bit_length()), D=d, D_P=d_p,
-        BLOCK_SIZE=block_size, TILE=TILE, SPLIT_FROM_PTR=split_tokens is not None, WINDOWED=windowed, FP8=fp8,
-        num_warps=_WARPS,
+        BLOCK_SIZE=block_size, TILE=WIDE_TILE if wide else TILE, SPLIT_FROM_PTR=split_tokens is not None,
+        WINDOWED=windowed, FP8=fp8, num_warps=WIDE_WARPS if wide else _WARPS,
         num_stages=_STAGES,
     )  # fmt: skip
     combine_kernel[(b, hq)](
         part_out, part_lse, out, out.stride(0), out.stride(1), hq, splits,
-        D=d, D_P=d_p, SPLITS_P=MAX_SPLITS, num_warps=4,
+        D=d, D_P=d_p, SPLITS_P=MAX_SPLITS, num_warps=WIDE_WARPS if wide else 4,
     )  # fmt: skip
     return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -67,19 +67,19 @@ def start_graphs(r: LoadedModel) -> tuple[DecodeGraphs | None, PiecewiseGraphs |
     if held:
         log.warning("no CUDA graphs: %s cannot be captured with %s; every step runs eagerly", held[0], r.dtype)
         return None, None
-    if spec.kv_shapes is not None:
-        # Caches of several shapes and per-layer windows (Gemma 4): the graphs' static decode inputs assume one
-        # shape. Eager until they take one per layer kind.
-        log.warning("no CUDA graphs yet for %s (KV caches of several shapes); every step runs eagerly", spec.family)
-        return None, None
     max_blocks = -(-(cfg.max_model_len or spec.max_position_embeddings) // cfg.block_size)
     scratch_state = r.state.scratch if r.state is not None else None
-    decode = DecodeGraphs(r.lm, r.kv_caches, cfg.block_size, r.num_blocks, max_blocks, r.tp.size, scratch_state)
+    # A window pool (Gemma 4's sliding layers): its slots and tables are inputs too, its scratch block the padding's.
+    pool = WindowPool(spec.kv_windows, r.num_window_blocks) if r.num_window_blocks and spec.kv_windows else None
+    decode = DecodeGraphs(r.lm, r.kv_caches, cfg.block_size, r.num_blocks, max_blocks, r.tp.size, scratch_state,
+                          pool, r.dtype)
     started = time.perf_counter()
     decode.capture_all(cfg.max_num_seqs)
     if decode.stats["captures"]:
         log.info("%d decode graphs captured in %.1f s", decode.stats["captures"], time.perf_counter() - started)
-    if r.state is not None:  # a hybrid model's linear-attention layers are not split points of the pieces
+    if r.state is not None or spec.kv_shapes is not None:
+        # The pieces split at attention calls of one head shape with one block table: a hybrid model's linear
+        # layers and caches of several shapes (Gemma 4) are not such split points.
         return decode, None
     heads = (spec.num_heads // r.tp.size, kv_heads_per_rank(spec.num_kv_heads, r.tp.size), spec.head_dim)
     piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, spec.hidden_size, heads,
@@ -98,13 +98,24 @@ def decode_bucket(batch: int, width: int, block_size: int, max_width: int) -> tu
     return b, w
 
 
+@dataclass(frozen=True)
+class WindowPool:
+    """The sliding-window caches' own block pool (core/window_blocks.py), as the graphs see it."""
+
+    windows: tuple[int, ...]  # each KV cache's window, kv_caches order (0: a global cache)
+    scratch: int  # its scratch block (the pool's size): padding rows and released table entries point there
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: Tensor  # int64 [B * 6 + 1]: ids, 3 position rows, slots, seq_lens, keys per attention split
+    # int64 [B * 6 + 1 (+ B: state slots) (+ B: window slots)]: ids, 3 position rows, slots, seq_lens, keys per
+    # attention split, then each row's linear-attention state slot and its new token's slot in the window pool.
+    inputs: Tensor
     # int64 [B, W]. A step rewrites only its rows' first columns (up to its widest table): attention never
     # uses a column past a row's length (padding rows: length 1, column 0), so what is left there is harmless.
     table: Tensor
+    window_table: Tensor | None  # int64 [B, W]: the same for the window pool's tables (same rule)
     hidden: Tensor  # [B, hidden]: final-norm hidden states, rewritten by every replay
 
 
@@ -118,8 +129,11 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         tp_size: int = 1,
         scratch_state: int | None = None,
+        window_pool: WindowPool | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.lm, self.kv_caches, self.block_size = lm, kv_caches, block_size
+        self.window_pool = window_pool
         # Hybrid models: each row's linear-attention state slot is one more input (padding rows: the scratch slot).
         self.scratch_state = scratch_state
         # NCCL's watchdog thread queries events while a rank captures; "global" capture mode would fail those
@@ -128,13 +142,23 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.max_width = max(MIN_WIDTH, 1 << (max_blocks_per_seq - 1).bit_length())
         self.device = kv_caches[0].device
-        self.num_kv_heads = kv_caches[0].shape[-2]
+        # The split input is planned for the full-attention caches' KV heads (a windowed layer plans over its
+        # window and ignores it; the kernel stretches a split that another head count would leave short).
+        windows = window_pool.windows if window_pool is not None else (0,) * len(kv_caches)
+        self.num_kv_heads = next((c.shape[-2] for c, w in zip(kv_caches, windows, strict=True) if not w),
+                                 kv_caches[0].shape[-2])
         self.backend = PaddedDecodeBackend()
         # With the in-place Triton kernel, the table width costs nothing but its copy, so one graph per batch
         # bucket covers every width (the kernel's split length is an input, not a shape) and all of them can
         # be captured at start-up, instead of mid-serving where a capture (and its Triton compile) stalled a
         # decode step by 0.1-0.75 s (docs/perf-notes.md, session 9).
-        self.paged = paged_attention.triton_available()
+        # Every cache's heads must take the kernel (Gemma 4's 512-wide ones only where the probe passed them): a
+        # graph as wide as the longest sequence would otherwise gather that whole width per layer.
+        dims = {c.shape[-1] for c in kv_caches}
+        self.paged = paged_attention.triton_available() and all(
+            paged_attention.usable(torch.empty(1, 1, d, dtype=dtype or kv_caches[0].dtype, device=self.device))
+            for d in dims
+        )
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.stats = {"replays": 0, "captures": 0, "misses": 0}
@@ -165,22 +189,28 @@ class DecodeGraphs:
         tables: list[list[int]],
         ids_device: Tensor | None = None,
         state_slots: list[int] | None = None,
+        window_slots: list[int] | None = None,
+        window_tables: list[list[int]] | None = None,
     ) -> Tensor | None:
         """Hidden states [B, hidden] of one decode step (one new token per sequence), or None when the
         step fits no bucket. The result is a view of a static buffer: valid until the next replay.
-        ``ids_device``: the ids, already on the device (a step planned ahead), in place of ``ids``."""
+        ``ids_device``: the ids, already on the device (a step planned ahead), in place of ``ids``.
+        ``window_slots`` / ``window_tables``: the rows' slots and tables in the window pool (with one)."""
         width = max(len(t) for t in tables)
+        if window_tables:
+            width = max(width, *(len(t) for t in window_tables))
         key = self.bucket(len(ids), width)
         if key is None:
             self.stats["misses"] += 1
             return None
         graph = self.graphs.get(key) or self._capture(*key)
-        host = self._pack(key, width, ids, positions, slots, seq_lens, state_slots or [])
-        table = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.int64)
+        host = self._pack(key, width, ids, positions, slots, seq_lens, state_slots or [], window_slots or [])
         graph.inputs.copy_(host.pin_memory(), non_blocking=True)
         if ids_device is not None:  # the ids lead the inputs buffer; queued after the copy above, so they win
             graph.inputs[: len(ids)].copy_(ids_device)
-        graph.table[: len(ids), :width].copy_(table.pin_memory(), non_blocking=True)
+        _fill(graph.table, tables, width, self.scratch_block)
+        if graph.window_table is not None and self.window_pool is not None:
+            _fill(graph.window_table, window_tables or [], width, self.window_pool.scratch)
         graph.graph.replay()
         self.stats["replays"] += 1
         return graph.hidden[: len(ids)]
@@ -194,6 +224,7 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         state_slots: list[int],
+        window_slots: list[int],
     ) -> Tensor:
         b, _ = key
         pad = b - len(ids)
@@ -210,11 +241,16 @@ class DecodeGraphs:
         )
         if self.scratch_state is not None:
             values += [*state_slots, *[self.scratch_state] * (b - len(state_slots))]
+        if self.window_pool is not None:
+            values += [*window_slots, *[self.window_pool.scratch * self.block_size] * (b - len(window_slots))]
         return torch.tensor(values, dtype=torch.int64)
 
-    def _forward(self, inputs: Tensor, table: Tensor, b: int, w: int) -> Tensor:
-        hybrid = self.scratch_state is not None
-        ids, pos, slots, seq_lens, split, *state = inputs.split([b, 3 * b, b, b, 1, *([b] if hybrid else [])])
+    def _forward(self, inputs: Tensor, table: Tensor, window_table: Tensor | None, b: int, w: int) -> Tensor:
+        hybrid, pooled = self.scratch_state is not None, window_table is not None
+        ids, pos, slots, seq_lens, split, *rest = inputs.split(
+            [b, 3 * b, b, b, 1, *([b] if hybrid else []), *([b] if pooled else [])]
+        )
+        state = rest[:1] if hybrid else []
         width = w * self.block_size
         meta = AttentionMetadata(
             query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=self.device),
@@ -227,6 +263,8 @@ class DecodeGraphs:
             max_seq_len=width,
         )
         meta.derived["split_tokens"] = split
+        if window_table is not None:  # the sliding layers' view: the window pool's slots and tables
+            meta.window = replace(meta, slot_mapping=rest[-1], block_tables=window_table, derived={"split_tokens": split})
         if state:
             # Every decoding row has state (a sequence decodes only after its prompt); padding rows decode in the
             # scratch slot, whatever it holds. The host lists give only the batch size to the kernels.
@@ -235,18 +273,26 @@ class DecodeGraphs:
         return self.lm(self.lm.embed_tokens(ids), pos.view(3, b), self.kv_caches, meta, backend=self.backend)
 
     def _capture(self, b: int, w: int) -> _Graph:
-        inputs = self._pack((b, w), 1, [], [[], [], []], [], [], []).to(self.device)  # all padding rows
+        inputs = self._pack((b, w), 1, [], [[], [], []], [], [], [], []).to(self.device)  # all padding rows
         table = torch.full((b, w), self.scratch_block, dtype=torch.int64, device=self.device)
+        pool = self.window_pool
+        window_table = None if pool is None else torch.full_like(table, pool.scratch)
         # Warm up on a side stream first (lazy library init and workspaces must not happen in capture).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(inputs, table, b, w)
+            self._forward(inputs, table, window_table, b, w)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_mode):
-            hidden = self._forward(inputs, table, b, w)
-        self.graphs[(b, w)] = captured = _Graph(graph, inputs, table, hidden)
+            hidden = self._forward(inputs, table, window_table, b, w)
+        self.graphs[(b, w)] = captured = _Graph(graph, inputs, table, window_table, hidden)
         self.stats["captures"] += 1
         log.info("captured decode graph: batch %d, table width %d blocks", b, w)
         return captured
+
+
+def _fill(static: Tensor, tables: list[list[int]], width: int, scratch: int) -> None:
+    """Rows' block tables into a graph's static table (their first ``width`` columns; short tables end in scratch)."""
+    rows = torch.tensor([t + [scratch] * (width - len(t)) for t in tables], dtype=torch.int64)
+    static[: len(tables), :width].copy_(rows.pin_memory(), non_blocking=True)

@@ -12,7 +12,6 @@ import torch
 from ipc.steps import Fork, NewSeq, StepPlan, StepResult
 from workers.common.step_trace import StepTrace
 from workers.engine.config import EngineConfig
-from workers.engine.kernels import paged_attention
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
@@ -44,7 +43,12 @@ from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
 from workers.engine.runner.prompt_logprobs import score_prompts
 from workers.engine.runner.sampler import Sampler
 from workers.engine.runner.step_inputs import Launched, StepInputs, WorkerSeq, ahead_token_ids, gather_inputs
-from workers.engine.runner.warmup import warm_fused, warm_largest_step, warm_vision_attention
+from workers.engine.runner.warmup import (
+    probe_paged_decode,
+    warm_fused,
+    warm_largest_step,
+    warm_vision_attention,
+)
 
 __all__ = ["Launched", "ModelRunner", "WorkerSeq", "split_by_patches", "to_device"]
 
@@ -100,11 +104,7 @@ class ModelRunner:
                                     self.tp.size, kv, self.device)
         self.kv_caches = attach_kv_scales(caches, cfg, self.spec, self.tp)
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
-            heads, kv_heads = self.spec.num_heads // self.tp.size, max(1, self.spec.num_kv_heads // self.tp.size)
-            # Families with caches of several shapes (Gemma 4): the top-level shape is the sliding layers', so the
-            # windowed variant is compiled and checked too.
-            paged_attention.probe(self.device, self.dtype, heads, kv_heads, self.spec.head_dim,
-                                  sliding=self.spec.kv_shapes is not None, kv_dtype=kv)
+            probe_paged_decode(self, kv)
             warm_vision_attention(self)
         if cfg.fused_kernels and self.device.type == "cuda":
             warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
@@ -216,7 +216,8 @@ class ModelRunner:
         if self.graphs is not None and not splices and not spans and len(ids) == len(plan.chunks) == len(sample_rows):
             # Pure decode (one token per sequence, all sampled, no image rows): replay a CUDA graph.
             try:
-                hidden = self.graphs.run(ids, pos, slots, seq_lens, tables, ahead_ids, step.state_slots or None)
+                hidden = self.graphs.run(ids, pos, slots, seq_lens, tables, ahead_ids, step.state_slots or None,
+                                         step.window_slots, step.window_tables)
                 graph_used = True
             except RuntimeError:  # graphs only save launches: keep serving, eagerly (it rewrites the same slots)
                 if self.tp.size > 1:

@@ -14,6 +14,7 @@ from workers.engine.kernels import (
     fused,
     kv_write_kernel,
     moe_kernel,
+    paged_attention,
     rope_kernel,
     silu_kernel,
     skinny_gemm,
@@ -71,6 +72,19 @@ def _run_every_fused_site(r: LoadedModel) -> None:
         hidden_states = _forward(r, query, seq, scratch)
     # the LM head at a decode step's sampled rows (skinny_gemm's variant for its shape; eager, outside the graphs)
     r.model.compute_logits(hidden_states[-1:])
+
+
+def probe_paged_decode(runner: LoadedModel, kv_dtype: torch.dtype) -> None:
+    """The Triton paged decode kernel, checked on each KV cache shape of the model before the warm-up and graphs
+    pick a decode path: one shape for most families; Gemma 4's sliding layers (the windowed variant) and its global
+    layers (512-wide heads, a kernel variant of their own that this card may refuse: those layers then gather)."""
+    spec, tp = runner.spec, runner.tp.size
+    heads = spec.num_heads // tp
+    windows = spec.kv_windows or (0,) * spec.kv_layers
+    shapes = spec.kv_shapes or ((spec.num_kv_heads, spec.head_dim),) * spec.kv_layers
+    for kv_heads, head_dim, sliding in sorted({(max(1, h // tp), d, w > 0) for (h, d), w in zip(shapes, windows)}):
+        paged_attention.probe(runner.device, runner.dtype, heads, kv_heads, head_dim, sliding=sliding,
+                              kv_dtype=kv_dtype)
 
 
 @torch.inference_mode()

@@ -125,6 +125,9 @@ def main() -> None:
         "window_bs4": check_kernel(2, 2, 16, 4, [3, 9, 33], 12, 6, window=7),
         "window_padded_backend": check_backend(7, window=3),
         "window_graph_split": check_split_tokens(8),
+        # Gemma 4's global heads (512 wide: half-length key tiles), GQA 8, a sequence over several splits.
+        "wide_d512": check_kernel(8, 1, 512, 16, [1, 40, 300], 20, 10),
+        "wide_d512_window": check_kernel(4, 2, 512, 16, [300, 17], 20, 11, window=50),
         "flash_mixed_step": check_flash_mixed_step(9),
     }
     for name, err in cases.items():
@@ -133,11 +136,15 @@ def main() -> None:
     # The start-up probe passes here, and a kernel that fails switches itself off for the process.
     assert paged_attention.probe(torch.device("cpu"), torch.float32, 14, 2, 80)
     assert paged_attention.probe(torch.device("cpu"), torch.float32, 8, 2, 32, sliding=True)
+    assert paged_attention.probe(torch.device("cpu"), torch.float32, 8, 1, 512)
+    assert not paged_attention.usable(torch.zeros(1, 8, 1024)), "no head dim over MAX_HEAD_DIM"
 
     def broken(*args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError("no C compiler")
 
     paged_attention.paged_decode = broken  # type: ignore[assignment]
+    assert not paged_attention.probe(torch.device("cpu"), torch.float32, 8, 1, 512)
+    assert paged_attention.triton_available(), "a wide head's failure leaves the kernel on for the narrower heads"
     assert not paged_attention.probe(torch.device("cpu"), torch.float32, 14, 2, 80)
     assert not paged_attention.triton_available() and not paged_attention.usable(torch.zeros(1, 14, 80))
     print("ok")

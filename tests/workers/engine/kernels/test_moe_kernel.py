@@ -106,3 +106,25 @@ def test_kernels_match_the_loop_in_bf16_and_replay_from_a_cuda_graph() -> None:
     torch.testing.assert_close(replayed, moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down),
                                rtol=0, atol=0)
     assert not torch.equal(replayed, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemma_grouped_experts_match_the_loop_past_the_kernels_rows() -> None:
+    """Gemma 4's experts over more rows than the Triton kernels take: two grouped GEMMs with the tanh-GELU gate (no
+    host sync, so a decode graph can hold them) give transformers' loop, float32 routing weights and all."""
+    from workers.engine.kernels import moe_kernel
+    from workers.engine.models.gemma4.moe import GemmaExperts, gelu_experts_loop
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    experts, top_k, hidden, inter, rows = 128, 8, 2816, 704, 2 * moe_kernel.MAX_ROWS + 3  # 26B-A4B's experts
+    block = GemmaExperts(experts, hidden, inter).cuda().bfloat16()
+    block.gate_up_proj.copy_(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * hidden**-0.5)
+    block.down_proj.copy_(torch.randn(experts, hidden, inter, device="cuda", generator=gen) * inter**-0.5)
+    assert block.capturable()
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+    weights, ids = moe_kernel.route(torch.randn(rows, experts, device="cuda", generator=gen), top_k)
+    out = block(x, weights, ids)
+    assert out.dtype == torch.bfloat16
+    want = gelu_experts_loop(x.float(), weights, ids, block.gate_up_proj.float(), block.down_proj.float())
+    torch.testing.assert_close(out.float(), want, rtol=2**-6, atol=3e-2)

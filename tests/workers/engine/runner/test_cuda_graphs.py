@@ -55,3 +55,25 @@ def test_graph_decode_gives_the_eager_tokens_on_cuda(demo_model_dir: Path) -> No
     assert graphs.stats["replays"] > 0 and graphs.stats["captures"] > 0
     engine.runner.graphs = None
     assert [o.token_ids for o in engine.generate(prompts, greedy)] == with_graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("family", "dtype"), [("gemma4", "float32"), ("gemma4_moe", "bfloat16")])
+def test_gemma4_graph_decode_gives_the_eager_tokens_on_cuda(
+    family: str, dtype: str, request: pytest.FixtureRequest
+) -> None:
+    """Gemma 4's caches of two shapes and its sliding layers' own block pool in the decode graphs: sequences longer
+    than the window (released window blocks read as the pool's scratch) decode to the eager tokens. float32 runs the
+    gather path; the MoE in bfloat16 (the dtype its grouped experts capture in) runs the Triton kernel on both the
+    sliding heads and the wide global ones."""
+    model_dir = request.getfixturevalue("gemma4_model_dir" if family == "gemma4" else "gemma4_moe_model_dir")
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype=dtype, block_size=16))
+    assert engine.runner.num_window_blocks > 0 and engine.runner.graphs is not None
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [[{"role": "user", "content": f"Count to {n}: " + "one " * n}] for n in (3, 30, 90)]
+    with_graphs = [o.token_ids for o in engine.generate(prompts, greedy)]
+    assert engine.runner.graphs.stats["replays"] > 0
+    assert engine.core.windows is not None and engine.core.windows.released > 0
+    engine.runner.graphs = None
+    assert [o.token_ids for o in engine.generate(prompts, greedy)] == with_graphs

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from workers.engine.kernels import moe_kernel
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
 from workers.engine.models.gemma4.lm_layers import GemmaRMSNorm
-from workers.engine.models.qwen3_vl.moe import StackedExperts
+from workers.engine.models.qwen3_vl.moe import StackedExperts, experts_grouped, grouped_mm_usable
 
 
 class GemmaRouter(nn.Module):
@@ -70,11 +70,14 @@ class GemmaExperts(StackedExperts):
     fp8_grouped = False  # the loop only: FP8 checkpoints' experts stay dequantized in the model dtype
 
     def capturable(self) -> bool:
-        """The loop syncs with the host (which experts got tokens): no CUDA graph can hold a step of more rows than
-        the Triton kernels take (moe_kernel.MAX_ROWS)."""
-        return False
+        """Whether a CUDA graph can hold this block's decode steps: the Triton kernels (up to moe_kernel.MAX_ROWS
+        rows) and the grouped GEMMs (more rows) have no host sync; the loop has (which experts got tokens)."""
+        one_row = self.gate_up_proj[0, :1]  # [1, H]: the stacks' device and dtype
+        return grouped_mm_usable(one_row, self.gate_up_proj, self.down_proj)
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         if moe_kernel.wanted(x, self.gate_up_proj):  # a decode step's few rows: no loop, no host sync
             return moe_kernel.experts(x, weights, ids, self.gate_up_proj, self.down_proj, gelu=True)
+        if grouped_mm_usable(x, self.gate_up_proj, self.down_proj):  # CUDA bf16: two grouped GEMMs, no host sync
+            return experts_grouped(x, weights, ids, self.gate_up_proj, self.down_proj, gelu=True).to(x.dtype)
         return gelu_experts_loop(x, weights, ids, self.gate_up_proj, self.down_proj)

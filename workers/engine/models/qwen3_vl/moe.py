@@ -178,6 +178,7 @@ def experts_grouped(
     down: Tensor,
     fuse_act: bool = False,
     fp8_scales: tuple[Tensor, Tensor] | None = None,
+    gelu: bool = False,
 ) -> Tensor:
     """The same combine as ``experts_loop`` as two grouped GEMMs, with no loop and no host sync (so it can be
     captured in a CUDA graph).
@@ -186,7 +187,8 @@ def experts_grouped(
     input; ``searchsorted`` over the sorted ids gives the groups' end offsets (empty groups included). The
     weighted outputs are put back in (token, slot) order and each token's k rows summed: deterministic,
     unlike atomic scatter-adds, and the sum of k rounds once. ``fp8_scales``: the stacks are FP8 with these per-row
-    scales, and both GEMMs are ``fp8_gemm.grouped_mm``."""
+    scales, and both GEMMs are ``fp8_gemm.grouped_mm``. ``gelu``: the gate is tanh-GELU (Gemma 4), not SiLU; the
+    result then has the routing weights' dtype (Gemma's stay float32), the k rows summed before one rounding."""
     t, k = ids.shape
     flat = ids.flatten()
     order = flat.argsort(stable=True)
@@ -197,11 +199,11 @@ def experts_grouped(
         h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)  # [t*k, 2I]
     else:
         h = fp8_gemm.grouped_mm(rows, gate_up, fp8_scales[0], ends)
-    if fuse_act:
+    if fuse_act and not gelu:
         h = fused.fast_silu_mul(h)
     else:
         g, u = h.chunk(2, dim=-1)
-        h = F.silu(g) * u
+        h = (F.gelu(g, approximate="tanh") if gelu else F.silu(g)) * u
     if fp8_scales is None:
         y = torch._grouped_mm(h, down.transpose(1, 2), offs=ends)  # [t*k, H]
     else:
