@@ -176,6 +176,7 @@ def tail_metadata(meta: AttentionMetadata, first: int) -> AttentionMetadata:
         block_tables=meta.block_tables[first:],
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        bidir_spans=meta.bidir_spans[first:] if meta.bidir_spans is not None else None,
     )
 
 

@@ -154,7 +154,7 @@ class FlashVarlenBackend:
         window: int = 0, bidirectional: bool = False,
     ) -> Tensor:
         if not self.supports(q) or (window > 0 and not self._windows):
-            return self._fallback.forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
+            return self._sdpa_forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
         if k is not None and v is not None:
             write_new_kv(k, v, kv_cache, meta)
         out = self._causal_forward(q, k, v, kv_cache, meta, scale, window)
@@ -165,6 +165,33 @@ class FlashVarlenBackend:
         if any(spans):
             attend_span_rows(out, q, kv_cache, meta, scale, window, spans)
         return out
+
+    def _sdpa_forward(
+        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
+        window: int, bidirectional: bool,
+    ) -> Tensor:
+        """Heads the flash kernels cannot take (Gemma 4's 512-wide global heads; float32): SDPA, one call per sequence,
+        except the step's leading decode rows where the paged kernel takes these heads (its start-up probe passed on
+        their width): those read the cache in place in one launch, as on the other layers."""
+        decodes = meta.derived.get("leading_decodes")
+        if decodes is None:
+            decodes = meta.derived["leading_decodes"] = decode_prefix(meta)
+        if not decodes or not paged_attention.usable(q):
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
+        if k is not None and v is not None:
+            write_new_kv(k, v, kv_cache, meta)
+        head = paged_attention.paged_decode(
+            q[:decodes], kv_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
+            max(meta.seq_lens_cpu[:decodes]), window=window,
+        )
+        if decodes == len(meta.seq_lens_cpu):
+            return head
+        rest = meta.derived.get("prefill_meta")
+        if rest is None:
+            rest = meta.derived["prefill_meta"] = tail_metadata(meta, decodes)
+        # A decode row is never inside an image span with later keys; the chunks after it keep their spans.
+        tail = self._fallback.forward(q[decodes:], None, None, kv_cache, rest, scale, window, bidirectional)
+        return torch.cat([head, tail])
 
     def _causal_forward(
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,

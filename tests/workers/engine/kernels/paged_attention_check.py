@@ -108,6 +108,20 @@ def check_flash_mixed_step(seed: int) -> float:
     return (out - expected).abs().max().item()
 
 
+def check_flash_wide_heads(seed: int, window: int = 0) -> float:
+    """FlashVarlenBackend on heads its kernels cannot take (512 wide, Gemma 4's global layers): the leading decode
+    rows through the paged kernel, the chunks (one cutting an image span) through SDPA; against the SDPA backend."""
+    from tests.workers.engine.kernels.window_scenarios import Seq, cpu_flash_backend, make_step
+
+    step = make_step([Seq(20, 1), Seq(37, 1), Seq(5, 9, ((7, 12),)), Seq(0, 6)], d=512, seed=seed)
+    backend = cpu_flash_backend()
+    backend.supports = lambda q: q.shape[-1] <= 256  # type: ignore[method-assign]
+    expected = SdpaBackend().forward(step.q, step.k, step.v, step.cache.clone(), step.meta, 0.05, window, True)
+    out = backend.forward(step.q, step.k, step.v, step.cache, step.meta, 0.05, window, True)
+    assert step.meta.derived["leading_decodes"] == 2
+    return (out - expected).abs().max().item()
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert paged_attention.usable(torch.zeros(1, 1, 16)), "the interpreter should make the kernel usable on CPU"
@@ -128,6 +142,8 @@ def main() -> None:
         # Gemma 4's global heads (512 wide: half-length key tiles), GQA 8, a sequence over several splits.
         "wide_d512": check_kernel(8, 1, 512, 16, [1, 40, 300], 20, 10),
         "wide_d512_window": check_kernel(4, 2, 512, 16, [300, 17], 20, 11, window=50),
+        "flash_wide_heads": check_flash_wide_heads(12),
+        "flash_wide_heads_window": check_flash_wide_heads(13, window=4),
         "flash_mixed_step": check_flash_mixed_step(9),
     }
     for name, err in cases.items():
