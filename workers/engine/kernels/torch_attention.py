@@ -118,7 +118,7 @@ class FlashVarlenBackend:
     bottom-right when seq_q < seq_k, which is exactly "query i sits at context + i". The gather
     costs an extra read+write of the KV per layer; a block-table kernel can replace it later
     without changing this interface. Inputs the kernel cannot take (float32, head_dim > 256) go
-    to the sdpa backend.
+    to the sdpa backend, except leading decode rows the paged kernel takes (``_sdpa_forward``).
 
     Kernel entry point:
     * torch >= 2.12 (``varlen_attn`` has ``enable_gqa``): the public ``varlen_attn`` with
