@@ -103,6 +103,12 @@ class StepPlan(Msg, frozen=True):
     # chunk) is copied into ``slot``, to be published under that block's prefix key.
     state_copies: list[tuple[int, int]] = []
     snapshots: list[tuple[str, int, int]] = []
+    # Host-RAM tier of prefix-cache KV blocks (workers/engine/core/host_kv_index.py). Ordering rule: every rank copies
+    # all ``kv_spill`` (device block, host slot) first, then all ``kv_load`` (host slot, device block), then runs the
+    # forward: a spilled block is one this step hands out again, so it must be read before anything writes KV, and a
+    # loaded block must be in place before attention reads it.
+    kv_spill: list[tuple[int, int]] = []
+    kv_load: list[tuple[int, int]] = []
 
 
 class StepResult(Msg, frozen=True):
