@@ -37,6 +37,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     tool_calls: list[ToolCallDelta] | None = None
     prompt_logprobs: PromptLogprob | None = None  # with the choice's first output, when asked for (packed)
+    reasoning: str = ""  # --reasoning-parser: the new text's reasoning part (``text`` is then the content alone)
 
 
 class OutputBatch(Msg, frozen=True):

@@ -72,6 +72,14 @@ class SchedulerStats(Msg, frozen=True):
     state_snapshots_evicted: int = 0
     state_restores: int = 0  # admissions that resumed from a snapshot
     state_restored_tokens: int = 0  # prompt tokens those skipped
+    # The embedding cache's host tier (all 0 when it is off): entries the GPU tier evicted, kept in host memory.
+    mm_host_cache_budget_bytes: int = 0
+    mm_host_cache_bytes: int = 0
+    mm_host_cache_entries: int = 0
+    mm_host_cache_hits: int = 0  # GPU misses found there
+    mm_host_cache_spills: int = 0  # entries copied in from the GPU tier
+    mm_host_cache_reloads: int = 0  # entries copied back onto the GPU instead of encoded
+    mm_host_cache_evictions: int = 0
     # Sliding-window models (Gemma 4): the sliding layers' own KV block pool (all 0 for other models).
     window_blocks_total: int = 0
     window_blocks_used: int = 0

@@ -103,6 +103,15 @@ class StepPlan(Msg, frozen=True):
     # chunk) is copied into ``slot``, to be published under that block's prefix key.
     state_copies: list[tuple[int, int]] = []
     snapshots: list[tuple[str, int, int]] = []
+    # The embedding cache's host tier (core/mm_host_tier.py), keyed like ``evict``. Every rank applies the lists in
+    # this order, the order the index planned them in: ``mm_host_evict`` (frees host room), ``mm_spill`` (GPU entry
+    # copied to host memory, then dropped from the GPU store; it reads the entry, so spills run before ``evict``
+    # can free its rows), ``evict``, ``mm_reload`` (host entry copied back into the GPU store, then dropped from
+    # the host tier; started before ``encode`` and landed before the forward that reads it). Empty by default, so
+    # plans without a host tier encode as before.
+    mm_host_evict: list[bytes] = []
+    mm_spill: list[bytes] = []
+    mm_reload: list[bytes] = []
     # Host-RAM tier of prefix-cache KV blocks (workers/engine/core/host_kv_index.py). Ordering rule: every rank copies
     # all ``kv_spill`` (device block, host slot) first, then all ``kv_load`` (host slot, device block), then runs the
     # forward: a spilled block is one this step hands out again, so it must be read before anything writes KV, and a

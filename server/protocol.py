@@ -125,6 +125,10 @@ class ToolCall(msgspec.Struct):
 class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str | None  # null (present) when the answer is tool calls only, as OpenAI sends it
+    # --reasoning-parser: the reasoning under both names clients read (SGLang and older vLLM: reasoning_content;
+    # newer vLLM: reasoning); absent without a parser.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = []  # absent when there are none
 
 
@@ -168,6 +172,8 @@ class Delta(msgspec.Struct, omit_defaults=True):
     # Absent keys, not nulls: OpenAI sends the role once and then bare content deltas.
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser, as in AssistantMessage
+    reasoning: str | None = None
     tool_calls: list[ToolCallDeltaOut] | None = None
 
 

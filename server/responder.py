@@ -43,6 +43,7 @@ _COMPACT_AT = 64  # pieces a choice keeps before they are joined (a whole answer
 class ChoiceState:
     index: int
     text: list[str] = field(default_factory=list)  # stream: since the last flush; else everything
+    reasoning: list[str] = field(default_factory=list)  # --reasoning-parser: the same, of the reasoning
     logprobs: list[TokenLogprob] = field(default_factory=list)
     calls: list[ToolCallDelta] = field(default_factory=list)
     prompt: PromptLogprob | None = None  # completions: the prompt's log probabilities (packed), until written
@@ -67,6 +68,10 @@ class Answer:
             choice.text.append(out.text)
             if len(choice.text) > _COMPACT_AT:  # a whole answer: one string, not a Python object per step
                 choice.text[:] = ["".join(choice.text)]
+        if out.reasoning:
+            choice.reasoning.append(out.reasoning)
+            if len(choice.reasoning) > _COMPACT_AT:
+                choice.reasoning[:] = ["".join(choice.reasoning)]
         if out.logprobs:
             choice.logprobs.extend(out.logprobs)
         if out.tool_calls:
@@ -98,9 +103,11 @@ class Answer:
     def flush(self) -> Iterator[bytes]:
         """Stream: events for everything added since the last flush; after the last output, the end too. Each
         choice's event takes what it needs now (``_chunk``), so its pieces may be rendered after the clearing."""
-        events = [self._chunk(c) for c in self.choices if c.text or c.logprobs or c.calls or c.prompt or self._finishing(c)]
+        events = [self._chunk(c) for c in self.choices
+                  if c.text or c.reasoning or c.logprobs or c.calls or c.prompt or self._finishing(c)]
         for c in self.choices:
             c.text = []
+            c.reasoning = []
             c.logprobs = []
             c.calls = []
             c.prompt = None
@@ -141,10 +148,12 @@ class ChatAnswer(Answer):
 
     def _chunk(self, c: ChoiceState) -> Iterable[bytes]:
         text = "".join(c.text)
+        thought = "".join(c.reasoning) or None
         calls = [_call_delta(d) for d in c.calls] or None
         out = b""
-        if text or calls or c.logprobs:
-            delta = Delta(content=text if text or not calls else None, tool_calls=calls)
+        if text or thought or calls or c.logprobs:
+            delta = Delta(content=text if text or not (calls or thought) else None, reasoning_content=thought,
+                          reasoning=thought, tool_calls=calls)
             out = self._event([ChunkChoice(c.index, delta, None, self._logprobs(c))])
         if self._finishing(c):  # as OpenAI ends a choice: an empty delta with the finish reason
             out += self._event([ChunkChoice(c.index, Delta(), c.finish_reason)])
@@ -158,7 +167,9 @@ class ChatAnswer(Answer):
         for c in self.choices:
             calls = _whole_calls(c.calls)
             text = "".join(c.text)
-            message = AssistantMessage(role="assistant", content=text if text or not calls else None, tool_calls=calls)
+            thought = "".join(c.reasoning) or None
+            message = AssistantMessage(role="assistant", content=text if text or not (calls or thought) else None,
+                                       reasoning_content=thought, reasoning=thought, tool_calls=calls)
             choices.append(protocol.Choice(c.index, message, c.finish_reason, self._logprobs(c)))
         yield encode(ChatCompletion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage()))
 

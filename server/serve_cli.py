@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig
+from workers.common.reasoning import PARSERS
 from workers.engine.config import KV_CACHE_DTYPES, EngineConfig
 
 
@@ -55,6 +56,8 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--chunk-size", type=int, default=E["chunk_size"], help="token budget of one step (chunked prefill)")
     m.add_argument("--lone-prefill-tokens", type=int, default=E["lone_prefill_tokens"],
                    help="token budget of a step when no request is decoding (0: --chunk-size)")
+    m.add_argument("--decode-step-image-tokens", type=int, default=E["decode_step_image_tokens"],
+                   help="image tokens a step that carries decodes may encode (at least one image; 0: no cap)")
     m.add_argument("--max-num-seqs", type=int, default=E["max_num_seqs"], help="most requests running at once")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--block-size", type=int, default=None,
@@ -71,6 +74,11 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "pool (default: 2 x each of --max-num-seqs sequences' window plus a chunk, at most half the cache "
                    "budget)")
     m.add_argument("--mm-cache-mb", type=float, default=E["mm_cache_mb"], help="per-image embedding cache budget")
+    m.add_argument("--mm-host-cache-mb", type=float, default=E["mm_host_cache_mb"],
+                   help="host tier of the embedding cache, per model worker: pinned host memory that entries the GPU "
+                   "cache evicts spill into and later requests reload from instead of re-encoding; 0 = off (default: "
+                   "off on the CPU; on CUDA min(8192, 20%% of MemTotal / (dp x tp)) MiB, reserved at start-up: every "
+                   "rank holds a copy, and pinned pages cannot be swapped, so most of the RAM stays free)")
     m.add_argument("--mm-cache-mode", default=E["mm_cache_mode"], choices=["image", "request"],
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
     m.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -93,6 +101,10 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="auto: the checkpoint's generation_config.json gives the defaults of sampling fields a "
                    "request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), "
                    "as vLLM does; none: glimpse's own defaults")
+    m.add_argument("--reasoning-parser", default=S["reasoning_parser"], choices=["", *PARSERS],
+                   help="chat answers of thinking models: the text between the reasoning markers goes to "
+                   "message.reasoning_content / .reasoning (delta.* when streaming), the rest to content "
+                   "(qwen3: Qwen3 / Qwen3.5 / Qwen3.6 <think>...</think>; deepseek_r1: the same markers)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default=S["host"])
     s.add_argument("--port", type=int, default=S["port"])
@@ -166,7 +178,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 
     from ipc.kv_event_publisher import default_topic
     from ipc.launch import new_launch_id
-    from workers.engine.config import EngineConfig, serving_kv_blocks
+    from workers.engine.config import EngineConfig, default_host_cache_mb, serving_kv_blocks
     from workers.engine.models import UnsupportedModel, load_spec
     from workers.engine.models.demo_writer import ensure_demo_model
     from workers.engine.models.loader import CheckpointError, check_checkpoint
@@ -212,11 +224,14 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         mm_cache_mb=args.mm_cache_mb,
         mm_cache_mode=args.mm_cache_mode,
+        mm_host_cache_mb=(default_host_cache_mb(device, args.dp * args.tp) if args.mm_host_cache_mb is None
+                          else args.mm_host_cache_mb),
         enable_prefix_caching=args.enable_prefix_caching,
         state_slots=args.state_slots,
         state_snapshot_every=args.state_snapshot_every,
         vit_max_patches=args.vit_max_patches,
         lone_prefill_tokens=args.lone_prefill_tokens,
+        decode_step_image_tokens=args.decode_step_image_tokens,
         fused_kernels=args.fused_kernels,
         piecewise_graph_tokens=args.piecewise_graph_tokens,
         seed=args.seed,
@@ -251,6 +266,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         generation_config=args.generation_config,
         sampling_defaults=_sampling_defaults(model, args.generation_config),
+        reasoning_parser=args.reasoning_parser,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         drain_timeout_s=args.drain_timeout,
         allow_private_media_addresses=_private_exemptions(args.allow_private_media_addresses),

@@ -140,6 +140,15 @@ class StatsBook:
                 "evictions": s.mm_cache_evictions,
                 "hit_rate": (s.mm_cache_hits / lookups) if lookups else 0.0,
             },
+            "mm_host_cache": {  # the host tier under mm_cache: what it evicts spills here, hits are copied back
+                "budget_bytes": s.mm_host_cache_budget_bytes,
+                "bytes": s.mm_host_cache_bytes,
+                "entries": s.mm_host_cache_entries,
+                "hits": s.mm_host_cache_hits,
+                "spills": s.mm_host_cache_spills,
+                "reloads": s.mm_host_cache_reloads,
+                "evictions": s.mm_host_cache_evictions,
+            },
             "images_encoded": s.images_encoded,
             "vit_batches": s.vit_batches,
             "shm": {
@@ -247,6 +256,18 @@ class _BookCollector(Collector):
             yield counter("mm_cache_hits", "Image embedding cache hits.", s.mm_cache_hits)
             yield counter("mm_cache_misses", "Image embedding cache misses.", s.mm_cache_misses)
             yield counter("mm_cache_evictions", "Image embedding cache evictions.", s.mm_cache_evictions)
+            if s.mm_host_cache_budget_bytes:
+                yield gauge("mm_host_cache_budget_bytes", "Budget of the embedding cache's host tier.",
+                            s.mm_host_cache_budget_bytes)
+                yield gauge("mm_host_cache_bytes", "Bytes of image embeddings in the host tier.", s.mm_host_cache_bytes)
+                yield gauge("mm_host_cache_entries", "Image embeddings in the host tier.", s.mm_host_cache_entries)
+                yield counter("mm_host_cache_hits", "Embedding cache misses found in the host tier.",
+                              s.mm_host_cache_hits)
+                yield counter("mm_host_cache_spills", "Embeddings spilled from the GPU to the host tier.",
+                              s.mm_host_cache_spills)
+                yield counter("mm_host_cache_reloads", "Embeddings copied back from the host tier, not encoded.",
+                              s.mm_host_cache_reloads)
+                yield counter("mm_host_cache_evictions", "Host tier evictions.", s.mm_host_cache_evictions)
             yield counter("images_encoded", "Images run through the vision tower.", s.images_encoded)
             yield counter("vit_batches", "Vision tower batches run.", s.vit_batches)
             yield gauge("shm_segments", "Shared-memory pixel segments alive.", s.shm_segments)

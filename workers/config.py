@@ -69,6 +69,8 @@ class ServerConfig:
     # --generation-config auto (read once by the launcher), empty under none.
     generation_config: str = "auto"
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # --reasoning-parser (workers/common/reasoning.py PARSERS): chat answers' reasoning apart from their content.
+    reasoning_parser: str = ""
     # CORS: origins browsers may call the API from ("*": any); empty: no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
     # Data parallelism: independent scheduler + model-worker groups (each tp_size GPUs) behind one frontend

@@ -67,6 +67,7 @@ GPU_ONLY: dict[str, list[str]] = {
     "engine.piecewise_bench": ["--repeats", "1", "--load-requests", "8", "--running", "4", "--base-words", "200"],
     "kernels.attn_bench": ["--chunks", "1024:4096"],
     "kernels.paged_decode_bench": [],
+    "kernels.moe_bench": ["--rows", "1,2", "--shapes", "qwen3-30b-a3b"],
     "kernels.rope_bench": ["--tokens", "1,64"],
     "kernels.silu_bench": [],
     "kernels.skinny_gemm_bench": ["--rows", "1,16"],

@@ -1,7 +1,8 @@
 """Qwen3.5 dense and MoE (hybrid linear attention) served end to end: `glimpse serve --tp 2` over gloo, real processes,
 the official openai client. Five images equal transformers' greedy answer; a four-turn chat that resends every earlier
 image matches transformers on every turn, encodes each image once and resumes every later turn from a state
-snapshot (/admin/stats' state_pool)."""
+snapshot (/admin/stats' state_pool). With --reasoning-parser qwen3, a thinking prompt's answer is reasoning, streamed or
+not, and a grammar cannot constrain it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ PAGES = [png_bytes(w, h, seed=190 + i) for i, (w, h) in enumerate(ODD[:4])]  # i
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, Path]]:
     model_dir: Path = request.getfixturevalue("qwen3_5_moe_model_dir" if request.param == "moe" else "qwen3_5_model_dir")
-    server = LiveServer(model_dir, "--tp", "2", "--tokenizer-workers", "1", "--chunk-size", "64")
+    server = LiveServer(model_dir, "--tp", "2", "--tokenizer-workers", "1", "--chunk-size", "64",
+                        "--reasoning-parser", "qwen3")
     yield server, model_dir
     assert server.stop() == 0, server.output()
     assert server.segments() == []
@@ -70,3 +72,34 @@ def test_four_turn_chat_resends_its_images_and_resumes_from_state_snapshots(serv
         previous = resp.usage.prompt_tokens
         sent.append({"role": "assistant", "content": answer})
         local.append({"role": "assistant", "content": answer})
+
+
+def test_a_thinking_prompt_answers_in_reasoning_streamed_or_not(served: tuple[LiveServer, Path]) -> None:
+    server, _ = served
+    client = server.client(timeout=120)
+    messages: Any = [{"role": "user", "content": "Think it over: what is in a lighthouse?"}]
+    thinking: Any = {"chat_template_kwargs": {"enable_thinking": True}}
+    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
+                                           extra_body=thinking).choices[0]
+    # The template opened <think>; a random model never closes it within 12 tokens: all of it is reasoning.
+    reasoning = getattr(whole.message, "reasoning_content", None)
+    assert reasoning and getattr(whole.message, "reasoning", None) == reasoning
+    assert whole.message.content is None and whole.finish_reason == "length"
+    streamed, content = "", ""
+    for chunk in client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
+                                                extra_body=thinking, stream=True):
+        if chunk.choices:
+            streamed += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+            content += chunk.choices[0].delta.content or ""
+    assert (streamed, content) == (reasoning, "")
+    # Thinking off: the template closes an empty reasoning; the answer is content, with no reasoning field.
+    plain = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.choices[0].message.content and getattr(plain.choices[0].message, "reasoning_content", None) is None
+    # A grammar would constrain the reasoning: refused, naming the field.
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, extra_body=thinking,
+                                       response_format={"type": "json_object"})
+    assert refused.value.status_code == 400 and "response_format" in str(refused.value)

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from server.serve_cli import add_serve, build_config
-from workers.engine.config import FA3_KEY_TILE, EngineConfig, serving_kv_blocks
+from workers.engine.config import (
+    FA3_KEY_TILE,
+    HOST_CACHE_CAP_MB,
+    HOST_CACHE_RAM_SHARE,
+    EngineConfig,
+    default_host_cache_mb,
+    serving_kv_blocks,
+)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -63,3 +70,14 @@ def test_kv_event_flags_default_to_llm_ds_topic_and_need_an_endpoint(demo_model_
     assert (given.kv_events_topic, given.kv_events_layout) == ("kv@p@m", "map")
     with pytest.raises(SystemExit, match="--kv-events-replay-endpoint"):
         build_config(parse(*base, "--kv-events-replay-endpoint", "tcp://*:5558"))
+
+
+def test_host_cache_defaults_off_on_the_cpu_and_to_a_share_of_ram_on_cuda(demo_model_dir: Path) -> None:
+    assert default_host_cache_mb("cpu", 1) == 0.0
+    with open("/proc/meminfo") as f:
+        total_mb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) / 1024
+    for ranks in (1, 8):  # every rank pins its own copy: together at most the share of RAM
+        assert default_host_cache_mb("cuda", ranks) == min(HOST_CACHE_CAP_MB, HOST_CACHE_RAM_SHARE * total_mb / ranks)
+    assert build_config(parse("--model", str(demo_model_dir), "--device", "cpu")).engine.host_cache_bytes() == 0
+    given = build_config(parse("--model", str(demo_model_dir), "--device", "cpu", "--mm-host-cache-mb", "2.5"))
+    assert given.engine.mm_host_cache_mb == 2.5 and given.engine.host_cache_bytes() == int(2.5 * 2**20)

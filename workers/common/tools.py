@@ -129,7 +129,7 @@ class ToolCallParser:
                 at = self.buffer.find(OPEN)
                 if at < 0:
                     # Held back: what may grow into the tag, and blanks that end up not content if it does.
-                    tag = _partial_tail(self.buffer, OPEN)
+                    tag = partial_tail(self.buffer, OPEN)
                     head = self.buffer[: len(self.buffer) - tag]
                     keep = tag + len(head) - len(head.rstrip())
                     content.append(self.buffer[: len(self.buffer) - keep])
@@ -176,7 +176,7 @@ class ToolCallParser:
             return out
         # Everything but a tail of closing braces and blanks, which may be the outer object's.
         raw = block[self._args_at :]
-        raw = raw[: len(raw) - _partial_tail(raw, CLOSE)]
+        raw = raw[: len(raw) - partial_tail(raw, CLOSE)]
         safe = len(raw.rstrip("} \n\r\t"))
         if safe > self._sent:
             out.append(ToolCallDelta(self.calls, arguments=raw[self._sent : safe]))
@@ -199,7 +199,7 @@ class ToolCallParser:
         return out, ""
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for k in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-k:]):

@@ -36,6 +36,10 @@ class EngineConfig:
     # Budget of a step in which no sequence is decoding (so no inter-token latency is at stake): a lone
     # prompt prefills in chunks this large. 0: chunk_size.
     lone_prefill_tokens: int = 4096
+    # Tokens of images a step that carries decodes may send through the vision encoder (the images its chunks reach
+    # that are in neither tier of the embedding cache), at least one image; 0: no cap beyond the chunks. Each image's
+    # encode runs inside the step, so every decoding request waits for it: the cap bounds that wait.
+    decode_step_image_tokens: int = 0
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Paged KV cache. num_kv_blocks wins over kv_cache_mb when both are set.
@@ -50,6 +54,9 @@ class EngineConfig:
     # Per-image embedding cache.
     mm_cache_mb: float = 1024  # fractions allowed (tests size the cache below one request)
     mm_cache_mode: MMCacheMode = "image"
+    # The embedding cache's host tier, per rank: pinned host memory that GPU evictions spill into and hits reload
+    # from (core/mm_host_tier.py). None: default_host_cache_mb(device, tp_size); 0: off.
+    mm_host_cache_mb: float | None = None
     # A ViT call takes the step's images until this many patches (always at least one image). One 1080p image
     # (10,764 patches) already fills the GEMMs, but each call has a fixed cost (rotary and window tables, a
     # cuDNN call per frame, launches): under load (64 concurrent 1080p requests, chunk 4096, H100) 32768, up to
@@ -83,6 +90,11 @@ class EngineConfig:
         from workers.engine.models import load_spec
 
         return load_spec(self.model)
+
+    def host_cache_bytes(self) -> int:
+        """The host tier's budget per rank in bytes: --mm-host-cache-mb, else the default for this device."""
+        mb = self.mm_host_cache_mb
+        return int((default_host_cache_mb(self.device, self.tp_size) if mb is None else mb) * 2**20)
 
     def dtype_name(self) -> str:
         """The model's dtype: --dtype, or for auto bfloat16 on CUDA and float32 on the CPU."""
@@ -127,3 +139,25 @@ def serving_kv_blocks(
     if num_kv_blocks is None:
         return FA3_KEY_TILE, None
     return FA3_KEY_TILE, -(-num_kv_blocks * unit // FA3_KEY_TILE)
+
+
+# The host tier's default: at most this many MiB per rank, and all ranks of the host together at most this share of
+# its RAM. Pinned pages cannot be swapped or reclaimed, so the share leaves the OS, the tokenizers' pixels in
+# /dev/shm and the page cache most of the machine. 8 GiB holds ~440 Qwen2.5-VL-7B 1080p images (2,691 tokens x
+# 3,584 x 2 bytes = 18.4 MiB each), or 128 Qwen3-VL-8B ones (64 MiB with their DeepStack levels).
+HOST_CACHE_CAP_MB = 8192
+HOST_CACHE_RAM_SHARE = 0.2
+
+
+def default_host_cache_mb(device: str, ranks: int) -> float:
+    """The host tier's budget per rank when --mm-host-cache-mb is not given: off on the CPU (its GPU tier is host
+    memory already), on CUDA min(HOST_CACHE_CAP_MB, HOST_CACHE_RAM_SHARE of MemTotal / ``ranks``). ``ranks``: model
+    workers on this host (dp x tp), each of which holds its own copy of every entry."""
+    if not device.startswith("cuda"):
+        return 0.0
+    try:
+        with open("/proc/meminfo") as f:
+            total_kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return 0.0  # unknown RAM: pin nothing rather than guess
+    return min(float(HOST_CACHE_CAP_MB), HOST_CACHE_RAM_SHARE * total_kb / 1024 / max(1, ranks))

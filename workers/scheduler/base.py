@@ -25,6 +25,7 @@ from ipc.stats import WorkerStats
 from ipc.steps import StepPlan
 from workers.common.detokenizer import TextStream
 from workers.common.proc import GcWatch
+from workers.common.reasoning import ReasoningSplit
 from workers.common.step_trace import StepTrace
 from workers.common.tools import ToolOutput
 from workers.config import ServerConfig
@@ -69,6 +70,7 @@ class SchedulerBase:
         self.ahead = config.async_scheduling
         self.streams: dict[str, TextStream] = {}
         self.tool_outputs: dict[str, ToolOutput] = {}  # requests with tools: their <tool_call> parsers
+        self.reasoning: dict[str, ReasoningSplit] = {}  # --reasoning-parser: each chat choice's split
         # Replicas split the budget, so together they keep to it (tokenizers add their reports up). Each counts
         # only its own requests' names: an image two replicas hold is counted twice, never unlinked early.
         budget = config.shm_budget_bytes // max(1, config.dp_size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ipc.prompts import TokenizedRequest
 from workers.common.detokenizer import TextStream
+from workers.common.reasoning import ReasoningSplit
 from workers.common.tools import ToolOutput
 from workers.engine.core.scheduler import RequestRejected
 from workers.engine.core.sequence import child_rid
@@ -54,6 +55,8 @@ class Intake(SchedulerBase):
             self.streams[child_rid(req.rid, index)] = TextStream(self.tokenizer, req.sampling.stop, total)
             if req.tool_parser:
                 self.tool_outputs[child_rid(req.rid, index)] = ToolOutput()
+            if req.reasoning_parser:
+                self.reasoning[child_rid(req.rid, index)] = ReasoningSplit(req.reasoning_parser, req.reasoning_inside)
 
     def _refuse(
         self, req: TokenizedRequest, pending: dict[bytes, str], status: int = 0, message: str = "", code: str | None = None
@@ -78,8 +81,10 @@ class Intake(SchedulerBase):
         found = self.streams.pop(rid, None) is not None
         self.prompt_logprobs.drop(rid)
         self.tool_outputs.pop(rid, None)
+        self.reasoning.pop(rid, None)
         index = 1
         while self.streams.pop(child_rid(rid, index), None) is not None:
             self.tool_outputs.pop(child_rid(rid, index), None)
+            self.reasoning.pop(child_rid(rid, index), None)
             index, found = index + 1, True
         return found

@@ -52,11 +52,13 @@ def build_core(config: ServerConfig, num_blocks: int, state_slots: int = 0, wind
         # The launcher resolves max_model_len; the fallback (what the offline Engine does) serves direct callers.
         max_model_len=eng.max_model_len or info.max_position_embeddings,
         mm_cache_bytes=int(eng.mm_cache_mb * 2**20),
+        mm_host_cache_bytes=eng.host_cache_bytes(),
         embedding_bytes_per_token=info.embedding_bytes_per_token(eng.torch_dtype()),
         eos_token_ids=info.eos_token_ids,
         mm_cache_mode=eng.mm_cache_mode,
         enable_prefix_caching=eng.enable_prefix_caching,
         lone_prefill_tokens=eng.lone_prefill_tokens,
+        decode_step_image_tokens=eng.decode_step_image_tokens,
         state_slots=state_slots,
         state_snapshot_every=eng.state_snapshot_every,
         whole_images=info.bidirectional_images,

@@ -43,6 +43,11 @@ class StepResults(Intake):
                 if update.finish_reason is None:  # a stop string matched: the core did not know
                     self.core.finish(update.rid, "stop")
                 del self.streams[update.rid]
+            reasoning = ""
+            if (split := self.reasoning.get(update.rid)) is not None:  # reasoning first: tool calls are content's
+                reasoning, text = split.step(text, reason is not None)
+                if reason is not None:
+                    del self.reasoning[update.rid]
             calls = None
             if (tools := self.tool_outputs.get(update.rid)) is not None:  # <tool_call> blocks -> tool_calls
                 text, deltas, reason = tools.step(text, reason)
@@ -54,7 +59,7 @@ class StepResults(Intake):
             outputs.append(
                 RequestOutput(
                     update.request_id, text, token, reason, *usage, lps, update.index, update.cached_tokens,
-                    calls, self.prompt_logprobs.take(update.rid),
+                    calls, self.prompt_logprobs.take(update.rid), reasoning,
                 )
             )
         self._flush_unlinks()

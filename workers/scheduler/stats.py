@@ -47,6 +47,7 @@ def snapshot(s: SchedulerState) -> SchedulerStats:
         mm_cache_hits=idx.stats.hits,
         mm_cache_misses=idx.stats.misses,
         mm_cache_evictions=idx.stats.evictions,
+        **idx.host.report(),  # the embedding cache's host tier
         images_encoded=s.images_encoded,
         vit_batches=s.vit_batches,
         shm_segments=s.ledger.segments,

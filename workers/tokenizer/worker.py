@@ -33,6 +33,7 @@ from ipc.prompts import TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.stats import SchedulerStats, TokenizerStats
 from workers.common.errors import BadRequest
+from workers.common.reasoning import opens_inside
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import ImageInfo, MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta
@@ -64,6 +65,7 @@ from workers.tokenizer.requests.chat import (
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion, prepare_completion
 from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.sampling import hold_to_budget
+from workers.tokenizer.requests.structured import structured_spec
 
 # Unicode normalization (NFC/NFKC, which tokenizers apply first) composes at most four code points
 # into one (a Greek vowel with three marks), so text of c characters is at least c / 4 after it.
@@ -298,6 +300,16 @@ class TokenizerWorker:
             validate=self.structured.check, tool_tags=self.structured.tool_tags,
         )
         sampling = hold_to_budget(sampling, chat, self.config.max_logprob_entries)  # docs/limits.md
+        parser = self.config.reasoning_parser
+        # (the prompt's end is the template's generation prompt: its last pieces, not the whole text)
+        inside = bool(parser) and opens_inside(parser, "".join(text for text, _ in rendered.pieces[-2:]))
+        if inside and sampling.structured is not None:
+            # A grammar masks from the first token, which is reasoning here: the JSON would land in the reasoning
+            # and the answer would never close it. Refused rather than answered broken.
+            found = structured_spec(chat)
+            field = found[1] if found is not None else "tool_choice"
+            raise BadRequest(f"'{field}' cannot constrain a reasoning model's answer while it thinks; pass "
+                             "chat_template_kwargs {\"enable_thinking\": false} or leave it out.", param=field)
         # Segments only now, after every check that could refuse the request.
         distinct = list({im.hash: im for im in order}.values())
         new_bytes, writes = self.prep.materialize(distinct, names, self.shm_bytes, self.shm_budget)
@@ -314,7 +326,7 @@ class TokenizerWorker:
         )
         tokenized = TokenizedRequest(
             req.rid, prompt.input_ids, prompt.mrope_delta, items, sampling, names, new_bytes, tool_parser(chat),
-            pending=[w.image.hash for w in writes],
+            parser, inside, pending=[w.image.hash for w in writes],
         )  # fmt: skip
         return accepted, tokenized, writes
 

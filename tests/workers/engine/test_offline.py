@@ -86,6 +86,25 @@ def test_eight_concurrent_requests(demo_model_dir: Path, reference: Reference) -
     assert engine.runner.counters.steps < sum(len(o.token_ids) for o in outs)
 
 
+def test_image_token_cap_of_decode_steps_is_exact(demo_model_dir: Path, reference: Reference) -> None:
+    # Staggered requests with several images each: once one decodes, a step encodes one image at most (the cap is
+    # below any image's tokens), and the answers do not change.
+    requests = [chat(f"Look {i}.", [noise_image(90 + 20 * i, 70, seed=200 + 3 * i + j) for j in range(3)])
+                for i in range(3)]
+    engine = make_engine(demo_model_dir, chunk_size=256, decode_step_image_tokens=1)
+    sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    rids = [engine.add_request(requests[0], sampling)]
+    per_step: list[int] = []
+    done = {}
+    while engine.has_unfinished() or len(rids) < len(requests):
+        if len(per_step) in (2, 4):  # later arrivals, while the first decodes
+            rids.append(engine.add_request(requests[len(per_step) // 2], sampling))
+        done.update((out.rid, out.token_ids) for out in engine.step())
+        per_step.append(engine.step_log[-1][0])
+    assert [done[rid] for rid in rids] == [reference.generate(m) for m in requests]
+    assert per_step[0] == 3 and max(per_step[1:]) == 1 and sum(per_step) == 9, per_step
+
+
 @pytest.mark.parametrize("block_size", [16, 128])  # 128: what `glimpse serve` takes on CUDA (whole FA3 key tiles)
 def test_second_request_reuses_cached_embeddings(demo_model_dir: Path, reference: Reference, block_size: int) -> None:
     engine = make_engine(demo_model_dir, chunk_size=64, block_size=block_size)

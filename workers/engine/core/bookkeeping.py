@@ -46,9 +46,11 @@ class SequenceBook:
         mm_cache_bytes: int,
         embedding_bytes_per_token: int,
         eos_token_ids: tuple[int, ...],
+        mm_host_cache_bytes: int = 0,
         mm_cache_mode: Literal["image", "request"] = "image",
         enable_prefix_caching: bool = True,
         lone_prefill_tokens: int = 0,
+        decode_step_image_tokens: int = 0,
         state_slots: int = 0,
         state_snapshot_every: int = 16,
         whole_images: bool = False,
@@ -62,11 +64,16 @@ class SequenceBook:
         # Budget of a step with no decoding sequence: no one's inter-token latency depends on it, and a lone
         # prompt's prefill gets fewer, larger chunks (fewer steps, better GEMM and attention shapes).
         self.lone_prefill_tokens = max(chunk_size, lone_prefill_tokens)
+        # Image tokens a step with decodes may encode (0: no cap); what is left of it while a step is planned (None:
+        # no cap this step) and the images the step encodes so far (SchedulerCore._cap_encodes).
+        self.decode_step_image_tokens = max(0, decode_step_image_tokens)
+        self._encode_left: int | None = None
+        self._encoding: set[bytes] = set()
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.mm_cache_mode = mm_cache_mode
         self.prefix_caching = enable_prefix_caching
-        self.mm_index = EmbeddingCacheIndex(mm_cache_bytes, embedding_bytes_per_token)
+        self.mm_index = EmbeddingCacheIndex(mm_cache_bytes, embedding_bytes_per_token, mm_host_cache_bytes)
         # Hybrid models (state_slots > 0): the linear-attention state pool, its snapshots kept under block keys,
         # a snapshot planned every ``state_snapshot_every`` blocks of a prompt (0: only at its last full block).
         self.state = StatePool(state_slots) if state_slots > 0 else None
@@ -240,8 +247,7 @@ class SequenceBook:
         if not self._in_flight or self._in_flight[0].step_id != step_id:
             raise RuntimeError(f"step {step_id} is not the step in flight")
         plan = self._in_flight.popleft()
-        for job in plan.encode:
-            self.mm_index.discard(job.key)
+        self.mm_index.fail_step([job.key for job in plan.encode], plan.mm_spill, plan.mm_reload)
         self._settle_snapshots(plan, failed=True)
         # Whole requests: a failed choice fails its siblings too.
         rids = list(dict.fromkeys(self.seqs[c.rid].request_id for c in plan.chunks if c.rid in self.seqs))

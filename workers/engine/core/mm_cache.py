@@ -1,7 +1,9 @@
 """Per-image embedding cache, split in two halves that never talk to each other directly.
 
 The *index* (``EmbeddingCacheIndex``) lives with the scheduler: it knows which keys are cached,
-their sizes and LRU order, and decides each step which keys to encode and which to evict. The
+their sizes and LRU order, and decides each step which keys to encode and which to evict; with a host tier
+(``mm_host_tier.py``) it also decides which evicted entries spill to host memory and which host entries are
+reloaded instead of encoded. The
 *store* (``EmbeddingStore``) lives in every model worker and holds the tensors; it obeys the
 plan's evict and encode lists. Because every rank applies the same lists in the same order, all
 ranks hold the same entries and the scheduler can plan without asking anyone.
@@ -11,11 +13,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ipc.prompts import MMItem
 from ipc.steps import EncodeItem, EncodeJob
+from workers.engine.core.mm_host_tier import HostTierIndex
 
 
 @dataclass
@@ -32,15 +36,31 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
-class EmbeddingCacheIndex:
-    """LRU index over embedding entries, bounded by a byte budget."""
+class EmbeddingPlan(NamedTuple):
+    """A step's embedding-cache work. Workers apply it in the order StepPlan documents: host evictions, spills,
+    evictions, reloads, encodes."""
 
-    def __init__(self, budget_bytes: int, bytes_per_token: int) -> None:
+    evict: list[bytes]  # GPU entries to drop
+    encode: list[EncodeJob]
+    spill: list[bytes]  # GPU entries to copy into the host tier, then drop from the GPU
+    reload: list[bytes]  # host entries to copy back onto the GPU, then drop from the host tier
+    host_evict: list[bytes]  # host entries to drop
+
+
+class EmbeddingCacheIndex:
+    """LRU index over the GPU tier's embedding entries, bounded by a byte budget, over an optional host tier
+    (``host_budget_bytes`` > 0) that takes what it evicts."""
+
+    def __init__(self, budget_bytes: int, bytes_per_token: int, host_budget_bytes: int = 0) -> None:
         self.budget_bytes = budget_bytes
         self.bytes_per_token = bytes_per_token
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> num_tokens, oldest first
         self.used_bytes = 0
         self.stats = CacheStats()
+        self.host = HostTierIndex(host_budget_bytes, bytes_per_token)
+        self._evicted_tokens: dict[bytes, int] = {}  # sizes of what admit() evicted, for the spill decision
+        # Keys a failed step left the workers unsure of: dropped from both tiers at the next plan.
+        self._orphans: list[bytes] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,18 +112,22 @@ class EmbeddingCacheIndex:
                 break
             if old_key in pinned:
                 continue
-            self._remove(old_key)
+            self._evicted_tokens[old_key] = self._remove(old_key)
             self.stats.evictions += 1
             evicted.append(old_key)
         self._entries[key] = num_tokens
         self.used_bytes += size
         return True, evicted
 
-    def plan(self, needed: dict[bytes, list[MMItem]]) -> tuple[list[bytes], list[EncodeJob]]:
-        """A step's embedding plan for the keys its chunks read (key -> the items stored under it): the keys to
-        evict, and an encode job per miss (transient when the cache cannot hold it). Hits are pinned first, so
-        admitting a miss never evicts an entry the same step reads."""
-        evict: list[bytes] = []
+    def plan(self, needed: dict[bytes, list[MMItem]]) -> EmbeddingPlan:
+        """A step's embedding plan for the keys its chunks read (key -> the items stored under it).
+
+        Hits are pinned first, so admitting a miss never evicts an entry the same step reads. A miss found in the
+        host tier is reloaded instead of encoded when the GPU tier admits it (else it is encoded for this step
+        only and its host copy stays). What admitting evicts spills to the host tier when that tier can keep it
+        without evicting an entry this step reloads or has just spilled, and is dropped otherwise."""
+        evict, host_evict = list(self._orphans), list(self._orphans)
+        self._orphans.clear()
         misses: list[bytes] = []
         pinned: set[bytes] = set()
         for key, items in needed.items():
@@ -115,24 +139,58 @@ class EmbeddingCacheIndex:
             else:
                 misses.append(key)
         jobs: list[EncodeJob] = []
+        reload: list[bytes] = []
+        evicted: list[bytes] = []
+        self._evicted_tokens.clear()
         for key in misses:
             items = needed[key]
-            admitted, evicted = self.admit(key, sum(it.length for it in items), pinned)
-            evict.extend(evicted)
+            num_tokens = sum(it.length for it in items)
+            on_host, stale = self.host.lookup(key, num_tokens)
+            if stale is not None:
+                host_evict.append(stale)
+            admitted, dropped = self.admit(key, num_tokens, pinned)
+            evicted.extend(dropped)
             if admitted:
                 pinned.add(key)
+                if on_host:
+                    reload.append(key)
+                    self.host.stats.reloads += 1
+                    continue
             encode = [EncodeItem(it.hash, it.grid, it.length, it.pixels) for it in items]
             jobs.append(EncodeJob(key=key, items=encode, transient=not admitted))
-        return evict, jobs
+        spill: list[bytes] = []
+        host_pinned = set(reload)  # read by this step's reloads, which run after its spills
+        for key in evicted:
+            if self.host.budget_bytes > 0:
+                kept, dropped = self.host.spill(key, self._evicted_tokens[key], host_pinned)
+                host_evict.extend(dropped)
+                if kept:
+                    spill.append(key)
+                    host_pinned.add(key)  # a later spill of this step must not evict it before it is written
+                    continue
+            evict.append(key)
+        for key in reload:
+            self.host.remove(key)  # the tiers are exclusive: it is a GPU entry again
+        return EmbeddingPlan(evict, jobs, spill, reload, host_evict)
+
+    def fail_step(self, encoded: list[bytes], spilled: list[bytes], reloaded: list[bytes]) -> None:
+        """A step failed on a worker, which may have applied any part of its plan: forget the keys it encoded,
+        spilled or reloaded in both tiers, and have the next plan drop them from both stores."""
+        for key in [*encoded, *spilled, *reloaded]:
+            self.discard(key)
+            if key in self.host:
+                self.host.remove(key)
+            self._orphans.append(key)
 
     def discard(self, key: bytes) -> None:
         """Forget an entry the workers may not hold (its encode step failed)."""
         if key in self._entries:
             self._remove(key)
 
-    def _remove(self, key: bytes) -> None:
+    def _remove(self, key: bytes) -> int:
         num_tokens = self._entries.pop(key)
         self.used_bytes -= self.entry_bytes(num_tokens)
+        return num_tokens
 
 
 PAGE_TOKENS = 16  # rows per pool page: at most 15 rows (54 KiB at hidden 3584, bf16) wasted per entry
@@ -206,6 +264,15 @@ class EmbeddingStore:
         if paged is None or self.pool is None:
             raise KeyError(f"embedding {key.hex()[:16]} is not in the store: plan and store disagree")
         return self.pool[paged[0][first : first + count]]
+
+    def num_rows(self, key: bytes) -> int:
+        dense = self._dense.get(key)
+        if dense is not None:
+            return dense.shape[0]
+        paged = self._paged.get(key)
+        if paged is None:
+            raise KeyError(f"embedding {key.hex()[:16]} is not in the store: plan and store disagree")
+        return paged[0].shape[0]
 
     def end_step(self) -> None:
         """Drop entries that were computed for this step only."""

@@ -55,6 +55,8 @@ class SchedulerCore(SequenceBook):
             plannable = [s for s in plannable if not (s.in_flight and s.sampling.structured is not None)]
         decoding = any(s.planned_len - s.num_scheduled == 1 for s in plannable)
         budget = self.chunk_size if decoding else self.lone_prefill_tokens
+        cap = self.decode_step_image_tokens if decoding and self.mm_cache_mode == "image" else 0
+        self._encode_left, self._encoding = (cap or None), set()
         picked: list[tuple[Sequence, int]] = []
         # Decodes first: they are one token each and keep latency flat.
         for seq in sorted(plannable, key=lambda s: s.planned_len - s.num_scheduled != 1):
@@ -69,6 +71,7 @@ class SchedulerCore(SequenceBook):
                 continue
             picked.append((seq, length))
             budget -= length
+            self._charge_encodes(seq, seq.num_scheduled, length)
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached, snapshot, window_table = self._cached_prefix(seq)
@@ -109,6 +112,7 @@ class SchedulerCore(SequenceBook):
             if length > 0:  # else admitted (its blocks are reserved) but waiting for an image to be written
                 picked.append((seq, length))
                 budget -= length
+                self._charge_encodes(seq, seq.num_scheduled, length)
         if not picked and (ahead or not self._finished_for_workers):
             return None  # (a step planned ahead for the finished alone is not worth it: the next plan takes them)
         plan = self._build_plan(picked, ahead)
@@ -123,7 +127,7 @@ class SchedulerCore(SequenceBook):
         past the budget if need be (at most one image's tokens, 1,120 on Gemma 4), since no token of it could be
         computed without its later tokens' keys."""
         start, computable = seq.num_scheduled, seq.computable()
-        length = min(computable - start, budget)
+        length = self._cap_encodes(seq, start, min(computable - start, budget))
         if not self.whole_images or length <= 0:
             return length
         end = start + length
@@ -135,6 +139,35 @@ class SchedulerCore(SequenceBook):
                 return item.offset - start
             return span_end - start if span_end <= computable else 0
         return length
+
+    def _uncached_images(self, seq: Sequence, start: int, end: int) -> list[MMItem]:
+        """The images [start, end) of ``seq`` reaches that this step would encode: in neither tier of the embedding
+        cache and not already encoded by an earlier chunk of the step, in prompt order."""
+        index = self.mm_index
+        return [it for it in sorted(seq.items, key=lambda it: it.offset)
+                if it.offset < end and it.offset + it.length > start
+                and it.hash not in self._encoding and it.hash not in index and it.hash not in index.host]
+
+    def _cap_encodes(self, seq: Sequence, start: int, length: int) -> int:
+        """``length`` cut so that the step's encodes stay within ``decode_step_image_tokens`` (a step with decodes;
+        no cap otherwise): the chunk ends before the first image past the cap, unless the step encodes nothing yet
+        (so a large image still goes, alone). 0 when the chunk starts at such an image: the sequence waits a step."""
+        left = self._encode_left
+        if left is None or length <= 0:
+            return length
+        for item in self._uncached_images(seq, start, start + length):
+            if item.length > left and (self._encoding or left < self.decode_step_image_tokens):
+                return max(0, item.offset - start)
+            left -= item.length
+        return length
+
+    def _charge_encodes(self, seq: Sequence, start: int, length: int) -> None:
+        """Count the images a picked chunk makes this step encode against the step's cap."""
+        if self._encode_left is None:
+            return
+        for item in self._uncached_images(seq, start, start + length):
+            self._encoding.add(item.hash)
+            self._encode_left -= item.length
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], bytes | None, list[int]]:
         """The cached blocks the sequence's prompt starts with, on a hybrid model the key of the state snapshot at
@@ -253,13 +286,14 @@ class SchedulerCore(SequenceBook):
                 snapshots.extend(self._plan_snapshots(seq, start, start + length))
             if chunks[-1].sample and seq.wants_fork:
                 forks.extend(self._fork(seq))
-        evict, encode = self.mm_index.plan(needed)
-        self.images_planned += sum(len(job.items) for job in encode)
+        mm = self.mm_index.plan(needed)
+        self.images_planned += sum(len(job.items) for job in mm.encode)
         finished, self._finished_for_workers = self._finished_for_workers, []
         copies, self._state_copies = self._state_copies, []
         return StepPlan(
-            next(self._step_ids), new_seqs, chunks, evict, encode, finished, forks=forks, ahead=ahead,
-            state_copies=copies, snapshots=snapshots,
+            next(self._step_ids), new_seqs, chunks, mm.evict, mm.encode, finished, forks=forks, ahead=ahead,
+            state_copies=copies, snapshots=snapshots, mm_host_evict=mm.host_evict, mm_spill=mm.spill,
+            mm_reload=mm.reload,
         )  # fmt: skip
 
     def _plan_snapshots(self, seq: Sequence, start: int, end: int) -> list[tuple[str, int, int]]:

@@ -57,11 +57,18 @@ MESSAGES_AND_TOOL_RESPONSES = r"""
     {%- endif -%}
 """
 
-# Closes the message loop and opens the assistant's turn when asked to.
+# Closes the message loop and opens the assistant's turn when asked to. ``enable_thinking`` as the thinking Qwen
+# checkpoints' templates read it, when a request sets it: true opens the reasoning (the answer starts inside it, as
+# Qwen3.5's does by default), false writes an empty one; left unset the demo's prompts stay as they were.
 GENERATION_PROMPT = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}
   {{- '<|im_start|>assistant\n' -}}
+  {%- if enable_thinking is defined and enable_thinking -%}
+    {{- '<think>\n' -}}
+  {%- elif enable_thinking is defined -%}
+    {{- '<think>\n\n</think>\n\n' -}}
+  {%- endif -%}
 {%- endif -%}
 """
 

@@ -24,6 +24,7 @@ from workers.engine.kernels.attention import StateMetadata
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models.base import ModelSpec, RecurrentSpec
 from workers.engine.models.kv_scales import load_kv_scales
+from workers.engine.runner.host_embeddings import HostEmbeddings
 
 log = logging.getLogger("glimpse.model")
 
@@ -42,6 +43,11 @@ def embedding_store(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, devi
     if device.type != "cuda" or cfg.mm_cache_mode != "image" or cfg.mm_cache_mb <= 0:
         return EmbeddingStore()
     return EmbeddingStore(int(cfg.mm_cache_mb * 2**20), spec.embed_width, dtype, device)
+
+
+def host_embeddings(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> HostEmbeddings:
+    """The embedding cache's host tier: its budget (EngineConfig.host_cache_bytes) reserved now, pinned on CUDA."""
+    return HostEmbeddings(cfg.host_cache_bytes(), spec.embed_width, dtype, device)
 
 
 def cache_budget(cfg: EngineConfig, device: torch.device) -> int:

@@ -4,14 +4,12 @@ over the paged KV cache, sampling. One instance per model worker (per TP rank)."
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import msgspec
 import torch
-from transformers import AutoImageProcessor
 
-from ipc.steps import EncodeItem, EncodeJob, Fork, NewSeq, StepPlan, StepResult
+from ipc.steps import Fork, NewSeq, StepPlan, StepResult
 from workers.common.step_trace import StepTrace
 from workers.engine.config import EngineConfig
 from workers.engine.kernels import paged_attention
@@ -20,14 +18,10 @@ from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
 from workers.engine.models.base import item_spans
 from workers.engine.models.load import load_model
-from workers.engine.prompt.pixel_frames import FrameLayout, layout_of
 from workers.engine.runner.batching import (
     aligned_pack,
     aligned_split,
     cumsum,
-    group_by_patches,
-    patches,
-    pixel_rows,
     split_by_patches,
     to_device,
 )
@@ -38,11 +32,13 @@ from workers.engine.runner.cache_memory import (
     cache_budget,
     copy_kv_blocks,
     embedding_store,
+    host_embeddings,
     num_kv_blocks,
     num_window_blocks,
     state_slots,
 )
 from workers.engine.runner.cuda_graphs import DecodeGraphs, graphs_wanted, start_graphs
+from workers.engine.runner.encoder import JobEncoder, PixelSource, RunnerCounters
 from workers.engine.runner.grammar import GrammarBook
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
 from workers.engine.runner.prompt_logprobs import score_prompts
@@ -54,18 +50,7 @@ __all__ = ["Launched", "ModelRunner", "WorkerSeq", "split_by_patches", "to_devic
 
 log = logging.getLogger("glimpse.model")
 
-PixelSource = Callable[[EncodeItem], torch.Tensor]
 CUDA_HOST_THREADS = 4
-
-
-@dataclass
-class RunnerCounters:
-    steps: int = 0
-    vit_calls: int = 0
-    images_encoded: int = 0
-    pixel_reads: int = 0
-    encoded_per_step: list[int] = field(default_factory=list)
-    keep_per_step: bool = True  # the offline engine and tests read encoded_per_step; a server's worker turns it off
 
 
 class ModelRunner:
@@ -82,7 +67,6 @@ class ModelRunner:
         self.spec = cfg.model_spec()
         self.family = family_package(self.spec.family)
         self.merge = self.spec.spatial_merge_size
-        self.pixel_source = pixel_source
         built = self.family.build(self.spec, self.tp, self.dtype, self.device, cfg.attn_backend)
         self.model = load_model(built, cfg.model, load_format=cfg.load_format, rank=self.tp.rank)
         self.lm, self.vision = self.model.lm, self.model.vision
@@ -95,10 +79,9 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        # Images in shm may be uint8 frames (pixel_frames.py): made into rows here, by the processor's own numbers.
-        self.frame_layout = _frame_layout(cfg.model, self.merge)
         # The embedding store first: on CUDA it reserves its budget before the caches take their share of what is free.
         self.store = embedding_store(cfg, self.spec, self.dtype, self.device)
+        self.host = host_embeddings(cfg, self.spec, self.dtype, self.device)  # its spills and reloads: StepPlan
         budget = cache_budget(cfg, self.device)
         self.state: RecurrentState | None = None
         if self.spec.recurrent is not None:  # hybrid: the linear-attention layers' state pools come out of the budget
@@ -140,6 +123,8 @@ class ModelRunner:
         # failed one cannot read stale ids.
         self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.counters = RunnerCounters()
+        self.encoder = JobEncoder(self.model, self.store, self.tp, pixel_source, self.counters, cfg.model, self.merge,
+                                  self.spec.embed_width, cfg.vit_max_patches, self.device, self.dtype)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
         self.trace = StepTrace(f"worker{self.tp.rank}", sync, enabled=self.tp.rank == 0)
 
@@ -164,10 +149,13 @@ class ModelRunner:
                 self.grammar.remove(rid)
         for new in plan.new_seqs:
             self._register(new)
+        self.host.spill(plan.mm_host_evict, plan.mm_spill, self.store)  # StepPlan's order: spills read the store
         self.store.evict(plan.evict)
+        reloading = self.host.reload(plan.mm_reload)  # copies overlap the encodes; landed before the forward
         self.trace.mark("setup")
         calls_before = self.counters.vit_calls
-        encoded = self._encode(plan.encode) if plan.encode else 0
+        encoded = self.encoder.run(plan.encode) if plan.encode else 0
+        self.host.land(reloading, self.store)
         launched = Launched(plan.step_id, encoded, self.counters.vit_calls - calls_before)
         self.trace.mark("vit")
         if self.counters.keep_per_step:  # one int a step, forever: off in a serving worker
@@ -214,54 +202,6 @@ class ModelRunner:
         self.sampler.add(new.rid, new.sampling, new.input_ids[:split], new.input_ids[split:])
         if new.sampling.structured is not None and self.grammar is not None:
             self.grammar.add(new.rid, new.sampling.structured, new.input_ids[split:])
-
-    def _encode(self, jobs: list[EncodeJob]) -> int:
-        """Encode every distinct image of the step's jobs and store the jobs' entries.
-
-        With TP, the ViT runs data-parallel: each rank reads from shm and encodes only its share
-        (split by patch count, largest first), then the embeddings are all-gathered so every rank's
-        store ends up with the same entries. A rank's share runs in ViT calls of at most
-        ``vit_max_patches`` patches each (one image at least), reading each call's pixels just before it.
-        """
-        unique: dict[bytes, EncodeItem] = {}
-        for job in jobs:
-            for item in job.items:
-                unique.setdefault(item.hash, item)
-        items = list(unique.values())
-        shares = split_by_patches([patches(item.grid) for item in items], self.tp.size)
-        mine = [items[i] for i in shares[self.tp.rank]]
-        hidden = self.spec.embed_width  # main embedding and DeepStack levels side by side
-        outs: list[torch.Tensor] = []
-        for group in group_by_patches(mine, self.cfg.vit_max_patches):
-            pixels = [self.pixel_source(item) for item in group]
-            self.counters.pixel_reads += len(group)
-            batch = pixel_rows(pixels, self.device, self.dtype, self.frame_layout)
-            outs.append(self.model.encode(batch, [item.grid for item in group]))
-            self.counters.vit_calls += 1
-            self.counters.images_encoded += len(group)
-        if len(outs) == 1:
-            local = outs[0]
-        else:  # several ViT calls, or none (this rank's share is empty)
-            local = torch.cat(outs) if outs else torch.empty((0, hidden), dtype=self.dtype, device=self.device)
-        per_hash: dict[bytes, torch.Tensor] = {}
-        if self.tp.size == 1:
-            per_hash.update(zip(unique, local.split([item.length for item in items]), strict=True))
-        else:
-            # Every rank knows every share's token count from the plan, so the gather needs no size exchange.
-            counts = [sum(items[i].length for i in share) for share in shares]
-            padded = torch.zeros((max(counts), hidden), dtype=self.dtype, device=self.device)
-            padded[: local.shape[0]] = local
-            gathered = self.tp.all_gather(padded, dim=0).split(max(counts))
-            for share, rows, count in zip(shares, gathered, counts, strict=True):
-                split = rows[:count].split([items[i].length for i in share])
-                per_hash.update((items[i].hash, t) for i, t in zip(share, split, strict=True))
-        for job in jobs:
-            parts = [per_hash[item.hash] for item in job.items]
-            entry = parts[0] if len(parts) == 1 else torch.cat(parts)
-            if entry.shape[0] != sum(item.length for item in job.items):
-                raise RuntimeError(f"ViT returned {entry.shape[0]} tokens for key {job.key.hex()[:16]}")
-            self.store.put(job.key, entry, job.transient)
-        return len(items)
 
     def _forward(self, plan: StepPlan, launched: Launched, last: tuple[torch.Tensor, dict[str, int]] | None) -> None:
         """The step's LM forward and sampling, queued; fills ``launched``. ``last``: the step before's sampled ids
@@ -390,13 +330,3 @@ class ModelRunner:
         if hidden is None:
             hidden = self.lm(embeds, positions.view(3, n), self.kv_caches, meta, None, deepstack)
         return hidden[rows]
-
-
-def _frame_layout(model: str, merge: int) -> FrameLayout | None:
-    """The numbers that make a uint8 frame into rows. A tokenizer writes frames only where its own check found them
-    the processor's bits, so the worker needs the numbers, not the check."""
-    try:
-        return layout_of(AutoImageProcessor.from_pretrained(model), merge)
-    except Exception as exc:  # a checkpoint without an image processor: its tokenizers write no frames either
-        log.info("no uint8 frame layout for %s: %s", model, exc)
-        return None

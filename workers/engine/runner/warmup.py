@@ -13,6 +13,7 @@ import torch
 from workers.engine.kernels import (
     fused,
     kv_write_kernel,
+    moe_kernel,
     rope_kernel,
     silu_kernel,
     skinny_gemm,
@@ -40,6 +41,8 @@ def warm_fused(runner: LoadedModel) -> None:
         log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel.SWITCH.why_off())
     if not rope_kernel.probe(runner.device, runner.dtype):
         log.warning("the Triton LM rotary kernel is off (%s); the compiled one serves", rope_kernel.SWITCH.why_off())
+    if not moe_kernel.probe(runner.device, runner.dtype):
+        log.warning("the Triton MoE decode kernels are off (%s); grouped GEMMs serve", moe_kernel.SWITCH.why_off())
     if not window_attention.probe(runner.device, runner.dtype):
         log.warning("the Triton window attention is off (%s); FlashAttention varlen serves the ViT's windows",
                     window_attention.SWITCH.why_off())

@@ -265,3 +265,47 @@ def test_a_request_waiting_for_its_images_can_be_aborted() -> None:
     free = c.allocator.num_free
     assert c.abort("a")
     assert c.allocator.num_free > free and not c.has_work()
+
+
+def test_a_step_with_decodes_encodes_images_up_to_its_image_token_cap() -> None:
+    c = core(chunk_size=64, decode_step_image_tokens=12, mm_cache_bytes=100_000)
+    add(c, "a", 8, max_tokens=20)
+    run_step(c)  # a decodes from now on
+    # b: text, three images of 10 tokens, text; each step with a's decode may encode 12 image tokens, so one image
+    shown = [item(1, 4, 10), item(2, 14, 10), item(3, 24, 10)]
+    add(c, "b", 40, shown)
+    steps = []
+    for _ in range(4):
+        plan = run_step(c)
+        steps.append(([(ch.rid, ch.start, ch.length) for ch in plan.chunks],
+                      [it.hash[0] for job in plan.encode for it in job.items]))
+    assert steps == [
+        ([("a", 8, 1), ("b", 0, 14)], [1]),  # up to the second image
+        ([("a", 9, 1), ("b", 14, 10)], [2]),
+        ([("a", 10, 1), ("b", 24, 16)], [3]),  # the last image and the text after it
+        ([("a", 11, 1), ("b", 40, 1)], []),
+    ]
+
+
+def test_the_image_token_cap_lets_one_large_image_through_and_spares_cached_ones() -> None:
+    c = core(chunk_size=64, decode_step_image_tokens=4, mm_cache_bytes=100_000)
+    add(c, "a", 8, max_tokens=20)
+    run_step(c)
+    add(c, "b", 30, [item(1, 2, 10), item(2, 12, 10)])
+    first = run_step(c)  # the first image is larger than the cap: it goes alone
+    assert [(ch.rid, ch.length) for ch in first.chunks] == [("a", 1), ("b", 12)]
+    assert [it.hash[0] for job in first.encode for it in job.items] == [1]
+    # b's second image goes alone again (with the text after it); c shows b's first image (cached, free) and a new
+    # one, which waits for the next step
+    add(c, "c", 30, [item(1, 2, 10), item(4, 14, 10)])
+    second = run_step(c)
+    assert [(ch.rid, ch.length) for ch in second.chunks] == [("a", 1), ("b", 18), ("c", 14)]
+    assert [it.hash[0] for job in second.encode for it in job.items] == [2]
+
+
+def test_without_decodes_the_image_token_cap_does_not_apply() -> None:
+    c = core(chunk_size=64, decode_step_image_tokens=12, mm_cache_bytes=100_000)
+    add(c, "b", 40, [item(1, 4, 10), item(2, 14, 10), item(3, 24, 10)])
+    plan = run_step(c)
+    assert [(ch.rid, ch.length) for ch in plan.chunks] == [("b", 40)]
+    assert sorted(it.hash[0] for job in plan.encode for it in job.items) == [1, 2, 3]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.engine.kernels import moe_kernel
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
 from workers.engine.models.gemma4.lm_layers import GemmaRMSNorm
 from workers.engine.models.qwen3_vl.moe import StackedExperts
@@ -39,6 +40,8 @@ class GemmaRouter(nn.Module):
     def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
         """h [T, H] -> (float32 weights [T, k], expert ids int64 [T, k])."""
         x = self.norm(h) * self.scale * self.scalar_root_size
+        if moe_kernel.wanted(x, self.proj.weight):  # a decode step's few rows: one kernel after the projection
+            return moe_kernel.route(F.linear(x, self.proj.weight), self.top_k, self.per_expert_scale)
         probs = torch.softmax(F.linear(x, self.proj.weight), dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)
@@ -67,8 +70,11 @@ class GemmaExperts(StackedExperts):
     fp8_grouped = False  # the loop only: FP8 checkpoints' experts stay dequantized in the model dtype
 
     def capturable(self) -> bool:
-        """The loop syncs with the host (which experts got tokens): no CUDA graph can hold it."""
+        """The loop syncs with the host (which experts got tokens): no CUDA graph can hold a step of more rows than
+        the Triton kernels take (moe_kernel.MAX_ROWS)."""
         return False
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        if moe_kernel.wanted(x, self.gate_up_proj):  # a decode step's few rows: no loop, no host sync
+            return moe_kernel.experts(x, weights, ids, self.gate_up_proj, self.down_proj, gelu=True)
         return gelu_experts_loop(x, weights, ids, self.gate_up_proj, self.down_proj)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import fp8_gemm, fused
+from workers.engine.kernels import fp8_gemm, fused, moe_kernel
 from workers.engine.kernels.fp8_quant import dequantize
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup, copy_into, divide, set_weight_loader
 
@@ -271,9 +271,12 @@ class SparseMoeBlock(nn.Module):
 
     def routed(self, x: Tensor) -> Tensor:
         """This rank's partial sum of the routed experts' outputs for x [T, H] (not yet reduced over TP ranks)."""
-        weights, ids = self.route(x)
         gate_up: Tensor = self.experts.gate_up_proj
         down: Tensor = self.experts.down_proj
+        if self.use_grouped and moe_kernel.wanted(x, gate_up):  # a decode step's few rows: three Triton kernels
+            weights, ids = moe_kernel.route(F.linear(x, self.gate.weight), self.top_k)
+            return moe_kernel.experts(x, weights, ids, gate_up, down)
+        weights, ids = self.route(x)
         scales = self.experts.fp8_scales()
         if scales is not None:
             if self.use_grouped and fp8_gemm.grouped_usable(x, down):

@@ -1,0 +1,120 @@
+"""A MoE layer's routed experts at decode row counts: the grouped GEMMs against the Triton kernels (moe_kernel.py).
+
+    python -m benchmarks.kernels.moe_bench [--rows 1,2,4,8,16,32,64] [--shapes qwen3.5-35b-a3b,qwen3-30b-a3b,gemma4-26b-a4b]
+    python -m benchmarks.kernels.moe_bench --sweep    # the kernels' tile sizes and warps, per shape and row count
+
+Per shape and row count: microseconds per layer of
+* ``grouped``: the router's softmax / top-k / renormalisation in torch, then ``experts_grouped`` (sort, gather, two
+  ``torch._grouped_mm``, SiLU*up, weight, scatter, sum): what a MoE layer ran before the kernels;
+* ``kernels``: ``moe_kernel.route`` + ``moe_kernel.experts`` (three Triton kernels);
+both after the router's projection (the same cuBLAS GEMV in both), replayed from a CUDA graph of 20 layers (each with
+its own weights, so no layer finds the last one's in L2) as a decode step replays them; and the routed experts' weight
+bytes the kernels stream over their time (each token-expert pair reads its expert's three matrices; the ceiling is
+the card's bandwidth). Also the largest difference between the two outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from benchmarks.args import parser
+from workers.engine.kernels import moe_kernel
+from workers.engine.models.qwen3_vl.moe import experts_grouped
+
+# (experts, top k, hidden, moe intermediate) of the published checkpoints.
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "qwen3.5-35b-a3b": (256, 8, 2048, 512),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "gemma4-26b-a4b": (128, 8, 2816, 704),
+}
+LAYERS = 20
+# (up BLOCK_N, up BLOCK_K, down BLOCK_N, down BLOCK_K, warps) tried by --sweep.
+TILES = ((16, 128, 16, 128, 4), (16, 256, 16, 256, 4), (8, 256, 8, 256, 4), (32, 128, 16, 128, 4),
+         (16, 256, 8, 256, 8), (8, 512, 8, 512, 8), (32, 256, 32, 128, 8), (4, 512, 4, 512, 4))
+
+
+def grouped(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int) -> Tensor:
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, k, dim=-1)
+    weights = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
+    return experts_grouped(x, weights, ids, gate_up, down, fuse_act=True)
+
+
+def kernels(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int) -> Tensor:
+    weights, ids = moe_kernel.route(F.linear(x, router), k)
+    return moe_kernel.experts(x, weights, ids, gate_up, down)
+
+
+def replay_us(fn: object, layers: list[tuple[Tensor, Tensor, Tensor]], x: Tensor, k: int) -> float:
+    """Microseconds per layer of ``fn`` over ``layers``, captured once in a CUDA graph and replayed."""
+    def step() -> None:
+        for router, gate_up, down in layers:
+            fn(x, router, gate_up, down, k)  # type: ignore[operator]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm (compiles the kernels) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps / len(layers)
+
+
+def sweep(name: str, layers: list[tuple[Tensor, Tensor, Tensor]], k: int, rows: tuple[int, ...]) -> None:
+    hidden = layers[0][0].shape[1]
+    for tiles in TILES:
+        (moe_kernel.UP_BLOCK_N, moe_kernel.UP_BLOCK_K, moe_kernel.DOWN_BLOCK_N, moe_kernel.DOWN_BLOCK_K,
+         moe_kernel.NUM_WARPS) = tiles
+        times = [replay_us(kernels, layers, torch.randn(r, hidden, device="cuda", dtype=torch.bfloat16), k)
+                 for r in rows]
+        print(f"| {name} | {tiles} | " + " | ".join(f"{r} rows {t:.1f} us" for r, t in zip(rows, times)) + " |",
+              flush=True)
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="time the kernels' tile choices instead")
+    args = ap.parse_args()
+    if not moe_kernel.probe(torch.device("cuda"), torch.bfloat16):
+        raise SystemExit(f"the MoE kernels cannot run here: {moe_kernel.SWITCH.why_off()}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {LAYERS} layers per graph")
+    print("| shape | rows | grouped us | kernels us | kernels / grouped | kernels GB/s | max abs diff |")
+    print("|---|---|---|---|---|---|---|")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name in args.shapes.split(","):
+        e, k, hidden, inter = SHAPES[name]
+        layers = [(torch.randn(e, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) / hidden**0.5,
+                   torch.randn(e, 2 * inter, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) / hidden**0.5,
+                   torch.randn(e, hidden, inter, device="cuda", generator=gen, dtype=torch.bfloat16) / inter**0.5)
+                  for _ in range(LAYERS)]
+        if args.sweep:
+            sweep(name, layers, k, (1, 4, 16))
+            continue
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+            g_us = replay_us(grouped, layers, x, k)
+            k_us = replay_us(kernels, layers, x, k) if rows <= 64 else float("nan")
+            router, gate_up, down = layers[0]
+            diff = (grouped(x, router, gate_up, down, k).float() - kernels(x, router, gate_up, down, k).float())
+            read = rows * k * 3 * inter * hidden * 2  # each token-expert pair streams its expert's three matrices
+            print(f"| {name} | {rows} | {g_us:.1f} | {k_us:.1f} | {k_us / g_us:.2f} | {read / (k_us * 1e3):.0f} "
+                  f"| {diff.abs().max().item():.3g} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The Triton MoE decode kernels (routing, up + activation, down + combine) checked on the CPU through Triton's
+interpreter against transformers' expert loops, for Qwen's SiLU experts and Gemma 4's tanh-GELU ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.engine.kernels.kernel_check import run_kernel_check
+
+CHECK = """
+import torch
+from workers.engine.kernels import moe_kernel
+from workers.engine.models.gemma4.moe import gelu_experts_loop
+from workers.engine.models.qwen3_vl.moe import experts_loop
+
+gen = torch.Generator().manual_seed(0)
+# Sizes with partial blocks in every dimension (hidden 200 over blocks of 128 and 16, intermediate 40 over 16),
+# expert counts that are and are not powers of two, top-1 and a top-k that is not one, one token and several.
+for tokens, experts, top_k, hidden, inter in ((1, 8, 2, 200, 40), (5, 12, 3, 64, 48), (3, 16, 1, 128, 16)):
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = 3 * torch.randn(tokens, experts, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+
+    # Routing: transformers' softmax in float32, top-k, renormalised; Gemma's per-expert scale on top.
+    weights, ids = moe_kernel.route(logits, top_k)
+    top, want_ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    assert torch.equal(ids, want_ids), (ids, want_ids)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+    scale = torch.rand(experts, generator=gen) + 0.5
+    scaled, scaled_ids = moe_kernel.route(logits, top_k, scale)
+    assert torch.equal(scaled_ids, ids)
+    torch.testing.assert_close(scaled, weights * scale[ids])
+
+    # Float32: the kernels' math against the reference loops (SiLU for Qwen, tanh-GELU for Gemma 4).
+    torch.testing.assert_close(moe_kernel.experts(x, weights, ids, gate_up, down),
+                               experts_loop(x, weights, ids, gate_up, down), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(moe_kernel.experts(x, scaled, ids, gate_up, down, gelu=True),
+                               gelu_experts_loop(x, scaled, ids, gate_up, down), rtol=1e-4, atol=1e-5)
+
+    # bf16 as served: float32 accumulation, one rounding at the end.
+    xb, gub, db = x.bfloat16(), gate_up.bfloat16(), down.bfloat16()
+    got = moe_kernel.experts(xb, weights, ids, gub, db)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    want = moe_kernel.reference(xb.float(), weights, ids, gub.float(), db.float())
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2e-2)
+
+# Two tokens routed to the same expert read its weights each; a stride-padded input takes a contiguous copy.
+x = torch.randn(2, 4 * 64, generator=gen)[:, :64]
+gate_up = torch.randn(4, 2 * 16, 64, generator=gen)
+down = torch.randn(4, 64, 16, generator=gen)
+ids = torch.tensor([[1, 3], [1, 0]])
+w = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
+torch.testing.assert_close(moe_kernel.experts(x, w, ids, gate_up, down), experts_loop(x, w, ids, gate_up, down),
+                           rtol=1e-4, atol=1e-4)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the MoE tests run the kernels themselves")
+def test_kernels_match_the_expert_loops_in_triton_interpreter() -> None:
+    run_kernel_check(CHECK, "moe_kernel", "float32", timeout=300)
+
+
+def test_only_a_few_cuda_rows_take_the_kernels() -> None:
+    from workers.engine.kernels import moe_kernel
+
+    gate_up = torch.zeros(4, 8, 16)
+    # The CPU keeps transformers' loop (the exactness tests compare it), whatever the row count.
+    assert not moe_kernel.wanted(torch.zeros(1, 16), gate_up)
+    assert not moe_kernel.wanted(torch.zeros(0, 16), gate_up)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_match_the_loop_in_bf16_and_replay_from_a_cuda_graph() -> None:
+    from workers.engine.kernels import moe_kernel
+    from workers.engine.models.qwen3_vl.moe import experts_loop
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts, top_k, hidden, inter = 128, 8, 2048, 768  # Qwen3-VL-30B-A3B's experts
+
+    def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, device="cuda", generator=gen)).bfloat16()
+
+    gate_up, down = draw(experts, 2 * inter, hidden, scale=hidden**-0.5), draw(experts, hidden, inter, scale=inter**-0.5)
+    for rows in (1, 5, moe_kernel.MAX_ROWS):
+        # float32 logits: bf16 ones tie often among 128 experts, and either tied expert is a right top-k
+        x, logits = draw(rows, hidden), torch.randn(rows, experts, device="cuda", generator=gen)
+        weights, ids = moe_kernel.route(logits, top_k)
+        top, want_ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+        assert torch.equal(ids, want_ids)
+        want = experts_loop(x.float(), weights, ids, gate_up.float(), down.float())
+        torch.testing.assert_close(moe_kernel.experts(x, weights, ids, gate_up, down).float(), want,
+                                   rtol=2**-7, atol=2e-2)
+
+    # Captured once, replayed on new inputs: the same answer as an eager call (the decode graphs' use).
+    x, logits = draw(4, hidden), draw(4, experts)
+    eager = moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down)
+    x.copy_(draw(4, hidden))
+    logits.copy_(draw(4, experts))
+    graph.replay()
+    torch.testing.assert_close(replayed, moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down),
+                               rtol=0, atol=0)
+    assert not torch.equal(replayed, eager)

@@ -1,0 +1,214 @@
+"""The routed experts of a few tokens in Triton: the decode step's MoE on CUDA, in three kernels.
+
+At decode a MoE layer multiplies each of a handful of tokens by its k experts' weights. The grouped-GEMM path
+(qwen3_vl/moe.py ``experts_grouped``) sorts the token-expert pairs, gathers rows, runs two grouped GEMMs over every
+expert (most of them empty at batch 1) and scatters and sums the results: about fifteen kernels a layer, whose launch
+and tail costs, not the weights they read, set a batch-1 step's time (Qwen3.6-35B-A3B reads 48 MiB of expert weights
+a layer, 10 us at an H200's bandwidth). Here:
+
+* ``route``: softmax over the router logits in float32, the top k by k rounds of arg-max (ties to the lower id),
+  the k weights renormalised to sum to 1 and optionally scaled per expert (Gemma 4): one program per token.
+* ``expert_up``: one program per (token-expert pair, block of intermediate rows) reads that block of the expert's
+  gate and up rows and writes act(gate) * up for the pair; the activation is SiLU or tanh-GELU.
+* ``expert_down``: one program per (token, block of hidden rows) runs the token's k experts' down rows over their
+  pair's activations and sums the k products weighted by the routing weights in a fixed order: deterministic (no
+  atomics), and the combine costs no kernel of its own.
+
+The accumulation is float32 and each output rounds once. Rows are never a kernel argument, so a layer's kernels
+compile once per weight shape (nothing may compile inside a CUDA-graph capture; the start-up warm-up's forwards
+compile them). The kernels read an expert's rows once per token that chose it, the grouped GEMMs once per expert:
+above ``MAX_ROWS`` tokens the grouped GEMMs serve.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from workers.engine.kernels.triton_switch import TritonSwitch
+
+# Token rows up to which the kernels serve a MoE layer. H200, 20 layers replayed from a graph, randomly routed rows
+# (`python -m benchmarks.kernels.moe_bench`): per layer 30-45 us at 1 row against 98-122 us for the grouped GEMMs,
+# 68-117 against 158-216 at 4, 195-345 against 317-444 at 16. The kernels read an expert once per token that chose
+# it, so rows that all share their experts cost them more: 16 copies of one prompt decoding made a 35B-A3B step
+# 6.65 -> 7.49 ms. Requests decoding side by side route apart, as the random rows do.
+MAX_ROWS = 16
+# Tiles and warps: the best of eight at 1 and 4 rows on the three published MoE shapes (moe_bench --sweep).
+UP_BLOCK_N, UP_BLOCK_K = 16, 256
+DOWN_BLOCK_N, DOWN_BLOCK_K = 8, 256
+NUM_WARPS = 8
+
+SWITCH = TritonSwitch("GLIMPSE_TRITON_MOE")
+available = SWITCH.on  # on CUDA tensors, or anywhere under TRITON_INTERPRET=1
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def route_kernel(logits_ptr, scale_ptr, weights_ptr, ids_ptr, E: tl.constexpr, E_POW2: tl.constexpr,
+                     K: tl.constexpr, K_POW2: tl.constexpr, HAS_SCALE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, E_POW2)
+        valid = cols < E
+        z = tl.load(logits_ptr + row * E + cols, mask=valid, other=-float("inf")).to(tl.float32)
+        p = tl.exp(z - tl.max(z, 0))
+        p = tl.where(valid, p / tl.sum(p, 0), -1.0)  # padding never wins a round
+        slots = tl.arange(0, K_POW2)
+        top = tl.zeros([K_POW2], tl.float32)
+        ids = tl.zeros([K_POW2], tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(p, 0)
+            pick = tl.min(tl.where(p == best, cols, E_POW2), 0)
+            top = tl.where(slots == j, best, top)
+            ids = tl.where(slots == j, pick, ids)
+            p = tl.where(cols == pick, -1.0, p)
+        chosen = slots < K
+        top = top / tl.sum(tl.where(chosen, top, 0.0), 0)
+        if HAS_SCALE:
+            top = top * tl.load(scale_ptr + ids, mask=chosen, other=1.0).to(tl.float32)
+        tl.store(weights_ptr + row * K + slots, top, mask=chosen)
+        tl.store(ids_ptr + row * K + slots, ids.to(tl.int64), mask=chosen)
+
+    @triton.jit
+    def expert_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr,
+                         GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < INTER
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        x_row = x_ptr + (pair // K) * H
+        gate_rows = w_ptr + expert * (2 * INTER * H) + rows[:, None].to(tl.int64) * H
+        up_rows = gate_rows + INTER * H
+        # Products accumulate elementwise and are reduced once at the end: a reduction per tile would cost more
+        # than the tile's loads.
+        gate_acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        up_acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < H
+            xv = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tile_ok = row_ok[:, None] & col_ok[None, :]
+            gate_acc += tl.load(gate_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xv
+            up_acc += tl.load(up_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xv
+        gate = tl.sum(gate_acc, axis=1)
+        up = tl.sum(up_acc, axis=1)
+        if GELU:  # tanh approximation, tanh(y) written as 1 - 2 / (exp(2y) + 1)
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+        else:
+            act = gate / (1.0 + tl.exp(-gate))
+        tl.store(h_ptr + pair * INTER + rows, (act * up).to(h_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def expert_down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, H: tl.constexpr, INTER: tl.constexpr,
+                           K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < H
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for j in tl.static_range(K):
+            pair = token * K + j
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            down_rows = w_ptr + expert * (H * INTER) + rows[:, None].to(tl.int64) * INTER
+            routing = tl.load(weights_ptr + pair).to(tl.float32)
+            for k0 in tl.range(0, INTER, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_ok = cols < INTER
+                hv = tl.load(h_ptr + pair * INTER + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                tile_ok = row_ok[:, None] & col_ok[None, :]
+                acc += tl.load(down_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * (hv * routing)
+        tl.store(out_ptr + token * H + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    return route_kernel, expert_up_kernel, expert_down_kernel
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def wanted(x: Tensor, gate_up: Tensor) -> bool:
+    """Whether a MoE layer should take these kernels for x [T, H]: a few rows, unquantized weights, the kernels on."""
+    return (
+        0 < x.shape[0] <= MAX_ROWS
+        and gate_up.dtype == x.dtype
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x.is_cuda
+        and available()
+    )
+
+
+def route(logits: Tensor, top_k: int, per_expert_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """logits [T, E] -> (float32 weights [T, k] summing to 1, times ``per_expert_scale[id]`` if given; int64 ids
+    [T, k] in descending probability)."""
+    rows, experts = logits.shape
+    weights = torch.empty((rows, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((rows, top_k), dtype=torch.int64, device=logits.device)
+    if rows:
+        scale = per_expert_scale if per_expert_scale is not None else weights  # a pointer the kernel never reads
+        _kernels()[0][(rows,)](logits.contiguous(), scale, weights, ids, E=experts, E_POW2=_pow2(experts),
+                               K=top_k, K_POW2=_pow2(top_k), HAS_SCALE=per_expert_scale is not None, num_warps=4)
+    return weights, ids
+
+
+def experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, gelu: bool = False) -> Tensor:
+    """sum_j weights[t, j] * down[e] (act(gate[e] x_t) * up[e] x_t), e = ids[t, j], for x [T, H]; ``gate_up``
+    [E, 2I, H] (each expert's gate rows, then its up rows) and ``down`` [E, H, I] as StackedExperts holds them."""
+    rows, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = down.shape[2]
+    h = torch.empty((rows * top_k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    if not rows:
+        return out
+    _, up_kernel, down_kernel = _kernels()
+    ids = ids.contiguous()
+    up_kernel[(rows * top_k, -(-inter // UP_BLOCK_N))](
+        x.contiguous(), ids, gate_up.contiguous(), h, H=hidden, INTER=inter, K=top_k, GELU=gelu,
+        BLOCK_N=UP_BLOCK_N, BLOCK_K=UP_BLOCK_K, num_warps=NUM_WARPS)
+    down_kernel[(rows, -(-hidden // DOWN_BLOCK_N))](
+        h, ids, weights.contiguous(), down.contiguous(), out, H=hidden, INTER=inter, K=top_k,
+        BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K, num_warps=NUM_WARPS)
+    return out
+
+
+def probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the three kernels once against eager math; a Triton that cannot compile here or a wrong answer turns them
+    off for the process (the grouped GEMMs or the loop serve instead) rather than failing mid-serving."""
+    gen = torch.Generator().manual_seed(0)
+    e, k, hidden, inter = 12, 3, 200, 72  # sizes that leave partial blocks in every dimension
+
+    def check() -> bool:
+        x = torch.randn(2, hidden, generator=gen).to(device=device, dtype=dtype)
+        logits = torch.randn(2, e, generator=gen).to(device=device, dtype=dtype)
+        gate_up = (torch.randn(e, 2 * inter, hidden, generator=gen) / hidden**0.5).to(device=device, dtype=dtype)
+        down = (torch.randn(e, hidden, inter, generator=gen) / inter**0.5).to(device=device, dtype=dtype)
+        weights, ids = route(logits, k)
+        probs = torch.softmax(logits.float(), dim=-1)
+        want_top, want_ids = torch.topk(probs, k, dim=-1)
+        if not torch.equal(ids, want_ids):
+            return False
+        if not torch.allclose(weights, want_top / want_top.sum(-1, keepdim=True), rtol=1e-4, atol=1e-5):
+            return False
+        got = experts(x, weights, ids, gate_up, down).float()
+        want = reference(x.float(), weights, ids, gate_up.float(), down.float())
+        return torch.allclose(got, want, rtol=3e-2, atol=3e-2)
+
+    return SWITCH.probe(check)
+
+
+def reference(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, gelu: bool = False) -> Tensor:
+    """The kernels' math in eager torch (float32 in, float32 out): for checks and benchmarks."""
+    act = functools.partial(torch.nn.functional.gelu, approximate="tanh") if gelu else torch.nn.functional.silu
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = (gate_up[e].float() @ x[t].float()).chunk(2)
+            out[t] += weights[t, j].float() * (down[e].float() @ (act(g) * u))
+    return out

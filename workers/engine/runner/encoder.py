@@ -1,0 +1,100 @@
+"""A model worker's vision side of a step: the plan's encode jobs read from shm, run through the ViT and stored.
+
+With TP the ViT runs data-parallel: each rank reads and encodes only its share of the step's distinct images (split
+by patch count, largest first), then the embeddings are all-gathered so every rank's store ends up with the same
+entries. A rank's share runs in ViT calls of at most ``vit_max_patches`` patches each (one image at least), reading
+each call's pixels just before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoImageProcessor
+
+from ipc.steps import EncodeItem, EncodeJob
+from workers.engine.core.mm_cache import EmbeddingStore
+from workers.engine.layers.linear import TPGroup
+from workers.engine.models.base import VLModel
+from workers.engine.prompt.pixel_frames import FrameLayout, layout_of
+from workers.engine.runner.batching import group_by_patches, patches, pixel_rows, split_by_patches
+
+log = logging.getLogger("glimpse.model")
+
+PixelSource = Callable[[EncodeItem], torch.Tensor]
+
+
+@dataclass
+class RunnerCounters:
+    steps: int = 0
+    vit_calls: int = 0
+    images_encoded: int = 0
+    pixel_reads: int = 0
+    encoded_per_step: list[int] = field(default_factory=list)
+    keep_per_step: bool = True  # the offline engine and tests read encoded_per_step; a server's worker turns it off
+
+
+class JobEncoder:
+    def __init__(self, model: VLModel, store: EmbeddingStore, tp: TPGroup, pixel_source: PixelSource,
+                 counters: RunnerCounters, model_dir: str, merge: int, embed_width: int, vit_max_patches: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model, self.store, self.tp, self.pixel_source, self.counters = model, store, tp, pixel_source, counters
+        self.hidden = embed_width  # main embedding and DeepStack levels side by side
+        self.vit_max_patches = vit_max_patches
+        self.device, self.dtype = device, dtype
+        # Images in shm may be uint8 frames (pixel_frames.py): made into rows here, by the processor's own numbers.
+        self.frame_layout = _frame_layout(model_dir, merge)
+
+    def run(self, jobs: list[EncodeJob]) -> int:
+        """Encode every distinct image of the step's jobs and store the jobs' entries; the number of images."""
+        unique: dict[bytes, EncodeItem] = {}
+        for job in jobs:
+            for item in job.items:
+                unique.setdefault(item.hash, item)
+        items = list(unique.values())
+        shares = split_by_patches([patches(item.grid) for item in items], self.tp.size)
+        mine = [items[i] for i in shares[self.tp.rank]]
+        outs: list[torch.Tensor] = []
+        for group in group_by_patches(mine, self.vit_max_patches):
+            pixels = [self.pixel_source(item) for item in group]
+            self.counters.pixel_reads += len(group)
+            batch = pixel_rows(pixels, self.device, self.dtype, self.frame_layout)
+            outs.append(self.model.encode(batch, [item.grid for item in group]))
+            self.counters.vit_calls += 1
+            self.counters.images_encoded += len(group)
+        if len(outs) == 1:
+            local = outs[0]
+        else:  # several ViT calls, or none (this rank's share is empty)
+            local = torch.cat(outs) if outs else torch.empty((0, self.hidden), dtype=self.dtype, device=self.device)
+        per_hash: dict[bytes, torch.Tensor] = {}
+        if self.tp.size == 1:
+            per_hash.update(zip(unique, local.split([item.length for item in items]), strict=True))
+        else:
+            # Every rank knows every share's token count from the plan, so the gather needs no size exchange.
+            counts = [sum(items[i].length for i in share) for share in shares]
+            padded = torch.zeros((max(counts), self.hidden), dtype=self.dtype, device=self.device)
+            padded[: local.shape[0]] = local
+            gathered = self.tp.all_gather(padded, dim=0).split(max(counts))
+            for share, rows, count in zip(shares, gathered, counts, strict=True):
+                split = rows[:count].split([items[i].length for i in share])
+                per_hash.update((items[i].hash, t) for i, t in zip(share, split, strict=True))
+        for job in jobs:
+            parts = [per_hash[item.hash] for item in job.items]
+            entry = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if entry.shape[0] != sum(item.length for item in job.items):
+                raise RuntimeError(f"ViT returned {entry.shape[0]} tokens for key {job.key.hex()[:16]}")
+            self.store.put(job.key, entry, job.transient)
+        return len(items)
+
+
+def _frame_layout(model: str, merge: int) -> FrameLayout | None:
+    """The numbers that make a uint8 frame into rows. A tokenizer writes frames only where its own check found them
+    the processor's bits, so the worker needs the numbers, not the check."""
+    try:
+        return layout_of(AutoImageProcessor.from_pretrained(model), merge)
+    except Exception as exc:  # a checkpoint without an image processor: its tokenizers write no frames either
+        log.info("no uint8 frame layout for %s: %s", model, exc)
+        return None
