@@ -16,6 +16,18 @@ this step is pinned, so no spill of the same step overwrites it before it is rea
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class HostCopies:
+    """One step's copies, with the keys they move (kept by the core until the step's result, so a failed step can
+    forget exactly what it may have left half done)."""
+
+    spill: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    load: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    spilled: list[tuple[bytes, int]] = field(default_factory=list)  # (key, host slot) per spill
+    loaded: list[tuple[bytes, int]] = field(default_factory=list)  # (key, device block) per load
 
 
 class HostKVIndex:
@@ -29,8 +41,7 @@ class HostKVIndex:
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # oldest used first
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()  # slots read by a load queued for the coming step
-        self._spill: list[tuple[int, int]] = []
-        self._load: list[tuple[int, int]] = []
+        self._copies = HostCopies()
         self.spills = 0  # blocks copied device -> host
         self.loads = 0  # blocks copied host -> device
         self.hit_tokens = 0  # prompt tokens served from the host tier (their prefill skipped)
@@ -38,6 +49,11 @@ class HostKVIndex:
     @property
     def num_used(self) -> int:
         return len(self._slot_of)
+
+    @property
+    def pending(self) -> HostCopies:
+        """The copies queued for the next plan (read only)."""
+        return self._copies
 
     def contains(self, digest: bytes) -> bool:
         return digest in self._slot_of
@@ -55,7 +71,8 @@ class HostKVIndex:
         if slot is None:
             return None
         self._slot_of[digest] = slot
-        self._spill.append((block, slot))
+        self._copies.spill.append((block, slot))
+        self._copies.spilled.append((digest, slot))
         self.spills += 1
         return slot
 
@@ -86,14 +103,45 @@ class HostKVIndex:
         """Copy host ``slots`` (found by ``match`` for ``hashes``) into fresh device ``blocks`` before the forward."""
         for digest, slot, block in zip(hashes, slots, blocks, strict=True):
             self._slot_of.move_to_end(digest)
-            self._load.append((slot, block))
+            self._copies.load.append((slot, block))
+            self._copies.loaded.append((digest, block))
         self._pinned.update(slots)
         self.loads += len(blocks)
         self.hit_tokens += len(blocks) * self.block_size
 
+    def drain(self) -> HostCopies:
+        """The copies queued since the last drain, for the plan being built (cleared here); pins end with it."""
+        copies, self._copies = self._copies, HostCopies()
+        self._pinned.clear()
+        return copies
+
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's (spill, load) lists, cleared here; pins end with the step."""
-        spill, load = self._spill, self._load
-        self._spill, self._load = [], []
-        self._pinned.clear()
-        return spill, load
+        copies = self.drain()
+        return copies.spill, copies.load
+
+    def forget(self, spilled: list[tuple[bytes, int]]) -> None:
+        """Spills of a step that failed: the workers may not have written those slots. Each key goes if it still
+        lives in the slot its spill named (a later step may have given the slot to another key already)."""
+        for digest, slot in spilled:
+            if self._slot_of.get(digest) == slot:
+                del self._slot_of[digest]
+                self._free_slots.append(slot)
+
+
+REPORT_FIELDS = (
+    "kv_host_cache_slots_total",
+    "kv_host_cache_slots_used",
+    "kv_host_cache_spilled_blocks",  # blocks copied device -> host
+    "kv_host_cache_loaded_blocks",  # blocks copied host -> device
+    "kv_host_cache_hit_tokens",  # prompt tokens those loads spared the prefill
+)
+
+
+def kv_host_report(index: HostKVIndex | None) -> dict[str, int]:
+    """The tier's numbers, named as SchedulerStats' ``kv_host_cache_*`` fields (zeros when it is off)."""
+    if index is None:
+        return dict.fromkeys(REPORT_FIELDS, 0)
+    values = (index.num_slots, index.num_used, index.spills, index.loads, index.hit_tokens)
+    return dict(zip(REPORT_FIELDS, values, strict=True))
+

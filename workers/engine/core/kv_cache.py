@@ -189,6 +189,17 @@ class BlockAllocator:
                 raise ValueError(f"block {block} is not in use")
             self._refs[block] += 1
 
+    def unregister(self, block: int, digest: bytes) -> None:
+        """End ``block``'s registration under ``digest`` if it still holds it (its contents cannot be trusted: the
+        host-tier load that was to fill it failed), as a recycle would: the key is no longer on the device."""
+        if self._hash_of.get(block) != digest:
+            return
+        del self._hash_of[block], self._by_hash[digest]
+        if self.on_unregister is not None:
+            self.on_unregister(digest)
+        if self.on_evict is not None:
+            self.on_evict(digest)
+
     def register(self, block: int, digest: bytes) -> bool:
         """Publish a full, computed block under its prefix hash (first writer wins); whether it was published."""
         if digest not in self._by_hash and block not in self._hash_of:

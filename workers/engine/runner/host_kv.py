@@ -7,10 +7,16 @@ Copies are raw bytes, so an FP8 cache's blocks stay valid under the scales attac
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
+from workers.engine.config import EngineConfig
 from workers.engine.kernels import kv_quant
+from workers.engine.models.base import ModelSpec
+
+log = logging.getLogger("glimpse.model")
 
 
 def _raw(t: Tensor) -> Tensor:
@@ -24,7 +30,10 @@ class HostKVPool:
         if num_slots <= 0:
             raise ValueError("num_slots must be positive")
         self.caches = caches
+        self.num_slots = num_slots
         self.device = caches[0].device
+        self.spilled = 0  # blocks copied device -> host (the scheduler's index counts the same)
+        self.loaded = 0  # blocks copied host -> device
         pin = self.device.type == "cuda"  # pinning needs a CUDA context; the CPU path copies plainly
         self.host = [
             torch.empty((c.shape[0], num_slots, *c.shape[2:]), dtype=c.dtype, pin_memory=pin) for c in caches
@@ -37,6 +46,8 @@ class HostKVPool:
 
     def apply(self, spill: list[tuple[int, int]], load: list[tuple[int, int]]) -> None:
         """The step's copies, spills first (their blocks are reused this step), then loads, before the forward."""
+        self.spilled += len(spill)
+        self.loaded += len(load)
         if spill:
             blocks = torch.tensor([b for b, _ in spill], device=self.device)
             slots = torch.tensor([s for _, s in spill])
@@ -52,3 +63,21 @@ class HostKVPool:
                 if non_blocking:
                     staged = staged.pin_memory()
                 _raw(dev)[:, blocks] = staged.to(self.device, non_blocking=non_blocking)
+
+
+def host_kv_pool(cfg: EngineConfig, spec: ModelSpec, caches: list[Tensor]) -> HostKVPool | None:
+    """This rank's pool for --kv-host-cache-mb (as many whole blocks as the budget holds), or None when it is off.
+    ValueError (one line, naming the flag) where the tier cannot serve the model (EngineConfig.kv_host_cache_refusal).
+    Every rank's blocks are the same size, so every rank gets the same count, which goes to the scheduler."""
+    if (why := cfg.kv_host_cache_refusal(spec)) is not None:
+        raise ValueError(why)
+    if cfg.kv_host_cache_mb <= 0:
+        return None
+    per_slot = HostKVPool.bytes_per_slot(caches)
+    slots = int(cfg.kv_host_cache_mb * 2**20) // per_slot
+    if slots <= 0:
+        log.warning("--kv-host-cache-mb %g holds no KV block (%d bytes each): the host tier is off",
+                    cfg.kv_host_cache_mb, per_slot)
+        return None
+    log.info("KV host tier: %d blocks of %d bytes", slots, per_slot)
+    return HostKVPool(caches, slots)
