@@ -112,6 +112,23 @@ def test_host_tier_prefix_answers_like_transformers(demo_model_dir: Path) -> Non
     assert tokens == greedy_tokens(processor, model, NEXT, GREEDY.max_tokens)
 
 
+def test_gemma4_with_one_block_pool_loads_from_the_host_tier(gemma4_model_dir: Path) -> None:
+    """Gemma 4 with --num-window-blocks 0 (every layer's cache in the one pool, caches of two shapes): the host tier
+    takes each cache's blocks, and the next turn answers as without it."""
+    outputs = []
+    for host_mb in (0, 4):
+        engine = make_engine(gemma4_model_dir, False, num_kv_blocks=40, num_window_blocks=0, kv_host_cache_mb=host_mb,
+                             mm_cache_mb=1024)  # fmt: skip
+        engine.generate([FIRST], GREEDY)
+        for i in range(3):  # 300 tokens each: together they recycle every block of A's
+            engine.generate([chat(f"Filler {i}: " + "count the sheep again and again, " * 30, [])], GREEDY)
+        [out] = engine.generate([NEXT], GREEDY)
+        outputs.append(out.token_ids)
+    assert outputs[0] == outputs[1]
+    host = engine.stats()["kv_host_cache"]
+    assert host["loaded_blocks"] == host["worker_loads"] > 0 and out.cached_tokens >= host["loaded_blocks"] * BS
+
+
 def test_host_tier_is_refused_for_a_hybrid_family(qwen3_5_model_dir: Path) -> None:
     config = EngineConfig(model=str(qwen3_5_model_dir), device="cpu", dtype="float32", kv_host_cache_mb=1)
     with pytest.raises(ValueError, match="--kv-host-cache-mb .*linear-attention"):
