@@ -144,4 +144,3 @@ def kv_host_report(index: HostKVIndex | None) -> dict[str, int]:
         return dict.fromkeys(REPORT_FIELDS, 0)
     values = (index.num_slots, index.num_used, index.spills, index.loads, index.hit_tokens)
     return dict(zip(REPORT_FIELDS, values, strict=True))
-

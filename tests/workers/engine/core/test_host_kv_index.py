@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.core.host_kv_index import HostKVIndex
+from workers.engine.core.host_kv_index import REPORT_FIELDS, HostKVIndex, kv_host_report
 from workers.engine.core.kv_cache import BlockAllocator, block_hashes
 
 
@@ -93,3 +93,29 @@ def test_a_slot_read_this_step_is_not_overwritten_by_a_spill() -> None:
 def test_index_rejects_empty_pool() -> None:
     with pytest.raises(ValueError):
         HostKVIndex(num_slots=0, block_size=4)
+
+
+def test_forget_drops_a_failed_spill_unless_its_slot_moved_on() -> None:
+    alloc, host = _with_host(num_blocks=1, num_slots=1)
+    first, _ = _cached_prompt(alloc, [1, 2, 3, 4])
+    _cached_prompt(alloc, [5, 6, 7, 8])  # first spills to slot 0
+    failed = host.drain()
+    assert failed.spilled == [(first[0], 0)] and failed.spill == [(0, 0)]
+    host.forget(failed.spilled)
+    assert host.match(first) == [] and host.num_used == 0
+    _cached_prompt(alloc, [9, 10, 11, 12])  # the slot is free again: the second key takes it
+    assert host.num_used == 1
+    moved = host.drain()
+    host.forget(failed.spilled)  # (again, late) the slot holds another key now: kept
+    assert host.num_used == 1 and moved.spilled[0][1] == 0
+
+
+def test_report_names_the_stats_fields() -> None:
+    assert kv_host_report(None) == dict.fromkeys(REPORT_FIELDS, 0)
+    alloc, host = _with_host(num_blocks=1, num_slots=3)
+    _cached_prompt(alloc, [1, 2, 3, 4])
+    _cached_prompt(alloc, [5, 6, 7, 8])
+    assert kv_host_report(host) == {
+        "kv_host_cache_slots_total": 3, "kv_host_cache_slots_used": 1, "kv_host_cache_spilled_blocks": 1,
+        "kv_host_cache_loaded_blocks": 0, "kv_host_cache_hit_tokens": 0,
+    }  # fmt: skip
