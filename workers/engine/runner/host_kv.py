@@ -7,7 +7,10 @@ Copies are raw bytes, so an FP8 cache's blocks stay valid under the scales attac
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+import weakref
 
 import torch
 from torch import Tensor
@@ -17,6 +20,8 @@ from workers.engine.kernels import kv_quant
 from workers.engine.models.base import ModelSpec
 
 log = logging.getLogger("glimpse.model")
+
+_ALIGN = 64  # bytes: each layer's twin starts on a cache line (and on its element size)
 
 
 def _raw(t: Tensor) -> Tensor:
@@ -34,9 +39,21 @@ class HostKVPool:
         self.device = caches[0].device
         self.spilled = 0  # blocks copied device -> host (the scheduler's index counts the same)
         self.loaded = 0  # blocks copied host -> device
-        pin = self.device.type == "cuda"  # pinning needs a CUDA context; the CPU path copies plainly
+        shapes = [(c.shape[0], num_slots, *c.shape[2:]) for c in caches]
+        sizes = [-(-math.prod(shape) * c.element_size() // _ALIGN) * _ALIGN for shape, c in zip(shapes, caches, strict=True)]
+        # One allocation for every layer's twin, pinned on CUDA by registering plain memory: torch's pinned allocator
+        # rounds each request up to a power of two, which could lock up to twice the budget (as host_embeddings.py).
+        self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        if self.device.type == "cuda":  # pinning needs a CUDA context; the CPU path copies plainly
+            nbytes = self.buffer.numel()
+            if (rc := int(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0))) != 0:
+                raise RuntimeError(f"pinning {nbytes >> 20} MiB for the KV host tier failed (cudaError {rc}): lower "
+                                   "--kv-host-cache-mb")  # fmt: skip
+            weakref.finalize(self, _unpin, self.buffer)  # (the callback holds the buffer: it outlives the pinning)
+        offsets = [0, *itertools.accumulate(sizes)]
         self.host = [
-            torch.empty((c.shape[0], num_slots, *c.shape[2:]), dtype=c.dtype, pin_memory=pin) for c in caches
+            self.buffer[offsets[i] : offsets[i] + math.prod(shape) * c.element_size()].view(c.dtype).view(shape)
+            for i, (shape, c) in enumerate(zip(shapes, caches, strict=True))
         ]
 
     @staticmethod
@@ -63,6 +80,10 @@ class HostKVPool:
                 if non_blocking:
                     staged = staged.pin_memory()
                 _raw(dev)[:, blocks] = staged.to(self.device, non_blocking=non_blocking)
+
+
+def _unpin(buffer: Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 def host_kv_pool(cfg: EngineConfig, spec: ModelSpec, caches: list[Tensor]) -> HostKVPool | None:

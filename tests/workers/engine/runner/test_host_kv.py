@@ -31,3 +31,19 @@ def test_spill_and_load_in_one_step_reads_before_overwrite() -> None:
     assert torch.equal(caches[0][:, 0], spilled)
     pool.apply(spill=[], load=[(0, 2)])
     assert torch.equal(caches[0][:, 2], old)
+
+
+def test_caches_of_several_shapes_and_fp8_share_one_buffer() -> None:
+    # Gemma 4's caches differ per layer kind; an FP8 cache is copied as raw bytes.
+    caches = [torch.randn(2, 4, 4, 2, 3), torch.randn(2, 4, 4, 1, 8).to(torch.float8_e4m3fn)]
+    before = [c.view(torch.uint8).clone() if c.dtype == torch.float8_e4m3fn else c.clone() for c in caches]
+    pool = HostKVPool(caches, num_slots=2)
+    assert [h.dtype for h in pool.host] == [torch.float32, torch.float8_e4m3fn]
+    assert all(h.data_ptr() % 64 == 0 for h in pool.host) and pool.buffer.numel() >= HostKVPool.bytes_per_slot(caches) * 2
+    pool.apply(spill=[(3, 1)], load=[])
+    for c in caches:
+        c.view(torch.uint8)[:, 3] = 0
+    pool.apply(spill=[], load=[(1, 0)])
+    assert torch.equal(caches[0][:, 0], before[0][:, 3])
+    assert torch.equal(caches[1].view(torch.uint8)[:, 0], before[1][:, 3])
+    assert (pool.spilled, pool.loaded) == (1, 1)
