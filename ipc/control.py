@@ -49,3 +49,4 @@ class ProcessReady(Msg, frozen=True):
     num_kv_blocks: int = 0
     num_state_slots: int = 0  # hybrid models: slots of the linear-attention state pool
     num_window_blocks: int = 0  # sliding-window models (Gemma 4): blocks of the sliding layers' own KV pool
+    num_kv_host_slots: int = 0  # --kv-host-cache-mb: KV blocks the rank's host tier holds (0: off)

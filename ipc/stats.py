@@ -80,6 +80,12 @@ class SchedulerStats(Msg, frozen=True):
     mm_host_cache_spills: int = 0  # entries copied in from the GPU tier
     mm_host_cache_reloads: int = 0  # entries copied back onto the GPU instead of encoded
     mm_host_cache_evictions: int = 0
+    # The prefix cache's host tier (--kv-host-cache-mb; all 0 when it is off): KV blocks the GPU pool recycled.
+    kv_host_cache_slots_total: int = 0
+    kv_host_cache_slots_used: int = 0
+    kv_host_cache_spilled_blocks: int = 0  # copied in from the GPU pool before their blocks were reused
+    kv_host_cache_loaded_blocks: int = 0  # copied back onto the GPU for a prompt's prefix instead of recomputed
+    kv_host_cache_hit_tokens: int = 0  # prompt tokens those loads spared (also in each request's cached tokens)
     # Sliding-window models (Gemma 4): the sliding layers' own KV block pool (all 0 for other models).
     window_blocks_total: int = 0
     window_blocks_used: int = 0

@@ -112,6 +112,12 @@ class StepPlan(Msg, frozen=True):
     mm_host_evict: list[bytes] = []
     mm_spill: list[bytes] = []
     mm_reload: list[bytes] = []
+    # Host-RAM tier of prefix-cache KV blocks (workers/engine/core/host_kv_index.py). Ordering rule: every rank copies
+    # all ``kv_spill`` (device block, host slot) first, then all ``kv_load`` (host slot, device block), then runs the
+    # forward: a spilled block is one this step hands out again, so it must be read before anything writes KV, and a
+    # loaded block must be in place before attention reads it.
+    kv_spill: list[tuple[int, int]] = []
+    kv_load: list[tuple[int, int]] = []
 
 
 class StepResult(Msg, frozen=True):

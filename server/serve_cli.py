@@ -81,6 +81,11 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "rank holds a copy, and pinned pages cannot be swapped, so most of the RAM stays free)")
     m.add_argument("--mm-cache-mode", default=E["mm_cache_mode"], choices=["image", "request"],
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
+    m.add_argument("--kv-host-cache-mb", type=float, default=E["kv_host_cache_mb"],
+                   help="host tier of the prefix cache, per model worker: host memory (pinned on CUDA, reserved at "
+                   "start-up) that KV blocks the GPU pool recycles are copied into, so a later prompt with that "
+                   "prefix loads them back instead of recomputing them; 0 = off. Not for hybrid (linear-attention) "
+                   "models or a sliding-window block pool")
     m.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt instead of reusing KV blocks of earlier requests")
     m.add_argument("--state-slots", type=int, default=None,
@@ -227,6 +232,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         mm_host_cache_mb=(default_host_cache_mb(device, args.dp * args.tp) if args.mm_host_cache_mb is None
                           else args.mm_host_cache_mb),
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_host_cache_mb=args.kv_host_cache_mb,
         state_slots=args.state_slots,
         state_snapshot_every=args.state_snapshot_every,
         vit_max_patches=args.vit_max_patches,
@@ -238,6 +244,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         tp_size=args.tp,
         spec=info,
     )
+    if (why := engine.kv_host_cache_refusal(info)) is not None:
+        raise SystemExit(f"glimpse serve: {why}")
     name = args.served_model_name or ("glimpse-demo" if args.model is None else model.name)
     return ServerConfig(
         engine=engine,

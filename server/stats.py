@@ -149,6 +149,13 @@ class StatsBook:
                 "reloads": s.mm_host_cache_reloads,
                 "evictions": s.mm_host_cache_evictions,
             },
+            "kv_host_cache": {  # the host tier under the prefix cache: recycled GPU blocks spill here, hits load back
+                "slots_total": s.kv_host_cache_slots_total,
+                "slots_used": s.kv_host_cache_slots_used,
+                "spilled_blocks": s.kv_host_cache_spilled_blocks,
+                "loaded_blocks": s.kv_host_cache_loaded_blocks,
+                "hit_tokens": s.kv_host_cache_hit_tokens,
+            },
             "images_encoded": s.images_encoded,
             "vit_batches": s.vit_batches,
             "shm": {
@@ -268,6 +275,16 @@ class _BookCollector(Collector):
                 yield counter("mm_host_cache_reloads", "Embeddings copied back from the host tier, not encoded.",
                               s.mm_host_cache_reloads)
                 yield counter("mm_host_cache_evictions", "Host tier evictions.", s.mm_host_cache_evictions)
+            if s.kv_host_cache_slots_total:
+                yield gauge("kv_host_cache_slots_total", "KV blocks the prefix cache's host tier holds.",
+                            s.kv_host_cache_slots_total)
+                yield gauge("kv_host_cache_slots_used", "KV blocks held in the host tier now.", s.kv_host_cache_slots_used)
+                yield counter("kv_host_cache_spilled_blocks", "KV blocks copied to the host tier before reuse.",
+                              s.kv_host_cache_spilled_blocks)
+                yield counter("kv_host_cache_loaded_blocks", "KV blocks loaded back from the host tier, not recomputed.",
+                              s.kv_host_cache_loaded_blocks)
+                yield counter("kv_host_cache_hit_tokens", "Prompt tokens served from the host tier.",
+                              s.kv_host_cache_hit_tokens)
             yield counter("images_encoded", "Images run through the vision tower.", s.images_encoded)
             yield counter("vit_batches", "Vision tower batches run.", s.vit_batches)
             yield gauge("shm_segments", "Shared-memory pixel segments alive.", s.shm_segments)

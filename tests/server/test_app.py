@@ -145,6 +145,8 @@ def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
     base |= {"images_encoded": 1, "vit_batches": 1, "shm_segments": 2, "shm_bytes": 2048, "shm_budget_bytes": 1 << 30}
     base |= {"mm_host_cache_budget_bytes": 1 << 20, "mm_host_cache_bytes": 3072, "mm_host_cache_entries": 1,
              "mm_host_cache_hits": 2, "mm_host_cache_spills": 4, "mm_host_cache_reloads": 2}
+    base |= {"kv_host_cache_slots_total": 64, "kv_host_cache_slots_used": 9, "kv_host_cache_spilled_blocks": 12,
+             "kv_host_cache_loaded_blocks": 3, "kv_host_cache_hit_tokens": 48}
     srv.peers.out.send(SchedulerStats(**base))
     time.sleep(0.2)
     srv.peers.out.send(SchedulerStats(**(base | {"generated_tokens": 50})))
@@ -159,6 +161,8 @@ def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
     assert (stats["images_encoded"], stats["vit_batches"]) == (1, 1)
     assert stats["mm_host_cache"] == {"budget_bytes": 1 << 20, "bytes": 3072, "entries": 1, "hits": 2, "spills": 4,
                                       "reloads": 2, "evictions": 0}
+    assert stats["kv_host_cache"] == {"slots_total": 64, "slots_used": 9, "spilled_blocks": 12, "loaded_blocks": 3,
+                                      "hit_tokens": 48}
     assert stats["shm"] == {"segments": 2, "bytes": 2048, "budget_bytes": 1 << 30, "retained_segments": 0, "retained_bytes": 0}
     assert stats["tokenizers"] == [
         {"worker": 0, "queue_depth": 0, "outstanding": 0, "requests": 0, "images": 0, "images_reused": 0, "images_deferred": 0, "videos": 0, "videos_decoded": 0, "video_frames_decoded": 0, "video_groups_reused": 0},
@@ -171,6 +175,11 @@ def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
         "glimpse_mm_cache_hits_total 3.0",
         "glimpse_mm_host_cache_reloads_total 2.0",
         "glimpse_mm_host_cache_budget_bytes 1.048576e+06",
+        "glimpse_kv_host_cache_slots_total 64.0",
+        "glimpse_kv_host_cache_slots_used 9.0",
+        "glimpse_kv_host_cache_spilled_blocks_total 12.0",
+        "glimpse_kv_host_cache_loaded_blocks_total 3.0",
+        "glimpse_kv_host_cache_hit_tokens_total 48.0",
         "glimpse_generated_tokens_total 50.0",
         'glimpse_tokenizer_images_reused_total{worker="1"} 4.0',
         'glimpse_tokenizer_outstanding{worker="0"} 0.0',

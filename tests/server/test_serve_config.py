@@ -81,3 +81,24 @@ def test_host_cache_defaults_off_on_the_cpu_and_to_a_share_of_ram_on_cuda(demo_m
     assert build_config(parse("--model", str(demo_model_dir), "--device", "cpu")).engine.host_cache_bytes() == 0
     given = build_config(parse("--model", str(demo_model_dir), "--device", "cpu", "--mm-host-cache-mb", "2.5"))
     assert given.engine.mm_host_cache_mb == 2.5 and given.engine.host_cache_bytes() == int(2.5 * 2**20)
+
+
+def test_kv_host_cache_is_off_by_default_and_refused_where_it_cannot_be_right(
+    demo_model_dir: Path, qwen3_5_model_dir: Path, gemma4_model_dir: Path
+) -> None:
+    cpu = ("--device", "cpu")
+    assert build_config(parse("--model", str(demo_model_dir), *cpu)).engine.kv_host_cache_mb == 0
+    assert build_config(parse("--model", str(demo_model_dir), *cpu, "--kv-host-cache-mb", "64")).engine.kv_host_cache_mb == 64
+    refused = [
+        (qwen3_5_model_dir, (), "linear-attention"),  # a prefix hit there resumes from a state snapshot
+        (gemma4_model_dir, (), "sliding-window"),  # its sliding layers' blocks live in a pool of their own
+        (demo_model_dir, ("--no-prefix-caching",), "prefix caching"),
+        (demo_model_dir, ("--kv-host-cache-mb", "-1"), "0 .off. or more"),
+    ]
+    for model, extra, why in refused:
+        args = ("--model", str(model), *cpu, "--kv-host-cache-mb", "64", *extra)
+        with pytest.raises(SystemExit, match=f"^glimpse serve: --kv-host-cache-mb .*{why}"):
+            build_config(parse(*args))
+    # Gemma 4 with every layer in the one pool takes it.
+    args = ("--model", str(gemma4_model_dir), *cpu, "--kv-host-cache-mb", "64", "--num-window-blocks", "0")
+    assert build_config(parse(*args)).engine.kv_host_cache_mb == 64

@@ -29,7 +29,7 @@ from workers.engine.offline import Engine
 # The loopback media server is a private address: allowed here explicitly, as an operator would.
 LIMITS = ("--max-image-pixels", "300000", "--max-image-mb", "0.5", "--max-images-per-request", "6",
           "--max-model-len", "2048", "--tokenizer-workers", "2", "--allow-private-media-addresses", "127.0.0.1",
-          "--mm-host-cache-mb", "1")
+          "--mm-host-cache-mb", "1", "--kv-host-cache-mb", "1")
 IMAGES = [png_bytes(300, 200, seed=1), png_bytes(123, 77, seed=2), png_bytes(64, 250, seed=3)]
 
 
@@ -117,6 +117,8 @@ def test_repeated_images_hit_the_cache_and_are_not_encoded_again(live: LiveServe
     after = live.stats()
     assert after["images_encoded"] - before["images_encoded"] == 1  # only the new image
     assert after["mm_host_cache"]["budget_bytes"] == 1 << 20  # the host tier, sized by --mm-host-cache-mb
+    # The prefix cache's host tier: as many KV blocks as --kv-host-cache-mb holds, in the scheduler's index too.
+    assert after["kv_host_cache"]["slots_total"] > 0 and after["kv_host_cache"]["loaded_blocks"] == 0
     # The first turn's segments were kept alive: the second turn's tokenizer linked them instead of
     # decoding, processing and writing the pixels again.
     reused = sum(w["images_reused"] for w in after["tokenizers"]) - sum(w["images_reused"] for w in before["tokenizers"])

@@ -73,6 +73,11 @@ class EngineConfig:
     piecewise_graph_tokens: int = 1024
     # Share computed KV blocks between requests with the same prefix (a chat's earlier turns).
     enable_prefix_caching: bool = True
+    # Host-RAM tier under the prefix cache, per rank: registered KV blocks the GPU pool recycles are copied here first,
+    # and a later prompt whose prefix continues there loads them back instead of recomputing them
+    # (core/host_kv_index.py, runner/host_kv.py). 0: off, on every device: unmeasured so far, and its pinned pages
+    # would compete with --mm-host-cache-mb's default share of the RAM.
+    kv_host_cache_mb: float = 0
     # Hybrid models (Qwen3.5's linear attention): slots of the per-sequence state pool (live states and prefix
     # snapshots; None: workers/engine/runner/cache_memory.py's rule), and a state snapshot every this many KV
     # blocks of a prompt besides the one at its last full block (0: only that one). Each snapshot costs a slot.
@@ -90,6 +95,23 @@ class EngineConfig:
         from workers.engine.models import load_spec
 
         return load_spec(self.model)
+
+    def kv_host_cache_refusal(self, spec: ModelSpec) -> str | None:
+        """Why --kv-host-cache-mb cannot serve ``spec`` under these settings (one line), or None when it can."""
+        if self.kv_host_cache_mb < 0:
+            return "--kv-host-cache-mb must be 0 (off) or more"
+        if self.kv_host_cache_mb == 0:
+            return None
+        if not self.enable_prefix_caching:
+            return "--kv-host-cache-mb holds prefix-cache blocks: it needs prefix caching (drop --no-prefix-caching)"
+        if spec.recurrent is not None:
+            # A hit there resumes from a state snapshot taken at the block, which the host tier does not keep.
+            return f"--kv-host-cache-mb is not supported for {spec.architecture} (linear-attention state); use 0"
+        if spec.window > 0 and self.num_window_blocks != 0:
+            # The sliding layers' blocks live in a pool of their own, indexed by another table.
+            return (f"--kv-host-cache-mb is not supported for {spec.architecture} with a sliding-window block pool; "
+                    "use 0 (or --num-window-blocks 0)")
+        return None
 
     def host_cache_bytes(self) -> int:
         """The host tier's budget per rank in bytes: --mm-host-cache-mb, else the default for this device."""

@@ -17,6 +17,7 @@ from ipc.prompts import MMItem, SamplingParams
 from ipc.steps import EncodeItem
 from workers.common.detokenizer import TextStream
 from workers.engine.config import EngineConfig
+from workers.engine.core.host_kv_index import kv_host_report
 from workers.engine.core.scheduler import FinishReason, SchedulerCore, Sequence as SchedSeq
 from workers.engine.core.sequence import child_rid
 from workers.engine.prompt.processor import ImageMeta, MMProcessor, ProcessedImage
@@ -33,6 +34,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
+    cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache (either tier), as usage reports
 
     @property
     def finished(self) -> bool:
@@ -67,6 +69,8 @@ class Engine:
         ``SchedulerCore.schedule``). Off, each step is planned from the last one's result (the reference)."""
         if config.spec is None:  # read config.json once here, and hand the runner the parsed copy
             config = replace(config, spec=config.model_spec())
+        if (why := config.kv_host_cache_refusal(config.model_spec())) is not None:
+            raise ValueError(why)  # before the model loads
         self.config = config
         self.info = config.model_spec()
         self.processor = MMProcessor(config.model, self.info)
@@ -93,6 +97,7 @@ class Engine:
             window_blocks=self.runner.num_window_blocks,
             state_snapshot_every=config.state_snapshot_every,
             whole_images=self.info.bidirectional_images,
+            kv_host_slots=self.runner.host_kv.num_slots if self.runner.host_kv is not None else 0,
         )
         self.core.on_finished = self._release
         self._outputs: dict[str, RequestOutput] = {}
@@ -145,6 +150,7 @@ class Engine:
         for update in self.core.update(result):
             out = self._outputs[update.rid]
             out.token_ids.extend([] if update.token_id is None else [update.token_id])
+            out.cached_tokens = update.cached_tokens
             # The serving path's detokenizer: incremental, UTF-8 safe, stop strings cut out.
             text, reason = self._streams[update.rid].add(update.token_id, update.finish_reason)
             out.text += text
@@ -226,8 +232,18 @@ class Engine:
                 "worker_spills": self.runner.host.spilled,
                 "worker_reloads": self.runner.host.reloaded,
             },
+            "kv_host_cache": self._kv_host_stats(),
             "images_encoded": c.images_encoded,
             "vit_calls": c.vit_calls,
             "steps": c.steps,
             **(self.core.state.stats() if self.core.state is not None else {}),  # hybrid models' state pool
+        }
+
+    def _kv_host_stats(self) -> dict[str, int]:
+        """The prefix cache's host tier (core/host_kv_index.py; zeros when off); worker_*: what the runner copied."""
+        pool = self.runner.host_kv
+        return {
+            **{k.removeprefix("kv_host_cache_"): v for k, v in kv_host_report(self.core.allocator.host).items()},
+            "worker_spills": pool.spilled if pool is not None else 0,
+            "worker_loads": pool.loaded if pool is not None else 0,
         }

@@ -139,6 +139,7 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
                 role="model", index=rank, pid=os.getpid(), num_kv_blocks=runner.num_blocks,
                 num_state_slots=runner.num_state_slots,
                 num_window_blocks=runner.num_window_blocks,
+                num_kv_host_slots=runner.host_kv.num_slots if runner.host_kv is not None else 0,
             )  # fmt: skip
         )
         _serve(runner, reader, rank, inbound, to_sched, log, gc_watch)

@@ -38,10 +38,12 @@ from workers.scheduler.results import StepResults
 _MAX_DRAIN = 256  # messages handled per loop turn before the next step is planned
 
 
-def build_core(config: ServerConfig, num_blocks: int, state_slots: int = 0, window_blocks: int = 0) -> SchedulerCore:
+def build_core(
+    config: ServerConfig, num_blocks: int, state_slots: int = 0, window_blocks: int = 0, kv_host_slots: int = 0
+) -> SchedulerCore:
     """The scheduling core for ``config`` with ``num_blocks`` KV blocks, for a hybrid model ``state_slots``
-    linear-attention state slots, and for a family with sliding-window layers ``window_blocks`` blocks of their own
-    pool (each the smallest rank's count)."""
+    linear-attention state slots, for a family with sliding-window layers ``window_blocks`` blocks of their own
+    pool, and ``kv_host_slots`` blocks of the prefix cache's host tier (each the smallest rank's count)."""
     eng = config.engine
     info = eng.model_spec()
     return SchedulerCore(
@@ -64,6 +66,7 @@ def build_core(config: ServerConfig, num_blocks: int, state_slots: int = 0, wind
         whole_images=info.bidirectional_images,
         window=info.window,
         window_blocks=window_blocks,
+        kv_host_slots=kv_host_slots,
     )
 
 
@@ -76,6 +79,7 @@ class Scheduler(StepResults):
         blocks: dict[int, int] = {}
         slots: dict[int, int] = {}
         window_blocks: dict[int, int] = {}
+        host_slots: dict[int, int] = {}
         while len(blocks) < len(self.models):
             if self.stop_reason is not None or self._orphaned():
                 return False
@@ -89,13 +93,15 @@ class Scheduler(StepResults):
                 blocks[msg.index] = msg.num_kv_blocks
                 slots[msg.index] = msg.num_state_slots
                 window_blocks[msg.index] = msg.num_window_blocks
+                host_slots[msg.index] = msg.num_kv_host_slots
                 self.log.info("model rank %d ready: %d KV blocks", msg.index, msg.num_kv_blocks)
             elif isinstance(msg, Shutdown):
                 self.stop_reason = msg.reason or "shutdown"
             else:
                 self.early.append(msg)
         # Ranks may have sized their caches from different free memory: the smallest one binds all.
-        self.core = build_core(self.config, min(blocks.values()), min(slots.values()), min(window_blocks.values()))
+        self.core = build_core(self.config, min(blocks.values()), min(slots.values()), min(window_blocks.values()),
+                               min(host_slots.values()))
         self.core.on_finished = self._release
         if (events := KVEventRecorder.open(self.ctx, self.config, self.replica)) is not None:
             self.kv_events = events.attach(self.core)

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from ipc.stats import SchedulerStats, WorkerStats
 from workers.common.proc import GcWatch
+from workers.engine.core.host_kv_index import kv_host_report
 from workers.engine.core.scheduler import SchedulerCore
 from workers.scheduler.shm_ledger import ShmLedger
 
@@ -48,6 +49,7 @@ def snapshot(s: SchedulerState) -> SchedulerStats:
         mm_cache_misses=idx.stats.misses,
         mm_cache_evictions=idx.stats.evictions,
         **idx.host.report(),  # the embedding cache's host tier
+        **kv_host_report(core.allocator.host),  # the prefix cache's host tier
         images_encoded=s.images_encoded,
         vit_batches=s.vit_batches,
         shm_segments=s.ledger.segments,

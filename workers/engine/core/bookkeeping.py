@@ -16,6 +16,7 @@ from typing import Literal
 
 from ipc.prompts import MMItem, SamplingParams
 from ipc.steps import StepPlan, StepResult
+from workers.engine.core.host_kv_index import HostCopies, HostKVIndex
 from workers.engine.core.kv_cache import BlockAllocator, block_hashes
 from workers.engine.core.mm_cache import EmbeddingCacheIndex
 from workers.engine.core.sequence import (
@@ -56,6 +57,7 @@ class SequenceBook:
         whole_images: bool = False,
         window: int = 0,
         window_blocks: int = 0,
+        kv_host_slots: int = 0,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
@@ -93,6 +95,15 @@ class SequenceBook:
             # A prefix hit would have to end at a state snapshot and have its window resident (_cached_prefix
             # does one or the other): no family needs both yet.
             raise ValueError("a window pool and a linear-attention state pool together are not supported")
+        # The host-RAM tier under the prefix cache (kv_host_slots > 0 and prefix caching on): blocks the allocator
+        # recycles spill there, and admission continues a prompt's device hit with loads from it
+        # (SchedulerCore._load_from_host). Neither a state snapshot nor a window pool travels with a block.
+        if kv_host_slots > 0 and enable_prefix_caching:
+            if self.state is not None or self.windows is not None:
+                raise ValueError("the KV host tier takes no linear-attention state pool or window pool")
+            self.allocator.host = HostKVIndex(kv_host_slots, block_size)
+        # Each step's host-tier copies and their keys, until its result is back (fail_step forgets them).
+        self._host_steps: dict[int, HostCopies] = {}
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -177,6 +188,7 @@ class SequenceBook:
         if not self._in_flight or self._in_flight[0].step_id != result.step_id:
             raise RuntimeError(f"result for step {result.step_id} does not match the step in flight")
         plan = self._in_flight.popleft()  # results come back in the order the steps were sent
+        self._host_steps.pop(plan.step_id, None)
         prompt_only: list[Sequence] = []  # max_tokens 0: the prompt was all there was to compute
         for chunk in plan.chunks:
             seq = self.seqs.get(chunk.rid)
@@ -250,11 +262,30 @@ class SequenceBook:
         self.mm_index.fail_step([job.key for job in plan.encode], plan.mm_spill, plan.mm_reload)
         self._settle_snapshots(plan, failed=True)
         # Whole requests: a failed choice fails its siblings too.
-        rids = list(dict.fromkeys(self.seqs[c.rid].request_id for c in plan.chunks if c.rid in self.seqs))
+        seqs = [self.seqs[c.rid] for c in plan.chunks if c.rid in self.seqs] + self._fail_host_copies(plan.step_id)
+        rids = list(dict.fromkeys(seq.request_id for seq in seqs))
         for rid in rids:
             self.abort(rid)
         return rids
 
+
+    def _fail_host_copies(self, step_id: int) -> list[Sequence]:
+        """A failed step may have left any of its host-tier copies undone: its spilled keys leave the host tier, and
+        the device blocks its loads filled, or that later loads filled from the slots it spilled to, lose their keys;
+        the running sequences holding such blocks are returned, to fail with the step."""
+        host, copies = self.allocator.host, self._host_steps.pop(step_id, None)
+        if host is None or copies is None:
+            return []
+        written = {slot for _, slot in copies.spilled}
+        later = [self._host_steps[p.step_id] for p in self._in_flight if p.step_id in self._host_steps]
+        suspect = list(copies.loaded)
+        for step in [*later, host.pending]:
+            suspect += [key for (slot, _), key in zip(step.load, step.loaded, strict=True) if slot in written]
+        host.forget(copies.spilled)
+        for digest, block in suspect:
+            self.allocator.unregister(block, digest)
+        blocks = {block for _, block in suspect}
+        return [seq for seq in self.running if blocks.intersection(seq.block_table)]
 
     def _check_finish(self, seq: Sequence, token_id: int) -> FinishReason | None:
         sp = seq.sampling

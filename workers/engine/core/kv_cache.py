@@ -18,10 +18,14 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import blake3
 
 from ipc.prompts import MMItem
+
+if TYPE_CHECKING:
+    from workers.engine.core.host_kv_index import HostKVIndex
 
 
 class OutOfBlocks(RuntimeError):
@@ -82,6 +86,8 @@ class BlockAllocator:
         self.on_evict: Callable[[bytes], None] | None = None
         # Called first with the same key: a hybrid model's state snapshot kept under it goes with the block.
         self.on_unregister: Callable[[bytes], None] | None = None
+        # Host-RAM tier under the prefix cache: a registered block is spilled there before it is overwritten.
+        self.host: HostKVIndex | None = None
 
     @property
     def num_free(self) -> int:
@@ -112,12 +118,29 @@ class BlockAllocator:
             digest = self._hash_of.pop(block, None)
             if digest is not None:  # recycled: its old contents are about to be overwritten
                 del self._by_hash[digest]
+                if self.host is not None:
+                    self.host.spill(block, digest)
                 if self.on_unregister is not None:
                     self.on_unregister(digest)
                 if self.on_evict is not None:
                     self.on_evict(digest)
             self._refs[block] = 1
             blocks.append(block)
+        return blocks
+
+    def load_from_host(self, hashes: list[bytes]) -> list[int]:
+        """Fresh device blocks for the longest prefix of ``hashes`` held by the host tier, registered under those
+        keys, with their host -> device copies queued; ``hashes`` start where the device match ended."""
+        if self.host is None:
+            return []
+        slots = self.host.match(hashes)[: len(self._free)]
+        if not slots:
+            return []
+        self.host.pin(slots)  # the spills this allocation triggers must not overwrite the slots read here
+        blocks = self.allocate(len(slots))
+        self.host.queue_load(hashes[: len(slots)], slots, blocks)
+        for block, digest in zip(blocks, hashes, strict=False):
+            self.register(block, digest)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
@@ -165,6 +188,17 @@ class BlockAllocator:
             if self._refs[block] <= 0:
                 raise ValueError(f"block {block} is not in use")
             self._refs[block] += 1
+
+    def unregister(self, block: int, digest: bytes) -> None:
+        """End ``block``'s registration under ``digest`` if it still holds it (its contents cannot be trusted: the
+        host-tier load that was to fill it failed), as a recycle would: the key is no longer on the device."""
+        if self._hash_of.get(block) != digest:
+            return
+        del self._hash_of[block], self._by_hash[digest]
+        if self.on_unregister is not None:
+            self.on_unregister(digest)
+        if self.on_evict is not None:
+            self.on_evict(digest)
 
     def register(self, block: int, digest: bytes) -> bool:
         """Publish a full, computed block under its prefix hash (first writer wins); whether it was published."""

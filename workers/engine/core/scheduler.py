@@ -16,6 +16,7 @@ from __future__ import annotations
 from ipc.prompts import MMItem
 from ipc.steps import Fork, NewSeq, SeqChunk, StepPlan
 from workers.engine.core.bookkeeping import SequenceBook
+from workers.engine.core.host_kv_index import HostCopies
 from workers.engine.core.kv_cache import block_hashes
 from workers.engine.core.sequence import (
     FinishReason,
@@ -85,12 +86,15 @@ class SchedulerCore(SequenceBook):
             if self.state is not None and slots > self.state.available:
                 break
             self.waiting.pop(0)
-            if cached:
-                # The prompt starts with blocks another request computed: share them, skip their prefill.
+            if cached:  # the prompt starts with blocks another request computed: share them, skip their prefill
                 self.allocator.acquire(cached)
-                seq.block_table = list(cached)
-                seq.registered = len(cached)
-                seq.num_computed = seq.num_scheduled = len(cached) * self.allocator.block_size
+            # Past the device hit, the prefix may go on in the host tier: fresh blocks, filled before the forward
+            # (taken after the acquire, so that these allocations cannot recycle the hit's own blocks).
+            loaded = self._load_from_host(seq, len(cached))
+            if cached or loaded:
+                seq.block_table = cached + loaded
+                seq.registered = len(seq.block_table)
+                seq.num_computed = seq.num_scheduled = len(seq.block_table) * self.allocator.block_size
                 if not seq.output_ids:  # a first admission, not the recompute after a preemption
                     seq.cached_tokens = seq.num_computed
             if self.state is not None:
@@ -100,7 +104,7 @@ class SchedulerCore(SequenceBook):
                 seq.state_slot, *seq.fork_slots = self.state.allocate(slots)
                 if source >= 0:
                     self._state_copies.append((source, seq.state_slot))
-            seq.block_table.extend(self.allocator.allocate(need - extra))
+            seq.block_table.extend(self.allocator.allocate(need - extra - len(loaded)))
             seq.fork_blocks = self.allocator.allocate(extra)
             self.running.append(seq)
             length = self._chunk_length(seq, budget)
@@ -191,6 +195,22 @@ class SchedulerCore(SequenceBook):
             if self.state.lookup(hashes[depth - 1]) is not None:
                 return blocks[:depth], hashes[depth - 1], []  # (no window pool beside a state pool: SequenceBook)
         return [], None, []
+
+    def _load_from_host(self, seq: Sequence, depth: int) -> list[int]:
+        """Device blocks for the host tier's continuation of ``seq``'s prefix past its first ``depth`` blocks (the
+        device hit), registered under their keys with their loads queued for the next plan; published as stored, as
+        a computed block is (they are on the device again once the step's copies ran, before anything reads them)."""
+        alloc = self.allocator
+        if alloc.host is None or not self.prefix_caching or seq.sampling.prompt_logprobs is not None:
+            return []
+        limit = (seq.total_len - 1) // alloc.block_size  # as in _cached_prefix, whose call computed these keys
+        keys = seq.block_hashes[depth:limit]
+        blocks = alloc.load_from_host(keys)
+        if blocks and self.on_blocks_stored is not None:
+            stored = [depth + i for i, block in enumerate(blocks) if alloc.lookup(keys[i]) == block]
+            if stored:
+                self.on_blocks_stored(seq, stored, seq.block_hashes)
+        return blocks
 
     def _window_fits(self, seq: Sequence, window_table: list[int], start: int, budget: int, extra: int) -> bool:
         """Whether the window pool holds what admitting ``seq`` takes there now: the hit's blocks that sit free, the
@@ -290,10 +310,16 @@ class SchedulerCore(SequenceBook):
         self.images_planned += sum(len(job.items) for job in mm.encode)
         finished, self._finished_for_workers = self._finished_for_workers, []
         copies, self._state_copies = self._state_copies, []
+        step_id = next(self._step_ids)
+        # Every host-tier copy queued since the last plan (the allocations above and any made while planning
+        # returned None) runs before this step's forward, which is the first that can write or read those blocks.
+        host = self.allocator.host.drain() if self.allocator.host is not None else HostCopies()
+        if host.spill or host.load:
+            self._host_steps[step_id] = host
         return StepPlan(
-            next(self._step_ids), new_seqs, chunks, mm.evict, mm.encode, finished, forks=forks, ahead=ahead,
+            step_id, new_seqs, chunks, mm.evict, mm.encode, finished, forks=forks, ahead=ahead,
             state_copies=copies, snapshots=snapshots, mm_host_evict=mm.host_evict, mm_spill=mm.spill,
-            mm_reload=mm.reload,
+            mm_reload=mm.reload, kv_spill=host.spill, kv_load=host.load,
         )  # fmt: skip
 
     def _plan_snapshots(self, seq: Sequence, start: int, end: int) -> list[tuple[str, int, int]]:

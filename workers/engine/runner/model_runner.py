@@ -39,6 +39,7 @@ from workers.engine.runner.cache_memory import (
 from workers.engine.runner.cuda_graphs import DecodeGraphs, graphs_wanted, start_graphs
 from workers.engine.runner.encoder import JobEncoder, PixelSource, RunnerCounters
 from workers.engine.runner.grammar import GrammarBook
+from workers.engine.runner.host_kv import host_kv_pool
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
 from workers.engine.runner.prompt_logprobs import score_prompts
 from workers.engine.runner.sampler import Sampler
@@ -103,6 +104,7 @@ class ModelRunner:
         caches = allocate_kv_caches(self.spec, self.model, self.num_blocks, self.num_window_blocks, cfg.block_size,
                                     self.tp.size, kv, self.device)
         self.kv_caches = attach_kv_scales(caches, cfg, self.spec, self.tp)
+        self.host_kv = host_kv_pool(cfg, self.spec, self.kv_caches)  # the prefix cache's host tier (or None: off)
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
             probe_paged_decode(self, kv)
             warm_vision_attention(self)
@@ -141,6 +143,8 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> Launched:
         """Queue one step's GPU work; its result comes from the returned `Launched`."""
         self.trace.begin()
+        if self.host_kv is not None:  # first: a spilled block is reused by this step, a loaded one read by it
+            self.host_kv.apply(plan.kv_spill, plan.kv_load)
         last, self.last_sampled = self.last_sampled, None
         for rid in plan.finished:
             self.seqs.pop(rid, None)
