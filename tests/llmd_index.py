@@ -107,6 +107,9 @@ class Index:
     seed: str = ""
     by_engine: dict[int, int] = field(default_factory=dict)
     keys: set[int] = field(default_factory=set)
+    # The device tiers ("GPU", "CPU") holding each engine key, as llm-d keeps one entry per (pod, tier): a key
+    # leaves the index with its last tier.
+    tiers: dict[int, set[str]] = field(default_factory=dict)
 
     def root(self) -> int:
         """The chain's start: the seed's FNV-64a hashed with no tokens and the model name as extra."""
@@ -123,9 +126,14 @@ class Index:
         if ev["type"] == "AllBlocksCleared":
             self.by_engine.clear()
             self.keys.clear()
+            self.tiers.clear()
         elif ev["type"] == "BlockRemoved":
             for h in ev["block_hashes"]:
-                self.keys.discard(self.by_engine.pop(h, -1))
+                held = self.tiers.get(h, set())
+                held.discard(ev["medium"])
+                if not held:
+                    self.tiers.pop(h, None)
+                    self.keys.discard(self.by_engine.pop(h, -1))
         elif ev.get("kv_cache_spec_kind") in (None, "full_attention"):
             assert ev["block_size"] == self.block_size, "llm-d's blockSizeTokens must equal the engine's block size"
             parent = ev["parent_block_hash"]
@@ -135,6 +143,8 @@ class Index:
             keys = self.chain(start, ev["token_ids"], extra)
             self.by_engine.update(zip(ev["block_hashes"], keys, strict=True))
             self.keys.update(keys)
+            for h in ev["block_hashes"]:
+                self.tiers.setdefault(h, set()).add(ev["medium"])
 
     def request_keys(self, tokens: list[int], media: list[tuple[str, int, int]]) -> list[int]:
         """A request's keys: its rendered tokens (real media token ids) and, per media item, (identifier, offset,

@@ -90,6 +90,13 @@ class KVEventRecorder:
         self.kv_group: tuple[int, str] | None = None
         self._snapshots_removed: list[int] = []
         self.published = 0
+        # The prefix cache's host tier (a GPU replica's --kv-host-cache-mb), published as vLLM's offloading does:
+        # the same block again under medium CPU when it spills, BlockRemoved CPU when the host lets it go. Each
+        # block's (parent, tokens, media) is kept while either tier holds it, for the CPU store's event.
+        self._blocks: dict[int, tuple[int | None, list[int], Any]] = {}
+        self._on_gpu: set[int] = set()
+        self._on_host: set[int] = set()
+        self._host_removed: list[int] = []
 
     @classmethod
     def open(cls, ctx: zmq.Context[Any], config: ServerConfig, replica: int) -> KVEventRecorder | None:
@@ -108,6 +115,10 @@ class KVEventRecorder:
             self.kv_group = KV_GROUP
             core.on_snapshot_stored = self.snapshot_stored
             core.state.on_drop = self.snapshot_removed
+        host = core.allocator.host
+        if host is not None and self.medium != MEDIUM_CPU:  # on a CPU replica both tiers are one medium
+            host.on_stored = self.host_stored
+            host.on_removed = self.host_removed
         self.cleared()  # a new core holds nothing: whatever an earlier run published is gone
         return self
 
@@ -128,6 +139,34 @@ class KVEventRecorder:
             hashes = [external_hash(keys[i]) for i in run]
             tokens = self.tokens(seq, first * bs, end * bs)
             self.events.append(block_stored(hashes, parent, tokens, bs, self.medium, extra, self.kv_group))
+            for i, h in enumerate(hashes):
+                self._blocks[h] = (hashes[i - 1] if i else parent, tokens[i * bs : (i + 1) * bs], extra[i])
+                self._on_gpu.add(h)
+
+    def host_stored(self, key: bytes) -> None:
+        """A block copied to the host tier before its device block is reused: stored again, under medium CPU."""
+        h = external_hash(key)
+        block = self._blocks.get(h)
+        if block is None:  # never published (its store predates this recorder): nothing an indexer could chain
+            return
+        parent, tokens, extra = block
+        if parent is not None and parent not in self._on_gpu and parent not in self._on_host:
+            # Its parent left both tiers (and the indexer's map): no prefix can reach this block, here or there.
+            return
+        self._flush_removed()
+        self.events.append(block_stored([h], parent, tokens, self.block_size, MEDIUM_CPU, [extra], self.kv_group))
+        self._on_host.add(h)
+
+    def host_removed(self, key: bytes) -> None:
+        h = external_hash(key)
+        if h in self._on_host:
+            self._on_host.discard(h)
+            self._host_removed.append(h)
+            self._forget_block(h)
+
+    def _forget_block(self, h: int) -> None:
+        if h not in self._on_gpu and h not in self._on_host:
+            self._blocks.pop(h, None)
 
     def snapshot_stored(self, seq: Sequence, end: int, key: bytes) -> None:
         """A state snapshot at the end of block [end - bs, end) of ``seq``: a stored block of the state group."""
@@ -139,7 +178,10 @@ class KVEventRecorder:
         self.events.append(block_stored([external_hash(key)], parent, tokens, bs, self.medium, extra, STATE_GROUP))
 
     def removed(self, key: bytes) -> None:
-        self._removed.append(external_hash(key))
+        h = external_hash(key)
+        self._removed.append(h)
+        self._on_gpu.discard(h)
+        self._forget_block(h)
 
     def snapshot_removed(self, key: bytes) -> None:
         self._snapshots_removed.append(external_hash(key))
@@ -147,6 +189,10 @@ class KVEventRecorder:
     def cleared(self) -> None:
         self._removed.clear()
         self._snapshots_removed.clear()
+        self._host_removed.clear()
+        self._blocks.clear()
+        self._on_gpu.clear()
+        self._on_host.clear()
         self.events.append(AllBlocksCleared())
 
     def _flush_removed(self) -> None:
@@ -157,6 +203,10 @@ class KVEventRecorder:
         if self._snapshots_removed:
             self.events.append(block_removed(self._snapshots_removed, self.medium, STATE_GROUP[0]))
             self._snapshots_removed = []
+        if self._host_removed:
+            group = self.kv_group[0] if self.kv_group is not None else None
+            self.events.append(block_removed(self._host_removed, MEDIUM_CPU, group))
+            self._host_removed = []
 
     def flush(self) -> None:
         """Publish what collected since the last flush (one batch, one sequence number)."""

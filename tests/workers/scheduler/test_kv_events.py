@@ -248,3 +248,53 @@ def test_a_hybrid_model_publishes_its_blocks_and_its_state_snapshots_as_two_grou
     removed = [e for e in sink.events() if isinstance(e, BlockRemoved)]
     assert {h for e in removed if e.group_idx == 1 for h in e.block_hashes} == {external_hash(keys[1]), external_hash(keys[2])}
     assert {h for e in removed if e.group_idx == 0 for h in e.block_hashes} >= {external_hash(k) for k in keys}
+
+
+def test_the_host_tier_publishes_its_blocks_under_medium_cpu() -> None:
+    """A GPU replica with the prefix cache's host tier: a block spilled before its device block is reused is stored
+    again under medium CPU (same hash, parent and tokens, so llm-d chains it), a host slot given to another key removes
+    it under CPU, and a block loaded back is stored on the GPU again. After every prompt an llm-d-style indexer's
+    longest prefix of each prompt is the one this replica's tiers hold, and it indexes no key that no tier holds."""
+    core = SchedulerCore(
+        num_blocks=8, block_size=BS, chunk_size=64, max_num_seqs=4, max_model_len=64, mm_cache_bytes=1 << 20,
+        embedding_bytes_per_token=4, eos_token_ids=(0,), kv_host_slots=4,
+    )
+    host = core.allocator.host
+    assert host is not None
+    sink = Collect()
+    recorder = KVEventRecorder(sink, BS, "GPU").attach(core)
+    index = Index(BS, "demo")
+    prompts = {"a": list(range(1, 14)), "b": list(range(50, 75)), "a2": [*range(1, 14), 90, 91, 92, 93, 94],
+               "c": list(range(100, 125)), "d": list(range(200, 225))}
+    for rid, prompt in prompts.items():
+        seen = len(sink.raw)
+        core.add(rid, prompt, 0, [], SamplingParams(max_tokens=1, ignore_eos=True))
+        run(core, recorder)
+        for batch in sink.raw[seen:]:
+            for ev in batch:
+                index.apply(ev)
+        for tokens in prompts.values():
+            keys = block_hashes(tokens, BS)
+            held = [core.allocator.lookup(k) is not None or host.contains(k) for k in keys]
+            indexed = [k in index.keys for k in index.request_keys(tokens, [])[: len(keys)]]
+            # llm-d scores the longest indexed prefix: it must be the prefix this replica can serve, and no key it
+            # indexes may be one that no tier holds any more.
+            assert prefix_length(indexed) == prefix_length(held), rid
+            assert not [i for i, (x, h) in enumerate(zip(indexed, held, strict=True)) if x and not h], rid
+
+    events = sink.events()
+    cpu_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    gpu_stored = {h: e for e in events if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
+    assert 0 < len(cpu_stored) <= host.spills  # a spill whose parent left both tiers is unreachable: not published
+    for e in cpu_stored:  # the GPU store's block again: its tokens and its parent
+        (h,) = e.block_hashes
+        first = gpu_stored[h]
+        i = first.block_hashes.index(h)
+        assert e.token_ids == first.token_ids[i * BS : (i + 1) * BS]
+        assert e.parent_block_hash == (first.block_hashes[i - 1] if i else first.parent_block_hash)
+    assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in events)  # a host slot went to another key
+    assert host.loads > 0  # "a2" resumed from the host tier
+
+
+def prefix_length(flags: list[bool]) -> int:
+    return next((i for i, flag in enumerate(flags) if not flag), len(flags))

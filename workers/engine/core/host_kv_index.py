@@ -16,6 +16,7 @@ this step is pinned, so no spill of the same step overwrites it before it is rea
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -45,6 +46,9 @@ class HostKVIndex:
         self.spills = 0  # blocks copied device -> host
         self.loads = 0  # blocks copied host -> device
         self.hit_tokens = 0  # prompt tokens served from the host tier (their prefill skipped)
+        # KV events (workers/scheduler/kv_events.py): a key that comes to live on the host, and one that leaves it.
+        self.on_stored: Callable[[bytes], None] | None = None
+        self.on_removed: Callable[[bytes], None] | None = None
 
     @property
     def num_used(self) -> int:
@@ -74,6 +78,8 @@ class HostKVIndex:
         self._copies.spill.append((block, slot))
         self._copies.spilled.append((digest, slot))
         self.spills += 1
+        if self.on_stored is not None:
+            self.on_stored(digest)
         return slot
 
     def _take_slot(self) -> int | None:
@@ -82,6 +88,8 @@ class HostKVIndex:
         for digest, slot in self._slot_of.items():  # oldest first; a pinned slot is read this step
             if slot not in self._pinned:
                 del self._slot_of[digest]
+                if self.on_removed is not None:
+                    self.on_removed(digest)
                 return slot
         return None
 
@@ -127,6 +135,8 @@ class HostKVIndex:
             if self._slot_of.get(digest) == slot:
                 del self._slot_of[digest]
                 self._free_slots.append(slot)
+                if self.on_removed is not None:
+                    self.on_removed(digest)
 
 
 REPORT_FIELDS = (
