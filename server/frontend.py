@@ -228,7 +228,7 @@ class FrontendState:
                 flight.queue.put_nowait(msg)
         elif isinstance(msg, SchedulerStats):
             self.book.on_scheduler(msg)
-            self.router.set_capacity(msg.replica, msg.kv_blocks_total)
+            self.router.set_capacity(msg.replica, msg.kv_blocks_total, msg.kv_host_cache_slots_total)
         elif isinstance(msg, TokenizerStats):
             self.book.on_tokenizer(msg)
         elif isinstance(msg, ProcessReady):

@@ -7,7 +7,8 @@ keys the scheduler itself uses: the tokenizer sends the prompt's chained prefix-
 ``RouteRequest``.
 
 What each replica holds is *remembered here* rather than reported by the schedulers: a bounded LRU per
-replica of the keys routed to it, sized like that replica's KV cache. Why not the schedulers' own word:
+replica of the keys routed to it, sized like that replica's KV cache (its GPU blocks plus its host tier's slots,
+``--kv-host-cache-mb``). Why not the schedulers' own word:
 the router must decide the moment a request is ready, and a chat's next turn often arrives before its last
 turn's blocks are even computed, let alone reported; every routing decision is already here, in order,
 with no message to wait for. The price is an approximation of eviction (an LRU of keys routed, not of
@@ -76,10 +77,11 @@ class Router:
         self.max_imbalance = max(1, max_num_seqs // 4)  # outstanding requests past the least busy replica's
         self._turn = 0
 
-    def set_capacity(self, replica: int, kv_blocks: int) -> None:
-        """The replica's KV cache size in blocks (from its stats): how many prefix keys it can hold."""
+    def set_capacity(self, replica: int, kv_blocks: int, host_slots: int = 0) -> None:
+        """The replica's KV cache size in blocks and its host tier's slots (from its stats): how many prefix keys it
+        can hold (a prefix block on the host is loaded back, not recomputed, so it counts as held)."""
         if kv_blocks > 0 and 0 <= replica < len(self.views):
-            self.views[replica].block_capacity = kv_blocks
+            self.views[replica].block_capacity = kv_blocks + max(0, host_slots)
 
     def least_busy(self) -> int:
         n = len(self.views)

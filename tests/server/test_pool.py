@@ -81,6 +81,17 @@ def test_keys_are_forgotten_past_the_replica_kv_cache_size() -> None:
     assert router.pick(route("b", chat_turn(3)))[1] is False
 
 
+def test_a_replica_host_tier_counts_as_held_blocks() -> None:
+    """8 GPU blocks and 8 host slots: a 16-block chat is remembered whole, and its next turn goes back for it."""
+    router = Router(2, BS, max_num_seqs=64)
+    router.set_capacity(0, 8, host_slots=8)
+    router.set_capacity(1, 8, host_slots=8)
+    home = router.route(route("a", chat_turn(2)))
+    assert len(router.views[home].blocks) == 16
+    router.done(home)
+    assert router.pick(route("b", chat_turn(3))) == (home, True)
+
+
 def stats(replica: int, **kw: int) -> SchedulerStats:
     base = {f: 0 for f in SchedulerStats.__struct_fields__ if f not in ("workers", "replica")}
     base.update(kw)
