@@ -45,6 +45,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def release(device: str) -> None:
+    """After an engine is dropped: its memory back before the next variant's engine starts."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def run_to_first_token(
     engine: Engine, messages: list[dict[str, Any]], sampling: SamplingParams, device: str
 ) -> tuple[str, list[Any], float, float]:
@@ -117,9 +124,7 @@ def run_mode(model_dir: Path, args: argparse.Namespace, mode: str, images: list[
         "prefill_steps": sum(1 for _ in prefill_steps) - args.max_tokens + 1,
     }
     del engine
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    release(args.device)
     return result
 
 

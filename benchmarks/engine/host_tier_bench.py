@@ -21,7 +21,6 @@ prompt tokens computed, the images encoded, the host tiers' loads) and writes JS
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 from pathlib import Path
@@ -33,7 +32,7 @@ from PIL import Image
 
 from benchmarks.args import parser
 from benchmarks.checkpoints import SHAPES, shaped_checkpoint
-from benchmarks.engine.engine_bench import RESOLUTIONS, noise_image, run_to_first_token, sync
+from benchmarks.engine.engine_bench import RESOLUTIONS, noise_image, release, run_to_first_token, sync
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
@@ -76,9 +75,7 @@ def run_chat(cfg: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
         "mm_host_reloads": mm_host.get("worker_reloads", 0) - start["mm_host_cache"].get("worker_reloads", 0),
     }
     del engine
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    release(args.device)
     return result
 
 

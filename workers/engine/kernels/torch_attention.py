@@ -92,6 +92,23 @@ class SdpaBackend:
         return plans
 
 
+def _paged_decode_rows(
+    q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float, window: int, decodes: int
+) -> tuple[Tensor, AttentionMetadata | None]:
+    """The step's first ``decodes`` rows (one new token each, K/V written) through the paged kernel, and the
+    metadata of the sequences after them (None when every row was a decode)."""
+    head = paged_attention.paged_decode(
+        q[:decodes], kv_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
+        max(meta.seq_lens_cpu[:decodes]), window=window,
+    )
+    if decodes == len(meta.seq_lens_cpu):
+        return head, None
+    rest = meta.derived.get("prefill_meta")
+    if rest is None:
+        rest = meta.derived["prefill_meta"] = tail_metadata(meta, decodes)
+    return head, rest
+
+
 def _varlen_api() -> tuple[Callable[..., Any] | None, set[str]]:
     """Find torch's public varlen attention and the keyword arguments this torch version accepts.
 
@@ -180,15 +197,9 @@ class FlashVarlenBackend:
             return self._fallback.forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
         if k is not None and v is not None:
             write_new_kv(k, v, kv_cache, meta)
-        head = paged_attention.paged_decode(
-            q[:decodes], kv_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
-            max(meta.seq_lens_cpu[:decodes]), window=window,
-        )
-        if decodes == len(meta.seq_lens_cpu):
-            return head
-        rest = meta.derived.get("prefill_meta")
+        head, rest = _paged_decode_rows(q, kv_cache, meta, scale, window, decodes)
         if rest is None:
-            rest = meta.derived["prefill_meta"] = tail_metadata(meta, decodes)
+            return head
         # A decode row is never inside an image span with later keys; the chunks after it keep their spans.
         tail = self._fallback.forward(q[decodes:], None, None, kv_cache, rest, scale, window, bidirectional)
         return torch.cat([head, tail])
@@ -204,15 +215,9 @@ class FlashVarlenBackend:
             decodes = meta.derived["decode_prefix"] = decode_prefix(meta) if paged_attention.usable(q) else 0
         if not decodes:
             return self._varlen_forward(q, k, v, kv_cache, meta, scale, window)
-        head = paged_attention.paged_decode(
-            q[:decodes], kv_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
-            max(meta.seq_lens_cpu[:decodes]), window=window,
-        )
-        if decodes == len(meta.seq_lens_cpu):
-            return head
-        rest = meta.derived.get("prefill_meta")
+        head, rest = _paged_decode_rows(q, kv_cache, meta, scale, window, decodes)
         if rest is None:
-            rest = meta.derived["prefill_meta"] = tail_metadata(meta, decodes)
+            return head
         k_rest, v_rest = (None, None) if k is None or v is None else (k[decodes:], v[decodes:])
         return torch.cat([head, self._varlen_forward(q[decodes:], k_rest, v_rest, kv_cache, rest, scale, window)])
 
