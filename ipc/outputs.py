@@ -38,6 +38,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     tool_calls: list[ToolCallDelta] | None = None
     prompt_logprobs: PromptLogprob | None = None  # with the choice's first output, when asked for (packed)
     reasoning: str = ""  # --reasoning-parser: the new text's reasoning part (``text`` is then the content alone)
+    reasoning_tokens: int | None = None  # --reasoning-parser: the choice's reasoning tokens so far (None: no parser)
 
 
 class OutputBatch(Msg, frozen=True):

@@ -94,16 +94,22 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
-class Usage(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int  # --reasoning-parser: completion tokens of the reasoning (workers/common/reasoning.py)
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # only with a reasoning parser
 
     @staticmethod
-    def of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int | None = None) -> Usage:
         total = prompt_tokens + completion_tokens
-        return Usage(prompt_tokens, completion_tokens, total, PromptTokensDetails(cached_tokens))
+        details = CompletionTokensDetails(reasoning_tokens) if reasoning_tokens is not None else None
+        return Usage(prompt_tokens, completion_tokens, total, PromptTokensDetails(cached_tokens), details)
 
 
 class ChoiceLogprobs(msgspec.Struct):

@@ -50,6 +50,7 @@ class ChoiceState:
     finish_reason: str | None = None
     finish_sent: bool = False
     completion_tokens: int = 0
+    reasoning_tokens: int | None = None  # --reasoning-parser only
 
 
 class Answer:
@@ -81,6 +82,8 @@ class Answer:
         if out.prompt_logprobs is not None:
             choice.prompt = out.prompt_logprobs
         choice.completion_tokens = out.completion_tokens
+        if out.reasoning_tokens is not None:
+            choice.reasoning_tokens = out.reasoning_tokens
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         if out.finish_reason is not None:
             choice.finish_reason = out.finish_reason
@@ -90,7 +93,9 @@ class Answer:
         return all(c.finish_reason is not None for c in self.choices)
 
     def usage(self) -> Usage:
-        return Usage.of(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), self.cached_tokens)
+        counted = [c.reasoning_tokens for c in self.choices if c.reasoning_tokens is not None]
+        return Usage.of(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), self.cached_tokens,
+                        sum(counted) if counted else None)
 
     def running_usage(self) -> Usage | None:
         """stream_options.continuous_usage_stats: the usage so far, on every chunk."""

@@ -79,23 +79,33 @@ def test_a_thinking_prompt_answers_in_reasoning_streamed_or_not(served: tuple[Li
     client = server.client(timeout=120)
     messages: Any = [{"role": "user", "content": "Think it over: what is in a lighthouse?"}]
     thinking: Any = {"chat_template_kwargs": {"enable_thinking": True}}
-    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
-                                           extra_body=thinking).choices[0]
-    # The template opened <think>; a random model never closes it within 12 tokens: all of it is reasoning.
+    answer = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
+                                            extra_body=thinking)
+    whole = answer.choices[0]
+    # The template opened <think>; a random model never closes it within 12 tokens: all of it is reasoning, and so
+    # are all of its tokens.
+    assert answer.usage is not None and answer.usage.completion_tokens_details is not None
+    assert answer.usage.completion_tokens_details.reasoning_tokens == answer.usage.completion_tokens == MAX_NEW
     reasoning = getattr(whole.message, "reasoning_content", None)
     assert reasoning and getattr(whole.message, "reasoning", None) == reasoning
     assert whole.message.content is None and whole.finish_reason == "length"
-    streamed, content = "", ""
+    streamed, content, streamed_usage = "", "", None
     for chunk in client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
-                                                extra_body=thinking, stream=True):
+                                                extra_body=thinking, stream=True,
+                                                stream_options={"include_usage": True}):
         if chunk.choices:
             streamed += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
             content += chunk.choices[0].delta.content or ""
+        streamed_usage = chunk.usage or streamed_usage
     assert (streamed, content) == (reasoning, "")
+    assert streamed_usage is not None and streamed_usage.completion_tokens_details is not None
+    assert streamed_usage.completion_tokens_details.reasoning_tokens == MAX_NEW
     # Thinking off: the template closes an empty reasoning; the answer is content, with no reasoning field.
     plain = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert plain.choices[0].message.content and getattr(plain.choices[0].message, "reasoning_content", None) is None
+    assert plain.usage is not None and plain.usage.completion_tokens_details is not None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
     # A grammar would constrain the reasoning: refused, naming the field.
     from openai import BadRequestError
 

@@ -9,6 +9,10 @@ model that mentions ``<think>`` mid-answer is answering).
 The split is incremental, as the scheduler hands on each step's text: a piece that could be the start of a marker is
 held back until the next text (or the end) shows whether it is one, so a marker cut across two steps is still found
 and never leaks into either part. Whitespace right after a marker is dropped, as the templates write a newline there.
+
+``tokens`` counts the completion tokens of the reasoning (usage's ``completion_tokens_details.reasoning_tokens``): a
+token counts when its text arrives inside the reasoning or opens it, so the start marker's tokens and the end
+marker's count, and the text held before a start marker counts once the marker shows.
 """
 
 from __future__ import annotations
@@ -36,8 +40,23 @@ class ReasoningSplit:
         self.state = "reasoning" if inside else "before"  # before -> reasoning -> content
         self.held = ""  # text not yet placed: a possible marker prefix, or leading whitespace before a start marker
         self.trim = inside  # drop whitespace at the head of the part that just began
+        self.tokens = 0  # completion tokens of the reasoning so far
+        self._pending = 0  # tokens whose text is held before a possible start marker
 
-    def step(self, text: str, finished: bool) -> tuple[str, str]:
+    def step(self, text: str, finished: bool, tokens: int = 1) -> tuple[str, str]:
+        """(reasoning, content) of the next ``text``, which came from ``tokens`` sampled tokens."""
+        was = self.state
+        parts = self._split(text, finished)
+        if "reasoning" in (was, self.state):
+            self.tokens += self._pending + tokens
+            self._pending = 0
+        elif self.state == "before":
+            self._pending += tokens
+        else:
+            self._pending = 0
+        return parts
+
+    def _split(self, text: str, finished: bool) -> tuple[str, str]:
         text = self.held + text
         self.held = ""
         reasoning = content = ""

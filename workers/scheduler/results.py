@@ -43,9 +43,10 @@ class StepResults(Intake):
                 if update.finish_reason is None:  # a stop string matched: the core did not know
                     self.core.finish(update.rid, "stop")
                 del self.streams[update.rid]
-            reasoning = ""
+            reasoning, reasoning_tokens = "", None
             if (split := self.reasoning.get(update.rid)) is not None:  # reasoning first: tool calls are content's
-                reasoning, text = split.step(text, reason is not None)
+                reasoning, text = split.step(text, reason is not None, len(token))
+                reasoning_tokens = split.tokens
                 if reason is not None:
                     del self.reasoning[update.rid]
             calls = None
@@ -59,7 +60,7 @@ class StepResults(Intake):
             outputs.append(
                 RequestOutput(
                     update.request_id, text, token, reason, *usage, lps, update.index, update.cached_tokens,
-                    calls, self.prompt_logprobs.take(update.rid), reasoning,
+                    calls, self.prompt_logprobs.take(update.rid), reasoning, reasoning_tokens,
                 )
             )
         self._flush_unlinks()

@@ -45,3 +45,20 @@ def test_the_prompt_end_says_whether_the_answer_starts_inside() -> None:
     assert not opens_inside("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not opens_inside("qwen3", "<|im_start|>assistant\n")
     assert opens_inside("deepseek_r1", "<｜Assistant｜><think>\n")
+
+
+def count(tokens: list[str], inside: bool) -> int:
+    """Reasoning tokens of an answer sampled as ``tokens`` (one piece of text per token)."""
+    s = ReasoningSplit("qwen3", inside)
+    for i, token in enumerate(tokens):
+        s.step(token, i == len(tokens) - 1)
+    return s.tokens
+
+
+def test_reasoning_tokens_are_the_tokens_up_to_the_end_marker() -> None:
+    # The start marker's pieces, the reasoning and the end marker count; the answer does not.
+    assert count(["<th", "ink>", "\nTwo", " plus", " two", ".\n", "</think>", "\n\nIt", " is", " 4."], False) == 7
+    assert count(["Two", " plus", " two", "</think>", "It", " is 4."], True) == 4  # the template opened it
+    assert count(["Two", " plus"], True) == 2  # cut inside the reasoning: all of it
+    assert count(["The", " answer", " is 4."], False) == 0
+    assert count([" ", "<thi", "s is", " fine"], False) == 0  # text that only looked like a marker's start
