@@ -92,7 +92,9 @@ class KVEventRecorder:
         self.published = 0
         # The prefix cache's host tier (a GPU replica's --kv-host-cache-mb), published as vLLM's offloading does:
         # the same block again under medium CPU when it spills, BlockRemoved CPU when the host lets it go. Each
-        # block's (parent, tokens, media) is kept while either tier holds it, for the CPU store's event.
+        # block's (parent, tokens, media) is kept while either tier holds it, for the CPU store's event (only with a
+        # host tier attached: without one nothing is kept).
+        self._host_tier = False
         self._blocks: dict[int, tuple[int | None, list[int], Any]] = {}
         self._on_gpu: set[int] = set()
         self._on_host: set[int] = set()
@@ -119,6 +121,7 @@ class KVEventRecorder:
         if host is not None and self.medium != MEDIUM_CPU:  # on a CPU replica both tiers are one medium
             host.on_stored = self.host_stored
             host.on_removed = self.host_removed
+            self._host_tier = True
         self.cleared()  # a new core holds nothing: whatever an earlier run published is gone
         return self
 
@@ -139,6 +142,8 @@ class KVEventRecorder:
             hashes = [external_hash(keys[i]) for i in run]
             tokens = self.tokens(seq, first * bs, end * bs)
             self.events.append(block_stored(hashes, parent, tokens, bs, self.medium, extra, self.kv_group))
+            if not self._host_tier:
+                continue
             for i, h in enumerate(hashes):
                 self._blocks[h] = (hashes[i - 1] if i else parent, tokens[i * bs : (i + 1) * bs], extra[i])
                 self._on_gpu.add(h)
@@ -180,8 +185,9 @@ class KVEventRecorder:
     def removed(self, key: bytes) -> None:
         h = external_hash(key)
         self._removed.append(h)
-        self._on_gpu.discard(h)
-        self._forget_block(h)
+        if self._host_tier:
+            self._on_gpu.discard(h)
+            self._forget_block(h)
 
     def snapshot_removed(self, key: bytes) -> None:
         self._snapshots_removed.append(external_hash(key))

@@ -268,7 +268,6 @@ class SequenceBook:
             self.abort(rid)
         return rids
 
-
     def _fail_host_copies(self, step_id: int) -> list[Sequence]:
         """A failed step may have left any of its host-tier copies undone: its spilled keys leave the host tier, and
         the device blocks its loads filled, or that later loads filled from the slots it spilled to, lose their keys;
