@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig
-from workers.common.reasoning import PARSERS
+from workers.common.reasoning_markers import PARSERS
 from workers.engine.config import KV_CACHE_DTYPES, EngineConfig
 
 

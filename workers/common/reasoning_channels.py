@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from workers.common.reasoning import PARSERS, Markers
+from workers.common.reasoning_markers import PARSERS, Markers
 
 
 def marker_ids(tokenizer: object, markers: Markers) -> tuple[int, int]:

@@ -25,8 +25,9 @@ from ipc.stats import WorkerStats
 from ipc.steps import StepPlan
 from workers.common.detokenizer import TextStream
 from workers.common.proc import GcWatch
-from workers.common.reasoning import PARSERS, Split
+from workers.common.reasoning import Split
 from workers.common.reasoning_channels import marker_ids
+from workers.common.reasoning_markers import PARSERS
 from workers.common.step_trace import StepTrace
 from workers.common.tools import ToolOutput
 from workers.config import ServerConfig

@@ -33,7 +33,7 @@ from ipc.prompts import TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.stats import SchedulerStats, TokenizerStats
 from workers.common.errors import BadRequest
-from workers.common.reasoning import opens_inside
+from workers.common.reasoning_markers import opens_inside
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import ImageInfo, MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta

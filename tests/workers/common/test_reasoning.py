@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.common.reasoning import ReasoningSplit, opens_inside
+from workers.common.reasoning import ReasoningSplit
+from workers.common.reasoning_markers import opens_inside
 from workers.tokenizer.requests.chat import ChatCompletionRequest, Message, TextPart
 from workers.tokenizer.requests.reasoning import continued_text
 

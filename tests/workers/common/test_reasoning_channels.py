@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from workers.common.detokenizer import TextStream
-from workers.common.reasoning import PARSERS, make_split, split_text
+from workers.common.reasoning import make_split, split_text
 from workers.common.reasoning_channels import check_markers, marker_ids
+from workers.common.reasoning_markers import PARSERS
 
 GEMMA4 = PARSERS["gemma4"]
 
