@@ -49,6 +49,7 @@ from server.config import ServerConfig
 from server.http_guard import HttpLimits, guarded_protocol
 from workers.common.memory import tune_malloc
 from workers.common.proc import freeze_heap
+from workers.common.reasoning_channels import check_markers
 
 log = logging.getLogger("glimpse.launcher")
 
@@ -301,6 +302,10 @@ def serve(config: ServerConfig, runner: Callable[[Any], int] | None = None) -> i
     """Run the server until it is stopped; returns the process exit code."""
     import uvloop
 
+    try:
+        check_markers(config.reasoning_parser, config.engine.model)  # before any child starts: one line, not a crash
+    except ValueError as exc:
+        raise SystemExit(f"glimpse serve: {exc}") from None
     tune_malloc()  # the frontend's bodies and answers come in all sizes too (workers/common/memory.py)
     launcher = Launcher(config)
     return uvloop.run(launcher.run()) if runner is None else runner(launcher.run())

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig
-from workers.common.reasoning import PARSERS
+from workers.common.reasoning_markers import PARSERS
 from workers.engine.config import KV_CACHE_DTYPES, EngineConfig
 
 
@@ -109,7 +109,9 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--reasoning-parser", default=S["reasoning_parser"], choices=["", *PARSERS],
                    help="chat answers of thinking models: the text between the reasoning markers goes to "
                    "message.reasoning_content / .reasoning (delta.* when streaming), the rest to content "
-                   "(qwen3: Qwen3 / Qwen3.5 / Qwen3.6 <think>...</think>; deepseek_r1: the same markers)")
+                   "(qwen3: Qwen3 / Qwen3.5 / Qwen3.6 <think>...</think>; deepseek_r1: the same markers; gemma4: "
+                   "Gemma 4's <|channel>thought...<channel|> special tokens); usage.completion_tokens_details"
+                   ".reasoning_tokens counts the reasoning's tokens")
     s = p.add_argument_group("server")
     s.add_argument("--host", default=S["host"])
     s.add_argument("--port", type=int, default=S["port"])

@@ -2,7 +2,9 @@
 demo on one rank. Five images equal transformers' greedy answer; a three-turn chat that resends every earlier image
 (its context passes the 64-token sliding window many times) matches transformers on every turn, encodes each image
 once and serves each turn's history from the prefix cache; per-request token budgets (``mm_processor_kwargs`` and
-``detail``) equal transformers' processor at that budget; audio parts and bad budgets get a 400 naming the field."""
+``detail``) equal transformers' processor at that budget; audio parts and bad budgets get a 400 naming the field.
+Served with --reasoning-parser gemma4: answers without channel markers stay content, and answers forced through the
+marker tokens split into reasoning and content by token, streamed or not, with reasoning_tokens in the usage."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, Path]]:
     moe = request.param == "moe"
     model_dir: Path = request.getfixturevalue("gemma4_moe_model_dir" if moe else "gemma4_model_dir")
     tp = [] if moe else ["--tp", "2"]
-    server = LiveServer(model_dir, *tp, "--tokenizer-workers", "1", "--chunk-size", "64")
+    server = LiveServer(model_dir, *tp, "--tokenizer-workers", "1", "--chunk-size", "64", "--reasoning-parser", "gemma4")
     yield server, model_dir
     assert server.stop() == 0, server.output()
     assert server.segments() == []
@@ -141,3 +143,65 @@ def test_audio_parts_are_a_400_naming_the_field(served: tuple[LiveServer, Path])
         model="demo", messages=[{"role": "user", "content": "Still there?"}], max_tokens=2,
     )
     assert ok.choices[0].message.content is not None
+
+
+def expected_split(tok: Any, ids: list[int], start: int, end: int) -> tuple[str, str, int]:
+    """The split by its rule, from the whole id sequence: the decoded tokens between a start and an end marker are
+    reasoning (the head of each part a marker began without its whitespace), the others content; reasoning tokens:
+    the start markers, the tokens inside and the end markers that close a block."""
+    parts: tuple[list[str], list[str]] = ([], [])
+    inside, run, tokens = False, [], 0
+    for token in [*ids, None]:
+        if token in (start, end, None) and (token != end or inside):
+            text = tok.decode(run, skip_special_tokens=True)
+            parts[inside].append(text.lstrip() if parts[inside] or inside else text)
+            tokens += len(run) if inside else 0
+            inside, run = token == start, []
+            tokens += token is not None
+        else:
+            run.append(token)
+    return "".join(parts[True]), "".join(parts[False]), tokens
+
+
+def test_reasoning_parser_splits_on_the_channel_marker_tokens(served: tuple[LiveServer, Path]) -> None:
+    """The random-weight demo never writes the markers by itself; logit_bias +100 on both marker tokens and two words
+    leaves greedy decoding a choice among those four only, and frequency_penalty turns it from one to the next (the
+model's own logits order them, deterministically), so the answer opens and closes the channel around words. The
+    sampled ids (from logprobs) show the answer went through both markers and words; the answer's reasoning, content
+    and reasoning_tokens are what the split's rule makes of those ids, the same streamed as whole. A plain answer (no
+    markers) is all content, with reasoning_tokens 0."""
+    from transformers import AutoTokenizer
+
+    server, model_dir = served
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    start, end = tok.convert_tokens_to_ids(["<|channel>", "<channel|>"])
+    words = [tok.encode(w, add_special_tokens=False)[-1] for w in (" the", " light")]
+    bias = {str(t): 100 for t in (start, end, *words)}
+    client = server.client(timeout=120)
+    ask: Any = {"model": "demo", "messages": [{"role": "user", "content": "Think, then answer."}], "temperature": 0}
+    forced: Any = {**ask, "max_tokens": 24, "logit_bias": bias, "frequency_penalty": 2}
+    whole = client.chat.completions.create(**forced, logprobs=True)
+    by_text = {tok.decode([t], skip_special_tokens=False): t for t in (start, end, *words)}
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.content is not None
+    ids = [by_text[entry.token] for entry in whole.choices[0].logprobs.content]
+    assert start in ids and end in ids[ids.index(start):] and set(words) & set(ids), ids  # what the test relies on
+    reasoning, content, tokens = expected_split(tok, ids, start, end)
+    message = whole.choices[0].message
+    # content null when the answer is reasoning alone, as the reasoning split gives it
+    assert (getattr(message, "reasoning_content", None), message.content) == (
+        reasoning or None, content if content or not reasoning else None)
+    assert whole.usage is not None and whole.usage.completion_tokens_details is not None
+    assert whole.usage.completion_tokens_details.reasoning_tokens == tokens
+    streamed, text, usage = "", "", None
+    for chunk in client.chat.completions.create(**forced, stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            streamed += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert (streamed, text) == (reasoning, content)
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == tokens
+    plain = client.chat.completions.create(**ask, max_tokens=MAX_NEW)  # (the other tests: equal to transformers)
+    assert plain.choices[0].message.content and getattr(plain.choices[0].message, "reasoning_content", None) is None
+    assert plain.usage is not None and plain.usage.completion_tokens_details is not None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0

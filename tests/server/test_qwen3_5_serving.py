@@ -2,7 +2,8 @@
 the official openai client. Five images equal transformers' greedy answer; a four-turn chat that resends every earlier
 image matches transformers on every turn, encodes each image once and resumes every later turn from a state
 snapshot (/admin/stats' state_pool). With --reasoning-parser qwen3, a thinking prompt's answer is reasoning, streamed or
-not, and a grammar cannot constrain it."""
+not, counted in usage's reasoning_tokens; a continued assistant message that opened <think> goes on inside the
+reasoning, one that closed it as content; and a grammar cannot constrain it."""
 
 from __future__ import annotations
 
@@ -106,6 +107,14 @@ def test_a_thinking_prompt_answers_in_reasoning_streamed_or_not(served: tuple[Li
     assert plain.choices[0].message.content and getattr(plain.choices[0].message, "reasoning_content", None) is None
     assert plain.usage is not None and plain.usage.completion_tokens_details is not None
     assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    # Continuing an assistant message that opened <think> and did not close it: inside, all reasoning; one that
+    # closed it: the answer goes on as content.
+    for prefix, inside in (("<think>\nLet me see", True), ("<think>\nEasy.\n</think>\n\nIt is", False)):
+        more = client.chat.completions.create(
+            model="demo", messages=[*messages, {"role": "assistant", "content": prefix}], max_tokens=MAX_NEW,
+            temperature=0, extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        ).choices[0].message
+        assert bool(getattr(more, "reasoning_content", None)) is inside and bool(more.content) is not inside, prefix
     # A grammar would constrain the reasoning: refused, naming the field.
     from openai import BadRequestError
 

@@ -137,19 +137,26 @@ class TextStream:
         self.stop = StopChecker(stops)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.decoded = 0  # characters the detokenizer has let out (before stop strings): a reasoning split's offsets
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Add one sampled token; returns (text delta, a stop string matched)."""
+    def push(self, token_id: int, cut: bool = False) -> tuple[str, bool]:
+        """Add one sampled token; returns (text delta, a stop string matched). ``cut``: the token is a boundary
+        (a reasoning marker token), so the text of the tokens so far is let out whole now, an incomplete
+        character included, rather than held for tokens after it."""
         self.completion_tokens += 1
-        return self.stop.push(self.detok.push((token_id,)))
+        delta = self.detok.push((token_id,))
+        if cut:
+            delta += self.detok.flush()
+        self.decoded += len(delta)
+        return self.stop.push(delta)
 
-    def add(self, token_id: int | None, finish_reason: str | None) -> tuple[str, str | None]:
+    def add(self, token_id: int | None, finish_reason: str | None, cut: bool = False) -> tuple[str, str | None]:
         """One sampled token (None: the core ended the request without one) and the scheduling core's verdict
-        for it -> (text delta, finish reason).
+        for it -> (text delta, finish reason); ``cut`` as in ``push``.
 
         A stop-string match finishes the request with "stop" even where the core would go on (the
         caller then tells the core); a request the core finished releases the held-back text."""
-        text, matched = self.push(token_id) if token_id is not None else ("", False)
+        text, matched = self.push(token_id, cut) if token_id is not None else ("", False)
         if finish_reason is not None and not matched:
             tail, matched = self.finish()
             text += tail
@@ -158,5 +165,7 @@ class TextStream:
     def finish(self) -> tuple[str, bool]:
         """The request ended for another reason (length, stop token): release the held-back text,
         which still has to pass the stop strings. Returns (last text, a stop string matched)."""
-        tail, matched = self.stop.push(self.detok.flush())
+        last = self.detok.flush()
+        self.decoded += len(last)
+        tail, matched = self.stop.push(last)
         return (tail, True) if matched else (tail + self.stop.flush(), False)

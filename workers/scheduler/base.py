@@ -25,7 +25,9 @@ from ipc.stats import WorkerStats
 from ipc.steps import StepPlan
 from workers.common.detokenizer import TextStream
 from workers.common.proc import GcWatch
-from workers.common.reasoning import ReasoningSplit
+from workers.common.reasoning import Split
+from workers.common.reasoning_channels import marker_ids
+from workers.common.reasoning_markers import PARSERS
 from workers.common.step_trace import StepTrace
 from workers.common.tools import ToolOutput
 from workers.config import ServerConfig
@@ -70,7 +72,10 @@ class SchedulerBase:
         self.ahead = config.async_scheduling
         self.streams: dict[str, TextStream] = {}
         self.tool_outputs: dict[str, ToolOutput] = {}  # requests with tools: their <tool_call> parsers
-        self.reasoning: dict[str, ReasoningSplit] = {}  # --reasoning-parser: each chat choice's split
+        self.reasoning: dict[str, Split] = {}  # --reasoning-parser: each chat choice's split
+        # A parser whose markers are special tokens splits on their ids (the launcher checked they are there).
+        parser = PARSERS.get(config.reasoning_parser)
+        self.reasoning_marker_ids = marker_ids(self.tokenizer, parser) if parser and parser.special else None
         # Replicas split the budget, so together they keep to it (tokenizers add their reports up). Each counts
         # only its own requests' names: an image two replicas hold is counted twice, never unlinked early.
         budget = config.shm_budget_bytes // max(1, config.dp_size)

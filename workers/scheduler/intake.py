@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ipc.prompts import TokenizedRequest
 from workers.common.detokenizer import TextStream
-from workers.common.reasoning import ReasoningSplit
+from workers.common.reasoning import make_split
 from workers.common.tools import ToolOutput
 from workers.engine.core.scheduler import RequestRejected
 from workers.engine.core.sequence import child_rid
@@ -56,7 +56,8 @@ class Intake(SchedulerBase):
             if req.tool_parser:
                 self.tool_outputs[child_rid(req.rid, index)] = ToolOutput()
             if req.reasoning_parser:
-                self.reasoning[child_rid(req.rid, index)] = ReasoningSplit(req.reasoning_parser, req.reasoning_inside)
+                split = make_split(req.reasoning_parser, req.reasoning_inside, self.reasoning_marker_ids)
+                self.reasoning[child_rid(req.rid, index)] = split
 
     def _refuse(
         self, req: TokenizedRequest, pending: dict[bytes, str], status: int = 0, message: str = "", code: str | None = None

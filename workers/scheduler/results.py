@@ -10,6 +10,7 @@ import time
 
 from ipc.outputs import OutputBatch, RequestOutput
 from ipc.steps import StepPlan, StepResult, WorkerFailed
+from workers.common.reasoning import split_text
 from workers.scheduler.intake import Intake
 
 
@@ -38,17 +39,15 @@ class StepResults(Intake):
                 continue
             token = [] if update.token_id is None else [update.token_id]  # none: max_tokens 0, the prompt alone
             self.generated_tokens += len(token)
-            text, reason = stream.add(update.token_id, update.finish_reason)
+            # Reasoning split off first (when a parser is on): tool calls are the content's.
+            split = self.reasoning.get(update.rid)
+            reasoning, text, reason = split_text(stream, split, update.token_id, update.finish_reason)
             if reason is not None:
                 if update.finish_reason is None:  # a stop string matched: the core did not know
                     self.core.finish(update.rid, "stop")
                 del self.streams[update.rid]
-            reasoning, reasoning_tokens = "", None
-            if (split := self.reasoning.get(update.rid)) is not None:  # reasoning first: tool calls are content's
-                reasoning, text = split.step(text, reason is not None, len(token))
-                reasoning_tokens = split.tokens
-                if reason is not None:
-                    del self.reasoning[update.rid]
+                self.reasoning.pop(update.rid, None)
+            reasoning_tokens = None if split is None else split.tokens
             calls = None
             if (tools := self.tool_outputs.get(update.rid)) is not None:  # <tool_call> blocks -> tool_calls
                 text, deltas, reason = tools.step(text, reason)

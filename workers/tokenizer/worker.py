@@ -33,7 +33,7 @@ from ipc.prompts import TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.stats import SchedulerStats, TokenizerStats
 from workers.common.errors import BadRequest
-from workers.common.reasoning import opens_inside
+from workers.common.reasoning_markers import opens_inside
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import ImageInfo, MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta
@@ -64,6 +64,7 @@ from workers.tokenizer.requests.chat import (
 )
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion, prepare_completion
 from workers.tokenizer.requests.mm_kwargs import media_settings
+from workers.tokenizer.requests.reasoning import continued_text
 from workers.tokenizer.requests.sampling import hold_to_budget
 from workers.tokenizer.requests.structured import structured_spec
 
@@ -301,8 +302,10 @@ class TokenizerWorker:
         )
         sampling = hold_to_budget(sampling, chat, self.config.max_logprob_entries)  # docs/limits.md
         parser = self.config.reasoning_parser
-        # (the prompt's end is the template's generation prompt: its last pieces, not the whole text)
-        inside = bool(parser) and opens_inside(parser, "".join(text for text, _ in rendered.pieces[-2:]))
+        # (the prompt's end is the template's generation prompt: its last pieces, not the whole text; or the
+        # assistant message it continues, which the prompt ends with)
+        prompt_end = "".join(text for text, _ in rendered.pieces[-2:])
+        inside = bool(parser) and opens_inside(parser, prompt_end, continued_text(chat, rendered.text))
         if inside and sampling.structured is not None:
             # A grammar masks from the first token, which is reasoning here: the JSON would land in the reasoning
             # and the answer would never close it. Refused rather than answered broken.
