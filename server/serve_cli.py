@@ -50,9 +50,10 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     m.add_argument("--dtype", default=E["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     m.add_argument("--load-format", default=E["load_format"], choices=["auto", "dummy"], help="dummy: random weights")
-    m.add_argument("--attn-backend", default=E["attn_backend"], choices=["auto", "sdpa", "flash", "fa3"],
+    m.add_argument("--attn-backend", default=E["attn_backend"], choices=["auto", "sdpa", "flash", "fa3", "fa4"],
                    help="auto: fa3 where an installed FlashAttention-3 build (vLLM's fork) loads on a Hopper GPU, "
-                   "else flash on CUDA, else sdpa; fa3 warns when it cannot")
+                   "else flash on CUDA, else sdpa; fa3 warns when it cannot; fa4: FlashAttention-4 "
+                   "(pip flash-attn-4) on a Hopper or Blackwell GPU, opt-in until measured")
     m.add_argument("--chunk-size", type=int, default=E["chunk_size"], help="token budget of one step (chunked prefill)")
     m.add_argument("--lone-prefill-tokens", type=int, default=E["lone_prefill_tokens"],
                    help="token budget of a step when no request is decoding (0: --chunk-size)")
@@ -61,8 +62,8 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--max-num-seqs", type=int, default=E["max_num_seqs"], help="most requests running at once")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV cache block (default: 128 on CUDA with --attn-backend auto or fa3, whole "
-                   "FlashAttention-3 key tiles; else 16)")
+                   help="tokens per KV cache block (default: 128 on CUDA with --attn-backend auto, fa3 or fa4, "
+                   "whole FlashAttention key tiles; else 16)")
     m.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache size (default: 512 MB on CPU, 40%% of free GPU memory)")
     m.add_argument("--kv-cache-dtype", default=E["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
                    help="KV cache element type: auto = the model's dtype; fp8 (= fp8_e4m3): e4m3 with per-head scales "

@@ -16,12 +16,14 @@ LM's prefill chunks.
   prefill chunks gathered and run on FlashAttention-2) against ``--attn-backend fa3`` (one FlashAttention-3 call
   over the paged cache in place, where an FA3 build is installed), each with its KV write, on a paged cache.
 - The ViT on FA3 (``--vit-fa3``): a 1080p frame's windowed and full blocks, FA2 varlen against FA3's packed call.
+- ``--other fa4``: the step and ViT rows on FlashAttention-4 (pip ``flash-attn-4``) instead of FA3.
 - The ViT's windows (``--vit-windows``): FA2 varlen against the Triton kernel for short segments, three frame sizes.
 
     python -m benchmarks.kernels.attn_bench
     python -m benchmarks.kernels.attn_bench --chunks "" --backends "64x1:2800+4096:4096,4096:21579,2800:22000"
     python -m benchmarks.kernels.attn_bench --chunks "" --backends "2800:25000" --block-sizes 16,128
     python -m benchmarks.kernels.attn_bench --chunks "" --vit-fa3 --vit-windows
+    python -m benchmarks.kernels.attn_bench --chunks "" --other fa4 --vit-fa3 --backends "2800:25000" --block-sizes 16,128
     python -m benchmarks.kernels.attn_bench --chunks "" --ragged "1385:1385+2711:2711,1326:2711+2770:2770,4096:21579"
 """
 
@@ -96,15 +98,16 @@ def ragged_row(spec: str, dev: torch.device) -> None:
         print(f"ragged {spec}: cuDNN refused ({str(exc).splitlines()[0][:120]})", flush=True)
 
 
-def backend_row(spec: str, dev: torch.device, block: int = 16) -> None:
+def backend_row(spec: str, dev: torch.device, block: int = 16, other: str = "fa3") -> None:
     """One step through both served backends: ``new:context`` per sequence joined by '+'; ``NxA:B`` is N of them.
-    ``block``: tokens per KV block (FA3 loads a paged cache with TMA only where a block holds whole key tiles)."""
+    ``block``: tokens per KV block (FA3 loads a paged cache with TMA only where a block holds whole key tiles).
+    ``other``: fa3 or fa4, the paged FlashAttention backend set against the flash backend."""
     from workers.engine.kernels.attention import build_attention_metadata
-    from workers.engine.kernels.fa3_attention import FA3PagedBackend, unavailable_reason
+    from workers.engine.kernels.backends import get_attention_backend
     from workers.engine.kernels.torch_attention import FlashVarlenBackend
 
-    if reason := unavailable_reason(dev):
-        print(f"backends {spec}: no FA3 ({reason[:200]})", flush=True)
+    if reason := _unavailable(other, dev):
+        print(f"backends {spec}: no {other} ({reason[:200]})", flush=True)
         return
     pairs: list[tuple[int, int]] = []
     for seq in spec.split("+"):
@@ -119,20 +122,28 @@ def backend_row(spec: str, dev: torch.device, block: int = 16) -> None:
     cache = torch.randn(2, sum(need), block, kv_heads, d, device=dev, dtype=torch.bfloat16)
     q = torch.randn(sum(n for n, _ in pairs), heads, d, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(q.shape[0], kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    flash, fa3 = FlashVarlenBackend(), FA3PagedBackend()
+    flash, fast = FlashVarlenBackend(), get_attention_backend(other, dev)
     flops = sum(4 * n * (c - n / 2) * d * heads for n, c in pairs)
-    row(f"step {spec} /{block}", flops, lambda: flash.forward(q, k, v, cache, meta, d**-0.5),
-        lambda: fa3.forward(q, k, v, cache, meta, d**-0.5))
+    row(f"step {spec} /{block} {other}", flops, lambda: flash.forward(q, k, v, cache, meta, d**-0.5),
+        lambda: fast.forward(q, k, v, cache, meta, d**-0.5))
 
 
-def vit_fa3_rows(dev: torch.device) -> None:
-    """The ViT's two kernels under ``--attn-backend fa3`` (FA3's packed call) against FA2 varlen: one 1080p
-    frame's windowed block (8 x 8-patch windows, ragged at the edges) and its full block."""
-    from workers.engine.kernels.fa3_attention import packed_kernel, unavailable_reason
+def _unavailable(other: str, dev: torch.device) -> str:
+    from workers.engine.kernels import fa3_attention, fa4_attention
 
-    if reason := unavailable_reason(dev):
-        print(f"ViT on FA3: unavailable ({reason[:200]})", flush=True)
+    return (fa4_attention if other == "fa4" else fa3_attention).unavailable_reason(dev)
+
+
+def vit_fa3_rows(dev: torch.device, other: str = "fa3") -> None:
+    """The ViT's two kernels under ``--attn-backend fa3`` / ``fa4`` (that kernel's packed call) against FA2
+    varlen: one 1080p frame's windowed block (8 x 8-patch windows, ragged at the edges) and its full block."""
+    from workers.engine.kernels.backends import vision_kernel
+
+    if reason := _unavailable(other, dev):
+        print(f"ViT on {other}: unavailable ({reason[:200]})", flush=True)
         return
+    packed_kernel = vision_kernel(other if other == "fa4" else "fa3", dev)
+    assert packed_kernel is not None
     rows, cols, h, d = 39, 69, 16, 80  # 1080p: 78 x 138 patches, merged 2 x 2, windows of 4 x 4 merged units
     windows = [min(4, rows - r) * min(4, cols - c) * 4 for r in range(0, rows, 4) for c in range(0, cols, 4)]
     for name, lengths in (("windows", windows), ("full block", [sum(windows)])):
@@ -141,7 +152,7 @@ def vit_fa3_rows(dev: torch.device) -> None:
         bounds = list(accumulate(lengths, initial=0))
         cu, top = torch.tensor(bounds, dtype=torch.int32, device=dev), max(lengths)
         flops = sum(4 * m * m * h * d for m in lengths)
-        row(f"ViT {name} {n} x {h}h x {d}, FA3", flops,
+        row(f"ViT {name} {n} x {h}h x {d}, {other}", flops,
             lambda x=x, cu=cu, top=top: torch.ops.aten._flash_attention_forward(  # type: ignore[misc]
                 x, x, x, cu, cu, top, top, 0.0, False, False, scale=d**-0.5)[0],
             lambda x=x, cu=cu, top=top: packed_kernel(x, x, x, cu, top, d**-0.5))  # type: ignore[misc]
@@ -188,6 +199,8 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="16", help="KV block sizes for the --backends rows, comma separated")
     ap.add_argument("--vit-fa3", action="store_true", help="the ViT's windows and full block on FA3 against FA2")
     ap.add_argument("--vit-windows", action="store_true", help="the ViT's windows on the Triton kernel against FA2")
+    ap.add_argument("--other", default="fa3", choices=["fa3", "fa4"],
+                    help="the FlashAttention set against FA2 in the --backends and --vit-fa3 rows")
     ap.add_argument("--ragged", default="", help="packed LM steps, comma separated: new:context per sequence, "
                     "joined by '+'")
     args = ap.parse_args()
@@ -229,9 +242,9 @@ def main() -> None:
             ragged_row(spec, dev)
         for spec in filter(None, args.backends.split(",")):
             for block in (int(b) for b in args.block_sizes.split(",")):
-                backend_row(spec, dev, block)
+                backend_row(spec, dev, block, args.other)
         if args.vit_fa3:
-            vit_fa3_rows(dev)
+            vit_fa3_rows(dev, args.other)
         if args.vit_windows:
             vit_window_rows(dev)
 

@@ -28,7 +28,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     load_format: LoadFormat = "auto"
-    attn_backend: Literal["auto", "sdpa", "flash", "fa3"] = "auto"
+    attn_backend: Literal["auto", "sdpa", "flash", "fa3", "fa4"] = "auto"
     # Scheduling: per-step token budget shared by decodes and prefill chunks. 4096 measured best under load
     # (64 concurrent 1080p requests on an H200: 4.9-5.6 req/s at 1024, 6.2 at 2048, 6.8 at 4096, with a lower
     # mean TPOT too): eager mixed steps have a fixed host cost, which larger chunks spread over more tokens.
@@ -148,7 +148,8 @@ def serving_kv_blocks(
     device: str, attn_backend: str, block_size: int | None, num_kv_blocks: int | None
 ) -> tuple[int, int | None]:
     """The KV block size and count `glimpse serve` takes from its flags. Without ``--block-size``: FA3_KEY_TILE where
-    the LM's attention may be FlashAttention-3 (CUDA, backend auto or fa3), else EngineConfig's 16. Larger blocks also
+    the LM's attention may be FlashAttention-3 or -4 (CUDA, backend auto, fa3 or fa4: a block of whole key tiles lets
+    them load pages by TMA), else EngineConfig's 16. Larger blocks also
     cut the scheduler's per-block work (prefix keys, plans): a 22k-token prompt reached its first step in 3-4.5 ms
     against 9.3. The cost is the prefix cache's grain: a chat's next turn recomputes up to 127 tokens of its history
     instead of 15. A ``--num-kv-blocks`` given without ``--block-size`` counts blocks of EngineConfig's 16 tokens (so
@@ -156,7 +157,7 @@ def serving_kv_blocks(
     if block_size is not None:
         return block_size, num_kv_blocks
     unit = EngineConfig.block_size
-    if not (device.startswith("cuda") and attn_backend in ("auto", "fa3")):
+    if not (device.startswith("cuda") and attn_backend in ("auto", "fa3", "fa4")):
         return unit, num_kv_blocks
     if num_kv_blocks is None:
         return FA3_KEY_TILE, None

@@ -8,13 +8,9 @@ bundle; ``GLIMPSE_FA3_PATH`` names a folder holding it). Only its compiled op li
 imports vLLM, and no vLLM Python runs in glimpse. glimpse does not ship it; without it ``--attn-backend fa3`` logs
 why and serves on the default backend, and ``auto`` quietly keeps FlashAttention-2.
 
-One kernel call covers the whole LM step and reads the paged KV cache in place: every sequence's keys through its
-block table up to ``seq_lens`` (``seqused_k``), the causal mask aligned bottom-right, GQA heads taken as they
-are. Decode rows are sequences of one new token in the same call, so nothing is gathered or split. Sliding-window
-layers pass FA3's window ``(window - 1, 0)``; rows inside an image span are recomputed by SDPA after the call
-(attention_masks.py). Pure-decode
-steps keep their CUDA graphs (PaddedDecodeBackend). The ViT's windows keep their own kernel (window_attention.py:
-FA3 is slower at 64 patches).
+The backend itself (one paged varlen call per LM step, windows, image spans, FP8 pages) is paged_varlen.py's, shared
+with FlashAttention-4 (fa4_attention.py). The ViT's windows keep their own kernel (window_attention.py: FA3 is
+slower at 64 patches).
 
 Measured (docs/benchmarks.md, session 15; H100 and H200): served LM steps 2x FlashAttention-2, the ViT's full
 blocks 1.5x cuDNN, so ``auto`` picks it wherever a build loads on a Hopper GPU; ``flash`` keeps FlashAttention-2.
@@ -28,21 +24,16 @@ import functools
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from workers.engine.kernels import kv_quant
-from workers.engine.kernels.attention import AttentionMetadata, write_new_kv
-from workers.engine.kernels.attention_masks import attend_span_rows, sequence_spans
-from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend, flash_available
+from workers.engine.kernels.paged_varlen import Kernel, PagedVarlenBackend
 
 log = logging.getLogger(__name__)
 
-Kernel = Callable[..., Tensor]
 PACKAGE = "vllm_flash_attn"  # the fork's package: standalone, or inside vLLM's install
 LIBRARY = "_vllm_fa3_C"  # its compiled FA3 ops; loading the file registers torch.ops._vllm_fa3_C
 # The fork's FA3 ``fwd`` op takes 37 arguments; these positions are the ones glimpse fills (besides q, k, v),
@@ -170,65 +161,12 @@ def unavailable_reason(device: torch.device) -> str:
     return _load()[1]
 
 
-def dequantized_pages(kv_cache: Tensor, meta: AttentionMetadata, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """An FP8 cache as the kernel can read it: the blocks of the step's tables gathered and dequantized to ``dtype``
-    (FA3 takes e4m3 keys only beside e4m3 queries), [2, B * W, block_size, Hkv, D], and the table that reads them
-    (sequence b's blocks at b * W ..). Costs a copy of the tables' blocks per layer: the price of FP8 on this path."""
-    kv_quant.note_path("fa3", "over dequantized gathers of the step's blocks")
-    batch, width = meta.block_tables.shape
-    pages = kv_quant.dequantize_kv(kv_cache[:, meta.block_tables.long()].flatten(1, 2), kv_cache, dtype)
-    table = torch.arange(batch * width, dtype=torch.int32, device=kv_cache.device).view(batch, width)
-    return pages, table
-
-
-class FA3PagedBackend:
-    """The LM's attention on FA3 with the KV cache read in place (see the module docstring).
-
-    ``kernel`` follows ``flash_attn_varlen_func``'s contract; the default is the installed FA3 build. ``any_device``
-    lets a CPU test drive a reference of that contract."""
-
-    name = "fa3"
+class FA3PagedBackend(PagedVarlenBackend):
+    """The LM's attention on the installed FA3 build (``kernel``: a stand-in of its contract in CPU tests)."""
 
     def __init__(self, kernel: Kernel | None = None, any_device: bool = False) -> None:
         if kernel is None:
             kernel, reason = _load()
             if kernel is None:
                 raise RuntimeError(f"no FlashAttention-3 kernel: {reason}")
-        self._kernel, self._any_device, self._refused = kernel, any_device, False
-        self._fallback: Any = FlashVarlenBackend() if flash_available() else SdpaBackend()
-
-    def supports(self, q: Tensor) -> bool:
-        return ((q.is_cuda or self._any_device) and not self._refused
-                and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256)
-
-    def forward(
-        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
-        window: int = 0, bidirectional: bool = False,
-    ) -> Tensor:
-        if not self.supports(q):  # writes the cache itself
-            return self._fallback.forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
-        if k is not None and v is not None:
-            write_new_kv(k, v, kv_cache, meta)
-        # A sliding layer: FA3 keeps keys [i - left, i] (causal sets right to 0), ours i - window < j <= i.
-        windowed = {"window_size": (window - 1, 0)} if window > 0 else {}
-        pages, table = dequantized_pages(kv_cache, meta, q.dtype) if kv_quant.is_fp8(kv_cache) else (kv_cache, None)
-        try:
-            out: Tensor = self._kernel(
-                q.contiguous(), pages[0], pages[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout
-                meta.max_query_len, meta.query_start_loc, meta.max_seq_len,
-                seqused_k=meta.seq_lens, block_table=meta.block_tables if table is None else table,
-                softmax_scale=scale, causal=True,
-                fa_version=3, **windowed,
-            )
-        except RuntimeError as exc:  # the build's argument checks (a head size or layout it was not built for)
-            log.warning("FlashAttention-3 refused a step (%s); the LM's attention runs on %s from now on",
-                        str(exc).splitlines()[0][:200], self._fallback.name)
-            self._refused = True
-            # rewrites the same KV: harmless
-            return self._fallback.forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
-        # FA3's mask is causal (+ window); rows inside an image span also see the span's later keys.
-        spans = sequence_spans(meta, bidirectional)
-        if any(spans):
-            attend_span_rows(out, q, kv_cache, meta, scale, window, spans)
-        return out
-
+        super().__init__(kernel, "fa3", "FlashAttention-3", any_device)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from workers.engine.kernels.fa3_attention import vision_kernel
+from workers.engine.kernels.backends import vision_kernel
 from workers.engine.layers.linear import TPGroup
 from workers.engine.layers.vision_attention import VisionAttention
 
@@ -359,7 +359,7 @@ def builder(
         spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str
     ) -> VLModel:
         lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
-        tower_backend = "auto" if attn_backend == "fa3" else attn_backend
+        tower_backend = "auto" if attn_backend in ("fa3", "fa4") else attn_backend
         vision = build_tower(spec.vision, dtype=dtype, device=device, attn_backend=tower_backend)
         if (packed := vision_kernel(attn_backend, device)) is not None:
             for module in vision.modules():  # full blocks on FA3 where the tower runs its CUDA path; windows: window_attention.py

@@ -1,0 +1,154 @@
+"""FlashAttention-4 (pip ``flash-attn-4``): the adapters from its varlen call to the paged backend's and the ViT's
+contracts (on the CPU, with FA4's call stood in for by the contract's torch reference), the opt-in choice and its
+fallback, the engine's tokens through it, and the kernel itself where a Hopper or Blackwell GPU has the package."""
+
+from __future__ import annotations
+
+import logging
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from tests.workers.engine.kernels.test_fa3_attention import D, mixed_step, reference_kernel
+from tests.workers.engine.test_offline import GREEDY, Reference, chat, make_engine, noise_image
+from workers.engine.kernels import backends, fa3_attention, fa4_attention
+from workers.engine.kernels.backends import get_attention_backend
+from workers.engine.kernels.fa4_attention import FA4PagedBackend, packed_call, unavailable_reason
+from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend
+from workers.engine.layers.vision_attention import Segments, VisionAttention, _grouped_sdpa
+
+GPU_REASON = "needs a Hopper or Blackwell GPU with flash-attn-4 installed"
+
+
+def stand_in(calls: list[dict[str, Any]]) -> Any:
+    """FA4's ``flash_attn_varlen_func`` as its signature and docstring say (keywords after q, k, v; an unbounded
+    window side is None; (out, lse) back), computed by the contract's torch reference: paged with ``page_table``,
+    packed segments with ``cu_seqlens_k``."""
+
+    def fn(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+           softmax_scale: float, causal: bool, seqused_k: Tensor | None = None, page_table: Tensor | None = None,
+           cu_seqlens_k: Tensor | None = None, window_size: tuple[int | None, int | None] = (None, None),
+           ) -> tuple[Tensor, None]:
+        calls.append({"window_size": window_size, "paged": page_table is not None, "causal": causal})
+        if page_table is not None:
+            assert cu_seqlens_k is None and page_table.dtype == torch.int32 and seqused_k is not None
+            left, right = (-1 if side is None else side for side in window_size)
+            return reference_kernel(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=seqused_k,
+                                    block_table=page_table, softmax_scale=softmax_scale, causal=causal,
+                                    fa_version=3, window_size=(left, right)), None
+        assert cu_seqlens_k is not None and torch.equal(cu_seqlens_k, cu_seqlens_q) and not causal
+        assert window_size == (None, None)
+        bounds = cu_seqlens_q.tolist()
+        return torch.cat([
+            torch.nn.functional.scaled_dot_product_attention(
+                *(t[s:e].transpose(0, 1) for t in (q, k, v)), scale=softmax_scale
+            ).transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+        ]), None  # fmt: skip
+
+    return fn
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_fa4_backend_hands_its_call_the_paged_cache_and_window(window: int) -> None:
+    q, k, v, cache, meta = mixed_step("cpu", torch.bfloat16)
+    expected_cache = cache.clone()
+    expected = SdpaBackend().forward(q, k, v, expected_cache, meta, D**-0.5, window)
+    calls: list[dict[str, Any]] = []
+    out = FA4PagedBackend(stand_in(calls), any_device=True).forward(q, k, v, cache, meta, D**-0.5, window)
+    assert torch.equal(cache, expected_cache)  # the new tokens' K and V written to the same slots
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    # FA4 writes an unbounded side as None (the fork: -1); causal bounds the right side itself.
+    assert calls == [{"window_size": (window - 1, 0) if window else (None, None), "paged": True, "causal": True}]
+
+
+def test_the_vit_s_packed_call_reads_its_segments_on_both_sides() -> None:
+    bounds = [0, 9, 20, 31]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    q, k, v = (torch.randn(31, 2, 16) for _ in range(3))
+    calls: list[dict[str, Any]] = []
+    out = packed_call(stand_in(calls))(q, k, v, cu, 11, 16**-0.5)
+    seg = Segments(cu, bounds, 11, frames=True)
+    torch.testing.assert_close(out, _grouped_sdpa(q, k, v, seg), rtol=1e-5, atol=1e-5)
+    assert calls == [{"window_size": (None, None), "paged": False, "causal": False}]
+
+
+def test_fa4_is_opt_in_and_without_the_package_serves_on_the_default(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        backend = get_attention_backend("fa4", "cpu")
+    assert backend.name == "sdpa" and "FlashAttention-4 unavailable" in caplog.text
+    assert unavailable_reason(torch.device("cpu"))
+    monkeypatch.setattr(fa4_attention, "_load", lambda: (stand_in([]), ""))
+    monkeypatch.setattr(fa4_attention, "unavailable_reason", lambda device: "")
+    assert get_attention_backend("fa4", "cpu").name == "fa4"
+    assert get_attention_backend("auto", "cpu").name == "sdpa"  # auto never picks it until it is measured
+    assert backends.vision_kernel("fa4", "cpu") is not None
+    assert backends.vision_kernel("auto", "cpu") is fa3_attention.vision_kernel("auto", "cpu")
+
+
+def test_engine_on_the_fa4_backend_gives_transformers_tokens(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real runner's step inputs (prefix chunks, mixed steps, decode rows) through the FA4 adapter: greedy
+    tokens equal transformers'. The contract's reference stands in for FA4's call, in float32."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(fa4_attention, "_load", lambda: (stand_in(calls), ""))
+    monkeypatch.setattr(fa4_attention, "unavailable_reason", lambda device: "")
+    monkeypatch.setattr(FA4PagedBackend, "supports", lambda self, q: True)
+    requests = [chat("Short one." * (1 + i), [noise_image(60 + 30 * i, 90 - 5 * i, seed=100 + i)] * (i % 3))
+                for i in range(4)]
+    engine = make_engine(demo_model_dir, chunk_size=32, attn_backend="fa4")
+    outs = engine.generate(requests, GREEDY)
+    reference = Reference(demo_model_dir)
+    for messages, out in zip(requests, outs, strict=True):
+        assert out.token_ids == reference.generate(messages)
+    assert any(c["paged"] for c in calls)
+    layers = [m for m in engine.runner.vision.modules() if isinstance(m, VisionAttention)]
+    assert layers and all(m.packed is not None for m in layers)  # FA4's packed call, used on the CUDA path
+
+
+def _gpu_ready() -> bool:
+    return torch.cuda.is_available() and not unavailable_reason(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason=GPU_REASON)
+@pytest.mark.parametrize("block", [16, 128])
+def test_fa4_kernel_matches_flash_attention_2(block: int) -> None:
+    """Decodes, a long chunk and a fresh prompt on the 7B's heads, in blocks of 16 (gathered pages) and of 128
+    (`glimpse serve`'s CUDA default: whole key tiles, which FA4 loads by TMA)."""
+    from tests.workers.engine.kernels.test_paged_attention import cuda_step
+
+    torch.manual_seed(0)
+    seq_lens = [int(n) for n in torch.randint(1, 3000, (6,))] + [2900, 300]
+    q, k, v, cache, meta = cuda_step([1] * 6 + [700, 300], seq_lens, block, 3200 // block * 8)
+    expected_cache = cache.clone()
+    expected = FlashVarlenBackend().forward(q, k, v, expected_cache, meta, 128**-0.5)
+    backend = get_attention_backend("fa4", "cuda")
+    assert backend.name == "fa4"
+    out = backend.forward(q, k, v, cache, meta, 128**-0.5)
+    assert torch.equal(cache, expected_cache)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason=GPU_REASON)
+def test_vit_frames_on_fa4_match_the_default_kernels() -> None:
+    torch.manual_seed(0)
+    layer = VisionAttention(1280, 16).cuda().bfloat16()
+    bounds = list(accumulate([1380, 2356], initial=0))
+    seg = Segments(torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, 2356, frames=True)
+    x = torch.randn(bounds[-1], 1280, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(bounds[-1], 1280 // 32, device="cuda") * 6
+    with torch.inference_mode():
+        expected = layer(x, seg, angles.cos(), angles.sin(), flash=True)
+        layer.packed = backends.vision_kernel("fa4", "cuda")
+        out = layer(x, seg, angles.cos(), angles.sin(), flash=True)
+    assert layer.packed is not None
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,104 @@
+"""Optional FlashAttention-4 kernels (pip ``flash-attn-4``, import ``flash_attn.cute``; BSD-3): the LM's eager steps
+through ``paged_varlen.PagedVarlenBackend`` and the ViT's full-attention blocks, as the FA3 backend does, with the
+kernel from a maintained package on the index instead of a build of vLLM's private fork.
+
+FA4 is written in CuTe DSL (``nvidia-cutlass-dsl``) and compiled on first use for the head size, dtype and masks
+it meets; it serves Hopper (sm90) and Blackwell (sm100) GPUs. Its varlen call takes the paged KV cache in place in
+our layout ([num_blocks, block_size, Hkv, D] with an int32 page table). Its contract differs from the fork's in
+names and in how an unbounded window is written (None, not -1): the adapters below take the contract the backend
+and the ViT layer call.
+
+Opt-in (``--attn-backend fa4``) until benchmarks/kernels/attn_bench.py (``--fa4``) has measured it against FA3 and
+torch's FlashAttention-2 on the device; without the package, or on another GPU, it logs why and serves on the
+default backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from workers.engine.kernels.paged_varlen import Kernel, PagedVarlenBackend
+
+log = logging.getLogger(__name__)
+
+ARCHES = (9, 10)  # compute capability majors FA4 compiles for: Hopper, Blackwell
+
+
+@functools.cache
+def _load() -> tuple[Any | None, str]:
+    """FA4's ``flash_attn_varlen_func``, or None and why not."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in ARCHES:
+        return None, "FlashAttention-4 needs a Hopper or Blackwell GPU (compute capability 9.x or 10.x)"
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as exc:  # noqa: BLE001 - not installed, or its CuTe DSL cannot load here
+        return None, f"flash_attn.cute does not import ({type(exc).__name__}: {exc}); pip install flash-attn-4"
+    log.info("FlashAttention-4 from flash_attn.cute")
+    return flash_attn_varlen_func, ""
+
+
+def _side(size: int) -> int | None:
+    return None if size < 0 else size
+
+
+def paged_call(fn: Any) -> Kernel:
+    """The backend's kernel contract (paged_varlen.Kernel) on FA4's ``flash_attn_varlen_func`` ``fn``."""
+
+    def kernel(
+        q: Tensor, k_cache: Tensor, v_cache: Tensor, max_seqlen_q: int, cu_seqlens_q: Tensor, max_seqlen_k: int, *,
+        seqused_k: Tensor, block_table: Tensor, softmax_scale: float, causal: bool, fa_version: int = 3,
+        window_size: tuple[int, int] = (-1, -1),
+    ) -> Tensor:
+        out, _ = fn(
+            q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            seqused_k=seqused_k, page_table=block_table, softmax_scale=softmax_scale, causal=causal,
+            window_size=(_side(window_size[0]), _side(window_size[1])),
+        )
+        result: Tensor = out
+        return result
+
+    return kernel
+
+
+def packed_call(fn: Any) -> Any:
+    """The ViT layer's packed call (non-causal within each ``cu_seqlens`` segment) on FA4's ``fn``."""
+
+    def kernel(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float) -> Tensor:
+        out, _ = fn(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                    max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=False)
+        result: Tensor = out
+        return result
+
+    return kernel
+
+
+def unavailable_reason(device: torch.device) -> str:
+    """Empty when the FA4 backend can serve on ``device``."""
+    if device.type != "cuda":
+        return f"FlashAttention-4 needs a CUDA device, not {device.type}"
+    return _load()[1]
+
+
+def serves(name: str, device: torch.device | str) -> bool:
+    return name == "fa4" and not unavailable_reason(torch.device(device))
+
+
+def vision_kernel(name: str, device: torch.device | str) -> Any | None:
+    """FA4's packed call for the ViT's full blocks when the model's attention runs on FA4, else None."""
+    return packed_call(_load()[0]) if serves(name, device) else None
+
+
+class FA4PagedBackend(PagedVarlenBackend):
+    """The LM's attention on FA4 (``fn``: a stand-in of ``flash_attn_varlen_func`` in CPU tests)."""
+
+    def __init__(self, fn: Any | None = None, any_device: bool = False) -> None:
+        if fn is None:
+            fn, reason = _load()
+            if fn is None:
+                raise RuntimeError(f"no FlashAttention-4 kernel: {reason}")
+        super().__init__(paged_call(fn), "fa4", "FlashAttention-4", any_device)
