@@ -220,6 +220,19 @@ def test_fa3_on_blocks_of_whole_key_tiles_matches_flash_attention_2() -> None:
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+def engine_matches_transformers(model_dir: Path, attn_backend: str, count: int) -> Any:
+    """An engine on ``attn_backend`` answers ``count`` chats (text, and up to two images, in chunks of 32 tokens) with
+    transformers' greedy tokens; the engine, for what the caller checks next."""
+    requests = [chat("Short one." * (1 + i), [noise_image(60 + 30 * i, 90 - 5 * i, seed=100 + i)] * (i % 3))
+                for i in range(count)]
+    engine = make_engine(model_dir, chunk_size=32, attn_backend=attn_backend)
+    outs = engine.generate(requests, GREEDY)
+    reference = Reference(model_dir)
+    for messages, out in zip(requests, outs, strict=True):
+        assert out.token_ids == reference.generate(messages)
+    return engine
+
+
 def test_engine_on_the_fa3_backend_gives_transformers_tokens(
     demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -234,13 +247,7 @@ def test_engine_on_the_fa3_backend_gives_transformers_tokens(
     monkeypatch.setattr(fa3_attention, "_load", lambda: (kernel, ""))
     monkeypatch.setattr(fa3_attention, "unavailable_reason", lambda device: "")
     monkeypatch.setattr(FA3PagedBackend, "supports", lambda self, q: True)
-    requests = [chat("Short one." * (1 + i), [noise_image(60 + 30 * i, 90 - 5 * i, seed=100 + i)] * (i % 3))
-                for i in range(5)]
-    engine = make_engine(demo_model_dir, chunk_size=32, attn_backend="fa3")
-    outs = engine.generate(requests, GREEDY)
-    reference = Reference(demo_model_dir)
-    for messages, out in zip(requests, outs, strict=True):
-        assert out.token_ids == reference.generate(messages)
+    engine = engine_matches_transformers(demo_model_dir, "fa3", 5)
     assert max(calls) > 1  # steps with several sequences went through the kernel
     # the tower's attention layers got FA3's packed call (used on its CUDA path; see the GPU test below)
     layers = [m for m in engine.runner.vision.modules() if isinstance(m, VisionAttention)]

@@ -13,8 +13,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.workers.engine.kernels.test_fa3_attention import D, mixed_step, reference_kernel
-from tests.workers.engine.test_offline import GREEDY, Reference, chat, make_engine, noise_image
+from tests.workers.engine.kernels.test_fa3_attention import (
+    D,
+    engine_matches_transformers,
+    mixed_step,
+    reference_kernel,
+)
 from workers.engine.kernels import backends, fa3_attention, fa4_attention
 from workers.engine.kernels.backends import get_attention_backend
 from workers.engine.kernels.fa4_attention import FA4PagedBackend, packed_call, unavailable_reason
@@ -101,13 +105,7 @@ def test_engine_on_the_fa4_backend_gives_transformers_tokens(
     monkeypatch.setattr(fa4_attention, "_load", lambda: (stand_in(calls), ""))
     monkeypatch.setattr(fa4_attention, "unavailable_reason", lambda device: "")
     monkeypatch.setattr(FA4PagedBackend, "supports", lambda self, q: True)
-    requests = [chat("Short one." * (1 + i), [noise_image(60 + 30 * i, 90 - 5 * i, seed=100 + i)] * (i % 3))
-                for i in range(4)]
-    engine = make_engine(demo_model_dir, chunk_size=32, attn_backend="fa4")
-    outs = engine.generate(requests, GREEDY)
-    reference = Reference(demo_model_dir)
-    for messages, out in zip(requests, outs, strict=True):
-        assert out.token_ids == reference.generate(messages)
+    engine = engine_matches_transformers(demo_model_dir, "fa4", 4)
     assert any(c["paged"] for c in calls)
     layers = [m for m in engine.runner.vision.modules() if isinstance(m, VisionAttention)]
     assert layers and all(m.packed is not None for m in layers)  # FA4's packed call, used on the CUDA path
