@@ -21,7 +21,7 @@ from ipc.channels import new_context
 from ipc.control import RequestFailed
 from ipc.inbound import SchedulerInbound
 from ipc.shm import ShmSegment
-from ipc.stats import WorkerStats
+from ipc.stats import EncoderStats, WorkerStats
 from ipc.steps import StepPlan
 from workers.common.detokenizer import TextStream
 from workers.common.proc import GcWatch
@@ -58,6 +58,8 @@ class SchedulerBase:
         self.inbound = endpoints.pull(ctx, lid, endpoints.SCHEDULER, replica)
         tp, tokenizers = config.engine.tp_size, config.tokenizer_workers
         self.models = [endpoints.push(ctx, lid, endpoints.MODEL, replica * tp + r) for r in range(tp)]
+        enc = config.encoder_workers  # --encoder-workers: this replica's are replica * enc .. replica * enc + enc - 1
+        self.encoders = [endpoints.push(ctx, lid, endpoints.ENCODER, replica * enc + j) for j in range(enc)]
         self.frontend = endpoints.push(ctx, lid, endpoints.FRONTEND)
         self.tokenizers = [endpoints.push(ctx, lid, endpoints.TOKENIZER, i) for i in range(tokenizers)]
         self.tokenizer: Any = AutoTokenizer.from_pretrained(config.engine.model)
@@ -83,6 +85,7 @@ class SchedulerBase:
         self.kv_events: KVEventRecorder | None = None
         self.parent = os.getppid()  # the launcher; a change means it died and this process was re-parented
         self.worker_stats: dict[int, WorkerStats] = {}
+        self.encoder_stats: dict[int, EncoderStats] = {}  # --encoder-workers: each one's latest counters
         self.gpu_peak = self.gpu_idle = 0  # bytes; the peak restarts whenever work starts from idle
         self.deferred_unlinks: list[str] = []
         self.aborted: OrderedDict[str, None] = OrderedDict()

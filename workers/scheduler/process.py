@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import msgspec
 
+from ipc.channels import PushSocket
 from ipc.control import AbortRequest, ProcessReady, Shutdown
 from ipc.inbound import SchedulerInbound
 from ipc.launch import cleanup_launch_dir
@@ -74,18 +76,20 @@ class Scheduler(StepResults):
     """One replica's scheduler: start-up (every rank's KV blocks), the loop, and shutdown."""
 
     def wait_for_models(self) -> bool:
-        """Collect ProcessReady from every rank and build the core; False if told to stop first."""
+        """Collect ProcessReady from every rank (and encoder worker) and build the core; False if told to stop first."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         blocks: dict[int, int] = {}
         slots: dict[int, int] = {}
         window_blocks: dict[int, int] = {}
         host_slots: dict[int, int] = {}
-        while len(blocks) < len(self.models):
+        encoders: set[int] = set()
+        while len(blocks) < len(self.models) or len(encoders) < len(self.encoders):
             if self.stop_reason is not None or self._orphaned():
                 return False
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"model ranks other than {sorted(blocks)} never got ready")
+                raise TimeoutError(f"model ranks other than {sorted(blocks)} (or encoders other than {sorted(encoders)}) "
+                                   "never got ready")
             msg = self.inbound.recv(int(min(left, 0.2) * 1000))
             if msg is None:
                 continue
@@ -95,6 +99,8 @@ class Scheduler(StepResults):
                 window_blocks[msg.index] = msg.num_window_blocks
                 host_slots[msg.index] = msg.num_kv_host_slots
                 self.log.info("model rank %d ready: %d KV blocks", msg.index, msg.num_kv_blocks)
+            elif isinstance(msg, ProcessReady) and msg.role == "encoder":
+                encoders.add(msg.index)
             elif isinstance(msg, Shutdown):
                 self.stop_reason = msg.reason or "shutdown"
             else:
@@ -195,7 +201,8 @@ class Scheduler(StepResults):
         linger = 0 if orphaned else LINGER_MS  # with the launcher gone, nobody is left to read
         if self.kv_events is not None:
             self.kv_events.close(min(linger, 200))  # an absent subscriber must not hold the exit up
-        for sock in self.models:
+        children: list[PushSocket[Any]] = [*self.models, *self.encoders]
+        for sock in children:
             sock.send(Shutdown(self.stop_reason or "scheduler exiting"))
             sock.close(linger_ms=linger)  # the linger lets Shutdown out before ctx.term() returns
         self.inbound.close()

@@ -9,7 +9,7 @@ each call's pixels just before it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +25,7 @@ from workers.engine.runner.batching import group_by_patches, patches, pixel_rows
 log = logging.getLogger("glimpse.model")
 
 PixelSource = Callable[[EncodeItem], torch.Tensor]
+EncodeFn = Callable[[torch.Tensor, Sequence[tuple[int, int, int]]], torch.Tensor]  # (patch rows, grids) -> rows
 
 
 @dataclass
@@ -37,19 +38,23 @@ class RunnerCounters:
     keep_per_step: bool = True  # the offline engine and tests read encoded_per_step; a server's worker turns it off
 
 
-class JobEncoder:
-    def __init__(self, model: VLModel, store: EmbeddingStore, tp: TPGroup, pixel_source: PixelSource,
-                 counters: RunnerCounters, model_dir: str, merge: int, embed_width: int, vit_max_patches: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        self.model, self.store, self.tp, self.pixel_source, self.counters = model, store, tp, pixel_source, counters
+class VisionEncoder:
+    """Encode jobs into their cache entries: pixels read from shm, ViT calls of at most ``vit_max_patches``, and
+    with TP each rank's share all-gathered. ``encode`` is the tower's call (``VLModel.encode`` in a model worker,
+    the tower alone in an encoder worker)."""
+
+    def __init__(self, encode: EncodeFn, tp: TPGroup, pixel_source: PixelSource, counters: RunnerCounters,
+                 model_dir: str, merge: int, embed_width: int, vit_max_patches: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.encode, self.tp, self.pixel_source, self.counters = encode, tp, pixel_source, counters
         self.hidden = embed_width  # main embedding and DeepStack levels side by side
         self.vit_max_patches = vit_max_patches
         self.device, self.dtype = device, dtype
         # Images in shm may be uint8 frames (pixel_frames.py): made into rows here, by the processor's own numbers.
         self.frame_layout = _frame_layout(model_dir, merge)
 
-    def run(self, jobs: list[EncodeJob]) -> int:
-        """Encode every distinct image of the step's jobs and store the jobs' entries; the number of images."""
+    def entries(self, jobs: list[EncodeJob]) -> tuple[list[torch.Tensor], int]:
+        """Each job's entry ([its items' tokens, embed_width], in job order) and the number of distinct images."""
         unique: dict[bytes, EncodeItem] = {}
         for job in jobs:
             for item in job.items:
@@ -62,7 +67,7 @@ class JobEncoder:
             pixels = [self.pixel_source(item) for item in group]
             self.counters.pixel_reads += len(group)
             batch = pixel_rows(pixels, self.device, self.dtype, self.frame_layout)
-            outs.append(self.model.encode(batch, [item.grid for item in group]))
+            outs.append(self.encode(batch, [item.grid for item in group]))
             self.counters.vit_calls += 1
             self.counters.images_encoded += len(group)
         if len(outs) == 1:
@@ -81,13 +86,32 @@ class JobEncoder:
             for share, rows, count in zip(shares, gathered, counts, strict=True):
                 split = rows[:count].split([items[i].length for i in share])
                 per_hash.update((items[i].hash, t) for i, t in zip(share, split, strict=True))
+        out = []
         for job in jobs:
             parts = [per_hash[item.hash] for item in job.items]
             entry = parts[0] if len(parts) == 1 else torch.cat(parts)
             if entry.shape[0] != sum(item.length for item in job.items):
                 raise RuntimeError(f"ViT returned {entry.shape[0]} tokens for key {job.key.hex()[:16]}")
+            out.append(entry)
+        return out, len(items)
+
+
+class JobEncoder(VisionEncoder):
+    """A model worker's encoder: the plan's jobs encoded and put into its embedding store."""
+
+    def __init__(self, model: VLModel, store: EmbeddingStore, tp: TPGroup, pixel_source: PixelSource,
+                 counters: RunnerCounters, model_dir: str, merge: int, embed_width: int, vit_max_patches: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(model.encode, tp, pixel_source, counters, model_dir, merge, embed_width, vit_max_patches,
+                         device, dtype)
+        self.store = store
+
+    def run(self, jobs: list[EncodeJob]) -> int:
+        """Encode every distinct image of the step's jobs and store the jobs' entries; the number of images."""
+        entries, images = self.entries(jobs)
+        for job, entry in zip(jobs, entries, strict=True):
             self.store.put(job.key, entry, job.transient)
-        return len(items)
+        return images
 
 
 def _frame_layout(model: str, merge: int) -> FrameLayout | None:
