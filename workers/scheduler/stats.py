@@ -51,8 +51,9 @@ def snapshot(s: SchedulerState) -> SchedulerStats:
         mm_cache_evictions=idx.stats.evictions,
         **idx.host.report(),  # the embedding cache's host tier
         **kv_host_report(core.allocator.host),  # the prefix cache's host tier
-        images_encoded=s.images_encoded,
-        vit_batches=s.vit_batches,
+        # Every image run through a vision tower, the model workers' and the encoder workers' alike.
+        images_encoded=s.images_encoded + sum(e.images_encoded for e in s.encoder_stats.values()),
+        vit_batches=s.vit_batches + sum(e.vit_calls for e in s.encoder_stats.values()),
         shm_segments=s.ledger.segments,
         shm_bytes=s.ledger.used_bytes,
         shm_budget_bytes=s.ledger.budget_bytes,

@@ -1,4 +1,6 @@
-"""A model worker's vision side of a step: the plan's encode jobs read from shm, run through the ViT and stored.
+"""A model worker's vision side of a step: the plan's encode jobs read from shm, run through the ViT and stored, and
+the entries encoder workers computed (``--encoder-workers``) copied in from their landing segments. An encoder worker
+runs the same ``VisionEncoder`` on its tower alone (workers/encoder/tower.py).
 
 With TP the ViT runs data-parallel: each rank reads and encodes only its share of the step's distinct images (split
 by patch count, largest first), then the embeddings are all-gathered so every rank's store ends up with the same
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoImageProcessor
 
-from ipc.steps import EncodeItem, EncodeJob
+from ipc.shm import ShmSegment
+from ipc.steps import EmbeddingImport, EncodeItem, EncodeJob
 from workers.engine.core.mm_cache import EmbeddingStore
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models.base import VLModel
@@ -34,6 +37,7 @@ class RunnerCounters:
     vit_calls: int = 0
     images_encoded: int = 0
     pixel_reads: int = 0
+    imports: int = 0  # entries encoder workers computed, copied in from their landing segments
     encoded_per_step: list[int] = field(default_factory=list)
     keep_per_step: bool = True  # the offline engine and tests read encoded_per_step; a server's worker turns it off
 
@@ -112,6 +116,20 @@ class JobEncoder(VisionEncoder):
         for job, entry in zip(jobs, entries, strict=True):
             self.store.put(job.key, entry, job.transient)
         return images
+
+
+def import_entries(imports: list[EmbeddingImport], store: EmbeddingStore, device: torch.device,
+                   dtype: torch.dtype) -> int:
+    """Copy the entries encoder workers landed (a plan's ``mm_import``) into the store, in order; the number copied.
+    The landing segment is mapped only for the copy (the scheduler unlinks it once the step is over)."""
+    for imp in imports:
+        with ShmSegment.attach(imp.embeddings) as seg:
+            rows = seg.tensor(imp.embeddings)
+        if rows.dim() != 2 or rows.shape[0] != imp.rows:
+            raise RuntimeError(f"landed entry {imp.key.hex()[:16]} is {tuple(rows.shape)}, the plan says {imp.rows} rows")
+        # A copy (also on the CPU): the store must not keep the segment's pages mapped past the step.
+        store.put(imp.key, rows.to(device=device, dtype=dtype, copy=True), imp.transient)
+    return len(imports)
 
 
 def _frame_layout(model: str, merge: int) -> FrameLayout | None:
