@@ -134,6 +134,8 @@ class SchedulerBase:
         return busy
 
     def unlink(self, names: list[str]) -> None:
+        if not names:
+            return
         if self._reading_pixels():
             # The step now running may still read these names (an encode job can point at a name of
             # an image another request shares): unlink once it is back.

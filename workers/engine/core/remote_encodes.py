@@ -73,6 +73,8 @@ class RemoteEncodes:
     def stop_at(self, seq: Sequence, start: int, length: int) -> int:
         """``length`` cut before the first image [start, start + length) reads whose entry is neither cached nor
         landed (requested now if it was not): 0 when the chunk starts inside such an image."""
+        if start >= seq.prompt_len:  # images sit in the prompt: a decode reads none (the common case, kept cheap)
+            return length
         end = start + length
         for item in sorted(seq.items, key=lambda it: it.offset):
             if item.offset >= end or item.offset + item.length <= start or self._available(item.hash):
