@@ -6,8 +6,9 @@ asyncio twins), so an endpoint's address and message type are written once.
 |---|---|---|---|
 | ``frontend`` | FrontendInbound | the launcher's HTTP frontend | tokenizers, schedulers |
 | ``tok{i}`` | TokenizerInbound | tokenizer worker i | frontend, schedulers |
-| ``sched`` / ``sched{i}`` | SchedulerInbound | the scheduler of replica i (``sched`` for replica 0) | frontend, tokenizers (``--dp 1``), its model workers |
+| ``sched`` / ``sched{i}`` | SchedulerInbound | the scheduler of replica i (``sched`` for replica 0) | frontend, tokenizers (``--dp 1``), its model workers and encoder workers |
 | ``model{i}`` | ModelInbound | model worker i = replica * tp + rank | its replica's scheduler |
+| ``enc{i}`` | EncoderInbound | encoder worker i = replica * encoder_workers + j (``--encoder-workers``) | its replica's scheduler |
 | ``kvev`` | encoded KV-event batches (ipc/kv_events.py) | the launcher's KV-event publisher (ipc/kv_event_publisher.py) | schedulers |
 | ``--kv-events-endpoint`` | (vLLM's KV-event batches) | the launcher's KV-event publisher, every replica on one PUB | - (external subscribers) |
 
@@ -25,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from ipc.channels import AsyncPullSocket, AsyncPushSocket, PullSocket, PushSocket
-from ipc.inbound import FrontendInbound, ModelInbound, SchedulerInbound, TokenizerInbound
+from ipc.inbound import EncoderInbound, FrontendInbound, ModelInbound, SchedulerInbound, TokenizerInbound
 from ipc.launch import ipc_address
 
 T = TypeVar("T")
@@ -46,12 +47,13 @@ class Endpoint(Generic[T]):
 FRONTEND: Endpoint[FrontendInbound] = Endpoint("frontend", FrontendInbound, "frontend", ("tokenizer", "scheduler"))
 TOKENIZER: Endpoint[TokenizerInbound] = Endpoint("tok{i}", TokenizerInbound, "tokenizer", ("frontend", "scheduler"))
 SCHEDULER: Endpoint[SchedulerInbound] = Endpoint(
-    "sched{i}", SchedulerInbound, "scheduler", ("frontend", "tokenizer", "model"), first="sched"
+    "sched{i}", SchedulerInbound, "scheduler", ("frontend", "tokenizer", "model", "encoder"), first="sched"
 )
 MODEL: Endpoint[ModelInbound] = Endpoint("model{i}", ModelInbound, "model", ("scheduler",))
+ENCODER: Endpoint[EncoderInbound] = Endpoint("enc{i}", EncoderInbound, "encoder", ("scheduler",))
 # Raw frames (already-encoded vLLM batches), not a glimpse message: opened as plain zmq sockets.
 KV_EVENTS: Endpoint[bytes] = Endpoint("kvev", bytes, "launcher", ("scheduler",))
-ENDPOINTS: tuple[Endpoint[Any], ...] = (FRONTEND, TOKENIZER, SCHEDULER, MODEL, KV_EVENTS)
+ENDPOINTS: tuple[Endpoint[Any], ...] = (FRONTEND, TOKENIZER, SCHEDULER, MODEL, ENCODER, KV_EVENTS)
 
 
 def pull(ctx: zmq.Context[Any], launch_id: str, endpoint: Endpoint[T], index: int = 0) -> PullSocket[T]:

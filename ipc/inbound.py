@@ -7,10 +7,11 @@ decodes whichever member arrives and rejects anything else at the boundary.
 from __future__ import annotations
 
 from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
+from ipc.encode import EncodeDone, EncodeFailed, EncodeRequest
 from ipc.outputs import OutputBatch
 from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted, RequestRendered, RouteRequest
-from ipc.stats import SchedulerStats, TokenizerStats, WorkerStats
+from ipc.stats import EncoderStats, SchedulerStats, TokenizerStats, WorkerStats
 from ipc.steps import StepPlan, StepResult, WorkerFailed
 
 FrontendInbound = (
@@ -20,6 +21,7 @@ FrontendInbound = (
 TokenizerInbound = GenerateRequest | AbortRequest | SchedulerStats | Shutdown
 SchedulerInbound = (
     TokenizedRequest | MediaReady | MediaFailed | AbortRequest | StepResult | WorkerFailed | WorkerStats
-    | ProcessReady | Shutdown
+    | ProcessReady | Shutdown | EncodeDone | EncodeFailed | EncoderStats
 )
 ModelInbound = StepPlan | Shutdown
+EncoderInbound = EncodeRequest | Shutdown

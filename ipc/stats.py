@@ -27,6 +27,19 @@ class WorkerStats(Msg, frozen=True):
     gc_pause_s_sum: float = 0.0  # all of them together: time the process's Python stood still
 
 
+class EncoderStats(Msg, frozen=True):
+    """Encoder worker -> its scheduler (--encoder-workers), after each batch: cumulative counters."""
+
+    index: int  # launch-wide: replica * encoder_workers + its number in the replica
+    jobs: int  # cache entries computed (EncodeDone sent)
+    images_encoded: int
+    vit_calls: int
+    failed: int = 0  # jobs answered with EncodeFailed
+    pixel_reads: int = 0
+    pixel_bytes: int = 0
+    landing_bytes: int = 0  # bytes of embeddings written to landing segments
+
+
 class SchedulerStats(Msg, frozen=True):
     """Scheduler -> frontend (periodic) and -> tokenizers (shm pressure)."""
 
@@ -90,6 +103,8 @@ class SchedulerStats(Msg, frozen=True):
     window_blocks_total: int = 0
     window_blocks_used: int = 0
     window_blocks_released: int = 0  # given back before their sequence ended (fell out of every later window)
+    # Encoder workers (--encoder-workers): each one's latest counters (empty without them).
+    encoders: list[EncoderStats] = []
 
 
 class TokenizerStats(Msg, frozen=True):

@@ -66,6 +66,17 @@ class EncodeJob(msgspec.Struct, frozen=True):
     transient: bool = False
 
 
+class EmbeddingImport(msgspec.Struct, frozen=True):
+    """An entry an encoder worker computed (ipc/encode.py): ``rows`` rows of the landing segment ``embeddings``,
+    copied into the embedding store under ``key``; a transient one is dropped after the step, like a transient
+    encode job."""
+
+    key: bytes
+    embeddings: ShmRef
+    rows: int
+    transient: bool = False
+
+
 class Fork(msgspec.Struct, frozen=True, array_like=True):
     """Choice ``index`` of an n > 1 request starts as a copy of ``parent`` right after the parent's prompt is
     computed (this step): it shares the prompt's full KV blocks, gets its own copy of the partial last one
@@ -118,6 +129,9 @@ class StepPlan(Msg, frozen=True):
     # loaded block must be in place before attention reads it.
     kv_spill: list[tuple[int, int]] = []
     kv_load: list[tuple[int, int]] = []
+    # Encoder workers (--encoder-workers): entries they computed, copied from their landing segments into the store
+    # right before ``encode`` (after the evictions and reloads above), in this order. Empty without encoder workers.
+    mm_import: list[EmbeddingImport] = []
 
 
 class StepResult(Msg, frozen=True):

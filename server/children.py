@@ -1,4 +1,4 @@
-"""The launcher's child processes: starting one per role (model worker, scheduler, tokenizer) in a fresh
+"""The launcher's child processes: starting one per role (model worker, encoder worker, scheduler, tokenizer) in a fresh
 interpreter with the tuned allocator, tying it to the launcher's life, saying how one ended, and stopping them
 all; also systemd readiness and the open-files limit the children inherit. The supervision (what a death means
 for the server) stays in launcher.py."""
@@ -83,6 +83,10 @@ def _child_entry(role: str, config: ServerConfig, index: int) -> None:
         from workers.scheduler.process import run_scheduler
 
         run_scheduler(config, index)
+    elif role == "encoder":
+        from workers.encoder.process import run_encoder_worker
+
+        run_encoder_worker(config, index)
     elif role == "tokenizer":
         from workers.tokenizer.process import run_tokenizer
 
@@ -121,9 +125,11 @@ def start_child(config: ServerConfig, role: str, index: int) -> Child:
 
 
 def start_children(config: ServerConfig) -> list[Child]:
-    # --dp N: replica r is scheduler r and model workers r * tp .. r * tp + tp - 1 (each on its GPU).
+    # --dp N: replica r is scheduler r and model workers r * tp .. r * tp + tp - 1 (each on its GPU), and with
+    # --encoder-workers E encoder workers r * E .. r * E + E - 1.
     dp = max(1, config.dp_size)
     plan = [("model", i) for i in range(config.engine.tp_size * dp)]
+    plan += [("encoder", i) for i in range(config.encoder_workers * dp)]
     plan += [("scheduler", r) for r in range(dp)]
     plan += [("tokenizer", i) for i in range(config.tokenizer_workers)]
     return [start_child(config, role, index) for role, index in plan]

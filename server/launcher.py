@@ -4,7 +4,7 @@ It sweeps the launch's shared memory (and that of earlier launches whose owner i
 the children (model workers, scheduler, tokenizer workers), waits for their ready acks, then serves
 HTTP in this process. It watches every child's process sentinel on the event loop. A tokenizer that
 dies is replaced (its unanswered requests get 503, the others go on): tokenizers hold no state
-worth keeping. If a scheduler or a model worker dies (of any replica, with --dp), every in-flight
+worth keeping. If a scheduler, a model worker or an encoder worker dies (of any replica, with --dp), every in-flight
 request is failed at once and the launcher exits non-zero within a few seconds, killing what does not
 stop on its own (the other replicas are told to stop, never left waiting). The
 log says how a child ended, naming the signal (SIGKILL: most likely the OOM killer).
@@ -56,7 +56,7 @@ log = logging.getLogger("glimpse.launcher")
 RESPAWN_LIMIT = 5  # deaths of one tokenizer within RESPAWN_WINDOW_S after which it is not replaced
 RESPAWN_WINDOW_S = 60.0
 CLEAN_EXIT_S = 10.0  # after Shutdown, how long children get to exit before SIGKILL
-# The same after a child crashed: the server must be gone within ~3 s. Model workers are not waited for then (after
+# The same after a child crashed: the server must be gone within ~3 s. Model and encoder workers are not waited for then (after
 # a crash nothing tells them to stop, and they hold nothing the launcher's sweep does not clean up); tokenizers, told
 # by Shutdown, need ~1 s to exit (torch's teardown), so the wait only caps a slow one.
 CRASH_EXIT_S = 0.5
@@ -285,7 +285,7 @@ class Launcher:
             # delivered at once instead of lingering on a closed peer, so they exit without delay.
             if self.failure:
                 for child in self.children:
-                    if child.role == "model" and child.process.is_alive():
+                    if child.role in ("model", "encoder") and child.process.is_alive():
                         child.process.kill()
             await loop.run_in_executor(None, stop_children, self.children, wait)
         finally:

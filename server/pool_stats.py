@@ -51,6 +51,8 @@ def merge(replicas: Iterable[SchedulerStats], tp_size: int = 1) -> SchedulerStat
             fields[name] = [
                 msgspec.structs.replace(w, rank=s.replica * tp_size + w.rank) for s in stats for w in s.workers
             ]
+        elif name == "encoders":  # already numbered launch-wide
+            fields[name] = [e for s in stats for e in s.encoders]
         elif name == "replica":
             fields[name] = 0
         elif isinstance(values[0], int | float):

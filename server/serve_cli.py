@@ -47,6 +47,13 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--dp-routing", default=S["dp_routing"], choices=["affinity", "round-robin"],
                    help="affinity: to the replica holding the request's prefix blocks and images, else the least "
                    "busy; round-robin: replicas in turn (the baseline for comparisons)")
+    m.add_argument("--encoder-workers", type=int, default=S["encoder_workers"],
+                   help="vision-tower-only processes per replica that encode a request's images as soon as it is "
+                   "admitted, ahead of the prefill chunks that need them, and hand the embeddings to the model "
+                   "workers through shared memory; 0: the model workers run the ViT inside their steps")
+    m.add_argument("--encoder-devices", default="", metavar="LIST",
+                   help="CUDA: comma-separated GPU indices the encoder workers run on, taken in turn (empty: "
+                   "each replica's encoders share its language model's GPUs)")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     m.add_argument("--dtype", default=E["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     m.add_argument("--load-format", default=E["load_format"], choices=["auto", "dummy"], help="dummy: random weights")
@@ -204,6 +211,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("glimpse serve: --kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.kv_events_buffer_steps < 1:
         raise SystemExit("glimpse serve: --kv-events-buffer-steps must be 1 or more")
+    if args.encoder_workers < 0:
+        raise SystemExit("glimpse serve: --encoder-workers must be 0 (off) or more")
+    if args.encoder_workers and args.mm_cache_mode != "image":
+        raise SystemExit("glimpse serve: --encoder-workers needs --mm-cache-mode image (the per-image cache)")
     try:
         info = load_spec(model)  # the one read of config.json: children get the parsed spec
         if args.load_format != "dummy":
@@ -214,6 +225,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if device.startswith("cuda") and args.dp * args.tp > torch.cuda.device_count():
         raise SystemExit(f"glimpse serve: --dp {args.dp} x --tp {args.tp} needs {args.dp * args.tp} GPUs, "
                          f"{torch.cuda.device_count()} visible")
+    encoder_devices = _encoder_devices(args.encoder_devices, device, args.encoder_workers, info.family)
     block_size, num_kv_blocks = serving_kv_blocks(device, args.attn_backend, args.block_size, args.num_kv_blocks)
     _, num_window_blocks = serving_kv_blocks(device, args.attn_backend, args.block_size, args.num_window_blocks)
     engine = EngineConfig(
@@ -289,12 +301,38 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         http_max_header_bytes=int(args.http_max_header_kb * 1024),
         dp_size=args.dp,
         dp_routing=args.dp_routing,
+        encoder_workers=args.encoder_workers,
+        encoder_devices=encoder_devices,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic or (default_topic(args.host, args.port, name) if args.kv_events_endpoint else ""),
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_buffer_steps=args.kv_events_buffer_steps,
         kv_events_layout=args.kv_events_layout,
     )
+
+
+def _encoder_devices(text: str, device: str, workers: int, family: str) -> tuple[int, ...]:
+    """--encoder-devices as GPU indices, checked against the GPUs this host has (refused without CUDA or without
+    encoder workers, where it would mean nothing)."""
+    import torch
+
+    from workers.engine.models import family as family_package
+
+    if workers and family_package(family).build_tower is None:
+        raise SystemExit(f"glimpse serve: --encoder-workers: the {family} family has no vision tower of its own to run")
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    if not entries:
+        return ()
+    if not workers or not device.startswith("cuda"):
+        raise SystemExit("glimpse serve: --encoder-devices takes CUDA devices and needs --encoder-workers")
+    try:
+        indices = tuple(int(e) for e in entries)
+    except ValueError:
+        raise SystemExit(f"glimpse serve: --encoder-devices: {text!r} is not a list of GPU indices") from None
+    count = torch.cuda.device_count()
+    if any(not 0 <= i < count for i in indices):
+        raise SystemExit(f"glimpse serve: --encoder-devices {text}: this host has GPUs 0..{count - 1}")
+    return indices
 
 
 def _private_exemptions(text: str) -> tuple[str, ...]:

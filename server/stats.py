@@ -184,6 +184,20 @@ class StatsBook:
                 }
                 for w in s.workers
             ],
+            # --encoder-workers: each encoder's counters (launch-wide index; empty without encoder workers).
+            "encoder_workers": [
+                {
+                    "index": e.index,
+                    "jobs": e.jobs,
+                    "images_encoded": e.images_encoded,
+                    "vit_calls": e.vit_calls,
+                    "failed": e.failed,
+                    "pixel_reads": e.pixel_reads,
+                    "pixel_bytes": e.pixel_bytes,
+                    "landing_bytes": e.landing_bytes,
+                }
+                for e in s.encoders
+            ],
             "tokenizers": [
                 {
                     "worker": i,
@@ -215,7 +229,9 @@ def gc_row(collections: int, full: int, pause_s_sum: float, pause_s_max: float, 
     }
 
 
-_NO_SCHEDULER_STATS = SchedulerStats(**cast(dict[str, Any], {f: 0 for f in SchedulerStats.__struct_fields__ if f != "workers"}))
+_NO_SCHEDULER_STATS = SchedulerStats(
+    **cast(dict[str, Any], {f: 0 for f in SchedulerStats.__struct_fields__ if f not in ("workers", "encoders")})
+)
 _NO_TOKENIZER_STATS = TokenizerStats(worker=-1, queue_depth=0, requests=0, images=0, images_reused=0)
 
 
@@ -290,6 +306,8 @@ class _BookCollector(Collector):
             yield gauge("shm_segments", "Shared-memory pixel segments alive.", s.shm_segments)
             yield gauge("shm_bytes", "Bytes of pixels in flight in shared memory.", s.shm_bytes)
             yield gauge("shm_budget_bytes", "Budget of pixel bytes in flight.", s.shm_budget_bytes)
+            if s.encoders:
+                yield from _encoder_metrics(s)
         def labelled(name: str, doc: str, kind: type[GaugeMetricFamily | CounterMetricFamily]) -> Any:
             return kind(f"{_PREFIX}_tokenizer_{name}", doc, labels=["worker"])
 
@@ -306,6 +324,21 @@ class _BookCollector(Collector):
             images.add_metric(worker, t.images)
             reused.add_metric(worker, t.images_reused)
         yield from (outstanding, queue_depth, requests, images, reused)
+
+
+def _encoder_metrics(s: SchedulerStats) -> Iterable[Metric]:
+    """--encoder-workers: each encoder's counters, labelled by its launch-wide index."""
+    families = {
+        "jobs": ("Image embeddings the encoder worker computed and handed over.", lambda e: e.jobs),
+        "images_encoded": ("Images the encoder worker ran through its vision tower.", lambda e: e.images_encoded),
+        "vit_calls": ("Vision tower calls of the encoder worker.", lambda e: e.vit_calls),
+        "failed": ("Encode requests the encoder worker could not serve.", lambda e: e.failed),
+    }
+    for name, (doc, value) in families.items():
+        family = CounterMetricFamily(f"{_PREFIX}_encoder_{name}", doc, labels=["encoder"])
+        for e in s.encoders:
+            family.add_metric([str(e.index)], value(e))
+        yield family
 
 
 class Metrics:

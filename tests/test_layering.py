@@ -8,7 +8,7 @@ Rooms, bottom up (``ALLOWED`` says exactly what each may import besides itself):
   (processor, pixel frames, video prompts); ``core`` (sequences, KV and embedding caches, the scheduling core);
   ``runner`` (model runner, sampling, graphs, warm-up) over all of those; ``offline`` (the in-process engine).
 - ``workers.config``: the frozen config every process is given.
-- the process roles ``workers.tokenizer``, ``workers.scheduler``, ``workers.model``: each talks to the others
+- the process roles ``workers.tokenizer``, ``workers.scheduler``, ``workers.model``, ``workers.encoder``: each talks to the others
   only through ``ipc`` messages, so none imports another.
 - ``server``: the frontend, launcher and CLI, which start the roles.
 """
@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "workers.config": {f"{ENGINE}.config", "ipc"},
 }
 _ROLE_BASE = {"ipc", "workers.common", "workers.config"} | {r for r in ALLOWED if r.startswith(ENGINE)}
-ROLES = ("workers.tokenizer", "workers.scheduler", "workers.model")
+ROLES = ("workers.tokenizer", "workers.scheduler", "workers.model", "workers.encoder")
 ALLOWED.update({role: _ROLE_BASE for role in ROLES})
 
 

@@ -77,6 +77,13 @@ class ServerConfig:
     # and tokenizer pool; the frontend's router (server/router.py) picks a replica per request.
     dp_size: int = 1
     dp_routing: str = "affinity"  # "round-robin": replicas in turn, blind to what they hold (the baseline)
+    # Split encoders: vision-tower-only processes per replica that encode a request's images as soon as it is admitted,
+    # ahead of the chunks that need them, and hand the entries over through shared memory (workers/encoder/). 0: each
+    # model worker runs the ViT inside its steps.
+    encoder_workers: int = 0
+    # CUDA: the GPUs encoder workers run on, taken in turn; empty: encoder j of replica r shares that replica's LM GPU
+    # r * tp + j % tp (colocated).
+    encoder_devices: tuple[int, ...] = ()
     # KV-cache events in vLLM's format (docs/kv-events.md): every replica's on one ZMQ PUB, "" = off. An endpoint
     # with "*" is bound, any other is connected to (an indexer that binds), as vLLM does.
     kv_events_endpoint: str = ""
@@ -90,3 +97,13 @@ class ServerConfig:
     @property
     def max_model_len(self) -> int | None:
         return self.engine.max_model_len
+
+    def encoder_device(self, index: int) -> str:
+        """The device of encoder worker ``index`` (launch-wide: replica * encoder_workers + j)."""
+        if not self.engine.device.startswith("cuda"):
+            return self.engine.device
+        if self.encoder_devices:
+            return f"cuda:{self.encoder_devices[index % len(self.encoder_devices)]}"
+        replica, j = divmod(index, max(1, self.encoder_workers))
+        tp = self.engine.tp_size
+        return f"cuda:{replica * tp + j % tp}"

@@ -21,7 +21,7 @@ from ipc.channels import new_context
 from ipc.control import RequestFailed
 from ipc.inbound import SchedulerInbound
 from ipc.shm import ShmSegment
-from ipc.stats import WorkerStats
+from ipc.stats import EncoderStats, WorkerStats
 from ipc.steps import StepPlan
 from workers.common.detokenizer import TextStream
 from workers.common.proc import GcWatch
@@ -32,6 +32,7 @@ from workers.common.step_trace import StepTrace
 from workers.common.tools import ToolOutput
 from workers.config import ServerConfig
 from workers.engine.core.scheduler import SchedulerCore, Sequence
+from workers.scheduler.encoders import EncoderPool
 from workers.scheduler.kv_events import KVEventRecorder
 from workers.scheduler.logprobs import LogprobRenderer, PromptLogprobBook
 from workers.scheduler.shm_ledger import ShmLedger
@@ -58,6 +59,9 @@ class SchedulerBase:
         self.inbound = endpoints.pull(ctx, lid, endpoints.SCHEDULER, replica)
         tp, tokenizers = config.engine.tp_size, config.tokenizer_workers
         self.models = [endpoints.push(ctx, lid, endpoints.MODEL, replica * tp + r) for r in range(tp)]
+        enc = config.encoder_workers  # --encoder-workers: this replica's are replica * enc .. replica * enc + enc - 1
+        self.encoders = [endpoints.push(ctx, lid, endpoints.ENCODER, replica * enc + j) for j in range(enc)]
+        self.encoding = EncoderPool(self.encoders)
         self.frontend = endpoints.push(ctx, lid, endpoints.FRONTEND)
         self.tokenizers = [endpoints.push(ctx, lid, endpoints.TOKENIZER, i) for i in range(tokenizers)]
         self.tokenizer: Any = AutoTokenizer.from_pretrained(config.engine.model)
@@ -83,6 +87,7 @@ class SchedulerBase:
         self.kv_events: KVEventRecorder | None = None
         self.parent = os.getppid()  # the launcher; a change means it died and this process was re-parented
         self.worker_stats: dict[int, WorkerStats] = {}
+        self.encoder_stats: dict[int, EncoderStats] = {}  # --encoder-workers: each one's latest counters
         self.gpu_peak = self.gpu_idle = 0  # bytes; the peak restarts whenever work starts from idle
         self.deferred_unlinks: list[str] = []
         self.aborted: OrderedDict[str, None] = OrderedDict()
@@ -121,13 +126,24 @@ class SchedulerBase:
             self.next_log = now + LOG_STATS_INTERVAL_S
             self.log.info("%s plan_bytes=%s", msgspec.json.encode(stats).decode(), self.plan_bytes)
 
+    def _busy_names(self) -> set[str]:
+        """Names something may still map: pixels an encoder worker has in hand, and landing segments a step in
+        flight imports (its workers map them when they take the plan)."""
+        busy = self.encoding.busy_names() if self.encoding else set()
+        busy.update(imp.embeddings.name for plan in self.in_flight for imp in plan.mm_import)
+        return busy
+
     def unlink(self, names: list[str]) -> None:
+        if not names:
+            return
         if self._reading_pixels():
             # The step now running may still read these names (an encode job can point at a name of
             # an image another request shares): unlink once it is back.
             self.deferred_unlinks.extend(names)
-        else:
-            unlink_all(names)
+            return
+        busy = self._busy_names()
+        unlink_all([n for n in names if n not in busy])
+        self.deferred_unlinks.extend(n for n in names if n in busy)
 
     def _fail(self, rid: str, status: int, message: str, code: str | None = None) -> None:
         self.log.info("request %s failed (%d): %s", rid, status, message)
@@ -135,7 +151,7 @@ class SchedulerBase:
         self.frontend.send(RequestFailed(rid, status, message, type=kind, code=code))
 
     def _flush_unlinks(self) -> None:
-        if self._reading_pixels():
+        if self._reading_pixels() or not self.deferred_unlinks:
             return
         names, self.deferred_unlinks = self.deferred_unlinks, []
-        unlink_all(names)
+        self.unlink(names)

@@ -18,22 +18,25 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import msgspec
 
+from ipc.channels import PushSocket
 from ipc.control import AbortRequest, ProcessReady, Shutdown
+from ipc.encode import EncodeDone, EncodeFailed
 from ipc.inbound import SchedulerInbound
 from ipc.launch import cleanup_launch_dir
 from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
 from ipc.shm import sweep
-from ipc.stats import WorkerStats
+from ipc.stats import EncoderStats, WorkerStats
 from ipc.steps import StepResult, WorkerFailed
 from workers.common.proc import GcWatch, freeze_heap, setup_child
 from workers.config import ServerConfig
 from workers.engine.core.scheduler import SchedulerCore
 from workers.scheduler.base import LINGER_MS, ORPHANED, unlink_all
+from workers.scheduler.encoding import EncodeAnswers
 from workers.scheduler.kv_events import KVEventRecorder
-from workers.scheduler.results import StepResults
 
 _MAX_DRAIN = 256  # messages handled per loop turn before the next step is planned
 
@@ -67,25 +70,28 @@ def build_core(
         window=info.window,
         window_blocks=window_blocks,
         kv_host_slots=kv_host_slots,
+        remote_encodes=config.encoder_workers > 0,
     )
 
 
-class Scheduler(StepResults):
+class Scheduler(EncodeAnswers):
     """One replica's scheduler: start-up (every rank's KV blocks), the loop, and shutdown."""
 
     def wait_for_models(self) -> bool:
-        """Collect ProcessReady from every rank and build the core; False if told to stop first."""
+        """Collect ProcessReady from every rank (and encoder worker) and build the core; False if told to stop first."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         blocks: dict[int, int] = {}
         slots: dict[int, int] = {}
         window_blocks: dict[int, int] = {}
         host_slots: dict[int, int] = {}
-        while len(blocks) < len(self.models):
+        encoders: set[int] = set()
+        while len(blocks) < len(self.models) or len(encoders) < len(self.encoders):
             if self.stop_reason is not None or self._orphaned():
                 return False
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"model ranks other than {sorted(blocks)} never got ready")
+                raise TimeoutError(f"model ranks other than {sorted(blocks)} (or encoders other than {sorted(encoders)}) "
+                                   "never got ready")
             msg = self.inbound.recv(int(min(left, 0.2) * 1000))
             if msg is None:
                 continue
@@ -95,6 +101,8 @@ class Scheduler(StepResults):
                 window_blocks[msg.index] = msg.num_window_blocks
                 host_slots[msg.index] = msg.num_kv_host_slots
                 self.log.info("model rank %d ready: %d KV blocks", msg.index, msg.num_kv_blocks)
+            elif isinstance(msg, ProcessReady) and msg.role == "encoder":
+                encoders.add(msg.index)
             elif isinstance(msg, Shutdown):
                 self.stop_reason = msg.reason or "shutdown"
             else:
@@ -103,6 +111,8 @@ class Scheduler(StepResults):
         self.core = build_core(self.config, min(blocks.values()), min(slots.values()), min(window_blocks.values()),
                                min(host_slots.values()))
         self.core.on_finished = self._release
+        if self.core.remote is not None:
+            self.core.remote.on_unlink = self.unlink  # landing segments no plan will import
         if (events := KVEventRecorder.open(self.ctx, self.config, self.replica)) is not None:
             self.kv_events = events.attach(self.core)
             self.log.info("KV-cache events go to the launcher's publisher (%s)", self.config.kv_events_endpoint)
@@ -146,6 +156,7 @@ class Scheduler(StepResults):
                 published, gone = self.ledger.publish(rid, hashes)
                 self.core.media_ready(rid, published)
                 self.unlink(gone)
+                self._dispatch_encodes()  # a running request's new pixels go to an encoder at once
             case MediaFailed(rid=rid):
                 self.unlink(self.ledger.pending_failed(rid))
                 self._on_abort(rid)
@@ -154,12 +165,24 @@ class Scheduler(StepResults):
             case WorkerStats(rank=rank):
                 self.worker_stats[rank] = msg
                 self.gpu_peak = max(self.gpu_peak, msg.gpu_step_peak_bytes)
+            case EncodeDone():
+                self._on_encode_done(msg)
+            case EncodeFailed():
+                self._on_encode_failed(msg)
+            case EncoderStats(index=index):
+                self.encoder_stats[index] = msg
             case Shutdown(reason=reason):
                 self.stop_reason = reason or "shutdown"
             case _:
                 self.log.warning("unexpected %s", type(msg).__name__)
 
     def _schedule(self) -> None:
+        try:
+            self._plan_steps()
+        finally:
+            self._dispatch_encodes()  # admitted requests' images, even when no step could be planned
+
+    def _plan_steps(self) -> None:
         while not self.in_flight or (self.ahead and len(self.in_flight) == 1):
             started = time.monotonic()
             if (plan := self.core.schedule(ahead=bool(self.in_flight))) is None:
@@ -189,13 +212,18 @@ class Scheduler(StepResults):
     def close(self) -> None:
         """Unlink every live request's names, tell the model workers to exit, close the sockets."""
         orphaned = self.stop_reason == ORPHANED
-        unlink_all(self.ledger.release_all() + self.deferred_unlinks)
+        landing = [imp.embeddings.name for plan in self.in_flight for imp in plan.mm_import]
+        core: SchedulerCore | None = getattr(self, "core", None)  # (None: stopped before the models were ready)
+        if core is not None and core.remote is not None:
+            landing += core.remote.release_all()
+        unlink_all(self.ledger.release_all() + self.deferred_unlinks + landing)
         if orphaned:  # the launcher cannot sweep any more: every segment of the launch goes now
             sweep(self.config.launch_id)
         linger = 0 if orphaned else LINGER_MS  # with the launcher gone, nobody is left to read
         if self.kv_events is not None:
             self.kv_events.close(min(linger, 200))  # an absent subscriber must not hold the exit up
-        for sock in self.models:
+        children: list[PushSocket[Any]] = [*self.models, *self.encoders]
+        for sock in children:
             sock.send(Shutdown(self.stop_reason or "scheduler exiting"))
             sock.close(linger_ms=linger)  # the linger lets Shutdown out before ctx.term() returns
         self.inbound.close()

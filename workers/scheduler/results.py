@@ -23,7 +23,11 @@ class StepResults(Intake):
             self.log.warning("ignoring a report for step %d (in flight: %s)", step_id, waiting_for)
             return None
         self.steps += 1
-        return self.in_flight.popleft()
+        plan = self.in_flight.popleft()
+        # The step is over: the landing segments it consumed (imports the cache admitted) go. A transient import's
+        # stays landed for the image's next chunk (core/remote_encodes.py).
+        self.unlink([imp.embeddings.name for imp in plan.mm_import if not imp.transient])
+        return plan
 
     def _on_result(self, result: StepResult) -> None:
         started = time.monotonic()

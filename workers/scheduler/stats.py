@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ipc.stats import SchedulerStats, WorkerStats
+from ipc.stats import EncoderStats, SchedulerStats, WorkerStats
 from workers.common.proc import GcWatch
 from workers.engine.core.host_kv_index import kv_host_report
 from workers.engine.core.scheduler import SchedulerCore
@@ -22,6 +22,7 @@ class SchedulerState(Protocol):
     ledger: ShmLedger
     gc: GcWatch
     worker_stats: dict[int, WorkerStats]
+    encoder_stats: dict[int, EncoderStats]
     plan_bytes: dict[str, int]
     replica: int
     steps: int
@@ -50,8 +51,9 @@ def snapshot(s: SchedulerState) -> SchedulerStats:
         mm_cache_evictions=idx.stats.evictions,
         **idx.host.report(),  # the embedding cache's host tier
         **kv_host_report(core.allocator.host),  # the prefix cache's host tier
-        images_encoded=s.images_encoded,
-        vit_batches=s.vit_batches,
+        # Every image run through a vision tower, the model workers' and the encoder workers' alike.
+        images_encoded=s.images_encoded + sum(e.images_encoded for e in s.encoder_stats.values()),
+        vit_batches=s.vit_batches + sum(e.vit_calls for e in s.encoder_stats.values()),
         shm_segments=s.ledger.segments,
         shm_bytes=s.ledger.used_bytes,
         shm_budget_bytes=s.ledger.budget_bytes,
@@ -61,6 +63,7 @@ def snapshot(s: SchedulerState) -> SchedulerStats:
         plan_bytes_last=s.plan_bytes["last"],
         plan_bytes_max=s.plan_bytes["max"],
         workers=[s.worker_stats[r] for r in sorted(s.worker_stats)],
+        encoders=[s.encoder_stats[i] for i in sorted(s.encoder_stats)],
         prefix_cache_hit_tokens=core.allocator.prefix_hit_tokens,
         prompt_tokens_computed=core.prompt_tokens_computed,
         gpu_peak_bytes=s.gpu_peak,

@@ -1,5 +1,5 @@
-"""The harness of the scheduler process tests (test_process.py): a scheduler and a model worker spawned as real
-processes, and the sockets the test uses to play the frontend and a tokenizer.
+"""The harness of the scheduler process tests (test_process.py): a scheduler and a model worker (and encoder workers,
+tests/workers/encoder/) spawned as real processes, and the sockets the test uses to play the frontend and a tokenizer.
 
 ``Stack.request`` builds a TokenizedRequest with the engine's MMProcessor and writes its pixels to shm itself, the
 way the tokenizer worker does; ``Stack.collect`` reads the frontend's side until the given requests end.
@@ -34,6 +34,7 @@ from ipc.shm import SHM_DIR, ShmRef, ShmSegment, link_segment, list_segments, se
 from ipc.stats import SchedulerStats
 from server.config import ServerConfig
 from tests.conftest import noise_image
+from workers.encoder.process import run_encoder_worker
 from workers.engine.config import EngineConfig
 from workers.engine.offline import images_in
 from workers.engine.prompt.processor import MMProcessor
@@ -153,24 +154,26 @@ def spawn(target: Callable[..., None], *args: object) -> BaseProcess:
 
 
 def start_stack(
-    model_dir: Path, processor: MMProcessor, log_level: str = "warning", async_scheduling: bool = True
+    model_dir: Path, processor: MMProcessor, log_level: str = "warning", async_scheduling: bool = True,
+    encoder_workers: int = 0,
 ) -> Stack:
     engine = EngineConfig(model=str(model_dir), max_model_len=4096, num_kv_blocks=256)
     budget = SHM_BUDGET
     # No retention here: these tests watch each request's names go away (retention: test_shm_ledger).
     config = ServerConfig(
         engine, new_launch_id(), "demo", tokenizer_workers=1, shm_budget_bytes=budget, log_level=log_level,
-        shm_retain_fraction=0.0, async_scheduling=async_scheduling,
+        shm_retain_fraction=0.0, async_scheduling=async_scheduling, encoder_workers=encoder_workers,
     )
     ctx = new_context()
     lid = config.launch_id
     frontend = PullSocket[FrontendInbound](ctx, ipc_address(lid, "frontend"), FrontendInbound, bind=True)
     tok = PullSocket[TokenizerInbound](ctx, ipc_address(lid, "tok0"), TokenizerInbound, bind=True)
     to_sched = PushSocket[SchedulerInbound](ctx, ipc_address(lid, "sched"), SchedulerInbound, bind=False)
-    procs = [spawn(run_model_worker, config, 0), spawn(run_scheduler, config)]
+    procs = [spawn(run_model_worker, config, 0), *(spawn(run_encoder_worker, config, i) for i in range(encoder_workers)),
+             spawn(run_scheduler, config)]
     stack = Stack(config, processor, ctx, frontend, to_sched, tok, procs)
     msg = stack.recv()
-    assert isinstance(msg, ProcessReady) and msg.role == "scheduler" and msg.pid == procs[1].pid
+    assert isinstance(msg, ProcessReady) and msg.role == "scheduler" and msg.pid == procs[-1].pid
     return stack
 
 
@@ -181,7 +184,7 @@ def stop_stack(stack: Stack) -> None:
         for proc in stack.procs:
             proc.join(timeout=60)
         codes = [proc.exitcode for proc in stack.procs]
-        assert codes == [0, 0], f"exit codes (model, scheduler): {codes}"
+        assert codes == [0] * len(codes), f"exit codes (model, encoders, scheduler): {codes}"
         assert list_segments(stack.config.launch_id) == []
     finally:
         for proc in stack.procs:

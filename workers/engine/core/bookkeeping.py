@@ -19,6 +19,7 @@ from ipc.steps import StepPlan, StepResult
 from workers.engine.core.host_kv_index import HostCopies, HostKVIndex
 from workers.engine.core.kv_cache import BlockAllocator, block_hashes
 from workers.engine.core.mm_cache import EmbeddingCacheIndex
+from workers.engine.core.remote_encodes import RemoteEncodes
 from workers.engine.core.sequence import (
     FinishReason,
     RequestRejected,
@@ -58,6 +59,7 @@ class SequenceBook:
         window: int = 0,
         window_blocks: int = 0,
         kv_host_slots: int = 0,
+        remote_encodes: bool = False,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
@@ -76,6 +78,10 @@ class SequenceBook:
         self.mm_cache_mode = mm_cache_mode
         self.prefix_caching = enable_prefix_caching
         self.mm_index = EmbeddingCacheIndex(mm_cache_bytes, embedding_bytes_per_token, mm_host_cache_bytes)
+        # Encoder workers (--encoder-workers) encode images ahead of their chunks; plans import what they landed.
+        if remote_encodes and mm_cache_mode != "image":
+            raise ValueError("encoder workers need the per-image embedding cache (mm_cache_mode 'image')")
+        self.remote = RemoteEncodes(self.mm_index) if remote_encodes else None
         # Hybrid models (state_slots > 0): the linear-attention state pool, its snapshots kept under block keys,
         # a snapshot planned every ``state_snapshot_every`` blocks of a prompt (0: only at its last full block).
         self.state = StatePool(state_slots) if state_slots > 0 else None
@@ -169,6 +175,8 @@ class SequenceBook:
     def media_ready(self, rid: str, hashes: list[bytes]) -> None:
         if (seq := self.seqs.get(rid)) is not None:
             seq.pending.difference_update(hashes)
+            if self.remote is not None and seq in self.running:  # its new pixels can go to an encoder now
+                self.remote.admit(seq)
 
 
     def abort(self, rid: str) -> bool:
@@ -259,7 +267,8 @@ class SequenceBook:
         if not self._in_flight or self._in_flight[0].step_id != step_id:
             raise RuntimeError(f"step {step_id} is not the step in flight")
         plan = self._in_flight.popleft()
-        self.mm_index.fail_step([job.key for job in plan.encode], plan.mm_spill, plan.mm_reload)
+        encoded = [job.key for job in plan.encode] + [imp.key for imp in plan.mm_import]
+        self.mm_index.fail_step(encoded, plan.mm_spill, plan.mm_reload)
         self._settle_snapshots(plan, failed=True)
         # Whole requests: a failed choice fails its siblings too.
         seqs = [self.seqs[c.rid] for c in plan.chunks if c.rid in self.seqs] + self._fail_host_copies(plan.step_id)
@@ -315,6 +324,8 @@ class SequenceBook:
         if self.windows is not None:
             self.windows.free_all(seq)
         self._release_state(seq)
+        if self.remote is not None:
+            self.remote.forget(seq)
         if seq.announced:
             self._finished_for_workers.append(seq.rid)
         if self.seqs.pop(seq.rid, None) is None:

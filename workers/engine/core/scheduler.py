@@ -14,7 +14,7 @@ recomputed later.
 from __future__ import annotations
 
 from ipc.prompts import MMItem
-from ipc.steps import Fork, NewSeq, SeqChunk, StepPlan
+from ipc.steps import EmbeddingImport, Fork, NewSeq, SeqChunk, StepPlan
 from workers.engine.core.bookkeeping import SequenceBook
 from workers.engine.core.host_kv_index import HostCopies
 from workers.engine.core.kv_cache import block_hashes
@@ -56,7 +56,9 @@ class SchedulerCore(SequenceBook):
             plannable = [s for s in plannable if not (s.in_flight and s.sampling.structured is not None)]
         decoding = any(s.planned_len - s.num_scheduled == 1 for s in plannable)
         budget = self.chunk_size if decoding else self.lone_prefill_tokens
-        cap = self.decode_step_image_tokens if decoding and self.mm_cache_mode == "image" else 0
+        # (Encoder workers encode outside the steps: nothing of a step waits for the ViT, so no cap.)
+        remote = self.remote is not None
+        cap = self.decode_step_image_tokens if decoding and self.mm_cache_mode == "image" and not remote else 0
         self._encode_left, self._encoding = (cap or None), set()
         picked: list[tuple[Sequence, int]] = []
         # Decodes first: they are one token each and keep latency flat.
@@ -107,6 +109,8 @@ class SchedulerCore(SequenceBook):
             seq.block_table.extend(self.allocator.allocate(need - extra - len(loaded)))
             seq.fork_blocks = self.allocator.allocate(extra)
             self.running.append(seq)
+            if self.remote is not None:  # its images go to the encoder workers now, ahead of its chunks
+                self.remote.admit(seq)
             length = self._chunk_length(seq, budget)
             if self.windows is not None:  # the hit's window blocks, then the first chunk's (checked free above)
                 self.windows.acquire(window_table)
@@ -132,6 +136,8 @@ class SchedulerCore(SequenceBook):
         computed without its later tokens' keys."""
         start, computable = seq.num_scheduled, seq.computable()
         length = self._cap_encodes(seq, start, min(computable - start, budget))
+        if self.remote is not None and length > 0:  # never past an image the encoder workers have not landed yet
+            length = self.remote.stop_at(seq, start, length)
         if not self.whole_images or length <= 0:
             return length
         end = start + length
@@ -307,6 +313,9 @@ class SchedulerCore(SequenceBook):
             if chunks[-1].sample and seq.wants_fork:
                 forks.extend(self._fork(seq))
         mm = self.mm_index.plan(needed)
+        encode, imports = mm.encode, list[EmbeddingImport]()
+        if self.remote is not None:  # misses the encoder workers landed are imported, not encoded
+            imports, encode = self.remote.imports(encode)
         self.images_planned += sum(len(job.items) for job in mm.encode)
         finished, self._finished_for_workers = self._finished_for_workers, []
         copies, self._state_copies = self._state_copies, []
@@ -317,9 +326,9 @@ class SchedulerCore(SequenceBook):
         if host.spill or host.load:
             self._host_steps[step_id] = host
         return StepPlan(
-            step_id, new_seqs, chunks, mm.evict, mm.encode, finished, forks=forks, ahead=ahead,
+            step_id, new_seqs, chunks, mm.evict, encode, finished, forks=forks, ahead=ahead,
             state_copies=copies, snapshots=snapshots, mm_host_evict=mm.host_evict, mm_spill=mm.spill,
-            mm_reload=mm.reload, kv_spill=host.spill, kv_load=host.load,
+            mm_reload=mm.reload, kv_spill=host.spill, kv_load=host.load, mm_import=imports,
         )  # fmt: skip
 
     def _plan_snapshots(self, seq: Sequence, start: int, end: int) -> list[tuple[str, int, int]]:

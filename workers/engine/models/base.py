@@ -283,6 +283,9 @@ class VLModel(nn.Module):
                 hook()
 
 
+TowerBuild = Callable[[ModelSpec, torch.dtype, torch.device, str], nn.Module]
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     name: str  # the package name under workers/engine/models/
@@ -296,6 +299,9 @@ class ModelFamily:
     # The family's own image side for processors the Qwen-style path does not fit (Gemma 4's token budgets):
     # (transformers' processor, spec) -> an object with the FamilyImages interface of prompt/processor.py.
     images: Callable[[Any, ModelSpec], Any] | None = None
+    # (spec, dtype, device, attn_backend) -> the vision tower alone, no language model: what an encoder worker
+    # (--encoder-workers) runs. None: the family cannot serve split encoders.
+    build_tower: TowerBuild | None = None
 
 
 def text_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -350,21 +356,33 @@ def spec_from(
     )
 
 
-def builder(
-    build_lm: Callable[..., nn.Module], build_tower: Callable[..., nn.Module]
-) -> Callable[[ModelSpec, TPGroup, torch.dtype, torch.device, str], VLModel]:
-    """A family's ``build``: its LM and tower allocated from the spec, wrapped for the runner."""
+def tower_builder(build_tower: Callable[..., nn.Module]) -> TowerBuild:
+    """A family's ``build_tower``: its vision tower allocated from the spec, on the vision attention kernel the
+    device and backend allow. The model worker's ``build`` (``builder``) makes its tower the same way, so an encoder
+    worker's tower computes what the model worker's would."""
 
-    def build(
-        spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str
-    ) -> VLModel:
-        lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
+    def build(spec: ModelSpec, dtype: torch.dtype, device: torch.device, attn_backend: str) -> nn.Module:
         tower_backend = "auto" if attn_backend in ("fa3", "fa4") else attn_backend
         vision = build_tower(spec.vision, dtype=dtype, device=device, attn_backend=tower_backend)
         if (packed := vision_kernel(attn_backend, device)) is not None:
             for module in vision.modules():  # full blocks on FA3 where the tower runs its CUDA path; windows: window_attention.py
                 if isinstance(module, VisionAttention):
                     module.packed = packed
-        return VLModel(spec, lm, vision)
+        return vision
+
+    return build
+
+
+def builder(
+    build_lm: Callable[..., nn.Module], build_tower: Callable[..., nn.Module]
+) -> Callable[[ModelSpec, TPGroup, torch.dtype, torch.device, str], VLModel]:
+    """A family's ``build``: its LM and tower allocated from the spec, wrapped for the runner."""
+    tower = tower_builder(build_tower)
+
+    def build(
+        spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str
+    ) -> VLModel:
+        lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
+        return VLModel(spec, lm, tower(spec, dtype, device, attn_backend))
 
     return build

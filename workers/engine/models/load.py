@@ -8,8 +8,9 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from workers.engine.models.base import VLModel
 from workers.engine.models.fp8_layers import convert_dummy, convert_loaded
@@ -79,3 +80,36 @@ def load_model(
         raise ValueError(f"unknown load_format {load_format!r}")
     model.after_load()
     return model.eval()
+
+
+def load_vision(
+    tower: Any, model_dir: str | Path, *, load_format: str = "auto", seed: int = 0
+) -> nn.Module:
+    """Fill a vision tower built alone (``ModelFamily.build_tower``: an encoder worker's; typed loosely, as VLModel
+    holds its tower) from the checkpoint's ``visual.*`` tensors. The language model's are skipped before they are
+    read (the name filter runs on the header), so an encoder reads a few GB of a 235B checkpoint, not all of it.
+    FP8 weights arrive dequantized, as in ``load_model``. ``dummy`` fills the tower as ``load_model`` does (the same seed), so an encoder worker and
+    a model worker of one launch hold the same random tower."""
+    started = time.perf_counter()
+    if load_format == "dummy":
+        fill_dummy_weights(tower, seed=seed)
+    elif load_format == "auto":
+        scheme = checkpoint_scheme(model_dir)
+
+        def visual(name: str) -> bool:
+            return normalize_name(name).startswith("visual.")
+
+        stream = iter_checkpoint(model_dir, name_filter=visual)
+        weights = [
+            (normalize_name(name)[len("visual.") :], tensor)
+            for name, tensor in (dequantized(stream, scheme, {}) if scheme is not None else stream)
+        ]
+        tower.load_weights(weights)
+        log.info("loaded the vision tower (%d tensors) from %s in %.1f s", len(weights), model_dir,
+                 time.perf_counter() - started)
+    else:
+        raise ValueError(f"unknown load_format {load_format!r}")
+    hook = getattr(tower, "after_load", None)
+    if hook is not None:
+        hook()
+    return tower.eval()

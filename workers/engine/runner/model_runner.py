@@ -37,7 +37,7 @@ from workers.engine.runner.cache_memory import (
     state_slots,
 )
 from workers.engine.runner.cuda_graphs import DecodeGraphs, graphs_wanted, start_graphs
-from workers.engine.runner.encoder import JobEncoder, PixelSource, RunnerCounters
+from workers.engine.runner.encoder import JobEncoder, PixelSource, RunnerCounters, import_entries
 from workers.engine.runner.grammar import GrammarBook
 from workers.engine.runner.host_kv import host_kv_pool
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
@@ -156,6 +156,8 @@ class ModelRunner:
         self.host.spill(plan.mm_host_evict, plan.mm_spill, self.store)  # StepPlan's order: spills read the store
         self.store.evict(plan.evict)
         reloading = self.host.reload(plan.mm_reload)  # copies overlap the encodes; landed before the forward
+        if plan.mm_import:  # encoder workers' entries, right before this step's own encodes (StepPlan's order)
+            self.counters.imports += import_entries(plan.mm_import, self.store, self.device, self.dtype)
         self.trace.mark("setup")
         calls_before = self.counters.vit_calls
         encoded = self.encoder.run(plan.encode) if plan.encode else 0

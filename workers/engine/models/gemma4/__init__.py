@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workers.engine.models.base import ModelFamily, ModelSpec, builder, spec_from
+from workers.engine.models.base import ModelFamily, ModelSpec, builder, spec_from, tower_builder
 from workers.engine.models.gemma4.lm import Gemma4LanguageModel
 from workers.engine.models.gemma4.processing import Gemma4Images
 from workers.engine.models.gemma4.spec import TextSpec
@@ -60,4 +60,5 @@ FAMILY = ModelFamily(
     write_demo=write_demo,
     description="Gemma 4 dense and MoE (sliding-window + global attention, per-image token budgets)",
     images=Gemma4Images,
+    build_tower=tower_builder(build_vision),
 )

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, builder, spec_from
+from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, builder, spec_from, tower_builder
 from workers.engine.models.qwen2_5_vl.lm import TextSpec, build_language_model
 from workers.engine.models.qwen2_5_vl.vision import VisionSpec, build_vision
 from workers.engine.models.video_mrope import video_mrope_delta, video_mrope_positions
@@ -49,4 +49,5 @@ FAMILY = ModelFamily(
     write_demo=write_demo,
     description="Qwen2.5-VL 3B / 7B / 32B / 72B",
     video_layout=video_layout,
+    build_tower=tower_builder(build_vision),
 )

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workers.engine.models.base import ModelFamily, ModelSpec, builder, spec_from
+from workers.engine.models.base import ModelFamily, ModelSpec, builder, spec_from, tower_builder
 from workers.engine.models.mrope import mrope_delta, mrope_positions
 from workers.engine.models.qwen3_5.lm import build_language_model
 from workers.engine.models.qwen3_5.spec import TextSpec, recurrent_spec
@@ -56,4 +56,5 @@ FAMILY = ModelFamily(
     write_demo=write_demo,
     description="Qwen3.5 / Qwen3.6 dense and MoE (hybrid Gated DeltaNet + gated attention)",
     video_layout=video_layout,
+    build_tower=tower_builder(build_vision),
 )

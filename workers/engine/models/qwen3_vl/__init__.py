@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, builder, spec_from
+from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, builder, spec_from, tower_builder
 from workers.engine.models.mrope import mrope_delta, mrope_positions
 from workers.engine.models.qwen3_vl.lm import TextSpec, build_language_model
 from workers.engine.models.qwen3_vl.vision import VisionSpec, build_vision
@@ -65,4 +65,5 @@ FAMILY = ModelFamily(
     write_demo=write_demo,
     description="Qwen3-VL 2B / 4B / 8B / 32B dense, 30B-A3B / 235B-A22B MoE",
     video_layout=video_layout,
+    build_tower=tower_builder(build_vision),
 )

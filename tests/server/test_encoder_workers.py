@@ -1,0 +1,124 @@
+"""`glimpse serve --encoder-workers 1` end to end (real processes, real shm, real ZMQ, the official openai client):
+greedy answers to multi-image chats equal the same server's without encoder workers (which test_serving.py and
+test_qwen3_serving.py hold token-exact against transformers), on Qwen2.5-VL and Qwen3-VL (DeepStack levels travel in
+the landing segment); the model worker encodes nothing, the encoder everything, and a resent image is not encoded
+again. Killing the encoder mid-request fails what is in flight at once (a request waiting on it included), stops the
+server non-zero and leaves no segment of the launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.live import LiveServer, data_url, image_message, png_bytes
+
+MAX_NEW = 12
+# --chunk-size 64: prompts of several images take several chunks, so images land while earlier chunks run.
+ARGS = ("--tokenizer-workers", "1", "--chunk-size", "64", "--max-model-len", "2048")
+PAGES = [png_bytes(w, h, seed=90 + i) for i, (w, h) in enumerate([(300, 200), (57, 83), (123, 77), (200, 300)])]
+
+
+def ask(server: LiveServer, images: list[bytes], text: str) -> str:
+    resp = server.client(timeout=120).chat.completions.create(
+        model="demo", messages=image_message(text, [data_url(b) for b in images]),  # type: ignore[arg-type]
+        max_tokens=MAX_NEW, temperature=0,
+    )
+    return resp.choices[0].message.content or ""
+
+
+def stopped_clean(server: LiveServer) -> None:
+    assert server.stop() == 0, server.output()
+    assert server.segments() == []
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """(a server with one encoder worker, the same server without), on one family's demo checkpoint."""
+    model_dir: Path = request.getfixturevalue("demo_model_dir" if request.param == "qwen2_5_vl" else "qwen3_model_dir")
+    split = LiveServer(model_dir, *ARGS, "--encoder-workers", "1")
+    try:
+        plain = LiveServer(model_dir, *ARGS)
+    except BaseException:
+        split.stop()
+        raise
+    yield split, plain
+    try:
+        stopped_clean(split)
+    finally:
+        stopped_clean(plain)
+
+
+def test_multi_image_answers_equal_the_server_without_encoders(pair: tuple[LiveServer, LiveServer]) -> None:
+    split, plain = pair
+    for images, text in [(PAGES[:3], "Compare these three pages."), (PAGES[1:], "And now these?"),
+                         (PAGES[3:], "One more.")]:
+        assert ask(split, images, text) == ask(plain, images, text)
+    stats = split.stats_when("images_encoded", len(PAGES))
+    # The model worker ran no ViT and read no pixels: the encoder did all of it.
+    [worker] = stats["model_workers"]
+    assert (worker["images_encoded"], worker["vit_calls"], worker["pixel_reads"]) == (0, 0, 0), worker
+    [encoder] = stats["encoder_workers"]
+    assert encoder["images_encoded"] == encoder["jobs"] == len(PAGES) and encoder["failed"] == 0, encoder
+    assert stats["images_encoded"] == len(PAGES)
+    metrics = httpx.get(split.base + "/metrics").text
+    assert f'glimpse_encoder_images_encoded_total{{encoder="0"}} {float(len(PAGES))}' in metrics
+    assert plain.stats()["encoder_workers"] == []
+
+
+def test_a_resent_image_is_not_encoded_again(pair: tuple[LiveServer, LiveServer]) -> None:
+    split, _ = pair
+    first = png_bytes(160, 120, seed=7)
+    ask(split, [first], "Look at this.")
+    before = split.stats_when("images_encoded", len(PAGES) + 1)
+    assert before["encoder_workers"][0]["images_encoded"] == len(PAGES) + 1
+    ask(split, [first, PAGES[0]], "Look again, with a page seen before.")
+    time.sleep(0.5)  # counters arrive every 0.25 s
+    after = split.stats()
+    assert after["encoder_workers"][0]["images_encoded"] == before["encoder_workers"][0]["images_encoded"]
+    assert after["images_encoded"] == before["images_encoded"]
+    # (The first image may sit inside prefix-cache blocks, read by no chunk: the page is a hit at least.)
+    assert after["mm_cache"]["hits"] >= before["mm_cache"]["hits"] + 1
+    assert after["model_workers"][0]["images_encoded"] == 0
+
+
+def test_a_killed_encoder_fails_requests_in_flight_and_stops_the_server(demo_model_dir: Path) -> None:
+    server = LiveServer(demo_model_dir, *ARGS, "--encoder-workers", "1")
+    try:
+        [encoder] = server.child_pids("encoder")
+        body = {"model": "demo", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+                "messages": image_message("Describe it at length.", [data_url(png_bytes(90, 60, seed=11))])}
+        with httpx.stream("POST", server.base + "/v1/chat/completions", timeout=30, json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # decoding: its image went through the encoder already
+            # A second request whose image the (frozen) encoder never answers: it waits on the encoder's job.
+            os.kill(encoder, signal.SIGSTOP)
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(httpx.post, server.base + "/v1/chat/completions", timeout=30, json={
+                    "model": "demo", "max_tokens": 4,
+                    "messages": image_message("And this?", [data_url(png_bytes(70, 50, seed=12))]),
+                })
+                deadline = time.monotonic() + 10
+                while server.stats()["requests"]["running"] < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert server.stats()["requests"]["running"] == 2
+                os.kill(encoder, signal.SIGKILL)
+                killed = time.monotonic()
+                events = [line for line in lines if line.startswith("data: ")]
+                answer = waiting.result(10)
+        assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2].removeprefix("data: "))
+        assert answer.status_code == 503 and "encoder[0]" in answer.json()["error"]["message"]
+        code = server.proc.wait(10)
+        assert time.monotonic() - killed < 3.0 and code != 0
+        out = server.output()
+        assert "encoder[0]" in out and "killed by SIGKILL" in out, out
+    finally:
+        server.stop(signal.SIGKILL)
+    assert server.segments() == []
