@@ -93,7 +93,7 @@ def test_a_replica_host_tier_counts_as_held_blocks() -> None:
 
 
 def stats(replica: int, **kw: int) -> SchedulerStats:
-    base = {f: 0 for f in SchedulerStats.__struct_fields__ if f not in ("workers", "replica")}
+    base = {f: 0 for f in SchedulerStats.__struct_fields__ if f not in ("workers", "encoders", "replica")}
     base.update(kw)
     return SchedulerStats(**base, replica=replica, workers=[WorkerStats(0, 1, 2, 3, 4)])
 

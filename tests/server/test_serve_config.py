@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,21 @@ def test_kv_host_cache_is_off_by_default_and_refused_where_it_cannot_be_right(
     # Gemma 4 with every layer in the one pool takes it.
     args = ("--model", str(gemma4_model_dir), *cpu, "--kv-host-cache-mb", "64", "--num-window-blocks", "0")
     assert build_config(parse(*args)).engine.kv_host_cache_mb == 64
+
+
+def test_encoder_worker_flags_become_the_config_and_their_devices(demo_model_dir: Path) -> None:
+    base = ("--model", str(demo_model_dir), "--device", "cpu")
+    config = build_config(parse(*base))
+    assert (config.encoder_workers, config.encoder_devices) == (0, ())  # off by default: today's path
+    split = build_config(parse(*base, "--encoder-workers", "2"))
+    assert split.encoder_workers == 2 and split.encoder_device(1) == "cpu"
+    for bad, why in [(("--encoder-workers", "-1"), "--encoder-workers"),
+                     (("--encoder-workers", "1", "--mm-cache-mode", "request"), "--mm-cache-mode image"),
+                     (("--encoder-devices", "0"), "--encoder-devices")]:  # GPU indices: CUDA and encoders only
+        with pytest.raises(SystemExit, match=why):
+            build_config(parse(*base, *bad))
+    # On CUDA: the LM's GPUs of the encoder's replica by default (colocated), else the given ones in turn.
+    cuda = replace(split, engine=replace(split.engine, device="cuda", tp_size=2), dp_size=2)
+    assert [cuda.encoder_device(i) for i in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    chosen = replace(cuda, encoder_devices=(5, 6, 7))
+    assert [chosen.encoder_device(i) for i in range(4)] == ["cuda:5", "cuda:6", "cuda:7", "cuda:5"]

@@ -25,6 +25,7 @@ from workers.common.proc import freeze_heap, setup_child
 from workers.config import ServerConfig
 from workers.encoder.tower import EncoderTower
 from workers.engine.runner.batching import patches
+from workers.engine.runner.model_runner import CUDA_HOST_THREADS
 
 # Enough for the last answers to reach the scheduler before the process exits.
 _LINGER_MS = 2_000
@@ -48,6 +49,8 @@ def run_encoder_worker(config: ServerConfig, index: int) -> None:
         device = torch.device(config.encoder_device(index))
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            # As in a CUDA model worker: the host side is staging copies, and a full OpenMP pool only spins.
+            torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
         tower = EncoderTower(config.engine, config.launch_id, index, device)
         log.info("vision tower of %s loaded in %.1fs on %s, %s", config.engine.model, time.monotonic() - started,
                  device, tower.dtype)

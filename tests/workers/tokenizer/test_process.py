@@ -108,7 +108,7 @@ def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:
         assert sorted(list_segments(launch_id)) == sorted(first.shm_names + second.shm_names)
 
         # Back-pressure: the scheduler reports the budget spent, new images are refused with 503.
-        fields = {f: 0 for f in SchedulerStats.__struct_fields__ if f != "workers"}
+        fields = {f: 0 for f in SchedulerStats.__struct_fields__ if f not in ("workers", "encoders")}
         peer.tok.send(SchedulerStats(**{**fields, "shm_bytes": 100, "shm_budget_bytes": 100}))
         peer.tok.send(GenerateRequest("r7", chat_body([png(30, 30, seed=9)]), time.time()))
         failed = peer.expect(RequestFailed)
