@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 
 _kernels: tuple[Any, Any, Any] | None = None
 _tried = False
+# fla's chunk pipeline with its per-chunk states kept (``_chunk_states``): None until tried, False where it failed.
+_states: Any = None
+CHUNK = 64  # fla's chunk length: the states it keeps are those at every 64th token of a sequence
 
 
 def _load() -> tuple[Any, Any, Any] | None:
@@ -43,6 +46,96 @@ def _load() -> tuple[Any, Any, Any] | None:
 
 def available() -> bool:
     return _load() is not None
+
+
+def _load_states() -> Any:
+    """fla's chunked forward as five calls (l2 norms, decay cumsum, WY representation, state pass, output) instead
+    of its one public function, which keeps the state before every 64-token chunk (``h``) internally and hands
+    back only the final one. With ``h`` a step's snapshots at chunk-aligned points come out of one call per
+    layer, where the public function needs the sequences cut at them (a call per cut). These are fla's internal
+    functions, so they are imported and checked against the public function on the device once (``_probe``); any
+    failure leaves the rounds path in use."""
+    global _states
+    if _states is None:
+        _states = False
+        try:
+            from fla.modules.norm.l2norm import l2norm_fwd
+            from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+            from fla.ops.common.chunk_o import chunk_fwd_o
+            from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+            from fla.ops.utils import chunk_local_cumsum
+            from fla.ops.utils.constant import RCP_LN2
+
+            parts = (l2norm_fwd, chunk_local_cumsum, chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_h,
+                     chunk_fwd_o, RCP_LN2)  # fmt: skip
+            if _probe(parts):
+                _states = parts
+        except Exception as exc:  # noqa: BLE001 - another fla version: the rounds path serves
+            log.info("fla's chunk states unavailable (%s: %s); snapshots inside a chunk cut it into rounds",
+                     type(exc).__name__, exc)  # fmt: skip
+    return _states or None
+
+
+def _chunk_states(
+    parts: Any, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
+    use_qk_l2norm: bool, cu: Tensor, indices: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [1, T, Hv, V], states before each chunk [1, NT, Hv, K, V] in k's dtype, final states float32) for a varlen
+    batch ([1, T, ...] inputs): the order of calls of fla's public chunk function, forward only."""
+    l2norm_fwd, cumsum, intra, fwd_h, fwd_o, rcp_ln2 = parts
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))  # its public function's input guard does this
+    if use_qk_l2norm:
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+    g = cumsum(g, chunk_size=CHUNK, scale=rcp_ln2, cu_seqlens=cu, chunk_indices=indices)
+    w, u, _ = intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu, chunk_indices=indices, chunk_size=CHUNK)
+    h, v_new, final = fwd_h(
+        k=k, w=w, u=u, g=g, initial_state=initial_state, output_final_state=True, cu_seqlens=cu,
+        chunk_indices=indices, chunk_size=CHUNK,
+    )
+    o = fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_indices=indices,
+              chunk_size=CHUNK)  # fmt: skip
+    return o, h, final
+
+
+def _probe(parts: Any) -> bool:
+    """The five calls against fla's public function on two sequences (70 and 130 tokens, one with a state), once
+    on the current CUDA device: outputs and final states must agree to rounding, and the kept state at token 64 of
+    the second sequence must equal the public function's final state of its first 64 tokens."""
+    kernels = _load()
+    if kernels is None or not torch.cuda.is_available():
+        return False
+    chunk_rule, chunk_indices, _ = kernels
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hk, hv, d = 2, 4, 64
+    lens = [70, 130]
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float32)
+
+    t = sum(lens)
+    q, k, v = rand(1, t, hk, d), rand(1, t, hk, d), rand(1, t, hv, d)
+    g, beta = -torch.rand(1, t, hv, device="cuda", generator=gen), torch.rand(1, t, hv, device="cuda", generator=gen)
+    h0 = rand(2, hv, d, d) * 0.1
+    h0[0] = 0
+    host = torch.tensor([0, lens[0], t], dtype=torch.int64)
+    cu = host.cuda()
+    indices = chunk_indices(cu, CHUNK, cu_seqlens_cpu=host)
+    want_o, want_final = chunk_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=host,
+                                    chunk_indices=indices)  # fmt: skip
+    o, h, final = _chunk_states(parts, q, k, v, g, beta, h0, True, cu, indices)
+    s = slice(lens[0], lens[0] + CHUNK)
+    host1 = torch.tensor([0, CHUNK], dtype=torch.int64)
+    _, at64 = chunk_rule(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], initial_state=h0[1:], output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, cu_seqlens=host1.cuda(), cu_seqlens_cpu=host1)  # fmt: skip
+    first_chunks = (lens[0] + CHUNK - 1) // CHUNK  # the second sequence's chunks start after the first's
+    ok = all(
+        ((a - b).norm() / b.norm()).item() < 1e-2  # TF32 dots; a wrong call is off by O(1)
+        for a, b in ((o, want_o), (final, want_final), (h[0, first_chunks + 1].float(), at64[0]))
+    )
+    if not ok:
+        log.warning("fla's chunk states disagree with its public function; snapshots inside a chunk cut it into rounds")
+    return ok
 
 
 def decode_step(
@@ -78,15 +171,84 @@ def _gather(pool: Tensor, st: StateMetadata) -> Tensor:
     return h0.masked_fill_(~st.has_initial.view(-1, 1, 1, 1), 0)
 
 
+def _to_device(meta: AttentionMetadata, arrays: list[Tensor]) -> list[Tensor]:
+    """Host int64 index arrays on the model's device with one copy: packed into one pinned buffer, each at a
+    16-byte boundary (Triton specialises pointer arguments on that alignment: a view at an 8-byte offset would
+    compile a second variant of every fla kernel). A pageable copy would wait for every kernel queued before it."""
+    device = meta.query_start_loc.device
+    sizes = [a.numel() for a in arrays]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n + n % 2)
+    host = torch.zeros(offsets[-1], dtype=torch.int64)
+    for a, at, n in zip(arrays, offsets, sizes):
+        host[at : at + n] = a.flatten()
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    return [flat[at : at + n].view(a.shape) for a, at, n in zip(arrays, offsets, sizes)]
+
+
 def _varlen(meta: AttentionMetadata, starts: list[int], chunk_indices: Any) -> tuple[Tensor, Tensor, Tensor]:
     """cu_seqlens on the device and the host, and fla's chunk indices, for the whole step: the same objects for
     every layer (kept in ``meta.derived``), so fla's identity-keyed caches hit and nothing is read back."""
     found = meta.derived.get("gdn_varlen")
     if found is None:
         host = torch.tensor(starts, dtype=torch.int64)
-        device = meta.query_start_loc.to(torch.int64)
-        found = (device, host, chunk_indices(device, 64, cu_seqlens_cpu=host))
+        cu, indices = _to_device(meta, [host, chunk_indices(host, CHUNK, cu_seqlens_cpu=host)])
+        found = (cu, host, indices)
         meta.derived["gdn_varlen"] = found
+    return found
+
+
+def _aligned(meta: AttentionMetadata, st: StateMetadata) -> bool:
+    """Whether every snapshot inside a sequence (not at its end) falls after a whole number of fla's chunks."""
+    return all(n % CHUNK == 0 for b, n, _ in st.snapshots if n < meta.query_lens_cpu[b])
+
+
+def _state_plan(meta: AttentionMetadata, st: StateMetadata) -> list[Tensor]:
+    """Where each snapshot comes from, for the whole step (kept in ``meta.derived``, built once for all layers):
+    rows of the kept chunk states and their slots for snapshots inside sequences, sequences and slots for those at
+    a sequence's end."""
+    found = meta.derived.get("gdn_state_plan")
+    if found is None:
+        first = [0]  # sequence b's chunks start at row first[b] of fla's kept states
+        for n in meta.query_lens_cpu:
+            first.append(first[-1] + (n + CHUNK - 1) // CHUNK)
+        inside = [(first[b] + n // CHUNK, slot) for b, n, slot in st.snapshots if n < meta.query_lens_cpu[b]]
+        at_end = [(b, slot) for b, n, slot in st.snapshots if n == meta.query_lens_cpu[b]]
+        found = _to_device(meta, [torch.tensor(col, dtype=torch.int64) for pairs in (inside, at_end)
+                                  for col in ([x for x, _ in pairs], [y for _, y in pairs])])  # fmt: skip
+        meta.derived["gdn_state_plan"] = found
+    return found
+
+
+Round = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[tuple[int, int]]]
+
+
+def _round_plan(meta: AttentionMetadata, st: StateMetadata, starts: list[int], chunk_indices: Any) -> list[Round]:
+    """Each round's (rows, cu_seqlens, cu_seqlens on the host, sequences, chunk indices, snapshots as (piece,
+    slot)) for the whole step, on the device with one copy (kept in ``meta.derived``)."""
+    found = meta.derived.get("gdn_rounds")
+    if found is None:
+        ends: dict[tuple[int, int], list[int]] = {}
+        for b, n, slot in st.snapshots:
+            ends.setdefault((b, n), []).append(slot)
+        arrays: list[Tensor] = []
+        snaps: list[list[tuple[int, int]]] = []
+        for pieces in _segments(meta, st, starts):
+            cu = [0]
+            for _, s, e in pieces:
+                cu.append(cu[-1] + e - s)
+            cu_host = torch.tensor(cu, dtype=torch.int64)
+            arrays += [torch.cat([torch.arange(s, e) for _, s, e in pieces]), cu_host,
+                       torch.tensor([b for b, _, _ in pieces], dtype=torch.int64),
+                       chunk_indices(cu_host, CHUNK, cu_seqlens_cpu=cu_host)]  # fmt: skip
+            snaps.append([(i, slot) for i, (b, _, e) in enumerate(pieces) for slot in ends.get((b, e - starts[b]), [])])
+        dev = _to_device(meta, arrays)
+        found = [(dev[4 * r], dev[4 * r + 1], arrays[4 * r + 1], dev[4 * r + 2], dev[4 * r + 3], snaps[r])
+                 for r in range(len(snaps))]  # fmt: skip
+        meta.derived["gdn_rounds"] = found
     return found
 
 
@@ -122,12 +284,8 @@ def gated_delta_rule(
     starts = [0]
     for n in meta.query_lens_cpu:
         starts.append(starts[-1] + n)
-    rounds = _segments(meta, st, starts)
-    ends: dict[tuple[int, int], list[int]] = {}
-    for b, n, slot in st.snapshots:
-        ends.setdefault((b, n), []).append(slot)
-
-    if len(rounds) == 1:  # no sequence cut: one varlen call over the whole batch, decodes included
+    if all(n == meta.query_lens_cpu[b] for b, n, _ in st.snapshots):
+        # No sequence cut: one varlen call over the whole batch, decodes included.
         cu, cu_host, indices = _varlen(meta, starts, chunk_indices)
         o, final = chunk_rule(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
@@ -135,34 +293,37 @@ def gated_delta_rule(
             cu_seqlens=cu, cu_seqlens_cpu=cu_host, chunk_indices=indices,
         )
         ssm_state.index_copy_(0, st.slots, final.to(ssm_state.dtype))
-        for (b, _), slots in ends.items():  # every snapshot here is at its sequence's end
-            for slot in slots:
-                ssm_state[slot].copy_(final[b])
+        for b, _, slot in st.snapshots:  # every snapshot here is at its sequence's end
+            ssm_state[slot].copy_(final[b])
         return o.squeeze(0)
 
-    # Snapshots inside sequences: round k runs every sequence's k-th piece in one varlen call, from the states
-    # round k-1 left (float32 between rounds, as fla hands them back).
+    parts = _load_states() if _aligned(meta, st) else None
+    if parts is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # Every cut at a multiple of fla's chunk: one call, the snapshots read from the states it keeps.
+        cu, cu_host, indices = _varlen(meta, starts, chunk_indices)
+        o, h, final = _chunk_states(
+            parts, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+            _gather(ssm_state, st), use_qk_l2norm, cu, indices,
+        )
+        plan = _state_plan(meta, st)
+        ssm_state.index_copy_(0, st.slots, final.to(ssm_state.dtype))
+        ssm_state.index_copy_(0, plan[1], h[0].index_select(0, plan[0]).to(ssm_state.dtype))
+        ssm_state.index_copy_(0, plan[3], final.index_select(0, plan[2]).to(ssm_state.dtype))
+        return o.squeeze(0)
+
+    # Other snapshots inside sequences: round k runs every sequence's k-th piece in one varlen call, from the
+    # states round k-1 left (float32 between rounds, as fla hands them back).
     out = torch.empty_like(v)
     state = _gather(ssm_state, st).float()
-    for pieces in rounds:
-        rows = torch.cat([torch.arange(s, e) for _, s, e in pieces]).to(q.device, non_blocking=True)
-        host = [0]
-        for _, s, e in pieces:
-            host.append(host[-1] + e - s)
-        cu_host = torch.tensor(host, dtype=torch.int64)
-        cu = cu_host.to(q.device, non_blocking=True)
-        seqs_host = [b for b, _, _ in pieces]
-        seqs = torch.tensor(seqs_host, device=q.device)
+    for rows, cu, cu_host, seqs, indices, snaps in _round_plan(meta, st, starts, chunk_indices):
         o, final = chunk_rule(
             *(t.index_select(0, rows).unsqueeze(0) for t in (q, k, v, g, beta)),
             initial_state=state.index_select(0, seqs), output_final_state=True,
-            use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu, cu_seqlens_cpu=cu_host,
-            chunk_indices=chunk_indices(cu, 64, cu_seqlens_cpu=cu_host),
+            use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu, cu_seqlens_cpu=cu_host, chunk_indices=indices,
         )
         out.index_copy_(0, rows, o.squeeze(0))
         state.index_copy_(0, seqs, final)
-        for i, (b, _, e) in enumerate(pieces):
-            for slot in ends.get((b, e - starts[b]), []):
-                ssm_state[slot].copy_(final[i])
+        for i, slot in snaps:
+            ssm_state[slot].copy_(final[i])
     ssm_state.index_copy_(0, st.slots, state.to(ssm_state.dtype))
     return out

@@ -272,6 +272,9 @@ FLA_CASES = [
     ([1, 1, 1, 1], [True, False, True, True], [(2, 1, 7)]),  # all decode: the fused recurrent kernel
     ([1, 200, 1, 3, 130], [True, True, False, False, True], [(1, 200, 7), (0, 1, 8)]),  # one varlen call
     ([1, 150, 90], [True, True, False], [(1, 16, 7), (1, 100, 8), (1, 150, 9), (2, 64, 10), (0, 1, 11)]),  # rounds
+    # every cut after whole 64-token chunks: one call, snapshots from the states fla keeps
+    ([1, 200, 130, 64], [True, False, True, True],
+     [(1, 64, 7), (1, 128, 8), (1, 200, 9), (2, 128, 10), (0, 1, 11), (3, 64, 6)]),
 ]
 
 
@@ -314,6 +317,28 @@ def fake_recurrent(*, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
 FAKE_KERNELS = (fake_chunk, fake_indices, fake_recurrent)
 
 
+def fake_chunk_states(parts: object, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
+                      use_qk_l2norm: bool, cu: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """fla's chunk pipeline with its kept states (gated_delta_fla._chunk_states: [1, T] inputs; the state before
+    each 64-token chunk of each sequence, sequence after sequence, in k's dtype), through transformers' torch
+    function a chunk at a time."""
+    assert parts == "fla internals" and indices.shape == (len(cu) - 1, 2)
+    bounds = cu.tolist()
+    outs, kept, finals = [], [], []
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        state = initial_state[i : i + 1].float()
+        for c in range(s, e, gated_delta_fla.CHUNK):
+            kept.append(state.to(k.dtype))
+            rows = slice(c, min(c + gated_delta_fla.CHUNK, e))
+            out, state = torch_chunk_gated_delta_rule(
+                *(t[:, rows] for t in (q, k, v, g, beta)), initial_state=state, output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm,
+            )
+            outs.append(out.to(v.dtype))
+        finals.append(state)
+    return torch.cat(outs, dim=1), torch.cat(kept).unsqueeze(0), torch.cat(finals)
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("lens", "has_initial", "snapshots"), FLA_CASES)
 def test_the_fla_wrapper_gathers_splits_and_scatters_like_the_torch_path(
@@ -325,6 +350,9 @@ def test_the_fla_wrapper_gathers_splits_and_scatters_like_the_torch_path(
     it runs on the CPU whether fla is installed or not. The kernels themselves: the CUDA test below."""
     monkeypatch.setattr(gated_delta_fla, "_kernels", FAKE_KERNELS)
     monkeypatch.setattr(gated_delta_fla, "_tried", True)
+    monkeypatch.setattr(gated_delta_fla, "_states", "fla internals")
+    calls: list[int] = []
+    monkeypatch.setattr(gated_delta_fla, "_chunk_states", lambda *a: calls.append(1) or fake_chunk_states(*a))
     inp = Inputs(sum(lens), v_heads=2 * K_HEADS, seed=8)
     _, ssm = pools(inp.v_heads, inp.channels, dtype=pool_dtype)
     slots = [3, 0, 5, 1, 9][: len(lens)]
@@ -338,6 +366,8 @@ def test_the_fla_wrapper_gathers_splits_and_scatters_like_the_torch_path(
     close(got, want, LOOSE)
     # Every slot (the untouched ones equal); in bfloat16 one rounding apart at most.
     close(ssm.float(), ssm_t.float(), LOOSE if pool_dtype == torch.float32 else 1e-2)
+    inside = [n for b, n, _ in snapshots if n < lens[b]]
+    assert len(calls) == (1 if inside and all(n % 64 == 0 for n in inside) else 0)  # the kept states or not
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
@@ -390,6 +420,15 @@ def test_the_fla_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, dt
         written = slots + [slot for _, _, slot in snapshots]
         assert rel_err(got, want) < tol and rel_err(ssm[written], ssm_t[written]) < tol, (lens, dtype)
         assert torch.equal(conv, conv_t)
+
+
+@pytest.mark.gpu
+def test_the_kept_chunk_states_pass_their_probe_on_the_installed_fla() -> None:
+    """The five internal calls agree with fla's public function on this device (else every step with a snapshot
+    inside a sequence would fall back to rounds, silently slower)."""
+    if not torch.cuda.is_available() or not gated_delta_fla.available():
+        pytest.skip("needs CUDA and flash-linear-attention (fla-core)")
+    assert gated_delta_fla._load_states() is not None
 
 
 def rel_err(got: Tensor, want: Tensor) -> float:
