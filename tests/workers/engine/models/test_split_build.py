@@ -1,11 +1,13 @@
 """A model built for a split model worker (``--encoder-workers``: ``build(..., vision=False)``), for every family: no
 vision parameter is allocated, loading reads no ``visual.*`` tensor of the checkpoint yet fills the language model
 exactly as a full load does, and a call that would need the tower raises ``NoVisionTower``; the runner built so
-reports no vision weights, and a plan that asks it to encode fails with the same clear error."""
+reports no vision weights, warms up without a ViT call, and a plan that asks it to encode fails with the same clear
+error."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family, load, load_spec
 from workers.engine.models.base import NoVisionTower, VLModel
 from workers.engine.runner.model_runner import ModelRunner
+from workers.engine.runner.warmup import _warm_steps, warm_vision_attention
 
 FIXTURES = ["demo_model_dir", "qwen3_model_dir", "qwen3_moe_model_dir", "qwen3_5_model_dir", "qwen3_5_moe_model_dir",
             "gemma4_model_dir", "gemma4_moe_model_dir"]
@@ -75,12 +78,28 @@ def test_a_dummy_load_without_the_tower_fills_the_language_model_alike(demo_mode
     assert all(torch.equal(t, want[k]) for k, t in split.lm.state_dict().items())
 
 
-def test_a_runner_without_its_tower_reports_no_vision_weights_and_refuses_to_encode(demo_model_dir: Path) -> None:
-    cfg = EngineConfig(model=str(demo_model_dir), num_kv_blocks=16, max_model_len=512)
+@pytest.fixture(scope="module")
+def runners(demo_model_dir: Path) -> tuple[ModelRunner, ModelRunner]:
+    """(the demo model's runner, the same without its tower: a split model worker's)."""
+    cfg = EngineConfig(model=str(demo_model_dir), num_kv_blocks=16, max_model_len=512, chunk_size=64)
     full = ModelRunner(cfg, pixel_source=lambda item: torch.zeros(0))
-    split = ModelRunner(EngineConfig(**{**cfg.__dict__, "vision_tower": False}), pixel_source=lambda item: torch.zeros(0))
+    split = ModelRunner(replace(cfg, vision_tower=False), pixel_source=lambda item: torch.zeros(0))
+    return full, split
+
+
+def test_a_runner_without_its_tower_reports_no_vision_weights_and_refuses_to_encode(
+    runners: tuple[ModelRunner, ModelRunner],
+) -> None:
+    full, split = runners
     assert split.vision is None and split.vision_weight_bytes == 0
     assert full.vision_weight_bytes > 0 and split.weight_bytes == full.weight_bytes - full.vision_weight_bytes
     job = EncodeJob(b"k" * 16, [EncodeItem(b"k" * 16, (1, 4, 4), 4, None)])
     with pytest.raises(NoVisionTower, match="no vision tower"):
         split.execute(StepPlan(1, [], [], [], [job], []))
+
+
+def test_the_warm_up_of_a_runner_without_its_tower_runs_no_vit(runners: tuple[ModelRunner, ModelRunner]) -> None:
+    _, split = runners
+    warm_vision_attention(split)  # nothing to warm
+    patches, tokens = _warm_steps(split, frame_side=8, sizes=((112, 56),))
+    assert patches == [] and tokens[0] == 16 * 16  # no ViT call; chunks from as many tokens as the blocks hold
