@@ -25,6 +25,8 @@ class WorkerStats(Msg, frozen=True):
     gc_frozen: int = 0  # objects moved out of the collector's reach at start-up (workers.common.proc.freeze_heap)
     gc_full: int = 0  # collections of the oldest generation among gc_collections
     gc_pause_s_sum: float = 0.0  # all of them together: time the process's Python stood still
+    weight_bytes: int = 0  # the model's parameters and buffers on this rank
+    vision_weight_bytes: int = 0  # the vision tower's part of them (0: built without it, --encoder-workers)
 
 
 class EncoderStats(Msg, frozen=True):
@@ -56,12 +58,16 @@ class SchedulerStats(Msg, frozen=True):
     mm_cache_evictions: int
     images_encoded: int
     vit_batches: int
-    shm_segments: int
-    shm_bytes: int
+    shm_segments: int  # pixel segments
+    shm_bytes: int  # what --shm-budget-mb bounds: pixels in flight and retained, and landing segments
     shm_budget_bytes: int
     steps: int
     shm_retained_segments: int = 0  # kept after their requests ended, for reuse by later turns
     shm_retained_bytes: int = 0
+    # --encoder-workers: embeddings an encoder wrote, from its EncodeDone until the scheduler unlinks them (in
+    # shm_bytes too)
+    shm_landing_segments: int = 0
+    shm_landing_bytes: int = 0
     plan_bytes_last: int = 0
     plan_bytes_max: int = 0
     workers: list[WorkerStats] = []

@@ -123,6 +123,9 @@ class StepPlan(Msg, frozen=True):
     mm_host_evict: list[bytes] = []
     mm_spill: list[bytes] = []
     mm_reload: list[bytes] = []
+    # Host entries copied with ``mm_reload`` but for this step only (the GPU tier refused them) and kept in the host
+    # tier: only model workers without a vision tower (--encoder-workers) get these, where others encode the entry.
+    mm_reload_once: list[bytes] = []
     # Host-RAM tier of prefix-cache KV blocks (workers/engine/core/host_kv_index.py). Ordering rule: every rank copies
     # all ``kv_spill`` (device block, host slot) first, then all ``kv_load`` (host slot, device block), then runs the
     # forward: a spilled block is one this step hands out again, so it must be read before anything writes KV, and a

@@ -85,7 +85,8 @@ def replica_rows(book: ReplicaReports, views: Sequence[ReplicaView]) -> list[dic
                 prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
                 images_encoded=s.images_encoded,
                 mm_cache={"entries": s.mm_cache_entries, "hits": s.mm_cache_hits, "misses": s.mm_cache_misses},
-                shm={"segments": s.shm_segments, "bytes": s.shm_bytes, "budget_bytes": s.shm_budget_bytes},
+                shm={"segments": s.shm_segments, "bytes": s.shm_bytes, "budget_bytes": s.shm_budget_bytes,
+                     "landing_bytes": s.shm_landing_bytes},
             )
         rows.append(row)
     return rows

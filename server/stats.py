@@ -164,6 +164,9 @@ class StatsBook:
                 "budget_bytes": s.shm_budget_bytes,
                 "retained_segments": s.shm_retained_segments,
                 "retained_bytes": s.shm_retained_bytes,
+                # --encoder-workers: landed embeddings not yet imported and unlinked (counted in "bytes" too)
+                "landing_segments": s.shm_landing_segments,
+                "landing_bytes": s.shm_landing_bytes,
             },
             "gpu": {
                 "peak_allocated_bytes": s.gpu_peak_bytes or None,
@@ -178,6 +181,8 @@ class StatsBook:
                     "images_encoded": w.images_encoded,
                     "vit_calls": w.vit_calls,
                     "steps": w.steps,
+                    "weight_bytes": w.weight_bytes,
+                    "vision_weight_bytes": w.vision_weight_bytes,  # 0 with --encoder-workers: no tower here
                     "broadcast_ms_mean": 1e3 * w.broadcast_s_sum / w.steps if w.steps else 0.0,
                     "broadcast_ms_max": 1e3 * w.broadcast_s_max,
                     "gc": gc_row(w.gc_collections, w.gc_full, w.gc_pause_s_sum, w.gc_pause_s_max, w.gc_frozen),
@@ -304,8 +309,11 @@ class _BookCollector(Collector):
             yield counter("images_encoded", "Images run through the vision tower.", s.images_encoded)
             yield counter("vit_batches", "Vision tower batches run.", s.vit_batches)
             yield gauge("shm_segments", "Shared-memory pixel segments alive.", s.shm_segments)
-            yield gauge("shm_bytes", "Bytes of pixels in flight in shared memory.", s.shm_bytes)
-            yield gauge("shm_budget_bytes", "Budget of pixel bytes in flight.", s.shm_budget_bytes)
+            yield gauge("shm_bytes", "Bytes in shared memory the budget counts: pixels and landed embeddings.",
+                        s.shm_bytes)
+            yield gauge("shm_budget_bytes", "Budget of bytes in shared memory (--shm-budget-mb).", s.shm_budget_bytes)
+            yield gauge("shm_landing_bytes", "Bytes of encoder workers' landed embeddings in shared memory.",
+                        s.shm_landing_bytes)
             if s.encoders:
                 yield from _encoder_metrics(s)
         def labelled(name: str, doc: str, kind: type[GaugeMetricFamily | CounterMetricFamily]) -> Any:

@@ -143,6 +143,7 @@ def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
     base |= {"requests_running": 2, "requests_waiting": 3, "kv_blocks_used": 10, "kv_blocks_total": 100}
     base |= {"mm_cache_entries": 4, "mm_cache_bytes": 4096, "mm_cache_hits": 3, "mm_cache_misses": 1}
     base |= {"images_encoded": 1, "vit_batches": 1, "shm_segments": 2, "shm_bytes": 2048, "shm_budget_bytes": 1 << 30}
+    base |= {"shm_landing_segments": 1, "shm_landing_bytes": 512}  # --encoder-workers: part of shm_bytes
     base |= {"mm_host_cache_budget_bytes": 1 << 20, "mm_host_cache_bytes": 3072, "mm_host_cache_entries": 1,
              "mm_host_cache_hits": 2, "mm_host_cache_spills": 4, "mm_host_cache_reloads": 2}
     base |= {"kv_host_cache_slots_total": 64, "kv_host_cache_slots_used": 9, "kv_host_cache_spilled_blocks": 12,
@@ -163,7 +164,8 @@ def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
                                       "reloads": 2, "evictions": 0}
     assert stats["kv_host_cache"] == {"slots_total": 64, "slots_used": 9, "spilled_blocks": 12, "loaded_blocks": 3,
                                       "hit_tokens": 48}
-    assert stats["shm"] == {"segments": 2, "bytes": 2048, "budget_bytes": 1 << 30, "retained_segments": 0, "retained_bytes": 0}
+    assert stats["shm"] == {"segments": 2, "bytes": 2048, "budget_bytes": 1 << 30, "retained_segments": 0, "retained_bytes": 0,
+                            "landing_segments": 1, "landing_bytes": 512}
     assert stats["tokenizers"] == [
         {"worker": 0, "queue_depth": 0, "outstanding": 0, "requests": 0, "images": 0, "images_reused": 0, "images_deferred": 0, "videos": 0, "videos_decoded": 0, "video_frames_decoded": 0, "video_groups_reused": 0},
         {"worker": 1, "queue_depth": 2, "outstanding": 0, "requests": 9, "images": 6, "images_reused": 4, "images_deferred": 0, "videos": 0, "videos_decoded": 0, "video_frames_decoded": 0, "video_groups_reused": 0},
@@ -181,6 +183,7 @@ def test_admin_stats_and_metrics(serve: ServeFactory) -> None:
         "glimpse_kv_host_cache_loaded_blocks_total 3.0",
         "glimpse_kv_host_cache_hit_tokens_total 48.0",
         "glimpse_generated_tokens_total 50.0",
+        "glimpse_shm_landing_bytes 512.0",
         'glimpse_tokenizer_images_reused_total{worker="1"} 4.0',
         'glimpse_tokenizer_outstanding{worker="0"} 0.0',
         "glimpse_requests_total 0.0",

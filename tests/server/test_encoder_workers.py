@@ -1,8 +1,8 @@
 """`glimpse serve --encoder-workers 1` end to end (real processes, real shm, real ZMQ, the official openai client):
 greedy answers to multi-image chats equal the same server's without encoder workers (which test_serving.py and
 test_qwen3_serving.py hold token-exact against transformers), on Qwen2.5-VL and Qwen3-VL (DeepStack levels travel in
-the landing segment); the model worker encodes nothing, the encoder everything, and a resent image is not encoded
-again. Killing the encoder mid-request fails what is in flight at once (a request waiting on it included), stops the
+the landing segment); the model worker encodes nothing and holds no vision weights, the encoder encodes everything,
+landed entries leave the shm budget once imported, and a resent image is not encoded again. Killing the encoder mid-request fails what is in flight at once (a request waiting on it included), stops the
 server non-zero and leaves no segment of the launch."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,6 +33,14 @@ def ask(server: LiveServer, images: list[bytes], text: str) -> str:
         max_tokens=MAX_NEW, temperature=0,
     )
     return resp.choices[0].message.content or ""
+
+
+def wait_for_stats(server: LiveServer, cond: Callable[[dict[str, Any]], bool], timeout: float = 5.0) -> dict[str, Any]:
+    """/admin/stats once ``cond`` holds (the scheduler's figures arrive every 0.25 s), or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond(stats := server.stats()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stats
 
 
 def stopped_clean(server: LiveServer) -> None:
@@ -65,6 +74,12 @@ def test_multi_image_answers_equal_the_server_without_encoders(pair: tuple[LiveS
     # The model worker ran no ViT and read no pixels: the encoder did all of it.
     [worker] = stats["model_workers"]
     assert (worker["images_encoded"], worker["vit_calls"], worker["pixel_reads"]) == (0, 0, 0), worker
+    # It built no vision tower at all: its weights are the plain server's less the tower's.
+    [plain_worker] = plain.stats()["model_workers"]
+    assert worker["vision_weight_bytes"] == 0 < plain_worker["vision_weight_bytes"], (worker, plain_worker)
+    assert worker["weight_bytes"] == plain_worker["weight_bytes"] - plain_worker["vision_weight_bytes"]
+    # Every landed entry was imported and unlinked: nothing of it is left in the shm budget.
+    assert wait_for_stats(split, lambda s: s["shm"]["landing_bytes"] == 0)["shm"]["landing_segments"] == 0
     [encoder] = stats["encoder_workers"]
     assert encoder["images_encoded"] == encoder["jobs"] == len(PAGES) and encoder["failed"] == 0, encoder
     assert stats["images_encoded"] == len(PAGES)

@@ -85,6 +85,10 @@ class EngineConfig:
     state_snapshot_every: int = 16
     seed: int = 0
     tp_size: int = 1
+    # Build and load the vision tower in the model runner. False in a model worker of a server with
+    # --encoder-workers (its process sets it): encoder workers run the tower, the model worker only imports their
+    # entries, so it reads no ``visual.*`` weight and its caches get the tower's memory.
+    vision_tower: bool = True
     # The checkpoint's parsed config.json: the launcher reads it once and every process gets this copy.
     # None (the offline Engine, tests): read on first use by ``model_spec()``.
     spec: ModelSpec | None = None

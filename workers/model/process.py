@@ -119,6 +119,8 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
     try:
         t0 = time.monotonic()
         tp, engine = _init_tp(config, index)
+        if config.encoder_workers:  # encoder workers run the tower: this worker builds none and imports their entries
+            engine = replace(engine, vision_tower=False)
         runner = ModelRunner(engine, pixel_source=reader, tp=tp)
         runner.counters.keep_per_step = False  # a serving worker's steps never end: keep no list of them
         log.info(
@@ -242,6 +244,7 @@ def _report(
             rank, reader.reads, reader.bytes_read, c.images_encoded, c.vit_calls,
             reader.steps, reader.broadcast_s_sum, reader.broadcast_s_max, peak, allocated,
             gc_watch.collections, gc_watch.pause_s_max, gc_watch.frozen, gc_watch.full, gc_watch.pause_s_sum,
+            runner.weight_bytes, runner.vision_weight_bytes,
         )
     )
 

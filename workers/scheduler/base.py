@@ -142,7 +142,9 @@ class SchedulerBase:
             self.deferred_unlinks.extend(names)
             return
         busy = self._busy_names()
-        unlink_all([n for n in names if n not in busy])
+        gone = [n for n in names if n not in busy]
+        unlink_all(gone)
+        self.ledger.unlinked(gone)  # landing segments leave the shm budget only now
         self.deferred_unlinks.extend(n for n in names if n in busy)
 
     def _fail(self, rid: str, status: int, message: str, code: str | None = None) -> None:

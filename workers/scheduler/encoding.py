@@ -19,6 +19,9 @@ class EncodeAnswers(StepResults):
 
     def _on_encode_done(self, msg: EncodeDone) -> None:
         self.encoding.answered(msg.key)
+        # Its bytes count against --shm-budget-mb until it is unlinked: accepted even past the budget (the encode is
+        # done and a request waits for it), but new image requests get 503 until the shared memory drains.
+        self.ledger.land(msg.embeddings.name, msg.embeddings.nbytes)
         if self.core.remote is None:
             self.unlink([msg.embeddings.name])
             return

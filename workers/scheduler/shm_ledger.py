@@ -13,6 +13,11 @@ With overlap of preprocessing and prefill a request arrives before some of its i
 bytes count from the start, their names join the holding only once published (`publish`). A request that
 ends first leaves those names as an orphan: unlinked at once (a tokenizer that died never reports), and
 again when one is published after all, so nothing stays behind in /dev/shm.
+
+With encoder workers (``--encoder-workers``) the budget also counts each *landing* segment (an image's embeddings,
+written by an encoder) from the ``EncodeDone`` that hands it to the scheduler until the scheduler unlinks it, so the
+budget bounds everything of the launch in /dev/shm. A landing segment is never refused (its encode is done and a
+running request waits for it); while pixels and landing together are past the budget, new image requests are.
 """
 
 from __future__ import annotations
@@ -38,11 +43,33 @@ class ShmLedger:
     _last_used: dict[bytes, float] = field(default_factory=dict)  # retained hash -> when it was last held
     _pending: dict[str, dict[bytes, str]] = field(default_factory=dict)  # rid -> hash -> name still being written
     _orphans: OrderedDict[str, dict[bytes, str]] = field(default_factory=OrderedDict)  # ended, images still coming
+    _landing: dict[str, int] = field(default_factory=dict)  # landing segment name -> bytes, until unlinked
 
     @property
     def used_bytes(self) -> int:
+        """Bytes the budget counts: live and retained pixels, and landing segments."""
         live = sum(self._sizes.values())
-        return live + sum(n for h, (_, n) in self._retained.items() if h not in self._sizes)
+        retained = sum(n for h, (_, n) in self._retained.items() if h not in self._sizes)
+        return live + retained + self.landing_bytes
+
+    @property
+    def landing_bytes(self) -> int:
+        return sum(self._landing.values())
+
+    @property
+    def landing_segments(self) -> int:
+        return len(self._landing)
+
+    def land(self, name: str, nbytes: int) -> None:
+        """An encoder worker handed the scheduler its landing segment ``name`` of ``nbytes``: counted until unlinked."""
+        self._landing[name] = nbytes
+
+    def unlinked(self, names: list[str]) -> None:
+        """``names`` are gone from /dev/shm: landing segments among them stop counting (pixel names are accounted
+        by hash, through ``release``)."""
+        if self._landing:
+            for name in names:
+                self._landing.pop(name, None)
 
     @property
     def retained_bytes(self) -> int:

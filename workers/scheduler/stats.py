@@ -60,6 +60,8 @@ def snapshot(s: SchedulerState) -> SchedulerStats:
         steps=s.steps,
         shm_retained_segments=s.ledger.retained_segments,
         shm_retained_bytes=s.ledger.retained_bytes,
+        shm_landing_segments=s.ledger.landing_segments,
+        shm_landing_bytes=s.ledger.landing_bytes,
         plan_bytes_last=s.plan_bytes["last"],
         plan_bytes_max=s.plan_bytes["max"],
         workers=[s.worker_stats[r] for r in sorted(s.worker_stats)],

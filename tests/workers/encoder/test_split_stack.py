@@ -1,13 +1,14 @@
 """A scheduler, a model worker and an encoder worker as real spawned processes (process_stack.py's harness; the
 test plays frontend and tokenizer): tokens equal the offline engine's, an image the encoder cannot encode fails its
 own request with a 400 while the others go on, and a request aborted while its image is being encoded keeps its
-pixels until the encoder is done with them, then leaves nothing in /dev/shm."""
+pixels until the encoder is done with them, then leaves nothing in /dev/shm. A landed entry counts in the shm budget
+(and the stats) until the step that imports it is over; the model worker holds no vision weights."""
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -108,3 +109,35 @@ def test_an_abort_while_encoding_keeps_the_pixels_until_the_encoder_is_done(stac
     # Its answer comes back: the pixels go, and so does the landing segment nobody will import.
     assert wait_for(lambda: not list_segments(stack.config.launch_id), 20), list_segments(stack.config.launch_id)
 
+
+def _stats_until(stack: Stack, cond: Callable[[SchedulerStats], bool]) -> SchedulerStats:
+    """The first scheduler stats (every 0.25 s) that satisfy ``cond``."""
+    while not (isinstance(msg := stack.recv(), SchedulerStats) and cond(msg)):
+        pass
+    return msg
+
+
+def test_a_landed_entry_counts_in_the_shm_budget_until_its_step_is_over(stack: Stack) -> None:
+    model = stack.procs[0]
+    assert model.pid is not None
+    req = stack.request("landed", chat("What is this?", [noise_image(96, 64, seed=6)]))
+    # The model worker stopped: the first step (the text before the image) never comes back, so the entry the
+    # encoder lands meanwhile stays in its landing segment, imported by a step not yet over.
+    os.kill(model.pid, signal.SIGSTOP)
+    try:
+        stack.to_sched.send(req)
+        landed = _stats_until(stack, lambda s: s.shm_landing_segments == 1)
+        [item] = req.items
+        width = stack.config.engine.model_spec().embed_width
+        assert landed.shm_landing_bytes == item.length * width * 4  # float32 rows on the CPU
+        assert landed.shm_bytes == req.shm_bytes + landed.shm_landing_bytes  # pixels and landing: one budget
+        assert len([n for n in list_segments(stack.config.launch_id) if "emb-" in n]) == 1
+    finally:
+        os.kill(model.pid, signal.SIGCONT)
+    outputs, failed = stack.collect({"landed"})
+    assert not failed and outputs["landed"][-1].finish_reason is not None
+    drained = _stats_until(stack, lambda s: not s.requests_running and not s.shm_landing_bytes and not s.shm_bytes)
+    assert drained.shm_landing_segments == 0
+    # The model worker built no tower: encoder workers run it.
+    [worker] = drained.workers
+    assert worker.vision_weight_bytes == 0 and worker.weight_bytes > 0 and worker.images_encoded == 0

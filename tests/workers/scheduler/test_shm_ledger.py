@@ -87,3 +87,24 @@ def test_names_still_being_written_outlive_their_request_until_published() -> No
     ledger.hold("r3", [], {B: 200}, {}, {B: "b3"})
     assert ledger.pending_failed("r3") == ["b3"] and ledger.pending_failed("r3") == []
     assert ledger.release_all() == ["a2"]
+
+
+def test_landing_segments_count_against_the_budget_until_unlinked() -> None:
+    """--encoder-workers: an encoder's landing segment counts from its EncodeDone until the scheduler unlinks it;
+    it is never refused, but while it is there a new image request that would pass the budget is."""
+    ledger = ShmLedger(budget_bytes=1000, retain_fraction=0.5)
+    ledger.hold("r1", ["a1"], {A: 300}, {A: "a1"})
+    ledger.land("emb-a", 600)  # A's embeddings: larger than its pixels, as they usually are
+    assert ledger.used_bytes == 900 and ledger.landing_bytes == 600 and ledger.landing_segments == 1
+    assert ledger.segments == 1  # pixel segments only
+    extra = ledger.extra_bytes({B: 200})
+    assert ledger.make_room(extra) == [] and ledger.used_bytes + extra > ledger.budget_bytes  # B's request: 503
+    ledger.land("emb-b", 400)  # past the budget: accepted all the same
+    assert ledger.used_bytes == 1300
+    ledger.unlinked(["emb-a", "a-other-pixel-name"])  # imported and unlinked (pixel names change nothing)
+    assert ledger.landing_bytes == 400 and ledger.used_bytes == 700
+    assert ledger.release("r1") == []  # A retained (300): retained images give way to landing bytes too
+    assert ledger.make_room(extra) == []  # 700 + 200 fits
+    assert ledger.make_room(400) == ["a1"]
+    ledger.unlinked(["emb-b"])
+    assert ledger.used_bytes == 0 and ledger.landing_segments == 0

@@ -45,6 +45,9 @@ class EmbeddingPlan(NamedTuple):
     spill: list[bytes]  # GPU entries to copy into the host tier, then drop from the GPU
     reload: list[bytes]  # host entries to copy back onto the GPU, then drop from the host tier
     host_evict: list[bytes]  # host entries to drop
+    # host entries copied onto the GPU for this step only (the GPU tier refused them) and kept in the host tier:
+    # with ``reload_refused`` (a split model worker has no tower to encode them instead)
+    reload_once: list[bytes]
 
 
 class EmbeddingCacheIndex:
@@ -119,13 +122,14 @@ class EmbeddingCacheIndex:
         self.used_bytes += size
         return True, evicted
 
-    def plan(self, needed: dict[bytes, list[MMItem]]) -> EmbeddingPlan:
+    def plan(self, needed: dict[bytes, list[MMItem]], reload_refused: bool = False) -> EmbeddingPlan:
         """A step's embedding plan for the keys its chunks read (key -> the items stored under it).
 
         Hits are pinned first, so admitting a miss never evicts an entry the same step reads. A miss found in the
         host tier is reloaded instead of encoded when the GPU tier admits it (else it is encoded for this step
-        only and its host copy stays). What admitting evicts spills to the host tier when that tier can keep it
-        without evicting an entry this step reloads or has just spilled, and is dropped otherwise."""
+        only and its host copy stays; with ``reload_refused`` it is copied for this step only instead, as model
+        workers without a vision tower need). What admitting evicts spills to the host tier when that tier can keep
+        it without evicting an entry this step reloads or has just spilled, and is dropped otherwise."""
         evict, host_evict = list(self._orphans), list(self._orphans)
         self._orphans.clear()
         misses: list[bytes] = []
@@ -140,6 +144,7 @@ class EmbeddingCacheIndex:
                 misses.append(key)
         jobs: list[EncodeJob] = []
         reload: list[bytes] = []
+        reload_once: list[bytes] = []
         evicted: list[bytes] = []
         self._evicted_tokens.clear()
         for key in misses:
@@ -156,10 +161,14 @@ class EmbeddingCacheIndex:
                     reload.append(key)
                     self.host.stats.reloads += 1
                     continue
+            elif on_host and reload_refused:
+                reload_once.append(key)
+                self.host.stats.reloads += 1
+                continue
             encode = [EncodeItem(it.hash, it.grid, it.length, it.pixels) for it in items]
             jobs.append(EncodeJob(key=key, items=encode, transient=not admitted))
         spill: list[bytes] = []
-        host_pinned = set(reload)  # read by this step's reloads, which run after its spills
+        host_pinned = {*reload, *reload_once}  # read by this step's reloads, which run after its spills
         for key in evicted:
             if self.host.budget_bytes > 0:
                 kept, dropped = self.host.spill(key, self._evicted_tokens[key], host_pinned)
@@ -171,7 +180,7 @@ class EmbeddingCacheIndex:
             evict.append(key)
         for key in reload:
             self.host.remove(key)  # the tiers are exclusive: it is a GPU entry again
-        return EmbeddingPlan(evict, jobs, spill, reload, host_evict)
+        return EmbeddingPlan(evict, jobs, spill, reload, host_evict, reload_once)
 
     def fail_step(self, encoded: list[bytes], spilled: list[bytes], reloaded: list[bytes]) -> None:
         """A step failed on a worker, which may have applied any part of its plan: forget the keys it encoded,

@@ -44,7 +44,7 @@ class RemoteStats:
     landed: int = 0  # answered with embeddings
     failed: int = 0
     imported: int = 0  # entries planned as imports (a transient one each time it is imported)
-    fallbacks: int = 0  # misses a plan had no landed entry for: encoded by the model workers after all
+    fallbacks: int = 0  # misses a plan had no landed entry for (never expected: their step fails, no tower there)
 
 
 class RemoteEncodes:
@@ -142,9 +142,11 @@ class RemoteEncodes:
 
     # ---- plans ------------------------------------------------------------------------------------
     def imports(self, jobs: list[EncodeJob]) -> tuple[list[EmbeddingImport], list[EncodeJob]]:
-        """A plan's encode jobs split into imports of landed entries and the jobs left to the model workers (none,
-        unless a plan reads an image that is neither cached nor landed: a safety net, counted as a fallback). An
-        admitted import consumes its landing segment; a transient one leaves it for the next chunk of the image."""
+        """A plan's encode jobs split into imports of landed entries and the jobs left to the model workers. None
+        is expected: ``stop_at`` lets no chunk read an image that is neither cached nor landed, and one the host tier
+        holds but the GPU tier refuses is copied from the host tier for the step (``mm_reload_once``). A job left
+        anyway is counted as a fallback, and its step fails with NoVisionTower (model workers have no tower here).
+        An admitted import consumes its landing segment; a transient one leaves it for the next chunk of the image."""
         imports: list[EmbeddingImport] = []
         left: list[EncodeJob] = []
         for job in jobs:

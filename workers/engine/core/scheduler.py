@@ -312,7 +312,9 @@ class SchedulerCore(SequenceBook):
                 snapshots.extend(self._plan_snapshots(seq, start, start + length))
             if chunks[-1].sample and seq.wants_fork:
                 forks.extend(self._fork(seq))
-        mm = self.mm_index.plan(needed)
+        # With encoder workers the model workers have no tower: an entry the GPU tier refuses is copied from the host
+        # tier for this step rather than encoded.
+        mm = self.mm_index.plan(needed, reload_refused=self.remote is not None)
         encode, imports = mm.encode, list[EmbeddingImport]()
         if self.remote is not None:  # misses the encoder workers landed are imported, not encoded
             imports, encode = self.remote.imports(encode)
@@ -328,7 +330,7 @@ class SchedulerCore(SequenceBook):
         return StepPlan(
             step_id, new_seqs, chunks, mm.evict, encode, finished, forks=forks, ahead=ahead,
             state_copies=copies, snapshots=snapshots, mm_host_evict=mm.host_evict, mm_spill=mm.spill,
-            mm_reload=mm.reload, kv_spill=host.spill, kv_load=host.load, mm_import=imports,
+            mm_reload=mm.reload, mm_reload_once=mm.reload_once, kv_spill=host.spill, kv_load=host.load, mm_import=imports,
         )  # fmt: skip
 
     def _plan_snapshots(self, seq: Sequence, start: int, end: int) -> list[tuple[str, int, int]]:

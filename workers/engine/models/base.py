@@ -4,8 +4,9 @@ scheduler and caches see.
 A family package (``workers/engine/models/<family>/``) exports ``FAMILY``, a ``ModelFamily``:
 - ``parse(config_json, model_dir) -> ModelSpec``: every fact the other processes need, read once (in the
   launcher, or by the offline Engine) and shipped down frozen inside ``EngineConfig``;
-- ``build(spec, tp, dtype, device, attn_backend) -> VLModel``: the modules, allocated on the device in the
-  dtype, weights not yet loaded (``load_model`` in load.py fills them: one safetensors walk for both towers);
+- ``build(spec, tp, dtype, device, attn_backend, vision=True) -> VLModel``: the modules, allocated on the device in
+  the dtype, weights not yet loaded (``load_model`` in load.py fills them: one safetensors walk for both towers);
+  ``vision=False`` leaves the tower out (a model worker whose images encoder workers encode);
 - ``positions`` / ``delta``: its M-RoPE variant (3 x T rows and the decode delta of a prompt with image
   spans; tokenizers need only the delta, model workers derive the rows themselves);
 - ``write_demo(path)``: a tiny deterministic checkpoint of the family, for tests and ``glimpse serve``;
@@ -216,15 +217,24 @@ class VisionModel(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]: ...
 
 
-class VLModel(nn.Module):
-    """A family's language model and vision tower behind the runner's interface."""
+class NoVisionTower(RuntimeError):
+    """A model built without its vision tower (``--encoder-workers``: encoder workers run it) was asked to encode."""
 
-    def __init__(self, spec: ModelSpec, lm: nn.Module, vision: nn.Module) -> None:
+
+class VLModel(nn.Module):
+    """A family's language model and vision tower behind the runner's interface. ``vision`` None: built without the
+    tower (a split model worker's: encoder workers compute its image entries, which it imports)."""
+
+    def __init__(self, spec: ModelSpec, lm: nn.Module, vision: nn.Module | None) -> None:
         super().__init__()
         self.spec = spec
         # Typed loosely: each family's modules follow LanguageModel / VisionModel above, structurally.
         self.lm: Any = lm
         self.vision: Any = vision
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision is not None
 
     def embed(self, input_ids: Tensor) -> Tensor:
         out: Tensor = self.lm.embed_tokens(input_ids)
@@ -233,6 +243,11 @@ class VLModel(nn.Module):
     def encode(self, pixel_values: Tensor, grids: Sequence[Grid]) -> Tensor:
         """Pixels of several images -> [tokens, embed_width]: each image token's main embedding, then its
         DeepStack levels (if the family has them), so one cache entry holds every level of an image."""
+        if self.vision is None:
+            raise NoVisionTower(
+                f"this {self.spec.architecture} model was built without its vision tower (--encoder-workers: encoder "
+                f"workers encode its images), but was asked to encode {len(grids)} image(s)"
+            )
         out: Tensor = self.vision(pixel_values, grids)
         return out
 
@@ -278,7 +293,7 @@ class VLModel(nn.Module):
     def after_load(self) -> None:
         """Let each part re-lay its weights for the device once they are in (e.g. packed GPU layouts)."""
         for part in (self.lm, self.vision):
-            hook = getattr(part, "after_load", None)
+            hook = None if part is None else getattr(part, "after_load", None)
             if hook is not None:
                 hook()
 
@@ -286,11 +301,21 @@ class VLModel(nn.Module):
 TowerBuild = Callable[[ModelSpec, torch.dtype, torch.device, str], nn.Module]
 
 
+class ModelBuild(Protocol):
+    """A family's ``build``: (spec, tp, dtype, device, attn_backend) -> the model, its tower left out with
+    ``vision=False``."""
+
+    def __call__(
+        self, spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str,
+        *, vision: bool = True,
+    ) -> VLModel: ...
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     name: str  # the package name under workers/engine/models/
     parse: Callable[[dict[str, Any], Path], ModelSpec]
-    build: Callable[[ModelSpec, TPGroup, torch.dtype, torch.device, str], VLModel]
+    build: ModelBuild
     positions: PositionsFn  # 3 x T position rows and the decode delta (model workers)
     delta: DeltaFn  # the decode delta alone, without building the rows (tokenizers)
     write_demo: Callable[[Path, str], Path]  # (existing directory, demo variant) -> that directory
@@ -373,16 +398,17 @@ def tower_builder(build_tower: Callable[..., nn.Module]) -> TowerBuild:
     return build
 
 
-def builder(
-    build_lm: Callable[..., nn.Module], build_tower: Callable[..., nn.Module]
-) -> Callable[[ModelSpec, TPGroup, torch.dtype, torch.device, str], VLModel]:
-    """A family's ``build``: its LM and tower allocated from the spec, wrapped for the runner."""
+def builder(build_lm: Callable[..., nn.Module], build_tower: Callable[..., nn.Module]) -> ModelBuild:
+    """A family's ``build``: its LM and (unless ``vision=False``) its tower allocated from the spec, wrapped for the
+    runner. Without the tower nothing of it is allocated: a split model worker (--encoder-workers) gives those bytes
+    to its caches."""
     tower = tower_builder(build_tower)
 
     def build(
-        spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str
+        spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str,
+        *, vision: bool = True,
     ) -> VLModel:
         lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
-        return VLModel(spec, lm, tower(spec, dtype, device, attn_backend))
+        return VLModel(spec, lm, tower(spec, dtype, device, attn_backend) if vision else None)
 
     return build

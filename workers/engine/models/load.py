@@ -29,7 +29,9 @@ def load_model(
     rank: int = 0,
 ) -> VLModel:
     """Fill ``model`` from the checkpoint in one walk over its safetensors shards (``lm.*`` tensors to the
-    language model, ``visual.*`` to the vision tower), or with deterministic random weights (``dummy``).
+    language model, ``visual.*`` to the vision tower), or with deterministic random weights (``dummy``). A model
+    built without its tower (``VLModel.vision`` None) never reads a ``visual.*`` tensor: the name filter skips them
+    on the shard's header, as ``load_vision`` skips the language model's.
 
     An FP8 checkpoint (quantization.py) is read dequantized, so every weight reaches its loader in float32 and lands
     in the model dtype; on a GPU with FP8 GEMMs the language model's FP8 layers are then made FP8 again
@@ -37,7 +39,8 @@ def load_model(
     started = time.perf_counter()
     if load_format == "dummy":
         fill_dummy_weights(model.lm, seed=seed + rank)  # LM shards differ per rank
-        fill_dummy_weights(model.vision, seed=seed)  # the ViT is replicated: every rank the same weights
+        if model.vision is not None:
+            fill_dummy_weights(model.vision, seed=seed)  # the ViT is replicated: every rank the same weights
         if (dummy_scheme := checkpoint_scheme(model_dir)) is not None:  # FP8 serving measured without a checkpoint
             convert_dummy(model.lm, dummy_scheme.block, rank)
     elif load_format == "auto":
@@ -48,10 +51,11 @@ def load_model(
         nbytes = 0
         scheme = checkpoint_scheme(model_dir)
         fp8_record: Fp8Record = {}  # the FP8 weights' scales, for fp8_layers
+        wanted = None if model.vision is not None else _not_visual
 
         def stored() -> Iterator[tuple[str, Tensor]]:
             nonlocal nbytes
-            for name, tensor in iter_checkpoint(model_dir, show_progress=rank == 0):
+            for name, tensor in iter_checkpoint(model_dir, name_filter=wanted, show_progress=rank == 0):
                 nbytes += tensor.numel() * tensor.element_size()  # as stored: FP8 bytes, not the dequantized ones
                 yield name, tensor
 
@@ -66,7 +70,8 @@ def load_model(
                 # Anything else (e.g. a multi-token-prediction head) is not part of serving.
 
         model.lm.load_weights(lm_weights())
-        model.vision.load_weights(vision_weights)
+        if model.vision is not None:
+            model.vision.load_weights(vision_weights)
         if scheme is not None:
             convert_loaded(model.lm, {normalize_name(n): v for n, v in fp8_record.items()}, scheme.block, rank)
         if rank == 0:
@@ -80,6 +85,10 @@ def load_model(
         raise ValueError(f"unknown load_format {load_format!r}")
     model.after_load()
     return model.eval()
+
+
+def _not_visual(name: str) -> bool:
+    return not normalize_name(name).startswith("visual.")
 
 
 def load_vision(

@@ -44,6 +44,7 @@ class Reloading:
 
     entries: list[tuple[bytes, torch.Tensor]]
     done: torch.cuda.Event | None
+    once: int = 0  # the last ``once`` entries are for this step only (transient in the store, kept here)
 
 
 class HostEmbeddings:
@@ -111,15 +112,18 @@ class HostEmbeddings:
                 self._entries[key].ready = ready
         self.spilled += len(keys)
 
-    def reload(self, keys: list[bytes]) -> Reloading | None:
-        """Queue the copies of ``keys`` back onto the device and drop them here; ``land`` stores them."""
-        if not keys:
+    def reload(self, keys: list[bytes], once: list[bytes] | None = None) -> Reloading | None:
+        """Queue the copies of ``keys`` back onto the device and drop them here; ``land`` stores them. ``once``: keys
+        copied for one step only (StepPlan.mm_reload_once), kept here."""
+        once = once or []
+        if not keys and not once:
             return None
         out: list[tuple[bytes, torch.Tensor]] = []
         side = self._stream
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for key in keys:
-                entry = self._entries.pop(key)
+            for key in [*keys, *once]:
+                kept = len(out) >= len(keys)
+                entry = self._entries[key] if kept else self._entries.pop(key)
                 if side is not None and entry.ready is not None:
                     side.wait_event(entry.ready)
                 # Allocated on the side stream, which writes it: memory the compute stream freed could still be in
@@ -130,14 +134,15 @@ class HostEmbeddings:
                 else:
                     for pool_row, first, count in _runs(entry.pages, entry.rows):
                         dst[first : first + count].copy_(self._pool[pool_row : pool_row + count], non_blocking=self.cuda)
-                    self._free.extend(reversed(entry.pages))
+                    if not kept:
+                        self._free.extend(reversed(entry.pages))
                 out.append((key, dst))
             done: torch.cuda.Event | None = None
             if side is not None:
                 done = torch.cuda.Event()
                 done.record(side)
         self._last_reload = done
-        return Reloading(out, done)
+        return Reloading(out, done, len(once))
 
     def land(self, reloading: Reloading | None, store: EmbeddingStore) -> None:
         """Store reloaded entries in the GPU store, after the compute stream has waited for their copies."""
@@ -146,10 +151,11 @@ class HostEmbeddings:
         compute = torch.cuda.current_stream(self.device) if reloading.done is not None else None
         if compute is not None and reloading.done is not None:
             compute.wait_event(reloading.done)
-        for key, rows in reloading.entries:
+        first_once = len(reloading.entries) - reloading.once
+        for i, (key, rows) in enumerate(reloading.entries):
             if compute is not None:
                 rows.record_stream(compute)  # read (and maybe kept) on the compute stream
-            store.put(key, rows, transient=False)
+            store.put(key, rows, transient=i >= first_once)
         self.reloaded += len(reloading.entries)
 
     @property

@@ -15,7 +15,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
-from workers.engine.models.base import item_spans
+from workers.engine.models.base import NoVisionTower, item_spans
 from workers.engine.models.load import load_model
 from workers.engine.runner.batching import (
     aligned_pack,
@@ -72,17 +72,24 @@ class ModelRunner:
         self.spec = cfg.model_spec()
         self.family = family_package(self.spec.family)
         self.merge = self.spec.spatial_merge_size
-        built = self.family.build(self.spec, self.tp, self.dtype, self.device, cfg.attn_backend)
+        # Without the tower (--encoder-workers) nothing of it is allocated or read, and the caches sized below from
+        # the memory left (cache_budget) get its bytes.
+        built = self.family.build(self.spec, self.tp, self.dtype, self.device, cfg.attn_backend,
+                                  vision=cfg.vision_tower)
         self.model = load_model(built, cfg.model, load_format=cfg.load_format, rank=self.tp.rank)
         self.lm, self.vision = self.model.lm, self.model.vision
+        self.weight_bytes = _param_bytes(self.model)
+        self.vision_weight_bytes = _param_bytes(self.vision) if self.vision is not None else 0
         log.info(
-            "%s ready: %d layers, tp %d/%d, %s on %s",
+            "%s ready: %d layers, tp %d/%d, %s on %s, %.1f MiB of weights (%s)",
             self.spec.architecture,
             self.spec.num_layers,
             self.tp.rank,
             self.tp.size,
             self.dtype,
             self.device,
+            self.weight_bytes / 2**20,
+            "no vision tower: encoder workers run it" if self.vision is None else "vision tower included",
         )
         # The embedding store first: on CUDA it reserves its budget before the caches take their share of what is free.
         self.store = embedding_store(cfg, self.spec, self.dtype, self.device)
@@ -107,7 +114,8 @@ class ModelRunner:
         self.host_kv = host_kv_pool(cfg, self.spec, self.kv_caches)  # the prefix cache's host tier (or None: off)
         if self.device.type == "cuda":  # before the warm-up and graphs below pick a decode attention path
             probe_paged_decode(self, kv)
-            warm_vision_attention(self)
+            if self.vision is not None:
+                warm_vision_attention(self)
         if cfg.fused_kernels and self.device.type == "cuda":
             warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
         if self.device.type == "cuda":
@@ -155,11 +163,14 @@ class ModelRunner:
             self._register(new)
         self.host.spill(plan.mm_host_evict, plan.mm_spill, self.store)  # StepPlan's order: spills read the store
         self.store.evict(plan.evict)
-        reloading = self.host.reload(plan.mm_reload)  # copies overlap the encodes; landed before the forward
+        reloading = self.host.reload(plan.mm_reload, plan.mm_reload_once)  # copies overlap the encodes; landed before the forward
         if plan.mm_import:  # encoder workers' entries, right before this step's own encodes (StepPlan's order)
             self.counters.imports += import_entries(plan.mm_import, self.store, self.device, self.dtype)
         self.trace.mark("setup")
         calls_before = self.counters.vit_calls
+        if plan.encode and self.vision is None:  # the scheduler never plans one here; a clear error if it did
+            raise NoVisionTower(f"step {plan.step_id} asks this model worker to encode {len(plan.encode)} entries, "
+                                "but it has no vision tower (--encoder-workers: encoder workers encode every image)")
         encoded = self.encoder.run(plan.encode) if plan.encode else 0
         self.host.land(reloading, self.store)
         launched = Launched(plan.step_id, encoded, self.counters.vit_calls - calls_before)
@@ -337,3 +348,9 @@ class ModelRunner:
         if hidden is None:
             hidden = self.lm(embeds, positions.view(3, n), self.kv_caches, meta, None, deepstack)
         return hidden[rows]
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers on this rank (what its weights hold on the device)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -47,15 +47,17 @@ def warm_fused(runner: LoadedModel) -> None:
     if not window_attention.probe(runner.device, runner.dtype):
         log.warning("the Triton window attention is off (%s); FlashAttention varlen serves the ViT's windows",
                     window_attention.SWITCH.why_off())
-    fused.enable(runner.lm)
-    fused.enable(runner.vision)
+    # (A model worker without its tower, --encoder-workers, compiles nothing of it.)
+    towers = [runner.lm] if runner.vision is None else [runner.lm, runner.vision]
+    for module in towers:
+        fused.enable(module)
     try:
         with fused.forced():
             _run_every_fused_site(runner)
         torch.cuda.synchronize(runner.device)
     except Exception as exc:  # e.g. no C compiler for Triton's launcher: serve eagerly rather than not at all
-        fused.enable(runner.lm, False)
-        fused.enable(runner.vision, False)
+        for module in towers:
+            fused.enable(module, False)
         log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
         return
     log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
@@ -65,7 +67,7 @@ def _run_every_fused_site(r: LoadedModel) -> None:
     # Three sizes per site: the first compiles static shapes, the second makes the row count symbolic, and 1 (a
     # lone decode) is specialised apart (fused.py). The (1, 6) query also compiles the paged decode kernel.
     row, m = r.spec.patch_dim, r.merge
-    for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)):
+    for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)) if r.vision is not None else ():
         r.model.encode(torch.zeros(patches(grid), row, dtype=r.dtype, device=r.device), [grid])
     for query, seq in ((2, 2), (3, 5), (1, 6)):
         scratch = [r.num_blocks] * -(-seq // r.cfg.block_size)  # the spare block (ModelRunner.__init__): nothing live
@@ -89,8 +91,9 @@ def probe_paged_decode(runner: LoadedModel, kv_dtype: torch.dtype) -> None:
 
 @torch.inference_mode()
 def warm_vision_attention(runner: LoadedModel) -> None:
-    """The ViT's full-attention kernels' first use, before "ready" (see `warm_cudnn_frames`)."""
-    attn = next((m for m in runner.vision.modules() if isinstance(m, VisionAttention)), None)
+    """The ViT's full-attention kernels' first use, before "ready" (see `warm_cudnn_frames`); nothing without a tower."""
+    modules = runner.vision.modules() if runner.vision is not None else ()
+    attn = next((m for m in modules if isinstance(m, VisionAttention)), None)
     if attn is None or attn.packed is not None:  # full blocks on FA3: no cuDNN to warm
         return
     started = time.perf_counter()
@@ -159,8 +162,11 @@ def _warm_steps(
         fit = max(1, r.cfg.vit_max_patches // patches(grid))
         calls += [[grid] * k for k in sorted({1, 2, 3, fit}) if k <= fit]
     patches_done: list[int] = []
-    mm_embeds = torch.zeros(0, r.spec.embed_width, dtype=r.dtype, device=r.device)
-    for grids in sorted(calls, key=lambda g: -sum(map(patches, g))):
+    # Without a tower (--encoder-workers) no ViT call runs: the chunks still splice image rows, as many as the
+    # largest call's entry (zeros, as imported entries would be spliced).
+    rows = max(sum(map(patches, grids)) for grids in calls) // r.merge**2 if r.vision is None else 0
+    mm_embeds = torch.zeros(rows, r.spec.embed_width, dtype=r.dtype, device=r.device)
+    for grids in sorted(calls, key=lambda g: -sum(map(patches, g))) if r.vision is not None else ():
         n = sum(map(patches, grids))
         if n and n not in patches_done:
             mm_embeds = r.model.encode(torch.zeros(n, r.spec.patch_dim, dtype=r.dtype, device=r.device), grids)

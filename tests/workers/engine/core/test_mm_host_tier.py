@@ -25,6 +25,19 @@ def test_gpu_overflow_spills_and_a_host_hit_is_reloaded_not_encoded() -> None:
     assert idx.stats.misses == 3  # a GPU miss each time: the host hit is counted apart
 
 
+def test_a_host_entry_the_gpu_tier_refuses_is_copied_for_the_step_when_workers_cannot_encode() -> None:
+    """``reload_refused`` (model workers without a tower, --encoder-workers): an entry the GPU tier cannot admit
+    beside the step's hits is read from the host tier for this step only, not encoded, and stays there."""
+    idx = EmbeddingCacheIndex(budget_bytes=100, bytes_per_token=10, host_budget_bytes=200)
+    idx.plan(_needed((b"a", 6)))
+    idx.plan(_needed((b"b", 6)))  # a -> host
+    plain = idx.plan(_needed((b"b", 6), (b"a", 6)))  # b is pinned: a cannot come back beside it
+    assert [(job.key, job.transient) for job in plain.encode] == [(b"a", True)] and plain.reload_once == []
+    split = idx.plan(_needed((b"b", 6), (b"a", 6), (b"c", 3)), reload_refused=True)
+    assert split.reload_once == [b"a"] and split.reload == [] and [job.key for job in split.encode] == [b"c"]
+    assert b"a" in idx.host and b"a" not in idx and b"a" not in split.host_evict
+
+
 def test_host_eviction_follows_cost_per_byte_not_recency() -> None:
     host = HostTierIndex(budget_bytes=100, bytes_per_token=1)
     assert host.spill(b"small", 10, set()) == (True, [])  # oldest, but dearest to re-encode per byte

@@ -36,6 +36,24 @@ def test_worker_spill_and_reload_round_trip_the_rows() -> None:
     assert torch.equal(store.rows(b"a", 13, 20), a[13:33]) and host.pool_misses == 0
 
 
+def test_a_reload_for_one_step_keeps_the_host_entry_and_lands_transient() -> None:
+    """StepPlan.mm_reload_once (a model worker without a tower, --encoder-workers): the GPU tier refused the entry,
+    so it is read from the host tier for this step and stays there."""
+    hidden = 3
+    store = EmbeddingStore()
+    host = HostEmbeddings(4 * PAGE_TOKENS * hidden * 4, hidden, torch.float32, torch.device("cpu"))
+    a, b = torch.randn(20, hidden), torch.randn(5, hidden)
+    store.put(b"a", a.clone(), transient=False)
+    store.put(b"b", b.clone(), transient=False)
+    host.spill([], [b"a", b"b"], store)
+    host.land(host.reload([b"b"], once=[b"a"]), store)
+    assert torch.equal(store.rows(b"a", 0, 20), a) and torch.equal(store.rows(b"b", 0, 5), b)
+    assert b"a" in host and b"b" not in host and host.nbytes == 2 * host.page_bytes
+    store.end_step()  # the step is over: the one-step copy goes, the reloaded entry stays
+    assert b"a" not in store and b"b" in store
+    host.land(host.reload([b"a"]), store)  # still whole in the host tier
+    assert torch.equal(store.rows(b"a", 0, 20), a) and len(host) == 0
+
 
 def test_entry_the_full_pool_cannot_take_is_kept_apart() -> None:
     hidden = 3
