@@ -23,11 +23,13 @@ from benchmarks.checkpoints import shaped_checkpoint
 from tests.server.live import free_port
 
 
-def serve(model: Path, dp: int, routing: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def serve(model: Path, flags: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`glimpse serve` of ``model`` (dummy weights, a 16 GiB KV cache per replica) with ``flags`` added, once
+    /health answers: the process and its base URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--served-model-name", "bench",
-           "--load-format", "dummy", "--port", str(port), "--dp", str(dp), "--dp-routing", routing,
-           "--kv-cache-mb", "16384", "--shm-budget-mb", "16384", "--log-level", "warning"]
+           "--load-format", "dummy", "--port", str(port), "--kv-cache-mb", "16384", "--shm-budget-mb", "16384",
+           "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 400
@@ -44,10 +46,10 @@ def serve(model: Path, dp: int, routing: str, log: Path) -> tuple[subprocess.Pop
     raise TimeoutError(log.read_text()[-3000:])
 
 
-def bench(base: str, args: argparse.Namespace, out: Path, seed: int) -> dict[str, Any]:
+def bench(base: str, args: argparse.Namespace, out: Path, seed: int, images: int = 1) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "server.cli", "bench", "serving", "--base-url", base + "/v1", "--out", str(out),
            "--num-prompts", str(args.num_prompts), "--concurrency", str(args.concurrency),
-           "--images-per-request", "1", "--resolution", "1080p", "--output-len", "128", "--seed", str(seed)]
+           "--images-per-request", str(images), "--resolution", "1080p", "--output-len", "128", "--seed", str(seed)]
     subprocess.run(cmd, check=True, capture_output=True)
     summary = json.loads(sorted(out.glob("*.json"))[-1].read_text())
     found: dict[str, Any] = summary.get("summary", summary)
@@ -98,7 +100,7 @@ def main() -> None:
         tmp = Path(name)
         model = args.checkpoints / args.shape if args.checkpoints else shaped_checkpoint(tmp / "ckpt", args.shape)
         for dp, routing in ((int(n.split(":")[0]), (n.split(":") + [args.routing])[1]) for n in args.dp.split(",")):
-            proc, base = serve(model, dp, routing, tmp / f"serve-{dp}-{routing}.log")
+            proc, base = serve(model, ["--dp", str(dp), "--dp-routing", routing], tmp / f"serve-{dp}-{routing}.log")
             try:
                 bench(base, argparse.Namespace(num_prompts=8, concurrency=8), tmp / f"warm-{dp}", seed=100 + dp)
                 if args.num_prompts:

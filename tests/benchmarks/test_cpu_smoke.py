@@ -82,6 +82,7 @@ SERVERS: dict[str, str] = {
     "side_by_side": "--shape demo starts transformers and two glimpse servers (~2-3 min on 2 cores)",
     "serving.first_requests": "starts one glimpse server per --servers",
     "serving.dp_bench": "a server per --dp value with a 16 GiB KV cache: sized for GPUs",
+    "serving.encoder_bench": "a server per variant (dp_bench's, 16 GiB KV cache): sized for GPUs",
     "serving.bench_client": "is `glimpse bench`; tests/benchmarks/serving/test_bench_client.py drives it on a live server",
 }
 
