@@ -53,6 +53,8 @@ CPU: list[tuple[str, list[str], str]] = [
      " tp  TTFT s  tokens  decode tok/s"),
     ("tools.step_trace", [TRACE], "| where | seconds | of window | count | ms each | note |"),
     ("engine.video_bench", ["--decode-only", "--decode-seconds", "0.5"], "  size  all frames/s  sampled frames/s"),
+    ("engine.snapshot_prefill_bench", ["--shape", "demo", "--device", "cpu", "--words", "60", "--reps", "1"],
+     "| prompt tokens | rounds, ms | kept states, ms |"),
     ("kernels.gated_delta_bench", ["--device", "cpu", "--prefill", "64", "--batch", "2", "--heads", "2,4", "--dim", "32",
                                    "--reps", "1"], "| case | tokens | path | ms per call | tokens/s |"),
     ("kernels.fp8_gemm_bench", ["--device", "cpu", "--size", "tiny", "--rows", "1", "--chunks", "16", "--reps", "1"],
