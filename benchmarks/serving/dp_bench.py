@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,34 +85,47 @@ def multiturn(base: str, chats: int, rounds: int, out: Path) -> dict[str, Any]:
             "failed_rounds": failed, "rounds_without_ttft": no_ttft, "last_round_ttft_ms": sum(last) / len(last) if last else None}
 
 
-def main() -> None:
-    ap = parser(__doc__)
-    ap.add_argument("--shape", default="7b")
-    ap.add_argument("--checkpoints", type=Path, default=None)
-    ap.add_argument("--dp", default="1,2")
-    ap.add_argument("--routing", default="affinity")
-    ap.add_argument("--num-prompts", type=int, default=128)
+def load_flags(ap: argparse.ArgumentParser, shape: str, num_prompts: int) -> None:
+    """The flags of a benchmark that serves one checkpoint in several server variants, one after another."""
+    ap.add_argument("--shape", default=shape)
+    ap.add_argument("--checkpoints", type=Path, default=None, help="a folder holding SHAPE (else config-only, here)")
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--multiturn", type=int, default=0, help="also: this many concurrent 8-round chats per server")
     ap.add_argument("--json", type=Path, default=None)
+
+
+def measure(model: Path, flags: list[str], tmp: Path, tag: str, args: argparse.Namespace, seed: int,
+            images: int = 1, stats: Callable[[str], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One server variant: served, warmed up (8 requests), the serving run (``args.num_prompts`` requests of
+    ``images`` 1080p images) and the chats of ``args.multiturn``, ``stats(base URL)`` added, then stopped."""
+    proc, base = serve(model, flags, tmp / f"serve-{tag}.log")
+    try:
+        bench(base, argparse.Namespace(num_prompts=8, concurrency=8), tmp / f"warm-{tag}", seed=100 + seed)
+        result = bench(base, args, tmp / f"run-{tag}", seed=seed, images=images) if args.num_prompts else {}
+        if args.multiturn:
+            result["multiturn"] = multiturn(base, args.multiturn, 8, tmp / f"mt-{tag}")
+        if stats is not None:
+            result.update(stats(base))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return result
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    load_flags(ap, "7b", 128)
+    ap.add_argument("--dp", default="1,2")
+    ap.add_argument("--routing", default="affinity")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         model = args.checkpoints / args.shape if args.checkpoints else shaped_checkpoint(tmp / "ckpt", args.shape)
         for dp, routing in ((int(n.split(":")[0]), (n.split(":") + [args.routing])[1]) for n in args.dp.split(",")):
-            proc, base = serve(model, ["--dp", str(dp), "--dp-routing", routing], tmp / f"serve-{dp}-{routing}.log")
-            try:
-                bench(base, argparse.Namespace(num_prompts=8, concurrency=8), tmp / f"warm-{dp}", seed=100 + dp)
-                if args.num_prompts:
-                    result = bench(base, args, tmp / f"run-{dp}-{routing}", seed=dp)
-                else:
-                    result = {}
-                if args.multiturn:
-                    result["multiturn"] = multiturn(base, args.multiturn, 8, tmp / f"mt-{dp}-{routing}")
-            finally:
-                proc.terminate()
-                proc.wait(60)
+            flags = ["--dp", str(dp), "--dp-routing", routing]
+            result = measure(model, flags, tmp, f"{dp}-{routing}", args, seed=dp)
             rows.append({"dp": dp, "routing": routing, **result})
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.shape}, {args.num_prompts} requests of 1 x 1080p, 128 out, concurrency {args.concurrency}")

@@ -12,7 +12,6 @@ A variant is ``name=flags`` (flags as on the command line, variants separated by
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import tempfile
@@ -23,7 +22,7 @@ import httpx
 
 from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
-from benchmarks.serving.dp_bench import bench, multiturn, serve
+from benchmarks.serving.dp_bench import load_flags, measure
 
 DEFAULT_VARIANTS = "plain=;colocated=--encoder-workers 1"
 
@@ -56,30 +55,16 @@ def row(name: str, result: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--shape", default="qwen3-8b")
-    ap.add_argument("--checkpoints", type=Path, default=None, help="a folder holding SHAPE (else config-only, here)")
+    load_flags(ap, "qwen3-8b", 64)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--images-per-request", type=int, default=4)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--multiturn", type=int, default=0, help="also: this many concurrent 8-round chats per server")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         model = args.checkpoints / args.shape if args.checkpoints else shaped_checkpoint(tmp / "ckpt", args.shape)
         for i, (label, flags) in enumerate(variants(args.variants)):
-            proc, base = serve(model, flags, tmp / f"serve-{i}.log")
-            try:
-                bench(base, argparse.Namespace(num_prompts=8, concurrency=8), tmp / f"warm-{i}", seed=100 + i)
-                result = bench(base, args, tmp / f"run-{i}", seed=1, images=args.images_per_request) if args.num_prompts else {}
-                if args.multiturn:
-                    result["multiturn"] = multiturn(base, args.multiturn, 8, tmp / f"mt-{i}")
-                result.update(vit_counts(base))
-            finally:
-                proc.terminate()
-                proc.wait(60)
+            result = measure(model, flags, tmp, str(i), args, seed=1, images=args.images_per_request, stats=vit_counts)
             rows.append({"variant": label, "flags": flags, **result})
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.shape}: {args.num_prompts} requests of {args.images_per_request} x 1080p, 128 out, concurrency "
