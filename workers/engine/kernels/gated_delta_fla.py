@@ -155,7 +155,7 @@ def decode_step(
     # Keywords only: fla's signature has gk and gv between g and beta.
     o, final = kernels[2](
         q=q.unsqueeze(1), k=k.unsqueeze(1), v=v.unsqueeze(1), g=g.unsqueeze(1), beta=beta.unsqueeze(1),
-        scale=q.shape[-1] ** -0.5, initial_state=_gather(ssm_state, st), output_final_state=True,
+        scale=q.shape[-1] ** -0.5, initial_state=_gather(ssm_state, meta), output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
     )
     ssm_state.index_copy_(0, st.slots, final.to(ssm_state.dtype))
@@ -164,11 +164,15 @@ def decode_step(
     return o.squeeze(1)
 
 
-def _gather(pool: Tensor, st: StateMetadata) -> Tensor:
+def _gather(pool: Tensor, meta: AttentionMetadata) -> Tensor:
     """The sequences' states in the pool's dtype (fla's kernels read h0 as float32 themselves), zeros where a
-    sequence has no initial state: masked_fill, not a multiply, as the slot may hold NaN from an earlier owner."""
-    h0 = pool.index_select(0, st.slots)
-    return h0.masked_fill_(~st.has_initial.view(-1, 1, 1, 1), 0)
+    sequence has no initial state: masked_fill, not a multiply, as the slot may hold NaN from an earlier owner. The
+    mask is the step's, made once for every layer (kept in ``meta.derived``)."""
+    assert meta.state is not None
+    fresh = meta.derived.get("gdn_fresh")
+    if fresh is None:
+        fresh = meta.derived["gdn_fresh"] = ~meta.state.has_initial.view(-1, 1, 1, 1)
+    return pool.index_select(0, meta.state.slots).masked_fill_(fresh, 0)
 
 
 def _to_device(meta: AttentionMetadata, arrays: list[Tensor]) -> list[Tensor]:
@@ -289,7 +293,7 @@ def gated_delta_rule(
         cu, cu_host, indices = _varlen(meta, starts, chunk_indices)
         o, final = chunk_rule(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-            initial_state=_gather(ssm_state, st), output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+            initial_state=_gather(ssm_state, meta), output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
             cu_seqlens=cu, cu_seqlens_cpu=cu_host, chunk_indices=indices,
         )
         ssm_state.index_copy_(0, st.slots, final.to(ssm_state.dtype))
@@ -303,7 +307,7 @@ def gated_delta_rule(
         cu, cu_host, indices = _varlen(meta, starts, chunk_indices)
         o, h, final = _chunk_states(
             parts, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-            _gather(ssm_state, st), use_qk_l2norm, cu, indices,
+            _gather(ssm_state, meta), use_qk_l2norm, cu, indices,
         )
         plan = _state_plan(meta, st)
         ssm_state.index_copy_(0, st.slots, final.to(ssm_state.dtype))
@@ -314,7 +318,7 @@ def gated_delta_rule(
     # Other snapshots inside sequences: round k runs every sequence's k-th piece in one varlen call, from the
     # states round k-1 left (float32 between rounds, as fla hands them back).
     out = torch.empty_like(v)
-    state = _gather(ssm_state, st).float()
+    state = _gather(ssm_state, meta).float()
     for rows, cu, cu_host, seqs, indices, snaps in _round_plan(meta, st, starts, chunk_indices):
         o, final = chunk_rule(
             *(t.index_select(0, rows).unsqueeze(0) for t in (q, k, v, g, beta)),

@@ -33,11 +33,11 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def silu_mul_kernel(x_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    def silu_mul_kernel(x_ptr, out_ptr, row_stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < WIDTH
-        src = x_ptr + row * (2 * WIDTH) + cols
+        src = x_ptr + row * row_stride + cols
         gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(src + WIDTH, mask=mask, other=0.0).to(tl.float32)
         out = gate / (1.0 + tl.exp(-gate)) * up
@@ -59,10 +59,14 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
-    """[T, 2I] (contiguous) -> silu(gate) * up [T, I], in ``gate_up``'s dtype."""
+    """[T, 2I] -> silu(gate) * up [T, I], in ``gate_up``'s dtype. Rows may be strided (a column block of a wider
+    projection's output, as Qwen3.5-MoE's joined router and shared-expert matmul gives); each row's 2I values must be
+    contiguous."""
     rows, double = gate_up.shape
     width = double // 2
     out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
-        _kernel()[(rows, -(-width // BLOCK))](gate_up.contiguous(), out, WIDTH=width, BLOCK=BLOCK, num_warps=4)
+        if gate_up.stride(-1) != 1:
+            gate_up = gate_up.contiguous()
+        _kernel()[(rows, -(-width // BLOCK))](gate_up, out, gate_up.stride(0), WIDTH=width, BLOCK=BLOCK, num_warps=4)
     return out

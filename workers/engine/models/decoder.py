@@ -118,7 +118,10 @@ class SwiGLUMLP(nn.Module):
         self.fused = False  # CUDA: silu(gate) * up in one kernel (fused.fast_silu_mul)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.from_gate_up(self.gate_up_proj(x))
+
+    def from_gate_up(self, gate_up: Tensor) -> Tensor:
+        """The MLP after its gate_up projection (a caller may have computed it inside a wider matmul)."""
         if self.fused and fused.worth_it(gate_up):
             out: Tensor = self.down_proj(fused.fast_silu_mul(gate_up))
             return out

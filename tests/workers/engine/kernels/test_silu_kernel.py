@@ -26,10 +26,11 @@ for rows, width, dtype in ((5, 3424, torch.bfloat16), (1, 2500, torch.bfloat16),
     assert got.shape == (rows, width) and got.dtype == dtype, (got.shape, got.dtype)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)  # one bf16 ulp
     torch.testing.assert_close(got, want, **tol)
-# Strided input (a view whose rows are not packed) goes through a contiguous copy, not the wrong elements.
-wide = torch.randn(3, 3 * 1024, generator=gen)
-view = wide[:, : 2 * 1024]
-torch.testing.assert_close(silu_kernel.silu_mul(view), F.silu(view[:, :1024]) * view[:, 1024:])
+# Strided rows (a column block of a wider projection, as the joined router / shared-expert matmul gives: read in
+# place at the row stride), at either end of the row, and a transposed input (copied first).
+wide = torch.randn(3, 3 * 1024 + 7, generator=gen)
+for view in (wide[:, : 2 * 1024], wide[:, 1024 + 7 :], wide[:, :2048].t().contiguous().t()):
+    torch.testing.assert_close(silu_kernel.silu_mul(view), F.silu(view[:, :1024]) * view[:, 1024:])
 """
 
 

@@ -263,22 +263,26 @@ class SparseMoeBlock(nn.Module):
             return self.use_grouped and fp8_gemm.grouped_usable(one_row, self.experts.down_proj)
         return self.use_grouped and grouped_mm_usable(one_row, self.experts.gate_up_proj, self.experts.down_proj)
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [T, H] -> (weights [T, k] in x's dtype, expert ids int64 [T, k])."""
-        logits = F.linear(x, self.gate.weight)
+    def route(self, x: Tensor, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [T, H] (or its router ``logits``) -> (weights [T, k] in x's dtype, expert ids int64 [T, k])."""
+        if logits is None:
+            logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), ids
 
-    def routed(self, x: Tensor) -> Tensor:
-        """This rank's partial sum of the routed experts' outputs for x [T, H] (not yet reduced over TP ranks)."""
+    def routed(self, x: Tensor, logits: Tensor | None = None) -> Tensor:
+        """This rank's partial sum of the routed experts' outputs for x [T, H] (not yet reduced over TP ranks);
+        ``logits``: the router's, where the caller computed them."""
         gate_up: Tensor = self.experts.gate_up_proj
         down: Tensor = self.experts.down_proj
+        if logits is None:
+            logits = F.linear(x, self.gate.weight)
         if self.use_grouped and moe_kernel.wanted(x, gate_up):  # a decode step's few rows: three Triton kernels
-            weights, ids = moe_kernel.route(F.linear(x, self.gate.weight), self.top_k)
+            weights, ids = moe_kernel.route(logits, self.top_k)
             return moe_kernel.experts(x, weights, ids, gate_up, down)
-        weights, ids = self.route(x)
+        weights, ids = self.route(x, logits)
         scales = self.experts.fp8_scales()
         if scales is not None:
             if self.use_grouped and fp8_gemm.grouped_usable(x, down):
