@@ -29,8 +29,6 @@ class EncoderPool:
     in_hand: dict[bytes, tuple[int, list[str]]] = field(default_factory=dict)  # key -> (encoder, pixel names)
     first: int = 0  # the launch-wide index of socks[0] (replica * encoder_workers)
     pool_landings: dict[str, int] = field(default_factory=dict)  # CUDA landing name -> its encoder (socks' index)
-    pool_bytes: dict[str, int] = field(default_factory=dict)  # ... -> its bytes
-    released: int = 0  # pool landings released so far
     _next: int = 0
 
     def __post_init__(self) -> None:
@@ -57,14 +55,9 @@ class EncoderPool:
     def busy_names(self) -> set[str]:
         return {name for _, names in self.in_hand.values() for name in names}
 
-    def landed_in_pool(self, name: str, encoder: int, nbytes: int) -> None:
+    def landed_in_pool(self, name: str, encoder: int) -> None:
         """Encoder ``encoder`` (launch-wide index) landed an entry in its CUDA pool as ``name``."""
         self.pool_landings[name] = encoder - self.first
-        self.pool_bytes[name] = nbytes
-
-    @property
-    def pool_used_bytes(self) -> int:
-        return sum(self.pool_bytes.values())
 
     def release(self, names: list[str]) -> list[str]:
         """Send ``EncodeRelease`` for the pool landings among ``names`` (one message per encoder); the other names,
@@ -74,11 +67,9 @@ class EncoderPool:
         for name in names:
             j = self.pool_landings.pop(name, None)
             if j is not None:
-                self.pool_bytes.pop(name, None)
                 out.setdefault(j, []).append(name)
             elif not is_cuda_landing(name):
                 segments.append(name)
         for j, gone in out.items():
             self.socks[j].send(EncodeRelease(gone))
-            self.released += len(gone)
         return segments

@@ -22,7 +22,7 @@ class EncodeAnswers(StepResults):
         self.encoding.answered(msg.key)
         ref = msg.embeddings
         if isinstance(ref, CudaLanding):  # GPU memory of the encoder's pool: released, not unlinked, and no shm budget
-            self.encoding.landed_in_pool(ref.name, ref.encoder, ref.nbytes)
+            self.encoding.landed_in_pool(ref.name, ref.encoder)
         else:
             # Its bytes count against --shm-budget-mb until it is unlinked: accepted even past the budget (the encode
             # is done and a request waits for it), but new image requests get 503 until the shared memory drains.
