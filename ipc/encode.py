@@ -4,15 +4,17 @@ entry ahead of the prefill chunk that needs it and hands it back through shared 
 The scheduler sends ``EncodeRequest`` (the entry's key and its images' pixel pointers, the same ``EncodeItem``s a
 plan's encode job carries) to one encoder. The encoder reads the pixels, runs the vision tower, writes the entry
 (rows x embed_width, DeepStack levels side by side: exactly what a model worker would have stored) into a new
-segment of the launch (``landing`` segments, named ``emb-...``), and answers ``EncodeDone`` with a pointer to it,
-or ``EncodeFailed``. The scheduler then names the segment in a ``StepPlan.mm_import`` (every rank copies it into
-its embedding store) and is the one process that unlinks it, as it is for pixels.
+segment of the launch (``landing`` segments, named ``emb-...``) or, on CUDA, into a range of its landing pool on
+the GPU (ipc/landing.py), and answers ``EncodeDone`` with a pointer to it, or ``EncodeFailed``. The scheduler then
+names the landing in a ``StepPlan.mm_import`` (every rank copies it into its embedding store) and is the one process
+that ends it: it unlinks a segment, as it does pixels, and sends ``EncodeRelease`` for a pool range, which the
+encoder that owns the pool frees.
 """
 
 from __future__ import annotations
 
 from ipc.control import Msg
-from ipc.shm import ShmRef
+from ipc.landing import LandingRef
 from ipc.steps import EncodeItem
 
 
@@ -25,12 +27,13 @@ class EncodeRequest(Msg, frozen=True):
 
 
 class EncodeDone(Msg, frozen=True):
-    """Encoder worker -> scheduler: ``key``'s entry, ``rows`` rows, is in the landing segment ``embeddings``."""
+    """Encoder worker -> scheduler: ``key``'s entry, ``rows`` rows, landed at ``embeddings`` (a segment, or a range
+    of the encoder's CUDA landing pool)."""
 
     encoder: int
     key: bytes
     rows: int
-    embeddings: ShmRef
+    embeddings: LandingRef
 
 
 class EncodeFailed(Msg, frozen=True):
@@ -41,3 +44,10 @@ class EncodeFailed(Msg, frozen=True):
     key: bytes
     status: int
     error: str
+
+
+class EncodeRelease(Msg, frozen=True):
+    """Scheduler -> encoder worker: no plan will import the pool landings ``names`` (``CudaLanding.name``) any more
+    (the steps that imported them are over, or their waiters ended): their ranges are free again."""
+
+    names: list[str]

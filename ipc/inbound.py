@@ -7,7 +7,7 @@ decodes whichever member arrives and rejects anything else at the boundary.
 from __future__ import annotations
 
 from ipc.control import AbortRequest, ProcessReady, RequestFailed, Shutdown
-from ipc.encode import EncodeDone, EncodeFailed, EncodeRequest
+from ipc.encode import EncodeDone, EncodeFailed, EncodeRelease, EncodeRequest
 from ipc.outputs import OutputBatch
 from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted, RequestRendered, RouteRequest
@@ -24,4 +24,4 @@ SchedulerInbound = (
     | ProcessReady | Shutdown | EncodeDone | EncodeFailed | EncoderStats
 )
 ModelInbound = StepPlan | Shutdown
-EncoderInbound = EncodeRequest | Shutdown
+EncoderInbound = EncodeRequest | EncodeRelease | Shutdown

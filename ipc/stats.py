@@ -39,7 +39,13 @@ class EncoderStats(Msg, frozen=True):
     failed: int = 0  # jobs answered with EncodeFailed
     pixel_reads: int = 0
     pixel_bytes: int = 0
-    landing_bytes: int = 0  # bytes of embeddings written to landing segments
+    landing_bytes: int = 0  # bytes of embeddings landed (segments and CUDA pool ranges together)
+    # CUDA landing pool (ipc/landing.py): its size (0: none, entries land in shared memory), the bytes its live
+    # ranges hold now, and how many entries landed in it and in segments.
+    landing_pool_bytes: int = 0
+    landing_pool_used_bytes: int = 0
+    cuda_landings: int = 0
+    shm_landings: int = 0
 
 
 class SchedulerStats(Msg, frozen=True):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from ipc.control import Msg
+from ipc.landing import LandingRef
 from ipc.logprob_messages import PromptLogprobs, SampleLogprobs
 from ipc.prompts import MMItem, SamplingParams
 from ipc.shm import ShmRef
@@ -67,12 +68,12 @@ class EncodeJob(msgspec.Struct, frozen=True):
 
 
 class EmbeddingImport(msgspec.Struct, frozen=True):
-    """An entry an encoder worker computed (ipc/encode.py): ``rows`` rows of the landing segment ``embeddings``,
-    copied into the embedding store under ``key``; a transient one is dropped after the step, like a transient
-    encode job."""
+    """An entry an encoder worker computed (ipc/encode.py): ``rows`` rows at ``embeddings`` (a landing segment or a
+    range of the encoder's CUDA landing pool, ipc/landing.py), copied into the embedding store under ``key``; a
+    transient one is dropped after the step, like a transient encode job."""
 
     key: bytes
-    embeddings: ShmRef
+    embeddings: LandingRef
     rows: int
     transient: bool = False
 

@@ -50,10 +50,14 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--encoder-workers", type=int, default=S["encoder_workers"],
                    help="vision-tower-only processes per replica that encode a request's images as soon as it is "
                    "admitted, ahead of the prefill chunks that need them, and hand the embeddings to the model "
-                   "workers through shared memory; 0: the model workers run the ViT inside their steps")
+                   "workers (through a CUDA IPC pool on the GPU, else shared memory); 0: the model workers run the ViT "
+                   "inside their steps")
     m.add_argument("--encoder-devices", default="", metavar="LIST",
                    help="CUDA: comma-separated GPU indices the encoder workers run on, taken in turn (empty: "
                    "each replica's encoders share its language model's GPUs)")
+    m.add_argument("--encoder-landing-mb", type=int, default=S["encoder_landing_mb"], metavar="MB",
+                   help="CUDA: each encoder worker's landing pool on its GPU, read by the model ranks through CUDA "
+                   "IPC; an entry that finds it full goes through shared memory; 0: every entry does")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     m.add_argument("--dtype", default=E["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     m.add_argument("--load-format", default=E["load_format"], choices=["auto", "dummy"], help="dummy: random weights")
@@ -213,6 +217,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("glimpse serve: --kv-events-buffer-steps must be 1 or more")
     if args.encoder_workers < 0:
         raise SystemExit("glimpse serve: --encoder-workers must be 0 (off) or more")
+    if args.encoder_landing_mb < 0:
+        raise SystemExit("glimpse serve: --encoder-landing-mb must be 0 (off) or more")
     if args.encoder_workers and args.mm_cache_mode != "image":
         raise SystemExit("glimpse serve: --encoder-workers needs --mm-cache-mode image (the per-image cache)")
     try:
@@ -303,6 +309,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         dp_routing=args.dp_routing,
         encoder_workers=args.encoder_workers,
         encoder_devices=encoder_devices,
+        encoder_landing_mb=args.encoder_landing_mb,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic or (default_topic(args.host, args.port, name) if args.kv_events_endpoint else ""),
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ipc.stats import SchedulerStats, TokenizerStats
+from ipc.stats import EncoderStats, SchedulerStats, TokenizerStats
 from server.pool_stats import merge, replica_rows
 
 # Throughput is averaged over this window: one stats interval alone is too jumpy (a step that
@@ -200,6 +200,11 @@ class StatsBook:
                     "pixel_reads": e.pixel_reads,
                     "pixel_bytes": e.pixel_bytes,
                     "landing_bytes": e.landing_bytes,
+                    # CUDA landing pool (GPU memory, not counted in "shm"): its size and the bytes its entries hold
+                    "landing_pool_bytes": e.landing_pool_bytes,
+                    "landing_pool_used_bytes": e.landing_pool_used_bytes,
+                    "cuda_landings": e.cuda_landings,
+                    "shm_landings": e.shm_landings,
                 }
                 for e in s.encoders
             ],
@@ -341,12 +346,25 @@ def _encoder_metrics(s: SchedulerStats) -> Iterable[Metric]:
         "images_encoded": ("Images the encoder worker ran through its vision tower.", lambda e: e.images_encoded),
         "vit_calls": ("Vision tower calls of the encoder worker.", lambda e: e.vit_calls),
         "failed": ("Encode requests the encoder worker could not serve.", lambda e: e.failed),
+        "cuda_landings": ("Embeddings the encoder worker landed in its CUDA landing pool.", lambda e: e.cuda_landings),
+        "shm_landings": ("Embeddings the encoder worker landed in shared memory.", lambda e: e.shm_landings),
     }
     for name, (doc, value) in families.items():
         family = CounterMetricFamily(f"{_PREFIX}_encoder_{name}", doc, labels=["encoder"])
         for e in s.encoders:
             family.add_metric([str(e.index)], value(e))
         yield family
+    gauges: dict[str, tuple[str, Callable[[EncoderStats], int]]] = {
+        "landing_pool_bytes": ("Size of the encoder worker's CUDA landing pool (0: none).",
+                               lambda e: e.landing_pool_bytes),
+        "landing_pool_used_bytes": ("Bytes of the encoder worker's CUDA landing pool its entries hold.",
+                                    lambda e: e.landing_pool_used_bytes),
+    }
+    for name, (doc, value) in gauges.items():
+        gauge_family = GaugeMetricFamily(f"{_PREFIX}_encoder_{name}", doc, labels=["encoder"])
+        for e in s.encoders:
+            gauge_family.add_metric([str(e.index)], value(e))
+        yield gauge_family
 
 
 class Metrics:

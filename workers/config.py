@@ -84,6 +84,10 @@ class ServerConfig:
     # CUDA: the GPUs encoder workers run on, taken in turn; empty: encoder j of replica r shares that replica's LM GPU
     # r * tp + j % tp (colocated).
     encoder_devices: tuple[int, ...] = ()
+    # CUDA: each encoder worker's landing pool on its GPU, in MiB (workers/encoder/cuda_landing.py): entries wait there
+    # for their import and reach the model ranks through CUDA IPC; 0 (and the CPU): through /dev/shm, as does an entry
+    # that finds the pool full. 4 GiB holds ~64 Qwen3-VL-8B 1080p entries, <3% of an H100's memory.
+    encoder_landing_mb: int = 4096
     # KV-cache events in vLLM's format (docs/kv-events.md): every replica's on one ZMQ PUB, "" = off. An endpoint
     # with "*" is bound, any other is connected to (an indexer that binds), as vLLM does.
     kv_events_endpoint: str = ""
@@ -97,6 +101,11 @@ class ServerConfig:
     @property
     def max_model_len(self) -> int | None:
         return self.engine.max_model_len
+
+    def lm_devices(self, replica: int) -> list[int]:
+        """CUDA: the GPUs of replica ``replica``'s model ranks (model worker i runs on cuda:i)."""
+        tp = self.engine.tp_size
+        return list(range(replica * tp, replica * tp + tp))
 
     def encoder_device(self, index: int) -> str:
         """The device of encoder worker ``index`` (launch-wide: replica * encoder_workers + j)."""

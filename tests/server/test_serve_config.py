@@ -121,3 +121,15 @@ def test_encoder_worker_flags_become_the_config_and_their_devices(demo_model_dir
     assert [cuda.encoder_device(i) for i in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     chosen = replace(cuda, encoder_devices=(5, 6, 7))
     assert [chosen.encoder_device(i) for i in range(4)] == ["cuda:5", "cuda:6", "cuda:7", "cuda:5"]
+
+
+def test_encoder_landing_pool_flag_and_the_gpus_that_read_it(demo_model_dir: Path) -> None:
+    base = ("--model", str(demo_model_dir), "--device", "cpu", "--encoder-workers", "1")
+    assert build_config(parse(*base)).encoder_landing_mb == 4096
+    assert build_config(parse(*base, "--encoder-landing-mb", "0")).encoder_landing_mb == 0  # shared memory only
+    with pytest.raises(SystemExit, match="--encoder-landing-mb"):
+        build_config(parse(*base, "--encoder-landing-mb", "-1"))
+    # The pool of an encoder of replica r is read by that replica's model ranks, on GPUs r * tp ..
+    config = build_config(parse(*base))
+    cuda = replace(config, engine=replace(config.engine, device="cuda", tp_size=2), dp_size=2)
+    assert (cuda.lm_devices(0), cuda.lm_devices(1)) == ([0, 1], [2, 3])

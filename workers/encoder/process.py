@@ -3,7 +3,9 @@ scheduler sends and answers each with a landing segment of embeddings (ipc/encod
 
 Like a model worker it only attaches and reads pixel segments and never unlinks one; the landing segments it
 creates are the scheduler's from the moment ``EncodeDone`` names them (the scheduler unlinks them, and the
-launcher's sweep takes any an encoder wrote but never reported). It dies with the launcher (PDEATHSIG), and the
+launcher's sweep takes any an encoder wrote but never reported). On CUDA it lands entries in its own GPU pool when
+there is room (cuda_landing.py); a range stays taken until the scheduler's ``EncodeRelease`` frees it, and the pool
+goes with the process. It dies with the launcher (PDEATHSIG), and the
 launcher treats its death like a model worker's: in-flight requests fail and the server stops.
 """
 
@@ -18,11 +20,12 @@ import torch
 from ipc import endpoints
 from ipc.channels import PullSocket, PushSocket, new_context
 from ipc.control import ProcessReady, Shutdown
-from ipc.encode import EncodeRequest
+from ipc.encode import EncodeRelease, EncodeRequest
 from ipc.inbound import EncoderInbound, SchedulerInbound
 from ipc.stats import EncoderStats
 from workers.common.proc import freeze_heap, setup_child
 from workers.config import ServerConfig
+from workers.encoder.cuda_landing import open_pool
 from workers.encoder.tower import EncoderTower
 from workers.engine.runner.batching import patches
 from workers.engine.runner.model_runner import CUDA_HOST_THREADS
@@ -52,6 +55,7 @@ def run_encoder_worker(config: ServerConfig, index: int) -> None:
             # As in a CUDA model worker: the host side is staging copies, and a full OpenMP pool only spins.
             torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
         tower = EncoderTower(config.engine, config.launch_id, index, device)
+        tower.pool = open_pool(index, device, config.encoder_landing_mb << 20, config.lm_devices(replica))
         log.info("vision tower of %s loaded in %.1fs on %s, %s", config.engine.model, time.monotonic() - started,
                  device, tower.dtype)
         freeze_heap(log)
@@ -78,11 +82,16 @@ def _serve(
         msg: EncoderInbound | None = inbound.recv()
         batch: list[EncodeRequest] = []
         stop: Shutdown | None = None
-        total = 0
+        total = released = 0
         while msg is not None:
             if isinstance(msg, Shutdown):
                 stop = msg
                 break
+            if isinstance(msg, EncodeRelease):  # ranges free before this batch lands: more of it fits the pool
+                if tower.pool is not None:
+                    released += tower.pool.release(msg.names)
+                msg = inbound.recv(0)
+                continue
             batch.append(msg)
             total += sum(patches(item.grid) for item in msg.items)
             if total >= budget:
@@ -91,11 +100,19 @@ def _serve(
         if batch:
             for answer in tower.run(batch):
                 to_sched.send(answer)
-            c = tower.counters
-            to_sched.send(EncoderStats(
-                tower.index, tower.jobs, c.images_encoded, c.vit_calls, tower.failed, tower.pixels.reads,
-                tower.pixels.bytes_read, tower.landing_bytes,
-            ))  # fmt: skip
+        if batch or released:  # the counters, and the pool's use now
+            to_sched.send(_stats(tower))
         if stop is not None:
             log.info("shutdown requested%s", f": {stop.reason}" if stop.reason else "")
             return
+
+
+def _stats(tower: EncoderTower) -> EncoderStats:
+    c, pool = tower.counters, tower.pool
+    return EncoderStats(
+        tower.index, tower.jobs, c.images_encoded, c.vit_calls, tower.failed, tower.pixels.reads,
+        tower.pixels.bytes_read, tower.landing_bytes,
+        landing_pool_bytes=pool.size if pool is not None else 0,
+        landing_pool_used_bytes=pool.used_bytes if pool is not None else 0,
+        cuda_landings=tower.cuda_landings, shm_landings=tower.shm_landings,
+    )  # fmt: skip

@@ -5,7 +5,8 @@ The encode itself is the model worker's (``VisionEncoder``, runner/encoder.py): 
 most ``--vit-max-patches`` and the same entry layout (DeepStack levels side by side), so an entry computed here is
 the one a model worker would have stored. What this module adds is what a separate process needs: pixels checked
 against their grid before the ViT sees them (a bad segment fails its request with a 400, not the worker), a batch
-retried job by job when one of its jobs fails, and each entry written to its own segment of the launch.
+retried job by job when one of its jobs fails, and each entry landed where a model rank reads it: a range of the
+encoder's CUDA landing pool when it has one with room (cuda_landing.py), else a segment of the launch of its own.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ipc.encode import EncodeDone, EncodeFailed, EncodeRequest
+from ipc.landing import ShmLanding
 from ipc.shm import ShmError, ShmFullError, ShmSegment, segment_name
 from ipc.steps import EncodeItem, EncodeJob
+from workers.encoder.cuda_landing import CudaLandingPool
 from workers.engine.config import EngineConfig
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
@@ -75,8 +78,8 @@ Answer = EncodeDone | EncodeFailed
 
 @dataclass
 class EncoderTower:
-    """The tower of ``engine``'s checkpoint on ``device``, and the encode of a batch of requests into landing
-    segments named after the launch."""
+    """The tower of ``engine``'s checkpoint on ``device``, and the encode of a batch of requests into ranges of
+    ``pool`` (CUDA) or landing segments named after the launch."""
 
     engine: EngineConfig
     launch_id: str
@@ -86,6 +89,9 @@ class EncoderTower:
     jobs: int = 0
     failed: int = 0
     landing_bytes: int = 0
+    pool: CudaLandingPool | None = None  # set by the process once the tower is loaded (None: shared memory only)
+    cuda_landings: int = 0
+    shm_landings: int = 0
 
     def __post_init__(self) -> None:
         cfg = self.engine
@@ -117,6 +123,12 @@ class EncoderTower:
         return [self._land(r, entry) for r, entry in zip(requests, entries, strict=True)]
 
     def _land(self, request: EncodeRequest, entry: torch.Tensor) -> Answer:
+        if self.pool is not None and (in_pool := self.pool.land(entry)) is not None:
+            self.jobs += 1
+            self.cuda_landings += 1
+            self.landing_bytes += in_pool.nbytes
+            return EncodeDone(self.index, request.key, int(entry.shape[0]), in_pool)
+        # No pool, or no range long enough now: this entry goes through shared memory.
         name = segment_name(self.launch_id, f"emb-{request.key.hex()}-e{self.index}x{next(self._names):x}")
         try:
             seg, ref = ShmSegment.create_from_tensor(name, entry.to("cpu").contiguous())
@@ -125,8 +137,10 @@ class EncoderTower:
             return EncodeFailed(self.index, request.key, 503, f"no room in shared memory for the embeddings: {exc}")
         seg.close()
         self.jobs += 1
+        self.shm_landings += 1
         self.landing_bytes += ref.nbytes
-        return EncodeDone(self.index, request.key, int(entry.shape[0]), ref)
+        landing = ShmLanding(ref.name, ref.nbytes, ref.dtype, ref.shape)
+        return EncodeDone(self.index, request.key, int(entry.shape[0]), landing)
 
     def _failed(self, request: EncodeRequest, exc: Exception) -> EncodeFailed:
         """The answer for a request whose encode raised ``exc``."""

@@ -116,6 +116,7 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
     inbound = endpoints.pull(ctx, config.launch_id, endpoints.MODEL, index)
     to_sched = endpoints.push(ctx, config.launch_id, endpoints.SCHEDULER, replica)
     reader = PixelReader()
+    runner: ModelRunner | None = None
     try:
         t0 = time.monotonic()
         tp, engine = _init_tp(config, index)
@@ -149,6 +150,8 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
         log.exception("model worker failed")
         raise SystemExit(1) from None
     finally:
+        if runner is not None:  # encoder workers' CUDA pools unmapped before the encoders exit and free them
+            runner.landings.close()
         inbound.close()
         to_sched.close(linger_ms=_LINGER_MS)
         ctx.term()

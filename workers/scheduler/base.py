@@ -61,7 +61,7 @@ class SchedulerBase:
         self.models = [endpoints.push(ctx, lid, endpoints.MODEL, replica * tp + r) for r in range(tp)]
         enc = config.encoder_workers  # --encoder-workers: this replica's are replica * enc .. replica * enc + enc - 1
         self.encoders = [endpoints.push(ctx, lid, endpoints.ENCODER, replica * enc + j) for j in range(enc)]
-        self.encoding = EncoderPool(self.encoders)
+        self.encoding = EncoderPool(self.encoders, first=replica * enc)
         self.frontend = endpoints.push(ctx, lid, endpoints.FRONTEND)
         self.tokenizers = [endpoints.push(ctx, lid, endpoints.TOKENIZER, i) for i in range(tokenizers)]
         self.tokenizer: Any = AutoTokenizer.from_pretrained(config.engine.model)
@@ -134,6 +134,8 @@ class SchedulerBase:
         return busy
 
     def unlink(self, names: list[str]) -> None:
+        """Unlink segments ``names`` (and release CUDA pool landings among them), deferred while something may
+        still map one."""
         if not names:
             return
         if self._reading_pixels():
@@ -142,7 +144,8 @@ class SchedulerBase:
             self.deferred_unlinks.extend(names)
             return
         busy = self._busy_names()
-        gone = [n for n in names if n not in busy]
+        # CUDA pool landings go back to their encoders (EncodeRelease), the rest are segments to unlink.
+        gone = self.encoding.release([n for n in names if n not in busy])
         unlink_all(gone)
         self.ledger.unlinked(gone)  # landing segments leave the shm budget only now
         self.deferred_unlinks.extend(n for n in names if n in busy)

@@ -5,6 +5,10 @@ A request goes to the encoder with the fewest requests outstanding (ties in turn
 back the ones queued behind it while another encoder idles. Every request in hand keeps its pixel segments' names
 *busy*: the scheduler unlinks a request's names when it ends, but never a name an encoder may still map
 (``SchedulerBase.unlink`` defers those until the answer is back).
+
+An entry an encoder landed in its CUDA pool (ipc/landing.py) is remembered here by name until it is *released*:
+where a landing segment would be unlinked, the pool's owner gets ``EncodeRelease`` instead (each name once), and the
+rest of the scheduler handles both kinds of landing by name alike.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ipc.channels import PushSocket
-from ipc.encode import EncodeRequest
+from ipc.encode import EncodeRelease, EncodeRequest
 from ipc.inbound import EncoderInbound
+from ipc.landing import is_cuda_landing
 from ipc.steps import EncodeJob
 
 
@@ -22,6 +27,8 @@ class EncoderPool:
     socks: list[PushSocket[EncoderInbound]]
     load: list[int] = field(default_factory=list)  # requests outstanding per encoder
     in_hand: dict[bytes, tuple[int, list[str]]] = field(default_factory=dict)  # key -> (encoder, pixel names)
+    first: int = 0  # the launch-wide index of socks[0] (replica * encoder_workers)
+    pool_landings: dict[str, int] = field(default_factory=dict)  # CUDA landing name -> its encoder (socks' index)
     _next: int = 0
 
     def __post_init__(self) -> None:
@@ -47,3 +54,22 @@ class EncoderPool:
 
     def busy_names(self) -> set[str]:
         return {name for _, names in self.in_hand.values() for name in names}
+
+    def landed_in_pool(self, name: str, encoder: int) -> None:
+        """Encoder ``encoder`` (launch-wide index) landed an entry in its CUDA pool as ``name``."""
+        self.pool_landings[name] = encoder - self.first
+
+    def release(self, names: list[str]) -> list[str]:
+        """Send ``EncodeRelease`` for the pool landings among ``names`` (one message per encoder); the other names,
+        shared-memory segments to unlink. A pool name already released is dropped: never a second release."""
+        segments: list[str] = []
+        out: dict[int, list[str]] = {}
+        for name in names:
+            j = self.pool_landings.pop(name, None)
+            if j is not None:
+                out.setdefault(j, []).append(name)
+            elif not is_cuda_landing(name):
+                segments.append(name)
+        for j, gone in out.items():
+            self.socks[j].send(EncodeRelease(gone))
+        return segments

@@ -6,6 +6,7 @@ on it: with the encoder's status (400 when the request's pixels are at fault), t
 from __future__ import annotations
 
 from ipc.encode import EncodeDone, EncodeFailed
+from ipc.landing import CudaLanding
 from workers.scheduler.results import StepResults
 
 
@@ -19,9 +20,13 @@ class EncodeAnswers(StepResults):
 
     def _on_encode_done(self, msg: EncodeDone) -> None:
         self.encoding.answered(msg.key)
-        # Its bytes count against --shm-budget-mb until it is unlinked: accepted even past the budget (the encode is
-        # done and a request waits for it), but new image requests get 503 until the shared memory drains.
-        self.ledger.land(msg.embeddings.name, msg.embeddings.nbytes)
+        ref = msg.embeddings
+        if isinstance(ref, CudaLanding):  # GPU memory of the encoder's pool: released, not unlinked, and no shm budget
+            self.encoding.landed_in_pool(ref.name, ref.encoder)
+        else:
+            # Its bytes count against --shm-budget-mb until it is unlinked: accepted even past the budget (the encode
+            # is done and a request waits for it), but new image requests get 503 until the shared memory drains.
+            self.ledger.land(ref.name, ref.nbytes)
         if self.core.remote is None:
             self.unlink([msg.embeddings.name])
             return

@@ -4,7 +4,7 @@ the rest of the core (the scheduler process sends the requests and receives the 
 An image a running request will read, and which neither tier of the embedding cache holds, is *requested* as soon as
 the request is admitted (or its pixels land, with overlapped media), so its encode runs ahead of the chunk that
 needs it; a chunk stops short of an image not yet *landed* (``stop_at``), as it does of one still being written. A
-landed entry sits in its landing segment until a plan imports it: ``EmbeddingCacheIndex`` admits it then exactly as
+landed entry sits in its landing segment (or CUDA pool range) until a plan imports it: ``EmbeddingCacheIndex`` admits it then exactly as
 it would admit a fresh encode, and an admitted import *consumes* the landing segment (the scheduler unlinks it once
 that step is over). A transient import (the cache refused the entry) leaves it landed, so a later chunk of the same
 image imports it again instead of encoding it again; it goes with its last waiter.
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ipc.landing import LandingRef
 from ipc.prompts import MMItem
-from ipc.shm import ShmRef
 from ipc.steps import EmbeddingImport, EncodeItem, EncodeJob
 from workers.engine.core.mm_cache import EmbeddingCacheIndex
 from workers.engine.core.sequence import Sequence
@@ -33,7 +33,7 @@ class Requested:
 
 @dataclass
 class Landed:
-    ref: ShmRef
+    ref: LandingRef
     rows: int
     waiters: set[str] = field(default_factory=set)
 
@@ -105,7 +105,7 @@ class RemoteEncodes:
         return out
 
     # ---- answers ----------------------------------------------------------------------------------
-    def done(self, key: bytes, ref: ShmRef, rows: int) -> list[str]:
+    def done(self, key: bytes, ref: LandingRef, rows: int) -> list[str]:
         """An encoder's entry for ``key`` landed; the sequences to fail when it holds the wrong number of rows (its
         segment then goes at once, as does one nobody waits for any more)."""
         req = self.requested.pop(key, None)

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoImageProcessor
 
-from ipc.shm import ShmSegment
 from ipc.steps import EmbeddingImport, EncodeItem, EncodeJob
 from workers.engine.core.mm_cache import EmbeddingStore
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models.base import VLModel
 from workers.engine.prompt.pixel_frames import FrameLayout, layout_of
 from workers.engine.runner.batching import group_by_patches, patches, pixel_rows, split_by_patches
+from workers.engine.runner.landing import LandingReader
 
 log = logging.getLogger("glimpse.model")
 
@@ -119,15 +119,16 @@ class JobEncoder(VisionEncoder):
 
 
 def import_entries(imports: list[EmbeddingImport], store: EmbeddingStore, device: torch.device,
-                   dtype: torch.dtype) -> int:
+                   dtype: torch.dtype, landings: LandingReader) -> int:
     """Copy the entries encoder workers landed (a plan's ``mm_import``) into the store, in order; the number copied.
-    The landing segment is mapped only for the copy (the scheduler unlinks it once the step is over)."""
+    A landing segment is mapped only for the copy, a CUDA pool range read in place (device to device, or peer to
+    peer); the scheduler unlinks or releases either once the step is over."""
     for imp in imports:
-        with ShmSegment.attach(imp.embeddings) as seg:
-            rows = seg.tensor(imp.embeddings)
+        rows = landings.rows(imp.embeddings)
         if rows.dim() != 2 or rows.shape[0] != imp.rows:
             raise RuntimeError(f"landed entry {imp.key.hex()[:16]} is {tuple(rows.shape)}, the plan says {imp.rows} rows")
-        # A copy (also on the CPU): the store must not keep the segment's pages mapped past the step.
+        # A copy (also on the CPU, and on the pool's own GPU): the store must keep neither the segment's pages mapped
+        # nor the pool's range, which the encoder hands out again once the scheduler releases it.
         store.put(imp.key, rows.to(device=device, dtype=dtype, copy=True), imp.transient)
     return len(imports)
 

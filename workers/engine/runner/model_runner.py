@@ -9,6 +9,7 @@ from dataclasses import replace
 import msgspec
 import torch
 
+from ipc.landing import CudaLanding
 from ipc.steps import Fork, NewSeq, StepPlan, StepResult
 from workers.common.step_trace import StepTrace
 from workers.engine.config import EngineConfig
@@ -40,6 +41,7 @@ from workers.engine.runner.cuda_graphs import DecodeGraphs, graphs_wanted, start
 from workers.engine.runner.encoder import JobEncoder, PixelSource, RunnerCounters, import_entries
 from workers.engine.runner.grammar import GrammarBook
 from workers.engine.runner.host_kv import host_kv_pool
+from workers.engine.runner.landing import LandingReader
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
 from workers.engine.runner.prompt_logprobs import score_prompts
 from workers.engine.runner.sampler import Sampler
@@ -133,6 +135,7 @@ class ModelRunner:
         # failed one cannot read stale ids.
         self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.counters = RunnerCounters()
+        self.landings = LandingReader()  # encoder workers' CUDA landing pools, opened on first use
         self.encoder = JobEncoder(self.model, self.store, self.tp, pixel_source, self.counters, cfg.model, self.merge,
                                   self.spec.embed_width, cfg.vit_max_patches, self.device, self.dtype)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
@@ -165,7 +168,8 @@ class ModelRunner:
         self.store.evict(plan.evict)
         reloading = self.host.reload(plan.mm_reload, plan.mm_reload_once)  # copies overlap the encodes; landed before the forward
         if plan.mm_import:  # encoder workers' entries, right before this step's own encodes (StepPlan's order)
-            self.counters.imports += import_entries(plan.mm_import, self.store, self.device, self.dtype)
+            self.counters.imports += import_entries(plan.mm_import, self.store, self.device, self.dtype,
+                                                   self.landings)
         self.trace.mark("setup")
         calls_before = self.counters.vit_calls
         if plan.encode and self.vision is None:  # the scheduler never plans one here; a clear error if it did
@@ -179,7 +183,7 @@ class ModelRunner:
             self.counters.encoded_per_step.append(encoded)
         self.counters.steps += 1
         if not plan.chunks:
-            return launched
+            return self._imports_read(plan, launched)
         if self.state is not None:  # requests resuming from a prefix snapshot start from a copy of it
             self.state.copy(plan.state_copies)
         try:
@@ -195,6 +199,17 @@ class ModelRunner:
                 step=plan.step_id, seqs=len(plan.chunks), decodes=decodes, tokens=tokens, images=encoded,
                 graph_captures=captures, ahead=plan.ahead,
             )  # fmt: skip
+        return self._imports_read(plan, launched)
+
+    def _imports_read(self, plan: StepPlan, launched: Launched) -> Launched:
+        """``launched``, done no sooner than this step's copies out of CUDA landing pools: once its result is in, the
+        scheduler releases their ranges and the encoder writes new entries there. A step that samples already waits
+        for its whole forward (and with TP the forward's collectives come after every rank's copies); one that does
+        not (a prefill chunk that samples nothing) would be reported at once without this event."""
+        if launched.event is None and self.device.type == "cuda" and any(
+                isinstance(imp.embeddings, CudaLanding) for imp in plan.mm_import):
+            launched.event = torch.cuda.Event()
+            launched.event.record()
         return launched
 
     def _register(self, new: NewSeq) -> None:
