@@ -86,8 +86,9 @@ class ServerConfig:
     encoder_devices: tuple[int, ...] = ()
     # CUDA: each encoder worker's landing pool on its GPU, in MiB (workers/encoder/cuda_landing.py): entries wait there
     # for their import and reach the model ranks through CUDA IPC; 0 (and the CPU): through /dev/shm, as does an entry
-    # that finds the pool full. 4 GiB holds ~64 Qwen3-VL-8B 1080p entries, <3% of an H100's memory.
-    encoder_landing_mb: int = 4096
+    # that finds the pool full. 4096 holds ~64 Qwen3-VL-8B 1080p entries, <3% of an H100's memory. Off by default until
+    # the pool has run on a GPU: the /dev/shm path is the one measured (docs/benchmarks.md "Encoder workers").
+    encoder_landing_mb: int = 0
     # KV-cache events in vLLM's format (docs/kv-events.md): every replica's on one ZMQ PUB, "" = off. An endpoint
     # with "*" is bound, any other is connected to (an indexer that binds), as vLLM does.
     kv_events_endpoint: str = ""

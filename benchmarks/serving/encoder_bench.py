@@ -4,6 +4,8 @@ requests/s, TTFT, TPOT and inter-token gaps of an image-heavy load, and who ran 
 
     python -m benchmarks.serving.encoder_bench --shape qwen3-8b --images-per-request 4 --num-prompts 64
     python -m benchmarks.serving.encoder_bench --variants "plain=;colocated=--encoder-workers 1" --multiturn 16
+    python -m benchmarks.serving.encoder_bench \
+        --variants "plain=;shm=--encoder-workers 1;pool=--encoder-workers 1 --encoder-landing-mb 16384"
 
 A variant is ``name=flags`` (flags as on the command line, variants separated by ``;``). On one GPU,
 ``--encoder-workers 1`` is the colocated mode (the encoder process on the LM's GPU); with more GPUs,

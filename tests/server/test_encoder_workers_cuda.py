@@ -1,6 +1,7 @@
-"""`glimpse serve --encoder-workers 1 --device cuda` (the encoder colocated on the language model's GPU): greedy
-answers equal the plain CUDA server's, every entry lands in the encoder's CUDA pool and reaches the model worker
-through CUDA IPC (none through /dev/shm), and every range is released once its import step is over."""
+"""`glimpse serve --encoder-workers 1 --encoder-landing-mb 4096 --device cuda` (the encoder colocated on the language
+model's GPU, its landing pool on): greedy answers equal the plain CUDA server's, every entry lands in the encoder's
+CUDA pool and reaches the model worker through CUDA IPC (none through /dev/shm), and every range is released once its
+import step is over."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ CUDA_ARGS = (*ARGS, "--device", "cuda", "--dtype", "float32")
 
 
 def test_cuda_landing_answers_equal_the_plain_cuda_server(demo_model_dir: Path) -> None:
-    split = LiveServer(demo_model_dir, *CUDA_ARGS, "--encoder-workers", "1", ready_timeout=300)
+    split = LiveServer(demo_model_dir, *CUDA_ARGS, "--encoder-workers", "1", "--encoder-landing-mb", "4096",
+                       ready_timeout=300)
     try:
         plain = LiveServer(demo_model_dir, *CUDA_ARGS, ready_timeout=300)
     except BaseException:

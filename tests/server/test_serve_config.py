@@ -125,8 +125,8 @@ def test_encoder_worker_flags_become_the_config_and_their_devices(demo_model_dir
 
 def test_encoder_landing_pool_flag_and_the_gpus_that_read_it(demo_model_dir: Path) -> None:
     base = ("--model", str(demo_model_dir), "--device", "cpu", "--encoder-workers", "1")
-    assert build_config(parse(*base)).encoder_landing_mb == 4096
-    assert build_config(parse(*base, "--encoder-landing-mb", "0")).encoder_landing_mb == 0  # shared memory only
+    assert build_config(parse(*base)).encoder_landing_mb == 0  # shared memory until the pool has run on a GPU
+    assert build_config(parse(*base, "--encoder-landing-mb", "4096")).encoder_landing_mb == 4096
     with pytest.raises(SystemExit, match="--encoder-landing-mb"):
         build_config(parse(*base, "--encoder-landing-mb", "-1"))
     # The pool of an encoder of replica r is read by that replica's model ranks, on GPUs r * tp ..
