@@ -1,0 +1,101 @@
+"""Where a batch-1 decode step's GPU time goes: the offline Engine at a real shape (dummy bf16 weights, decode CUDA
+graphs), one greedy sequence, the median step (host sync after each) and the kernels of 17 steps under the profiler,
+per step. ``--compare-moe-join`` runs the shape twice in one process, Qwen3.5-MoE's shared expert gate_up, router and
+shared gate as three projections and then joined into one matmul (``SharedExpertMoeBlock.join``, the default on CUDA).
+
+    python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
+    python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --compare-moe-join --top 0
+
+The second engine of a process runs beside the first one's leftover threads: compare kernel time, not step wall time.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.args import parser
+from benchmarks.checkpoints import shaped_checkpoint
+from ipc.prompts import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.models.qwen3_5.moe import SharedExpertMoeBlock
+from workers.engine.offline import Engine
+
+PROMPT = [{"role": "user", "content": "hello " * 50}]
+
+
+def checkpoint(shape: str, layers: int, scratch: Path) -> Path:
+    ck = shaped_checkpoint(scratch / shape, shape)
+    if layers:
+        cfg = json.loads((ck / "config.json").read_text())
+        text = cfg.get("text_config", cfg)
+        text["num_hidden_layers"] = layers
+        if "layer_types" in text:
+            text["layer_types"] = text["layer_types"][:layers]
+        (ck / "config.json").write_text(json.dumps(cfg))
+    return ck
+
+
+def decode(engine: Engine, tokens: int) -> list[float]:
+    """Seconds of each step of one greedy sequence of ``tokens`` tokens (the first is its prefill)."""
+    engine.add_request(PROMPT, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    steps = []
+    while True:
+        t0 = time.perf_counter()
+        finished = engine.step()
+        torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t0)
+        if finished:
+            return steps
+
+
+def measure(ck: Path, top: int) -> tuple[float, float, float]:
+    """(median decode step ms, kernel ms per step, kernels per step), printing the ``top`` kernels."""
+    engine = Engine(EngineConfig(model=str(ck), device="cuda", dtype="bfloat16", load_format="dummy",
+                                 kv_cache_mb=4096, max_model_len=8192))  # fmt: skip
+    decode(engine, 8)
+    steps = sorted(decode(engine, 96)[2:])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        n = len(decode(engine, 17))
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"| {e.key[:90]} | {e.count / n:.1f} | {e.self_device_time_total / 1e3 / n:.4f} |")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return (steps[len(steps) // 2] * 1e3, sum(e.self_device_time_total for e in kernels) / 1e3 / n,
+            sum(e.count for e in kernels) / n)  # fmt: skip
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--shape", default="qwen3.5-35b-a3b")
+    ap.add_argument("--layers", type=int, default=20, help="decoder layers kept (0: all)")
+    ap.add_argument("--top", type=int, default=30, help="kernels listed per run, by time")
+    ap.add_argument("--compare-moe-join", action="store_true")
+    args = ap.parse_args()
+    join = SharedExpertMoeBlock.join
+    variants = [("separate", False), ("joined", True)] if args.compare_moe_join else [("as served", True)]
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        ck = checkpoint(args.shape, args.layers, Path(scratch))
+        for name, joined in variants:
+            SharedExpertMoeBlock.join = join if joined else (lambda self: False)  # type: ignore[method-assign]
+            if args.top:
+                print(f"\n{name}:\n| kernel | per step | ms per step |\n|---|---|---|")
+            rows.append((name, *measure(ck, args.top)))
+    SharedExpertMoeBlock.join = join  # type: ignore[method-assign]
+    print(f"\n{args.shape} ({args.layers or 'all'} layers), batch 1, {torch.cuda.get_device_name()}")
+    print("\n| variant | step, ms | kernel time per step, ms | kernels per step |\n|---|---|---|---|")
+    for name, step, kernel_ms, count in rows:
+        print(f"| {name} | {step:.3f} | {kernel_ms:.3f} | {count:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
