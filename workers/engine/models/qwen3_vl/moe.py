@@ -263,10 +263,8 @@ class SparseMoeBlock(nn.Module):
             return self.use_grouped and fp8_gemm.grouped_usable(one_row, self.experts.down_proj)
         return self.use_grouped and grouped_mm_usable(one_row, self.experts.gate_up_proj, self.experts.down_proj)
 
-    def route(self, x: Tensor, logits: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """x [T, H] (or its router ``logits``) -> (weights [T, k] in x's dtype, expert ids int64 [T, k])."""
-        if logits is None:
-            logits = F.linear(x, self.gate.weight)
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """The router's logits [T, E] -> (weights [T, k] in their dtype, expert ids int64 [T, k])."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)
@@ -282,7 +280,7 @@ class SparseMoeBlock(nn.Module):
         if self.use_grouped and moe_kernel.wanted(x, gate_up):  # a decode step's few rows: three Triton kernels
             weights, ids = moe_kernel.route(logits, self.top_k)
             return moe_kernel.experts(x, weights, ids, gate_up, down)
-        weights, ids = self.route(x, logits)
+        weights, ids = self.route(logits)
         scales = self.experts.fp8_scales()
         if scales is not None:
             if self.use_grouped and fp8_gemm.grouped_usable(x, down):
