@@ -7,17 +7,22 @@ Variants (``GLIMPSE_FP8_GEMM``, read once per process):
   lost to the bf16 GEMM at decode: row-wise 0.09-0.11 ms against 0.016-0.058 ms per projection at 1-16 rows
   (activation quantization is separate torch ops), block 0.13-0.17 ms; at 512-row chunks 1.0-3.4x bf16's time; only
   gate_up at 2,048-8,192 rows ran faster (0.77-0.81x); the grouped experts 0.86-2.95x at 1-16 tokens.
-* ``auto``: the native kernel where torch has one for the device and the weight's scales, else
-  ``dequant``. Channel scales: ``torch._scaled_mm`` row-wise (activations quantized per token). 128 x 128
-  block scales: ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128 (activations quantized per 1 x 128 token
-  group; cuBLAS on Hopper). Routed experts: ``torch._scaled_grouped_mm`` row-wise.
+* ``auto``: at most W8A16_MAX_ROWS rows (decode), the weight-only Triton kernel (w8a16_gemm.py: FP8 weights
+  widened in registers, activations stay bf16, no quantization kernels); above that the native kernel where torch has
+  one for the device and the weight's scales, else ``dequant``. Channel scales: ``torch._scaled_mm`` row-wise
+  (activations quantized per token). 128 x 128 block scales: ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128
+  (activations quantized per 1 x 128 token group; cuBLAS on Hopper). Routed experts: ``torch._scaled_grouped_mm``
+  row-wise. Not yet measured with w8a16 (``fp8_gemm_bench`` has its column); the threshold is a guess until then.
+* ``w8a16``: the weight-only Triton kernel at every row count (prefill chunks too, tiled along M): what the
+  benchmark compares at every M, and weight-only FP8 end to end. Routed experts stay in the model dtype (the
+  grouped FP8 GEMM quantizes activations); a weight whose kernel fails falls back to ``dequant``.
 * ``dequant``: FP8 weights in memory, each call dequantizes the weight to the activation dtype and runs the
   bf16 GEMM (half the weight memory, no FP8 tensor cores).
 Routed experts of a 128 x 128 block checkpoint stay dequantized in the model dtype unless
 ``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` re-quantizes them per row for the grouped row-wise kernel (torch's grouped
 GEMM has no block-scaled recipe on Hopper; one scale per row over the whole K is coarser than the checkpoint's
 tiles, and on the demo checkpoints it changes greedy tokens, so it is opt-in until measured on real models).
-Each native kernel is probed once per process on a small problem against the dequantized GEMM (``probe``: it
+Each native kernel (and w8a16) is probed once per process on a small problem against the dequantized GEMM (``probe``: it
 must not raise and must compute the same product; for the block recipes this also settles how the weight scales are
 laid out). A kernel that fails its probe, or raises later for one shape, is not used again (for that shape): those
 calls take ``dequant``, with one warning.
@@ -35,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from workers.engine.kernels import w8a16_gemm
 from workers.engine.kernels.fp8_quant import (
     BLOCK,
     dequantize,
@@ -46,10 +52,14 @@ from workers.engine.kernels.fp8_quant import (
 
 log = logging.getLogger("glimpse.fp8")
 
-Variant = Literal["auto", "dequant", "bf16"]
-VARIANTS: tuple[Variant, ...] = ("auto", "dequant", "bf16")
+Variant = Literal["auto", "w8a16", "dequant", "bf16"]
+VARIANTS: tuple[Variant, ...] = ("auto", "w8a16", "dequant", "bf16")
 VARIANT_ENV = "GLIMPSE_FP8_GEMM"
 _refused: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()  # (kernel, weight shape, scale shape)
+# Rows up to which ``auto`` takes the weight-only kernel: decode batches, where the weights' stream is the cost and
+# the scaled-FP8 kernels lost to bf16 (docs/benchmarks.md, "FP8 GEMMs"). A guess until fp8_gemm_bench measures
+# where w8a16 stops beating them.
+W8A16_MAX_ROWS = 16
 
 
 def variant() -> Variant:
@@ -153,13 +163,20 @@ def _close(got: Tensor, ref: Tensor) -> bool:
 
 
 def probe(kind: str, device: torch.device) -> bool:
-    """Run native kernel ``kind`` ("rowwise", "block", "row-block", "grouped") once on a small problem against the
+    """Run kernel ``kind`` ("rowwise", "block", "row-block", "grouped", "w8a16") once on a small problem against the
     dequantized bf16 GEMM; a kernel that raises or computes something else is never used (one warning). For the block
     recipes this also picks the weight-scale layout. Not run inside a CUDA graph capture (the call there dequantizes)."""
     if kind in _probed:
         return _probed[kind]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
+    if kind == "w8a16":  # its own switch (GLIMPSE_TRITON_W8A16=0 turns it off); warns here like the others
+        ok = w8a16_gemm.probe(device, torch.bfloat16)
+        if not ok:
+            log.warning("FP8 w8a16 GEMM unusable on %s (%s): dequantized bf16 GEMM instead", device,
+                        w8a16_gemm.SWITCH.why_off())
+        _probed[kind] = ok
+        return ok
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(8, 256, device=device, generator=gen).to(torch.bfloat16)
     w = torch.randn(2, 256, 256, device=device, generator=gen)
@@ -193,7 +210,7 @@ def probe(kind: str, device: torch.device) -> bool:
 
 
 def native_kernel(x: Tensor, weight: Tensor, scale: Tensor) -> str | None:
-    """The native kernel ``linear`` would run for these operands ("rowwise", "block" or "row-block"), or None
+    """The scaled-FP8 kernel ``auto`` has for these operands ("rowwise", "block" or "row-block"), or None
     (dequant)."""
     if variant() != "auto" or not x.is_cuda or not device_supports_fp8(x.device):
         return None
@@ -209,16 +226,45 @@ def native_kernel(x: Tensor, weight: Tensor, scale: Tensor) -> str | None:
     return kernel if probe(kernel, x.device) else None
 
 
+def wants_w8a16(v: Variant, rows: int) -> bool:
+    """Whether variant ``v`` sends ``rows`` rows to the weight-only kernel (before asking if it can run)."""
+    return v == "w8a16" or (v == "auto" and rows <= W8A16_MAX_ROWS)
+
+
+def w8a16_usable(x: Tensor, weight: Tensor, scale: Tensor) -> bool:
+    """Whether the weight-only kernel may run these operands: CUDA, bf16/fp16 activations, its probe passed, and
+    this weight not refused before."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and ("w8a16", tuple(weight.shape), tuple(scale.shape)) not in _refused
+        and probe("w8a16", x.device)
+    )
+
+
+def kernel_for(x: Tensor, weight: Tensor, scale: Tensor) -> str | None:
+    """The kernel ``linear`` runs for x [M, K]: "w8a16", a ``native_kernel``, or None (dequant)."""
+    if wants_w8a16(variant(), x.shape[0]) and w8a16_usable(x, weight, scale):
+        return "w8a16"
+    return native_kernel(x, weight, scale)
+
+
 def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x W^T + b for an FP8 weight [N, K] with its scales (any ``scale_kind``); x [..., K] in bf16/fp16."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    kernel = native_kernel(x2, weight, scale)
+    kernel = kernel_for(x2, weight, scale)
     y: Tensor | None = None
     if kernel is not None:
         try:
-            y = rowwise_linear(x2, weight, scale, bias) if kernel == "rowwise" else block_linear(x2, weight, scale, bias)
-        except (RuntimeError, ValueError) as exc:  # a layout or size this build refuses: tried once, then dequant
+            if kernel == "w8a16":
+                y = w8a16_gemm.linear(x2, weight, scale, bias)
+            elif kernel == "rowwise":
+                y = rowwise_linear(x2, weight, scale, bias)
+            else:
+                y = block_linear(x2, weight, scale, bias)
+        except Exception as exc:  # noqa: BLE001 - a layout or size this build refuses (Triton's compile and
+            # resource errors are no RuntimeError): tried once, then dequant
             _refused.add((kernel, tuple(weight.shape), tuple(scale.shape)))
             log.warning("FP8 %s GEMM refused weight %s (%s); using dequantized bf16 GEMM", kernel, tuple(weight.shape), exc)
     if y is None:

@@ -160,7 +160,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, use: Tile | No
     if rows == 0:
         return out.reshape(*lead, n)
     t = use or tile(n, k, _sms(x.device))
-    skinny, reduce = _kernels()
+    skinny = _kernels()[0]
     w = weight.contiguous()
     b = bias if bias is not None else w  # any pointer; HAS_BIAS gates every read
     k_split = -(-k // (t.split_k * t.block_k)) * t.block_k
@@ -172,10 +172,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, use: Tile | No
         BLOCK_M=block_m(rows), BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if split:
-        reduce[(rows, -(-n // 1024))](
-            dst, b, out, rows, n, SPLIT=t.split_k, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4
-        )
+        sum_splits(dst, bias, out)
     return out.reshape(*lead, n)
+
+
+def sum_splits(parts: Tensor, bias: Tensor | None, out: Tensor) -> None:
+    """out [rows, n] = the float32 partials [split, rows, n] summed in a fixed order, plus the bias: the second pass
+    of a split-K GEMM (also w8a16_gemm.py's)."""
+    split, rows, n = parts.shape
+    reduce = _kernels()[1]
+    reduce[(rows, -(-n // 1024))](
+        parts, bias if bias is not None else parts, out, rows, n, SPLIT=split, HAS_BIAS=bias is not None,
+        BLOCK=1024, num_warps=4,
+    )  # fmt: skip
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> bool:

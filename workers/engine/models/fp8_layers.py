@@ -129,15 +129,23 @@ def _kernel_kind(layer: nn.Module) -> str:
     return "rowwise" if kind == "channel" else kind
 
 
+def _probe_kernels(lm: nn.Module, device: torch.device) -> None:
+    """Probe the FP8 layers' kernels now, eagerly: a first call inside a CUDA graph capture could not, and would
+    dequantize."""
+    kinds = {_kernel_kind(m) for m in lm.modules() if getattr(m, "weight_scale", None) is not None}
+    if kinds and fp8_gemm.wants_w8a16(fp8_gemm.variant(), 1):
+        kinds.add("w8a16")
+    for kind in sorted(kinds):
+        fp8_gemm.probe(kind, device)
+
+
 def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: int = 0) -> int:
     """After the load: FP8 layers for the checkpoint's FP8 weights where the device runs FP8 GEMMs (else none)."""
     device = next(lm.parameters()).device
     if not fp8_gemm.wants_fp8_layers(device):
         return 0
     n = convert_to_fp8(lm, record, block)
-    # Probe the kernels now, eagerly: a first call inside a CUDA graph capture could not, and would dequantize.
-    for kind in sorted({_kernel_kind(m) for m in lm.modules() if getattr(m, "weight_scale", None) is not None}):
-        fp8_gemm.probe(kind, device)
+    _probe_kernels(lm, device)
     if rank == 0:
         log.info("FP8: %d language-model layers hold FP8 weights (%s scales, GEMM variant %s)",
                  n, "128x128 block" if block else "per-channel", fp8_gemm.variant())
@@ -161,6 +169,7 @@ def convert_dummy(lm: nn.Module, block: int | None, rank: int = 0) -> int:
             n += 1
         elif getattr(module, "fp8_grouped", False) and (block is None or fp8_gemm.block_experts_rowwise()):
             n += _convert_experts(module)
+    _probe_kernels(lm, device)
     if rank == 0:
         log.info("FP8 (dummy weights): %d language-model layers hold FP8 weights", n)
     return n

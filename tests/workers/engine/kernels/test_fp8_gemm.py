@@ -94,7 +94,7 @@ def test_variant_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(fp8_gemm.VARIANT_ENV, "bf16")
     assert fp8_gemm.variant() == "bf16" and not fp8_gemm.wants_fp8_layers(torch.device("cpu"))
     monkeypatch.setenv(fp8_gemm.VARIANT_ENV, "fast")
-    with pytest.raises(ValueError, match="GLIMPSE_FP8_GEMM='fast': choose one of auto, dequant, bf16"):
+    with pytest.raises(ValueError, match="GLIMPSE_FP8_GEMM='fast': choose one of auto, w8a16, dequant, bf16"):
         fp8_gemm.variant()
 
 

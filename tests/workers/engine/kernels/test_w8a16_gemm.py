@@ -1,0 +1,167 @@
+"""The weight-only FP8 GEMM (w8a16_gemm.py) and how fp8_gemm.py routes to it.
+
+Triton's interpreter loads float8_e4m3fn and widens it correctly, so the kernel itself runs on the CPU; but its
+tl.dot mishandles bfloat16 inputs (test_skinny_gemm.py), so the interpreter checks run float32 and float16
+activations and the bf16 path is checked on a GPU (marked) against the dequantized bf16 GEMM.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.engine.kernels.kernel_check import run_kernel_check
+from workers.engine.kernels import fp8_gemm, w8a16_gemm
+from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows
+
+CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+CHECK = """
+import torch
+from workers.engine.kernels import w8a16_gemm as g
+from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows
+from workers.engine.kernels.w8a16_gemm import Tile
+
+gen = torch.Generator().manual_seed(0)
+
+
+def layouts(w):
+    qb, sb = quantize_block(w)
+    qr, sr = quantize_rows(w)
+    return {"block": (qb, sb), "row-block": (qb, sb.repeat_interleave(BLOCK, 0)[: w.shape[0]]), "channel": (qr, sr)}
+
+
+# (rows, N, K, bias, tile): N and K ending inside a tile and inside a 128-block; no split, splits of 2 and 3 (the
+# partial + sum pass; 3 leaves an empty last split); 16-row and 64-row M blocks, and 40 rows over one 64-row block.
+CASES = [
+    (1, 200, 384, True, Tile(32, 128, 1, 4, 2)),
+    (3, 130, 700, False, Tile(64, 64, 2, 4, 2)),
+    (16, 96, 1000, True, Tile(32, 128, 3, 4, 2)),
+    (40, 70, 260, True, Tile(16, 64, 1, 4, 2)),
+    (1, 48, 520, False, Tile(16, 256, 2, 4, 2)),  # BLOCK_K 256 runs as 128 where scales vary along K
+    (2, 64, 640, True, None),  # the kernel's own tile choice
+]
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+    for rows, n, k, bias, tile in CASES:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        w = g.spread_weight(n, k, gen)
+        b = torch.randn(n, generator=gen).to(dtype) if bias else None
+        for name, (q, s) in layouts(w).items():
+            want = g.reference(x, q, s, b)
+            got = g.linear(x, q, s, b, use=tile)
+            assert got.shape == (rows, n) and got.dtype == dtype, (got.shape, got.dtype)
+            err = float((got.float() - want).abs().max() / want.abs().max())
+            assert err <= tol, (dtype, rows, n, k, name, err)
+            # The check can tell a scale read from the neighbouring K block (or row, for channel scales): that
+            # product is off by far more than the tolerance.
+            wrong = g.reference(x, q, s.roll(1, dims=0 if name == "channel" else 1), b)
+            assert float((wrong - want).abs().max() / want.abs().max()) > 20 * tol, (name, rows, n, k)
+
+# Leading dimensions are kept, x's dtype comes out, split partials add up in a fixed order (same bits twice), and
+# no rows is no launch.
+q, s = quantize_block(g.spread_weight(40, 256, gen))
+x = torch.randn(2, 3, 256, generator=gen)
+once = g.linear(x, q, s, use=Tile(32, 64, 2, 4, 2))
+assert once.shape == (2, 3, 40) and torch.equal(once, g.linear(x, q, s, use=Tile(32, 64, 2, 4, 2)))
+assert g.linear(torch.zeros(0, 256), q, s).shape == (0, 40)
+"""
+
+
+def test_kernel_matches_the_dequantized_product_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_kernel_check(CHECK, "w8a16_gemm", "float16")
+
+
+def test_tiles_fill_the_card_and_forced_tiles_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(w8a16_gemm.TILE_ENV, raising=False)
+    for n, k in ((4096, 4096), (6144, 4096), (4096, 12288), (2048, 768)):
+        t = w8a16_gemm.tile(n, k, 132)
+        programs = -(-n // t.block_n) * t.split_k
+        assert k % (t.split_k * t.block_k) == 0, (n, k, t)
+        # ~4 programs per SM, unless another halving would leave a split under MIN_SPLIT_K columns
+        assert programs >= 4 * 132 or k // (2 * t.split_k) < w8a16_gemm.MIN_SPLIT_K, (n, k, t)
+    assert w8a16_gemm.tile(24576, 4096, 132).split_k == 1  # wide gate_up: whole rows of K
+    monkeypatch.setenv(w8a16_gemm.TILE_ENV, "64,128,8,4,3")
+    assert w8a16_gemm.tile(4096, 4096, 132) == w8a16_gemm.Tile(64, 128, 8, 4, 3)
+    tiles = w8a16_gemm.candidates(4096)
+    assert len(tiles) == len(set(tiles)) and all(BLOCK % t.block_k == 0 for t in tiles)
+
+
+def test_auto_takes_w8a16_at_decode_rows_and_w8a16_takes_it_everywhere() -> None:
+    rows = fp8_gemm.W8A16_MAX_ROWS
+    assert fp8_gemm.wants_w8a16("auto", 1) and fp8_gemm.wants_w8a16("auto", rows)
+    assert not fp8_gemm.wants_w8a16("auto", rows + 1)
+    assert fp8_gemm.wants_w8a16("w8a16", 8192)
+    assert not fp8_gemm.wants_w8a16("dequant", 1) and not fp8_gemm.wants_w8a16("bf16", 1)
+
+
+def test_cpu_tensors_keep_the_dequantized_gemm_under_every_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3, 256)
+    q, s = quantize_block(torch.randn(64, 256))
+    for v in fp8_gemm.VARIANTS:
+        monkeypatch.setenv(fp8_gemm.VARIANT_ENV, v)
+        assert fp8_gemm.kernel_for(x, q, s) is None
+        torch.testing.assert_close(fp8_gemm.linear(x, q, s), fp8_gemm.dequant_linear(x, q, s))
+
+
+def test_a_kernel_that_raises_is_refused_once_for_that_weight(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Routing with the kernel's availability forced on (the CPU cannot run it outside the interpreter): a weight
+    whose launch raises warns once and takes the dequantized GEMM from then on."""
+    monkeypatch.setenv(fp8_gemm.VARIANT_ENV, "auto")
+    monkeypatch.setattr(fp8_gemm, "_refused", set())
+    usable = lambda x, w, s: ("w8a16", tuple(w.shape), tuple(s.shape)) not in fp8_gemm._refused  # noqa: E731
+    monkeypatch.setattr(fp8_gemm, "w8a16_usable", usable)
+    calls: list[int] = []
+
+    def broken(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(w8a16_gemm, "linear", broken)
+    x = torch.randn(2, 256)
+    q, s = quantize_rows(torch.randn(64, 256))
+    assert fp8_gemm.kernel_for(x, q, s) == "w8a16"
+    assert fp8_gemm.kernel_for(torch.randn(fp8_gemm.W8A16_MAX_ROWS + 1, 256), q, s) is None  # native: none on CPU
+    for _ in range(2):
+        torch.testing.assert_close(fp8_gemm.linear(x, q, s), fp8_gemm.dequant_linear(x, q, s))
+    assert calls == [2] and caplog.text.count("FP8 w8a16 GEMM refused weight (64, 256)") == 1
+
+
+def test_a_failed_probe_turns_w8a16_off_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(fp8_gemm, "_probed", {})
+    monkeypatch.setattr(w8a16_gemm, "probe", lambda device, dtype: False)
+    assert not fp8_gemm.probe("w8a16", torch.device("cpu"))
+    assert not fp8_gemm.probe("w8a16", torch.device("cpu"))
+    assert caplog.text.count("FP8 w8a16 GEMM unusable on cpu") == 1
+
+
+def test_the_kernel_refuses_a_weight_that_is_not_fp8() -> None:
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        w8a16_gemm.linear(torch.randn(1, 128), torch.randn(64, 128), torch.ones(64, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA device with FP8 (SM89+)")
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_w8a16_matches_the_dequantized_bf16_gemm_on_gpu(m: int) -> None:
+    """bf16 activations (the interpreter cannot check them): within bf16 output rounding of the dequantized bf16
+    GEMM (both read the same FP8 values; only the float32 sums' order and the weight's bf16 rounding differ)."""
+    assert w8a16_gemm.probe(torch.device("cuda"), torch.bfloat16), w8a16_gemm.SWITCH.why_off()
+    gen = torch.Generator().manual_seed(m)
+    for n, k in ((4096, 4096), (1000, 1416)):  # a 8B's o projection; partial tiles in N and K
+        w = w8a16_gemm.spread_weight(n, k, gen)
+        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+        b = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
+        qb, sb = quantize_block(w)
+        qr, sr = quantize_rows(w)
+        for q, s in ((qb, sb), (qb, sb.repeat_interleave(BLOCK, 0)[:n]), (qr, sr)):
+            q, s = q.cuda(), s.cuda()
+            ref = w8a16_gemm.reference(x, q, s, b)
+            for got in (w8a16_gemm.linear(x, q, s, b), fp8_gemm.dequant_linear(x, q, s, b)):
+                assert got.dtype == torch.bfloat16
+                err = (got.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
+                assert err <= 0.01, (n, k, tuple(s.shape), float(err))

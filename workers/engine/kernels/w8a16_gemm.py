@@ -1,0 +1,225 @@
+"""y = x W^T (+ b) with W in FP8 and x in bf16/fp16 ("w8a16", weight-only FP8), in Triton: FP8 decode steps on CUDA.
+
+A decode step at a small batch streams every weight once and does little arithmetic with it, so its time is the
+weights' bytes over the memory bandwidth. FP8 halves those bytes, but the scaled-FP8 GEMMs (fp8_gemm.py) also
+quantize the activations in separate kernels and carry a fixed cost that lost to bf16 at 1-16 rows (0.09 ms against
+0.018 ms for an 8B's qkv on an H200). This kernel keeps the activations in their dtype and reads the weight as FP8:
+each program streams a [BLOCK_N, K / SPLIT_K] strip of W, widens each [BLOCK_N, BLOCK_K] tile to x's dtype in
+registers (e4m3 -> bf16 or fp16 is exact), multiplies it on the tensor cores against x padded to BLOCK_M rows
+(16 at least, the smallest tl.dot) and accumulates in float32. The scales are dequantization factors (real = fp8 *
+scale, fp8_quant.py), applied to the float32 products, never to the weight in x's dtype, so the weight is rounded
+once (to FP8, by the checkpoint):
+* per output channel ([N, 1]): once, on the accumulator after the K loop;
+* 128 x 128 blocks ([ceil(N/128), ceil(K/128)]) and row blocks ([N, ceil(K/128)]): per K tile, on that tile's
+  product (a tile never straddles a 128-column block: BLOCK_K divides 128 and splits start on BLOCK_K multiples).
+
+Split-K as in skinny_gemm.py: a weight with too few output rows to fill the card splits K; each split writes a
+float32 partial and skinny_gemm's second pass sums them in a fixed order and adds the bias (deterministic, no
+atomics). Row counts above BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any
+M, but it is meant for decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS under ``auto``.
+
+The row count is not specialised on: a weight shape compiles once per BLOCK_M (16 for up to 16 rows). The start-up
+warm-up's forwards run every projection at decode row counts, which compiles them before any CUDA-graph capture.
+Tiles: ``tile`` picks one per shape; ``GLIMPSE_W8A16_TILE=block_n,block_k,split_k,warps,stages`` forces one (to
+serve a sweep's winner), and ``candidates`` lists what benchmarks/kernels/fp8_gemm_bench.py ``--sweep`` tries.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from workers.engine.kernels import skinny_gemm
+from workers.engine.kernels.fp8_quant import BLOCK, FP8, dequantize, quantize_block, quantize_rows
+from workers.engine.kernels.triton_switch import TritonSwitch
+
+SWITCH = TritonSwitch("GLIMPSE_TRITON_W8A16")
+available = SWITCH.on  # on CUDA tensors, or anywhere under TRITON_INTERPRET=1
+TILE_ENV = "GLIMPSE_W8A16_TILE"
+MAX_BLOCK_M = 64
+
+
+class Tile(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int
+    stages: int
+
+
+# The default tile's fixed parts, not yet measured (the lead sweeps them on an H200): skinny_gemm.py's bf16 choice
+# (128-column K tiles, 4 warps, 4 stages), whose tiles then hold half the bytes; 32 output rows a program unless
+# the weight is wide enough for 64 to give PROGRAMS_PER_SM programs; K splits until the grid is that big while each
+# split keeps at least MIN_SPLIT_K columns.
+DEFAULT = Tile(block_n=32, block_k=128, split_k=1, warps=4, stages=4)
+WIDE_BLOCK_N = 64
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_K = 512
+
+
+def tile(n: int, k: int, sms: int) -> Tile:
+    """The tile for a [rows, k] x [k, n] product on a card with ``sms`` multiprocessors (any decode row count:
+    the weight's stream is the cost): ``GLIMPSE_W8A16_TILE`` if set, else DEFAULT with the split K needs."""
+    forced = os.environ.get(TILE_ENV)
+    if forced:
+        return Tile(*(int(v) for v in forced.split(",")))
+    want = PROGRAMS_PER_SM * sms
+    block_n = WIDE_BLOCK_N if n >= WIDE_BLOCK_N * want else DEFAULT.block_n
+    split = 1
+    step = DEFAULT.block_k
+    while -(-n // block_n) * split < want and k // (2 * split) >= MIN_SPLIT_K and k % (2 * split * step) == 0:
+        split *= 2
+    return DEFAULT._replace(block_n=block_n, split_k=split)
+
+
+def candidates(k: int) -> list[Tile]:
+    """The tiles a sweep tries for an in-features ``k`` (benchmarks/kernels/fp8_gemm_bench.py ``--sweep``)."""
+    out = []
+    for block_n in (16, 32, 64, 128):
+        for block_k in (64, 128):
+            for split in (1, 2, 4, 8, 16):
+                if split > 1 and k // split < 2 * block_k:
+                    continue
+                for stages in (3, 4):
+                    out.append(Tile(block_n, block_k, split, 4, stages))
+    return out
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["rows"])
+    def w8a16_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n, k, k_split, stride_sn, stride_sk,
+        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, K_SCALES: tl.constexpr, ROW_DIV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        k0 = pid_k * k_split
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * k + (k0 + offs_k)[None, :]
+        # W^T's [BLOCK_K, BLOCK_N] tile, read along W's contiguous rows
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * k + (k0 + offs_k)[:, None]
+        s_ptrs = s_ptr + (offs_n // ROW_DIV) * stride_sn  # each output row's scale row
+        m_ok = offs_m[:, None] < rows
+        n_ok = offs_n[None, :] < n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_split, BLOCK_K):
+            k_ok = k0 + kk + offs_k < k
+            x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok & k_ok[:, None], other=0.0).to(x.dtype)
+            if K_SCALES:  # this tile lies in one 128-column block: one scale per output row
+                s_ok = (offs_n < n) & (k0 + kk < k)
+                s = tl.load(s_ptrs + ((k0 + kk) // SCALE_BLOCK) * stride_sk, mask=s_ok, other=0.0)
+                acc += tl.dot(x, w) * s[None, :]
+            else:
+                acc = tl.dot(x, w, acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if not K_SCALES:
+            acc *= tl.load(s_ptrs, mask=offs_n < n, other=0.0)[None, :]
+        if PARTIAL:
+            dst = out_ptr + pid_k * rows * n + offs_m[:, None] * n + offs_n[None, :]
+            tl.store(dst, acc, mask=m_ok & n_ok)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
+            dst = out_ptr + offs_m[:, None] * n + offs_n[None, :]
+            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_ok & n_ok)
+
+    return w8a16_kernel
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count works; an H100's keeps CPU tests on the GPU's tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def block_m(rows: int) -> int:
+    return min(MAX_BLOCK_M, max(16, 1 << (rows - 1).bit_length()))
+
+
+def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None, use: Tile | None = None) -> Tensor:
+    """x [..., K] (bf16/fp16/fp32) times an FP8 weight [N, K] with dequantization scales per output channel
+    ([N, 1]), per 128 x 128 block or per row and 128 columns (fp8_quant.py), plus the bias; x's dtype out.
+    ``use`` overrides the tile (benchmarks)."""
+    n, k = weight.shape
+    if weight.dtype != FP8:
+        raise ValueError(f"w8a16 takes float8_e4m3fn weights, not {weight.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    rows = x2.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out.reshape(*lead, n)
+    t = use or tile(n, k, _sms(x.device))
+    s = scale.float()
+    channel = s.shape[-1] == 1 and s.shape[-2] == n
+    block_k = t.block_k if channel else min(t.block_k, BLOCK)
+    if not channel and BLOCK % block_k:
+        raise ValueError(f"w8a16: BLOCK_K {block_k} must divide the {BLOCK}-column scale blocks")
+    k_split = -(-k // (t.split_k * block_k)) * block_k
+    bm = block_m(rows)
+    grid = (-(-n // t.block_n), t.split_k, -(-rows // bm))
+    split = t.split_k > 1  # then float32 partials, summed (with the bias) by skinny_gemm's second pass
+    dst = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device) if split else out
+    w = weight.contiguous()
+    _kernel()[grid](
+        x2, w, s, bias if bias is not None else s, dst, rows, n, k, k_split, s.stride(0), s.stride(1),
+        HAS_BIAS=bias is not None and not split, PARTIAL=split, K_SCALES=not channel,
+        ROW_DIV=1 if s.shape[0] == n else BLOCK, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=block_k,
+        SCALE_BLOCK=BLOCK, num_warps=t.warps, num_stages=t.stages,
+    )  # fmt: skip
+    if split:
+        skinny_gemm.sum_splits(dst, bias, out)
+    return out.reshape(*lead, n)
+
+
+def reference(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The same product in float32 with the weight dequantized first (any device)."""
+    y = x.float() @ dequantize(weight, scale).t()
+    return y if bias is None else y + bias.float()
+
+
+def spread_weight(n: int, k: int, gen: torch.Generator) -> Tensor:
+    """A float32 weight [n, k] whose 128 x 128 blocks and rows differ in magnitude by up to 2^6 and 4x, so a
+    scale read from the wrong block or row is far off (Gaussian blocks alone would all have about one scale)."""
+    blocks = torch.exp2(torch.randint(-3, 4, (-(-n // BLOCK), -(-k // BLOCK)), generator=gen).float())
+    rows = 0.25 + torch.rand(n, 1, generator=gen)
+    return torch.randn(n, k, generator=gen) * rows * blocks.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+
+
+def probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the kernel once per scale layout (channel, 128 x 128 blocks, row blocks; with and without a K split)
+    against ``reference``; a Triton that cannot compile here or a wrong answer turns it off for the process
+    (fp8_gemm.py's other variants serve instead) rather than failing mid-serving."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 384, generator=gen).to(device=device, dtype=dtype)
+    w = spread_weight(200, 384, gen)  # partial tiles along N
+    b = torch.randn(200, generator=gen).to(device=device, dtype=dtype)
+    qb, sb = quantize_block(w)
+    qr, sr = quantize_rows(w)
+    layouts = ((qb, sb), (qb, sb.repeat_interleave(BLOCK, dim=0)[:200]), (qr, sr))
+
+    def check() -> bool:
+        for q, s in layouts:
+            q, s = q.to(device), s.to(device)
+            want = reference(x, q, s, b)
+            for split in (1, 3):
+                got = linear(x, q, s, b, use=Tile(32, 64, split, 4, 2)).float()
+                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+                    return False
+        return True
+
+    return SWITCH.probe(check)
