@@ -1,17 +1,28 @@
 """FP8 GEMMs (workers/engine/kernels/fp8_gemm.py) against bf16, at a model's LM projections, per row count.
 
     python -m benchmarks.kernels.fp8_gemm_bench [--size 8b] [--rows 1,2,4,8,16] [--chunks 512,2048,8192] [--moe]
+    python -m benchmarks.kernels.fp8_gemm_bench --size 8b --sweep [--sweep-rows 1,4,16]
 
 For each projection (qkv, o, gate_up, down) and each M (decode batches ``--rows``, prefill chunks ``--chunks``):
 milliseconds per call of
 * ``bf16``: F.linear on the bf16 weight (what an unquantized checkpoint runs);
+* ``w8a16``: the weight-only Triton kernel (w8a16_gemm.py) on the 128x128 block-FP8 weight, activations in bf16
+  (what ``GLIMPSE_FP8_GEMM=auto`` runs at decode rows);
 * ``rowwise``: per-token activations x per-channel weights, ``torch._scaled_mm`` (compressed-tensors FP8_DYNAMIC);
 * ``block``: per-1x128-group activations x 128x128 weight tiles, ``F.scaled_mm`` (Qwen's -FP8 repos);
 * ``row-block``: the same with one weight scale per row and 128 columns (fused layers not on 128-row boundaries);
 * ``dequant``: the FP8 weight dequantized to bf16 each call, then F.linear (the fallback where no kernel runs);
 each with the activation quantization included, and its error against the dequantized-weight bf16 GEMM (relative
-RMS). A kernel torch refuses for a shape prints ``refused``; ``-`` where it cannot run at all (its probe failed). ``--moe``: the routed experts' grouped GEMM
-(``torch._grouped_mm`` bf16 against ``torch._scaled_grouped_mm`` row-wise) at the 30B-A3B expert shapes.
+RMS). A kernel torch refuses for a shape prints ``refused``; ``-`` where it cannot run at all (its probe failed).
+On CUDA each variant runs over a ring of distinct copies of the weight (at least RING_BYTES of bf16 weights, so the
+50 MB L2 of an H200 does not hold them) captured in one CUDA graph and replayed, as the decode step runs: GPU time
+only, no Python launch cost. ``--eager`` times one weight called from Python instead (how the numbers in
+docs/benchmarks.md before w8a16 were taken). ``--moe``: the routed experts' grouped GEMM (``torch._grouped_mm``
+bf16 against ``torch._scaled_grouped_mm`` row-wise) at the 30B-A3B expert shapes.
+``--sweep``: instead of the table, every tile of ``w8a16_gemm.candidates`` at each projection and ``--sweep-rows``
+M (block scales), the best tile per (projection, M) against the default tile and bf16, then per projection the
+tile with the least time summed over those M (serve it with ``GLIMPSE_W8A16_TILE=block_n,block_k,split_k,warps,
+stages``, or put it in w8a16_gemm.py's defaults).
 On the CPU (``--device cpu``) only bf16, rowwise and dequant run: a smoke test of the script, not a measurement.
 """
 
@@ -19,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +38,8 @@ from torch import Tensor
 
 from benchmarks.args import parser
 from benchmarks.engine.vit_bench import cuda_ms
-from workers.engine.kernels import fp8_gemm
+from benchmarks.kernels.skinny_gemm_bench import graph_ms
+from workers.engine.kernels import fp8_gemm, w8a16_gemm
 from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows
 
 # (name, out features, in features) of one decoder layer's projections. 8b: Qwen3-VL-8B (hidden 4096, 32 q / 8 kv
@@ -39,7 +51,8 @@ SIZES: dict[str, tuple[tuple[str, int, int], ...]] = {
 }
 # Qwen3-VL-30B-A3B's routed experts: 128 experts, top 8, hidden 2048, moe_intermediate 768.
 MOE = (128, 8, 2048, 768)
-VARIANTS = ("bf16", "rowwise", "block", "row-block", "dequant")
+VARIANTS = ("bf16", "w8a16", "rowwise", "block", "row-block", "dequant")
+RING_BYTES = 256 << 20
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -52,12 +65,33 @@ def timed_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float
     return (time.perf_counter() - began) * 1e3 / reps
 
 
+def ring_ms(fns: Sequence[Callable[[], object]], device: torch.device, reps: int, eager: bool) -> float:
+    """ms per call over the ring of calls (each on its own weight copy): graph-replayed on CUDA unless ``eager``
+    (then the first call alone, from Python)."""
+    if eager or device.type != "cuda":
+        return timed_ms(fns[0], device, reps)
+
+    def run() -> None:
+        for f in fns:
+            f()
+
+    return graph_ms(run, reps) / len(fns)
+
+
+def ring(w: Tensor, eager: bool) -> list[Tensor]:
+    """Distinct copies of ``w`` whose bytes together pass RING_BYTES (one when eager or on the CPU)."""
+    copies = 1 if eager or not w.is_cuda else max(2, min(16, -(-RING_BYTES // (w.numel() * w.element_size()))))
+    return [w] + [w.clone() for _ in range(copies - 1)]
+
+
 def variant_fn(name: str, x: Tensor, w: Tensor) -> Callable[[], Tensor] | None:
     """The call for one variant at weight ``w`` (bf16 [N, K]), or None where it cannot run on this device."""
     if name == "bf16":
         return lambda: F.linear(x, w)
     if name in ("block", "row-block") and not (x.is_cuda and fp8_gemm.probe(name, x.device)):
         return None  # no block recipe here, or its probe failed (fp8_gemm logs why)
+    if name == "w8a16" and not (x.is_cuda and fp8_gemm.probe("w8a16", x.device)):
+        return None  # Triton's kernel runs on CUDA only (its interpreter is the tests' business)
     if name == "rowwise":
         q, s = quantize_rows(w)
         return lambda: fp8_gemm.rowwise_linear(x, q, s)
@@ -66,6 +100,8 @@ def variant_fn(name: str, x: Tensor, w: Tensor) -> Callable[[], Tensor] | None:
         s = s.repeat_interleave(BLOCK, dim=0)[: w.shape[0]]
     if name == "dequant":
         return lambda: fp8_gemm.dequant_linear(x, q, s)
+    if name == "w8a16":
+        return lambda: w8a16_gemm.linear(x, q, s)
     return lambda: fp8_gemm.block_linear(x, q, s)
 
 
@@ -73,34 +109,73 @@ def rel_err(got: Tensor, ref: Tensor) -> float:
     return float((got.float() - ref.float()).pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt())
 
 
-def dense_table(shapes: tuple[tuple[str, int, int], ...], ms: list[int], device: torch.device, reps: int) -> None:
-    print("| M | proj | N x K | " + " | ".join(f"{v} ms" for v in VARIANTS) + " | best FP8 / bf16 | errors (rowwise, block) |")
+def dense_table(
+    shapes: tuple[tuple[str, int, int], ...], ms: list[int], device: torch.device, reps: int, eager: bool
+) -> None:
+    print("| M | proj | N x K | " + " | ".join(f"{v} ms" for v in VARIANTS) + " | best FP8 / bf16 | errors (w8a16, rowwise, block) |")
     print("|---" * (len(VARIANTS) + 5) + "|")
     gen = torch.Generator(device=device).manual_seed(0)
-    for m in ms:
-        for proj, n, k in shapes:
-            w = torch.randn(n, k, device=device, generator=gen).mul_(0.02).to(torch.bfloat16)
+    for proj, n, k in shapes:
+        ws = ring(torch.randn(n, k, device=device, generator=gen).mul_(0.02).to(torch.bfloat16), eager)
+        for m in ms:
             x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
             cells, errors = [], []
             best = float("inf")
             for v in VARIANTS:
-                fn = variant_fn(v, x, w)
-                if fn is None:
+                fns = [variant_fn(v, x, w) for w in ws]
+                if fns[0] is None:
                     cells.append("-")
                     continue
+                calls = [f for f in fns if f is not None]
                 try:
-                    t = timed_ms(fn, device, reps)
+                    t = ring_ms(calls, device, reps, eager)
                 except (RuntimeError, ValueError):
                     cells.append("refused")
                     continue
                 cells.append(f"{t:.3f}")
-                if v != "bf16":
-                    best = min(best, t) if v != "dequant" else best
-                if v in ("rowwise", "block"):
-                    errors.append(f"{rel_err(fn(), F.linear(x, w)):.3f}")
+                if v not in ("bf16", "dequant"):
+                    best = min(best, t)
+                if v in ("w8a16", "rowwise", "block"):
+                    errors.append(f"{rel_err(calls[0](), F.linear(x, ws[0])):.3f}")
             bf16 = float(cells[0])
             ratio = f"{best / bf16:.2f}" if best < float("inf") else "-"
             print(f"| {m} | {proj} | {n} x {k} | " + " | ".join(cells) + f" | {ratio} | {', '.join(errors)} |")
+
+
+def sweep(shapes: tuple[tuple[str, int, int], ...], ms: list[int], device: torch.device, reps: int) -> None:
+    """Every candidate tile of the w8a16 kernel at each projection and M (block scales), graph-replayed."""
+    print("| proj | N x K | M | bf16 ms | w8a16 default ms | default tile | best tile | best ms | best / bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    gen = torch.Generator(device=device).manual_seed(0)
+    winners = []
+    for proj, n, k in shapes:
+        ws = ring(torch.randn(n, k, device=device, generator=gen).mul_(0.02).to(torch.bfloat16), False)
+        qs = [quantize_block(w) for w in ws]
+        default = w8a16_gemm.tile(n, k, torch.cuda.get_device_properties(device).multi_processor_count)
+        totals: dict[w8a16_gemm.Tile, float] = {}
+        runs: dict[w8a16_gemm.Tile, int] = {}
+        for m in ms:
+            x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+            bf16 = ring_ms([functools.partial(F.linear, x, w) for w in ws], device, reps, False)
+            times: dict[w8a16_gemm.Tile, float] = {}
+            for t in dict.fromkeys([default, *w8a16_gemm.candidates(k)]):
+                try:
+                    times[t] = ring_ms([functools.partial(w8a16_gemm.linear, x, q, s, use=t) for q, s in qs], device, reps, False)
+                except Exception:  # noqa: BLE001 - a tile Triton cannot build here (shared memory): skipped
+                    continue
+                totals[t] = totals.get(t, 0.0) + times[t]
+                runs[t] = runs.get(t, 0) + 1
+            top = min(times, key=times.__getitem__)
+            tile_s = ",".join(map(str, top))
+            print(f"| {proj} | {n} x {k} | {m} | {bf16:.4f} | {times.get(default, float('nan')):.4f} | "
+                  f"{','.join(map(str, default))} | {tile_s} | {times[top]:.4f} | {times[top] / bf16:.2f} |")
+        full = {t: v for t, v in totals.items() if runs[t] == len(ms)}  # tiles that ran at every M
+        top = min(full, key=full.__getitem__)
+        winners.append(f"{proj} ({n} x {k}): {','.join(map(str, top))} ({full[top]:.4f} ms summed over M {ms})")
+    print()
+    print("Best tile per projection over all M (block_n,block_k,split_k,warps,stages):")
+    for line in winners:
+        print("  " + line)
 
 
 def moe_table(tokens: list[int], device: torch.device, reps: int) -> None:
@@ -133,12 +208,21 @@ def main() -> None:
     p.add_argument("--moe", action="store_true", help="also the routed experts' grouped GEMM (CUDA)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--eager", action="store_true", help="time one weight from Python, not a graph-replayed ring")
+    p.add_argument("--sweep", action="store_true", help="w8a16 tiles instead of the table (CUDA)")
+    p.add_argument("--sweep-rows", default="1,4,16", help="M of the sweep")
     args = p.parse_args()
     device = torch.device(args.device)
     ms = [int(v) for v in f"{args.rows},{args.chunks}".split(",") if v]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run: no FP8 tensor cores)"
-    print(f"FP8 GEMMs at {args.size} projections on {where}, torch {torch.__version__}")
-    dense_table(SIZES[args.size], ms, device, args.reps)
+    how = "eager, one weight" if args.eager or device.type != "cuda" else "graph-replayed weight ring"
+    print(f"FP8 GEMMs at {args.size} projections on {where}, torch {torch.__version__}, {how}")
+    if args.sweep:
+        if device.type != "cuda":
+            raise SystemExit("--sweep needs CUDA (the Triton kernel)")
+        sweep(SIZES[args.size], [int(v) for v in args.sweep_rows.split(",")], device, args.reps)
+        return
+    dense_table(SIZES[args.size], ms, device, args.reps, args.eager)
     if args.moe and device.type == "cuda":
         print()
         moe_table([int(v) for v in args.rows.split(",")] + [int(v) for v in args.chunks.split(",")], device, args.reps)

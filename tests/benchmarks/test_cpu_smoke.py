@@ -58,7 +58,7 @@ CPU: list[tuple[str, list[str], str]] = [
     ("kernels.gated_delta_bench", ["--device", "cpu", "--prefill", "64", "--batch", "2", "--heads", "2,4", "--dim", "32",
                                    "--reps", "1"], "| case | tokens | path | ms per call | tokens/s |"),
     ("kernels.fp8_gemm_bench", ["--device", "cpu", "--size", "tiny", "--rows", "1", "--chunks", "16", "--reps", "1"],
-     "| M | proj | N x K | bf16 ms | rowwise ms |"),
+     "| M | proj | N x K | bf16 ms | w8a16 ms | rowwise ms |"),
     ("request_path.fresh_image_bench", ["--count", "1"], "stage    variant"),
     ("request_path.multiturn_prep_bench", ["--rounds", "2", "--passes", "1"], "round images"),
     ("request_path.tokenizer_bench", ["--workers", "1", "--requests", "2", "--json", f"{OUT}/tok.json"],
