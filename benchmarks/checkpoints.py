@@ -180,14 +180,21 @@ def _set_rope(section: dict[str, Any], mrope: list[int]) -> None:
             section[key]["mrope_section"] = mrope
 
 
-def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> Path:
+def shaped_checkpoint(
+    dest: Path, shape: str, max_pixels: int | None = None, quantize: str | None = None, layers: int = 0
+) -> Path:
     """Write a checkpoint directory: ``shape`` is "demo" (real tiny weights) or a key of SHAPES (config only:
     "7b" Qwen2.5-VL-7B, "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-27b", "qwen3.5-35b-a3b", "gemma4-26b-a4b",
     "gemma4-31b").
 
     ``max_pixels`` overrides the image processor's cap (e.g. the demo model at real 1080p token counts; Gemma 4
     sizes images by its token budget instead). Hybrid shapes get a full-attention layer every 4th, Gemma 4 a global
-    layer every 6th (a prefix of ``layer_types`` keeps the pattern for fewer layers).
+    layer every 6th (a prefix of ``layer_types`` keeps the pattern for fewer layers); ``layers`` keeps only the
+    first that many decoder layers (0: all). ``quantize`` ("fp8-block" or "fp8-dynamic", demo_quantize.py's
+    formats) writes the ``quantization_config`` the published FP8 repos carry (Qwen's ``-FP8``: block 128 x 128,
+    ``weight_scale_inv``): a shape's config-only directory then serves with ``--load-format dummy`` as that FP8
+    checkpoint would (fp8_layers.convert_dummy quantizes the random weights in its layout); the demo's weights
+    are quantized as ``glimpse demo-model --quantize`` does.
     """
     family = SHAPES[shape][0] if shape in SHAPES else "qwen2_5_vl"
     src = ensure_demo_model(family=family)
@@ -231,7 +238,10 @@ def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> 
         max_pixels = max_pixels or (QWEN25_VL_MAX_PIXELS if family == "qwen2_5_vl" else QWEN3_VL_MAX_PIXELS)
     elif shape != "demo":
         raise ValueError(f"unknown shape {shape!r}")
+    keep_layers(cfg, layers)
     (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    if quantize is not None:
+        _quantize(dest, quantize, weights=shape == "demo")
     if max_pixels is not None:
 
         def cap(target: dict[str, Any], pixels: int = max_pixels) -> None:
@@ -241,6 +251,30 @@ def shaped_checkpoint(dest: Path, shape: str, max_pixels: int | None = None) -> 
 
         edit_processor_configs(dest, ("preprocessor_config.json", "processor_config.json"), "image_processor", cap)
     return dest
+
+
+def keep_layers(cfg: dict[str, Any], layers: int) -> None:
+    """Keep the first ``layers`` decoder layers of config.json's ``cfg`` (0: all), their layer types with them."""
+    if layers:
+        text = cfg.get("text_config", cfg)
+        text["num_hidden_layers"] = layers
+        if "layer_types" in text:
+            text["layer_types"] = text["layer_types"][:layers]
+
+
+def _quantize(dest: Path, fmt: str, weights: bool) -> None:
+    """The checkpoint in ``dest`` as FP8 format ``fmt``: its weights quantized (the demo's), or only the config's
+    ``quantization_config`` (a config-only shape; lm_head is the one module it names as left in bf16)."""
+    from workers.engine.models.demo_quantize import QUANTIZE_FORMATS, quantization_config, quantize_checkpoint
+
+    if fmt not in QUANTIZE_FORMATS:
+        raise ValueError(f"unknown FP8 format {fmt!r}; choose from {', '.join(QUANTIZE_FORMATS)}")
+    if weights:
+        quantize_checkpoint(dest, fmt)
+        return
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config(fmt, [])
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 @contextmanager
@@ -263,3 +297,21 @@ def edit_processor_configs(
         cfg = json.loads(path.read_text())
         edit(cfg.get(section, cfg))
         path.write_text(json.dumps(cfg, indent=2))
+
+
+def main() -> None:
+    """``python -m benchmarks.checkpoints DEST --shape qwen3-8b [--quantize fp8-block] [--layers N]``."""
+    from benchmarks.args import parser
+
+    ap = parser(main.__doc__)
+    ap.add_argument("dest", type=Path)
+    ap.add_argument("--shape", default="qwen3-8b", help="demo or one of " + ", ".join(SHAPES))
+    ap.add_argument("--quantize", default=None, choices=("fp8-block", "fp8-dynamic"))
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers kept (0: all)")
+    args = ap.parse_args()
+    path = shaped_checkpoint(args.dest, args.shape, quantize=args.quantize, layers=args.layers)
+    print(f"{path} ({args.shape}, {args.quantize or 'bf16'}, {args.layers or 'all'} layers)")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,6 @@ The second engine of a process runs beside the first one's leftover threads: com
 from __future__ import annotations
 
 import gc
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -31,15 +30,7 @@ PROMPT = [{"role": "user", "content": "hello " * 50}]
 
 
 def checkpoint(shape: str, layers: int, scratch: Path) -> Path:
-    ck = shaped_checkpoint(scratch / shape, shape)
-    if layers:
-        cfg = json.loads((ck / "config.json").read_text())
-        text = cfg.get("text_config", cfg)
-        text["num_hidden_layers"] = layers
-        if "layer_types" in text:
-            text["layer_types"] = text["layer_types"][:layers]
-        (ck / "config.json").write_text(json.dumps(cfg))
-    return ck
+    return shaped_checkpoint(scratch / shape, shape, layers=layers)
 
 
 def decode(engine: Engine, tokens: int) -> list[float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,14 +25,16 @@ from benchmarks.checkpoints import shaped_checkpoint
 from tests.server.live import free_port
 
 
-def serve(model: Path, flags: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`glimpse serve` of ``model`` (dummy weights, a 16 GiB KV cache per replica) with ``flags`` added, once
-    /health answers: the process and its base URL."""
+def serve(
+    model: Path, flags: list[str], log: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`glimpse serve` of ``model`` (dummy weights, a 16 GiB KV cache per replica) with ``flags`` added (and
+    ``env`` over this process's environment), once /health answers: the process and its base URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--served-model-name", "bench",
            "--load-format", "dummy", "--port", str(port), "--kv-cache-mb", "16384", "--shm-budget-mb", "16384",
            "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
@@ -47,10 +50,13 @@ def serve(model: Path, flags: list[str], log: Path) -> tuple[subprocess.Popen[by
     raise TimeoutError(log.read_text()[-3000:])
 
 
-def bench(base: str, args: argparse.Namespace, out: Path, seed: int, images: int = 1) -> dict[str, Any]:
+def bench(
+    base: str, args: argparse.Namespace, out: Path, seed: int, images: int = 1, output_len: int = 128
+) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "server.cli", "bench", "serving", "--base-url", base + "/v1", "--out", str(out),
            "--num-prompts", str(args.num_prompts), "--concurrency", str(args.concurrency),
-           "--images-per-request", str(images), "--resolution", "1080p", "--output-len", "128", "--seed", str(seed)]
+           "--images-per-request", str(images), "--resolution", "1080p", "--output-len", str(output_len),
+           "--seed", str(seed)]
     subprocess.run(cmd, check=True, capture_output=True)
     summary = json.loads(sorted(out.glob("*.json"))[-1].read_text())
     found: dict[str, Any] = summary.get("summary", summary)

@@ -28,3 +28,18 @@ def test_shaped_checkpoints_read_as_the_published_model(shape: str, tmp_path: Pa
         assert set(spec.kv_shapes or ()) == {(fields["num_key_value_heads"], 256),
                                              (fields["num_global_key_value_heads"], 512)}
         assert spec.window == 1024
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-dynamic"])
+def test_a_shape_can_be_written_as_an_fp8_checkpoint_with_fewer_layers(fmt: str, tmp_path: Path) -> None:
+    """What benchmarks/serving/fp8_bench.py serves with dummy weights: the published FP8 repos' quantization_config
+    on the same shape (the loader's dummy path then quantizes the random weights in that layout)."""
+    from workers.engine.models.quantization import checkpoint_scheme
+
+    ckpt = shaped_checkpoint(tmp_path / "q", "qwen3-8b", quantize=fmt, layers=3)
+    scheme = checkpoint_scheme(ckpt)
+    assert scheme is not None and scheme.name == fmt and scheme.block == (128 if fmt == "fp8-block" else None)
+    assert load_spec(ckpt).num_layers == 3
+    assert checkpoint_scheme(shaped_checkpoint(tmp_path / "b", "qwen3-8b")) is None
+    with pytest.raises(ValueError, match="unknown FP8 format"):
+        shaped_checkpoint(tmp_path / "x", "qwen3-8b", quantize="int4")

@@ -59,6 +59,8 @@ CPU: list[tuple[str, list[str], str]] = [
                                    "--reps", "1"], "| case | tokens | path | ms per call | tokens/s |"),
     ("kernels.fp8_gemm_bench", ["--device", "cpu", "--size", "tiny", "--rows", "1", "--chunks", "16", "--reps", "1"],
      "| M | proj | N x K | bf16 ms | w8a16 ms | rowwise ms |"),
+    ("checkpoints", [f"{OUT}/ck", "--shape", "qwen3-8b", "--quantize", "fp8-block", "--layers", "2"],
+     "(qwen3-8b, fp8-block, 2 layers)"),
     ("request_path.fresh_image_bench", ["--count", "1"], "stage    variant"),
     ("request_path.multiturn_prep_bench", ["--rounds", "2", "--passes", "1"], "round images"),
     ("request_path.tokenizer_bench", ["--workers", "1", "--requests", "2", "--json", f"{OUT}/tok.json"],
@@ -86,6 +88,7 @@ SERVERS: dict[str, str] = {
     "serving.first_requests": "starts one glimpse server per --servers",
     "serving.dp_bench": "a server per --dp value with a 16 GiB KV cache: sized for GPUs",
     "serving.encoder_bench": "a server per variant (dp_bench's, 16 GiB KV cache): sized for GPUs",
+    "serving.fp8_bench": "a server per variant (dp_bench's, 16 GiB KV cache): sized for GPUs",
     "serving.bench_client": "is `glimpse bench`; tests/benchmarks/serving/test_bench_client.py drives it on a live server",
 }
 
@@ -178,7 +181,7 @@ def test_every_script_is_smoked_or_has_a_reason() -> None:
     }
     # imported by the scripts (bench_cli is `glimpse bench`'s parser, run through server.cli) or, for vllm_compat,
     # by vLLM's own process in the side-by-side harness: no entry point
-    library = {"args", "checkpoints", "serving.bench_plot", "serving.bench_figures", "serving.bench_cli",
+    library = {"args", "serving.bench_plot", "serving.bench_figures", "serving.bench_cli",
                "vllm_compat.sitecustomize"}
     soak = {s for s in scripts if s.startswith("serving.soak")}  # tests/benchmarks/serving/ owns the soak's tests
     listed = {m for m, _, _ in CPU} | set(GPU_ONLY) | set(SERVERS) | library | soak
