@@ -12,7 +12,7 @@ Variants (``GLIMPSE_FP8_GEMM``, read once per process):
   one for the device and the weight's scales, else ``dequant``. Channel scales: ``torch._scaled_mm`` row-wise
   (activations quantized per token). 128 x 128 block scales: ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128
   (activations quantized per 1 x 128 token group; cuBLAS on Hopper). Routed experts: ``torch._scaled_grouped_mm``
-  row-wise. Not yet measured with w8a16 (``fp8_gemm_bench`` has its column); the threshold is a guess until then.
+  row-wise (at decode rows moe_kernel.py's Triton kernels, which read the FP8 stacks weight-only). Not yet measured with w8a16 (``fp8_gemm_bench`` has its column); the threshold is a guess until then.
 * ``w8a16``: the weight-only Triton kernel at every row count (prefill chunks too, tiled along M): what the
   benchmark compares at every M, and weight-only FP8 end to end. Routed experts stay in the model dtype (the
   grouped FP8 GEMM quantizes activations); a weight whose kernel fails falls back to ``dequant``.

@@ -14,7 +14,8 @@ a layer, 10 us at an H200's bandwidth). Here:
   pair's activations and sums the k products weighted by the routing weights in a fixed order: deterministic (no
   atomics), and the combine costs no kernel of its own.
 
-The accumulation is float32 and each output rounds once. Rows are never a kernel argument, so a layer's kernels
+FP8 expert stacks (``experts(..., scales=)``, one scale per row) are read as FP8 and widened in registers, the
+scales applied to the float32 products. The accumulation is float32 and each output rounds once. Rows are never a kernel argument, so a layer's kernels
 compile once per weight shape (nothing may compile inside a CUDA-graph capture; the start-up warm-up's forwards
 compile them). The kernels read an expert's rows once per token that chose it, the grouped GEMMs once per expert:
 above ``MAX_ROWS`` tokens the grouped GEMMs serve.
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels.fp8_quant import FP8, dequantize, quantize_rows
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 # Token rows up to which the kernels serve a MoE layer. H200, 20 layers replayed from a graph, randomly routed rows
@@ -43,6 +45,9 @@ NUM_WARPS = 8
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_MOE")
 available = SWITCH.on  # on CUDA tensors, or anywhere under TRITON_INTERPRET=1
+# FP8 expert stacks (per-row scales) through the same kernels: probed apart (``probe_fp8``, when fp8_layers.py makes
+# the stacks FP8), so a Triton without FP8 loads keeps the bf16 experts on the kernels.
+FP8_SWITCH = TritonSwitch("GLIMPSE_TRITON_MOE_FP8")
 
 
 @functools.cache
@@ -76,8 +81,9 @@ def _kernels() -> tuple[Any, Any, Any]:
         tl.store(ids_ptr + row * K + slots, ids.to(tl.int64), mask=chosen)
 
     @triton.jit
-    def expert_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, H: tl.constexpr, INTER: tl.constexpr, K: tl.constexpr,
-                         GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def expert_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, H: tl.constexpr, INTER: tl.constexpr,
+                         K: tl.constexpr, GELU: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
         pair = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < INTER
@@ -98,6 +104,10 @@ def _kernels() -> tuple[Any, Any, Any]:
             up_acc += tl.load(up_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xv
         gate = tl.sum(gate_acc, axis=1)
         up = tl.sum(up_acc, axis=1)
+        if FP8:  # one dequantization scale per expert row ([E, 2I, 1]): applied once, to the row's sum
+            scales = s_ptr + expert * (2 * INTER) + rows
+            gate *= tl.load(scales, mask=row_ok, other=0.0)
+            up *= tl.load(scales + INTER, mask=row_ok, other=0.0)
         if GELU:  # tanh approximation, tanh(y) written as 1 - 2 / (exp(2y) + 1)
             inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
             act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
@@ -106,8 +116,9 @@ def _kernels() -> tuple[Any, Any, Any]:
         tl.store(h_ptr + pair * INTER + rows, (act * up).to(h_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
-    def expert_down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, H: tl.constexpr, INTER: tl.constexpr,
-                           K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def expert_down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, out_ptr, H: tl.constexpr,
+                           INTER: tl.constexpr, K: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < H
@@ -122,7 +133,10 @@ def _kernels() -> tuple[Any, Any, Any]:
                 col_ok = cols < INTER
                 hv = tl.load(h_ptr + pair * INTER + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
                 tile_ok = row_ok[:, None] & col_ok[None, :]
-                acc += tl.load(down_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * (hv * routing)
+                w = tl.load(down_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+                if FP8:  # the experts' rows differ in scale ([E, H, 1]), so the sum over j cannot take it after
+                    w *= tl.load(s_ptr + expert * H + rows, mask=row_ok, other=0.0)[:, None]
+                acc += w * (hv * routing)
         tl.store(out_ptr + token * H + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
 
     return route_kernel, expert_up_kernel, expert_down_kernel
@@ -133,10 +147,11 @@ def _pow2(n: int) -> int:
 
 
 def wanted(x: Tensor, gate_up: Tensor) -> bool:
-    """Whether a MoE layer should take these kernels for x [T, H]: a few rows, unquantized weights, the kernels on."""
+    """Whether a MoE layer should take these kernels for x [T, H]: a few rows, weights in x's dtype or FP8 with
+    per-row scales (the caller passes them to ``experts``), the kernels on."""
     return (
         0 < x.shape[0] <= MAX_ROWS
-        and gate_up.dtype == x.dtype
+        and (gate_up.dtype == x.dtype or (gate_up.dtype == FP8 and FP8_SWITCH.on()))
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and x.is_cuda
         and available()
@@ -156,23 +171,34 @@ def route(logits: Tensor, top_k: int, per_expert_scale: Tensor | None = None) ->
     return weights, ids
 
 
-def experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, gelu: bool = False) -> Tensor:
+def experts(
+    x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, gelu: bool = False,
+    scales: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:  # fmt: skip
     """sum_j weights[t, j] * down[e] (act(gate[e] x_t) * up[e] x_t), e = ids[t, j], for x [T, H]; ``gate_up``
-    [E, 2I, H] (each expert's gate rows, then its up rows) and ``down`` [E, H, I] as StackedExperts holds them."""
+    [E, 2I, H] (each expert's gate rows, then its up rows) and ``down`` [E, H, I] as StackedExperts holds them.
+    FP8 stacks come with ``scales``: per-row dequantization factors [E, 2I, 1] and [E, H, 1] (fp8_layers.py's
+    experts), applied to the float32 products; the weights are read as FP8, half the bytes."""
     rows, hidden = x.shape
     top_k = ids.shape[1]
     inter = down.shape[2]
+    fp8 = gate_up.dtype == FP8
+    if fp8 != (scales is not None) or fp8 != (down.dtype == FP8):
+        raise ValueError("FP8 expert stacks take per-row scales, and only they do")
+    if scales is not None and (scales[0].shape[-2:] != (2 * inter, 1) or scales[1].shape[-2:] != (hidden, 1)):
+        raise ValueError(f"expert scales {tuple(scales[0].shape)}, {tuple(scales[1].shape)}: only one per row")
     h = torch.empty((rows * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     if not rows:
         return out
     _, up_kernel, down_kernel = _kernels()
     ids = ids.contiguous()
+    s_up, s_down = (scales[0].float().contiguous(), scales[1].float().contiguous()) if scales else (h, h)
     up_kernel[(rows * top_k, -(-inter // UP_BLOCK_N))](
-        x.contiguous(), ids, gate_up.contiguous(), h, H=hidden, INTER=inter, K=top_k, GELU=gelu,
+        x.contiguous(), ids, gate_up.contiguous(), s_up, h, H=hidden, INTER=inter, K=top_k, GELU=gelu, FP8=fp8,
         BLOCK_N=UP_BLOCK_N, BLOCK_K=UP_BLOCK_K, num_warps=NUM_WARPS)
     down_kernel[(rows, -(-hidden // DOWN_BLOCK_N))](
-        h, ids, weights.contiguous(), down.contiguous(), out, H=hidden, INTER=inter, K=top_k,
+        h, ids, weights.contiguous(), down.contiguous(), s_down, out, H=hidden, INTER=inter, K=top_k, FP8=fp8,
         BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K, num_warps=NUM_WARPS)
     return out
 
@@ -200,6 +226,25 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
         return torch.allclose(got, want, rtol=3e-2, atol=3e-2)
 
     return SWITCH.probe(check)
+
+
+def probe_fp8(device: torch.device, dtype: torch.dtype) -> bool:
+    """The up and down kernels once on FP8 stacks with per-row scales, against ``reference`` on the dequantized
+    weights; whether FP8 stacks may take the kernels in this process."""
+    gen = torch.Generator().manual_seed(1)
+    e, hidden, inter = 6, 200, 40
+
+    def check() -> bool:
+        x = torch.randn(2, hidden, generator=gen).to(device=device, dtype=dtype)
+        q_gu, s_gu = (t.to(device) for t in quantize_rows(torch.randn(e, 2 * inter, hidden, generator=gen)))
+        q_d, s_d = (t.to(device) for t in quantize_rows(torch.randn(e, hidden, inter, generator=gen)))
+        weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]], device=device)
+        ids = torch.tensor([[5, 1], [1, 3]], device=device)
+        got = experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
+        want = reference(x.float(), weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
+        return torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+    return SWITCH.on() and FP8_SWITCH.probe(check)
 
 
 def reference(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, gelu: bool = False) -> Tensor:

@@ -11,7 +11,8 @@ forward goes through kernels/fp8_gemm.py.
   row and 128 columns. A row-parallel shard that splits a 128-column block, and a fused layer with a part the
   checkpoint kept in the model dtype, stay in the model dtype.
 * Stacked routed experts (Qwen3-VL-MoE, Qwen3.5-MoE) of a channel checkpoint: one scale per expert row, for
-  ``torch._scaled_grouped_mm``'s row-wise recipe (exact, as above). A block checkpoint's experts stay in the model
+  ``torch._scaled_grouped_mm``'s row-wise recipe (exact, as above); decode rows take moe_kernel.py's Triton kernels
+  on the FP8 stacks (probed apart: ``probe_fp8``). A block checkpoint's experts stay in the model
   dtype unless ``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` (fp8_gemm.py says why). Experts that only run as a loop
   (Gemma 4) stay in the model dtype.
 * Replicated ``nn.Linear`` layers (routers, Gemma 4's per-layer-input projections) and the vision tower stay in the
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from workers.engine.kernels import fp8_gemm
+from workers.engine.kernels import fp8_gemm, moe_kernel
 from workers.engine.kernels.fp8_quant import BLOCK, FP8, FP8_MAX, expand_scale, quantize_block, quantize_rows
 from workers.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, get_weight_loader
 from workers.engine.models.quantization import Fp8Record
@@ -129,6 +130,10 @@ def _kernel_kind(layer: nn.Module) -> str:
     return "rowwise" if kind == "channel" else kind
 
 
+def _model_dtype(lm: nn.Module) -> torch.dtype:
+    return next(p.dtype for p in lm.parameters() if p.is_floating_point() and p.dtype != FP8)
+
+
 def _probe_kernels(lm: nn.Module, device: torch.device) -> None:
     """Probe the FP8 layers' kernels now, eagerly: a first call inside a CUDA graph capture could not, and would
     dequantize."""
@@ -137,6 +142,8 @@ def _probe_kernels(lm: nn.Module, device: torch.device) -> None:
         kinds.add("w8a16")
     for kind in sorted(kinds):
         fp8_gemm.probe(kind, device)
+    if any(getattr(m, "gate_up_scale", None) is not None for m in lm.modules()):  # decode rows of FP8 experts take the Triton MoE kernels if they pass on FP8 stacks
+        moe_kernel.probe_fp8(device, _model_dtype(lm))
 
 
 def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: int = 0) -> int:

@@ -46,6 +46,27 @@ for tokens, experts, top_k, hidden, inter in ((1, 8, 2, 200, 40), (5, 12, 3, 64,
     want = moe_kernel.reference(xb.float(), weights, ids, gub.float(), db.float())
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2e-2)
 
+    # FP8 stacks with per-row scales (fp8_layers.py's experts): the dequantized weights' product, and a scale read
+    # from the wrong row would show (rows of different magnitudes).
+    from workers.engine.kernels.fp8_quant import dequantize, quantize_rows
+    rows_scale = torch.rand(experts, 2 * inter, 1, generator=gen) * 4 + 0.25
+    q_gu, s_gu = quantize_rows(gate_up * rows_scale)
+    q_d, s_d = quantize_rows(down * (torch.rand(experts, hidden, 1, generator=gen) * 4 + 0.25))
+    got = moe_kernel.experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d))
+    want = moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    wrong = moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu.roll(1, 1)), dequantize(q_d, s_d))
+    assert (wrong - want).abs().max() > 100 * (1e-5 + 1e-4 * want.abs().max())
+
+# FP8 stacks need their scales (and only they take them); the FP8 probe passes here too.
+try:
+    moe_kernel.experts(x, weights, ids, q_gu, q_d)
+except ValueError:
+    pass
+else:
+    raise AssertionError("FP8 stacks without scales were accepted")
+assert moe_kernel.probe_fp8(torch.device("cpu"), torch.float32) and not moe_kernel.FP8_SWITCH.broken
+
 # Two tokens routed to the same expert read its weights each; a stride-padded input takes a contiguous copy.
 x = torch.randn(2, 4 * 64, generator=gen)[:, :64]
 gate_up = torch.randn(4, 2 * 16, 64, generator=gen)
@@ -128,3 +149,26 @@ def test_gemma_grouped_experts_match_the_loop_past_the_kernels_rows() -> None:
     assert out.dtype == torch.bfloat16
     want = gelu_experts_loop(x.float(), weights, ids, block.gate_up_proj.float(), block.down_proj.float())
     torch.testing.assert_close(out.float(), want, rtol=2**-6, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs CUDA with FP8"
+)
+def test_fp8_stacks_match_the_dequantized_experts_in_bf16() -> None:
+    from workers.engine.kernels import moe_kernel
+    from workers.engine.kernels.fp8_quant import dequantize, quantize_rows
+
+    assert moe_kernel.probe_fp8(torch.device("cuda"), torch.bfloat16), moe_kernel.FP8_SWITCH.why_off()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    q_gu, s_gu = quantize_rows(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen))
+    q_d, s_d = quantize_rows(torch.randn(experts, hidden, inter, device="cuda", generator=gen))
+    assert moe_kernel.wanted(torch.zeros(1, hidden, dtype=torch.bfloat16, device="cuda"), q_gu)
+    for rows in (1, moe_kernel.MAX_ROWS):
+        x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+        weights, ids = moe_kernel.route(torch.randn(rows, experts, device="cuda", generator=gen), top_k)
+        got = moe_kernel.experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
+        want = moe_kernel.reference(x.float(), weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
+        # bf16 activations between the kernels (h) and out: relative RMS error within bf16 rounding's few ulps
+        assert (got - want).pow(2).mean().sqrt() <= 0.01 * want.pow(2).mean().sqrt()

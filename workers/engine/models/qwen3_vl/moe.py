@@ -279,7 +279,7 @@ class SparseMoeBlock(nn.Module):
             logits = F.linear(x, self.gate.weight)
         if self.use_grouped and moe_kernel.wanted(x, gate_up):  # a decode step's few rows: three Triton kernels
             weights, ids = moe_kernel.route(logits, self.top_k)
-            return moe_kernel.experts(x, weights, ids, gate_up, down)
+            return moe_kernel.experts(x, weights, ids, gate_up, down, scales=self.experts.fp8_scales())
         weights, ids = self.route(logits)
         scales = self.experts.fp8_scales()
         if scales is not None:
