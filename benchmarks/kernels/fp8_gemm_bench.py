@@ -1,7 +1,7 @@
 """FP8 GEMMs (workers/engine/kernels/fp8_gemm.py) against bf16, at a model's LM projections, per row count.
 
     python -m benchmarks.kernels.fp8_gemm_bench [--size 8b] [--rows 1,2,4,8,16] [--chunks 512,2048,8192] [--moe]
-    python -m benchmarks.kernels.fp8_gemm_bench --size 8b --sweep [--sweep-rows 1,4,16]
+    python -m benchmarks.kernels.fp8_gemm_bench --size 8b --sweep [--sweep-rows 1,4,16] [--proj qkv,o]
 
 For each projection (qkv, o, gate_up, down) and each M (decode batches ``--rows``, prefill chunks ``--chunks``):
 milliseconds per call of
@@ -211,8 +211,10 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="time one weight from Python, not a graph-replayed ring")
     p.add_argument("--sweep", action="store_true", help="w8a16 tiles instead of the table (CUDA)")
     p.add_argument("--sweep-rows", default="1,4,16", help="M of the sweep")
+    p.add_argument("--proj", default="", help="only these projections, e.g. qkv,o (default: all of --size)")
     args = p.parse_args()
     device = torch.device(args.device)
+    shapes = tuple(s for s in SIZES[args.size] if not args.proj or s[0] in args.proj.split(","))
     ms = [int(v) for v in f"{args.rows},{args.chunks}".split(",") if v]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run: no FP8 tensor cores)"
     how = "eager, one weight" if args.eager or device.type != "cuda" else "graph-replayed weight ring"
@@ -220,9 +222,9 @@ def main() -> None:
     if args.sweep:
         if device.type != "cuda":
             raise SystemExit("--sweep needs CUDA (the Triton kernel)")
-        sweep(SIZES[args.size], [int(v) for v in args.sweep_rows.split(",")], device, args.reps)
+        sweep(shapes, [int(v) for v in args.sweep_rows.split(",")], device, args.reps)
         return
-    dense_table(SIZES[args.size], ms, device, args.reps, args.eager)
+    dense_table(shapes, ms, device, args.reps, args.eager)
     if args.moe and device.type == "cuda":
         print()
         moe_table([int(v) for v in args.rows.split(",")] + [int(v) for v in args.chunks.split(",")], device, args.reps)

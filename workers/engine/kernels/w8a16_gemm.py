@@ -164,6 +164,8 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     if rows == 0:
         return out.reshape(*lead, n)
     t = use or tile(n, k, _sms(x.device))
+    if use is None and rows > MAX_BLOCK_M:  # the M blocks give the grid its programs: no partials to sum
+        t = t._replace(split_k=1)
     s = scale.float()
     channel = s.shape[-1] == 1 and s.shape[-2] == n
     block_k = t.block_k if channel else min(t.block_k, BLOCK)
