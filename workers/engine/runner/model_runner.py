@@ -50,6 +50,7 @@ from workers.engine.runner.warmup import (
     probe_paged_decode,
     warm_fused,
     warm_largest_step,
+    warm_state_snapshots,
     warm_vision_attention,
 )
 
@@ -122,6 +123,7 @@ class ModelRunner:
             warm_fused(self)  # before any graph capture: a capture must never be a kernel's first launch
         if self.device.type == "cuda":
             warm_largest_step(self)  # the first large request's allocations, paid before "ready"
+            warm_state_snapshots(self)  # a hybrid model's snapshot kernels, compiled before the first prefix cache write
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if graphs_wanted(self.device, self.tp):

@@ -20,7 +20,7 @@ from workers.engine.kernels import (
     skinny_gemm,
     window_attention,
 )
-from workers.engine.kernels.attention import build_attention_metadata
+from workers.engine.kernels.attention import StateMetadata, build_attention_metadata
 from workers.engine.layers.vision_attention import VisionAttention, warm_cudnn_frames
 from workers.engine.runner.batching import patches
 
@@ -204,6 +204,55 @@ def _frames(patches: int, side: int, unit: int) -> list[tuple[int, int, int]]:
         return [(1, side, side)] * (patches // (side * side))
     small = int(patches**0.5) // unit * unit
     return [(1, small, small)] if small else []
+
+
+# fla's chunk: a snapshot this many tokens into a chunk is read from the states fla keeps (kernels/gated_delta_fla.py).
+_FLA_CHUNK = 64
+
+
+def warm_state_snapshots(r: LoadedModel) -> list[tuple[int, int, list[int]]]:
+    """A hybrid model's prefill chunks that take state snapshots, before "ready": one whose snapshots fall on whole
+    fla chunks (the kept-chunk-states path and its one-time check against fla's public function) and one that starts
+    inside a block, whose snapshot does not (the rounds path, float32 states between rounds). Each compiles and
+    autotunes Triton kernels of its own at first use: on a fresh H200 a Qwen3.5-35B-A3B server under load (64
+    concurrent 1080p requests) stalled every stream for 55 s at its first snapshot without this. Writes only the
+    scratch slot and blocks no sequence holds yet. Returns (query, seq, snapshot offsets) of each chunk; nothing for
+    a model without linear-attention layers. Only saves time: a failure is logged and serving starts without it."""
+    if r.state is None:
+        return []
+    started = time.perf_counter()
+    m = -(-max(r.cfg.block_size, _FLA_CHUNK) // _FLA_CHUNK) * _FLA_CHUNK  # a block boundary on a whole chunk (128)
+    # (new tokens, KV length after them, snapshot offsets in the chunk): from position 0, cut at whole chunks; then
+    # from position 30, so the cut at position m sits 30 tokens short of a whole chunk.
+    chunks = [(2 * m + 37, 2 * m + 37, [m, 2 * m, 2 * m + 37]), (m + 50, m + 80, [m - 30, m + 50])]
+    fits = [c for c in chunks if c[1] <= min(r.num_blocks * r.cfg.block_size, r.cfg.max_model_len or c[1])]
+    try:
+        for query, seq, offsets in fits:
+            _state_prefill(r, query, seq, offsets)
+        if r.device.type == "cuda":
+            torch.cuda.synchronize(r.device)
+    except Exception as exc:  # noqa: BLE001 - the first snapshot under load pays the compile instead
+        log.warning("the state-snapshot warm-up failed (%s); the first snapshots compile their kernels", exc)
+        return []
+    log.info("state snapshot paths warmed in %.2f s", time.perf_counter() - started)
+    return fits
+
+
+@torch.inference_mode()
+def _state_prefill(r: LoadedModel, query: int, seq: int, offsets: list[int]) -> None:
+    assert r.state is not None
+    scratch = r.state.scratch
+    blocks = list(range(-(-seq // r.cfg.block_size)))
+    meta = build_attention_metadata([query], [seq], [blocks], r.cfg.block_size, r.device)
+    resumed = seq > query  # a later chunk reads the state the first one left in the scratch slot
+    meta.state = StateMetadata(
+        slots=torch.tensor([scratch], device=r.device), slots_cpu=[scratch],
+        has_initial=torch.tensor([resumed], device=r.device), has_initial_cpu=[resumed],
+        snapshots=[(0, n, scratch) for n in offsets],
+    )  # fmt: skip
+    embeds = r.model.embed(torch.zeros(query, dtype=torch.long, device=r.device))
+    positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
+    r.model(embeds, positions, r.kv_caches, meta)
 
 
 def _prefill(r: LoadedModel, tokens: int, mm_embeds: torch.Tensor) -> None:
