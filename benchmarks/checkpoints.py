@@ -150,6 +150,10 @@ GEMMA4_VISION = {  # both sizes' SigLIP-style tower
     "head_dim": 72,
     "use_clipped_linears": True,
     "standardize": True,
+    # read by other servers (vLLM 0.24 sizes its encoder budget from it); transformers drops it from its config class
+    "default_output_length": 280,
+    "position_embedding_size": 10240,
+    "pooling_kernel_size": 3,
 }
 # shape -> (demo family it starts from, text fields, LM mrope_section; Gemma 4 has none)
 SHAPES: dict[str, tuple[str, dict[str, Any], list[int]]] = {
