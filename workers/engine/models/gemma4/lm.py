@@ -37,9 +37,13 @@ from workers.engine.models.gemma4.lm_layers import (
     GemmaQKVLinear,
     GemmaRMSNorm,
     GemmaRotary,
+    lm_add_norm,
+    lm_add_norm_scale,
+    lm_norm_sum,
 )
 from workers.engine.models.gemma4.moe import GemmaExperts, GemmaRouter
 from workers.engine.models.gemma4.spec import TextSpec, check_tp
+from workers.engine.models.gemma4.vision_layers import fused_call
 from workers.engine.models.qwen3_vl.moe import expert_shard, expert_shards_needed
 
 # Checkpoint projections that live inside a fused parameter: (checkpoint part, fused part, shard id).
@@ -119,6 +123,7 @@ class GemmaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
         for p in self.parameters():
             p.requires_grad_(False)
+        self.fused = False  # CUDA: the post-norms with their residual adds as compiled kernels (lm_layers.py)
 
     def forward(
         self,
@@ -130,18 +135,23 @@ class GemmaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> Tensor:
+        on, eps = self.fused, self.input_layernorm.eps
         attn = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
-        h = h + self.post_attention_layernorm(attn)
+        h = fused_call(on, lm_add_norm, h, attn, self.post_attention_layernorm.weight, eps)
         mlp = self.mlp(self.pre_feedforward_layernorm(h))
         if self.has_experts:
             # The router and the experts read the residual stream after attention, not the dense MLP's input.
             weights, ids = self.router(h)
             routed = self.tp.all_reduce(self.experts(self.pre_feedforward_layernorm_2(h), weights, ids))
-            mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(routed)
-        h = h + self.post_feedforward_layernorm(mlp)
-        if per_layer_input is not None:
-            gate = F.gelu(F.linear(h, self.per_layer_input_gate.weight), approximate="tanh") * per_layer_input
-            h = h + self.post_per_layer_input_norm(F.linear(gate, self.per_layer_projection.weight))
+            mlp = fused_call(on, lm_norm_sum, mlp, routed, self.post_feedforward_layernorm_1.weight,
+                             self.post_feedforward_layernorm_2.weight, eps)  # fmt: skip
+        if per_layer_input is None:
+            return fused_call(on, lm_add_norm_scale, h, mlp, self.post_feedforward_layernorm.weight, eps,
+                              self.layer_scalar)  # fmt: skip
+        h = fused_call(on, lm_add_norm, h, mlp, self.post_feedforward_layernorm.weight, eps)
+        gate = F.gelu(F.linear(h, self.per_layer_input_gate.weight), approximate="tanh") * per_layer_input
+        h = fused_call(on, lm_add_norm, h, F.linear(gate, self.per_layer_projection.weight),
+                       self.post_per_layer_input_norm.weight, eps)  # fmt: skip
         return h * self.layer_scalar
 
 

@@ -10,12 +10,16 @@ Numerics follow transformers' ``modeling_gemma4`` op for op in the model dtype:
 - rotary per layer kind from transformers' init functions (spec.py's ``RopeSpec``); a proportional table rotates the
   first frequencies over the whole head (rotate_half pairs dim i with i + D/2) and leaves the zero-frequency pairs
   as they are (cos 1, sin 0: exact).
+
+On CUDA, with ``fused`` set (fused.enable), each run of elementwise work between two GEMMs (a norm, a norm and the
+rotary, GELU * up, a post-norm and its residual add) is one compiled kernel (fused.py) instead of three to nine
+eager ones: a layer has up to eleven norms, and at batch 1 the decode step is their launches. The eager functions
+below are the reference and what the CPU runs, op for op as before.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
@@ -30,6 +34,32 @@ from workers.engine.layers.linear import (
 )
 from workers.engine.layers.rotary import apply_rope
 from workers.engine.models.gemma4.spec import TextSpec
+from workers.engine.models.gemma4.vision_layers import fused_call, vit_gelu_mul, vit_rms_norm
+
+
+def lm_norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """q or k [T, H, D]: the per-head RMSNorm, then the layer kind's rotary."""
+    return apply_rope(vit_rms_norm(x, weight, eps), cos, sin)
+
+
+def lm_add_norm(h: Tensor, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """A sublayer's post-norm added to the residual: ``h + norm(x)``."""
+    return h + vit_rms_norm(x, weight, eps)
+
+
+def lm_norm_sum(a: Tensor, b: Tensor, weight_a: Tensor, weight_b: Tensor, eps: float) -> Tensor:
+    """The MoE layer's dense and routed outputs, each post-normed, summed: ``norm_a(a) + norm_b(b)``."""
+    return vit_rms_norm(a, weight_a, eps) + vit_rms_norm(b, weight_b, eps)
+
+
+def lm_router_input(h: Tensor, scale: Tensor, root: float, eps: float) -> Tensor:
+    """The MoE router's input: the residual stream normed without a weight, times its learned scale and 1/sqrt(H)."""
+    return vit_rms_norm(h, None, eps) * scale * root
+
+
+def lm_add_norm_scale(h: Tensor, x: Tensor, weight: Tensor, eps: float, scalar: Tensor) -> Tensor:
+    """The feed-forward's post-norm added to the residual, times the layer's scalar: ``(h + norm(x)) * scalar``."""
+    return (h + vit_rms_norm(x, weight, eps)) * scalar
 
 
 class GemmaRMSNorm(nn.Module):
@@ -42,12 +72,10 @@ class GemmaRMSNorm(nn.Module):
             nn.Parameter(torch.ones(dim), requires_grad=False) if with_scale else None
         )
 
+        self.fused = False
+
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            normed = normed * self.weight.float()
-        return normed.type_as(x)
+        return fused_call(self.fused, vit_rms_norm, x, self.weight, self.eps)
 
 
 class GemmaRotary(nn.Module):
@@ -121,18 +149,20 @@ class GemmaAttention(nn.Module):
         self.window = spec.window(layer)
         # transformers (create_masks_for_vision_model): image tokens see each other on sliding layers only.
         self.bidirectional = sliding and spec.bidirectional_vision
+        self.fused = False
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata, backend: AttentionBackend
     ) -> Tensor:
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
-        q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(t, -1, d)), cos, sin)
+        eps = self.q_norm.eps
+        q = fused_call(self.fused, lm_norm_rope, qkv[:, : self.q_size].view(t, -1, d), self.q_norm.weight, eps, cos, sin)
         k = v = None
         if self.owns_kv:
             k_raw = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d)
             v_raw = qkv[:, self.q_size + self.kv_size :].view(t, -1, d) if self.qkv_proj.parts == "qkv" else k_raw
-            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            k = fused_call(self.fused, lm_norm_rope, k_raw, self.k_norm.weight, eps, cos, sin)
             v = self.v_norm(v_raw)
         bidirectional = self.bidirectional and meta.bidir_spans is not None
         out = backend.forward(q, k, v, kv_cache, meta, 1.0, window=self.window, bidirectional=bidirectional)
@@ -149,8 +179,9 @@ class GemmaMLP(nn.Module):
             hidden_size, [intermediate_size, intermediate_size], bias=False, tp=tp
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
+        self.fused = False
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out: Tensor = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        out: Tensor = self.down_proj(fused_call(self.fused, vit_gelu_mul, gate, up))
         return out

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from workers.engine.kernels import moe_kernel
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
-from workers.engine.models.gemma4.lm_layers import GemmaRMSNorm
+from workers.engine.models.gemma4.lm_layers import GemmaRMSNorm, lm_router_input
+from workers.engine.models.gemma4.vision_layers import fused_call
 from workers.engine.models.qwen3_vl.moe import StackedExperts, experts_grouped, grouped_mm_usable
 
 
@@ -36,10 +37,11 @@ class GemmaRouter(nn.Module):
         self.proj.weight.requires_grad_(False)
         self.scale = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.per_expert_scale = nn.Parameter(torch.ones(num_experts), requires_grad=False)
+        self.fused = False  # CUDA: the scale-less norm and both scalings as one compiled kernel
 
     def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
         """h [T, H] -> (float32 weights [T, k], expert ids int64 [T, k])."""
-        x = self.norm(h) * self.scale * self.scalar_root_size
+        x = fused_call(self.fused, lm_router_input, h, self.scale, self.scalar_root_size, self.norm.eps)
         if moe_kernel.wanted(x, self.proj.weight):  # a decode step's few rows: one kernel after the projection
             return moe_kernel.route(F.linear(x, self.proj.weight), self.top_k, self.per_expert_scale)
         probs = torch.softmax(F.linear(x, self.proj.weight), dim=-1, dtype=torch.float32)

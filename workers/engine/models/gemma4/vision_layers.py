@@ -109,9 +109,10 @@ class ClippableLinear(nn.Module):
         return torch.clamp(self.linear(x), self.output_min, self.output_max)
 
 
-def _run(on: bool, fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor:
+def fused_call(on: bool, fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor:
     """``fn(x, *args)``, compiled (fused.py) when the module's ``fused`` flag is on and the call is worth it.
-    fused.compiled memoizes by ``__qualname__``: hence the ``vit_`` names, apart from fused.py's own."""
+    fused.compiled memoizes by ``__qualname__``: hence the ``vit_`` (and the LM's ``lm_``) names, apart from fused.py's
+    own."""
     if on and fused.worth_it(x):
         out: Tensor = fused.compiled(fn)(x, *args)
         return out
@@ -165,9 +166,9 @@ class SelfAttention(nn.Module):
         q = self.q_proj(x).view(n, self.heads, self.head_dim)
         k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        q = _run(self.fused, vit_qk_norm_rope, q, self.q_norm.weight, self.eps, cos, sin)
-        k = _run(self.fused, vit_qk_norm_rope, k, self.k_norm.weight, self.eps, cos, sin)
-        v = _run(self.fused, vit_rms_norm, v, None, self.eps)  # transformers' v_norm: no scale
+        q = fused_call(self.fused, vit_qk_norm_rope, q, self.q_norm.weight, self.eps, cos, sin)
+        k = fused_call(self.fused, vit_qk_norm_rope, k, self.k_norm.weight, self.eps, cos, sin)
+        v = fused_call(self.fused, vit_rms_norm, v, None, self.eps)  # transformers' v_norm: no scale
         return self.o_proj(attend(q, k, v, seg, flash).reshape(n, -1))
 
 
@@ -184,7 +185,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.tanh_gelu:
-            return self.down_proj(_run(self.fused, vit_gelu_mul, gate, up))
+            return self.down_proj(fused_call(self.fused, vit_gelu_mul, gate, up))
         return self.down_proj(self.act(gate) * up)
 
 
@@ -215,11 +216,11 @@ class EncoderLayer(nn.Module):
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         eps, on = self.eps, self.fused
         attn = self.self_attn(
-            _run(on, vit_rms_norm, x, self.input_layernorm.weight, eps), seg, cos, sin, flash
+            fused_call(on, vit_rms_norm, x, self.input_layernorm.weight, eps), seg, cos, sin, flash
         )
-        x = _run(on, vit_add_post_norm, x, attn, self.post_attention_layernorm.weight, eps)
-        mlp = self.mlp(_run(on, vit_rms_norm, x, self.pre_feedforward_layernorm.weight, eps))
-        return _run(on, vit_add_post_norm, x, mlp, self.post_feedforward_layernorm.weight, eps)
+        x = fused_call(on, vit_add_post_norm, x, attn, self.post_attention_layernorm.weight, eps)
+        mlp = self.mlp(fused_call(on, vit_rms_norm, x, self.pre_feedforward_layernorm.weight, eps))
+        return fused_call(on, vit_add_post_norm, x, mlp, self.post_feedforward_layernorm.weight, eps)
 
 
 def use_flash(x: Tensor, backend: str) -> bool:
