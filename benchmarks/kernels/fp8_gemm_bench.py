@@ -12,7 +12,7 @@ milliseconds per call of
 * ``block``: per-1x128-group activations x 128x128 weight tiles, ``F.scaled_mm`` (Qwen's -FP8 repos);
 * ``row-block``: the same with one weight scale per row and 128 columns (fused layers not on 128-row boundaries);
 * ``dequant``: the FP8 weight dequantized to bf16 each call, then F.linear (the fallback where no kernel runs);
-each with the activation quantization included, and its error against the dequantized-weight bf16 GEMM (relative
+each with the activation quantization included, and its error against the bf16 GEMM of the unquantized weight (relative
 RMS). A kernel torch refuses for a shape prints ``refused``; ``-`` where it cannot run at all (its probe failed).
 On CUDA each variant runs over a ring of distinct copies of the weight (at least RING_BYTES of bf16 weights, so the
 50 MB L2 of an H200 does not hold them) captured in one CUDA graph and replayed, as the decode step runs: GPU time
