@@ -9,6 +9,9 @@ the GPU (ipc/landing.py), and answers ``EncodeDone`` with a pointer to it, or ``
 names the landing in a ``StepPlan.mm_import`` (every rank copies it into its embedding store) and is the one process
 that ends it: it unlinks a segment, as it does pixels, and sends ``EncodeRelease`` for a pool range, which the
 encoder that owns the pool frees.
+
+With ``--shared-encoders`` every replica's scheduler sends to the same encoders: a request names its replica, the
+answer goes to that replica's scheduler, and any scheduler may release the pool ranges it was handed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ class EncodeRequest(Msg, frozen=True):
 
     key: bytes
     items: list[EncodeItem]
+    # The asking scheduler's replica: a shared encoder (--shared-encoders) answers that replica's scheduler. 0 for an
+    # encoder of one replica, which has only its own to answer.
+    replica: int = 0
 
 
 class EncodeDone(Msg, frozen=True):

@@ -6,9 +6,9 @@ asyncio twins), so an endpoint's address and message type are written once.
 |---|---|---|---|
 | ``frontend`` | FrontendInbound | the launcher's HTTP frontend | tokenizers, schedulers |
 | ``tok{i}`` | TokenizerInbound | tokenizer worker i | frontend, schedulers |
-| ``sched`` / ``sched{i}`` | SchedulerInbound | the scheduler of replica i (``sched`` for replica 0) | frontend, tokenizers (``--dp 1``), its model workers and encoder workers |
+| ``sched`` / ``sched{i}`` | SchedulerInbound | the scheduler of replica i (``sched`` for replica 0) | frontend, tokenizers (``--dp 1``), its model workers and encoder workers (shared ones: every replica's) |
 | ``model{i}`` | ModelInbound | model worker i = replica * tp + rank | its replica's scheduler |
-| ``enc{i}`` | EncoderInbound | encoder worker i = replica * encoder_workers + j (``--encoder-workers``) | its replica's scheduler |
+| ``enc{i}`` | EncoderInbound | encoder worker i = replica * encoder_workers + j (``--encoder-workers``), or j with ``--shared-encoders`` | its replica's scheduler; every replica's when shared |
 | ``kvev`` | encoded KV-event batches (ipc/kv_events.py) | the launcher's KV-event publisher (ipc/kv_event_publisher.py) | schedulers |
 | ``--kv-events-endpoint`` | (vLLM's KV-event batches) | the launcher's KV-event publisher, every replica on one PUB | - (external subscribers) |
 

@@ -32,7 +32,7 @@ class WorkerStats(Msg, frozen=True):
 class EncoderStats(Msg, frozen=True):
     """Encoder worker -> its scheduler (--encoder-workers), after each batch: cumulative counters."""
 
-    index: int  # launch-wide: replica * encoder_workers + its number in the replica
+    index: int  # launch-wide: replica * encoder_workers + its number in the replica (its number with --shared-encoders)
     jobs: int  # cache entries computed (EncodeDone sent)
     images_encoded: int
     vit_calls: int

@@ -126,10 +126,11 @@ def start_child(config: ServerConfig, role: str, index: int) -> Child:
 
 def start_children(config: ServerConfig) -> list[Child]:
     # --dp N: replica r is scheduler r and model workers r * tp .. r * tp + tp - 1 (each on its GPU), and with
-    # --encoder-workers E encoder workers r * E .. r * E + E - 1.
+    # --encoder-workers E encoder workers r * E .. r * E + E - 1 (with --shared-encoders E in all, 0 .. E - 1, each
+    # answering every replica).
     dp = max(1, config.dp_size)
     plan = [("model", i) for i in range(config.engine.tp_size * dp)]
-    plan += [("encoder", i) for i in range(config.encoder_workers * dp)]
+    plan += [("encoder", i) for i in range(config.encoder_count)]
     plan += [("scheduler", r) for r in range(dp)]
     plan += [("tokenizer", i) for i in range(config.tokenizer_workers)]
     return [start_child(config, role, index) for role, index in plan]

@@ -52,6 +52,9 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "admitted, ahead of the prefill chunks that need them, and hand the embeddings to the model "
                    "workers (through a CUDA IPC pool on the GPU, else shared memory); 0: the model workers run the ViT "
                    "inside their steps")
+    m.add_argument("--shared-encoders", action="store_true",
+                   help="with --dp > 1: --encoder-workers N are N processes for the whole server, each encoding for "
+                   "every replica, instead of N per replica")
     m.add_argument("--encoder-devices", default="", metavar="LIST",
                    help="CUDA: comma-separated GPU indices the encoder workers run on, taken in turn (empty: "
                    "each replica's encoders share its language model's GPUs)")
@@ -221,6 +224,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("glimpse serve: --encoder-landing-mb must be 0 (off) or more")
     if args.encoder_workers and args.mm_cache_mode != "image":
         raise SystemExit("glimpse serve: --encoder-workers needs --mm-cache-mode image (the per-image cache)")
+    if args.shared_encoders and not args.encoder_workers:
+        raise SystemExit("glimpse serve: --shared-encoders needs --encoder-workers 1 or more (the encoders to share)")
+    if args.shared_encoders and args.dp < 2:
+        raise SystemExit("glimpse serve: --shared-encoders needs --dp 2 or more (replicas to share encoders between)")
     try:
         info = load_spec(model)  # the one read of config.json: children get the parsed spec
         if args.load_format != "dummy":
@@ -308,6 +315,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         dp_size=args.dp,
         dp_routing=args.dp_routing,
         encoder_workers=args.encoder_workers,
+        shared_encoders=args.shared_encoders,
         encoder_devices=encoder_devices,
         encoder_landing_mb=args.encoder_landing_mb,
         kv_events_endpoint=args.kv_events_endpoint,

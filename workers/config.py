@@ -81,8 +81,12 @@ class ServerConfig:
     # ahead of the chunks that need them, and hand the entries over through shared memory (workers/encoder/). 0: each
     # model worker runs the ViT inside its steps.
     encoder_workers: int = 0
+    # --shared-encoders (--dp > 1): encoder_workers processes for the whole launch, each taking requests from every
+    # replica's scheduler and answering the one that asked, instead of encoder_workers per replica. A replica that
+    # happens to get the image-heavy requests then has every encoder at hand, not only its own share.
+    shared_encoders: bool = False
     # CUDA: the GPUs encoder workers run on, taken in turn; empty: encoder j of replica r shares that replica's LM GPU
-    # r * tp + j % tp (colocated).
+    # r * tp + j % tp (colocated); shared encoder j sits on replica j % dp's LM GPUs.
     encoder_devices: tuple[int, ...] = ()
     # CUDA: each encoder worker's landing pool on its GPU, in MiB (workers/encoder/cuda_landing.py): entries wait there
     # for their import and reach the model ranks through CUDA IPC; 0 (and the CPU): through /dev/shm, as does an entry
@@ -108,12 +112,36 @@ class ServerConfig:
         tp = self.engine.tp_size
         return list(range(replica * tp, replica * tp + tp))
 
+    @property
+    def encoder_count(self) -> int:
+        """Encoder worker processes of the launch: encoder_workers in all when shared, else that many per replica."""
+        return self.encoder_workers * (1 if self.shared_encoders else max(1, self.dp_size))
+
+    def replica_encoders(self, replica: int) -> list[int]:
+        """The launch-wide indices of the encoders replica ``replica``'s scheduler sends to: its own
+        (replica * encoder_workers + j), or every one of the launch with shared encoders."""
+        n = self.encoder_workers
+        return list(range(n)) if self.shared_encoders else list(range(replica * n, replica * n + n))
+
+    def encoder_replicas(self, index: int) -> list[int]:
+        """The replicas whose schedulers encoder ``index`` answers: all of them when shared, else its own."""
+        if self.shared_encoders:
+            return list(range(max(1, self.dp_size)))
+        return [index // max(1, self.encoder_workers)]
+
     def encoder_device(self, index: int) -> str:
-        """The device of encoder worker ``index`` (launch-wide: replica * encoder_workers + j)."""
+        """The device of encoder worker ``index`` (launch-wide: replica * encoder_workers + j; j when shared)."""
         if not self.engine.device.startswith("cuda"):
             return self.engine.device
         if self.encoder_devices:
             return f"cuda:{self.encoder_devices[index % len(self.encoder_devices)]}"
-        replica, j = divmod(index, max(1, self.encoder_workers))
         tp = self.engine.tp_size
+        if self.shared_encoders:  # spread over the replicas first, then over each replica's TP GPUs
+            replica, j = index % max(1, self.dp_size), index // max(1, self.dp_size)
+        else:
+            replica, j = divmod(index, max(1, self.encoder_workers))
         return f"cuda:{replica * tp + j % tp}"
+
+    def encoder_readers(self, index: int) -> list[int]:
+        """CUDA: the LM GPUs whose ranks import from encoder ``index``'s landing pool (every replica it answers)."""
+        return [d for r in self.encoder_replicas(index) for d in self.lm_devices(r)]

@@ -123,6 +123,18 @@ def test_encoder_worker_flags_become_the_config_and_their_devices(demo_model_dir
     assert [chosen.encoder_device(i) for i in range(4)] == ["cuda:5", "cuda:6", "cuda:7", "cuda:5"]
 
 
+def test_shared_encoders_need_encoders_and_replicas_to_share_them(demo_model_dir: Path) -> None:
+    base = ("--model", str(demo_model_dir), "--device", "cpu")
+    assert build_config(parse(*base, "--dp", "2", "--encoder-workers", "1")).shared_encoders is False  # off by default
+    shared = build_config(parse(*base, "--dp", "2", "--encoder-workers", "1", "--shared-encoders"))
+    assert shared.shared_encoders and shared.encoder_count == 1
+    for bad, why in [(("--shared-encoders", "--dp", "2"), "--encoder-workers 1 or more"),
+                     (("--shared-encoders", "--encoder-workers", "1"), "--dp 2 or more"),
+                     (("--shared-encoders",), "--encoder-workers 1 or more")]:
+        with pytest.raises(SystemExit, match=f"^glimpse serve: --shared-encoders needs {why}"):
+            build_config(parse(*base, *bad))
+
+
 def test_encoder_landing_pool_flag_and_the_gpus_that_read_it(demo_model_dir: Path) -> None:
     base = ("--model", str(demo_model_dir), "--device", "cpu", "--encoder-workers", "1")
     assert build_config(parse(*base)).encoder_landing_mb == 0  # shared memory until the pool has run on a GPU

@@ -1,5 +1,11 @@
-"""Encoder worker process (``--encoder-workers``; N per replica): runs the vision tower alone on the requests its
-scheduler sends and answers each with a landing segment of embeddings (ipc/encode.py).
+"""Encoder worker process (``--encoder-workers``; N per replica, or N for the launch with ``--shared-encoders``): runs
+the vision tower alone on the requests its schedulers send and answers each with a landing segment of embeddings
+(ipc/encode.py), to the scheduler of the replica the request names.
+
+A shared encoder holds a push socket to every replica's scheduler. It announces itself to each (each waits for all its
+encoders before it is ready), but sends its ``EncoderStats`` to replica 0's alone: the frontend adds the replicas'
+reports up (server/pool_stats.py ``merge``), so counters sent to every replica would count each image R times. It
+exits once every scheduler has sent its Shutdown, so no replica loses its encoders while it still drains.
 
 Like a model worker it only attaches and reads pixel segments and never unlinks one; the landing segments it
 creates are the scheduler's from the moment ``EncodeDone`` names them (the scheduler unlinks them, and the
@@ -14,11 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import torch
+import zmq
 
 from ipc import endpoints
-from ipc.channels import PullSocket, PushSocket, new_context
+from ipc.channels import PullSocket, new_context
 from ipc.control import ProcessReady, Shutdown
 from ipc.encode import EncodeRelease, EncodeRequest
 from ipc.inbound import EncoderInbound, SchedulerInbound
@@ -37,15 +45,41 @@ _LINGER_MS = 2_000
 _BATCH_CALLS = 4
 
 
+class Schedulers:
+    """The push sockets to the schedulers this encoder answers, by replica: one (its replica's), or every replica's
+    when shared."""
+
+    def __init__(self, ctx: zmq.Context[Any], launch_id: str, replicas: list[int]) -> None:
+        self.socks = {r: endpoints.push(ctx, launch_id, endpoints.SCHEDULER, r) for r in replicas}
+        self.stats_to = min(replicas)  # one receiver for the counters, so they are merged once
+
+    def answer(self, replica: int, msg: SchedulerInbound) -> None:
+        """To the scheduler of ``replica`` (a request's own field); an encoder of one replica answers its scheduler
+        whatever the field says (requests built before the field existed say 0)."""
+        self.socks[replica if len(self.socks) > 1 else self.stats_to].send(msg)
+
+    def stats(self, msg: EncoderStats) -> None:
+        self.socks[self.stats_to].send(msg)
+
+    def everyone(self, msg: SchedulerInbound) -> None:
+        for sock in self.socks.values():
+            sock.send(msg)
+
+    def close(self, linger_ms: int) -> None:
+        for sock in self.socks.values():
+            sock.close(linger_ms=linger_ms)
+
+
 def run_encoder_worker(config: ServerConfig, index: int) -> None:
     """Entry point of encoder worker ``index`` (number ``index % encoder_workers`` of replica
-    ``index // encoder_workers``): load the tower, announce readiness, encode until Shutdown."""
-    replica = index // max(1, config.encoder_workers)
+    ``index // encoder_workers``, or shared by every replica): load the tower, announce readiness, encode until
+    every scheduler it answers said Shutdown."""
+    replicas = config.encoder_replicas(index)
     log = setup_child(f"glimpse.encoder[{index}]", config.log_level)
     ctx = new_context()
     # Bound before the (slow) load, so requests sent right after the ready ack find the endpoint.
     inbound = endpoints.pull(ctx, config.launch_id, endpoints.ENCODER, index)
-    to_sched = endpoints.push(ctx, config.launch_id, endpoints.SCHEDULER, replica)
+    to_sched = Schedulers(ctx, config.launch_id, replicas)
     tower: EncoderTower | None = None
     try:
         started = time.monotonic()
@@ -55,29 +89,32 @@ def run_encoder_worker(config: ServerConfig, index: int) -> None:
             # As in a CUDA model worker: the host side is staging copies, and a full OpenMP pool only spins.
             torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
         tower = EncoderTower(config.engine, config.launch_id, index, device)
-        tower.pool = open_pool(index, device, config.encoder_landing_mb << 20, config.lm_devices(replica))
+        # Every LM GPU that may import from the pool must reach it: all replicas' when the encoder is shared.
+        tower.pool = open_pool(index, device, config.encoder_landing_mb << 20, config.encoder_readers(index))
         log.info("vision tower of %s loaded in %.1fs on %s, %s", config.engine.model, time.monotonic() - started,
                  device, tower.dtype)
         freeze_heap(log)
-        to_sched.send(ProcessReady(role="encoder", index=index, pid=os.getpid()))
-        _serve(tower, inbound, to_sched, log)
+        to_sched.everyone(ProcessReady(role="encoder", index=index, pid=os.getpid()))
+        _serve(tower, inbound, to_sched, len(replicas), log)
     except Exception:
         log.exception("encoder worker failed")
         raise SystemExit(1) from None
     finally:
         inbound.close()
-        to_sched.close(linger_ms=_LINGER_MS)
+        to_sched.close(_LINGER_MS)
         ctx.term()
     if tower is not None:
         log.info("exiting: %d jobs, %d images encoded", tower.jobs, tower.counters.images_encoded)
 
 
 def _serve(
-    tower: EncoderTower, inbound: PullSocket[EncoderInbound], to_sched: PushSocket[SchedulerInbound],
+    tower: EncoderTower, inbound: PullSocket[EncoderInbound], to_sched: Schedulers, senders: int,
     log: logging.Logger,
 ) -> None:
-    """Encode requests as they come, each batch made of what is queued; answer, then report the counters."""
+    """Encode requests as they come, each batch made of what is queued; answer, then report the counters. Returns
+    after the ``senders``-th Shutdown (one per scheduler that sends here)."""
     budget = _BATCH_CALLS * tower.engine.vit_max_patches
+    stops = 0
     while True:
         msg: EncoderInbound | None = inbound.recv()
         batch: list[EncodeRequest] = []
@@ -85,8 +122,12 @@ def _serve(
         total = released = 0
         while msg is not None:
             if isinstance(msg, Shutdown):
-                stop = msg
-                break
+                stops += 1
+                if stops >= senders:
+                    stop = msg
+                    break
+                msg = inbound.recv(0)
+                continue
             if isinstance(msg, EncodeRelease):  # ranges free before this batch lands: more of it fits the pool
                 if tower.pool is not None:
                     released += tower.pool.release(msg.names)
@@ -98,10 +139,10 @@ def _serve(
                 break
             msg = inbound.recv(0)
         if batch:
-            for answer in tower.run(batch):
-                to_sched.send(answer)
+            for request, answer in zip(batch, tower.run(batch), strict=True):
+                to_sched.answer(request.replica, answer)
         if batch or released:  # the counters, and the pool's use now
-            to_sched.send(_stats(tower))
+            to_sched.stats(_stats(tower))
         if stop is not None:
             log.info("shutdown requested%s", f": {stop.reason}" if stop.reason else "")
             return

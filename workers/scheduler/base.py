@@ -59,9 +59,10 @@ class SchedulerBase:
         self.inbound = endpoints.pull(ctx, lid, endpoints.SCHEDULER, replica)
         tp, tokenizers = config.engine.tp_size, config.tokenizer_workers
         self.models = [endpoints.push(ctx, lid, endpoints.MODEL, replica * tp + r) for r in range(tp)]
-        enc = config.encoder_workers  # --encoder-workers: this replica's are replica * enc .. replica * enc + enc - 1
-        self.encoders = [endpoints.push(ctx, lid, endpoints.ENCODER, replica * enc + j) for j in range(enc)]
-        self.encoding = EncoderPool(self.encoders, first=replica * enc)
+        # --encoder-workers: this replica's are replica * enc .. replica * enc + enc - 1, or all with --shared-encoders.
+        mine = config.replica_encoders(replica)
+        self.encoders = [endpoints.push(ctx, lid, endpoints.ENCODER, i) for i in mine]
+        self.encoding = EncoderPool(self.encoders, first=mine[0] if mine else 0, replica=replica)
         self.frontend = endpoints.push(ctx, lid, endpoints.FRONTEND)
         self.tokenizers = [endpoints.push(ctx, lid, endpoints.TOKENIZER, i) for i in range(tokenizers)]
         self.tokenizer: Any = AutoTokenizer.from_pretrained(config.engine.model)

@@ -1,6 +1,10 @@
 """The scheduler's side of its replica's encoder workers (``--encoder-workers``): which encoder gets each request,
 and what each has in hand.
 
+With ``--shared-encoders`` the pool is every encoder of the launch, and each replica's scheduler picks among them by
+its own count (it does not see the others' requests): each replica spreads its load, and the encoders' queues
+together take what all send.
+
 A request goes to the encoder with the fewest requests outstanding (ties in turn), so a slow image does not hold
 back the ones queued behind it while another encoder idles. Every request in hand keeps its pixel segments' names
 *busy*: the scheduler unlinks a request's names when it ends, but never a name an encoder may still map
@@ -27,7 +31,8 @@ class EncoderPool:
     socks: list[PushSocket[EncoderInbound]]
     load: list[int] = field(default_factory=list)  # requests outstanding per encoder
     in_hand: dict[bytes, tuple[int, list[str]]] = field(default_factory=dict)  # key -> (encoder, pixel names)
-    first: int = 0  # the launch-wide index of socks[0] (replica * encoder_workers)
+    first: int = 0  # the launch-wide index of socks[0] (replica * encoder_workers; 0 with --shared-encoders)
+    replica: int = 0  # this scheduler's, named in each request: a shared encoder answers the replica that asked
     pool_landings: dict[str, int] = field(default_factory=dict)  # CUDA landing name -> its encoder (socks' index)
     _next: int = 0
 
@@ -41,7 +46,7 @@ class EncoderPool:
         n = len(self.socks)
         for job in jobs:
             j = min(range(n), key=lambda i: (self.load[i], (i - self._next) % n))
-            self.socks[j].send(EncodeRequest(job.key, job.items))
+            self.socks[j].send(EncodeRequest(job.key, job.items, self.replica))
             self.load[j] += 1
             self._next = (j + 1) % n
             self.in_hand[job.key] = (j, [item.pixels.name for item in job.items if item.pixels is not None])

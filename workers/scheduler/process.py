@@ -217,7 +217,8 @@ class Scheduler(EncodeAnswers):
         core: SchedulerCore | None = getattr(self, "core", None)  # (None: stopped before the models were ready)
         if core is not None and core.remote is not None:
             landing += core.remote.release_all()
-        # Pool landings are not unlinked: the pools go with their encoders, which this Shutdown ends.
+        # Pool landings are not unlinked: the pools go with their encoders, which this Shutdown ends (a shared encoder's
+        # once every replica's scheduler sent its own).
         unlink_all([n for n in self.ledger.release_all() + self.deferred_unlinks + landing if not is_cuda_landing(n)])
         if orphaned:  # the launcher cannot sweep any more: every segment of the launch goes now
             sweep(self.config.launch_id)

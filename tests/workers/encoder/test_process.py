@@ -36,11 +36,12 @@ TIMEOUT_MS = 120_000
 
 
 class FakeScheduler:
-    """The scheduler's side of one encoder worker: its PULL socket and a PUSH to the encoder."""
+    """The scheduler's side of one encoder worker: its PULL socket (replica ``replica``'s) and a PUSH to the encoder."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, replica: int = 0) -> None:
         self.ctx = new_context()
-        self.inbound: PullSocket[SchedulerInbound] = endpoints.pull(self.ctx, config.launch_id, endpoints.SCHEDULER)
+        self.inbound: PullSocket[SchedulerInbound] = endpoints.pull(self.ctx, config.launch_id, endpoints.SCHEDULER,
+                                                                    replica)
         self.to_encoder: PushSocket[EncoderInbound] = endpoints.push(self.ctx, config.launch_id, endpoints.ENCODER)
         self.stats: list[EncoderStats] = []
 

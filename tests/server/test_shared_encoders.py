@@ -1,0 +1,102 @@
+"""`glimpse serve --dp 2 --encoder-workers 1 --shared-encoders` end to end (real processes, real shm, real ZMQ, the
+official openai client, the demo model on the CPU): one encoder process serves both replicas. Requests routed to each
+replica answer token-exact with one offline engine (as test_dp.py holds a plain --dp 2 server), no model worker
+encodes anything, the one encoder's counters appear once in /admin/stats and /metrics and count every image of both
+replicas. Last, killing that encoder fails what is in flight on both replicas at once, stops the server non-zero and
+leaves no segment of the launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.live import LiveServer, data_url, image_message, png_bytes
+from tests.server.test_dp import ask, offline_text, replicas
+from tests.server.test_encoder_workers import ARGS, wait_for_stats
+from workers.engine.config import EngineConfig
+from workers.engine.offline import Engine
+
+MAX_NEW = 10
+# Round-robin: requests alternate between the replicas, so both send to the one encoder whatever they hold.
+SHARED = ("--dp", "2", "--dp-routing", "round-robin", "--encoder-workers", "1", "--shared-encoders")
+CASES = [
+    ("Describe both pages.", [png_bytes(300, 200, seed=201), png_bytes(123, 77, seed=202)]),
+    ("What is this?", [png_bytes(64, 250, seed=203)]),
+    ("Compare.", [png_bytes(200, 120, seed=204), png_bytes(90, 90, seed=205)]),
+    ("And this one?", [png_bytes(57, 83, seed=206)]),
+]
+IMAGES = sum(len(images) for _, images in CASES)
+
+
+@pytest.fixture(scope="module")
+def shared(demo_model_dir: Path) -> Iterator[LiveServer]:
+    server = LiveServer(demo_model_dir, *ARGS, *SHARED)
+    server.crashed = False  # type: ignore[attr-defined]
+    yield server
+    if getattr(server, "crashed", False):  # the last test killed the encoder: the server stopped on its own
+        server.proc.wait(30)
+        server.log.close()
+    else:
+        assert server.stop() == 0, server.output()
+    assert server.segments() == []
+
+
+def test_both_replicas_answer_exactly_through_the_one_encoder(shared: LiveServer, demo_model_dir: Path) -> None:
+    assert len(shared.child_pids("encoder")) == 1  # N in all, not N per replica
+    assert len(shared.child_pids("model")) == 2
+    offline = Engine(EngineConfig(model=str(demo_model_dir), num_kv_blocks=512))
+    for text, images in CASES:
+        resp = ask(shared, image_message(text, [data_url(b) for b in images]), max_tokens=MAX_NEW)
+        assert resp.choices[0].message.content == offline_text(offline, text, images, MAX_NEW), text
+    assert [r["routed"] for r in replicas(shared)] == [2, 2]  # both replicas sent their images to it
+    stats = shared.stats_when("images_encoded", IMAGES)
+    # The model workers of both replicas ran no ViT and read no pixels.
+    assert [(w["images_encoded"], w["vit_calls"], w["pixel_reads"]) for w in stats["model_workers"]] == [(0, 0, 0)] * 2
+    # The encoder is listed once (its counters go to replica 0's scheduler only), with every image of both.
+    [encoder] = stats["encoder_workers"]
+    assert encoder["index"] == 0 and encoder["images_encoded"] == encoder["jobs"] == IMAGES, encoder
+    assert encoder["failed"] == 0 and stats["images_encoded"] == IMAGES
+    # Each replica imported and unlinked what it was handed: nothing landed is left in either's shm budget.
+    assert wait_for_stats(shared, lambda s: s["shm"]["landing_segments"] == 0)["shm"]["landing_bytes"] == 0
+    metrics = [line for line in httpx.get(shared.base + "/metrics").text.splitlines()
+               if line.startswith("glimpse_encoder_images_encoded_total")]
+    assert metrics == [f'glimpse_encoder_images_encoded_total{{encoder="0"}} {float(IMAGES)}'], metrics
+
+
+def test_a_killed_shared_encoder_fails_both_replicas_requests_and_leaves_no_shm(shared: LiveServer) -> None:
+    [encoder] = shared.child_pids("encoder")
+    body = {"model": "demo", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "messages": image_message("Describe it at length.", [data_url(png_bytes(90, 60, seed=211))])}
+    with httpx.stream("POST", shared.base + "/v1/chat/completions", timeout=30, json=body) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # decoding on one replica: its image went through the encoder
+        # The next request goes to the other replica (round-robin) and waits on the frozen encoder's answer.
+        os.kill(encoder, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, shared.base + "/v1/chat/completions", timeout=30, json={
+                "model": "demo", "max_tokens": 4,
+                "messages": image_message("And this?", [data_url(png_bytes(70, 50, seed=212))]),
+            })
+            deadline = time.monotonic() + 10
+            while [r["requests"]["running"] for r in replicas(shared)] != [1, 1] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [r["requests"]["running"] for r in replicas(shared)] == [1, 1]
+            os.kill(encoder, signal.SIGKILL)
+            killed = time.monotonic()
+            shared.crashed = True  # type: ignore[attr-defined]
+            events = [line for line in lines if line.startswith("data: ")]
+            answer = waiting.result(10)
+    assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2].removeprefix("data: "))
+    assert answer.status_code == 503 and "encoder[0]" in answer.json()["error"]["message"]
+    code = shared.proc.wait(10)
+    assert time.monotonic() - killed < 3.0 and code != 0
+    out = shared.output()
+    assert "encoder[0]" in out and "killed by SIGKILL" in out, out
