@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import signal
 import socket
@@ -71,6 +72,7 @@ class LiveServer:
             "--log-level", "warning", *extra,
         ]
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"glimpse-{self.launch_id}.log", "w+")  # noqa: SIM115
+        self.crashed = False  # a test killed one of its processes: the server stops on its own (``finish``)
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
@@ -131,6 +133,27 @@ class LiveServer:
 
     def segments(self) -> list[str]:
         return list_segments(self.launch_id)
+
+    def finish(self) -> None:
+        """A module fixture's teardown: a clean stop (exit 0), or where a test crashed one of its processes the
+        server's own exit; either way no shared-memory segment of the launch is left."""
+        if self.crashed:
+            self.proc.wait(30)
+            self.log.close()
+        else:
+            assert self.stop() == 0, self.output()
+        assert self.segments() == []
+
+    def assert_crash_failed_fast(self, events: list[str], answer: Any, killed: float, role: str) -> None:
+        """After a test SIGKILLed the process ``role`` (e.g. ``encoder[0]``) at ``killed`` (monotonic): the
+        in-flight stream ended in an error event, the waiting request got a 503 naming it, and the server exited
+        non-zero within 3 s saying which process died."""
+        assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2].removeprefix("data: "))
+        assert answer.status_code == 503 and role in answer.json()["error"]["message"]
+        code = self.proc.wait(10)
+        assert time.monotonic() - killed < 3.0 and code != 0
+        out = self.output()
+        assert role in out and "killed by SIGKILL" in out, out
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
