@@ -103,31 +103,38 @@ def test_a_resent_image_is_not_encoded_again(pair: tuple[LiveServer, LiveServer]
     assert after["model_workers"][0]["images_encoded"] == 0
 
 
+def kill_encoder_under_load(server: LiveServer, seed: int, all_running: Callable[[], bool]) -> None:
+    """One streamed image request decoding, a second whose image the (frozen) encoder never answers; once
+    ``all_running()`` says both are in, SIGKILL the encoder: both must fail fast and the server stop (the checks of
+    ``LiveServer.assert_crash_failed_fast``)."""
+    [encoder] = server.child_pids("encoder")
+    body = {"model": "demo", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            "messages": image_message("Describe it at length.", [data_url(png_bytes(90, 60, seed=seed))])}
+    with httpx.stream("POST", server.base + "/v1/chat/completions", timeout=30, json=body) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # decoding: its image went through the encoder already
+        os.kill(encoder, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, server.base + "/v1/chat/completions", timeout=30, json={
+                "model": "demo", "max_tokens": 4,
+                "messages": image_message("And this?", [data_url(png_bytes(70, 50, seed=seed + 1))]),
+            })
+            deadline = time.monotonic() + 10
+            while not all_running() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert all_running()
+            os.kill(encoder, signal.SIGKILL)
+            killed = time.monotonic()
+            server.crashed = True
+            events = [line for line in lines if line.startswith("data: ")]
+            answer = waiting.result(10)
+    server.assert_crash_failed_fast(events, answer, killed, "encoder[0]")
+
+
 def test_a_killed_encoder_fails_requests_in_flight_and_stops_the_server(demo_model_dir: Path) -> None:
     server = LiveServer(demo_model_dir, *ARGS, "--encoder-workers", "1")
     try:
-        [encoder] = server.child_pids("encoder")
-        body = {"model": "demo", "max_tokens": 1500, "ignore_eos": True, "stream": True,
-                "messages": image_message("Describe it at length.", [data_url(png_bytes(90, 60, seed=11))])}
-        with httpx.stream("POST", server.base + "/v1/chat/completions", timeout=30, json=body) as stream:
-            lines = stream.iter_lines()
-            assert next(lines).startswith("data: ")  # decoding: its image went through the encoder already
-            # A second request whose image the (frozen) encoder never answers: it waits on the encoder's job.
-            os.kill(encoder, signal.SIGSTOP)
-            with ThreadPoolExecutor(1) as pool:
-                waiting = pool.submit(httpx.post, server.base + "/v1/chat/completions", timeout=30, json={
-                    "model": "demo", "max_tokens": 4,
-                    "messages": image_message("And this?", [data_url(png_bytes(70, 50, seed=12))]),
-                })
-                deadline = time.monotonic() + 10
-                while server.stats()["requests"]["running"] < 2 and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                assert server.stats()["requests"]["running"] == 2
-                os.kill(encoder, signal.SIGKILL)
-                killed = time.monotonic()
-                events = [line for line in lines if line.startswith("data: ")]
-                answer = waiting.result(10)
-        server.assert_crash_failed_fast(events, answer, killed, "encoder[0]")
+        kill_encoder_under_load(server, 11, lambda: server.stats()["requests"]["running"] == 2)
     finally:
         server.stop(signal.SIGKILL)
     assert server.segments() == []

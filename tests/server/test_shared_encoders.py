@@ -7,11 +7,7 @@ leaves no segment of the launch."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -19,7 +15,7 @@ import pytest
 
 from tests.server.live import LiveServer, data_url, image_message, png_bytes
 from tests.server.test_dp import ask, offline_text, replicas
-from tests.server.test_encoder_workers import ARGS, wait_for_stats
+from tests.server.test_encoder_workers import ARGS, kill_encoder_under_load, wait_for_stats
 from workers.engine.config import EngineConfig
 from workers.engine.offline import Engine
 
@@ -65,26 +61,5 @@ def test_both_replicas_answer_exactly_through_the_one_encoder(shared: LiveServer
 
 
 def test_a_killed_shared_encoder_fails_both_replicas_requests_and_leaves_no_shm(shared: LiveServer) -> None:
-    [encoder] = shared.child_pids("encoder")
-    body = {"model": "demo", "max_tokens": 1500, "ignore_eos": True, "stream": True,
-            "messages": image_message("Describe it at length.", [data_url(png_bytes(90, 60, seed=211))])}
-    with httpx.stream("POST", shared.base + "/v1/chat/completions", timeout=30, json=body) as stream:
-        lines = stream.iter_lines()
-        assert next(lines).startswith("data: ")  # decoding on one replica: its image went through the encoder
-        # The next request goes to the other replica (round-robin) and waits on the frozen encoder's answer.
-        os.kill(encoder, signal.SIGSTOP)
-        with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(httpx.post, shared.base + "/v1/chat/completions", timeout=30, json={
-                "model": "demo", "max_tokens": 4,
-                "messages": image_message("And this?", [data_url(png_bytes(70, 50, seed=212))]),
-            })
-            deadline = time.monotonic() + 10
-            while [r["requests"]["running"] for r in replicas(shared)] != [1, 1] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert [r["requests"]["running"] for r in replicas(shared)] == [1, 1]
-            os.kill(encoder, signal.SIGKILL)
-            killed = time.monotonic()
-            shared.crashed = True
-            events = [line for line in lines if line.startswith("data: ")]
-            answer = waiting.result(10)
-    shared.assert_crash_failed_fast(events, answer, killed, "encoder[0]")
+    # The second request goes to the other replica (round-robin): each replica has one request on the encoder.
+    kill_encoder_under_load(shared, 211, lambda: [r["requests"]["running"] for r in replicas(shared)] == [1, 1])
