@@ -119,14 +119,17 @@ class RecurrentState:
         for pool in self.pools:
             pool[dst] = pool[src]  # the gather runs before the scatter: chains of pairs read the old contents
 
-    def scratch_metadata(self, sequences: int) -> StateMetadata:
-        """Metadata that runs ``sequences`` sequences from zero state in the scratch slot (warm-up)."""
+    def scratch_metadata(self, sequences: int, resumed: bool = False, snapshots: tuple[int, ...] = ()) -> StateMetadata:
+        """Metadata that runs ``sequences`` sequences in the scratch slot (warm-up): from zero state, or ``resumed``
+        from what the scratch slot holds; ``snapshots``: offsets into sequence 0 at which its state is copied to the
+        scratch slot as well."""
         slots = [self.scratch] * sequences
         return StateMetadata(
             slots=torch.tensor(slots, device=self.device),
             slots_cpu=slots,
-            has_initial=torch.zeros(sequences, dtype=torch.bool, device=self.device),
-            has_initial_cpu=[False] * sequences,
+            has_initial=torch.full((sequences,), resumed, dtype=torch.bool, device=self.device),
+            has_initial_cpu=[resumed] * sequences,
+            snapshots=[(0, n, self.scratch) for n in snapshots],
         )
 
 

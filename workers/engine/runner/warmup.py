@@ -21,6 +21,7 @@ from workers.engine.kernels import (
     window_attention,
 )
 from workers.engine.kernels.attention import StateMetadata, build_attention_metadata
+from workers.engine.kernels.gated_delta_fla import CHUNK as FLA_CHUNK
 from workers.engine.layers.vision_attention import VisionAttention, warm_cudnn_frames
 from workers.engine.runner.batching import patches
 
@@ -206,10 +207,7 @@ def _frames(patches: int, side: int, unit: int) -> list[tuple[int, int, int]]:
     return [(1, small, small)] if small else []
 
 
-# fla's chunk: a snapshot this many tokens into a chunk is read from the states fla keeps (kernels/gated_delta_fla.py).
-_FLA_CHUNK = 64
-
-
+@torch.inference_mode()
 def warm_state_snapshots(r: LoadedModel) -> list[tuple[int, int, list[int]]]:
     """A hybrid model's prefill chunks that take state snapshots, before "ready": one whose snapshots fall on whole
     fla chunks (the kept-chunk-states path and its one-time check against fla's public function) and one that starts
@@ -221,14 +219,16 @@ def warm_state_snapshots(r: LoadedModel) -> list[tuple[int, int, list[int]]]:
     if r.state is None:
         return []
     started = time.perf_counter()
-    m = -(-max(r.cfg.block_size, _FLA_CHUNK) // _FLA_CHUNK) * _FLA_CHUNK  # a block boundary on a whole chunk (128)
+    m = -(-max(r.cfg.block_size, FLA_CHUNK) // FLA_CHUNK) * FLA_CHUNK  # a block boundary on a whole chunk (128)
     # (new tokens, KV length after them, snapshot offsets in the chunk): from position 0, cut at whole chunks; then
     # from position 30, so the cut at position m sits 30 tokens short of a whole chunk.
     chunks = [(2 * m + 37, 2 * m + 37, [m, 2 * m, 2 * m + 37]), (m + 50, m + 80, [m - 30, m + 50])]
     fits = [c for c in chunks if c[1] <= min(r.num_blocks * r.cfg.block_size, r.cfg.max_model_len or c[1])]
     try:
         for query, seq, offsets in fits:
-            _state_prefill(r, query, seq, offsets)
+            blocks = list(range(-(-seq // r.cfg.block_size)))
+            # a later chunk (seq > query) resumes from the state the first one left in the scratch slot
+            _forward(r, query, seq, blocks, state=r.state.scratch_metadata(1, seq > query, tuple(offsets)))
         if r.device.type == "cuda":
             torch.cuda.synchronize(r.device)
     except Exception as exc:  # noqa: BLE001 - the first snapshot under load pays the compile instead
@@ -236,23 +236,6 @@ def warm_state_snapshots(r: LoadedModel) -> list[tuple[int, int, list[int]]]:
         return []
     log.info("state snapshot paths warmed in %.2f s", time.perf_counter() - started)
     return fits
-
-
-@torch.inference_mode()
-def _state_prefill(r: LoadedModel, query: int, seq: int, offsets: list[int]) -> None:
-    assert r.state is not None
-    scratch = r.state.scratch
-    blocks = list(range(-(-seq // r.cfg.block_size)))
-    meta = build_attention_metadata([query], [seq], [blocks], r.cfg.block_size, r.device)
-    resumed = seq > query  # a later chunk reads the state the first one left in the scratch slot
-    meta.state = StateMetadata(
-        slots=torch.tensor([scratch], device=r.device), slots_cpu=[scratch],
-        has_initial=torch.tensor([resumed], device=r.device), has_initial_cpu=[resumed],
-        snapshots=[(0, n, scratch) for n in offsets],
-    )  # fmt: skip
-    embeds = r.model.embed(torch.zeros(query, dtype=torch.long, device=r.device))
-    positions = torch.arange(seq - query, seq, device=r.device).expand(3, -1)
-    r.model(embeds, positions, r.kv_caches, meta)
 
 
 def _prefill(r: LoadedModel, tokens: int, mm_embeds: torch.Tensor) -> None:
@@ -264,11 +247,15 @@ def _prefill(r: LoadedModel, tokens: int, mm_embeds: torch.Tensor) -> None:
     r.model.compute_logits(hidden[-1:])
 
 
-def _forward(r: LoadedModel, query: int, seq: int, blocks: list[int], **images: torch.Tensor) -> torch.Tensor:
-    """The LM over the last ``query`` of ``seq`` tokens (zero embeddings) in ``blocks``; ``images``: mm_rows, mm_embeds."""
+def _forward(
+    r: LoadedModel, query: int, seq: int, blocks: list[int], state: StateMetadata | None = None,
+    **images: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The LM over the last ``query`` of ``seq`` tokens (zero embeddings) in ``blocks``; ``images``: mm_rows, mm_embeds;
+    ``state``: a hybrid model's (default: from zero in the scratch slot)."""
     meta = build_attention_metadata([query], [seq], [blocks], r.cfg.block_size, r.device)
     if r.state is not None:  # a hybrid model's linear-attention layers run in the scratch slot
-        meta.state = r.state.scratch_metadata(1)
+        meta.state = state or r.state.scratch_metadata(1)
     if r.num_window_blocks:  # the sliding layers' pool: blocks past it are its scratch block (warm-up reads nothing)
         window = [min(b, r.num_window_blocks) for b in blocks]
         meta.window = build_attention_metadata([query], [seq], [window], r.cfg.block_size, r.device)

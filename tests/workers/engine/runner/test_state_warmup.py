@@ -10,7 +10,7 @@ import torch
 
 from tests.workers.engine.models.engine_harness import FIVE, GREEDY, Reference, chat, make_engine
 from workers.engine.kernels import gated_delta_fla
-from workers.engine.runner.warmup import _FLA_CHUNK, warm_state_snapshots
+from workers.engine.runner.warmup import warm_state_snapshots
 
 
 def test_snapshot_warmup_takes_both_paths_in_the_scratch_slot_only(qwen3_5_model_dir: Path) -> None:
@@ -23,8 +23,8 @@ def test_snapshot_warmup_takes_both_paths_in_the_scratch_slot_only(qwen3_5_model
     # inside-chunk snapshots (not at the chunk's end) on whole fla chunks in the first chunk, off them in the second
     inside = [[n for n in offsets if n < query] for query, _, offsets in chunks]
     assert len(chunks) == 2 and all(inside)
-    assert all(n % _FLA_CHUNK == 0 for n in inside[0])
-    assert any(n % _FLA_CHUNK for n in inside[1])
+    assert all(n % gated_delta_fla.CHUNK == 0 for n in inside[0])
+    assert any(n % gated_delta_fla.CHUNK for n in inside[1])
     assert chunks[1][1] > chunks[1][0]  # the second chunk resumes from the first's state
     for was, pool in zip(before, runner.state.pools, strict=True):
         assert not torch.equal(was[scratch], pool[scratch])  # the warm-up ran the layers
