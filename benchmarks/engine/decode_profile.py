@@ -1,12 +1,14 @@
 """Where a batch-1 decode step's GPU time goes: the offline Engine at a real shape (dummy bf16 weights, decode CUDA
 graphs), one greedy sequence, the median step (host sync after each) and the kernels of 17 steps under the profiler,
-per step. ``--compare-moe-join`` runs the shape twice in one process, Qwen3.5-MoE's shared expert gate_up, router and
-shared gate as three projections and then joined into one matmul (``SharedExpertMoeBlock.join``, the default on CUDA).
+per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served configuration with one
+switch turned, e.g. the elementwise work eager instead of fused).
 
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
-    python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --compare-moe-join --top 0
+    python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --variants "moe separate,as served" --top 0
+    python -m benchmarks.engine.decode_profile --shape gemma4-26b-a4b --layers 12 --variants "eager elementwise,as served"
 
-The second engine of a process runs beside the first one's leftover threads: compare kernel time, not step wall time.
+The second engine of a process runs beside the first one's leftover threads: compare kernel time, not step wall time,
+or run one variant per process. (Variants that overlap kernels on two streams show only in step time.)
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
+from workers.engine.kernels import fused
+from workers.engine.models.gemma4 import moe as gemma4_moe
 from workers.engine.models.qwen3_5.moe import SharedExpertMoeBlock
 from workers.engine.offline import Engine
+from workers.engine.runner import warmup
 
 PROMPT = [{"role": "user", "content": "hello " * 50}]
 
@@ -64,24 +69,48 @@ def measure(ck: Path, top: int) -> tuple[float, float, float]:
             sum(e.count for e in kernels) / n)  # fmt: skip
 
 
+class _NoFused:
+    """fused.py as warm_fused sees it, with ``enable`` switching nothing: every site stays eager."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(fused, name)
+
+    @staticmethod
+    def enable(module: torch.nn.Module, on: bool = True) -> int:
+        return 0
+
+
+# Variants: what each one sets (owner, attribute, value) before its engine starts, undone after it.
+VARIANTS: dict[str, tuple[tuple[object, str, object], ...]] = {
+    "as served": (),
+    # Qwen3.5-MoE's shared expert gate_up, router and shared gate as three projections, not one matmul
+    "moe separate": ((SharedExpertMoeBlock, "join", lambda self: False),),
+    # the elementwise work between the GEMMs eager (warm_fused switches the flags on through warmup's reference)
+    "eager elementwise": ((warmup, "fused", _NoFused()),),
+    # Gemma 4 MoE: the dense MLP after the experts on one stream, not beside them
+    "mlp after experts": ((gemma4_moe, "OVERLAP_DENSE_MLP", False),),
+}
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--shape", default="qwen3.5-35b-a3b")
     ap.add_argument("--layers", type=int, default=20, help="decoder layers kept (0: all)")
     ap.add_argument("--top", type=int, default=30, help="kernels listed per run, by time")
-    ap.add_argument("--compare-moe-join", action="store_true")
+    ap.add_argument("--variants", default="as served", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     args = ap.parse_args()
-    join = SharedExpertMoeBlock.join
-    variants = [("separate", False), ("joined", True)] if args.compare_moe_join else [("as served", True)]
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         ck = checkpoint(args.shape, args.layers, Path(scratch))
-        for name, joined in variants:
-            SharedExpertMoeBlock.join = join if joined else (lambda self: False)  # type: ignore[method-assign]
+        for name in args.variants.split(","):
+            saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in VARIANTS[name]]
+            for owner, attr, value in VARIANTS[name]:
+                setattr(owner, attr, value)
             if args.top:
                 print(f"\n{name}:\n| kernel | per step | ms per step |\n|---|---|---|")
             rows.append((name, *measure(ck, args.top)))
-    SharedExpertMoeBlock.join = join  # type: ignore[method-assign]
+            for owner, attr, value in saved:
+                setattr(owner, attr, value)
     print(f"\n{args.shape} ({args.layers or 'all'} layers), batch 1, {torch.cuda.get_device_name()}")
     print("\n| variant | step, ms | kernel time per step, ms | kernels per step |\n|---|---|---|---|")
     for name, step, kernel_ms, count in rows:

@@ -31,8 +31,8 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 }
 LAYERS = 20
 # (up BLOCK_N, up BLOCK_K, down BLOCK_N, down BLOCK_K, warps) tried by --sweep.
-TILES = ((16, 128, 16, 128, 4), (16, 256, 16, 256, 4), (8, 256, 8, 256, 4), (32, 128, 16, 128, 4),
-         (16, 256, 8, 256, 8), (8, 512, 8, 512, 8), (32, 256, 32, 128, 8), (4, 512, 4, 512, 4))
+TILES = ((16, 256, 16, 256, 8), (16, 256, 8, 256, 8), (16, 256, 32, 256, 8), (32, 256, 16, 256, 8),
+         (8, 512, 16, 256, 8), (16, 256, 16, 128, 4), (8, 256, 8, 256, 4), (4, 512, 4, 512, 4))
 
 
 def grouped(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int) -> Tensor:

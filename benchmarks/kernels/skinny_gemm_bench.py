@@ -2,7 +2,7 @@
 
     python -m benchmarks.kernels.skinny_gemm_bench [--size 7b] [--rows 1,4,16,32,64] [--sweep 1,32]
 
-Qwen2.5-VL's LM projections at a decode batch of ``rows``: every layer's qkv, o, gate_up and down (distinct
+An LM's projections (Qwen2.5-VL's 7B and 3B, Gemma 4 26B-A4B's dense ones) at a decode batch of ``rows``: every layer's qkv, o, gate_up and down (distinct
 weights per layer, so nothing is served from L2), and the LM head. Each chain is captured in a CUDA graph and
 replayed, as the decode step runs, so launch costs are out and only GPU time is timed. Prints ms per chain and the
 weights' bandwidth for cuBLAS, the kernel's own tile choice and (``--sweep``, at the rows given) the best of a grid of tiles, then the
@@ -38,6 +38,17 @@ def lm_projections(hidden: int, qkv: int, inter: int, depth: int, vocab: int) ->
 SIZES = {
     "7b": lm_projections(3584, (28 + 2 * 4) * 128, 18944, 28, 152064),
     "3b": lm_projections(2048, (16 + 2 * 2) * 128, 11008, 36, 151936),
+    # Gemma 4 26B-A4B's dense projections (all under MIN_WEIGHT_BYTES): hidden 2816, dense MLP 2112; sliding layers
+    # 16 q / 8 kv heads of 256, global layers (one in 6) 16 q heads and 2 K=V heads of 512; tied head of 262,144.
+    "gemma4-26b-a4b": (
+        ("qkv", 32 * 256, 2816, False, 25),
+        ("o", 2816, 16 * 256, False, 25),
+        ("qk_global", 18 * 512, 2816, False, 5),
+        ("o_global", 2816, 16 * 512, False, 5),
+        ("gate_up", 2 * 2112, 2816, False, 30),
+        ("down", 2816, 2112, False, 30),
+        ("lm_head", 262144, 2816, False, 1),
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""The routed experts of a few tokens in Triton: the decode step's MoE on CUDA, in three kernels.
+"""The routed experts of a few tokens in Triton: the decode step's MoE on CUDA, in four kernels.
 
 At decode a MoE layer multiplies each of a handful of tokens by its k experts' weights. The grouped-GEMM path
 (qwen3_vl/moe.py ``experts_grouped``) sorts the token-expert pairs, gathers rows, runs two grouped GEMMs over every
@@ -10,9 +10,12 @@ a layer, 10 us at an H200's bandwidth). Here:
   the k weights renormalised to sum to 1 and optionally scaled per expert (Gemma 4): one program per token.
 * ``expert_up``: one program per (token-expert pair, block of intermediate rows) reads that block of the expert's
   gate and up rows and writes act(gate) * up for the pair; the activation is SiLU or tanh-GELU.
-* ``expert_down``: one program per (token, block of hidden rows) runs the token's k experts' down rows over their
-  pair's activations and sums the k products weighted by the routing weights in a fixed order: deterministic (no
-  atomics), and the combine costs no kernel of its own.
+* ``expert_down``: one program per (token-expert pair, block of hidden rows) runs that block of the expert's down
+  rows over the pair's activations, times its routing weight, into a float32 partial per pair;
+* ``sum_pairs``: each token's k partials summed in a fixed order: deterministic (no atomics). A program per token
+  that looped over its k experts itself (no partials, no fourth kernel) kept too few loads in flight: Gemma 4
+  26B-A4B's experts took 44.6 against 41.3 us a layer at 1 row, 117 against 106 at 4 and 346 against 300 at 16, and
+  its batch-1 decode step 2.23 against 2.02 ms with 12 layers (H200, moe_bench --sweep, decode_profile).
 
 FP8 expert stacks (``experts(..., scales=)``, one scale per row) are read as FP8 and widened in registers, the
 scales applied to the float32 products. The accumulation is float32 and each output rounds once. Rows are never a kernel argument, so a layer's kernels
@@ -38,10 +41,11 @@ from workers.engine.kernels.triton_switch import TritonSwitch
 # it, so rows that all share their experts cost them more: 16 copies of one prompt decoding made a 35B-A3B step
 # 6.65 -> 7.49 ms. Requests decoding side by side route apart, as the random rows do.
 MAX_ROWS = 16
-# Tiles and warps: the best of eight at 1 and 4 rows on the three published MoE shapes (moe_bench --sweep).
+# Tiles and warps: the best at 1, 4 and 16 rows on the Qwen3.5 and Gemma 4 MoE shapes (moe_bench --sweep, H200).
 UP_BLOCK_N, UP_BLOCK_K = 16, 256
-DOWN_BLOCK_N, DOWN_BLOCK_K = 8, 256
+DOWN_BLOCK_N, DOWN_BLOCK_K = 16, 256
 NUM_WARPS = 8
+SUM_BLOCK = 1024
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_MOE")
 available = SWITCH.on  # on CUDA tensors, or anywhere under TRITON_INTERPRET=1
@@ -51,7 +55,7 @@ FP8_SWITCH = TritonSwitch("GLIMPSE_TRITON_MOE_FP8")
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any, Any]:
+def _kernels() -> tuple[Any, Any, Any, Any]:
     import triton
     import triton.language as tl
 
@@ -116,30 +120,35 @@ def _kernels() -> tuple[Any, Any, Any]:
         tl.store(h_ptr + pair * INTER + rows, (act * up).to(h_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
-    def expert_down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, out_ptr, H: tl.constexpr,
-                           INTER: tl.constexpr, K: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
+    def expert_down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, part_ptr, H: tl.constexpr,
+                           INTER: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < H
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        down_rows = w_ptr + expert * (H * INTER) + rows[:, None].to(tl.int64) * INTER
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for j in tl.static_range(K):
-            pair = token * K + j
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            down_rows = w_ptr + expert * (H * INTER) + rows[:, None].to(tl.int64) * INTER
-            routing = tl.load(weights_ptr + pair).to(tl.float32)
-            for k0 in tl.range(0, INTER, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                col_ok = cols < INTER
-                hv = tl.load(h_ptr + pair * INTER + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                tile_ok = row_ok[:, None] & col_ok[None, :]
-                w = tl.load(down_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-                if FP8:  # the experts' rows differ in scale ([E, H, 1]), so the sum over j cannot take it after
-                    w *= tl.load(s_ptr + expert * H + rows, mask=row_ok, other=0.0)[:, None]
-                acc += w * (hv * routing)
-        tl.store(out_ptr + token * H + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
+        for k0 in tl.range(0, INTER, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < INTER
+            hv = tl.load(h_ptr + pair * INTER + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(down_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32) * hv
+        y = tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+        if FP8:  # one scale per (expert, row): it factors out of the row's sum
+            y *= tl.load(s_ptr + expert * H + rows, mask=row_ok, other=0.0)
+        tl.store(part_ptr + pair * H + rows, y, mask=row_ok)
 
-    return route_kernel, expert_up_kernel, expert_down_kernel
+    @triton.jit
+    def sum_pairs_kernel(part_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < H
+        acc = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(K):  # a fixed order: the sum does not depend on timing
+            acc += tl.load(part_ptr + (token * K + j) * H + cols, mask=ok, other=0.0)
+        tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return route_kernel, expert_up_kernel, expert_down_kernel, sum_pairs_kernel
 
 
 def _pow2(n: int) -> int:
@@ -191,20 +200,22 @@ def experts(
     out = torch.empty_like(x)
     if not rows:
         return out
-    _, up_kernel, down_kernel = _kernels()
+    _, up_kernel, down_kernel, sum_kernel = _kernels()
     ids = ids.contiguous()
     s_up, s_down = (scales[0].float().contiguous(), scales[1].float().contiguous()) if scales else (h, h)
     up_kernel[(rows * top_k, -(-inter // UP_BLOCK_N))](
         x.contiguous(), ids, gate_up.contiguous(), s_up, h, H=hidden, INTER=inter, K=top_k, GELU=gelu, FP8=fp8,
         BLOCK_N=UP_BLOCK_N, BLOCK_K=UP_BLOCK_K, num_warps=NUM_WARPS)
-    down_kernel[(rows, -(-hidden // DOWN_BLOCK_N))](
-        h, ids, weights.contiguous(), down.contiguous(), s_down, out, H=hidden, INTER=inter, K=top_k, FP8=fp8,
+    part = torch.empty((rows * top_k, hidden), dtype=torch.float32, device=x.device)
+    down_kernel[(rows * top_k, -(-hidden // DOWN_BLOCK_N))](
+        h, ids, weights.contiguous(), down.contiguous(), s_down, part, H=hidden, INTER=inter, FP8=fp8,
         BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K, num_warps=NUM_WARPS)
+    sum_kernel[(rows, -(-hidden // SUM_BLOCK))](part, out, H=hidden, K=top_k, BLOCK=SUM_BLOCK, num_warps=4)
     return out
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Run the three kernels once against eager math; a Triton that cannot compile here or a wrong answer turns them
+    """Run the kernels once against eager math; a Triton that cannot compile here or a wrong answer turns them
     off for the process (the grouped GEMMs or the loop serve instead) rather than failing mid-serving."""
     gen = torch.Generator().manual_seed(0)
     e, k, hidden, inter = 12, 3, 200, 72  # sizes that leave partial blocks in every dimension

@@ -41,7 +41,7 @@ from workers.engine.models.gemma4.lm_layers import (
     lm_add_norm_scale,
     lm_norm_sum,
 )
-from workers.engine.models.gemma4.moe import GemmaExperts, GemmaRouter
+from workers.engine.models.gemma4.moe import GemmaExperts, GemmaRouter, beside_experts, side_stream
 from workers.engine.models.gemma4.spec import TextSpec, check_tp
 from workers.engine.models.gemma4.vision_layers import fused_call
 from workers.engine.models.qwen3_vl.moe import expert_shard, expert_shards_needed
@@ -138,11 +138,19 @@ class GemmaDecoderLayer(nn.Module):
         on, eps = self.fused, self.input_layernorm.eps
         attn = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
         h = fused_call(on, lm_add_norm, h, attn, self.post_attention_layernorm.weight, eps)
-        mlp = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.has_experts and beside_experts(h, self.tp):
+            # A decode step's dense MLP on a side stream while the experts run: both are too small to fill the
+            # card's bandwidth alone (moe.py). The fork and join become edges of the step's CUDA graph.
+            main, side = torch.cuda.current_stream(h.device), side_stream(h.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                mlp = self.mlp(self.pre_feedforward_layernorm(h))
+            routed = self.routed(h)
+            main.wait_stream(side)
+        else:
+            mlp = self.mlp(self.pre_feedforward_layernorm(h))
+            routed = self.routed(h) if self.has_experts else mlp
         if self.has_experts:
-            # The router and the experts read the residual stream after attention, not the dense MLP's input.
-            weights, ids = self.router(h)
-            routed = self.tp.all_reduce(self.experts(self.pre_feedforward_layernorm_2(h), weights, ids))
             mlp = fused_call(on, lm_norm_sum, mlp, routed, self.post_feedforward_layernorm_1.weight,
                              self.post_feedforward_layernorm_2.weight, eps)  # fmt: skip
         if per_layer_input is None:
@@ -153,6 +161,13 @@ class GemmaDecoderLayer(nn.Module):
         h = fused_call(on, lm_add_norm, h, F.linear(gate, self.per_layer_projection.weight),
                        self.post_per_layer_input_norm.weight, eps)  # fmt: skip
         return h * self.layer_scalar
+
+
+    def routed(self, h: Tensor) -> Tensor:
+        """The routed experts' sum over all ranks. The router and the experts read the residual stream after
+        attention, not the dense MLP's input."""
+        weights, ids = self.router(h)
+        return self.tp.all_reduce(self.experts(self.pre_feedforward_layernorm_2(h), weights, ids))
 
 
 class Gemma4LanguageModel(PagedDecoder):

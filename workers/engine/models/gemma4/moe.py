@@ -13,6 +13,8 @@ GELU (tanh) gate instead of SiLU. The block returns this rank's partial sum; the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,6 +24,22 @@ from workers.engine.layers.linear import SINGLE_RANK, TPGroup
 from workers.engine.models.gemma4.lm_layers import GemmaRMSNorm, lm_router_input
 from workers.engine.models.gemma4.vision_layers import fused_call
 from workers.engine.models.qwen3_vl.moe import StackedExperts, experts_grouped, grouped_mm_usable
+
+# Whether a decode step runs the dense MLP on a side stream beside the routed experts (lm.py). At batch 1 neither
+# fills an H200's bandwidth alone: the experts read 95 MB a layer at ~2.1 TB/s, the dense MLP 36 MB at ~2.2.
+OVERLAP_DENSE_MLP = True
+
+
+def beside_experts(h: Tensor, tp: TPGroup) -> bool:
+    """Whether this layer's dense MLP should run beside its experts for h [T, H]: CUDA, a decode step's few rows
+    (the Triton expert kernels' range), one rank (two all-reduces on two streams could interleave differently on
+    different ranks and deadlock)."""
+    return OVERLAP_DENSE_MLP and h.is_cuda and tp.size == 1 and 0 < h.shape[0] <= moe_kernel.MAX_ROWS
+
+
+@functools.cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 class GemmaRouter(nn.Module):
