@@ -31,8 +31,9 @@ def test_only_a_single_rank_cuda_decode_step_overlaps() -> None:
 def test_cuda_dense_mlp_beside_the_experts_gives_the_one_stream_tokens(
     gemma4_moe_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """CUDA float32 with the decode CUDA graphs on (the fork and join are captured): the same kernels on the same
-    inputs, so the same greedy tokens; the side stream was used."""
+    """CUDA bf16 with the decode CUDA graphs on (the fork and join are captured; float32 experts outside the decode
+    kernels' rows cannot be, so float32 would run eagerly): the same kernels on the same inputs, so the same greedy
+    tokens; the side stream was used."""
     prompts = [chat("Compare.", FIVE[:2]), [{"role": "user", "content": "Say something long about rivers."}]]
     forks = []
 
@@ -44,7 +45,7 @@ def test_cuda_dense_mlp_beside_the_experts_gives_the_one_stream_tokens(
     tokens = {}
     for on in (True, False):
         monkeypatch.setattr(moe, "OVERLAP_DENSE_MLP", on)
-        engine = make_engine(gemma4_moe_model_dir, device="cuda", chunk_size=64)
+        engine = make_engine(gemma4_moe_model_dir, device="cuda", dtype="bfloat16", chunk_size=64)
         assert engine.runner.graphs is not None
         tokens[on] = [o.token_ids for o in engine.generate(prompts, GREEDY)]
         assert bool(forks) == on
