@@ -10,7 +10,9 @@ threads set as a tokenizer sets them (cores / ``--tokenizers``):
   ``--strips`` threads, then its vertical pass; the table says whether the bits are equal);
 - write: a new segment as the tokenizer writes one (`write_and_publish`), against a copy into a segment allocated
   and faulted in beforehand;
-- admit: msgspec decoding a round-8 body (eight 1080p data URLs), and blake3 over its eight URLs.
+- admit: msgspec decoding a round-8 body (eight 1080p data URLs), and blake3 over its eight URLs;
+- gemma4 rows: Gemma 4's patch rows at a budget from decoded pixels, through transformers' processor against
+  `Gemma4Images.fast_rows` (the bits are checked equal).
 
     python -m benchmarks.request_path.fresh_image_bench --count 20
 """
@@ -32,13 +34,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from transformers import AutoProcessor
 
 from benchmarks.args import parser
-from benchmarks.checkpoints import processor_checkpoint
+from benchmarks.checkpoints import ensure_demo_model, processor_checkpoint
 from benchmarks.serving.bench_plot import encode_image, image_data_url, make_image
 from ipc import shm
 from ipc.launch import new_launch_id
 from workers.engine.config import EngineConfig
+from workers.engine.models import load_spec
+from workers.engine.models.gemma4.processing import Gemma4Images
 from workers.engine.prompt.pixel_frames import resize_in_strips
 from workers.engine.prompt.processor import MMProcessor
 from workers.tokenizer.media.fetch import decode_image, decode_pixels
@@ -117,10 +122,24 @@ def main() -> None:
     rows.append(("admit", f"JSON decode, {len(body) / 1e6:.1f} MB", median_ms(lambda i: msgspec.json.decode(body), args.count)))
     rows.append(("admit", "blake3 of 8 URLs", median_ms(lambda i: [blake3.blake3(u.encode()).digest(16) for u in urls], args.count)))
 
+    gemma_dir = ensure_demo_model(family="gemma4")
+    gemma = Gemma4Images(AutoProcessor.from_pretrained(gemma_dir), load_spec(gemma_dir))
+    decoded = [decode_pixels(raw, 10**8) for raw in images[:4]]
+    for budget in (280, 1120):
+        def processor(i: int, budget: int = budget) -> Any:
+            return gemma.processor_rows(Image.fromarray(np.asarray(decoded[i % 4]), "RGB"), budget)
+
+        def fast(i: int, budget: int = budget) -> Any:
+            return gemma.fast_rows(np.asarray(decoded[i % 4]), budget)
+
+        same = all(torch.equal(processor(i)[0], fast(i)[0]) for i in range(4))
+        rows.append(("gemma4", f"budget {budget}: processor", median_ms(processor, args.count)))
+        rows.append(("gemma4", f"budget {budget}: fast_rows, bits {'equal' if same else 'DIFFER'}", median_ms(fast, args.count)))
+
     print(f"\nfresh 1080p JPEG stages: median of {args.count}, {os.cpu_count()} cores, torch threads {share}")
-    print(f"{'stage':<8} {'variant':<34} {'ms':>7}")
+    print(f"{'stage':<8} {'variant':<44} {'ms':>7}")
     for stage, variant, ms in rows:
-        print(f"{stage:<8} {variant:<34} {ms:>7.2f}")
+        print(f"{stage:<8} {variant:<44} {ms:>7.2f}")
 
 
 if __name__ == "__main__":

@@ -63,8 +63,8 @@ class FamilyImages(Protocol):
         """The patch grid of an image of this size (no pixels); ValueError where the processor refuses it."""
         ...
 
-    def rows(self, image: Image.Image, budget: int) -> tuple[torch.Tensor, Grid]:
-        """An RGB image's patch rows (float32) and grid."""
+    def rows(self, image: Image.Image | np.ndarray, budget: int) -> tuple[torch.Tensor, Grid]:
+        """An RGB image's patch rows (float32) and grid; a PIL image or [H, W, 3] uint8 pixels."""
         ...
 
 
@@ -256,13 +256,14 @@ class MMProcessor:
     def _family_image(self, image: Image.Image | np.ndarray, image_hash: bytes | None, budget: int | None) -> ProcessedImage:
         """`process_image` through the family's own image side: always patch rows (no frame fast paths)."""
         assert self.images is not None
-        rgb = Image.fromarray(image, "RGB") if isinstance(image, np.ndarray) else image
-        rgb = rgb if rgb.mode == "RGB" else rgb.convert("RGB")
+        rgb = image if isinstance(image, np.ndarray) or image.mode == "RGB" else image.convert("RGB")
         checked = self.budget(budget)
         assert checked is not None
         rows, grid = self.images.rows(rgb, checked)
+        if image_hash is None:
+            image_hash = self.hash_image(Image.fromarray(rgb, "RGB") if isinstance(rgb, np.ndarray) else rgb, checked)
         return ProcessedImage(
-            hash=image_hash if image_hash is not None else self.hash_image(rgb, checked),
+            hash=image_hash,
             grid=grid,
             num_tokens=self.tokens_for_grid(grid),
             pixel_values=rows,

@@ -5,6 +5,7 @@ hash per (image, budget), and the demo itself (Hub config, ids, transformers loa
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from PIL import Image
 
 from tests.conftest import noise_image
 from workers.engine.models.gemma4.demo import write_gemma4
+from workers.engine.models.gemma4.processing import Gemma4Images
 from workers.engine.prompt.processor import ImageInfo, MMProcessor, pad_value
 
 # (width, height): landscape, portrait, slivers both ways (the processor's 0-side fallbacks), odd sizes, a size that
@@ -67,6 +69,35 @@ def test_rows_grid_and_tokens_are_transformers(gemma: MMProcessor, size: tuple[i
     by_hand = patchify_by_hand(image, got.grid)
     assert by_hand.shape == got.pixel_values.shape
     torch.testing.assert_close(got.pixel_values, by_hand, atol=1 / 255 + 1e-6, rtol=0)  # rounding of the uint8 resize
+
+
+def test_the_served_pixels_take_the_fast_rows_with_the_processors_bits(gemma: MMProcessor) -> None:
+    """The tokenizer hands over decoded [H, W, 3] uint8 pixels (decode_pixels): the rows are the processor's own
+    bits without its PIL round trip, padding and copies (processing.py ``fast_rows``)."""
+    images = gemma.images
+    assert isinstance(images, Gemma4Images) and images.fast
+    for size in SIZES[:5]:
+        image = noise_image(*size, seed=7 * sum(size))
+        got = gemma.process_image(np.array(image), budget=140)
+        want = reference(gemma, image, 140)
+        n = got.grid[1] * got.grid[2]
+        assert torch.equal(got.pixel_values, want["pixel_values"][0, :n])
+        assert got.hash == gemma.hash_image(image, 140)  # the pixels' hash, had none been given
+
+
+def test_a_processor_configured_otherwise_keeps_its_own_rows(gemma: MMProcessor) -> None:
+    """A normalising processor (not the published configuration) is one the fast path does not repeat: the rows
+    come from its own call, padding cut, and still match it."""
+    changed = copy.deepcopy(gemma.hf)
+    changed.image_processor.do_normalize = True
+    changed.image_processor.image_mean, changed.image_processor.image_std = [0.5] * 3, [0.25] * 3
+    images = Gemma4Images(changed, gemma.info)
+    assert not images.fast
+    image = noise_image(97, 61, seed=3)
+    rows, grid = images.rows(np.array(image), 70)
+    want = changed.image_processor(images=[image], max_soft_tokens=70, return_tensors="pt")["pixel_values"][0]
+    assert torch.equal(rows, want[: grid[1] * grid[2]])
+    assert rows.min() < 0  # normalised: a rescale alone never goes below 0
 
 
 def test_default_budget_and_refusals(gemma: MMProcessor, demo_model_dir: Path) -> None:
