@@ -35,7 +35,6 @@ from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
-from workers.engine.layers.linear import kv_heads_per_rank
 from workers.engine.offline import Engine
 from workers.engine.runner import piecewise_graphs
 
@@ -69,10 +68,8 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}, {args.shape}: {pieces.stats['captures']} piecewise graphs, buckets up "
               f"to {pieces.buckets_in_use[-1]} tokens", flush=True)
         r = engine.runner  # the same graphs with each layer's K/V written by the eager attention instead
-        heads = (r.spec.num_heads, kv_heads_per_rank(r.spec.num_kv_heads, 1), r.spec.head_dim)
-        kv_eager = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, r.spec.hidden_size,
-                                          heads, cfg.piecewise_graph_tokens, r.dtype, 1, None,
-                                          deepstack_levels=pieces.ds_levels)
+        kv_eager = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, pieces.embeds.shape[1],
+                                          cfg.piecewise_graph_tokens, r.dtype, 1, None, deepstack_levels=pieces.ds_levels)
         variants = {"graphs": pieces, "graphs, K/V eager": kv_eager, "eager": None}
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from workers.engine.kernels import paged_attention
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 from workers.engine.kernels.torch_attention import PaddedDecodeBackend
-from workers.engine.layers.linear import TPGroup, kv_heads_per_rank
+from workers.engine.layers.linear import TPGroup
 from workers.engine.models.base import LanguageModel
 from workers.engine.runner import piecewise_graphs
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
@@ -77,14 +77,15 @@ def start_graphs(r: LoadedModel) -> tuple[DecodeGraphs | None, PiecewiseGraphs |
     decode.capture_all(cfg.max_num_seqs)
     if decode.stats["captures"]:
         log.info("%d decode graphs captured in %.1f s", decode.stats["captures"], time.perf_counter() - started)
-    if r.state is not None or spec.kv_shapes is not None:
-        # The pieces split at attention calls of one head shape with one block table: a hybrid model's linear
-        # layers and caches of several shapes (Gemma 4) are not such split points.
+    if r.state is not None:
+        # The pieces split at attention calls: a hybrid model's linear-attention layers are not such split points.
         return decode, None
-    heads = (spec.num_heads // r.tp.size, kv_heads_per_rank(spec.num_kv_heads, r.tp.size), spec.head_dim)
-    piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, spec.hidden_size, heads,
+    width = r.model.embed(torch.zeros(1, dtype=torch.int64, device=r.device)).shape[-1]  # the LM's input rows
+    window_scratch = pool.scratch * cfg.block_size if pool is not None else None
+    piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, width,
                                        cfg.piecewise_graph_tokens, r.dtype, r.tp.size, r.num_blocks * cfg.block_size,
-                                       deepstack_levels=spec.embed_width // spec.hidden_size - 1)
+                                       deepstack_levels=spec.embed_width // spec.hidden_size - 1,
+                                       window_scratch_slot=window_scratch)
     return decode, piecewise
 
 

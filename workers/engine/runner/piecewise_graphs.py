@@ -21,6 +21,12 @@ only a decoder that calls ``backend.forward`` once per layer. Steps with more to
 eagerly. CUDA only (TP included: the pieces capture the all-reduces); elsewhere ``emulate`` runs the same buffers and
 splits without graphs, which is how CPU tests check them.
 
+Layers need not be alike (Gemma 4): each attention call is recorded at capture with what it attends with (its cache,
+scale, window, whether image rows see their whole span, whether it reads the window pool's tables, whether it has
+K/V of its own or reads another layer's), and the static q, k, v and output buffers are kept per head shape. The
+capture's placeholder metadata carries empty image spans and a window view (where the worker has a window pool), so
+every layer shows its own kind; a replayed layer attends with the step's metadata of that kind.
+
 DeepStack (Qwen3-VL): a step with image tokens adds each image row's feature levels to the stream after the first
 decoder layers. For such families every bucket has a second set of pieces, captured with the features as a static
 [rows, levels * hidden] buffer over every row (zeros where a row is not an image token, so adding it leaves them
@@ -75,6 +81,24 @@ class _Capture:
         self.graphs[-1].capture_end()
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One layer's attention call as captured: what its replays attend with."""
+
+    kv_cache: Tensor
+    scale: float
+    heads: tuple[int, int, int]  # (query heads, KV heads, head dim): the static buffers it uses
+    window: int
+    bidirectional: bool
+    window_meta: bool  # reads the window pool's tables and slots (meta.window)
+    own_kv: bool  # writes K/V of its own (not a KV-shared layer's reader)
+
+    def same(self, other: _Call) -> bool:
+        return self.kv_cache is other.kv_cache and (self.scale, self.heads, self.window, self.bidirectional,
+                                                    self.window_meta, self.own_kv) == (other.scale, other.heads,
+                                                    other.window, other.bidirectional, other.window_meta, other.own_kv)
+
+
 class _Splitter:
     """The attention backend the model's forward sees while pieces are captured (or emulated): it hands the layer's
     q, k, v to the static buffers and returns the static attention output."""
@@ -82,35 +106,37 @@ class _Splitter:
     name = "piecewise"
 
     def __init__(self, owner: PiecewiseGraphs, rows: int, capture: _Capture | None = None, real: int = 0,
-                 meta: AttentionMetadata | None = None) -> None:
+                 meta: AttentionMetadata | None = None, window_meta: AttentionMetadata | None = None) -> None:
         self.owner, self.rows, self.capture, self.real, self.meta = owner, rows, capture, real, meta
+        self.window_meta = window_meta  # the metadata object the sliding layers are handed (None: no window pool)
         self.layer = 0
 
     def forward(
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
         window: int = 0, bidirectional: bool = False,
     ) -> Tensor:
-        if k is None or v is None or window or bidirectional:
-            # Sliding windows, in-image spans and KV-shared layers (Gemma 4) have no pieces yet: start_graphs keeps
-            # such families eager, so reaching this is a wiring error.
-            raise RuntimeError("piecewise graphs take neither windows, image spans nor layers without their own K/V")
         o, rows, layer = self.owner, self.rows, self.layer
-        o.q[:rows].copy_(q)
-        o.k[:rows].copy_(k)
-        o.v[:rows].copy_(v)
-        if o.scratch_slot is not None:  # padding rows write to the scratch slot
-            write_kv_cache(o.k[:rows], o.v[:rows], kv_cache, o.slots[:rows])
+        own_kv = k is not None and v is not None
+        call = _Call(kv_cache, scale, (q.shape[1], kv_cache.shape[-2], q.shape[2]), window, bidirectional,
+                     meta is self.window_meta and meta is not None, own_kv)
+        bq, bk, bv, _ = o.buffers(call.heads)
+        bq[:rows].copy_(q)
+        if k is not None and v is not None:
+            bk[:rows].copy_(k)
+            bv[:rows].copy_(v)
+            if o.scratch_slot is not None:  # padding rows write to the scratch slot
+                write_kv_cache(bk[:rows], bv[:rows], kv_cache, (o.window_slots if call.window_meta else o.slots)[:rows])
         if layer == len(o.layers):
-            o.layers.append((kv_cache, scale))
-        elif o.layers[layer][0] is not kv_cache or o.layers[layer][1] != scale:
-            raise RuntimeError(f"layer {layer} attends over another cache or scale than at its first capture")
+            o.layers.append(call)
+        elif not o.layers[layer].same(call):
+            raise RuntimeError(f"layer {layer} attends otherwise than at its first capture")
         self.layer += 1
         if self.capture is not None:
             self.capture.end()
             self.capture.begin()
         elif self.meta is not None:  # emulation: the real rows' attention, here and now
             o.attend(layer, self.real, self.meta)
-        return o.out[:rows]
+        return o.buffers(call.heads)[3][:rows]
 
 
 @dataclass
@@ -128,41 +154,43 @@ class PiecewiseGraphs:
         lm: LanguageModel,
         backend: AttentionBackend,
         kv_caches: list[Tensor],
-        hidden_size: int,
-        head_shapes: tuple[int, int, int],
+        input_width: int,
         max_tokens: int,
         dtype: torch.dtype,
         tp_size: int = 1,
         scratch_slot: int | None = None,
         emulate: bool = False,
         deepstack_levels: int = 0,
+        window_scratch_slot: int | None = None,
     ) -> None:
-        """``head_shapes``: (query heads, KV heads, head dim) on this rank; ``backend``: the attention the eager
-        forward uses (the replays run the same). ``scratch_slot``: a cache slot no sequence holds; given, the pieces
-        write each layer's new K/V into the cache themselves (padding rows into that slot), which takes a kernel
-        launch per layer off the eager part. ``emulate``: no graphs (any device): `run` calls the model with the
-        pieces' buffers and splits, for tests. ``deepstack_levels``: the family's DeepStack levels (0: none)."""
+        """``input_width``: columns of the LM's input rows (hidden, or hidden and per-layer inputs); ``backend``: the
+        attention the eager forward uses (the replays run the same). ``scratch_slot``: a cache slot no sequence
+        holds; given, the pieces write each layer's new K/V into the cache themselves (padding rows into that slot),
+        which takes a kernel launch per layer off the eager part. ``emulate``: no graphs (any device): `run` calls
+        the model with the pieces' buffers and splits, for tests. ``deepstack_levels``: the family's DeepStack levels
+        (0: none). ``window_scratch_slot``: the window pool's spare slot, for a worker that keeps one (Gemma 4's
+        sliding layers read and write its caches through the step's window view)."""
         self.lm, self.backend, self.kv_caches, self.tp_size = lm, backend, kv_caches, tp_size
-        self.device = kv_caches[0].device
+        self.device, self.dtype = kv_caches[0].device, dtype
         self.emulate = emulate
         self.buckets_in_use = token_buckets(max_tokens)
-        most = self.buckets_in_use[-1] if self.buckets_in_use else 0
-        heads, kv_heads, head_dim = head_shapes
-        self.embeds = torch.zeros(most, hidden_size, dtype=dtype, device=self.device)
-        self.q = torch.zeros(most, heads, head_dim, dtype=dtype, device=self.device)
-        self.k = torch.zeros(most, kv_heads, head_dim, dtype=dtype, device=self.device)
-        self.v = torch.zeros_like(self.k)
-        self.out = torch.zeros_like(self.q)
+        self.most = most = self.buckets_in_use[-1] if self.buckets_in_use else 0
+        self.embeds = torch.zeros(most, input_width, dtype=dtype, device=self.device)
+        # q, k, v and attention output per head shape, made at the first run of a bucket (outside any capture).
+        self._buffers: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self.scratch_slot = scratch_slot
         self.slots = torch.full((most,), scratch_slot or 0, dtype=torch.int64, device=self.device)  # cache slot per row
+        self.window_scratch_slot = window_scratch_slot
+        self.window_slots = torch.full((most if window_scratch_slot is not None else 0,), window_scratch_slot or 0,
+                                       dtype=torch.int64, device=self.device)
         # DeepStack: every row is a feature row of the DeepStack pieces (ds_rows); rows [:ds_dirty] may hold the
         # last step's features, zeroed before the next one that takes these pieces.
         self.ds_levels = deepstack_levels
-        self.ds_feats = torch.zeros(most if deepstack_levels else 0, deepstack_levels * hidden_size, dtype=dtype,
+        self.ds_feats = torch.zeros(most if deepstack_levels else 0, deepstack_levels * input_width, dtype=dtype,
                                     device=self.device)
         self.ds_rows = torch.arange(self.ds_feats.shape[0], device=self.device)
         self.ds_dirty = 0
-        self.layers: list[tuple[Tensor, float]] = []  # (KV cache, scale) of each attention call, in order
+        self.layers: list[_Call] = []  # each attention call, in order
         self.buckets: dict[int, _Bucket] = {}
         self.broken = False
         self.stats = {"replays": 0, "captures": 0, "misses": 0, "deepstack_replays": 0}
@@ -174,6 +202,18 @@ class PiecewiseGraphs:
 
     def bucket(self, tokens: int) -> int | None:
         return next((b for b in self.buckets_in_use if b >= tokens), None)
+
+    def buffers(self, heads: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The static q, k, v and attention output of this head shape (query heads, KV heads, head dim)."""
+        out = self._buffers.get(heads)
+        if out is None:
+            if not self.emulate and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"head shape {heads} first seen inside a capture")
+            q_heads, kv_heads, head_dim = heads
+            q = torch.zeros(self.most, q_heads, head_dim, dtype=self.dtype, device=self.device)
+            k = torch.zeros(self.most, kv_heads, head_dim, dtype=self.dtype, device=self.device)
+            out = self._buffers[heads] = (q, k, torch.zeros_like(k), torch.zeros_like(q))
+        return out
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -194,6 +234,8 @@ class PiecewiseGraphs:
         if self.emulate and rows is not None and bucket is None:
             bucket = self._bucket(rows)
         with_ds = deepstack is not None
+        if (meta.window is not None) != (self.window_scratch_slot is not None):
+            raise RuntimeError("a step's window view and the pieces' window pool disagree")
         # No capture mid-serving: `capture_all` took every bucket, with its DeepStack set where the family has one.
         if rows is None or bucket is None or self.broken or (with_ds and not self.ds_levels):
             self.stats["misses"] += 1
@@ -208,11 +250,19 @@ class PiecewiseGraphs:
         if self.scratch_slot is not None:
             self.slots[:n].copy_(meta.slot_mapping)
             self.slots[n:rows].fill_(self.scratch_slot)
-            meta = replace(meta, kv_written=True, derived={})  # a copy: a fallback to eager must still write
+            window = meta.window
+            if window is not None and self.window_scratch_slot is not None:
+                self.window_slots[:n].copy_(window.slot_mapping)
+                self.window_slots[n:rows].fill_(self.window_scratch_slot)
+                window = replace(window, kv_written=True, derived={})
+            # a copy: a fallback to eager must still write
+            meta = replace(meta, kv_written=True, derived={}, window=window)
         self.stats["deepstack_replays"] += with_ds
         if self.emulate:
-            splitter = _Splitter(self, rows, real=n, meta=meta)
-            hidden: Tensor = self.lm(self.embeds[:rows], bucket.positions, self.kv_caches, meta, backend=splitter,
+            # The forward sees the capture's placeholder (every layer shows its kind); the splitter attends with meta.
+            shown = _placeholder_meta(rows, self.device, self.window_scratch_slot is not None)
+            splitter = _Splitter(self, rows, real=n, meta=meta, window_meta=shown.window)
+            hidden: Tensor = self.lm(self.embeds[:rows], bucket.positions, self.kv_caches, shown, backend=splitter,
                                      deepstack=self._deepstack(rows) if with_ds else None)
             self.stats["replays"] += 1
             return hidden[:n]
@@ -233,9 +283,14 @@ class PiecewiseGraphs:
         return out[:n]
 
     def attend(self, layer: int, n: int, meta: AttentionMetadata) -> None:
-        """Layer ``layer``'s attention over the step's ``n`` real rows, into the static output."""
-        kv_cache, scale = self.layers[layer]
-        self.out[:n].copy_(self.backend.forward(self.q[:n], self.k[:n], self.v[:n], kv_cache, meta, scale))
+        """Layer ``layer``'s attention over the step's ``n`` real rows, into the static output, with the step's
+        metadata of the layer's kind."""
+        call = self.layers[layer]
+        q, k, v, out = self.buffers(call.heads)
+        seen = meta.window if call.window_meta and meta.window is not None else meta
+        k_n, v_n = (k[:n], v[:n]) if call.own_kv else (None, None)
+        out[:n].copy_(self.backend.forward(q[:n], k_n, v_n, call.kv_cache, seen, call.scale, window=call.window,
+                                           bidirectional=call.bidirectional))
 
     def _deepstack(self, rows: int) -> tuple[Tensor, Tensor]:
         """The static DeepStack input of a bucket: every row, its features (zeros for rows that are not images)."""
@@ -258,20 +313,22 @@ class PiecewiseGraphs:
 
     def _capture_set(self, bucket: _Bucket, rows: int,
                      deepstack: tuple[Tensor, Tensor] | None) -> tuple[list[torch.cuda.CUDAGraph], Tensor]:
-        meta = _placeholder_meta(rows, self.device)
+        meta = _placeholder_meta(rows, self.device, self.window_scratch_slot is not None)
+        shown = meta.window
         embeds = self.embeds[:rows]
         # A run outside capture first, on the capture stream: lazy library set-up, compiles and cuBLAS's choice
         # for this row count happen there, not inside the capture.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self.lm(embeds, bucket.positions, self.kv_caches, meta, backend=_Splitter(self, rows), deepstack=deepstack)
+            self.lm(embeds, bucket.positions, self.kv_caches, meta, backend=_Splitter(self, rows, window_meta=shown),
+                    deepstack=deepstack)
         self.stream.synchronize()
         capture = _Capture(self.pool, self.capture_mode)
         try:
             with torch.cuda.stream(self.stream):
                 capture.begin()
                 hidden = self.lm(embeds, bucket.positions, self.kv_caches, meta,
-                                 backend=_Splitter(self, rows, capture), deepstack=deepstack)
+                                 backend=_Splitter(self, rows, capture, window_meta=shown), deepstack=deepstack)
                 capture.end()
         except BaseException:
             if capture.open:  # leave the stream out of capture mode whatever failed
@@ -287,20 +344,25 @@ class PiecewiseGraphs:
         return capture.graphs, hidden
 
 
-def _placeholder_meta(rows: int, device: torch.device) -> AttentionMetadata:
-    """Metadata for the capture run: the splitter never reads it (the replays attend with each step's own)."""
+def _placeholder_meta(rows: int, device: torch.device, window: bool = False) -> AttentionMetadata:
+    """Metadata for the capture run: the splitter attends with none of it (the replays attend with each step's own),
+    but the layers show their kind by it: image spans (empty) and, with a window pool, the sliding layers' view."""
     one = torch.ones(1, dtype=torch.int32, device=device)
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, rows], dtype=torch.int32, device=device), seq_lens=one * rows,
         query_lens_cpu=[rows], seq_lens_cpu=[rows], slot_mapping=torch.zeros(rows, dtype=torch.int64, device=device),
         block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device), max_query_len=rows, max_seq_len=rows,
+        bidir_spans=[[]],
     )
+    if window:
+        meta.window = replace(meta, derived={})
+    return meta
 
 
 def build(
-    lm: LanguageModel, backend: AttentionBackend, kv_caches: list[Tensor], hidden_size: int,
-    head_shapes: tuple[int, int, int], max_tokens: int, dtype: torch.dtype, tp_size: int, scratch_slot: int | None,
-    deepstack_levels: int = 0,
+    lm: LanguageModel, backend: AttentionBackend, kv_caches: list[Tensor], input_width: int, max_tokens: int,
+    dtype: torch.dtype, tp_size: int, scratch_slot: int | None, deepstack_levels: int = 0,
+    window_scratch_slot: int | None = None,
 ) -> PiecewiseGraphs | None:
     """Every bucket captured at start-up, or None when ``max_tokens`` leaves none. A capture that fails stops the
     worker's start, naming the flag that turns the graphs off: a capture that failed on the device leaves torch's
@@ -308,8 +370,8 @@ def build(
     if not token_buckets(max_tokens):
         return None
     started = time.perf_counter()
-    graphs = PiecewiseGraphs(lm, backend, kv_caches, hidden_size, head_shapes, max_tokens, dtype, tp_size, scratch_slot,
-                             deepstack_levels=deepstack_levels)
+    graphs = PiecewiseGraphs(lm, backend, kv_caches, input_width, max_tokens, dtype, tp_size, scratch_slot,
+                             deepstack_levels=deepstack_levels, window_scratch_slot=window_scratch_slot)
     try:
         graphs.capture_all()
     except Exception as exc:

@@ -13,7 +13,6 @@ from PIL import Image
 
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
-from workers.engine.layers.linear import kv_heads_per_rank
 from workers.engine.models.qwen3_vl.moe import SparseMoeBlock
 from workers.engine.offline import Engine
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs, token_buckets
@@ -39,10 +38,13 @@ def _prompts() -> list[list[dict[str, Any]]]:
 
 def _emulated(engine: Engine, max_tokens: int, kv_in_pieces: bool = True) -> PiecewiseGraphs:
     r = engine.runner
-    heads = (r.spec.num_heads, kv_heads_per_rank(r.spec.num_kv_heads, 1), r.spec.head_dim)
     scratch = r.num_blocks * r.cfg.block_size if kv_in_pieces else None  # the block no sequence is given
-    return PiecewiseGraphs(r.lm, r.lm.attention_backend(r.device), r.kv_caches, r.spec.hidden_size, heads, max_tokens,
-                           r.dtype, scratch_slot=scratch, emulate=True, deepstack_levels=_levels(engine))
+    # A window pool's spare block (Gemma 4's sliding layers), as start_graphs passes it.
+    window = r.num_window_blocks * r.cfg.block_size if r.num_window_blocks and r.spec.kv_windows else None
+    width = r.model.embed(torch.zeros(1, dtype=torch.int64)).shape[-1]
+    return PiecewiseGraphs(r.lm, r.lm.attention_backend(r.device), r.kv_caches, width, max_tokens, r.dtype,
+                           scratch_slot=scratch, emulate=True, deepstack_levels=_levels(engine),
+                           window_scratch_slot=window)
 
 
 def _levels(engine: Engine) -> int:
@@ -78,6 +80,32 @@ def test_emulated_pieces_give_the_eager_tokens(fixture: str, request: pytest.Fix
         assert sorted(pieces.buckets) == sorted(set(pieces.buckets) & set(token_buckets(most)))
 
 
+@pytest.mark.parametrize("fixture", ["gemma4_model_dir", "gemma4_moe_model_dir"])
+def test_gemma4_layers_of_every_kind_give_the_eager_tokens_in_pieces(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Gemma 4: sliding layers (window 64 in the demo) that read the window pool, global layers of another head
+    shape with K = V, image rows that see their whole image (each image's span in one step), the MoE's experts;
+    prompts past the window. Buckets up to 320 take the image steps too, up to 128 only the text steps."""
+    model_dir: Path = request.getfixturevalue(fixture)
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256,
+                                 chunk_size=96, lone_prefill_tokens=0, enable_prefix_caching=False))
+    prompts = [*_prompts()[:2], [{"role": "user", "content": "Tell me more: " + "rivers and hills " * 40}]]
+    prompts += [[{"role": "user", "content": [{"type": "image", "image": _image(w, h, seed)},
+                                              {"type": "text", "text": "Describe it " + "again " * 30}]}]
+                for w, h, seed in ((57, 83, 1), (120, 64, 2))]
+    eager = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    for kv_in_pieces, most in ((True, 320), (False, 320), (True, 128)):
+        pieces = engine.runner.piecewise = _emulated(engine, most, kv_in_pieces)
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == eager
+        assert pieces.stats["replays"] > 0 and (pieces.stats["misses"] > 0) == (most == 128)
+        calls = pieces.layers
+        assert len(calls) == engine.runner.spec.num_layers
+        sliding = [c for c in calls if c.window]
+        assert sliding and all(c.bidirectional and c.window_meta for c in sliding)  # image rows see their image there
+        full = [c for c in calls if not c.window]
+        assert full and all(not c.window_meta and c.heads != sliding[0].heads for c in full)
+        assert len(pieces._buffers) == 2  # one set of static buffers per head shape
+
+
 def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir: Path) -> None:
     engine = Engine(EngineConfig(model=str(demo_model_dir), device="cpu", dtype="float32", num_kv_blocks=64))
     pieces = engine.runner.piecewise = _emulated(engine, 16)
@@ -88,11 +116,12 @@ def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir"])
+@pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir", "gemma4_model_dir"])
 def test_captured_pieces_give_the_eager_tokens_on_cuda(fixture: str, request: pytest.FixtureRequest) -> None:
     """float32 on CUDA, so the graphs and the eager forward differ by rounding only and greedy tokens must agree.
-    Qwen3-VL captures a second set of pieces per bucket, for its image steps' DeepStack features. (Qwen3-VL-MoE
-    captures in bf16 only, where its experts run as grouped GEMMs with no host sync.)"""
+    Qwen3-VL captures a second set of pieces per bucket, for its image steps' DeepStack features; Gemma 4's sliding
+    and global layers attend between the pieces with their own windows, tables and head shapes. (The MoE families
+    capture in bf16 only, where their experts run as grouped GEMMs with no host sync.)"""
     model_dir: Path = request.getfixturevalue(fixture)
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", chunk_size=40,
                                  lone_prefill_tokens=0, piecewise_graph_tokens=48,
