@@ -46,6 +46,10 @@ class EncoderStats(Msg, frozen=True):
     landing_pool_used_bytes: int = 0
     cuda_landings: int = 0
     shm_landings: int = 0
+    # A shared encoder (--shared-encoders): requests answered with an entry computed for another request (a replica
+    # asking for what another had, or two asking in one batch), and the bytes its recent entries hold.
+    reused: int = 0
+    recent_bytes: int = 0
 
 
 class SchedulerStats(Msg, frozen=True):

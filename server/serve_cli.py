@@ -61,6 +61,9 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--encoder-landing-mb", type=int, default=S["encoder_landing_mb"], metavar="MB",
                    help="CUDA: each encoder worker's landing pool on its GPU, read by the model ranks through CUDA "
                    "IPC; an entry that finds it full goes through shared memory; 0: every entry does")
+    m.add_argument("--encoder-cache-mb", type=int, default=S["encoder_cache_mb"], metavar="MB",
+                   help="with --shared-encoders: host memory in which each encoder keeps its last embeddings, so that "
+                   "an image another replica had encoded is not encoded again; 0: none kept")
     m.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     m.add_argument("--dtype", default=E["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     m.add_argument("--load-format", default=E["load_format"], choices=["auto", "dummy"], help="dummy: random weights")
@@ -222,6 +225,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("glimpse serve: --encoder-workers must be 0 (off) or more")
     if args.encoder_landing_mb < 0:
         raise SystemExit("glimpse serve: --encoder-landing-mb must be 0 (off) or more")
+    if args.encoder_cache_mb < 0:
+        raise SystemExit("glimpse serve: --encoder-cache-mb must be 0 (off) or more")
     if args.encoder_workers and args.mm_cache_mode != "image":
         raise SystemExit("glimpse serve: --encoder-workers needs --mm-cache-mode image (the per-image cache)")
     if args.shared_encoders and not args.encoder_workers:
@@ -318,6 +323,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         shared_encoders=args.shared_encoders,
         encoder_devices=encoder_devices,
         encoder_landing_mb=args.encoder_landing_mb,
+        encoder_cache_mb=args.encoder_cache_mb,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic or (default_topic(args.host, args.port, name) if args.kv_events_endpoint else ""),
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,

@@ -205,6 +205,9 @@ class StatsBook:
                     "landing_pool_used_bytes": e.landing_pool_used_bytes,
                     "cuda_landings": e.cuda_landings,
                     "shm_landings": e.shm_landings,
+                    # --shared-encoders: answers that reused another request's entry, and the recent entries' bytes
+                    "reused": e.reused,
+                    "recent_bytes": e.recent_bytes,
                 }
                 for e in s.encoders
             ],
@@ -348,6 +351,8 @@ def _encoder_metrics(s: SchedulerStats) -> Iterable[Metric]:
         "failed": ("Encode requests the encoder worker could not serve.", lambda e: e.failed),
         "cuda_landings": ("Embeddings the encoder worker landed in its CUDA landing pool.", lambda e: e.cuda_landings),
         "shm_landings": ("Embeddings the encoder worker landed in shared memory.", lambda e: e.shm_landings),
+        "reused": ("Encode requests a shared encoder answered with an entry computed for another request.",
+                   lambda e: e.reused),
     }
     for name, (doc, value) in families.items():
         family = CounterMetricFamily(f"{_PREFIX}_encoder_{name}", doc, labels=["encoder"])
@@ -359,6 +364,8 @@ def _encoder_metrics(s: SchedulerStats) -> Iterable[Metric]:
                                lambda e: e.landing_pool_bytes),
         "landing_pool_used_bytes": ("Bytes of the encoder worker's CUDA landing pool its entries hold.",
                                     lambda e: e.landing_pool_used_bytes),
+        "recent_bytes": ("Host bytes a shared encoder's recent entries hold (--encoder-cache-mb).",
+                         lambda e: e.recent_bytes),
     }
     for name, (doc, value) in gauges.items():
         gauge_family = GaugeMetricFamily(f"{_PREFIX}_encoder_{name}", doc, labels=["encoder"])

@@ -93,6 +93,11 @@ class ServerConfig:
     # that finds the pool full. 4096 holds ~64 Qwen3-VL-8B 1080p entries, <3% of an H100's memory. Off by default until
     # the pool has run on a GPU: the /dev/shm path is the one measured (docs/benchmarks.md "Encoder workers").
     encoder_landing_mb: int = 0
+    # --shared-encoders: host memory (MiB) in which each shared encoder keeps its last entries (workers/encoder/recent.py),
+    # so that a replica asking for an image another replica had encoded is answered without a ViT run (each replica's
+    # scheduler indexes only its own cache). 1024 holds ~16 Qwen3-VL-8B 1080p entries; 0: none kept. Unused without
+    # --shared-encoders, where the replica's own cache already remembers its images.
+    encoder_cache_mb: int = 1024
     # KV-cache events in vLLM's format (docs/kv-events.md): every replica's on one ZMQ PUB, "" = off. An endpoint
     # with "*" is bound, any other is connected to (an indexer that binds), as vLLM does.
     kv_events_endpoint: str = ""

@@ -2,7 +2,7 @@
 official openai client, the demo model on the CPU): one encoder process serves both replicas. Requests routed to each
 replica answer token-exact with one offline engine (as test_dp.py holds a plain --dp 2 server), no model worker
 encodes anything, the one encoder's counters appear once in /admin/stats and /metrics and count every image of both
-replicas. Last, killing that encoder fails what is in flight on both replicas at once, stops the server non-zero and
+replicas, and an image one replica had is not encoded again for the other. Last, killing that encoder fails what is in flight on both replicas at once, stops the server non-zero and
 leaves no segment of the launch."""
 
 from __future__ import annotations
@@ -58,6 +58,22 @@ def test_both_replicas_answer_exactly_through_the_one_encoder(shared: LiveServer
     metrics = [line for line in httpx.get(shared.base + "/metrics").text.splitlines()
                if line.startswith("glimpse_encoder_images_encoded_total")]
     assert metrics == [f'glimpse_encoder_images_encoded_total{{encoder="0"}} {float(IMAGES)}'], metrics
+
+
+def test_an_image_another_replica_had_is_not_encoded_again(shared: LiveServer, demo_model_dir: Path) -> None:
+    """Round-robin sends the fifth request to the replica that did not serve the second case, whose cache never saw
+    that image: it asks the encoder (one more job), which answers from its recent entries, and the answer is exact."""
+    text, images = CASES[1]
+    offline = Engine(EngineConfig(model=str(demo_model_dir), num_kv_blocks=512))
+    resp = ask(shared, image_message(text, [data_url(b) for b in images]), max_tokens=MAX_NEW)
+    assert resp.choices[0].message.content == offline_text(offline, text, images, MAX_NEW)
+    stats = wait_for_stats(shared, lambda s: s["encoder_workers"][0]["jobs"] == IMAGES + len(images))
+    [encoder] = stats["encoder_workers"]
+    assert (encoder["images_encoded"], encoder["reused"]) == (IMAGES, len(images)), encoder
+    assert encoder["recent_bytes"] > 0 and sorted(r["routed"] for r in replicas(shared)) == [2, 3]
+    reused = [line for line in httpx.get(shared.base + "/metrics").text.splitlines()
+              if line.startswith("glimpse_encoder_reused_total")]
+    assert reused == [f'glimpse_encoder_reused_total{{encoder="0"}} {float(len(images))}'], reused
 
 
 def test_a_killed_shared_encoder_fails_both_replicas_requests_and_leaves_no_shm(shared: LiveServer) -> None:

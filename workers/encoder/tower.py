@@ -5,8 +5,9 @@ The encode itself is the model worker's (``VisionEncoder``, runner/encoder.py): 
 most ``--vit-max-patches`` and the same entry layout (DeepStack levels side by side), so an entry computed here is
 the one a model worker would have stored. What this module adds is what a separate process needs: pixels checked
 against their grid before the ViT sees them (a bad segment fails its request with a 400, not the worker), a batch
-retried job by job when one of its jobs fails, and each entry landed where a model rank reads it: a range of the
-encoder's CUDA landing pool when it has one with room (cuda_landing.py), else a segment of the launch of its own.
+retried job by job when one of its jobs fails, each entry landed where a model rank reads it (a range of the
+encoder's CUDA landing pool when it has one with room, cuda_landing.py, else a segment of the launch of its own),
+and, for a shared encoder, its recent entries (recent.py) answering one replica with what another asked for.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ipc.landing import ShmLanding
 from ipc.shm import ShmError, ShmFullError, ShmSegment, segment_name
 from ipc.steps import EncodeItem, EncodeJob
 from workers.encoder.cuda_landing import CudaLandingPool
+from workers.encoder.recent import RecentEntries
 from workers.engine.config import EngineConfig
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
@@ -92,6 +94,8 @@ class EncoderTower:
     pool: CudaLandingPool | None = None  # set by the process once the tower is loaded (None: shared memory only)
     cuda_landings: int = 0
     shm_landings: int = 0
+    recent: RecentEntries | None = None  # a shared encoder's last entries (--encoder-cache-mb; None: none kept)
+    reused: int = 0  # requests answered with an entry computed for another (earlier, or the same batch's)
 
     def __post_init__(self) -> None:
         cfg = self.engine
@@ -111,16 +115,34 @@ class EncoderTower:
 
     @torch.inference_mode()
     def run(self, requests: list[EncodeRequest]) -> list[Answer]:
-        """Each request's answer, in order. The batch runs as one set of ViT calls; if that fails, each request
-        runs alone, so one bad image fails only its own request."""
-        jobs = [EncodeJob(r.key, r.items) for r in requests]
-        try:
-            entries, _ = self.vision.entries(jobs)
-        except Exception as exc:
-            if len(jobs) == 1:
-                return [self._failed(requests[0], exc)]
-            return [answer for r in requests for answer in self.run([r])]
-        return [self._land(r, entry) for r, entry in zip(requests, entries, strict=True)]
+        """Each request's answer, in order. An entry the encoder holds (``recent``: a shared encoder's) lands without
+        a ViT run; the others run as one set of ViT calls, one job per distinct key (two replicas asking for one
+        image in one batch share it). If that fails, each request runs alone, so one bad image fails only its own
+        request. Every request gets a landing of its own, which its scheduler owns."""
+        held: dict[bytes, torch.Tensor] = {}
+        if self.recent is not None:
+            for r in requests:
+                hit = self.recent.get(r.key) if r.key not in held else None
+                if hit is not None:
+                    held[r.key] = hit.to(self.device)
+        todo: dict[bytes, EncodeRequest] = {}  # the first asker of each key not held
+        for r in requests:
+            if r.key not in held and r.key not in todo:
+                todo[r.key] = r
+        if todo:
+            jobs = [EncodeJob(r.key, r.items) for r in todo.values()]
+            try:
+                entries, _ = self.vision.entries(jobs)
+            except Exception as exc:
+                if len(requests) == 1:
+                    return [self._failed(requests[0], exc)]
+                return [answer for r in requests for answer in self.run([r])]
+            for job, entry in zip(jobs, entries, strict=True):
+                held[job.key] = entry
+                if self.recent is not None:
+                    self.recent.put(job.key, entry)
+        self.reused += len(requests) - len(todo)
+        return [self._land(r, held[r.key]) for r in requests]
 
     def _land(self, request: EncodeRequest, entry: torch.Tensor) -> Answer:
         if self.pool is not None and (in_pool := self.pool.land(entry)) is not None:

@@ -1,6 +1,7 @@
 """A shared encoder worker (``--shared-encoders``) as a real spawned process over real ZMQ and shm, the test playing
 two replicas' schedulers: it announces itself to both, answers each request to the replica it names (the same image
-asked by both lands twice, once for each, so each scheduler owns and unlinks its own), sends its counters to replica
+asked by both is encoded once, from its recent entries the second time, and lands twice, once for each, so each
+scheduler owns and unlinks its own), sends its counters to replica
 0 alone (so the frontend's merge counts them once), and exits only after both schedulers' Shutdown. The config side:
 how many encoders a launch starts, which ones a replica sends to, where they run and which GPUs read their pools."""
 
@@ -64,7 +65,9 @@ def test_a_shared_encoder_answers_the_replica_that_asked(demo_model_dir: Path, l
             names.append(done.embeddings.name)
             landed(done.embeddings)
         assert names[0] != names[1]
-        assert scheds[0].latest_stats(2).jobs == 2  # both replicas' jobs, reported to replica 0
+        stats = scheds[0].latest_stats(2)  # both replicas' jobs, reported to replica 0
+        # Encoded once: replica 0 was answered from the encoder's recent entries (--encoder-cache-mb).
+        assert (stats.jobs, stats.images_encoded, stats.reused) == (2, 1, 1) and stats.recent_bytes > 0
         assert scheds[1].stats == [] and scheds[1].inbound.recv(300) is None  # and to nobody else
         assert item.pixels is not None
         ShmSegment.unlink(item.pixels.name)
