@@ -143,6 +143,8 @@ class GemmaCache(PagedCache):
     """PagedCache with one cache per KV-owning layer, each in its own shape (``kv_cache_shapes``)."""
 
     backend: Any = None  # None: the model's own (SdpaBackend on the CPU)
+    # (embeds, positions, caches, meta, backend) -> hidden states in the model's stead (e.g. through piecewise graphs)
+    forward: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -168,7 +170,7 @@ class GemmaCache(PagedCache):
                 embeds.append(rows[s][start:end] if rows and s in rows else lm.embed_tokens(ids))
                 pos.append(torch.arange(start, end))
             positions = torch.cat(pos).expand(3, -1)
-            hidden = lm(torch.cat(embeds), positions, self.caches, meta, self.backend)
+            hidden = (self.forward or lm)(torch.cat(embeds), positions, self.caches, meta, self.backend)
             logits = lm.compute_logits(hidden)
         return list(logits.split([len(ids) for _, ids in chunks]))
 

@@ -3,7 +3,7 @@ gemma4_harness.py): config parsing (Hub and saved forms, KV-sharing, refusals), 
 decodes through paged caches of two shapes for (a) sliding + full layers with another global head dim and k_eq_v,
 (b) KV-shared layers, (c) per-layer inputs, (d) the MoE block, (e) softcapped logits; a window shorter than the
 prompt; image rows spliced into per-layer-input rows with in-image bidirectional sliding layers (transformers'
-Gemma4Model path); loading; TP 2 over gloo."""
+Gemma4Model path); loading; TP 2 over gloo; KV-shared and per-layer-input layers through emulated piecewise graphs."""
 
 from __future__ import annotations
 
@@ -28,10 +28,12 @@ from tests.workers.engine.models.gemma4_harness import (
     reference,
     text_config,
 )
-from tests.workers.engine.models.lm_harness import run_tp_ranks
+from tests.workers.engine.models.lm_harness import BLOCK_SIZE, run_tp_ranks
+from workers.engine.kernels.attention import AttentionMetadata
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models.gemma4.spec import FULL, SLIDING, TextSpec, check_tp
 from workers.engine.models.loader import normalize_name
+from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
 
 # Logits have |max| ~2-10 here; glimpse fuses q/k/v and gate/up into one matmul each, which rounds a few outputs
 # differently in the last bit: measured max |diff| ~1e-5.
@@ -315,3 +317,34 @@ def test_tp2_over_gloo_answers_as_tp1(tmp_path: Path) -> None:
             for name in PROMPTS:
                 assert got[name][0] == want[name][0]
                 torch.testing.assert_close(got[name][1], want[name][1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["shared", "ple"])
+def test_kv_shared_and_per_layer_input_layers_in_piecewise_graphs(variant: str) -> None:
+    """The E models' layers between emulated pieces: KV-shared layers attend over their store layer's cache with no
+    K/V of their own, and the per-layer inputs ride in the input rows' extra columns. Steps of up to 16 tokens take
+    the pieces (K/V written there, padding rows into a spare block), larger ones the eager forward; the greedy
+    tokens and their logits are the eager model's."""
+    hf = reference(text_config(variant))
+    ours = load_ours(hf)
+    prompts = {"a": prompt(37, seed=3), "b": prompt(19, seed=4)}
+    eager = greedy(GemmaCache(ours), prompts, PLAN, NEW)
+    cache = GemmaCache(ours)
+    spare = cache.free.pop()  # a block no sequence is given: the padding rows' K/V go there
+    width = ours.embed_tokens(torch.zeros(1, dtype=torch.int64)).shape[-1]
+    pieces = PiecewiseGraphs(ours, ours.attention_backend(torch.device("cpu")), cache.caches, width, 16, torch.float32,
+                             scratch_slot=spare * BLOCK_SIZE, emulate=True)
+
+    def forward(embeds: Tensor, positions: Tensor, caches: list[Tensor], meta: AttentionMetadata, backend: Any) -> Tensor:
+        hidden = pieces.run(embeds, positions, meta)
+        return hidden if hidden is not None else ours(embeds, positions, caches, meta, backend)
+
+    cache.forward = forward
+    got = greedy(cache, prompts, PLAN, NEW)
+    for name in prompts:
+        assert got[name][0] == eager[name][0], name
+        torch.testing.assert_close(got[name][1], eager[name][1], atol=ATOL, rtol=0)
+    assert pieces.stats["replays"] > 0 and pieces.stats["misses"] > 0
+    assert width > ours.spec.hidden_size if variant == "ple" else width == ours.spec.hidden_size
+    assert len(pieces.layers) == ours.spec.num_hidden_layers
+    assert sum(not call.own_kv for call in pieces.layers) == 2  # the two KV-shared layers read their store's cache
