@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -31,6 +31,7 @@ from tests.workers.engine.models.gemma4_harness import (
 from tests.workers.engine.models.lm_harness import BLOCK_SIZE, run_tp_ranks
 from workers.engine.kernels.attention import AttentionMetadata
 from workers.engine.layers.linear import TPGroup
+from workers.engine.models.base import LanguageModel
 from workers.engine.models.gemma4.spec import FULL, SLIDING, TextSpec, check_tp
 from workers.engine.models.loader import normalize_name
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
@@ -332,7 +333,8 @@ def test_kv_shared_and_per_layer_input_layers_in_piecewise_graphs(variant: str) 
     cache = GemmaCache(ours)
     spare = cache.free.pop()  # a block no sequence is given: the padding rows' K/V go there
     width = ours.embed_tokens(torch.zeros(1, dtype=torch.int64)).shape[-1]
-    pieces = PiecewiseGraphs(ours, ours.attention_backend(torch.device("cpu")), cache.caches, width, 16, torch.float32,
+    lm = cast(LanguageModel, ours)  # the runner's view of a family's LM
+    pieces = PiecewiseGraphs(lm, ours.attention_backend(torch.device("cpu")), cache.caches, width, 16, torch.float32,
                              scratch_slot=spare * BLOCK_SIZE, emulate=True)
 
     def forward(embeds: Tensor, positions: Tensor, caches: list[Tensor], meta: AttentionMetadata, backend: Any) -> Tensor:
