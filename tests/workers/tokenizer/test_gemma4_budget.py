@@ -181,11 +181,14 @@ def test_gemma_budgets_reach_the_prompt(gemma_worker: TokenizerWorker) -> None:
     assert small.items[0].hash == processor.media_hash(raw, 70) != default.items[0].hash
     assert len({i.hash for i in parts.items}) == 3
     assert parts.items[0].hash == small.items[0].hash
-    # Each span sits between <|image> and <image|>, its rows written at its own grid.
+    # Each span sits between <|image> and <image|>, its resized uint8 frame written at its own grid (16-px patches,
+    # 3 x 3 of them to a token).
     boi, eoi = processor.tokenizer.convert_tokens_to_ids(["<|image>", "<image|>"])
     for item in parts.items:
         assert parts.input_ids[item.offset - 1] == boi and parts.input_ids[item.offset + item.length] == eoi
-        assert item.pixels is not None and item.pixels.shape == (item.length * 9, 768)
+        _, h, w = item.grid
+        assert h * w == item.length * 9
+        assert item.pixels is not None and item.pixels.dtype == "uint8" and item.pixels.shape == (h * 16, w * 16, 3)
 
 
 def test_gemma_refusals(gemma_worker: TokenizerWorker) -> None:

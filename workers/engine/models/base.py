@@ -324,6 +324,9 @@ class ModelFamily:
     # The family's own image side for processors the Qwen-style path does not fit (Gemma 4's token budgets):
     # (transformers' processor, spec) -> an object with the FamilyImages interface of prompt/processor.py.
     images: Callable[[Any, ModelSpec], Any] | None = None
+    # With ``images``: (transformers' image processor, merge) -> the pixel_frames.FrameLayout that makes the uint8
+    # frames its tokenizers write into rows on a model worker's device, or None. None: the Qwen-style layout_of.
+    frame_layout: Callable[[Any, int], Any] | None = None
     # (spec, dtype, device, attn_backend) -> the vision tower alone, no language model: what an encoder worker
     # (--encoder-workers) runs. None: the family cannot serve split encoders.
     build_tower: TowerBuild | None = None

@@ -42,13 +42,19 @@ def patch_rows_into(frame: Tensor, dst: Tensor, patch: int, merge: int, temporal
 @dataclass(frozen=True)
 class FrameLayout:
     """How a uint8 frame becomes its patch rows: the geometry, and the mean and std fused with the rescale factor
-    (float32 values, as the processor computes them)."""
+    (float32 values, as the processor computes them).
+
+    ``order`` "windows" is the Qwen-style processors' (each merge window's patches together, channel-major rows,
+    normalised); "rows" is Gemma 4's (patches row-major over the grid, each row (y, x, channel), the image only
+    rescaled: ``image * scale`` in float32, mean and std unused)."""
 
     patch: int
     merge: int
     temporal: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    order: str = "windows"
+    scale: float = 1.0
 
     def shape(self, grid: tuple[int, int, int]) -> tuple[int, int, int]:
         """The segment of an image of this (t, h, w) patch grid (t is 1: one image, repeated over the temporal
@@ -61,6 +67,8 @@ class FrameLayout:
     def rows(self, frame: Tensor, dtype: torch.dtype) -> Tensor:
         """A segment's [H, W, C] uint8 frame, on any device -> its [h * w, row] patch rows in ``dtype``, on the same
         device. Per element the same float32 math as the processor's, so the same bits whatever the layout."""
+        if self.order == "rows":
+            return self._row_major(frame, dtype)
         frame = frame.permute(2, 0, 1)  # [C, H, W], channels-last strides
         mean, std = _constants(self, frame.device)
         normalised = frame.to(torch.float32).sub_(mean).div_(std)  # torchvision's normalize, in its order
@@ -69,6 +77,17 @@ class FrameLayout:
             (h // self.patch) * (w // self.patch), c * self.temporal * self.patch**2, dtype=dtype, device=frame.device
         )
         patch_rows_into(normalised, out, self.patch, self.merge, self.temporal)
+        return out
+
+
+    def _row_major(self, frame: Tensor, dtype: torch.dtype) -> Tensor:
+        """Gemma 4's rows from an [H, W, C] frame (any strides): the processor's ``image * rescale_factor`` in
+        float32 (elementwise: the layout changes no bit), then convert_image_to_patches's order, cast in the copy."""
+        h, w, c = frame.shape
+        p = self.patch
+        values = frame.to(torch.float32).mul_(self.scale)
+        out = torch.empty(((h // p) * (w // p), p * p * c), dtype=dtype, device=frame.device)
+        out.view(h // p, w // p, p, p, c).copy_(values.view(h // p, p, w // p, p, c).permute(0, 2, 1, 3, 4))
         return out
 
 

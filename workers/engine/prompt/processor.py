@@ -67,6 +67,14 @@ class FamilyImages(Protocol):
         """An RGB image's patch rows (float32) and grid; a PIL image or [H, W, 3] uint8 pixels."""
         ...
 
+    # Where set, what a tokenizer writes instead of rows: ``frame``'s resized uint8 image, made into the same rows on
+    # the model worker's device by this layout (pixel_frames.py). None: rows.
+    frame_layout: FrameLayout | None
+
+    def frame(self, image: Image.Image | np.ndarray, budget: int) -> tuple[torch.Tensor, Grid]:
+        """An RGB image's resized uint8 frame [H, W, C] (contiguous) and grid."""
+        ...
+
 
 @dataclass(frozen=True)
 class ProcessedImage:
@@ -221,7 +229,7 @@ class MMProcessor:
         if self.images is not None:
             if size is not None:
                 raise ValueError(f"{self.info.family} images take a token budget, not a pixel range")
-            return self._family_image(image, image_hash, budget)
+            return self._family_image(image, image_hash, budget, frame)
         self.budget(budget)  # refuses a budget for a family without them
         # Each fast path is checked on the first such call (the offline Engine never asks for one).
         uint8_frames = self.uint8_frames if frame else None
@@ -253,36 +261,43 @@ class MMProcessor:
             uint8=uint8,
         )
 
-    def _family_image(self, image: Image.Image | np.ndarray, image_hash: bytes | None, budget: int | None) -> ProcessedImage:
-        """`process_image` through the family's own image side: always patch rows (no frame fast paths)."""
+    def _family_image(
+        self, image: Image.Image | np.ndarray, image_hash: bytes | None, budget: int | None, frame: bool = False
+    ) -> ProcessedImage:
+        """`process_image` through the family's own image side: patch rows, or with ``frame`` the resized uint8 frame
+        where the family has a frame layout."""
         assert self.images is not None
         rgb = image if isinstance(image, np.ndarray) or image.mode == "RGB" else image.convert("RGB")
         checked = self.budget(budget)
         assert checked is not None
-        rows, grid = self.images.rows(rgb, checked)
+        uint8 = frame and self.images.frame_layout is not None
+        pixels, grid = self.images.frame(rgb, checked) if uint8 else self.images.rows(rgb, checked)
         if image_hash is None:
             image_hash = self.hash_image(Image.fromarray(rgb, "RGB") if isinstance(rgb, np.ndarray) else rgb, checked)
         return ProcessedImage(
             hash=image_hash,
             grid=grid,
             num_tokens=self.tokens_for_grid(grid),
-            pixel_values=rows,
+            pixel_values=pixels,
+            frame=self._geometry if uint8 else None,
+            uint8=uint8,
         )
 
     @cached_property
     def uint8_frames(self) -> tuple[FrameLayout, Any] | None:
-        """The layout of this processor's images as uint8 frames in shm, and the processor copy that makes them;
-        None where its rows would not come out the same bits (then frames are normalised, or rows), and for a family
-        with its own image side (which writes rows)."""
+        """The layout of this processor's images as uint8 frames in shm, and the processor copy that makes them
+        (None for a family with its own image side, which makes its frames itself: its layout, or None, is its own
+        ``frame_layout``); None where its rows would not come out the same bits (then frames are normalised, or
+        rows)."""
         if self.images is not None:
-            return None
+            return (self.images.frame_layout, None) if self.images.frame_layout is not None else None
         return frame_layout(self.image_processor, self.merge)
 
     @cached_property
     def _frame_resizer(self) -> FrameResizer | None:
         """`frame_resizer` for this processor's uint8 frames, checked on first use; None where it does not apply."""
         frames = self.uint8_frames
-        if frames is None:
+        if frames is None or frames[1] is None:  # (a family with its own image side resizes its frames itself)
             return None
         return frame_resizer(
             self.image_processor, self.merge, frames[1], self._resize_pool, self._resize_strips, self.image_grid

@@ -20,6 +20,7 @@ from transformers import AutoImageProcessor
 from ipc.steps import EmbeddingImport, EncodeItem, EncodeJob
 from workers.engine.core.mm_cache import EmbeddingStore
 from workers.engine.layers.linear import TPGroup
+from workers.engine.models import family as family_package, load_spec
 from workers.engine.models.base import VLModel
 from workers.engine.prompt.pixel_frames import FrameLayout, layout_of
 from workers.engine.runner.batching import group_by_patches, patches, pixel_rows, split_by_patches
@@ -137,7 +138,9 @@ def _frame_layout(model: str, merge: int) -> FrameLayout | None:
     """The numbers that make a uint8 frame into rows. A tokenizer writes frames only where its own check found them
     the processor's bits, so the worker needs the numbers, not the check."""
     try:
-        return layout_of(AutoImageProcessor.from_pretrained(model), merge)
+        ip = AutoImageProcessor.from_pretrained(model)
+        own = family_package(load_spec(model).family).frame_layout  # a family with its own image side
+        return own(ip, merge) if own is not None else layout_of(ip, merge)
     except Exception as exc:  # a checkpoint without an image processor: its tokenizers write no frames either
         log.info("no uint8 frame layout for %s: %s", model, exc)
         return None

@@ -21,6 +21,7 @@ from tests.conftest import noise_image
 from workers.engine.models.gemma4.demo import write_gemma4
 from workers.engine.models.gemma4.processing import Gemma4Images
 from workers.engine.prompt.processor import ImageInfo, MMProcessor, pad_value
+from workers.engine.runner.encoder import _frame_layout
 
 # (width, height): landscape, portrait, slivers both ways (the processor's 0-side fallbacks), odd sizes, a size that
 # is already a multiple of 48 px and fits (no resize at all), one pixel (scaled up to the budget).
@@ -128,9 +129,32 @@ def test_hashes_differ_between_budgets(gemma: MMProcessor) -> None:
     assert gemma.media_hash(raw, 70) != by_budget[70]
 
 
-def test_family_images_take_no_frame_fast_path(gemma: MMProcessor) -> None:
-    assert gemma.uint8_frames is None and gemma._frames is None
-    assert gemma.process_image(noise_image(200, 150), frame=True).frame is None  # rows, as without ``frame``
+@pytest.mark.parametrize("size", SIZES[:5])
+def test_a_tokenizer_writes_the_resized_uint8_frame_that_makes_the_processors_rows(
+    gemma: MMProcessor, gemma4_model_dir: Path, size: tuple[int, int]
+) -> None:
+    """With ``frame`` (a tokenizer's write) the segment holds the resized uint8 image, [H, W, 3], half the bytes of bf16
+    rows; the model worker's layout (its own, from the checkpoint) makes it into the processor's rows, bit for bit,
+    in float32 and as the model dtype's cast of them. The Qwen-style frame paths are not taken."""
+    image = noise_image(*size, seed=11 * sum(size))
+    got = gemma.process_image(np.array(image), image_hash=bytes(16), frame=True, budget=140)
+    assert got.uint8 and got.pixel_values.dtype == torch.uint8 and gemma._frames is None
+    assert gemma.uint8_frames is not None
+    layout = gemma.uint8_frames[0]
+    assert tuple(got.pixel_values.shape) == layout.shape(got.grid) and got.pixel_values.is_contiguous()
+    want = reference(gemma, image, 140)["pixel_values"][0, : got.grid[1] * got.grid[2]]
+    worker = _frame_layout(str(gemma4_model_dir), 3)  # what a model worker builds for the segment's frames
+    assert worker == layout
+    assert torch.equal(worker.rows(got.pixel_values, torch.float32), want)
+    assert torch.equal(worker.rows(got.pixel_values, torch.bfloat16), want.to(torch.bfloat16))
+    assert got.num_tokens == gemma.process_image(image, budget=140).num_tokens  # the same image as rows
+
+
+def test_a_processor_configured_otherwise_writes_rows_not_frames(gemma: MMProcessor) -> None:
+    changed = copy.deepcopy(gemma.hf)
+    changed.image_processor.do_normalize = True
+    images = Gemma4Images(changed, gemma.info)
+    assert images.frame_layout is None and not images.fast
 
 
 def _conversation(images: list[Image.Image]) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from workers.engine.models.base import ModelFamily, ModelSpec, builder, spec_from, tower_builder
 from workers.engine.models.gemma4.lm import Gemma4LanguageModel
-from workers.engine.models.gemma4.processing import Gemma4Images
+from workers.engine.models.gemma4.processing import Gemma4Images, frame_layout_of
 from workers.engine.models.gemma4.spec import TextSpec
 from workers.engine.models.gemma4.vision import VisionSpec, build_vision
 from workers.engine.models.linear_positions import linear_delta, linear_positions
@@ -60,5 +60,6 @@ FAMILY = ModelFamily(
     write_demo=write_demo,
     description="Gemma 4 dense and MoE (sliding-window + global attention, per-image token budgets)",
     images=Gemma4Images,
+    frame_layout=frame_layout_of,
     build_tower=tower_builder(build_vision),
 )

@@ -9,12 +9,14 @@ normalisation: the tower maps [0, 1] to [-1, 1] itself). The processor pads ever
 tower (vision.py) takes the real rows alone, so the padding is cut here. In the prompt an image is ``<|image>``, its
 soft tokens, ``<image|>`` (transformers' ``Gemma4Processor.replace_image_token``).
 
-The rows come from the processor's own steps taken directly (``fast_rows``): the same torchvision resize of the uint8
-image, then the patchify and the rescale written once into the rows, where the processor converts a PIL image to a
-tensor, rescales a float copy, patchifies another, pads to the budget and stacks a third. A 1080p JPEG's rows at the
-default budget took 87 ms through the processor (its PIL conversion 21, rescale 24, padding 27) on the 2-core box,
-on a fresh image's time to first token. The bits are the processor's: checked on test images when the class is built
-(``fast_matches``), and a processor configured otherwise (another resample, a normalisation) keeps its own call.
+The processor's own steps are taken directly: the same torchvision resize of the uint8 image (``resized``), then the
+rescale and the patchify written once into the rows (pixel_frames.py ``FrameLayout`` in its "rows" order), where the
+processor converts a PIL image to a tensor, rescales a float copy, patchifies another, pads to the budget and stacks
+a third (a fresh 1080p JPEG's rows: 21.9 against 13.4 ms at the default budget, 100.9 against 37.0 at 1120, 2-core
+box, `python -m benchmarks.request_path.fresh_image_bench`). A tokenizer writes the resized uint8 frame itself to
+shared memory (``frame``: half the bytes of bf16 rows, and no float work), which the model worker makes into the
+same rows on its device. The bits are the processor's: checked on test images when the class is built
+(``fast_matches``); a processor configured otherwise (another resample, a normalisation) keeps its own call and rows.
 """
 
 from __future__ import annotations
@@ -30,11 +32,22 @@ from transformers.image_utils import PILImageResampling
 from transformers.models.gemma4.image_processing_gemma4 import get_aspect_ratio_preserving_size
 
 from workers.engine.models.base import ModelSpec
+from workers.engine.prompt.pixel_frames import FrameLayout
 
 # transformers' Gemma4ImageProcessor refuses any other max_soft_tokens.
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 
 Grid = tuple[int, int, int]
+
+
+def frame_layout_of(ip: Any, pooling: int) -> FrameLayout | None:
+    """The uint8-frame layout of a Gemma 4 image processor configured as published (bicubic resize, a rescale, no
+    normalisation), else None: the numbers a model worker needs to make a frame into rows (the family's
+    ``frame_layout`` hook). Whether the tokenizer writes frames at all is ``Gemma4Images.fast``, checked on pixels."""
+    if not (ip.do_resize and ip.do_rescale and not ip.do_normalize and ip.resample == PILImageResampling.BICUBIC):
+        return None
+    return FrameLayout(int(ip.patch_size), pooling, 1, (0.0,) * 3, (1.0,) * 3, order="rows",
+                       scale=float(ip.rescale_factor))
 
 
 class Gemma4Images:
@@ -58,8 +71,10 @@ class Gemma4Images:
             int(tokenizer.convert_tokens_to_ids(hf_processor.boi_token)),
             int(tokenizer.convert_tokens_to_ids(hf_processor.eoi_token)),
         )
-        self.rescale = float(ip.rescale_factor)
+        self.frame_layout = frame_layout_of(ip, self.pooling)
         self.fast = self.fast_matches()
+        if not self.fast:
+            self.frame_layout = None  # the tokenizer writes the processor's rows; no frames
 
     def grid(self, width: int, height: int, budget: int) -> Grid:
         """The (1, h, w) patch grid of an image of this size at ``budget``, by the processor's own arithmetic (no
@@ -78,8 +93,19 @@ class Gemma4Images:
             return self.fast_rows(np.asarray(image), budget)
         return self.processor_rows(image if isinstance(image, Image.Image) else Image.fromarray(image, "RGB"), budget)
 
+    def frame(self, image: Image.Image | np.ndarray, budget: int) -> tuple[Tensor, Grid]:
+        """The resized uint8 frame [H, W, 3] (contiguous: a segment's layout) the rows are cut from, and the grid;
+        only where ``frame_layout`` is set."""
+        chw, grid = self.resized(np.asarray(image), budget)
+        return chw.permute(1, 2, 0).contiguous(), grid
+
     def fast_rows(self, pixels: np.ndarray, budget: int) -> tuple[Tensor, Grid]:
         """``rows`` from [H, W, 3] uint8 RGB pixels by the processor's steps (module docstring)."""
+        chw, grid = self.resized(pixels, budget)
+        return self._layout().rows(chw.permute(1, 2, 0), torch.float32), grid
+
+    def resized(self, pixels: np.ndarray, budget: int) -> tuple[Tensor, Grid]:
+        """The processor's resize of [H, W, 3] uint8 pixels to the grid at ``budget``: [3, H', W'] uint8."""
         height, width = pixels.shape[:2]
         grid = self.grid(width, height, budget)
         p, (_, gh, gw) = self.patch, grid
@@ -89,11 +115,13 @@ class Gemma4Images:
         chw = torch.from_numpy(planes if planes.flags.writeable else planes.copy())
         if (gh * p, gw * p) != (height, width):
             chw = tvF.resize(chw, [gh * p, gw * p], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
-        rows = torch.empty((gh * gw, p * p * 3), dtype=torch.float32)
-        # convert_image_to_patches's [gh, gw, y, x, channel] order, widened to float32 in the same copy; then the
-        # processor's ``image * rescale_factor`` in float32 (elementwise, so its order of work does not change a bit).
-        rows.view(gh, gw, p, p, 3).copy_(chw.unflatten(2, (gw, p)).unflatten(1, (gh, p)).permute(1, 3, 2, 4, 0))
-        return rows.mul_(self.rescale), grid
+        return chw, grid
+
+    def _layout(self) -> FrameLayout:
+        layout = frame_layout_of(self.image_processor, self.pooling)
+        if layout is None:
+            raise ValueError("this image processor's configuration has no fast path")
+        return layout
 
     def processor_rows(self, image: Image.Image, budget: int) -> tuple[Tensor, Grid]:
         """``rows`` through the processor's own call, with its padding rows cut."""
@@ -115,8 +143,7 @@ class Gemma4Images:
         """Whether ``fast_rows`` gives the processor's rows bit for bit here: its configuration is the one the fast
         path repeats, and on test images that are shrunk, enlarged and already at a grid size it computes the same
         bits (a transformers or torchvision that changed a step would show here, not in served answers)."""
-        ip = self.image_processor
-        if not (ip.do_resize and ip.do_rescale and not ip.do_normalize and ip.resample == PILImageResampling.BICUBIC):
+        if self.frame_layout is None:
             return False
         gen = np.random.default_rng(0)
         budget = min(self.budgets)
