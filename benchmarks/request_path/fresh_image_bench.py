@@ -12,7 +12,7 @@ threads set as a tokenizer sets them (cores / ``--tokenizers``):
   and faulted in beforehand;
 - admit: msgspec decoding a round-8 body (eight 1080p data URLs), and blake3 over its eight URLs;
 - gemma4 rows: Gemma 4's patch rows at a budget from decoded pixels, through transformers' processor against
-  `Gemma4Images.fast_rows` (the bits are checked equal).
+  `Gemma4Images.fast_rows` (the bits are checked equal), and the uint8 frame a tokenizer writes instead (`frame`).
 
     python -m benchmarks.request_path.fresh_image_bench --count 20
 """
@@ -132,9 +132,13 @@ def main() -> None:
         def fast(i: int, budget: int = budget) -> Any:
             return gemma.fast_rows(np.asarray(decoded[i % len(decoded)]), budget)
 
+        def served(i: int, budget: int = budget) -> Any:
+            return gemma.frame(np.asarray(decoded[i % len(decoded)]), budget)
+
         same = all(torch.equal(processor(i)[0], fast(i)[0]) for i in range(len(decoded)))
         rows.append(("gemma4", f"budget {budget}: processor", median_ms(processor, args.count)))
         rows.append(("gemma4", f"budget {budget}: fast_rows, bits {'equal' if same else 'DIFFER'}", median_ms(fast, args.count)))
+        rows.append(("gemma4", f"budget {budget}: uint8 frame (served)", median_ms(served, args.count)))
 
     print(f"\nfresh 1080p JPEG stages: median of {args.count}, {os.cpu_count()} cores, torch threads {share}")
     print(f"{'stage':<8} {'variant':<44} {'ms':>7}")

@@ -12,10 +12,10 @@ soft tokens, ``<image|>`` (transformers' ``Gemma4Processor.replace_image_token``
 The processor's own steps are taken directly: the same torchvision resize of the uint8 image (``resized``), then the
 rescale and the patchify written once into the rows (pixel_frames.py ``FrameLayout`` in its "rows" order), where the
 processor converts a PIL image to a tensor, rescales a float copy, patchifies another, pads to the budget and stacks
-a third (a fresh 1080p JPEG's rows: 21.9 against 13.4 ms at the default budget, 100.9 against 37.0 at 1120, 2-core
-box, `python -m benchmarks.request_path.fresh_image_bench`). A tokenizer writes the resized uint8 frame itself to
-shared memory (``frame``: half the bytes of bf16 rows, and no float work), which the model worker makes into the
-same rows on its device. The bits are the processor's: checked on test images when the class is built
+a third. A tokenizer writes the resized uint8 frame itself to shared memory (``frame``: half the bytes of bf16 rows,
+and no float work), which the model worker makes into the same rows on its device. A fresh 1080p JPEG took 21.9-26.4
+ms through the processor and 10.9 as a frame at the default budget, 81.8-100.9 against 22.0 at 1120 (2-core box,
+`python -m benchmarks.request_path.fresh_image_bench`). The bits are the processor's: checked on test images when the class is built
 (``fast_matches``); a processor configured otherwise (another resample, a normalisation) keeps its own call and rows.
 """
 
