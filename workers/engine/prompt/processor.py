@@ -68,7 +68,7 @@ class FamilyImages(Protocol):
         ...
 
     # Where set, what a tokenizer writes instead of rows: ``frame``'s resized uint8 image, made into the same rows on
-    # the model worker's device by this layout (pixel_frames.py). None: rows.
+    # the model worker's device by this layout (models/frame_layout.py). None: rows.
     frame_layout: FrameLayout | None
 
     def frame(self, image: Image.Image | np.ndarray, budget: int) -> tuple[torch.Tensor, Grid]:
@@ -297,7 +297,7 @@ class MMProcessor:
     def _frame_resizer(self) -> FrameResizer | None:
         """`frame_resizer` for this processor's uint8 frames, checked on first use; None where it does not apply."""
         frames = self.uint8_frames
-        if frames is None or frames[1] is None:  # (a family with its own image side resizes its frames itself)
+        if frames is None:
             return None
         return frame_resizer(
             self.image_processor, self.merge, frames[1], self._resize_pool, self._resize_strips, self.image_grid

@@ -10,7 +10,7 @@ tower (vision.py) takes the real rows alone, so the padding is cut here. In the 
 soft tokens, ``<image|>`` (transformers' ``Gemma4Processor.replace_image_token``).
 
 The processor's own steps are taken directly: the same torchvision resize of the uint8 image (``resized``), then the
-rescale and the patchify written once into the rows (pixel_frames.py ``FrameLayout`` in its "rows" order), where the
+rescale and the patchify written once into the rows (frame_layout.py ``FrameLayout`` in its "rows" order), where the
 processor converts a PIL image to a tensor, rescales a float copy, patchifies another, pads to the budget and stacks
 a third. A tokenizer writes the resized uint8 frame itself to shared memory (``frame``: half the bytes of bf16 rows,
 and no float work), which the model worker makes into the same rows on its device. A fresh 1080p JPEG took 21.9-26.4
@@ -71,10 +71,14 @@ class Gemma4Images:
             int(tokenizer.convert_tokens_to_ids(hf_processor.boi_token)),
             int(tokenizer.convert_tokens_to_ids(hf_processor.eoi_token)),
         )
-        self.frame_layout = frame_layout_of(ip, self.pooling)
-        self.fast = self.fast_matches()
-        if not self.fast:
-            self.frame_layout = None  # the tokenizer writes the processor's rows; no frames
+        # The layout the configuration gives; served (``frame_layout``) only once it matched the processor's bits.
+        self._configured = frame_layout_of(ip, self.pooling)
+        self.frame_layout = self._configured if self.fast_matches() else None
+
+    @property
+    def fast(self) -> bool:
+        """Whether images take the processor's steps directly (rows and frames), not the processor's own call."""
+        return self.frame_layout is not None
 
     def grid(self, width: int, height: int, budget: int) -> Grid:
         """The (1, h, w) patch grid of an image of this size at ``budget``, by the processor's own arithmetic (no
@@ -102,7 +106,9 @@ class Gemma4Images:
     def fast_rows(self, pixels: np.ndarray, budget: int) -> tuple[Tensor, Grid]:
         """``rows`` from [H, W, 3] uint8 RGB pixels by the processor's steps (module docstring)."""
         chw, grid = self.resized(pixels, budget)
-        return self._layout().rows(chw.permute(1, 2, 0), torch.float32), grid
+        if self._configured is None:
+            raise ValueError("this image processor's configuration has no fast path")
+        return self._configured.rows(chw.permute(1, 2, 0), torch.float32), grid
 
     def resized(self, pixels: np.ndarray, budget: int) -> tuple[Tensor, Grid]:
         """The processor's resize of [H, W, 3] uint8 pixels to the grid at ``budget``: [3, H', W'] uint8."""
@@ -116,12 +122,6 @@ class Gemma4Images:
         if (gh * p, gw * p) != (height, width):
             chw = tvF.resize(chw, [gh * p, gw * p], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
         return chw, grid
-
-    def _layout(self) -> FrameLayout:
-        layout = frame_layout_of(self.image_processor, self.pooling)
-        if layout is None:
-            raise ValueError("this image processor's configuration has no fast path")
-        return layout
 
     def processor_rows(self, image: Image.Image, budget: int) -> tuple[Tensor, Grid]:
         """``rows`` through the processor's own call, with its padding rows cut."""
@@ -143,7 +143,7 @@ class Gemma4Images:
         """Whether ``fast_rows`` gives the processor's rows bit for bit here: its configuration is the one the fast
         path repeats, and on test images that are shrunk, enlarged and already at a grid size it computes the same
         bits (a transformers or torchvision that changed a step would show here, not in served answers)."""
-        if self.frame_layout is None:
+        if self._configured is None:
             return False
         gen = np.random.default_rng(0)
         budget = min(self.budgets)
