@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import fused
 from workers.engine.models.gemma4.vision import Gemma4VisionTower, VisionSpec, build_vision
 from workers.engine.models.loader import fill_dummy_weights
 
@@ -143,6 +144,26 @@ def test_matches_transformers(variant: str, max_soft_tokens: int) -> None:
     assert ours.shape == (sum(batch["num_soft_tokens_per_image"]), TEXT_HIDDEN)
     assert [tower.tokens_per_image(g) for g in grids] == list(batch["num_soft_tokens_per_image"])
     _close(ours, expected)
+
+
+@pytest.mark.parametrize("variant", ["plain", "clipped"])
+def test_compiled_layer_pieces_match_transformers(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's encoder layers (vision_fused.py: two compiled pieces around attention, clamps and norms
+    folded in), compiled here on the CPU in float32 and taken as the tower takes them on CUDA: still transformers'
+    soft tokens, and the pieces did run (the layers' own forward is never called)."""
+    vision, embed = _reference(variant)
+    batch = _processed(_images(), 70)
+    rows, grids = _unpadded(batch)
+    tower = _tower(variant, _hub_weights(vision, embed))
+    assert fused.enable(tower) > 0
+    monkeypatch.setattr(fused, "worth_it", lambda x: True)  # the tower's CUDA-only gate
+    for layer in tower.vision_tower.encoder.layers:
+        monkeypatch.setattr(layer, "forward", _never)
+    _close(tower(rows, grids), _expected(vision, embed, batch))
+
+
+def _never(*args: Any) -> Tensor:
+    raise AssertionError("the layer's eager forward ran instead of the compiled pieces")
 
 
 def test_clip_bounds_and_standardization_take_part() -> None:

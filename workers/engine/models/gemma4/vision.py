@@ -16,14 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal, NamedTuple, Self
+from typing import Any, Literal, NamedTuple, Self, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.engine.kernels import fused
 from workers.engine.layers.vision_attention import Segments
 from workers.engine.layers.vit_plans import CallPlans
+from workers.engine.models.gemma4.vision_fused import fused_layer
 from workers.engine.models.gemma4.vision_layers import (
     CLIP_DEFAULTS,
     ClippableLinear,
@@ -35,6 +37,9 @@ from workers.engine.models.qwen_vit import activation
 
 AttnBackend = Literal["sdpa", "flash", "auto"]
 DEFAULT_TEXT_HIDDEN = 2304  # Gemma4TextConfig's hidden_size, where config.json has no text_config
+# With fused kernels on (CUDA): each encoder layer as two compiled pieces around attention (vision_fused.py); False
+# keeps the layer's own forward, its elementwise runs compiled one by one (the benchmark's "fused ops" variant).
+LAYER_PIECES = True
 
 
 @dataclass(frozen=True)
@@ -295,8 +300,14 @@ class Gemma4VisionTower(nn.Module):
         tower = self.vision_tower
         x = tower.patch_embedder(pixels, plan.xs, plan.ys)
         flash = use_flash(x, self.attn_backend)
-        for layer in tower.encoder.layers:
-            x = layer(x, plan.seg, plan.cos, plan.sin, flash)
+        layers = tower.encoder.layers
+        if LAYER_PIECES and len(layers) and layers[0].fused and fused.worth_it(x):
+            act = self.spec.hidden_activation
+            for layer in layers:
+                x = fused_layer(cast(EncoderLayer, layer), x, plan.seg, plan.cos, plan.sin, flash, act)
+        else:
+            for layer in layers:
+                x = layer(x, plan.seg, plan.cos, plan.sin, flash)
         # Pooler: the k*k patches of each token averaged in float32 (transformers' one-hot weights of 1/k^2), cast
         # back to the working dtype, then scaled by sqrt(hidden) in float32 (it can leave float16's range).
         blocks = x[plan.pool_order].view(-1, self._unit, x.shape[-1]).float()
