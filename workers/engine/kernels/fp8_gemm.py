@@ -11,7 +11,9 @@ Variants (``GLIMPSE_FP8_GEMM``, read once per process):
   widened in registers, activations stay bf16, no quantization kernels); above that the native kernel where torch has
   one for the device and the weight's scales, else ``dequant``. Channel scales: ``torch._scaled_mm`` row-wise
   (activations quantized per token). 128 x 128 block scales: ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128
-  (activations quantized per 1 x 128 token group; cuBLAS on Hopper). Routed experts: ``torch._scaled_grouped_mm``
+  (activations quantized per 1 x 128 token group; cuBLAS on Hopper). From COMPILED_QUANT_MIN_ROWS rows the
+  activations' quantization is one compiled kernel: at 8,192 rows it took block qkv from 0.784 to 0.365 ms (bf16
+  0.516) and row-wise down from 1.794 to 0.795 (bf16 1.011) on an H200 (``fp8_gemm_bench --eager``, session 35). Routed experts: ``torch._scaled_grouped_mm``
   row-wise (at decode rows moe_kernel.py's Triton kernels, which read the FP8 stacks weight-only). Not yet measured with w8a16 (``fp8_gemm_bench`` has its column); the threshold is a guess until then.
 * ``w8a16``: the weight-only Triton kernel at every row count (prefill chunks too, tiled along M): what the
   benchmark compares at every M, and weight-only FP8 end to end. Routed experts stay in the model dtype (the
@@ -40,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels import w8a16_gemm
+from workers.engine.kernels import fused, w8a16_gemm
 from workers.engine.kernels.fp8_quant import (
     BLOCK,
     dequantize,
@@ -60,6 +62,37 @@ _refused: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()  # (kernel, 
 # the scaled-FP8 kernels lost to bf16 (docs/benchmarks.md, "FP8 GEMMs"). A guess until fp8_gemm_bench measures
 # where w8a16 stops beating them.
 W8A16_MAX_ROWS = 16
+# Rows from which the activations' quantization runs as one compiled kernel (fused.py) instead of torch's six or seven
+# ops with float32 copies between them. Below it the eager ops stay: a symbolic-rows graph from torch.compile covers
+# every count from 2 up, but a count of 1 would compile a graph of its own at serving time.
+COMPILED_QUANT_MIN_ROWS = 32
+
+
+def _compiled_quant(x: Tensor) -> bool:
+    """Whether x's quantization takes the compiled kernel: CUDA, enough rows, and not inside a CUDA-graph capture
+    (nothing may compile there; the captured steps are small ones)."""
+    return x.is_cuda and x.shape[0] >= COMPILED_QUANT_MIN_ROWS and not torch.cuda.is_current_stream_capturing()
+
+
+def _quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
+    if _compiled_quant(x):
+        out: tuple[Tensor, Tensor] = fused.compiled(quantize_tokens)(x)
+        return out
+    return quantize_tokens(x)
+
+
+def fp8_block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``quantize_token_groups(x, BLOCK)`` with the scales laid out as cuBLAS's block-scaled GEMM takes them
+    (token-major: [M, K / 128] with stride (1, M))."""
+    q, scale = quantize_token_groups(x, BLOCK)
+    return q, scale.t().contiguous().t()
+
+
+def _quantize_block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    if _compiled_quant(x):
+        out: tuple[Tensor, Tensor] = fused.compiled(fp8_block_activations)(x)
+        return out
+    return fp8_block_activations(x)
 
 
 def variant() -> Variant:
@@ -111,7 +144,7 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None
 
 def rowwise_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [M, K] quantized per token, weight [N, K] fp8 with per-row scales [N, 1]: one ``torch._scaled_mm``."""
-    q, sx = quantize_tokens(x)
+    q, sx = _quantize_tokens(x)
     out: Tensor = torch._scaled_mm(
         q, weight.t(), scale_a=sx, scale_b=scale.reshape(1, -1).float(), bias=bias, out_dtype=x.dtype
     )
@@ -135,19 +168,21 @@ def block_linear(
 ) -> Tensor:
     """x [M, K] quantized per 1 x 128 group, weight [N, K] fp8 with 128 x 128 block scales (or row-block scales,
     recipe BlockWise1x128 for both operands): cuBLAS's block-scaled GEMM through ``F.scaled_mm``. cuBLAS takes the
-    activation scales token-major with M a multiple of 4 (rows are zero-padded) and the weight's K blocks padded
-    to a multiple of 4. ``layout``: which of ``_B_SCALE_LAYOUTS`` (default: the one the probe chose)."""
+    activation scales token-major with M a multiple of 4 (rows are zero-padded) and, for 128 x 128 tiles, the
+    weight's K blocks padded to a multiple of 4. ``layout``: which of ``_B_SCALE_LAYOUTS`` (default: the one the probe chose)."""
     kind = scale_kind(weight, scale)
     m = x.shape[0]
     xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
-    q, sx = quantize_token_groups(xp, BLOCK)
+    q, sx = _quantize_block_activations(xp)
     kb = scale.shape[1]
-    sw = F.pad(scale.float(), (0, -kb % 4)) if kb % 4 else scale.float()
+    # 128 x 128 scales go in with their K blocks padded to a multiple of 4; row-block (1 x 128) ones as they are
+    # (torch 2.11 refuses a padded [N, 4] for K = 256: "scale_b must have shape 256 x 2").
+    sw = F.pad(scale.float(), (0, -kb % 4)) if kb % 4 and kind == "block" else scale.float()
     arrange = _B_SCALE_LAYOUTS[_chosen_layout.get(kind, 0) if layout is None else layout]
     out: Tensor = F.scaled_mm(
         q,
         weight.t(),
-        sx.t().contiguous().t(),
+        sx,
         F.ScalingType.BlockWise1x128,
         arrange(sw),
         F.ScalingType.BlockWise128x128 if kind == "block" else F.ScalingType.BlockWise1x128,
@@ -290,7 +325,7 @@ def grouped_usable(x: Tensor, weight: Tensor) -> bool:
 def grouped_mm(rows: Tensor, weight: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
     """rows [R, K] (grouped by expert, group ends ``offs``) times each expert's fp8 weight [E, N, K] with per-row
     scales [E, N, 1]: ``torch._scaled_grouped_mm`` row-wise, activations quantized per token."""
-    q, sx = quantize_tokens(rows)
+    q, sx = _quantize_tokens(rows)
     out: Tensor = torch._scaled_grouped_mm(
         q,
         weight.transpose(1, 2),

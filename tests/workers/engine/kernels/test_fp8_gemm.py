@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engine.kernels import fp8_gemm
+from workers.engine.kernels import fp8_gemm, fused
 from workers.engine.kernels.fp8_quant import (
     FP8,
     FP8_MAX,
@@ -53,6 +53,21 @@ def test_activation_quantization_per_token_and_per_group() -> None:
     assert gs.shape == (4, 2)
     assert torch.equal(g[:, 128:].float().abs().amax(dim=1), torch.full((4,), FP8_MAX))
     assert torch.allclose(g.float().view(4, 2, 128) * gs[..., None], x.view(4, 2, 128), rtol=0.07, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [40, 97])
+def test_compiled_activation_quantization_is_the_eager_one_bit_for_bit(rows: int) -> None:
+    """What the CUDA GEMMs run from COMPILED_QUANT_MIN_ROWS rows (one compiled kernel, fused.py), compiled here on the
+    CPU: the same fp8 values and scales as the eager ops, bf16 and float32 inputs, the block scales token-major."""
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (weight(rows, 384, seed=7) * 30).to(dtype)
+        x[3, :128] = 0  # a zero group keeps a finite scale
+        for fn in (quantize_tokens, fp8_gemm.fp8_block_activations):
+            (q, s), (cq, cs) = fn(x), fused.compiled(fn)(x)
+            assert torch.equal(cq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(cs, s)
+            assert cs.stride() == s.stride()
+    _, scales = fp8_gemm.fp8_block_activations(x)
+    assert scales.shape == (rows, 3) and scales.stride() == (1, rows)
 
 
 def test_rowwise_scaled_mm_equals_the_quantized_operands_multiplied_out() -> None:
@@ -107,7 +122,8 @@ GPU_TOLERANCE = 0.03
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA_FP8, reason="needs a Hopper-class CUDA device")
 @pytest.mark.parametrize("m", [1, 16, 512])
-def test_native_kernels_match_the_dequantized_gemm_on_gpu(m: int) -> None:
+def test_native_kernels_match_the_dequantized_gemm_on_gpu(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fp8_gemm.VARIANT_ENV, "auto")  # the default (bf16) has no native kernel
     x = weight(m, 1024, seed=7).to("cuda", torch.bfloat16)
     w = weight(2048, 1024, seed=8).cuda()
     qb, sb = quantize_block(w)

@@ -162,6 +162,21 @@ def test_compiled_layer_pieces_match_transformers(variant: str, monkeypatch: pyt
     _close(tower(rows, grids), _expected(vision, embed, batch))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_layer_pieces_give_the_eager_towers_rows() -> None:
+    """On CUDA in float32 the served path (fused on: the layer pieces, compiled for the card) gives the eager tower's
+    rows, clipped variant, three images in one call."""
+    vision, embed = _reference("clipped")
+    batch = _processed(_images(), 70)
+    rows, grids = _unpadded(batch)
+    tower = build_vision(VisionSpec.from_hf_config(_config("clipped")), dtype=torch.float32, device="cuda")
+    tower.load_weights(_hub_weights(vision, embed))
+    eager = tower(rows.cuda(), grids)
+    assert fused.enable(tower) > 0
+    _close(tower(rows.cuda(), grids).cpu(), eager.cpu(), atol=1e-4)
+
+
 def _never(*args: Any) -> Tensor:
     raise AssertionError("the layer's eager forward ran instead of the compiled pieces")
 
