@@ -24,6 +24,7 @@ from ipc.shm import ShmError, ShmFullError, ShmSegment, segment_name
 from ipc.steps import EncodeItem, EncodeJob
 from workers.encoder.cuda_landing import CudaLandingPool
 from workers.encoder.recent import RecentEntries
+from workers.encoder.warmup import warm_encoder_tower
 from workers.engine.config import EngineConfig
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
@@ -96,6 +97,7 @@ class EncoderTower:
     shm_landings: int = 0
     recent: RecentEntries | None = None  # a shared encoder's last entries (--encoder-cache-mb; None: none kept)
     reused: int = 0  # requests answered with an entry computed for another (earlier, or the same batch's)
+    fused: bool = False  # CUDA: whether the tower runs its fused kernels (set by the start-up warm-up)
 
     def __post_init__(self) -> None:
         cfg = self.engine
@@ -112,6 +114,8 @@ class EncoderTower:
                                     self.dtype)
         self.pixels.layout = self.vision.frame_layout
         self._names = itertools.count()
+        # CUDA: the fused kernels on and every first use paid before the worker says it is ready (warmup.py)
+        self.fused = self.device.type == "cuda" and warm_encoder_tower(self.tower, spec, cfg, self.dtype, self.device)
 
     @torch.inference_mode()
     def run(self, requests: list[EncodeRequest]) -> list[Answer]:

@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from workers.engine.kernels import (
     fused,
@@ -67,14 +68,19 @@ def warm_fused(runner: LoadedModel) -> None:
 def _run_every_fused_site(r: LoadedModel) -> None:
     # Three sizes per site: the first compiles static shapes, the second makes the row count symbolic, and 1 (a
     # lone decode) is specialised apart (fused.py). The (1, 6) query also compiles the paged decode kernel.
-    row, m = r.spec.patch_dim, r.merge
-    for grid in ((1, 2 * m, 2 * m), (1, 2 * m, 4 * m), (1, m, m)) if r.vision is not None else ():
-        r.model.encode(torch.zeros(patches(grid), row, dtype=r.dtype, device=r.device), [grid])
+    for grid in fused_grids(r.merge) if r.vision is not None else ():
+        r.model.encode(torch.zeros(patches(grid), r.spec.patch_dim, dtype=r.dtype, device=r.device), [grid])
     for query, seq in ((2, 2), (3, 5), (1, 6)):
         scratch = [r.num_blocks] * -(-seq // r.cfg.block_size)  # the spare block (ModelRunner.__init__): nothing live
         hidden_states = _forward(r, query, seq, scratch)
     # the LM head at a decode step's sampled rows (skinny_gemm's variant for its shape; eager, outside the graphs)
     r.model.compute_logits(hidden_states[-1:])
+
+
+def fused_grids(merge: int) -> tuple[tuple[int, int, int], ...]:
+    """The three ViT calls that compile a tower's fused sites: static shapes, then symbolic row counts, then the
+    smallest image (sides a multiple of the merge, as every family's tower takes them)."""
+    return (1, 2 * merge, 2 * merge), (1, 2 * merge, 4 * merge), (1, merge, merge)
 
 
 def probe_paged_decode(runner: LoadedModel, kv_dtype: torch.dtype) -> None:
@@ -93,14 +99,18 @@ def probe_paged_decode(runner: LoadedModel, kv_dtype: torch.dtype) -> None:
 @torch.inference_mode()
 def warm_vision_attention(runner: LoadedModel) -> None:
     """The ViT's full-attention kernels' first use, before "ready" (see `warm_cudnn_frames`); nothing without a tower."""
-    modules = runner.vision.modules() if runner.vision is not None else ()
-    attn = next((m for m in modules if isinstance(m, VisionAttention)), None)
+    warm_tower_attention(runner.vision, runner.device, runner.dtype)
+
+
+def warm_tower_attention(tower: nn.Module | None, device: torch.device, dtype: torch.dtype) -> None:
+    """`warm_vision_attention` for a tower on its own (a model worker's or an encoder worker's)."""
+    attn = next((m for m in tower.modules() if isinstance(m, VisionAttention)), None) if tower is not None else None
     if attn is None or attn.packed is not None:  # full blocks on FA3: no cuDNN to warm
         return
     started = time.perf_counter()
     try:
-        warm_cudnn_frames(attn, runner.device, runner.dtype)
-        torch.cuda.synchronize(runner.device)
+        warm_cudnn_frames(attn, device, dtype)
+        torch.cuda.synchronize(device)
     except Exception as exc:  # a warm-up only saves time: serve without it rather than not at all
         log.warning("vision attention warm-up failed: %s", exc, exc_info=True)
         return
@@ -153,15 +163,7 @@ def _warm_steps(
 ) -> tuple[list[int], list[int]]:
     """Run the ViT calls, then the prefill chunks; returns the patches of each ViT call and the tokens of each chunk.
     ``frame_side``: patches a side of the largest ladder frame; ``sizes``: images in pixels (tests take small ones)."""
-    unit = 2 * r.merge
-    side = max(unit, frame_side // unit * unit)
-    most = max(side * side, r.cfg.vit_max_patches // (side * side) * side * side)
-    calls = [_frames(int(most * share), side, unit) for share in _LADDER]
-    patch = getattr(r.spec.vision, "patch_size", 0)
-    for width, height in sizes if patch else ():
-        grid = size_grid(width, height, patch, r.merge)
-        fit = max(1, r.cfg.vit_max_patches // patches(grid))
-        calls += [[grid] * k for k in sorted({1, 2, 3, fit}) if k <= fit]
+    calls = vit_calls(r.merge, getattr(r.spec.vision, "patch_size", 0), r.cfg.vit_max_patches, frame_side, sizes)
     patches_done: list[int] = []
     # Without a tower (--encoder-workers) no ViT call runs: the chunks still splice image rows, as many as the
     # largest call's entry (zeros, as imported entries would be spliced).
@@ -178,6 +180,23 @@ def _warm_steps(
     for tokens in tokens_done:
         _prefill(r, tokens, mm_embeds)
     return patches_done, tokens_done
+
+
+def vit_calls(
+    merge: int, patch: int, vit_max_patches: int, frame_side: int = _PEAK_FRAME_SIDE,
+    sizes: tuple[tuple[int, int], ...] = COMMON_SIZES,
+) -> list[list[tuple[int, int, int]]]:  # fmt: skip
+    """The grids of the ViT calls the warm-up runs: frames of ``frame_side`` patches a side down `_LADDER` from as many
+    as a call takes, then 1, 2, 3 and as many as fit of each of ``sizes`` (none where the patch size is unknown)."""
+    unit = 2 * merge
+    side = max(unit, frame_side // unit * unit)
+    most = max(side * side, vit_max_patches // (side * side) * side * side)
+    calls = [_frames(int(most * share), side, unit) for share in _LADDER]
+    for width, height in sizes if patch else ():
+        grid = size_grid(width, height, patch, merge)
+        fit = max(1, vit_max_patches // patches(grid))
+        calls += [[grid] * k for k in sorted({1, 2, 3, fit}) if k <= fit]
+    return calls
 
 
 def chunk_ladder(longest: int) -> list[int]:
