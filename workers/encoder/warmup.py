@@ -20,10 +20,16 @@ import torch
 from torch import nn
 
 from workers.engine.config import EngineConfig
-from workers.engine.kernels import fused, silu_kernel, window_attention
+from workers.engine.kernels import fused
 from workers.engine.models.base import ModelSpec
 from workers.engine.runner.batching import patches
-from workers.engine.runner.warmup import fused_grids, vit_calls, warm_tower_attention
+from workers.engine.runner.warmup import (
+    fused_grids,
+    probe_tower_kernels,
+    run_vit_calls,
+    vit_calls,
+    warm_tower_attention,
+)
 
 log = logging.getLogger("glimpse.encoder")
 
@@ -35,14 +41,9 @@ def warm_encoder_tower(tower: nn.Module, spec: ModelSpec, cfg: EngineConfig, dty
     warm_tower_attention(tower, device, dtype)
     on = cfg.fused_kernels and _fused_on(tower, spec, dtype, device)
     started = time.perf_counter()
-    done: list[int] = []
     try:
         calls = vit_calls(spec.spatial_merge_size, getattr(spec.vision, "patch_size", 0), cfg.vit_max_patches)
-        for grids in sorted(calls, key=lambda g: -sum(map(patches, g))):
-            n = sum(map(patches, grids))
-            if n and n not in done:
-                tower(torch.zeros(n, spec.patch_dim, dtype=dtype, device=device), grids)
-                done.append(n)
+        done, _ = run_vit_calls(tower, calls, spec.patch_dim, dtype, device)
         torch.cuda.synchronize(device)
     except Exception as exc:  # torch.OutOfMemoryError included: the first large job will say so itself
         torch.cuda.empty_cache()
@@ -55,11 +56,7 @@ def warm_encoder_tower(tower: nn.Module, spec: ModelSpec, cfg: EngineConfig, dty
 
 def _fused_on(tower: nn.Module, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> bool:
     """Switch the tower's fused kernels on and compile them; eager (off) again if that fails."""
-    if not silu_kernel.probe(device, dtype):
-        log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel.SWITCH.why_off())
-    if not window_attention.probe(device, dtype):
-        log.warning("the Triton window attention is off (%s); FlashAttention varlen serves the ViT's windows",
-                    window_attention.SWITCH.why_off())
+    probe_tower_kernels(device, dtype)
     started = time.perf_counter()
     fused.enable(tower)
     try:

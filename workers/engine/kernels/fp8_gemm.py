@@ -68,17 +68,13 @@ W8A16_MAX_ROWS = 16
 COMPILED_QUANT_MIN_ROWS = 32
 
 
-def _compiled_quant(x: Tensor) -> bool:
-    """Whether x's quantization takes the compiled kernel: CUDA, enough rows, and not inside a CUDA-graph capture
-    (nothing may compile there; the captured steps are small ones)."""
-    return x.is_cuda and x.shape[0] >= COMPILED_QUANT_MIN_ROWS and not torch.cuda.is_current_stream_capturing()
-
-
-def _quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
-    if _compiled_quant(x):
-        out: tuple[Tensor, Tensor] = fused.compiled(quantize_tokens)(x)
+def _quantize(fn: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor) -> tuple[Tensor, Tensor]:
+    """``fn(x)``, an activation quantization, as its compiled kernel on CUDA from COMPILED_QUANT_MIN_ROWS rows and
+    outside a CUDA-graph capture (nothing may compile there; the captured steps are small ones)."""
+    if x.is_cuda and x.shape[0] >= COMPILED_QUANT_MIN_ROWS and not torch.cuda.is_current_stream_capturing():
+        out: tuple[Tensor, Tensor] = fused.compiled(fn)(x)
         return out
-    return quantize_tokens(x)
+    return fn(x)
 
 
 def fp8_block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -87,12 +83,6 @@ def fp8_block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     q, scale = quantize_token_groups(x, BLOCK)
     return q, scale.t().contiguous().t()
 
-
-def _quantize_block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
-    if _compiled_quant(x):
-        out: tuple[Tensor, Tensor] = fused.compiled(fp8_block_activations)(x)
-        return out
-    return fp8_block_activations(x)
 
 
 def variant() -> Variant:
@@ -144,7 +134,7 @@ def dequant_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None
 
 def rowwise_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [M, K] quantized per token, weight [N, K] fp8 with per-row scales [N, 1]: one ``torch._scaled_mm``."""
-    q, sx = _quantize_tokens(x)
+    q, sx = _quantize(quantize_tokens, x)
     out: Tensor = torch._scaled_mm(
         q, weight.t(), scale_a=sx, scale_b=scale.reshape(1, -1).float(), bias=bias, out_dtype=x.dtype
     )
@@ -173,7 +163,7 @@ def block_linear(
     kind = scale_kind(weight, scale)
     m = x.shape[0]
     xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
-    q, sx = _quantize_block_activations(xp)
+    q, sx = _quantize(fp8_block_activations, xp)
     kb = scale.shape[1]
     # 128 x 128 scales go in with their K blocks padded to a multiple of 4; row-block (1 x 128) ones as they are
     # (torch 2.11 refuses a padded [N, 4] for K = 256: "scale_b must have shape 256 x 2").
@@ -325,7 +315,7 @@ def grouped_usable(x: Tensor, weight: Tensor) -> bool:
 def grouped_mm(rows: Tensor, weight: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
     """rows [R, K] (grouped by expert, group ends ``offs``) times each expert's fp8 weight [E, N, K] with per-row
     scales [E, N, 1]: ``torch._scaled_grouped_mm`` row-wise, activations quantized per token."""
-    q, sx = _quantize_tokens(rows)
+    q, sx = _quantize(quantize_tokens, rows)
     out: Tensor = torch._scaled_grouped_mm(
         q,
         weight.transpose(1, 2),

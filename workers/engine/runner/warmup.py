@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,8 +37,7 @@ log = logging.getLogger("glimpse.model")
 def warm_fused(runner: LoadedModel) -> None:
     """Switch the fused kernels on and run every call site. Falls back to eager ops if that fails."""
     started = time.perf_counter()
-    if not silu_kernel.probe(runner.device, runner.dtype):
-        log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel.SWITCH.why_off())
+    probe_tower_kernels(runner.device, runner.dtype)
     if not skinny_gemm.probe(runner.device, runner.dtype):
         log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm.SWITCH.why_off())
     if not kv_write_kernel.probe(runner.device, runner.dtype):
@@ -46,9 +46,6 @@ def warm_fused(runner: LoadedModel) -> None:
         log.warning("the Triton LM rotary kernel is off (%s); the compiled one serves", rope_kernel.SWITCH.why_off())
     if not moe_kernel.probe(runner.device, runner.dtype):
         log.warning("the Triton MoE decode kernels are off (%s); grouped GEMMs serve", moe_kernel.SWITCH.why_off())
-    if not window_attention.probe(runner.device, runner.dtype):
-        log.warning("the Triton window attention is off (%s); FlashAttention varlen serves the ViT's windows",
-                    window_attention.SWITCH.why_off())
     # (A model worker without its tower, --encoder-workers, compiles nothing of it.)
     towers = [runner.lm] if runner.vision is None else [runner.lm, runner.vision]
     for module in towers:
@@ -63,6 +60,16 @@ def warm_fused(runner: LoadedModel) -> None:
         log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
         return
     log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
+
+
+def probe_tower_kernels(device: torch.device, dtype: torch.dtype) -> None:
+    """The hand-written Triton kernels a vision tower calls (SiLU*up, window attention), probed once; one warning
+    for each that is off (its fallback serves)."""
+    if not silu_kernel.probe(device, dtype):
+        log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel.SWITCH.why_off())
+    if not window_attention.probe(device, dtype):
+        log.warning("the Triton window attention is off (%s); FlashAttention varlen serves the ViT's windows",
+                    window_attention.SWITCH.why_off())
 
 
 def _run_every_fused_site(r: LoadedModel) -> None:
@@ -164,16 +171,13 @@ def _warm_steps(
     """Run the ViT calls, then the prefill chunks; returns the patches of each ViT call and the tokens of each chunk.
     ``frame_side``: patches a side of the largest ladder frame; ``sizes``: images in pixels (tests take small ones)."""
     calls = vit_calls(r.merge, getattr(r.spec.vision, "patch_size", 0), r.cfg.vit_max_patches, frame_side, sizes)
-    patches_done: list[int] = []
     # Without a tower (--encoder-workers) no ViT call runs: the chunks still splice image rows, as many as the
     # largest call's entry (zeros, as imported entries would be spliced).
     rows = max(sum(map(patches, grids)) for grids in calls) // r.merge**2 if r.vision is None else 0
     mm_embeds = torch.zeros(rows, r.spec.embed_width, dtype=r.dtype, device=r.device)
-    for grids in sorted(calls, key=lambda g: -sum(map(patches, g))) if r.vision is not None else ():
-        n = sum(map(patches, grids))
-        if n and n not in patches_done:
-            mm_embeds = r.model.encode(torch.zeros(n, r.spec.patch_dim, dtype=r.dtype, device=r.device), grids)
-            patches_done.append(n)
+    patches_done: list[int] = []
+    if r.vision is not None:
+        patches_done, mm_embeds = run_vit_calls(r.model.encode, calls, r.spec.patch_dim, r.dtype, r.device)
     longest = max(r.cfg.chunk_size, r.cfg.lone_prefill_tokens)
     longest = min(longest, r.num_blocks * r.cfg.block_size, r.cfg.max_model_len or longest)
     tokens_done = chunk_ladder(longest)
@@ -197,6 +201,22 @@ def vit_calls(
         fit = max(1, vit_max_patches // patches(grid))
         calls += [[grid] * k for k in sorted({1, 2, 3, fit}) if k <= fit]
     return calls
+
+
+def run_vit_calls(
+    encode: Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor],
+    calls: list[list[tuple[int, int, int]]], patch_dim: int, dtype: torch.dtype, device: torch.device,
+) -> tuple[list[int], torch.Tensor]:  # fmt: skip
+    """``encode`` once per distinct patch count of ``calls`` (zero pixels), largest first, so smaller activations split
+    blocks the allocator already holds; returns the counts run and the last (smallest) call's output."""
+    done: list[int] = []
+    out = torch.empty(0, device=device)
+    for grids in sorted(calls, key=lambda g: -sum(map(patches, g))):
+        n = sum(map(patches, grids))
+        if n and n not in done:
+            out = encode(torch.zeros(n, patch_dim, dtype=dtype, device=device), grids)
+            done.append(n)
+    return done, out
 
 
 def chunk_ladder(longest: int) -> list[int]:
