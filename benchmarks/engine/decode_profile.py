@@ -6,6 +6,10 @@ switch turned, e.g. the elementwise work eager instead of fused).
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --variants "moe separate,as served" --top 0
     python -m benchmarks.engine.decode_profile --shape gemma4-26b-a4b --layers 12 --variants "eager elementwise,as served"
+    python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --quantize fp8-block
+
+``--quantize`` serves the shape as that FP8 checkpoint (benchmarks/checkpoints.py) with its FP8 layers on
+(``GLIMPSE_FP8_GEMM=auto`` unless the environment names another variant), to set its decode kernels beside bf16's.
 
 The second engine of a process runs beside the first one's leftover threads: compare kernel time, not step wall time,
 or run one variant per process. (Variants that overlap kernels on two streams show only in step time.)
@@ -14,6 +18,7 @@ or run one variant per process. (Variants that overlap kernels on two streams sh
 from __future__ import annotations
 
 import gc
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +30,7 @@ from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
-from workers.engine.kernels import fused
+from workers.engine.kernels import fp8_gemm, fused
 from workers.engine.models.gemma4 import moe as gemma4_moe
 from workers.engine.models.qwen3_5.moe import SharedExpertMoeBlock
 from workers.engine.offline import Engine
@@ -34,8 +39,8 @@ from workers.engine.runner import warmup
 PROMPT = [{"role": "user", "content": "hello " * 50}]
 
 
-def checkpoint(shape: str, layers: int, scratch: Path) -> Path:
-    return shaped_checkpoint(scratch / shape, shape, layers=layers)
+def checkpoint(shape: str, layers: int, scratch: Path, quantize: str | None = None) -> Path:
+    return shaped_checkpoint(scratch / shape, shape, layers=layers, quantize=quantize)
 
 
 def decode(engine: Engine, tokens: int) -> list[float]:
@@ -98,10 +103,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=20, help="decoder layers kept (0: all)")
     ap.add_argument("--top", type=int, default=30, help="kernels listed per run, by time")
     ap.add_argument("--variants", default="as served", help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--quantize", choices=("fp8-block", "fp8-dynamic"), help="serve the shape as this FP8 checkpoint")
     args = ap.parse_args()
+    if args.quantize:
+        os.environ.setdefault(fp8_gemm.VARIANT_ENV, "auto")
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        ck = checkpoint(args.shape, args.layers, Path(scratch))
+        ck = checkpoint(args.shape, args.layers, Path(scratch), args.quantize)
         for name in args.variants.split(","):
             saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in VARIANTS[name]]
             for owner, attr, value in VARIANTS[name]:
@@ -111,7 +119,8 @@ def main() -> None:
             rows.append((name, *measure(ck, args.top)))
             for owner, attr, value in saved:
                 setattr(owner, attr, value)
-    print(f"\n{args.shape} ({args.layers or 'all'} layers), batch 1, {torch.cuda.get_device_name()}")
+    fp8 = f", {args.quantize} under {fp8_gemm.VARIANT_ENV}={fp8_gemm.variant()}" if args.quantize else ""
+    print(f"\n{args.shape} ({args.layers or 'all'} layers{fp8}), batch 1, {torch.cuda.get_device_name()}")
     print("\n| variant | step, ms | kernel time per step, ms | kernels per step |\n|---|---|---|---|")
     for name, step, kernel_ms, count in rows:
         print(f"| {name} | {step:.3f} | {kernel_ms:.3f} | {count:.0f} |")

@@ -1,7 +1,7 @@
 """FP8 GEMMs (workers/engine/kernels/fp8_gemm.py) against bf16, at a model's LM projections, per row count.
 
     python -m benchmarks.kernels.fp8_gemm_bench [--size 8b] [--rows 1,2,4,8,16] [--chunks 512,2048,8192] [--moe]
-    python -m benchmarks.kernels.fp8_gemm_bench --size 8b --sweep [--sweep-rows 1,4,16] [--proj qkv,o]
+    python -m benchmarks.kernels.fp8_gemm_bench --size 8b --sweep [--sweep-rows 1,4,16] [--proj qkv,o] [--sweep-modes dot,fma]
 
 For each projection (qkv, o, gate_up, down) and each M (decode batches ``--rows``, prefill chunks ``--chunks``):
 milliseconds per call of
@@ -20,9 +20,10 @@ only, no Python launch cost. ``--eager`` times one weight called from Python ins
 docs/benchmarks.md before w8a16 were taken). ``--moe``: the routed experts' grouped GEMM (``torch._grouped_mm``
 bf16 against ``torch._scaled_grouped_mm`` row-wise) at the 30B-A3B expert shapes.
 ``--sweep``: instead of the table, every tile of ``w8a16_gemm.candidates`` at each projection and ``--sweep-rows``
-M (block scales), the best tile per (projection, M) against the default tile and bf16, then per projection the
+M (block scales) in each of ``--sweep-modes`` (w8a16_gemm.MODE_NAMES: dot, fp8-activations, fma; fma only up to
+FMA_BLOCK_M rows), the best tile per (projection, M) against the default tile and bf16, then per projection the
 tile with the least time summed over those M (serve it with ``GLIMPSE_W8A16_TILE=block_n,block_k,split_k,warps,
-stages``, or put it in w8a16_gemm.py's defaults).
+stages,mode``, or put it in w8a16_gemm.py's defaults).
 On the CPU (``--device cpu``) only bf16, rowwise and dequant run: a smoke test of the script, not a measurement.
 """
 
@@ -142,10 +143,14 @@ def dense_table(
             print(f"| {m} | {proj} | {n} x {k} | " + " | ".join(cells) + f" | {ratio} | {', '.join(errors)} |")
 
 
-def sweep(shapes: tuple[tuple[str, int, int], ...], ms: list[int], device: torch.device, reps: int) -> None:
-    """Every candidate tile of the w8a16 kernel at each projection and M (block scales), graph-replayed."""
-    print("| proj | N x K | M | bf16 ms | w8a16 default ms | default tile | best tile | best ms | best / bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def sweep(
+    shapes: tuple[tuple[str, int, int], ...], ms: list[int], device: torch.device, reps: int, modes: tuple[int, ...]
+) -> None:
+    """Every candidate tile of the w8a16 kernel in ``modes`` at each projection and M (block scales), graph-replayed."""
+    names = {v: k for k, v in w8a16_gemm.MODE_NAMES.items()}
+    print("| proj | N x K | M | bf16 ms | w8a16 default ms | default tile | best tile | best ms | best / bf16 | "
+          + " | ".join(f"best {names[m]} ms" for m in modes) + " |")  # fmt: skip
+    print("|---" * (9 + len(modes)) + "|")
     gen = torch.Generator(device=device).manual_seed(0)
     winners = []
     for proj, n, k in shapes:
@@ -158,7 +163,9 @@ def sweep(shapes: tuple[tuple[str, int, int], ...], ms: list[int], device: torch
             x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
             bf16 = ring_ms([functools.partial(F.linear, x, w) for w in ws], device, reps, False)
             times: dict[w8a16_gemm.Tile, float] = {}
-            for t in dict.fromkeys([default, *w8a16_gemm.candidates(k)]):
+            for t in dict.fromkeys([default, *w8a16_gemm.candidates(k, modes)]):
+                if t.mode == w8a16_gemm.FMA and m > w8a16_gemm.FMA_BLOCK_M:
+                    continue  # each further block of rows streams the weight again
                 try:
                     times[t] = ring_ms([functools.partial(w8a16_gemm.linear, x, q, s, use=t) for q, s in qs], device, reps, False)
                 except Exception:  # noqa: BLE001 - a tile Triton cannot build here (shared memory): skipped
@@ -167,13 +174,16 @@ def sweep(shapes: tuple[tuple[str, int, int], ...], ms: list[int], device: torch
                 runs[t] = runs.get(t, 0) + 1
             top = min(times, key=times.__getitem__)
             tile_s = ",".join(map(str, top))
+            per_mode = [min((v for t, v in times.items() if t.mode == mode), default=float("nan")) for mode in modes]
             print(f"| {proj} | {n} x {k} | {m} | {bf16:.4f} | {times.get(default, float('nan')):.4f} | "
-                  f"{','.join(map(str, default))} | {tile_s} | {times[top]:.4f} | {times[top] / bf16:.2f} |")
+                  f"{','.join(map(str, default))} | {tile_s} | {times[top]:.4f} | {times[top] / bf16:.2f} | "
+                  + " | ".join(f"{v:.4f}" for v in per_mode) + " |")  # fmt: skip
         full = {t: v for t, v in totals.items() if runs[t] == len(ms)}  # tiles that ran at every M
-        top = min(full, key=full.__getitem__)
-        winners.append(f"{proj} ({n} x {k}): {','.join(map(str, top))} ({full[top]:.4f} ms summed over M {ms})")
+        if full:
+            top = min(full, key=full.__getitem__)
+            winners.append(f"{proj} ({n} x {k}): {','.join(map(str, top))} ({full[top]:.4f} ms summed over M {ms})")
     print()
-    print("Best tile per projection over all M (block_n,block_k,split_k,warps,stages):")
+    print("Best tile per projection over all M (block_n,block_k,split_k,warps,stages,mode):")
     for line in winners:
         print("  " + line)
 
@@ -212,6 +222,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="w8a16 tiles instead of the table (CUDA)")
     p.add_argument("--sweep-rows", default="1,4,16", help="M of the sweep")
     p.add_argument("--proj", default="", help="only these projections, e.g. qkv,o (default: all of --size)")
+    p.add_argument("--sweep-modes", default="dot", help=f"w8a16 modes swept, of: {', '.join(w8a16_gemm.MODE_NAMES)}")
     args = p.parse_args()
     device = torch.device(args.device)
     shapes = tuple(s for s in SIZES[args.size] if not args.proj or s[0] in args.proj.split(","))
@@ -222,7 +233,8 @@ def main() -> None:
     if args.sweep:
         if device.type != "cuda":
             raise SystemExit("--sweep needs CUDA (the Triton kernel)")
-        sweep(shapes, [int(v) for v in args.sweep_rows.split(",")], device, args.reps)
+        modes = tuple(w8a16_gemm.MODE_NAMES[v] for v in args.sweep_modes.split(","))
+        sweep(shapes, [int(v) for v in args.sweep_rows.split(",")], device, args.reps, modes)
         return
     dense_table(shapes, ms, device, args.reps, args.eager)
     if args.moe and device.type == "cuda":

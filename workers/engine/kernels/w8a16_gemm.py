@@ -31,10 +31,18 @@ import os
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from workers.engine.kernels import skinny_gemm
-from workers.engine.kernels.fp8_quant import BLOCK, FP8, dequantize, quantize_block, quantize_rows
+from workers.engine.kernels.fp8_quant import (
+    BLOCK,
+    FP8,
+    dequantize,
+    quantize_block,
+    quantize_rows,
+    quantize_token_groups,
+)
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_W8A16")
@@ -43,12 +51,22 @@ TILE_ENV = "GLIMPSE_W8A16_TILE"
 MAX_BLOCK_M = 64
 
 
+# How a tile multiplies (Tile.mode): DOT widens the weight to x's dtype for the tensor cores; FP8_ACTIVATIONS
+# quantizes each row of x per K tile (fp8_quant's dynamic 1 x BLOCK_K groups) and runs e4m3 x e4m3 on the tensor
+# cores, so the weight is never widened (the block recipe's numerics, computed in one kernel); FMA multiplies and
+# sums on the CUDA cores, with x's rows not padded to 16 (few rows only: the work grows with them).
+DOT, FP8_ACTIVATIONS, FMA = 0, 1, 2
+MODE_NAMES = {"dot": DOT, "fp8-activations": FP8_ACTIVATIONS, "fma": FMA}
+FMA_BLOCK_M = 4  # rows an FMA program holds (more rows take more programs)
+
+
 class Tile(NamedTuple):
     block_n: int
     block_k: int
     split_k: int
     warps: int
     stages: int
+    mode: int = DOT
 
 
 # The default tile's fixed parts, not yet measured (the lead sweeps them on an H200): skinny_gemm.py's bf16 choice
@@ -59,11 +77,13 @@ DEFAULT = Tile(block_n=32, block_k=128, split_k=1, warps=4, stages=4)
 WIDE_BLOCK_N = 64
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_K = 512
+FMA_MAX_ROWS = 0  # rows up to which the default tile multiplies on the CUDA cores (0: never)
 
 
-def tile(n: int, k: int, sms: int) -> Tile:
-    """The tile for a [rows, k] x [k, n] product on a card with ``sms`` multiprocessors (any decode row count:
-    the weight's stream is the cost): ``GLIMPSE_W8A16_TILE`` if set, else DEFAULT with the split K needs."""
+def tile(n: int, k: int, sms: int, rows: int = 1) -> Tile:
+    """The tile for a [rows, k] x [k, n] product on a card with ``sms`` multiprocessors (the weight's stream is
+    the cost at any decode row count): ``GLIMPSE_W8A16_TILE`` if set, else DEFAULT with the split K needs, FMA up
+    to FMA_MAX_ROWS rows."""
     forced = os.environ.get(TILE_ENV)
     if forced:
         return Tile(*(int(v) for v in forced.split(",")))
@@ -73,19 +93,20 @@ def tile(n: int, k: int, sms: int) -> Tile:
     step = DEFAULT.block_k
     while -(-n // block_n) * split < want and k // (2 * split) >= MIN_SPLIT_K and k % (2 * split * step) == 0:
         split *= 2
-    return DEFAULT._replace(block_n=block_n, split_k=split)
+    return DEFAULT._replace(block_n=block_n, split_k=split, mode=FMA if rows <= FMA_MAX_ROWS else DEFAULT.mode)
 
 
-def candidates(k: int) -> list[Tile]:
-    """The tiles a sweep tries for an in-features ``k`` (benchmarks/kernels/fp8_gemm_bench.py ``--sweep``)."""
+def candidates(k: int, modes: tuple[int, ...] = (DOT,)) -> list[Tile]:
+    """The tiles a sweep tries for an in-features ``k`` (benchmarks/kernels/fp8_gemm_bench.py ``--sweep``): earlier
+    sweeps found 64-column K tiles and 3 stages no faster, so deeper pipelines are tried instead."""
     out = []
-    for block_n in (16, 32, 64, 128):
-        for block_k in (64, 128):
-            for split in (1, 2, 4, 8, 16):
-                if split > 1 and k // split < 2 * block_k:
+    for mode in modes:
+        for block_n in (16, 32, 64, 128):
+            for split in (1, 2, 4, 8):
+                if split > 1 and k // split < 2 * BLOCK:
                     continue
-                for stages in (3, 4):
-                    out.append(Tile(block_n, block_k, split, 4, stages))
+                for stages in (4, 6):
+                    out.append(Tile(block_n, BLOCK, split, 4, stages, mode))
     return out
 
 
@@ -97,7 +118,7 @@ def _kernel() -> Any:
     @triton.jit(do_not_specialize=["rows"])
     def w8a16_kernel(
         x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n, k, k_split, stride_sn, stride_sk,
-        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, K_SCALES: tl.constexpr, ROW_DIV: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, K_SCALES: tl.constexpr, ROW_DIV: tl.constexpr, MODE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
@@ -116,13 +137,23 @@ def _kernel() -> Any:
         for kk in range(0, k_split, BLOCK_K):
             k_ok = k0 + kk + offs_k < k
             x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok & k_ok[:, None], other=0.0).to(x.dtype)
-            if K_SCALES:  # this tile lies in one 128-column block: one scale per output row
-                s_ok = (offs_n < n) & (k0 + kk < k)
-                s = tl.load(s_ptrs + ((k0 + kk) // SCALE_BLOCK) * stride_sk, mask=s_ok, other=0.0)
-                acc += tl.dot(x, w) * s[None, :]
+            w = tl.load(w_ptrs, mask=n_ok & k_ok[:, None], other=0.0)
+            if MODE == 0 and not K_SCALES:
+                acc = tl.dot(x, w.to(x.dtype), acc)
             else:
-                acc = tl.dot(x, w, acc)
+                if MODE == 1:  # FP8_ACTIVATIONS: this tile's rows quantized as fp8_quant does, e4m3 tensor cores
+                    xf = x.to(tl.float32)
+                    xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / 448.0, 1e-12)  # fp8_quant's FP8_MAX, _MIN_SCALE
+                    xq = tl.clamp(xf / xs[:, None], -448.0, 448.0).to(w.dtype)
+                    part = tl.dot(xq, w) * xs[:, None]
+                elif MODE == 2:  # FMA: products and sums on the CUDA cores, no padding of the rows
+                    part = tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+                else:
+                    part = tl.dot(x, w.to(x.dtype))
+                if K_SCALES:  # this tile lies in one 128-column block: one scale per output row
+                    s_ok = (offs_n < n) & (k0 + kk < k)
+                    part = part * tl.load(s_ptrs + ((k0 + kk) // SCALE_BLOCK) * stride_sk, mask=s_ok, other=0.0)[None, :]
+                acc += part
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if not K_SCALES:
@@ -146,7 +177,9 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def block_m(rows: int) -> int:
+def block_m(rows: int, mode: int = DOT) -> int:
+    if mode == FMA:
+        return min(FMA_BLOCK_M, 1 << (rows - 1).bit_length())
     return min(MAX_BLOCK_M, max(16, 1 << (rows - 1).bit_length()))
 
 
@@ -163,16 +196,16 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out.reshape(*lead, n)
-    t = use or tile(n, k, _sms(x.device))
+    t = use or tile(n, k, _sms(x.device), rows)
     if use is None and rows > MAX_BLOCK_M:  # the M blocks give the grid its programs: no partials to sum
         t = t._replace(split_k=1)
     s = scale.float()
     channel = s.shape[-1] == 1 and s.shape[-2] == n
-    block_k = t.block_k if channel else min(t.block_k, BLOCK)
-    if not channel and BLOCK % block_k:
+    block_k = t.block_k if channel and t.mode != FP8_ACTIVATIONS else min(t.block_k, BLOCK)
+    if (not channel or t.mode == FP8_ACTIVATIONS) and BLOCK % block_k:
         raise ValueError(f"w8a16: BLOCK_K {block_k} must divide the {BLOCK}-column scale blocks")
     k_split = -(-k // (t.split_k * block_k)) * block_k
-    bm = block_m(rows)
+    bm = block_m(rows, t.mode)
     grid = (-(-n // t.block_n), t.split_k, -(-rows // bm))
     split = t.split_k > 1  # then float32 partials, summed (with the bias) by skinny_gemm's second pass
     dst = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device) if split else out
@@ -180,7 +213,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     _kernel()[grid](
         x2, w, s, bias if bias is not None else s, dst, rows, n, k, k_split, s.stride(0), s.stride(1),
         HAS_BIAS=bias is not None and not split, PARTIAL=split, K_SCALES=not channel,
-        ROW_DIV=1 if s.shape[0] == n else BLOCK, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=block_k,
+        ROW_DIV=1 if s.shape[0] == n else BLOCK, MODE=t.mode, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=block_k,
         SCALE_BLOCK=BLOCK, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if split:
@@ -188,9 +221,18 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     return out.reshape(*lead, n)
 
 
-def reference(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The same product in float32 with the weight dequantized first (any device)."""
-    y = x.float() @ dequantize(weight, scale).t()
+def fp8_groups(x: Tensor) -> Tensor:
+    """x [..., K] in float32 as FP8_ACTIVATIONS sees it: each row's 128 columns quantized to e4m3 with their own
+    scale (fp8_quant.quantize_token_groups), dequantized."""
+    k = x.shape[-1]
+    q, s = quantize_token_groups(F.pad(x.float().reshape(-1, k), (0, -k % BLOCK)))
+    return (q.float() * s.repeat_interleave(BLOCK, dim=1))[:, :k].reshape(x.shape)
+
+
+def reference(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None, mode: int = DOT) -> Tensor:
+    """The same product in float32 with the weight dequantized first (any device); for FP8_ACTIVATIONS with x
+    through ``fp8_groups`` first, as that mode's 128-column tiles do."""
+    y = (fp8_groups(x) if mode == FP8_ACTIVATIONS else x.float()) @ dequantize(weight, scale).t()
     return y if bias is None else y + bias.float()
 
 
@@ -207,21 +249,25 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
     against ``reference``; a Triton that cannot compile here or a wrong answer turns it off for the process
     (fp8_gemm.py's other variants serve instead) rather than failing mid-serving."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 384, generator=gen).to(device=device, dtype=dtype)
+    # x on the e4m3 grid of its 128-column groups: FP8_ACTIVATIONS then re-quantizes it without rounding (Triton's
+    # interpreter rounds float32 -> e4m3 otherwise than the GPU), so one tolerance holds every mode
+    x = fp8_groups(torch.randn(3, 384, generator=gen)).to(device=device, dtype=dtype)
     w = spread_weight(200, 384, gen)  # partial tiles along N
     b = torch.randn(200, generator=gen).to(device=device, dtype=dtype)
     qb, sb = quantize_block(w)
     qr, sr = quantize_rows(w)
     layouts = ((qb, sb), (qb, sb.repeat_interleave(BLOCK, dim=0)[:200]), (qr, sr))
+    modes = sorted({DOT, DEFAULT.mode} | ({FMA} if FMA_MAX_ROWS else set()))
 
     def check() -> bool:
         for q, s in layouts:
             q, s = q.to(device), s.to(device)
-            want = reference(x, q, s, b)
-            for split in (1, 3):
-                got = linear(x, q, s, b, use=Tile(32, 64, split, 4, 2)).float()
-                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
-                    return False
+            for mode in modes:
+                want = reference(x, q, s, b, mode)
+                for split in (1, 3):
+                    got = linear(x, q, s, b, use=Tile(32, 64, split, 4, 2, mode)).float()
+                    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+                        return False
         return True
 
     return SWITCH.probe(check)

@@ -132,8 +132,12 @@ def test_native_kernels_match_the_dequantized_gemm_on_gpu(m: int, monkeypatch: p
         assert fp8_gemm.native_kernel(x, q, s) == kernel  # its probe passed
         ref = fp8_gemm.dequant_linear(x, q, s).float()
         got = (fp8_gemm.rowwise_linear if kernel == "rowwise" else fp8_gemm.block_linear)(x, q, s).float()
-        assert (got - ref).abs().max() <= GPU_TOLERANCE * ref.pow(2).mean().sqrt() * 4  # max over 2M elements
-        assert (got - ref).pow(2).mean().sqrt() <= GPU_TOLERANCE * ref.pow(2).mean().sqrt()
+        rms = ref.pow(2).mean().sqrt()
+        assert (got - ref).pow(2).mean().sqrt() <= GPU_TOLERANCE * rms, kernel
+        # the worst element: x's rows have scales drawn from [0, 1), so the largest rows' errors sit far out in the
+        # global RMS's tail (2.0 against an RMS of 9.7 at m = 16 on an H200); a scale read from the wrong block
+        # is off by about the output itself
+        assert (got - ref).abs().max() <= GPU_TOLERANCE * rms * 8, kernel
 
 
 @pytest.mark.gpu

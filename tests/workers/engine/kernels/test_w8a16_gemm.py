@@ -19,7 +19,7 @@ CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (
 CHECK = """
 import torch
 from workers.engine.kernels import w8a16_gemm as g
-from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows
+from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows, quantize_token_groups
 from workers.engine.kernels.w8a16_gemm import Tile
 
 gen = torch.Generator().manual_seed(0)
@@ -58,6 +58,28 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
             wrong = g.reference(x, q, s.roll(1, dims=0 if name == "channel" else 1), b)
             assert float((wrong - want).abs().max() / want.abs().max()) > 20 * tol, (name, rows, n, k)
 
+# FMA (CUDA cores, 1-4 rows a program) equals the same reference; FP8_ACTIVATIONS quantizes each row per 128
+# columns: on x already on that e4m3 grid (the interpreter rounds float32 -> e4m3 otherwise than the GPU, whose
+# test takes any x) it equals the reference of the same quantization.
+for rows, n, k, bias, split in ((1, 200, 384, True, 1), (3, 130, 700, False, 2), (6, 96, 1000, True, 3)):
+    w = g.spread_weight(n, k, gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    for name, (q, s) in layouts(w).items():
+        x = torch.randn(rows, k, generator=gen)
+        want = g.reference(x, q, s, b)
+        got = g.linear(x, q, s, b, use=Tile(32, 128, split, 4, 2, g.FMA))
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-5, ("fma", rows, n, k, name)
+        x = g.fp8_groups(x)
+        want = g.reference(x, q, s, b, g.FP8_ACTIVATIONS)
+        got = g.linear(x, q, s, b, use=Tile(32, 128, split, 4, 2, g.FP8_ACTIVATIONS))
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-5, ("fp8 x", rows, n, k, name)
+        # on a 64-column grid the kernel's 128-column groups do round, off the unquantized product (how far is the
+        # GPU test's: the interpreter's float32 -> e4m3 cast is not the GPU's round-to-nearest-even)
+        q64, s64 = quantize_token_groups(x.reshape(rows, -1)[:, : k // 64 * 64], 64)
+        x = torch.cat([(q64.float() * s64.repeat_interleave(64, 1)), x[:, k // 64 * 64 :]], dim=1)
+        got = g.linear(x, q, s, b, use=Tile(32, 128, split, 4, 2, g.FP8_ACTIVATIONS))
+        assert float((got - g.reference(x, q, s, b)).abs().max()) > 1e-3 * float(want.abs().max()), (rows, n, k, name)
+
 # Leading dimensions are kept, x's dtype comes out, split partials add up in a fixed order (same bits twice), and
 # no rows is no launch.
 q, s = quantize_block(g.spread_weight(40, 256, gen))
@@ -84,8 +106,14 @@ def test_tiles_fill_the_card_and_forced_tiles_come_from_the_environment(monkeypa
     assert w8a16_gemm.tile(24576, 4096, 132).split_k == 1  # wide gate_up: whole rows of K
     monkeypatch.setenv(w8a16_gemm.TILE_ENV, "64,128,8,4,3")
     assert w8a16_gemm.tile(4096, 4096, 132) == w8a16_gemm.Tile(64, 128, 8, 4, 3)
-    tiles = w8a16_gemm.candidates(4096)
+    tiles = w8a16_gemm.candidates(4096, (w8a16_gemm.DOT, w8a16_gemm.FMA))
     assert len(tiles) == len(set(tiles)) and all(BLOCK % t.block_k == 0 for t in tiles)
+    assert {t.mode for t in tiles} == {w8a16_gemm.DOT, w8a16_gemm.FMA}
+    monkeypatch.setenv(w8a16_gemm.TILE_ENV, "32,128,1,4,4,2")  # a sixth number picks the mode
+    assert w8a16_gemm.tile(4096, 4096, 132).mode == w8a16_gemm.FMA
+    monkeypatch.delenv(w8a16_gemm.TILE_ENV)
+    monkeypatch.setattr(w8a16_gemm, "FMA_MAX_ROWS", 2)
+    assert [w8a16_gemm.tile(4096, 4096, 132, rows).mode for rows in (1, 2, 3)] == [w8a16_gemm.FMA] * 2 + [w8a16_gemm.DEFAULT.mode]
 
 
 def test_auto_takes_w8a16_at_decode_rows_and_w8a16_takes_it_everywhere() -> None:
@@ -166,3 +194,10 @@ def test_w8a16_matches_the_dequantized_bf16_gemm_on_gpu(m: int) -> None:
                 assert got.dtype == torch.bfloat16
                 err = (got.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
                 assert err <= 0.01, (n, k, tuple(s.shape), float(err))
+            # the other modes, on any x: FP8_ACTIVATIONS against the reference that quantizes x the same way
+            # (a tie in e4m3 rounding or an ulp of a group's scale moves a product by one e4m3 step at most)
+            for mode in (w8a16_gemm.FMA, w8a16_gemm.FP8_ACTIVATIONS):
+                got = w8a16_gemm.linear(x, q, s, b, use=w8a16_gemm.Tile(32, 128, 2, 4, 4, mode)).float()
+                want = w8a16_gemm.reference(x, q, s, b, mode)
+                err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
+                assert err <= 0.01, (mode, n, k, tuple(s.shape), float(err))
