@@ -1,14 +1,19 @@
-"""y = x W^T (+ b) with W in FP8 and x in bf16/fp16 ("w8a16", weight-only FP8), in Triton: FP8 decode steps on CUDA.
+"""y = x W^T (+ b) with W in FP8 and x in bf16/fp16, in Triton: FP8 decode steps on CUDA.
 
 A decode step at a small batch streams every weight once and does little arithmetic with it, so its time is the
 weights' bytes over the memory bandwidth. FP8 halves those bytes, but the scaled-FP8 GEMMs (fp8_gemm.py) also
 quantize the activations in separate kernels and carry a fixed cost that lost to bf16 at 1-16 rows (0.09 ms against
-0.018 ms for an 8B's qkv on an H200). This kernel keeps the activations in their dtype and reads the weight as FP8:
-each program streams a [BLOCK_N, K / SPLIT_K] strip of W, widens each [BLOCK_N, BLOCK_K] tile to x's dtype in
-registers (e4m3 -> bf16 or fp16 is exact), multiplies it on the tensor cores against x padded to BLOCK_M rows
-(16 at least, the smallest tl.dot) and accumulates in float32. The scales are dequantization factors (real = fp8 *
-scale, fp8_quant.py), applied to the float32 products, never to the weight in x's dtype, so the weight is rounded
-once (to FP8, by the checkpoint):
+0.018 ms for an 8B's qkv on an H200). Here each program streams a [BLOCK_N, K / SPLIT_K] strip of W as FP8 and
+multiplies it on the tensor cores against x padded to BLOCK_M rows (16 at least, the smallest tl.dot), accumulating
+in float32, in one of three ways (``Tile.mode``):
+* FP8_ACTIVATIONS (the default, fastest on an H200): each [BLOCK_M, 128] tile of x is quantized in registers as
+  fp8_quant.quantize_token_groups does (per row and 128 columns, absolute max to 448) and multiplied e4m3 x e4m3, so
+  the weight tile goes to the tensor cores as it was read; the row scales multiply the float32 product. These are
+  the numerics of the block recipe above 16 rows, without its quantization kernels.
+* DOT: the weight tile widened to x's dtype in registers (e4m3 -> bf16 or fp16 is exact), x as it is (weight-only).
+* FMA: products and sums on the CUDA cores, 1-4 rows a program (none padded to 16).
+The weight's scales are dequantization factors (real = fp8 * scale, fp8_quant.py), applied to the float32
+products, never to the weight in x's dtype, so the weight is rounded once (to FP8, by the checkpoint):
 * per output channel ([N, 1]): once, on the accumulator after the K loop;
 * 128 x 128 blocks ([ceil(N/128), ceil(K/128)]) and row blocks ([N, ceil(K/128)]): per K tile, on that tile's
   product (a tile never straddles a 128-column block: BLOCK_K divides 128 and splits start on BLOCK_K multiples).
@@ -20,8 +25,8 @@ M, but it is meant for decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS
 
 The row count is not specialised on: a weight shape compiles once per BLOCK_M (16 for up to 16 rows). The start-up
 warm-up's forwards run every projection at decode row counts, which compiles them before any CUDA-graph capture.
-Tiles: ``tile`` picks one per shape; ``GLIMPSE_W8A16_TILE=block_n,block_k,split_k,warps,stages`` forces one (to
-serve a sweep's winner), and ``candidates`` lists what benchmarks/kernels/fp8_gemm_bench.py ``--sweep`` tries.
+Tiles: ``tile`` picks one per shape; ``GLIMPSE_W8A16_TILE=block_n,block_k,split_k,warps,stages[,mode]`` forces one
+(to serve a sweep's winner), and ``candidates`` lists what benchmarks/kernels/fp8_gemm_bench.py ``--sweep`` tries.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from workers.engine.kernels import skinny_gemm
 from workers.engine.kernels.fp8_quant import (
     BLOCK,
     FP8,
+    FP8_MAX,
     dequantize,
     quantize_block,
     quantize_rows,
@@ -69,15 +75,15 @@ class Tile(NamedTuple):
     mode: int = DOT
 
 
-# The default tile's fixed parts, not yet measured (the lead sweeps them on an H200): skinny_gemm.py's bf16 choice
-# (128-column K tiles, 4 warps, 4 stages), whose tiles then hold half the bytes; 32 output rows a program unless
-# the weight is wide enough for 64 to give PROGRAMS_PER_SM programs; K splits until the grid is that big while each
-# split keeps at least MIN_SPLIT_K columns.
-DEFAULT = Tile(block_n=32, block_k=128, split_k=1, warps=4, stages=4)
-WIDE_BLOCK_N = 64
-PROGRAMS_PER_SM = 4
+# The default tile, by measurement (H200, `fp8_gemm_bench --sweep --sweep-modes dot,fp8-activations,fma`, Qwen3-VL-8B
+# projections at 1 and 4 rows, session 36): FP8_ACTIVATIONS in 128 x 128 tiles took gate_up from 0.041 to 0.032 ms
+# (bf16 0.050-0.056) and down from 0.024 to 0.021 (bf16 0.030); qkv stayed at 0.014 in every mode (bf16 0.015-0.016).
+# K splits until the grid has PROGRAMS_PER_SM programs per multiprocessor while each split keeps MIN_SPLIT_K
+# columns: the winning splits there (8 for qkv and down, 2 for gate_up; 1.5 waves of 132 SMs lands on all three).
+DEFAULT = Tile(block_n=128, block_k=128, split_k=1, warps=4, stages=4, mode=FP8_ACTIVATIONS)
+PROGRAMS_PER_SM = 1.5
 MIN_SPLIT_K = 512
-FMA_MAX_ROWS = 0  # rows up to which the default tile multiplies on the CUDA cores (0: never)
+FMA_MAX_ROWS = 0  # rows up to which the default tile multiplies on the CUDA cores (0: never; it won only qkv at 1 row, by 3 %)
 
 
 def tile(n: int, k: int, sms: int, rows: int = 1) -> Tile:
@@ -87,26 +93,25 @@ def tile(n: int, k: int, sms: int, rows: int = 1) -> Tile:
     forced = os.environ.get(TILE_ENV)
     if forced:
         return Tile(*(int(v) for v in forced.split(",")))
-    want = PROGRAMS_PER_SM * sms
-    block_n = WIDE_BLOCK_N if n >= WIDE_BLOCK_N * want else DEFAULT.block_n
+    want = int(PROGRAMS_PER_SM * sms)
     split = 1
     step = DEFAULT.block_k
-    while -(-n // block_n) * split < want and k // (2 * split) >= MIN_SPLIT_K and k % (2 * split * step) == 0:
+    while -(-n // DEFAULT.block_n) * split < want and k // (2 * split) >= MIN_SPLIT_K and k % (2 * split * step) == 0:
         split *= 2
-    return DEFAULT._replace(block_n=block_n, split_k=split, mode=FMA if rows <= FMA_MAX_ROWS else DEFAULT.mode)
+    return DEFAULT._replace(split_k=split, mode=FMA if rows <= FMA_MAX_ROWS else DEFAULT.mode)
 
 
 def candidates(k: int, modes: tuple[int, ...] = (DOT,)) -> list[Tile]:
     """The tiles a sweep tries for an in-features ``k`` (benchmarks/kernels/fp8_gemm_bench.py ``--sweep``): earlier
-    sweeps found 64-column K tiles and 3 stages no faster, so deeper pipelines are tried instead."""
+    sweeps found 64-column K tiles, 3 or 6 stages no faster, and the widest N tiles best."""
     out = []
     for mode in modes:
-        for block_n in (16, 32, 64, 128):
-            for split in (1, 2, 4, 8):
+        for block_n in (32, 64, 128, 256):
+            for split in (1, 2, 4, 8, 16):
                 if split > 1 and k // split < 2 * BLOCK:
                     continue
-                for stages in (4, 6):
-                    out.append(Tile(block_n, BLOCK, split, 4, stages, mode))
+                for warps in (4, 8):
+                    out.append(Tile(block_n, BLOCK, split, warps, 4, mode))
     return out
 
 
@@ -201,8 +206,9 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
         t = t._replace(split_k=1)
     s = scale.float()
     channel = s.shape[-1] == 1 and s.shape[-2] == n
-    block_k = t.block_k if channel and t.mode != FP8_ACTIVATIONS else min(t.block_k, BLOCK)
-    if (not channel or t.mode == FP8_ACTIVATIONS) and BLOCK % block_k:
+    # FP8_ACTIVATIONS quantizes x per K tile: always 128 columns, the recipe's groups, whatever the tile asks
+    block_k = BLOCK if t.mode == FP8_ACTIVATIONS else t.block_k if channel else min(t.block_k, BLOCK)
+    if not channel and BLOCK % block_k:
         raise ValueError(f"w8a16: BLOCK_K {block_k} must divide the {BLOCK}-column scale blocks")
     k_split = -(-k // (t.split_k * block_k)) * block_k
     bm = block_m(rows, t.mode)
@@ -229,6 +235,15 @@ def fp8_groups(x: Tensor) -> Tensor:
     return (q.float() * s.repeat_interleave(BLOCK, dim=1))[:, :k].reshape(x.shape)
 
 
+def exact_rows(rows: int, k: int, gen: torch.Generator) -> Tensor:
+    """float32 x [rows, k] that FP8_ACTIVATIONS re-quantizes without rounding in float32, float16 or bfloat16:
+    e4m3 values with a 448 in each 128 columns, times 2^-8, so every group's scale is 2^-8 exactly (Triton's
+    interpreter rounds float32 -> e4m3 otherwise than the GPU; on this grid nothing rounds)."""
+    x = (torch.randn(rows, k, generator=gen) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
+    x[:, ::BLOCK] = FP8_MAX
+    return x * 2.0**-8
+
+
 def reference(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None, mode: int = DOT) -> Tensor:
     """The same product in float32 with the weight dequantized first (any device); for FP8_ACTIVATIONS with x
     through ``fp8_groups`` first, as that mode's 128-column tiles do."""
@@ -249,9 +264,7 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
     against ``reference``; a Triton that cannot compile here or a wrong answer turns it off for the process
     (fp8_gemm.py's other variants serve instead) rather than failing mid-serving."""
     gen = torch.Generator().manual_seed(0)
-    # x on the e4m3 grid of its 128-column groups: FP8_ACTIVATIONS then re-quantizes it without rounding (Triton's
-    # interpreter rounds float32 -> e4m3 otherwise than the GPU), so one tolerance holds every mode
-    x = fp8_groups(torch.randn(3, 384, generator=gen)).to(device=device, dtype=dtype)
+    x = exact_rows(3, 384, gen).to(device=device, dtype=dtype)  # one tolerance then holds every mode
     w = spread_weight(200, 384, gen)  # partial tiles along N
     b = torch.randn(200, generator=gen).to(device=device, dtype=dtype)
     qb, sb = quantize_block(w)

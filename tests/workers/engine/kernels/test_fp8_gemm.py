@@ -132,12 +132,11 @@ def test_native_kernels_match_the_dequantized_gemm_on_gpu(m: int, monkeypatch: p
         assert fp8_gemm.native_kernel(x, q, s) == kernel  # its probe passed
         ref = fp8_gemm.dequant_linear(x, q, s).float()
         got = (fp8_gemm.rowwise_linear if kernel == "rowwise" else fp8_gemm.block_linear)(x, q, s).float()
-        rms = ref.pow(2).mean().sqrt()
-        assert (got - ref).pow(2).mean().sqrt() <= GPU_TOLERANCE * rms, kernel
-        # the worst element: x's rows have scales drawn from [0, 1), so the largest rows' errors sit far out in the
-        # global RMS's tail (2.0 against an RMS of 9.7 at m = 16 on an H200); a scale read from the wrong block
-        # is off by about the output itself
-        assert (got - ref).abs().max() <= GPU_TOLERANCE * rms * 8, kernel
+        assert (got - ref).pow(2).mean().sqrt() <= GPU_TOLERANCE * ref.pow(2).mean().sqrt(), kernel
+        # and per output row (each over 2,048 columns, so a scale read from the wrong block shows in its rows; a
+        # bound on the single worst element was luck: 2.0 and 2.75 against an RMS of ~10 failed it on an H200)
+        rows = (got - ref).pow(2).mean(dim=1).sqrt() / ref.pow(2).mean(dim=1).sqrt().clamp(min=1e-6)
+        assert float(rows.max()) <= 2 * GPU_TOLERANCE, (kernel, float(rows.max()))
 
 
 @pytest.mark.gpu
