@@ -7,7 +7,9 @@ clipped linears) in bf16 with dummy weights, 1080p images at the given soft-toke
 process on the same weights:
 - ``eager``: every op from Python (the CPU reference path);
 - ``fused ops``: the layers' own forward with their norms, rotary and GELU each one compiled kernel;
-- ``layer pieces``: each layer as two compiled pieces around attention (vision_fused.py; what serving runs).
+- ``layer pieces``: each layer as two compiled pieces around attention (vision_fused.py);
+- ``pieces + graphs``: the same, a call of at most layers/vit_graphs.py's MAX_PATCHES rows replayed from a CUDA graph
+  once its grids recur (what serving runs; larger calls stay as ``layer pieces``).
 
 ``host`` is the time the call takes to return without a sync (the Python dispatch of every kernel), ``gpu`` the CUDA
 events' time between the call's first and last kernel, ``wall`` the call plus a synchronize: what a step waits for.
@@ -27,11 +29,12 @@ from transformers.models.gemma4.image_processing_gemma4 import get_aspect_ratio_
 from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from workers.engine.kernels import fused
+from workers.engine.layers.vit_graphs import ViTGraphs
 from workers.engine.models.gemma4 import vision
 from workers.engine.models.gemma4.vision import Gemma4VisionTower, VisionSpec, build_vision
 from workers.engine.models.loader import fill_dummy_weights
 
-VARIANTS = ("eager", "fused ops", "layer pieces")
+VARIANTS = ("eager", "fused ops", "layer pieces", "pieces + graphs")
 
 
 def grid_1080p(spec: VisionSpec, budget: int) -> tuple[int, int, int]:
@@ -44,7 +47,9 @@ def grid_1080p(spec: VisionSpec, budget: int) -> tuple[int, int, int]:
 
 def set_variant(tower: Gemma4VisionTower, variant: str) -> None:
     fused.enable(tower, variant != "eager")
-    vision.LAYER_PIECES = variant == "layer pieces"
+    vision.LAYER_PIECES = variant in ("layer pieces", "pieces + graphs")
+    tower.graphs = ViTGraphs()  # no graph of another variant's kernels
+    tower.graphs.on = variant == "pieces + graphs"
 
 
 def time_call(tower: Gemma4VisionTower, pixels: torch.Tensor, grids: list[tuple[int, int, int]], reps: int) -> dict[str, float]:

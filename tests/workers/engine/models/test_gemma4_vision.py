@@ -177,6 +177,30 @@ def test_cuda_layer_pieces_give_the_eager_towers_rows() -> None:
     _close(tower(rows.cuda(), grids).cpu(), eager.cpu(), atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_recurring_cuda_calls_replay_a_graph_with_the_eager_rows() -> None:
+    """layers/vit_graphs.py on the served path (bf16, fused pieces): the second call of the same grids is captured,
+    the third replayed, each with other pixels, and every output is the eager tower's; other grids run eagerly."""
+    vision, embed = _reference("clipped")
+    rows, grids = _unpadded(_processed(_images(), 70))
+    tower = build_vision(VisionSpec.from_hf_config(_config("clipped")), dtype=torch.bfloat16, device="cuda")
+    tower.load_weights(_hub_weights(vision, embed))
+    assert fused.enable(tower) > 0
+    gen = torch.Generator().manual_seed(3)
+    calls = [torch.rand(rows.shape, generator=gen).cuda() for _ in range(3)]
+    eager = []
+    tower.graphs.on = False
+    for pixels in calls:
+        eager.append(tower(pixels, grids))
+    tower.graphs.on = True
+    for pixels, want in zip(calls, eager, strict=True):
+        _close(tower(pixels, grids).float().cpu(), want.float().cpu(), atol=1e-6)
+    assert (tower.graphs.captured, tower.graphs.replays, len(tower.graphs)) == (1, 2, 1)
+    tower(calls[0][: rows.shape[0] - grids[-1][1] * grids[-1][2]], grids[:-1])  # other grids: a first sighting
+    assert (tower.graphs.captured, tower.graphs.replays) == (1, 2)
+
+
 def _never(*args: Any) -> Tensor:
     raise AssertionError("the layer's eager forward ran instead of the compiled pieces")
 

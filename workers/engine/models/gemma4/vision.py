@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from workers.engine.kernels import fused
 from workers.engine.layers.vision_attention import Segments
+from workers.engine.layers.vit_graphs import ViTGraphs
 from workers.engine.layers.vit_plans import CallPlans
 from workers.engine.models.gemma4.vision_fused import fused_layer
 from workers.engine.models.gemma4.vision_layers import (
@@ -203,6 +204,7 @@ class Gemma4VisionTower(nn.Module):
         steps = torch.arange(0, spatial, 2, dtype=torch.float, device="cpu")
         self._inv_freq = 1.0 / (spec.rope_theta ** (steps / spatial))
         self._calls: CallPlans[_Plan] = CallPlans()
+        self.graphs = ViTGraphs()  # recurring small calls replayed from CUDA graphs (layers/vit_graphs.py)
 
     @classmethod
     def build(
@@ -294,7 +296,8 @@ class Gemma4VisionTower(nn.Module):
         if n == 0:
             return weight.new_empty(0, self.embed_width)
         plan, _ = self._calls.get((tuple(keys), weight.device), lambda: self._plan(keys, weight.device))
-        return self._encode(pixel_values.to(weight.device, non_blocking=True), plan)
+        pixels = pixel_values.to(weight.device, non_blocking=True)
+        return self.graphs.run((tuple(keys), weight.device), pixels, lambda p: self._encode(p, plan))
 
     def _encode(self, pixels: Tensor, plan: _Plan) -> Tensor:
         tower = self.vision_tower
