@@ -5,9 +5,9 @@ loader quantizes them in the checkpoint's layout) in turn, driven by the bench c
     python -m benchmarks.serving.fp8_bench --shape qwen3-8b
     python -m benchmarks.serving.fp8_bench --shape qwen3-30b-a3b --variants bf16,fp8,fp8-w8a16 --layers 24
 
-Variants (``--variants``): ``bf16`` (the bf16 checkpoint); ``fp8`` (the FP8 checkpoint, ``GLIMPSE_FP8_GEMM=auto``:
-the weight-only kernel at decode rows, the scaled-FP8 kernels above); ``fp8-w8a16`` (``GLIMPSE_FP8_GEMM=w8a16``:
-weight-only at every row count); ``fp8-dequant`` (the FP8 checkpoint under the default ``bf16``: dequantized at
+Variants (``--variants``): ``bf16`` (the bf16 checkpoint); ``fp8`` (the FP8 checkpoint, ``GLIMPSE_FP8_GEMM=auto``,
+the default: w8a16_gemm.py's decode kernel at decode rows, the scaled-FP8 kernels above); ``fp8-w8a16``
+(``GLIMPSE_FP8_GEMM=w8a16``: the decode kernel at every row count); ``fp8-dequant`` (the FP8 checkpoint under the default ``bf16``: dequantized at
 load, so it should match ``bf16``); ``fp8-dynamic`` (compressed-tensors per-channel FP8, ``auto``).
 Columns: start-up (spawn to /health), (a) one request of 8 x 1080p images, mean TTFT over ``--ttft-requests``
 sequential requests after the warm-up; (b) ``--num-prompts`` requests of 1 x 1080p, 128 tokens out, at

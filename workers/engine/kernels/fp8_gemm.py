@@ -2,19 +2,19 @@
 weight is multiplied, so each variant can be measured on the GPU (benchmarks/kernels/fp8_gemm_bench.py).
 
 Variants (``GLIMPSE_FP8_GEMM``, read once per process):
-* ``bf16`` (default, by measurement): no FP8 layer at all: the loader's dequantized weights stay as they are (the
-  CPU path everywhere). On an H200 (torch 2.11, ``fp8_gemm_bench --size 8b --moe``, session 28) every FP8 variant
-  lost to the bf16 GEMM at decode: row-wise 0.09-0.11 ms against 0.016-0.058 ms per projection at 1-16 rows
-  (activation quantization is separate torch ops), block 0.13-0.17 ms; at 512-row chunks 1.0-3.4x bf16's time; only
-  gate_up at 2,048-8,192 rows ran faster (0.77-0.81x); the grouped experts 0.86-2.95x at 1-16 tokens.
-* ``auto``: at most W8A16_MAX_ROWS rows (decode), the decode Triton kernel (w8a16_gemm.py: FP8 weights read as
+* ``auto`` (default, by measurement; the CPU has no FP8 layers either way): the Qwen3-VL-8B shape served from its
+  block-FP8 checkpoint on an H200 (``benchmarks/serving/fp8_bench.py``, session 36) against the bf16 checkpoint:
+  batch-1 TPOT 2.79 ms against 3.55, (b) 7.96 req/s against 7.65, (a) TTFT 1,054 ms against 1,108, weights 9.9 GiB
+  against 16.3 (until session 36 every FP8 variant lost to bf16 at decode, and ``bf16`` was the default). It runs,
+  at most W8A16_MAX_ROWS rows (decode), the decode Triton kernel (w8a16_gemm.py: FP8 weights read as
   they are, the activations quantized per 1 x 128 group inside the kernel, no quantization kernels); above that the native kernel where torch has
   one for the device and the weight's scales, else ``dequant``. Channel scales: ``torch._scaled_mm`` row-wise
   (activations quantized per token). 128 x 128 block scales: ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128
   (activations quantized per 1 x 128 token group; cuBLAS on Hopper). From COMPILED_QUANT_MIN_ROWS rows the
   activations' quantization is one compiled kernel: at 8,192 rows it took block qkv from 0.784 to 0.365 ms (bf16
   0.516) and row-wise down from 1.794 to 0.795 (bf16 1.011) on an H200 (``fp8_gemm_bench --eager``, session 35). Routed experts: ``torch._scaled_grouped_mm``
-  row-wise (at decode rows moe_kernel.py's Triton kernels, which read the FP8 stacks weight-only). Not yet measured with w8a16 (``fp8_gemm_bench`` has its column); the threshold is a guess until then.
+  row-wise (at decode rows moe_kernel.py's Triton kernels, which read the FP8 stacks weight-only). The 16-row threshold: at 16 rows the decode kernel took 0.69-0.94x bf16's time (H200, session 36); the row count where the native kernels overtake it is not measured yet.
+* ``bf16``: no FP8 layer at all: the loader's dequantized weights stay as they are (the CPU path everywhere).
 * ``w8a16``: the decode Triton kernel at every row count (prefill chunks too, tiled along M): what the
   benchmark compares at every M (weight-only when its tile mode is DOT: ``GLIMPSE_W8A16_TILE``). Routed experts stay in the model dtype (the
   grouped FP8 GEMM quantizes activations); a weight whose kernel fails falls back to ``dequant``.
@@ -86,7 +86,7 @@ def fp8_block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def variant() -> Variant:
-    value = os.environ.get(VARIANT_ENV, "bf16")
+    value = os.environ.get(VARIANT_ENV, "auto")
     for v in VARIANTS:
         if value == v:
             return v

@@ -106,6 +106,9 @@ def test_probe_keeps_a_kernel_that_computes_the_product_and_drops_one_that_canno
 
 
 def test_variant_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(fp8_gemm.VARIANT_ENV, raising=False)
+    assert fp8_gemm.variant() == "auto"  # FP8 layers where the GPU has FP8 (measured faster than bf16 there)
+    assert not fp8_gemm.wants_fp8_layers(torch.device("cpu"))  # the CPU keeps the dequantized weights
     monkeypatch.setenv(fp8_gemm.VARIANT_ENV, "bf16")
     assert fp8_gemm.variant() == "bf16" and not fp8_gemm.wants_fp8_layers(torch.device("cpu"))
     monkeypatch.setenv(fp8_gemm.VARIANT_ENV, "fast")
