@@ -27,6 +27,7 @@ class WorkerStats(Msg, frozen=True):
     gc_pause_s_sum: float = 0.0  # all of them together: time the process's Python stood still
     weight_bytes: int = 0  # the model's parameters and buffers on this rank
     vision_weight_bytes: int = 0  # the vision tower's part of them (0: built without it, --encoder-workers)
+    vit_graph_replays: int = 0  # ViT calls replayed from a CUDA graph (layers/vit_graphs.py), of vit_calls
 
 
 class EncoderStats(Msg, frozen=True):

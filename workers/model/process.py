@@ -31,6 +31,7 @@ from workers.common.memory import IdleTrim, trim_memory
 from workers.common.proc import GcWatch, freeze_heap, setup_child
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
+from workers.engine.layers import vit_graphs
 from workers.engine.layers.linear import TPGroup
 from workers.engine.runner.model_runner import Launched, ModelRunner
 from workers.model import mem_diag
@@ -251,7 +252,7 @@ def _report(
             rank, reader.reads, reader.bytes_read, c.images_encoded, c.vit_calls,
             reader.steps, reader.broadcast_s_sum, reader.broadcast_s_max, peak, allocated,
             gc_watch.collections, gc_watch.pause_s_max, gc_watch.frozen, gc_watch.full, gc_watch.pause_s_sum,
-            runner.weight_bytes, runner.vision_weight_bytes,
+            runner.weight_bytes, runner.vision_weight_bytes, vit_graphs.replays(runner.vision),
         )
     )
 

@@ -41,6 +41,12 @@ class _Graph:
     out: Tensor  # the output the graph writes (in the pool)
 
 
+def replays(tower: object) -> int:
+    """Calls of ``tower`` (any vision tower, or None) replayed from its graphs so far (0 where it has none)."""
+    graphs = getattr(tower, "graphs", None)
+    return graphs.replays if isinstance(graphs, ViTGraphs) else 0
+
+
 class ViTGraphs:
     """One tower's captured calls, by key."""
 
@@ -90,7 +96,8 @@ class ViTGraphs:
         static = pixels.clone()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a worker's other threads (NCCL's watchdog, copies) keep working during the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = encode(static)
         except Exception as exc:  # noqa: BLE001 - any failure: serve eagerly rather than fail the request
             self.on = False
