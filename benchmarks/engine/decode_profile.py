@@ -9,7 +9,7 @@ switch turned, e.g. the elementwise work eager instead of fused).
     python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --quantize fp8-block
 
 ``--quantize`` serves the shape as that FP8 checkpoint (benchmarks/checkpoints.py) with its FP8 layers on
-(``GLIMPSE_FP8_GEMM=auto`` unless the environment names another variant), to set its decode kernels beside bf16's.
+(the default ``GLIMPSE_FP8_GEMM=auto``, or the variant the environment names), to set its decode kernels beside bf16's.
 
 The second engine of a process runs beside the first one's leftover threads: compare kernel time, not step wall time,
 or run one variant per process. (Variants that overlap kernels on two streams show only in step time.)
@@ -18,7 +18,6 @@ or run one variant per process. (Variants that overlap kernels on two streams sh
 from __future__ import annotations
 
 import gc
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -105,8 +104,6 @@ def main() -> None:
     ap.add_argument("--variants", default="as served", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--quantize", choices=("fp8-block", "fp8-dynamic"), help="serve the shape as this FP8 checkpoint")
     args = ap.parse_args()
-    if args.quantize:
-        os.environ.setdefault(fp8_gemm.VARIANT_ENV, "auto")
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         ck = checkpoint(args.shape, args.layers, Path(scratch), args.quantize)

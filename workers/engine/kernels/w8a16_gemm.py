@@ -24,8 +24,10 @@ atomics on the data). With ``GLIMPSE_W8A16_SERIAL_SUM=1`` the second pass goes: 
 int32 lock of its output tile (release/acquire at GPU scope), and the split that arrives last sums every split's
 partial in the same fixed order (same bits as the second pass), adds the bias, writes the output and resets the
 lock. That saves a kernel per projection (144 a step on an 8B, 0.25 ms of sum kernels on an H200); it is off until
-it is measured on a GPU. Locks are per CUDA stream (kernels on two streams never share one). Row counts above BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any
-M, but it is meant for decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS under ``auto``.
+it is measured on a GPU. Locks are per CUDA stream (kernels on two streams never share one).
+
+Row counts above BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any M, but it
+is meant for decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS under ``auto``.
 
 The row count is not specialised on: a weight shape compiles once per BLOCK_M (16 for up to 16 rows). The start-up
 warm-up's forwards run every projection at decode row counts, which compiles them before any CUDA-graph capture.
@@ -204,8 +206,8 @@ def serial_sum() -> bool:
 
 
 def _locks(device: torch.device) -> Tensor:
-    """The zeroed int32 locks of the current stream on ``device`` (made before any capture: the warm-up's forwards
-    run every projection first), each back at zero after every launch that used it."""
+    """The zeroed int32 locks of the current stream on ``device``, each back at zero after every launch that used
+    it (a capture's stream gets its own, made, and zeroed at each replay, inside the graph)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _lock_buffers:

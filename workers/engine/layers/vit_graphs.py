@@ -30,8 +30,9 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 ENV = "GLIMPSE_VIT_GRAPHS"
-MAX_PATCHES = 4096  # rows of one call: a 1080p image at Gemma's budget 280 is 2,376; at 560, 4,536 (eager)
+MAX_PATCHES = 4096  # rows of one call: a 1080p image at Gemma's budget 280 is 2,376; at 560, 4,743 (eager)
 MAX_GRAPHS = 8
+SEEN = 1024  # keys remembered as seen once (least recently seen forgotten)
 
 
 @dataclass
@@ -54,7 +55,7 @@ class ViTGraphs:
         self.max_patches, self.max_graphs = max_patches, max_graphs
         self.on = os.environ.get(ENV, "1") != "0"
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
-        self._seen: set[Hashable] = set()
+        self._seen: OrderedDict[Hashable, None] = OrderedDict()
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), made at the first capture
         self.captured = self.replays = 0
 
@@ -70,21 +71,22 @@ class ViTGraphs:
         )
 
     def run(self, key: Hashable, pixels: Tensor, encode: Callable[[Tensor], Tensor]) -> Tensor:
-        """``encode(pixels)``: eagerly, or from the graph of ``key`` (captured here on its second sighting)."""
+        """``encode(pixels)``: eagerly, or from the graph of ``key`` (captured here on its second sighting). The key
+        must fix the pixels' shape and dtype (the call's grids and dtype)."""
         if not self.wanted(pixels):
             return encode(pixels)
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:
-                self._seen.add(key)
+                self._seen[key] = None
+                if len(self._seen) > SEEN:
+                    self._seen.popitem(last=False)
                 return encode(pixels)
             entry = self._capture(key, pixels, encode)
             if entry is None:
                 return encode(pixels)
         else:
             self._graphs.move_to_end(key)
-        if entry.pixels.shape != pixels.shape or entry.pixels.dtype != pixels.dtype:
-            return encode(pixels)  # the same grids in another dtype (a test's float32 call): not this graph's
         entry.pixels.copy_(pixels, non_blocking=True)
         entry.graph.replay()
         self.replays += 1

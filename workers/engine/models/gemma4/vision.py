@@ -297,7 +297,7 @@ class Gemma4VisionTower(nn.Module):
             return weight.new_empty(0, self.embed_width)
         plan, _ = self._calls.get((tuple(keys), weight.device), lambda: self._plan(keys, weight.device))
         pixels = pixel_values.to(weight.device, non_blocking=True)
-        return self.graphs.run((tuple(keys), weight.device), pixels, lambda p: self._encode(p, plan))
+        return self.graphs.run((tuple(keys), pixels.dtype, weight.device), pixels, lambda p: self._encode(p, plan))
 
     def _encode(self, pixels: Tensor, plan: _Plan) -> Tensor:
         tower = self.vision_tower
