@@ -52,6 +52,9 @@ def _common(p: argparse.ArgumentParser, output_len: int) -> None:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so answers run to --output-len (servers that support it)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--logprobs", action=argparse.BooleanOptionalAction, default=False,
+                   help="send logprobs and time tokens by their logprobs, so a token that decodes to no text (random "
+                   "weights) still counts for TTFT and inter-token gaps")
 
 
 def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

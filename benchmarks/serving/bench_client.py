@@ -114,8 +114,13 @@ def _chunk_text(choice: dict[str, Any]) -> str:
     return "".join(delta.get(k) or "" for k in ("reasoning_content", "reasoning", "content"))
 
 
+def _chunk_tokens(choice: dict[str, Any]) -> bool:
+    """Whether the chunk carries output tokens: text, or (with logprobs asked) tokens whose text is empty."""
+    return bool(_chunk_text(choice) or ((choice.get("logprobs") or {}).get("content")))
+
+
 async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, num_images: int = 0) -> RequestRecord:
-    """POST one prebuilt streaming chat body and time it: TTFT at the first non-empty delta, ITL between
+    """POST one prebuilt streaming chat body and time it: TTFT at the first delta with tokens, ITL between
     later ones. Never raises for a failed request: the failure is the record's `error`."""
     rec = RequestRecord(num_images=num_images)
     chunks: list[str] = []
@@ -146,13 +151,13 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, num_imag
                         rec.output_tokens = int(event["usage"].get("completion_tokens") or 0)
                         rec.tokens_from_usage = True
                     for choice in event.get("choices") or []:
-                        if text := _chunk_text(choice):
+                        if _chunk_tokens(choice):
                             if rec.ttft_s is None:
                                 rec.ttft_s = now - start
                             else:
                                 rec.itl_s.append(now - last)
                             last = now
-                            chunks.append(text)
+                            chunks.append(_chunk_text(choice))
                         rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
     except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # malformed events fail the request, not the run
         rec.error = f"{type(exc).__name__}: {exc}"

@@ -121,6 +121,8 @@ def chat_body(args: argparse.Namespace, model: str, messages: list[dict[str, Any
     }
     if args.ignore_eos:  # a vLLM-style extension: only sent when asked, strict servers reject unknown keys
         body["ignore_eos"] = True
+    if getattr(args, "logprobs", False):
+        body["logprobs"] = True
     return json.dumps(body).encode()
 
 
@@ -161,7 +163,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def describe_ms(values_s: Sequence[float]) -> dict[str, float | None]:
-    """mean / median / p99 / max in milliseconds of durations given in seconds (None when empty)."""
+    """mean / median / p90 / p99 / max in milliseconds of durations given in seconds (None when empty)."""
     ms = [v * 1000.0 for v in values_s]
 
     def rounded(v: float | None) -> float | None:
@@ -170,6 +172,7 @@ def describe_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     return {
         "mean": rounded(sum(ms) / len(ms)) if ms else None,
         "median": rounded(percentile(ms, 50)),
+        "p90": rounded(percentile(ms, 90)),
         "p99": rounded(percentile(ms, 99)),
         "max": rounded(max(ms)) if ms else None,
     }

@@ -70,7 +70,7 @@ def multiturn(base: str, chats: int, rounds: int, out: Path) -> dict[str, Any]:
     procs = [
         subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "multiturn", "--base-url", base + "/v1",
                           "--out", str(out / f"chat{i}"), "--rounds", str(rounds), "--resolution", "1080p",
-                          "--output-len", "16", "--seed", str(1000 + i)], stdout=subprocess.DEVNULL)
+                          "--output-len", "16", "--seed", str(1000 + i), "--logprobs"], stdout=subprocess.DEVNULL)
         for i in range(chats)
     ]
     for proc in procs:

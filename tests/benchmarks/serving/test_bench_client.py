@@ -62,8 +62,10 @@ def test_percentile_interpolates_between_ranks() -> None:
 
 
 def test_describe_ms_and_tpot() -> None:
-    assert report.describe_ms([0.001, 0.002, 0.003]) == {"mean": 2.0, "median": 2.0, "p99": 2.98, "max": 3.0}
-    assert report.describe_ms([]) == {"mean": None, "median": None, "p99": None, "max": None}
+    assert report.describe_ms([0.001, 0.002, 0.003]) == {"mean": 2.0, "median": 2.0, "p90": 2.8, "p99": 2.98,
+                                                         "max": 3.0}
+    assert report.describe_ms([]) == {"mean": None, "median": None, "p90": None, "p99": None,
+                                      "max": None}
     assert report.tpot_s(e2e_s=1.0, ttft_s=0.2, output_tokens=5) == pytest.approx(0.2)
     assert report.tpot_s(e2e_s=1.0, ttft_s=0.2, output_tokens=1) is None
 
@@ -181,6 +183,18 @@ async def test_stream_chat_times_a_recorded_stream() -> None:
         assert row["num_images"] == 2 and row["tpot_ms"] is not None and len(row["itl_ms"]) == 2
 
 
+async def test_stream_chat_counts_tokens_without_text_by_their_logprobs() -> None:
+    # Random weights often answer with tokens that decode to nothing: only their logprobs show them.
+    lp = '"logprobs":{"content":[{"token":"","logprob":-1.0,"bytes":[],"top_logprobs":[]}]}'
+    empty = RECORDED.replace('"delta":{"content":" CHECKS"},"finish_reason":null,"logprobs":null',
+                             '"delta":{"content":""},"finish_reason":null,' + lp)
+    assert empty != RECORDED
+    async with replay(empty.encode()) as client:
+        rec = await stream_chat(client, "http://x", b"{}")
+    assert rec.ok and rec.text == "AUSEor"
+    assert rec.ttft_s is not None and len(rec.itl_s) == 2  # the empty token is the first, not the role chunk
+
+
 async def test_stream_chat_records_failures() -> None:
     async with replay(b'{"error":{"message":"too many images"}}', status=400) as client:
         rec = await stream_chat(client, "http://x", b"{}")
@@ -254,12 +268,13 @@ def test_serving_through_the_cli(live: LiveServer, tmp_path: Path, capsys: pytes
 
 
 def test_multiturn_encodes_one_new_image_per_round(live: LiveServer, tmp_path: Path) -> None:
-    args = bench_args(live, "multiturn", tmp_path, "--rounds", "3", "--output-len", "4", "--seed", "11")
+    args = bench_args(live, "multiturn", tmp_path, "--rounds", "3", "--output-len", "4", "--seed", "11", "--logprobs")
     result = asyncio.run(run_multiturn(args))
     assert result == only_result(tmp_path, "multiturn")
     rounds = result["rounds"]
     assert [r["round"] for r in rounds] == [1, 2, 3] and all(r["ok"] for r in rounds)
-    assert len(result["summary"]["ttft_ms"]) == 3
+    ttfts = result["summary"]["ttft_ms"]  # timed by logprobs: every round has one, text or not
+    assert len(ttfts) == 3 and all(t is not None and t > 0 for t in ttfts)
     assert [r["num_images"] for r in rounds] == [1, 2, 3]
     # Images of earlier rounds are resent byte for byte; glimpse's per-image cache encodes only the new one.
     assert [r["images_encoded"] for r in rounds[1:]] == [1, 1]
