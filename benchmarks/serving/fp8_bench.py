@@ -7,8 +7,7 @@ loader quantizes them in the checkpoint's layout) in turn, driven by the bench c
 
 Variants (``--variants``): ``bf16`` (the bf16 checkpoint); ``fp8`` (the FP8 checkpoint, ``GLIMPSE_FP8_GEMM=auto``,
 the default: w8a16_gemm.py's decode kernel at decode rows, the scaled-FP8 kernels above); ``fp8-w8a16``
-(``GLIMPSE_FP8_GEMM=w8a16``: the decode kernel at every row count); ``fp8-serial-sum`` (``fp8`` with
-``GLIMPSE_W8A16_SERIAL_SUM=1``: the decode kernel's split-K partials summed inside it); ``fp8-dequant`` (the FP8 checkpoint under the default ``bf16``: dequantized at
+(``GLIMPSE_FP8_GEMM=w8a16``: the decode kernel at every row count); ``fp8-dequant`` (the FP8 checkpoint under the default ``bf16``: dequantized at
 load, so it should match ``bf16``); ``fp8-dynamic`` (compressed-tensors per-channel FP8, ``auto``).
 Columns: start-up (spawn to /health), (a) one request of 8 x 1080p images, mean TTFT over ``--ttft-requests``
 sequential requests after the warm-up; (b) ``--num-prompts`` requests of 1 x 1080p, 128 tokens out, at
@@ -37,7 +36,6 @@ VARIANTS: dict[str, tuple[str | None, dict[str, str]]] = {
     "bf16": (None, {}),
     "fp8": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto"}),
     "fp8-w8a16": ("fp8-block", {"GLIMPSE_FP8_GEMM": "w8a16"}),
-    "fp8-serial-sum": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto", "GLIMPSE_W8A16_SERIAL_SUM": "1"}),
     "fp8-dequant": ("fp8-block", {"GLIMPSE_FP8_GEMM": "bf16"}),
     "fp8-dynamic": ("fp8-dynamic", {"GLIMPSE_FP8_GEMM": "auto"}),
 }

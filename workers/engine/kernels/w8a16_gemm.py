@@ -20,14 +20,8 @@ products, never to the weight in x's dtype, so the weight is rounded once (to FP
 
 Split-K as in skinny_gemm.py: a weight with too few output rows to fill the card splits K; each split writes a
 float32 partial and skinny_gemm's second pass sums them in a fixed order and adds the bias (deterministic, no
-atomics on the data). With ``GLIMPSE_W8A16_SERIAL_SUM=1`` the second pass goes: each program counts itself in on an
-int32 lock of its output tile (release/acquire at GPU scope), and the split that arrives last sums every split's
-partial in the same fixed order (same bits as the second pass), adds the bias, writes the output and resets the
-lock. That saves a kernel per projection (144 a step on an 8B, 0.25 ms of sum kernels on an H200); it is off until
-it is measured on a GPU. Locks are per CUDA stream (kernels on two streams never share one).
-
-Row counts above BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any M, but it
-is meant for decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS under ``auto``.
+atomics). Row counts above BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any
+M, but it is meant for decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS under ``auto``.
 
 The row count is not specialised on: a weight shape compiles once per BLOCK_M (16 for up to 16 rows). The start-up
 warm-up's forwards run every projection at decode row counts, which compiles them before any CUDA-graph capture.
@@ -128,9 +122,8 @@ def _kernel() -> Any:
 
     @triton.jit(do_not_specialize=["rows"])
     def w8a16_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, y_ptr, lock_ptr, rows, n, k, k_split, splits, stride_sn, stride_sk,
+        x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n, k, k_split, stride_sn, stride_sk,
         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, K_SCALES: tl.constexpr, ROW_DIV: tl.constexpr, MODE: tl.constexpr,
-        SERIAL_SUM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
@@ -173,20 +166,6 @@ def _kernel() -> Any:
         if PARTIAL:
             dst = out_ptr + pid_k * rows * n + offs_m[:, None] * n + offs_n[None, :]
             tl.store(dst, acc, mask=m_ok & n_ok)
-            if SERIAL_SUM:
-                tl.debug_barrier()  # every thread's partial is stored before the count goes up
-                lock = lock_ptr + tl.program_id(2) * tl.num_programs(0) + pid_n
-                if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    part = out_ptr + offs_m[:, None] * n + offs_n[None, :]
-                    for _ in range(0, splits):  # past L1 (".cg"): the other splits wrote from other SMs
-                        total += tl.load(part, mask=m_ok & n_ok, other=0.0, cache_modifier=".cg")
-                        part += rows * n
-                    if HAS_BIAS:
-                        total += tl.load(b_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
-                    dst = y_ptr + offs_m[:, None] * n + offs_n[None, :]
-                    tl.store(dst, total.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok)
-                    tl.atomic_xchg(lock, 0)  # ready for the next launch (or graph replay)
         else:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
@@ -194,25 +173,6 @@ def _kernel() -> Any:
             tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_ok & n_ok)
 
     return w8a16_kernel
-
-
-SERIAL_SUM_ENV = "GLIMPSE_W8A16_SERIAL_SUM"
-LOCKS = 1 << 14  # output tiles a launch may have with SERIAL_SUM (more: the second pass)
-_lock_buffers: dict[tuple[torch.device, int], Tensor] = {}
-
-
-def serial_sum() -> bool:
-    return os.environ.get(SERIAL_SUM_ENV, "0") == "1"
-
-
-def _locks(device: torch.device) -> Tensor:
-    """The zeroed int32 locks of the current stream on ``device``, each back at zero after every launch that used
-    it (a capture's stream gets its own, made, and zeroed at each replay, inside the graph)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _lock_buffers:
-        _lock_buffers[key] = torch.zeros(LOCKS, dtype=torch.int32, device=device)
-    return _lock_buffers[key]
 
 
 @functools.cache
@@ -255,16 +215,14 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     grid = (-(-n // t.block_n), t.split_k, -(-rows // bm))
     split = t.split_k > 1  # then float32 partials, summed (with the bias) by skinny_gemm's second pass
     dst = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device) if split else out
-    serial = split and serial_sum() and grid[0] * grid[2] <= LOCKS  # the last split sums, in this kernel
-    locks = _locks(x.device) if serial else s
     w = weight.contiguous()
     _kernel()[grid](
-        x2, w, s, bias if bias is not None else s, dst, out, locks, rows, n, k, k_split, t.split_k,
-        s.stride(0), s.stride(1), HAS_BIAS=bias is not None and (serial or not split), PARTIAL=split,
-        K_SCALES=not channel, ROW_DIV=1 if s.shape[0] == n else BLOCK, MODE=t.mode, SERIAL_SUM=serial, BLOCK_M=bm,
-        BLOCK_N=t.block_n, BLOCK_K=block_k, SCALE_BLOCK=BLOCK, num_warps=t.warps, num_stages=t.stages,
+        x2, w, s, bias if bias is not None else s, dst, rows, n, k, k_split, s.stride(0), s.stride(1),
+        HAS_BIAS=bias is not None and not split, PARTIAL=split, K_SCALES=not channel,
+        ROW_DIV=1 if s.shape[0] == n else BLOCK, MODE=t.mode, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=block_k,
+        SCALE_BLOCK=BLOCK, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
-    if split and not serial:
+    if split:
         skinny_gemm.sum_splits(dst, bias, out)
     return out.reshape(*lead, n)
 

@@ -17,8 +17,6 @@ from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_row
 CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 CHECK = """
-import os
-
 import torch
 from workers.engine.kernels import w8a16_gemm as g
 from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows, quantize_token_groups
@@ -82,20 +80,6 @@ for rows, n, k, bias, split in ((1, 200, 384, True, 1), (3, 130, 700, False, 2),
         x = torch.cat([(q64.float() * s64.repeat_interleave(64, 1)), x[:, k // 64 * 64 :]], dim=1)
         got = g.linear(x, q, s, b, use=Tile(32, 128, split, 4, 2, g.FP8_ACTIVATIONS))
         assert float((got - g.reference(x, q, s, b)).abs().max()) > 1e-3 * float(want.abs().max()), (rows, n, k, name)
-
-# GLIMPSE_W8A16_SERIAL_SUM: the last split to finish sums the partials in the kernel: the second pass's bits, and
-# every lock back at zero for the next launch (a second call, same bits).
-for rows, n, k, split, bias in ((1, 200, 1024, 4, True), (3, 130, 700, 3, False), (20, 96, 1000, 2, True)):
-    x = torch.randn(rows, k, generator=gen)
-    q, s = quantize_block(g.spread_weight(n, k, gen))
-    b = torch.randn(n, generator=gen) if bias else None
-    os.environ[g.SERIAL_SUM_ENV] = "0"
-    two_pass = g.linear(x, q, s, b, use=Tile(32, 64, split, 4, 2))
-    os.environ[g.SERIAL_SUM_ENV] = "1"
-    for _ in range(2):
-        assert torch.equal(g.linear(x, q, s, b, use=Tile(32, 64, split, 4, 2)), two_pass), (rows, n, k, split)
-    assert not g._locks(x.device).any()
-os.environ[g.SERIAL_SUM_ENV] = "0"
 
 # Leading dimensions are kept, x's dtype comes out, split partials add up in a fixed order (same bits twice), and
 # no rows is no launch.
@@ -221,22 +205,3 @@ def test_w8a16_matches_the_dequantized_bf16_gemm_on_gpu(m: int) -> None:
                 want = w8a16_gemm.reference(x, q, s, b, mode)
                 err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
                 assert err <= 0.01, (mode, n, k, tuple(s.shape), float(err))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA device with FP8 (SM89+)")
-def test_the_serial_split_sum_gives_the_second_pass_bits_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GLIMPSE_W8A16_SERIAL_SUM=1 on the GPU (many programs racing for each lock): the same bits as the two-kernel
-    sum at the default tiles of a 8B's projections, call after call, and every lock back at zero."""
-    gen = torch.Generator().manual_seed(5)
-    for n, k in ((6144, 4096), (4096, 12288)):
-        q, s = (t.cuda() for t in quantize_block(w8a16_gemm.spread_weight(n, k, gen)))
-        for m in (1, 4, 16):
-            x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-            monkeypatch.setenv(w8a16_gemm.SERIAL_SUM_ENV, "0")
-            want = w8a16_gemm.linear(x, q, s)
-            assert w8a16_gemm.tile(n, k, torch.cuda.get_device_properties(0).multi_processor_count, m).split_k > 1
-            monkeypatch.setenv(w8a16_gemm.SERIAL_SUM_ENV, "1")
-            for _ in range(20):
-                assert torch.equal(w8a16_gemm.linear(x, q, s), want), (n, k, m)
-    assert not w8a16_gemm._locks(x.device).any()
