@@ -10,12 +10,20 @@ after the other:
 - ``small GPU + host``: the same, with the host tiers under both caches (``--kv-host-cache-mb``,
   ``--mm-host-cache-mb``): evicted blocks and embeddings are copied back instead.
 
-Prints one row per engine (TTFT of the first and the last rounds, averaged over the chats, the late rounds against the reference, the
-prompt tokens computed, the images encoded, the host tiers' loads) and writes JSON with every round.
+Prints a line per request as it ends and each engine's row when it is done (a run cut short keeps what it measured),
+then the table: one row per engine (TTFT of the first and the last rounds, averaged over the chats, the late rounds
+against the reference, the prompt tokens computed, the images encoded, the host tiers' loads); writes JSON with
+every round.
 
     python -m benchmarks.engine.host_tier_bench --shape demo --device cpu --chats 3 --rounds 4 --resolution 720p
-    python -m benchmarks.engine.host_tier_bench --shape qwen3-8b --device cuda --chats 16 --rounds 8 \\
-        --small-kv-blocks 4096 --small-mm-cache-mb 1024 --kv-host-cache-mb 32768 --mm-host-cache-mb 8192
+    python -m benchmarks.engine.host_tier_bench --shape qwen3-8b --device cuda --chats 2 --rounds 24 \\
+        --images-per-round 1 --small-kv-blocks 3400 --small-mm-cache-mb 1024 --kv-host-cache-mb 32768 \\
+        --mm-host-cache-mb 8192
+
+The small KV pool must hold one chat's last prompt (the engine refuses a prompt larger than its whole pool): a
+1080p image is about 2,000 tokens on the Qwen3-VL shapes, so ``rounds x images-per-round x 130`` blocks and a few
+hundred more for the turns. On an H200, 2 chats of 32 such rounds took longer than 5 minutes (the small-GPU engine
+recomputes most of each late prompt), so the example stops at 24.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ def chat_round(history: list[dict[str, Any]], images: list[Image.Image], questio
     return [*history, {"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
-def run_chat(cfg: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
+def run_chat(cfg: EngineConfig, args: argparse.Namespace, label: str) -> dict[str, Any]:
     engine = Engine(cfg)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     width, height = RESOLUTIONS[args.resolution]
@@ -61,6 +69,9 @@ def run_chat(cfg: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
             out = finished[0]
             round_ttft.append(ttft * 1e3)
             prompts.append(out.prompt_tokens)
+            # One line per request as it ends: a run cut short by a time limit still shows how far it got.
+            print(f"  {label} round {r + 1} chat {c}: {out.prompt_tokens:,} prompt tokens, TTFT {ttft * 1e3:.1f} ms",
+                  flush=True)
             histories[c] = [*messages, {"role": "assistant", "content": out.text or "noted"}]
         ttfts.append(mean(round_ttft))
     sync(args.device)
@@ -115,20 +126,22 @@ def run(model_dir: Path, args: argparse.Namespace) -> None:
                                          kv_host_cache_mb=args.kv_host_cache_mb,
                                          mm_host_cache_mb=args.mm_host_cache_mb),
     }
-    results = {name: run_chat(cfg, args) for name, cfg in engines.items()}
     late = max(1, args.rounds // 4)  # the last quarter of the rounds
-    ref = mean(results["all in GPU"]["ttft_ms"][-late:])
-    print(f"{args.shape}, {args.device}, {args.chats} chats, {args.rounds} rounds x {args.images_per_round} x "
-          f"{args.resolution}, "
-          f"late = the last {late} rounds")
-    print("| engine | TTFT round 1, ms | late TTFT mean, ms | late / all in GPU | prompt tokens computed "
-          "| images encoded | KV blocks from host | embeddings from host |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
+    head = (f"{args.shape}, {args.device}, {args.chats} chats, {args.rounds} rounds x {args.images_per_round} x "
+            f"{args.resolution}, late = the last {late} rounds\n"
+            "| engine | TTFT round 1, ms | late TTFT mean, ms | late / all in GPU | prompt tokens computed "
+            "| images encoded | KV blocks from host | embeddings from host |\n|---|---|---|---|---|---|---|---|")
+    results: dict[str, dict[str, Any]] = {}
+    rows = []
+    for name, cfg in engines.items():  # each engine's row as soon as it is done, then the table
+        r = results[name] = run_chat(cfg, args, name)
         late_ttft = mean(r["ttft_ms"][-late:])
-        print(f"| {name} | {r['ttft_ms'][0]:.1f} | {late_ttft:.1f} | {late_ttft / ref:.2f} | "
-              f"{r['prompt_tokens_computed']:,} | {r['images_encoded']} | {r['kv_host_loaded_blocks']} | "
-              f"{r['mm_host_reloads']} |")
+        rows.append(f"| {name} | {r['ttft_ms'][0]:.1f} | {late_ttft:.1f} | "
+                    f"{late_ttft / mean(results['all in GPU']['ttft_ms'][-late:]):.2f} | "
+                    f"{r['prompt_tokens_computed']:,} | {r['images_encoded']} | {r['kv_host_loaded_blocks']} | "
+                    f"{r['mm_host_reloads']} |")
+        print(rows[-1], flush=True)
+    print("\n" + head + "\n" + "\n".join(rows))
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
 
