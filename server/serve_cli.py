@@ -58,9 +58,10 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--encoder-devices", default="", metavar="LIST",
                    help="CUDA: comma-separated GPU indices the encoder workers run on, taken in turn (empty: "
                    "each replica's encoders share its language model's GPUs)")
-    m.add_argument("--encoder-landing-mb", type=int, default=S["encoder_landing_mb"], metavar="MB",
+    m.add_argument("--encoder-landing-mb", type=int, default=None, metavar="MB",
                    help="CUDA: each encoder worker's landing pool on its GPU, read by the model ranks through CUDA "
-                   "IPC; an entry that finds it full goes through shared memory; 0: every entry does")
+                   "IPC; an entry that finds it full goes through shared memory; 0: every entry does (default: on "
+                   "encoder GPUs of their own a quarter of the GPU, at most 16384; else 0)")
     m.add_argument("--encoder-cache-mb", type=int, default=S["encoder_cache_mb"], metavar="MB",
                    help="with --shared-encoders: host memory in which each encoder keeps its last embeddings, so that "
                    "an image another replica had encoded is not encoded again; 0: none kept")
@@ -223,7 +224,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("glimpse serve: --kv-events-buffer-steps must be 1 or more")
     if args.encoder_workers < 0:
         raise SystemExit("glimpse serve: --encoder-workers must be 0 (off) or more")
-    if args.encoder_landing_mb < 0:
+    if args.encoder_landing_mb is not None and args.encoder_landing_mb < 0:
         raise SystemExit("glimpse serve: --encoder-landing-mb must be 0 (off) or more")
     if args.encoder_cache_mb < 0:
         raise SystemExit("glimpse serve: --encoder-cache-mb must be 0 (off) or more")
@@ -322,7 +323,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         encoder_workers=args.encoder_workers,
         shared_encoders=args.shared_encoders,
         encoder_devices=encoder_devices,
-        encoder_landing_mb=args.encoder_landing_mb,
+        encoder_landing_mb=_landing_mb(args.encoder_landing_mb, encoder_devices, args.dp * args.tp),
         encoder_cache_mb=args.encoder_cache_mb,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic or (default_topic(args.host, args.port, name) if args.kv_events_endpoint else ""),
@@ -354,6 +355,26 @@ def _encoder_devices(text: str, device: str, workers: int, family: str) -> tuple
     if any(not 0 <= i < count for i in indices):
         raise SystemExit(f"glimpse serve: --encoder-devices {text}: this host has GPUs 0..{count - 1}")
     return indices
+
+
+# The pool on an encoder GPU of its own: measured at 16384 MiB (2 x H200: entries peer to peer served 1.19x the
+# requests/s of landing through /dev/shm, docs/benchmarks.md "Encoder workers"); a quarter of a smaller card leaves
+# the ViT its activations.
+SPLIT_LANDING_MB = 16384
+
+
+def _landing_mb(flag: int | None, encoder_devices: tuple[int, ...], lm_gpus: int) -> int:
+    """--encoder-landing-mb, or its default: a pool where every encoder has a GPU no model rank uses (model ranks
+    take GPUs 0 .. dp x tp - 1), since there it takes no memory from the KV cache; 0 (shared memory) where encoders
+    share the model ranks' GPUs, whose KV budget does not count a pool."""
+    if flag is not None:
+        return flag
+    if not encoder_devices or any(i < lm_gpus for i in encoder_devices):
+        return 0
+    import torch
+
+    smallest = min(torch.cuda.get_device_properties(i).total_memory for i in set(encoder_devices))
+    return min(SPLIT_LANDING_MB, (smallest >> 20) // 4)
 
 
 def _private_exemptions(text: str) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.serve_cli import add_serve, build_config
+from server.serve_cli import SPLIT_LANDING_MB, _landing_mb, add_serve, build_config
 from workers.engine.config import (
     FA3_KEY_TILE,
     HOST_CACHE_CAP_MB,
@@ -135,9 +135,24 @@ def test_shared_encoders_need_encoders_and_replicas_to_share_them(demo_model_dir
             build_config(parse(*base, *bad))
 
 
+def test_encoders_on_gpus_of_their_own_get_a_landing_pool_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Props:
+        def __init__(self, gib: int) -> None:
+            self.total_memory = gib << 30
+
+    sizes = {2: 141, 3: 24}
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: Props(sizes[i]))
+    # model ranks on GPUs 0 .. lm_gpus - 1; encoders on others get a pool, capped by a quarter of the smallest card
+    assert _landing_mb(None, (2,), 2) == SPLIT_LANDING_MB
+    assert _landing_mb(None, (2, 3), 2) == 24 * 1024 // 4
+    # an encoder sharing a model rank's GPU: shared memory (the KV budget does not count a pool), as without devices
+    assert _landing_mb(None, (1, 2), 2) == 0 and _landing_mb(None, (), 1) == 0
+    assert _landing_mb(0, (2,), 2) == 0 and _landing_mb(4096, (), 1) == 4096  # the flag always wins
+
+
 def test_encoder_landing_pool_flag_and_the_gpus_that_read_it(demo_model_dir: Path) -> None:
     base = ("--model", str(demo_model_dir), "--device", "cpu", "--encoder-workers", "1")
-    assert build_config(parse(*base)).encoder_landing_mb == 0  # shared memory until the pool has run on a GPU
+    assert build_config(parse(*base)).encoder_landing_mb == 0  # encoders on the model's device: shared memory
     assert build_config(parse(*base, "--encoder-landing-mb", "4096")).encoder_landing_mb == 4096
     with pytest.raises(SystemExit, match="--encoder-landing-mb"):
         build_config(parse(*base, "--encoder-landing-mb", "-1"))
