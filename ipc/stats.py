@@ -28,6 +28,7 @@ class WorkerStats(Msg, frozen=True):
     weight_bytes: int = 0  # the model's parameters and buffers on this rank
     vision_weight_bytes: int = 0  # the vision tower's part of them (0: built without it, --encoder-workers)
     vit_graph_replays: int = 0  # ViT calls replayed from a CUDA graph (layers/vit_graphs.py), of vit_calls
+    images_ahead: int = 0  # of images_encoded, encoded by a step for a later one (--encode-ahead-tokens)
 
 
 class EncoderStats(Msg, frozen=True):

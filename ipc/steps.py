@@ -109,6 +109,9 @@ class StepPlan(Msg, frozen=True):
     # Asynchronous scheduling: planned while the step before it was still running. A chunk that starts right past
     # the tokens sent so far decodes the token that step is sampling: the worker takes its id from its own samples.
     ahead: bool = False
+    # The last ``encode_ahead`` jobs of ``encode`` are for images a later step reads (core/encode_ahead.py): the
+    # worker runs them after it has queued this step's forward, on a second CUDA stream that the next step waits for.
+    encode_ahead: int = 0
     # Hybrid models' prefix cache on recurrent state. ``state_copies`` (source slot, destination slot) run before the
     # forward: a request whose prefix hit a snapshot starts from a copy of it in its live slot. ``snapshots``
     # (rid, position, slot): the sequence's state after token ``position`` (a block boundary inside this step's

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig
+from server.encoder_flags import encoder_devices, landing_mb
 from workers.common.reasoning_markers import PARSERS
 from workers.engine.config import KV_CACHE_DTYPES, EngineConfig
 
@@ -77,6 +78,9 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="token budget of a step when no request is decoding (0: --chunk-size)")
     m.add_argument("--decode-step-image-tokens", type=int, default=E["decode_step_image_tokens"],
                    help="image tokens a step that carries decodes may encode (at least one image; 0: no cap)")
+    m.add_argument("--encode-ahead-tokens", type=int, default=E["encode_ahead_tokens"],
+                   help="image tokens a step may encode for later steps, on a second CUDA stream beside its forward "
+                   "(at least one image; 0: off; needs --tp 1 and no --encoder-workers)")
     m.add_argument("--max-num-seqs", type=int, default=E["max_num_seqs"], help="most requests running at once")
     m.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     m.add_argument("--block-size", type=int, default=None,
@@ -222,6 +226,11 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("glimpse serve: --kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.kv_events_buffer_steps < 1:
         raise SystemExit("glimpse serve: --kv-events-buffer-steps must be 1 or more")
+    if args.encode_ahead_tokens < 0:
+        raise SystemExit("glimpse serve: --encode-ahead-tokens must be 0 (off) or more")
+    if args.encode_ahead_tokens and (args.tp > 1 or args.encoder_workers):
+        raise SystemExit("glimpse serve: --encode-ahead-tokens needs --tp 1 (the ViT's all-gather cannot run on a "
+                         "second stream) and no --encoder-workers (they encode ahead already)")
     if args.encoder_workers < 0:
         raise SystemExit("glimpse serve: --encoder-workers must be 0 (off) or more")
     if args.encoder_landing_mb is not None and args.encoder_landing_mb < 0:
@@ -244,7 +253,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if device.startswith("cuda") and args.dp * args.tp > torch.cuda.device_count():
         raise SystemExit(f"glimpse serve: --dp {args.dp} x --tp {args.tp} needs {args.dp * args.tp} GPUs, "
                          f"{torch.cuda.device_count()} visible")
-    encoder_devices = _encoder_devices(args.encoder_devices, device, args.encoder_workers, info.family)
+    encoder_gpus = encoder_devices(args.encoder_devices, device, args.encoder_workers, info.family)
     block_size, num_kv_blocks = serving_kv_blocks(device, args.attn_backend, args.block_size, args.num_kv_blocks)
     _, num_window_blocks = serving_kv_blocks(device, args.attn_backend, args.block_size, args.num_window_blocks)
     engine = EngineConfig(
@@ -272,6 +281,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         vit_max_patches=args.vit_max_patches,
         lone_prefill_tokens=args.lone_prefill_tokens,
         decode_step_image_tokens=args.decode_step_image_tokens,
+        encode_ahead_tokens=args.encode_ahead_tokens,
         fused_kernels=args.fused_kernels,
         piecewise_graph_tokens=args.piecewise_graph_tokens,
         seed=args.seed,
@@ -322,8 +332,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         dp_routing=args.dp_routing,
         encoder_workers=args.encoder_workers,
         shared_encoders=args.shared_encoders,
-        encoder_devices=encoder_devices,
-        encoder_landing_mb=_landing_mb(args.encoder_landing_mb, encoder_devices, args.dp * args.tp),
+        encoder_devices=encoder_gpus,
+        encoder_landing_mb=landing_mb(args.encoder_landing_mb, encoder_gpus, args.dp * args.tp),
         encoder_cache_mb=args.encoder_cache_mb,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic or (default_topic(args.host, args.port, name) if args.kv_events_endpoint else ""),
@@ -331,50 +341,6 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         kv_events_buffer_steps=args.kv_events_buffer_steps,
         kv_events_layout=args.kv_events_layout,
     )
-
-
-def _encoder_devices(text: str, device: str, workers: int, family: str) -> tuple[int, ...]:
-    """--encoder-devices as GPU indices, checked against the GPUs this host has (refused without CUDA or without
-    encoder workers, where it would mean nothing)."""
-    import torch
-
-    from workers.engine.models import family as family_package
-
-    if workers and family_package(family).build_tower is None:
-        raise SystemExit(f"glimpse serve: --encoder-workers: the {family} family has no vision tower of its own to run")
-    entries = [e.strip() for e in text.split(",") if e.strip()]
-    if not entries:
-        return ()
-    if not workers or not device.startswith("cuda"):
-        raise SystemExit("glimpse serve: --encoder-devices takes CUDA devices and needs --encoder-workers")
-    try:
-        indices = tuple(int(e) for e in entries)
-    except ValueError:
-        raise SystemExit(f"glimpse serve: --encoder-devices: {text!r} is not a list of GPU indices") from None
-    count = torch.cuda.device_count()
-    if any(not 0 <= i < count for i in indices):
-        raise SystemExit(f"glimpse serve: --encoder-devices {text}: this host has GPUs 0..{count - 1}")
-    return indices
-
-
-# The pool on an encoder GPU of its own: measured at 16384 MiB (2 x H200: entries peer to peer served 1.19x the
-# requests/s of landing through /dev/shm, docs/benchmarks.md "Encoder workers"); a quarter of a smaller card leaves
-# the ViT its activations.
-SPLIT_LANDING_MB = 16384
-
-
-def _landing_mb(flag: int | None, encoder_devices: tuple[int, ...], lm_gpus: int) -> int:
-    """--encoder-landing-mb, or its default: a pool where every encoder has a GPU no model rank uses (model ranks
-    take GPUs 0 .. dp x tp - 1), since there it takes no memory from the KV cache; 0 (shared memory) where encoders
-    share the model ranks' GPUs, whose KV budget does not count a pool."""
-    if flag is not None:
-        return flag
-    if not encoder_devices or any(i < lm_gpus for i in encoder_devices):
-        return 0
-    import torch
-
-    smallest = min(torch.cuda.get_device_properties(i).total_memory for i in set(encoder_devices))
-    return min(SPLIT_LANDING_MB, (smallest >> 20) // 4)
 
 
 def _private_exemptions(text: str) -> tuple[str, ...]:

@@ -181,6 +181,7 @@ class StatsBook:
                     "images_encoded": w.images_encoded,
                     "vit_calls": w.vit_calls,
                     "vit_graph_replays": w.vit_graph_replays,
+                    "images_ahead": w.images_ahead,
                     "steps": w.steps,
                     "weight_bytes": w.weight_bytes,
                     "vision_weight_bytes": w.vision_weight_bytes,  # 0 with --encoder-workers: no tower here

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from server.serve_cli import SPLIT_LANDING_MB, _landing_mb, add_serve, build_config
+from server.encoder_flags import SPLIT_LANDING_MB, landing_mb
+from server.serve_cli import add_serve, build_config
 from workers.engine.config import (
     FA3_KEY_TILE,
     HOST_CACHE_CAP_MB,
@@ -143,11 +144,11 @@ def test_encoders_on_gpus_of_their_own_get_a_landing_pool_by_default(monkeypatch
     sizes = {2: 141, 3: 24}
     monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: Props(sizes[i]))
     # model ranks on GPUs 0 .. lm_gpus - 1; encoders on others get a pool, capped by a quarter of the smallest card
-    assert _landing_mb(None, (2,), 2) == SPLIT_LANDING_MB
-    assert _landing_mb(None, (2, 3), 2) == 24 * 1024 // 4
+    assert landing_mb(None, (2,), 2) == SPLIT_LANDING_MB
+    assert landing_mb(None, (2, 3), 2) == 24 * 1024 // 4
     # an encoder sharing a model rank's GPU: shared memory (the KV budget does not count a pool), as without devices
-    assert _landing_mb(None, (1, 2), 2) == 0 and _landing_mb(None, (), 1) == 0
-    assert _landing_mb(0, (2,), 2) == 0 and _landing_mb(4096, (), 1) == 4096  # the flag always wins
+    assert landing_mb(None, (1, 2), 2) == 0 and landing_mb(None, (), 1) == 0
+    assert landing_mb(0, (2,), 2) == 0 and landing_mb(4096, (), 1) == 4096  # the flag always wins
 
 
 def test_encoder_landing_pool_flag_and_the_gpus_that_read_it(demo_model_dir: Path) -> None:
@@ -160,3 +161,13 @@ def test_encoder_landing_pool_flag_and_the_gpus_that_read_it(demo_model_dir: Pat
     config = build_config(parse(*base))
     cuda = replace(config, engine=replace(config.engine, device="cuda", tp_size=2), dp_size=2)
     assert (cuda.lm_devices(0), cuda.lm_devices(1)) == ([0, 1], [2, 3])
+
+
+def test_encode_ahead_flag_and_what_it_refuses(demo_model_dir: Path) -> None:
+    base = ("--model", str(demo_model_dir), "--device", "cpu")
+    assert build_config(parse(*base)).engine.encode_ahead_tokens == 0
+    assert build_config(parse(*base, "--encode-ahead-tokens", "4096")).engine.encode_ahead_tokens == 4096
+    for bad, why in [(("-1",), "must be 0"), (("512", "--tp", "2"), "needs --tp 1"),
+                     (("512", "--encoder-workers", "1"), "needs --tp 1 .* and no --encoder-workers")]:
+        with pytest.raises(SystemExit, match=f"^glimpse serve: --encode-ahead-tokens {why}"):
+            build_config(parse(*base, "--encode-ahead-tokens", *bad))

@@ -40,6 +40,10 @@ class EngineConfig:
     # that are in neither tier of the embedding cache), at least one image; 0: no cap beyond the chunks. Each image's
     # encode runs inside the step, so every decoding request waits for it: the cap bounds that wait.
     decode_step_image_tokens: int = 0
+    # Image tokens a step may encode for later steps (images past its chunks, the waiting queue's head), on a second
+    # CUDA stream beside its forward, so the ViT overlaps the LM (core/encode_ahead.py); 0: off. TP 1 only. Off
+    # until a GPU has measured it against the cap above (issue 36: the inter-token tail under load).
+    encode_ahead_tokens: int = 0
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Paged KV cache. num_kv_blocks wins over kv_cache_mb when both are set.

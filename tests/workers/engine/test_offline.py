@@ -105,6 +105,22 @@ def test_image_token_cap_of_decode_steps_is_exact(demo_model_dir: Path, referenc
     assert per_step[0] == 3 and max(per_step[1:]) == 1 and sum(per_step) == 9, per_step
 
 
+def test_images_encoded_ahead_give_the_same_answers(demo_model_dir: Path, reference: Reference) -> None:
+    # A small chunk and a waiting queue: steps encode the images of later chunks and of the next request ahead of
+    # the steps that read them (on the CPU right after the forward), and every image is still encoded once.
+    requests = [chat(f"Compare {i}.", [noise_image(90 + 20 * i, 70, seed=300 + 3 * i + j) for j in range(3)])
+                for i in range(3)]
+    engine = make_engine(demo_model_dir, chunk_size=96, max_num_seqs=2, encode_ahead_tokens=64)
+    rids = [engine.add_request(m, GREEDY) for m in requests]
+    done = {}
+    while engine.has_unfinished():
+        done.update((out.rid, out.token_ids) for out in engine.step())
+    assert [done[rid] for rid in rids] == [reference.generate(m) for m in requests]
+    runner = engine.runner
+    assert runner.ahead.images > 0 and runner.counters.images_encoded == 9  # ahead, and never twice
+    assert sum(n for n, _ in engine.step_log) == 9  # each counted by the step that ran it
+
+
 @pytest.mark.parametrize("block_size", [16, 128])  # 128: what `glimpse serve` takes on CUDA (whole FA3 key tiles)
 def test_second_request_reuses_cached_embeddings(demo_model_dir: Path, reference: Reference, block_size: int) -> None:
     engine = make_engine(demo_model_dir, chunk_size=64, block_size=block_size)

@@ -53,6 +53,7 @@ class SequenceBook:
         enable_prefix_caching: bool = True,
         lone_prefill_tokens: int = 0,
         decode_step_image_tokens: int = 0,
+        encode_ahead_tokens: int = 0,
         state_slots: int = 0,
         state_snapshot_every: int = 16,
         whole_images: bool = False,
@@ -73,6 +74,8 @@ class SequenceBook:
         self.decode_step_image_tokens = max(0, decode_step_image_tokens)
         self._encode_left: int | None = None
         self._encoding: set[bytes] = set()
+        # Image tokens a step may encode for later steps beside its forward (core/encode_ahead.py; 0: none).
+        self.encode_ahead_tokens = max(0, encode_ahead_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.mm_cache_mode = mm_cache_mode
@@ -125,6 +128,7 @@ class SequenceBook:
         self.preemptions = 0
         self.samples_dropped = 0  # sampled for a sequence that ended (or lost its KV) while the step ran
         self.images_planned = 0
+        self.images_ahead = 0  # of those, encoded by a step before the one that reads them
         self.prompt_tokens_computed = 0
         # n > 1: the live sequences of each request; the request ends (on_finished) with its last one.
         self.families: dict[str, list[Sequence]] = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ipc.prompts import MMItem
 from ipc.steps import EmbeddingImport, Fork, NewSeq, SeqChunk, StepPlan
+from workers.engine.core import encode_ahead
 from workers.engine.core.bookkeeping import SequenceBook
 from workers.engine.core.host_kv_index import HostCopies
 from workers.engine.core.kv_cache import block_hashes
@@ -314,11 +315,15 @@ class SchedulerCore(SequenceBook):
                 forks.extend(self._fork(seq))
         # With encoder workers the model workers have no tower: an entry the GPU tier refuses is copied from the host
         # tier for this step rather than encoded.
-        mm = self.mm_index.plan(needed, reload_refused=self.remote is not None)
-        encode, imports = mm.encode, list[EmbeddingImport]()
+        early: dict[bytes, list[MMItem]] = {}  # images a later step reads, encoded by this one beside its forward (encode_ahead.py)
+        if self.encode_ahead_tokens and self.remote is None and self.mm_cache_mode == "image":
+            early = encode_ahead.pick(self.running, self.waiting, needed, self.mm_index, self.encode_ahead_tokens)
+        mm = self.mm_index.plan({**needed, **early}, reload_refused=self.remote is not None)
+        (encode, num_ahead), imports = encode_ahead.split(mm.encode, early), list[EmbeddingImport]()
         if self.remote is not None:  # misses the encoder workers landed are imported, not encoded
             imports, encode = self.remote.imports(encode)
-        self.images_planned += sum(len(job.items) for job in mm.encode)
+        self.images_planned += sum(len(job.items) for job in encode)
+        self.images_ahead += num_ahead
         finished, self._finished_for_workers = self._finished_for_workers, []
         copies, self._state_copies = self._state_copies, []
         step_id = next(self._step_ids)
@@ -328,7 +333,7 @@ class SchedulerCore(SequenceBook):
         if host.spill or host.load:
             self._host_steps[step_id] = host
         return StepPlan(
-            step_id, new_seqs, chunks, mm.evict, encode, finished, forks=forks, ahead=ahead,
+            step_id, new_seqs, chunks, mm.evict, encode, finished, forks=forks, ahead=ahead, encode_ahead=num_ahead,
             state_copies=copies, snapshots=snapshots, mm_host_evict=mm.host_evict, mm_spill=mm.spill,
             mm_reload=mm.reload, mm_reload_once=mm.reload_once, kv_spill=host.spill, kv_load=host.load, mm_import=imports,
         )  # fmt: skip

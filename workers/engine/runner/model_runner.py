@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from ipc.landing import CudaLanding
-from ipc.steps import Fork, NewSeq, StepPlan, StepResult
+from ipc.steps import EncodeJob, Fork, NewSeq, StepPlan, StepResult
 from workers.common.step_trace import StepTrace
 from workers.engine.config import EngineConfig
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
@@ -18,6 +18,7 @@ from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
 from workers.engine.models.base import NoVisionTower, item_spans
 from workers.engine.models.load import load_model
+from workers.engine.runner.ahead_encodes import AheadEncodes
 from workers.engine.runner.batching import (
     aligned_pack,
     aligned_split,
@@ -140,6 +141,9 @@ class ModelRunner:
         self.landings = LandingReader()  # encoder workers' CUDA landing pools, opened on first use
         self.encoder = JobEncoder(self.model, self.store, self.tp, pixel_source, self.counters, cfg.model, self.merge,
                                   self.spec.embed_width, cfg.vit_max_patches, self.device, self.dtype)
+        if cfg.encode_ahead_tokens and self.tp.size > 1:
+            raise ValueError("encode_ahead_tokens needs tp 1: the ViT's all-gather cannot run on a second stream")
+        self.ahead = AheadEncodes(self.encoder, self.device)  # a step's encodes for later steps (encode_ahead.py)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
         self.trace = StepTrace(f"worker{self.tp.rank}", sync, enabled=self.tp.rank == 0)
 
@@ -156,6 +160,7 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> Launched:
         """Queue one step's GPU work; its result comes from the returned `Launched`."""
         self.trace.begin()
+        self.ahead.wait()  # the last step's encodes for this one: before anything reads or frees the store
         if self.host_kv is not None:  # first: a spilled block is reused by this step, a loaded one read by it
             self.host_kv.apply(plan.kv_spill, plan.kv_load)
         last, self.last_sampled = self.last_sampled, None
@@ -177,14 +182,18 @@ class ModelRunner:
         if plan.encode and self.vision is None:  # the scheduler never plans one here; a clear error if it did
             raise NoVisionTower(f"step {plan.step_id} asks this model worker to encode {len(plan.encode)} entries, "
                                 "but it has no vision tower (--encoder-workers: encoder workers encode every image)")
-        encoded = self.encoder.run(plan.encode) if plan.encode else 0
+        cut = len(plan.encode) - plan.encode_ahead
+        now, later = plan.encode[:cut], plan.encode[cut:]
+        encoded = self.encoder.run(now) if now else 0
         self.host.land(reloading, self.store)
         launched = Launched(plan.step_id, encoded, self.counters.vit_calls - calls_before)
         self.trace.mark("vit")
         if self.counters.keep_per_step:  # one int a step, forever: off in a serving worker
             self.counters.encoded_per_step.append(encoded)
         self.counters.steps += 1
+        self.ahead.mark(later)
         if not plan.chunks:
+            self._encode_ahead(later, launched)
             return self._imports_read(plan, launched)
         if self.state is not None:  # requests resuming from a prefix snapshot start from a copy of it
             self.state.copy(plan.state_copies)
@@ -192,6 +201,7 @@ class ModelRunner:
             self._forward(plan, launched, last)
         finally:
             self.store.end_step()
+        self._encode_ahead(later, launched)  # beside the forward just queued
         self.trace.mark("sample")
         if self.trace.enabled:
             decodes = sum(1 for c in plan.chunks if c.length == 1)
@@ -202,6 +212,12 @@ class ModelRunner:
                 graph_captures=captures, ahead=plan.ahead,
             )  # fmt: skip
         return self._imports_read(plan, launched)
+
+    def _encode_ahead(self, jobs: list[EncodeJob], launched: Launched) -> None:
+        """The step's encodes for later steps, counted with its own (its result reports every ViT it ran)."""
+        calls_before = self.counters.vit_calls
+        launched.images_encoded += self.ahead.run(jobs)
+        launched.vit_calls += self.counters.vit_calls - calls_before
 
     def _imports_read(self, plan: StepPlan, launched: Launched) -> Launched:
         """``launched``, done no sooner than this step's copies out of CUDA landing pools: once its result is in, the

@@ -309,3 +309,42 @@ def test_without_decodes_the_image_token_cap_does_not_apply() -> None:
     plan = run_step(c)
     assert [(ch.rid, ch.length) for ch in plan.chunks] == [("b", 40)]
     assert sorted(it.hash[0] for job in plan.encode for it in job.items) == [1, 2, 3]
+
+
+def test_encode_ahead_takes_later_images_and_the_waiting_head_once() -> None:
+    c = core(chunk_size=16, max_num_seqs=2, encode_ahead_tokens=10, mm_cache_bytes=100_000)
+    add(c, "a", 8, max_tokens=20)
+    run_step(c)  # a decodes from now on: 15 tokens a step for b
+    add(c, "b", 40, [item(1, 4, 10), item(2, 14, 10), item(3, 24, 10)])
+    add(c, "c", 20, [item(4, 2, 10)])  # waits: two sequences run at most
+    steps = []
+    for _ in range(4):
+        plan = run_step(c)
+        keys = [it.hash[0] for job in plan.encode for it in job.items]
+        cut = len(keys) - plan.encode_ahead
+        steps.append(([(ch.rid, ch.start, ch.length) for ch in plan.chunks], keys[:cut], keys[cut:]))
+    assert steps == [
+        # b's chunk reads images 1 and 2; the next image past it goes ahead (the budget: one 10-token image)
+        ([("a", 8, 1), ("b", 0, 15)], [1, 2], [3]),
+        # image 3 is cached: nothing of b's to encode, so the waiting head's image goes ahead
+        ([("a", 9, 1), ("b", 15, 15)], [], [4]),
+        ([("a", 10, 1), ("b", 30, 10)], [], []),
+        ([("a", 11, 1), ("b", 40, 1)], [], []),
+    ]
+    assert c.images_ahead == 2 and c.images_planned == 4  # every image once
+
+
+def test_encode_ahead_skips_pending_pixels_and_stays_within_its_budget() -> None:
+    c = core(chunk_size=8, encode_ahead_tokens=12, mm_cache_bytes=100_000)
+    add(c, "b", 60, [item(1, 2, 6), item(2, 10, 6), item(3, 20, 6), item(4, 30, 6)])
+    c.waiting[0].pending.add(item(3, 20, 6).hash)  # image 3's pixels are still being written
+    plan = run_step(c)  # chunk [0, 8): image 1 now; ahead: image 2 and (3 pending) image 4, 12 tokens
+    keys = [it.hash[0] for job in plan.encode for it in job.items]
+    assert keys == [1, 2, 4] and plan.encode_ahead == 2
+
+
+def test_without_a_budget_nothing_is_encoded_ahead() -> None:
+    c = core(chunk_size=8, mm_cache_bytes=100_000)
+    add(c, "b", 40, [item(1, 2, 6), item(2, 10, 6)])
+    plan = run_step(c)
+    assert [it.hash[0] for job in plan.encode for it in job.items] == [1] and plan.encode_ahead == 0
