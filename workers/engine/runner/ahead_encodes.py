@@ -5,7 +5,8 @@ step's forward has been queued, and the ViT overlaps the language model on the G
 Two events keep the streams apart:
 * ``ready``, recorded on the step's stream before its forward: the store rows an ahead encode writes may have been
   freed by this step's evictions, and the last reads of those rows were queued before that point (this step's
-  forward reads none of them: the index pins what a step reads);
+  forward reads none of them: the index pins what a step reads). The rows of the step's transient entries, which its
+  forward does read, are freed only after the ahead encodes have taken theirs (ModelRunner.launch);
 * ``done``, recorded on the side stream after the ahead encodes: the next step's stream waits for it before it does
   anything (spills and reloads read the store, and its forward reads the new entries).
 

@@ -199,9 +199,11 @@ class ModelRunner:
             self.state.copy(plan.state_copies)
         try:
             self._forward(plan, launched, last)
+            # Beside the forward just queued, and before end_step frees the rows of this step's transient entries,
+            # which that forward still reads: an ahead entry must not be written there.
+            self._encode_ahead(later, launched)
         finally:
             self.store.end_step()
-        self._encode_ahead(later, launched)  # beside the forward just queued
         self.trace.mark("sample")
         if self.trace.enabled:
             decodes = sum(1 for c in plan.chunks if c.length == 1)
