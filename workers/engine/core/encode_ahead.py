@@ -12,8 +12,9 @@ have its pixels written (not pending).
 The picked images go to the embedding-cache index with the step's own (after them, so they never crowd out an image
 the step reads) and are admitted like any encode; one the GPU tier would only take for this step (transient) is not
 worth encoding early and is dropped. The plan carries them as the last ``encode_ahead`` jobs of ``encode``, so
-failure handling and the pixel bookkeeping see one list. A picked image whose request is later aborted, or that is
-evicted before its chunk, costs an encode and nothing else.
+failure handling and the pixel bookkeeping see one list. A picked image whose request is later aborted, that is
+evicted before its chunk, or that a waiting request's prefix-cache hit turns out to cover, costs an encode and
+nothing else.
 """
 
 from __future__ import annotations
