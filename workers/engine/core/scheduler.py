@@ -315,11 +315,13 @@ class SchedulerCore(SequenceBook):
                 forks.extend(self._fork(seq))
         # With encoder workers the model workers have no tower: an entry the GPU tier refuses is copied from the host
         # tier for this step rather than encoded.
-        early: dict[bytes, list[MMItem]] = {}  # images a later step reads, encoded by this one beside its forward (encode_ahead.py)
+        # Images a later step reads, encoded by this one beside its forward (encode_ahead.py).
+        early: dict[bytes, list[MMItem]] = {}
         if self.encode_ahead_tokens and self.remote is None and self.mm_cache_mode == "image":
             early = encode_ahead.pick(self.running, self.waiting, needed, self.mm_index, self.encode_ahead_tokens)
         mm = self.mm_index.plan({**needed, **early}, reload_refused=self.remote is not None)
-        (encode, num_ahead), imports = encode_ahead.split(mm.encode, early), list[EmbeddingImport]()
+        encode, num_ahead = encode_ahead.split(mm.encode, early)
+        imports: list[EmbeddingImport] = []
         if self.remote is not None:  # misses the encoder workers landed are imported, not encoded
             imports, encode = self.remote.imports(encode)
         self.images_planned += sum(len(job.items) for job in encode)
