@@ -187,6 +187,8 @@ class ChatResponder:
                     pieces = chain(pieces, [protocol.error_event(failed), protocol.SSE_DONE])
                 first = _gather(pieces)
                 if first:
+                    if self.state.trace.enabled:  # the tokens are leaving (stamped before the write can wait)
+                        self.state.trace.event("sent", rid=flight.rid)
                     await _send_pieces(send, first, pieces, failed is None and not answer.done)
             if failed is not None:
                 return "failed"

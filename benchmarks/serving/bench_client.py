@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -40,6 +41,9 @@ from benchmarks.serving.bench_plot import (
     random_text,
     user_message,
 )
+
+# The step trace's folder (workers/common/step_trace.py's variable), read once: set, the client records its side too.
+TRACE_DIR = os.environ.get("GLIMPSE_STEP_TRACE", "")
 
 # ---- SSE and one streamed request ----------------------------------------------------------------
 
@@ -91,6 +95,8 @@ class RequestRecord:
     tokens_from_usage: bool = False
     finish_reason: str | None = None
     text: str = ""
+    rid: str = ""  # the server's id for it (the chunks' "id")
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each chunk with tokens (step trace)
 
     def to_json(self) -> dict[str, Any]:
         def ms(v: float | None) -> float | None:
@@ -150,8 +156,11 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, num_imag
                         rec.prompt_tokens = event["usage"].get("prompt_tokens")
                         rec.output_tokens = int(event["usage"].get("completion_tokens") or 0)
                         rec.tokens_from_usage = True
+                    rec.rid = rec.rid or str(event.get("id") or "")
                     for choice in event.get("choices") or []:
                         if _chunk_tokens(choice):
+                            if TRACE_DIR:
+                                rec.arrivals.append(time.monotonic())
                             if rec.ttft_s is None:
                                 rec.ttft_s = now - start
                             else:
@@ -169,6 +178,19 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: bytes, num_imag
         rec.error = "stream ended without finish_reason or [DONE]"
     rec.ok = rec.error is None
     return rec
+
+
+def write_arrivals(records: Sequence[RequestRecord]) -> None:
+    """With GLIMPSE_STEP_TRACE=DIR set for the client too, its side of the token gaps: one record per request
+    with the monotonic arrival time of each chunk that carried tokens, for ``benchmarks.tools.step_trace`` to set
+    beside the frontend's sends (is a long gap the server's or the client's?)."""
+    if not TRACE_DIR:
+        return
+    Path(TRACE_DIR).mkdir(parents=True, exist_ok=True)
+    with open(Path(TRACE_DIR) / f"client-{os.getpid()}.jsonl", "a", encoding="utf-8") as out:
+        for rec in records:
+            if rec.rid:
+                out.write(json.dumps({"kind": "chunks", "rid": rec.rid, "times": rec.arrivals}) + "\n")
 
 
 # ---- plumbing shared by the modes ----------------------------------------------------------------
@@ -258,8 +280,10 @@ async def run_serving(args: argparse.Namespace) -> dict[str, Any]:
             if (delay := start + due - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(body)))
-        records = [r.to_json() for r in await asyncio.gather(*tasks)]
+        done = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        write_arrivals(done)
+        records = [r.to_json() for r in done]
     result = report.result_header(args, "serving", model)
     result["summary"] = report.summarize_serving(records, duration)
     result["requests"] = records

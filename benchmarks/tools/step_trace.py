@@ -99,7 +99,41 @@ def report(records: dict[str, list[dict[str, Any]]], since: float = 0.0) -> str:
             f"median {1e3 * waits[len(waits) // 2]:.0f} ms, max {1e3 * waits[-1]:.0f} ms; "
             f"last request reached the scheduler {last:.2f} s into the window",
         ]
+    lines += delivery(records, since)
     return "\n".join(lines)
+
+
+def _spread(values: list[float], noun: str = "gaps") -> str:
+    values = sorted(values)
+    at = [values[min(len(values) - 1, int(q * len(values)))] for q in (0.5, 0.9, 0.99)] + [values[-1]]
+    return "p50/p90/p99/max " + "/".join(f"{1e3 * v:.0f}" for v in at) + f" ms over {len(values)} {noun}"
+
+
+def delivery(records: dict[str, list[dict[str, Any]]], since: float = 0.0) -> list[str]:
+    """The token gaps of each stream as the frontend sent them and as the client received them (a client run with
+    the same GLIMPSE_STEP_TRACE writes its side): a long gap seen only by the client is the client's (or the socket's),
+    one the frontend sees too comes from the scheduler or the steps."""
+    sent: dict[str, list[float]] = defaultdict(list)
+    for r in records.get("frontend", []):
+        if r["kind"] == "sent" and r["t"] >= since:
+            sent[r["rid"]].append(r["t"])
+    got = {r["rid"]: [t for t in r["times"] if t >= since] for r in records.get("client", []) if r["kind"] == "chunks"}
+    lines = []
+    for name, by_rid in (("frontend sends", sent), ("client receives", got)):
+        gaps = [b - a for times in by_rid.values() for a, b in zip(times, times[1:])]
+        if gaps:
+            lines.append(f"token gaps, {name}: {_spread(gaps)}")
+    lags = []  # each client chunk: how long after the frontend's latest send for that stream
+    for rid, times in got.items():
+        sends, k = sent.get(rid, []), 0
+        for t in times:
+            while k < len(sends) and sends[k] <= t:
+                k += 1
+            if k:
+                lags.append(t - sends[k - 1])
+    if lags:
+        lines.append(f"frontend send -> client receive: {_spread(lags, 'chunks')}")
+    return ["", *lines] if lines else []
 
 
 def per_request(records: dict[str, list[dict[str, Any]]]) -> str:

@@ -1,0 +1,29 @@
+"""The step-trace report's token-delivery lines: which side of the socket a long gap between tokens is on."""
+
+from __future__ import annotations
+
+from benchmarks.tools.step_trace import delivery
+
+
+def test_a_gap_only_the_client_sees_is_the_clients() -> None:
+    sends = [10.0, 10.1, 10.2, 10.3]
+    receives = [10.001, 10.101, 11.5, 11.501]  # chunks 3 and 4 sat 1.3 s in the client
+    records = {
+        "frontend": [{"kind": "sent", "rid": "a", "t": t} for t in sends] + [{"kind": "submit", "rid": "a", "t": 9.0}],
+        "client": [{"kind": "chunks", "rid": "a", "times": receives}],
+    }
+    lines = delivery(records)
+    assert lines[0] == ""
+    assert lines[1] == "token gaps, frontend sends: p50/p90/p99/max 100/100/100/100 ms over 3 gaps"
+    assert lines[2] == "token gaps, client receives: p50/p90/p99/max 100/1399/1399/1399 ms over 3 gaps"
+    # Each receive against the frontend's latest send before it: 1, 1, 1200 and 1201 ms.
+    assert lines[3] == "frontend send -> client receive: p50/p90/p99/max 1200/1201/1201/1201 ms over 4 chunks"
+
+
+def test_since_drops_earlier_records_and_no_records_no_lines() -> None:
+    records = {
+        "frontend": [{"kind": "sent", "rid": "a", "t": t} for t in (1.0, 5.0, 5.5)],
+        "client": [{"kind": "chunks", "rid": "a", "times": [1.01, 5.01, 5.51]}],
+    }
+    assert delivery(records, since=4.0)[1] == "token gaps, frontend sends: p50/p90/p99/max 500/500/500/500 ms over 1 gaps"
+    assert delivery({"frontend": [], "worker0": []}) == []
