@@ -56,7 +56,10 @@ def bench(
     cmd = [sys.executable, "-m", "server.cli", "bench", "serving", "--base-url", base + "/v1", "--out", str(out),
            "--num-prompts", str(args.num_prompts), "--concurrency", str(args.concurrency),
            "--images-per-request", str(images), "--resolution", "1080p", "--output-len", str(output_len),
-           "--seed", str(seed)]
+           "--seed", str(seed), "--logprobs"]
+    # --logprobs: every token arrives as a chunk of its own. Without it the client times chunks with text, and
+    # dummy weights' tokens often decode to none: most answers then came as one chunk at their end, and TTFT,
+    # TPOT and the inter-token gaps measured the text, not the tokens.
     subprocess.run(cmd, check=True, capture_output=True)
     summary = json.loads(sorted(out.glob("*.json"))[-1].read_text())
     found: dict[str, Any] = summary.get("summary", summary)
