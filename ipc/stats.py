@@ -48,6 +48,7 @@ class EncoderStats(Msg, frozen=True):
     landing_pool_used_bytes: int = 0
     cuda_landings: int = 0
     shm_landings: int = 0
+    nixl_landings: int = 0  # --encoder-transport nixl: entries landed in the NIXL-registered pool
     # A shared encoder (--shared-encoders): requests answered with an entry computed for another request (a replica
     # asking for what another had, or two asking in one batch), and the bytes its recent entries hold.
     reused: int = 0

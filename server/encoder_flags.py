@@ -1,5 +1,6 @@
-"""`glimpse serve`'s encoder-worker flags that need the host's GPUs: where encoders run (--encoder-devices) and the
-default size of their CUDA landing pools (--encoder-landing-mb)."""
+"""`glimpse serve`'s encoder-worker flags that need the host's GPUs or other libraries: where encoders run
+(--encoder-devices), the default size of their landing pools (--encoder-landing-mb) and the transport that carries
+their entries (--encoder-transport)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,36 @@ def encoder_devices(text: str, device: str, workers: int, family: str) -> tuple[
 SPLIT_LANDING_MB = 16384
 
 
-def landing_mb(flag: int | None, encoder_devices: tuple[int, ...], lm_gpus: int) -> int:
-    """--encoder-landing-mb, or its default: a pool where every encoder has a GPU no model rank uses (model ranks
-    take GPUs 0 .. dp x tp - 1), since there it takes no memory from the KV cache; 0 (shared memory) where encoders
-    share the model ranks' GPUs, whose KV budget does not count a pool."""
+# --encoder-transport nixl's pool when no size is given: ~16 Qwen3-VL-8B 1080p entries waiting for their import.
+NIXL_LANDING_MB = 1024
+
+
+def check_transport(transport: str, workers: int, landing_flag: int | None) -> None:
+    """--encoder-transport nixl: refused without encoder workers or with no pool, and where NIXL cannot be imported
+    (at start-up, not at the first image)."""
+    if transport != "nixl":
+        return
+    if not workers:
+        raise SystemExit("glimpse serve: --encoder-transport nixl needs --encoder-workers 1 or more")
+    if landing_flag == 0:
+        raise SystemExit("glimpse serve: --encoder-transport nixl lands entries in a pool: --encoder-landing-mb must "
+                         "be more than 0")
+    from workers.common.nixl import NixlMissing, nixl_api
+
+    try:
+        nixl_api()
+    except NixlMissing as exc:
+        raise SystemExit(f"glimpse serve: {exc}") from None
+
+
+def landing_mb(flag: int | None, encoder_devices: tuple[int, ...], lm_gpus: int, transport: str = "local") -> int:
+    """--encoder-landing-mb, or its default: NIXL_LANDING_MB for the NIXL transport; else a pool where every encoder
+    has a GPU no model rank uses (model ranks take GPUs 0 .. dp x tp - 1), since there it takes no memory from the KV
+    cache; 0 (shared memory) where encoders share the model ranks' GPUs, whose KV budget does not count a pool."""
     if flag is not None:
         return flag
+    if transport == "nixl":
+        return NIXL_LANDING_MB
     if not encoder_devices or any(i < lm_gpus for i in encoder_devices):
         return 0
     import torch

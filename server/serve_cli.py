@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig
-from server.encoder_flags import encoder_devices, landing_mb
+from server.encoder_flags import check_transport, encoder_devices, landing_mb
 from workers.common.reasoning_markers import PARSERS
 from workers.engine.config import KV_CACHE_DTYPES, EngineConfig
 
@@ -63,6 +63,10 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="CUDA: each encoder worker's landing pool on its GPU, read by the model ranks through CUDA "
                    "IPC; an entry that finds it full goes through shared memory; 0: every entry does (default: on "
                    "encoder GPUs of their own a quarter of the GPU, at most 16384; else 0)")
+    m.add_argument("--encoder-transport", choices=["local", "nixl"], default="local",
+                   help="how encoder workers' entries reach the model ranks: local (the CUDA landing pool, else shared "
+                   "memory) or nixl (a pool of --encoder-landing-mb, default 1024, registered with a NIXL agent and "
+                   "read with NIXL transfers; needs the nixl package)")
     m.add_argument("--encoder-cache-mb", type=int, default=S["encoder_cache_mb"], metavar="MB",
                    help="with --shared-encoders: host memory in which each encoder keeps its last embeddings, so that "
                    "an image another replica had encoded is not encoded again; 0: none kept")
@@ -235,6 +239,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("glimpse serve: --encoder-workers must be 0 (off) or more")
     if args.encoder_landing_mb is not None and args.encoder_landing_mb < 0:
         raise SystemExit("glimpse serve: --encoder-landing-mb must be 0 (off) or more")
+    check_transport(args.encoder_transport, args.encoder_workers, args.encoder_landing_mb)
     if args.encoder_cache_mb < 0:
         raise SystemExit("glimpse serve: --encoder-cache-mb must be 0 (off) or more")
     if args.encoder_workers and args.mm_cache_mode != "image":
@@ -333,7 +338,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         encoder_workers=args.encoder_workers,
         shared_encoders=args.shared_encoders,
         encoder_devices=encoder_gpus,
-        encoder_landing_mb=landing_mb(args.encoder_landing_mb, encoder_gpus, args.dp * args.tp),
+        encoder_landing_mb=landing_mb(args.encoder_landing_mb, encoder_gpus, args.dp * args.tp, args.encoder_transport),
+        encoder_transport=args.encoder_transport,
         encoder_cache_mb=args.encoder_cache_mb,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic or (default_topic(args.host, args.port, name) if args.kv_events_endpoint else ""),

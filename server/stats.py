@@ -206,6 +206,7 @@ class StatsBook:
                     "landing_pool_bytes": e.landing_pool_bytes,
                     "landing_pool_used_bytes": e.landing_pool_used_bytes,
                     "cuda_landings": e.cuda_landings,
+                    "nixl_landings": e.nixl_landings,
                     "shm_landings": e.shm_landings,
                     # --shared-encoders: answers that reused another request's entry, and the recent entries' bytes
                     "reused": e.reused,
@@ -352,6 +353,8 @@ def _encoder_metrics(s: SchedulerStats) -> Iterable[Metric]:
         "vit_calls": ("Vision tower calls of the encoder worker.", lambda e: e.vit_calls),
         "failed": ("Encode requests the encoder worker could not serve.", lambda e: e.failed),
         "cuda_landings": ("Embeddings the encoder worker landed in its CUDA landing pool.", lambda e: e.cuda_landings),
+        "nixl_landings": ("Embeddings the encoder worker landed in its NIXL-registered pool.",
+                          lambda e: e.nixl_landings),
         "shm_landings": ("Embeddings the encoder worker landed in shared memory.", lambda e: e.shm_landings),
         "reused": ("Encode requests a shared encoder answered with an entry computed for another request.",
                    lambda e: e.reused),

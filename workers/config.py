@@ -93,6 +93,10 @@ class ServerConfig:
     # that finds the pool full. 4096 holds ~64 Qwen3-VL-8B 1080p entries, <3% of an H100's memory. Off by default until
     # the pool has run on a GPU: the /dev/shm path is the one measured (docs/benchmarks.md "Encoder workers").
     encoder_landing_mb: int = 0
+    # How landed entries reach the model ranks: "local" (the CUDA pool above where there is one, else /dev/shm) or
+    # "nixl" (a pool of encoder_landing_mb registered with a NIXL agent, read with NIXL transfers: within a host or
+    # across hosts; workers/encoder/nixl_landing.py).
+    encoder_transport: str = "local"
     # --shared-encoders: host memory (MiB) in which each shared encoder keeps its last entries (workers/encoder/recent.py),
     # so that a replica asking for an image another replica had encoded is answered without a ViT run (each replica's
     # scheduler indexes only its own cache). 1024 holds ~16 Qwen3-VL-8B 1080p entries; 0: none kept. Unused without

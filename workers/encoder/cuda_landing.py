@@ -11,66 +11,29 @@ as before. A full pool sends one entry to shared memory, not the request to an e
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ipc.landing import CudaLanding, CudaPoolHandle, cuda_landing_name
 from ipc.shm import dtype_name
 from workers.encoder.landing_pool import RangeAllocator
+from workers.encoder.pool import LandingPool
 
 log = logging.getLogger("glimpse.encoder")
 
 
 @dataclass
-class CudaLandingPool:
-    """Encoder ``encoder``'s pool: ``buffer`` on its GPU, ``handle`` as receivers reopen it, and the ranges live."""
+class CudaLandingPool(LandingPool):
+    """Encoder ``encoder``'s pool on its GPU, with ``handle`` as receivers reopen it."""
 
-    encoder: int
-    buffer: torch.Tensor
-    handle: CudaPoolHandle
-    ranges: RangeAllocator
-    live: dict[str, int] = field(default_factory=dict)  # landing name -> offset
-    _serial: itertools.count[int] = field(default_factory=itertools.count)
+    handle: CudaPoolHandle | None = None
 
-    @property
-    def size(self) -> int:
-        return self.ranges.size
-
-    @property
-    def used_bytes(self) -> int:
-        return self.ranges.used_bytes
-
-    def land(self, entry: torch.Tensor) -> CudaLanding | None:
-        """``entry`` copied into a fresh range, the copy finished before this returns (the answer that names the
-        range may be read the moment it leaves); None when no range fits (the caller lands it in shared memory)."""
-        if entry.device != self.buffer.device:
-            return None
-        entry = entry.contiguous()
-        nbytes = entry.numel() * entry.element_size()
-        offset = self.ranges.carve(nbytes) if nbytes else None
-        if offset is None:
-            return None
-        self.buffer[offset:offset + nbytes].copy_(entry.reshape(-1).view(torch.uint8))
-        # The reader copies on its own stream in its own process: nothing orders it after this copy but this wait.
-        torch.cuda.current_stream(self.buffer.device).synchronize()
-        name = cuda_landing_name(self.encoder, next(self._serial))
-        self.live[name] = offset
-        return CudaLanding(name, self.encoder, self.handle, offset, nbytes, dtype_name(entry.dtype),
-                           tuple(entry.shape))
-
-    def release(self, names: list[str]) -> int:
-        """Free the ranges of ``names`` (unknown names are ignored: a release is never repeated, but a stale one
-        must not take another entry's range); the number freed."""
-        freed = 0
-        for name in names:
-            offset = self.live.pop(name, None)
-            if offset is not None:
-                self.ranges.free(offset)
-                freed += 1
-        return freed
+    def describe(self, serial: int, offset: int, nbytes: int, entry: torch.Tensor) -> CudaLanding:
+        assert self.handle is not None
+        return CudaLanding(cuda_landing_name(self.encoder, serial), self.encoder, self.handle, offset, nbytes,
+                           dtype_name(entry.dtype), tuple(entry.shape))
 
 
 def open_pool(encoder: int, device: torch.device, nbytes: int, reader_devices: list[int]) -> CudaLandingPool | None:
@@ -94,4 +57,4 @@ def open_pool(encoder: int, device: torch.device, nbytes: int, reader_devices: l
     handle = CudaPoolHandle(int(shared[0]), bytes(shared[1]), int(shared[2]), int(shared[3]), bytes(shared[4]),
                             int(shared[5]), bytes(shared[6] or b""), bool(shared[7]))
     log.info("CUDA landing pool: %d MiB on GPU %d, read by GPUs %s", nbytes >> 20, index, reader_devices)
-    return CudaLandingPool(encoder, buffer, handle, RangeAllocator(nbytes))
+    return CudaLandingPool(encoder, buffer, RangeAllocator(nbytes), handle=handle)

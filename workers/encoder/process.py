@@ -34,6 +34,7 @@ from ipc.stats import EncoderStats
 from workers.common.proc import freeze_heap, setup_child
 from workers.config import ServerConfig
 from workers.encoder.cuda_landing import open_pool
+from workers.encoder.nixl_landing import open_nixl_pool
 from workers.encoder.recent import RecentEntries
 from workers.encoder.tower import EncoderTower
 from workers.engine.runner.batching import patches
@@ -91,7 +92,10 @@ def run_encoder_worker(config: ServerConfig, index: int) -> None:
             torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
         tower = EncoderTower(config.engine, config.launch_id, index, device)
         # Every LM GPU that may import from the pool must reach it: all replicas' when the encoder is shared.
-        tower.pool = open_pool(index, device, config.encoder_landing_mb << 20, config.encoder_readers(index))
+        if config.encoder_transport == "nixl":  # readers anywhere NIXL reaches: no peer-access check
+            tower.pool = open_nixl_pool(index, device, config.encoder_landing_mb << 20, config.launch_id)
+        else:
+            tower.pool = open_pool(index, device, config.encoder_landing_mb << 20, config.encoder_readers(index))
         if len(replicas) > 1 and config.encoder_cache_mb:  # shared: one replica may ask for another's image
             tower.recent = RecentEntries(config.encoder_cache_mb << 20)
         log.info("vision tower of %s loaded in %.1fs on %s, %s", config.engine.model, time.monotonic() - started,
@@ -106,6 +110,8 @@ def run_encoder_worker(config: ServerConfig, index: int) -> None:
         inbound.close()
         to_sched.close(_LINGER_MS)
         ctx.term()
+        if tower is not None and tower.pool is not None:
+            tower.pool.close()
     if tower is not None:
         log.info("exiting: %d jobs, %d images encoded", tower.jobs, tower.counters.images_encoded)
 
@@ -158,6 +164,7 @@ def _stats(tower: EncoderTower) -> EncoderStats:
         tower.pixels.bytes_read, tower.landing_bytes,
         landing_pool_bytes=pool.size if pool is not None else 0,
         landing_pool_used_bytes=pool.used_bytes if pool is not None else 0,
-        cuda_landings=tower.cuda_landings, shm_landings=tower.shm_landings, reused=tower.reused,
+        cuda_landings=tower.cuda_landings, shm_landings=tower.shm_landings, nixl_landings=tower.nixl_landings,
+        reused=tower.reused,
         recent_bytes=tower.recent.bytes if tower.recent is not None else 0,
     )  # fmt: skip

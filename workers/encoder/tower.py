@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ipc.encode import EncodeDone, EncodeFailed, EncodeRequest
-from ipc.landing import ShmLanding
+from ipc.landing import NixlLanding, ShmLanding
 from ipc.shm import ShmError, ShmFullError, ShmSegment, segment_name
 from ipc.steps import EncodeItem, EncodeJob
-from workers.encoder.cuda_landing import CudaLandingPool
+from workers.encoder.pool import LandingPool
 from workers.encoder.recent import RecentEntries
 from workers.encoder.warmup import warm_encoder_tower
 from workers.engine.config import EngineConfig
@@ -92,8 +92,9 @@ class EncoderTower:
     jobs: int = 0
     failed: int = 0
     landing_bytes: int = 0
-    pool: CudaLandingPool | None = None  # set by the process once the tower is loaded (None: shared memory only)
+    pool: LandingPool | None = None  # set by the process once the tower is loaded (None: shared memory only)
     cuda_landings: int = 0
+    nixl_landings: int = 0
     shm_landings: int = 0
     recent: RecentEntries | None = None  # a shared encoder's last entries (--encoder-cache-mb; None: none kept)
     reused: int = 0  # requests answered with an entry computed for another (earlier, or the same batch's)
@@ -151,7 +152,10 @@ class EncoderTower:
     def _land(self, request: EncodeRequest, entry: torch.Tensor) -> Answer:
         if self.pool is not None and (in_pool := self.pool.land(entry)) is not None:
             self.jobs += 1
-            self.cuda_landings += 1
+            if isinstance(in_pool, NixlLanding):
+                self.nixl_landings += 1
+            else:
+                self.cuda_landings += 1
             self.landing_bytes += in_pool.nbytes
             return EncodeDone(self.index, request.key, int(entry.shape[0]), in_pool)
         # No pool, or no range long enough now: this entry goes through shared memory.

@@ -10,7 +10,7 @@ back the ones queued behind it while another encoder idles. Every request in han
 *busy*: the scheduler unlinks a request's names when it ends, but never a name an encoder may still map
 (``SchedulerBase.unlink`` defers those until the answer is back).
 
-An entry an encoder landed in its CUDA pool (ipc/landing.py) is remembered here by name until it is *released*:
+An entry an encoder landed in its pool (CUDA or NIXL, ipc/landing.py) is remembered here by name until it is *released*:
 where a landing segment would be unlinked, the pool's owner gets ``EncodeRelease`` instead (each name once), and the
 rest of the scheduler handles both kinds of landing by name alike.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from ipc.channels import PushSocket
 from ipc.encode import EncodeRelease, EncodeRequest
 from ipc.inbound import EncoderInbound
-from ipc.landing import is_cuda_landing
+from ipc.landing import is_pool_landing
 from ipc.steps import EncodeJob
 
 
@@ -61,7 +61,7 @@ class EncoderPool:
         return {name for _, names in self.in_hand.values() for name in names}
 
     def landed_in_pool(self, name: str, encoder: int) -> None:
-        """Encoder ``encoder`` (launch-wide index) landed an entry in its CUDA pool as ``name``."""
+        """Encoder ``encoder`` (launch-wide index) landed an entry in its pool (CUDA or NIXL) as ``name``."""
         self.pool_landings[name] = encoder - self.first
 
     def release(self, names: list[str]) -> list[str]:
@@ -73,7 +73,7 @@ class EncoderPool:
             j = self.pool_landings.pop(name, None)
             if j is not None:
                 out.setdefault(j, []).append(name)
-            elif not is_cuda_landing(name):
+            elif not is_pool_landing(name):
                 segments.append(name)
         for j, gone in out.items():
             self.socks[j].send(EncodeRelease(gone))

@@ -6,7 +6,7 @@ on it: with the encoder's status (400 when the request's pixels are at fault), t
 from __future__ import annotations
 
 from ipc.encode import EncodeDone, EncodeFailed
-from ipc.landing import CudaLanding
+from ipc.landing import PoolLanding
 from workers.scheduler.results import StepResults
 
 
@@ -21,7 +21,7 @@ class EncodeAnswers(StepResults):
     def _on_encode_done(self, msg: EncodeDone) -> None:
         self.encoding.answered(msg.key)
         ref = msg.embeddings
-        if isinstance(ref, CudaLanding):  # GPU memory of the encoder's pool: released, not unlinked, and no shm budget
+        if isinstance(ref, PoolLanding):  # the encoder's pool (CUDA or NIXL): released, not unlinked, and no shm budget
             self.encoding.landed_in_pool(ref.name, ref.encoder)
         else:
             # Its bytes count against --shm-budget-mb until it is unlinked: accepted even past the budget (the encode

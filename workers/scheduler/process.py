@@ -26,7 +26,7 @@ from ipc.channels import PushSocket
 from ipc.control import AbortRequest, ProcessReady, Shutdown
 from ipc.encode import EncodeDone, EncodeFailed
 from ipc.inbound import SchedulerInbound
-from ipc.landing import is_cuda_landing
+from ipc.landing import is_pool_landing
 from ipc.launch import cleanup_launch_dir
 from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
 from ipc.shm import sweep
@@ -220,7 +220,7 @@ class Scheduler(EncodeAnswers):
             landing += core.remote.release_all()
         # Pool landings are not unlinked: the pools go with their encoders, which this Shutdown ends (a shared encoder's
         # once every replica's scheduler sent its own).
-        unlink_all([n for n in self.ledger.release_all() + self.deferred_unlinks + landing if not is_cuda_landing(n)])
+        unlink_all([n for n in self.ledger.release_all() + self.deferred_unlinks + landing if not is_pool_landing(n)])
         if orphaned:  # the launcher cannot sweep any more: every segment of the launch goes now
             sweep(self.config.launch_id)
         linger = 0 if orphaned else LINGER_MS  # with the launcher gone, nobody is left to read

@@ -1,5 +1,6 @@
 """A model rank's side of encoder workers' landings (``StepPlan.mm_import``): the entry's rows read from its landing
-segment, or from a range of the encoder's CUDA landing pool (ipc/landing.py), and copied into the embedding store.
+segment, from a range of the encoder's CUDA landing pool (ipc/landing.py), or through NIXL (nixl_reader.py), and
+copied into the embedding store.
 
 A pool is opened through CUDA IPC once per (encoder, handle) and kept for the life of the process: opening is a
 ``cudaIpcOpenMemHandle``, far too slow per entry, and the pool never moves while its encoder lives (an encoder that
@@ -14,8 +15,9 @@ import logging
 
 import torch
 
-from ipc.landing import CudaLanding, CudaPoolHandle, LandingRef
+from ipc.landing import CudaLanding, CudaPoolHandle, LandingRef, NixlLanding
 from ipc.shm import ShmSegment, parse_dtype
+from workers.engine.runner.nixl_reader import NixlReader
 
 log = logging.getLogger("glimpse.model")
 
@@ -27,8 +29,9 @@ class LandingOpenError(RuntimeError):
 class LandingReader:
     """The entries of a plan's imports, as tensors a rank can copy from; pools opened once and cached."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._pools: dict[tuple[int, bytes], torch.Tensor] = {}  # (encoder, IPC handle) -> the pool as uint8
+        self.nixl = NixlReader(device or torch.device("cpu"))  # its agent made on the first NIXL landing
 
     @property
     def pools(self) -> int:
@@ -36,7 +39,10 @@ class LandingReader:
 
     def rows(self, ref: LandingRef) -> torch.Tensor:
         """The entry at ``ref``: a view of the pool (valid until the scheduler releases the range, after this step)
-        or of the mapped segment (its pages kept mapped by the view only until the caller's copy is done)."""
+        or of the mapped segment (its pages kept mapped by the view only until the caller's copy is done), or of
+        the NIXL staging buffer (valid until the next NIXL read)."""
+        if isinstance(ref, NixlLanding):
+            return self.nixl.rows(ref)
         if isinstance(ref, CudaLanding):
             pool = self._pool(ref.encoder, ref.pool)
             if ref.offset < 0 or ref.offset + ref.nbytes > pool.numel():
@@ -75,3 +81,4 @@ class LandingReader:
 
     def close(self) -> None:
         self._pools.clear()
+        self.nixl.close()

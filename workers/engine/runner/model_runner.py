@@ -138,7 +138,7 @@ class ModelRunner:
         # failed one cannot read stale ids.
         self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.counters = RunnerCounters()
-        self.landings = LandingReader()  # encoder workers' CUDA landing pools, opened on first use
+        self.landings = LandingReader(self.device)  # encoder workers' CUDA pools and NIXL agent, opened on first use
         self.encoder = JobEncoder(self.model, self.store, self.tp, pixel_source, self.counters, cfg.model, self.merge,
                                   self.spec.embed_width, cfg.vit_max_patches, self.device, self.dtype)
         if cfg.encode_ahead_tokens and self.tp.size > 1:
