@@ -100,14 +100,17 @@ def glimpse_side(ckpt: Path, out: Path, args: argparse.Namespace, *extra: str) -
     try:
         bench(server, out, "serving", "--num-prompts", "1", "--images-per-request", "1", "--resolution", "720p",
               "--output-len", "2", "--seed", "1")  # warm-up
+        # --logprobs: each token is a chunk the client times. The shape checkpoints' demo tokenizer is far smaller
+        # than their vocabulary, so most random-weight tokens decode to no text, and timing text chunks measured
+        # when text happened to come (docs/benchmarks.md "Encoder workers").
         one = bench(server, out, "serving", "--num-prompts", "1", "--images-per-request", "8", "--resolution",
-                    "1080p", "--output-len", "1", "--seed", "2")
+                    "1080p", "--output-len", "1", "--seed", "2", "--logprobs")
         res["ttft_8x1080p_s"] = one["summary"]["ttft_ms"]["mean"] / 1e3
         tput = bench(server, out, "serving", "--num-prompts", "64", "--concurrency", "64", "--images-per-request",
-                     "1", "--resolution", "1080p", "--output-len", str(args.output_len), "--seed", "3")
+                     "1", "--resolution", "1080p", "--output-len", str(args.output_len), "--seed", "3", "--logprobs")
         res["serving_64x1080p"] = tput["summary"]
         turns = bench(server, out, "multiturn", "--rounds", "8", "--resolution", "1080p", "--output-len", "16",
-                      "--seed", "4")
+                      "--seed", "4", "--logprobs")
         res["multiturn"] = {"ttft_ms": turns["summary"]["ttft_ms"], "images_encoded": turns["summary"]["images_encoded"]}
         if not args.skip_probe:
             probe = bench(server, out, "probe", "--resolution", "2k", "--max-images", str(args.probe_max),

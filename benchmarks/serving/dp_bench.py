@@ -57,9 +57,9 @@ def bench(
            "--num-prompts", str(args.num_prompts), "--concurrency", str(args.concurrency),
            "--images-per-request", str(images), "--resolution", "1080p", "--output-len", str(output_len),
            "--seed", str(seed), "--logprobs"]
-    # --logprobs: every token arrives as a chunk of its own. Without it the client times chunks with text, and
-    # dummy weights' tokens often decode to none: most answers then came as one chunk at their end, and TTFT,
-    # TPOT and the inter-token gaps measured the text, not the tokens.
+    # --logprobs: every token arrives as a chunk of its own. Without it the client times chunks with text, and the
+    # shape checkpoints' demo tokenizer is far smaller than their vocabulary, so most random-weight tokens decode
+    # to none: most answers came as one chunk at their end, and TTFT, TPOT and the gaps measured the text.
     subprocess.run(cmd, check=True, capture_output=True)
     summary = json.loads(sorted(out.glob("*.json"))[-1].read_text())
     found: dict[str, Any] = summary.get("summary", summary)
