@@ -129,6 +129,8 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
             engine = replace(engine, vision_tower=False)
         runner = ModelRunner(engine, pixel_source=reader, tp=tp)
         runner.counters.keep_per_step = False  # a serving worker's steps never end: keep no list of them
+        if config.encoder_transport == "nixl":  # the agent (~0.5 s to make) before the first image, not in its step
+            runner.landings.nixl.start()
         log.info(
             "loaded %s in %.1fs: %d KV blocks of %d tokens, dtype %s, device %s, tp %d/%d",
             engine.model,

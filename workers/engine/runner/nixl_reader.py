@@ -3,8 +3,8 @@
 (and again, larger, when an entry outgrows it), on the rank's device: GPU memory on CUDA, so UCX moves the bytes
 GPU to GPU where the fabric allows.
 
-The agent is made on the first NIXL landing a rank sees, and an encoder's agent is added from the metadata its
-landing carries, once. A read is waited for before ``rows`` returns: the scheduler releases the range once the step
+The agent is made at a serving worker's start-up (else on the first NIXL landing), and an encoder's agent is added
+from the metadata its landing carries, once. A read is waited for before ``rows`` returns: the scheduler releases the range once the step
 is over, and the caller copies the rows into the embedding store at once, so one staging buffer serves every import
 of a step in turn (on CUDA the previous copy out of it is waited for before the next read overwrites it).
 """
@@ -60,9 +60,13 @@ class NixlReader:
         self.bytes_read += ref.nbytes
         return staging[:ref.nbytes].view(parse_dtype(ref.dtype)).view(ref.shape)
 
-    def _agent_for(self, ref: NixlLanding) -> Any:
+    def start(self) -> None:
+        """Make the agent now (a serving worker does, at start-up) rather than at the first NIXL landing."""
         if self._agent is None:
             self._agent = make_agent(f"glimpse-reader-{os.getpid()}")
+
+    def _agent_for(self, ref: NixlLanding) -> Any:
+        self.start()
         if ref.agent not in self._remotes:
             self._agent.add_remote_agent(ref.metadata)
             self._remotes.add(ref.agent)
