@@ -14,25 +14,16 @@ import pytest
 
 from server.encoder_flags import check_transport
 from tests.server.live import LiveServer, png_bytes
-from tests.server.test_encoder_workers import ARGS, ask, stopped_clean, wait_for_stats
+from tests.server.test_encoder_workers import ask, split_and_plain, wait_for_stats
 
 PAGES = [png_bytes(w, h, seed=40 + i) for i, (w, h) in enumerate([(220, 160), (64, 90), (150, 100)])]
 
 
 @pytest.fixture(scope="module")
 def pair(demo_model_dir: Path) -> Iterator[tuple[LiveServer, LiveServer]]:
-    split = LiveServer(demo_model_dir, *ARGS, "--encoder-workers", "1", "--encoder-transport", "nixl",
-                       "--encoder-landing-mb", "64")
-    try:
-        plain = LiveServer(demo_model_dir, *ARGS)
-    except BaseException:
-        split.stop()
-        raise
-    yield split, plain
-    try:
-        stopped_clean(split)
-    finally:
-        stopped_clean(plain)
+    with split_and_plain(demo_model_dir, "--encoder-workers", "1", "--encoder-transport", "nixl",
+                         "--encoder-landing-mb", "64") as servers:
+        yield servers
 
 
 def test_answers_equal_and_every_entry_crosses_through_nixl(pair: tuple[LiveServer, LiveServer]) -> None:

@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,10 @@ def stopped_clean(server: LiveServer) -> None:
     assert server.segments() == []
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, LiveServer]]:
-    """(a server with one encoder worker, the same server without), on one family's demo checkpoint."""
-    model_dir: Path = request.getfixturevalue("demo_model_dir" if request.param == "qwen2_5_vl" else "qwen3_model_dir")
-    split = LiveServer(model_dir, *ARGS, "--encoder-workers", "1")
+@contextmanager
+def split_and_plain(model_dir: Path, *split_flags: str) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """(a server with ``split_flags``, the same server without), both stopped clean at the end."""
+    split = LiveServer(model_dir, *ARGS, *split_flags)
     try:
         plain = LiveServer(model_dir, *ARGS)
     except BaseException:
@@ -62,6 +62,14 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, LiveServe
         stopped_clean(split)
     finally:
         stopped_clean(plain)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """(a server with one encoder worker, the same server without), on one family's demo checkpoint."""
+    model_dir: Path = request.getfixturevalue("demo_model_dir" if request.param == "qwen2_5_vl" else "qwen3_model_dir")
+    with split_and_plain(model_dir, "--encoder-workers", "1") as servers:
+        yield servers
 
 
 def test_multi_image_answers_equal_the_server_without_encoders(pair: tuple[LiveServer, LiveServer]) -> None:
