@@ -99,8 +99,18 @@ def report(records: dict[str, list[dict[str, Any]]], since: float = 0.0) -> str:
             f"median {1e3 * waits[len(waits) // 2]:.0f} ms, max {1e3 * waits[-1]:.0f} ms; "
             f"last request reached the scheduler {last:.2f} s into the window",
         ]
+    lines += decode_gaps(steps)
     lines += delivery(records, since)
     return "\n".join(lines)
+
+
+def decode_gaps(steps: list[dict[str, Any]]) -> list[str]:
+    """The inter-token gaps the model steps alone allow: each step's decode rows got their token that long after the
+    previous step ended (one gap per decode row), whatever the frontend and the client add after it."""
+    gaps = []
+    for prev, step in zip(steps, steps[1:]):
+        gaps += [step["end"] - prev["end"]] * step["decodes"]
+    return ["", f"token gaps of decode rows, model steps only: {_spread(gaps)}"] if gaps else []
 
 
 def _spread(values: list[float], noun: str = "gaps") -> str:

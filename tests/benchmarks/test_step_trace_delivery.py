@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.tools.step_trace import delivery
+from benchmarks.tools.step_trace import decode_gaps, delivery
 
 
 def test_a_gap_only_the_client_sees_is_the_clients() -> None:
@@ -27,3 +27,14 @@ def test_since_drops_earlier_records_and_no_records_no_lines() -> None:
     }
     assert delivery(records, since=4.0)[1] == "token gaps, frontend sends: p50/p90/p99/max 500/500/500/500 ms over 1 gaps"
     assert delivery({"frontend": [], "worker0": []}) == []
+
+
+def test_decode_rows_gaps_run_from_the_previous_steps_end() -> None:
+    steps = [
+        {"start": 0.0, "end": 0.2, "decodes": 0},  # a prefill: no row waited on it for a token
+        {"start": 0.2, "end": 0.4, "decodes": 2},  # two rows, 200 ms after the prefill ended
+        {"start": 0.41, "end": 0.42, "decodes": 3},  # three rows, 20 ms
+    ]
+    assert decode_gaps(steps) == ["", "token gaps of decode rows, model steps only: p50/p90/p99/max 20/200/200/200 ms "
+                                      "over 5 gaps"]
+    assert decode_gaps(steps[:1]) == []
