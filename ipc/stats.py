@@ -29,6 +29,8 @@ class WorkerStats(Msg, frozen=True):
     vision_weight_bytes: int = 0  # the vision tower's part of them (0: built without it, --encoder-workers)
     vit_graph_replays: int = 0  # ViT calls replayed from a CUDA graph (layers/vit_graphs.py), of vit_calls
     images_ahead: int = 0  # of images_encoded, encoded by a step for a later one (--encode-ahead-tokens)
+    nixl_reads: int = 0  # --encoder-transport nixl: landed entries this rank read with NIXL, and their bytes
+    nixl_bytes: int = 0
 
 
 class EncoderStats(Msg, frozen=True):

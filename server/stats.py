@@ -182,6 +182,8 @@ class StatsBook:
                     "vit_calls": w.vit_calls,
                     "vit_graph_replays": w.vit_graph_replays,
                     "images_ahead": w.images_ahead,
+                    "nixl_reads": w.nixl_reads,  # --encoder-transport nixl: entries read, and their bytes
+                    "nixl_bytes": w.nixl_bytes,
                     "steps": w.steps,
                     "weight_bytes": w.weight_bytes,
                     "vision_weight_bytes": w.vision_weight_bytes,  # 0 with --encoder-workers: no tower here

@@ -33,6 +33,7 @@ def test_answers_equal_and_every_entry_crosses_through_nixl(pair: tuple[LiveServ
     stats = split.stats_when("images_encoded", len(PAGES))
     [worker] = stats["model_workers"]
     assert (worker["images_encoded"], worker["vit_calls"], worker["pixel_reads"]) == (0, 0, 0), worker
+    assert worker["nixl_reads"] == len(PAGES) and worker["nixl_bytes"] > 0, worker  # each landed entry, read once
     # The three distinct pages crossed in the pool (the second chat's were cache hits), and once every import's
     # step was over the scheduler released their ranges.
     encoder = wait_for_stats(split, lambda s: s["encoder_workers"][0]["landing_pool_used_bytes"] == 0)["encoder_workers"][0]
