@@ -47,7 +47,11 @@ def open_nixl_pool(encoder: int, device: torch.device, nbytes: int, launch_id: s
     (raises NixlMissing where NIXL cannot be imported or has no UCX)."""
     agent = make_agent(f"glimpse-{launch_id}-e{encoder}")
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    registered = agent.register_memory(buffer)
+    try:
+        registered = agent.register_memory(buffer)
+    except Exception as exc:  # e.g. a UCX build without this GPU's CUDA: say which flag avoids it
+        raise RuntimeError(f"NIXL cannot register {nbytes >> 20} MiB of {mem_type(buffer)} on {device} ({exc}); "
+                           "run with --encoder-transport local") from exc
     log.info("NIXL landing pool: %d MiB of %s on %s, agent %s", nbytes >> 20, mem_type(buffer), device, agent.name)
     return NixlLandingPool(encoder, buffer, RangeAllocator(nbytes), agent=agent, registered=registered,
                            metadata=agent.get_agent_metadata())
