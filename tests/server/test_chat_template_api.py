@@ -80,6 +80,7 @@ def test_chat_template_kwargs_reach_the_template(server: LiveServer, model: Path
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"web_search_options": {}}, "web_search_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: it could change nothing
 ])
 def test_what_it_cannot_honour_is_a_400_naming_it(server: LiveServer, extra: dict[str, Any], param: str) -> None:
     messages = [{"role": "user", "content": "Hello"}]

@@ -120,6 +120,9 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
         raise unsupported("skip_special_tokens", "answers are always decoded without special tokens")
     if req.include_stop_str_in_output:
         raise unsupported("include_stop_str_in_output", "a stop string is never part of the answer")
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it: it would change nothing
+        raise BadRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                         param="stream_options", code="invalid_value")
     if req.seed is not None and not -(2**63) <= req.seed <= 2**64 - 1:  # torch's seed range
         raise range_error("seed", req.seed, "between -2**63 and 2**64 - 1")
     for name in ("top_k", "min_tokens"):  # past 64 bits no message could carry them

@@ -176,8 +176,10 @@ def test_sampling_params_mapping() -> None:
         max_tokens=20, temperature=0.0, top_p=0.5, top_k=0, seed=7, stop_token_ids=(5,), ignore_eos=True
     )
     assert sp.greedy
-    # include_usage only matters when streaming
-    assert not parse_request(body(stream_options={"include_usage": True})).include_usage
+    # stream_options only means something when streaming: refused without stream (as OpenAI and vLLM do)
+    with pytest.raises(BadRequest) as info:
+        parse_request(body(stream_options={"include_usage": True}))
+    assert info.value.param == "stream_options"
 
 
 def test_context_length() -> None:
