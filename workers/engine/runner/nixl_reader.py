@@ -12,6 +12,7 @@ of a step in turn (on CUDA the previous copy out of it is waited for before the 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -63,7 +64,8 @@ class NixlReader:
     def start(self) -> None:
         """Make the agent now (a serving worker does, at start-up) rather than at the first NIXL landing."""
         if self._agent is None:
-            self._agent = make_agent(f"glimpse-reader-{os.getpid()}")
+            # Host and pid: an encoder may serve readers of several hosts, whose pids can be equal.
+            self._agent = make_agent(f"glimpse-reader-{socket.gethostname()}-{os.getpid()}")
 
     def _agent_for(self, ref: NixlLanding) -> Any:
         self.start()
