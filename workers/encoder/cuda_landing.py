@@ -12,7 +12,7 @@ as before. A full pool sends one entry to shared memory, not the request to an e
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,10 +28,9 @@ log = logging.getLogger("glimpse.encoder")
 class CudaLandingPool(LandingPool):
     """Encoder ``encoder``'s pool on its GPU, with ``handle`` as receivers reopen it."""
 
-    handle: CudaPoolHandle | None = None
+    handle: CudaPoolHandle = field(kw_only=True)
 
     def describe(self, serial: int, offset: int, nbytes: int, entry: torch.Tensor) -> CudaLanding:
-        assert self.handle is not None
         return CudaLanding(cuda_landing_name(self.encoder, serial), self.encoder, self.handle, offset, nbytes,
                            dtype_name(entry.dtype), tuple(entry.shape))
 

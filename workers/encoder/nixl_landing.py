@@ -8,7 +8,7 @@ range stays the entry's until the scheduler releases it, as for the CUDA pool.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,9 +26,9 @@ log = logging.getLogger("glimpse.encoder")
 class NixlLandingPool(LandingPool):
     """Encoder ``encoder``'s registered pool and the agent that serves reads of it."""
 
-    agent: Any = None
-    registered: Any = None  # the registration, given back on close
-    metadata: bytes = b""
+    agent: Any = field(kw_only=True)
+    registered: Any = field(kw_only=True)  # the registration, given back on close (None once it is)
+    metadata: bytes = field(kw_only=True)
 
     def describe(self, serial: int, offset: int, nbytes: int, entry: torch.Tensor) -> NixlLanding:
         device = (self.buffer.device.index or 0) if self.buffer.is_cuda else 0

@@ -36,7 +36,7 @@ def read_in_another_process(ref_bytes: bytes, device: int, out: multiprocessing.
     try:
         ref = msgspec.msgpack.decode(ref_bytes, type=CudaLanding)
         torch.cuda.set_device(device)
-        reader = LandingReader()
+        reader = LandingReader(torch.device("cuda", device))
         rows = reader.rows(ref).to(torch.device("cuda", device), copy=True)
         again = reader.rows(ref)  # cached: no second cudaIpcOpenMemHandle
         assert reader.pools == 1 and again.data_ptr() == reader.rows(ref).data_ptr()

@@ -29,9 +29,9 @@ class LandingOpenError(RuntimeError):
 class LandingReader:
     """The entries of a plan's imports, as tensors a rank can copy from; pools opened once and cached."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self._pools: dict[tuple[int, bytes], torch.Tensor] = {}  # (encoder, IPC handle) -> the pool as uint8
-        self.nixl = NixlReader(device or torch.device("cpu"))  # its agent made on the first NIXL landing
+        self.nixl = NixlReader(device)  # NIXL landings read into a staging buffer on the rank's ``device``
 
     @property
     def pools(self) -> int:
