@@ -1,12 +1,13 @@
-"""Where a batch-1 decode step's GPU time goes: the offline Engine at a real shape (dummy bf16 weights, decode CUDA
-graphs), one greedy sequence, the median step (host sync after each) and the kernels of 17 steps under the profiler,
-per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served configuration with one
+"""Where a decode step's GPU time goes: the offline Engine at a real shape (dummy bf16 weights, decode CUDA
+graphs), ``--batch`` greedy sequences of ``--context`` prompt tokens (default one of ~50), the median step once all
+are decoding (host sync after each) and the kernels of 17 steps under the profiler, per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served configuration with one
 switch turned, e.g. the elementwise work eager instead of fused).
 
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --variants "moe separate,as served" --top 0
     python -m benchmarks.engine.decode_profile --shape gemma4-26b-a4b --layers 12 --variants "eager elementwise,as served"
     python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --quantize fp8-block
+    python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --batch 64 --context 2200  # (b)'s decodes
 
 ``--quantize`` serves the shape as that FP8 checkpoint (benchmarks/checkpoints.py) with its FP8 layers on
 (the default ``GLIMPSE_FP8_GEMM=auto``, or the variant the environment names), to set its decode kernels beside bf16's.
@@ -35,34 +36,43 @@ from workers.engine.models.qwen3_5.moe import SharedExpertMoeBlock
 from workers.engine.offline import Engine
 from workers.engine.runner import warmup
 
-PROMPT = [{"role": "user", "content": "hello " * 50}]
+
+def prompt(context: int) -> list[dict[str, str]]:
+    """A one-message chat of about ``context`` tokens (the shape checkpoints' demo tokenizer: a word a token)."""
+    return [{"role": "user", "content": "hello " * max(1, context)}]
 
 
 def checkpoint(shape: str, layers: int, scratch: Path, quantize: str | None = None) -> Path:
     return shaped_checkpoint(scratch / shape, shape, layers=layers, quantize=quantize)
 
 
-def decode(engine: Engine, tokens: int) -> list[float]:
-    """Seconds of each step of one greedy sequence of ``tokens`` tokens (the first is its prefill)."""
-    engine.add_request(PROMPT, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50) -> list[float]:
+    """Seconds of each step once every sequence has its first token: ``batch`` greedy sequences of ``tokens``
+    tokens, their prefills run (untimed) first."""
+    sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(prompt(context), sampling) for _ in range(batch)]
+    finished = 0
+    while any(not (out := engine.peek(rid)) or not out.token_ids for rid in rids):
+        finished += len(engine.step())
     steps = []
-    while True:
+    while finished < batch:
         t0 = time.perf_counter()
-        finished = engine.step()
+        finished += len(engine.step())
         torch.cuda.synchronize()
         steps.append(time.perf_counter() - t0)
-        if finished:
-            return steps
+    return steps
 
 
-def measure(ck: Path, top: int) -> tuple[float, float, float]:
+def measure(ck: Path, top: int, batch: int = 1, context: int = 50) -> tuple[float, float, float]:
     """(median decode step ms, kernel ms per step, kernels per step), printing the ``top`` kernels."""
+    kv_mb = max(4096, batch * (context + 128) * 160 // 1024)  # ~160 KiB of KV a token covers the 8B shapes
     engine = Engine(EngineConfig(model=str(ck), device="cuda", dtype="bfloat16", load_format="dummy",
-                                 kv_cache_mb=4096, max_model_len=8192))  # fmt: skip
-    decode(engine, 8)
-    steps = sorted(decode(engine, 96)[2:])
+                                 kv_cache_mb=kv_mb, max_model_len=max(8192, context + 256),
+                                 max_num_seqs=max(batch, 1)))  # fmt: skip
+    decode(engine, 8, batch, context)
+    steps = sorted(decode(engine, 96, batch, context)[2:])
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        n = len(decode(engine, 17))
+        n = len(decode(engine, 17, batch, context))
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"| {e.key[:90]} | {e.count / n:.1f} | {e.self_device_time_total / 1e3 / n:.4f} |")
@@ -103,6 +113,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30, help="kernels listed per run, by time")
     ap.add_argument("--variants", default="as served", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--quantize", choices=("fp8-block", "fp8-dynamic"), help="serve the shape as this FP8 checkpoint")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    ap.add_argument("--context", type=int, default=50, help="prompt tokens of each sequence")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -113,11 +125,12 @@ def main() -> None:
                 setattr(owner, attr, value)
             if args.top:
                 print(f"\n{name}:\n| kernel | per step | ms per step |\n|---|---|---|")
-            rows.append((name, *measure(ck, args.top)))
+            rows.append((name, *measure(ck, args.top, args.batch, args.context)))
             for owner, attr, value in saved:
                 setattr(owner, attr, value)
     fp8 = f", {args.quantize} under {fp8_gemm.VARIANT_ENV}={fp8_gemm.variant()}" if args.quantize else ""
-    print(f"\n{args.shape} ({args.layers or 'all'} layers{fp8}), batch 1, {torch.cuda.get_device_name()}")
+    print(f"\n{args.shape} ({args.layers or 'all'} layers{fp8}), batch {args.batch}, {args.context}-token prompts, "
+          f"{torch.cuda.get_device_name()}")
     print("\n| variant | step, ms | kernel time per step, ms | kernels per step |\n|---|---|---|---|")
     for name, step, kernel_ms, count in rows:
         print(f"| {name} | {step:.3f} | {kernel_ms:.3f} | {count:.0f} |")

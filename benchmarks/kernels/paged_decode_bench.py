@@ -4,8 +4,10 @@
     python -m benchmarks.kernels.paged_decode_bench --sweep   # the Triton kernel's launch settings, per shape
     python -m benchmarks.kernels.paged_decode_bench --splits  # the split plan: programs per SM, tiles per split
     python -m benchmarks.kernels.paged_decode_bench --kv-cache-dtype fp8  # the table over an e4m3 cache
+    python -m benchmarks.kernels.paged_decode_bench --heads 32:8 --sweep --block-sizes 128 --shapes 64x2200,32x2200
 
-Qwen2.5-VL-7B shapes (28 query heads, 4 KV heads, head_dim 128, 16-token blocks), bf16, one layer's call as
+Qwen2.5-VL-7B shapes by default (28 query heads, 4 KV heads, head_dim 128, 16-token blocks; ``--heads 32:8`` for
+Qwen3-VL-8B's), bf16, one layer's call as
 the CUDA-graph decode makes it (tables padded to a power-of-two width). Prints ms per call and the
 effective bandwidth over the live K/V bytes.
 """
@@ -25,6 +27,7 @@ from workers.engine.kernels.attention import AttentionMetadata, build_attention_
 from workers.engine.kernels.torch_attention import PaddedDecodeBackend
 
 HQ, HKV, D, BS = 28, 4, 128, 16
+SWEEP_SHAPES = [(64, 2900), (32, 2900), (128, 2900), (1, 4000), (8, 20000)]  # (batch, context) rows of --sweep
 
 
 def decode_case(batch: int, context: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
@@ -77,7 +80,7 @@ def sweep(block_sizes: list[int]) -> None:
     defaults = (paged_attention.TILE, paged_attention._WARPS, paged_attention._STAGES, paged_attention._TARGET_PROGRAMS)
     grid = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)))
     ratios: dict[tuple[int, ...], list[float]] = {}  # setting -> its time over the default's, per shape
-    for bs, (batch, context) in itertools.product(block_sizes, ((64, 2900), (32, 2900), (128, 2900), (1, 4000), (8, 20000))):
+    for bs, (batch, context) in itertools.product(block_sizes, SWEEP_SHAPES):
         q, cache, meta, width = decode_case(batch, context, bs)
         args = (q, cache, meta.block_tables, meta.seq_lens, D**-0.5, width * bs)
         reference = paged_attention.paged_decode(*args).float()
@@ -144,7 +147,12 @@ if __name__ == "__main__":
     ap.add_argument("--splits", action="store_true", help="the split plan's settings instead of the table")
     ap.add_argument("--block-sizes", default="16,128", help="KV block sizes for --sweep and --splits")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: the table over an e4m3 cache")
+    ap.add_argument("--heads", default="28:4", help="query heads:KV heads (Qwen3-VL-8B: 32:8)")
+    ap.add_argument("--shapes", default="", help="--sweep's batch x context rows, e.g. 64x2200,32x2200")
     cli = ap.parse_args()
+    HQ, HKV = (int(n) for n in cli.heads.split(":"))
+    if cli.shapes:
+        SWEEP_SHAPES[:] = [(int(b), int(c)) for b, c in (x.split("x") for x in cli.shapes.split(","))]
     if cli.kv_cache_dtype == "fp8" and (cli.sweep or cli.splits):
         raise SystemExit("paged_decode_bench: --kv-cache-dtype fp8 applies to the table, not --sweep or --splits")
     if cli.sweep:
