@@ -31,22 +31,27 @@ def register_attention_backend(name: str, factory: Callable[[], AttentionBackend
 
 
 def get_attention_backend(name: BackendName | str, device: torch.device | str) -> AttentionBackend:
-    """Return a backend instance. ``auto`` picks fa3 where an FA3 build loads on a Hopper GPU, else flash on CUDA
-    when torch has varlen attention, else sdpa. ``fa4`` (FlashAttention-4 from pip) only when asked for."""
+    """Return a backend instance. ``auto`` picks fa4 (FlashAttention-4, the declared ``flash-attn-4`` dependency)
+    where it serves (a Hopper or Blackwell GPU), else flash on CUDA when torch has varlen attention, else sdpa.
+    ``fa3`` (an installed build of vLLM's FlashAttention fork) only when asked for."""
     device = torch.device(device)
     usable = device.type == "cuda" and torch.cuda.is_available() and flash_available()
-    if name == "fa4":
+    if name in ("fa4", "auto"):
         if fa4_attention.serves(name, device):
+            log.info("attention backend: fa4")
             return fa4_attention.FA4PagedBackend()
-        log.warning("FlashAttention-4 unavailable (%s); using the default backend",
-                    fa4_attention.unavailable_reason(device))
+        if name == "fa4":
+            log.warning("FlashAttention-4 unavailable (%s); using the default backend",
+                        fa4_attention.unavailable_reason(device))
+        elif usable:  # a CUDA GPU: say why auto settles for FlashAttention-2
+            log.info("FlashAttention-4 unavailable (%s)", fa4_attention.unavailable_reason(device))
         name = "auto"
-    if name in ("fa3", "auto"):
+    if name == "fa3":
         if fa3_attention.serves(name, device):
+            log.info("attention backend: fa3")
             return fa3_attention.FA3PagedBackend()
-        if name == "fa3":
-            log.warning("FlashAttention-3 unavailable (%s); using the default backend",
-                        fa3_attention.unavailable_reason(device))
+        log.warning("FlashAttention-3 unavailable (%s); using the default backend",
+                    fa3_attention.unavailable_reason(device))
         name = "auto"
     if name == "auto":
         name = "flash" if usable else "sdpa"
@@ -55,7 +60,9 @@ def get_attention_backend(name: BackendName | str, device: torch.device | str) -
         name = "sdpa"
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]()
+    backend = _REGISTRY[name]()
+    log.info("attention backend: %s", backend.name)
+    return backend
 
 
 def vision_kernel(name: str, device: torch.device | str) -> Any | None:

@@ -5,15 +5,16 @@ torch 2.11's wheels carry FlashAttention-2 only, which runs the LM's prefill chu
 (benchmarks/kernels/attn_bench.py); Hopper's FA3 kernels use its warpgroup MMA and TMA. The kernel comes from an installed
 build of vLLM's FlashAttention fork (the ``vllm_flash_attn`` package: built on its own, or the copy vLLM's wheels
 bundle; ``GLIMPSE_FA3_PATH`` names a folder holding it). Only its compiled op library is loaded: the fork's Python
-imports vLLM, and no vLLM Python runs in glimpse. glimpse does not ship it; without it ``--attn-backend fa3`` logs
-why and serves on the default backend, and ``auto`` quietly keeps FlashAttention-2.
+imports vLLM, and no vLLM Python runs in glimpse. glimpse does not ship it and ``auto`` never loads it (``auto``
+takes FlashAttention-4 from its declared package); ``--attn-backend fa3`` asks for it, and without a build logs why
+and serves on the default backend.
 
 The backend itself (one paged varlen call per LM step, windows, image spans, FP8 pages) is paged_varlen.py's, shared
 with FlashAttention-4 (fa4_attention.py). The ViT's windows keep their own kernel (window_attention.py: FA3 is
 slower at 64 patches).
 
 Measured (docs/benchmarks.md, session 15; H100 and H200): served LM steps 2x FlashAttention-2, the ViT's full
-blocks 1.5x cuDNN, so ``auto`` picks it wherever a build loads on a Hopper GPU; ``flash`` keeps FlashAttention-2.
+blocks 1.5x cuDNN. Kept as an opt-in for hosts that have a build, beside the FA4 default.
 CPU tests drive a plain-torch reference of the kernel's contract and a stand-in op library with the fork's schema;
 the GPU tests (tests/workers/engine/kernels/test_fa3_attention.py) run where a build is installed.
 """
@@ -124,8 +125,9 @@ def packed_kernel(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqle
 
 
 def serves(name: str, device: torch.device | str) -> bool:
-    """Whether attention backend ``name`` (``fa3``, or ``auto``: FA3 first where a build is found) runs on FA3."""
-    return name in ("fa3", "auto") and not unavailable_reason(torch.device(device))
+    """Whether attention backend ``name`` runs on FA3: ``fa3`` only, where a build is found (``auto`` takes FA4,
+    a maintained package, and never loads the fork's private library)."""
+    return name == "fa3" and not unavailable_reason(torch.device(device))
 
 
 def vision_kernel(name: str, device: torch.device | str) -> Kernel | None:

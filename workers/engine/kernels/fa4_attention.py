@@ -1,4 +1,4 @@
-"""Optional FlashAttention-4 kernels (pip ``flash-attn-4``, import ``flash_attn.cute``; BSD-3): the LM's eager steps
+"""FlashAttention-4 kernels (pip ``flash-attn-4``, import ``flash_attn.cute``; BSD-3): the LM's eager steps
 through ``paged_varlen.PagedVarlenBackend`` and the ViT's full-attention blocks, as the FA3 backend does, with the
 kernel from a maintained package on the index instead of a build of vLLM's private fork.
 
@@ -8,15 +8,19 @@ our layout ([num_blocks, block_size, Hkv, D] with an int32 page table). Its cont
 names and in how an unbounded window is written (None, not -1): the adapters below take the contract the backend
 and the ViT layer call.
 
-Opt-in (``--attn-backend fa4``) until benchmarks/kernels/attn_bench.py (``--fa4``) has measured it against FA3 and
-torch's FlashAttention-2 on the device; without the package, or on another GPU, it logs why and serves on the
-default backend.
+``auto``'s first choice where it serves: on an H200 (docs/benchmarks.md, session 39) its steps ran 1.15-2.17x
+torch's FlashAttention-2 (benchmarks/kernels/attn_bench.py ``--other fa4``) and the served (b) load gave 8.95
+against 8.03-8.19 requests/s. A declared dependency; without it, or on another GPU, ``auto`` serves on
+FlashAttention-2 and ``--attn-backend fa4`` logs why. Decode-only steps keep their CUDA graphs on the Triton
+paged-decode kernel (paged_attention.py). Each kernel variant compiles on first use (about 20 s of the first
+start-up on an H200).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -34,6 +38,9 @@ def _load() -> tuple[Any | None, str]:
     """FA4's ``flash_attn_varlen_func``, or None and why not."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in ARCHES:
         return None, "FlashAttention-4 needs a Hopper or Blackwell GPU (compute capability 9.x or 10.x)"
+    # flash-attn-4 4.0.0b36 hands the CuTe DSL an AuxData argument the DSL takes as a compile-time value after a
+    # UserWarning per kernel it compiles (a dozen at start-up): noise in the server's log, not a fault.
+    warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted to a JitArgument")
     try:
         from flash_attn.cute import flash_attn_varlen_func
     except Exception as exc:  # noqa: BLE001 - not installed, or its CuTe DSL cannot load here
@@ -85,7 +92,8 @@ def unavailable_reason(device: torch.device) -> str:
 
 
 def serves(name: str, device: torch.device | str) -> bool:
-    return name == "fa4" and not unavailable_reason(torch.device(device))
+    """Whether attention backend ``name`` (``fa4``, or ``auto``: FA4 first) runs on FA4 on ``device``."""
+    return name in ("fa4", "auto") and not unavailable_reason(torch.device(device))
 
 
 def vision_kernel(name: str, device: torch.device | str) -> Any | None:

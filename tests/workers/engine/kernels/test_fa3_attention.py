@@ -169,18 +169,19 @@ def test_fa3_without_a_kernel_serves_on_the_default_backend(caplog: pytest.LogCa
     assert unavailable_reason(torch.device("cpu"))
 
 
-def test_auto_picks_fa3_where_a_build_serves_and_flash_or_sdpa_keep_their_kernels(
+def test_fa3_only_when_asked_auto_never_loads_the_fork_s_library(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        assert get_attention_backend("auto", "cpu").name == "sdpa"  # no build here: quietly the default
+        assert get_attention_backend("auto", "cpu").name == "sdpa"  # no GPU here: quietly the default
     assert "FlashAttention-3" not in caplog.text
     monkeypatch.setattr(fa3_attention, "unavailable_reason", lambda device: "")
     monkeypatch.setattr(fa3_attention, "_load", lambda: (reference_kernel, ""))
-    assert get_attention_backend("auto", "cpu").name == "fa3"
+    assert get_attention_backend("fa3", "cpu").name == "fa3"
+    assert get_attention_backend("auto", "cpu").name == "sdpa"  # a build on the host changes nothing for auto
     assert get_attention_backend("sdpa", "cpu").name == "sdpa"
-    assert fa3_attention.vision_kernel("auto", "cpu") is fa3_attention.packed_kernel
-    assert fa3_attention.vision_kernel("flash", "cpu") is None
+    assert fa3_attention.vision_kernel("fa3", "cpu") is fa3_attention.packed_kernel
+    assert fa3_attention.vision_kernel("auto", "cpu") is None and fa3_attention.vision_kernel("flash", "cpu") is None
 
 
 @pytest.mark.gpu

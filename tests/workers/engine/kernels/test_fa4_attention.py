@@ -19,7 +19,7 @@ from tests.workers.engine.kernels.test_fa3_attention import (
     mixed_step,
     reference_kernel,
 )
-from workers.engine.kernels import backends, fa3_attention, fa4_attention
+from workers.engine.kernels import backends, fa4_attention
 from workers.engine.kernels.backends import get_attention_backend
 from workers.engine.kernels.fa4_attention import FA4PagedBackend, packed_call, unavailable_reason
 from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend
@@ -81,7 +81,7 @@ def test_the_vit_s_packed_call_reads_its_segments_on_both_sides() -> None:
     assert calls == [{"window_size": (None, None), "paged": False, "causal": False}]
 
 
-def test_fa4_is_opt_in_and_without_the_package_serves_on_the_default(
+def test_auto_picks_fa4_where_it_serves_and_without_it_serves_on_the_default(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
@@ -91,9 +91,10 @@ def test_fa4_is_opt_in_and_without_the_package_serves_on_the_default(
     monkeypatch.setattr(fa4_attention, "_load", lambda: (stand_in([]), ""))
     monkeypatch.setattr(fa4_attention, "unavailable_reason", lambda device: "")
     assert get_attention_backend("fa4", "cpu").name == "fa4"
-    assert get_attention_backend("auto", "cpu").name == "sdpa"  # auto never picks it until it is measured
-    assert backends.vision_kernel("fa4", "cpu") is not None
-    assert backends.vision_kernel("auto", "cpu") is fa3_attention.vision_kernel("auto", "cpu")
+    assert get_attention_backend("auto", "cpu").name == "fa4"  # measured ahead of FlashAttention-2 (session 39)
+    assert get_attention_backend("sdpa", "cpu").name == "sdpa" and get_attention_backend("fa3", "cpu").name != "fa4"
+    assert backends.vision_kernel("fa4", "cpu") is not None and backends.vision_kernel("auto", "cpu") is not None
+    assert backends.vision_kernel("flash", "cpu") is None
 
 
 def test_engine_on_the_fa4_backend_gives_transformers_tokens(
