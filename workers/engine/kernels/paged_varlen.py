@@ -12,6 +12,7 @@ their CUDA graphs (PaddedDecodeBackend).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,16 @@ from workers.engine.kernels.attention_masks import attend_span_rows, sequence_sp
 from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBackend, flash_available
 
 log = logging.getLogger(__name__)
+
+def refusals() -> tuple[type[Exception], ...]:
+    """What a FlashAttention kernel raises when it refuses a call (a head size or layout it was not built for): FA3's
+    op raises RuntimeError, FA4's Python interface asserts, and its CuTe DSL raises its own errors (a compile or a
+    driver it cannot use), which derive from Exception only. The DSL's are named once FA4 has imported it."""
+    dsl = sys.modules.get("cutlass.base_dsl.common")
+    base = getattr(dsl, "DSLBaseError", None)
+    extra = (base,) if isinstance(base, type) and issubclass(base, Exception) else ()
+    return (RuntimeError, AssertionError, ValueError, *extra)
+
 
 # ``flash_attn_varlen_func``'s paged call: (q, k_cache, v_cache, max_seqlen_q, cu_seqlens_q, max_seqlen_k, *,
 # seqused_k, block_table, softmax_scale, causal, fa_version, window_size) -> out [tokens, H, D].
@@ -76,9 +87,7 @@ class PagedVarlenBackend:
                 softmax_scale=scale, causal=True,
                 fa_version=3, **windowed,
             )
-        # The kernel's own checks: a head size or layout it was not built for (FA3's op raises RuntimeError; FA4's
-        # Python interface asserts, and its DSL compiler raises its own errors).
-        except (RuntimeError, AssertionError, ValueError) as exc:
+        except refusals() as exc:
             log.warning("%s refused a step (%s: %s); the LM's attention runs on %s from now on", self.label,
                         type(exc).__name__, (str(exc).splitlines() or [""])[0][:200], self._fallback.name)
             self._refused = True

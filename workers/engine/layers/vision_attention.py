@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workers.engine.kernels import fused, window_attention
+from workers.engine.kernels.paged_varlen import refusals
 
 try:  # torch >= 2.10; the GPU box has 2.11. Positional (q, k, v, cu_q, cu_k, max_q, max_k) is stable across them.
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -98,19 +99,19 @@ class VisionAttention(nn.Module):
         again zero-padded to one (80): zero columns add nothing to q.k, and v's give zero columns, cut off."""
         try:
             return self._fa3_call(q, k, v, seg)
-        except RuntimeError as exc:
+        except refusals() as exc:
             refused = str(exc).splitlines()[0][:200]
         if self.fa3_pad == 0 and self.head_dim % 16:
             self.fa3_pad = 16 - self.head_dim % 16
             try:
                 out = self._fa3_call(q, k, v, seg)
-            except RuntimeError:
+            except refusals():
                 pass
             else:
                 logger.info("vision attention: FlashAttention-3 takes head size %d padded to %d",
                             self.head_dim, self.head_dim + self.fa3_pad)
                 return out
-        logger.warning("vision attention: FlashAttention-3 refused a call (%s); using the default kernels", refused)
+        logger.warning("vision attention: FlashAttention refused a call (%s); using the default kernels", refused)
         self.packed = None
         return None
 

@@ -5,6 +5,8 @@ fallback, the engine's tokens through it, and the kernel itself where a Hopper o
 from __future__ import annotations
 
 import logging
+import sys
+import types
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,39 @@ def test_fa4_backend_hands_its_call_the_paged_cache_and_window(window: int) -> N
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
     # FA4 writes an unbounded side as None (the fork: -1); causal bounds the right side itself.
     assert calls == [{"window_size": (window - 1, 0) if window else (None, None), "paged": True, "causal": True}]
+
+
+def test_an_error_of_fa4_s_dsl_falls_back_for_good_on_the_lm_and_the_vit(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CuTe DSL's errors (a compile or a driver it cannot use) derive from Exception only: once FA4 has imported
+    the DSL they count as a refusal too, so a step falls back instead of failing the worker."""
+
+    class DSLBaseError(Exception):
+        pass
+
+    dsl = types.ModuleType("cutlass.base_dsl.common")
+    dsl.DSLBaseError = DSLBaseError  # type: ignore[attr-defined]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise DSLBaseError("cannot compile for this driver")
+
+    q, k, v, cache, meta = mixed_step("cpu", torch.bfloat16)
+    backend = FA4PagedBackend(failing, any_device=True)
+    with pytest.raises(DSLBaseError):  # not yet a refusal: nothing has imported the DSL
+        backend.forward(q, k, v, cache.clone(), meta, D**-0.5)
+    monkeypatch.setitem(sys.modules, "cutlass.base_dsl.common", dsl)
+    expected_cache = cache.clone()
+    expected = SdpaBackend().forward(q, k, v, expected_cache, meta, D**-0.5)
+    with caplog.at_level(logging.WARNING):
+        out = backend.forward(q, k, v, cache, meta, D**-0.5)
+    assert torch.equal(out, expected) and torch.equal(cache, expected_cache)
+    assert "FlashAttention-4 refused a step (DSLBaseError" in caplog.text
+    layer = VisionAttention(64, 4)
+    layer.packed = packed_call(failing)
+    x = torch.randn(12, 4, 16, dtype=torch.bfloat16)
+    seg = Segments(torch.tensor([0, 5, 12], dtype=torch.int32), [0, 5, 12], 7, frames=True)
+    assert layer._on_fa3(x, x, x, seg) is None and layer.packed is None
 
 
 def test_the_vit_s_packed_call_reads_its_segments_on_both_sides() -> None:
