@@ -52,6 +52,8 @@ CPU: list[tuple[str, list[str], str]] = [
                          "--broadcast-res", "", "--kv-cache-mb", "64", "--max-model-len", "8192"],
      " tp  TTFT s  tokens  decode tok/s"),
     ("tools.step_trace", [TRACE], "| where | seconds | of window | count | ms each | note |"),
+    ("tools.itl_plot", [f"{OUT}/itl.png", f"run={ROOT}/tests/benchmarks/fixtures/serving-itl.json",
+                        "--marks", "other=50:9,100:40"], "p99.9"),
     ("engine.video_bench", ["--decode-only", "--decode-seconds", "0.5"], "  size  all frames/s  sampled frames/s"),
     ("engine.snapshot_prefill_bench", ["--shape", "demo", "--device", "cpu", "--words", "60", "--reps", "1"],
      "| prompt tokens | rounds, ms | kept states, ms |"),
