@@ -67,11 +67,11 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
         self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
         self.fused = False  # CUDA: rope of q and k in one compiled kernel (fused.py)
-        # The model on FA3 (fa3_attention.py): its packed call for whole frames on the CUDA path, 1.5x cuDNN with no
-        # plan per frame length; windows keep their own kernel (FA3 is slower at 64 patches). None: cuDNN frames once
-        # hot, else FA2
+        # The model on FA4 or FA3 (fa4_attention.py, fa3_attention.py): its packed call for whole frames on the CUDA
+        # path (FA3: 1.5x cuDNN with no plan per frame length); windows keep their own kernel (FA3 is slower at 64
+        # patches). None: cuDNN frames once hot, else FA2
         self.packed: Callable[..., Tensor] | None = None
-        self.fa3_pad = 0  # zero columns added to each head for FA3 (set when it refuses the head size as it is)
+        self.packed_pad = 0  # zero columns added to each head for the packed call (set when it refuses the head size as it is)
 
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         n = x.shape[0]
@@ -81,7 +81,7 @@ class VisionAttention(nn.Module):
         else:
             q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
         v = qkv[:, 2]  # a strided view: the CUDA kernels take row strides, and the CPU path copies where it must
-        out = self._on_fa3(q, k, v, seg) if flash and seg.frames and self.packed is not None else None
+        out = self._on_packed(q, k, v, seg) if flash and seg.frames and self.packed is not None else None
         if out is None:
             if flash and seg.frames and _cudnn_frames.wants(seg):
                 out = _cudnn_frames(q, k, v, seg)
@@ -93,34 +93,34 @@ class VisionAttention(nn.Module):
                 out = _grouped_sdpa(q, k, v, seg)
         return self.proj(out.reshape(n, -1))
 
-    def _on_fa3(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor | None:
-        """FA3's packed call, or None once the build refuses one (its argument checks: a head size it lacks), after
-        which this layer keeps its default kernels. A head size off a multiple of 16 (Qwen3-VL's 72) is first tried
+    def _on_packed(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor | None:
+        """The packed FlashAttention call, or None once the kernel refuses one (its argument checks: a head size it
+        lacks), after which this layer keeps its default kernels. A head size off a multiple of 16 (Qwen3-VL's 72) is first tried
         again zero-padded to one (80): zero columns add nothing to q.k, and v's give zero columns, cut off."""
         try:
-            return self._fa3_call(q, k, v, seg)
+            return self._packed_call(q, k, v, seg)
         except refusals() as exc:
             refused = str(exc).splitlines()[0][:200]
-        if self.fa3_pad == 0 and self.head_dim % 16:
-            self.fa3_pad = 16 - self.head_dim % 16
+        if self.packed_pad == 0 and self.head_dim % 16:
+            self.packed_pad = 16 - self.head_dim % 16
             try:
-                out = self._fa3_call(q, k, v, seg)
+                out = self._packed_call(q, k, v, seg)
             except refusals():
                 pass
             else:
-                logger.info("vision attention: FlashAttention-3 takes head size %d padded to %d",
-                            self.head_dim, self.head_dim + self.fa3_pad)
+                logger.info("vision attention: FlashAttention takes head size %d padded to %d",
+                            self.head_dim, self.head_dim + self.packed_pad)
                 return out
         logger.warning("vision attention: FlashAttention refused a call (%s); using the default kernels", refused)
         self.packed = None
         return None
 
-    def _fa3_call(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:
+    def _packed_call(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:
         assert self.packed is not None
-        if self.fa3_pad:
-            q, k, v = (F.pad(t, (0, self.fa3_pad)) for t in (q, k, v))
+        if self.packed_pad:
+            q, k, v = (F.pad(t, (0, self.packed_pad)) for t in (q, k, v))
         out = self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
-        return out[..., : self.head_dim] if self.fa3_pad else out
+        return out[..., : self.head_dim] if self.packed_pad else out
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:

@@ -125,7 +125,7 @@ def test_a_vit_frame_call_the_build_refuses_leaves_the_layer_on_its_default_kern
     layer.packed = lambda *args: (_ for _ in ()).throw(RuntimeError("head dimension not supported"))
     q = torch.randn(12, 4, 16)
     seg = Segments(torch.tensor([0, 12], dtype=torch.int32), [0, 12], 12, frames=True)
-    assert layer._on_fa3(q, q, q, seg) is None and layer.packed is None
+    assert layer._on_packed(q, q, q, seg) is None and layer.packed is None
 
 
 def test_a_head_size_the_build_refuses_is_tried_again_zero_padded() -> None:
@@ -151,14 +151,14 @@ def test_a_head_size_the_build_refuses_is_tried_again_zero_padded() -> None:
         ])  # fmt: skip
 
     layer.packed = only_multiples_of_16
-    out = layer._on_fa3(q, k, v, seg)
-    assert out is not None and out.shape == (20, 2, 72) and dims == [72, 80] and layer.fa3_pad == 8
+    out = layer._on_packed(q, k, v, seg)
+    assert out is not None and out.shape == (20, 2, 72) and dims == [72, 80] and layer.packed_pad == 8
     torch.testing.assert_close(out, _grouped_sdpa(q, k, v, seg), rtol=1e-5, atol=1e-5)
-    assert layer._on_fa3(q, k, v, seg) is not None and dims == [72, 80, 80]  # padded from then on, no retry
+    assert layer._on_packed(q, k, v, seg) is not None and dims == [72, 80, 80]  # padded from then on, no retry
 
     refusing = VisionAttention(144, 2)
     refusing.packed = lambda *args: (_ for _ in ()).throw(RuntimeError("no kernel"))
-    assert refusing._on_fa3(q, k, v, seg) is None and refusing.packed is None
+    assert refusing._on_packed(q, k, v, seg) is None and refusing.packed is None
 
 
 def test_fa3_without_a_kernel_serves_on_the_default_backend(caplog: pytest.LogCaptureFixture) -> None:
@@ -261,7 +261,7 @@ def test_engine_on_the_fa3_backend_gives_transformers_tokens(
     reason="needs a CUDA device with an FA3 build of vLLM's flash-attention installed",
 )
 @pytest.mark.parametrize(("frames", "hidden"), [(False, 1280), (True, 1280), (True, 1152)])
-def test_vit_attention_on_fa3_matches_its_default_kernels(frames: bool, hidden: int) -> None:
+def test_vit_attention_on_packed_matches_its_default_kernels(frames: bool, hidden: int) -> None:
     """A ViT attention layer (16 heads of 80, or Qwen3-VL's 72) given FA3's packed call: whole frames run on it and
     match the default kernels (FA2 varlen; cuDNN once a length is hot) in bf16; windows (ragged at the edges) keep
     their own kernel, where FA3 measured slower, so their output is the default's bit for bit and the packed call is

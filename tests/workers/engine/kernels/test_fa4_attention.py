@@ -102,7 +102,7 @@ def test_an_error_of_fa4_s_dsl_falls_back_for_good_on_the_lm_and_the_vit(
     layer.packed = packed_call(failing)
     x = torch.randn(12, 4, 16, dtype=torch.bfloat16)
     seg = Segments(torch.tensor([0, 5, 12], dtype=torch.int32), [0, 5, 12], 7, frames=True)
-    assert layer._on_fa3(x, x, x, seg) is None and layer.packed is None
+    assert layer._on_packed(x, x, x, seg) is None and layer.packed is None
 
 
 def test_the_vit_s_packed_call_reads_its_segments_on_both_sides() -> None:
