@@ -11,6 +11,7 @@ import torch
 
 from tests.workers.engine.kernels.test_window_attention_masks import CASES
 from tests.workers.engine.kernels.window_scenarios import Seq, Step, cpu_flash_backend, make_step, reference
+from workers.engine.kernels import fa4_attention
 from workers.engine.kernels.attention import build_attention_metadata
 from workers.engine.kernels.backends import get_attention_backend
 from workers.engine.kernels.fa3_attention import FA3PagedBackend, unavailable_reason
@@ -193,16 +194,23 @@ def test_padded_decode_on_cuda_window_matches_sdpa(path: str, monkeypatch: pytes
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+def _serves(name: str) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    reason = (unavailable_reason if name == "fa3" else fa4_attention.unavailable_reason)(torch.device("cuda"))
+    return not reason
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or bool(unavailable_reason(torch.device("cuda"))),
-    reason="needs a CUDA device with an FA3 build of vLLM's flash-attention installed",
-)
+@pytest.mark.parametrize("name", [  # a build of vLLM's fork; pip flash-attn-4 (auto's choice)
+    pytest.param(name, marks=pytest.mark.skipif(not _serves(name), reason=f"needs a CUDA device where {name} serves"))
+    for name in ("fa3", "fa4")
+])  # fmt: skip
 @pytest.mark.parametrize("kv_none", [False, True])
-def test_fa3_on_cuda_window_and_spans_match_sdpa(kv_none: bool) -> None:
+def test_flash_attention_on_cuda_window_and_spans_match_sdpa(name: str, kv_none: bool) -> None:
     step, expected = gpu_step(23)
-    backend = get_attention_backend("fa3", "cuda")
-    assert backend.name == "fa3"
+    backend = get_attention_backend(name, "cuda")
+    assert backend.name == name
     if kv_none:
         write_kv_cache(step.k, step.v, step.cache, step.meta.slot_mapping)
     k, v = (None, None) if kv_none else (step.k, step.v)
