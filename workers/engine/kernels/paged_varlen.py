@@ -64,15 +64,18 @@ class PagedVarlenBackend:
         self._kernel, self._any_device, self._refused = kernel, any_device, False
         self._fallback: Any = FlashVarlenBackend() if flash_available() else SdpaBackend()
 
+    max_head_dim = 256  # wider heads (Gemma 4's global layers) take the fallback
+    windows = True  # sliding-window layers on the kernel (else the fallback)
+
     def supports(self, q: Tensor) -> bool:
         return ((q.is_cuda or self._any_device) and not self._refused
-                and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256)
+                and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= self.max_head_dim)
 
     def forward(
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
         window: int = 0, bidirectional: bool = False,
     ) -> Tensor:
-        if not self.supports(q):  # writes the cache itself
+        if not self.supports(q) or (window > 0 and not self.windows):  # writes the cache itself
             return self._fallback.forward(q, k, v, kv_cache, meta, scale, window, bidirectional)
         if k is not None and v is not None:
             write_new_kv(k, v, kv_cache, meta)

@@ -65,11 +65,25 @@ def test_fa4_backend_hands_its_call_the_paged_cache_and_window(window: int) -> N
     expected_cache = cache.clone()
     expected = SdpaBackend().forward(q, k, v, expected_cache, meta, D**-0.5, window)
     calls: list[dict[str, Any]] = []
-    out = FA4PagedBackend(stand_in(calls), any_device=True).forward(q, k, v, cache, meta, D**-0.5, window)
+    backend = FA4PagedBackend(stand_in(calls), any_device=True)
+    backend.windows = True  # the adapter's window, as it will run once FA4's windows are checked on a GPU
+    out = backend.forward(q, k, v, cache, meta, D**-0.5, window)
     assert torch.equal(cache, expected_cache)  # the new tokens' K and V written to the same slots
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
     # FA4 writes an unbounded side as None (the fork: -1); causal bounds the right side itself.
     assert calls == [{"window_size": (window - 1, 0) if window else (None, None), "paged": True, "causal": True}]
+
+
+def test_fa4_leaves_windows_and_heads_over_128_to_the_fallback() -> None:
+    """Only heads of 128 without a window have been checked against FA2 on a GPU: the rest keep the fallback."""
+    calls: list[dict[str, Any]] = []
+    backend = FA4PagedBackend(stand_in(calls), any_device=True)
+    q, k, v, cache, meta = mixed_step("cpu", torch.bfloat16)
+    expected_cache = cache.clone()
+    expected = SdpaBackend().forward(q, k, v, expected_cache, meta, D**-0.5, 5)
+    out = backend.forward(q, k, v, cache, meta, D**-0.5, 5)
+    assert calls == [] and torch.equal(out, expected) and torch.equal(cache, expected_cache)
+    assert backend.supports(q) and not backend.supports(torch.zeros(1, 2, 256, dtype=torch.bfloat16))
 
 
 def test_an_error_of_fa4_s_dsl_falls_back_for_good_on_the_lm_and_the_vit(
