@@ -1,7 +1,8 @@
 """Where a decode step's GPU time goes: the offline Engine at a real shape (dummy bf16 weights, decode CUDA
-graphs), ``--batch`` greedy sequences of ``--context`` prompt tokens (default one of ~50), the median step once all
-are decoding (host sync after each) and the kernels of 17 steps under the profiler, per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served configuration with one
-switch turned, e.g. the elementwise work eager instead of fused).
+graphs, `glimpse serve`'s KV block size), ``--batch`` greedy sequences of ``--context`` prompt tokens (default one
+of ~50), the median step once all are decoding (host sync after each) and the kernels of 17 steps under the
+profiler, per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served
+configuration with one switch turned, e.g. the elementwise work eager instead of fused).
 
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --variants "moe separate,as served" --top 0
@@ -29,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.prompts import SamplingParams
-from workers.engine.config import EngineConfig
+from workers.engine.config import EngineConfig, serving_kv_blocks
 from workers.engine.kernels import fp8_gemm, fused
 from workers.engine.models.gemma4 import moe as gemma4_moe
 from workers.engine.models.qwen3_5.moe import SharedExpertMoeBlock
@@ -66,9 +67,11 @@ def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50) -> li
 def measure(ck: Path, top: int, batch: int = 1, context: int = 50) -> tuple[float, float, float]:
     """(median decode step ms, kernel ms per step, kernels per step), printing the ``top`` kernels."""
     kv_mb = max(4096, batch * (context + 128) * 160 // 1024)  # ~160 KiB of KV a token covers the 8B shapes
+    block_size, _ = serving_kv_blocks("cuda", "auto", None, None)  # `glimpse serve`'s blocks: the decode kernel's
+    # time depends on them (64 x 2,200 keys on an H200: 0.28 ms a layer in 16-token blocks, 0.15 in 128-token ones)
     engine = Engine(EngineConfig(model=str(ck), device="cuda", dtype="bfloat16", load_format="dummy",
                                  kv_cache_mb=kv_mb, max_model_len=max(8192, context + 256),
-                                 max_num_seqs=max(batch, 1)))  # fmt: skip
+                                 max_num_seqs=max(batch, 1), block_size=block_size))  # fmt: skip
     decode(engine, 8, batch, context)
     steps = sorted(decode(engine, 96, batch, context)[2:])
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
