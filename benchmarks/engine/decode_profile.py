@@ -53,7 +53,7 @@ def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50) -> li
     sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(prompt(context), sampling) for _ in range(batch)]
     finished = 0
-    while any(not (out := engine.peek(rid)) or not out.token_ids for rid in rids):
+    while any((out := engine.peek(rid)) is not None and not out.token_ids for rid in rids):  # None: finished
         finished += len(engine.step())
     steps = []
     while finished < batch:

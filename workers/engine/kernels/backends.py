@@ -33,12 +33,16 @@ def register_attention_backend(name: str, factory: Callable[[], AttentionBackend
 def get_attention_backend(name: BackendName | str, device: torch.device | str) -> AttentionBackend:
     """Return a backend instance. ``auto`` picks fa4 (FlashAttention-4, the declared ``flash-attn-4`` dependency)
     where it serves (a Hopper or Blackwell GPU), else flash on CUDA when torch has varlen attention, else sdpa.
-    ``fa3`` (an installed build of vLLM's FlashAttention fork) only when asked for."""
-    device = torch.device(device)
+    ``fa3`` (an installed build of vLLM's FlashAttention fork) only when asked for. Logs the one it returns."""
+    backend = _choose(name, torch.device(device))
+    log.info("attention backend: %s", backend.name)
+    return backend
+
+
+def _choose(name: str, device: torch.device) -> AttentionBackend:
     usable = device.type == "cuda" and torch.cuda.is_available() and flash_available()
     if name in ("fa4", "auto"):
         if fa4_attention.serves(name, device):
-            log.info("attention backend: fa4")
             return fa4_attention.FA4PagedBackend()
         if name == "fa4":
             log.warning("FlashAttention-4 unavailable (%s); using the default backend",
@@ -48,7 +52,6 @@ def get_attention_backend(name: BackendName | str, device: torch.device | str) -
         name = "auto"
     if name == "fa3":
         if fa3_attention.serves(name, device):
-            log.info("attention backend: fa3")
             return fa3_attention.FA3PagedBackend()
         log.warning("FlashAttention-3 unavailable (%s); using the default backend",
                     fa3_attention.unavailable_reason(device))
@@ -60,9 +63,7 @@ def get_attention_backend(name: BackendName | str, device: torch.device | str) -
         name = "sdpa"
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_REGISTRY)}")
-    backend = _REGISTRY[name]()
-    log.info("attention backend: %s", backend.name)
-    return backend
+    return _REGISTRY[name]()
 
 
 def vision_kernel(name: str, device: torch.device | str) -> Any | None:

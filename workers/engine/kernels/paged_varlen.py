@@ -26,6 +26,7 @@ from workers.engine.kernels.torch_attention import FlashVarlenBackend, SdpaBacke
 
 log = logging.getLogger(__name__)
 
+
 def refusals() -> tuple[type[Exception], ...]:
     """What a FlashAttention kernel raises when it refuses a call (a head size or layout it was not built for): FA3's
     op raises RuntimeError, FA4's Python interface asserts, and its CuTe DSL raises its own errors (a compile or a
@@ -59,13 +60,13 @@ class PagedVarlenBackend:
     docstring); ``name`` is the backend's, ``label`` the kernel's in log lines. ``any_device`` lets a CPU test drive
     a reference of the contract."""
 
+    max_head_dim = 256  # wider heads (Gemma 4's global layers) take the fallback
+    windows = True  # sliding-window layers on the kernel (else the fallback)
+
     def __init__(self, kernel: Kernel, name: str, label: str, any_device: bool = False) -> None:
         self.name, self.label = name, label
         self._kernel, self._any_device, self._refused = kernel, any_device, False
         self._fallback: Any = FlashVarlenBackend() if flash_available() else SdpaBackend()
-
-    max_head_dim = 256  # wider heads (Gemma 4's global layers) take the fallback
-    windows = True  # sliding-window layers on the kernel (else the fallback)
 
     def supports(self, q: Tensor) -> bool:
         return ((q.is_cuda or self._any_device) and not self._refused

@@ -71,7 +71,7 @@ class VisionAttention(nn.Module):
         # path (FA3: 1.5x cuDNN with no plan per frame length); windows keep their own kernel (FA3 is slower at 64
         # patches). None: cuDNN frames once hot, else FA2
         self.packed: Callable[..., Tensor] | None = None
-        self.packed_pad = 0  # zero columns added to each head for the packed call (set when it refuses the head size as it is)
+        self.packed_pad = 0  # zero columns added to each head (set when the packed call refuses the head size as it is)
 
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         n = x.shape[0]
@@ -95,8 +95,9 @@ class VisionAttention(nn.Module):
 
     def _on_packed(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor | None:
         """The packed FlashAttention call, or None once the kernel refuses one (its argument checks: a head size it
-        lacks), after which this layer keeps its default kernels. A head size off a multiple of 16 (Qwen3-VL's 72) is first tried
-        again zero-padded to one (80): zero columns add nothing to q.k, and v's give zero columns, cut off."""
+        lacks), after which this layer keeps its default kernels. A head size off a multiple of 16 (Qwen3-VL's 72) is
+        first tried again zero-padded to one (80): zero columns add nothing to q.k, and v's give zero columns, cut
+        off."""
         try:
             return self._packed_call(q, k, v, seg)
         except refusals() as exc:
