@@ -15,6 +15,7 @@ from workers.engine.kernels import fa4_attention
 from workers.engine.kernels.attention import build_attention_metadata
 from workers.engine.kernels.backends import get_attention_backend
 from workers.engine.kernels.fa3_attention import FA3PagedBackend, unavailable_reason
+from workers.engine.kernels.fa4_attention import FA4PagedBackend
 from workers.engine.kernels.kv_write_kernel import write_kv_cache
 from workers.engine.kernels.paged_varlen import PagedVarlenBackend
 from workers.engine.kernels.torch_attention import PaddedDecodeBackend, SdpaBackend
@@ -129,12 +130,13 @@ GPU_WINDOW = 128
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def gpu_step(seed: int) -> tuple[Step, torch.Tensor]:
-    """The GPU step in bf16 and what the SDPA backend gives in float32 on the same data (cache already written)."""
-    step = make_step(GPU_STEP, hq=16, hkv=4, d=128, block_size=16, seed=seed, dtype=torch.bfloat16, device="cuda")
+def gpu_step(seed: int, d: int = 128, window: int = GPU_WINDOW) -> tuple[Step, torch.Tensor]:
+    """The GPU step in bf16 with heads of ``d`` and what the SDPA backend gives in float32 on the same data with
+    ``window`` (cache already written)."""
+    step = make_step(GPU_STEP, hq=16, hkv=4, d=d, block_size=16, seed=seed, dtype=torch.bfloat16, device="cuda")
     ref_cache = step.cache.float()
     expected = SdpaBackend().forward(
-        step.q.float(), step.k.float(), step.v.float(), ref_cache, step.meta, 128**-0.5, GPU_WINDOW, True
+        step.q.float(), step.k.float(), step.v.float(), ref_cache, step.meta, d**-0.5, window, True
     )
     step.meta.derived.clear()
     return step, expected
@@ -212,9 +214,31 @@ def test_flash_attention_on_cuda_window_and_spans_match_sdpa(name: str, kv_none:
     step, expected = gpu_step(23)
     backend = get_attention_backend(name, "cuda")
     assert backend.name == name and isinstance(backend, PagedVarlenBackend)
-    backend.windows = True  # the kernel's own windows (FA4 leaves them to its fallback until this test passes)
     if kv_none:
         write_kv_cache(step.k, step.v, step.cache, step.meta.slot_mapping)
     k, v = (None, None) if kv_none else (step.k, step.v)
     out = backend.forward(step.q, k, v, step.cache, step.meta, 128**-0.5, GPU_WINDOW, True)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _serves("fa4"), reason="needs a CUDA device where fa4 serves")
+@pytest.mark.parametrize("d", [128, 256, 512])  # Qwen's heads; Gemma 4's sliding and global heads
+@pytest.mark.parametrize("window", [0, GPU_WINDOW])
+def test_fa4_runs_the_heads_and_windows_it_claims(d: int, window: int) -> None:
+    """FA4PagedBackend.max_head_dim and .windows say which layers FA4 takes: those run on the kernel without a
+    refusal (one would move every later layer to the fallback) and match SDPA; the rest go to the fallback unseen
+    by the kernel and match too."""
+    step, expected = gpu_step(24, d, window)
+    backend = FA4PagedBackend()
+    kernel, calls = backend._kernel, []
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    backend._kernel = counted
+    out = backend.forward(step.q, step.k, step.v, step.cache, step.meta, d**-0.5, window, True)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    assert not backend._refused
+    assert bool(calls) == (d <= backend.max_head_dim and (window == 0 or backend.windows))
