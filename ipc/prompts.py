@@ -91,13 +91,16 @@ class TokenizedRequest(Msg, frozen=True):
     sampling: SamplingParams
     shm_names: list[str]  # segments this request holds a name of; the scheduler unlinks them at the end
     shm_bytes: int
-    tool_parser: str = ""  # "hermes": parse <tool_call>{json}</tool_call> blocks of the output into tool calls
+    # How tool calls are read from the output ("" none): "hermes", <tool_call>{json}</tool_call> blocks; "qwen_xml",
+    # Qwen3.5's <function=NAME><parameter=KEY>value blocks, each value typed by tool_arg_types[function][key].
+    tool_parser: str = ""
     # --reasoning-parser's name ("" off) and whether the prompt left the answer inside the reasoning
     # (workers/common/reasoning.py): the scheduler splits each choice's text into reasoning and content.
     reasoning_parser: str = ""
     reasoning_inside: bool = False
     more_prompts: list[list[int]] = []  # a batch of text prompts (completions): choice p answers prompt p
     pending: list[bytes] = []  # hashes of images whose segments are not written yet
+    tool_arg_types: dict[str, dict[str, str]] = {}  # function -> parameter -> JSON-schema type ("" unknown)
 
 
 class MediaReady(Msg, frozen=True):

@@ -1,6 +1,7 @@
 """Tool calling: the request's tools, the grammar that enforces ``tool_choice`` "required" or a named
 function, and the parser that turns the model's ``<tool_call>{json}</tool_call>`` blocks (the Qwen /
-Hermes format) into OpenAI ``tool_calls``, incrementally, as the text streams.
+Hermes format) into OpenAI ``tool_calls``, incrementally, as the text streams. Qwen3.5's XML-like calls:
+tool_xml.py; which parser a choice's output goes through: tool_output.py.
 
 The tools themselves reach the model through the checkpoint's own chat template (processor.render).
 """
@@ -148,7 +149,7 @@ class ToolCallParser:
             done, text_back = self._finish_call(block)
             deltas.extend(done)
             content.append(text_back)
-        return _trim_before_calls("".join(content), bool(deltas) or self.in_call), deltas
+        return trim_before_calls("".join(content), bool(deltas) or self.in_call), deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """The output ended: whatever is held back goes out (an unclosed call: what was parsed of it)."""
@@ -207,7 +208,7 @@ def partial_tail(text: str, tag: str) -> int:
     return 0
 
 
-def _trim_before_calls(content: str, calls: bool) -> str:
+def trim_before_calls(content: str, calls: bool) -> str:
     # Qwen writes a newline between its text and a call: not part of the content.
     return content.rstrip() if calls else content
 
@@ -255,21 +256,3 @@ def _parse_call(block: str) -> tuple[str, str] | None:
         except ValueError:
             pass
     return obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
-
-
-class ToolOutput:
-    """One choice's output through the parser, as the scheduler hands it on: content, tool-call deltas,
-    and the finish reason ("tool_calls" when the answer called a tool and stopped on its own)."""
-
-    def __init__(self) -> None:
-        self.parser = ToolCallParser()
-
-    def step(self, text: str, reason: str | None) -> tuple[str, list[ToolCallDelta], str | None]:
-        content, deltas = self.parser.push(text)
-        if reason is not None:
-            tail, more = self.parser.finish()
-            content += tail
-            deltas += more
-            if reason == "stop" and self.parser.calls:
-                reason = "tool_calls"
-        return content, deltas, reason

@@ -29,7 +29,7 @@ from workers.common.reasoning import Split
 from workers.common.reasoning_channels import marker_ids
 from workers.common.reasoning_markers import PARSERS
 from workers.common.step_trace import StepTrace
-from workers.common.tools import ToolOutput
+from workers.common.tool_output import ToolOutput
 from workers.config import ServerConfig
 from workers.engine.core.scheduler import SchedulerCore, Sequence
 from workers.scheduler.encoders import EncoderPool

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ipc.prompts import TokenizedRequest
 from workers.common.detokenizer import TextStream
 from workers.common.reasoning import make_split
-from workers.common.tools import ToolOutput
+from workers.common.tool_output import ToolOutput
 from workers.engine.core.scheduler import RequestRejected
 from workers.engine.core.sequence import child_rid
 from workers.scheduler.base import SchedulerBase, unlink_all
@@ -54,7 +54,7 @@ class Intake(SchedulerBase):
         for index in range(max(req.sampling.n, len(prompts))):  # one per choice: its own text and stop strings
             self.streams[child_rid(req.rid, index)] = TextStream(self.tokenizer, req.sampling.stop, total)
             if req.tool_parser:
-                self.tool_outputs[child_rid(req.rid, index)] = ToolOutput()
+                self.tool_outputs[child_rid(req.rid, index)] = ToolOutput(req.tool_parser, req.tool_arg_types)
             if req.reasoning_parser:
                 split = make_split(req.reasoning_parser, req.reasoning_inside, self.reasoning_marker_ids)
                 self.reasoning[child_rid(req.rid, index)] = split

@@ -34,6 +34,8 @@ from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.stats import SchedulerStats, TokenizerStats
 from workers.common.errors import BadRequest
 from workers.common.reasoning_markers import opens_inside
+from workers.common.tool_xml import arg_types
+from workers.common.tools import parse_tools
 from workers.config import ServerConfig
 from workers.engine.prompt.processor import ImageInfo, MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta
@@ -327,9 +329,11 @@ class TokenizerWorker:
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
             logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
         )
+        tools = tool_parser(chat, self.processor.template.tool_format)
         tokenized = TokenizedRequest(
-            req.rid, prompt.input_ids, prompt.mrope_delta, items, sampling, names, new_bytes, tool_parser(chat),
+            req.rid, prompt.input_ids, prompt.mrope_delta, items, sampling, names, new_bytes, tools,
             parser, inside, pending=[w.image.hash for w in writes],
+            tool_arg_types=arg_types(parse_tools(chat.tools)) if tools == "qwen_xml" and chat.tools else {},
         )  # fmt: skip
         return accepted, tokenized, writes
 

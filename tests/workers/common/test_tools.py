@@ -10,7 +10,8 @@ import pytest
 
 from ipc.outputs import ToolCallDelta
 from ipc.prompts import StructuredSpec
-from workers.common.tools import FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolOutput, tool_grammar
+from workers.common.tool_output import ToolOutput
+from workers.common.tools import FunctionDef, NamedFunction, NamedToolChoice, Tool, tool_grammar
 
 ANSWER = (
     "Let me check both.\n<tool_call>\n"

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from workers.common.tool_xml import uses_xml_calls
+
 # Marks where the client's text goes in the rendered template. The client's text itself never passes through
 # the template (only its index does), so nothing a client sends can forge or break a marker.
 _SENTINEL = "\x00glimpse\x00"
@@ -30,14 +32,25 @@ class Rendered:
         return "".join(text for text, _ in self.pieces)
 
 
-def _called(call: dict[str, Any], text: Any) -> dict[str, Any]:
-    """An earlier assistant turn's tool call with its client text (name, string arguments) through ``text``."""
+def _called(call: dict[str, Any], text: Any, arguments: Any = None) -> dict[str, Any]:
+    """An earlier assistant turn's tool call with its client text (name, string arguments) through ``text``;
+    ``arguments``: what to hand the template instead of the client's arguments string, when given."""
     fn = dict(call.get("function") or {})
     if "name" in fn:
         fn["name"] = text(fn["name"])
-    if isinstance(fn.get("arguments"), str):
+    if arguments is not None:
+        fn["arguments"] = arguments
+    elif isinstance(fn.get("arguments"), str):
         fn["arguments"] = text(fn["arguments"])
     return {**call, "function": fn}
+
+
+def _json_object(text: Any) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class ChatTemplate:
@@ -47,6 +60,10 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         # Strings the tokenizer would turn into control tokens (special and added tokens alike).
         self._special_strings = tuple(str(t) for t in self.tokenizer.get_added_vocab())
+        # How the model writes tool calls, as its template teaches it: Qwen3.5's <function=...> blocks, else JSON.
+        template = getattr(tokenizer, "chat_template", None)
+        texts = list(template.values()) if isinstance(template, dict) else [template or ""]
+        self.tool_format = "qwen_xml" if any(uses_xml_calls(str(t)) for t in texts) else "hermes"
 
     def render(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -100,8 +117,7 @@ class ChatTemplate:
             raise ValueError("client text holds a control-token string and the template reads into the tools")
         return rendered
 
-    @staticmethod
-    def _plain(message: dict[str, Any], text: Any) -> dict[str, Any]:
+    def _plain(self, message: dict[str, Any], text: Any) -> dict[str, Any]:
         content = message.get("content")
         if isinstance(content, list):
             parts: list[dict[str, Any]] = []
@@ -115,8 +131,20 @@ class ChatTemplate:
             return {**message, "content": parts}
         out = {**message, "content": text(content)} if isinstance(content, str) else dict(message)
         if message.get("tool_calls"):
-            out["tool_calls"] = [_called(call, text) for call in message["tool_calls"]]
+            out["tool_calls"] = [_called(call, text, self._mapping(call, text)) for call in message["tool_calls"]]
         return out
+
+    def _mapping(self, call: dict[str, Any], text: Any) -> dict[str, Any] | None:
+        """An XML-call template walks a call's arguments as a mapping (``arguments|items``), where an OpenAI
+        client sends a JSON string: the object it holds, its keys and string values client text. A control-token
+        string deeper in (a nested value, which the template writes as JSON) cannot be kept text: refused."""
+        parsed = _json_object((call.get("function") or {}).get("arguments")) if self.tool_format == "qwen_xml" else None
+        if parsed is None:
+            return None
+        nested = [json.dumps(v, ensure_ascii=False) for v in parsed.values() if not isinstance(v, str)]
+        if any(self._has_special(t) for t in nested):
+            raise ValueError("a tool call's argument holds a control-token string inside a nested value")
+        return {text(k): text(v) if isinstance(v, str) else v for k, v in parsed.items()}
 
     def _apply_template(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, options: dict[str, Any] | None = None

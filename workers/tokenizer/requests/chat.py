@@ -372,9 +372,13 @@ def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return list(req.tools) if req.tools else None
 
 
-def tool_parser(req: ChatCompletionRequest) -> str:
-    """How the scheduler reads the answer: "hermes" (<tool_call> blocks) when tools may be called."""
-    return "hermes" if req.tools and req.tool_mode != "none" else ""
+def tool_parser(req: ChatCompletionRequest, fmt: str = "hermes") -> str:
+    """How the scheduler reads the answer when tools may be called: in the format the chat template teaches
+    (``fmt``: "hermes" or "qwen_xml"); "required" and a named choice are held to a grammar of JSON calls
+    (tool_grammar), so they are read as such."""
+    if not req.tools or req.tool_mode == "none":
+        return ""
+    return fmt if req.tool_mode == "auto" else "hermes"
 
 
 def to_sampling_params(
