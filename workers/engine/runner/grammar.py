@@ -41,7 +41,30 @@ class GrammarError(ValueError):
 
 
 def to_grammar(spec: StructuredSpec) -> str:
-    """The llguidance grammar of a spec (a JSON document or Lark text; not validated here)."""
+    """The llguidance grammar of a spec (a JSON document or Lark text; not validated here), without forced tokens
+    (``unforced``)."""
+    return unforced(_grammar(spec))
+
+
+def unforced(grammar: str) -> str:
+    """``grammar`` (llguidance's JSON) under a top-level Lark rule that turns token forcing off. Forcing lets the
+    mask offer only the tokenizer's own spelling of bytes the grammar forces, and llguidance 1.9.1 can spell them
+    with an added token its matcher then refuses (text "<tool_call>" in a regex on a Qwen vocabulary: the mask
+    offered only the added token, consuming it broke the grammar, and the answer ended short of it). Unforced,
+    every spelling of the bytes is allowed and each one consumes."""
+    # llguidance's constructors give its JSON, except grammar_from_lark, which gives the Lark text as it is.
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    inner = top["grammars"]
+    if not inner or not isinstance(inner[0], dict):
+        return grammar
+    first = inner[0].get("name") or "g0"
+    inner[0]["name"] = first
+    head = {"name": "unforced", "lark_grammar": f'%llguidance {{"no_forcing": true}}\nstart: @{first}'}
+    top["grammars"] = [head, *inner]
+    return json.dumps(top)
+
+
+def _grammar(spec: StructuredSpec) -> str:
     import llguidance
 
     if spec.kind == "json_schema":

@@ -4,6 +4,7 @@ sequence, replayed after a preemption), masks that allow exactly what the gramma
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,32 @@ def test_apply_bitmask_rows() -> None:
     apply_bitmask(logits, packed)
     assert torch.isinf(logits[1]).sum() == 39 and logits[1, 35] == 0
     assert not torch.isinf(logits[0]).any() and not torch.isinf(logits[2]).any()
+
+
+@pytest.mark.parametrize("kind", ["regex", "lark"])
+def test_text_that_is_an_added_token_s_can_be_written_and_every_allowed_token_consumes(
+    book: GrammarBook, demo_model_dir: Path, kind: str
+) -> None:
+    """"<tool_call>" is an added (not special) token of a Qwen vocabulary. With llguidance's token forcing on, the
+    mask for these bytes offered only that token and consuming it broke the grammar (the answer then ended short).
+    Unforced: at each step every allowed token consumes, and a greedy walk writes the whole text and may stop."""
+    text = 'Checking.\n<tool_call>\n{"name": "f"}'
+    value = {"regex": re.escape(text).replace("\\\n", "\\n"), "lark": f"start: {json.dumps(text)}"}
+    rid = f"added-{kind}"
+    book.add(rid, StructuredSpec(kind, value[kind]))
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    eos = set(load_spec(demo_model_dir).eos_token_ids)
+    written: list[int] = []
+    for _ in range(len(text) + 2):
+        options = allowed(book, rid) - eos
+        if not options:
+            break
+        for token in options:  # each offered token is one the matcher takes (on a copy of it)
+            probe = book._matcher(rid).deep_copy()
+            assert probe.consume_token(token), (tok.decode([token]), probe.get_error())
+        pick = max(options, key=lambda t: len(tok.decode([t])))
+        book.accept_all([rid], [pick])
+        written.append(pick)
+    assert tok.decode(written) == text
+    assert book._matcher(rid).is_accepting()
+    book.remove(rid)
