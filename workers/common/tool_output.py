@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ipc.outputs import ToolCallDelta
 from workers.common.tool_xml import XmlToolCallParser
-from workers.common.tools import ToolCallParser
+from workers.common.tools import TaggedCalls, ToolCallParser
 
 FORMATS = ("hermes", "qwen_xml")
 
@@ -18,7 +18,7 @@ class ToolOutput:
     def __init__(self, fmt: str = "hermes", types: dict[str, dict[str, str]] | None = None) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r} (known: {', '.join(FORMATS)})")
-        self.parser: ToolCallParser | XmlToolCallParser = (
+        self.parser: TaggedCalls = (
             XmlToolCallParser(types) if fmt == "qwen_xml" else ToolCallParser()
         )
 

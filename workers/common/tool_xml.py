@@ -24,7 +24,7 @@ import uuid
 from typing import Any
 
 from ipc.outputs import ToolCallDelta
-from workers.common.tools import CLOSE, OPEN, Tool, partial_tail, trim_before_calls
+from workers.common.tools import CLOSE, OPEN, TaggedCalls, Tool
 
 _NAME = re.compile(r"<function=([^>\n]+)>")
 _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -81,57 +81,20 @@ def _value_text(raw: str) -> str:
     return raw[:-1] if raw.endswith("\n") else raw
 
 
-class XmlToolCallParser:
-    """Splits a stream of output text into content and tool-call deltas (``ToolCallParser``'s contract for this
-    format). A ``<tool_call>`` block without a complete ``<function=NAME>`` is given back as content."""
+class XmlToolCallParser(TaggedCalls):
+    """Splits a stream of output text into content and tool-call deltas, for XML-like calls (``TaggedCalls`` reads
+    the tags). A ``<tool_call>`` block without a complete ``<function=NAME>`` is given back as content."""
 
     def __init__(self, types: dict[str, dict[str, str]] | None = None) -> None:
+        super().__init__()
         self.types = types or {}
-        self.buffer = ""
-        self.in_call = False
-        self.calls = 0  # finished or started calls
+        self._opened()
+
+    def _opened(self) -> None:
         self._name: str | None = None  # the current call's, once its header went out
         self._params = 0  # the current call's parameters already sent
 
-    def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self.buffer += text
-        content: list[str] = []
-        deltas: list[ToolCallDelta] = []
-        while True:
-            if not self.in_call:
-                at = self.buffer.find(OPEN)
-                if at < 0:
-                    tag = partial_tail(self.buffer, OPEN)
-                    head = self.buffer[: len(self.buffer) - tag]
-                    keep = tag + len(head) - len(head.rstrip())
-                    content.append(self.buffer[: len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep :]
-                    break
-                content.append(self.buffer[:at])
-                self.buffer = self.buffer[at + len(OPEN) :]
-                self.in_call, self._name, self._params = True, None, 0
-                continue
-            end = self.buffer.find(CLOSE)
-            if end < 0:
-                deltas.extend(self._advance(self.buffer))
-                break
-            block, self.buffer = self.buffer[:end], self.buffer[end + len(CLOSE) :]
-            self.in_call = False
-            done, text_back = self._finish_call(block)
-            deltas.extend(done)
-            content.append(text_back)
-        return trim_before_calls("".join(content), bool(deltas) or self.in_call), deltas
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """The output ended: whatever is held back goes out (an unclosed call: what was parsed of it)."""
-        rest, self.buffer = self.buffer, ""
-        if not self.in_call:
-            return rest, []
-        self.in_call = False
-        done, text_back = self._finish_call(rest, closed=False)
-        return text_back, done
-
-    def _advance(self, block: str) -> list[ToolCallDelta]:
+    def _partial(self, block: str) -> list[ToolCallDelta]:
         """Deltas for what of the open call's ``block`` is complete: its header, then each closed parameter."""
         out: list[ToolCallDelta] = []
         if self._name is None:
@@ -151,9 +114,7 @@ class XmlToolCallParser:
         return out
 
     def _finish_call(self, block: str, closed: bool = True) -> tuple[list[ToolCallDelta], str]:
-        """Deltas that complete the call in ``block`` (its text inside the tags, or after the opening tag when the
-        output ended first), or the block as content, as it was written."""
-        out = self._advance(block)
+        out = self._partial(block)
         if self._name is None:
             return [], OPEN + block + (CLOSE if closed else "")
         out.append(ToolCallDelta(self.calls, arguments="}" if self._params else "{}"))

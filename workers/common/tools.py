@@ -103,23 +103,15 @@ def tool_grammar(
     return StructuredSpec("lark", "\n".join(lines))
 
 
-class ToolCallParser:
-    """Splits a stream of output text into content and tool-call deltas.
-
-    Text before a ``<tool_call>`` is content. Inside a call, once its name is known, the first delta
-    carries a fresh id and the name, later ones the argument text as it arrives (held back by the
-    closing characters that may still turn out to belong to the call's outer object). At
-    ``</tool_call>`` the call is parsed for good: its ``arguments`` are the exact JSON text the model
-    wrote for them. A block that is not valid JSON is given back as content.
-    """
+class TaggedCalls:
+    """What every format shares: text outside ``<tool_call>`` ... ``</tool_call>`` is content (what may still
+    grow into the tag, and the blanks before it, held back), and each block is the format's to read: as it streams
+    (``_partial``) and once closed, or cut short by the end of the output (``_finish_call``)."""
 
     def __init__(self) -> None:
         self.buffer = ""
         self.in_call = False
         self.calls = 0  # finished or started calls
-        self._started = False  # the current call's header went out
-        self._sent = 0  # characters of the current call's arguments already sent
-        self._args_at = -1  # where the current call's arguments value starts in the buffer
 
     def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self.buffer += text
@@ -129,7 +121,6 @@ class ToolCallParser:
             if not self.in_call:
                 at = self.buffer.find(OPEN)
                 if at < 0:
-                    # Held back: what may grow into the tag, and blanks that end up not content if it does.
                     tag = partial_tail(self.buffer, OPEN)
                     head = self.buffer[: len(self.buffer) - tag]
                     keep = tag + len(head) - len(head.rstrip())
@@ -138,11 +129,12 @@ class ToolCallParser:
                     break
                 content.append(self.buffer[:at])
                 self.buffer = self.buffer[at + len(OPEN) :]
-                self.in_call, self._started, self._sent, self._args_at = True, False, 0, -1
+                self.in_call = True
+                self._opened()
                 continue
             end = self.buffer.find(CLOSE)
             if end < 0:
-                deltas.extend(self._stream_partial())
+                deltas.extend(self._partial(self.buffer))
                 break
             block, self.buffer = self.buffer[:end], self.buffer[end + len(CLOSE) :]
             self.in_call = False
@@ -157,16 +149,48 @@ class ToolCallParser:
         if not self.in_call:
             return rest, []
         self.in_call = False
-        done, text_back = self._finish_call(rest)
+        done, text_back = self._finish_call(rest, closed=False)
         return text_back, done
+
+    def _opened(self) -> None:
+        """A call's opening tag went by: its own state starts afresh."""
+        raise NotImplementedError
+
+    def _partial(self, block: str) -> list[ToolCallDelta]:
+        """Deltas for what of the open call's text ``block`` can go out already."""
+        raise NotImplementedError
+
+    def _finish_call(self, block: str, closed: bool = True) -> tuple[list[ToolCallDelta], str]:
+        """Deltas that complete the call in ``block``, or the block given back as content, as it was written
+        (``closed``: its closing tag was)."""
+        raise NotImplementedError
+
+
+class ToolCallParser(TaggedCalls):
+    """Splits a stream of output text into content and tool-call deltas, for JSON calls.
+
+    Text before a ``<tool_call>`` is content. Inside a call, once its name is known, the first delta
+    carries a fresh id and the name, later ones the argument text as it arrives (held back by the
+    closing characters that may still turn out to belong to the call's outer object). At
+    ``</tool_call>`` the call is parsed for good: its ``arguments`` are the exact JSON text the model
+    wrote for them. A block that is not valid JSON is given back as content.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._opened()
+
+    def _opened(self) -> None:
+        self._started = False  # the current call's header went out
+        self._sent = 0  # characters of the current call's arguments already sent
+        self._args_at = -1  # where the current call's arguments value starts in the buffer
 
     def _header(self, name: str) -> ToolCallDelta:
         self._started = True
         return ToolCallDelta(self.calls, f"call_{uuid.uuid4().hex[:24]}", name)
 
-    def _stream_partial(self) -> list[ToolCallDelta]:
+    def _partial(self, block: str) -> list[ToolCallDelta]:
         out: list[ToolCallDelta] = []
-        block = self.buffer
         if not self._started:
             name, args_at = _name_and_args_start(block)
             if name is None:
@@ -184,14 +208,13 @@ class ToolCallParser:
             self._sent = safe
         return out
 
-    def _finish_call(self, block: str) -> tuple[list[ToolCallDelta], str]:
-        """Deltas that complete the call in ``block`` (its text inside the tags), or the block as content."""
+    def _finish_call(self, block: str, closed: bool = True) -> tuple[list[ToolCallDelta], str]:
         parsed = _parse_call(block)
         if parsed is None:
             if self._started:  # already announced: the call stays, with the text it got
                 self.calls += 1
                 return [], ""
-            return [], OPEN + block + CLOSE
+            return [], OPEN + block + (CLOSE if closed else "")
         name, arguments = parsed
         out = [] if self._started else [self._header(name)]
         if arguments[: self._sent] == block[self._args_at : self._args_at + self._sent] and len(arguments) > self._sent:
