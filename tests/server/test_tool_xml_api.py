@@ -7,7 +7,6 @@ earlier call's JSON-string arguments reach the template as the mapping it walks,
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,17 @@ from transformers import AutoTokenizer
 
 from ipc.control import RequestFailed
 from tests.server.live import LiveServer, serving
-from tests.server.test_tools_api import ASK, HISTORY, SCHEMAS, TOOLS, chat, prepare, streamed_calls, tokenize
+from tests.server.test_tools_api import (
+    ASK,
+    HISTORY,
+    SCHEMAS,
+    TOOLS,
+    chat,
+    prepare,
+    streamed_calls,
+    tokenize,
+    with_template,
+)
 
 XML_TEMPLATE = r"""
 {%- if tools -%}
@@ -56,10 +65,7 @@ CALL = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis
 
 @pytest.fixture(scope="module")
 def xml_model(qwen3_5_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = tmp_path_factory.mktemp("xml") / "qwen3.5-xml-tools"
-    shutil.copytree(qwen3_5_model_dir, model)
-    (model / "chat_template.jinja").write_text(XML_TEMPLATE)
-    return model
+    return with_template(qwen3_5_model_dir, tmp_path_factory.mktemp("xml") / "qwen3.5", XML_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

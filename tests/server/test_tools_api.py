@@ -91,6 +91,13 @@ def streamed_calls(stream: Any) -> tuple[dict[int, dict[str, str]], str | None]:
     return calls, finish
 
 
+def with_template(model_dir: Path, folder: Path, template: str) -> Path:
+    """A copy of a demo checkpoint in ``folder`` whose chat template is ``template``."""
+    shutil.copytree(model_dir, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
 def prepare(model_dir: Path, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Any:
     """What a tokenizer worker answers to this chat body (in-process, the process's own code path)."""
     config = ServerConfig(EngineConfig(model=str(model_dir), max_model_len=4096), new_launch_id(), "demo")
@@ -189,12 +196,10 @@ def test_refusals(live: LiveServer) -> None:
 
 
 def test_a_template_without_tools_refuses_them(demo_model_dir: Path, tmp_path: Path) -> None:
-    model = tmp_path / "no-tools"
-    shutil.copytree(demo_model_dir, model)
-    (model / "chat_template.jinja").write_text(
+    model = with_template(demo_model_dir, tmp_path / "no-tools", (
         "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
         "{%- endfor -%}{{- '<|im_start|>assistant\\n' -}}"
-    )
+    ))
     failed = prepare(model, ASK, TOOLS)
     assert isinstance(failed, RequestFailed) and failed.status == 400
     assert "does not render tools" in failed.message

@@ -21,6 +21,14 @@ class Decoder(Protocol):
     def decode(self, token_ids: Any, skip_special_tokens: bool = ..., **kwargs: Any) -> Any: ...
 
 
+def special_ids(tokenizer: object) -> frozenset[int]:
+    """What ``skip_special_tokens`` skips: the tokenizer's special tokens and its added tokens marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    ids |= {i for i, t in decoder.items() if getattr(t, "special", False)}
+    return frozenset(ids)
+
+
 class IncrementalDetokenizer:
     """Turns one request's sampled tokens into text deltas, one ``push`` per step.
 
@@ -31,15 +39,21 @@ class IncrementalDetokenizer:
     U+FFFD the tail is an incomplete character, so nothing is emitted and the window grows.
     """
 
-    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        # Special tokens kept in the text while the others are skipped (a tool-call format's tags): the others are
+        # dropped before an unskipping decode.
+        self._drop = special_ids(tokenizer) - keep if keep and skip_special_tokens else frozenset()
         self.token_ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0  # tokens before this index have been emitted as text
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return str(self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self._skip))
+        ids = self.token_ids[start:end]
+        if self._drop:
+            return str(self._tokenizer.decode([t for t in ids if t not in self._drop], skip_special_tokens=False))
+        return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip))
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Add sampled tokens; return the text that became complete (may be "")."""
@@ -132,8 +146,9 @@ class TextStream:
         stops: Sequence[str],
         prompt_tokens: int = 0,
         skip_special_tokens: bool = True,
+        keep: frozenset[int] = frozenset(),
     ) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, keep)
         self.stop = StopChecker(stops)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0

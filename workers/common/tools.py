@@ -108,6 +108,8 @@ class TaggedCalls:
     grow into the tag, and the blanks before it, held back), and each block is the format's to read: as it streams
     (``_partial``) and once closed, or cut short by the end of the output (``_finish_call``)."""
 
+    open_tag, close_tag = OPEN, CLOSE  # the format's
+
     def __init__(self) -> None:
         self.buffer = ""
         self.in_call = False
@@ -119,24 +121,24 @@ class TaggedCalls:
         deltas: list[ToolCallDelta] = []
         while True:
             if not self.in_call:
-                at = self.buffer.find(OPEN)
+                at = self.buffer.find(self.open_tag)
                 if at < 0:
-                    tag = partial_tail(self.buffer, OPEN)
+                    tag = partial_tail(self.buffer, self.open_tag)
                     head = self.buffer[: len(self.buffer) - tag]
                     keep = tag + len(head) - len(head.rstrip())
                     content.append(self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     break
                 content.append(self.buffer[:at])
-                self.buffer = self.buffer[at + len(OPEN) :]
+                self.buffer = self.buffer[at + len(self.open_tag) :]
                 self.in_call = True
                 self._opened()
                 continue
-            end = self.buffer.find(CLOSE)
+            end = self.buffer.find(self.close_tag)
             if end < 0:
                 deltas.extend(self._partial(self.buffer))
                 break
-            block, self.buffer = self.buffer[:end], self.buffer[end + len(CLOSE) :]
+            block, self.buffer = self.buffer[:end], self.buffer[end + len(self.close_tag) :]
             self.in_call = False
             done, text_back = self._finish_call(block)
             deltas.extend(done)

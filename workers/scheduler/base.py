@@ -29,6 +29,7 @@ from workers.common.reasoning import Split
 from workers.common.reasoning_channels import marker_ids
 from workers.common.reasoning_markers import PARSERS
 from workers.common.step_trace import StepTrace
+from workers.common.tool_gemma import keep_ids
 from workers.common.tool_output import ToolOutput
 from workers.config import ServerConfig
 from workers.engine.core.scheduler import SchedulerCore, Sequence
@@ -77,6 +78,7 @@ class SchedulerBase:
         self.ahead = config.async_scheduling
         self.streams: dict[str, TextStream] = {}
         self.tool_outputs: dict[str, ToolOutput] = {}  # requests with tools: their <tool_call> parsers
+        self.gemma_tool_ids = keep_ids(self.tokenizer)  # Gemma 4's call tags and quote, kept in such requests' text
         self.reasoning: dict[str, Split] = {}  # --reasoning-parser: each chat choice's split
         # A parser whose markers are special tokens splits on their ids (the launcher checked they are there).
         parser = PARSERS.get(config.reasoning_parser)

@@ -20,8 +20,9 @@ ANSWER = (
 )
 
 
-def run(pieces: list[str], reason: str = "stop") -> tuple[str, dict[int, dict[str, str]], str | None]:
-    out = ToolOutput()
+def run(pieces: list[str], reason: str = "stop", fmt: str = "hermes") -> tuple[str, dict[int, dict[str, str]], str | None]:
+    """The pieces through a ``fmt`` parser: content, calls (deltas merged per index), finish reason."""
+    out = ToolOutput(fmt)
     content, calls, final = "", {}, None
     deltas: list[ToolCallDelta] = []
     for i, piece in enumerate(pieces):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from workers.common.tool_gemma import uses_gemma_calls
 from workers.common.tool_xml import uses_xml_calls
 
 # Marks where the client's text goes in the rendered template. The client's text itself never passes through
@@ -60,10 +61,14 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         # Strings the tokenizer would turn into control tokens (special and added tokens alike).
         self._special_strings = tuple(str(t) for t in self.tokenizer.get_added_vocab())
-        # How the model writes tool calls, as its template teaches it: Qwen3.5's <function=...> blocks, else JSON.
+        # How the model writes tool calls, as its template teaches it: Qwen3.5's <function=...> blocks, Gemma 4's
+        # <|tool_call>call:...{...}, else JSON.
         template = getattr(tokenizer, "chat_template", None)
         texts = list(template.values()) if isinstance(template, dict) else [template or ""]
-        self.tool_format = "qwen_xml" if any(uses_xml_calls(str(t)) for t in texts) else "hermes"
+        self.tool_format = (
+            "qwen_xml" if any(uses_xml_calls(str(t)) for t in texts)
+            else "gemma4" if any(uses_gemma_calls(str(t)) for t in texts) else "hermes"
+        )  # fmt: skip
 
     def render(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
