@@ -92,7 +92,8 @@ class TokenizedRequest(Msg, frozen=True):
     shm_names: list[str]  # segments this request holds a name of; the scheduler unlinks them at the end
     shm_bytes: int
     # How tool calls are read from the output ("" none): "hermes", <tool_call>{json}</tool_call> blocks; "qwen_xml",
-    # Qwen3.5's <function=NAME><parameter=KEY>value blocks, each value typed by tool_arg_types[function][key].
+    # Qwen3.5's <function=NAME><parameter=KEY>value blocks, each value typed by tool_arg_types[function][key];
+    # "gemma4", Gemma 4's <|tool_call>call:NAME{...}<tool_call|> (its tags kept in the detokenized text).
     tool_parser: str = ""
     # --reasoning-parser's name ("" off) and whether the prompt left the answer inside the reasoning
     # (workers/common/reasoning.py): the scheduler splits each choice's text into reasoning and content.

@@ -33,7 +33,7 @@ def keep_ids(tokenizer: Any) -> frozenset[int]:
     """The ids of the special tokens this format needs in the text (empty where the vocabulary lacks one)."""
     vocab: dict[str, int] = tokenizer.get_vocab()
     ids = [vocab.get(token) for token in (OPEN, CLOSE, QUOTE)]
-    return frozenset(i for i in ids if i is not None) if all(i is not None for i in ids) else frozenset()
+    return frozenset() if None in ids else frozenset(i for i in ids if i is not None)
 
 
 class _Reader:
@@ -121,10 +121,6 @@ class GemmaToolCallParser(TaggedCalls):
 
     open_tag, close_tag = OPEN, CLOSE
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._opened()
-
     def _opened(self) -> None:
         self._name: str | None = None  # the current call's, once its header went out
 
@@ -149,7 +145,7 @@ class GemmaToolCallParser(TaggedCalls):
             if announced:  # its header went out in an earlier step: the call stays, with no arguments
                 self.calls += 1
                 return [ToolCallDelta(index, arguments="{}")], ""
-            return [], OPEN + block + (CLOSE if closed else "")
+            return [], self._as_written(block, closed)
         out = [] if announced else [ToolCallDelta(index, f"call_{uuid.uuid4().hex[:24]}", head.group(1))]
         out.append(ToolCallDelta(index, arguments=json.dumps(arguments, ensure_ascii=False)))
         self.calls += 1

@@ -24,7 +24,7 @@ import uuid
 from typing import Any
 
 from ipc.outputs import ToolCallDelta
-from workers.common.tools import CLOSE, OPEN, TaggedCalls, Tool
+from workers.common.tools import TaggedCalls, Tool
 
 _NAME = re.compile(r"<function=([^>\n]+)>")
 _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -88,7 +88,6 @@ class XmlToolCallParser(TaggedCalls):
     def __init__(self, types: dict[str, dict[str, str]] | None = None) -> None:
         super().__init__()
         self.types = types or {}
-        self._opened()
 
     def _opened(self) -> None:
         self._name: str | None = None  # the current call's, once its header went out
@@ -116,7 +115,7 @@ class XmlToolCallParser(TaggedCalls):
     def _finish_call(self, block: str, closed: bool = True) -> tuple[list[ToolCallDelta], str]:
         out = self._partial(block)
         if self._name is None:
-            return [], OPEN + block + (CLOSE if closed else "")
+            return [], self._as_written(block, closed)
         out.append(ToolCallDelta(self.calls, arguments="}" if self._params else "{}"))
         self.calls += 1
         self._name = None

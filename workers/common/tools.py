@@ -1,7 +1,7 @@
 """Tool calling: the request's tools, the grammar that enforces ``tool_choice`` "required" or a named
 function, and the parser that turns the model's ``<tool_call>{json}</tool_call>`` blocks (the Qwen /
 Hermes format) into OpenAI ``tool_calls``, incrementally, as the text streams. Qwen3.5's XML-like calls:
-tool_xml.py; which parser a choice's output goes through: tool_output.py.
+tool_xml.py; Gemma 4's: tool_gemma.py; which parser a choice's output goes through: tool_output.py.
 
 The tools themselves reach the model through the checkpoint's own chat template (processor.render).
 """
@@ -114,6 +114,7 @@ class TaggedCalls:
         self.buffer = ""
         self.in_call = False
         self.calls = 0  # finished or started calls
+        self._opened()
 
     def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self.buffer += text
@@ -154,8 +155,12 @@ class TaggedCalls:
         done, text_back = self._finish_call(rest, closed=False)
         return text_back, done
 
+    def _as_written(self, block: str, closed: bool) -> str:
+        """A block that is not a call, given back as content with the tags it had."""
+        return self.open_tag + block + (self.close_tag if closed else "")
+
     def _opened(self) -> None:
-        """A call's opening tag went by: its own state starts afresh."""
+        """A call's opening tag went by (and at the start): its own state starts afresh."""
         raise NotImplementedError
 
     def _partial(self, block: str) -> list[ToolCallDelta]:
@@ -177,10 +182,6 @@ class ToolCallParser(TaggedCalls):
     ``</tool_call>`` the call is parsed for good: its ``arguments`` are the exact JSON text the model
     wrote for them. A block that is not valid JSON is given back as content.
     """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._opened()
 
     def _opened(self) -> None:
         self._started = False  # the current call's header went out
@@ -216,7 +217,7 @@ class ToolCallParser(TaggedCalls):
             if self._started:  # already announced: the call stays, with the text it got
                 self.calls += 1
                 return [], ""
-            return [], OPEN + block + (CLOSE if closed else "")
+            return [], self._as_written(block, closed)
         name, arguments = parsed
         out = [] if self._started else [self._header(name)]
         if arguments[: self._sent] == block[self._args_at : self._args_at + self._sent] and len(arguments) > self._sent:

@@ -111,14 +111,13 @@ def vision_kernel(name: str, device: torch.device | str) -> Any | None:
 
 
 class FA4PagedBackend(PagedVarlenBackend):
-    """The LM's attention on FA4 (``fn``: a stand-in of ``flash_attn_varlen_func`` in CPU tests)."""
+    """The LM's attention on FA4 (``fn``: a stand-in of ``flash_attn_varlen_func`` in CPU tests).
 
-    # Checked against SDPA on an H200 (test_window_attention_backends.py, marked gpu): heads of 128 and 256 (Gemma
-    # 4's sliding layers), with and without a window, image spans included. FA4 asserts against heads of 512 (Gemma
-    # 4's global layers) on Hopper; they take the fallback before the call, so the refusal (which would move every
-    # later layer off FA4) never happens.
-    max_head_dim = 256
-    windows = True
+    It takes what the shared backend takes (``max_head_dim`` 256, ``windows``), as checked against SDPA on an H200
+    (test_window_attention_backends.py, marked gpu): heads of 128 and 256 (Gemma 4's sliding layers), with and
+    without a window, image spans included. FA4 asserts against heads of 512 (Gemma 4's global layers) on Hopper;
+    they take the fallback before the call, so the refusal (which would move every later layer off FA4) never
+    happens."""
 
     def __init__(self, fn: Any | None = None, any_device: bool = False) -> None:
         if fn is None:
