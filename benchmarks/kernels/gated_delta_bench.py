@@ -1,8 +1,10 @@
 """Gated DeltaNet's token mixing for one linear-attention layer (workers/engine/kernels/gated_delta.py: the causal
 conv, then the gated delta rule): flash-linear-attention's kernels against the torch path, as prefill tokens per
-second and decode step time.
+second and decode step time; for decode also glimpse's in-place kernel (gated_delta_decode.py, the CUDA default), at
+each ``--block-v`` it is given.
 
     python -m benchmarks.kernels.gated_delta_bench
+    python -m benchmarks.kernels.gated_delta_bench --prefill "" --batch 1,16,64 --heads 16,48 --block-v 16,32,64
     python -m benchmarks.kernels.gated_delta_bench --prefill 1024,8192 --batch 1,64,256
     python -m benchmarks.kernels.gated_delta_bench --device cpu --prefill 64 --batch 2 --heads 2,4 --dim 32
 
@@ -22,7 +24,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.args import parser
-from workers.engine.kernels import gated_delta
+from workers.engine.kernels import gated_delta, gated_delta_decode
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
 KERNEL = 4
@@ -91,23 +93,28 @@ def main() -> None:
     ap.add_argument("--heads", default="16,32", help="key heads,value heads")
     ap.add_argument("--dim", type=int, default=128, help="key and value head dim")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--block-v", default="32", help="state columns a program of the in-place kernel owns, comma-separated")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k_heads, v_heads = (int(h) for h in args.heads.split(","))
     paths = ["torch"] + (["fla"] if gated_delta.fla_path(device) else [])
+    in_place = [f"in place, BV {bv}" for bv in args.block_v.split(",")] if device.type == "cuda" else []
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, {dtype}, heads {k_heads}/{v_heads} x {args.dim}, paths: {paths}")
     print("| case | tokens | path | ms per call | tokens/s | max diff vs torch |")
     print("|---|---|---|---|---|---|")
-    cases = [("prefill", [int(n)]) for n in args.prefill.split(",")]
+    cases = [("prefill", [int(n)]) for n in args.prefill.split(",") if n]
     cases += [(f"decode x{b}", [1] * int(b)) for b in args.batch.split(",")]
-    before = os.environ.get("GLIMPSE_FLA")
+    before = os.environ.get("GLIMPSE_FLA"), os.environ.get(gated_delta_decode.SWITCH.env)
     try:
         for case, lens in cases:
             baseline: Tensor | None = None
-            for path in paths:
+            for path in paths + (in_place if case.startswith("decode") else []):
                 os.environ["GLIMPSE_FLA"] = "1" if path == "fla" else "0"
+                os.environ[gated_delta_decode.SWITCH.env] = "1" if path.startswith("in place") else "0"
+                gated_delta_decode.SWITCH.reset()
+                gated_delta_decode.BLOCK_V = int(path.rsplit(" ", 1)[1]) if path.startswith("in place") else 32
                 torch.manual_seed(0)  # the same inputs for both paths
                 call = layer_call(lens, (k_heads, v_heads), args.dim, dtype, device)
                 torch.manual_seed(0)
@@ -117,10 +124,12 @@ def main() -> None:
                 ms = ms_per_call(call, device, args.reps)
                 print(f"| {case} | {sum(lens)} | {path} | {ms:.3f} | {sum(lens) / ms * 1e3:,.0f} | {diff} |")
     finally:
-        if before is None:
-            os.environ.pop("GLIMPSE_FLA", None)
-        else:
-            os.environ["GLIMPSE_FLA"] = before
+        for env, value in zip(("GLIMPSE_FLA", gated_delta_decode.SWITCH.env), before, strict=True):
+            if value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
+        gated_delta_decode.SWITCH.reset()
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ API (implemented by the kernels owner; the model family calls exactly these):
 
 Both compute in float32 (as transformers' reference does) and store states back in the pools' dtype. The conv is
 plain torch on every device (one grouped conv over the whole batch; elementwise ops for an all-decode step). The
-gated delta rule runs flash-linear-attention's Triton kernels (gated_delta_fla.py: chunked with prefill, fused recurrent
-for an all-decode step) where ``fla`` imports and the tensors are on CUDA, unless ``GLIMPSE_FLA=0``; everything else
-the torch path here: the reference's chunked algorithm (chunk 64, same op order) for a sequence of several new tokens,
+gated delta rule of an all-decode step on CUDA is glimpse's Triton kernel that updates the pool in place
+(gated_delta_decode.py, unless ``GLIMPSE_TRITON_GDN_DECODE=0`` or its probe failed); a step with prefill runs
+flash-linear-attention's chunked kernels (gated_delta_fla.py, which also holds fla's fused recurrent step as the decode
+fallback) where ``fla`` imports and the tensors are on CUDA, unless ``GLIMPSE_FLA=0``; everything else the torch path here: the reference's chunked algorithm (chunk 64, same op order) for a sequence of several new tokens,
 its recurrent step for one of a single token.
 
 An all-decode step (every query length 1) does no host sync and branches only on the host lists, on either path,
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels import fused, gated_delta_fla
+from workers.engine.kernels import fused, gated_delta_decode, gated_delta_fla
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
 CHUNK = 64  # the reference's chunk_size: the chunked results match it only with the same chunking
@@ -268,8 +269,11 @@ def gated_delta_rule(
     ``torch_recurrent_gated_delta_rule`` (decode) for every sequence, from and back into ``ssm_state``."""
     if v.shape[1] % q.shape[1] != 0:
         raise ValueError(f"value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})")
+    decode = all(n == 1 for n in meta.query_lens_cpu)
+    if decode and q.is_cuda and gated_delta_decode.available():  # the pool read and written in place
+        return gated_delta_decode.decode_step(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
     if fla_path(q.device):
-        if all(n == 1 for n in meta.query_lens_cpu):
+        if decode:
             return gated_delta_fla.decode_step(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
         return gated_delta_fla.gated_delta_rule(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
     return _torch_gated_delta(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)

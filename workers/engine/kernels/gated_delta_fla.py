@@ -40,7 +40,9 @@ def _load() -> tuple[Any, Any, Any] | None:
 
             _kernels = (chunk_gated_delta_rule, prepare_chunk_indices, fused_recurrent_gated_delta_rule)
         except Exception as exc:  # noqa: BLE001 - not installed, or a Triton it cannot use: the torch path serves
-            log.info("flash-linear-attention unavailable (%s: %s); the gated delta rule runs in torch", type(exc).__name__, exc)
+            # only ever asked on CUDA, where the torch path is several times slower: say how to get the kernels
+            log.warning("flash-linear-attention unavailable (%s: %s); the gated delta rule runs in torch "
+                        "(pip install 'glimpse[fla]')", type(exc).__name__, exc)
     return _kernels
 
 

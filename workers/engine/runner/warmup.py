@@ -14,6 +14,7 @@ from torch import nn
 
 from workers.engine.kernels import (
     fused,
+    gated_delta_decode,
     kv_write_kernel,
     moe_kernel,
     paged_attention,
@@ -46,6 +47,9 @@ def warm_fused(runner: LoadedModel) -> None:
         log.warning("the Triton LM rotary kernel is off (%s); the compiled one serves", rope_kernel.SWITCH.why_off())
     if not moe_kernel.probe(runner.device, runner.dtype):
         log.warning("the Triton MoE decode kernels are off (%s); grouped GEMMs serve", moe_kernel.SWITCH.why_off())
+    if runner.spec.recurrent is not None and not gated_delta_decode.probe(runner.device, runner.dtype):
+        log.warning("the Triton gated delta decode kernel is off (%s); fla's or torch's step serves",
+                    gated_delta_decode.SWITCH.why_off())
     # (A model worker without its tower, --encoder-workers, compiles nothing of it.)
     towers = [runner.lm] if runner.vision is None else [runner.lm, runner.vision]
     for module in towers:

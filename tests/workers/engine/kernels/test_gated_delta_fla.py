@@ -14,11 +14,11 @@ from tests.workers.engine.kernels.gated_delta_harness import (
     LOOSE,
     Inputs,
     close,
-    hf,
     make_meta,
     pools,
     run,
     torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
 )
 from workers.engine.kernels import gated_delta, gated_delta_fla
 
@@ -68,7 +68,7 @@ def fake_recurrent(*, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     """fla's fused recurrent rule as its signature says (q [N, 1, H, K], initial_state [N, Hv, K, V], final float32),
     through transformers' torch function (which scales by 1/sqrt(K) itself)."""
     assert q.shape[1] == 1 and output_final_state and scale == q.shape[-1] ** -0.5
-    out, final = hf.torch_recurrent_gated_delta_rule(
+    out, final = torch_recurrent_gated_delta_rule(
         q, k, v, g, beta, initial_state=initial_state.float(), output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
     )
