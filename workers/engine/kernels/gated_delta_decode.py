@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.kernels.attention import AttentionMetadata
+from workers.engine.kernels.attention import AttentionMetadata, StateMetadata, build_attention_metadata
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_GDN_DECODE")
@@ -121,12 +121,32 @@ def decode_step(
     return o
 
 
+def reference_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: list[int], has_initial: list[bool],
+    use_qk_l2norm: bool,
+) -> Tensor:
+    """The recurrent step in float32 torch, one sequence at a time (transformers' torch_recurrent_gated_delta_rule for
+    one token): the probe's reference, independent of the kernel's tiling. Updates ``pool`` in place."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    rep = v.shape[1] // q.shape[1]
+    for b, (slot, init) in enumerate(zip(slots, has_initial, strict=True)):
+        qb, kb = q[b].float().repeat_interleave(rep, 0), k[b].float().repeat_interleave(rep, 0)  # [Hv, K]
+        if use_qk_l2norm:
+            qb, kb = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (qb, kb))
+        qb = qb * q.shape[-1] ** -0.5
+        h = pool[slot].float() if init else torch.zeros(pool.shape[1:], device=pool.device)
+        h = h * g[b].float().exp()[:, None, None]
+        delta = (v[b].float() - (h * kb[:, :, None]).sum(1)) * beta[b].float()[:, None]  # [Hv, V]
+        h = h + kb[:, :, None] * delta[:, None, :]
+        out[b] = (h * qb[:, :, None]).sum(1)
+        pool[slot] = h.to(pool.dtype)
+    return out
+
+
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Run the kernel once against the torch step (3 sequences, one without a state, one slot holding NaN, GVA
+    """Run the kernel once against ``reference_step`` (3 sequences, one without a state whose slot holds NaN, GVA
     heads); a Triton that cannot compile here or a wrong answer turns it off for the process. (On the CPU only under
     Triton's interpreter, as the tests run it.)"""
-    from workers.engine.kernels import gated_delta  # the torch step: gated_delta imports this module
-
     gen = torch.Generator().manual_seed(0)
     n, hk, hv, kd, vd = 3, 2, 4, 64, 64
 
@@ -138,26 +158,19 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
     pool = rand(5, hv, kd, vd) * 0.1
     pool[1] = float("nan")
     slots, has_initial = [3, 1, 0], [True, False, True]
-
-    def meta_on(dev: torch.device) -> AttentionMetadata:
-        from workers.engine.kernels.attention import StateMetadata, build_attention_metadata
-
-        meta = build_attention_metadata([1] * n, [5] * n, [[0]] * n, 16, dev)
-        meta.state = StateMetadata(torch.tensor(slots, device=dev), slots, torch.tensor(has_initial, device=dev),
-                                   has_initial)  # fmt: skip
-        return meta
-
     want_pool = pool.clone()
-    want = gated_delta._torch_gated_delta(q, k, v, g, beta, want_pool, meta_on(torch.device("cpu")), True)
+    want = reference_step(q, k, v, g, beta, want_pool, slots, has_initial, True)
 
     def check() -> bool:
         dq, dk, dv, dg, db = (x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta))
         got_pool = pool.to(device=device, dtype=dtype)
-        got = decode_step(dq, dk, dv, dg, db, got_pool, meta_on(device), True).float().cpu()
+        meta = build_attention_metadata([1] * n, [5] * n, [[0]] * n, 16, device)
+        meta.state = StateMetadata(torch.tensor(slots, device=device), slots,
+                                   torch.tensor(has_initial, device=device), has_initial)  # fmt: skip
+        got = decode_step(dq, dk, dv, dg, db, got_pool, meta, True).float().cpu()
         tol = 1e-4 if dtype == torch.float32 else 3e-2
-        rows = torch.tensor(slots)
         return torch.allclose(got, want, rtol=tol, atol=tol) and torch.allclose(
-            got_pool.float().cpu()[rows], want_pool[rows], rtol=tol, atol=tol
+            got_pool.float().cpu()[slots], want_pool[slots], rtol=tol, atol=tol
         )
 
     return SWITCH.probe(check)

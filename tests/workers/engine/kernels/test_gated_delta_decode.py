@@ -61,6 +61,16 @@ def test_the_kernel_updates_the_pool_in_place_as_the_torch_step_in_triton_interp
     run_kernel_check(CHECK, "gated_delta_decode", "float32", timeout=300)
 
 
+@pytest.mark.parametrize("l2", [True, False])
+def test_the_probes_reference_is_the_torch_step(l2: bool) -> None:
+    q, k, v, g, beta, pool = inputs(1, 3, 24, 40)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = gated_delta._torch_gated_delta(q, k, v, g, beta, want_pool, make_meta([1] * 4, SLOTS, HAS_INITIAL), l2)
+    got = gated_delta_decode.reference_step(q, k, v, g, beta, got_pool, SLOTS, HAS_INITIAL, l2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_pool[SLOTS], want_pool[SLOTS], rtol=1e-5, atol=1e-5)
+
+
 def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(gated_delta_decode.SWITCH.env, "0")
     gated_delta_decode.SWITCH.reset()
