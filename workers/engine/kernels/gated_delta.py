@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from workers.engine.kernels import fused, gated_delta_decode, gated_delta_fla
-from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
+from workers.engine.kernels.attention import AttentionMetadata, StateMetadata, decode_prefix, tail_metadata
 
 CHUNK = 64  # the reference's chunk_size: the chunked results match it only with the same chunking
 
@@ -270,10 +270,60 @@ def gated_delta_rule(
     if v.shape[1] % q.shape[1] != 0:
         raise ValueError(f"value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})")
     decode = all(n == 1 for n in meta.query_lens_cpu)
-    if decode and q.is_cuda and gated_delta_decode.available():  # the pool read and written in place
+    in_place = q.is_cuda and gated_delta_decode.available()  # the pool read and written in place
+    if decode and in_place:
         return gated_delta_decode.decode_step(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
     if fla_path(q.device):
         if decode:
             return gated_delta_fla.decode_step(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
+        split = decode_split(meta) if in_place else None
+        if split is not None:
+            return mixed_step(q, k, v, g, beta, ssm_state, split, use_qk_l2norm)
         return gated_delta_fla.gated_delta_rule(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
     return _torch_gated_delta(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
+
+
+Split = tuple[int, AttentionMetadata, AttentionMetadata]
+
+
+def _state_rows(st: StateMetadata, lo: int, hi: int) -> StateMetadata:
+    return StateMetadata(
+        slots=st.slots[lo:hi], slots_cpu=st.slots_cpu[lo:hi], has_initial=st.has_initial[lo:hi],
+        has_initial_cpu=st.has_initial_cpu[lo:hi],
+        snapshots=[(b - lo, n, slot) for b, n, slot in st.snapshots if lo <= b < hi],
+    )  # fmt: skip
+
+
+def decode_split(meta: AttentionMetadata) -> Split | None:
+    """A mixed step's leading one-token rows (the scheduler puts decodes first) apart from the rest: (rows, their
+    metadata, the rest's metadata), made once per step (kept in ``meta.derived``, so each part's own derived values
+    are shared by every layer too); None where the step does not start with such rows or has nothing else."""
+    if "gdn_split" not in meta.derived:
+        rows, split = decode_prefix(meta), None
+        if meta.state is not None and 0 < rows < len(meta.query_lens_cpu):
+            head = AttentionMetadata(
+                query_start_loc=meta.query_start_loc[: rows + 1], seq_lens=meta.seq_lens[:rows],
+                query_lens_cpu=meta.query_lens_cpu[:rows], seq_lens_cpu=meta.seq_lens_cpu[:rows],
+                slot_mapping=meta.slot_mapping[:rows], block_tables=meta.block_tables[:rows], max_query_len=1,
+                max_seq_len=max(meta.seq_lens_cpu[:rows]), state=_state_rows(meta.state, 0, rows),
+            )  # fmt: skip
+            tail = tail_metadata(meta, rows)
+            tail.state = _state_rows(meta.state, rows, len(meta.query_lens_cpu))
+            split = (rows, head, tail)
+        meta.derived["gdn_split"] = split
+    found: Split | None = meta.derived["gdn_split"]
+    return found
+
+
+def mixed_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, split: Split, use_qk_l2norm: bool
+) -> Tensor:
+    """A step of decodes and prefill chunks: the decodes on the in-place kernel, the chunks on fla's chunked
+    pipeline. Through fla alone every decode row was a chunk of its own (64 rows of work for one) and every state
+    crossed memory six times (gather, fill, float32 final, cast, scatter). The two parts hold different slots."""
+    rows, head, tail = split
+    first = gated_delta_decode.decode_step(q[:rows], k[:rows], v[:rows], g[:rows], beta[:rows], ssm_state, head,
+                                           use_qk_l2norm)  # fmt: skip
+    rest = gated_delta_fla.gated_delta_rule(q[rows:], k[rows:], v[rows:], g[rows:], beta[rows:], ssm_state, tail,
+                                            use_qk_l2norm)  # fmt: skip
+    return torch.cat([first, rest])

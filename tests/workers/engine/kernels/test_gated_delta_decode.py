@@ -61,6 +61,47 @@ def test_the_kernel_updates_the_pool_in_place_as_the_torch_step_in_triton_interp
     run_kernel_check(CHECK, "gated_delta_decode", "float32", timeout=300)
 
 
+MIXED = """
+import torch
+from tests.workers.engine.kernels.gated_delta_harness import K_HEADS, LOOSE, Inputs, close, make_meta, pools
+from tests.workers.engine.kernels.test_gated_delta_fla import FAKE_KERNELS, FLA_CASES
+from workers.engine.kernels import gated_delta, gated_delta_fla
+
+# fla's kernels stood in for by transformers' torch functions (as test_gated_delta_fla does), its kept-states path off
+gated_delta_fla._kernels, gated_delta_fla._tried, gated_delta_fla._states = FAKE_KERNELS, True, False
+cases = [c for c in FLA_CASES if c[0][0] == 1 and any(n > 1 for n in c[0])]
+cases.append(([1, 1, 1, 37, 1, 90], [True, True, False, True, True, False], [(1, 1, 9), (3, 16, 10), (5, 90, 11)]))
+for lens, has_initial, snapshots in cases:
+    slots = [3, 0, 5, 2, 4, 1][: len(lens)]
+    meta = make_meta(lens, slots, has_initial, snapshots)
+    split = gated_delta.decode_split(meta)
+    leading = next(i for i, n in enumerate(lens) if n != 1)
+    assert split is not None and split[0] == leading and gated_delta.decode_split(meta) is split
+    inp = Inputs(sum(lens), v_heads=2 * K_HEADS, seed=5)
+    _, ssm = pools(inp.v_heads, inp.channels)
+    for b, fresh in enumerate(has_initial):
+        if not fresh:
+            ssm[slots[b]] = float("nan")
+    start, want_ssm = ssm.clone(), ssm.clone()
+    want = gated_delta._torch_gated_delta(*inp.rows(0, sum(lens)), want_ssm, meta, True)
+    got = gated_delta.mixed_step(*inp.rows(0, sum(lens)), ssm, split, True)
+    close(got, want, LOOSE)
+    touched = slots + [slot for _, _, slot in snapshots]
+    close(ssm[touched], want_ssm[touched], LOOSE)
+    others = [s for s in range(ssm.shape[0]) if s not in touched]
+    assert torch.equal(ssm[others], start[others])
+assert gated_delta.decode_split(make_meta([1, 1], [0, 1], [True, True])) is None  # nothing but decodes
+assert gated_delta.decode_split(make_meta([5, 1], [0, 1], [True, True])) is None  # no leading decode
+"""
+
+
+def test_a_mixed_steps_decodes_take_the_kernel_and_its_chunks_fla_in_triton_interpreter() -> None:
+    """A step of leading decodes and prefill chunks split in two (the decodes on the in-place kernel, the chunks on
+    the fla wrapper, here with transformers' functions standing in for fla's kernels) equals the torch path over the
+    whole step: outputs, every slot and snapshot, no other slot written."""
+    run_kernel_check(MIXED, "gated_delta_decode", "float32", timeout=300)
+
+
 @pytest.mark.parametrize("l2", [True, False])
 def test_the_probes_reference_is_the_torch_step(l2: bool) -> None:
     q, k, v, g, beta, pool = inputs(1, 3, 24, 40)
