@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--heads", default="16,32", help="key heads,value heads")
     ap.add_argument("--dim", type=int, default=128, help="key and value head dim")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--block-v", default="32", help="state columns a program of the in-place kernel owns, comma-separated")
+    ap.add_argument("--block-v", default=str(gated_delta_decode.BLOCK_V),
+                    help="state columns a program of the in-place kernel owns, comma-separated")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -107,6 +108,7 @@ def main() -> None:
     cases = [("prefill", [int(n)]) for n in args.prefill.split(",") if n]
     cases += [(f"decode x{b}", [1] * int(b)) for b in args.batch.split(",")]
     before = os.environ.get("GLIMPSE_FLA"), os.environ.get(gated_delta_decode.SWITCH.env)
+    block_v = gated_delta_decode.BLOCK_V
     try:
         for case, lens in cases:
             baseline: Tensor | None = None
@@ -114,7 +116,7 @@ def main() -> None:
                 os.environ["GLIMPSE_FLA"] = "1" if path == "fla" else "0"
                 os.environ[gated_delta_decode.SWITCH.env] = "1" if path.startswith("in place") else "0"
                 gated_delta_decode.SWITCH.reset()
-                gated_delta_decode.BLOCK_V = int(path.rsplit(" ", 1)[1]) if path.startswith("in place") else 32
+                gated_delta_decode.BLOCK_V = int(path.rsplit(" ", 1)[1]) if path.startswith("in place") else block_v
                 torch.manual_seed(0)  # the same inputs for both paths
                 call = layer_call(lens, (k_heads, v_heads), args.dim, dtype, device)
                 torch.manual_seed(0)
@@ -130,6 +132,7 @@ def main() -> None:
             else:
                 os.environ[env] = value
         gated_delta_decode.SWITCH.reset()
+        gated_delta_decode.BLOCK_V = block_v
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ plain torch on every device (one grouped conv over the whole batch; elementwise 
 gated delta rule of an all-decode step on CUDA is glimpse's Triton kernel that updates the pool in place
 (gated_delta_decode.py, unless ``GLIMPSE_TRITON_GDN_DECODE=0`` or its probe failed); a step with prefill runs
 flash-linear-attention's chunked kernels (gated_delta_fla.py, which also holds fla's fused recurrent step as the decode
-fallback) where ``fla`` imports and the tensors are on CUDA, unless ``GLIMPSE_FLA=0``; everything else the torch path here: the reference's chunked algorithm (chunk 64, same op order) for a sequence of several new tokens,
-its recurrent step for one of a single token.
+fallback) where ``fla`` imports and the tensors are on CUDA, unless ``GLIMPSE_FLA=0``, its leading decodes on the
+in-place kernel. Everything else takes the torch path here: the reference's chunked algorithm (chunk 64, same op
+order) for a sequence of several new tokens, its recurrent step for one of a single token.
 
 An all-decode step (every query length 1) does no host sync and branches only on the host lists, on either path,
 so it can be captured in a CUDA graph (padding rows may share a scratch slot).
@@ -272,7 +273,7 @@ def gated_delta_rule(
     decode = all(n == 1 for n in meta.query_lens_cpu)
     in_place = q.is_cuda and gated_delta_decode.available()  # the pool read and written in place
     if decode and in_place:
-        return gated_delta_decode.decode_step(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
+        return gated_delta_decode.decode_step(q, k, v, g, beta, ssm_state, meta.state, use_qk_l2norm)
     if fla_path(q.device):
         if decode:
             return gated_delta_fla.decode_step(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
@@ -283,7 +284,7 @@ def gated_delta_rule(
     return _torch_gated_delta(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
 
 
-Split = tuple[int, AttentionMetadata, AttentionMetadata]
+Split = tuple[int, StateMetadata, AttentionMetadata]
 
 
 def _state_rows(st: StateMetadata, lo: int, hi: int) -> StateMetadata:
@@ -296,20 +297,14 @@ def _state_rows(st: StateMetadata, lo: int, hi: int) -> StateMetadata:
 
 def decode_split(meta: AttentionMetadata) -> Split | None:
     """A mixed step's leading one-token rows (the scheduler puts decodes first) apart from the rest: (rows, their
-    metadata, the rest's metadata), made once per step (kept in ``meta.derived``, so each part's own derived values
+    state metadata, the rest's metadata), made once per step (kept in ``meta.derived``, so each part's own derived values
     are shared by every layer too); None where the step does not start with such rows or has nothing else."""
     if "gdn_split" not in meta.derived:
         rows, split = decode_prefix(meta), None
         if meta.state is not None and 0 < rows < len(meta.query_lens_cpu):
-            head = AttentionMetadata(
-                query_start_loc=meta.query_start_loc[: rows + 1], seq_lens=meta.seq_lens[:rows],
-                query_lens_cpu=meta.query_lens_cpu[:rows], seq_lens_cpu=meta.seq_lens_cpu[:rows],
-                slot_mapping=meta.slot_mapping[:rows], block_tables=meta.block_tables[:rows], max_query_len=1,
-                max_seq_len=max(meta.seq_lens_cpu[:rows]), state=_state_rows(meta.state, 0, rows),
-            )  # fmt: skip
             tail = tail_metadata(meta, rows)
             tail.state = _state_rows(meta.state, rows, len(meta.query_lens_cpu))
-            split = (rows, head, tail)
+            split = (rows, _state_rows(meta.state, 0, rows), tail)
         meta.derived["gdn_split"] = split
     found: Split | None = meta.derived["gdn_split"]
     return found

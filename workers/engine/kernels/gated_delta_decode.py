@@ -15,7 +15,8 @@ q and k inside, value head j reading key head j // (Hv / Hk)), and stores the st
 pool's dtype. Slots and the has-initial flags are read on the device, so the step is CUDA-graph safe.
 
 The CPU keeps gated_delta.py's torch step, which the exactness tests compare with transformers; on CUDA the start-up
-probe checks this kernel against that step once (``probe``) and a failure leaves fla's kernel (or torch) serving.
+probe checks this kernel once against a float32 recurrence (``reference_step``, tied to the torch step by a test), and
+a failure leaves fla's kernel (or torch) serving.
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.kernels.attention import AttentionMetadata, StateMetadata, build_attention_metadata
+from workers.engine.kernels.attention import StateMetadata
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_GDN_DECODE")
 available = SWITCH.on
 
-# Columns of the state a program owns: 32 x 2-byte columns are 64-byte rows per key row, coalesced, and 128 x 32 float32
-# of state in registers (32 a thread at 4 warps). Picked on an H200 (`python -m benchmarks.kernels.gated_delta_bench
-# --decode-only`, the 27B shape at 64 sequences).
+# Columns of the state a program owns: 32 x 2-byte columns are 64-byte rows per key row, coalesced, and 128 x 32
+# float32 of state in registers (32 a thread at 4 warps). Picked on an H200 (`python -m benchmarks.kernels.gated_delta_bench
+# --prefill "" --batch 1,16,64 --heads 16,48 --block-v 16,32,64`: at 64 sequences BV 32 was the fastest).
 BLOCK_V = 32
 
 _kernel: Any = None
@@ -89,14 +90,14 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def decode_step(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, meta: AttentionMetadata,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, st: StateMetadata | None,
     use_qk_l2norm: bool, block_v: int | None = None,
 ) -> Tensor:
     """Row b of q [N, Hk, K], k, v [N, Hv, V], g and beta [N, Hv] is sequence b's only new token; its state is
-    ``ssm_state[slots[b]]`` ([slots, Hv, K, V]), updated in place. Returns the readout [N, Hv, V] in v's dtype.
-    Snapshots (prefix caching) copy the updated state of their sequence's slot."""
+    ``ssm_state[st.slots[b]]`` ([slots, Hv, K, V]), updated in place. Returns the readout [N, Hv, V] in v's dtype.
+    Snapshots (prefix caching) copy the updated state of their sequence's slot. Only the step's state metadata is
+    read: every row's length is 1."""
     global _kernel
-    st = meta.state
     if st is None:
         raise RuntimeError("the gated delta decode kernel needs meta.state")
     if _kernel is None:
@@ -164,10 +165,9 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
     def check() -> bool:
         dq, dk, dv, dg, db = (x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta))
         got_pool = pool.to(device=device, dtype=dtype)
-        meta = build_attention_metadata([1] * n, [5] * n, [[0]] * n, 16, device)
-        meta.state = StateMetadata(torch.tensor(slots, device=device), slots,
-                                   torch.tensor(has_initial, device=device), has_initial)  # fmt: skip
-        got = decode_step(dq, dk, dv, dg, db, got_pool, meta, True).float().cpu()
+        st = StateMetadata(torch.tensor(slots, device=device), slots, torch.tensor(has_initial, device=device),
+                           has_initial)  # fmt: skip
+        got = decode_step(dq, dk, dv, dg, db, got_pool, st, True).float().cpu()
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         return torch.allclose(got, want, rtol=tol, atol=tol) and torch.allclose(
             got_pool.float().cpu()[slots], want_pool[slots], rtol=tol, atol=tol

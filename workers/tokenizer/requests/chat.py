@@ -374,8 +374,8 @@ def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 
 def tool_parser(req: ChatCompletionRequest, fmt: str = "hermes") -> str:
     """How the scheduler reads the answer when tools may be called: in the format the chat template teaches
-    (``fmt``: ChatTemplate.tool_format: "hermes", "qwen_xml" or "gemma4"); "required" and a named choice are held to a grammar of JSON calls
-    (tool_grammar), so they are read as such."""
+    (``fmt``: ChatTemplate.tool_format: "hermes", "qwen_xml" or "gemma4"); "required" and a named choice are held
+    to a grammar of JSON calls (tool_grammar), so they are read as such."""
     if not req.tools or req.tool_mode == "none":
         return ""
     return fmt if req.tool_mode == "auto" else "hermes"

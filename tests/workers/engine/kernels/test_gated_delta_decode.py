@@ -45,15 +45,15 @@ for hk, hv, kd, vd, block_v, l2 in ((2, 4, 32, 32, 16, True), (1, 3, 24, 40, 16,
     want_pool = pool.clone()
     want = gated_delta._torch_gated_delta(q, k, v, g, beta, want_pool, make_meta([1] * 4, SLOTS, HAS_INITIAL,
                                                                                  snapshots), l2)
-    got = gated_delta_decode.decode_step(q, k, v, g, beta, pool, make_meta([1] * 4, SLOTS, HAS_INITIAL, snapshots),
-                                         l2, block_v=block_v)
+    got = gated_delta_decode.decode_step(q, k, v, g, beta, pool,
+                                         make_meta([1] * 4, SLOTS, HAS_INITIAL, snapshots).state, l2, block_v=block_v)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool[touched], want_pool[touched], rtol=1e-5, atol=1e-5)
     others = [s for s in range(pool.shape[0]) if s not in touched]
     assert torch.equal(pool[others], fresh[others])  # no other slot written
 with pytest.raises(ValueError, match="row-major"):
-    gated_delta_decode.decode_step(q, k, v, g, beta, pool.transpose(-1, -2), make_meta([1] * 4, SLOTS, HAS_INITIAL),
-                                   True)
+    gated_delta_decode.decode_step(q, k, v, g, beta, pool.transpose(-1, -2),
+                                   make_meta([1] * 4, SLOTS, HAS_INITIAL).state, True)
 """
 
 
