@@ -47,20 +47,25 @@ def checkpoint(shape: str, layers: int, scratch: Path, quantize: str | None = No
     return shaped_checkpoint(scratch / shape, shape, layers=layers, quantize=quantize)
 
 
-def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50) -> list[float]:
+def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50, prof: profile | None = None) -> list[float]:
     """Seconds of each step once every sequence has its first token: ``batch`` greedy sequences of ``tokens``
-    tokens, their prefills run (untimed) first."""
+    tokens, their prefills run (untimed, and outside ``prof``'s window) first."""
     sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(prompt(context), sampling) for _ in range(batch)]
     finished = 0
     while any((out := engine.peek(rid)) is not None and not out.token_ids for rid in rids):  # None: finished
         finished += len(engine.step())
+    torch.cuda.synchronize()
+    if prof is not None:
+        prof.start()
     steps = []
     while finished < batch:
         t0 = time.perf_counter()
         finished += len(engine.step())
         torch.cuda.synchronize()
         steps.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.stop()
     return steps
 
 
@@ -74,8 +79,8 @@ def measure(ck: Path, top: int, batch: int = 1, context: int = 50) -> tuple[floa
                                  max_num_seqs=max(batch, 1), block_size=block_size))  # fmt: skip
     decode(engine, 8, batch, context)
     steps = sorted(decode(engine, 96, batch, context)[2:])
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        n = len(decode(engine, 17, batch, context))
+    prof = profile(activities=[ProfilerActivity.CUDA])  # decode steps only: a prefill's kernels would swamp them
+    n = len(decode(engine, 17, batch, context, prof))
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"| {e.key[:90]} | {e.count / n:.1f} | {e.self_device_time_total / 1e3 / n:.4f} |")

@@ -1,10 +1,12 @@
 """Gated DeltaNet's token mixing for one linear-attention layer (workers/engine/kernels/gated_delta.py: the causal
 conv, then the gated delta rule): flash-linear-attention's kernels against the torch path, as prefill tokens per
 second and decode step time; for decode also glimpse's in-place kernel (gated_delta_decode.py, the CUDA default), at
-each ``--block-v`` it is given.
+each ``--block-v`` and ``--warps`` it is given, with the rule's own time beside the layer's (conv and launches
+included).
 
     python -m benchmarks.kernels.gated_delta_bench
     python -m benchmarks.kernels.gated_delta_bench --prefill "" --batch 1,16,64 --heads 16,48 --block-v 16,32,64
+    python -m benchmarks.kernels.gated_delta_bench --prefill "" --batch 64,128 --heads 16,48 --block-v 8,16,32 --warps 1,2,4
     python -m benchmarks.kernels.gated_delta_bench --prefill 1024,8192 --batch 1,64,256
     python -m benchmarks.kernels.gated_delta_bench --device cpu --prefill 64 --batch 2 --heads 2,4 --dim 32
 
@@ -52,8 +54,8 @@ def metadata(query_lens: list[int], device: torch.device) -> AttentionMetadata:
 
 def layer_call(
     query_lens: list[int], heads: tuple[int, int], dim: int, dtype: torch.dtype, device: torch.device
-) -> Callable[[], Tensor]:
-    """One layer's conv + rule over a step of these query lengths, on random inputs and pools."""
+) -> tuple[Callable[[], Tensor], Callable[[], Tensor]]:
+    """One layer's conv + rule over a step of these query lengths, on random inputs and pools; and the rule alone."""
     k_heads, v_heads = heads
     tokens, channels = sum(query_lens), (2 * k_heads + v_heads) * dim
     x = torch.randn(tokens, channels, device=device, dtype=dtype)
@@ -70,7 +72,27 @@ def layer_call(
         gated_delta.causal_conv1d(x, weight, None, conv, meta)
         return gated_delta.gated_delta_rule(q, k, v, g, beta, ssm, meta)
 
-    return call
+    def rule() -> Tensor:
+        return gated_delta.gated_delta_rule(q, k, v, g, beta, ssm, meta)
+
+    return call, rule
+
+
+def graphed_ms(fn: Callable[[], object], reps: int) -> float:
+    """A CUDA-graph-safe call's GPU time, replayed from a graph of ``reps`` calls (no launch overhead in it)."""
+    fn()  # compile / warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def ms_per_call(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -95,20 +117,23 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--block-v", default=str(gated_delta_decode.BLOCK_V),
                     help="state columns a program of the in-place kernel owns, comma-separated")
+    ap.add_argument("--warps", default=str(gated_delta_decode.NUM_WARPS),
+                    help="warps per program of the in-place kernel, comma-separated")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k_heads, v_heads = (int(h) for h in args.heads.split(","))
     paths = ["torch"] + (["fla"] if gated_delta.fla_path(device) else [])
-    in_place = [f"in place, BV {bv}" for bv in args.block_v.split(",")] if device.type == "cuda" else []
+    in_place = [f"in place, BV {bv} warps {w}" for bv in args.block_v.split(",") for w in args.warps.split(",")]
+    in_place = in_place if device.type == "cuda" else []
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, {dtype}, heads {k_heads}/{v_heads} x {args.dim}, paths: {paths}")
-    print("| case | tokens | path | ms per call | tokens/s | max diff vs torch |")
-    print("|---|---|---|---|---|---|")
+    print("| case | tokens | path | ms per call | tokens/s | max diff vs torch | rule alone, graphed, ms |")
+    print("|---|---|---|---|---|---|---|")
     cases = [("prefill", [int(n)]) for n in args.prefill.split(",") if n]
     cases += [(f"decode x{b}", [1] * int(b)) for b in args.batch.split(",")]
     before = os.environ.get("GLIMPSE_FLA"), os.environ.get(gated_delta_decode.SWITCH.env)
-    block_v = gated_delta_decode.BLOCK_V
+    block_v, warps = gated_delta_decode.BLOCK_V, gated_delta_decode.NUM_WARPS
     try:
         for case, lens in cases:
             baseline: Tensor | None = None
@@ -116,15 +141,17 @@ def main() -> None:
                 os.environ["GLIMPSE_FLA"] = "1" if path == "fla" else "0"
                 os.environ[gated_delta_decode.SWITCH.env] = "1" if path.startswith("in place") else "0"
                 gated_delta_decode.SWITCH.reset()
-                gated_delta_decode.BLOCK_V = int(path.rsplit(" ", 1)[1]) if path.startswith("in place") else block_v
+                tiling = path.split()[3::2] if path.startswith("in place") else [block_v, warps]
+                gated_delta_decode.BLOCK_V, gated_delta_decode.NUM_WARPS = (int(x) for x in tiling)
                 torch.manual_seed(0)  # the same inputs for both paths
-                call = layer_call(lens, (k_heads, v_heads), args.dim, dtype, device)
+                call, rule = layer_call(lens, (k_heads, v_heads), args.dim, dtype, device)
                 torch.manual_seed(0)
-                out = layer_call(lens, (k_heads, v_heads), args.dim, dtype, device)()  # fresh pools: comparable
+                out = layer_call(lens, (k_heads, v_heads), args.dim, dtype, device)[0]()  # fresh pools: comparable
                 diff = "" if baseline is None else f"{(out.float() - baseline.float()).abs().max().item():.3g}"
                 baseline = out if baseline is None else baseline
                 ms = ms_per_call(call, device, args.reps)
-                print(f"| {case} | {sum(lens)} | {path} | {ms:.3f} | {sum(lens) / ms * 1e3:,.0f} | {diff} |")
+                alone = f"{graphed_ms(rule, args.reps):.4f}" if path.startswith("in place") else ""
+                print(f"| {case} | {sum(lens)} | {path} | {ms:.3f} | {sum(lens) / ms * 1e3:,.0f} | {diff} | {alone} |")
     finally:
         for env, value in zip(("GLIMPSE_FLA", gated_delta_decode.SWITCH.env), before, strict=True):
             if value is None:
@@ -132,7 +159,7 @@ def main() -> None:
             else:
                 os.environ[env] = value
         gated_delta_decode.SWITCH.reset()
-        gated_delta_decode.BLOCK_V = block_v
+        gated_delta_decode.BLOCK_V, gated_delta_decode.NUM_WARPS = block_v, warps
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     python -m benchmarks.kernels.paged_decode_bench --splits  # the split plan: programs per SM, tiles per split
     python -m benchmarks.kernels.paged_decode_bench --kv-cache-dtype fp8  # the table over an e4m3 cache
     python -m benchmarks.kernels.paged_decode_bench --heads 32:8 --sweep --block-sizes 128 --shapes 64x2200,32x2200
+    python -m benchmarks.kernels.paged_decode_bench --heads 24:4 --head-dim 256 --sweep --block-sizes 128  # Qwen3.5-27B
 
 Qwen2.5-VL-7B shapes by default (28 query heads, 4 KV heads, head_dim 128, 16-token blocks; ``--heads 32:8`` for
 Qwen3-VL-8B's), bf16, one layer's call as
@@ -78,7 +79,8 @@ def sweep(block_sizes: list[int]) -> None:
     of each setting per call, and its error against the gather path (which must stay at rounding)."""
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per call (one layer), GB/s over live K/V")
     defaults = (paged_attention.TILE, paged_attention._WARPS, paged_attention._STAGES, paged_attention._TARGET_PROGRAMS)
-    grid = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)))
+    tiles = (32, 64, 128) if D <= 128 else (16, 32, 64)  # a [64, 256] bf16 tile is already 32 KB
+    grid = list(itertools.product(tiles, (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)))
     ratios: dict[tuple[int, ...], list[float]] = {}  # setting -> its time over the default's, per shape
     for bs, (batch, context) in itertools.product(block_sizes, SWEEP_SHAPES):
         q, cache, meta, width = decode_case(batch, context, bs)
@@ -149,8 +151,10 @@ if __name__ == "__main__":
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: the table over an e4m3 cache")
     ap.add_argument("--heads", default="28:4", help="query heads:KV heads (Qwen3-VL-8B: 32:8)")
     ap.add_argument("--shapes", default="", help="--sweep's batch x context rows, e.g. 64x2200,32x2200")
+    ap.add_argument("--head-dim", type=int, default=D, help="head dim (Qwen3.5's gated attention: 256)")
     cli = ap.parse_args()
     HQ, HKV = (int(n) for n in cli.heads.split(":"))
+    D = cli.head_dim
     if cli.shapes:
         SWEEP_SHAPES[:] = [(int(b), int(c)) for b, c in (x.split("x") for x in cli.shapes.split(","))]
     if cli.kv_cache_dtype == "fp8" and (cli.sweep or cli.splits):

@@ -32,10 +32,14 @@ from workers.engine.kernels.triton_switch import TritonSwitch
 SWITCH = TritonSwitch("GLIMPSE_TRITON_GDN_DECODE")
 available = SWITCH.on
 
-# Columns of the state a program owns: 32 x 2-byte columns are 64-byte rows per key row, coalesced, and 128 x 32
-# float32 of state in registers (32 a thread at 4 warps). Picked on an H200 (`python -m benchmarks.kernels.gated_delta_bench
-# --prefill "" --batch 1,16,64 --heads 16,48 --block-v 16,32,64`: at 64 sequences BV 32 was the fastest).
-BLOCK_V = 32
+# Columns of the state a program owns, and its warps: 64 x 2-byte columns are 128-byte rows per key row, fully
+# coalesced, and 128 x 64 float32 of state over 2 warps. Picked on an H200 by the rule's own graphed time
+# (`python -m benchmarks.kernels.gated_delta_bench --prefill "" --batch 16,64,128 --heads 16,48 --block-v 8,16,32,64
+# --warps 1,2,4,8`): at the 27B's 16/48 heads BV 64 on 2 warps took 0.0134 / 0.0738 / 0.146 ms at 16 / 64 / 128
+# sequences against 0.0190 / 0.0899 / 0.179 for BV 32 on 4 (the first choice), and 0.0501 against 0.0582 ms at the
+# 35B-A3B's 16/32 heads and 64 sequences; no other setting was faster at more than one of those.
+BLOCK_V = 64
+NUM_WARPS = 2
 
 _kernel: Any = None
 
@@ -91,7 +95,7 @@ def _rows(x: Tensor) -> Tensor:
 
 def decode_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, st: StateMetadata | None,
-    use_qk_l2norm: bool, block_v: int | None = None,
+    use_qk_l2norm: bool, block_v: int | None = None, num_warps: int | None = None,
 ) -> Tensor:
     """Row b of q [N, Hk, K], k, v [N, Hv, V], g and beta [N, Hv] is sequence b's only new token; its state is
     ``ssm_state[st.slots[b]]`` ([slots, Hv, K, V]), updated in place. Returns the readout [N, Hv, V] in v's dtype.
@@ -115,7 +119,7 @@ def decode_step(
         q, k, v, g, beta, o, ssm_state, st.slots, st.has_initial,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         o.stride(0), o.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-        kd**-0.5, H=hk, HV=hv, K=kd, V=vd, BK=bk, BV=block_v, L2NORM=use_qk_l2norm, num_warps=4,
+        kd**-0.5, H=hk, HV=hv, K=kd, V=vd, BK=bk, BV=block_v, L2NORM=use_qk_l2norm, num_warps=num_warps or NUM_WARPS,
     )  # fmt: skip
     for b, _, slot in st.snapshots:  # n is 1 in a decode step: the state after the only token
         ssm_state[slot].copy_(ssm_state[st.slots_cpu[b]])

@@ -39,6 +39,14 @@ FLA_CASES = [
 ]
 
 
+def gva(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """q and k with each key head repeated for the value heads that read it ([.., .., H, K], value head j reads key
+    head j // (Hv / Hk)), as fla's kernels do inside: transformers' torch functions take GVA heads only in some
+    versions (5.24 does, 5.17 does not)."""
+    rep = v.shape[2] // q.shape[2]
+    return (q, k) if rep == 1 else (q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2))
+
+
 def fake_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, initial_state: Tensor,
                output_final_state: bool, use_qk_l2norm_in_kernel: bool, cu_seqlens: Tensor,
                cu_seqlens_cpu: Tensor, chunk_indices: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,6 +56,7 @@ def fake_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, init
     assert cu_seqlens.tolist() == cu_seqlens_cpu.tolist() and initial_state.shape[0] == len(cu_seqlens) - 1
     assert output_final_state and chunk_indices.shape == (len(cu_seqlens) - 1, 2)  # stand-in: one row a sequence
     bounds = cu_seqlens_cpu.tolist()
+    q, k = gva(q, k, v)
     outs, finals = [], []
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
         out, final = torch_chunk_gated_delta_rule(
@@ -68,6 +77,7 @@ def fake_recurrent(*, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     """fla's fused recurrent rule as its signature says (q [N, 1, H, K], initial_state [N, Hv, K, V], final float32),
     through transformers' torch function (which scales by 1/sqrt(K) itself)."""
     assert q.shape[1] == 1 and output_final_state and scale == q.shape[-1] ** -0.5
+    q, k = gva(q, k, v)
     out, final = torch_recurrent_gated_delta_rule(
         q, k, v, g, beta, initial_state=initial_state.float(), output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -85,6 +95,7 @@ def fake_chunk_states(parts: object, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     function a chunk at a time."""
     assert parts == "fla internals" and indices.shape == (len(cu) - 1, 2)
     bounds = cu.tolist()
+    q, k = gva(q, k, v)
     outs, kept, finals = [], [], []
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
         state = initial_state[i : i + 1].float()
