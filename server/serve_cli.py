@@ -74,9 +74,10 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--dtype", default=E["dtype"], choices=["auto", "float32", "bfloat16", "float16"])
     m.add_argument("--load-format", default=E["load_format"], choices=["auto", "dummy"], help="dummy: random weights")
     m.add_argument("--attn-backend", default=E["attn_backend"], choices=["auto", "sdpa", "flash", "fa3", "fa4"],
-                   help="auto: fa3 where an installed FlashAttention-3 build (vLLM's fork) loads on a Hopper GPU, "
-                   "else flash on CUDA, else sdpa; fa3 warns when it cannot; fa4: FlashAttention-4 "
-                   "(pip flash-attn-4) on a Hopper or Blackwell GPU, opt-in until measured")
+                   help="auto: fa4 (FlashAttention-4, the flash-attn-4 dependency) on a Hopper or Blackwell GPU, "
+                   "else flash (torch's FlashAttention-2) on CUDA, else sdpa; fa3: an installed build of vLLM's "
+                   "FlashAttention-3 fork, only when asked for; a named backend that cannot serve warns and "
+                   "falls back to auto's choice")
     m.add_argument("--chunk-size", type=int, default=E["chunk_size"], help="token budget of one step (chunked prefill)")
     m.add_argument("--lone-prefill-tokens", type=int, default=E["lone_prefill_tokens"],
                    help="token budget of a step when no request is decoding (0: --chunk-size)")

@@ -2,13 +2,16 @@
 graphs, `glimpse serve`'s KV block size), ``--batch`` greedy sequences of ``--context`` prompt tokens (default one
 of ~50), the median step once all are decoding (host sync after each) and the kernels of 17 steps under the
 profiler, per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served
-configuration with one switch turned, e.g. the elementwise work eager instead of fused).
+configuration with one switch turned, e.g. the elementwise work eager instead of fused). ``--phase prefill`` profiles
+the prefill steps instead: ``--batch`` fresh text prompts of ``--context`` tokens (each its own first word, so no
+prefix is cached) in ``glimpse serve``'s 4,096-token chunks, with their prefill tokens per second.
 
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --variants "moe separate,as served" --top 0
     python -m benchmarks.engine.decode_profile --shape gemma4-26b-a4b --layers 12 --variants "eager elementwise,as served"
     python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --quantize fp8-block
     python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --batch 64 --context 2200  # (b)'s decodes
+    python -m benchmarks.engine.decode_profile --shape qwen3.5-27b --layers 32 --phase prefill --batch 8 --context 2200
 
 ``--quantize`` serves the shape as that FP8 checkpoint (benchmarks/checkpoints.py) with its FP8 layers on
 (the default ``GLIMPSE_FP8_GEMM=auto``, or the variant the environment names), to set its decode kernels beside bf16's.
@@ -69,18 +72,48 @@ def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50, prof:
     return steps
 
 
-def measure(ck: Path, top: int, batch: int = 1, context: int = 50) -> tuple[float, float, float]:
-    """(median decode step ms, kernel ms per step, kernels per step), printing the ``top`` kernels."""
+def prefill(engine: Engine, batch: int, context: int, tag: str, prof: profile | None = None) -> list[float]:
+    """Seconds of each step that prefills ``batch`` prompts of about ``context`` tokens, each opened by a word of
+    its own (``tag`` and its index: no prefix of another run's prompts is cached), until every one has its token."""
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([{"role": "user", "content": f"{tag}{i} " + "hello " * max(1, context)}], sampling)
+    torch.cuda.synchronize()
+    if prof is not None:
+        prof.start()
+    steps, finished = [], 0
+    while finished < batch:
+        t0 = time.perf_counter()
+        finished += len(engine.step())
+        torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.stop()
+    return steps
+
+
+def measure(
+    ck: Path, top: int, batch: int = 1, context: int = 50, phase: str = "decode"
+) -> tuple[float, float, float]:
+    """(median step ms, kernel ms per step, kernels per step) of ``phase``'s steps, printing the ``top`` kernels."""
     kv_mb = max(4096, batch * (context + 128) * 160 // 1024)  # ~160 KiB of KV a token covers the 8B shapes
     block_size, _ = serving_kv_blocks("cuda", "auto", None, None)  # `glimpse serve`'s blocks: the decode kernel's
     # time depends on them (64 x 2,200 keys on an H200: 0.28 ms a layer in 16-token blocks, 0.15 in 128-token ones)
     engine = Engine(EngineConfig(model=str(ck), device="cuda", dtype="bfloat16", load_format="dummy",
                                  kv_cache_mb=kv_mb, max_model_len=max(8192, context + 256),
                                  max_num_seqs=max(batch, 1), block_size=block_size))  # fmt: skip
-    decode(engine, 8, batch, context)
-    steps = sorted(decode(engine, 96, batch, context)[2:])
-    prof = profile(activities=[ProfilerActivity.CUDA])  # decode steps only: a prefill's kernels would swamp them
-    n = len(decode(engine, 17, batch, context, prof))
+    prof = profile(activities=[ProfilerActivity.CUDA])  # one phase's steps only: a prefill's would swamp decodes
+    if phase == "prefill":
+        prefill(engine, batch, context, "warm")  # first use: compiles, autotuning
+        steps = prefill(engine, batch, context, "timed")
+        print(f"prefill: {batch} x ~{context} tokens in {len(steps)} steps, {sum(steps):.3f} s, "
+              f"{batch * context / sum(steps):,.0f} tokens/s")
+        n = len(prefill(engine, batch, context, "profiled", prof))
+        steps.sort()
+    else:
+        decode(engine, 8, batch, context)
+        steps = sorted(decode(engine, 96, batch, context)[2:])
+        n = len(decode(engine, 17, batch, context, prof))
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"| {e.key[:90]} | {e.count / n:.1f} | {e.self_device_time_total / 1e3 / n:.4f} |")
@@ -123,6 +156,7 @@ def main() -> None:
     ap.add_argument("--quantize", choices=("fp8-block", "fp8-dynamic"), help="serve the shape as this FP8 checkpoint")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     ap.add_argument("--context", type=int, default=50, help="prompt tokens of each sequence")
+    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode", help="the steps profiled")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -133,11 +167,11 @@ def main() -> None:
                 setattr(owner, attr, value)
             if args.top:
                 print(f"\n{name}:\n| kernel | per step | ms per step |\n|---|---|---|")
-            rows.append((name, *measure(ck, args.top, args.batch, args.context)))
+            rows.append((name, *measure(ck, args.top, args.batch, args.context, args.phase)))
             for owner, attr, value in saved:
                 setattr(owner, attr, value)
     fp8 = f", {args.quantize} under {fp8_gemm.VARIANT_ENV}={fp8_gemm.variant()}" if args.quantize else ""
-    print(f"\n{args.shape} ({args.layers or 'all'} layers{fp8}), batch {args.batch}, {args.context}-token prompts, "
+    print(f"\n{args.shape} ({args.layers or 'all'} layers{fp8}), {args.phase}, batch {args.batch}, {args.context}-token prompts, "
           f"{torch.cuda.get_device_name()}")
     print("\n| variant | step, ms | kernel time per step, ms | kernels per step |\n|---|---|---|---|")
     for name, step, kernel_ms, count in rows:
