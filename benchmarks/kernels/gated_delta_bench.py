@@ -13,7 +13,8 @@ included).
 Qwen3.5's shapes by default (16 key heads, 32 value heads, head dims 128, conv kernel 4), bf16 inputs and state
 pools on the GPU (float32 on the CPU). Prefill: one prompt of N tokens from no state. Decode: B sequences of one
 token each, every one from its slot's state. The fla rows (GPU with fla-core only) give their largest difference
-from the torch path's output.
+from the torch path's output; "fla" runs the conv as served (causal_conv.py's Triton kernel on CUDA), "fla, torch
+conv" and "torch" run it in torch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.args import parser
-from workers.engine.kernels import gated_delta, gated_delta_decode
+from workers.engine.kernels import causal_conv, gated_delta, gated_delta_decode
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
 KERNEL = 4
@@ -123,7 +124,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k_heads, v_heads = (int(h) for h in args.heads.split(","))
-    paths = ["torch"] + (["fla"] if gated_delta.fla_path(device) else [])
+    paths = ["torch"] + (["fla, torch conv", "fla"] if gated_delta.fla_path(device) else [])
     in_place = [f"in place, BV {bv} warps {w}" for bv in args.block_v.split(",") for w in args.warps.split(",")]
     in_place = in_place if device.type == "cuda" else []
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -132,13 +133,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     cases = [("prefill", [int(n)]) for n in args.prefill.split(",") if n]
     cases += [(f"decode x{b}", [1] * int(b)) for b in args.batch.split(",")]
-    before = os.environ.get("GLIMPSE_FLA"), os.environ.get(gated_delta_decode.SWITCH.env)
+    envs = ("GLIMPSE_FLA", gated_delta_decode.SWITCH.env, causal_conv.SWITCH.env)
+    before = [os.environ.get(env) for env in envs]
     block_v, warps = gated_delta_decode.BLOCK_V, gated_delta_decode.NUM_WARPS
     try:
         for case, lens in cases:
             baseline: Tensor | None = None
-            for path in paths + (in_place if case.startswith("decode") else []):
-                os.environ["GLIMPSE_FLA"] = "1" if path == "fla" else "0"
+            decode = case.startswith("decode")
+            for path in [p for p in paths if not (decode and p == "fla, torch conv")] + (in_place if decode else []):
+                os.environ["GLIMPSE_FLA"] = "1" if path.startswith("fla") else "0"
+                # the served conv (the Triton kernel on CUDA) except on the torch rows
+                os.environ[causal_conv.SWITCH.env] = "0" if path in ("torch", "fla, torch conv") else "1"
+                causal_conv.SWITCH.reset()
                 os.environ[gated_delta_decode.SWITCH.env] = "1" if path.startswith("in place") else "0"
                 gated_delta_decode.SWITCH.reset()
                 tiling = path.split()[3::2] if path.startswith("in place") else [block_v, warps]
@@ -153,12 +159,13 @@ def main() -> None:
                 alone = f"{graphed_ms(rule, args.reps):.4f}" if path.startswith("in place") else ""
                 print(f"| {case} | {sum(lens)} | {path} | {ms:.3f} | {sum(lens) / ms * 1e3:,.0f} | {diff} | {alone} |")
     finally:
-        for env, value in zip(("GLIMPSE_FLA", gated_delta_decode.SWITCH.env), before, strict=True):
+        for env, value in zip(envs, before, strict=True):
             if value is None:
                 os.environ.pop(env, None)
             else:
                 os.environ[env] = value
         gated_delta_decode.SWITCH.reset()
+        causal_conv.SWITCH.reset()
         gated_delta_decode.BLOCK_V, gated_delta_decode.NUM_WARPS = block_v, warps
 
 

@@ -13,7 +13,8 @@ API (implemented by the kernels owner; the model family calls exactly these):
                      meta, use_qk_l2norm=True) -> [T, Hv, Dv]
 
 Both compute in float32 (as transformers' reference does) and store states back in the pools' dtype. The conv is
-plain torch on every device (one grouped conv over the whole batch; elementwise ops for an all-decode step). The
+plain torch on the CPU (one grouped conv over the whole batch; elementwise ops for an all-decode step); on CUDA a
+step with prefill runs it in one Triton kernel over the pool in place (causal_conv.py). The
 gated delta rule of an all-decode step on CUDA is glimpse's Triton kernel that updates the pool in place
 (gated_delta_decode.py, unless ``GLIMPSE_TRITON_GDN_DECODE=0`` or its probe failed); a step with prefill runs
 flash-linear-attention's chunked kernels (gated_delta_fla.py, which also holds fla's fused recurrent step as the decode
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels import fused, gated_delta_decode, gated_delta_fla
+from workers.engine.kernels import causal_conv, fused, gated_delta_decode, gated_delta_fla
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata, decode_prefix, tail_metadata
 
 CHUNK = 64  # the reference's chunk_size: the chunked results match it only with the same chunking
@@ -84,7 +85,8 @@ def causal_conv1d(
 ) -> Tensor:
     """Depthwise causal conv over each sequence's new tokens, its window of the K-1 inputs before them taken from
     ``conv_state`` (zeros without initial state); the window after them is written back (and to snapshot slots).
-    ``fuse`` (CUDA, the layer's fused flag): an all-decode step's SiLU'd conv as one compiled kernel (fused.py)."""
+    ``fuse`` (CUDA, the layer's fused flag): an all-decode step's SiLU'd conv as one compiled kernel (fused.py). Other
+    steps on CUDA take the Triton kernel that reads the windows from the pool in place (causal_conv.py)."""
     st = _state(meta)
     if fuse and bias is None and activation in ("silu", "swish") and _all_decode(meta):
         out, after = fused.compiled(fused.conv_decode)(conv_state, st.slots, st.has_initial, x, weight)
@@ -92,6 +94,14 @@ def causal_conv1d(
         for b, _, slot in st.snapshots:
             conv_state[slot].copy_(after[b])
         return out
+    if x.is_cuda and activation in ("silu", "swish", None) and not _all_decode(meta) and causal_conv.available():
+        seq_of = meta.derived.get("conv_seq_of")  # each row's sequence: the same for every layer of the step
+        if seq_of is None:
+            lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+            rows = torch.arange(st.slots.shape[0], device=x.device)
+            seq_of = meta.derived["conv_seq_of"] = torch.repeat_interleave(rows, lens, output_size=x.shape[0])
+        return causal_conv.conv(x, weight, bias, conv_state, st, meta.query_start_loc, _starts(meta)[:-1],
+                                activation is not None, seq_of)  # fmt: skip
     tokens, channels = x.shape
     width = weight.shape[1] - 1  # the window: K-1 inputs
     batch = st.slots.shape[0]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from workers.engine.kernels import (
+    causal_conv,
     fused,
     gated_delta_decode,
     kv_write_kernel,
@@ -50,6 +51,9 @@ def warm_fused(runner: LoadedModel) -> None:
     if runner.spec.recurrent is not None and not gated_delta_decode.probe(runner.device, runner.dtype):
         log.warning("the Triton gated delta decode kernel is off (%s); fla's or torch's step serves",
                     gated_delta_decode.SWITCH.why_off())
+    if runner.spec.recurrent is not None and not causal_conv.probe(runner.device, runner.dtype):
+        log.warning("the Triton causal conv is off (%s); the torch conv serves steps with prefill",
+                    causal_conv.SWITCH.why_off())
     # (A model worker without its tower, --encoder-workers, compiles nothing of it.)
     towers = [runner.lm] if runner.vision is None else [runner.lm, runner.vision]
     for module in towers:
