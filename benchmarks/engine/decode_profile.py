@@ -3,8 +3,9 @@ graphs, `glimpse serve`'s KV block size), ``--batch`` greedy sequences of ``--co
 of ~50), the median step once all are decoding (host sync after each) and the kernels of 17 steps under the
 profiler, per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served
 configuration with one switch turned, e.g. the elementwise work eager instead of fused). ``--phase prefill`` profiles
-the prefill steps instead: ``--batch`` fresh text prompts of ``--context`` tokens (each its own first word, so no
-prefix is cached) in ``glimpse serve``'s 4,096-token chunks, with their prefill tokens per second.
+the prefill steps instead: ``--batch`` fresh text prompts of ``--context`` tokens in ``glimpse serve``'s 4,096-token
+chunks, with their prefill tokens per second. Every prompt opens with a word of its own, so no two share a cached
+prefix.
 
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --variants "moe separate,as served" --top 0
@@ -23,6 +24,7 @@ or run one variant per process. (Variants that overlap kernels on two streams sh
 from __future__ import annotations
 
 import gc
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -41,9 +43,15 @@ from workers.engine.offline import Engine
 from workers.engine.runner import warmup
 
 
-def prompt(context: int) -> list[dict[str, str]]:
-    """A one-message chat of about ``context`` tokens (the shape checkpoints' demo tokenizer: a word a token)."""
-    return [{"role": "user", "content": "hello " * max(1, context)}]
+def prompt(context: int, tag: str) -> list[dict[str, str]]:
+    """A one-message chat of about ``context`` tokens ("the" is one token of the shape checkpoints' demo tokenizer;
+    "hello", which this used before, is three), opened by ``tag``: each sequence its own, so that no two share a
+    cached prefix (shared KV blocks would be read from L2, and the decode attention would look cheaper than under
+    (b)'s load, where every request has its own image)."""
+    return [{"role": "user", "content": f"{tag} " + "the " * max(1, context - 1)}]
+
+
+_tags = itertools.count()  # the decode runs' prompt tags: no run shares a prefix with another
 
 
 def checkpoint(shape: str, layers: int, scratch: Path, quantize: str | None = None) -> Path:
@@ -54,7 +62,7 @@ def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50, prof:
     """Seconds of each step once every sequence has its first token: ``batch`` greedy sequences of ``tokens``
     tokens, their prefills run (untimed, and outside ``prof``'s window) first."""
     sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(prompt(context), sampling) for _ in range(batch)]
+    rids = [engine.add_request(prompt(context, f"d{next(_tags)}"), sampling) for _ in range(batch)]
     finished = 0
     while any((out := engine.peek(rid)) is not None and not out.token_ids for rid in rids):  # None: finished
         finished += len(engine.step())
@@ -77,7 +85,7 @@ def prefill(engine: Engine, batch: int, context: int, tag: str, prof: profile | 
     its own (``tag`` and its index: no prefix of another run's prompts is cached), until every one has its token."""
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request([{"role": "user", "content": f"{tag}{i} " + "hello " * max(1, context)}], sampling)
+        engine.add_request(prompt(context, f"{tag}{i}"), sampling)
     torch.cuda.synchronize()
     if prof is not None:
         prof.start()
