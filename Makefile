@@ -37,8 +37,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# --durations: every CI log lists the slowest tests, so the suite can be kept under its ~30-minute budget.
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=30
 
 serve: $(STAMP)
 	$(BIN)/glimpse serve $(ARGS)

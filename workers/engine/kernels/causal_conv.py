@@ -43,7 +43,9 @@ def _build() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # A step's token count is any number: specialised (on divisibility by 16) it would compile a second variant in
+    # the middle of serving. The rest (channels, strides) is fixed per model and met by the start-up warm-up's steps.
+    @triton.jit(do_not_specialize=["tokens"])
     def causal_conv_kernel(
         x, w, bias, y, pool, slots, has_initial, starts, seq_of,
         tokens, channels, sx, sy, sw, sp_slot, sp_c,
