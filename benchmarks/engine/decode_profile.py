@@ -66,18 +66,7 @@ def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50, prof:
     finished = 0
     while any((out := engine.peek(rid)) is not None and not out.token_ids for rid in rids):  # None: finished
         finished += len(engine.step())
-    torch.cuda.synchronize()
-    if prof is not None:
-        prof.start()
-    steps = []
-    while finished < batch:
-        t0 = time.perf_counter()
-        finished += len(engine.step())
-        torch.cuda.synchronize()
-        steps.append(time.perf_counter() - t0)
-    if prof is not None:
-        prof.stop()
-    return steps
+    return timed_steps(engine, batch - finished, prof)
 
 
 def prefill(engine: Engine, batch: int, context: int, tag: str, prof: profile | None = None) -> list[float]:
@@ -86,11 +75,17 @@ def prefill(engine: Engine, batch: int, context: int, tag: str, prof: profile | 
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(prompt(context, f"{tag}{i}"), sampling)
+    return timed_steps(engine, batch, prof)
+
+
+def timed_steps(engine: Engine, requests: int, prof: profile | None) -> list[float]:
+    """Seconds of each step (host sync after each) until ``requests`` more requests have finished, all of them
+    inside ``prof``'s window when given."""
     torch.cuda.synchronize()
     if prof is not None:
         prof.start()
     steps, finished = [], 0
-    while finished < batch:
+    while finished < requests:
         t0 = time.perf_counter()
         finished += len(engine.step())
         torch.cuda.synchronize()

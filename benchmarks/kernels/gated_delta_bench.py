@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.args import parser
+from benchmarks.kernels.rope_bench import graph_us
 from workers.engine.kernels import causal_conv, gated_delta, gated_delta_decode
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
@@ -77,23 +78,6 @@ def layer_call(
         return gated_delta.gated_delta_rule(q, k, v, g, beta, ssm, meta)
 
     return call, rule
-
-
-def graphed_ms(fn: Callable[[], object], reps: int) -> float:
-    """A CUDA-graph-safe call's GPU time, replayed from a graph of ``reps`` calls (no launch overhead in it)."""
-    fn()  # compile / warm up
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def ms_per_call(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -156,7 +140,7 @@ def main() -> None:
                 diff = "" if baseline is None else f"{(out.float() - baseline.float()).abs().max().item():.3g}"
                 baseline = out if baseline is None else baseline
                 ms = ms_per_call(call, device, args.reps)
-                alone = f"{graphed_ms(rule, args.reps):.4f}" if path.startswith("in place") else ""
+                alone = f"{graph_us(rule, args.reps) / 1e3:.4f}" if path.startswith("in place") else ""
                 print(f"| {case} | {sum(lens)} | {path} | {ms:.3f} | {sum(lens) / ms * 1e3:,.0f} | {diff} | {alone} |")
     finally:
         for env, value in zip(envs, before, strict=True):

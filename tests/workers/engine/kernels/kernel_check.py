@@ -1,8 +1,14 @@
 """The Triton kernels' interpreter checks end alike: after a kernel's own cases, its start-up probe must pass on the
 CPU under the interpreter and leave the kernel's switch on. ``run_kernel_check`` appends that ending to a check
-script and runs it (tests/workers/engine/interpreted.py), so each test file writes only its own cases."""
+script and runs it (tests/workers/engine/interpreted.py), so each test file writes only its own cases.
+``check_switch_turns_it_off``: a kernel's environment variable turns it off."""
 
 from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
 
 from tests.workers.engine.interpreted import run_interpreted
 
@@ -16,3 +22,17 @@ def run_kernel_check(check: str, kernel: str, dtype: str, timeout: float = 600) 
         'print("ok")\n'
     )
     run_interpreted("-c", check + probe, timeout=timeout)
+
+
+def check_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch, kernel: ModuleType) -> None:
+    """``kernel``'s environment variable at "0" turns it off, its probe with it, and says so."""
+    switch = kernel.SWITCH
+    monkeypatch.setenv(switch.env, "0")
+    switch.reset()
+    try:
+        assert not kernel.available()
+        assert not kernel.probe(torch.device("cpu"), torch.float32)
+        assert switch.why_off() == f"{switch.env}=0"
+    finally:
+        monkeypatch.delenv(switch.env)
+        switch.reset()

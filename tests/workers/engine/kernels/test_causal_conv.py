@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from tests.workers.engine.kernels.gated_delta_harness import make_meta
-from tests.workers.engine.kernels.kernel_check import run_kernel_check
+from tests.workers.engine.kernels.kernel_check import check_switch_turns_it_off, run_kernel_check
 from workers.engine.kernels import causal_conv, gated_delta
 
 # Sequences of 1 (a decode row), 2 (shorter than the window), 37 and 70 tokens (several token tiles); slot 1 holds
@@ -69,15 +69,7 @@ def test_the_probes_reference_is_the_torch_path(with_bias: bool) -> None:
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(causal_conv.SWITCH.env, "0")
-    causal_conv.SWITCH.reset()
-    try:
-        assert not causal_conv.available()
-        assert not causal_conv.probe(torch.device("cpu"), torch.float32)
-        assert causal_conv.SWITCH.why_off() == "GLIMPSE_TRITON_CONV=0"
-    finally:
-        monkeypatch.delenv(causal_conv.SWITCH.env)
-        causal_conv.SWITCH.reset()
+    check_switch_turns_it_off(monkeypatch, causal_conv)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from tests.workers.engine.kernels.gated_delta_harness import make_meta
-from tests.workers.engine.kernels.kernel_check import run_kernel_check
+from tests.workers.engine.kernels.kernel_check import check_switch_turns_it_off, run_kernel_check
 from workers.engine.kernels import gated_delta, gated_delta_decode
 
 SLOTS, HAS_INITIAL = [3, 1, 0, 5], [True, False, True, True]
@@ -113,15 +113,7 @@ def test_the_probes_reference_is_the_torch_step(l2: bool) -> None:
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(gated_delta_decode.SWITCH.env, "0")
-    gated_delta_decode.SWITCH.reset()
-    try:
-        assert not gated_delta_decode.available()
-        assert not gated_delta_decode.probe(torch.device("cpu"), torch.float32)
-        assert gated_delta_decode.SWITCH.why_off() == "GLIMPSE_TRITON_GDN_DECODE=0"
-    finally:
-        monkeypatch.delenv(gated_delta_decode.SWITCH.env)
-        gated_delta_decode.SWITCH.reset()
+    check_switch_turns_it_off(monkeypatch, gated_delta_decode)
 
 
 @pytest.mark.gpu
