@@ -95,6 +95,8 @@ def conv(
     batch, width = st.slots.shape[0], weight.shape[1] - 1
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if weight.stride(-1) != 1:  # the kernel walks a channel's taps at unit stride
+        weight = weight.contiguous()
     if conv_state.stride(-1) != 1:
         raise ValueError("the conv-state pool's windows must be contiguous along the taps")
     device = x.device

@@ -37,9 +37,11 @@ from workers.engine.kernels import causal_conv, gated_delta
 
 touched = SLOTS + [s for _, _, s in SNAPSHOTS]
 # channels over one tile and not a multiple of it, and under one; kernel widths 4 (Qwen3.5) and 3; bias or none;
-# SiLU or none.
+# SiLU or none; a column-major weight.
 for channels, kernel, with_bias, activation in ((136, 4, False, "silu"), (40, 3, True, None), (200, 4, True, "silu")):
     x, weight, bias, pool = inputs(channels, kernel, seed=channels)
+    if channels == 40:  # a weight whose taps are not adjacent in memory
+        weight = weight.t().contiguous().t()
     b = bias if with_bias else None
     fresh, want_pool = pool.clone(), pool.clone()
     meta = make_meta(LENS, SLOTS, HAS_INITIAL, SNAPSHOTS)
