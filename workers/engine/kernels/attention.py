@@ -49,6 +49,14 @@ class StateMetadata:
     # length), copy its state (conv window and recurrent matrix) into pool slot ``slot``.
     snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
+    def initial(self, pool: Tensor) -> Tensor:
+        """Every sequence's state in ``pool`` before its new tokens ([B, ...], the pool's dtype); zeros where it has
+        none. ``where`` rather than a multiply: a slot without initial state may hold NaN or inf from an earlier
+        owner."""
+        got = pool.index_select(0, self.slots)
+        keep = self.has_initial.view(-1, *([1] * (pool.dim() - 1)))
+        return torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))
+
 
 @dataclass
 class AttentionMetadata:
@@ -178,6 +186,12 @@ def tail_metadata(meta: AttentionMetadata, first: int) -> AttentionMetadata:
         max_seq_len=max(seq_lens),
         bidir_spans=meta.bidir_spans[first:] if meta.bidir_spans is not None else None,
     )
+
+
+def sequence_of_rows(query_start_loc: Tensor, rows: int) -> Tensor:
+    """The sequence index of each of a step's ``rows`` new-token rows (int64, on the device; no host sync)."""
+    lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    return torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens, output_size=rows)
 
 
 def packed_kv_slots(meta: AttentionMetadata, block_size: int) -> tuple[Tensor, Tensor]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.kernels.attention import StateMetadata
+from workers.engine.kernels.attention import StateMetadata, sequence_of_rows
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_CONV")
@@ -92,7 +92,7 @@ def conv(
     if _kernel is None:
         _kernel = _build()
     tokens, channels = x.shape
-    batch, width = st.slots.shape[0], weight.shape[1] - 1
+    width = weight.shape[1] - 1
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:  # the kernel walks a channel's taps at unit stride
@@ -102,13 +102,10 @@ def conv(
     device = x.device
     starts = query_start_loc[:-1].long()
     if seq_of is None:
-        lens = query_start_loc[1:] - query_start_loc[:-1]
-        seq_of = torch.repeat_interleave(torch.arange(batch, device=device), lens.long(), output_size=tokens)
+        seq_of = sequence_of_rows(query_start_loc, tokens)
     # The old windows, before anything writes the pool: the write-back below reaches into them where a sequence has
     # fewer than K-1 new tokens (zeros where it has no state; the slot may hold garbage).
-    got = conv_state.index_select(0, st.slots)
-    keep = st.has_initial.view(-1, 1, 1)
-    windows = torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=device))  # [B, C, K-1]
+    windows = st.initial(conv_state)  # [B, C, K-1]
     y = torch.empty(tokens, channels, dtype=x.dtype, device=device)
     grid = (-(-tokens // BLOCK_T), -(-channels // BLOCK_C))
     _kernel[grid](

@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from workers.engine.kernels import causal_conv, fused, gated_delta_decode, gated_delta_fla
-from workers.engine.kernels.attention import AttentionMetadata, StateMetadata, decode_prefix, tail_metadata
+from workers.engine.kernels.attention import (
+    AttentionMetadata,
+    StateMetadata,
+    decode_prefix,
+    sequence_of_rows,
+    tail_metadata,
+)
 
 CHUNK = 64  # the reference's chunk_size: the chunked results match it only with the same chunking
 
@@ -59,11 +65,8 @@ def _all_decode(meta: AttentionMetadata) -> bool:
 
 
 def _initial(pool: Tensor, st: StateMetadata) -> Tensor:
-    """Every sequence's state before its new tokens, float32; zeros where it has none. ``where`` rather than a
-    multiply: a slot without initial state may hold NaN or inf from an earlier owner."""
-    got = pool.index_select(0, st.slots).float()
-    keep = st.has_initial.view(-1, *([1] * (pool.dim() - 1)))
-    return torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))
+    """Every sequence's state before its new tokens, float32; zeros where it has none."""
+    return st.initial(pool).float()
 
 
 def _activate(y: Tensor, activation: str | None) -> Tensor:
@@ -97,9 +100,7 @@ def causal_conv1d(
     if x.is_cuda and activation in ("silu", "swish", None) and not _all_decode(meta) and causal_conv.available():
         seq_of = meta.derived.get("conv_seq_of")  # each row's sequence: the same for every layer of the step
         if seq_of is None:
-            lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
-            rows = torch.arange(st.slots.shape[0], device=x.device)
-            seq_of = meta.derived["conv_seq_of"] = torch.repeat_interleave(rows, lens, output_size=x.shape[0])
+            seq_of = meta.derived["conv_seq_of"] = sequence_of_rows(meta.query_start_loc, x.shape[0])
         return causal_conv.conv(x, weight, bias, conv_state, st, meta.query_start_loc, _starts(meta)[:-1],
                                 activation is not None, seq_of)  # fmt: skip
     tokens, channels = x.shape
@@ -126,8 +127,7 @@ def causal_conv1d(
     # without padding over all of it: output row r sees ext rows r..r+K-1, so for sequence b's token i (ext row
     # start_b + b*(K-1) + (K-1) + i) it is exactly the window and tokens of b. Rows spanning two sequences are
     # dropped. The row indices come from device tensors only (no host sync).
-    lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    seq = torch.repeat_interleave(torch.arange(batch, device=device), lens.long(), output_size=tokens)
+    seq = sequence_of_rows(meta.query_start_loc, tokens)
     token_rows = torch.arange(tokens, device=device) + (seq + 1) * width
     span = torch.arange(width, device=device)
     first = meta.query_start_loc[:-1].long() + torch.arange(batch, device=device) * width  # window start of each b
