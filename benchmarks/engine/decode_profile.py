@@ -13,6 +13,11 @@ prefix.
     python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --quantize fp8-block
     python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --batch 64 --context 2200  # (b)'s decodes
     python -m benchmarks.engine.decode_profile --shape qwen3.5-27b --layers 32 --phase prefill --batch 8 --context 2200
+    python -m benchmarks.engine.decode_profile --shape qwen3.5-27b --layers 32 --phase prefill --batch 8 --context 6600 --waits
+
+``--waits`` also records the host side of the profiled steps and lists the CUDA runtime calls the host waited in
+(a synchronize, a copy to or from pageable memory), by the code that made them: each is a point where the GPU's queue
+runs dry, so the step's wall time exceeds its kernel time by at least the launches that follow it.
 
 ``--quantize`` serves the shape as that FP8 checkpoint (benchmarks/checkpoints.py) with its FP8 layers on
 (the default ``GLIMPSE_FP8_GEMM=auto``, or the variant the environment names), to set its decode kernels beside bf16's.
@@ -28,8 +33,10 @@ import itertools
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.args import parser
@@ -95,17 +102,49 @@ def timed_steps(engine: Engine, requests: int, prof: profile | None) -> list[flo
     return steps
 
 
+# CUDA runtime calls in which the host can wait for the GPU (a memcpy waits when either side is pageable memory).
+WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                 "cudaMemcpyAsync")
+
+
+def _caller(event: Any) -> str:
+    """The repo and fla frames of the nearest enclosing op that carries a Python stack (runtime calls carry none)."""
+    while event is not None and not event.stack:
+        event = event.cpu_parent
+    frames = [f.split("/")[-1] for f in (event.stack if event is not None else [])
+              if f.startswith(("workers/", "benchmarks/")) or "/workers/" in f or "/fla/" in f]  # fmt: skip
+    return " < ".join(frames[:4]) or "?"
+
+
+def print_waits(prof: profile, steps: int, floor_ms: float = 0.05) -> None:
+    """The runtime calls of WAITING_CALLS that took more than ``floor_ms`` of host time a step, by the code that
+    made them."""
+    totals: dict[tuple[str, str], list[float]] = {}
+    for e in prof.events():
+        if e.name in WAITING_CALLS:
+            row = totals.setdefault((e.name, _caller(e)), [0, 0.0])
+            row[0] += 1
+            row[1] += e.time_range.elapsed_us() / 1e3
+    print("\n| host wait | calls per step | host ms per step | called from |\n|---|---|---|---|")
+    for (name, caller), (count, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        if ms / steps >= floor_ms:
+            print(f"| {name} | {count / steps:.1f} | {ms / steps:.3f} | {caller} |")
+
+
 def measure(
-    ck: Path, top: int, batch: int = 1, context: int = 50, phase: str = "decode"
+    ck: Path, top: int, batch: int = 1, context: int = 50, phase: str = "decode", waits: bool = False
 ) -> tuple[float, float, float]:
-    """(median step ms, kernel ms per step, kernels per step) of ``phase``'s steps, printing the ``top`` kernels."""
+    """(median step ms, kernel ms per step, kernels per step) of ``phase``'s steps, printing the ``top`` kernels
+    (and, with ``waits``, where the host waited for the GPU)."""
     kv_mb = max(4096, batch * (context + 128) * 160 // 1024)  # ~160 KiB of KV a token covers the 8B shapes
     block_size, _ = serving_kv_blocks("cuda", "auto", None, None)  # `glimpse serve`'s blocks: the decode kernel's
     # time depends on them (64 x 2,200 keys on an H200: 0.28 ms a layer in 16-token blocks, 0.15 in 128-token ones)
     engine = Engine(EngineConfig(model=str(ck), device="cuda", dtype="bfloat16", load_format="dummy",
                                  kv_cache_mb=kv_mb, max_model_len=max(8192, context + 256),
                                  max_num_seqs=max(batch, 1), block_size=block_size))  # fmt: skip
-    prof = profile(activities=[ProfilerActivity.CUDA])  # one phase's steps only: a prefill's would swamp decodes
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if waits else [])]
+    prof = profile(activities=activities, with_stack=waits,  # stacks are kept only in the verbose mode
+                   experimental_config=_ExperimentalConfig(verbose=True) if waits else None)  # one phase's steps only: a prefill's would swamp decodes
     if phase == "prefill":
         prefill(engine, batch, context, "warm")  # first use: compiles, autotuning
         steps = prefill(engine, batch, context, "timed")
@@ -120,6 +159,8 @@ def measure(
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"| {e.key[:90]} | {e.count / n:.1f} | {e.self_device_time_total / 1e3 / n:.4f} |")
+    if waits:
+        print_waits(prof, n)
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -160,6 +201,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     ap.add_argument("--context", type=int, default=50, help="prompt tokens of each sequence")
     ap.add_argument("--phase", choices=("decode", "prefill"), default="decode", help="the steps profiled")
+    ap.add_argument("--waits", action="store_true", help="list the runtime calls the host waited in, by caller")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -170,7 +212,7 @@ def main() -> None:
                 setattr(owner, attr, value)
             if args.top:
                 print(f"\n{name}:\n| kernel | per step | ms per step |\n|---|---|---|")
-            rows.append((name, *measure(ck, args.top, args.batch, args.context, args.phase)))
+            rows.append((name, *measure(ck, args.top, args.batch, args.context, args.phase, args.waits)))
             for owner, attr, value in saved:
                 setattr(owner, attr, value)
     fp8 = f", {args.quantize} under {fp8_gemm.VARIANT_ENV}={fp8_gemm.variant()}" if args.quantize else ""

@@ -116,7 +116,7 @@ def main() -> None:
     print("| case | tokens | path | ms per call | tokens/s | max diff vs torch | rule alone, graphed, ms |")
     print("|---|---|---|---|---|---|---|")
     cases = [("prefill", [int(n)]) for n in args.prefill.split(",") if n]
-    cases += [(f"decode x{b}", [1] * int(b)) for b in args.batch.split(",")]
+    cases += [(f"decode x{b}", [1] * int(b)) for b in args.batch.split(",") if b]
     envs = ("GLIMPSE_FLA", gated_delta_decode.SWITCH.env, causal_conv.SWITCH.env)
     before = [os.environ.get(env) for env in envs]
     block_v, warps = gated_delta_decode.BLOCK_V, gated_delta_decode.NUM_WARPS

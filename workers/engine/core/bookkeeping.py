@@ -30,7 +30,7 @@ from workers.engine.core.sequence import (
     combined_mm_key,
     prompt_only_updates,
 )
-from workers.engine.core.state_cache import StatePool
+from workers.engine.core.state_cache import CHUNK_ALIGN, StatePool
 from workers.engine.core.window_blocks import WindowBlocks
 
 
@@ -89,6 +89,7 @@ class SequenceBook:
         # a snapshot planned every ``state_snapshot_every`` blocks of a prompt (0: only at its last full block).
         self.state = StatePool(state_slots) if state_slots > 0 else None
         self.state_snapshot_every = state_snapshot_every
+        self.chunk_align = CHUNK_ALIGN if self.state is not None else 1  # where prefill chunks of a prompt end
         # Image tokens attend to each other both ways (ModelSpec.bidirectional_images): a chunk never ends inside an
         # image's span (`fit_chunk`).
         self.whole_images = whole_images

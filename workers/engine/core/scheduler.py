@@ -130,7 +130,8 @@ class SchedulerCore(SequenceBook):
 
 
     def _chunk_length(self, seq: Sequence, budget: int) -> int:
-        """Tokens of ``seq`` this step computes: up to the budget and what is computable, and, where image tokens
+        """Tokens of ``seq`` this step computes: up to the budget and what is computable, on a hybrid model ending at
+        a multiple of ``chunk_align`` inside the prompt where it can, and, where image tokens
         attend both ways (``whole_images``), never ending inside an image's span. Such a span is cut before it
         when the chunk has tokens before it; a chunk that starts inside or at it takes the rest of the span whole,
         past the budget if need be (at most one image's tokens, 1,120 on Gemma 4), since no token of it could be
@@ -139,6 +140,16 @@ class SchedulerCore(SequenceBook):
         length = self._cap_encodes(seq, start, min(computable - start, budget))
         if self.remote is not None and length > 0:  # never past an image the encoder workers have not landed yet
             length = self.remote.stop_at(seq, start, length)
+        if self.chunk_align > 1 and length > 0 and start + length < seq.prompt_len:
+            # Inside the prompt a chunk ends at a multiple of chunk_align (state_cache.CHUNK_ALIGN), so the next one
+            # starts there. One too short to reach such a point waits for a step with room when it is a large step's
+            # leftover; otherwise (small steps, an image not yet written) it keeps its length, so nothing stalls,
+            # and only its own and the next chunk's snapshots fall off the kernels' chunk grid.
+            aligned = (start + length) // self.chunk_align * self.chunk_align
+            if aligned > start:
+                length = aligned - start
+            elif length == budget and self.chunk_size >= 4 * self.chunk_align:
+                return 0
         if not self.whole_images or length <= 0:
             return length
         end = start + length

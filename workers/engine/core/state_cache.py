@@ -17,6 +17,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+# A hybrid model's prefill chunks end at multiples of this many prompt tokens (SchedulerCore._chunk_length): the
+# chunked gated delta kernels (flash-linear-attention's) cut each sequence of a step into 64-token chunks from its
+# first new token and keep the state at every chunk start, so a step's snapshots at block boundaries (multiples of the
+# block size) come out of one kernel pipeline only when every piece starts on such a multiple. A piece starting
+# elsewhere cuts the layer's call at each snapshot (a pipeline and its gathers per cut: on the Qwen3.5-27B shape
+# 2.85 pipelines a layer at 4,096-token steps).
+CHUNK_ALIGN = 64
+
 
 class OutOfStateSlots(RuntimeError):
     """A live state slot was asked for while every slot holds a live sequence or a pending snapshot."""

@@ -164,3 +164,31 @@ def test_preemption_frees_the_slot_and_a_failed_step_its_snapshots() -> None:
     assert c.state is not None and c.state.live == 1
     c.fail_step(plan.step_id)
     assert c.state.live == 0 and c.state.num_snapshots == 0 and c.state.available == 8
+
+
+def chunk_ends(c: SchedulerCore) -> list[tuple[str, int, int]]:
+    """(rid, start, end) of every chunk of every step until the core is idle."""
+    return [(ch.rid, ch.start, ch.start + ch.length) for plan in finish_all(c) for ch in plan.chunks]
+
+
+def test_a_hybrid_models_prefill_chunks_end_on_the_kernels_chunk_grid() -> None:
+    # Two prompts of 400 tokens sharing 300-token steps: every chunk inside a prompt ends at a multiple of 64, so the
+    # next starts there and the snapshots every 4 blocks (64 tokens) fall on fla's chunk starts. The first step's
+    # 44 leftover tokens do not start "b" off the grid: it waits for the next step.
+    c = core(chunk_size=300, block_size=16, state_snapshot_every=4, num_blocks=128)
+    add(c, "a", list(range(1, 401)), max_tokens=1)
+    add(c, "b", list(range(401, 801)), max_tokens=1)
+    assert chunk_ends(c) == [("a", 0, 256), ("a", 256, 400), ("b", 0, 128), ("b", 128, 400)]
+
+
+def test_a_chunk_too_short_for_the_grid_keeps_its_length() -> None:
+    # A 16-token budget never reaches a multiple of 64 from most starts: the chunks keep their length (no stall).
+    c = core(chunk_size=16)
+    add(c, "a", list(range(1, 41)), max_tokens=1)
+    assert [(s, e) for _, s, e in chunk_ends(c)] == [(0, 16), (16, 32), (32, 40)]
+
+
+def test_chunks_without_a_state_pool_use_the_whole_budget() -> None:
+    c = core(chunk_size=200, state_slots=0, num_blocks=128)
+    add(c, "a", list(range(1, 301)), max_tokens=1)
+    assert [(s, e) for _, s, e in chunk_ends(c)] == [(0, 200), (200, 300)]
