@@ -192,3 +192,32 @@ def test_chunks_without_a_state_pool_use_the_whole_budget() -> None:
     c = core(chunk_size=200, state_slots=0, num_blocks=128)
     add(c, "a", list(range(1, 301)), max_tokens=1)
     assert [(s, e) for _, s, e in chunk_ends(c)] == [(0, 200), (200, 300)]
+
+
+def test_text_before_an_image_the_cap_holds_back_waits_on_the_grid() -> None:
+    # "d" decodes, so each step may encode 100 image tokens: "a"'s image takes them, and "b"'s chunk would stop
+    # before its own image after 8 tokens of text, leaving "b" off the 64-token grid for its next chunk (its
+    # snapshot at 192 would then cut that chunk's kernel call). It waits a step and then goes whole.
+    c = core(chunk_size=300, block_size=16, state_snapshot_every=4, num_blocks=256, decode_step_image_tokens=100,
+             mm_cache_bytes=1_000_000)  # fmt: skip
+    add(c, "d", list(range(1, 41)), max_tokens=50)
+    step(c)
+    image = [MMItem(bytes([tag]) * 16, 8, 100, (1, 20, 20)) for tag in (1, 2)]
+    add(c, "a", list(range(41, 241)), max_tokens=1, items=[image[0]])
+    add(c, "b", list(range(241, 441)), max_tokens=1, items=[image[1]])
+    first, second = step(c), step(c)
+    assert [(ch.rid, ch.start, ch.length) for ch in first.chunks] == [("d", 40, 1), ("a", 0, 200)]
+    assert [(ch.rid, ch.start, ch.length) for ch in second.chunks if ch.rid == "b"] == [("b", 0, 200)]
+
+
+def test_a_chunk_cut_by_its_own_image_against_the_cap_is_taken_off_the_grid() -> None:
+    # "a"'s first image fits the 100-token cap, its second does not: waiting would cut it the same way every step
+    # while "d" decodes, so the 20-token piece goes (off the grid) and the second image goes alone next.
+    c = core(chunk_size=300, block_size=16, state_snapshot_every=4, num_blocks=256, decode_step_image_tokens=100,
+             mm_cache_bytes=1_000_000)  # fmt: skip
+    add(c, "d", list(range(1, 41)), max_tokens=50)
+    step(c)
+    images = [MMItem(bytes([1]) * 16, 2, 10, (1, 2, 20)), MMItem(bytes([2]) * 16, 20, 100, (1, 20, 20))]
+    add(c, "a", list(range(41, 241)), max_tokens=1, items=images)
+    chunks = [(ch.start, ch.length) for _ in range(3) for ch in step(c).chunks if ch.rid == "a"]
+    assert chunks == [(0, 20), (20, 180)]
