@@ -1,0 +1,87 @@
+"""How long each chunk of a step is: the token budget, what the tokenizer has written, the image cap of steps that
+carry decodes (``decode_step_image_tokens``: the images a chunk would send through the vision encoder), the encoder
+workers' landed images, a hybrid model's 64-token chunk grid, and images whose tokens attend both ways. Bookkeeping
+only; ``SchedulerCore`` (scheduler.py) picks the sequences and builds the plan."""
+
+from __future__ import annotations
+
+from ipc.prompts import MMItem
+from workers.engine.core.bookkeeping import SequenceBook
+from workers.engine.core.sequence import Sequence
+
+
+class ChunkSizing(SequenceBook):
+    """The chunk-length rules of ``SchedulerCore``, over the state ``SequenceBook`` keeps (the step's image-cap
+    counters ``_encode_left`` and ``_encoding`` are set by ``schedule`` for each plan)."""
+
+    def _chunk_length(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq`` this step computes: up to the budget and what is computable, on a hybrid model ending at
+        a multiple of ``chunk_align`` inside the prompt where it can, and, where image tokens
+        attend both ways (``whole_images``), never ending inside an image's span. Such a span is cut before it
+        when the chunk has tokens before it; a chunk that starts inside or at it takes the rest of the span whole,
+        past the budget if need be (at most one image's tokens, 1,120 on Gemma 4), since no token of it could be
+        computed without its later tokens' keys."""
+        start, computable = seq.num_scheduled, seq.computable()
+        length = self._cap_encodes(seq, start, min(computable - start, budget))
+        if self.remote is not None and length > 0:  # never past an image the encoder workers have not landed yet
+            length = self.remote.stop_at(seq, start, length)
+        if self.chunk_align > 1 and length > 0 and start + length < seq.prompt_len:
+            length = self._on_grid(seq, start, length, budget)
+        if not self.whole_images or length <= 0:
+            return length
+        end = start + length
+        for item in seq.items:
+            span_end = item.offset + item.length
+            if not item.offset < end < span_end:
+                continue
+            if item.offset > start:
+                return item.offset - start
+            return span_end - start if span_end <= computable else 0
+        return length
+
+    def _on_grid(self, seq: Sequence, start: int, length: int, budget: int) -> int:
+        """A hybrid model's chunk that ends inside the prompt, cut back to a multiple of ``chunk_align``
+        (state_cache.CHUNK_ALIGN), so the next one starts there. A sequence on that grid whose chunk cannot reach
+        its next point waits instead (0) where waiting ends by itself: a large step's leftover budget, or a
+        text-only piece cut short by an image that other chunks' encodes or the tokenizer hold back (a piece with an
+        image of its own may be cut by that image's cost against the cap, which waiting would not change).
+        Otherwise the piece is taken (nothing stalls), and only its own and the next chunk's snapshots fall off the
+        kernels' grid."""
+        aligned = (start + length) // self.chunk_align * self.chunk_align
+        if aligned > start:
+            return aligned - start
+        if start % self.chunk_align:
+            return length
+        if length == budget:
+            return 0 if self.chunk_size >= 4 * self.chunk_align else length
+        text_only = not any(it.offset < start + length and it.offset + it.length > start for it in seq.items)
+        return 0 if text_only else length
+
+    def _uncached_images(self, seq: Sequence, start: int, end: int) -> list[MMItem]:
+        """The images [start, end) of ``seq`` reaches that this step would encode: in neither tier of the embedding
+        cache and not already encoded by an earlier chunk of the step, in prompt order."""
+        index = self.mm_index
+        return [it for it in sorted(seq.items, key=lambda it: it.offset)
+                if it.offset < end and it.offset + it.length > start
+                and it.hash not in self._encoding and it.hash not in index and it.hash not in index.host]
+
+    def _cap_encodes(self, seq: Sequence, start: int, length: int) -> int:
+        """``length`` cut so that the step's encodes stay within ``decode_step_image_tokens`` (a step with decodes;
+        no cap otherwise): the chunk ends before the first image past the cap, unless the step encodes nothing yet
+        (so a large image still goes, alone). 0 when the chunk starts at such an image: the sequence waits a step."""
+        left = self._encode_left
+        if left is None or length <= 0:
+            return length
+        for item in self._uncached_images(seq, start, start + length):
+            if item.length > left and (self._encoding or left < self.decode_step_image_tokens):
+                return max(0, item.offset - start)
+            left -= item.length
+        return length
+
+    def _charge_encodes(self, seq: Sequence, start: int, length: int) -> None:
+        """Count the images a picked chunk makes this step encode against the step's cap."""
+        if self._encode_left is None:
+            return
+        for item in self._uncached_images(seq, start, start + length):
+            self._encoding.add(item.hash)
+            self._encode_left -= item.length
