@@ -89,7 +89,9 @@ class SequenceBook:
         # a snapshot planned every ``state_snapshot_every`` blocks of a prompt (0: only at its last full block).
         self.state = StatePool(state_slots) if state_slots > 0 else None
         self.state_snapshot_every = state_snapshot_every
-        self.chunk_align = CHUNK_ALIGN if self.state is not None else 1  # where prefill chunks of a prompt end
+        # Where a hybrid model's prefill chunks end inside a prompt (chunking.py): on the kernels' chunk grid, unless
+        # steps are so small (under 4 grid cells) that cutting each back to the grid would cost a large share of it.
+        self.chunk_align = CHUNK_ALIGN if self.state is not None and chunk_size >= 4 * CHUNK_ALIGN else 1
         # Image tokens attend to each other both ways (ModelSpec.bidirectional_images): a chunk never ends inside an
         # image's span (`fit_chunk`).
         self.whole_images = whole_images

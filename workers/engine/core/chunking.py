@@ -42,20 +42,18 @@ class ChunkSizing(SequenceBook):
     def _on_grid(self, seq: Sequence, start: int, length: int, budget: int) -> int:
         """A hybrid model's chunk that ends inside the prompt, cut back to a multiple of ``chunk_align``
         (state_cache.CHUNK_ALIGN), so the next one starts there. A sequence on that grid whose chunk cannot reach
-        its next point waits instead (0) where waiting ends by itself: a large step's leftover budget, or a
-        text-only piece cut short by an image that other chunks' encodes or the tokenizer hold back (a piece with an
-        image of its own may be cut by that image's cost against the cap, which waiting would not change).
-        Otherwise the piece is taken (nothing stalls), and only its own and the next chunk's snapshots fall off the
-        kernels' grid."""
+        its next point waits instead (0) where waiting ends by itself: a step's leftover budget (steps are at least
+        4 grid cells, SequenceBook), or a text-only piece cut short by an image that other chunks' encodes or the
+        tokenizer hold back (a piece with an image of its own may be cut by that image's cost against the cap, which
+        waiting would not change). Otherwise the piece is taken (nothing stalls), and only its own and the next
+        chunk's snapshots fall off the kernels' grid."""
         aligned = (start + length) // self.chunk_align * self.chunk_align
         if aligned > start:
             return aligned - start
         if start % self.chunk_align:
             return length
-        if length == budget:
-            return 0 if self.chunk_size >= 4 * self.chunk_align else length
         text_only = not any(it.offset < start + length and it.offset + it.length > start for it in seq.items)
-        return 0 if text_only else length
+        return 0 if length == budget or text_only else length
 
     def _uncached_images(self, seq: Sequence, start: int, end: int) -> list[MMItem]:
         """The images [start, end) of ``seq`` reaches that this step would encode: in neither tier of the embedding

@@ -181,11 +181,11 @@ def test_a_hybrid_models_prefill_chunks_end_on_the_kernels_chunk_grid() -> None:
     assert chunk_ends(c) == [("a", 0, 256), ("a", 256, 400), ("b", 0, 128), ("b", 128, 400)]
 
 
-def test_a_chunk_too_short_for_the_grid_keeps_its_length() -> None:
-    # A 16-token budget never reaches a multiple of 64 from most starts: the chunks keep their length (no stall).
-    c = core(chunk_size=16)
-    add(c, "a", list(range(1, 41)), max_tokens=1)
-    assert [(s, e) for _, s, e in chunk_ends(c)] == [(0, 16), (16, 32), (32, 40)]
+def test_steps_smaller_than_four_grid_cells_keep_their_whole_budget() -> None:
+    # 100-token steps cut back to the grid would carry 64 tokens each: below 256 the grid is off.
+    c = core(chunk_size=100, num_blocks=128)
+    add(c, "a", list(range(1, 251)), max_tokens=1)
+    assert [(s, e) for _, s, e in chunk_ends(c)] == [(0, 100), (100, 200), (200, 250)]
 
 
 def test_chunks_without_a_state_pool_use_the_whole_budget() -> None:
