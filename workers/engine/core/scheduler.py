@@ -77,7 +77,8 @@ class SchedulerCore(ChunkSizing):
             picked.append((seq, length))
             budget -= length
             self._charge_encodes(seq, seq.num_scheduled, length)
-        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+        # (On a hybrid model's chunk grid a budget under one cell funds no new chunk: admitting would only take slots.)
+        while budget >= self.chunk_align and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached, snapshot, window_table = self._cached_prefix(seq)
             extra = fork_blocks_needed(seq.prompt_len, seq.sampling.n, self.allocator.block_size) if seq.wants_fork else 0

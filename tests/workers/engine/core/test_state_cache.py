@@ -178,7 +178,12 @@ def test_a_hybrid_models_prefill_chunks_end_on_the_kernels_chunk_grid() -> None:
     c = core(chunk_size=300, block_size=16, state_snapshot_every=4, num_blocks=128)
     add(c, "a", list(range(1, 401)), max_tokens=1)
     add(c, "b", list(range(401, 801)), max_tokens=1)
-    assert chunk_ends(c) == [("a", 0, 256), ("a", 256, 400), ("b", 0, 128), ("b", 128, 400)]
+    first = c.schedule()
+    assert first is not None and [s.rid for s in c.running] == ["a"]  # 44 tokens left fund no chunk: "b" waits
+    c.update(StepResult(first.step_id, []))
+    assert [(ch.rid, ch.start, ch.length) for ch in first.chunks] + [
+        (rid, s, e - s) for rid, s, e in chunk_ends(c)
+    ] == [("a", 0, 256), ("a", 256, 144), ("b", 0, 128), ("b", 128, 272)]
 
 
 def test_steps_smaller_than_four_grid_cells_keep_their_whole_budget() -> None:
