@@ -142,9 +142,11 @@ def measure(
     engine = Engine(EngineConfig(model=str(ck), device="cuda", dtype="bfloat16", load_format="dummy",
                                  kv_cache_mb=kv_mb, max_model_len=max(8192, context + 256),
                                  max_num_seqs=max(batch, 1), block_size=block_size))  # fmt: skip
+    # One phase's steps only (a prefill's would swamp decodes); with ``waits`` the host side too, whose Python
+    # stacks the profiler keeps only in its verbose mode.
     activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if waits else [])]
-    prof = profile(activities=activities, with_stack=waits,  # stacks are kept only in the verbose mode
-                   experimental_config=_ExperimentalConfig(verbose=True) if waits else None)  # one phase's steps only: a prefill's would swamp decodes
+    prof = profile(activities=activities, with_stack=waits,
+                   experimental_config=_ExperimentalConfig(verbose=True) if waits else None)
     if phase == "prefill":
         prefill(engine, batch, context, "warm")  # first use: compiles, autotuning
         steps = prefill(engine, batch, context, "timed")

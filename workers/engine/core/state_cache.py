@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-# A hybrid model's prefill chunks end at multiples of this many prompt tokens (SchedulerCore._chunk_length): the
+# A hybrid model's prefill chunks end at multiples of this many prompt tokens (chunking.ChunkSizing._on_grid): the
 # chunked gated delta kernels (flash-linear-attention's) cut each sequence of a step into 64-token chunks from its
 # first new token and keep the state at every chunk start, so a step's snapshots at block boundaries (multiples of the
 # block size) come out of one kernel pipeline only when every piece starts on such a multiple. A piece starting
