@@ -3,8 +3,8 @@ graphs, `glimpse serve`'s KV block size), ``--batch`` greedy sequences of ``--co
 of ~50), the median step once all are decoding (host sync after each) and the kernels of 17 steps under the
 profiler, per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served
 configuration with one switch turned, e.g. the elementwise work eager instead of fused). ``--phase prefill`` profiles
-the prefill steps instead: ``--batch`` fresh text prompts of ``--context`` tokens in ``glimpse serve``'s 4,096-token
-chunks, with their prefill tokens per second. Every prompt opens with a word of its own, so no two share a cached
+the prefill steps instead: ``--batch`` fresh text prompts of ``--context`` tokens in steps of ``--chunks`` tokens
+(default ``glimpse serve``'s 4,096; a list runs each), with their prefill tokens per second. Every prompt opens with a word of its own, so no two share a cached
 prefix.
 
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
@@ -14,6 +14,7 @@ prefix.
     python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --batch 64 --context 2200  # (b)'s decodes
     python -m benchmarks.engine.decode_profile --shape qwen3.5-27b --layers 32 --phase prefill --batch 8 --context 2200
     python -m benchmarks.engine.decode_profile --shape qwen3.5-27b --layers 32 --phase prefill --batch 8 --context 6600 --waits
+    python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --phase prefill --batch 8 --context 2200 --chunks 2048,4096
 
 ``--waits`` also records the host side of the profiled steps and lists the CUDA runtime calls the host waited in
 (a synchronize, a copy to or from pageable memory), by the code that made them: each is a point where the GPU's queue
@@ -132,16 +133,18 @@ def print_waits(prof: profile, steps: int, floor_ms: float = 0.05) -> None:
 
 
 def measure(
-    ck: Path, top: int, batch: int = 1, context: int = 50, phase: str = "decode", waits: bool = False
+    ck: Path, top: int, batch: int = 1, context: int = 50, phase: str = "decode", waits: bool = False,
+    chunk: int = 4096,
 ) -> tuple[float, float, float]:
-    """(median step ms, kernel ms per step, kernels per step) of ``phase``'s steps, printing the ``top`` kernels
-    (and, with ``waits``, where the host waited for the GPU)."""
+    """(median step ms, kernel ms per step, kernels per step) of ``phase``'s steps of at most ``chunk`` tokens,
+    printing the ``top`` kernels (and, with ``waits``, where the host waited for the GPU)."""
     kv_mb = max(4096, batch * (context + 128) * 160 // 1024)  # ~160 KiB of KV a token covers the 8B shapes
     block_size, _ = serving_kv_blocks("cuda", "auto", None, None)  # `glimpse serve`'s blocks: the decode kernel's
     # time depends on them (64 x 2,200 keys on an H200: 0.28 ms a layer in 16-token blocks, 0.15 in 128-token ones)
     engine = Engine(EngineConfig(model=str(ck), device="cuda", dtype="bfloat16", load_format="dummy",
                                  kv_cache_mb=kv_mb, max_model_len=max(8192, context + 256),
-                                 max_num_seqs=max(batch, 1), block_size=block_size))  # fmt: skip
+                                 max_num_seqs=max(batch, 1), block_size=block_size, chunk_size=chunk,
+                                 lone_prefill_tokens=chunk))  # fmt: skip
     # One phase's steps only (a prefill's would swamp decodes); with ``waits`` the host side too, whose Python
     # stacks the profiler keeps only in its verbose mode.
     activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if waits else [])]
@@ -150,7 +153,7 @@ def measure(
     if phase == "prefill":
         prefill(engine, batch, context, "warm")  # first use: compiles, autotuning
         steps = prefill(engine, batch, context, "timed")
-        print(f"prefill: {batch} x ~{context} tokens in {len(steps)} steps, {sum(steps):.3f} s, "
+        print(f"prefill: {batch} x ~{context} tokens in {len(steps)} steps of <= {chunk}, {sum(steps):.3f} s, "
               f"{batch * context / sum(steps):,.0f} tokens/s")
         n = len(prefill(engine, batch, context, "profiled", prof))
         steps.sort()
@@ -204,17 +207,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=50, help="prompt tokens of each sequence")
     ap.add_argument("--phase", choices=("decode", "prefill"), default="decode", help="the steps profiled")
     ap.add_argument("--waits", action="store_true", help="list the runtime calls the host waited in, by caller")
+    ap.add_argument("--chunks", default="4096", help="comma-separated step token budgets, each run per variant")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         ck = checkpoint(args.shape, args.layers, Path(scratch), args.quantize)
-        for name in args.variants.split(","):
+        for name, chunk in itertools.product(args.variants.split(","), map(int, args.chunks.split(","))):
             saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in VARIANTS[name]]
             for owner, attr, value in VARIANTS[name]:
                 setattr(owner, attr, value)
             if args.top:
-                print(f"\n{name}:\n| kernel | per step | ms per step |\n|---|---|---|")
-            rows.append((name, *measure(ck, args.top, args.batch, args.context, args.phase, args.waits)))
+                print(f"\n{name}, steps of <= {chunk}:\n| kernel | per step | ms per step |\n|---|---|---|")
+            rows.append((f"{name}, <= {chunk}",
+                         *measure(ck, args.top, args.batch, args.context, args.phase, args.waits, chunk)))
             for owner, attr, value in saved:
                 setattr(owner, attr, value)
     fp8 = f", {args.quantize} under {fp8_gemm.VARIANT_ENV}={fp8_gemm.variant()}" if args.quantize else ""
