@@ -171,3 +171,15 @@ def test_encode_ahead_flag_and_what_it_refuses(demo_model_dir: Path) -> None:
                      (("512", "--encoder-workers", "1"), "needs --tp 1 .* and no --encoder-workers")]:
         with pytest.raises(SystemExit, match=f"^glimpse serve: --encode-ahead-tokens {why}"):
             build_config(parse(*base, "--encode-ahead-tokens", *bad))
+
+
+def test_image_cap_defaults_by_model_kind_and_takes_the_flag(
+    demo_model_dir: Path, qwen3_5_model_dir: Path, gemma4_model_dir: Path
+) -> None:
+    # Attention-only models keep the cap that bounds decodes' stalls behind images; hybrid models (recurrent state)
+    # serve without it by default (it cost them 7-21% of (b)'s requests/s), and the flag wins on either.
+    for model, default in [(demo_model_dir, 2048), (gemma4_model_dir, 2048), (qwen3_5_model_dir, 0)]:
+        base = ("--model", str(model), "--device", "cpu")
+        assert build_config(parse(*base)).engine.decode_step_image_tokens == default, model
+        assert build_config(parse(*base, "--decode-step-image-tokens", "4096")).engine.decode_step_image_tokens == 4096
+        assert build_config(parse(*base, "--decode-step-image-tokens", "0")).engine.decode_step_image_tokens == 0
