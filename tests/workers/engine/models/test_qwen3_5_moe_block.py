@@ -25,7 +25,9 @@ def test_the_joined_projection_answers_as_the_separate_ones_and_keeps_the_weight
     weights = {name: p.detach().clone() for name, p in moe.named_parameters()}
     moe.fused = True
     got = moe(x)
-    assert moe._joined is not None and moe._joined.shape == (2 * 24 + 8 + 1, 32)
+    # 57 rows padded with zeros to 64: an odd width sends cuBLAS to an unaligned kernel
+    assert moe._joined is not None and moe._joined.shape == (64, 32) and 2 * 24 + 8 + 1 == 57
+    assert not moe._joined[57:].any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # The three parameters are now views of the joined matrix, with their values unchanged.
     joined = moe._joined.untyped_storage().data_ptr()
