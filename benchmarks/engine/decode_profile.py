@@ -109,12 +109,26 @@ WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSyn
 
 
 def _caller(event: Any) -> str:
-    """The repo and fla frames of the nearest enclosing op that carries a Python stack (runtime calls carry none)."""
+    """The repo and fla frames of the nearest enclosing op that carries a Python stack (runtime calls carry none);
+    without stacks recorded, the names of the enclosing ops."""
+    parent = event.cpu_parent
     while event is not None and not event.stack:
         event = event.cpu_parent
     frames = [f.split("/")[-1] for f in (event.stack if event is not None else [])
               if f.startswith(("workers/", "benchmarks/")) or "/workers/" in f or "/fla/" in f]  # fmt: skip
+    if not frames:
+        while parent is not None and len(frames) < 3:
+            frames.append(parent.name)
+            parent = parent.cpu_parent
     return " < ".join(frames[:4]) or "?"
+
+
+def print_host_ops(prof: profile, steps: int, top: int) -> None:
+    """The host's own time per step by op (CPU self time: dispatch, launches, Python-side kernel wrappers)."""
+    ops = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+    print("\n| host op | calls per step | host self ms per step |\n|---|---|---|")
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"| {e.key[:90]} | {e.count / steps:.1f} | {e.self_cpu_time_total / 1e3 / steps:.3f} |")
 
 
 def print_waits(prof: profile, steps: int, floor_ms: float = 0.05) -> None:
@@ -134,10 +148,11 @@ def print_waits(prof: profile, steps: int, floor_ms: float = 0.05) -> None:
 
 def measure(
     ck: Path, top: int, batch: int = 1, context: int = 50, phase: str = "decode", waits: bool = False,
-    chunk: int = 4096,
+    chunk: int = 4096, host: bool = False,
 ) -> tuple[float, float, float]:
     """(median step ms, kernel ms per step, kernels per step) of ``phase``'s steps of at most ``chunk`` tokens,
-    printing the ``top`` kernels (and, with ``waits``, where the host waited for the GPU)."""
+    printing the ``top`` kernels (with ``waits``, where the host waited for the GPU, by Python caller; with ``host``,
+    the same by enclosing op and the host's time by op, without the cost of recording stacks)."""
     kv_mb = max(4096, batch * (context + 128) * 160 // 1024)  # ~160 KiB of KV a token covers the 8B shapes
     block_size, _ = serving_kv_blocks("cuda", "auto", None, None)  # `glimpse serve`'s blocks: the decode kernel's
     # time depends on them (64 x 2,200 keys on an H200: 0.28 ms a layer in 16-token blocks, 0.15 in 128-token ones)
@@ -147,7 +162,7 @@ def measure(
                                  lone_prefill_tokens=chunk))  # fmt: skip
     # One phase's steps only (a prefill's would swamp decodes); with ``waits`` the host side too, whose Python
     # stacks the profiler keeps only in its verbose mode.
-    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if waits else [])]
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if waits or host else [])]
     prof = profile(activities=activities, with_stack=waits,
                    experimental_config=_ExperimentalConfig(verbose=True) if waits else None)
     if phase == "prefill":
@@ -164,8 +179,10 @@ def measure(
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"| {e.key[:90]} | {e.count / n:.1f} | {e.self_device_time_total / 1e3 / n:.4f} |")
-    if waits:
+    if waits or host:
         print_waits(prof, n)
+    if host:
+        print_host_ops(prof, n, top)
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -207,6 +224,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=50, help="prompt tokens of each sequence")
     ap.add_argument("--phase", choices=("decode", "prefill"), default="decode", help="the steps profiled")
     ap.add_argument("--waits", action="store_true", help="list the runtime calls the host waited in, by caller")
+    ap.add_argument("--host", action="store_true", help="the host's waits by enclosing op and its time by op (no stacks)")
     ap.add_argument("--chunks", default="4096", help="comma-separated step token budgets, each run per variant")
     args = ap.parse_args()
     rows = []
@@ -219,7 +237,7 @@ def main() -> None:
             if args.top:
                 print(f"\n{name}, steps of <= {chunk}:\n| kernel | per step | ms per step |\n|---|---|---|")
             rows.append((f"{name}, <= {chunk}",
-                         *measure(ck, args.top, args.batch, args.context, args.phase, args.waits, chunk)))
+                         *measure(ck, args.top, args.batch, args.context, args.phase, args.waits, chunk, args.host)))
             for owner, attr, value in saved:
                 setattr(owner, attr, value)
     fp8 = f", {args.quantize} under {fp8_gemm.VARIANT_ENV}={fp8_gemm.variant()}" if args.quantize else ""
