@@ -349,10 +349,10 @@ class ModelRunner:
         wwidth = max((len(t) for t in wtables), default=0)
         window_parts = [step.window_slots, [i for t in wtables for i in (*t, *[0] * (wwidth - len(t)))]]
         long_parts = [ids, [*pos[0], *pos[1], *pos[2]], step.slots, sample_rows, mm_rows, window_parts[0], *state_parts]
-        longs = to_device([torch.tensor(aligned_pack(long_parts, 2))], self.device)
+        longs = to_device([aligned_pack(long_parts, 2)], self.device)
         int_parts = [[0, *cumsum(query_lens)], seq_lens, [i for t in tables for i in (*t, *[0] * (width - len(t)))],
                      window_parts[1]]  # fmt: skip
-        int32 = to_device([torch.tensor(aligned_pack(int_parts, 4), dtype=torch.int32)], self.device)
+        int32 = to_device([aligned_pack(int_parts, 4, torch.int32)], self.device)
         input_ids, positions, slot_mapping, rows, mm_index, window_slots, *state_rows = aligned_split(longs, long_parts, 2)
         starts, lens, table_rows, window_rows = aligned_split(int32, int_parts, 4)
         embeds = self.model.embed(input_ids if ahead_ids is None else ahead_ids)

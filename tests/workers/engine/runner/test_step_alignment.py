@@ -14,14 +14,14 @@ from ipc.prompts import SamplingParams
 from tests.workers.engine.runner.test_async_scheduling import make_engine
 from tests.workers.engine.test_offline import chat, noise_image
 from workers.engine.kernels.attention import AttentionMetadata
-from workers.engine.runner.batching import aligned_pack, aligned_split
+from workers.engine.runner.batching import aligned_pack, aligned_split, host_tensor, int_array
 
 
 @pytest.mark.parametrize(("dtype", "per_16_bytes", "packed_len"), [(torch.int32, 4, 4 + 4 + 8 + 4), (torch.int64, 2, 2 + 4 + 6 + 2)])
 def test_packed_parts_come_back_whole_and_aligned(dtype: torch.dtype, per_16_bytes: int, packed_len: int) -> None:
     parts = [[1], [2, 3, 4], [], [5, 6, 7, 8, 9], [10, 11]]
-    packed = torch.tensor(aligned_pack(parts, per_16_bytes), dtype=dtype)
-    assert packed.data_ptr() % 16 == 0
+    packed = aligned_pack(parts, per_16_bytes, dtype)
+    assert packed.dtype == dtype and packed.data_ptr() % 16 == 0
     views = aligned_split(packed, parts, per_16_bytes)
     assert [v.tolist() for v in views] == parts
     assert all(v.data_ptr() % 16 == 0 for v in views)
@@ -46,3 +46,16 @@ def test_every_steps_metadata_is_aligned_whatever_the_batch(demo_model_dir: Path
     for meta in seen:
         for field in (meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping):
             assert field.data_ptr() % 16 == 0, (len(meta.seq_lens_cpu), field)
+
+
+def test_host_tensors_take_lists_or_arrays_of_either_width() -> None:
+    assert host_tensor([]).shape == (0,) and host_tensor([], torch.int32).dtype == torch.int32
+    big = [2**40, -3, 0]
+    assert host_tensor(big).tolist() == big
+    filled = int_array(torch.int32)
+    filled.extend([7, -8, 2**31 - 1])
+    assert host_tensor(filled, torch.int32).tolist() == [7, -8, 2**31 - 1]
+    with pytest.raises(OverflowError):  # an id too wide for int32 is an error, not a wrapped index
+        host_tensor([2**31], torch.int32)
+    with pytest.raises(ValueError, match="per_16_bytes"):
+        aligned_pack([[1]], 32)
