@@ -341,7 +341,9 @@ class ModelRunner:
         replaces the step's ids (a step planned ahead: the ids are on the device only)."""
         ids, pos, query_lens, seq_lens, tables = step.ids, step.positions, step.query_lens, step.seq_lens, step.tables
         n, width = len(ids), max(len(t) for t in tables)
-        mm_rows = [row for dst, _, _, count in step.splices for row in range(dst, dst + count)]
+        mm_rows: list[int] = []
+        for dst, _, _, count in step.splices:
+            mm_rows.extend(range(dst, dst + count))
         # All index data in two copies (one per dtype) rather than eight, none of them blocking.
         state_parts = [step.state_slots, [int(b) for b in step.has_initial]] if self.state is not None else []
         # A window pool's slots and tables ride in the same copies (window_parts: empty without one).

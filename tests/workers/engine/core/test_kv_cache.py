@@ -37,3 +37,8 @@ def test_slot_mapping_follows_block_table() -> None:
     assert slot_mapping(table, 0, 3, 4) == [28, 29, 30]
     assert slot_mapping(table, 3, 4, 4) == [31, 8, 9, 10]
     assert slot_mapping(table, 9, 2, 4) == [21, 22]
+    # every start and length against the per-token rule: block table[p // size], offset p % size
+    for start in range(12):
+        for length in range(12 - start + 1):
+            want = [table[p // 4] * 4 + p % 4 for p in range(start, start + length)]
+            assert slot_mapping(table, start, length, 4) == want, (start, length)
