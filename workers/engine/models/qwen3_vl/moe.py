@@ -191,9 +191,10 @@ def experts_grouped(
     result then has the routing weights' dtype (Gemma's stay float32), the k rows summed before one rounding."""
     t, k = ids.shape
     flat = ids.flatten()
-    order = flat.argsort(stable=True)
-    experts = torch.arange(gate_up.shape[0], device=ids.device, dtype=flat.dtype)
-    ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
+    # Sorted ids and order from one sort, the offsets straight in int32, the experts' ids made once: a prefill
+    # step of a 20-layer MoE is host-bound (launches), and these were three more launches a layer.
+    sorted_ids, order = flat.sort(stable=True)
+    ends = torch.searchsorted(sorted_ids, _expert_ids(gate_up.shape[0], flat), right=True, out_int32=True)
     rows = x[order // k]  # [t*k, H], grouped by expert
     if fp8_scales is None:
         h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)  # [t*k, 2I]
@@ -212,6 +213,21 @@ def experts_grouped(
     unsorted = torch.empty_like(y)
     unsorted[order] = y
     return unsorted.view(t, k, -1).sum(dim=1)
+
+
+_EXPERT_IDS: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
+
+
+def _expert_ids(experts: int, like: Tensor) -> Tensor:
+    """0 .. experts-1 on ``like``'s device and dtype, kept from the first use outside a CUDA-graph capture (inside
+    one, a new tensor's kernel is only recorded: a kept one would hold nothing until the graph's first replay)."""
+    key = (experts, like.device, like.dtype)
+    out = _EXPERT_IDS.get(key)
+    if out is None:
+        out = torch.arange(experts, device=like.device, dtype=like.dtype)
+        if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _EXPERT_IDS[key] = out
+    return out
 
 
 @functools.cache
