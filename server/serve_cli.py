@@ -30,6 +30,7 @@ def _whole(value: float) -> float | int:
 
 # Every flag's default is the config field's default: one place to change it.
 E = _defaults(EngineConfig)
+S = _defaults(ServerConfig)
 
 # Served with an image cap (the offline Engine keeps none): on (b) (Qwen3-VL-8B shape, H200, per token) it cut the
 # inter-token p99 197 -> 109 ms (FlashAttention-2) and 176 -> 98 ms (FA4) for 1.4-3.4% of the requests/s.
@@ -43,7 +44,6 @@ def default_image_cap(spec: ModelSpec) -> int:
     takes 91 ms against 115 for 4,096), while their inter-token p99 without it (273 and 154 ms) is already under
     vLLM 0.24's (837 and 306 ms)."""
     return 0 if spec.recurrent is not None else IMAGE_CAP_DEFAULT
-S = _defaults(ServerConfig)
 
 
 def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

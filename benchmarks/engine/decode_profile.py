@@ -4,8 +4,8 @@ of ~50), the median step once all are decoding (host sync after each) and the ke
 profiler, per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served
 configuration with one switch turned, e.g. the elementwise work eager instead of fused). ``--phase prefill`` profiles
 the prefill steps instead: ``--batch`` fresh text prompts of ``--context`` tokens in steps of ``--chunks`` tokens
-(default ``glimpse serve``'s 4,096; a list runs each), with their prefill tokens per second. Every prompt opens with a word of its own, so no two share a cached
-prefix.
+(default ``glimpse serve``'s 4,096; a list runs each), with their prefill tokens per second. Every prompt opens with
+a word of its own, so no two share a cached prefix.
 
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --variants "moe separate,as served" --top 0

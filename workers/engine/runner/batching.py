@@ -81,6 +81,13 @@ def cumsum(values: list[int]) -> list[int]:
     return out
 
 
+# A step's index fields run to tokens x 5 integers (ids, three position rows, slots); torch.tensor converts a list
+# at ~130 ns an element, array.array at ~20 (12,000 ints: 3.2 against 0.46 ms on the dev box), so a 4,096-token
+# prefill step's host time loses ~5 ms that a host-bound step (a MoE's) waits out.
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+_ZEROS = [0] * 16
+
+
 # Triton compiles one variant of a kernel per alignment class of its pointer arguments (16 bytes or not). The
 # step's index fields are packed into one copy, so each starts on a 16-byte boundary: otherwise a field's offset
 # follows the batch size, and the paged decode kernel met unaligned block tables and lengths only under load,
@@ -95,13 +102,6 @@ def aligned_pack(parts: Sequence[Sequence[int]], per_16_bytes: int, dtype: torch
         flat.extend(part)
         flat.extend(_ZEROS[: -len(part) % per_16_bytes])
     return host_tensor(flat, dtype)
-
-
-# A step's index fields run to tokens x 5 integers (ids, three position rows, slots); torch.tensor converts a list
-# at ~130 ns an element, array.array at ~20 (12,000 ints: 3.2 against 0.46 ms on the dev box), so a 4,096-token
-# prefill step's host time loses ~5 ms that a host-bound step (a MoE's) waits out.
-_TYPECODES = {torch.int64: "q", torch.int32: "i"}
-_ZEROS = [0] * 16
 
 
 def int_array(dtype: torch.dtype = torch.int64) -> array.array[int]:
