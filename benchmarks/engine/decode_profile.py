@@ -4,7 +4,8 @@ of ~50), the median step once all are decoding (host sync after each) and the ke
 profiler, per step. ``--variants`` runs the shape once per variant in one process (VARIANTS: the served
 configuration with one switch turned, e.g. the elementwise work eager instead of fused). ``--phase prefill`` profiles
 the prefill steps instead: ``--batch`` fresh text prompts of ``--context`` tokens in steps of ``--chunks`` tokens
-(default ``glimpse serve``'s 4,096; a list runs each), with their prefill tokens per second. Every prompt opens with
+(default ``glimpse serve``'s 4,096; a list runs each), with their prefill tokens per second. ``--pieces`` sets the
+largest step the piecewise CUDA graphs take (a list runs each). Every prompt opens with
 a word of its own, so no two share a cached prefix.
 
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20
@@ -15,6 +16,7 @@ a word of its own, so no two share a cached prefix.
     python -m benchmarks.engine.decode_profile --shape qwen3.5-27b --layers 32 --phase prefill --batch 8 --context 2200
     python -m benchmarks.engine.decode_profile --shape qwen3.5-27b --layers 32 --phase prefill --batch 8 --context 6600 --waits
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --phase prefill --batch 8 --context 2200 --chunks 2048,4096
+    python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --phase prefill --batch 8 --context 2200 --chunks 2048 --pieces 0,2048
 
 ``--waits`` also records the host side of the profiled steps and lists the CUDA runtime calls the host waited in
 (a synchronize, a copy to or from pageable memory), by the code that made them: each is a point where the GPU's queue
@@ -148,18 +150,21 @@ def print_waits(prof: profile, steps: int, floor_ms: float = 0.05) -> None:
 
 def measure(
     ck: Path, top: int, batch: int = 1, context: int = 50, phase: str = "decode", waits: bool = False,
-    chunk: int = 4096, host: bool = False,
+    chunk: int = 4096, host: bool = False, pieces: int | None = None,
 ) -> tuple[float, float, float]:
     """(median step ms, kernel ms per step, kernels per step) of ``phase``'s steps of at most ``chunk`` tokens,
     printing the ``top`` kernels (with ``waits``, where the host waited for the GPU, by Python caller; with ``host``,
-    the same by enclosing op and the host's time by op, without the cost of recording stacks)."""
+    the same by enclosing op and the host's time by op, without the cost of recording stacks). ``pieces``: the
+    engine's piecewise_graph_tokens (None: its default)."""
     kv_mb = max(4096, batch * (context + 128) * 160 // 1024)  # ~160 KiB of KV a token covers the 8B shapes
     block_size, _ = serving_kv_blocks("cuda", "auto", None, None)  # `glimpse serve`'s blocks: the decode kernel's
     # time depends on them (64 x 2,200 keys on an H200: 0.28 ms a layer in 16-token blocks, 0.15 in 128-token ones)
+    started = time.perf_counter()
     engine = Engine(EngineConfig(model=str(ck), device="cuda", dtype="bfloat16", load_format="dummy",
                                  kv_cache_mb=kv_mb, max_model_len=max(8192, context + 256),
                                  max_num_seqs=max(batch, 1), block_size=block_size, chunk_size=chunk,
-                                 lone_prefill_tokens=chunk))  # fmt: skip
+                                 lone_prefill_tokens=chunk, piecewise_graph_tokens=pieces))  # fmt: skip
+    print(f"engine started in {time.perf_counter() - started:.1f} s")
     # One phase's steps only (a prefill's would swamp decodes); with ``waits`` the host side too, whose Python
     # stacks the profiler keeps only in its verbose mode.
     activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if waits or host else [])]
@@ -179,6 +184,8 @@ def measure(
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"| {e.key[:90]} | {e.count / n:.1f} | {e.self_device_time_total / 1e3 / n:.4f} |")
+    if engine.runner.piecewise is not None:
+        print(f"piecewise graphs: {engine.runner.piecewise.stats}")
     if waits or host:
         print_waits(prof, n)
     if host:
@@ -226,18 +233,22 @@ def main() -> None:
     ap.add_argument("--waits", action="store_true", help="list the runtime calls the host waited in, by caller")
     ap.add_argument("--host", action="store_true", help="the host's waits by enclosing op and its time by op (no stacks)")
     ap.add_argument("--chunks", default="4096", help="comma-separated step token budgets, each run per variant")
+    ap.add_argument("--pieces", default="", help="comma-separated piecewise_graph_tokens, each run per variant and "
+                    "budget (empty: the config's default)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         ck = checkpoint(args.shape, args.layers, Path(scratch), args.quantize)
-        for name, chunk in itertools.product(args.variants.split(","), map(int, args.chunks.split(","))):
+        pieces = [int(p) if p else None for p in args.pieces.split(",")]
+        for name, chunk, most in itertools.product(args.variants.split(","), map(int, args.chunks.split(",")), pieces):
             saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in VARIANTS[name]]
             for owner, attr, value in VARIANTS[name]:
                 setattr(owner, attr, value)
+            label = f"{name}, <= {chunk}" + ("" if most is None else f", pieces to {most}")
             if args.top:
-                print(f"\n{name}, steps of <= {chunk}:\n| kernel | per step | ms per step |\n|---|---|---|")
-            rows.append((f"{name}, <= {chunk}",
-                         *measure(ck, args.top, args.batch, args.context, args.phase, args.waits, chunk, args.host)))
+                print(f"\n{label}:\n| kernel | per step | ms per step |\n|---|---|---|")
+            rows.append((label, *measure(ck, args.top, args.batch, args.context, args.phase, args.waits, chunk,
+                                         args.host, most)))
             for owner, attr, value in saved:
                 setattr(owner, attr, value)
     fp8 = f", {args.quantize} under {fp8_gemm.VARIANT_ENV}={fp8_gemm.variant()}" if args.quantize else ""

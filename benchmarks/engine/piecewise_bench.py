@@ -48,8 +48,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--load-requests", type=int, default=160)
     ap.add_argument("--running", type=int, default=48)
-    ap.add_argument("--limit", type=int, default=EngineConfig.piecewise_graph_tokens,
-                    help="--piecewise-graph-tokens of the engine (up to 1024)")
+    ap.add_argument("--limit", type=int, help="--piecewise-graph-tokens of the engine (default: the model's)")
     args = ap.parse_args()
     rng = random.Random(0)
 
@@ -69,7 +68,8 @@ def main() -> None:
               f"to {pieces.buckets_in_use[-1]} tokens", flush=True)
         r = engine.runner  # the same graphs with each layer's K/V written by the eager attention instead
         kv_eager = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, pieces.embeds.shape[1],
-                                          cfg.piecewise_graph_tokens, r.dtype, 1, None, deepstack_levels=pieces.ds_levels)
+                                          pieces.buckets_in_use[-1], r.dtype, 1, None,
+                                          deepstack_levels=pieces.ds_levels)
         variants = {"graphs": pieces, "graphs, K/V eager": kv_eager, "eager": None}
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

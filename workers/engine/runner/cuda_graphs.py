@@ -77,13 +77,12 @@ def start_graphs(r: LoadedModel) -> tuple[DecodeGraphs | None, PiecewiseGraphs |
     decode.capture_all(cfg.max_num_seqs)
     if decode.stats["captures"]:
         log.info("%d decode graphs captured in %.1f s", decode.stats["captures"], time.perf_counter() - started)
-    if r.state is not None:
-        # The pieces split at attention calls: a hybrid model's linear-attention layers are not such split points.
-        return decode, None
     width = r.model.embed(torch.zeros(1, dtype=torch.int64, device=r.device)).shape[-1]  # the LM's input rows
     window_scratch = pool.scratch * cfg.block_size if pool is not None else None
-    piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, width,
-                                       cfg.piecewise_graph_tokens, r.dtype, r.tp.size, r.num_blocks * cfg.block_size,
+    most = cfg.piecewise_graph_tokens
+    if most is None:
+        most = piecewise_graphs.default_tokens(hybrid=r.state is not None)
+    piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, width, most, r.dtype, r.tp.size, r.num_blocks * cfg.block_size,
                                        deepstack_levels=spec.embed_width // spec.hidden_size - 1,
                                        window_scratch_slot=window_scratch)
     return decode, piecewise

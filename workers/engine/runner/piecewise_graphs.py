@@ -33,6 +33,12 @@ decoder layers. For such families every bucket has a second set of pieces, captu
 as they are; image rows get the same one add as in the eager forward). Text steps keep the plain pieces: the
 DeepStack forward materializes the residual add the plain one defers into the next norm, which rounds differently
 in bf16, so a text step's numbers do not depend on whether its family has DeepStack.
+
+Hybrid models (Qwen3.5): a linear-attention layer splits too, around the two calls that read and write its
+sequences' state (the causal conv and the gated delta rule, piecewise_split.py's ``mix_linear``), which run eagerly
+between two pieces over the real rows, taking the step's state slots, snapshots and sequence bounds as they do
+without graphs. Its input projection, gates, gated norm and output projection, and the MLP or experts after it, are
+in the pieces.
 """
 
 from __future__ import annotations
@@ -40,103 +46,49 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from workers.engine.kernels.kv_write_kernel import write_kv_cache
 from workers.engine.models.base import LanguageModel
+from workers.engine.runner.piecewise_split import (
+    Call,
+    Capture,
+    LinearCall,
+    LinearShape,
+    Splitter,
+    placeholder_meta,
+)
 
 log = logging.getLogger(__name__)
 
 # Token counts a step is padded up to. Below ~512 rows a 7B's GEMMs stream weights rather than compute, so padding
-# costs the GPU little there; above, the buckets are 128 apart (at most ~25% of padding). Steps above the largest
-# bucket in use run eagerly: past ~1k tokens a step's host time hides under its GPU time anyway.
-TOKEN_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+# costs the GPU little there; from 512 to 2,048 the buckets are 128 apart (at most ~25% of padding, ~6% near 2k),
+# then 256 apart. Steps above the largest bucket in use run eagerly. Where a step of thousands of tokens still costs
+# the host more than the GPU (a sparse MoE's: the 35B-A3B's 2,048-token prefill step is 94 ms of wall for 29 ms of
+# kernels in 1,800 launches, H200), ``max_tokens`` reaches the larger buckets.
+TOKEN_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+                 *range(1152, 2049, 128), *range(2304, 4097, 256))
+
+
+# The largest step graphed by default. Attention-only models: past ~1k tokens a 7B's step hides its host time under
+# its GPU time (docs/perf-notes.md). Hybrid models (Qwen3.5): the MoE's steps stay host-bound up to the step budget
+# (the 35B-A3B's 2,048-token prefill step: 78.0 ms eager, 37.8 ms in pieces; (b) 8.76 -> 9.58 req/s), and the dense
+# 27B's lose nothing to the padding ((b) 5.76 -> 5.80 req/s; H200).
+ATTENTION_TOKENS = 1024
+HYBRID_TOKENS = 4096
+
+
+def default_tokens(hybrid: bool) -> int:
+    """``--piecewise-graph-tokens`` when none is given: by whether the model keeps recurrent state."""
+    return HYBRID_TOKENS if hybrid else ATTENTION_TOKENS
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
     """The buckets in use when steps of up to ``max_tokens`` tokens are graphed (those not above it)."""
     return tuple(b for b in TOKEN_BUCKETS if b <= max_tokens)
-
-
-class _Capture:
-    """Consecutive graph captures on one stream: one graph per piece."""
-
-    def __init__(self, pool: Any, mode: Literal["global", "thread_local"]) -> None:
-        self.pool, self.mode = pool, mode
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.open = False
-
-    def begin(self) -> None:
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
-        self.graphs.append(graph)
-        self.open = True
-
-    def end(self) -> None:
-        self.open = False
-        self.graphs[-1].capture_end()
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One layer's attention call as captured: what its replays attend with."""
-
-    kv_cache: Tensor
-    scale: float
-    heads: tuple[int, int, int]  # (query heads, KV heads, head dim): the static buffers it uses
-    window: int
-    bidirectional: bool
-    window_meta: bool  # reads the window pool's tables and slots (meta.window)
-    own_kv: bool  # writes K/V of its own (not a KV-shared layer's reader)
-
-    def same(self, other: _Call) -> bool:
-        return self.kv_cache is other.kv_cache and (self.scale, self.heads, self.window, self.bidirectional,
-                                                    self.window_meta, self.own_kv) == (other.scale, other.heads,
-                                                    other.window, other.bidirectional, other.window_meta, other.own_kv)
-
-
-class _Splitter:
-    """The attention backend the model's forward sees while pieces are captured (or emulated): it hands the layer's
-    q, k, v to the static buffers and returns the static attention output."""
-
-    name = "piecewise"
-
-    def __init__(self, owner: PiecewiseGraphs, rows: int, capture: _Capture | None = None, real: int = 0,
-                 meta: AttentionMetadata | None = None, window_meta: AttentionMetadata | None = None) -> None:
-        self.owner, self.rows, self.capture, self.real, self.meta = owner, rows, capture, real, meta
-        self.window_meta = window_meta  # the metadata object the sliding layers are handed (None: no window pool)
-        self.layer = 0
-
-    def forward(
-        self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
-        window: int = 0, bidirectional: bool = False,
-    ) -> Tensor:
-        o, rows, layer = self.owner, self.rows, self.layer
-        own_kv = k is not None and v is not None
-        call = _Call(kv_cache, scale, (q.shape[1], kv_cache.shape[-2], q.shape[2]), window, bidirectional,
-                     meta is self.window_meta and meta is not None, own_kv)
-        bq, bk, bv, _ = o.buffers(call.heads)
-        bq[:rows].copy_(q)
-        if k is not None and v is not None:
-            bk[:rows].copy_(k)
-            bv[:rows].copy_(v)
-            if o.scratch_slot is not None:  # padding rows write to the scratch slot
-                write_kv_cache(bk[:rows], bv[:rows], kv_cache, (o.window_slots if call.window_meta else o.slots)[:rows])
-        if layer == len(o.layers):
-            o.layers.append(call)
-        elif not o.layers[layer].same(call):
-            raise RuntimeError(f"layer {layer} attends otherwise than at its first capture")
-        self.layer += 1
-        if self.capture is not None:
-            self.capture.end()
-            self.capture.begin()
-        elif self.meta is not None:  # emulation: the real rows' attention, here and now
-            o.attend(layer, self.real, self.meta)
-        return o.buffers(call.heads)[3][:rows]
 
 
 @dataclass
@@ -176,8 +128,10 @@ class PiecewiseGraphs:
         self.buckets_in_use = token_buckets(max_tokens)
         self.most = most = self.buckets_in_use[-1] if self.buckets_in_use else 0
         self.embeds = torch.zeros(most, input_width, dtype=dtype, device=self.device)
-        # q, k, v and attention output per head shape, made at the first run of a bucket (outside any capture).
+        # q, k, v and attention output per head shape, made at the first run of a bucket (outside any capture); the
+        # same for linear-attention layers' inputs and output per their shape.
         self._buffers: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._linear: dict[LinearShape, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self.scratch_slot = scratch_slot
         self.slots = torch.full((most,), scratch_slot or 0, dtype=torch.int64, device=self.device)  # cache slot per row
         self.window_scratch_slot = window_scratch_slot
@@ -190,7 +144,7 @@ class PiecewiseGraphs:
                                     device=self.device)
         self.ds_rows = torch.arange(self.ds_feats.shape[0], device=self.device)
         self.ds_dirty = 0
-        self.layers: list[_Call] = []  # each attention call, in order
+        self.layers: list[Call] = []  # each split call (attention or linear mixing), in order
         self.buckets: dict[int, _Bucket] = {}
         self.broken = False
         self.stats = {"replays": 0, "captures": 0, "misses": 0, "deepstack_replays": 0}
@@ -213,6 +167,21 @@ class PiecewiseGraphs:
             q = torch.zeros(self.most, q_heads, head_dim, dtype=self.dtype, device=self.device)
             k = torch.zeros(self.most, kv_heads, head_dim, dtype=self.dtype, device=self.device)
             out = self._buffers[heads] = (q, k, torch.zeros_like(k), torch.zeros_like(q))
+        return out
+
+    def linear_buffers(self, shape: LinearShape) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The static q|k|v, decay, write strength and output of linear-attention layers of this shape."""
+        out = self._linear.get(shape)
+        if out is None:
+            if not self.emulate and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"linear-attention shape {shape} first seen inside a capture")
+            width, heads, head_dim, g_dtype, beta_dtype = shape
+            out = self._linear[shape] = (
+                torch.zeros(self.most, width, dtype=self.dtype, device=self.device),
+                torch.zeros(self.most, heads, dtype=g_dtype, device=self.device),
+                torch.zeros(self.most, heads, dtype=beta_dtype, device=self.device),
+                torch.zeros(self.most, heads, head_dim, dtype=self.dtype, device=self.device),
+            )
         return out
 
     @torch.inference_mode()
@@ -260,8 +229,8 @@ class PiecewiseGraphs:
         self.stats["deepstack_replays"] += with_ds
         if self.emulate:
             # The forward sees the capture's placeholder (every layer shows its kind); the splitter attends with meta.
-            shown = _placeholder_meta(rows, self.device, self.window_scratch_slot is not None)
-            splitter = _Splitter(self, rows, real=n, meta=meta, window_meta=shown.window)
+            shown = placeholder_meta(rows, self.device, self.window_scratch_slot is not None)
+            splitter = Splitter(self, rows, real=n, meta=meta, window_meta=shown.window)
             hidden: Tensor = self.lm(self.embeds[:rows], bucket.positions, self.kv_caches, shown, backend=splitter,
                                      deepstack=self._deepstack(rows) if with_ds else None)
             self.stats["replays"] += 1
@@ -283,9 +252,13 @@ class PiecewiseGraphs:
         return out[:n]
 
     def attend(self, layer: int, n: int, meta: AttentionMetadata) -> None:
-        """Layer ``layer``'s attention over the step's ``n`` real rows, into the static output, with the step's
-        metadata of the layer's kind."""
+        """Layer ``layer``'s split call over the step's ``n`` real rows, into the static output: its attention, with
+        the step's metadata of the layer's kind, or its linear-attention mixing over the step's state slots."""
         call = self.layers[layer]
+        if isinstance(call, LinearCall):
+            mixed, g, beta, mixed_out = self.linear_buffers(call.shape)
+            mixed_out[:n].copy_(call.mixer.mix(mixed[:n], g[:n], beta[:n], meta))
+            return
         q, k, v, out = self.buffers(call.heads)
         seen = meta.window if call.window_meta and meta.window is not None else meta
         k_n, v_n = (k[:n], v[:n]) if call.own_kv else (None, None)
@@ -313,22 +286,22 @@ class PiecewiseGraphs:
 
     def _capture_set(self, bucket: _Bucket, rows: int,
                      deepstack: tuple[Tensor, Tensor] | None) -> tuple[list[torch.cuda.CUDAGraph], Tensor]:
-        meta = _placeholder_meta(rows, self.device, self.window_scratch_slot is not None)
+        meta = placeholder_meta(rows, self.device, self.window_scratch_slot is not None)
         shown = meta.window
         embeds = self.embeds[:rows]
         # A run outside capture first, on the capture stream: lazy library set-up, compiles and cuBLAS's choice
         # for this row count happen there, not inside the capture.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self.lm(embeds, bucket.positions, self.kv_caches, meta, backend=_Splitter(self, rows, window_meta=shown),
+            self.lm(embeds, bucket.positions, self.kv_caches, meta, backend=Splitter(self, rows, window_meta=shown),
                     deepstack=deepstack)
         self.stream.synchronize()
-        capture = _Capture(self.pool, self.capture_mode)
+        capture = Capture(self.pool, self.capture_mode)
         try:
             with torch.cuda.stream(self.stream):
                 capture.begin()
                 hidden = self.lm(embeds, bucket.positions, self.kv_caches, meta,
-                                 backend=_Splitter(self, rows, capture, window_meta=shown), deepstack=deepstack)
+                                 backend=Splitter(self, rows, capture, window_meta=shown), deepstack=deepstack)
                 capture.end()
         except BaseException:
             if capture.open:  # leave the stream out of capture mode whatever failed
@@ -339,24 +312,9 @@ class PiecewiseGraphs:
             raise
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         if len(capture.graphs) != len(self.layers) + 1:
-            raise RuntimeError(f"{len(capture.graphs)} pieces captured for {len(self.layers)} attention calls")
+            raise RuntimeError(f"{len(capture.graphs)} pieces captured for {len(self.layers)} split calls")
         self.stats["captures"] += len(capture.graphs)
         return capture.graphs, hidden
-
-
-def _placeholder_meta(rows: int, device: torch.device, window: bool = False) -> AttentionMetadata:
-    """Metadata for the capture run: the splitter attends with none of it (the replays attend with each step's own),
-    but the layers show their kind by it: image spans (empty) and, with a window pool, the sliding layers' view."""
-    one = torch.ones(1, dtype=torch.int32, device=device)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, rows], dtype=torch.int32, device=device), seq_lens=one * rows,
-        query_lens_cpu=[rows], seq_lens_cpu=[rows], slot_mapping=torch.zeros(rows, dtype=torch.int64, device=device),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device), max_query_len=rows, max_seq_len=rows,
-        bidir_spans=[[]],
-    )
-    if window:
-        meta.window = replace(meta, derived={})
-    return meta
 
 
 def build(

@@ -16,6 +16,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.models.qwen3_vl.moe import SparseMoeBlock
 from workers.engine.offline import Engine
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs, token_buckets
+from workers.engine.runner.piecewise_split import LinearCall
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -54,7 +55,8 @@ def _levels(engine: Engine) -> int:
 
 def test_steps_pad_up_to_a_bucket_and_larger_ones_do_not_fit() -> None:
     assert token_buckets(512)[-1] == 512 and token_buckets(300)[-1] == 256 and token_buckets(0) == ()
-    assert list(token_buckets(1024)) == sorted(set(token_buckets(1024)))
+    assert token_buckets(2000)[-1] == 1920 and token_buckets(4096)[-1] == 4096  # 128 apart to 2k, then 256
+    assert list(token_buckets(4096)) == sorted(set(token_buckets(4096)))
 
 
 @pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir", "qwen3_moe_model_dir"])
@@ -106,6 +108,34 @@ def test_gemma4_layers_of_every_kind_give_the_eager_tokens_in_pieces(fixture: st
         assert len(pieces._buffers) == 2  # one set of static buffers per head shape
 
 
+@pytest.mark.parametrize("fixture", ["qwen3_5_model_dir", "qwen3_5_moe_model_dir"])
+def test_hybrid_layers_mix_their_state_between_the_pieces(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Qwen3.5: each Gated DeltaNet layer's conv and delta rule run between two pieces over the real rows, from and
+    into the step's state slots. Chunks of 24 cut the images and the long prompt, so states carry across chunks
+    beside decodes; with prefix caching on, the second pass resumes every prompt from a state snapshot taken in the
+    first, inside pieces too. Buckets up to 32 take every step, up to 16 leave the full chunks to the eager forward,
+    whose state the next pieces read on."""
+    model_dir: Path = request.getfixturevalue(fixture)
+    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256, chunk_size=24,
+                          lone_prefill_tokens=0, state_snapshot_every=1)
+    prompts = _prompts()
+    eager = Engine(config)
+    expected = [[o.token_ids for o in eager.generate(prompts, GREEDY)] for _ in range(2)]
+    assert eager.stats()["state_restores"] == len(prompts)  # the second pass resumed from snapshots
+    for most in (32, 16):
+        engine = Engine(config)
+        pieces = engine.runner.piecewise = _emulated(engine, most)
+        assert [[o.token_ids for o in engine.generate(prompts, GREEDY)] for _ in range(2)] == expected
+        stats = engine.stats()
+        assert stats["state_restores"] == len(prompts)
+        assert stats["state_restored_tokens"] == eager.stats()["state_restored_tokens"]
+        assert pieces.stats["replays"] > 0 and (pieces.stats["misses"] > 0) == (most == 16)
+        linear = [c for c in pieces.layers if isinstance(c, LinearCall)]
+        assert len(pieces.layers) == engine.runner.spec.num_layers
+        assert len(linear) == len(engine.runner.lm.linear_layers()) > 0
+        assert len({c.shape for c in linear}) == len(pieces._linear) == 1  # one set of buffers for them all
+
+
 def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir: Path) -> None:
     engine = Engine(EngineConfig(model=str(demo_model_dir), device="cpu", dtype="float32", num_kv_blocks=64))
     pieces = engine.runner.piecewise = _emulated(engine, 16)
@@ -116,7 +146,7 @@ def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir", "gemma4_model_dir"])
+@pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir", "gemma4_model_dir", "qwen3_5_model_dir"])
 def test_captured_pieces_give_the_eager_tokens_on_cuda(fixture: str, request: pytest.FixtureRequest) -> None:
     """float32 on CUDA, so the graphs and the eager forward differ by rounding only and greedy tokens must agree.
     Qwen3-VL captures a second set of pieces per bucket, for its image steps' DeepStack features; Gemma 4's sliding

@@ -162,25 +162,40 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state = torch.zeros(num_slots, self.hv, self.dk, self.dv, dtype=dtype, device=device)
         return [self.conv_state, self.ssm_state]
 
-    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        if self.conv_state is None or self.ssm_state is None:
-            raise RuntimeError("linear-attention state pools are not allocated (call the LM's allocate_state first)")
-        if meta.state is None:
-            raise ValueError("a hybrid model's forward needs meta.state (StateMetadata: each sequence's state slot)")
+    def forward(self, x: Tensor, meta: AttentionMetadata, backend: object = None) -> Tensor:
+        """``backend``: the step's attention backend. Piecewise CUDA graphs pass one with a ``mix_linear`` method,
+        which runs `mix` eagerly between two captured pieces (runner/piecewise_graphs.py): the conv and the delta
+        rule read the step's state slots and sequence bounds, which no graph of fixed shapes can hold."""
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim_local, self.value_local, self.hv, self.hv], dim=-1)
-        weight = self.conv1d.weight
-        fuse = self.fused and fused.worth_it(x)
-        mixed = causal_conv1d(mixed, weight.view(weight.shape[0], -1), None, self.conv_state, meta, activation="silu",
-                              fuse=fuse)
-        q, k, v = mixed.split([self.key_local, self.key_local, self.value_local], dim=-1)
-        if fuse:
+        # The gates before the conv (they do not depend on it): the eager part between two pieces stays the two
+        # calls that read the state.
+        if self.fused and fused.worth_it(x):
             g, beta = fused.compiled(fused.delta_gates)(a, b, self.A_log, self.dt_bias)
         else:
             beta = b.sigmoid()
             # float32 before exp and softplus, as transformers does (in fp16 exp(A_log) could overflow to inf).
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = gated_delta_rule(
+        split = getattr(backend, "mix_linear", None)
+        core = split(self, mixed, g, beta) if split is not None else self.mix(mixed, g, beta, meta)
+        out = self.norm(core, z.reshape(t, self.hv, self.dv))
+        result: Tensor = self.out_proj(out.reshape(t, -1))
+        return result
+
+    def mix(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The token mixing over the state: q|k|v [T, conv_dim_local] through the causal conv and SiLU, then the
+        gated delta rule with decay ``g`` (float32) and write strength ``beta``, both [T, Hv_local] -> [T, Hv_local,
+        Dv], each sequence from and back into its slots."""
+        if self.conv_state is None or self.ssm_state is None:
+            raise RuntimeError("linear-attention state pools are not allocated (call the LM's allocate_state first)")
+        if meta.state is None:
+            raise ValueError("a hybrid model's forward needs meta.state (StateMetadata: each sequence's state slot)")
+        t = mixed.shape[0]
+        weight = self.conv1d.weight
+        mixed = causal_conv1d(mixed, weight.view(weight.shape[0], -1), None, self.conv_state, meta, activation="silu",
+                              fuse=self.fused and fused.worth_it(mixed))
+        q, k, v = mixed.split([self.key_local, self.key_local, self.value_local], dim=-1)
+        core: Tensor = gated_delta_rule(
             q.reshape(t, self.hk, self.dk),
             k.reshape(t, self.hk, self.dk),
             v.reshape(t, self.hv, self.dv),
@@ -190,6 +205,4 @@ class GatedDeltaNet(nn.Module):
             meta,
             use_qk_l2norm=True,
         )
-        out = self.norm(core, z.reshape(t, self.hv, self.dv))
-        result: Tensor = self.out_proj(out.reshape(t, -1))
-        return result
+        return core

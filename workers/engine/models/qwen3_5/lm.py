@@ -96,13 +96,13 @@ class LinearDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(
-        self, h: Tensor, delta: Tensor | None, meta: AttentionMetadata
+        self, h: Tensor, delta: Tensor | None, meta: AttentionMetadata, backend: AttentionBackend | None = None
     ) -> tuple[Tensor, Tensor]:
         if delta is None:
             x = self.input_layernorm(h)
         else:
             h, x = self.input_layernorm.add(h, delta)
-        h, x = self.post_attention_layernorm.add(h, self.linear_attn(x, meta))
+        h, x = self.post_attention_layernorm.add(h, self.linear_attn(x, meta, backend))
         out: Tensor = self.mlp(x)
         return h, out
 
@@ -175,7 +175,7 @@ class Qwen3_5LanguageModel(PagedDecoder):
         h, delta = inputs_embeds, None
         for layer in self.layers:
             if isinstance(layer, LinearDecoderLayer):
-                h, delta = layer(h, delta, meta)
+                h, delta = layer(h, delta, meta, backend)
             else:
                 h, delta = layer(h, delta, cos, sin, next(caches), meta, backend)
         return self.final_norm(h, delta)
