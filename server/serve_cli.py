@@ -145,8 +145,8 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="CUDA: eager PyTorch ops instead of the torch.compile'd norm/rotary/SiLU kernels")
     m.add_argument("--piecewise-graph-tokens", type=int, default=E["piecewise_graph_tokens"],
                    help="CUDA: steps of up to this many tokens that are not pure decode replay CUDA graphs between "
-                   "the layers' attention calls (rounded down to a bucket; 0: off; default 1024, 4096 for hybrid "
-                   "models)")
+                   "the layers' attention calls (rounded down to a bucket; 0: off; default 1024, 4096 for MoE and "
+                   "hybrid models)")
     m.add_argument("--seed", type=int, default=E["seed"])
     m.add_argument("--generation-config", default=S["generation_config"], choices=["auto", "none"],
                    help="auto: the checkpoint's generation_config.json gives the defaults of sampling fields a "

@@ -72,10 +72,10 @@ class EngineConfig:
     fused_kernels: bool = True
     # CUDA: steps of up to this many tokens that are not pure decode (short prompts, a chat turn's new text, small
     # chunks beside decodes) replay graphs between the layers' attention calls (workers/engine/runner/piecewise_graphs.py);
-    # rounded down to a bucket, 0 = off. None: the model's default (piecewise_graphs.default_tokens): 1024 for
+    # rounded down to a bucket, 0 = off. None: the model's default (piecewise_graphs.default_tokens): 1024 for dense
     # attention-only models (steps of 512-1024 tokens are still partly host-bound on a 7B: 691 new tokens over a 15k
-    # context 52.9 ms with graphs against 58.6 eagerly, H200; above, eager is as fast), 4096 for hybrid ones (the
-    # 35B-A3B's 2,048-token prefill step 78.0 -> 37.8 ms, H200).
+    # context 52.9 ms with graphs against 58.6 eagerly, H200; above, eager is as fast), 4096 for MoE and hybrid ones
+    # (a 2,048-token prefill step of the Qwen3.5-35B-A3B shape 78.0 -> 37.8 ms, H200).
     piecewise_graph_tokens: int | None = None
     # Share computed KV blocks between requests with the same prefix (a chat's earlier turns).
     enable_prefix_caching: bool = True

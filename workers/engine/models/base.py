@@ -151,6 +151,11 @@ class ModelSpec:
     bidirectional_images: bool = False
 
     @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model). Every family's text spec names them ``num_experts``."""
+        return int(getattr(self.text, "num_experts", 0) or 0)
+
+    @property
     def kv_layers(self) -> int:
         """Layers with a paged KV cache of their own (all of them, unless some keep recurrent state instead or read
         another layer's cache, as Gemma 4's KV-shared layers do)."""

@@ -81,7 +81,7 @@ def start_graphs(r: LoadedModel) -> tuple[DecodeGraphs | None, PiecewiseGraphs |
     window_scratch = pool.scratch * cfg.block_size if pool is not None else None
     most = cfg.piecewise_graph_tokens
     if most is None:
-        most = piecewise_graphs.default_tokens(hybrid=r.state is not None)
+        most = piecewise_graphs.default_tokens(spec)
     piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, width, most, r.dtype, r.tp.size, r.num_blocks * cfg.block_size,
                                        deepstack_levels=spec.embed_width // spec.hidden_size - 1,
                                        window_scratch_slot=window_scratch)

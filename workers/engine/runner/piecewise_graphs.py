@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from workers.engine.models.base import LanguageModel
+from workers.engine.models.base import LanguageModel, ModelSpec
 from workers.engine.runner.piecewise_split import (
     Call,
     Capture,
@@ -73,17 +73,18 @@ TOKEN_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 
                  *range(1152, 2049, 128), *range(2304, 4097, 256))
 
 
-# The largest step graphed by default. Attention-only models: past ~1k tokens a 7B's step hides its host time under
-# its GPU time (docs/perf-notes.md). Hybrid models (Qwen3.5): the MoE's steps stay host-bound up to the step budget
-# (the 35B-A3B's 2,048-token prefill step: 78.0 ms eager, 37.8 ms in pieces; (b) 8.76 -> 9.58 req/s), and the dense
-# 27B's lose nothing to the padding ((b) 5.76 -> 5.80 req/s; H200).
-ATTENTION_TOKENS = 1024
-HYBRID_TOKENS = 4096
+# The largest step graphed by default. Dense attention-only models: past ~1k tokens a 7B's step hides its host time
+# under its GPU time (docs/perf-notes.md). Models with routed experts or recurrent state stay host-bound up to the
+# step budget: a 2,048-token prefill step 78.0 -> 37.8 ms in pieces on the Qwen3.5-35B-A3B shape ((b) 8.76 -> 9.58
+# req/s), 55.8 -> 37.5 on Gemma 4 26B-A4B's, 38.4 -> 32.4 on Qwen3-VL-30B-A3B's; the dense Qwen3.5-27B loses nothing
+# to the padding ((b) 5.76 -> 5.80 req/s; H200).
+DENSE_TOKENS = 1024
+HOST_BOUND_TOKENS = 4096
 
 
-def default_tokens(hybrid: bool) -> int:
-    """``--piecewise-graph-tokens`` when none is given: by whether the model keeps recurrent state."""
-    return HYBRID_TOKENS if hybrid else ATTENTION_TOKENS
+def default_tokens(spec: ModelSpec) -> int:
+    """``--piecewise-graph-tokens`` when none is given: larger for models with routed experts or recurrent state."""
+    return HOST_BOUND_TOKENS if spec.num_experts or spec.recurrent is not None else DENSE_TOKENS
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:

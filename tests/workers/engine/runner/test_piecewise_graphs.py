@@ -13,9 +13,10 @@ from PIL import Image
 
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
+from workers.engine.models import load_spec
 from workers.engine.models.qwen3_vl.moe import SparseMoeBlock
 from workers.engine.offline import Engine
-from workers.engine.runner.piecewise_graphs import PiecewiseGraphs, token_buckets
+from workers.engine.runner.piecewise_graphs import PiecewiseGraphs, default_tokens, token_buckets
 from workers.engine.runner.piecewise_split import LinearCall
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -57,6 +58,17 @@ def test_steps_pad_up_to_a_bucket_and_larger_ones_do_not_fit() -> None:
     assert token_buckets(512)[-1] == 512 and token_buckets(300)[-1] == 256 and token_buckets(0) == ()
     assert token_buckets(2000)[-1] == 1920 and token_buckets(4096)[-1] == 4096  # 128 apart to 2k, then 256
     assert list(token_buckets(4096)) == sorted(set(token_buckets(4096)))
+
+
+@pytest.mark.parametrize(("fixture", "most"), [
+    ("demo_model_dir", 1024), ("qwen3_model_dir", 1024), ("gemma4_model_dir", 1024), ("qwen3_moe_model_dir", 4096),
+    ("gemma4_moe_model_dir", 4096), ("qwen3_5_model_dir", 4096), ("qwen3_5_moe_model_dir", 4096),
+])
+def test_models_with_experts_or_state_graph_larger_steps_by_default(
+    fixture: str, most: int, request: pytest.FixtureRequest
+) -> None:
+    """Their steps stay host-bound up to the step budget; a dense attention-only model's hide it past ~1k tokens."""
+    assert default_tokens(load_spec(request.getfixturevalue(fixture))) == most
 
 
 @pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir", "qwen3_moe_model_dir"])
