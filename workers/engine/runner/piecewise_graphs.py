@@ -87,6 +87,12 @@ def default_tokens(spec: ModelSpec) -> int:
     return HOST_BOUND_TOKENS if spec.num_experts or spec.recurrent is not None else DENSE_TOKENS
 
 
+def covering_bucket(tokens: int) -> int:
+    """The smallest bucket a step of ``tokens`` tokens fits (the largest bucket where none does): buckets above a
+    worker's largest step would be captured for nothing."""
+    return next((b for b in TOKEN_BUCKETS if b >= tokens), TOKEN_BUCKETS[-1])
+
+
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
     """The buckets in use when steps of up to ``max_tokens`` tokens are graphed (those not above it)."""
     return tuple(b for b in TOKEN_BUCKETS if b <= max_tokens)

@@ -16,7 +16,12 @@ from workers.engine.config import EngineConfig
 from workers.engine.models import load_spec
 from workers.engine.models.qwen3_vl.moe import SparseMoeBlock
 from workers.engine.offline import Engine
-from workers.engine.runner.piecewise_graphs import PiecewiseGraphs, default_tokens, token_buckets
+from workers.engine.runner.piecewise_graphs import (
+    PiecewiseGraphs,
+    covering_bucket,
+    default_tokens,
+    token_buckets,
+)
 from workers.engine.runner.piecewise_split import LinearCall
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -57,6 +62,8 @@ def _levels(engine: Engine) -> int:
 def test_steps_pad_up_to_a_bucket_and_larger_ones_do_not_fit() -> None:
     assert token_buckets(512)[-1] == 512 and token_buckets(300)[-1] == 256 and token_buckets(0) == ()
     assert token_buckets(2000)[-1] == 1920 and token_buckets(4096)[-1] == 4096  # 128 apart to 2k, then 256
+    # A worker whose steps stop at 2,000 tokens captures up to 2,048, not beyond; past the last bucket, all of them.
+    assert covering_bucket(2000) == 2048 and covering_bucket(2048) == 2048 and covering_bucket(9000) == 4096
     assert list(token_buckets(4096)) == sorted(set(token_buckets(4096)))
 
 
