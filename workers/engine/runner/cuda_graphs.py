@@ -84,7 +84,8 @@ def start_graphs(r: LoadedModel) -> tuple[DecodeGraphs | None, PiecewiseGraphs |
         most = piecewise_graphs.default_tokens(spec)
     largest_step = max(cfg.chunk_size, cfg.lone_prefill_tokens or cfg.chunk_size)  # the scheduler plans none larger
     most = min(most, piecewise_graphs.covering_bucket(largest_step))
-    piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, width, most, r.dtype, r.tp.size, r.num_blocks * cfg.block_size,
+    piecewise = piecewise_graphs.build(r.lm, r.lm.attention_backend(r.device), r.kv_caches, width, most, r.dtype,
+                                       r.tp.size, r.num_blocks * cfg.block_size,
                                        deepstack_levels=spec.embed_width // spec.hidden_size - 1,
                                        window_scratch_slot=window_scratch)
     return decode, piecewise

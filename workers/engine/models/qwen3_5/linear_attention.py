@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.engine.kernels import fused
-from workers.engine.kernels.attention import AttentionMetadata
+from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.gated_delta import causal_conv1d, gated_delta_rule
 from workers.engine.layers.linear import (
     SINGLE_RANK,
@@ -162,7 +162,7 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state = torch.zeros(num_slots, self.hv, self.dk, self.dv, dtype=dtype, device=device)
         return [self.conv_state, self.ssm_state]
 
-    def forward(self, x: Tensor, meta: AttentionMetadata, backend: object = None) -> Tensor:
+    def forward(self, x: Tensor, meta: AttentionMetadata, backend: AttentionBackend | None = None) -> Tensor:
         """``backend``: the step's attention backend. Piecewise CUDA graphs pass one with a ``mix_linear`` method,
         which runs `mix` eagerly between two captured pieces (runner/piecewise_graphs.py): the conv and the delta
         rule read the step's state slots and sequence bounds, which no graph of fixed shapes can hold."""
