@@ -66,9 +66,7 @@ log = logging.getLogger(__name__)
 
 # Token counts a step is padded up to. Below ~512 rows a 7B's GEMMs stream weights rather than compute, so padding
 # costs the GPU little there; from 512 to 2,048 the buckets are 128 apart (at most ~25% of padding, ~6% near 2k),
-# then 256 apart. Steps above the largest bucket in use run eagerly. Where a step of thousands of tokens still costs
-# the host more than the GPU (a sparse MoE's: the 35B-A3B's 2,048-token prefill step is 94 ms of wall for 29 ms of
-# kernels in 1,800 launches, H200), ``max_tokens`` reaches the larger buckets.
+# then 256 apart. Steps above the largest bucket in use run eagerly; which buckets are in use: default_tokens below.
 TOKEN_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
                  *range(1152, 2049, 128), *range(2304, 4097, 256))
 
@@ -168,8 +166,7 @@ class PiecewiseGraphs:
         """The static q, k, v and attention output of this head shape (query heads, KV heads, head dim)."""
         out = self._buffers.get(heads)
         if out is None:
-            if not self.emulate and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"head shape {heads} first seen inside a capture")
+            self._outside_capture(f"head shape {heads}")
             q_heads, kv_heads, head_dim = heads
             q = torch.zeros(self.most, q_heads, head_dim, dtype=self.dtype, device=self.device)
             k = torch.zeros(self.most, kv_heads, head_dim, dtype=self.dtype, device=self.device)
@@ -180,8 +177,7 @@ class PiecewiseGraphs:
         """The static q|k|v, decay, write strength and output of linear-attention layers of this shape."""
         out = self._linear.get(shape)
         if out is None:
-            if not self.emulate and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"linear-attention shape {shape} first seen inside a capture")
+            self._outside_capture(f"linear-attention shape {shape}")
             width, heads, head_dim, g_dtype, beta_dtype = shape
             out = self._linear[shape] = (
                 torch.zeros(self.most, width, dtype=self.dtype, device=self.device),
@@ -190,6 +186,12 @@ class PiecewiseGraphs:
                 torch.zeros(self.most, heads, head_dim, dtype=self.dtype, device=self.device),
             )
         return out
+
+    def _outside_capture(self, what: str) -> None:
+        """Static buffers are made at a bucket's first run, outside any capture: one made inside would live in that
+        graph's pool."""
+        if not self.emulate and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what} first seen inside a capture")
 
     @torch.inference_mode()
     def capture_all(self) -> None:
