@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from itertools import accumulate
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,16 +23,24 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from workers.engine.kernels import fused, window_attention
 from workers.engine.kernels.paged_varlen import refusals
 
-try:  # torch >= 2.10; the GPU box has 2.11. Positional (q, k, v, cu_q, cu_k, max_q, max_k) is stable across them.
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - older torch
-    _varlen_attn = None  # type: ignore[assignment]
-
 logger = logging.getLogger(__name__)
 
 
+@cache
+def varlen_attn() -> Callable[..., Any] | None:
+    """torch's public FlashAttention varlen (torch >= 2.10; the GPU box has 2.11; positional (q, k, v, cu_q, cu_k,
+    max_q, max_k) is stable across them), or None. Looked up on first use, not at import: the module imports
+    torch._dynamo, ~3 s of CPU that every process importing a model spec (launcher, scheduler, tokenizers) would
+    otherwise pay at start-up, though only a CUDA model worker ever calls it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn as found
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return found
+
+
 def varlen_available() -> bool:
-    return _varlen_attn is not None
+    return varlen_attn() is not None
 
 
 @dataclass
@@ -125,8 +134,9 @@ class VisionAttention(nn.Module):
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:
-    assert _varlen_attn is not None
-    out = _varlen_attn(q, k, v.contiguous(), seg.cu, seg.cu, seg.max_len, seg.max_len)
+    found = varlen_attn()
+    assert found is not None
+    out = found(q, k, v.contiguous(), seg.cu, seg.cu, seg.max_len, seg.max_len)
     assert isinstance(out, Tensor)
     return out
 

@@ -230,7 +230,7 @@ def test_flash_matches_sdpa_on_cuda(tiny: tuple[Path, Any], monkeypatch: pytest.
     cuDNN for the full-attention blocks) against the grouped-SDPA path on the same card and weights."""
     from workers.engine.layers import vision_attention
 
-    assert vision_attention._varlen_attn is not None, "this torch has no torch.nn.attention.varlen"
+    assert vision_attention.varlen_attn() is not None, "this torch has no torch.nn.attention.varlen"
     monkeypatch.setattr(vision_attention._cudnn_frames, "HOT_AFTER", hot_after)
     path, model = tiny
     pixels, grids = _images(SIZES)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import torch
@@ -18,16 +19,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.engine.kernels import fused
-from workers.engine.layers.vision_attention import Segments, varlen_available
+from workers.engine.layers.vision_attention import Segments, varlen_attn, varlen_available
 from workers.engine.models.qwen_vit import activation
 
-try:  # torch >= 2.10 (see layers/vision_attention.py)
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - older torch
-    _varlen_attn = None  # type: ignore[assignment]
 
-# FlashAttention varlen serves here only where it takes an explicit softmax scale (Gemma's is 1, not 1/sqrt(d)).
-VARLEN_TAKES_SCALE = _varlen_attn is not None and "scale" in inspect.signature(_varlen_attn).parameters
+@cache
+def varlen_takes_scale() -> bool:
+    """FlashAttention varlen serves here only where it takes an explicit softmax scale (Gemma's is 1, not
+    1/sqrt(d)). Asked on first use: looking varlen up imports torch._dynamo (layers/vision_attention.py)."""
+    found = varlen_attn()
+    return found is not None and "scale" in inspect.signature(found).parameters
 
 
 def vit_rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -124,8 +125,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, seg: Segments, flash: bool) -> Tenso
     [N, Hkv, D] (key/value heads repeated for grouped queries) -> [N, H, D]."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    if flash and VARLEN_TAKES_SCALE:
-        out = _varlen_attn(q, k, v, seg.cu, seg.cu, seg.max_len, seg.max_len, scale=1.0)
+    found = varlen_attn()
+    if flash and found is not None and varlen_takes_scale():
+        out = found(q, k, v, seg.cu, seg.cu, seg.max_len, seg.max_len, scale=1.0)
         assert isinstance(out, Tensor)
         return out
     # SDPA, one call per distinct image length (equal-length images batched): on the CPU its math matches
@@ -231,5 +233,5 @@ def use_flash(x: Tensor, backend: str) -> bool:
         and x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
         and varlen_available()
-        and VARLEN_TAKES_SCALE
+        and varlen_takes_scale()
     )
