@@ -174,11 +174,13 @@ def test_encode_ahead_flag_and_what_it_refuses(demo_model_dir: Path) -> None:
 
 
 def test_image_cap_defaults_by_model_kind_and_takes_the_flag(
-    demo_model_dir: Path, qwen3_5_model_dir: Path, gemma4_model_dir: Path
+    demo_model_dir: Path, qwen3_5_model_dir: Path, gemma4_model_dir: Path, qwen3_moe_model_dir: Path,
+    gemma4_moe_model_dir: Path,
 ) -> None:
-    # Attention-only models keep the cap that bounds decodes' stalls behind images; hybrid models (recurrent state)
-    # serve without it by default (it cost them 7-21% of (b)'s requests/s), and the flag wins on either.
-    for model, default in [(demo_model_dir, 2048), (gemma4_model_dir, 2048), (qwen3_5_model_dir, 0)]:
+    # Dense attention-only models keep the cap that bounds decodes' stalls behind images; MoE and hybrid models
+    # (recurrent state) serve without it by default (it cost them 6-21% of (b)'s requests/s), and the flag wins.
+    for model, default in [(demo_model_dir, 2048), (gemma4_model_dir, 2048), (qwen3_5_model_dir, 0),
+                           (qwen3_moe_model_dir, 0), (gemma4_moe_model_dir, 0)]:
         base = ("--model", str(model), "--device", "cpu")
         assert build_config(parse(*base)).engine.decode_step_image_tokens == default, model
         assert build_config(parse(*base, "--decode-step-image-tokens", "4096")).engine.decode_step_image_tokens == 4096
