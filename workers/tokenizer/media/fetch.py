@@ -21,6 +21,7 @@ import warnings
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -207,13 +208,25 @@ def load_media(url: str, limits: MediaLimits, *, param: str | None = None) -> by
 # ---- decoding -------------------------------------------------------------------------------------
 
 
+# The raster formats a client may send (JPEG's plugin also opens phones' MPO files). Pillow would otherwise try
+# every plugin it has, among them EPS, whose decoder runs Ghostscript on the client's bytes where it is installed,
+# and formats no camera or browser writes. Those this Pillow lacks (AVIF before 11.2) are left out.
+_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "DIB", "TIFF", "AVIF", "JPEG2000", "ICO", "PPM", "TGA")
+
+
+@cache
+def image_formats() -> tuple[str, ...]:
+    Image.init()
+    return tuple(f for f in _IMAGE_FORMATS if f in Image.OPEN)
+
+
 def _open(data: bytes, max_pixels: int, param: str | None) -> Image.Image:
     """Parse the header (``Image.open`` decodes no pixels) and refuse an image past ``max_pixels``."""
     try:
         with warnings.catch_warnings():
             # Our own pixel limit replaces PIL's warning; PIL's hard error (2x its limit) is caught below.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=image_formats())
     except Image.DecompressionBombError:
         raise _bad("The image is too large.", param, "image_too_large") from None
     except (UnidentifiedImageError, OSError, ValueError):
@@ -292,7 +305,7 @@ def _orientation(image: Image.Image, data: bytes) -> object:
     shell = _png_shell(data) if image.format == "PNG" and "exif" not in image.info else None
     if shell is not None:
         try:
-            probe = Image.open(io.BytesIO(shell))
+            probe = Image.open(io.BytesIO(shell), formats=("PNG",))
             probe.load()
             return probe.getexif().get(0x0112)
         except Exception:  # Pillow's reading of the image itself decides

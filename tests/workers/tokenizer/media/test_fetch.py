@@ -98,6 +98,20 @@ def test_non_image_bytes() -> None:
     check(info, "invalid_image", "not a valid image")
 
 
+# Formats Pillow reads but a client has no business sending: EPS runs Ghostscript on the bytes where it is installed.
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n0 0 moveto 8 8 lineto stroke\nshowpage\n%%EOF\n"
+
+
+def test_formats_outside_the_raster_list_are_refused_before_any_plugin_decodes_them() -> None:
+    assert Image.open(io.BytesIO(EPS)).format == "EPS"  # Pillow alone takes it (and would call Ghostscript)
+    for call in (decode_image, probe_image):
+        with pytest.raises(BadRequest) as info:
+            call(EPS, max_pixels=10**6, param="p")
+        check(info, "invalid_image", "not a valid image", param="p")
+    for fmt in ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"):  # what cameras, browsers and scanners write
+        assert decode_image(encode(noise_image(9, 7), fmt), max_pixels=10**6).size == (9, 7), fmt
+
+
 def png_claiming(width: int, height: int) -> bytes:
     """A tiny PNG whose header claims width x height (pixels absent): only a header check can be fast."""
     raw = bytearray(encode(Image.new("RGB", (1, 1)), "PNG"))
