@@ -165,8 +165,9 @@ def _render_chat(
     videos = worker.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts only: nothing decoded
     metas = [ImageInfo(im.hash, im.grid, processor.tokens_for_grid(im.grid)) for im in order]
     media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
+    options = template_options(chat, processor.template.reads)  # may refuse a field
     try:
-        rendered = processor.render(template_messages(chat), template_tools(chat), template_options(chat))
+        rendered = processor.render(template_messages(chat), template_tools(chat), options)
         prompt = processor.build(rendered, media)
     except (ValueError, jinja2.TemplateError) as exc:  # the generation's own refusal (TokenizerWorker._prepare)
         raise BadRequest(f"The messages cannot be made into a prompt: {exc}", param="messages") from None

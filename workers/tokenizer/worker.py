@@ -293,8 +293,9 @@ class TokenizerWorker:
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
+        options = template_options(chat, self.processor.template.reads)  # may refuse a field
         try:
-            rendered = self.processor.render(template_messages(chat), template_tools(chat), template_options(chat))
+            rendered = self.processor.render(template_messages(chat), template_tools(chat), options)
             prompt = self.processor.build(rendered, media)
         except (ValueError, jinja2.TemplateError) as exc:  # e.g. image-pad tokens typed into the text
             raise BadRequest(f"The messages cannot be made into a prompt: {exc}", param="messages") from None

@@ -10,6 +10,7 @@ multimodal processor (processor.py) owns one and expands the image and video pla
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,10 +66,15 @@ class ChatTemplate:
         # <|tool_call>call:...{...}, else JSON.
         template = getattr(tokenizer, "chat_template", None)
         texts = list(template.values()) if isinstance(template, dict) else [template or ""]
+        self._source = "\n".join(str(t) for t in texts)
         self.tool_format = (
             "qwen_xml" if any(uses_xml_calls(str(t)) for t in texts)
             else "gemma4" if any(uses_gemma_calls(str(t)) for t in texts) else "hermes"
         )  # fmt: skip
+
+    def reads(self, variable: str) -> bool:
+        """Whether the template's source names ``variable`` (a request option it would act on)."""
+        return re.search(rf"\b{re.escape(variable)}\b", self._source) is not None
 
     def render(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -179,3 +185,10 @@ class ChatTemplate:
             ids.extend(out)
         return ids
 
+
+def added_specials(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids ``tokenizer`` puts before and after a text with ``add_special_tokens`` (found around one letter)."""
+    bare = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), None)
+    return ([], []) if at is None else (full[:at], full[at + len(bare) :])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -126,11 +126,17 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's per-request settings of the multimodal processor (mm_kwargs.py: Gemma 4's max_soft_tokens).
     mm_processor_kwargs: dict[str, Any] | None = None
+    # OpenAI's (o-series / gpt-oss templates): handed to the chat template where it reads it, else refused.
+    reasoning_effort: str | None = None
     # Fields other servers take that would change the answer and that are not served here: refused unless default.
     echo: bool = False
     audio: Any = None
     modalities: list[str] | None = None
     web_search_options: Any = None
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    chat_template: str | None = None
+    add_special_tokens: bool | None = None
 
     @property
     def tool_mode(self) -> ToolChoice:
@@ -220,6 +226,11 @@ def _check(req: ChatCompletionRequest) -> None:
         ("audio", req.audio is not None, "answers are text only"),
         ("modalities", bool(set(req.modalities or ()) - {"text"}), "answers are text only"),
         ("web_search_options", req.web_search_options is not None, "this server does not search the web"),
+        ("best_of", req.best_of not in (None, req.choices), "a chat returns every choice it samples (use n)"),
+        ("prompt_logprobs", req.prompt_logprobs is not None, "the prompt's log probabilities are served by "
+         "/v1/completions (prompt_logprobs, or echo with logprobs)"),
+        ("chat_template", req.chat_template is not None, "the checkpoint's chat template is the one served"),
+        ("add_special_tokens", bool(req.add_special_tokens), "the chat template writes every special token"),
     )
     for param, sent, why in refused:
         if sent:
@@ -253,9 +264,17 @@ def _check_template(req: ChatCompletionRequest) -> None:
                          param="chat_template_kwargs", code="invalid_value")
 
 
-def template_options(req: ChatCompletionRequest) -> dict[str, Any]:
-    """apply_chat_template's keyword arguments for this request, beside the messages and tools."""
-    return {**(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
+def template_options(req: ChatCompletionRequest, reads: Callable[[str], bool]) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments for this request, beside the messages and tools. ``reads``: whether
+    the checkpoint's chat template reads a variable; ``reasoning_effort`` goes to one that does and is refused
+    by one that does not (it would change nothing, silently)."""
+    extra: dict[str, Any] = {}
+    if req.reasoning_effort is not None:
+        if not reads("reasoning_effort"):
+            raise unsupported("reasoning_effort", "this model's chat template takes none (where a model can turn "
+                              "its thinking off, chat_template_kwargs does, e.g. {\"enable_thinking\": false})")
+        extra["reasoning_effort"] = req.reasoning_effort
+    return {**extra, **(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message}
 
 

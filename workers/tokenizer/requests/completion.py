@@ -20,6 +20,7 @@ from ipc.prompts import TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
 from workers.common.errors import BadRequest
 from workers.config import ServerConfig
+from workers.engine.prompt.chat_template import added_specials
 from workers.engine.prompt.processor import MMProcessor, Prompt, Rendered
 from workers.engine.runner.grammar import Validator
 from workers.tokenizer.requests.chat import decode_body
@@ -57,6 +58,9 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM-style extension: choices[].prompt_logprobs, 0-20 best per position
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: a text prompt gets the special tokens the tokenizer adds of its own accord (Gemma's <bos>; none for
+    # Qwen's), as ``tokenizer(prompt)`` does. Token-id prompts are taken as sent.
+    add_special_tokens: bool = True
     # vLLM's multimodal processor settings: checked as for chat (a prompt here has no images to apply them to).
     mm_processor_kwargs: dict[str, Any] | None = None
 
@@ -100,7 +104,7 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return [p if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
 
 
-def _tokenize(worker: PromptContext, raw: str | list[int]) -> Prompt:
+def _tokenize(worker: PromptContext, raw: str | list[int], specials: bool) -> Prompt:
     processor, limit = worker.processor, worker.max_model_len
     if isinstance(raw, str):
         if not raw:
@@ -115,6 +119,10 @@ def _tokenize(worker: PromptContext, raw: str | list[int]) -> Prompt:
             prompt = processor.build(Rendered([(raw, False)]), [])
         except ValueError as exc:  # image placeholders typed into a prompt that has no images
             raise BadRequest(f"The prompt cannot be used: {exc}", param="prompt") from None
+        before, after = added_specials(processor.tokenizer) if specials else ([], [])
+        if before or after:  # a text prompt has no media: its positions are the plain ones at any length
+            ids = [*before, *prompt.input_ids, *after]
+            return Prompt(ids, processor.family.delta(len(ids), [], processor.merge), [])
         return prompt
     vocab = processor.info.vocab_size
     if not raw:
@@ -145,7 +153,7 @@ def prepare_completion(
     media_settings(completion.mm_processor_kwargs, processor.budgets, video=processor.video is not None,
                    pixel_cap=worker.config.max_image_pixels)
     raws = _prompts(completion)
-    prompts = [_tokenize(worker, raw) for raw in raws]
+    prompts = [_tokenize(worker, raw, completion.add_special_tokens) for raw in raws]
     ids = [p.input_ids for p in prompts]
     sampling = to_sampling_params(
         completion,

@@ -82,6 +82,15 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # Lark syntax (llguidance's)
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's sampling and detokenizing extensions that are not served: refused with a 400 naming them unless left at
+    # their defaults (check_sampling), since each would change the answer.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -120,6 +129,21 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
         raise unsupported("skip_special_tokens", "answers are always decoded without special tokens")
     if req.include_stop_str_in_output:
         raise unsupported("include_stop_str_in_output", "a stop string is never part of the answer")
+    unserved = (
+        ("use_beam_search", req.use_beam_search, "beam search is not served (n samples choices)"),
+        ("length_penalty", req.length_penalty not in (None, 1.0), "it scores beams, and beam search is not served"),
+        ("bad_words", bool(req.bad_words), "banned words are not served (logit_bias bans single tokens)"),
+        ("allowed_token_ids", req.allowed_token_ids is not None,
+         "restrict the answer with logit_bias or a structured output instead"),
+        ("truncate_prompt_tokens", req.truncate_prompt_tokens is not None,
+         "prompts are never cut; one past the context length is refused"),
+        ("spaces_between_special_tokens", not req.spaces_between_special_tokens,
+         "answers are decoded without special tokens"),
+        ("return_tokens_as_token_ids", bool(req.return_tokens_as_token_ids), "logprobs name tokens by their text"),
+    )
+    for param, sent, why in unserved:
+        if sent:
+            raise unsupported(param, why)
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it: it would change nothing
         raise BadRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                          param="stream_options", code="invalid_value")

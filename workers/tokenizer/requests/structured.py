@@ -29,14 +29,21 @@ class ResponseFormat(msgspec.Struct, frozen=True):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(msgspec.Struct, frozen=True):
-    """vLLM's ``structured_outputs`` request object (the successor of its guided_* fields)."""
+class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` request object (the successor of its guided_* fields). A key it does not list
+    is a 400 naming it: inside this object every key changes the answer, so none may be dropped unread."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's other keys: how its backends apply the spec. Only their defaults are served (structured_spec).
+    structural_tag: Any = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # which backend compiles it, not what it allows: taken as sent
 
 
 class StructuredFields(Protocol):
@@ -97,6 +104,14 @@ def structured_spec(req: StructuredFields) -> tuple[StructuredSpec, str] | None:
     so = req.structured_outputs
     if so is not None:
         param = "structured_outputs"
+        for key, sent in (("structural_tag", so.structural_tag is not None),
+                          ("disable_any_whitespace", so.disable_any_whitespace),
+                          ("disable_additional_properties", so.disable_additional_properties),
+                          ("whitespace_pattern", so.whitespace_pattern is not None)):
+            if sent:
+                raise BadRequest(f"'{param}.{key}' is not supported: only the json, regex, choice, grammar and "
+                                 "json_object specs are served, as written", param=f"{param}.{key}",
+                                 code="unsupported_parameter")
         if so.json is not None:
             found.append((StructuredSpec("json_schema", _schema_text(so.json, param + ".json")), param))
         if so.regex is not None:

@@ -17,6 +17,7 @@ from workers.tokenizer.requests.chat import (
     template_messages,
     to_sampling_params,
 )
+from workers.tokenizer.requests.structured import structured_spec
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -222,3 +223,62 @@ def test_generation_config_fills_only_what_the_request_leaves_out() -> None:
     assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty, sp.max_tokens) == (0.1, 0.001, 1, 1.05, 30)
     sp = to_sampling_params(parse_request(body(temperature=0.7, top_k=-1, max_tokens=5)), 10, 100, defaults)
     assert (sp.temperature, sp.top_k, sp.max_tokens, sp.repetition_penalty) == (0.7, 0, 5, 1.05)
+
+
+# vLLM's and OpenAI's fields that would change the answer and are not served: each is a 400 naming it unless it
+# is sent at its default (what clients that fill every field send).
+UNSERVED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+    # (sent, the same field at its default, the param the error names)
+    ({"use_beam_search": True}, {"use_beam_search": False}, "use_beam_search"),
+    ({"length_penalty": 2.0}, {"length_penalty": 1.0}, "length_penalty"),
+    ({"bad_words": ["no"]}, {"bad_words": []}, "bad_words"),
+    ({"allowed_token_ids": [5, 6]}, {"allowed_token_ids": None}, "allowed_token_ids"),
+    ({"truncate_prompt_tokens": 5}, {"truncate_prompt_tokens": None}, "truncate_prompt_tokens"),
+    ({"spaces_between_special_tokens": False}, {"spaces_between_special_tokens": True}, "spaces_between_special_tokens"),
+    ({"return_tokens_as_token_ids": True}, {"return_tokens_as_token_ids": False}, "return_tokens_as_token_ids"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, {"structured_outputs": {"regex": "a+"}},
+     "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+     {"structured_outputs": {"regex": "a+", "disable_fallback": True}}, "structured_outputs.disable_any_whitespace"),
+    ({"structured_outputs": {"regex": "a+", "not_a_key": 1}}, {"structured_outputs": {"json_object": True}},
+     "structured_outputs"),
+]
+CHAT_ONLY: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+    ({"best_of": 3}, {"best_of": 1}, "best_of"),
+    ({"prompt_logprobs": 1}, {"prompt_logprobs": None}, "prompt_logprobs"),
+    ({"chat_template": "{{ 'X' }}"}, {"chat_template": None}, "chat_template"),
+    ({"add_special_tokens": True}, {"add_special_tokens": False}, "add_special_tokens"),
+]
+
+
+@pytest.mark.parametrize(("sent", "default", "param"), UNSERVED + CHAT_ONLY, ids=[c[2] for c in UNSERVED + CHAT_ONLY])
+def test_unserved_fields_are_refused_naming_them_and_their_defaults_pass(
+    sent: dict[str, Any], default: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(BadRequest) as info:
+        structured_spec(parse_request(body(**sent)))  # the structured-output spec is read after parsing
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+    structured_spec(parse_request(body(**default)))
+
+
+@pytest.mark.parametrize(("sent", "default", "param"), UNSERVED, ids=[c[2] for c in UNSERVED])
+def test_completions_refuse_the_same_fields(sent: dict[str, Any], default: dict[str, Any], param: str) -> None:
+    from workers.tokenizer.requests.completion import parse_completion
+
+    prompt = {"model": "m", "prompt": "hi"}
+    with pytest.raises(BadRequest) as info:
+        structured_spec(parse_completion(json.dumps({**prompt, **sent}).encode()))
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+    structured_spec(parse_completion(json.dumps({**prompt, **default}).encode()))
+
+
+def test_reasoning_effort_goes_to_a_template_that_reads_it_and_is_refused_by_one_that_does_not() -> None:
+    from workers.tokenizer.requests.chat import template_options
+
+    req = parse_request(body(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}))
+    options = template_options(req, lambda name: name == "reasoning_effort")
+    assert options["reasoning_effort"] == "low" and options["enable_thinking"] is False
+    with pytest.raises(BadRequest) as info:
+        template_options(req, lambda name: False)
+    assert (info.value.param, info.value.code) == ("reasoning_effort", "unsupported_parameter")
+    assert "reasoning_effort" not in template_options(parse_request(body()), lambda name: False)
