@@ -5,14 +5,18 @@ Clients use them to count or align prompt tokens without loading the checkpoint'
 all three. They run in the HTTP process on the checkpoint's own tokenizer, loaded on first use (in a thread,
 so the event loop never waits on it), and never touch the scheduler.
 
-Text only: a chat whose messages carry images or video is refused with a 400, because its prompt tokens
-depend on the media's grids (the chat endpoints count them: `usage.prompt_tokens`).
+Messages are rendered and tokenized exactly as a chat's are (workers/engine/prompt/chat_template.py): client text
+stays text, so a client that types a control-token string gets the count the chat endpoint reports. Text only: a
+chat whose messages carry images or video is refused with a 400, because its prompt tokens depend on the media's
+grids (the chat endpoints count them: `usage.prompt_tokens`; /v1/chat/completions/render lists them). Text past
+what ``max_model_len`` tokens could hold is refused before it is tokenized, as the chat endpoints refuse it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from typing import Any
 
 import msgspec
@@ -21,6 +25,15 @@ from starlette.responses import Response
 
 from server.config import ServerConfig
 from server.protocol import encode, error_response, is_json
+from workers.common.errors import BadRequest
+from workers.engine.prompt.chat_template import ChatTemplate, added_specials
+from workers.tokenizer.requests.chat import (
+    ChatCompletionRequest,
+    TextPart,
+    parse_request,
+    template_messages,
+    template_options,
+)
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -31,7 +44,14 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+
+# As the tokenizer workers bound a prompt (workers/tokenizer/worker.py): no token covers more than the vocabulary's
+# longest entry, and normalisation shrinks text at most this many times.
+_NORMALIZATION_SHRINK = 4
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):
@@ -60,15 +80,23 @@ class TokenizerEndpoints:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self._tokenizer: Any = None
+        self._template: ChatTemplate | None = None
+        self._max_chars = 0
         self._lock = asyncio.Lock()
 
     async def tokenizer(self) -> Any:
         async with self._lock:
             if self._tokenizer is None:
-                from transformers import AutoTokenizer
-
-                self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.config.engine.model)
+                self._tokenizer, self._template, self._max_chars = await asyncio.to_thread(self._load)
         return self._tokenizer
+
+    def _load(self) -> tuple[Any, ChatTemplate, int]:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.config.engine.model)
+        longest = max((len(t.encode()) for t in tok.get_vocab()), default=1) or 1
+        limit = self.config.max_model_len  # resolved by the launcher; None only in a frontend built alone
+        return tok, ChatTemplate(tok), (limit * longest * _NORMALIZATION_SHRINK) if limit else sys.maxsize
 
     async def _prepare(self, request: Request, kind: type[Any]) -> tuple[Any, Any]:
         """The decoded body and the tokenizer; _BadRequest for a bad body or another model's name."""
@@ -102,25 +130,51 @@ class TokenizerEndpoints:
             out["token_strs"] = tok.convert_ids_to_tokens(ids)
         return Response(encode(out), media_type="application/json")
 
-    @staticmethod
-    def _ids(tok: Any, body: TokenizeBody) -> list[int]:
+    def _ids(self, tok: Any, body: TokenizeBody) -> list[int]:
         if (body.prompt is None) == (body.messages is None):
             raise _BadRequest("Send either 'prompt' or 'messages'.", "prompt")
         if body.prompt is not None:
+            self._check_length(len(body.prompt), "prompt")
             special = True if body.add_special_tokens is None else body.add_special_tokens
             return list(tok.encode(body.prompt, add_special_tokens=special))
-        messages = body.messages or []
-        for message in messages:
-            content = message.get("content")
+        assert self._template is not None  # loaded with the tokenizer
+        chat = self._chat(body)
+        self._check_length(sum(len(m.content) if isinstance(m.content, str) else
+                               sum(len(p.text) for p in m.content if isinstance(p, TextPart)) if m.content else 0
+                               for m in chat.messages), "messages")
+        try:
+            rendered = self._template.render(template_messages(chat), None, template_options(chat, self._template.reads))
+        except BadRequest as exc:
+            raise _BadRequest(exc.message, exc.param or "messages") from None
+        except Exception as exc:  # a template error on malformed messages is the client's
+            raise _BadRequest(f"The chat template failed on these messages: {exc}", "messages") from None
+        ids = self._template.token_ids(rendered)
+        if body.add_special_tokens:  # off by default: the template writes its special tokens itself
+            before, after = added_specials(tok)
+            ids = [*before, *ids, *after]
+        return ids
+
+    @staticmethod
+    def _chat(body: TokenizeBody) -> ChatCompletionRequest:
+        """The messages as the chat endpoint parses them (the same checks, the same 400s)."""
+        for message in body.messages or []:
+            content = message.get("content") if isinstance(message, dict) else None
             parts = content if isinstance(content, list) else []
             if any(isinstance(p, dict) and p.get("type", "text") != "text" for p in parts):
                 raise _BadRequest("/tokenize takes text-only messages (media tokens depend on the media).", "messages")
+        chat_body = {"model": "tokenize", "messages": body.messages, "add_generation_prompt": body.add_generation_prompt,
+                     "continue_final_message": body.continue_final_message,
+                     "chat_template_kwargs": body.chat_template_kwargs}
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-        except Exception as exc:  # a template error on malformed messages is the client's
-            raise _BadRequest(f"The chat template failed on these messages: {exc}", "messages") from None
-        special = False if body.add_special_tokens is None else body.add_special_tokens
-        return list(tok.encode(text, add_special_tokens=special))
+            return parse_request(msgspec.json.encode(chat_body))
+        except BadRequest as exc:
+            raise _BadRequest(exc.message, exc.param or "messages") from None
+
+    def _check_length(self, chars: int, param: str) -> None:
+        if chars > self._max_chars:
+            raise _BadRequest(f"This model's maximum context length is {self.config.max_model_len} tokens; the "
+                              f"{param} holds more text ({chars} characters) than that many tokens can.", param, 400,
+                              "context_length_exceeded")
 
     async def detokenize(self, request: Request) -> Response:
         try:
