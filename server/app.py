@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -68,6 +69,7 @@ async def _next_batch(flight: Flight, early: list[FlightEvent]) -> list[FlightEv
 
 # A large answer goes out in sends of about this size, the loop free for other requests between them.
 _SEND_BYTES = 1 << 18
+_VERSION = importlib.metadata.version("glimpse")
 
 
 def answer_for(rid: str, created: int, accepted: RequestAccepted) -> Answer:
@@ -304,6 +306,10 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         error = protocol.ErrorBody(state.failed or f"server is {status}", "server_error", code=status)
         return Response(protocol.encode({"status": status, "error": error}), 503, media_type="application/json")
 
+    async def version(request: Request) -> Response:
+        # vLLM's GET /version: clients and benchmark tools record the server's version beside their results.
+        return Response(protocol.encode({"version": _VERSION, "server": "glimpse"}), media_type="application/json")
+
     async def admin_stats(request: Request) -> Response:
         snapshot = state.book.snapshot(state.outstanding, state.status)
         return Response(protocol.encode(snapshot), media_type="application/json")
@@ -336,6 +342,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/admin/stats", admin_stats, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenizers.tokenize, methods=["POST"]),

@@ -4,6 +4,7 @@ tokenizer and scheduler ends of the sockets (tests/server/harness.py); the clien
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import threading
 import time
@@ -115,6 +116,8 @@ def test_api_key(srv: Served) -> None:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
     assert httpx.get(srv.url + "/metrics").status_code == 200
+    # vLLM's /version, open like its other probes: the installed package's version.
+    assert httpx.get(srv.url + "/version").json() == {"version": importlib.metadata.version("glimpse"), "server": "glimpse"}
     assert srv.peers.toks[0].recv(100) is None  # nothing unauthenticated reached a tokenizer
 
 
