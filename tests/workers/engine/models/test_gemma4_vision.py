@@ -260,7 +260,9 @@ def test_ragged_batch_equals_one_by_one() -> None:
         parts.append(tower(rows[start : start + n], [grid]))
         start += n
     _close(together, torch.cat(parts), atol=1e-6)
-    assert torch.equal(together[-parts[-1].shape[0] :], together[: parts[0].shape[0]])
+    # The repeated image's rows match its first copy's. To rounding, not bitwise: with many CPU threads the GEMMs
+    # split rows by position (an H200 host's 16 threads gave the copies different last bits; 2 threads did not).
+    _close(together[-parts[-1].shape[0] :], together[: parts[0].shape[0]], atol=1e-6)
     # the plan of a repeated call is kept, and gives the same rows
     assert torch.equal(tower(rows, grids), together)
 
