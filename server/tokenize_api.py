@@ -31,9 +31,8 @@ from workers.tokenizer.requests.chat import (
     ChatCompletionRequest,
     TextPart,
     parse_request,
-    template_messages,
-    template_options,
 )
+from workers.tokenizer.requests.chat_prompt import template_messages, template_options
 
 MAX_BODY_BYTES = 8 << 20
 

@@ -32,11 +32,9 @@ from workers.tokenizer.media.video_prep import media_items
 from workers.tokenizer.requests.chat import (
     ChatCompletionRequest,
     ImageRef,
-    template_messages,
-    template_options,
-    template_tools,
     to_sampling_params,
 )
+from workers.tokenizer.requests.chat_prompt import template_messages, template_options, template_tools
 from workers.tokenizer.requests.completion import CompletionRequest, prepare_completion
 from workers.tokenizer.requests.sampling import hold_to_budget
 from workers.tokenizer.worker import Admitted, TokenizerWorker

@@ -56,14 +56,12 @@ from workers.tokenizer.requests.chat import (
     ImageRef,
     image_refs,
     parse_request,
-    template_messages,
-    template_options,
-    template_tools,
     text_parts,
     to_sampling_params,
     tool_parser,
     video_refs,
 )
+from workers.tokenizer.requests.chat_prompt import template_messages, template_options, template_tools
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion, prepare_completion
 from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.reasoning import continued_text

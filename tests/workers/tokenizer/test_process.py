@@ -22,7 +22,8 @@ from tests.workers.tokenizer.harness import MODEL, Peer, chat_body, png, server_
 from workers.engine.prompt.processor import MMProcessor
 from workers.tokenizer.media.fetch import decode_image
 from workers.tokenizer.process import run_tokenizer
-from workers.tokenizer.requests.chat import parse_request, template_messages, to_sampling_params
+from workers.tokenizer.requests.chat import parse_request, to_sampling_params
+from workers.tokenizer.requests.chat_prompt import template_messages
 
 
 def test_tokenizer_process(demo_model_dir: Path, launch_id: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -264,20 +264,6 @@ def _check_template(req: ChatCompletionRequest) -> None:
                          param="chat_template_kwargs", code="invalid_value")
 
 
-def template_options(req: ChatCompletionRequest, reads: Callable[[str], bool]) -> dict[str, Any]:
-    """apply_chat_template's keyword arguments for this request, beside the messages and tools. ``reads``: whether
-    the checkpoint's chat template reads a variable; ``reasoning_effort`` goes to one that does and is refused
-    by one that does not (it would change nothing, silently)."""
-    extra: dict[str, Any] = {}
-    if req.reasoning_effort is not None:
-        if not reads("reasoning_effort"):
-            raise unsupported("reasoning_effort", "this model's chat template takes none (where a model can turn "
-                              "its thinking off, chat_template_kwargs does, e.g. {\"enable_thinking\": false})")
-        extra["reasoning_effort"] = req.reasoning_effort
-    return {**extra, **(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
-            "continue_final_message": req.continue_final_message}
-
-
 # ---- what the tokenizer needs from a parsed request ---------------------------------------------
 
 
@@ -349,46 +335,6 @@ def _check_named(part: ImagePart | VideoPart, param: str, i: int, j: int) -> str
         raise BadRequest(f"Missing required parameter: '{param}' (or a 'uuid' naming media sent before).",
                          param=param, code="missing_required_parameter")
     return where
-
-
-def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages in the shape `MMProcessor.render` takes; image parts become bare placeholders."""
-    out: list[dict[str, Any]] = []
-    for message in req.messages:
-        role = "system" if message.role == "developer" else message.role
-        raw = message.content
-        content: str | list[dict[str, Any]] | None
-        if raw is None and message.tool_calls:
-            content = None  # as the client sent it: templates test it before writing a newline
-        elif raw is None or isinstance(raw, str):
-            content = raw or ""
-        else:
-            content = [_template_part(p) for p in raw]
-        entry: dict[str, Any] = {"role": role, "content": content}
-        if message.tool_calls:
-            entry["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                for c in message.tool_calls
-            ]
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        out.append(entry)
-    return out
-
-
-def _template_part(part: ContentPart) -> dict[str, Any]:
-    if isinstance(part, TextPart):
-        return {"type": "text", "text": part.text}
-    if isinstance(part, VideoPart):
-        return {"type": "video_url"}
-    if isinstance(part, ImagePart):
-        return {"type": "image_url"}
-    raise ValueError(f"a {type(part).__name__} reached the template (parse_request refuses them)")
-
-
-def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools for the chat template (None: the template renders no tool section)."""
-    return list(req.tools) if req.tools else None
 
 
 def tool_parser(req: ChatCompletionRequest, fmt: str = "hermes") -> str:

@@ -14,9 +14,9 @@ from workers.tokenizer.requests.chat import (
     TextPart,
     image_refs,
     parse_request,
-    template_messages,
     to_sampling_params,
 )
+from workers.tokenizer.requests.chat_prompt import template_messages
 from workers.tokenizer.requests.structured import structured_spec
 
 USER = [{"role": "user", "content": "hi"}]
@@ -273,7 +273,7 @@ def test_completions_refuse_the_same_fields(sent: dict[str, Any], default: dict[
 
 
 def test_reasoning_effort_goes_to_a_template_that_reads_it_and_is_refused_by_one_that_does_not() -> None:
-    from workers.tokenizer.requests.chat import template_options
+    from workers.tokenizer.requests.chat_prompt import template_options
 
     req = parse_request(body(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}))
     options = template_options(req, lambda name: name == "reasoning_effort")
