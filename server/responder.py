@@ -61,7 +61,7 @@ class Answer:
         self.model = accepted.model
         self.choices = [ChoiceState(i) for i in range(max(1, accepted.n))]
         self.prompt_tokens = accepted.prompt_tokens
-        self.cached_tokens = 0
+        self.cached_tokens: int | None = None  # the scheduler's count arrives with the first output
 
     def add(self, out: RequestOutput) -> None:
         choice = self.choices[out.index]
@@ -94,8 +94,11 @@ class Answer:
 
     def usage(self) -> Usage:
         counted = [c.reasoning_tokens for c in self.choices if c.reasoning_tokens is not None]
-        return Usage.of(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), self.cached_tokens,
-                        sum(counted) if counted else None)
+        usage = Usage.of(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), self.cached_tokens or 0,
+                         sum(counted) if counted else None)
+        if self.cached_tokens is None:  # no output yet (a stream's first chunk): not known, so not said to be 0
+            usage.prompt_tokens_details = None
+        return usage
 
     def running_usage(self) -> Usage | None:
         """stream_options.continuous_usage_stats: the usage so far, on every chunk."""

@@ -150,7 +150,13 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(live: LiveS
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     request: dict[str, Any] = {"messages": [{"role": "user", "content": "Read the total."}], "stream_options": options}
     chat: Any = live.client().chat.completions.create(model="demo", max_tokens=6, temperature=0, stream=True, **request)
-    usages = [c.usage for c in chat if c.choices and (c.choices[0].delta.content or c.choices[0].finish_reason)]
+    chat_chunks = list(chat)
+    usages = [c.usage for c in chat_chunks if c.choices and (c.choices[0].delta.content or c.choices[0].finish_reason)]
     assert usages and all(u is not None and u.completion_tokens >= 1 for u in usages)
+    # The cached count is the scheduler's: the role chunk, sent before any output, does not say it (rather than 0),
+    # and every later chunk says the same count as the last.
+    assert chat_chunks[0].usage is not None and chat_chunks[0].usage.prompt_tokens_details is None
+    cached = {c.usage.prompt_tokens_details.cached_tokens for c in chat_chunks[1:] if c.usage is not None}
+    assert len(cached) == 1, cached
     plain = list(complete(live, stream=True, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain if c.choices)  # only when asked for
