@@ -26,12 +26,9 @@ from starlette.responses import Response
 from server.config import ServerConfig
 from server.protocol import encode, error_response, is_json
 from workers.common.errors import BadRequest
+from workers.common.text_bound import max_text_chars
 from workers.engine.prompt.chat_template import ChatTemplate, added_specials
-from workers.tokenizer.requests.chat import (
-    ChatCompletionRequest,
-    TextPart,
-    parse_request,
-)
+from workers.tokenizer.requests.chat import ChatCompletionRequest, parse_request, text_parts
 from workers.tokenizer.requests.chat_prompt import template_messages, template_options
 
 MAX_BODY_BYTES = 8 << 20
@@ -46,11 +43,6 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
-
-
-# As the tokenizer workers bound a prompt (workers/tokenizer/worker.py): no token covers more than the vocabulary's
-# longest entry, and normalisation shrinks text at most this many times.
-_NORMALIZATION_SHRINK = 4
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):
@@ -93,9 +85,8 @@ class TokenizerEndpoints:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(self.config.engine.model)
-        longest = max((len(t.encode()) for t in tok.get_vocab()), default=1) or 1
         limit = self.config.max_model_len  # resolved by the launcher; None only in a frontend built alone
-        return tok, ChatTemplate(tok), (limit * longest * _NORMALIZATION_SHRINK) if limit else sys.maxsize
+        return tok, ChatTemplate(tok), max_text_chars(tok, limit) if limit else sys.maxsize
 
     async def _prepare(self, request: Request, kind: type[Any]) -> tuple[Any, Any]:
         """The decoded body and the tokenizer; _BadRequest for a bad body or another model's name."""
@@ -138,9 +129,7 @@ class TokenizerEndpoints:
             return list(tok.encode(body.prompt, add_special_tokens=special))
         assert self._template is not None  # loaded with the tokenizer
         chat = self._chat(body)
-        self._check_length(sum(len(m.content) if isinstance(m.content, str) else
-                               sum(len(p.text) for p in m.content if isinstance(p, TextPart)) if m.content else 0
-                               for m in chat.messages), "messages")
+        self._check_length(sum(len(t) for t in text_parts(chat)), "messages")
         try:
             rendered = self._template.render(template_messages(chat), None, template_options(chat, self._template.reads))
         except BadRequest as exc:

@@ -24,7 +24,6 @@ import functools
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
 
 import jinja2
 
@@ -34,6 +33,7 @@ from ipc.requests import GenerateRequest, RequestAccepted
 from ipc.stats import SchedulerStats, TokenizerStats
 from workers.common.errors import BadRequest
 from workers.common.reasoning_markers import opens_inside
+from workers.common.text_bound import max_text_chars
 from workers.common.tool_xml import arg_types
 from workers.common.tools import parse_tools
 from workers.config import ServerConfig
@@ -68,18 +68,9 @@ from workers.tokenizer.requests.reasoning import continued_text
 from workers.tokenizer.requests.sampling import hold_to_budget
 from workers.tokenizer.requests.structured import structured_spec
 
-# Unicode normalization (NFC/NFKC, which tokenizers apply first) composes at most four code points
-# into one (a Greek vowel with three marks), so text of c characters is at least c / 4 after it.
-_NORMALIZATION_SHRINK = 4
 # Past this many characters of text per context token a prompt is probably too long: a prefix of
 # that size is tokenized to find out before tokenizing everything (typical text: ~4 chars a token).
 _PROBE_CHARS_PER_TOKEN = 16
-
-
-def _longest_token_bytes(tokenizer: Any) -> int:
-    """UTF-8 length of the longest vocabulary entry: no token covers more bytes of text than this
-    (byte-level entries spell one byte per character, and encode to at least that many)."""
-    return max((len(t.encode()) for t in tokenizer.get_vocab()), default=1) or 1
 
 
 def _too_long(max_model_len: int, what: str) -> BadRequest:
@@ -124,8 +115,7 @@ class TokenizerWorker:
         self.limits = MediaLimits.from_config(config)
         self.fetcher = MediaFetcher(self.limits)  # its downloads belong to the process's event loop
         # A prompt with more text than this cannot fit max_model_len, however it tokenizes.
-        longest = _longest_token_bytes(self.processor.tokenizer)
-        self.max_text_chars = self.max_model_len * longest * _NORMALIZATION_SHRINK
+        self.max_text_chars = max_text_chars(self.processor.tokenizer, self.max_model_len)
         # Back-pressure: the scheduler's last word on shm in flight, plus what we sent since.
         self.shm_bytes = 0
         self.shm_budget = config.shm_budget_bytes
