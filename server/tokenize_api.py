@@ -27,7 +27,7 @@ from server.config import ServerConfig
 from server.protocol import encode, error_response, is_json
 from workers.common.errors import BadRequest
 from workers.common.text_bound import max_text_chars
-from workers.engine.prompt.chat_template import ChatTemplate, added_specials
+from workers.engine.prompt.chat_template import ChatTemplate
 from workers.tokenizer.requests.chat import ChatCompletionRequest, parse_request, text_parts
 from workers.tokenizer.requests.chat_prompt import template_messages, template_options
 
@@ -138,7 +138,7 @@ class TokenizerEndpoints:
             raise _BadRequest(f"The chat template failed on these messages: {exc}", "messages") from None
         ids = self._template.token_ids(rendered)
         if body.add_special_tokens:  # off by default: the template writes its special tokens itself
-            before, after = added_specials(tok)
+            before, after = self._template.added_specials
             ids = [*before, *ids, *after]
         return ids
 

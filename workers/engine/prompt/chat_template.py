@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from workers.common.tool_gemma import uses_gemma_calls
@@ -71,6 +72,11 @@ class ChatTemplate:
             "qwen_xml" if any(uses_xml_calls(str(t)) for t in texts)
             else "gemma4" if any(uses_gemma_calls(str(t)) for t in texts) else "hermes"
         )  # fmt: skip
+
+    @cached_property
+    def added_specials(self) -> tuple[list[int], list[int]]:
+        """`added_specials` of this tokenizer, found once (a per-request constant)."""
+        return added_specials(self.tokenizer)
 
     def reads(self, variable: str) -> bool:
         """Whether the template's source names ``variable`` (a request option it would act on)."""

@@ -30,6 +30,7 @@ from workers.tokenizer.requests.sampling import (
     Validate,
     check_sampling,
     range_error,
+    refuse_sent,
     to_sampling_params as _to_sampling_params,
     unsupported,
 )
@@ -221,7 +222,7 @@ def _check(req: ChatCompletionRequest) -> None:
         raise unsupported("functions", "use 'tools' and 'tool_choice' (the legacy function-call fields are not served)")
     check_tools(parse_tools(req.tools) if req.tools else None, req.tool_choice)
     _check_template(req)
-    refused = (
+    refuse_sent((
         ("echo", req.echo, "a chat answer does not repeat the prompt (/v1/completions echoes)"),
         ("audio", req.audio is not None, "answers are text only"),
         ("modalities", bool(set(req.modalities or ()) - {"text"}), "answers are text only"),
@@ -231,10 +232,7 @@ def _check(req: ChatCompletionRequest) -> None:
          "/v1/completions (prompt_logprobs, or echo with logprobs)"),
         ("chat_template", req.chat_template is not None, "the checkpoint's chat template is the one served"),
         ("add_special_tokens", bool(req.add_special_tokens), "the chat template writes every special token"),
-    )
-    for param, sent, why in refused:
-        if sent:
-            raise unsupported(param, why)
+    ))
 
 
 def _check_parts(req: ChatCompletionRequest) -> None:

@@ -20,7 +20,6 @@ from ipc.prompts import TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
 from workers.common.errors import BadRequest
 from workers.config import ServerConfig
-from workers.engine.prompt.chat_template import added_specials
 from workers.engine.prompt.processor import MMProcessor, Prompt, Rendered
 from workers.engine.runner.grammar import Validator
 from workers.tokenizer.requests.chat import decode_body
@@ -119,7 +118,7 @@ def _tokenize(worker: PromptContext, raw: str | list[int], specials: bool) -> Pr
             prompt = processor.build(Rendered([(raw, False)]), [])
         except ValueError as exc:  # image placeholders typed into a prompt that has no images
             raise BadRequest(f"The prompt cannot be used: {exc}", param="prompt") from None
-        before, after = added_specials(processor.tokenizer) if specials else ([], [])
+        before, after = processor.template.added_specials if specials else ([], [])
         if before or after:  # a text prompt has no media: its positions are the plain ones at any length
             ids = [*before, *prompt.input_ids, *after]
             return Prompt(ids, processor.family.delta(len(ids), [], processor.merge), [])

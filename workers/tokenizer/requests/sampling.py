@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -123,13 +123,20 @@ def unsupported(param: str, why: str) -> BadRequest:
     return BadRequest(f"'{param}' is not supported: {why}", param=param, code="unsupported_parameter")
 
 
+def refuse_sent(fields: Iterable[tuple[str, bool, str]]) -> None:
+    """(param, sent, why) for fields served only at their defaults: the first one sent otherwise is a 400 naming it."""
+    for param, sent, why in fields:
+        if sent:
+            raise unsupported(param, why)
+
+
 def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
     """Value checks msgspec's types cannot express, in parameter order, first failure wins."""
     if not req.skip_special_tokens:
         raise unsupported("skip_special_tokens", "answers are always decoded without special tokens")
     if req.include_stop_str_in_output:
         raise unsupported("include_stop_str_in_output", "a stop string is never part of the answer")
-    unserved = (
+    refuse_sent((
         ("use_beam_search", req.use_beam_search, "beam search is not served (n samples choices)"),
         ("length_penalty", req.length_penalty not in (None, 1.0), "it scores beams, and beam search is not served"),
         ("bad_words", bool(req.bad_words), "banned words are not served (logit_bias bans single tokens)"),
@@ -140,10 +147,7 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
         ("spaces_between_special_tokens", not req.spaces_between_special_tokens,
          "answers are decoded without special tokens"),
         ("return_tokens_as_token_ids", bool(req.return_tokens_as_token_ids), "logprobs name tokens by their text"),
-    )
-    for param, sent, why in unserved:
-        if sent:
-            raise unsupported(param, why)
+    ))
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it: it would change nothing
         raise BadRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                          param="stream_options", code="invalid_value")
