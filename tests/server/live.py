@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,7 +72,8 @@ class LiveServer:
             *([] if "--kv-cache-mb" in extra else ["--num-kv-blocks", "512"]),  # a count would override the budget
             "--log-level", "warning", *extra,
         ]
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"glimpse-{self.launch_id}.log", "w+")  # noqa: SIM115
+        # Unlinked at once: output() reads it while the test runs, and nothing is left behind in /tmp after it.
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.crashed = False  # a test killed one of its processes: the server stops on its own (``finish``)
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
