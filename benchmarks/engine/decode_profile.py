@@ -22,6 +22,9 @@ a word of its own, so no two share a cached prefix.
 (a synchronize, a copy to or from pageable memory), by the code that made them: each is a point where the GPU's queue
 runs dry, so the step's wall time exceeds its kernel time by at least the launches that follow it.
 
+``--python`` (prefill) runs the same steps once more under cProfile and lists the host's Python time by function:
+where the launches of the eager stretches between captured pieces spend it (fla's and Triton's wrappers included).
+
 ``--quantize`` serves the shape as that FP8 checkpoint (benchmarks/checkpoints.py) with its FP8 layers on
 (the default ``GLIMPSE_FP8_GEMM=auto``, or the variant the environment names), to set its decode kernels beside bf16's.
 
@@ -31,8 +34,11 @@ or run one variant per process. (Variants that overlap kernels on two streams sh
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import io
 import itertools
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -79,7 +85,9 @@ def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50, prof:
     return timed_steps(engine, batch - finished, prof)
 
 
-def prefill(engine: Engine, batch: int, context: int, tag: str, prof: profile | None = None) -> list[float]:
+def prefill(
+    engine: Engine, batch: int, context: int, tag: str, prof: profile | PythonProfile | None = None
+) -> list[float]:
     """Seconds of each step that prefills ``batch`` prompts of about ``context`` tokens, each opened by a word of
     its own (``tag`` and its index: no prefix of another run's prompts is cached), until every one has its token."""
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -88,7 +96,31 @@ def prefill(engine: Engine, batch: int, context: int, tag: str, prof: profile | 
     return timed_steps(engine, batch, prof)
 
 
-def timed_steps(engine: Engine, requests: int, prof: profile | None) -> list[float]:
+class PythonProfile:
+    """cProfile over the same window as the torch profiler (``start``/``stop``): the host's Python time by function,
+    fla's and Triton's launch wrappers included, which the torch profiler attributes to no op."""
+
+    def __init__(self) -> None:
+        self.prof = cProfile.Profile()
+
+    def start(self) -> None:
+        self.prof.enable()
+
+    def stop(self) -> None:
+        self.prof.disable()
+
+    def print(self, steps: int, top: int) -> None:
+        """The ``top`` functions by own time and by time under them, in ms per step (cProfile's own cost included:
+        read the shares, not the sums)."""
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            stats = pstats.Stats(self.prof, stream=out)
+            stats.sort_stats(key).print_stats(top)
+            print(f"\nPython by {key} over {steps} steps (seconds, all steps):")
+            print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[-12000:])
+
+
+def timed_steps(engine: Engine, requests: int, prof: profile | PythonProfile | None) -> list[float]:
     """Seconds of each step (host sync after each) until ``requests`` more requests have finished, all of them
     inside ``prof``'s window when given."""
     torch.cuda.synchronize()
@@ -150,12 +182,13 @@ def print_waits(prof: profile, steps: int, floor_ms: float = 0.05) -> None:
 
 def measure(
     ck: Path, top: int, batch: int = 1, context: int = 50, phase: str = "decode", waits: bool = False,
-    chunk: int = 4096, host: bool = False, pieces: int | None = None,
+    chunk: int = 4096, host: bool = False, pieces: int | None = None, python: bool = False,
 ) -> tuple[float, float, float]:
     """(median step ms, kernel ms per step, kernels per step) of ``phase``'s steps of at most ``chunk`` tokens,
     printing the ``top`` kernels (with ``waits``, where the host waited for the GPU, by Python caller; with ``host``,
     the same by enclosing op and the host's time by op, without the cost of recording stacks). ``pieces``: the
-    engine's piecewise_graph_tokens (None: its default)."""
+    engine's piecewise_graph_tokens (None: its default); ``python``: the host's Python time by function over one
+    more run of the same prefill steps."""
     kv_mb = max(4096, batch * (context + 128) * 160 // 1024)  # ~160 KiB of KV a token covers the 8B shapes
     block_size, _ = serving_kv_blocks("cuda", "auto", None, None)  # `glimpse serve`'s blocks: the decode kernel's
     # time depends on them (64 x 2,200 keys on an H200: 0.28 ms a layer in 16-token blocks, 0.15 in 128-token ones)
@@ -177,6 +210,9 @@ def measure(
               f"{batch * context / sum(steps):,.0f} tokens/s")
         n = len(prefill(engine, batch, context, "profiled", prof))
         steps.sort()
+        if python:
+            pyprof = PythonProfile()
+            pyprof.print(len(prefill(engine, batch, context, "python", pyprof)), top)
     else:
         decode(engine, 8, batch, context)
         steps = sorted(decode(engine, 96, batch, context)[2:])
@@ -232,6 +268,7 @@ def main() -> None:
     ap.add_argument("--phase", choices=("decode", "prefill"), default="decode", help="the steps profiled")
     ap.add_argument("--waits", action="store_true", help="list the runtime calls the host waited in, by caller")
     ap.add_argument("--host", action="store_true", help="the host's waits by enclosing op and its time by op (no stacks)")
+    ap.add_argument("--python", action="store_true", help="prefill: the host's Python time by function (cProfile)")
     ap.add_argument("--chunks", default="4096", help="comma-separated step token budgets, each run per variant")
     ap.add_argument("--pieces", default="", help="comma-separated piecewise_graph_tokens, each run per variant and "
                     "budget (empty: the config's default)")
@@ -248,7 +285,7 @@ def main() -> None:
             if args.top:
                 print(f"\n{label}:\n| kernel | per step | ms per step |\n|---|---|---|")
             rows.append((label, *measure(ck, args.top, args.batch, args.context, args.phase, args.waits, chunk,
-                                         args.host, most)))
+                                         args.host, most, args.python)))
             for owner, attr, value in saved:
                 setattr(owner, attr, value)
     fp8 = f", {args.quantize} under {fp8_gemm.VARIANT_ENV}={fp8_gemm.variant()}" if args.quantize else ""
