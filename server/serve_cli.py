@@ -14,7 +14,7 @@ from workers.common.reasoning_markers import PARSERS
 from workers.engine.config import KV_CACHE_DTYPES, EngineConfig
 
 if TYPE_CHECKING:
-    from workers.engine.models.base import ModelSpec
+    from workers.engine.models.model_spec import ModelSpec
 
 
 def _defaults(cls: type) -> dict[str, Any]:

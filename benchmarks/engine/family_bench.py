@@ -23,7 +23,7 @@ from benchmarks.engine.engine_bench import RESOLUTIONS, messages_with, noise_ima
 from benchmarks.engine.vit_bench import cuda_ms, matmul_peak_tflops, vit_flops
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig
-from workers.engine.models.base import ModelSpec
+from workers.engine.models.model_spec import ModelSpec
 from workers.engine.offline import Engine
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from workers.engine.config import EngineConfig
 from workers.engine.kernels import fused
-from workers.engine.models.base import ModelSpec
+from workers.engine.models.model_spec import ModelSpec
 from workers.engine.runner.batching import patches
 from workers.engine.runner.warmup import (
     fused_grids,

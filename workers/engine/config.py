@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # torch is imported where a dtype is needed, so the CLI can read these defaults cheaply
     import torch
 
-    from workers.engine.models.base import ModelSpec
+    from workers.engine.models.model_spec import ModelSpec
 
 MMCacheMode = Literal["image", "request"]
 # vLLM's spellings of --kv-cache-dtype; fp8 means e4m3 (fp8_e5m2 is not served).

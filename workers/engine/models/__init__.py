@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # importing torch only when a family is used keeps `glimpse --help` fast
-    from workers.engine.models.base import ModelFamily, ModelSpec
+    from workers.engine.models.base import ModelFamily
+from workers.engine.models.model_spec import ModelSpec
 
 # config.json `architectures` value -> family package.
 ARCHITECTURES: dict[str, str] = {

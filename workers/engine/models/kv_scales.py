@@ -28,7 +28,7 @@ from workers.engine.layers.linear import kv_heads_per_rank
 from workers.engine.models.loader import iter_safetensors, normalize_name
 
 if TYPE_CHECKING:  # decoder.py imports scale_name, and models.base's import chain is not needed for that
-    from workers.engine.models.base import ModelSpec
+    from workers.engine.models.model_spec import ModelSpec
 
 log = logging.getLogger("glimpse.model")
 

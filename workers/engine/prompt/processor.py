@@ -26,7 +26,8 @@ from transformers import AutoProcessor
 from transformers.image_utils import SizeDict
 
 from workers.engine.models import family as family_package, load_spec
-from workers.engine.models.base import ModelSpec, item_spans
+from workers.engine.models.base import item_spans
+from workers.engine.models.model_spec import ModelSpec
 from workers.engine.prompt.chat_template import ChatTemplate, Rendered
 from workers.engine.prompt.pixel_frames import (
     FrameLayout,

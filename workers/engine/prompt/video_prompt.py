@@ -27,7 +27,8 @@ import torch
 from transformers.image_utils import SizeDict
 from transformers.video_utils import VideoMetadata
 
-from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming
+from workers.engine.models.base import ModelFamily
+from workers.engine.models.model_spec import ModelSpec, VideoTiming
 from workers.engine.prompt.video_decode import VideoProbe, iter_frames, probe
 
 Grid = tuple[int, int, int]

@@ -22,8 +22,8 @@ from workers.engine.core.mm_cache import EmbeddingStore
 from workers.engine.kernels import kv_quant
 from workers.engine.kernels.attention import StateMetadata
 from workers.engine.layers.linear import TPGroup
-from workers.engine.models.base import ModelSpec, RecurrentSpec
 from workers.engine.models.kv_scales import load_kv_scales
+from workers.engine.models.model_spec import ModelSpec, RecurrentSpec
 from workers.engine.runner.host_embeddings import HostEmbeddings
 
 log = logging.getLogger("glimpse.model")

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from workers.engine.config import EngineConfig
 from workers.engine.kernels import kv_quant
-from workers.engine.models.base import ModelSpec
+from workers.engine.models.model_spec import ModelSpec
 
 log = logging.getLogger("glimpse.model")
 

@@ -10,7 +10,8 @@ import torch
 
 from workers.engine.config import EngineConfig
 from workers.engine.layers.linear import TPGroup
-from workers.engine.models.base import ModelSpec, VLModel
+from workers.engine.models.base import VLModel
+from workers.engine.models.model_spec import ModelSpec
 from workers.engine.runner.cache_memory import RecurrentState
 
 

@@ -52,7 +52,8 @@ import torch
 from torch import Tensor
 
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from workers.engine.models.base import LanguageModel, ModelSpec
+from workers.engine.models.base import LanguageModel
+from workers.engine.models.model_spec import ModelSpec
 from workers.engine.runner.piecewise_split import (
     Call,
     Capture,

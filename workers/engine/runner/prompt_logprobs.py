@@ -21,7 +21,7 @@ from ipc.logprob_messages import PromptLogprobs
 from ipc.prompts import SamplingParams
 
 if TYPE_CHECKING:
-    from workers.engine.models.base import ModelSpec
+    from workers.engine.models.model_spec import ModelSpec
 
 # Float32 logits one slice may hold: with Qwen's 151,936 tokens that is 883 rows (log-softmax doubles it).
 SLICE_BYTES = 512 << 20

@@ -13,7 +13,7 @@ from ipc.logprob_messages import PromptLogprobs, SampleLogprobs
 from ipc.prompts import MMItem, SamplingParams
 from ipc.steps import Fork, StepPlan, StepResult
 from workers.engine.core.kv_cache import slot_mapping
-from workers.engine.models.base import ModelSpec
+from workers.engine.models.model_spec import ModelSpec
 from workers.engine.runner.batching import host_tensor, to_device
 from workers.engine.runner.prompt_logprobs import PromptSpan, span_for
 

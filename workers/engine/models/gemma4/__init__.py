@@ -20,12 +20,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workers.engine.models.base import ModelFamily, ModelSpec, builder, spec_from, tower_builder
+from workers.engine.models.base import ModelFamily, builder, tower_builder
 from workers.engine.models.gemma4.lm import Gemma4LanguageModel
 from workers.engine.models.gemma4.processing import Gemma4Images, frame_layout_of
 from workers.engine.models.gemma4.spec import TextSpec
 from workers.engine.models.gemma4.vision import VisionSpec, build_vision
 from workers.engine.models.linear_positions import linear_delta, linear_positions
+from workers.engine.models.model_spec import ModelSpec, spec_from
 
 
 def parse(cfg: dict[str, Any], model_dir: Path) -> ModelSpec:

@@ -31,8 +31,8 @@ from torch import Tensor
 from transformers.image_utils import PILImageResampling
 from transformers.models.gemma4.image_processing_gemma4 import get_aspect_ratio_preserving_size
 
-from workers.engine.models.base import ModelSpec
 from workers.engine.models.frame_layout import FrameLayout
+from workers.engine.models.model_spec import ModelSpec
 
 # transformers' Gemma4ImageProcessor refuses any other max_soft_tokens.
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.models.base import text_fields
+from workers.engine.models.model_spec import text_fields
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Gemma4TextConfig's defaults where config.json omits a field.

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, builder, spec_from, tower_builder
+from workers.engine.models.base import ModelFamily, builder, tower_builder
+from workers.engine.models.model_spec import ModelSpec, VideoTiming, spec_from
 from workers.engine.models.qwen2_5_vl.lm import TextSpec, build_language_model
 from workers.engine.models.qwen2_5_vl.vision import VisionSpec, build_vision
 from workers.engine.models.video_mrope import video_mrope_delta, video_mrope_positions

@@ -16,7 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workers.engine.models.base import ModelFamily, ModelSpec, builder, spec_from, tower_builder
+from workers.engine.models.base import ModelFamily, builder, tower_builder
+from workers.engine.models.model_spec import ModelSpec, spec_from
 from workers.engine.models.mrope import mrope_delta, mrope_positions
 from workers.engine.models.qwen3_5.lm import build_language_model
 from workers.engine.models.qwen3_5.spec import TextSpec, recurrent_spec

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.models.base import RecurrentSpec, text_fields
 from workers.engine.models.decoder import DecoderSpec
+from workers.engine.models.model_spec import RecurrentSpec, text_fields
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # transformers' defaults where config.json omits a field (Qwen3_5TextConfig; its rotary's mrope_section default).

@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from workers.engine.models.base import ModelFamily, ModelSpec, VideoTiming, builder, spec_from, tower_builder
+from workers.engine.models.base import ModelFamily, builder, tower_builder
+from workers.engine.models.model_spec import ModelSpec, VideoTiming, spec_from
 from workers.engine.models.mrope import mrope_delta, mrope_positions
 from workers.engine.models.qwen3_vl.lm import TextSpec, build_language_model
 from workers.engine.models.qwen3_vl.vision import VisionSpec, build_vision
