@@ -33,7 +33,8 @@ from ipc.shm import ShmRef, dtype_name, segment_name
 from ipc.steps import StepPlan, StepResult
 from server.config import ServerConfig
 from workers.engine.config import EngineConfig
-from workers.engine.prompt.processor import MMProcessor, ProcessedImage
+from workers.engine.prompt.media_items import ProcessedImage
+from workers.engine.prompt.processor import MMProcessor
 from workers.scheduler.process import build_core
 
 RESOLUTIONS = {"720p": (1280, 720), "1080p": (1920, 1080), "2k": (2560, 1440)}

@@ -16,7 +16,8 @@ from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from tests.server.live import LiveServer, data_url, image_message, serving
-from workers.engine.prompt.processor import MMProcessor, pad_value
+from workers.engine.prompt.media_items import pad_value
+from workers.engine.prompt.processor import MMProcessor
 
 MAX_NEW = 12
 TEXT = "Describe this small picture in as much detail as you can, please, for me."

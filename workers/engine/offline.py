@@ -20,7 +20,8 @@ from workers.engine.config import EngineConfig
 from workers.engine.core.host_kv_index import kv_host_report
 from workers.engine.core.scheduler import FinishReason, SchedulerCore, Sequence as SchedSeq
 from workers.engine.core.sequence import child_rid
-from workers.engine.prompt.processor import ImageMeta, MMProcessor, ProcessedImage
+from workers.engine.prompt.media_items import ImageMeta, ProcessedImage
+from workers.engine.prompt.processor import MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta, read_video, videos_in
 from workers.engine.runner.model_runner import Launched, ModelRunner
 

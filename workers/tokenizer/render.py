@@ -23,7 +23,7 @@ from ipc.kv_events import media_spans, vllm_tokens
 from ipc.prompts import MMItem
 from ipc.requests import RENDER_ENDPOINTS, GenerateRequest
 from workers.common.errors import BadRequest
-from workers.engine.prompt.processor import ImageInfo
+from workers.engine.prompt.media_items import ImageInfo
 from workers.engine.prompt.video_prompt import VideoMeta
 from workers.tokenizer.media.image_io import Encoded
 from workers.tokenizer.media.image_prep import ImagePrep

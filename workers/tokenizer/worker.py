@@ -37,7 +37,8 @@ from workers.common.text_bound import max_text_chars
 from workers.common.tool_xml import arg_types
 from workers.common.tools import parse_tools
 from workers.config import ServerConfig
-from workers.engine.prompt.processor import ImageInfo, MMProcessor
+from workers.engine.prompt.media_items import ImageInfo
+from workers.engine.prompt.processor import MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta
 from workers.engine.runner.grammar import Validator
 from workers.tokenizer.media.fetch import MediaFetcher, MediaLimits, is_remote

@@ -29,7 +29,8 @@ from workers.encoder.process import run_encoder_worker
 from workers.engine.config import EngineConfig
 from workers.engine.models import family, load_spec
 from workers.engine.models.load import load_model
-from workers.engine.prompt.processor import MMProcessor, ProcessedImage
+from workers.engine.prompt.media_items import ProcessedImage
+from workers.engine.prompt.processor import MMProcessor
 from workers.engine.runner.batching import pixel_rows
 
 TIMEOUT_MS = 120_000

@@ -27,7 +27,7 @@ from ipc.requests import GenerateRequest
 from tests.conftest import noise_image
 from tests.videos import make_video
 from tests.workers.tokenizer.harness import MODEL, handle, inodes, png, refusal_of, server_config
-from workers.engine.prompt.processor import PAD_BASE
+from workers.engine.prompt.media_items import PAD_BASE
 from workers.tokenizer.media.uuids import MediaRecord, UuidRegistry
 from workers.tokenizer.worker import TokenizerWorker
 

@@ -10,7 +10,7 @@ import torch
 
 from ipc import shm
 from workers.common.errors import BadRequest
-from workers.engine.prompt.processor import ProcessedImage
+from workers.engine.prompt.media_items import ProcessedImage
 
 
 class Encoded:

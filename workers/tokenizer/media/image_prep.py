@@ -36,8 +36,9 @@ from PIL import Image
 from ipc import shm
 from workers.common.errors import BadRequest
 from workers.config import ServerConfig
+from workers.engine.prompt.media_items import ProcessedImage
 from workers.engine.prompt.pixel_range import sized_hash
-from workers.engine.prompt.processor import MMProcessor, ProcessedImage
+from workers.engine.prompt.processor import MMProcessor
 from workers.tokenizer.media.fetch import (
     decode_pixels,
     low_detail,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from ipc import shm
 from workers.config import ServerConfig
-from workers.engine.prompt.processor import MMProcessor, ProcessedImage
+from workers.engine.prompt.media_items import ProcessedImage
+from workers.engine.prompt.processor import MMProcessor
 from workers.tokenizer.media.image_io import Encoded, write_and_publish
 
 LOCAL_INDEX_SIZE = 4096  # hashes remembered with their newest segment name (a hint; /dev/shm is the truth)

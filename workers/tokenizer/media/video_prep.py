@@ -27,7 +27,8 @@ from ipc import shm
 from ipc.prompts import MMItem
 from workers.common.errors import BadRequest
 from workers.config import ServerConfig
-from workers.engine.prompt.processor import ImageSpan, MMProcessor
+from workers.engine.prompt.media_items import ImageSpan
+from workers.engine.prompt.processor import MMProcessor
 from workers.engine.prompt.video_decode import VideoError, iter_frames, probe
 from workers.engine.prompt.video_prompt import (
     DEFAULT_SETTINGS,

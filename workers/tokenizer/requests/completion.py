@@ -20,7 +20,8 @@ from ipc.prompts import TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
 from workers.common.errors import BadRequest
 from workers.config import ServerConfig
-from workers.engine.prompt.processor import MMProcessor, Prompt, Rendered
+from workers.engine.prompt.media_items import Prompt
+from workers.engine.prompt.processor import MMProcessor, Rendered
 from workers.engine.runner.grammar import Validator
 from workers.tokenizer.requests.chat import decode_body
 from workers.tokenizer.requests.mm_kwargs import media_settings

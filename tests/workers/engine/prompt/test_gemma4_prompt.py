@@ -20,7 +20,8 @@ from PIL import Image
 from tests.conftest import noise_image
 from workers.engine.models.gemma4.demo import write_gemma4
 from workers.engine.models.gemma4.processing import Gemma4Images
-from workers.engine.prompt.processor import ImageInfo, MMProcessor, pad_value
+from workers.engine.prompt.media_items import ImageInfo, pad_value
+from workers.engine.prompt.processor import MMProcessor
 from workers.engine.runner.encoder import _frame_layout
 
 # (width, height): landscape, portrait, slivers both ways (the processor's 0-side fallbacks), odd sizes, a size that

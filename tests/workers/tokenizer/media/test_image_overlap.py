@@ -23,7 +23,7 @@ from ipc.shm import ShmSegment, list_segments
 from tests.conftest import noise_image
 from tests.workers.tokenizer.harness import chat_body, handle, jpeg, png, refusal_of, server_config, shm_path
 from workers.common.errors import BadRequest
-from workers.engine.prompt.processor import ProcessedImage
+from workers.engine.prompt.media_items import ProcessedImage
 from workers.tokenizer.media.image_segments import RequestImage
 from workers.tokenizer.worker import TokenizerWorker
 

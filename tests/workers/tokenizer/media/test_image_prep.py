@@ -34,7 +34,8 @@ from tests.workers.tokenizer.harness import (
     shm_path,
 )
 from workers.engine.config import EngineConfig
-from workers.engine.prompt.processor import MMProcessor, ProcessedImage
+from workers.engine.prompt.media_items import ProcessedImage
+from workers.engine.prompt.processor import MMProcessor
 from workers.tokenizer.media.fetch import decode_image
 from workers.tokenizer.media.image_segments import RequestImage
 from workers.tokenizer.worker import TokenizerWorker
