@@ -44,9 +44,10 @@ from ipc.outputs import OutputBatch, RequestOutput
 from ipc.requests import RENDER_ENDPOINTS, GenerateRequest, RequestAccepted, RequestRendered, RouteRequest
 from ipc.stats import SchedulerStats, TokenizerStats
 from server.config import ServerConfig
+from server.metrics import Metrics
 from server.pool_stats import PoolCollector
 from server.router import Router
-from server.stats import Metrics, StatsBook
+from server.stats import StatsBook
 from workers.common.step_trace import StepTrace
 
 logger = logging.getLogger("glimpse.frontend")
