@@ -163,7 +163,8 @@ def test_generation_config_defaults_apply_to_fields_left_out(demo_model_dir: Pat
 def test_generation_config_flag_none_turns_defaults_off(demo_model_dir: Path, tmp_path: Path) -> None:
     import argparse
 
-    from server.serve_cli import add_serve, build_config
+    from server.serve_cli import add_serve
+    from server.serve_config import build_config
 
     model = tmp_path / "m"
     shutil.copytree(demo_model_dir, model)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from server.encoder_flags import SPLIT_LANDING_MB, landing_mb
-from server.serve_cli import add_serve, build_config
+from server.serve_cli import add_serve
+from server.serve_config import build_config
 from workers.engine.config import (
     FA3_KEY_TILE,
     HOST_CACHE_CAP_MB,

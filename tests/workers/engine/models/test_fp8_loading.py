@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from server.serve_cli import add_serve, build_config
+from server.serve_cli import add_serve
+from server.serve_config import build_config
 from tests.conftest import noise_image
 from tests.workers.engine.models.engine_harness import GREEDY, chat, make_engine
 from tests.workers.engine.models.lm_harness import PagedCache
