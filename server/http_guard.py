@@ -12,8 +12,8 @@ cap (limit_concurrency) still accepts every connection and answers plain text. S
 - header size: request line and headers past ``max_header_bytes`` get 431, counted as the bytes
   arrive (before httptools buffers them), the way nginx and Node cap them;
 - idle timeout: no byte of a started request body, or no progress writing the response to a client
-  that stopped reading, for ``idle_timeout_s`` closes the connection (the app sees a disconnect, so a
-  generation is aborted rather than left to fill a buffer nobody reads);
+  that stopped reading, for ``idle_timeout_s`` closes the connection (a stalled body gets 408 first; the app
+  sees a disconnect, so a generation is aborted rather than left to fill a buffer nobody reads);
 - connection cap: past ``max_connections`` the oldest connection that has no request in progress
   (idle keep-alive, or still sending headers) is closed to make room, so idle floods cannot lock out
   real clients; only when every connection is busy does the new one get a JSON 503.
@@ -188,6 +188,12 @@ class GuardedProtocol(HttpToolsProtocol):
             self._arm(self.LIMITS.idle_timeout_s, self._body_idle)
             return
         self.logger.info("closing a connection whose request body stalled for %g s", self.LIMITS.idle_timeout_s)
+        if self.cycle is not None and not self.cycle.response_started:
+            # Nothing of an answer went out yet (the app is still waiting for the body): say why, as nginx and Node
+            # do. The close reaches the app as a disconnect either way.
+            limit = f"{self.LIMITS.idle_timeout_s:g}"
+            self._reply_and_close(408, f"The request body stalled: no byte came for {limit} s.", "request_timeout")
+            return
         self.transport.abort()
 
     def _write_stalled(self) -> None:
