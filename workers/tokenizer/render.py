@@ -16,13 +16,11 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import jinja2
 import msgspec
 
 from ipc.kv_events import media_spans, vllm_tokens
 from ipc.prompts import MMItem
 from ipc.requests import RENDER_ENDPOINTS, GenerateRequest
-from workers.common.errors import BadRequest
 from workers.engine.prompt.media_items import ImageInfo
 from workers.engine.prompt.video_prompt import VideoMeta
 from workers.tokenizer.media.image_io import Encoded
@@ -34,7 +32,7 @@ from workers.tokenizer.requests.chat import (
     ImageRef,
     to_sampling_params,
 )
-from workers.tokenizer.requests.chat_prompt import template_messages, template_options, template_tools
+from workers.tokenizer.requests.chat_prompt import chat_prompt, template_options
 from workers.tokenizer.requests.completion import CompletionRequest, prepare_completion
 from workers.tokenizer.requests.sampling import hold_to_budget
 from workers.tokenizer.worker import Admitted, TokenizerWorker
@@ -164,11 +162,7 @@ def _render_chat(
     metas = [ImageInfo(im.hash, im.grid, processor.tokens_for_grid(im.grid)) for im in order]
     media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
     options = template_options(chat, processor.template.reads)  # may refuse a field
-    try:
-        rendered = processor.render(template_messages(chat), template_tools(chat), options)
-        prompt = processor.build(rendered, media)
-    except (ValueError, jinja2.TemplateError) as exc:  # the generation's own refusal (TokenizerWorker._prepare)
-        raise BadRequest(f"The messages cannot be made into a prompt: {exc}", param="messages") from None
+    _, prompt = chat_prompt(processor, chat, media, options)
     # The generation's sampling checks too (context length, max_tokens, structured outputs): a render that succeeds
     # is a request that would be served.
     sampling = to_sampling_params(

@@ -25,8 +25,6 @@ import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-import jinja2
-
 from ipc.control import RequestFailed
 from ipc.prompts import TokenizedRequest
 from ipc.requests import GenerateRequest, RequestAccepted
@@ -62,7 +60,7 @@ from workers.tokenizer.requests.chat import (
     tool_parser,
     video_refs,
 )
-from workers.tokenizer.requests.chat_prompt import template_messages, template_options, template_tools
+from workers.tokenizer.requests.chat_prompt import chat_prompt, template_options
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion, prepare_completion
 from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.reasoning import continued_text
@@ -283,11 +281,7 @@ class TokenizerWorker:
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
         options = template_options(chat, self.processor.template.reads)  # may refuse a field
-        try:
-            rendered = self.processor.render(template_messages(chat), template_tools(chat), options)
-            prompt = self.processor.build(rendered, media)
-        except (ValueError, jinja2.TemplateError) as exc:  # e.g. image-pad tokens typed into the text
-            raise BadRequest(f"The messages cannot be made into a prompt: {exc}", param="messages") from None
+        rendered, prompt = chat_prompt(self.processor, chat, media, options)
         sampling = to_sampling_params(
             chat, len(prompt.input_ids), self.max_model_len, self.config.sampling_defaults, self.processor.info.vocab_size,
             validate=self.structured.check, tool_tags=self.structured.tool_tags,

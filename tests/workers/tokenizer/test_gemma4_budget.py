@@ -202,3 +202,19 @@ def test_gemma_refusals(gemma_worker: TokenizerWorker) -> None:
     )
     ok = handle(gemma_worker, completion(mm_processor_kwargs={"max_soft_tokens": 1120}), "completion")
     assert len(ok.input_ids) > 0
+
+
+def test_a_template_that_refuses_tools_is_named_by_its_refusal(gemma_worker: TokenizerWorker) -> None:
+    """The demo's chat template renders no tools (it raises): the 400 names ``tools`` where the messages alone
+    render, and ``messages`` where they are what it refuses (a tool result)."""
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    assert refusal(gemma_worker, chat([], tools=[tool])) == (400, None, "tools")
+    result = gemma_worker.handle(GenerateRequest("r", memoryview(chat([], tools=[tool])), 0.0, "chat"))
+    assert isinstance(result, RequestFailed) and "renders no tools" in result.message
+    messages = [{"role": "user", "content": "Look it up."},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4}).encode()
+    assert refusal(gemma_worker, body) == (400, None, "messages")
+    assert handle(gemma_worker, chat([])).input_ids  # the same worker serves a plain chat after both

@@ -1,12 +1,16 @@
 """A parsed chat request as the chat template takes it (``ChatTemplate.render``): the messages (image and video
 parts as bare placeholders), the tools, and apply_chat_template's options. The generation, the render route and
-/tokenize all go through these, so one request renders the same prompt on each."""
+/tokenize all go through these, so one request renders the same prompt on each; the first two through
+``chat_prompt``, which also names what a template refused."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
+import jinja2
+
+from workers.common.errors import BadRequest
 from workers.tokenizer.requests.chat import (
     ChatCompletionRequest,
     ContentPart,
@@ -15,6 +19,12 @@ from workers.tokenizer.requests.chat import (
     VideoPart,
 )
 from workers.tokenizer.requests.sampling import unsupported
+
+if TYPE_CHECKING:
+    from workers.engine.prompt.chat_template import Rendered
+    from workers.engine.prompt.media_items import ImageMeta, Prompt
+    from workers.engine.prompt.processor import MMProcessor
+    from workers.engine.prompt.video_prompt import VideoMeta
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -69,3 +79,25 @@ def template_options(req: ChatCompletionRequest, reads: Callable[[str], bool]) -
         extra["reasoning_effort"] = req.reasoning_effort
     return {**extra, **(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message}
+
+
+def chat_prompt(
+    processor: MMProcessor, chat: ChatCompletionRequest, media: Sequence[ImageMeta | VideoMeta], options: dict[str, Any]
+) -> tuple[Rendered, Prompt]:
+    """The request's rendered template and prompt: its messages and tools through the chat template, each image's and video's placeholder
+    expanded. A refusal (the template's own raise, image-pad tokens typed into the text) is a 400 naming ``tools``
+    where the template renders the messages without them (a template that renders no tools), else ``messages``."""
+    messages, tools = template_messages(chat), template_tools(chat)
+    try:
+        rendered = processor.render(messages, tools, options)
+        return rendered, processor.build(rendered, media)
+    except (ValueError, jinja2.TemplateError) as exc:
+        refused = exc
+    if tools is not None:
+        try:  # only on a refusal: was it the tools?
+            processor.render(messages, None, options)
+        except (ValueError, jinja2.TemplateError):
+            pass
+        else:
+            raise BadRequest(f"This model's chat template refuses the tools: {refused}", param="tools")
+    raise BadRequest(f"The messages cannot be made into a prompt: {refused}", param="messages")
