@@ -26,7 +26,8 @@ class GenerateRequest(Msg, frozen=True):
     rid: str
     body: memoryview
     arrival: float  # time.time() when the frontend received it
-    # Which body it is: "chat" (/v1/chat/completions), "completion" (/v1/completions), or a render of either
+    # Which body it is: "chat" (/v1/chat/completions), "completion" (/v1/completions), "generate" (SGLang's
+    # /generate, served as a completion), or a render of the first two
     # ("chat_render", "completion_render": vLLM's /render routes), answered by RequestRendered, never scheduled.
     endpoint: str = "chat"
 
@@ -52,13 +53,14 @@ class RequestAccepted(Msg, frozen=True):
     prompt_tokens: int
     worker: int
     n: int = 1  # choices: outputs carry their index; the answer ends when all n finished
-    endpoint: str = "chat"  # "chat" (/v1/chat/completions) or "completion" (/v1/completions)
+    endpoint: str = "chat"  # "chat" (/v1/chat/completions), "completion" (/v1/completions) or "generate" (/generate)
     echo: str = ""  # completions with echo: the prompt's text, put before each choice's text
     logprobs: bool = False  # the answer carries logprobs (even where a token has none to report)
     echoes: list[str] = []  # a batch of prompts: each choice's own echo (``echo`` is then unused)
     echo_logprobs: int | None = None  # echo with logprobs: the prompt's tokens lead the logprobs, k best each
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: choices[].prompt_logprobs, k best each
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
+    prompt_counts: list[int] = []  # a batch of prompts: each prompt's tokens (outputs carry the batch's total)
 
 
 class RouteRequest(Msg, frozen=True):

@@ -39,6 +39,7 @@ from server.frontend import (
     NoTokenizer,
     Outcome,
 )
+from server.generate_answer import GenerateAnswer
 from server.protocol import error_response, is_json
 from server.render_api import RENDER_PATHS, render_answer
 from server.responder import Answer, ChatAnswer
@@ -72,9 +73,11 @@ _SEND_BYTES = 1 << 18
 _VERSION = importlib.metadata.version("glimpse")
 
 
+_ANSWERS: dict[str, type[Answer]] = {"completion": CompletionAnswer, "generate": GenerateAnswer}
+
+
 def answer_for(rid: str, created: int, accepted: RequestAccepted) -> Answer:
-    cls = CompletionAnswer if accepted.endpoint == "completion" else ChatAnswer
-    return cls(rid, created, accepted)
+    return _ANSWERS.get(accepted.endpoint, ChatAnswer)(rid, created, accepted)
 
 
 def _gather(pieces: Iterator[bytes]) -> bytes:
@@ -217,7 +220,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-_KEYED = ("/v1/", "/admin/", "/tokenize", "/detokenize", "/tokenizer_info")  # what --api-key protects
+_KEYED = ("/v1/", "/admin/", "/generate", "/tokenize", "/detokenize", "/tokenizer_info")  # what --api-key protects
 
 
 class _ApiKeyMiddleware:
@@ -273,6 +276,10 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
 
     async def completions(request: Request) -> Response | ChatResponder:
         return await chat_completions(request, "completion")
+
+    async def generate(request: Request) -> Response | ChatResponder:
+        # SGLang's native endpoint (sglang.bench_serving's default backend): a completions request in SGLang's names.
+        return await chat_completions(request, "generate")
 
     def renders(endpoint: str) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
@@ -338,6 +345,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/generate", generate, methods=["POST"]),
         *(Route(path, renders(endpoint), methods=["POST"]) for endpoint, path in RENDER_PATHS.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),

@@ -1,8 +1,10 @@
-"""/v1/completions, /v1/models/{id}, cached_tokens and CORS through the real server and the official openai
-client, on the demo checkpoint (greedy completions equal transformers')."""
+"""/v1/completions, SGLang's /generate, /v1/models/{id}, cached_tokens and CORS through the real server and the
+official openai client (/generate: read as sglang.bench_serving reads it), on the demo checkpoint (greedy completions
+equal transformers')."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,3 +162,73 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(live: LiveS
     assert len(cached) == 1, cached
     plain = list(complete(live, stream=True, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain if c.choices)  # only when asked for
+
+
+def generate(server: LiveServer, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.base + "/generate", json=body, timeout=60)
+
+
+def bench_serving_read(server: LiveServer, body: dict[str, Any]) -> tuple[str, int, list[int]]:
+    """What sglang.bench_serving's ``sglang`` backend keeps of a streamed /generate: the last event's text and
+    completion_tokens (each event holds everything so far), and each event's count of new tokens."""
+    text, count, steps = "", 0, []
+    with httpx.stream("POST", server.base + "/generate", json=body, timeout=60) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line.strip()]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        data = json.loads(line.removeprefix("data: "))
+        assert data["text"].startswith(text)  # cumulative
+        steps.append(data["meta_info"]["completion_tokens"] - count)
+        text, count = data["text"], data["meta_info"]["completion_tokens"]
+    return text, count, steps
+
+
+def test_sglang_generate_equals_transformers_greedy(live: LiveServer, ref: HFReference) -> None:
+    ids = ref.tokenizer(PROMPT)["input_ids"]
+    expected, _ = ref.greedy(ids, 12)
+    # The body sglang.bench_serving sends with its default backend.
+    body = {"text": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": False},
+            "stream": False, "lora_path": None, "return_logprob": False, "logprob_start_len": -1}
+    resp = generate(live, body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["text"] == ref.text(expected) and out["output_ids"] == expected
+    meta = out["meta_info"]
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ids), len(expected))
+    assert meta["finish_reason"]["type"] in ("stop", "length") and meta["id"].startswith("cmpl-")
+    # Token ids give the same answer; streamed, the last event holds all of it.
+    assert generate(live, {**body, "input_ids": ids}).json()["error"]["param"] == "text"  # exactly one of the two
+    del body["text"]
+    assert generate(live, {**body, "input_ids": ids}).json()["text"] == out["text"]
+    text, count, steps = bench_serving_read(live, {"text": PROMPT, "stream": True, "sampling_params":
+                                                   {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
+    assert text.startswith(out["text"]) and count == 12 and sum(steps) == 12 and all(s >= 1 for s in steps)
+
+
+def test_sglang_generate_batches_and_refusals(live: LiveServer) -> None:
+    params = {"temperature": 0, "max_new_tokens": 4}
+    batch = generate(live, {"text": [PROMPT, PROMPT + "The"], "sampling_params": params}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    alone = generate(live, {"text": PROMPT + "The", "sampling_params": params}).json()
+    assert batch[1]["text"] == alone["text"] and batch[1]["meta_info"]["prompt_tokens"] > batch[0]["meta_info"]["prompt_tokens"]
+    assert len(generate(live, {"text": PROMPT, "sampling_params": {**params, "n": 2}}).json()) == 2
+    # Unset max_new_tokens: SGLang's default of 128.
+    assert generate(live, {"text": PROMPT, "sampling_params": {"ignore_eos": True}}).json()["meta_info"][
+        "completion_tokens"] == 128
+    png = "data:image/png;base64,iVBORw0KGgo="
+    for body, param in [
+        ({"text": PROMPT, "image_data": png}, "image_data"),
+        ({"text": PROMPT, "return_logprob": True}, "return_logprob"),
+        ({"text": PROMPT, "lora_path": "adapter"}, "lora_path"),
+        ({"text": PROMPT, "frobnicate": 1}, "frobnicate"),
+        ({"text": PROMPT, "sampling_params": {"ebnf": "root ::= \"a\""}}, "sampling_params.ebnf"),
+        ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+        ({"text": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        ({"text": [PROMPT, PROMPT], "sampling_params": [{"top_k": 1}, {"top_k": 2}]}, "sampling_params"),
+        ({"input_ids": [1 << 30]}, "input_ids"),
+        ({"text": ""}, "text"),
+    ]:
+        resp = generate(live, body)
+        assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["error"]["param"] == param, resp.json()

@@ -65,6 +65,7 @@ from workers.tokenizer.requests.completion import CompletionRequest, parse_compl
 from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.reasoning import continued_text
 from workers.tokenizer.requests.sampling import hold_to_budget
+from workers.tokenizer.requests.sglang_generate import parse_generate, sglang_names
 from workers.tokenizer.requests.structured import structured_spec
 
 # Past this many characters of text per context token a prompt is probably too long: a prefix of
@@ -195,7 +196,9 @@ class TokenizerWorker:
         the prompt's length bound, the image count, shm pressure; data: and file: images load here. A ``render``
         (workers/tokenizer/render.py) writes no segment, so shm pressure does not refuse it, and is not counted."""
         self.requests += 0 if render else 1
-        chat = parse_completion(req.body) if req.endpoint == "completion" else parse_request(req.body)
+        chat = (parse_completion(req.body) if req.endpoint == "completion"
+                else parse_generate(req.body, self.config.served_model_name) if req.endpoint == "generate"
+                else parse_request(req.body))  # fmt: skip
         if chat.model != self.config.served_model_name:
             message = f"The model `{chat.model}` does not exist."
             raise BadRequest(message, status=404, param="model", code="model_not_found")
@@ -270,7 +273,12 @@ class TokenizerWorker:
         the returned writes are for the caller to start once the request is sent."""
         chat, refs = admitted.chat, admitted.refs
         if isinstance(chat, CompletionRequest):
-            return *prepare_completion(self, req, chat), []
+            if req.endpoint != "generate":
+                return *prepare_completion(self, req, chat), []
+            try:
+                return *prepare_completion(self, req, chat), []
+            except BadRequest as exc:  # told in /generate's field names
+                raise sglang_names(exc, chat) from None
         raws = [raw for raw in admitted.raws if raw is not None]
         assert len(raws) == len(refs), "prepare() before every image was loaded"
         defer = defer and self.overlap

@@ -179,7 +179,9 @@ def prepare_completion(
     echoes = [(r if isinstance(r, str) else processor.decode(i)) if completion.echo else "" for r, i in zip(raws, ids, strict=True)]
     accepted = RequestAccepted(
         req.rid, completion.stream, completion.include_usage, completion.model, sum(len(i) for i in ids), worker.index,
-        max(sampling.n, len(ids)), "completion", echoes[0], sampling.logprobs is not None,
+        max(sampling.n, len(ids)), "generate" if req.endpoint == "generate" else "completion", echoes[0],
+        sampling.logprobs is not None,
         echoes if len(ids) > 1 else [], echo_logprobs, completion.prompt_logprobs, completion.continuous_usage,
+        [len(i) for i in ids] if len(ids) > 1 else [],
     )
     return accepted, TokenizedRequest(req.rid, ids[0], prompts[0].mrope_delta, [], sampling, [], 0, more_prompts=ids[1:])

@@ -1,0 +1,64 @@
+"""The answer to SGLang's ``POST /generate`` (workers/tokenizer/requests/sglang_generate.py), in SGLang's shapes:
+``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+"cached_tokens"}}``, one object, or a list of them (in order) for a batch of prompts or ``n`` > 1. A stream sends
+the same object per event with the text and ids so far (SGLang's default: a client keeps the last event's), the
+choice's ``index`` beside them, and ends with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from ipc.outputs import RequestOutput
+from ipc.requests import RequestAccepted
+from server.protocol import SSE_DONE, encode, sse_event
+from server.responder import Answer, ChoiceState
+
+
+class GenerateAnswer(Answer):
+    def __init__(self, rid: str, created: int, accepted: RequestAccepted) -> None:
+        super().__init__(rid, created, accepted)
+        # Everything of each choice so far (the base class keeps only what came since the last flush).
+        self.texts: list[list[str]] = [[] for _ in self.choices]
+        self.ids: list[list[int]] = [[] for _ in self.choices]
+        self.counts: list[tuple[int, int]] = [(0, 0) for _ in self.choices]  # (prompt, cached) tokens per choice
+
+    def add(self, out: RequestOutput) -> None:
+        super().add(out)
+        if out.text:
+            self.texts[out.index].append(out.text)
+        self.ids[out.index].extend(out.token_ids)
+        self.counts[out.index] = (out.prompt_tokens, out.cached_tokens)
+
+    def _object(self, c: ChoiceState, finished: bool) -> dict[str, Any]:
+        prompt, cached = self.counts[c.index]
+        if self.accepted.prompt_counts:  # a batch: the outputs carry the batch's total
+            prompt = self.accepted.prompt_counts[c.index]
+        reason: dict[str, Any] | None = None
+        if finished and c.finish_reason is not None:
+            reason = {"type": c.finish_reason}
+            if c.finish_reason == "length":
+                reason["length"] = c.completion_tokens
+        text = "".join(self.texts[c.index])
+        self.texts[c.index] = [text]
+        meta = {"id": self.rid, "finish_reason": reason, "prompt_tokens": prompt,
+                "completion_tokens": c.completion_tokens, "cached_tokens": cached}  # fmt: skip
+        return {"text": text, "output_ids": self.ids[c.index], "meta_info": meta}
+
+    def flush(self) -> Iterator[bytes]:
+        events = [self._chunk(c) for c in self.choices if c.text or self._finishing(c)]
+        for c in self.choices:
+            c.text, c.logprobs, c.calls, c.reasoning, c.prompt = [], [], [], [], None
+            c.finish_sent = c.finish_reason is not None
+        events.extend([[SSE_DONE]] if self.done else [])
+        return (piece for event in events for piece in event)
+
+    def _chunk(self, c: ChoiceState) -> Iterable[bytes]:
+        event = self._object(c, self._finishing(c))
+        event["index"] = c.index
+        return [sse_event(encode(event))]
+
+    def body(self) -> Iterator[bytes]:
+        objects = [self._object(c, True) for c in self.choices]
+        yield encode(objects[0] if len(objects) == 1 else objects)

@@ -1,0 +1,82 @@
+"""SGLang's /generate body as the completions request it amounts to (workers/tokenizer/requests/sglang_generate.py):
+each sampling key lands on its completions field, and what is not served is a 400 in /generate's own names."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from workers.common.errors import BadRequest
+from workers.tokenizer.requests.completion import CompletionRequest
+from workers.tokenizer.requests.sglang_generate import DEFAULT_MAX_NEW_TOKENS, parse_generate, sglang_names
+
+
+def parse(**body: Any) -> CompletionRequest:
+    return parse_generate(json.dumps(body).encode(), "served")
+
+
+def refused(**body: Any) -> str | None:
+    with pytest.raises(BadRequest) as err:
+        parse(**body)
+    assert err.value.status == 400
+    return err.value.param
+
+
+def test_bench_serving_body_maps_onto_completions() -> None:
+    req = parse(text="Hello", sampling_params={"temperature": 0.0, "max_new_tokens": 7, "ignore_eos": True},
+                stream=True, lora_path=None, return_logprob=False, logprob_start_len=-1, rid="r1")
+    assert (req.prompt, req.max_tokens, req.temperature, req.ignore_eos, req.stream) == ("Hello", 7, 0.0, True, True)
+    assert req.model == "served"
+
+
+def test_every_sampling_key_lands_on_its_field() -> None:
+    params = {"min_new_tokens": 2, "top_p": 0.5, "top_k": 3, "min_p": 0.1, "frequency_penalty": 0.2,
+              "presence_penalty": 0.3, "repetition_penalty": 1.1, "stop": ["x"], "stop_token_ids": [5], "n": 2,
+              "sampling_seed": 9, "skip_special_tokens": True, "json_schema": '{"type": "object"}'}
+    req = parse(input_ids=[1, 2, 3], sampling_params=params)
+    assert req.prompt == [1, 2, 3] and req.max_tokens == DEFAULT_MAX_NEW_TOKENS
+    assert (req.min_tokens, req.top_p, req.top_k, req.min_p) == (2, 0.5, 3, 0.1)
+    assert (req.frequency_penalty, req.presence_penalty, req.repetition_penalty) == (0.2, 0.3, 1.1)
+    assert (req.stop, req.stop_token_ids, req.n, req.seed) == (["x"], [5], 2, 9)
+    assert req.structured_outputs is not None and req.structured_outputs.json == '{"type": "object"}'
+    batch = parse(text=["a", "b"], sampling_params=[{"top_k": 1}, {"top_k": 1}])
+    assert batch.prompt == ["a", "b"] and batch.top_k == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"text": "a", "input_ids": [1]}, "text"),
+        ({}, "text"),
+        ({"text": 5}, "text"),
+        ({"input_ids": [[1], 2]}, "input_ids"),
+        ({"text": "a", "image_data": ["data:image/png;base64,AAAA"]}, "image_data"),
+        ({"text": "a", "return_logprob": True}, "return_logprob"),
+        ({"text": "a", "return_logprob": 0}, "return_logprob"),
+        ({"text": "a", "lora_path": "x"}, "lora_path"),
+        ({"text": "a", "session_params": {"id": "s"}}, "session_params"),
+        ({"text": "a", "made_up": 1}, "made_up"),
+        ({"text": "a", "sampling_params": {"ebnf": "root ::= x"}}, "sampling_params.ebnf"),
+        ({"text": "a", "sampling_params": {"made_up": 1}}, "sampling_params.made_up"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+        ({"text": "a", "sampling_params": {"top_p": 2}}, "sampling_params.top_p"),
+        ({"text": "a", "sampling_params": {"no_stop_trim": True}}, "sampling_params.no_stop_trim"),
+        ({"text": "a", "sampling_params": "greedy"}, "sampling_params"),
+        ({"text": ["a", "b"], "sampling_params": [{"n": 1}]}, "sampling_params"),
+        ({"text": ["a", "b"], "sampling_params": {"n": 2}}, "sampling_params.n"),
+    ],
+)
+def test_what_is_not_served_is_named(body: dict[str, Any], param: str) -> None:
+    assert refused(**body) == param
+
+
+def test_later_refusals_are_renamed_too() -> None:
+    text, ids = parse(text="a"), parse(input_ids=[1])
+    exc = BadRequest("Invalid 'prompt': too long", param="prompt", code="context_length_exceeded")
+    assert sglang_names(exc, text).param == "text" and sglang_names(exc, ids).param == "input_ids"
+    assert sglang_names(exc, ids).message == "Invalid 'input_ids': too long"
+    limit = BadRequest("Invalid 'max_tokens'", param="max_tokens")
+    assert sglang_names(limit, text).param == "sampling_params.max_new_tokens"
+    assert sglang_names(BadRequest("busy", status=503), text).param is None

@@ -1,0 +1,188 @@
+"""SGLang's native ``POST /generate`` body, served as the completions request it amounts to: a raw prompt (``text``,
+or token ids in ``input_ids``; one or a batch) and ``sampling_params`` in SGLang's names. It is what
+``python -m sglang.bench_serving`` sends with its default backend (``sglang``), so that client measures glimpse
+without a flag of its own.
+
+Every field either maps onto a completions field or is refused with a 400 naming it (``sampling_params.<key>``
+for the sampling keys): images (``image_data``) belong on /v1/chat/completions here, log probabilities on
+/v1/completions. A refusal the completions checks make is reported under the SGLang name of the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from workers.common.errors import BadRequest
+from workers.tokenizer.requests.completion import CompletionRequest, parse_completion
+from workers.tokenizer.requests.sampling import range_error, unsupported
+
+# SGLang's SamplingParams default: a body without max_new_tokens generates at most this many tokens, as there.
+DEFAULT_MAX_NEW_TOKENS = 128
+
+# sampling_params key -> the completions field it sets (same meaning; SGLang's top_k -1 is the completions one).
+_SAMPLING: dict[str, str] = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+    "n": "n",
+    "sampling_seed": "seed",
+    "logit_bias": "logit_bias",
+}
+# sampling_params key -> the structured_outputs key of the completions request.
+_STRUCTURED = {"json_schema": "json", "regex": "regex"}
+_WHY_NOT = {
+    "ebnf": "EBNF grammars are not served; send a Lark grammar as structured_outputs.grammar on /v1/completions",
+    "stop_regex": "stop patterns are not served (stop takes strings)",
+    "custom_params": "custom logit processors are not served",
+}
+
+# Top-level fields that change nothing here when left at these values (SGLang's defaults; bench_serving sends
+# lora_path None, return_logprob False and logprob_start_len -1 with every request).
+_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "return_logprob": (None, False),
+    "lora_path": (None, ""),
+    "lora_id": (None, ""),
+    "image_data": (None, [], ""),
+    "video_data": (None, [], ""),
+    "audio_data": (None, [], ""),
+    "input_embeds": (None,),
+    "session_params": (None,),
+    "custom_logit_processor": (None,),
+    "return_hidden_states": (None, False),
+    "token_ids_logprob": (None,),
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
+}
+_WHY_REFUSED = {
+    "return_logprob": "log probabilities are served on /v1/completions (logprobs, echo, prompt_logprobs)",
+    "lora_path": "LoRA adapters are not served",
+    "lora_id": "LoRA adapters are not served",
+    "image_data": "images are served on /v1/chat/completions (image_url parts), where the chat template places them",
+    "video_data": "videos are served on /v1/chat/completions (video_url parts)",
+    "audio_data": "audio is not served",
+    "input_embeds": "prompt embeddings are not served",
+    "session_params": "sessions are not served",
+    "custom_logit_processor": "custom logit processors are not served",
+    "return_hidden_states": "hidden states are not returned",
+    "token_ids_logprob": "log probabilities are served on /v1/completions",
+}
+for _name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+    _WHY_REFUSED[_name] = "prefill/decode disaggregation is not served"
+# Top-level fields taken and not passed on: they shape nothing of the answer (``rid`` is the client's own name for
+# the request, meta_info.id is this server's; the log-prob positions matter only with return_logprob, refused above).
+_IGNORED = frozenset({"rid", "log_metrics", "modalities", "logprob_start_len", "top_logprobs_num",
+                      "return_text_in_logprobs", "data_parallel_rank", "stream_output", "text_only"})
+_TAKEN = frozenset({"text", "input_ids", "sampling_params", "stream", "model"})
+
+_body = msgspec.json.Decoder(dict[str, Any])
+
+
+def parse_generate(body: bytes | memoryview, served_model: str) -> CompletionRequest:
+    """The completions request a /generate body amounts to (raises BadRequest naming the SGLang field)."""
+    try:
+        fields = _body.decode(body)
+    except msgspec.ValidationError:
+        raise BadRequest("The request body must be a JSON object.", code="invalid_json") from None
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    for name, value in fields.items():
+        if name in _DEFAULTS:
+            if not any(value == d and type(value) is type(d) for d in _DEFAULTS[name]):
+                raise unsupported(name, _WHY_REFUSED[name])
+        elif name not in _TAKEN and name not in _IGNORED:
+            raise unsupported(name, "not a /generate field this server serves")
+    completion: dict[str, Any] = {"model": fields.get("model") or served_model, "prompt": _prompt(fields),
+                                  "stream": fields.get("stream", False)}  # fmt: skip
+    sampling, structured = _sampling(fields.get("sampling_params"), completion["prompt"])
+    completion.update(sampling)
+    if structured:
+        completion["structured_outputs"] = structured
+    completion.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
+    try:
+        return parse_completion(msgspec.json.encode(completion))
+    except BadRequest as exc:
+        raise _renamed(exc, "input_ids" if fields.get("text") is None else "text") from None
+
+
+def _prompt(fields: dict[str, Any]) -> str | list[Any]:
+    text, ids = fields.get("text"), fields.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("Send exactly one of 'text' and 'input_ids'.", param="text", code="invalid_value")
+    if text is not None:
+        if isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text)):
+            return text
+        raise range_error("text", text, "that is a string or a non-empty list of strings")
+    if isinstance(ids, list) and ids and (all(isinstance(t, int) for t in ids) or all(
+            isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in ids)):  # fmt: skip
+        return ids
+    raise range_error("input_ids", "a list of that shape", "that is a list of token ids or a list of such lists")
+
+
+def _sampling(params: Any, prompt: str | list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The completions fields and structured_outputs keys ``sampling_params`` sets. A batch may send one dict per
+    prompt; they must be equal here (each sequence of a completions batch shares the request's sampling)."""
+    if isinstance(params, list):
+        count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        if len(params) != count or any(p != params[0] for p in params):
+            raise unsupported("sampling_params", "one dict for the whole batch (or equal dicts, one a prompt)")
+        params = params[0]
+    if params is None:
+        return {}, {}
+    if not isinstance(params, dict):
+        raise range_error("sampling_params", params, "that is an object")
+    sampling: dict[str, Any] = {}
+    structured: dict[str, Any] = {}
+    for key, value in params.items():
+        if key in _SAMPLING:
+            if value is not None:
+                sampling[_SAMPLING[key]] = value
+        elif key in _STRUCTURED:
+            if value is not None:
+                structured[_STRUCTURED[key]] = value
+        else:
+            why = _WHY_NOT.get(key, "not a sampling parameter this server serves")
+            raise unsupported(f"sampling_params.{key}", why)
+    return sampling, structured
+
+
+# completions field -> the /generate field it came from, for the completions checks' refusals.
+_SGLANG_NAME = {v: f"sampling_params.{k}" for k, v in _SAMPLING.items()} | {
+    f"structured_outputs.{v}": f"sampling_params.{k}" for k, v in _STRUCTURED.items()
+} | {"structured_outputs": "sampling_params"}
+
+
+def _renamed(exc: BadRequest, prompt_field: str) -> BadRequest:
+    """``exc`` with its param in /generate's names (the message's too, where it quotes the param)."""
+    param = exc.param
+    if param is None:
+        return exc
+    head, _, rest = param.partition("[")
+    if head == "prompt":
+        name = prompt_field + (f"[{rest}" if rest else "")
+    else:
+        name = _SGLANG_NAME.get(param, _SGLANG_NAME.get(head, param))
+    message = exc.message.replace(f"'{param}'", f"'{name}'")
+    return BadRequest(message, status=exc.status, param=name, code=exc.code, type=exc.type)
+
+
+def sglang_names(exc: BadRequest, request: CompletionRequest) -> BadRequest:
+    """A refusal of the completions request a /generate body became (tokenizing, sampling checks), in /generate's
+    field names."""
+    prompt = request.prompt
+    text = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str))
+    return _renamed(exc, "text" if text else "input_ids")
