@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from tests.reference import HFReference
-from tests.server.live import LiveServer, serving
+from tests.reference import HFReference, greedy_text
+from tests.server.live import LiveServer, data_url, png_bytes, serving
 from workers.tokenizer.requests.chat import parse_request
 
 PROMPT = "<|im_start|>user\nRead the invoice total.<|im_end|>\n<|im_start|>assistant\n"
@@ -216,9 +216,11 @@ def test_sglang_generate_batches_and_refusals(live: LiveServer) -> None:
     # Unset max_new_tokens: SGLang's default of 128.
     assert generate(live, {"text": PROMPT, "sampling_params": {"ignore_eos": True}}).json()["meta_info"][
         "completion_tokens"] == 128
-    png = "data:image/png;base64,iVBORw0KGgo="
+    png = data_url(png_bytes(32, 32, seed=1))
     for body, param in [
-        ({"text": PROMPT, "image_data": png}, "image_data"),
+        ({"text": PROMPT, "image_data": png}, "image_data"),  # the text has no image placeholder
+        ({"text": PROMPT, "image_data": [png, 5]}, "image_data"),
+        ({"text": PROMPT, "image_data": "data:image/png;base64,iVBORw0KGgo="}, "image_data[0]"),  # not an image
         ({"text": PROMPT, "return_logprob": True}, "return_logprob"),
         ({"text": PROMPT, "lora_path": "adapter"}, "lora_path"),
         ({"text": PROMPT, "frobnicate": 1}, "frobnicate"),
@@ -232,3 +234,30 @@ def test_sglang_generate_batches_and_refusals(live: LiveServer) -> None:
         resp = generate(live, body)
         assert resp.status_code == 400, (body, resp.text)
         assert resp.json()["error"]["param"] == param, resp.json()
+
+
+def test_sglang_generate_with_images_equals_transformers(live: LiveServer, ref: HFReference, demo_model_dir: Path) -> None:
+    """bench_serving's image datasets: the processor's chat template applied client-side (one placeholder per image)
+    and the images as data URLs in image_data."""
+    question = "What is on the page?"
+    raw = png_bytes(96, 64, seed=5)
+    text = ref.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}], tokenize=False,
+        add_generation_prompt=True,
+    )
+    resp = generate(live, {"text": text, "image_data": [data_url(raw)], "sampling_params": {"temperature": 0,
+                                                                                           "max_new_tokens": 8}})
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["text"] == greedy_text(demo_model_dir, [raw], question, 8)
+    chat = live.client().chat.completions.create(
+        model="demo", max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(raw)}},
+                                               {"type": "text", "text": question}]}],
+    )  # fmt: skip
+    assert out["meta_info"]["prompt_tokens"] == chat.usage.prompt_tokens and chat.choices[0].message.content == out["text"]
+    streamed, count, _ = bench_serving_read(live, {"text": text, "image_data": data_url(raw), "stream": True,
+                                                   "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    assert streamed == out["text"] and count == out["meta_info"]["completion_tokens"]
+    refused = generate(live, {"text": text, "image_data": [data_url(raw), data_url(raw)]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "image_data"

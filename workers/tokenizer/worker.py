@@ -65,7 +65,7 @@ from workers.tokenizer.requests.completion import CompletionRequest, parse_compl
 from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.reasoning import continued_text
 from workers.tokenizer.requests.sampling import hold_to_budget
-from workers.tokenizer.requests.sglang_generate import parse_generate, sglang_names
+from workers.tokenizer.requests.sglang_generate import RawPromptChat, parse_generate, raw_prompt, sglang_names
 from workers.tokenizer.requests.structured import structured_spec
 
 # Past this many characters of text per context token a prompt is probably too long: a prefix of
@@ -184,6 +184,8 @@ class TokenizerWorker:
         """The answer to a request that raised `exc`. The caller unlinks the names it made, since the
         scheduler (the owner of unlinking) only learns of them through the TokenizedRequest."""
         if isinstance(exc, BadRequest):
+            if req.endpoint == "generate":
+                exc = sglang_names(exc, req.body)  # told in /generate's field names
             # Client mistakes are the frontend's access log's business; overload is the operator's.
             level = logging.WARNING if exc.status >= 500 else logging.DEBUG
             self.log.log(level, "request %s refused: %d %s", req.rid, exc.status, exc.message)
@@ -273,12 +275,7 @@ class TokenizerWorker:
         the returned writes are for the caller to start once the request is sent."""
         chat, refs = admitted.chat, admitted.refs
         if isinstance(chat, CompletionRequest):
-            if req.endpoint != "generate":
-                return *prepare_completion(self, req, chat), []
-            try:
-                return *prepare_completion(self, req, chat), []
-            except BadRequest as exc:  # told in /generate's field names
-                raise sglang_names(exc, chat) from None
+            return *prepare_completion(self, req, chat), []
         raws = [raw for raw in admitted.raws if raw is not None]
         assert len(raws) == len(refs), "prepare() before every image was loaded"
         defer = defer and self.overlap
@@ -288,8 +285,12 @@ class TokenizerWorker:
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
-        options = template_options(chat, self.processor.template.reads)  # may refuse a field
-        rendered, prompt = chat_prompt(self.processor, chat, media, options)
+        raw = isinstance(chat, RawPromptChat)  # /generate with images: the client's own prompt text
+        if isinstance(chat, RawPromptChat):
+            rendered, prompt = raw_prompt(self.processor, chat, media)
+        else:
+            options = template_options(chat, self.processor.template.reads)  # may refuse a field
+            rendered, prompt = chat_prompt(self.processor, chat, media, options)
         sampling = to_sampling_params(
             chat, len(prompt.input_ids), self.max_model_len, self.config.sampling_defaults, self.processor.info.vocab_size,
             validate=self.structured.check, tool_tags=self.structured.tool_tags,
@@ -319,7 +320,7 @@ class TokenizerWorker:
         n = len(prompt.input_ids)
         accepted = RequestAccepted(
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
-            logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
+            "generate" if raw else "chat", logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
         )
         tools = tool_parser(chat, self.processor.template.tool_format)
         tokenized = TokenizedRequest(

@@ -152,6 +152,7 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
 
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_Chat = TypeVar("_Chat", bound=ChatCompletionRequest)
 
 # msgspec error texts end in " - at `$.messages[0].content`"; missing fields are named in the text.
 _PATH_RE = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
@@ -175,7 +176,12 @@ def _validation_error(exc: msgspec.ValidationError) -> BadRequest:
 
 def parse_request(body: bytes | memoryview) -> ChatCompletionRequest:
     """Decode and validate a chat-completions body; raises BadRequest with OpenAI-style fields."""
-    req = decode_body(_decoder, body)
+    return parse_with(_decoder, body)
+
+
+def parse_with(decoder: msgspec.json.Decoder[_Chat], body: bytes | memoryview) -> _Chat:
+    """`parse_request` through ``decoder``, of ChatCompletionRequest or a subclass of it."""
+    req = decode_body(decoder, body)
     _check(req)
     return req
 

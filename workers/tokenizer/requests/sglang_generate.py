@@ -3,18 +3,31 @@ or token ids in ``input_ids``; one or a batch) and ``sampling_params`` in SGLang
 ``python -m sglang.bench_serving`` sends with its default backend (``sglang``), so that client measures glimpse
 without a flag of its own.
 
-Every field either maps onto a completions field or is refused with a 400 naming it (``sampling_params.<key>``
-for the sampling keys): images (``image_data``) belong on /v1/chat/completions here, log probabilities on
-/v1/completions. A refusal the completions checks make is reported under the SGLang name of the field.
+With ``image_data`` the body is served as a chat request whose prompt is the client's own text (``RawPromptChat``):
+the images are its message's image parts, so downloads, hashing, the caches and shared memory are the chat path's,
+and only the chat template is skipped. The text holds one image placeholder per image, in order, as the model's
+chat template writes them (Qwen: ``<|vision_start|><|image_pad|><|vision_end|>``), which is what bench_serving's
+image datasets send.
+
+Every field either maps onto a request field or is refused with a 400 naming it (``sampling_params.<key>`` for the
+sampling keys; log probabilities are served on /v1/completions). A refusal is reported under the /generate name of
+the field (``sglang_names``).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from workers.common.errors import BadRequest
+from workers.engine.prompt.chat_template import Rendered
+from workers.engine.prompt.media_items import ImageMeta, Prompt
+from workers.engine.prompt.processor import MMProcessor
+from workers.engine.prompt.video_prompt import VideoMeta
+from workers.tokenizer.requests.chat import ChatCompletionRequest, parse_with
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion
 from workers.tokenizer.requests.sampling import range_error, unsupported
 
@@ -56,7 +69,6 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "return_logprob": (None, False),
     "lora_path": (None, ""),
     "lora_id": (None, ""),
-    "image_data": (None, [], ""),
     "video_data": (None, [], ""),
     "audio_data": (None, [], ""),
     "input_embeds": (None,),
@@ -72,7 +84,6 @@ _WHY_REFUSED = {
     "return_logprob": "log probabilities are served on /v1/completions (logprobs, echo, prompt_logprobs)",
     "lora_path": "LoRA adapters are not served",
     "lora_id": "LoRA adapters are not served",
-    "image_data": "images are served on /v1/chat/completions (image_url parts), where the chat template places them",
     "video_data": "videos are served on /v1/chat/completions (video_url parts)",
     "audio_data": "audio is not served",
     "input_embeds": "prompt embeddings are not served",
@@ -87,13 +98,22 @@ for _name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
 # the request, meta_info.id is this server's; the log-prob positions matter only with return_logprob, refused above).
 _IGNORED = frozenset({"rid", "log_metrics", "modalities", "logprob_start_len", "top_logprobs_num",
                       "return_text_in_logprobs", "data_parallel_rank", "stream_output", "text_only"})
-_TAKEN = frozenset({"text", "input_ids", "sampling_params", "stream", "model"})
+_TAKEN = frozenset({"text", "input_ids", "sampling_params", "stream", "model", "image_data"})
+_IMAGE_CODES = frozenset({"too_many_images", "images_too_large"})
+
+
+class RawPromptChat(ChatCompletionRequest, frozen=True, kw_only=True):
+    """A /generate body with images, as a chat request of one user message (the text, then one image part per
+    image) whose prompt is ``raw_prompt`` as sent, not the chat template's rendering of that message."""
+
+    raw_prompt: str
 
 _body = msgspec.json.Decoder(dict[str, Any])
 
 
-def parse_generate(body: bytes | memoryview, served_model: str) -> CompletionRequest:
-    """The completions request a /generate body amounts to (raises BadRequest naming the SGLang field)."""
+def parse_generate(body: bytes | memoryview, served_model: str) -> CompletionRequest | RawPromptChat:
+    """The request a /generate body amounts to: a completions request, or with images a ``RawPromptChat`` (raises
+    BadRequest; ``sglang_names`` gives its param the body's field name)."""
     try:
         fields = _body.decode(body)
     except msgspec.ValidationError:
@@ -113,10 +133,51 @@ def parse_generate(body: bytes | memoryview, served_model: str) -> CompletionReq
     if structured:
         completion["structured_outputs"] = structured
     completion.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
-    try:
+    images = _images(fields.get("image_data"))
+    if not images:
         return parse_completion(msgspec.json.encode(completion))
-    except BadRequest as exc:
-        raise _renamed(exc, "input_ids" if fields.get("text") is None else "text") from None
+    text = completion.pop("prompt")
+    if not isinstance(text, str):
+        raise unsupported("input_ids" if fields.get("text") is None else "text",
+                          "with image_data, send one prompt as text (its image placeholders are expanded here)")
+    parts = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": url}} for url in images)]
+    completion.update(messages=[{"role": "user", "content": parts}], raw_prompt=text)
+    return parse_with(_raw_decoder, msgspec.json.encode(completion))
+
+
+_raw_decoder = msgspec.json.Decoder(RawPromptChat)
+
+
+def _images(data: Any) -> list[str]:
+    """``image_data`` as image URLs: SGLang takes one or a list, each a URL (data:, http(s):, file:), a local path
+    or bare base64 (taken as a data URL: the decoder reads the format from the bytes)."""
+    if data is None or data == "":
+        return []
+    items = [data] if isinstance(data, str) else data
+    if not isinstance(items, list) or not all(isinstance(i, str) and i for i in items):
+        raise range_error("image_data", "a value of that shape", "that is an image (a URL, path or base64) or a list")
+    urls = []
+    for item in items:
+        if item.startswith(("data:", "http://", "https://", "file://")):
+            urls.append(item)
+        elif item.startswith("/"):
+            urls.append("file://" + item)  # served only under --allowed-local-media-path, as any file: URL
+        else:
+            urls.append("data:image/png;base64," + item)
+    return urls
+
+
+def raw_prompt(
+    processor: MMProcessor, chat: RawPromptChat, media: Sequence[ImageMeta | VideoMeta]
+) -> tuple[Rendered, Prompt]:
+    """A RawPromptChat's prompt: its text tokenized as the model's own (control tokens included), each image
+    placeholder expanded into its image's span."""
+    rendered = Rendered([(chat.raw_prompt, False)])
+    try:
+        return rendered, processor.build(rendered, media)
+    except ValueError as exc:
+        raise BadRequest(f"The text cannot take these images: {exc}. Write one image placeholder per image, in order, "
+                         "as the model's chat template does.", param="image_data") from None
 
 
 def _prompt(fields: dict[str, Any]) -> str | list[Any]:
@@ -160,29 +221,34 @@ def _sampling(params: Any, prompt: str | list[Any]) -> tuple[dict[str, Any], dic
     return sampling, structured
 
 
-# completions field -> the /generate field it came from, for the completions checks' refusals.
+# completions field -> the /generate field it came from, for the refusals of the request a body became.
 _SGLANG_NAME = {v: f"sampling_params.{k}" for k, v in _SAMPLING.items()} | {
     f"structured_outputs.{v}": f"sampling_params.{k}" for k, v in _STRUCTURED.items()
 } | {"structured_outputs": "sampling_params"}
+_top = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
-def _renamed(exc: BadRequest, prompt_field: str) -> BadRequest:
-    """``exc`` with its param in /generate's names (the message's too, where it quotes the param)."""
+def sglang_names(exc: BadRequest, body: bytes | memoryview) -> BadRequest:
+    """A refusal of the request a /generate ``body`` became (parsing, tokenizing, the sampling checks), with its
+    param in /generate's names, and the message's where it quotes the param."""
     param = exc.param
     if param is None:
         return exc
     head, _, rest = param.partition("[")
-    if head == "prompt":
-        name = prompt_field + (f"[{rest}" if rest else "")
+    if head == "messages":  # a body with images, as its chat request: the text is part 0, image k part k + 1
+        part = re.match(r"messages\[0\]\.content\[(\d+)\]", param)
+        if part is not None:
+            index = int(part.group(1))
+            name = f"image_data[{index - 1}]" if index else "text"
+        else:
+            name = "image_data" if exc.code in _IMAGE_CODES else "text"
+    elif head == "prompt":
+        try:
+            ids = _top.decode(body).get("input_ids")
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+            ids = None
+        name = ("text" if ids is None or bytes(ids) == b"null" else "input_ids") + (f"[{rest}" if rest else "")
     else:
         name = _SGLANG_NAME.get(param, _SGLANG_NAME.get(head, param))
     message = exc.message.replace(f"'{param}'", f"'{name}'")
     return BadRequest(message, status=exc.status, param=name, code=exc.code, type=exc.type)
-
-
-def sglang_names(exc: BadRequest, request: CompletionRequest) -> BadRequest:
-    """A refusal of the completions request a /generate body became (tokenizing, sampling checks), in /generate's
-    field names."""
-    prompt = request.prompt
-    text = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str))
-    return _renamed(exc, "text" if text else "input_ids")

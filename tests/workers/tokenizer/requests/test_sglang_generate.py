@@ -9,8 +9,14 @@ from typing import Any
 import pytest
 
 from workers.common.errors import BadRequest
+from workers.tokenizer.requests.chat import ImagePart, TextPart
 from workers.tokenizer.requests.completion import CompletionRequest
-from workers.tokenizer.requests.sglang_generate import DEFAULT_MAX_NEW_TOKENS, parse_generate, sglang_names
+from workers.tokenizer.requests.sglang_generate import (
+    DEFAULT_MAX_NEW_TOKENS,
+    RawPromptChat,
+    parse_generate,
+    sglang_names,
+)
 
 
 def parse(**body: Any) -> CompletionRequest:
@@ -18,10 +24,12 @@ def parse(**body: Any) -> CompletionRequest:
 
 
 def refused(**body: Any) -> str | None:
+    """The param of the 400 a body gets, in /generate's names (as the tokenizer worker reports it)."""
+    raw = json.dumps(body).encode()
     with pytest.raises(BadRequest) as err:
-        parse(**body)
+        parse_generate(raw, "served")
     assert err.value.status == 400
-    return err.value.param
+    return sglang_names(err.value, raw).param
 
 
 def test_bench_serving_body_maps_onto_completions() -> None:
@@ -52,7 +60,10 @@ def test_every_sampling_key_lands_on_its_field() -> None:
         ({}, "text"),
         ({"text": 5}, "text"),
         ({"input_ids": [[1], 2]}, "input_ids"),
-        ({"text": "a", "image_data": ["data:image/png;base64,AAAA"]}, "image_data"),
+        ({"text": "a", "image_data": [5]}, "image_data"),
+        ({"text": ["a", "b"], "image_data": "data:image/png;base64,AAAA"}, "text"),
+        ({"input_ids": [1, 2], "image_data": "data:image/png;base64,AAAA"}, "input_ids"),
+        ({"text": "a", "image_data": "AAAA", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
         ({"text": "a", "return_logprob": True}, "return_logprob"),
         ({"text": "a", "return_logprob": 0}, "return_logprob"),
         ({"text": "a", "lora_path": "x"}, "lora_path"),
@@ -72,8 +83,25 @@ def test_what_is_not_served_is_named(body: dict[str, Any], param: str) -> None:
     assert refused(**body) == param
 
 
-def test_later_refusals_are_renamed_too() -> None:
-    text, ids = parse(text="a"), parse(input_ids=[1])
+def test_images_make_a_chat_request_that_keeps_the_text() -> None:
+    text = "<|vision_start|><|image_pad|><|vision_end|>Read it."
+    req = parse_generate(json.dumps({"text": text, "image_data": ["data:image/png;base64,QUFB", "QkJC", "/srv/a.png"],
+                                     "sampling_params": {"temperature": 0}, "stream": True}).encode(), "served")
+    assert isinstance(req, RawPromptChat) and req.raw_prompt == text and req.stream and req.temperature == 0
+    assert req.max_tokens == DEFAULT_MAX_NEW_TOKENS
+    [message] = req.messages
+    assert isinstance(message.content, list) and isinstance(message.content[0], TextPart)
+    urls = [p.url for p in message.content[1:] if isinstance(p, ImagePart)]
+    assert urls == ["data:image/png;base64,QUFB", "data:image/png;base64,QkJC", "file:///srv/a.png"]
+    # Its chat request's params, named as the body names them.
+    image = BadRequest("Could not fetch", param="messages[0].content[2].image_url")
+    assert sglang_names(image, b"{}").param == "image_data[1]"
+    assert sglang_names(BadRequest("x", param="messages[0].content[0].text"), b"{}").param == "text"
+    assert sglang_names(BadRequest("x", param="messages", code="too_many_images"), b"{}").param == "image_data"
+
+
+def test_refusals_are_renamed() -> None:
+    text, ids = b'{"text": "a"}', b'{"input_ids": [1], "text": null}'
     exc = BadRequest("Invalid 'prompt': too long", param="prompt", code="context_length_exceeded")
     assert sglang_names(exc, text).param == "text" and sglang_names(exc, ids).param == "input_ids"
     assert sglang_names(exc, ids).message == "Invalid 'input_ids': too long"
