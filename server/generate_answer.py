@@ -1,8 +1,9 @@
 """The answer to SGLang's ``POST /generate`` (workers/tokenizer/requests/sglang_generate.py), in SGLang's shapes:
 ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
 "cached_tokens"}}``, one object, or a list of them (in order) for a batch of prompts or ``n`` > 1. A stream sends
-the same object per event with the text and ids so far (SGLang's default: a client keeps the last event's), the
-choice's ``index`` beside them, and ends with ``data: [DONE]``.
+the same object per event with the text so far (SGLang's default: a client keeps the last event's), the choice's
+``index`` beside them, and ends with ``data: [DONE]``. Its ``output_ids`` come whole on a choice's last event only:
+resent on every event they would make a long answer's stream quadratic in ids as well as in text.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class GenerateAnswer(Answer):
         self.texts[c.index] = [text]
         meta = {"id": self.rid, "finish_reason": reason, "prompt_tokens": prompt,
                 "completion_tokens": c.completion_tokens, "cached_tokens": cached}  # fmt: skip
-        return {"text": text, "output_ids": self.ids[c.index], "meta_info": meta}
+        return {"text": text, "output_ids": self.ids[c.index] if finished else [], "meta_info": meta}
 
     def flush(self) -> Iterator[bytes]:
         events = [self._chunk(c) for c in self.choices if c.text or self._finishing(c)]

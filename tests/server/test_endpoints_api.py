@@ -176,9 +176,12 @@ def bench_serving_read(server: LiveServer, body: dict[str, Any]) -> tuple[str, i
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in resp.iter_lines() if line.strip()]
     assert lines[-1] == "data: [DONE]"
-    for line in lines[:-1]:
+    for n, line in enumerate(lines[:-1]):
         data = json.loads(line.removeprefix("data: "))
         assert data["text"].startswith(text)  # cumulative
+        last = n == len(lines) - 2
+        assert (data["meta_info"]["finish_reason"] is not None) == last
+        assert len(data["output_ids"]) == (data["meta_info"]["completion_tokens"] if last else 0)  # whole, at the end
         steps.append(data["meta_info"]["completion_tokens"] - count)
         text, count = data["text"], data["meta_info"]["completion_tokens"]
     return text, count, steps

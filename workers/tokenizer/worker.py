@@ -285,8 +285,7 @@ class TokenizerWorker:
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
-        raw = isinstance(chat, RawPromptChat)  # /generate with images: the client's own prompt text
-        if isinstance(chat, RawPromptChat):
+        if isinstance(chat, RawPromptChat):  # /generate with images: the client's own prompt text
             rendered, prompt = raw_prompt(self.processor, chat, media)
         else:
             options = template_options(chat, self.processor.template.reads)  # may refuse a field
@@ -320,7 +319,8 @@ class TokenizerWorker:
         n = len(prompt.input_ids)
         accepted = RequestAccepted(
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
-            "generate" if raw else "chat", logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
+            "generate" if isinstance(chat, RawPromptChat) else "chat", logprobs=sampling.logprobs is not None,
+            continuous_usage=chat.continuous_usage,
         )
         tools = tool_parser(chat, self.processor.template.tool_format)
         tokenized = TokenizedRequest(

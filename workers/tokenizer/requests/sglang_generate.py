@@ -108,6 +108,7 @@ class RawPromptChat(ChatCompletionRequest, frozen=True, kw_only=True):
 
     raw_prompt: str
 
+
 _body = msgspec.json.Decoder(dict[str, Any])
 
 
