@@ -168,6 +168,52 @@ def test_malformed_bodies_get_a_400_in_openai_shape(live: LiveServer, case: str,
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
 
 
+def _generate(**fields: Any) -> bytes:
+    return json.dumps({"text": "hi", **fields}).encode()
+
+
+# SGLang's /generate (workers/tokenizer/requests/sglang_generate.py): its bodies are decoded as plain JSON first, so
+# every shape a hostile client sends must still end in a 400 naming what was wrong.
+GENERATE_MALFORMED: list[tuple[str, bytes]] = [
+    ("nested 5,000 deep", b'{"text":"hi","rid":' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    ("nested in sampling_params", b'{"text":"hi","sampling_params":{"stop":' + b"[" * 5000 + b"]" * 5000 + b"}}"),
+    ("invalid UTF-8", b'{"text":"\xc3\x28"}'),
+    ("lone surrogate escape", rb'{"text":"\ud800"}'),
+    ("array", b"[1, 2]"),
+    ("null", b"null"),
+    ("empty object", b"{}"),
+    ("text null, no ids", _generate(text=None)),
+    ("empty text list", _generate(text=[])),
+    ("numbers as text", _generate(text=[1, 2])),
+    ("empty ids", json.dumps({"input_ids": []}).encode()),
+    ("an empty id list in a batch", json.dumps({"input_ids": [[1], []]}).encode()),
+    ("negative id", json.dumps({"input_ids": [-1]}).encode()),
+    ("float id", json.dumps({"input_ids": [1.5]}).encode()),
+    ("max_new_tokens as a string", _generate(sampling_params={"max_new_tokens": "5"})),
+    ("n of 0", _generate(sampling_params={"n": 0})),
+    ("stream as a string", _generate(stream="yes")),
+    ("stop of numbers", _generate(sampling_params={"stop": [1, 2]})),
+    ("json_schema not JSON", _generate(sampling_params={"json_schema": "{bad"})),
+    ("regex that does not compile", _generate(sampling_params={"regex": "("})),
+    ("sampling_params a list for one prompt", _generate(sampling_params=[])),
+    ("image_data an object", _generate(image_data={"url": "x"})),
+    ("image_data an empty string in a list", _generate(image_data=[""])),
+    ("image_data not base64", _generate(image_data="not base64!!")),
+    ("image_data a file outside the allowed folder", _generate(image_data="/etc/passwd")),
+    ("image_data with ids", json.dumps({"input_ids": [1, 2], "image_data": "/tmp/a.png"}).encode()),
+    ("return_logprob", _generate(return_logprob=True)),
+    ("integer overflow", _generate(sampling_params={"sampling_seed": 10**30})),
+]
+
+
+@pytest.mark.parametrize(("case", "body"), GENERATE_MALFORMED, ids=[m[0] for m in GENERATE_MALFORMED])
+def test_malformed_generate_bodies_get_a_400_in_openai_shape(live: LiveServer, case: str, body: bytes) -> None:
+    r = httpx.post(live.base + "/generate", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize("extra", [{"seed": 2**64 - 1}, {"seed": -(2**63)}, {"top_k": 10**9},
                                    {"stop_token_ids": [-1, 10**12]}, {"max_tokens": 10**30}])
 def test_extreme_but_valid_values_are_served(live: LiveServer, extra: dict[str, Any]) -> None:
