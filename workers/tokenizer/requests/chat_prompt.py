@@ -84,15 +84,20 @@ def template_options(req: ChatCompletionRequest, reads: Callable[[str], bool]) -
 def chat_prompt(
     processor: MMProcessor, chat: ChatCompletionRequest, media: Sequence[ImageMeta | VideoMeta], options: dict[str, Any]
 ) -> tuple[Rendered, Prompt]:
-    """The request's rendered template and prompt: its messages and tools through the chat template, each image's and video's placeholder
-    expanded. A refusal (the template's own raise, image-pad tokens typed into the text) is a 400 naming ``tools``
-    where the template renders the messages without them (a template that renders no tools), else ``messages``."""
+    """The request's rendered template and prompt: its messages and tools through the chat template, each image's
+    and video's placeholder expanded. The template's own refusal is a 400 naming ``tools`` where it renders the
+    messages without them (a template that renders no tools), else ``messages``, as is a prompt whose placeholders
+    do not match its media (image-pad tokens typed into the text)."""
     messages, tools = template_messages(chat), template_tools(chat)
     try:
         rendered = processor.render(messages, tools, options)
-        return rendered, processor.build(rendered, media)
     except (ValueError, jinja2.TemplateError) as exc:
         refused = exc
+    else:
+        try:
+            return rendered, processor.build(rendered, media)
+        except ValueError as exc:
+            raise BadRequest(f"The messages cannot be made into a prompt: {exc}", param="messages") from None
     if tools is not None:
         try:  # only on a refusal: was it the tools?
             processor.render(messages, None, options)
