@@ -1,9 +1,10 @@
 """The answer to SGLang's ``POST /generate`` (workers/tokenizer/requests/sglang_generate.py), in SGLang's shapes:
 ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
 "cached_tokens"}}``, one object, or a list of them (in order) for a batch of prompts or ``n`` > 1. A stream sends
-the same object per event with the text so far (SGLang's default: a client keeps the last event's), the choice's
-``index`` beside them, and ends with ``data: [DONE]``. Its ``output_ids`` come whole on a choice's last event only:
-resent on every event they would make a long answer's stream quadratic in ids as well as in text.
+the same object per event with the text so far (SGLang's default: bench_serving keeps the last event's), the
+ids new since the choice's previous event in ``output_ids`` (what AIPerf's SGLang endpoint joins up; resent whole on
+every event they would make a long answer's stream quadratic in ids as well as in text), the choice's ``index``
+beside them, and ends with ``data: [DONE]``.
 
 Since every event resends the text so far, a choice's events thin out as it grows: one once its new tokens reach
 1/``THIN`` of those already sent (every token for the first ``THIN``). A 128K-token answer of 4 bytes a token then
@@ -32,6 +33,7 @@ class GenerateAnswer(Answer):
         self.ids: list[list[int]] = [[] for _ in self.choices]
         self.counts: list[tuple[int, int]] = [(0, 0) for _ in self.choices]  # (prompt, cached) tokens per choice
         self.sent = [0] * len(self.choices)  # a stream: each choice's tokens as of its last event
+        self.ids_sent = [0] * len(self.choices)  # a stream: each choice's output ids already in an event
 
     def add(self, out: RequestOutput) -> None:
         super().add(out)
@@ -53,7 +55,7 @@ class GenerateAnswer(Answer):
         self.texts[c.index] = [text]
         meta = {"id": self.rid, "finish_reason": reason, "prompt_tokens": prompt,
                 "completion_tokens": c.completion_tokens, "cached_tokens": cached}  # fmt: skip
-        return {"text": text, "output_ids": self.ids[c.index] if finished else [], "meta_info": meta}
+        return {"text": text, "output_ids": self.ids[c.index], "meta_info": meta}
 
     def flush(self) -> Iterator[bytes]:
         events = []
@@ -70,6 +72,8 @@ class GenerateAnswer(Answer):
 
     def _chunk(self, c: ChoiceState) -> Iterable[bytes]:
         event = self._object(c, self._finishing(c))
+        ids = self.ids[c.index]
+        event["output_ids"], self.ids_sent[c.index] = ids[self.ids_sent[c.index] :], len(ids)
         event["index"] = c.index
         return [sse_event(encode(event))]
 

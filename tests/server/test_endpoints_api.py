@@ -168,10 +168,11 @@ def generate(server: LiveServer, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(server.base + "/generate", json=body, timeout=60)
 
 
-def bench_serving_read(server: LiveServer, body: dict[str, Any]) -> tuple[str, int, list[int]]:
+def bench_serving_read(server: LiveServer, body: dict[str, Any]) -> tuple[str, int, list[int], list[int]]:
     """What sglang.bench_serving's ``sglang`` backend keeps of a streamed /generate: the last event's text and
-    completion_tokens (each event holds everything so far), and each event's count of new tokens."""
-    text, count, steps = "", 0, []
+    completion_tokens (each event holds everything so far), and each event's count of new tokens; and what AIPerf's
+    SGLang endpoint keeps: every event's output_ids, joined up."""
+    text, count, steps, ids = "", 0, [], []
     with httpx.stream("POST", server.base + "/generate", json=body, timeout=60) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in resp.iter_lines() if line.strip()]
@@ -179,12 +180,12 @@ def bench_serving_read(server: LiveServer, body: dict[str, Any]) -> tuple[str, i
     for n, line in enumerate(lines[:-1]):
         data = json.loads(line.removeprefix("data: "))
         assert data["text"].startswith(text)  # cumulative
-        last = n == len(lines) - 2
-        assert (data["meta_info"]["finish_reason"] is not None) == last
-        assert len(data["output_ids"]) == (data["meta_info"]["completion_tokens"] if last else 0)  # whole, at the end
+        assert (data["meta_info"]["finish_reason"] is not None) == (n == len(lines) - 2)
         steps.append(data["meta_info"]["completion_tokens"] - count)
+        assert len(data["output_ids"]) == steps[-1]  # the ids new since the previous event
+        ids += data["output_ids"]
         text, count = data["text"], data["meta_info"]["completion_tokens"]
-    return text, count, steps
+    return text, count, steps, ids
 
 
 def test_sglang_generate_equals_transformers_greedy(live: LiveServer, ref: HFReference) -> None:
@@ -204,9 +205,14 @@ def test_sglang_generate_equals_transformers_greedy(live: LiveServer, ref: HFRef
     assert generate(live, {**body, "input_ids": ids}).json()["error"]["param"] == "text"  # exactly one of the two
     del body["text"]
     assert generate(live, {**body, "input_ids": ids}).json()["text"] == out["text"]
-    text, count, steps = bench_serving_read(live, {"text": PROMPT, "stream": True, "sampling_params":
-                                                   {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
+    text, count, steps, ids = bench_serving_read(live, {"text": PROMPT, "stream": True, "sampling_params":
+                                                        {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
     assert text.startswith(out["text"]) and count == 12 and sum(steps) == 12 and all(s >= 1 for s in steps)
+    assert ids[: len(expected)] == expected and len(ids) == 12
+    # AIPerf's SGLang endpoint: token ids in, a request id and priority 0 beside them, streamed.
+    aiperf = {"rid": "x-1", "input_ids": ids, "sampling_params": {"ignore_eos": True, "max_new_tokens": 3},
+              "stream": True, "priority": 0}
+    assert len(bench_serving_read(live, aiperf)[3]) == 3
 
 
 def test_sglang_generate_batches_and_refusals(live: LiveServer) -> None:
@@ -226,6 +232,7 @@ def test_sglang_generate_batches_and_refusals(live: LiveServer) -> None:
         ({"text": PROMPT, "image_data": "data:image/png;base64,iVBORw0KGgo="}, "image_data[0]"),  # not an image
         ({"text": PROMPT, "return_logprob": True}, "return_logprob"),
         ({"text": PROMPT, "lora_path": "adapter"}, "lora_path"),
+        ({"text": PROMPT, "priority": 5}, "priority"),
         ({"text": PROMPT, "frobnicate": 1}, "frobnicate"),
         ({"text": PROMPT, "sampling_params": {"ebnf": "root ::= \"a\""}}, "sampling_params.ebnf"),
         ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
@@ -259,8 +266,8 @@ def test_sglang_generate_with_images_equals_transformers(live: LiveServer, ref: 
                                                {"type": "text", "text": question}]}],
     )  # fmt: skip
     assert out["meta_info"]["prompt_tokens"] == chat.usage.prompt_tokens and chat.choices[0].message.content == out["text"]
-    streamed, count, _ = bench_serving_read(live, {"text": text, "image_data": data_url(raw), "stream": True,
-                                                   "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
-    assert streamed == out["text"] and count == out["meta_info"]["completion_tokens"]
+    streamed, count, _, ids = bench_serving_read(live, {"text": text, "image_data": data_url(raw), "stream": True,
+                                                        "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    assert streamed == out["text"] and count == out["meta_info"]["completion_tokens"] and ids == out["output_ids"]
     refused = generate(live, {"text": text, "image_data": [data_url(raw), data_url(raw)]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "image_data"

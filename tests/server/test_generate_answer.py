@@ -1,5 +1,5 @@
 """SGLang's /generate answer shapes (server/generate_answer.py) fed the outputs a scheduler sends: a stream's events
-hold the text so far and thin out as a choice grows, its last one holds every output id, and a whole answer is one
+hold the text so far and the ids new since the one before, and thin out as a choice grows; a whole answer is one
 object, or a list for several choices."""
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ def test_stream_events_thin_out_and_the_last_holds_every_id() -> None:
     assert len(sent) < tokens and counts[-1] == tokens
     last = sent[-1]
     assert last["text"] == "".join(f"t{k} " for k in range(1, tokens + 1))
-    assert last["output_ids"] == list(range(1, tokens + 1)) and last["meta_info"]["finish_reason"]["type"] == "length"
-    assert all(e["output_ids"] == [] and e["meta_info"]["finish_reason"] is None for e in sent[:-1])
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(e["meta_info"]["finish_reason"] is None for e in sent[:-1])
+    # Each event's ids are those new since the one before: joined up, every id once.
+    assert [i for e in sent for i in e["output_ids"]] == list(range(1, tokens + 1))
     assert answer.done
 
 

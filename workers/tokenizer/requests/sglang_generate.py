@@ -79,6 +79,7 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "bootstrap_host": (None,),
     "bootstrap_port": (None,),
     "bootstrap_room": (None,),
+    "priority": (None, 0),
 }
 _WHY_REFUSED = {
     "return_logprob": "log probabilities are served on /v1/completions (logprobs, echo, prompt_logprobs)",
@@ -91,6 +92,7 @@ _WHY_REFUSED = {
     "custom_logit_processor": "custom logit processors are not served",
     "return_hidden_states": "hidden states are not returned",
     "token_ids_logprob": "log probabilities are served on /v1/completions",
+    "priority": "priority scheduling is not served (requests are served in arrival order)",
 }
 for _name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
     _WHY_REFUSED[_name] = "prefill/decode disaggregation is not served"
