@@ -27,7 +27,8 @@ class GenerateRequest(Msg, frozen=True):
     body: memoryview
     arrival: float  # time.time() when the frontend received it
     # Which body it is: "chat" (/v1/chat/completions), "completion" (/v1/completions), "generate" (SGLang's
-    # /generate, served as a completion), or a render of the first two
+    # /generate), "vllm_generate" (vLLM's /inference/v1/generate; both served as a completion, or with images a
+    # chat), or a render of the first two
     # ("chat_render", "completion_render": vLLM's /render routes), answered by RequestRendered, never scheduled.
     endpoint: str = "chat"
 
@@ -53,7 +54,7 @@ class RequestAccepted(Msg, frozen=True):
     prompt_tokens: int
     worker: int
     n: int = 1  # choices: outputs carry their index; the answer ends when all n finished
-    endpoint: str = "chat"  # "chat" (/v1/chat/completions), "completion" (/v1/completions) or "generate" (/generate)
+    endpoint: str = "chat"  # the shape to answer in: the GenerateRequest's endpoint
     echo: str = ""  # completions with echo: the prompt's text, put before each choice's text
     logprobs: bool = False  # the answer carries logprobs (even where a token has none to report)
     echoes: list[str] = []  # a batch of prompts: each choice's own echo (``echo`` is then unused)

@@ -39,7 +39,7 @@ from server.frontend import (
     NoTokenizer,
     Outcome,
 )
-from server.generate_answer import GenerateAnswer
+from server.generate_answer import GenerateAnswer, TokensAnswer
 from server.protocol import error_response, is_json
 from server.render_api import RENDER_PATHS, render_answer
 from server.responder import Answer, ChatAnswer
@@ -73,7 +73,8 @@ _SEND_BYTES = 1 << 18
 _VERSION = importlib.metadata.version("glimpse")
 
 
-_ANSWERS: dict[str, type[Answer]] = {"completion": CompletionAnswer, "generate": GenerateAnswer}
+_ANSWERS: dict[str, type[Answer]] = {"completion": CompletionAnswer, "generate": GenerateAnswer,
+                                     "vllm_generate": TokensAnswer}
 
 
 def answer_for(rid: str, created: int, accepted: RequestAccepted) -> Answer:
@@ -220,7 +221,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-_KEYED = ("/v1/", "/admin/", "/generate", "/tokenize", "/detokenize", "/tokenizer_info")  # what --api-key protects
+# What --api-key protects.
+_KEYED = ("/v1/", "/admin/", "/generate", "/inference/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class _ApiKeyMiddleware:
@@ -280,6 +282,10 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     async def generate(request: Request) -> Response | ChatResponder:
         # SGLang's native endpoint (sglang.bench_serving's default backend): a completions request in SGLang's names.
         return await chat_completions(request, "generate")
+
+    async def tokens_generate(request: Request) -> Response | ChatResponder:
+        # vLLM's tokens-in, tokens-out endpoint: the GenerateRequest the render routes answer, generated from.
+        return await chat_completions(request, "vllm_generate")
 
     def renders(endpoint: str) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
@@ -346,6 +352,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
+        Route("/inference/v1/generate", tokens_generate, methods=["POST"]),
         *(Route(path, renders(endpoint), methods=["POST"]) for endpoint, path in RENDER_PATHS.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),

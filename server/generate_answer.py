@@ -1,4 +1,8 @@
-"""The answer to SGLang's ``POST /generate`` (workers/tokenizer/requests/sglang_generate.py), in SGLang's shapes:
+"""The answers of the native generate endpoints. vLLM's ``POST /inference/v1/generate``
+(workers/tokenizer/requests/vllm_generate.py) gets its GenerateResponse, whole: ``{"request_id", "choices": [{"index",
+"logprobs", "finish_reason", "token_ids"}], "prompt_logprobs", "kv_transfer_params"}`` (``TokensAnswer``).
+
+SGLang's ``POST /generate`` (workers/tokenizer/requests/sglang_generate.py), in SGLang's shapes:
 ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
 "cached_tokens"}}``, one object, or a list of them (in order) for a batch of prompts or ``n`` > 1. A stream sends
 the same object per event with the text so far (SGLang's default: bench_serving keeps the last event's), the
@@ -80,3 +84,20 @@ class GenerateAnswer(Answer):
     def body(self) -> Iterator[bytes]:
         objects = [self._object(c, True) for c in self.choices]
         yield encode(objects[0] if len(objects) == 1 else objects)
+
+
+class TokensAnswer(Answer):
+    """vLLM's GenerateResponse: each choice's token ids and finish reason (never streamed: the body refuses it)."""
+
+    def __init__(self, rid: str, created: int, accepted: RequestAccepted) -> None:
+        super().__init__(rid, created, accepted)
+        self.ids: list[list[int]] = [[] for _ in self.choices]
+
+    def add(self, out: RequestOutput) -> None:
+        super().add(out)
+        self.ids[out.index].extend(out.token_ids)
+
+    def body(self) -> Iterator[bytes]:
+        choices = [{"index": c.index, "logprobs": None, "finish_reason": c.finish_reason, "token_ids": self.ids[c.index]}
+                   for c in self.choices]  # fmt: skip
+        yield encode({"request_id": self.rid, "choices": choices, "prompt_logprobs": None, "kv_transfer_params": None})

@@ -271,3 +271,39 @@ def test_sglang_generate_with_images_equals_transformers(live: LiveServer, ref: 
     assert streamed == out["text"] and count == out["meta_info"]["completion_tokens"] and ids == out["output_ids"]
     refused = generate(live, {"text": text, "image_data": [data_url(raw), data_url(raw)]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "image_data"
+
+
+def test_vllm_tokens_generate_serves_what_the_render_routes_answer(live: LiveServer, ref: HFReference) -> None:
+    """llm-d's loop: render in one place, generate from the token ids in another (and AIPerf's vllm_generate body)."""
+    ids = ref.tokenizer(PROMPT)["input_ids"]
+    expected, _ = ref.greedy(ids, 12)
+    [rendered] = httpx.post(live.base + "/v1/completions/render", timeout=60, json={
+        "model": "demo", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}).json()
+    resp = httpx.post(live.base + "/inference/v1/generate", json=rendered, timeout=60)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert set(out) == {"request_id", "choices", "prompt_logprobs", "kv_transfer_params"}
+    [choice] = out["choices"]
+    assert choice["token_ids"] == expected and choice["index"] == 0 and choice["finish_reason"] in ("stop", "length")
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "Read the total."}], "max_tokens": 6,
+            "temperature": 0, "logit_bias": {"5": 0.0}}
+    rendered = httpx.post(live.base + "/v1/chat/completions/render", json=chat, timeout=60).json()
+    tokens = httpx.post(live.base + "/inference/v1/generate", json=rendered, timeout=60).json()["choices"][0]
+    assert tokens["token_ids"] == ref.greedy(rendered["token_ids"], 6)[0]
+    aiperf = {"model": "demo", "token_ids": ids, "sampling_params": {"max_tokens": 5, "ignore_eos": True},
+              "stream": False, "request_id": "r-1"}
+    assert len(httpx.post(live.base + "/inference/v1/generate", json=aiperf).json()["choices"][0]["token_ids"]) == 5
+    for body, param in [
+        ({**aiperf, "stream": True}, "stream"),
+        ({**aiperf, "features": {"mm_hashes": {"image": ["a"]}}}, "features"),
+        ({**aiperf, "sampling_params": {"logprobs": 1}}, "sampling_params.logprobs"),
+        ({**aiperf, "sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
+        ({**aiperf, "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+        ({**aiperf, "sampling_params": {"top_p": 5}}, "sampling_params.top_p"),
+        ({**aiperf, "token_ids": []}, "token_ids"),
+        ({**aiperf, "token_ids": [1 << 30]}, "token_ids"),
+        ({**aiperf, "kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
+        ({**aiperf, "frobnicate": 1}, "frobnicate"),
+    ]:
+        refused = httpx.post(live.base + "/inference/v1/generate", json=body, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (param, refused.text)

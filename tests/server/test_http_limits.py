@@ -214,6 +214,27 @@ def test_malformed_generate_bodies_get_a_400_in_openai_shape(live: LiveServer, c
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
 
 
+TOKENS_MALFORMED: list[tuple[str, bytes]] = [
+    ("nested 5,000 deep", b'{"token_ids":[1],"request_id":' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    ("invalid UTF-8", b'{"token_ids":[1],"request_id":"\xc3\x28"}'),
+    ("array", b"[1, 2]"),
+    ("null", b"null"),
+    ("no token ids", b'{"sampling_params":{}}'),
+    ("token ids as text", b'{"token_ids":"1 2 3"}'),
+    ("booleans as ids", b'{"token_ids":[true,false]}'),
+    ("sampling_params a list", b'{"token_ids":[1],"sampling_params":[1]}'),
+    ("logit_bias pairs of the wrong shape", b'{"token_ids":[1],"sampling_params":{"logit_bias":[[1,2,3]]}}'),
+]
+
+
+@pytest.mark.parametrize(("case", "body"), TOKENS_MALFORMED, ids=[m[0] for m in TOKENS_MALFORMED])
+def test_malformed_tokens_generate_bodies_get_a_400(live: LiveServer, case: str, body: bytes) -> None:
+    r = httpx.post(live.base + "/inference/v1/generate", content=body, headers={"content-type": "application/json"},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
 @pytest.mark.parametrize("extra", [{"seed": 2**64 - 1}, {"seed": -(2**63)}, {"top_k": 10**9},
                                    {"stop_token_ids": [-1, 10**12]}, {"max_tokens": 10**30}])
 def test_extreme_but_valid_values_are_served(live: LiveServer, extra: dict[str, Any]) -> None:

@@ -67,6 +67,7 @@ from workers.tokenizer.requests.reasoning import continued_text
 from workers.tokenizer.requests.sampling import hold_to_budget
 from workers.tokenizer.requests.sglang_generate import RawPromptChat, parse_generate, raw_prompt, sglang_names
 from workers.tokenizer.requests.structured import structured_spec
+from workers.tokenizer.requests.vllm_generate import parse_vllm_generate, vllm_names
 
 # Past this many characters of text per context token a prompt is probably too long: a prefix of
 # that size is tokenized to find out before tokenizing everything (typical text: ~4 chars a token).
@@ -186,6 +187,8 @@ class TokenizerWorker:
         if isinstance(exc, BadRequest):
             if req.endpoint == "generate":
                 exc = sglang_names(exc, req.body)  # told in /generate's field names
+            elif req.endpoint == "vllm_generate":
+                exc = vllm_names(exc)
             # Client mistakes are the frontend's access log's business; overload is the operator's.
             level = logging.WARNING if exc.status >= 500 else logging.DEBUG
             self.log.log(level, "request %s refused: %d %s", req.rid, exc.status, exc.message)
@@ -198,8 +201,10 @@ class TokenizerWorker:
         the prompt's length bound, the image count, shm pressure; data: and file: images load here. A ``render``
         (workers/tokenizer/render.py) writes no segment, so shm pressure does not refuse it, and is not counted."""
         self.requests += 0 if render else 1
+        served = self.config.served_model_name
         chat = (parse_completion(req.body) if req.endpoint == "completion"
-                else parse_generate(req.body, self.config.served_model_name) if req.endpoint == "generate"
+                else parse_generate(req.body, served) if req.endpoint == "generate"
+                else parse_vllm_generate(req.body, served) if req.endpoint == "vllm_generate"
                 else parse_request(req.body))  # fmt: skip
         if chat.model != self.config.served_model_name:
             message = f"The model `{chat.model}` does not exist."

@@ -46,7 +46,10 @@ class PromptContext(Protocol):
     max_model_len: int
     max_text_chars: int
 
+
 MAX_PROMPTS = 1024  # prompts of one batch: each is a sequence (and a choice) of its own
+# Endpoints whose bodies become a completions request but are answered in their own shapes (server/app.py).
+_OWN_ANSWERS = frozenset({"generate", "vllm_generate"})
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
@@ -179,7 +182,7 @@ def prepare_completion(
     echoes = [(r if isinstance(r, str) else processor.decode(i)) if completion.echo else "" for r, i in zip(raws, ids, strict=True)]
     accepted = RequestAccepted(
         req.rid, completion.stream, completion.include_usage, completion.model, sum(len(i) for i in ids), worker.index,
-        max(sampling.n, len(ids)), "generate" if req.endpoint == "generate" else "completion", echoes[0],
+        max(sampling.n, len(ids)), req.endpoint if req.endpoint in _OWN_ANSWERS else "completion", echoes[0],
         sampling.logprobs is not None,
         echoes if len(ids) > 1 else [], echo_logprobs, completion.prompt_logprobs, completion.continuous_usage,
         [len(i) for i in ids] if len(ids) > 1 else [],
