@@ -163,9 +163,13 @@ class ChatResponder:
         stream, metrics = event.stream, self.state.metrics
         # n choices, logprobs, tool calls and the endpoint's shapes are the answer's business (server/responder.py).
         answer = answer_for(flight.rid, int(flight.arrival), event)
+        # A stream's opening (the chat role chunk, an echo) goes out with its first outputs, as vLLM sends it: a
+        # client that times the first chunk carrying choices (vLLM's bench client) would otherwise take it, sent
+        # before the prefill, for the first token, and count the prefill as an inter-token gap.
+        opening = b""  # made now, before any output is added to the answer (an echo's text must come first once)
         if stream:
             await send({"type": "http.response.start", "status": 200, "headers": protocol.SSE_HEADERS})
-            await send({"type": "http.response.body", "body": answer.start(), "more_body": True})
+            opening = answer.start()
         first_text = True
         while True:
             failed: RequestFailed | None = None
@@ -189,6 +193,8 @@ class ChatResponder:
                 # Everything that arrived since the last write goes out in one send: a loop that fell
                 # behind catches up instead of paying per-token overhead.
                 pieces = answer.flush()
+                if opening:
+                    pieces, opening = chain([opening], pieces), b""
                 if failed is not None:  # the status line is gone: report in-band, then end as every stream does
                     pieces = chain(pieces, [protocol.error_event(failed), protocol.SSE_DONE])
                 first = _gather(pieces)

@@ -16,7 +16,7 @@ import pytest
 
 from ipc.control import ProcessReady, RequestFailed
 from ipc.stats import SchedulerStats, TokenizerStats
-from tests.server.harness import MESSAGES, Served, ServeFactory, wait_for
+from tests.server.harness import API_KEY, MESSAGES, Served, ServeFactory, wait_for
 
 # The launcher serves on uvloop; nothing in the app may depend on that.
 LOOPS = pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
@@ -61,6 +61,32 @@ def test_streaming_with_usage(serve: ServeFactory, loop: str) -> None:
     assert finish.choices[0].finish_reason == "stop" and finish.usage is None
     assert usage.choices == [] and usage.usage is not None
     assert (usage.usage.prompt_tokens, usage.usage.completion_tokens, usage.usage.total_tokens) == (5, 2, 7)
+
+
+def test_a_stream_opens_with_its_first_output(srv: Served) -> None:
+    """The role chunk goes out with the first token, as vLLM sends it: vLLM's bench client times the first chunk
+    with choices as the first token, so one sent before the prefill would read as a TTFT of ~0 and a prefill-long
+    inter-token gap."""
+    payload = {"model": "demo", "messages": MESSAGES, "stream": True}
+    arrivals: list[tuple[float, bytes]] = []
+
+    def consume() -> int:
+        headers = {"authorization": f"Bearer {API_KEY}"}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=payload, headers=headers, timeout=10) as resp:
+            for chunk in resp.iter_raw():
+                arrivals.append((time.monotonic(), chunk))
+            return resp.status_code
+
+    fut = srv.bg(consume)
+    req = srv.peers.request()
+    srv.peers.accept(req)
+    time.sleep(0.5)  # the prefill
+    first_output = time.monotonic()
+    srv.peers.hello(req.rid)
+    assert fut.result(10) == 200
+    assert arrivals and arrivals[0][0] >= first_output  # not a byte of the body before the first output
+    first = json.loads(b"".join(c for _, c in arrivals).split(b"\n\n")[0].removeprefix(b"data: "))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
 def test_outputs_before_accepted_are_kept_and_sse_framing(srv: Served) -> None:
