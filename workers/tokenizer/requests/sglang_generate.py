@@ -29,6 +29,7 @@ from workers.engine.prompt.processor import MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta
 from workers.tokenizer.requests.chat import ChatCompletionRequest, parse_with
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion
+from workers.tokenizer.requests.native_body import BodyFields, top_level
 from workers.tokenizer.requests.sampling import range_error, unsupported
 
 # SGLang's SamplingParams default: a body without max_new_tokens generates at most this many tokens, as there.
@@ -111,24 +112,13 @@ class RawPromptChat(ChatCompletionRequest, frozen=True, kw_only=True):
     raw_prompt: str
 
 
-_body = msgspec.json.Decoder(dict[str, Any])
+_FIELDS = BodyFields(_TAKEN | _IGNORED, _DEFAULTS, _WHY_REFUSED, "a /generate field")
 
 
 def parse_generate(body: bytes | memoryview, served_model: str) -> CompletionRequest | RawPromptChat:
     """The request a /generate body amounts to: a completions request, or with images a ``RawPromptChat`` (raises
     BadRequest; ``sglang_names`` gives its param the body's field name)."""
-    try:
-        fields = _body.decode(body)
-    except msgspec.ValidationError:
-        raise BadRequest("The request body must be a JSON object.", code="invalid_json") from None
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
-    for name, value in fields.items():
-        if name in _DEFAULTS:
-            if not any(value == d and type(value) is type(d) for d in _DEFAULTS[name]):
-                raise unsupported(name, _WHY_REFUSED[name])
-        elif name not in _TAKEN and name not in _IGNORED:
-            raise unsupported(name, "not a /generate field this server serves")
+    fields = top_level(body, _FIELDS)
     completion: dict[str, Any] = {"model": fields.get("model") or served_model, "prompt": _prompt(fields),
                                   "stream": fields.get("stream", False)}  # fmt: skip
     sampling, structured = _sampling(fields.get("sampling_params"), completion["prompt"])

@@ -17,6 +17,7 @@ import msgspec
 
 from workers.common.errors import BadRequest
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion
+from workers.tokenizer.requests.native_body import BodyFields, top_level
 from workers.tokenizer.requests.sampling import range_error, unsupported
 
 _WHY_REFUSED = {
@@ -43,23 +44,12 @@ _LOGPROBS = frozenset({"logprobs", "prompt_logprobs"})
 # vLLM's SamplingParams default: a GenerateRequest without max_tokens generates at most this many tokens, as there.
 DEFAULT_MAX_TOKENS = 16
 
-_body = msgspec.json.Decoder(dict[str, Any])
+_FIELDS = BodyFields(_TAKEN, _DEFAULTS, _WHY_REFUSED, "a GenerateRequest field")
 
 
 def parse_vllm_generate(body: bytes | memoryview, served_model: str) -> CompletionRequest:
     """The completions request a GenerateRequest amounts to (raises BadRequest naming the body's field)."""
-    try:
-        fields = _body.decode(body)
-    except msgspec.ValidationError:
-        raise BadRequest("The request body must be a JSON object.", code="invalid_json") from None
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
-    for name, value in fields.items():
-        if name in _DEFAULTS:
-            if not any(value == d and type(value) is type(d) for d in _DEFAULTS[name]):
-                raise unsupported(name, _WHY_REFUSED[name])
-        elif name not in _TAKEN:
-            raise unsupported(name, "not a GenerateRequest field this server serves")
+    fields = top_level(body, _FIELDS)
     ids = fields.get("token_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise range_error("token_ids", "a value of that shape", "that is a non-empty list of token ids")
