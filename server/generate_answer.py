@@ -12,8 +12,8 @@ beside them, and ends with ``data: [DONE]``.
 
 Since every event resends the text so far, a choice's events thin out as it grows: one once its new tokens reach
 1/``THIN`` of those already sent (every token for the first ``THIN``). A 128K-token answer of 4 bytes a token then
-takes ~2,000 events instead of 128K, and the event loop encodes 0.14 GB for it instead of 34 GB (docs/limits.md). bench_serving, which
-spreads an event's interval over its new tokens, reads the same inter-token latencies.
+takes ~2,000 events instead of 128K, and the event loop encodes 0.14 GB for it instead of 34 GB (docs/limits.md).
+bench_serving, which spreads an event's interval over its new tokens, reads the same inter-token latencies.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from ipc.outputs import RequestOutput
 from ipc.requests import RequestAccepted
-from server.protocol import SSE_DONE, encode, sse_event
+from server.protocol import encode, sse_event
 from server.responder import Answer, ChoiceState
 
 THIN = 256
@@ -61,20 +61,12 @@ class GenerateAnswer(Answer):
                 "completion_tokens": c.completion_tokens, "cached_tokens": cached}  # fmt: skip
         return {"text": text, "output_ids": self.ids[c.index], "meta_info": meta}
 
-    def flush(self) -> Iterator[bytes]:
-        events = []
-        for c in self.choices:
-            fresh = c.completion_tokens - self.sent[c.index]
-            if self._finishing(c) or (fresh > 0 and fresh >= self.sent[c.index] // THIN):
-                events.append(self._chunk(c))
-                self.sent[c.index] = c.completion_tokens
-        for c in self.choices:
-            c.text, c.logprobs, c.calls, c.reasoning, c.prompt = [], [], [], [], None
-            c.finish_sent = c.finish_reason is not None
-        events.extend([[SSE_DONE]] if self.done else [])
-        return (piece for event in events for piece in event)
+    def _due(self, c: ChoiceState) -> bool:
+        fresh = c.completion_tokens - self.sent[c.index]
+        return self._finishing(c) or (fresh > 0 and fresh >= self.sent[c.index] // THIN)
 
     def _chunk(self, c: ChoiceState) -> Iterable[bytes]:
+        self.sent[c.index] = c.completion_tokens
         event = self._object(c, self._finishing(c))
         ids = self.ids[c.index]
         event["output_ids"], self.ids_sent[c.index] = ids[self.ids_sent[c.index] :], len(ids)

@@ -111,8 +111,7 @@ class Answer:
     def flush(self) -> Iterator[bytes]:
         """Stream: events for everything added since the last flush; after the last output, the end too. Each
         choice's event takes what it needs now (``_chunk``), so its pieces may be rendered after the clearing."""
-        events = [self._chunk(c) for c in self.choices
-                  if c.text or c.reasoning or c.logprobs or c.calls or c.prompt or self._finishing(c)]
+        events = [self._chunk(c) for c in self.choices if self._due(c)]
         for c in self.choices:
             c.text = []
             c.reasoning = []
@@ -126,6 +125,10 @@ class Answer:
                 tail.append(self._usage_event())
             tail.append(SSE_DONE)
         return chain(*events, tail)
+
+    def _due(self, c: ChoiceState) -> bool:
+        """Whether choice ``c`` has an event to send now: anything new, or its finish."""
+        return bool(c.text or c.reasoning or c.logprobs or c.calls or c.prompt) or self._finishing(c)
 
     @staticmethod
     def _finishing(c: ChoiceState) -> bool:
