@@ -70,7 +70,15 @@ async def _next_batch(flight: Flight, early: list[FlightEvent]) -> list[FlightEv
 
 # A large answer goes out in sends of about this size, the loop free for other requests between them.
 _SEND_BYTES = 1 << 18
-_VERSION = importlib.metadata.version("glimpse")
+def _version() -> str:
+    """The installed distribution's version; a checkout run from its root (PYTHONPATH, no install) has none."""
+    try:
+        return importlib.metadata.version("glimpse")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+checkout"
+
+
+_VERSION = _version()
 
 
 _ANSWERS: dict[str, type[Answer]] = {"completion": CompletionAnswer, "generate": GenerateAnswer,

@@ -147,6 +147,18 @@ def test_api_key(srv: Served) -> None:
     assert srv.peers.toks[0].recv(100) is None  # nothing unauthenticated reached a tokenizer
 
 
+def test_a_checkout_without_an_install_still_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from a checkout's root (PYTHONPATH, as on a GPU host that cannot pip install) there is no distribution
+    metadata: the server must start anyway, with a version that says so."""
+    from server import app
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert app._version() == "0+checkout"
+
+
 def test_unknown_route_and_wrong_method(srv: Served) -> None:
     response = srv.http.get("/v1/nope")
     assert response.status_code == 404

@@ -17,8 +17,11 @@ as soon as it is written, whichever way the process ends.
 from __future__ import annotations
 
 import atexit
+import cProfile
+import io
 import json
 import os
+import pstats
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +32,9 @@ ENV = "GLIMPSE_STEP_TRACE"
 # its kernel table to DIR/torch-<START>.txt. Only for a process given ``sync`` (model rank 0).
 PROFILE_ENV = "GLIMPSE_TORCH_PROFILE"
 SYNC_ENV = "GLIMPSE_STEP_TRACE_SYNC"
+# "START:COUNT,...": cProfile the host's Python over those steps (same counting) and write DIR/python-<START>.txt,
+# the functions by own and by cumulative time: which wrappers a host-bound step's launches spend their time in.
+PY_PROFILE_ENV = "GLIMPSE_PY_PROFILE"
 
 # Kernel name fragments -> category, first match wins: the table's summary of where GPU time goes.
 CATEGORIES = (
@@ -78,6 +84,9 @@ class StepTrace:
         self._windows = _windows(os.environ.get(PROFILE_ENV, "")) if self.enabled and self._gpu else {}
         self._profiler: Any = None
         self._profile_end = 0
+        self._py_windows = _windows(os.environ.get(PY_PROFILE_ENV, "")) if self.enabled else {}
+        self._py: cProfile.Profile | None = None
+        self._py_first = self._py_end = 0
         if self.enabled:
             Path(folder).mkdir(parents=True, exist_ok=True)
             self._file = open(Path(folder) / f"{role}-{os.getpid()}.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
@@ -88,6 +97,10 @@ class StepTrace:
         if self.enabled:
             if self._steps in self._windows:
                 self._start_profiler(self._windows[self._steps])
+            if self._steps in self._py_windows:
+                self._py = cProfile.Profile()
+                self._py_first, self._py_end = self._steps, self._steps + self._py_windows[self._steps]
+                self._py.enable()
             self._steps += 1
             self.phases = {}
             self._last = self._start = time.monotonic()
@@ -108,6 +121,8 @@ class StepTrace:
             self.event("step", start=self._start, end=time.monotonic(), **self.phases, **fields)
             if self._profiler is not None and self._steps >= self._profile_end:
                 self._stop_profiler()
+            if self._py is not None and self._steps >= self._py_end:
+                self._stop_py()
 
     def _start_profiler(self, count: int) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -160,6 +175,18 @@ class StepTrace:
         for event in sorted(events, key=lambda e: float(e.self_cpu_time_total), reverse=True)[:30]:
             lines.append(f"{event.key[:72]:<72} {event.self_cpu_time_total / steps / 1e3:9.3f} ms x{event.count / steps:.1f}")
         (self._folder / f"torch-{self._profile_first}.txt").write_text("\n".join(lines) + "\n")
+
+    def _stop_py(self) -> None:
+        """Write the Python window's functions, top 60 by own time, then by time under them (seconds, all steps)."""
+        prof, self._py = self._py, None
+        assert prof is not None
+        prof.disable()
+        parts = [f"{self._py_end - self._py_first} steps from step {self._py_first}"]
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(60)
+            parts.append(f"by {key}:\n" + "\n".join(line for line in out.getvalue().splitlines() if line.strip()))
+        (self._folder / f"python-{self._py_first}.txt").write_text("\n\n".join(parts) + "\n")
 
     def event(self, kind: str, **fields: Any) -> None:
         if self._file is None:

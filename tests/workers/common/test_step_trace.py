@@ -3,6 +3,8 @@ and the no-sync mode's switch."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from workers.common.step_trace import StepTrace, busy_us, category
@@ -48,3 +50,27 @@ def test_without_syncs_the_phases_do_not_wait_for_the_gpu(monkeypatch: pytest.Mo
         trace.end(step=0)
         trace.close()
         assert len(syncs) == want, flag
+
+
+def _busy_loop() -> int:
+    return sum(range(50_000))
+
+
+def test_python_profile_covers_exactly_its_window_of_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """GLIMPSE_PY_PROFILE=START:COUNT profiles the host's Python over those steps only (no GPU needed): the file
+    names the window, and a function called in every step was recorded COUNT times, not once per step traced."""
+    monkeypatch.setenv("GLIMPSE_STEP_TRACE", str(tmp_path))
+    monkeypatch.setenv("GLIMPSE_PY_PROFILE", "1:2")
+    trace = StepTrace("worker0")
+    for step in range(5):
+        trace.begin()
+        _busy_loop()
+        trace.mark("forward")
+        trace.end(step=step)
+    trace.close()
+    text = (tmp_path / "python-1.txt").read_text()
+    assert text.startswith("2 steps from step 1")
+    assert "by tottime:" in text and "by cumulative:" in text
+    rows = [line for line in text.splitlines() if "(_busy_loop)" in line]
+    assert rows and all(line.split()[0] == "2" for line in rows)  # ncalls: the two profiled steps
+    assert [p.name for p in tmp_path.glob("python-*.txt")] == ["python-1.txt"]
