@@ -70,6 +70,8 @@ async def _next_batch(flight: Flight, early: list[FlightEvent]) -> list[FlightEv
 
 # A large answer goes out in sends of about this size, the loop free for other requests between them.
 _SEND_BYTES = 1 << 18
+
+
 def _version() -> str:
     """The installed distribution's version; a checkout run from its root (PYTHONPATH, no install) has none."""
     try:

@@ -32,8 +32,9 @@ ENV = "GLIMPSE_STEP_TRACE"
 # its kernel table to DIR/torch-<START>.txt. Only for a process given ``sync`` (model rank 0).
 PROFILE_ENV = "GLIMPSE_TORCH_PROFILE"
 SYNC_ENV = "GLIMPSE_STEP_TRACE_SYNC"
-# "START:COUNT,...": cProfile the host's Python over those steps (same counting) and write DIR/python-<START>.txt,
-# the functions by own and by cumulative time: which wrappers a host-bound step's launches spend their time in.
+# "START:COUNT,...": cProfile the model rank 0 process's Python over those steps (same counting; its threads too) and
+# write DIR/python-<START>.txt, the functions by own and by cumulative time: which wrappers a host-bound step's
+# launches spend their time in.
 PY_PROFILE_ENV = "GLIMPSE_PY_PROFILE"
 
 # Kernel name fragments -> category, first match wins: the table's summary of where GPU time goes.
@@ -84,7 +85,7 @@ class StepTrace:
         self._windows = _windows(os.environ.get(PROFILE_ENV, "")) if self.enabled and self._gpu else {}
         self._profiler: Any = None
         self._profile_end = 0
-        self._py_windows = _windows(os.environ.get(PY_PROFILE_ENV, "")) if self.enabled else {}
+        self._py_windows = _windows(os.environ.get(PY_PROFILE_ENV, "")) if self.enabled and self._gpu else {}
         self._py: cProfile.Profile | None = None
         self._py_first = self._py_end = 0
         if self.enabled:

@@ -61,7 +61,8 @@ def test_python_profile_covers_exactly_its_window_of_steps(monkeypatch: pytest.M
     names the window, and a function called in every step was recorded COUNT times, not once per step traced."""
     monkeypatch.setenv("GLIMPSE_STEP_TRACE", str(tmp_path))
     monkeypatch.setenv("GLIMPSE_PY_PROFILE", "1:2")
-    trace = StepTrace("worker0")
+    assert not StepTrace("scheduler0")._py_windows  # only the model process (the one given a GPU sync) profiles
+    trace = StepTrace("worker0", sync=lambda: None)
     for step in range(5):
         trace.begin()
         _busy_loop()
