@@ -21,6 +21,7 @@ failure leaves the torch path serving (``GLIMPSE_TRITON_CONV=0`` turns the kerne
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,15 +80,39 @@ def _build() -> Any:
     return causal_conv_kernel
 
 
+@dataclass(frozen=True)
+class WindowPlan:
+    """Where each sequence's window after its last new token comes from, for a conv of K-1 = ``width`` taps of
+    history: the same for every layer of a step, so a step builds it once (about a dozen small ops a layer
+    otherwise, on a host that launches each Gated DeltaNet layer eagerly)."""
+
+    width: int
+    starts: Tensor  # [B] int64: each sequence's first row in the step
+    rows: Tensor  # [B, K-1] the rows end_b - (K-1) .. end_b - 1, clamped to 0 (read from x where ``inside``)
+    inside: Tensor  # [B, K-1, 1] whether that row is one of the sequence's new tokens
+    cols: Tensor  # [B, 1, K-1] else its column in the old window (row - start_b + K-1), clamped into the window
+
+
+def window_plan(query_start_loc: Tensor, width: int) -> WindowPlan:
+    """The WindowPlan of a step whose sequences start at ``query_start_loc`` [B+1] (device; no host sync)."""
+    starts = query_start_loc[:-1].long()
+    span = torch.arange(width, device=query_start_loc.device)
+    rows = query_start_loc[1:].long().unsqueeze(1) - width + span  # [B, K-1]
+    inside = rows >= starts.unsqueeze(1)
+    cols = (rows - starts.unsqueeze(1) + width).clamp(0, width - 1)
+    return WindowPlan(width, starts, rows.clamp(min=0), inside.unsqueeze(-1), cols.unsqueeze(1))
+
+
 def conv(
     x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, st: StateMetadata, query_start_loc: Tensor,
-    starts_cpu: list[int], silu: bool, seq_of: Tensor | None = None,
+    starts_cpu: list[int], silu: bool, seq_of: Tensor | None = None, plan: WindowPlan | None = None,
 ) -> Tensor:
     """x [T, C] (rows may be strided), the step's sequences one after another (``query_start_loc`` [B+1] on the
     device, ``starts_cpu`` its first B entries on the host); weight [C, K]; conv_state [S, C, K-1] with sequence b's
     window in slot ``st.slots[b]``. Returns the (SiLU'd) conv [T, C] in x's dtype; the window after each sequence's
     last new token is written back to its slot, and the one after its first n to each snapshot slot of
-    ``st.snapshots``. ``seq_of`` [T]: each row's sequence index (made here when not given)."""
+    ``st.snapshots``. ``seq_of`` [T]: each row's sequence index, and ``plan`` the step's window_plan (each made here
+    when not given)."""
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -100,7 +125,8 @@ def conv(
     if conv_state.stride(-1) != 1:
         raise ValueError("the conv-state pool's windows must be contiguous along the taps")
     device = x.device
-    starts = query_start_loc[:-1].long()
+    if plan is None or plan.width != width:
+        plan = window_plan(query_start_loc, width)
     if seq_of is None:
         seq_of = sequence_of_rows(query_start_loc, tokens)
     # The old windows, before anything writes the pool: the write-back below reaches into them where a sequence has
@@ -109,19 +135,14 @@ def conv(
     y = torch.empty(tokens, channels, dtype=x.dtype, device=device)
     grid = (-(-tokens // BLOCK_T), -(-channels // BLOCK_C))
     _kernel[grid](
-        x, weight, bias if bias is not None else weight, y, conv_state, st.slots, st.has_initial, starts, seq_of,
+        x, weight, bias if bias is not None else weight, y, conv_state, st.slots, st.has_initial, plan.starts, seq_of,
         tokens, channels, x.stride(0), y.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         K=width + 1, BT=BLOCK_T, BC=BLOCK_C, HAS_BIAS=bias is not None, SILU=silu, num_warps=4,
     )  # fmt: skip
-    # Sequence b's window after its last new token: rows end_b - (K-1) .. end_b - 1, from x where they are its new
-    # tokens, else from its old window (column row - start_b + K-1).
-    span = torch.arange(width, device=device)
-    rows = query_start_loc[1:].long().unsqueeze(1) - width + span  # [B, K-1]
-    inside = rows >= starts.unsqueeze(1)
-    from_x = x[rows.clamp(min=0)]  # [B, K-1, C]
-    cols = (rows - starts.unsqueeze(1) + width).clamp(0, width - 1)
-    from_window = windows.gather(2, cols.unsqueeze(1).expand(-1, channels, -1)).transpose(1, 2)
-    after = torch.where(inside.unsqueeze(-1), from_x.to(windows.dtype), from_window)
+    # Sequence b's window after its last new token: from x where its rows are new tokens, else from its old window.
+    from_x = x[plan.rows]  # [B, K-1, C]
+    from_window = windows.gather(2, plan.cols.expand(-1, channels, -1)).transpose(1, 2)
+    after = torch.where(plan.inside, from_x.to(windows.dtype), from_window)
     for b, n, slot in st.snapshots:  # the window after sequence b's first n new tokens
         end = starts_cpu[b] + n
         if n >= width:

@@ -98,11 +98,15 @@ def causal_conv1d(
             conv_state[slot].copy_(after[b])
         return out
     if x.is_cuda and activation in ("silu", "swish", None) and not _all_decode(meta) and causal_conv.available():
-        seq_of = meta.derived.get("conv_seq_of")  # each row's sequence: the same for every layer of the step
+        # Each row's sequence and where each window comes from: the same for every layer of the step.
+        seq_of = meta.derived.get("conv_seq_of")
         if seq_of is None:
             seq_of = meta.derived["conv_seq_of"] = sequence_of_rows(meta.query_start_loc, x.shape[0])
+        plan = meta.derived.get("conv_window_plan")
+        if plan is None:
+            plan = meta.derived["conv_window_plan"] = causal_conv.window_plan(meta.query_start_loc, weight.shape[1] - 1)
         return causal_conv.conv(x, weight, bias, conv_state, st, meta.query_start_loc, _starts(meta)[:-1],
-                                activation is not None, seq_of)  # fmt: skip
+                                activation is not None, seq_of, plan)  # fmt: skip
     tokens, channels = x.shape
     width = weight.shape[1] - 1  # the window: K-1 inputs
     batch = st.slots.shape[0]

@@ -52,6 +52,12 @@ for channels, kernel, with_bias, activation in ((136, 4, False, "silu"), (40, 3,
     torch.testing.assert_close(pool[touched], want_pool[touched], rtol=0, atol=0)
     others = [s for s in range(pool.shape[0]) if s not in touched]
     assert torch.equal(pool[others], fresh[others])  # no other slot written
+    # the step's window plan made once and handed to every layer gives the same answer and windows
+    plan = causal_conv.window_plan(meta.query_start_loc, kernel - 1)
+    again = fresh.clone()
+    got2 = causal_conv.conv(x, weight, b, again, meta.state, meta.query_start_loc, starts, activation is not None,
+                            plan=plan)
+    assert torch.equal(got2, got) and torch.equal(again, pool)
 """
 
 
