@@ -48,7 +48,7 @@ from server.children import (
 from server.config import ServerConfig
 from server.http_guard import HttpLimits, guarded_protocol
 from workers.common.memory import tune_malloc
-from workers.common.proc import freeze_heap
+from workers.common.proc import freeze_heap, keep_kernel_caches
 from workers.common.reasoning_channels import check_markers
 
 log = logging.getLogger("glimpse.launcher")
@@ -307,5 +307,6 @@ def serve(config: ServerConfig, runner: Callable[[Any], int] | None = None) -> i
     except ValueError as exc:
         raise SystemExit(f"glimpse serve: {exc}") from None
     tune_malloc()  # the frontend's bodies and answers come in all sizes too (workers/common/memory.py)
+    keep_kernel_caches()  # before any child starts: they inherit it
     launcher = Launcher(config)
     return uvloop.run(launcher.run()) if runner is None else runner(launcher.run())

@@ -84,10 +84,6 @@ def _init_tp(config: ServerConfig, index: int) -> tuple[TPGroup | None, EngineCo
     if engine.device.startswith("cuda"):
         engine = replace(engine, device=f"cuda:{index}")
         torch.cuda.set_device(index)
-        # Keep Triton's autotuning choices in its on-disk cache beside the compiled kernels: the start-up warm-up
-        # autotunes flash-linear-attention's kernels for every path it runs (70 s on a fresh H200 for a Qwen3.5
-        # model, warmup.py warm_state_snapshots), and without this a restarted server benchmarks them all again.
-        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if size == 1:
         return None, engine
     backend = "nccl" if engine.device.startswith("cuda") else "gloo"
