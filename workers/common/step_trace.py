@@ -32,7 +32,7 @@ ENV = "GLIMPSE_STEP_TRACE"
 # its kernel table to DIR/torch-<START>.txt. Only for a process given ``sync`` (model rank 0).
 PROFILE_ENV = "GLIMPSE_TORCH_PROFILE"
 SYNC_ENV = "GLIMPSE_STEP_TRACE_SYNC"
-# "START:COUNT,...": cProfile the model rank 0 process's Python over those steps (same counting; its threads too) and
+# "START:COUNT,...": cProfile the model rank 0 process's Python over those steps (same counting) and
 # write DIR/python-<START>.txt, the functions by own and by cumulative time: which wrappers a host-bound step's
 # launches spend their time in.
 PY_PROFILE_ENV = "GLIMPSE_PY_PROFILE"
