@@ -49,7 +49,7 @@ def add_hooks(source: str) -> str:
         return source
     lines = source.splitlines(keepends=True)
     for name in ("BENCHES", "GLIMPSE_FLAGS", "VLLM_FLAGS"):
-        if not any(line.startswith(f"{name}") for line in lines):
+        if not any(line.startswith(name) for line in lines):
             raise ValueError(f"sbs.py defines no {name} at the top level: not the harness these hooks were written for")
     if not any(line.startswith("import os") for line in lines):
         raise ValueError("sbs.py does not import os at the top level")

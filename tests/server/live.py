@@ -169,9 +169,11 @@ class LiveServer:
             self.log.close()
 
 
+def proc_environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with (what its parent handed it)."""
+    items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
 def _proc_title(pid: int, comm: str) -> str:
-    env = Path(f"/proc/{pid}/environ").read_bytes()
-    for item in env.split(b"\0"):
-        if item.startswith(b"GLIMPSE_ROLE="):
-            return item.split(b"=", 1)[1].decode()
-    return comm
+    return proc_environ(pid).get("GLIMPSE_ROLE", comm)

@@ -8,12 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.live import LiveServer
-
-
-def environ(pid: int) -> dict[str, str]:
-    items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode().split("=", 1) for item in items if b"=" in item)
+from tests.server.live import LiveServer, proc_environ
 
 
 def test_the_model_worker_gets_the_compile_caches_under_home(
@@ -25,7 +20,7 @@ def test_the_model_worker_gets_the_compile_caches_under_home(
                         env={"HOME": str(tmp_path), "TRITON_CACHE_AUTOTUNING": "0"})  # fmt: skip
     try:
         [model] = server.child_pids("model")
-        env = environ(model)
+        env = proc_environ(model)
         assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".cache" / "glimpse" / "inductor")
         assert env["TRITON_CACHE_AUTOTUNING"] == "0"  # the operator's value, not the default "1"
     finally:
