@@ -1,32 +1,38 @@
 """Decode projections: cuBLAS (F.linear) against the Triton skinny GEMM (workers/engine/kernels/skinny_gemm.py).
 
-    python -m benchmarks.kernels.skinny_gemm_bench [--size 7b] [--rows 1,4,16,32,64] [--sweep 1,32]
+    python -m benchmarks.kernels.skinny_gemm_bench [--size 7b] [--rows 1,4,16,32,64] [--sweep 1,32] [--tune]
 
 An LM's projections (Qwen2.5-VL's 7B and 3B, Gemma 4 26B-A4B's dense ones) at a decode batch of ``rows``: every layer's qkv, o, gate_up and down (distinct
 weights per layer, so nothing is served from L2), and the LM head. Each chain is captured in a CUDA graph and
 replayed, as the decode step runs, so launch costs are out and only GPU time is timed. Prints ms per chain and the
 weights' bandwidth for cuBLAS, the kernel's own tile choice and (``--sweep``, at the rows given) the best of a grid of tiles, then the
-whole decode step's projections summed.
+whole decode step's projections summed. With ``--tune`` the "served" column is what the start-up measurement
+(skinny_tune.py, on these weights, its choices kept in a scratch file) picks for each matrix.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks.args import parser
-from workers.engine.kernels import skinny_gemm
+from workers.engine.kernels import skinny_gemm, skinny_tune
 from workers.engine.kernels.skinny_gemm import Tile
 from workers.engine.layers import linear as layers
 
 
-def lm_projections(hidden: int, qkv: int, inter: int, depth: int, vocab: int) -> tuple[tuple[str, int, int, bool, int], ...]:
-    """(name, out features, in features, bias, layers) of a Qwen2.5-VL LM's decode projections."""
+def lm_projections(
+    hidden: int, qkv: int, inter: int, depth: int, vocab: int, qkv_bias: bool = True
+) -> tuple[tuple[str, int, int, bool, int], ...]:
+    """(name, out features, in features, bias, layers) of a Qwen2.5-VL (or Qwen3-VL: no qkv bias) LM's decode
+    projections."""
     return (
-        ("qkv", qkv, hidden, True, depth),
+        ("qkv", qkv, hidden, qkv_bias, depth),
         ("o", hidden, hidden, False, depth),
         ("gate_up", 2 * inter, hidden, False, depth),
         ("down", hidden, inter, False, depth),
@@ -38,6 +44,20 @@ def lm_projections(hidden: int, qkv: int, inter: int, depth: int, vocab: int) ->
 SIZES = {
     "7b": lm_projections(3584, (28 + 2 * 4) * 128, 18944, 28, 152064),
     "3b": lm_projections(2048, (16 + 2 * 2) * 128, 11008, 36, 151936),
+    # Qwen3-VL-8B: hidden 4096, 32 q / 8 kv heads of 128, I 12288
+    "qwen3-8b": lm_projections(4096, (32 + 2 * 8) * 128, 12288, 36, 151936, qkv_bias=False),
+    # Qwen3.5-27B as the side-by-side shape serves it (32 of 64 layers: 24 Gated DeltaNet, 8 gated attention):
+    # hidden 5120, I 17408; a DeltaNet layer's fused in_proj (q, k of 16 heads, v and z of 48, b and a of 48) and
+    # out_proj from 48 x 128; an attention layer's q (gated: 2 x 24 heads of 256), k and v (4 heads) and o.
+    "qwen3.5-27b": (
+        ("in_proj", 2 * 16 * 128 + 2 * 48 * 128 + 2 * 48, 5120, False, 24),
+        ("out_proj", 5120, 48 * 128, False, 24),
+        ("qkv", 2 * 24 * 256 + 2 * 4 * 256, 5120, False, 8),
+        ("o", 5120, 24 * 256, False, 8),
+        ("gate_up", 2 * 17408, 5120, False, 32),
+        ("down", 5120, 17408, False, 32),
+        ("lm_head", 248320, 5120, False, 1),
+    ),
     # Gemma 4 26B-A4B's dense projections (all under MIN_WEIGHT_BYTES): hidden 2816, dense MLP 2112; sliding layers
     # 16 q / 8 kv heads of 256, global layers (one in 6) 16 q heads and 2 K=V heads of 512; tied head of 262,144.
     "gemma4-26b-a4b": (
@@ -89,12 +109,13 @@ def chain(
 
 def sweep_tiles(n: int, k: int) -> list[Tile]:
     out = []
-    for block_n in (32, 64, 128):
-        for block_k in (128, 256):
+    for block_n in (16, 32, 64, 128):
+        for block_k in (64, 128, 256):
             for split in (1, 2, 4, 8):
                 if k % (split * block_k) or k // split < 2 * block_k:
                     continue
-                out.append(Tile(block_n, block_k, split, 4, 4))
+                for warps, stages in ((4, 4), (4, 3), (4, 6), (8, 4), (2, 4)):
+                    out.append(Tile(block_n, block_k, split, warps, stages))
     return out
 
 
@@ -105,6 +126,7 @@ def main() -> None:
     ap.add_argument(
         "--sweep", default="", help="rows (comma-separated) at which to also time a grid of tiles"
     )
+    ap.add_argument("--tune", action="store_true", help="serve each matrix as the start-up measurement picks")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -117,6 +139,11 @@ def main() -> None:
         ]
         for name, n, k, _, count in shapes
     }
+    if args.tune:
+        with tempfile.TemporaryDirectory() as scratch:
+            picks = skinny_tune.tune([w for ws in weights.values() for w in ws], skinny_tune.cache_key(dev, torch.bfloat16),
+                                     sms, path=Path(scratch) / "tiles.json")  # fmt: skip
+        print("measured: " + ", ".join(f"{n}x{k} {'cuBLAS' if t is None else tuple(t)}" for (n, k), t in picks.items()))
     biases = {
         name: torch.randn(n, device=dev, dtype=torch.bfloat16) if b else None for name, n, _, b, _ in shapes
     }
@@ -126,6 +153,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     totals: dict[int, list[float]] = {}
+    runners_up: list[str] = []
     for rows in (int(r) for r in args.rows.split(",")):
         tot = totals.setdefault(rows, [0.0, 0.0, 0.0, 0.0])
         for name, n, k, _, count in shapes:
@@ -138,14 +166,16 @@ def main() -> None:
             cub = graph_ms(chain(xk, ws, b, None))
             tri = graph_ms(chain(xk, ws, b, own))
             best, best_tile = tri, own
+            swept: list[tuple[float, Tile]] = []
             if str(rows) in args.sweep.split(","):
                 for t in sweep_tiles(n, k):
                     try:
-                        ms = graph_ms(chain(xk, ws, b, t), reps=10)
+                        swept.append((graph_ms(chain(xk, ws, b, t), reps=10), t))
                     except Exception:  # a tile over the shared-memory limit at this BLOCK_M
                         continue
-                    if ms < best:
-                        best, best_tile = ms, t
+                swept.sort()
+                if swept and swept[0][0] < best:
+                    best, best_tile = swept[0]
             tot[0] += cub
             tot[1] += tri
             tot[2] += best
@@ -157,6 +187,11 @@ def main() -> None:
                 f"| {diff:.2e} |",
                 flush=True,
             )
+            if swept:  # the runners-up: how flat the optimum is
+                runners_up.append(f"{rows} rows, {name}: " + ", ".join(f"{tuple(t)} {ms:.3f}" for ms, t in swept[1:6]))
+    if runners_up:
+        print("\nthe next five swept tiles (block_n, block_k, split_k, warps, stages) and their ms:")
+        print("\n".join(runners_up))
     print("\n| rows | all projections: cuBLAS ms | Triton ms | best swept ms | served ms |")
     print("|---|---|---|---|---|")
     for rows, (cub_ms, own_ms, best_ms, served_ms) in totals.items():

@@ -45,16 +45,33 @@ class Tile(NamedTuple):
     stages: int
 
 
+# What the start-up measurement (skinny_tune.py) chose per weight shape (out features, in features): a tile, or
+# None where cuBLAS was faster. A shape it did not measure takes the fixed rule (MIN_WEIGHT_BYTES, ``tile``).
+_measured: dict[tuple[int, int], Tile | None] = {}
+
+
+def use_measured(n: int, k: int, pick: Tile | None) -> None:
+    """Serve [n, k] weights with ``pick`` (None: cuBLAS) from now on; called before any CUDA-graph capture."""
+    _measured[(n, k)] = pick
+
+
+def measured(n: int, k: int) -> tuple[bool, Tile | None]:
+    """(whether [n, k] was measured, what it chose)."""
+    return (n, k) in _measured, _measured.get((n, k))
+
+
 def wanted(x: Tensor, weight: Tensor) -> bool:
-    """Whether F.linear(x, weight) should take this kernel: CUDA, bf16/fp16, at most MAX_ROWS rows of x, a weight
-    of at least MIN_WEIGHT_BYTES."""
-    return (
+    """Whether F.linear(x, weight) should take this kernel: CUDA, bf16/fp16, at most MAX_ROWS rows of x, and a
+    weight shape measured faster here than cuBLAS (unmeasured: a weight of at least MIN_WEIGHT_BYTES)."""
+    if not (
         x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
-        and weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
         and available()
-    )
+    ):
+        return False
+    known, pick = measured(weight.shape[0], weight.shape[-1])
+    return pick is not None if known else weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
 
 
 def block_m(rows: int) -> int:
@@ -62,14 +79,19 @@ def block_m(rows: int) -> int:
 
 
 def tile(n: int, k: int, sms: int) -> Tile:
-    """The tile for a [rows, k] x [k, n] product on a card with ``sms`` multiprocessors (the same for any row count
-    up to MAX_ROWS: the weight's stream is the cost).
+    """The fixed rule's tile for a [rows, k] x [k, n] product on a card with ``sms`` multiprocessors (the same for
+    any row count up to MAX_ROWS: the weight's stream is the cost); skinny_tune.py measures it against others at
+    start-up.
 
-    Enough programs to keep every SM streaming (at least ~4 per SM, so the last wave is short), each moving a
-    strip large enough to amortise its start: wide W (gate_up, qkv, the LM head) takes 64-column strips of the
-    whole K; narrow W (o, down) splits K until the grid is big enough.
+    A weight with output rows for two 32-column strips per SM streams whole rows of K on 2 warps; a narrower weight
+    (o, down) splits K until there are ~4 programs per SM. On an H200 at one row (`python -m
+    benchmarks.kernels.skinny_gemm_bench --size qwen3.5-27b --sweep 1`) these strips were within 0.3-1.4% of the
+    sweep's best tile on the 27B's in_proj, qkv and gate_up, where the rule before (splitting K below 4 programs
+    per SM, 64-column strips on 4 warps for the widest) took 23% longer on the 16,480-row in_proj.
     """
-    block_n = 64 if n >= 64 * 4 * sms else 32
+    block_n = 32
+    if -(-n // block_n) >= 2 * sms:
+        return Tile(block_n, 128, 1, 2, 4)
     split = 1
     while -(-n // block_n) * split < 4 * sms and k // (2 * split) >= 512 and k % (2 * split * 128) == 0:
         split *= 2
@@ -143,7 +165,7 @@ def _kernels() -> tuple[Any, Any]:
 
 
 @functools.cache
-def _sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any count works; an H100's keeps CPU tests on the GPU's tiles
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -159,7 +181,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, use: Tile | No
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out.reshape(*lead, n)
-    t = use or tile(n, k, _sms(x.device))
+    t = use or _measured.get((n, k)) or tile(n, k, sm_count(x.device))
     skinny = _kernels()[0]
     w = weight.contiguous()
     b = bias if bias is not None else w  # any pointer; HAS_BIAS gates every read

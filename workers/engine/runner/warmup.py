@@ -22,10 +22,12 @@ from workers.engine.kernels import (
     rope_kernel,
     silu_kernel,
     skinny_gemm,
+    skinny_tune,
     window_attention,
 )
 from workers.engine.kernels.attention import StateMetadata, build_attention_metadata
 from workers.engine.kernels.gated_delta_fla import CHUNK as FLA_CHUNK
+from workers.engine.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from workers.engine.layers.vision_attention import VisionAttention, warm_cudnn_frames
 from workers.engine.runner.batching import patches
 
@@ -40,7 +42,9 @@ def warm_fused(runner: LoadedModel) -> None:
     """Switch the fused kernels on and run every call site. Falls back to eager ops if that fails."""
     started = time.perf_counter()
     probe_tower_kernels(runner.device, runner.dtype)
-    if not skinny_gemm.probe(runner.device, runner.dtype):
+    if skinny_gemm.probe(runner.device, runner.dtype):
+        tune_skinny(runner)
+    else:
         log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm.SWITCH.why_off())
     if not kv_write_kernel.probe(runner.device, runner.dtype):
         log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel.SWITCH.why_off())
@@ -68,6 +72,20 @@ def warm_fused(runner: LoadedModel) -> None:
         log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
         return
     log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
+
+
+def tune_skinny(runner: LoadedModel) -> None:
+    """The skinny GEMM's tile (or cuBLAS) per shape of the LM's projections and head, the weights a decode step
+    streams (skinny_tune.py); the fixed rule serves where measuring fails."""
+    if not skinny_tune.enabled():
+        return
+    kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    weights = [m.weight for m in runner.lm.modules() if isinstance(m, kinds) and m.weight.dtype == runner.dtype]
+    try:
+        skinny_tune.tune(weights, skinny_tune.cache_key(runner.device, runner.dtype),
+                         skinny_gemm.sm_count(runner.device))
+    except Exception as exc:  # a measurement only picks tiles: serve on the fixed rule rather than not at all
+        log.warning("skinny GEMM tiles not measured (%s); the fixed rule serves", exc, exc_info=True)
 
 
 def probe_tower_kernels(device: torch.device, dtype: torch.dtype) -> None:
