@@ -70,20 +70,21 @@ def graph_ms(weights: list[Tensor], pick: Tile | None, rows: int) -> float:
             else:
                 skinny_gemm.linear(x, w, use=pick)
 
-    run()  # compiles the tile's kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    reps = max(3, min(20, int(2e9 // sum(w.numel() * w.element_size() for w in weights))))  # ~2 GB streamed
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
+    with torch.cuda.device(x.device):  # the weights' card, whichever is current
+        run()  # compiles the tile's kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
         graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    ms: float = start.elapsed_time(end) / reps
+        reps = max(3, min(20, int(2e9 // sum(w.numel() * w.element_size() for w in weights))))  # ~2 GB streamed
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        ms: float = start.elapsed_time(end) / reps
     del graph
     return ms
 
