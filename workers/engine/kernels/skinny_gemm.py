@@ -32,6 +32,9 @@ from workers.engine.kernels.triton_switch import TritonSwitch
 # 25-33 MB qkv and o projections it was ahead or level at every row count.
 MAX_ROWS = 16
 MIN_WEIGHT_BYTES = 64 << 20
+# Part of the key of the tiles measured at start-up (skinny_tune.py): bump it when the kernels change, so that a
+# restart measures them again rather than serving choices made for the old code.
+KERNEL_VERSION = 1
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_SKINNY")
 available = SWITCH.on

@@ -7,9 +7,9 @@ on cuBLAS. So each weight shape a decode step streams is timed once, on the mode
 that shape in turn, so nothing is read from L2), with cuBLAS, the rule's tile and a few others as candidates; the
 fastest at 1 and at 16 rows together serves from then on (skinny_gemm.use_measured), before any CUDA-graph capture.
 
-The choices are kept on disk (``cache_file``) under the card, its multiprocessor count, the dtype and the torch and
-Triton versions: a restarted server takes the same tiles (the same numerics: a split-K tile sums in another order)
-without measuring again. ``GLIMPSE_SKINNY_TUNE=0`` keeps the fixed rule.
+The choices are kept on disk (``cache_file``) under the card, its multiprocessor count, the dtype, the torch and
+Triton versions and skinny_gemm.KERNEL_VERSION: a restarted server takes the same tiles (the same numerics: a
+split-K tile sums in another order) without measuring again. ``GLIMPSE_SKINNY_TUNE=0`` keeps the fixed rule.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def cache_key(device: torch.device, dtype: torch.dtype) -> str:
     import triton
 
     props = torch.cuda.get_device_properties(device)
-    return f"{props.name}|{props.multi_processor_count} SMs|{dtype}|torch {torch.__version__}|triton {triton.__version__}"
+    return (f"{props.name}|{props.multi_processor_count} SMs|{dtype}|torch {torch.__version__}|"
+            f"triton {triton.__version__}|kernel {skinny_gemm.KERNEL_VERSION}")
 
 
 def cache_file() -> Path:
