@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from tests.workers.engine.test_offline import FIVE, GREEDY, Reference, chat, make_engine, reference  # noqa: F401
-from workers.engine.runner.warmup import _warm_steps, size_grid
+from workers.engine.kernels import skinny_tune
+from workers.engine.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from workers.engine.runner.warmup import _warm_steps, size_grid, tune_skinny
 
 
 def test_largest_step_leaves_every_answer_as_transformers_gives_it(demo_model_dir: Path, reference: Reference) -> None:  # noqa: F811
@@ -28,3 +33,31 @@ def test_largest_step_leaves_every_answer_as_transformers_gives_it(demo_model_di
     again = chat("And now just these two.", FIVE[1:3])  # prefix cache and embedding cache in play after the warm-up
     [out] = engine.generate([again], GREEDY)
     assert out.token_ids == reference.generate(again)
+
+
+def test_skinny_tiles_are_measured_on_every_lm_projection(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The start-up measurement (CUDA only; here its timer is not reached) is handed each projection of the LM and
+    # its head once, in the served dtype, and nothing of the vision tower; GLIMPSE_SKINNY_TUNE=0 skips it.
+    engine = make_engine(demo_model_dir, chunk_size=64)
+    runner = engine.runner
+    seen: list[list[torch.Tensor]] = []
+
+    def tune(weights: list[torch.Tensor], key: str, sms: int) -> dict[tuple[int, int], object]:
+        seen.append(list(weights))
+        return {}
+
+    monkeypatch.setattr(skinny_tune, "tune", tune)
+    monkeypatch.setattr(skinny_tune, "cache_key", lambda device, dtype: "key")
+    tune_skinny(runner)
+    [weights] = seen
+    lm = runner.model.lm
+    expected = [m.weight for m in lm.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
+    assert len(expected) > 4 * len(lm.layers) and [id(w) for w in weights] == [id(w) for w in expected]
+    assert any(w is lm.lm_head.weight for w in weights) and all(w.dtype == runner.dtype for w in weights)
+    tower = {id(p) for p in runner.model.vision.parameters()}
+    assert not any(id(w) in tower for w in weights)
+    monkeypatch.setenv(skinny_tune.ENV, "0")
+    tune_skinny(runner)
+    assert len(seen) == 1
