@@ -73,21 +73,8 @@ SIZES = {
 
 
 def graph_ms(fn: Callable[[], None], reps: int = 20) -> float:
-    """GPU ms per call of ``fn`` replayed from a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    """GPU ms per call of ``fn`` replayed from a CUDA graph (as the start-up measurement times its candidates)."""
+    return skinny_tune.replay_ms(fn, reps, warm=3)
 
 
 def chain(

@@ -70,22 +70,28 @@ def graph_ms(weights: list[Tensor], pick: Tile | None, rows: int) -> float:
             else:
                 skinny_gemm.linear(x, w, use=pick)
 
+    reps = max(3, min(20, int(2e9 // sum(w.numel() * w.element_size() for w in weights))))  # ~2 GB streamed
     with torch.cuda.device(x.device):  # the weights' card, whichever is current
-        run()  # compiles the tile's kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        return replay_ms(run, reps)
+
+
+def replay_ms(fn: Callable[[], None], reps: int, warm: int = 1) -> float:
+    """GPU ms per replay of ``fn`` captured in a CUDA graph, after ``warm`` untimed replays; ``fn`` runs once
+    first, outside the capture, so that no kernel's first launch (a Triton compile) is captured."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warm):
         graph.replay()
-        reps = max(3, min(20, int(2e9 // sum(w.numel() * w.element_size() for w in weights))))  # ~2 GB streamed
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        ms: float = start.elapsed_time(end) / reps
-    del graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms: float = start.elapsed_time(end) / reps
     return ms
 
 
