@@ -2,12 +2,13 @@
 
     python -m benchmarks.kernels.skinny_gemm_bench [--size 7b] [--rows 1,4,16,32,64] [--sweep 1,32] [--tune]
 
-An LM's projections (Qwen2.5-VL's 7B and 3B, Gemma 4 26B-A4B's dense ones) at a decode batch of ``rows``: every layer's qkv, o, gate_up and down (distinct
-weights per layer, so nothing is served from L2), and the LM head. Each chain is captured in a CUDA graph and
-replayed, as the decode step runs, so launch costs are out and only GPU time is timed. Prints ms per chain and the
-weights' bandwidth for cuBLAS, the kernel's own tile choice and (``--sweep``, at the rows given) the best of a grid of tiles, then the
-whole decode step's projections summed. With ``--tune`` the "served" column is what the start-up measurement
-(skinny_tune.py, on these weights, its choices kept in a scratch file) picks for each matrix.
+An LM's projections (Qwen2.5-VL's 7B and 3B, Qwen3-VL-8B, the Qwen3.5-27B side-by-side shape, Gemma 4 26B-A4B's dense
+ones) at a decode batch of ``rows``: every layer's qkv, o, gate_up and down (distinct weights per layer, so nothing
+is served from L2), and the LM head. Each chain is captured in a CUDA graph and replayed, as the decode step runs,
+so launch costs are out and only GPU time is timed. Prints ms per chain and the weights' bandwidth for cuBLAS, the
+kernel's own tile choice and (``--sweep``, at the rows given) the best of a grid of tiles, then the whole decode
+step's projections summed. With ``--tune`` the "served" column is what the start-up measurement (skinny_tune.py,
+on these weights, its choices kept in a scratch file) picks for each matrix.
 """
 
 from __future__ import annotations
