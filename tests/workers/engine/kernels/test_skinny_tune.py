@@ -1,6 +1,6 @@
 """The start-up choice of the skinny GEMM's tile per weight shape (skinny_tune.py): the fastest candidate wins, the
 choice is registered with skinny_gemm and kept on disk, and a restart reads it back instead of measuring. The
-timer is injected on the CPU; on a CUDA machine the real CUDA-graph timer runs too."""
+timer is injected on the CPU; the real CUDA-graph timer runs where there is a GPU (marked ``gpu``)."""
 
 from __future__ import annotations
 
@@ -101,9 +101,10 @@ def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not skinny_tune.enabled()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_measured_on_cuda() -> None:
-    if not torch.cuda.is_available():  # the CUDA timer and the kernels' dispatch need a GPU; the rest ran above
-        return
+    # the CUDA-graph timer, and a measured choice deciding the dispatch (cuBLAS, then the kernel)
     dev = torch.device("cuda")
     ws = [torch.randn(4096, 1024, device=dev, dtype=torch.bfloat16) / 32 for _ in range(4)]
     assert skinny_tune.graph_ms(ws, None, 1) > 0 and skinny_tune.graph_ms(ws, Tile(32, 128, 2, 4, 4), 16) > 0
