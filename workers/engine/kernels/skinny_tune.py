@@ -70,7 +70,7 @@ def graph_ms(weights: list[Tensor], pick: Tile | None, rows: int) -> float:
             else:
                 skinny_gemm.linear(x, w, use=pick)
 
-    reps = max(3, min(20, int(2e9 // sum(w.numel() * w.element_size() for w in weights))))  # ~2 GB streamed
+    reps = max(3, min(20, int(2e9 // sum(w.nbytes for w in weights))))  # ~2 GB streamed
     with torch.cuda.device(x.device):  # the weights' card, whichever is current
         return replay_ms(run, reps)
 
@@ -102,14 +102,14 @@ def tune(weights: Iterable[Tensor], key: str, sms: int, timer: Timer = graph_ms,
     skinny_gemm and write the new ones back. Returns the choices."""
     path = path or cache_file()
     by_shape: dict[tuple[int, int], list[Tensor]] = {}
-    for w in {w.data_ptr(): w for w in weights if w.dim() == 2 and w.numel() * w.element_size() >= MIN_BYTES}.values():
+    for w in {w.data_ptr(): w for w in weights if w.dim() == 2 and w.nbytes >= MIN_BYTES}.values():
         by_shape.setdefault((w.shape[0], w.shape[1]), []).append(w)
     stored = _read(path)
     known = stored.get(key, {})
     chosen: dict[tuple[int, int], Tile | None] = {}
     started, timed = time.perf_counter(), 0
     for (n, k), group in sorted(by_shape.items()):
-        if sum(w.numel() * w.element_size() for w in group) < MIN_PASS_BYTES:
+        if sum(w.nbytes for w in group) < MIN_PASS_BYTES:
             continue
         name = f"{n}x{k}"
         if name in known:

@@ -175,13 +175,6 @@ def _kernel() -> Any:
     return w8a16_kernel
 
 
-@functools.cache
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: any count works; an H100's keeps CPU tests on the GPU's tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def block_m(rows: int, mode: int = DOT) -> int:
     if mode == FMA:
         return min(FMA_BLOCK_M, 1 << (rows - 1).bit_length())
@@ -201,7 +194,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out.reshape(*lead, n)
-    t = use or tile(n, k, _sms(x.device), rows)
+    t = use or tile(n, k, skinny_gemm.sm_count(x.device), rows)
     if use is None and rows > MAX_BLOCK_M:  # the M blocks give the grid its programs: no partials to sum
         t = t._replace(split_k=1)
     s = scale.float()
