@@ -12,7 +12,8 @@ threads set as a tokenizer sets them (cores / ``--tokenizers``):
   and faulted in beforehand;
 - admit: msgspec decoding a round-8 body (eight 1080p data URLs), and blake3 over its eight URLs;
 - gemma4 rows: Gemma 4's patch rows at a budget from decoded pixels, through transformers' processor against
-  `Gemma4Images.fast_rows` (the bits are checked equal), and the uint8 frame a tokenizer writes instead (`frame`).
+  `Gemma4Images.fast_rows` (the bits are checked equal), and the uint8 frame a tokenizer writes instead (`frame`),
+  on one thread and (where the share is over one) in row strips on the tokenizer's resize threads.
 
     python -m benchmarks.request_path.fresh_image_bench --count 20
 """
@@ -43,8 +44,8 @@ from ipc import shm
 from ipc.launch import new_launch_id
 from workers.engine.config import EngineConfig
 from workers.engine.models import load_spec
+from workers.engine.models.frame_resize import resize_in_strips
 from workers.engine.models.gemma4.processing import Gemma4Images
-from workers.engine.prompt.pixel_frames import resize_in_strips
 from workers.engine.prompt.processor import MMProcessor
 from workers.tokenizer.media.fetch import decode_image, decode_pixels
 from workers.tokenizer.media.image_io import write_and_publish
@@ -123,7 +124,10 @@ def main() -> None:
     rows.append(("admit", "blake3 of 8 URLs", median_ms(lambda i: [blake3.blake3(u.encode()).digest(16) for u in urls], args.count)))
 
     gemma_dir = ensure_demo_model(family="gemma4")
-    gemma = Gemma4Images(AutoProcessor.from_pretrained(gemma_dir), load_spec(gemma_dir))
+    gemma_hf, gemma_spec = AutoProcessor.from_pretrained(gemma_dir), load_spec(gemma_dir)
+    gemma = Gemma4Images(gemma_hf, gemma_spec)
+    gemma_pool = ThreadPoolExecutor(max(1, strips - 1))
+    gemma_strips = Gemma4Images(gemma_hf, gemma_spec, gemma_pool, strips)  # a tokenizer's resize threads
     decoded = [decode_pixels(raw, 10**8) for raw in images[:4]]
     for budget in (280, 1120):
         def processor(i: int, budget: int = budget) -> Any:
@@ -135,10 +139,17 @@ def main() -> None:
         def served(i: int, budget: int = budget) -> Any:
             return gemma.frame(np.asarray(decoded[i % len(decoded)]), budget)
 
+        def served_strips(i: int, budget: int = budget) -> Any:
+            return gemma_strips.frame(np.asarray(decoded[i % len(decoded)]), budget)
+
         same = all(torch.equal(processor(i)[0], fast(i)[0]) for i in range(len(decoded)))
         rows.append(("gemma4", f"budget {budget}: processor", median_ms(processor, args.count)))
         rows.append(("gemma4", f"budget {budget}: fast_rows, bits {'equal' if same else 'DIFFER'}", median_ms(fast, args.count)))
-        rows.append(("gemma4", f"budget {budget}: uint8 frame (served)", median_ms(served, args.count)))
+        rows.append(("gemma4", f"budget {budget}: uint8 frame, one thread", median_ms(served, args.count)))
+        if strips > 1:
+            same = all(torch.equal(served(i)[0], served_strips(i)[0]) for i in range(len(decoded)))
+            rows.append(("gemma4", f"budget {budget}: uint8 frame, {strips} strips, bits {'equal' if same else 'DIFFER'}",
+                         median_ms(served_strips, args.count)))
 
     print(f"\nfresh 1080p JPEG stages: median of {args.count}, {os.cpu_count()} cores, torch threads {share}")
     print(f"{'stage':<8} {'variant':<44} {'ms':>7}")

@@ -156,16 +156,22 @@ def per_request(records: dict[str, list[dict[str, Any]]]) -> str:
     # The tokenizer's own records (when it traced): when it got the body, finished admitting (parse, data URLs)
     # and preparing (hashes, the first image, the prompt), by request.
     tok: dict[str, dict[str, float]] = defaultdict(dict)
+    landed: dict[str, list[list[float]]] = {}  # a request's deferred images: [start, processed, written] each
     for role, rs in records.items():
         if role.startswith("tokenizer"):
             for r in rs:
                 tok[r["rid"]][r["kind"]] = r["t"]
                 if r["kind"] == "prepared":  # ImagePrep's marks inside the preparation
                     tok[r["rid"]].update({k: r[k] for k in ("hashed", "processed", "written") if k in r})
+                if r["kind"] == "landed":
+                    landed[r["rid"]] = r["marks"]
+    # The scheduler's MediaReady per request: its last deferred images published
+    media = {r["rid"]: r["t"] for r in records.get("scheduler0", []) if r["kind"] == "media"}
     lines = [
-        "| request | tokenizer ms | body read; to it, admit, prepare, to scheduler (prepare: hash, images, write, rest) | to first step ms | prefill steps | prefill ms | "
-        + " | ".join(PHASES) + " |",
-        "|---" * (6 + len(PHASES)) + "|",
+        "| request | tokenizer ms | body read; to it, admit, prepare, to scheduler (prepare: hash, images, write, rest) | "
+        "deferred images: prepared -> scheduler ms (last image: processed, written after prepared) | "
+        "to first step ms | prefill steps | prefill ms | " + " | ".join(PHASES) + " |",
+        "|---" * (7 + len(PHASES)) + "|",
     ]
     for i, sub in enumerate(submits):
         end = submits[i + 1]["t"] if i + 1 < len(submits) else float("inf")
@@ -183,9 +189,16 @@ def per_request(records: dict[str, list[dict[str, Any]]]) -> str:
         if all(k in tok[sub["rid"]] for k in keys):  # the preparation: hashes, images not deferred, prompt + write, rest
             inner = [tok[sub["rid"]][k] for k in keys]
             split += " (" + ", ".join(f"{1e3 * (b - a):.1f}" for a, b in zip(inner, inner[1:])) + ")"
+        deferred = ""
+        prepared = tok[sub["rid"]].get("prepared")
+        if prepared is not None and sub["rid"] in media:
+            deferred = f"{1e3 * (media[sub['rid']] - prepared):.1f}"
+            if marks_ := landed.get(sub["rid"]):
+                last = max(marks_, key=lambda m: m[-1])
+                deferred += f" ({1e3 * (last[1] - prepared):.1f}, {1e3 * (last[2] - prepared):.1f})"
         lines.append(
-            f"| {i} | {1e3 * (at - sub['t']):.1f} | {split} | {1e3 * (mine[0]['start'] - at):.1f} | {len(mine)} | "
-            f"{span:.1f} | {phases} |"
+            f"| {i} | {1e3 * (at - sub['t']):.1f} | {split} | {deferred} | {1e3 * (mine[0]['start'] - at):.1f} | "
+            f"{len(mine)} | {span:.1f} | {phases} |"
         )
     return "\n".join(lines)
 

@@ -1,8 +1,9 @@
-"""The step-trace report's token-delivery lines: which side of the socket a long gap between tokens is on."""
+"""The step-trace report: its token-delivery lines (which side of the socket a long gap between tokens is on) and its
+per-request rows."""
 
 from __future__ import annotations
 
-from benchmarks.tools.step_trace import decode_gaps, delivery
+from benchmarks.tools.step_trace import decode_gaps, delivery, per_request
 
 
 def test_a_gap_only_the_client_sees_is_the_clients() -> None:
@@ -38,3 +39,33 @@ def test_decode_rows_gaps_run_from_the_previous_steps_end() -> None:
     assert decode_gaps(steps) == ["", "token gaps of decode rows, model steps only: p50/p90/p99/max 20/200/200/200 ms "
                                       "over 5 gaps"]
     assert decode_gaps(steps[:1]) == []
+
+
+def test_a_request_row_times_its_deferred_image_from_the_prepared_prompt_to_the_scheduler() -> None:
+    """`--requests`: a request whose fresh image was written after its prompt left shows how long the scheduler
+    waited for it (prepared -> MediaReady) and when the tokenizer had it processed and written."""
+    rid = "r"
+    records = {
+        "frontend": [{"kind": "submit", "rid": rid, "read": 0.990, "t": 1.000}],
+        "tokenizer0": [
+            {"kind": "recv", "rid": rid, "t": 1.002},
+            {"kind": "admitted", "rid": rid, "t": 1.005},
+            {"kind": "prepared", "rid": rid, "hashed": 1.006, "processed": 1.006, "written": 1.008, "t": 1.010},
+            {"kind": "landed", "rid": rid, "marks": [[1.010, 1.025, 1.027]], "t": 1.028},
+        ],
+        "scheduler0": [
+            {"kind": "arrive", "rid": rid, "t": 1.011},
+            {"kind": "media", "rid": rid, "images": 1, "t": 1.029},
+        ],
+        "worker0": [
+            {"kind": "step", "start": 1.012, "end": 1.020, "seqs": 1, "decodes": 0, "tokens": 20},
+            {"kind": "step", "start": 1.030, "end": 1.050, "seqs": 1, "decodes": 0, "tokens": 300, "vit": 0.005},
+        ],
+    }
+    header, _, row = per_request(records).splitlines()
+    assert "deferred images" in header
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["0", "11.0"]
+    assert cells[2] == "10.0; 2.0, 3.0, 5.0, 1.0 (1.0, 0.0, 2.0, 2.0)"
+    assert cells[3] == "19.0 (15.0, 17.0)"  # MediaReady 19 ms after the prompt; processed at 15, written at 17
+    assert cells[4:7] == ["1.0", "2", "38.0"]

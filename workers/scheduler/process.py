@@ -155,6 +155,8 @@ class Scheduler(EncodeAnswers):
             case AbortRequest(rid=rid):
                 self._on_abort(rid)
             case MediaReady(rid=rid, hashes=hashes):
+                if self.trace.enabled:
+                    self.trace.event("media", rid=rid, images=len(hashes))
                 published, gone = self.ledger.publish(rid, hashes)
                 self.core.media_ready(rid, published)
                 self.unlink(gone)

@@ -184,6 +184,8 @@ class TokenizerService:
                 writing.sent = True
                 writing.futures = worker.prep.start_writes(writes)
                 last = await self._follow(req.rid, writing)
+                if self.trace.enabled:
+                    self.trace.event("landed", rid=req.rid, marks=[job.marks for job in writes])
         except asyncio.CancelledError:
             # Queued behind any step of this request still running on the prep thread, so the
             # names list is complete when the release reads it.

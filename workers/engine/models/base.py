@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -200,8 +201,9 @@ class ModelFamily:
     description: str = ""
     video_layout: VideoLayoutFn | None = None  # None: the family takes no video
     # The family's own image side for processors the Qwen-style path does not fit (Gemma 4's token budgets):
-    # (transformers' processor, spec) -> an object with the FamilyImages interface of prompt/processor.py.
-    images: Callable[[Any, ModelSpec], Any] | None = None
+    # (transformers' processor, spec, resize pool, strips) -> an object with the FamilyImages interface of
+    # prompt/processor.py; the pool (None: resize on the caller alone) and strip count are MMProcessor's.
+    images: Callable[[Any, ModelSpec, Executor | None, int], Any] | None = None
     # With ``images``: (transformers' image processor, merge) -> the pixel_frames.FrameLayout that makes the uint8
     # frames its tokenizers write into rows on a model worker's device, or None. None: the Qwen-style layout_of.
     frame_layout: Callable[[Any, int], Any] | None = None

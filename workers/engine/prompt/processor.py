@@ -59,7 +59,9 @@ class MMProcessor:
         self.tokenizer = self.hf.tokenizer
         self.image_processor = self.hf.image_processor
         hook = self.family.images  # the Qwen families have none
-        self.images: FamilyImages | None = hook(self.hf, self.info) if hook is not None else None
+        self.images: FamilyImages | None = (
+            hook(self.hf, self.info, self._resize_pool, self._resize_strips) if hook is not None else None
+        )
         self.merge = int(getattr(self.image_processor, "merge_size", self.info.spatial_merge_size))
         ip = self.image_processor
         self._geometry = (int(getattr(ip, "patch_size", 0)), self.merge, int(getattr(ip, "temporal_patch_size", 1)))

@@ -332,11 +332,14 @@ class ImagePrep(ImageSegments):
 
     def _process_and_write(self, job: PendingWrite) -> shm.ShmRef:
         image = job.image
+        job.marks.append(time.monotonic())
         image.processed = self._as_predicted(image, image.early.result() if image.early is not None else self._process(image))
+        job.marks.append(time.monotonic())
         try:
             return self._write((image, job.tmp, job.final))
         finally:
             image.processed = None  # the pixels are in shm now; the request must not keep a second copy
+            job.marks.append(time.monotonic())
 
     def _as_predicted(self, image: RequestImage, processed: ProcessedImage) -> ProcessedImage:
         if processed.grid != image.grid:

@@ -15,7 +15,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ipc import shm
 from workers.config import ServerConfig
@@ -57,6 +57,8 @@ class PendingWrite:
     image: RequestImage
     tmp: str
     final: str
+    # monotonic times of its start on the pool, its pixels processed, its segment published: a step trace reads them
+    marks: list[float] = field(default_factory=list)
 
 
 class ImageSegments:

@@ -151,6 +151,27 @@ def test_a_tokenizer_writes_the_resized_uint8_frame_that_makes_the_processors_ro
     assert got.num_tokens == gemma.process_image(image, budget=140).num_tokens  # the same image as rows
 
 
+@pytest.mark.parametrize("size", [(1920, 1080), (517, 301), (41, 29), (1000, 40)])
+def test_frames_resized_in_row_strips_on_threads_keep_the_processors_bits(
+    gemma: MMProcessor, gemma4_model_dir: Path, size: tuple[int, int]
+) -> None:
+    """A tokenizer with resize threads (MMProcessor's pool) resizes a fresh image's frame in row strips on them: the
+    frame is the one-thread frame and makes the processor's rows, scaled down (a 1080p photo at the default budget
+    and at the largest), up, and with fewer rows than strips."""
+    threaded = MMProcessor(gemma4_model_dir, resize_threads=3)
+    images = threaded.images
+    assert isinstance(images, Gemma4Images) and images.fast and images._strips == 3
+    image = noise_image(*size, seed=sum(size))
+    for budget in (280, 1120):
+        got = threaded.process_image(np.array(image), image_hash=bytes(16), frame=True, budget=budget)
+        one = gemma.process_image(np.array(image), image_hash=bytes(16), frame=True, budget=budget)
+        assert got.grid == one.grid and got.pixel_values.is_contiguous()
+        assert torch.equal(got.pixel_values, one.pixel_values)
+        want = reference(gemma, image, budget)["pixel_values"][0, : got.grid[1] * got.grid[2]]
+        assert threaded.uint8_frames is not None
+        assert torch.equal(threaded.uint8_frames[0].rows(got.pixel_values, torch.float32), want)
+
+
 def test_a_processor_configured_otherwise_writes_rows_not_frames(gemma: MMProcessor) -> None:
     changed = copy.deepcopy(gemma.hf)
     changed.image_processor.do_normalize = True

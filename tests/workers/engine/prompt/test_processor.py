@@ -172,7 +172,7 @@ def test_a_resize_in_strips_gives_the_one_call_frame(request: pytest.FixtureRequ
 def test_resize_in_strips_matches_interpolate_on_every_shape() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from workers.engine.prompt.pixel_frames import resize_in_strips
+    from workers.engine.models.frame_resize import resize_in_strips
 
     rng = np.random.default_rng(2)
     with ThreadPoolExecutor(3) as pool:

@@ -13,25 +13,29 @@ The processor's own steps are taken directly: the same torchvision resize of the
 rescale and the patchify written once into the rows (frame_layout.py ``FrameLayout`` in its "rows" order), where the
 processor converts a PIL image to a tensor, rescales a float copy, patchifies another, pads to the budget and stacks
 a third. A tokenizer writes the resized uint8 frame itself to shared memory (``frame``: half the bytes of bf16 rows,
-and no float work), which the model worker makes into the same rows on its device. A fresh 1080p JPEG took 21.9-26.4
-ms through the processor and 10.9 as a frame at the default budget, 81.8-100.9 against 22.0 at 1120 (2-core box,
-`python -m benchmarks.request_path.fresh_image_bench`). The bits are the processor's: checked on test images when the class is built
-(``fast_matches``); a processor configured otherwise (another resample, a normalisation) keeps its own call and rows.
+and no float work), which the model worker makes into the same rows on its device. The resize reads the pixels as
+decoded (channels-last) and, given MMProcessor's resize threads, runs its horizontal pass in row strips on them: a
+decoded 1080p image took 42.7 ms through the processor and 10.3 as a frame on one thread, 5.7 in two strips, at the
+default budget; 87.1, 27.7 and 7.9 at 1120 (2-core box, `python -m benchmarks.request_path.fresh_image_bench
+--tokenizers 1`). The bits are the processor's: checked on test images when the class is built (``fast_matches``);
+a processor configured otherwise (another resample, a normalisation) keeps its own call and rows.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 import torch
-import torchvision.transforms.v2.functional as tvF
+import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 from transformers.image_utils import PILImageResampling
 from transformers.models.gemma4.image_processing_gemma4 import get_aspect_ratio_preserving_size
 
 from workers.engine.models.frame_layout import FrameLayout
+from workers.engine.models.frame_resize import resize_in_strips
 from workers.engine.models.model_spec import ModelSpec
 
 # transformers' Gemma4ImageProcessor refuses any other max_soft_tokens.
@@ -53,8 +57,10 @@ def frame_layout_of(ip: Any, pooling: int) -> FrameLayout | None:
 class Gemma4Images:
     """The checkpoint's Gemma 4 image processor behind MMProcessor's family hook (``FamilyImages`` in processor.py)."""
 
-    def __init__(self, hf_processor: Any, spec: ModelSpec) -> None:
+    def __init__(self, hf_processor: Any, spec: ModelSpec, pool: Executor | None = None, strips: int = 1) -> None:
         ip = hf_processor.image_processor
+        # The resize's horizontal pass in ``strips`` row strips on ``pool`` and the caller (resize_in_strips).
+        self._pool, self._strips = pool, strips if pool is not None else 1
         self.image_processor = ip
         self.patch = int(ip.patch_size)
         self.pooling = int(ip.pooling_kernel_size)
@@ -101,7 +107,7 @@ class Gemma4Images:
         """The resized uint8 frame [H, W, 3] (contiguous: a segment's layout) the rows are cut from, and the grid;
         only where ``frame_layout`` is set."""
         chw, grid = self.resized(np.asarray(image), budget)
-        return chw.permute(1, 2, 0).contiguous(), grid
+        return chw.permute(1, 2, 0).contiguous(), grid  # channels-last already: no copy
 
     def fast_rows(self, pixels: np.ndarray, budget: int) -> tuple[Tensor, Grid]:
         """``rows`` from [H, W, 3] uint8 RGB pixels by the processor's steps (module docstring)."""
@@ -111,16 +117,23 @@ class Gemma4Images:
         return self._configured.rows(chw.permute(1, 2, 0), torch.float32), grid
 
     def resized(self, pixels: np.ndarray, budget: int) -> tuple[Tensor, Grid]:
-        """The processor's resize of [H, W, 3] uint8 pixels to the grid at ``budget``: [3, H', W'] uint8."""
+        """The processor's resize of [H, W, 3] uint8 pixels to the grid at ``budget``: [3, H', W'] uint8 with
+        channels-last strides. The processor resizes a [3, H, W] contiguous copy with torchvision; torch's uint8
+        antialiased kernel works channels-last anyway, so it is given the pixels as decoded (no planar copy and
+        back: 12.3 -> 7.1 ms for a 1080p image at the default budget, and 3.2 in two row strips, 2-core box); the
+        bits are the processor's (``fast_matches``)."""
         height, width = pixels.shape[:2]
         grid = self.grid(width, height, budget)
         p, (_, gh, gw) = self.patch, grid
-        # [3, H, W] contiguous, as the processor's PIL-to-tensor gives it: the resize then takes the same kernel.
-        planes = np.ascontiguousarray(pixels.transpose(2, 0, 1))
-        # (A PIL image's array is read-only; torch wants a writable one, and a degenerate transpose copies nothing.)
-        chw = torch.from_numpy(planes if planes.flags.writeable else planes.copy())
+        # (A PIL image's array is read-only; torch wants a writable one.)
+        hwc = torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy())
+        chw = hwc.permute(2, 0, 1)
         if (gh * p, gw * p) != (height, width):
-            chw = tvF.resize(chw, [gh * p, gw * p], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+            size = (gh * p, gw * p)
+            if self._pool is not None and self._strips > 1:
+                chw = resize_in_strips(chw.unsqueeze(0), size, self._pool, self._strips)[0]
+            else:
+                chw = F.interpolate(chw.unsqueeze(0), size=size, mode="bicubic", antialias=True, align_corners=False)[0]
         return chw, grid
 
     def processor_rows(self, image: Image.Image, budget: int) -> tuple[Tensor, Grid]:
