@@ -18,7 +18,8 @@ def resize_in_strips(x: Tensor, size: tuple[int, int], pool: Executor, strips: i
     """torch's antialiased bicubic resize of a [1, C, H, W] channels-last uint8 image as the two passes its kernel
     makes anyway (horizontal into a uint8 intermediate, then vertical), the horizontal one in row strips run on
     ``pool`` and the calling thread. Each row's horizontal pass reads only that row, so the strips give the
-    one-call bits (its users check that on probe images: `frame_resizer`, `Gemma4Images.fast_matches`); the kernel itself runs on one thread whatever torch's pool."""
+    one-call bits (its users check that on probe images: `frame_resizer`, `Gemma4Images.fast_matches`); the kernel
+    itself runs on one thread whatever torch's pool."""
     _, c, h, w = x.shape
     if size == (h, w):
         return x  # as torchvision's resize does
