@@ -193,8 +193,8 @@ def per_request(records: dict[str, list[dict[str, Any]]]) -> str:
         prepared = tok[sub["rid"]].get("prepared")
         if prepared is not None and sub["rid"] in media:
             deferred = f"{1e3 * (media[sub['rid']] - prepared):.1f}"
-            if marks_ := landed.get(sub["rid"]):
-                last = max(marks_, key=lambda m: m[-1])
+            if jobs := landed.get(sub["rid"]):
+                last = max(jobs, key=lambda m: m[-1])
                 deferred += f" ({1e3 * (last[1] - prepared):.1f}, {1e3 * (last[2] - prepared):.1f})"
         lines.append(
             f"| {i} | {1e3 * (at - sub['t']):.1f} | {split} | {deferred} | {1e3 * (mine[0]['start'] - at):.1f} | "

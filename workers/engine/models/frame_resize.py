@@ -14,16 +14,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def resize_in_strips(x: Tensor, size: tuple[int, int], pool: Executor, strips: int) -> Tensor:
+def resize_in_strips(x: Tensor, size: tuple[int, int], pool: Executor | None, strips: int) -> Tensor:
     """torch's antialiased bicubic resize of a [1, C, H, W] channels-last uint8 image as the two passes its kernel
     makes anyway (horizontal into a uint8 intermediate, then vertical), the horizontal one in row strips run on
-    ``pool`` and the calling thread. Each row's horizontal pass reads only that row, so the strips give the
+    ``pool`` and the calling thread (one call without a pool). Each row's horizontal pass reads only that row, so the strips give the
     one-call bits (its users check that on probe images: `frame_resizer`, `Gemma4Images.fast_matches`); the kernel
     itself runs on one thread whatever torch's pool."""
     _, c, h, w = x.shape
     if size == (h, w):
         return x  # as torchvision's resize does
-    if size[1] == w or strips < 2 or h < strips:
+    if pool is None or size[1] == w or strips < 2 or h < strips:
         return F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
     mid = torch.empty((1, c, h, size[1]), dtype=x.dtype, memory_format=torch.channels_last)
     bounds = [h * i // strips for i in range(strips + 1)]

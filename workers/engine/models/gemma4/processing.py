@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 from transformers.image_utils import PILImageResampling
@@ -60,7 +59,7 @@ class Gemma4Images:
     def __init__(self, hf_processor: Any, spec: ModelSpec, pool: Executor | None = None, strips: int = 1) -> None:
         ip = hf_processor.image_processor
         # The resize's horizontal pass in ``strips`` row strips on ``pool`` and the caller (resize_in_strips).
-        self._pool, self._strips = pool, strips if pool is not None else 1
+        self._pool, self._strips = pool, strips
         self.image_processor = ip
         self.patch = int(ip.patch_size)
         self.pooling = int(ip.pooling_kernel_size)
@@ -126,13 +125,8 @@ class Gemma4Images:
         p, (_, gh, gw) = self.patch, grid
         # (A PIL image's array is read-only; torch wants a writable one.)
         hwc = torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy())
-        chw = hwc.permute(2, 0, 1)
-        if (gh * p, gw * p) != (height, width):
-            size = (gh * p, gw * p)
-            if self._pool is not None and self._strips > 1:
-                chw = resize_in_strips(chw.unsqueeze(0), size, self._pool, self._strips)[0]
-            else:
-                chw = F.interpolate(chw.unsqueeze(0), size=size, mode="bicubic", antialias=True, align_corners=False)[0]
+        # (An image already at the grid's size comes back as it is, as from torchvision's resize.)
+        chw = resize_in_strips(hwc.permute(2, 0, 1).unsqueeze(0), (gh * p, gw * p), self._pool, self._strips)[0]
         return chw, grid
 
     def processor_rows(self, image: Image.Image, budget: int) -> tuple[Tensor, Grid]:
