@@ -165,9 +165,12 @@ def _kernels() -> tuple[Any, Any]:
         heads = kvh * GROUP + g
         gmask = g < GROUP
         dmask = d < D
+        # A split past the sequence's end (most of a graph bucket's grid while the contexts are short) reads and
+        # writes nothing but its log-sum-exp, -inf, by which the combine skips its output.
+        live = start < end
         q = tl.load(
             q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-            mask=gmask[:, None] & dmask[None, :], other=0.0,
+            mask=gmask[:, None] & dmask[None, :] & live, other=0.0,
         )
         if FP8:  # this program's KV head's scales: e4m3 tiles are widened, scaled and rounded to q's dtype
             k_scale = tl.load(k_scale_ptr + kvh)
@@ -199,7 +202,7 @@ def _kernels() -> tuple[Any, Any]:
         lse = tl.where(l_sum > 0, m + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=gmask)
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        tl.store(part_out_ptr + row[:, None] * D_P + d[None, :], out, mask=gmask[:, None])
+        tl.store(part_out_ptr + row[:, None] * D_P + d[None, :], out, mask=gmask[:, None] & live)
 
     @triton.jit(do_not_specialize=["num_splits"])
     def combine_kernel(
@@ -218,7 +221,9 @@ def _kernels() -> tuple[Any, Any]:
         w = tl.exp(lse - top)
         total = tl.sum(w, 0)
         w = w / tl.where(total > 0, total, 1.0)
-        parts = tl.load(part_out_ptr + row[:, None] * D_P + d[None, :], mask=smask[:, None], other=0.0)
+        # only splits that saw keys wrote an output (the others' weight is 0): their rows are the only ones read
+        live = smask & (lse > float("-inf"))
+        parts = tl.load(part_out_ptr + row[:, None] * D_P + d[None, :], mask=live[:, None], other=0.0)
         out = tl.sum(parts * w[:, None], 0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
