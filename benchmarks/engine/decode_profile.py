@@ -12,6 +12,7 @@ a word of its own, so no two share a cached prefix.
     python -m benchmarks.engine.decode_profile --shape qwen3.5-35b-a3b --layers 20 --variants "moe separate,as served" --top 0
     python -m benchmarks.engine.decode_profile --shape gemma4-26b-a4b --layers 12 --variants "eager elementwise,as served"
     python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --quantize fp8-block
+    python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --variants "split sums apart,as served"
     python -m benchmarks.engine.decode_profile --shape qwen3-8b --layers 0 --batch 64 --context 2200  # (b)'s decodes
     python -m benchmarks.engine.decode_profile --shape qwen3.5-27b --layers 32 --phase prefill --batch 8 --context 2200
     python -m benchmarks.engine.decode_profile --shape qwen3.5-27b --layers 32 --phase prefill --batch 8 --context 6600 --waits
@@ -52,7 +53,7 @@ from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig, serving_kv_blocks
-from workers.engine.kernels import fp8_gemm, fused
+from workers.engine.kernels import fp8_gemm, fused, split_norm
 from workers.engine.models.gemma4 import moe as gemma4_moe
 from workers.engine.models.qwen3_5.moe import SharedExpertMoeBlock
 from workers.engine.offline import Engine
@@ -253,6 +254,8 @@ VARIANTS: dict[str, tuple[tuple[object, str, object], ...]] = {
     "eager elementwise": ((warmup, "fused", _NoFused()),),
     # Gemma 4 MoE: the dense MLP after the experts on one stream, not beside them
     "mlp after experts": ((gemma4_moe, "OVERLAP_DENSE_MLP", False),),
+    # decode projections that split K sum their partials in a kernel of their own, not in the next norm's
+    "split sums apart": ((split_norm, "available", lambda: False),),
 }
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels import fused, w8a16_gemm
+from workers.engine.kernels import fused, skinny_gemm, w8a16_gemm
 from workers.engine.kernels.fp8_quant import (
     BLOCK,
     dequantize,
@@ -277,24 +277,25 @@ def kernel_for(x: Tensor, weight: Tensor, scale: Tensor) -> str | None:
 def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x W^T + b for an FP8 weight [N, K] with its scales (any ``scale_kind``); x [..., K] in bf16/fp16."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    kernel = kernel_for(x2, weight, scale)
-    y: Tensor | None = None
+    y = skinny_gemm.settled(unsummed(x.reshape(-1, x.shape[-1]), weight, scale, bias))
+    return y.reshape(*lead, y.shape[-1])
+
+
+def unsummed(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor | skinny_gemm.Partials:
+    """``linear`` for x [M, K], but a decode kernel's split-K partials left unsummed (skinny_gemm.Partials)."""
+    kernel = kernel_for(x, weight, scale)
     if kernel is not None:
         try:
             if kernel == "w8a16":
-                y = w8a16_gemm.linear(x2, weight, scale, bias)
-            elif kernel == "rowwise":
-                y = rowwise_linear(x2, weight, scale, bias)
-            else:
-                y = block_linear(x2, weight, scale, bias)
+                return w8a16_gemm.unsummed(x, weight, scale, bias)
+            if kernel == "rowwise":
+                return rowwise_linear(x, weight, scale, bias)
+            return block_linear(x, weight, scale, bias)
         except Exception as exc:  # noqa: BLE001 - a layout or size this build refuses (Triton's compile and
             # resource errors are no RuntimeError): tried once, then dequant
             _refused.add((kernel, tuple(weight.shape), tuple(scale.shape)))
             log.warning("FP8 %s GEMM refused weight %s (%s); using dequantized bf16 GEMM", kernel, tuple(weight.shape), exc)
-    if y is None:
-        y = dequant_linear(x2, weight, scale, bias)
-    return y.reshape(*lead, y.shape[-1])
+    return dequant_linear(x, weight, scale, bias)
 
 
 def grouped_usable(x: Tensor, weight: Tensor) -> bool:

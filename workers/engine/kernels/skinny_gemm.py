@@ -9,7 +9,8 @@ rows cost nothing extra up to BLOCK_M; the accumulation is float32.
 
 A matrix with too few output features to fill the card (a down or o projection: 3,584 rows of W) is split along
 K: each split writes a float32 partial and a second pass sums the partials in a fixed order and adds the bias, so
-the result is deterministic (no atomics) and does not depend on the batch.
+the result is deterministic (no atomics) and does not depend on the batch. Where the next kernel is a residual add
+and RMSNorm (o and down projections), that kernel sums the partials itself (``unsummed``, split_norm.py).
 
 Only the CUDA path uses it (``wanted``): the CPU keeps F.linear, whose float32 results the exactness tests compare
 with transformers. The row count is a runtime argument that Triton does not specialise on, and up to MAX_ROWS
@@ -170,7 +171,6 @@ def _kernels() -> tuple[Any, Any]:
     return skinny_gemm_kernel, skinny_sum_kernel
 
 
-@functools.cache
 @functools.cache  # read on every call of linear (and w8a16's), outside graphs too
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -178,31 +178,62 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+class Partials(NamedTuple):
+    """A split-K product not summed yet: the float32 partials [split, rows, n] in split order, the bias to add and
+    the dtype of the sum. The kernel after the GEMM sums them in that order (split_norm.py: the next RMSNorm), so
+    the sum is not a kernel of its own; ``settle`` runs the sum pass for any other consumer."""
+
+    parts: Tensor
+    bias: Tensor | None
+    dtype: torch.dtype
+
+    def settle(self) -> Tensor:
+        """The sum, bits as ``linear`` returns it."""
+        _, rows, n = self.parts.shape
+        out = torch.empty((rows, n), dtype=self.dtype, device=self.parts.device)
+        sum_splits(self.parts, self.bias, out)
+        return out
+
+
+def settled(y: Tensor | Partials) -> Tensor:
+    return y.settle() if isinstance(y, Partials) else y
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, use: Tile | None = None) -> Tensor:
     """F.linear(x, weight, bias) for x of at most MAX_ROWS rows (any leading shape); ``use`` overrides the
     tile (benchmarks)."""
-    n, k = weight.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
+    y = settled(unsummed(x.reshape(-1, x.shape[-1]), weight, bias, use))
+    return y.reshape(*lead, weight.shape[0])
+
+
+def unsummed(x: Tensor, weight: Tensor, bias: Tensor | None = None, use: Tile | None = None) -> Tensor | Partials:
+    """``linear`` for x [rows, K], but where the tile splits K the partials are returned unsummed."""
+    n, k = weight.shape
+    x2 = x.contiguous()
     rows = x2.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return out.reshape(*lead, n)
     t = use or _measured.get((n, k)) or tile(n, k, sm_count(x.device))
-    skinny = _kernels()[0]
+    if rows == 0 or t.split_k == 1:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+        if rows:
+            _launch(x2, weight, bias, out, t)
+        return out
+    parts = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device)
+    _launch(x2, weight, None, parts, t)
+    return Partials(parts, bias, x.dtype)
+
+
+def _launch(x2: Tensor, weight: Tensor, bias: Tensor | None, dst: Tensor, t: Tile) -> None:
+    """The GEMM into ``dst``: the result [rows, n], or float32 partials [split, rows, n] when ``t`` splits K."""
+    n, k = weight.shape
+    rows = x2.shape[0]
     w = weight.contiguous()
-    b = bias if bias is not None else w  # any pointer; HAS_BIAS gates every read
     k_split = -(-k // (t.split_k * t.block_k)) * t.block_k
-    grid = (-(-n // t.block_n), t.split_k)
-    split = t.split_k > 1  # then float32 partials, summed (with the bias) by the second kernel
-    dst = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device) if split else out
-    skinny[grid](
-        x2, w, b, dst, rows, n, k, k_split, HAS_BIAS=bias is not None and not split, PARTIAL=split,
-        BLOCK_M=block_m(rows), BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=t.stages,
+    _kernels()[0][(-(-n // t.block_n), t.split_k)](
+        x2, w, bias if bias is not None else w, dst, rows, n, k, k_split, HAS_BIAS=bias is not None,
+        PARTIAL=t.split_k > 1, BLOCK_M=block_m(rows), BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps,
+        num_stages=t.stages,
     )  # fmt: skip
-    if split:
-        sum_splits(dst, bias, out)
-    return out.reshape(*lead, n)
 
 
 def sum_splits(parts: Tensor, bias: Tensor | None, out: Tensor) -> None:

@@ -19,8 +19,8 @@ products, never to the weight in x's dtype, so the weight is rounded once (to FP
   product (a tile never straddles a 128-column block: BLOCK_K divides 128 and splits start on BLOCK_K multiples).
 
 Split-K as in skinny_gemm.py: a weight with too few output rows to fill the card splits K; each split writes a
-float32 partial and skinny_gemm's second pass sums them in a fixed order and adds the bias (deterministic, no
-atomics). Row counts above BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any
+float32 partial, summed in a fixed order with the bias (deterministic, no atomics) by skinny_gemm's second pass or,
+where the caller takes them unsummed (``unsummed``), by the next RMSNorm's kernel (split_norm.py). Row counts above BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any
 M, but it is meant for decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS under ``auto``.
 
 The row count is not specialised on: a weight shape compiles once per BLOCK_M (16 for up to 16 rows). The start-up
@@ -185,15 +185,24 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     """x [..., K] (bf16/fp16/fp32) times an FP8 weight [N, K] with dequantization scales per output channel
     ([N, 1]), per 128 x 128 block or per row and 128 columns (fp8_quant.py), plus the bias; x's dtype out.
     ``use`` overrides the tile (benchmarks)."""
+    lead = x.shape[:-1]
+    y = skinny_gemm.settled(unsummed(x.reshape(-1, x.shape[-1]), weight, scale, bias, use))
+    return y.reshape(*lead, weight.shape[0])
+
+
+def unsummed(
+    x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None, use: Tile | None = None
+) -> Tensor | skinny_gemm.Partials:
+    """``linear`` for x [rows, K], but where the tile splits K the float32 partials are returned unsummed (for the
+    kernel after this one to sum: skinny_gemm.Partials)."""
     n, k = weight.shape
     if weight.dtype != FP8:
         raise ValueError(f"w8a16 takes float8_e4m3fn weights, not {weight.dtype}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
+    x2 = x.contiguous()
     rows = x2.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return out.reshape(*lead, n)
+        return out
     t = use or tile(n, k, skinny_gemm.sm_count(x.device), rows)
     if use is None and rows > MAX_BLOCK_M:  # the M blocks give the grid its programs: no partials to sum
         t = t._replace(split_k=1)
@@ -206,7 +215,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
     k_split = -(-k // (t.split_k * block_k)) * block_k
     bm = block_m(rows, t.mode)
     grid = (-(-n // t.block_n), t.split_k, -(-rows // bm))
-    split = t.split_k > 1  # then float32 partials, summed (with the bias) by skinny_gemm's second pass
+    split = t.split_k > 1  # then float32 partials, summed (with the bias) after this kernel
     dst = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device) if split else out
     w = weight.contiguous()
     _kernel()[grid](
@@ -215,9 +224,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None,
         ROW_DIV=1 if s.shape[0] == n else BLOCK, MODE=t.mode, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=block_k,
         SCALE_BLOCK=BLOCK, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
-    if split:
-        skinny_gemm.sum_splits(dst, bias, out)
-    return out.reshape(*lead, n)
+    return skinny_gemm.Partials(dst, bias, x.dtype) if split else out
 
 
 def fp8_groups(x: Tensor) -> Tensor:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import fp8_gemm, fused, skinny_gemm
+from workers.engine.kernels import fp8_gemm, fused, skinny_gemm, split_norm
+from workers.engine.kernels.skinny_gemm import Partials
 
 WeightLoader = Callable[..., None]
 
@@ -64,6 +65,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
     if skinny_gemm.wanted(x, weight):
         return skinny_gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def unsummed_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor | Partials:
+    """``linear`` (no bias) for x [T, K], but a decode GEMM that splits K returns its partials unsummed, for the
+    next RMSNorm's kernel to sum (split_norm.py)."""
+    if scale is not None:
+        return fp8_gemm.unsummed(x, weight, scale)
+    if skinny_gemm.wanted(x, weight):
+        return skinny_gemm.unsummed(x, weight)
+    return F.linear(x, weight)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -257,6 +268,14 @@ class RowParallelLinear(nn.Module):
             y = y + self.bias
         return y
 
+    def into_norm(self, x: Tensor) -> Tensor | Partials:
+        """``forward`` for a caller that hands the result straight to ``RMSNorm.add``: on one rank, without a bias,
+        a split-K decode product comes back unsummed and that norm's kernel sums it (split_norm.py)."""
+        if self.tp.size == 1 and self.bias is None and x.dim() == 2 and split_norm.available():
+            return unsummed_linear(x, self.weight, self.weight_scale)
+        out: Tensor = self(x)
+        return out
+
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; ranks look up their own ids and all-reduce.
@@ -312,8 +331,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.fused = False  # CUDA: one compiled kernel (see fused.py); set by fused.enable
 
-    def add(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-        """Residual add then norm: (x + delta, norm(x + delta)), fused into one pass when enabled."""
+    def add(self, x: Tensor, delta: Tensor | Partials) -> tuple[Tensor, Tensor]:
+        """Residual add then norm: (x + delta, norm(x + delta)), fused into one pass when enabled; a split-K
+        product's partials (``RowParallelLinear.into_norm``) are summed in that pass too."""
+        if isinstance(delta, Partials):
+            if self.fused and split_norm.available():
+                return split_norm.add_rms_norm(x, delta, self.weight, self.eps)
+            delta = delta.settle()
         if self.fused and fused.worth_it(x):
             out: tuple[Tensor, Tensor] = fused.compiled(fused.add_rms_norm)(x, delta, self.weight, self.eps)
             return out

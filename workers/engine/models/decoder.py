@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from workers.engine.kernels import fused, rope_kernel
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.backends import get_attention_backend
+from workers.engine.kernels.skinny_gemm import Partials
 from workers.engine.layers.linear import (
     SINGLE_RANK,
     MergedColumnParallelLinear,
@@ -116,17 +117,21 @@ class SwiGLUMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
         self.fused = False  # CUDA: silu(gate) * up in one kernel (fused.fast_silu_mul)
+        # Set by the layer whose next step is an RMSNorm.add: the down projection's split-K sum is left to it.
+        self.into_norm = False
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor | Partials:
         return self.from_gate_up(self.gate_up_proj(x))
 
-    def from_gate_up(self, gate_up: Tensor) -> Tensor:
-        """The MLP after its gate_up projection (a caller may have computed it inside a wider matmul)."""
+    def from_gate_up(self, gate_up: Tensor) -> Tensor | Partials:
+        """The MLP after its gate_up projection (a caller may have computed it inside a wider matmul); unsummed
+        partials only where ``into_norm`` is set."""
+        down = self.down_proj.into_norm if self.into_norm else self.down_proj
         if self.fused and fused.worth_it(gate_up):
-            out: Tensor = self.down_proj(fused.fast_silu_mul(gate_up))
+            out: Tensor | Partials = down(fused.fast_silu_mul(gate_up))
             return out
         gate, up = gate_up.chunk(2, dim=-1)
-        result: Tensor = self.down_proj(F.silu(gate) * up)
+        result: Tensor | Partials = down(F.silu(gate) * up)
         return result
 
 
@@ -163,11 +168,12 @@ class DecoderAttention(nn.Module):
         kv_cache: Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> Tensor:
+    ) -> Tensor | Partials:
+        """The attention's output for the layer's post-attention ``RMSNorm.add`` (a split-K o projection's partials
+        are summed there)."""
         q, k, v = self.rotate(self.qkv_proj(x), cos, sin)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
-        result: Tensor = self.o_proj(out.reshape(x.shape[0], -1))
-        return result
+        return self.o_proj.into_norm(out.reshape(x.shape[0], -1))
 
 
 class DecoderLayer(nn.Module):
@@ -179,28 +185,38 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        sum_in_next_norm(mlp)
 
     def forward(
         self,
         h: Tensor,
-        delta: Tensor | None,
+        delta: Tensor | Partials | None,
         cos: Tensor,
         sin: Tensor,
         kv_cache: Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor | Partials]:
         """(residual stream, previous layer's MLP output or None) -> the same pair after this layer.
 
         The MLP output is added to the stream by the *next* norm (``RMSNorm.add``), so on CUDA each residual
-        add shares a kernel with the norm after it; the ops and their order are transformers' either way."""
+        add shares a kernel with the norm after it; the ops and their order are transformers' either way. A
+        decode step's split-K projections hand that norm their partials (skinny_gemm.Partials): ``settled`` gives
+        a caller that needs the output itself its sum."""
         if delta is None:
             x = self.input_layernorm(h)
         else:
             h, x = self.input_layernorm.add(h, delta)
         h, x = self.post_attention_layernorm.add(h, self.self_attn(x, cos, sin, kv_cache, meta, backend))
-        out: Tensor = self.mlp(x)
+        out: Tensor | Partials = self.mlp(x)
         return h, out
+
+
+def sum_in_next_norm(mlp: nn.Module) -> None:
+    """A dense MLP whose output goes straight to the next layer's ``RMSNorm.add`` leaves its down projection's split-K
+    sum to that norm (a MoE block's output is summed over experts first, so it keeps its own)."""
+    if isinstance(mlp, SwiGLUMLP):
+        mlp.into_norm = True
 
 
 class PagedDecoder(nn.Module):
@@ -257,7 +273,7 @@ class PagedDecoder(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
 
-    def final_norm(self, h: Tensor, delta: Tensor | None) -> Tensor:
+    def final_norm(self, h: Tensor, delta: Tensor | Partials | None) -> Tensor:
         out: Tensor = self.norm(h) if delta is None else self.norm.add(h, delta)[1]
         return out
 

@@ -23,6 +23,7 @@ from workers.engine.kernels import (
     silu_kernel,
     skinny_gemm,
     skinny_tune,
+    split_norm,
     window_attention,
 )
 from workers.engine.kernels.attention import StateMetadata, build_attention_metadata
@@ -46,6 +47,9 @@ def warm_fused(runner: LoadedModel) -> None:
         tune_skinny(runner)
     else:
         log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm.SWITCH.why_off())
+    if not split_norm.probe(runner.device, runner.dtype):
+        log.warning("the Triton split-K norm is off (%s); decode projections sum their own partials",
+                    split_norm.SWITCH.why_off())
     if not kv_write_kernel.probe(runner.device, runner.dtype):
         log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel.SWITCH.why_off())
     if not rope_kernel.probe(runner.device, runner.dtype):

@@ -151,7 +151,7 @@ def test_a_kernel_that_raises_is_refused_once_for_that_weight(
         calls.append(x.shape[0])
         raise RuntimeError("no kernel image")
 
-    monkeypatch.setattr(w8a16_gemm, "linear", broken)
+    monkeypatch.setattr(w8a16_gemm, "unsummed", broken)
     x = torch.randn(2, 256)
     q, s = quantize_rows(torch.randn(64, 256))
     assert fp8_gemm.kernel_for(x, q, s) == "w8a16"

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from workers.engine.kernels.skinny_gemm import Partials
 from workers.engine.layers.linear import (
     SINGLE_RANK,
     QKVParallelLinear,
@@ -30,7 +31,7 @@ from workers.engine.layers.linear import (
     set_weight_loader,
 )
 from workers.engine.layers.rotary import apply_rope, mrope_rows
-from workers.engine.models.decoder import DecoderLayer, PagedDecoder, SwiGLUMLP
+from workers.engine.models.decoder import DecoderLayer, PagedDecoder, SwiGLUMLP, sum_in_next_norm
 from workers.engine.models.qwen3_5.linear_attention import IN_PROJ_PARTS, GatedDeltaNet
 from workers.engine.models.qwen3_5.moe import SHARED_EXPERT_PARTS, SharedExpertMoeBlock
 from workers.engine.models.qwen3_5.spec import FULL, TextSpec, check_tp
@@ -94,16 +95,17 @@ class LinearDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        sum_in_next_norm(mlp)
 
     def forward(
-        self, h: Tensor, delta: Tensor | None, meta: AttentionMetadata, backend: AttentionBackend | None = None
-    ) -> tuple[Tensor, Tensor]:
+        self, h: Tensor, delta: Tensor | Partials | None, meta: AttentionMetadata, backend: AttentionBackend | None = None
+    ) -> tuple[Tensor, Tensor | Partials]:
         if delta is None:
             x = self.input_layernorm(h)
         else:
             h, x = self.input_layernorm.add(h, delta)
         h, x = self.post_attention_layernorm.add(h, self.linear_attn(x, meta, backend))
-        out: Tensor = self.mlp(x)
+        out: Tensor | Partials = self.mlp(x)
         return h, out
 
 

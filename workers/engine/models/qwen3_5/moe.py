@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.engine.kernels.skinny_gemm import settled
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
 from workers.engine.models.decoder import SwiGLUMLP
 from workers.engine.models.qwen3_vl.moe import (
@@ -83,7 +84,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
             gate_up, logits, shared_logit, _ = F.linear(x, self._joined).split(
                 [self.shared_expert.gate_up_proj.weight.shape[0], experts, 1, self._joined_pad], dim=-1
             )
-            shared = torch.sigmoid(shared_logit) * self.shared_expert.from_gate_up(gate_up)
+            shared = torch.sigmoid(shared_logit) * settled(self.shared_expert.from_gate_up(gate_up))
             return self.tp.all_reduce(self.routed(x, logits) + shared)
-        shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * settled(self.shared_expert(x))
         return self.tp.all_reduce(self.routed(x) + shared)

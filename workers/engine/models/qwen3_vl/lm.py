@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from workers.engine.kernels import fused, rope_kernel
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from workers.engine.kernels.skinny_gemm import settled
 from workers.engine.layers.linear import SINGLE_RANK, RMSNorm, TPGroup
 from workers.engine.layers.rotary import MRopeAngles, apply_rope, mrope_rows
 from workers.engine.models.decoder import (
@@ -188,7 +189,7 @@ class Qwen3VLLanguageModel(PagedDecoder):
                 # transformers adds the layer output to the stream, then the features to the image rows;
                 # materialising the deferred add keeps that order (and its rounding). Rows are distinct, so
                 # index_add_ is one h + f per row.
-                h, delta = h + delta, None
+                h, delta = h + settled(delta), None
                 h.index_add_(0, rows, feats[:, i * hidden : (i + 1) * hidden])
         return self.final_norm(h, delta)
 

@@ -1,0 +1,95 @@
+"""The split-K sum folded into the next residual add and RMSNorm (split_norm.py), checked on the CPU through
+Triton's interpreter against the sum pass and the eager norm, and the layers that hand it their partials."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.engine.kernels.kernel_check import check_switch_turns_it_off, run_kernel_check
+from workers.engine.kernels import split_norm
+from workers.engine.layers.linear import RowParallelLinear
+from workers.engine.models.decoder import DecoderLayer, SwiGLUMLP
+
+CHECK = """
+import torch
+import torch.nn.functional as F
+from workers.engine.kernels import skinny_gemm, split_norm
+from workers.engine.kernels.skinny_gemm import Partials, Tile
+from workers.engine.layers.linear import RMSNorm
+
+gen = torch.Generator().manual_seed(0)
+# (rows, hidden, in features, split): one row and a full 16-row block; a hidden size that is not a power of two
+# (the kernel's block is padded), splits of 2, 4 and 8.
+CASES = [(1, 256, 512, 4), (16, 96, 1024, 2), (5, 320, 2048, 8)]
+for dtype in (torch.float32, torch.float16):
+    for rows, n, k, split in CASES:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+        residual = torch.randn(rows, n, generator=gen).to(dtype)
+        norm = RMSNorm(n, 1e-6).to(dtype)
+        norm.weight.copy_(1 + torch.randn(n, generator=gen) / 8)
+        delta = skinny_gemm.unsummed(x, w, use=Tile(32, 128, split, 4, 2))
+        assert isinstance(delta, Partials) and delta.parts.shape == (split, rows, n), type(delta)
+        summed = delta.settle()
+        assert torch.equal(summed, skinny_gemm.linear(x, w, use=Tile(32, 128, split, 4, 2)))
+        total, normed = split_norm.add_rms_norm(residual, delta, norm.weight, norm.eps)
+        want_total, want = norm.add(residual, summed)  # the eager add and norm on the summed product
+        # the kernel sums the splits in its own fixed order: the last bits may differ from the sum pass's
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=2e-3)
+        torch.testing.assert_close(total, want_total, **tol)
+        torch.testing.assert_close(normed, want, **tol)
+        # the same partials twice give the same bits (the order does not depend on timing)
+        again = split_norm.add_rms_norm(residual, delta, norm.weight, norm.eps)
+        assert torch.equal(again[0], total) and torch.equal(again[1], normed)
+        # RMSNorm.add takes the partials itself: fused, through the kernel; eager, summed first
+        norm.fused = True
+        assert torch.equal(norm.add(residual, delta)[0], total)
+        norm.fused = False
+        assert all(torch.equal(a, b) for a, b in zip(norm.add(residual, delta), (want_total, want)))
+# 16 splits of a 4,096-wide row take two loads of 8 (what one program holds at once)
+parts = torch.randn(16, 2, 4096, generator=gen)
+residual, weight = torch.randn(2, 4096, generator=gen), torch.ones(4096)
+delta = Partials(parts, None, torch.float32)
+total, normed = split_norm.add_rms_norm(residual, delta, weight, 1e-6)
+torch.testing.assert_close(total, residual + parts.sum(0), rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(normed, RMSNorm(4096).add(residual, delta.settle())[1], rtol=1e-5, atol=1e-5)
+# a bias rides with the partials and is added after their sum, as the sum pass adds it
+x, w = torch.randn(3, 512, generator=gen), torch.randn(64, 512, generator=gen) / 16
+bias, residual, weight = torch.randn(64, generator=gen), torch.randn(3, 64, generator=gen), torch.ones(64)
+delta = skinny_gemm.unsummed(x, w, bias, use=Tile(32, 128, 4, 4, 2))
+assert isinstance(delta, Partials)
+torch.testing.assert_close(split_norm.add_rms_norm(residual, delta, weight, 1e-6)[0], residual + F.linear(x, w, bias))
+# no split: the product comes back summed, as linear returns it
+plain = skinny_gemm.unsummed(x, w, use=Tile(32, 128, 1, 4, 2))
+assert isinstance(plain, torch.Tensor) and torch.equal(plain, skinny_gemm.linear(x, w, use=Tile(32, 128, 1, 4, 2)))
+"""
+
+
+def test_kernel_matches_the_sum_pass_and_the_norm_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_kernel_check(CHECK, "split_norm", "float16")
+
+
+def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_switch_turns_it_off(monkeypatch, split_norm)
+
+
+def test_cpu_projections_into_the_norm_are_the_plain_ones() -> None:
+    # The CPU (the exactness tests' path) never splits: into_norm is forward, bit for bit.
+    gen = torch.Generator().manual_seed(2)
+    proj = RowParallelLinear(64, 32, bias=False)
+    proj.weight.copy_(torch.randn(32, 64, generator=gen))
+    x = torch.randn(5, 64, generator=gen)
+    got = proj.into_norm(x)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, proj(x))
+
+
+def test_only_a_dense_mlp_before_a_norm_leaves_its_sum() -> None:
+    mlp = SwiGLUMLP(32, 64)
+    assert not mlp.into_norm  # alone (e.g. Qwen3.5's shared expert, scaled by its gate) it sums
+    DecoderLayer(torch.nn.Identity(), mlp, 32, 1e-6)
+    assert mlp.into_norm
+    moe = torch.nn.Linear(32, 32)
+    DecoderLayer(torch.nn.Identity(), moe, 32, 1e-6)
+    assert not hasattr(moe, "into_norm")
