@@ -93,3 +93,33 @@ def test_only_a_dense_mlp_before_a_norm_leaves_its_sum() -> None:
     moe = torch.nn.Linear(32, 32)
     DecoderLayer(torch.nn.Identity(), moe, 32, 1e-6)
     assert not hasattr(moe, "into_norm")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_split_projection_into_its_norm_on_cuda() -> None:
+    """bf16 on the GPU: an o projection whose decode GEMM splits K hands RMSNorm.add its partials, and the one kernel
+    gives the sum pass and compiled norm's answer (within bf16's rounding)."""
+    from workers.engine.kernels import skinny_gemm
+    from workers.engine.kernels.skinny_gemm import Partials, Tile
+    from workers.engine.layers.linear import RMSNorm
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    proj, norm = RowParallelLinear(2048, 1024, bias=False).to(dev, dt), RMSNorm(1024).to(dev, dt)
+    proj.weight.copy_(torch.randn(1024, 2048, generator=gen) / 45)
+    norm.weight.copy_(1 + torch.randn(1024, generator=gen) / 8)
+    norm.fused = True
+    skinny_gemm.use_measured(1024, 2048, Tile(32, 128, 4, 4, 2))
+    try:
+        for rows in (1, 5, 16):
+            x = torch.randn(rows, 2048, generator=gen).to(dev, dt)
+            residual = torch.randn(rows, 1024, generator=gen).to(dev, dt)
+            delta = proj.into_norm(x)
+            assert isinstance(delta, Partials) and delta.parts.shape == (4, rows, 1024)
+            total, normed = norm.add(residual, delta)
+            want_total, want = norm.add(residual, delta.settle())
+            torch.testing.assert_close(total, want_total, rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(normed, want, rtol=2e-2, atol=2e-2)
+    finally:
+        skinny_gemm._measured.pop((1024, 2048), None)
