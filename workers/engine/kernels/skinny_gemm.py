@@ -179,9 +179,9 @@ def sm_count(device: torch.device) -> int:
 
 
 class Partials(NamedTuple):
-    """A split-K product not summed yet: the float32 partials [split, rows, n] in split order, the bias to add and
-    the dtype of the sum. The kernel after the GEMM sums them in that order (split_norm.py: the next RMSNorm), so
-    the sum is not a kernel of its own; ``settle`` runs the sum pass for any other consumer."""
+    """A split-K product not summed yet: the float32 partials [split, rows, n], the bias to add after their sum and
+    the dtype of the result. The kernel after the GEMM sums them (split_norm.py: the next RMSNorm), so the sum is
+    not a kernel of its own; ``settle`` runs the sum pass for any other consumer."""
 
     parts: Tensor
     bias: Tensor | None
@@ -196,6 +196,7 @@ class Partials(NamedTuple):
 
 
 def settled(y: Tensor | Partials) -> Tensor:
+    """A product as a tensor: partials summed (the sum pass), anything else as it is."""
     return y.settle() if isinstance(y, Partials) else y
 
 

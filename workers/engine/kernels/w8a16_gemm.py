@@ -20,8 +20,9 @@ products, never to the weight in x's dtype, so the weight is rounded once (to FP
 
 Split-K as in skinny_gemm.py: a weight with too few output rows to fill the card splits K; each split writes a
 float32 partial, summed in a fixed order with the bias (deterministic, no atomics) by skinny_gemm's second pass or,
-where the caller takes them unsummed (``unsummed``), by the next RMSNorm's kernel (split_norm.py). Row counts above BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any
-M, but it is meant for decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS under ``auto``.
+where the caller takes them unsummed (``unsummed``), by the next RMSNorm's kernel (split_norm.py). Row counts above
+BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any M, but it is meant for
+decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS under ``auto``.
 
 The row count is not specialised on: a weight shape compiles once per BLOCK_M (16 for up to 16 rows). The start-up
 warm-up's forwards run every projection at decode row counts, which compiles them before any CUDA-graph capture.
@@ -200,9 +201,8 @@ def unsummed(
         raise ValueError(f"w8a16 takes float8_e4m3fn weights, not {weight.dtype}")
     x2 = x.contiguous()
     rows = x2.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return out
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
     t = use or tile(n, k, skinny_gemm.sm_count(x.device), rows)
     if use is None and rows > MAX_BLOCK_M:  # the M blocks give the grid its programs: no partials to sum
         t = t._replace(split_k=1)
@@ -216,7 +216,8 @@ def unsummed(
     bm = block_m(rows, t.mode)
     grid = (-(-n // t.block_n), t.split_k, -(-rows // bm))
     split = t.split_k > 1  # then float32 partials, summed (with the bias) after this kernel
-    dst = torch.empty((t.split_k, rows, n), dtype=torch.float32, device=x.device) if split else out
+    shape, dtype = ((t.split_k, rows, n), torch.float32) if split else ((rows, n), x.dtype)
+    dst = torch.empty(shape, dtype=dtype, device=x.device)
     w = weight.contiguous()
     _kernel()[grid](
         x2, w, s, bias if bias is not None else s, dst, rows, n, k, k_split, s.stride(0), s.stride(1),
@@ -224,7 +225,7 @@ def unsummed(
         ROW_DIV=1 if s.shape[0] == n else BLOCK, MODE=t.mode, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=block_k,
         SCALE_BLOCK=BLOCK, num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
-    return skinny_gemm.Partials(dst, bias, x.dtype) if split else out
+    return skinny_gemm.Partials(dst, bias, x.dtype) if split else dst
 
 
 def fp8_groups(x: Tensor) -> Tensor:
