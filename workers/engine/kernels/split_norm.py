@@ -79,7 +79,9 @@ def add_rms_norm(
     total, out = torch.empty_like(x), torch.empty_like(x)
     if rows:
         block = 1 << (n - 1).bit_length()
-        group = min(split, max(1, _REGISTER_FLOATS // block))  # both powers of two, so GROUP divides SPLIT
+        # splits loaded together: a power of two (tl.arange's rule) that divides the split count, within what one
+        # program holds (a forced tile may split K in 3)
+        group = min(split & -split, max(1, _REGISTER_FLOATS // block))
         # 16 warps: a lone program's loads in flight are its memory rate (H200, 4,096 wide, 4 splits: 2.1 us against
         # 2.9 on 4 warps and 3.0 for the sum pass and compiled norm apart; 8 splits 2.6 against 7.2 and 3.8;
         # `python -m benchmarks.kernels.split_norm_bench`)
