@@ -53,7 +53,7 @@ from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
 from ipc.prompts import SamplingParams
 from workers.engine.config import EngineConfig, serving_kv_blocks
-from workers.engine.kernels import fp8_gemm, fused, split_norm
+from workers.engine.kernels import fp8_gemm, fused, pdl, split_norm
 from workers.engine.models.gemma4 import moe as gemma4_moe
 from workers.engine.models.qwen3_5.moe import SharedExpertMoeBlock
 from workers.engine.offline import Engine
@@ -256,6 +256,8 @@ VARIANTS: dict[str, tuple[tuple[object, str, object], ...]] = {
     "mlp after experts": ((gemma4_moe, "OVERLAP_DENSE_MLP", False),),
     # decode projections that split K sum their partials in a kernel of their own, not in the next norm's
     "split sums apart": ((split_norm, "available", lambda: False),),
+    # every kernel launched plainly: each starts only once the one before has finished (no programmatic launch)
+    "no PDL": ((pdl, "enabled", lambda device: False),),
 }
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.kernels import kv_quant
+from workers.engine.kernels import kv_quant, pdl
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_KV_WRITE")
@@ -39,8 +39,12 @@ def _kernel() -> Any:
 
     @triton.jit(do_not_specialize=["plane"])
     def kv_write_kernel(
-        k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, plane, ROW: tl.constexpr, BLOCK: tl.constexpr
-    ):
+        k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, plane,
+        ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        if PDL:  # pdl.py: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -79,7 +83,8 @@ def write(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     plane = kv_cache[0].numel()  # elements from a K slot to its V slot
     block = max(128, 1 << (row - 1).bit_length())
     _kernel()[(tokens,)](
-        k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), plane, ROW=row, BLOCK=block, num_warps=4
+        k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), plane, ROW=row, BLOCK=block, num_warps=4,
+        **pdl.launch(k.device),
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.kernels import kv_quant
+from workers.engine.kernels import kv_quant, pdl
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,11 @@ def _kernels() -> tuple[Any, Any]:
         num_q_heads, num_splits, tokens_per_split, window,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT_FROM_PTR: tl.constexpr, WINDOWED: tl.constexpr,
-        FP8: tl.constexpr,
+        FP8: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # pdl.py: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -207,8 +210,11 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit(do_not_specialize=["num_splits"])
     def combine_kernel(
         part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
-        D: tl.constexpr, D_P: tl.constexpr, SPLITS_P: tl.constexpr,
+        D: tl.constexpr, D_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # pdl.py: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, SPLITS_P)
@@ -298,10 +304,10 @@ def paged_decode(
         GROUP=group, GROUP_P=max(16, 1 << (group - 1).bit_length()), D=d, D_P=d_p,
         BLOCK_SIZE=block_size, TILE=WIDE_TILE if wide else TILE, SPLIT_FROM_PTR=split_tokens is not None,
         WINDOWED=windowed, FP8=fp8, num_warps=WIDE_WARPS if wide else _WARPS,
-        num_stages=_STAGES,
+        num_stages=_STAGES, **pdl.launch(q.device),
     )  # fmt: skip
     combine_kernel[(b, hq)](
         part_out, part_lse, out, out.stride(0), out.stride(1), hq, splits,
-        D=d, D_P=d_p, SPLITS_P=MAX_SPLITS, num_warps=WIDE_WARPS if wide else 4,
+        D=d, D_P=d_p, SPLITS_P=MAX_SPLITS, num_warps=WIDE_WARPS if wide else 4, **pdl.launch(q.device),
     )  # fmt: skip
     return out

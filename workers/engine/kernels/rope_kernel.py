@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import pdl
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_ROPE")
@@ -42,8 +43,11 @@ def _kernel() -> Any:
     def lm_rope_kernel(
         qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, eps, qkv_row, table_row,
         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-        NORM: tl.constexpr,
+        NORM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # pdl.py: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, D)[None, :]
         swapped = (d + D // 2) % D  # rotate_half's source column; its sign is folded into sin
@@ -107,7 +111,7 @@ def lm_rope(
     _kernel()[(t,)](
         qkv, cos, sin_signed, q, k, v, q_w, k_w, eps, qkv.stride(0), head_dim,
         HQ=hq, HKV=hkv, D=head_dim, BLOCK_HQ=1 << (hq - 1).bit_length(), BLOCK_HKV=1 << (hkv - 1).bit_length(),
-        NORM=qk_norm is not None, num_warps=4,
+        NORM=qk_norm is not None, num_warps=4, **pdl.launch(qkv.device),
     )  # fmt: skip
     return q, k, v
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import pdl
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 BLOCK = 1024  # columns per program: 2 KB of bf16 per half
@@ -33,7 +34,10 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def silu_mul_kernel(x_ptr, out_ptr, row_stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    def silu_mul_kernel(x_ptr, out_ptr, row_stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # pdl.py: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < WIDTH
@@ -68,5 +72,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     if rows:
         if gate_up.stride(-1) != 1:
             gate_up = gate_up.contiguous()
-        _kernel()[(rows, -(-width // BLOCK))](gate_up, out, gate_up.stride(0), WIDTH=width, BLOCK=BLOCK, num_warps=4)
+        _kernel()[(rows, -(-width // BLOCK))](
+            gate_up, out, gate_up.stride(0), WIDTH=width, BLOCK=BLOCK, num_warps=4, **pdl.launch(out.device)
+        )
     return out

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import pdl
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 # Where the kernel beat cuBLAS (H200, `python -m benchmarks.kernels.skinny_gemm_bench`): up to 16 rows, on matrices of at
@@ -35,7 +36,7 @@ MAX_ROWS = 16
 MIN_WEIGHT_BYTES = 64 << 20
 # Part of the key of the tiles measured at start-up (skinny_tune.py): bump it when the kernels change, so that a
 # restart measures them again rather than serving choices made for the old code.
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_SKINNY")
 available = SWITCH.on
@@ -125,6 +126,7 @@ def _kernels() -> tuple[Any, Any]:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -138,6 +140,12 @@ def _kernels() -> tuple[Any, Any]:
         m_ok = offs_m[:, None] < rows
         n_ok = offs_n[None, :] < n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PDL:
+            # Wait for the kernel before, but do not let the next one launch early: its programs, resident beside
+            # this kernel's and waiting, made the decode step's GEMM chains slower (Qwen3-VL-8B's down projections
+            # 1.25 against 0.94 ms, H200), while launched after this kernel's last program it still overlaps
+            # this kernel's drain and flush.
+            tl.extra.cuda.gdc_wait()
         for kk in range(0, k_split, BLOCK_K):
             k_ok = k0 + kk + offs_k < k
             x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
@@ -156,8 +164,12 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit(do_not_specialize=["rows"])
     def skinny_sum_kernel(
-        part_ptr, b_ptr, out_ptr, rows, n, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
-    ):
+        part_ptr, b_ptr, out_ptr, rows, n, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
@@ -233,7 +245,7 @@ def _launch(x2: Tensor, weight: Tensor, bias: Tensor | None, dst: Tensor, t: Til
     _kernels()[0][(-(-n // t.block_n), t.split_k)](
         x2, w, bias if bias is not None else w, dst, rows, n, k, k_split, HAS_BIAS=bias is not None,
         PARTIAL=t.split_k > 1, BLOCK_M=block_m(rows), BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps,
-        num_stages=t.stages,
+        num_stages=t.stages, **pdl.launch(x2.device),
     )  # fmt: skip
 
 
@@ -244,7 +256,7 @@ def sum_splits(parts: Tensor, bias: Tensor | None, out: Tensor) -> None:
     reduce = _kernels()[1]
     reduce[(rows, -(-n // 1024))](
         parts, bias if bias is not None else parts, out, rows, n, SPLIT=split, HAS_BIAS=bias is not None,
-        BLOCK=1024, num_warps=4,
+        BLOCK=1024, num_warps=4, **pdl.launch(out.device),
     )  # fmt: skip
 
 

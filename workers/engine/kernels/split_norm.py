@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import pdl
 from workers.engine.kernels.skinny_gemm import Partials
 from workers.engine.kernels.triton_switch import TritonSwitch
 
@@ -39,8 +40,11 @@ def _kernel() -> Any:
     @triton.jit(do_not_specialize=["rows"])
     def split_add_norm_kernel(
         x_ptr, part_ptr, bias_ptr, w_ptr, sum_ptr, out_ptr, rows, n, eps,
-        SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+        SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # pdl.py: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         ok = offs < n
@@ -89,6 +93,7 @@ def add_rms_norm(
         _kernel()[(rows,)](
             x, delta.parts, delta.bias if delta.bias is not None else weight, weight, total, out, rows, n, eps,
             SPLIT=split, GROUP=group, HAS_BIAS=delta.bias is not None, BLOCK=block, num_warps=warps,
+            **pdl.launch(x.device),
         )  # fmt: skip
     return total, out
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels import skinny_gemm
+from workers.engine.kernels import pdl, skinny_gemm
 from workers.engine.kernels.fp8_quant import (
     BLOCK,
     FP8,
@@ -126,6 +126,7 @@ def _kernel() -> Any:
         x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n, k, k_split, stride_sn, stride_sk,
         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, K_SCALES: tl.constexpr, ROW_DIV: tl.constexpr, MODE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -140,6 +141,8 @@ def _kernel() -> Any:
         m_ok = offs_m[:, None] < rows
         n_ok = offs_n[None, :] < n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PDL:  # waits only, as skinny_gemm's kernel does (pdl.py)
+            tl.extra.cuda.gdc_wait()
         for kk in range(0, k_split, BLOCK_K):
             k_ok = k0 + kk + offs_k < k
             x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
@@ -223,7 +226,7 @@ def unsummed(
         x2, w, s, bias if bias is not None else s, dst, rows, n, k, k_split, s.stride(0), s.stride(1),
         HAS_BIAS=bias is not None and not split, PARTIAL=split, K_SCALES=not channel,
         ROW_DIV=1 if s.shape[0] == n else BLOCK, MODE=t.mode, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=block_k,
-        SCALE_BLOCK=BLOCK, num_warps=t.warps, num_stages=t.stages,
+        SCALE_BLOCK=BLOCK, num_warps=t.warps, num_stages=t.stages, **pdl.launch(x.device),
     )  # fmt: skip
     return skinny_gemm.Partials(dst, bias, x.dtype) if split else dst
 
