@@ -118,6 +118,18 @@ class LiveServer:
                 return stats
             time.sleep(0.05)
 
+    def settled_stats(self) -> dict[str, Any]:
+        """/admin/stats once the scheduler's counters stopped moving (they arrive every 0.25 s): a baseline that a
+        request finished just before cannot still change."""
+        last = self.stats()
+        for _ in range(20):
+            time.sleep(0.3)
+            now = self.stats()
+            if now["prompt_tokens_computed"] == last["prompt_tokens_computed"] and now["steps"] == last["steps"]:
+                return now
+            last = now
+        return last
+
     def child_pids(self, role: str) -> list[int]:
         """PIDs of this server's children of one role, read from /proc (name set by the launcher)."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()

@@ -5,21 +5,19 @@ low and full versions of the same bytes are two images to every cache; a bad val
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from PIL import Image
 
-from tests.server.live import LiveServer, data_url, png_bytes, serving
+from tests.server.live import LiveServer, data_url, png_bytes
 from workers.tokenizer.media.fetch import LOW_DETAIL_SIDE, low_detail_size
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_dir: Path) -> Iterator[LiveServer]:
-    yield from serving(demo_model_dir)
+def server(demo_server: LiveServer) -> LiveServer:
+    return demo_server
 
 
 def _ask(server: LiveServer, raw: bytes, detail: str | None) -> tuple[str, int]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +14,15 @@ import httpx
 import pytest
 
 from tests.reference import HFReference, Process, penalize
-from tests.server.live import LiveServer, data_url, image_message, png_bytes, serving
+from tests.server.live import LiveServer, data_url, image_message, png_bytes
 
 MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "Describe the table of numbers in the invoice."}]
 MAX = 16
 
 
 @pytest.fixture(scope="module")
-def live(demo_model_dir: Path) -> Iterator[LiveServer]:
-    yield from serving(demo_model_dir)
+def live(demo_server: LiveServer) -> LiveServer:
+    return demo_server
 
 
 @pytest.fixture(scope="module")
@@ -180,25 +178,13 @@ def test_generation_config_flag_none_turns_defaults_off(demo_model_dir: Path, tm
 # ---- n > 1 ------------------------------------------------------------------------------------------
 
 
-def settled_stats(server: LiveServer) -> dict[str, Any]:
-    """/admin/stats once the scheduler's counters stopped moving (they arrive every 0.25 s)."""
-    last = server.stats()
-    for _ in range(20):
-        time.sleep(0.3)
-        now = server.stats()
-        if now["prompt_tokens_computed"] == last["prompt_tokens_computed"] and now["steps"] == last["steps"]:
-            return now
-        last = now
-    return last
-
-
 def test_n_choices_share_one_prefill_and_one_image_encode(live: LiveServer) -> None:
     messages = image_message("What is on this page?", [data_url(png_bytes(150, 100, seed=77))])
-    before = settled_stats(live)
+    before = live.settled_stats()
     resp = live.client().chat.completions.create(
         model="demo", messages=messages, max_tokens=8, temperature=0, n=3, extra_body={"ignore_eos": True}  # type: ignore[arg-type]
     )
-    after = settled_stats(live)
+    after = live.settled_stats()
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert len({c.message.content for c in resp.choices}) == 1  # greedy: three identical choices
     assert resp.usage.completion_tokens == 3 * 8

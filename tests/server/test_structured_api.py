@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
-from tests.server.live import LiveServer, serving
+from tests.server.live import LiveServer
 
 # An extraction schema in OpenAI's strict form. Strings and arrays are bounded: a random model inside a
 # free string would only stop when it happens to sample a quote.
@@ -44,8 +42,8 @@ SEEDS = [0, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
-def live(demo_model_dir: Path) -> Iterator[LiveServer]:
-    yield from serving(demo_model_dir)
+def live(demo_server: LiveServer) -> LiveServer:
+    return demo_server
 
 
 def json_schema_format() -> dict[str, Any]:
