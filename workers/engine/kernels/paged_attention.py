@@ -296,6 +296,7 @@ def paged_decode(
         kv_quant.note_path("Triton paged decode", "reads e4m3 in place")
     scales = kv_quant.scales_of(kv_cache) if fp8 else None
     k_scales, v_scales = (scales[0], scales[1]) if scales is not None else (seq_lens, seq_lens)  # unread when not FP8
+    launch = pdl.launch(q.device)
     split_kernel[(b, hkv, splits)](
         q, flat, block_tables, seq_lens, part_out, part_lse, seq_lens if split_tokens is None else split_tokens,
         k_scales, v_scales,
@@ -304,10 +305,10 @@ def paged_decode(
         GROUP=group, GROUP_P=max(16, 1 << (group - 1).bit_length()), D=d, D_P=d_p,
         BLOCK_SIZE=block_size, TILE=WIDE_TILE if wide else TILE, SPLIT_FROM_PTR=split_tokens is not None,
         WINDOWED=windowed, FP8=fp8, num_warps=WIDE_WARPS if wide else _WARPS,
-        num_stages=_STAGES, **pdl.launch(q.device),
+        num_stages=_STAGES, **launch,
     )  # fmt: skip
     combine_kernel[(b, hq)](
         part_out, part_lse, out, out.stride(0), out.stride(1), hq, splits,
-        D=d, D_P=d_p, SPLITS_P=MAX_SPLITS, num_warps=WIDE_WARPS if wide else 4, **pdl.launch(q.device),
+        D=d, D_P=d_p, SPLITS_P=MAX_SPLITS, num_warps=WIDE_WARPS if wide else 4, **launch,
     )  # fmt: skip
     return out
