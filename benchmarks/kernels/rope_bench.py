@@ -2,7 +2,11 @@
 (workers/engine/kernels/rope_kernel.py), 7B shapes (28 query and 4 KV heads of 128), bf16, and the bandwidth each reaches
 (qkv read once, q, k and v written once).
 
-    python -m benchmarks.kernels.rope_bench --tokens 1,64,1024,4096,8192
+    python -m benchmarks.kernels.rope_bench --tokens 1,64,1024,4096,8192 [--decode-rows 1,4,16]
+
+``--decode-rows``: the decode step's kernels on Qwen3-VL-8B's heads with the norms: the per-token and the per-head
+kernel on a bf16 qkv, and a split-K qkv's 8 float32 partials summed by the sum pass then rotated, against the
+per-head kernel summing them itself.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 
 from benchmarks.args import parser
 from workers.engine.kernels import fused, rope_kernel
+from workers.engine.kernels.skinny_gemm import Partials
 from workers.engine.models.qwen2_5_vl.lm import rope_tables
 from workers.engine.models.qwen3_vl.lm import qwen3_qk_norm_rope
 
@@ -39,7 +44,10 @@ def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--tokens", default="1,64,1024,4096,8192")
+    ap.add_argument("--decode-rows", default="", help="comma-separated row counts of the decode kernels' table")
     args = ap.parse_args()
+    if args.decode_rows:
+        decode_rows([int(v) for v in args.decode_rows.split(",")])
     hq, hkv, d = 28, 4, 128
     print(f"{torch.cuda.get_device_name()}, bf16, {hq}/{hkv} heads of {d}; us per call, GB/s")
     print(f"{'tokens':>7} {'compiled us':>12} {'GB/s':>7} {'Triton us':>10} {'GB/s':>7} {'speedup':>8}")
@@ -68,6 +76,30 @@ def main() -> None:
         gb = 2 * qkv.numel() * qkv.element_size() / 1e3
         print(f"{t:>7} {a:>12.1f} {gb / a:>7.0f} {b:>10.1f} {gb / b:>7.0f} {a / b:>7.2f}x", flush=True)
 
+
+def decode_rows(rows: list[int]) -> None:
+    print("decode rows, Qwen3-VL-8B heads (32/8 of 128) with the q/k norms; us per call")
+    print("| rows | per token | per head | sum pass + per token | per head on the partials |")
+    print("|---|---|---|---|---|")
+    for t in rows:
+        print(f"| {t} | " + " | ".join(f"{v:.2f}" for v in _decode_times(t)) + " |", flush=True)
+
+
+def _decode_times(t: int, split: int = 8) -> list[float]:
+    hq, hkv, d = 32, 8, 128
+    w = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+    parts = torch.randn(split, t, (hq + 2 * hkv) * d, device="cuda")
+    qkv = parts.sum(0).bfloat16()
+    angles = torch.rand(t, d, device="cuda") * 100
+    cos, sin = rope_tables(angles.cos().bfloat16(), angles.sin().bfloat16())
+    sizes, norm = (hq * d, hkv * d, d), (w, w, 1e-6)
+    product = Partials(parts, None, torch.bfloat16)
+    return [
+        graph_us(lambda: rope_kernel.lm_rope(qkv, cos, sin, *sizes, norm, by_head=False)),
+        graph_us(lambda: rope_kernel.lm_rope(qkv, cos, sin, *sizes, norm, by_head=True)),
+        graph_us(lambda: rope_kernel.lm_rope(product.settle(), cos, sin, *sizes, norm, by_head=False)),
+        graph_us(lambda: rope_kernel.lm_rope(product, cos, sin, *sizes, norm)),
+    ]
 
 if __name__ == "__main__":
     main()

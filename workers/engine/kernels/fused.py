@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from workers.engine.kernels import silu_kernel
+from workers.engine.kernels.skinny_gemm import Partials, settled
 
 _compiled: dict[str, Callable[..., Any]] = {}
 
@@ -47,8 +48,11 @@ MIN_ROWS = 1
 _forced = False
 
 
-def worth_it(x: Tensor) -> bool:
-    """Whether a call site should take its fused kernel for input ``x`` (rows = tokens or patches)."""
+def worth_it(x: Tensor | Partials) -> bool:
+    """Whether a call site should take its fused kernel for input ``x`` (rows = tokens or patches; a split-K
+    product's partials count their rows)."""
+    if isinstance(x, Partials):
+        x = x.parts[0]
     return x.is_cuda and (_forced or x.shape[0] >= MIN_ROWS or torch.cuda.is_current_stream_capturing())
 
 
@@ -120,13 +124,14 @@ def conv_decode(conv_state: Tensor, slots: Tensor, has_initial: Tensor, x: Tenso
     return y.to(x.dtype), taps[:, 1:].transpose(1, 2).to(conv_state.dtype)
 
 
-def fast_silu_mul(gate_up: Tensor) -> Tensor:
+def fast_silu_mul(gate_up: Tensor | Partials) -> Tensor:
     """The MLPs' fused SiLU*up: the hand-written Triton kernel (silu_kernel.py) where it runs, else the compiled
     ``silu_mul``. Both stream near bandwidth at the LM's width; at the ViT's (3,424) the compiled one reached only
-    about half of it (H100: 0.142 vs 0.077 ms for one 1080p image's block, ``python -m benchmarks.kernels.silu_bench``)."""
-    if gate_up.is_cuda and silu_kernel.available():
+    about half of it (H100: 0.142 vs 0.077 ms for one 1080p image's block, ``python -m benchmarks.kernels.silu_bench``).
+    A split-K product's partials are summed inside the kernel, or by the sum pass before the compiled one."""
+    if silu_kernel.available() and (gate_up.parts if isinstance(gate_up, Partials) else gate_up).is_cuda:
         return silu_kernel.silu_mul(gate_up)
-    out: Tensor = compiled(silu_mul)(gate_up)
+    out: Tensor = compiled(silu_mul)(settled(gate_up))
     return out
 
 

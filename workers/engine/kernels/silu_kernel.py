@@ -7,6 +7,10 @@ ViT's (3,424) it streamed at about half (H100: 1.56 TB/s against this kernel's 2
 session 11, `python -m benchmarks.kernels.silu_bench`). Here each program streams a contiguous run of one row's columns
 with wide loads; the math is float32 and rounds once, as the compiled version does.
 
+A split-K gate_up (block-FP8's decode GEMM splits Qwen3-VL-8B's in 2) comes as float32 partials: the kernel sums them
+in split order with the bias and rounds the sum as the sum pass does, so the bits are the same and the pass's kernel is
+saved.
+
 The grid is (rows, column blocks) and the row count is not an argument, so a new token count never compiles a new
 variant (nothing may compile inside a CUDA-graph capture); the width is a compile-time constant per model.
 """
@@ -20,6 +24,7 @@ import torch
 from torch import Tensor
 
 from workers.engine.kernels import pdl
+from workers.engine.kernels.skinny_gemm import Partials
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 BLOCK = 1024  # columns per program: 2 KB of bf16 per half
@@ -33,8 +38,11 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def silu_mul_kernel(x_ptr, out_ptr, row_stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["plane"])
+    def silu_mul_kernel(
+        x_ptr, b_ptr, out_ptr, row_stride, plane, WIDTH: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
         if PDL:  # pdl.py: nothing read or written before the kernel before has finished
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -42,10 +50,25 @@ def _kernel() -> Any:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < WIDTH
         src = x_ptr + row * row_stride + cols
-        gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(src + WIDTH, mask=mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        if SPLIT == 0:
+            gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(src + WIDTH, mask=mask, other=0.0).to(tl.float32)
+        else:
+            # float32 split-K partials [SPLIT, rows, 2 * WIDTH]: summed from zero in split order, the bias added and
+            # the sum rounded to the activations' dtype, bit for bit the sum pass's (skinny_gemm.sum_splits)
+            gate = tl.zeros((BLOCK,), dtype=tl.float32)
+            up = tl.zeros((BLOCK,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                gate += tl.load(src + s * plane, mask=mask, other=0.0)
+                up += tl.load(src + s * plane + WIDTH, mask=mask, other=0.0)
+            if HAS_BIAS:
+                gate += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                up += tl.load(b_ptr + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+            gate = gate.to(dtype).to(tl.float32)
+            up = up.to(dtype).to(tl.float32)
         out = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + row * WIDTH + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * WIDTH + cols, out.to(dtype), mask=mask)
 
     return silu_mul_kernel
 
@@ -62,17 +85,25 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
     return SWITCH.probe(check)
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
+def silu_mul(gate_up: Tensor | Partials) -> Tensor:
     """[T, 2I] -> silu(gate) * up [T, I], in ``gate_up``'s dtype. Rows may be strided (a column block of a wider
     projection's output, as Qwen3.5-MoE's joined router and shared-expert matmul gives); each row's 2I values must be
-    contiguous."""
-    rows, double = gate_up.shape
-    width = double // 2
-    out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
-    if rows:
+    contiguous. A split-K decode product's partials (skinny_gemm.Partials) are summed here, the sum pass's kernel
+    saved: FP8's gate_up splits K in 2 at decode rows (w8a16_gemm.py)."""
+    if isinstance(gate_up, Partials):
+        split, rows, double = gate_up.parts.shape
+        src, dtype, stride = gate_up.parts, gate_up.dtype, double
+        bias = gate_up.bias
+    else:
+        rows, double = gate_up.shape
         if gate_up.stride(-1) != 1:
             gate_up = gate_up.contiguous()
+        split, src, dtype, stride, bias = 0, gate_up, gate_up.dtype, gate_up.stride(0), None
+    width = double // 2
+    out = torch.empty((rows, width), dtype=dtype, device=src.device)
+    if rows:
         _kernel()[(rows, -(-width // BLOCK))](
-            gate_up, out, gate_up.stride(0), WIDTH=width, BLOCK=BLOCK, num_warps=4, **pdl.launch(out.device)
-        )
+            src, bias if bias is not None else src, out, stride, rows * double, WIDTH=width, BLOCK=BLOCK, SPLIT=split,
+            HAS_BIAS=bias is not None, num_warps=4, **pdl.launch(out.device),
+        )  # fmt: skip
     return out

@@ -67,14 +67,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
     return F.linear(x, weight, bias)
 
 
-def unsummed_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor | Partials:
-    """``linear`` (no bias) for x [T, K], but a decode GEMM that splits K returns its partials unsummed, for the
-    next RMSNorm's kernel to sum (split_norm.py)."""
+def unsummed_linear(
+    x: Tensor, weight: Tensor, scale: Tensor | None = None, bias: Tensor | None = None
+) -> Tensor | Partials:
+    """``linear`` for x [T, K], but a decode GEMM that splits K returns its partials unsummed (the bias with them),
+    for the next kernel to sum: the RMSNorm's (split_norm.py) or the SiLU's (silu_kernel.py)."""
     if scale is not None:
-        return fp8_gemm.unsummed(x, weight, scale)
+        return fp8_gemm.unsummed(x, weight, scale, bias)
     if skinny_gemm.wanted(x, weight):
-        return skinny_gemm.unsummed(x, weight)
-    return F.linear(x, weight)
+        return skinny_gemm.unsummed(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -159,6 +161,14 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = linear(x, self.weight, self.bias, self.weight_scale)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
+
+    def unsummed(self, x: Tensor) -> Tensor | Partials:
+        """``forward`` for a caller whose next kernel sums a split-K decode product's partials itself (each rank's
+        output columns are whole after the sum: nothing to reduce across ranks first)."""
+        if self.gather_output or x.dim() != 2:
+            out: Tensor = self(x)
+            return out
+        return unsummed_linear(x, self.weight, self.weight_scale, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

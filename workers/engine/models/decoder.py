@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from workers.engine.kernels import fused, rope_kernel
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.backends import get_attention_backend
-from workers.engine.kernels.skinny_gemm import Partials
+from workers.engine.kernels.skinny_gemm import Partials, settled
 from workers.engine.layers.linear import (
     SINGLE_RANK,
     MergedColumnParallelLinear,
@@ -121,16 +121,17 @@ class SwiGLUMLP(nn.Module):
         self.into_norm = False
 
     def forward(self, x: Tensor) -> Tensor | Partials:
-        return self.from_gate_up(self.gate_up_proj(x))
+        # fused: a split-K gate_up's partials go to the SiLU kernel, which sums them (silu_kernel.py)
+        return self.from_gate_up(self.gate_up_proj.unsummed(x) if self.fused else self.gate_up_proj(x))
 
-    def from_gate_up(self, gate_up: Tensor) -> Tensor | Partials:
+    def from_gate_up(self, gate_up: Tensor | Partials) -> Tensor | Partials:
         """The MLP after its gate_up projection (a caller may have computed it inside a wider matmul); unsummed
         partials only where ``into_norm`` is set."""
         down = self.down_proj.into_norm if self.into_norm else self.down_proj
         if self.fused and fused.worth_it(gate_up):
             out: Tensor | Partials = down(fused.fast_silu_mul(gate_up))
             return out
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = settled(gate_up).chunk(2, dim=-1)
         result: Tensor | Partials = down(F.silu(gate) * up)
         return result
 
@@ -150,12 +151,16 @@ class DecoderAttention(nn.Module):
         self.scale = d**-0.5
         self.fused = False  # CUDA: rotary of q and k in one kernel (rope_kernel.py; compiled where it is off)
 
-    def rotate(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The projection's output [T, q + 2 kv] -> q and k with rotary applied, and v, each [T, heads, D]."""
-        t, d = qkv.shape[0], self.head_dim
+    def rotate(self, qkv: Tensor | Partials, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The projection's output [T, q + 2 kv] -> q and k with rotary applied, and v, each [T, heads, D]; a
+        split-K decode product's partials are summed by the rotary kernel (rope_kernel.py)."""
+        d = self.head_dim
+        if self.fused and fused.worth_it(qkv) and rope_kernel.wanted(qkv, d):
+            return rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d)
+        qkv = settled(qkv)
+        t = qkv.shape[0]
         if self.fused and fused.worth_it(qkv):
-            rope = rope_kernel.lm_rope if rope_kernel.wanted(qkv, d) else fused.compiled(fused.lm_rope)
-            q, k, v = rope(qkv, cos, sin, self.q_size, self.kv_size, d)
+            q, k, v = fused.compiled(fused.lm_rope)(qkv, cos, sin, self.q_size, self.kv_size, d)
             return q, k, v
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return apply_rope(q.view(t, -1, d), cos, sin), apply_rope(k.view(t, -1, d), cos, sin), v.view(t, -1, d)
@@ -171,7 +176,7 @@ class DecoderAttention(nn.Module):
     ) -> Tensor | Partials:
         """The attention's output for the layer's post-attention ``RMSNorm.add`` (a split-K o projection's partials
         are summed there)."""
-        q, k, v = self.rotate(self.qkv_proj(x), cos, sin)
+        q, k, v = self.rotate(self.qkv_proj.unsummed(x) if self.fused else self.qkv_proj(x), cos, sin)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj.into_norm(out.reshape(x.shape[0], -1))
 

@@ -12,6 +12,7 @@ CHECK = """
 import torch
 from workers.engine.kernels import fused
 from workers.engine.kernels import rope_kernel
+from workers.engine.kernels.skinny_gemm import Partials
 from workers.engine.models.qwen2_5_vl.lm import apply_rope, rope_tables
 from workers.engine.models.qwen3_vl.lm import qwen3_qk_norm_rope
 
@@ -49,6 +50,28 @@ for t, hq, hkv, d in ((5, 32, 8, 128), (2, 3, 1, 16)):
             torch.testing.assert_close(g, w, **tol)
         plain = rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d)
         assert not torch.allclose(plain[0].float(), got[0].float(), atol=1e-2)  # the norm did something
+# The per-head kernel (decode rows), on a plain qkv and on a split-K product's float32 partials (summed in the kernel,
+# in its own order, then rounded as the sum pass rounds), with Qwen3's norms and without, a bias and none.
+for t, hq, hkv, d, split, norm, bias in ((1, 32, 8, 128, 8, True, False), (3, 28, 4, 128, 4, False, True),
+                                         (2, 3, 1, 16, 2, True, True), (2, 3, 1, 16, 3, False, True)):
+    dtype = torch.bfloat16
+    n = (hq + 2 * hkv) * d
+    parts = torch.randn(split, t, n, generator=gen)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    product = Partials(parts, b, dtype)
+    qkv = product.settle()
+    angles = torch.rand(t, d, generator=gen) * 100
+    cos, sin = rope_tables(angles.cos().to(dtype), angles.sin().to(dtype))
+    weights = ((torch.rand(d, generator=gen) + 0.5).to(dtype), (torch.rand(d, generator=gen) + 0.5).to(dtype), 1e-6)
+    qk_norm = weights if norm else None
+    want = rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d, qk_norm, by_head=False)
+    for got in (rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d, qk_norm, by_head=True),
+                rope_kernel.lm_rope(product, cos, sin, hq * d, hkv * d, d, qk_norm)):
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == dtype and g.is_contiguous()
+            torch.testing.assert_close(g, w, rtol=2**-7, atol=2e-2)  # a bf16 ulp: the sums' and norms' orders
+    plain = rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d, qk_norm, by_head=True)
+    assert torch.equal(plain[2], qkv.view(t, -1, d)[:, hq + hkv :])  # v: copied
 assert rope_kernel.lm_rope(torch.zeros(0, 6 * 16), torch.zeros(0, 1, 16), torch.zeros(0, 1, 16), 64, 16, 16)[0].shape == (0, 4, 16)
 """
 
@@ -91,3 +114,32 @@ def test_kernel_matches_the_compiled_rotary_on_cuda() -> None:
             diff = (g.float() - w.float()).abs()
             # the same float32 math rounded once; last-bit differences where a contraction or the rsqrt differ
             assert float((diff > 0).float().mean()) < 1e-2 and float(diff.max()) <= 2**-6 * float(w.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_per_head_kernel_sums_decode_partials_on_cuda(rows: int) -> None:
+    """Qwen3-VL-8B's heads at decode rows: the per-head kernel on a bf16 qkv and on block-FP8's 8 split-K partials
+    against the per-token kernel on the sum pass's output."""
+    from workers.engine.kernels import rope_kernel
+    from workers.engine.kernels.skinny_gemm import Partials
+    from workers.engine.models.qwen2_5_vl.lm import rope_tables
+
+    hq, hkv, d = 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    parts = torch.randn(8, rows, (hq + 2 * hkv) * d, device="cuda", generator=gen)
+    bias = torch.randn((hq + 2 * hkv) * d, device="cuda", generator=gen).bfloat16()
+    product = Partials(parts, bias, torch.bfloat16)
+    qkv = product.settle()
+    angles = torch.rand(rows, d, device="cuda", generator=gen) * 1000
+    cos, sin = rope_tables(angles.cos().bfloat16(), angles.sin().bfloat16())
+    norm = ((torch.rand(d, device="cuda", generator=gen) + 0.5).bfloat16(), torch.ones(d, device="cuda").bfloat16(), 1e-6)
+    want = rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d, norm, by_head=False)
+    by_head = rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d, norm, by_head=True)
+    assert torch.equal(by_head[2], want[2])
+    for got in (by_head, rope_kernel.lm_rope(product, cos, sin, hq * d, hkv * d, d, norm)):
+        for g, w in zip(got, want, strict=True):
+            diff = (g.float() - w.float()).abs()
+            # the sums' and norms' orders differ: a last bit here and there
+            assert float((diff > 0).float().mean()) < 5e-2 and float(diff.max()) <= 2**-6 * float(w.abs().max())

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from workers.engine.kernels import fused, rope_kernel
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from workers.engine.kernels.skinny_gemm import settled
+from workers.engine.kernels.skinny_gemm import Partials, settled
 from workers.engine.layers.linear import SINGLE_RANK, RMSNorm, TPGroup
 from workers.engine.layers.rotary import MRopeAngles, apply_rope, mrope_rows
 from workers.engine.models.decoder import (
@@ -118,14 +118,16 @@ class Qwen3VLAttention(DecoderAttention):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.sizes = (self.q_size, self.kv_size, spec.head_dim)
 
-    def rotate(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The q and k norms, then rotary; on CUDA (``fused``) both in one kernel (rope_kernel.py; compiled where
-        it is off)."""
-        t, d = qkv.shape[0], self.head_dim
+    def rotate(self, qkv: Tensor | Partials, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The q and k norms, then rotary; on CUDA (``fused``) both in one kernel (rope_kernel.py, which also sums a
+        split-K decode product's partials; compiled where it is off)."""
+        d = self.head_dim
+        q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        if self.fused and fused.worth_it(qkv) and rope_kernel.wanted(qkv, d):
+            return rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, (q_w, k_w, eps))
+        qkv = settled(qkv)
+        t = qkv.shape[0]
         if self.fused and fused.worth_it(qkv):
-            q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            if rope_kernel.wanted(qkv, d):
-                return rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, (q_w, k_w, eps))
             out: tuple[Tensor, Tensor, Tensor] = fused.compiled(qwen3_qk_norm_rope)(
                 qkv, q_w, k_w, eps, cos, sin, self.sizes
             )
