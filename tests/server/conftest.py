@@ -52,12 +52,25 @@ HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, KEEP_ALIVE_S = 2.0, 2.0, 1.0
 MAX_CONNECTIONS = 1000
 
 
+# The shared demo server's CORS origins (test_endpoints_api.py checks them; no other module sends an Origin).
+ORIGIN = "https://app.example.com"
+ORIGINS = f"{ORIGIN},http://localhost:3000"
+
+
 @pytest.fixture(scope="session")
 def demo_server(demo_model_dir: Path) -> Iterator[LiveServer]:
-    """The demo server with nothing set but one tokenizer worker, shared by the modules that need no flag of their
-    own (render, sampling, cache identity, image detail, tokenize, structured outputs): one start-up instead of six,
-    ~20 s each on a 2-core CI box. Their tests count from a settled baseline (``settled_stats``), never from zero."""
-    yield from serving(demo_model_dir)
+    """The demo server with nothing set but one tokenizer worker and CORS origins, shared by the modules that need no
+    flag of their own (render, sampling, cache identity, image detail, tokenize, structured outputs, the OpenAI and
+    SGLang endpoints; the encoder tests' server without encoders): one start-up instead of nine, ~20 s each on a
+    2-core CI box. Their tests count from a settled baseline (``settled_stats``), never from zero."""
+    yield from serving(demo_model_dir, "--allowed-origins", ORIGINS)
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(qwen3_model_dir: Path) -> Iterator[LiveServer]:
+    """The Qwen3-VL demo server with nothing set but one tokenizer worker, shared like ``demo_server`` (the tool-call
+    tests, and the encoder tests' server without encoders)."""
+    yield from serving(qwen3_model_dir)
 
 
 @pytest.fixture(scope="session")

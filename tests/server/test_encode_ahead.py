@@ -1,7 +1,8 @@
 """`glimpse serve --encode-ahead-tokens` end to end (real processes, real shm, real ZMQ, the official openai client):
 with one request running at a time and several waiting, steps encode the next request's images while the current one
-runs, the answers equal the same server's without it (which test_serving.py holds token-exact against transformers),
-every image is encoded once, /admin/stats counts the images encoded ahead, and no segment is left."""
+runs, the answers equal the session's demo server's, which encodes nothing ahead (test_serving.py holds it token-exact
+against transformers), every image is encoded once, /admin/stats counts the images encoded ahead, and no segment is
+left."""
 
 from __future__ import annotations
 
@@ -23,22 +24,18 @@ def ask(server: LiveServer, images: list[bytes], text: str) -> str:
     return resp.choices[0].message.content or ""
 
 
-def test_images_encoded_ahead_answer_as_without(demo_model_dir: Path) -> None:
+def test_images_encoded_ahead_answer_as_without(demo_model_dir: Path, demo_server: LiveServer) -> None:
     ahead = LiveServer(demo_model_dir, *ARGS, "--encode-ahead-tokens", "4096")
     try:
-        plain = LiveServer(demo_model_dir, *ARGS)
-        try:
-            with ThreadPoolExecutor(len(CHATS)) as pool:  # all at once: two of them wait behind the first
-                answers = list(pool.map(lambda chat: ask(ahead, *chat), CHATS))
-            assert answers == [ask(plain, *chat) for chat in CHATS]
-            images = sum(len(chat[0]) for chat in CHATS)
-            stats = ahead.stats_when("images_encoded", images)
-            [worker] = stats["model_workers"]
-            assert stats["images_encoded"] == worker["images_encoded"] == images  # none twice
-            assert 0 < worker["images_ahead"] <= images, worker
-            assert plain.stats()["model_workers"][0]["images_ahead"] == 0
-        finally:
-            assert plain.stop() == 0, plain.output()
+        with ThreadPoolExecutor(len(CHATS)) as pool:  # all at once: two of them wait behind the first
+            answers = list(pool.map(lambda chat: ask(ahead, *chat), CHATS))
+        assert answers == [ask(demo_server, *chat) for chat in CHATS]
+        images = sum(len(chat[0]) for chat in CHATS)
+        stats = ahead.stats_when("images_encoded", images)
+        [worker] = stats["model_workers"]
+        assert stats["images_encoded"] == worker["images_encoded"] == images  # none twice
+        assert 0 < worker["images_ahead"] <= images, worker
+        assert demo_server.stats()["model_workers"][0]["images_ahead"] == 0
     finally:
         assert ahead.stop() == 0, ahead.output()
-    assert ahead.segments() == [] and plain.segments() == []
+    assert ahead.segments() == []

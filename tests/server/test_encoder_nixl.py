@@ -1,8 +1,8 @@
 """`glimpse serve --encoder-workers 1 --encoder-transport nixl` end to end (real processes, NIXL's UCX backend on
-the host's loopback, the official openai client): greedy answers to multi-image chats equal the same server's
-without encoder workers (held token-exact against transformers elsewhere); every entry crosses in the encoder's
-NIXL-registered pool (none through /dev/shm), its range goes back once imported, the model worker encodes nothing,
-and the server stops clean."""
+the host's loopback, the official openai client): greedy answers to multi-image chats equal the session's demo
+server's, which has no encoder workers (held token-exact against transformers elsewhere); every entry crosses in the
+encoder's NIXL-registered pool (none through /dev/shm), its range goes back once imported, the model worker encodes
+nothing, and the server stops clean."""
 
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ import pytest
 
 from server.encoder_flags import check_transport
 from tests.server.live import LiveServer, png_bytes
-from tests.server.test_encoder_workers import ask, split_and_plain, wait_for_stats
+from tests.server.test_encoder_workers import ask, wait_for_stats, with_encoders
 
 PAGES = [png_bytes(w, h, seed=40 + i) for i, (w, h) in enumerate([(220, 160), (64, 90), (150, 100)])]
 
 
 @pytest.fixture(scope="module")
-def pair(demo_model_dir: Path) -> Iterator[tuple[LiveServer, LiveServer]]:
-    with split_and_plain(demo_model_dir, "--encoder-workers", "1", "--encoder-transport", "nixl",
-                         "--encoder-landing-mb", "64") as servers:
-        yield servers
+def pair(demo_model_dir: Path, demo_server: LiveServer) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """(the NIXL server, the session's demo server without encoders)."""
+    with with_encoders(demo_model_dir, "--encoder-workers", "1", "--encoder-transport", "nixl",
+                       "--encoder-landing-mb", "64") as split:
+        yield split, demo_server
 
 
 def test_answers_equal_and_every_entry_crosses_through_nixl(pair: tuple[LiveServer, LiveServer]) -> None:

@@ -1,8 +1,9 @@
 """`glimpse serve --encoder-workers 1` end to end (real processes, real shm, real ZMQ, the official openai client):
-greedy answers to multi-image chats equal the same server's without encoder workers (which test_serving.py and
-test_qwen3_serving.py hold token-exact against transformers), on Qwen2.5-VL and Qwen3-VL (DeepStack levels travel in
-the landing segment); the model worker encodes nothing and holds no vision weights, the encoder encodes everything,
-landed entries leave the shm budget once imported, and a resent image is not encoded again. Killing the encoder mid-request fails what is in flight at once (a request waiting on it included), stops the
+greedy answers to multi-image chats equal the same checkpoint's server without encoder workers (the session's shared
+one; test_serving.py and test_qwen3_serving.py hold it token-exact against transformers), on Qwen2.5-VL and Qwen3-VL
+(DeepStack levels travel in the landing segment); the model worker encodes nothing and holds no vision weights, the
+encoder encodes everything, landed entries leave the shm budget once imported, and a resent image is not encoded
+again. Killing the encoder mid-request fails what is in flight at once (a request waiting on it included), stops the
 server non-zero and leaves no segment of the launch."""
 
 from __future__ import annotations
@@ -49,27 +50,22 @@ def stopped_clean(server: LiveServer) -> None:
 
 
 @contextmanager
-def split_and_plain(model_dir: Path, *split_flags: str) -> Iterator[tuple[LiveServer, LiveServer]]:
-    """(a server with ``split_flags``, the same server without), both stopped clean at the end."""
-    split = LiveServer(model_dir, *ARGS, *split_flags)
-    try:
-        plain = LiveServer(model_dir, *ARGS)
-    except BaseException:
-        split.stop()
-        raise
-    yield split, plain
-    try:
-        stopped_clean(split)
-    finally:
-        stopped_clean(plain)
+def with_encoders(model_dir: Path, *flags: str) -> Iterator[LiveServer]:
+    """A server with ``flags`` (its encoder workers), stopped clean at the end."""
+    server = LiveServer(model_dir, *ARGS, *flags)
+    yield server
+    stopped_clean(server)
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LiveServer, LiveServer]]:
-    """(a server with one encoder worker, the same server without), on one family's demo checkpoint."""
-    model_dir: Path = request.getfixturevalue("demo_model_dir" if request.param == "qwen2_5_vl" else "qwen3_model_dir")
-    with split_and_plain(model_dir, "--encoder-workers", "1") as servers:
-        yield servers
+    """(a server with one encoder worker, the session's server of the same checkpoint without), on one family's demo
+    checkpoint; the two chunk prompts differently (ARGS), which greedy answers never depend on."""
+    qwen2 = request.param == "qwen2_5_vl"
+    model_dir: Path = request.getfixturevalue("demo_model_dir" if qwen2 else "qwen3_model_dir")
+    plain: LiveServer = request.getfixturevalue("demo_server" if qwen2 else "qwen3_server")
+    with with_encoders(model_dir, "--encoder-workers", "1") as split:
+        yield split, plain
 
 
 def test_multi_image_answers_equal_the_server_without_encoders(pair: tuple[LiveServer, LiveServer]) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +14,16 @@ import openai
 import pytest
 
 from tests.reference import HFReference, greedy_text
-from tests.server.live import LiveServer, data_url, png_bytes, serving
+from tests.server.conftest import ORIGIN
+from tests.server.live import LiveServer, data_url, png_bytes
 from workers.tokenizer.requests.chat import parse_request
 
 PROMPT = "<|im_start|>user\nRead the invoice total.<|im_end|>\n<|im_start|>assistant\n"
-ORIGIN = "https://app.example.com"
 
 
-@pytest.fixture(scope="module")
-def live(demo_model_dir: Path) -> Iterator[LiveServer]:
-    yield from serving(demo_model_dir, "--allowed-origins", f"{ORIGIN},http://localhost:3000")
+@pytest.fixture
+def live(demo_server: LiveServer) -> LiveServer:
+    return demo_server
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +100,11 @@ def test_cached_tokens_on_a_repeated_prompt(live: LiveServer) -> None:
     messages = [{"role": "user", "content": "Summarise the table of monthly numbers, row by row. " * 6}]
     first = live.client().chat.completions.create(model="demo", messages=messages, max_tokens=2)  # type: ignore[arg-type]
     second = live.client().chat.completions.create(model="demo", messages=messages, max_tokens=2)  # type: ignore[arg-type]
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
-    # Whole 16-token blocks, all but the block holding the last prompt token (its logits are needed).
+    # Whole 16-token blocks, all but the block holding the last prompt token (its logits are needed). The first time,
+    # at most the chat template's opening blocks that other chats on this shared server began with.
     assert cached == (second.usage.prompt_tokens - 1) // 16 * 16 and cached > 0
+    assert first.usage.prompt_tokens_details.cached_tokens <= 16 < cached
     streamed = list(
         live.client().chat.completions.create(
             model="demo", messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]

@@ -10,7 +10,6 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from transformers import AutoTokenizer
 from ipc.control import RequestFailed
 from ipc.launch import new_launch_id
 from ipc.requests import GenerateRequest
-from tests.server.live import LiveServer, serving
+from tests.server.live import LiveServer
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.tokenizer.worker import TokenizerWorker
@@ -67,9 +66,9 @@ HISTORY: list[dict[str, Any]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def live(qwen3_model_dir: Path) -> Iterator[LiveServer]:
-    yield from serving(qwen3_model_dir)
+@pytest.fixture
+def live(qwen3_server: LiveServer) -> LiveServer:
+    return qwen3_server
 
 
 def chat(server: LiveServer, **fields: Any) -> Any:
