@@ -43,7 +43,8 @@ HEADS_MAX_ROWS = 16
 
 
 def wanted(qkv: Tensor | Partials, head_dim: int) -> bool:
-    return (qkv.parts if isinstance(qkv, Partials) else qkv).is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and available()
+    on_cuda = (qkv.parts if isinstance(qkv, Partials) else qkv).is_cuda
+    return on_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and available()
 
 
 @functools.cache
