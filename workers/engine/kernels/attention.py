@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -70,8 +70,8 @@ class AttentionMetadata:
     block_tables: Tensor  # int32 [B, max_blocks_per_seq], padded with 0
     max_query_len: int
     max_seq_len: int
-    # The new tokens' K/V are in the cache already (piecewise graphs write them inside a captured piece): the backend
-    # only attends.
+    # The new tokens' K/V are in the cache already (piecewise graphs write them inside a captured piece, a decode
+    # layer's rotary kernel writes them: rope_kernel.cache_slots): the backend only attends.
     kv_written: bool = False
     # Hybrid models: the linear-attention layers' per-sequence state (None for pure-attention models).
     state: StateMetadata | None = None
@@ -87,6 +87,15 @@ class AttentionMetadata:
     # Values a backend derives from the fields above. They are the same for every layer, so the first
     # layer computes them and the other layers reuse them (28x fewer index kernels per step on a 7B).
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # ``written``'s view of this step, made by the first layer that asks (not copied by ``replace``).
+    _written: AttentionMetadata | None = field(default=None, init=False, repr=False, compare=False)
+
+    def written(self) -> AttentionMetadata:
+        """This step with ``kv_written`` set and the same derived values: what a backend is handed by a layer that
+        has put its K/V into the cache already. One per step, shared by every layer."""
+        if self._written is None:
+            self._written = replace(self, kv_written=True)
+        return self._written
 
 
 def build_attention_metadata(
@@ -130,6 +139,8 @@ def write_new_kv(k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata
 
 class AttentionBackend(Protocol):
     name: str
+    # Whether ``forward`` skips its K/V write for a ``meta.kv_written`` step (rope_kernel.cache_slots relies on it).
+    honours_kv_written: bool
 
     def forward(
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,

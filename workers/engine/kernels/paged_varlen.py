@@ -62,6 +62,7 @@ class PagedVarlenBackend:
 
     max_head_dim = 256  # wider heads (Gemma 4's global layers) take the fallback
     windows = True  # sliding-window layers on the kernel (else the fallback)
+    honours_kv_written = True  # here and in the fallback (write_new_kv)
 
     def __init__(self, kernel: Kernel, name: str, label: str, any_device: bool = False) -> None:
         self.name, self.label = name, label

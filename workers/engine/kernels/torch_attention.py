@@ -38,7 +38,6 @@ from workers.engine.kernels.attention_masks import (
     sequence_spans,
     windowed_packed_kv_slots,
 )
-from workers.engine.kernels.kv_write_kernel import write_kv_cache
 
 
 class SdpaBackend:
@@ -48,6 +47,7 @@ class SdpaBackend:
     """
 
     name = "sdpa"
+    honours_kv_written = True
 
     def forward(
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
@@ -151,6 +151,7 @@ class FlashVarlenBackend:
     """
 
     name = "flash"
+    honours_kv_written = True
 
     def __init__(self) -> None:
         fn, params = _varlen_api()
@@ -312,13 +313,14 @@ class PaddedDecodeBackend:
     """
 
     name = "padded_decode"
+    honours_kv_written = True
 
     def forward(
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
         window: int = 0, bidirectional: bool = False,
     ) -> Tensor:
         if k is not None and v is not None:
-            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+            write_new_kv(k, v, kv_cache, meta)
         if paged_attention.usable(q):  # in place: no padded copy of the keys (see paged_attention)
             width = meta.block_tables.shape[1] * kv_cache.shape[2]
             split = meta.derived.get("split_tokens")

@@ -151,12 +151,15 @@ class DecoderAttention(nn.Module):
         self.scale = d**-0.5
         self.fused = False  # CUDA: rotary of q and k in one kernel (rope_kernel.py; compiled where it is off)
 
-    def rotate(self, qkv: Tensor | Partials, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def rotate(
+        self, qkv: Tensor | Partials, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """The projection's output [T, q + 2 kv] -> q and k with rotary applied, and v, each [T, heads, D]; a
-        split-K decode product's partials are summed by the rotary kernel (rope_kernel.py)."""
+        split-K decode product's partials are summed by the rotary kernel (rope_kernel.py). ``cache`` (kv_cache and
+        the slots ``rope_kernel.cache_slots`` gave): the kernel also writes k and v there."""
         d = self.head_dim
         if self.fused and fused.worth_it(qkv) and rope_kernel.wanted(qkv, d):
-            return rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d)
+            return rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, cache=cache)
         qkv = settled(qkv)
         t = qkv.shape[0]
         if self.fused and fused.worth_it(qkv):
@@ -176,8 +179,11 @@ class DecoderAttention(nn.Module):
     ) -> Tensor | Partials:
         """The attention's output for the layer's post-attention ``RMSNorm.add`` (a split-K o projection's partials
         are summed there)."""
-        q, k, v = self.rotate(self.qkv_proj.unsummed(x) if self.fused else self.qkv_proj(x), cos, sin)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        qkv = self.qkv_proj.unsummed(x) if self.fused else self.qkv_proj(x)
+        # decode rows: the rotary kernel writes K/V into the cache, and the backend only attends
+        slots = rope_kernel.cache_slots(qkv, self.head_dim, kv_cache, meta, backend) if self.fused else None
+        q, k, v = self.rotate(qkv, cos, sin, None if slots is None else (kv_cache, slots))
+        out = backend.forward(q, k, v, kv_cache, meta if slots is None else meta.written(), self.scale)
         return self.o_proj.into_norm(out.reshape(x.shape[0], -1))
 
 

@@ -103,6 +103,7 @@ class Splitter:
     its inputs to the static buffers and returns the static output."""
 
     name = "piecewise"
+    honours_kv_written = False  # a captured piece writes K/V at the static slots (``forward``), never the rotary
 
     def __init__(self, owner: PieceOwner, rows: int, capture: Capture | None = None, real: int = 0,
                  meta: AttentionMetadata | None = None, window_meta: AttentionMetadata | None = None) -> None:

@@ -72,6 +72,22 @@ for t, hq, hkv, d, split, norm, bias in ((1, 32, 8, 128, 8, True, False), (3, 28
             torch.testing.assert_close(g, w, rtol=2**-7, atol=2e-2)  # a bf16 ulp: the sums' and norms' orders
     plain = rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d, qk_norm, by_head=True)
     assert torch.equal(plain[2], qkv.view(t, -1, d)[:, hq + hkv :])  # v: copied
+    # into a paged cache [2, blocks, block_size, Hkv, D] as well: k and v at their slots, every other slot untouched
+    kv_cache = torch.full((2, 3, 4, hkv, d), 7.0, dtype=dtype)
+    slots = torch.randperm(12, generator=gen)[:t]
+    for given in (qkv, product):
+        kv_cache.fill_(7.0)
+        q, k, v = rope_kernel.lm_rope(given, cos, sin, hq * d, hkv * d, d, qk_norm, by_head=True, cache=(kv_cache, slots))
+        flat = kv_cache.view(2, -1, hkv, d)
+        assert torch.equal(flat[0, slots], k) and torch.equal(flat[1, slots], v)
+        others = torch.ones(12, dtype=torch.bool)
+        others[slots] = False
+        assert bool((flat[:, others] == 7.0).all())
+try:  # the per-token kernel has no cache write
+    rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d, by_head=False, cache=(kv_cache, slots))
+    raise AssertionError("the per-token kernel took a cache")
+except ValueError as exc:
+    assert "per-head" in str(exc)
 assert rope_kernel.lm_rope(torch.zeros(0, 6 * 16), torch.zeros(0, 1, 16), torch.zeros(0, 1, 16), 64, 16, 16)[0].shape == (0, 4, 16)
 """
 

@@ -110,6 +110,7 @@ class MaskedSdpaBackend:
     ``bidirectional``), and then only if i - window < j (if ``window``). k = v = None: attend only."""
 
     name = "masked_sdpa"
+    honours_kv_written = True
 
     def forward(
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,

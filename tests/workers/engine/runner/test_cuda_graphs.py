@@ -77,3 +77,39 @@ def test_gemma4_graph_decode_gives_the_eager_tokens_on_cuda(
     assert engine.core.windows is not None and engine.core.windows.released > 0
     engine.runner.graphs = None
     assert [o.token_ids for o in engine.generate(prompts, greedy)] == with_graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir"])
+def test_kv_written_by_the_rotary_gives_the_backends_tokens_on_cuda(
+    fixture: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode rows' K/V put into the cache by the rotary kernel (rope_kernel.cache_slots; the backend skips its
+    write) against the backend's own write: the same bits in the same slots, so bf16 greedy tokens are equal, in
+    the decode graphs and eagerly. Qwen2.5-VL (qkv bias) and Qwen3-VL (q/k norms)."""
+    from workers.engine.kernels import rope_kernel
+
+    model_dir = request.getfixturevalue(fixture)
+    real, used = rope_kernel.cache_slots, []
+
+    def counted(*args: object) -> torch.Tensor | None:
+        slots = real(*args)  # type: ignore[arg-type]
+        used.append(slots is not None)
+        return slots
+
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[{"role": "user", "content": f"Count to {n}: " + "one " * n}] for n in (3, 20, 40)]
+
+    def tokens(cache_slots: object) -> tuple[list[list[int]], list[list[int]]]:
+        monkeypatch.setattr(rope_kernel, "cache_slots", cache_slots)
+        engine = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16"))
+        assert engine.runner.graphs is not None
+        graphed = [o.token_ids for o in engine.generate(prompts, greedy)]
+        assert engine.runner.graphs.stats["replays"] > 0
+        engine.runner.graphs = None
+        return graphed, [o.token_ids for o in engine.generate(prompts, greedy)]
+
+    by_rotary = tokens(counted)
+    assert any(used) and not all(used)  # decode rows took it; prefill chunks of more rows did not
+    assert tokens(lambda *args: None) == by_rotary

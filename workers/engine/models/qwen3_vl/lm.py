@@ -118,13 +118,15 @@ class Qwen3VLAttention(DecoderAttention):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.sizes = (self.q_size, self.kv_size, spec.head_dim)
 
-    def rotate(self, qkv: Tensor | Partials, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def rotate(
+        self, qkv: Tensor | Partials, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """The q and k norms, then rotary; on CUDA (``fused``) both in one kernel (rope_kernel.py, which also sums a
-        split-K decode product's partials; compiled where it is off)."""
+        split-K decode product's partials and writes k and v into ``cache`` where given; compiled where it is off)."""
         d = self.head_dim
         q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         if self.fused and fused.worth_it(qkv) and rope_kernel.wanted(qkv, d):
-            return rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, (q_w, k_w, eps))
+            return rope_kernel.lm_rope(qkv, cos, sin, self.q_size, self.kv_size, d, (q_w, k_w, eps), cache=cache)
         qkv = settled(qkv)
         t = qkv.shape[0]
         if self.fused and fused.worth_it(qkv):
