@@ -24,6 +24,11 @@ where the caller takes them unsummed (``unsummed``), by the next RMSNorm's kerne
 BLOCK_M take more programs along M (BLOCK_M at most 64), so the kernel is correct at any M, but it is meant for
 decode rows: fp8_gemm.py runs it up to its W8A16_MAX_ROWS under ``auto``.
 
+On Hopper and later the weight's tiles come through the Tensor Memory Accelerator (a host tensor descriptor per
+weight, ``TMA``): Qwen3-VL-8B's four projections at one row took 8-13 % less time than with per-thread loads (H200,
+`fp8_gemm_bench --sweep`), at 3 pipeline stages. ``GLIMPSE_W8A16_TMA=0`` keeps the per-thread loads. With 128 x 128
+scale blocks and BLOCK_N dividing 128, a program's weight rows share one scale per K tile, loaded as one value.
+
 The row count is not specialised on: a weight shape compiles once per BLOCK_M (16 for up to 16 rows). The start-up
 warm-up's forwards run every projection at decode row counts, which compiles them before any CUDA-graph capture.
 Tiles: ``tile`` picks one per shape; ``GLIMPSE_W8A16_TILE=block_n,block_k,split_k,warps,stages[,mode]`` forces one
@@ -55,6 +60,7 @@ from workers.engine.kernels.triton_switch import TritonSwitch
 SWITCH = TritonSwitch("GLIMPSE_TRITON_W8A16")
 available = SWITCH.on  # on CUDA tensors, or anywhere under TRITON_INTERPRET=1
 TILE_ENV = "GLIMPSE_W8A16_TILE"
+TMA_ENV = "GLIMPSE_W8A16_TMA"
 MAX_BLOCK_M = 64
 
 
@@ -82,15 +88,18 @@ class Tile(NamedTuple):
 # K splits until the grid has PROGRAMS_PER_SM programs per multiprocessor while each split keeps MIN_SPLIT_K
 # columns: the winning splits there (8 for qkv and down, 2 for gate_up; 1.5 waves of 132 SMs lands on all three).
 DEFAULT = Tile(block_n=128, block_k=128, split_k=1, warps=4, stages=4, mode=FP8_ACTIVATIONS)
+# The stages of DEFAULT's tile when its weight comes through TMA: at one row of Qwen3-VL-8B's projections 3 stages
+# took 7.68 / 9.79 / 29.15 / 16.27 us (o, qkv, gate_up, down) against 8.14 / 10.59 / 29.16 / 16.49 at 4 (H200).
+TMA_STAGES = 3
 PROGRAMS_PER_SM = 1.5
 MIN_SPLIT_K = 512
 FMA_MAX_ROWS = 0  # rows up to which the default tile multiplies on the CUDA cores (0: never; it won only qkv at 1 row, by 3 %)
 
 
-def tile(n: int, k: int, sms: int, rows: int = 1) -> Tile:
+def tile(n: int, k: int, sms: int, rows: int = 1, tma: bool = False) -> Tile:
     """The tile for a [rows, k] x [k, n] product on a card with ``sms`` multiprocessors (the weight's stream is
-    the cost at any decode row count): ``GLIMPSE_W8A16_TILE`` if set, else DEFAULT with the split K needs, FMA up
-    to FMA_MAX_ROWS rows."""
+    the cost at any decode row count): ``GLIMPSE_W8A16_TILE`` if set, else DEFAULT with the split K needs (and
+    TMA_STAGES where the weight comes through TMA), FMA up to FMA_MAX_ROWS rows."""
     forced = os.environ.get(TILE_ENV)
     if forced:
         return Tile(*(int(v) for v in forced.split(",")))
@@ -99,7 +108,28 @@ def tile(n: int, k: int, sms: int, rows: int = 1) -> Tile:
     step = DEFAULT.block_k
     while -(-n // DEFAULT.block_n) * split < want and k // (2 * split) >= MIN_SPLIT_K and k % (2 * split * step) == 0:
         split *= 2
-    return DEFAULT._replace(split_k=split, mode=FMA if rows <= FMA_MAX_ROWS else DEFAULT.mode)
+    stages = TMA_STAGES if tma else DEFAULT.stages
+    return DEFAULT._replace(split_k=split, stages=stages, mode=FMA if rows <= FMA_MAX_ROWS else DEFAULT.mode)
+
+
+@functools.cache
+def _tma_capable(index: int) -> bool:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def tma_serves(weight: Tensor) -> bool:
+    """Whether ``weight``'s tiles load through a TMA descriptor: a CUDA card of compute capability 9 or later, a
+    Triton with host tensor descriptors, rows whose bytes are a multiple of 16 on a 16-byte aligned base, and
+    GLIMPSE_W8A16_TMA not "0" (read on every call, so benchmarks can switch it)."""
+    if not weight.is_cuda or os.environ.get(TMA_ENV, "1") == "0":
+        return False
+    aligned = weight.is_contiguous() and weight.shape[-1] % 16 == 0 and weight.data_ptr() % 16 == 0
+    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    return aligned and _tma_capable(index)
 
 
 def candidates(k: int, modes: tuple[int, ...] = (DOT,)) -> list[Tile]:
@@ -123,10 +153,10 @@ def _kernel() -> Any:
 
     @triton.jit(do_not_specialize=["rows"])
     def w8a16_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n, k, k_split, stride_sn, stride_sk,
+        x_ptr, w_src, s_ptr, b_ptr, out_ptr, rows, n, k, k_split, stride_sn, stride_sk,
         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, K_SCALES: tl.constexpr, ROW_DIV: tl.constexpr, MODE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-        PDL: tl.constexpr,
+        TMA: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -135,9 +165,12 @@ def _kernel() -> Any:
         offs_k = tl.arange(0, BLOCK_K)
         k0 = pid_k * k_split
         x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * k + (k0 + offs_k)[None, :]
-        # W^T's [BLOCK_K, BLOCK_N] tile, read along W's contiguous rows
-        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * k + (k0 + offs_k)[:, None]
+        if not TMA:  # W^T's [BLOCK_K, BLOCK_N] tile, read along W's contiguous rows (w_src: the weight)
+            w_ptrs = w_src + offs_n[None, :].to(tl.int64) * k + (k0 + offs_k)[:, None]
         s_ptrs = s_ptr + (offs_n // ROW_DIV) * stride_sn  # each output row's scale row
+        # 128 x 128 scale blocks and BLOCK_N dividing them: the program's rows share one scale per K tile
+        ONE_SCALE: tl.constexpr = K_SCALES and ROW_DIV == SCALE_BLOCK and SCALE_BLOCK % BLOCK_N == 0
+        s_one = s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_sn
         m_ok = offs_m[:, None] < rows
         n_ok = offs_n[None, :] < n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -146,7 +179,10 @@ def _kernel() -> Any:
         for kk in range(0, k_split, BLOCK_K):
             k_ok = k0 + kk + offs_k < k
             x = tl.load(x_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok & k_ok[:, None], other=0.0)
+            if TMA:  # w_src: the weight's descriptor; rows and columns past its end come as zeros
+                w = w_src.load([pid_n * BLOCK_N, k0 + kk]).T
+            else:
+                w = tl.load(w_ptrs, mask=n_ok & k_ok[:, None], other=0.0)
             if MODE == 0 and not K_SCALES:
                 acc = tl.dot(x, w.to(x.dtype), acc)
             else:
@@ -159,12 +195,15 @@ def _kernel() -> Any:
                     part = tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
                 else:
                     part = tl.dot(x, w.to(x.dtype))
-                if K_SCALES:  # this tile lies in one 128-column block: one scale per output row
+                if ONE_SCALE:
+                    part = part * tl.load(s_one + ((k0 + kk) // SCALE_BLOCK) * stride_sk, mask=k0 + kk < k, other=0.0)
+                elif K_SCALES:  # this tile lies in one 128-column block: one scale per output row
                     s_ok = (offs_n < n) & (k0 + kk < k)
                     part = part * tl.load(s_ptrs + ((k0 + kk) // SCALE_BLOCK) * stride_sk, mask=s_ok, other=0.0)[None, :]
                 acc += part
             x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+            if not TMA:
+                w_ptrs += BLOCK_K
         if not K_SCALES:
             acc *= tl.load(s_ptrs, mask=offs_n < n, other=0.0)[None, :]
         if PARTIAL:
@@ -206,7 +245,8 @@ def unsummed(
     rows = x2.shape[0]
     if rows == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
-    t = use or tile(n, k, skinny_gemm.sm_count(x.device), rows)
+    tma = tma_serves(weight)
+    t = use or tile(n, k, skinny_gemm.sm_count(x.device), rows, tma)
     if use is None and rows > MAX_BLOCK_M:  # the M blocks give the grid its programs: no partials to sum
         t = t._replace(split_k=1)
     s = scale.float()
@@ -221,12 +261,16 @@ def unsummed(
     split = t.split_k > 1  # then float32 partials, summed (with the bias) after this kernel
     shape, dtype = ((t.split_k, rows, n), torch.float32) if split else ((rows, n), x.dtype)
     dst = torch.empty(shape, dtype=dtype, device=x.device)
-    w = weight.contiguous()
+    w: Any = weight.contiguous()
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w = TensorDescriptor.from_tensor(w, [t.block_n, block_k])
     _kernel()[grid](
         x2, w, s, bias if bias is not None else s, dst, rows, n, k, k_split, s.stride(0), s.stride(1),
         HAS_BIAS=bias is not None and not split, PARTIAL=split, K_SCALES=not channel,
         ROW_DIV=1 if s.shape[0] == n else BLOCK, MODE=t.mode, BLOCK_M=bm, BLOCK_N=t.block_n, BLOCK_K=block_k,
-        SCALE_BLOCK=BLOCK, num_warps=t.warps, num_stages=t.stages, **pdl.launch(x.device),
+        SCALE_BLOCK=BLOCK, TMA=tma, num_warps=t.warps, num_stages=t.stages, **pdl.launch(x.device),
     )  # fmt: skip
     return skinny_gemm.Partials(dst, bias, x.dtype) if split else dst
 

@@ -205,3 +205,42 @@ def test_w8a16_matches_the_dequantized_bf16_gemm_on_gpu(m: int) -> None:
                 want = w8a16_gemm.reference(x, q, s, b, mode)
                 err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
                 assert err <= 0.01, (mode, n, k, tuple(s.shape), float(err))
+
+
+def test_tma_only_for_cuda_weights_with_aligned_rows_and_the_switch_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, _ = quantize_block(torch.randn(64, 256))
+    assert not w8a16_gemm.tma_serves(q)  # the CPU (and the interpreter's tests) keep the per-thread loads
+    assert w8a16_gemm.tile(4096, 4096, 132, tma=True).stages == w8a16_gemm.TMA_STAGES
+    assert w8a16_gemm.tile(4096, 4096, 132).stages == w8a16_gemm.DEFAULT.stages
+    if CUDA_FP8 and torch.cuda.get_device_capability()[0] >= 9:
+        assert w8a16_gemm.tma_serves(q.cuda())
+        assert not w8a16_gemm.tma_serves(quantize_block(torch.randn(64, 264))[0].cuda())  # 264-byte rows
+        monkeypatch.setenv(w8a16_gemm.TMA_ENV, "0")
+        assert not w8a16_gemm.tma_serves(q.cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_FP8 or torch.cuda.get_device_capability()[0] < 9, reason="needs a CUDA device with TMA (SM90+)")
+@pytest.mark.parametrize("m", [1, 16])
+def test_tma_and_per_thread_loads_both_match_the_reference(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight's tiles through TMA (zeros past its rows and columns: partial tiles in N and K) and through
+    per-thread loads, at the same tiles, each within the tolerance of the test above of the reference that
+    quantizes x as its mode does (the dot's order of sums may differ between the two, so their last bits may)."""
+    gen = torch.Generator().manual_seed(m)
+    for n, k in ((4096, 4096), (1000, 1408)):
+        w = w8a16_gemm.spread_weight(n, k, gen)
+        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+        b = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
+        qb, sb = quantize_block(w)
+        qr, sr = quantize_rows(w)
+        for q, s in ((qb, sb), (qb, sb.repeat_interleave(BLOCK, 0)[:n]), (qr, sr)):
+            q, s = q.cuda(), s.cuda()
+            assert w8a16_gemm.tma_serves(q)
+            for t in (w8a16_gemm.Tile(128, 128, 4, 4, 3, w8a16_gemm.FP8_ACTIVATIONS),
+                      w8a16_gemm.Tile(32, 128, 2, 4, 4, w8a16_gemm.DOT), w8a16_gemm.Tile(32, 128, 2, 4, 4, w8a16_gemm.FMA)):
+                want = w8a16_gemm.reference(x, q, s, b, t.mode)
+                for tma in ("1", "0"):
+                    monkeypatch.setenv(w8a16_gemm.TMA_ENV, tma)
+                    got = w8a16_gemm.linear(x, q, s, b, use=t).float()
+                    err = (got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
+                    assert err <= 0.01, (tma, n, k, tuple(s.shape), t, float(err))
