@@ -7,6 +7,8 @@ activations and the bf16 path is checked on a GPU (marked) against the dequantiz
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -176,6 +178,19 @@ def test_the_kernel_refuses_a_weight_that_is_not_fp8() -> None:
         w8a16_gemm.linear(torch.randn(1, 128), torch.randn(64, 128), torch.ones(64, 1))
 
 
+def cuda_layouts(n: int, k: int, m: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(x, FP8 weight, scales, bias) on CUDA for one spread weight [n, k] in each scale layout (128 x 128 blocks,
+    those blocks repeated per row, row blocks), x of ``m`` bf16 rows."""
+    gen = torch.Generator().manual_seed(m)
+    w = w8a16_gemm.spread_weight(n, k, gen)
+    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
+    qb, sb = quantize_block(w)
+    qr, sr = quantize_rows(w)
+    for q, s in ((qb, sb), (qb, sb.repeat_interleave(BLOCK, 0)[:n]), (qr, sr)):
+        yield x, q.cuda(), s.cuda(), b
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA device with FP8 (SM89+)")
 @pytest.mark.parametrize("m", [1, 3, 16, 64])
@@ -183,15 +198,8 @@ def test_w8a16_matches_the_dequantized_bf16_gemm_on_gpu(m: int) -> None:
     """bf16 activations (the interpreter cannot check them): within bf16 output rounding of the dequantized bf16
     GEMM (both read the same FP8 values; only the float32 sums' order and the weight's bf16 rounding differ)."""
     assert w8a16_gemm.probe(torch.device("cuda"), torch.bfloat16), w8a16_gemm.SWITCH.why_off()
-    gen = torch.Generator().manual_seed(m)
     for n, k in ((4096, 4096), (1000, 1416)):  # a 8B's o projection; partial tiles in N and K
-        w = w8a16_gemm.spread_weight(n, k, gen)
-        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-        b = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
-        qb, sb = quantize_block(w)
-        qr, sr = quantize_rows(w)
-        for q, s in ((qb, sb), (qb, sb.repeat_interleave(BLOCK, 0)[:n]), (qr, sr)):
-            q, s = q.cuda(), s.cuda()
+        for x, q, s, b in cuda_layouts(n, k, m):
             ref = w8a16_gemm.reference(x, q, s, b)
             default = w8a16_gemm.reference(x, q, s, b, w8a16_gemm.DEFAULT.mode)
             for got, want in ((w8a16_gemm.linear(x, q, s, b), default), (fp8_gemm.dequant_linear(x, q, s, b), ref)):
@@ -226,15 +234,8 @@ def test_tma_and_per_thread_loads_both_match_the_reference(m: int, monkeypatch: 
     """The weight's tiles through TMA (zeros past its rows and columns: partial tiles in N and K) and through
     per-thread loads, at the same tiles, each within the tolerance of the test above of the reference that
     quantizes x as its mode does (the dot's order of sums may differ between the two, so their last bits may)."""
-    gen = torch.Generator().manual_seed(m)
     for n, k in ((4096, 4096), (1000, 1408)):
-        w = w8a16_gemm.spread_weight(n, k, gen)
-        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-        b = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
-        qb, sb = quantize_block(w)
-        qr, sr = quantize_rows(w)
-        for q, s in ((qb, sb), (qb, sb.repeat_interleave(BLOCK, 0)[:n]), (qr, sr)):
-            q, s = q.cuda(), s.cuda()
+        for x, q, s, b in cuda_layouts(n, k, m):
             assert w8a16_gemm.tma_serves(q)
             for t in (w8a16_gemm.Tile(128, 128, 4, 4, 3, w8a16_gemm.FP8_ACTIVATIONS),
                       w8a16_gemm.Tile(32, 128, 2, 4, 4, w8a16_gemm.DOT), w8a16_gemm.Tile(32, 128, 2, 4, 4, w8a16_gemm.FMA)):
