@@ -307,7 +307,7 @@ class ModelRunner:
         if mask is not None and self.grammar is not None:
             self.grammar.accept_all(rids, out.tokens)
         self.last_sampled = out.device, rows_of
-        launched.rids, launched.logprobs = rids, out.logprobs
+        launched.rids, launched.logprobs = rids, out.pending
         if self.device.type == "cuda":
             # The ids come to the host by a queued copy, and the worker reads them once the event has passed: in
             # the meantime it can queue the next step (asynchronous scheduling).

@@ -32,12 +32,49 @@ RowMask = Callable[[torch.Tensor], None]
 
 
 @dataclass
+class LogprobRows:
+    """A step's log probabilities on their way to the host. Reading them at sampling time (``tolist``) would make
+    the host wait for the whole forward, so a step asking for them could not be overlapped with planning the next
+    (asynchronous scheduling): on CUDA they go by queued copies into pinned memory, and ``entries`` waits for
+    those copies alone, when the worker reads the step's result."""
+
+    rids: list[str]
+    wants: list[int]  # top_logprobs asked for, per row
+    chosen: torch.Tensor  # float32 [R]: the sampled token's
+    top_values: torch.Tensor  # float32 [R, k]
+    top_ids: torch.Tensor  # int64 [R, k]
+    copied: torch.cuda.Event | None = None  # recorded after the copies (None: on the host already)
+
+    @classmethod
+    def queue(cls, rids: list[str], wants: list[int], chosen: torch.Tensor, top_values: torch.Tensor,
+              top_ids: torch.Tensor) -> LogprobRows:  # fmt: skip
+        if chosen.device.type != "cuda":
+            return cls(rids, wants, chosen, top_values, top_ids)
+
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        on_host = pinned(chosen), pinned(top_values), pinned(top_ids)
+        copied = torch.cuda.Event()
+        copied.record()  # after the copies, on the same stream
+        return cls(rids, wants, on_host[0], on_host[1], on_host[2], copied)
+
+    def entries(self) -> list[SampleLogprobs]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        return [SampleLogprobs(rid, chosen[j], ids[j][:want], values[j][:want])
+                for j, (rid, want) in enumerate(zip(self.rids, self.wants, strict=True))]  # fmt: skip
+
+
+@dataclass
 class SampleOutput:
     """The sampled ids stay on the device until ``tokens`` is read: a worker that schedules asynchronously feeds
-    ``device`` to the next step's input before this step's ids reach the host."""
+    ``device`` to the next step's input before this step's ids reach the host; so do the log probabilities
+    (``pending``) until ``logprobs`` is read."""
 
     device: torch.Tensor  # int64 [N]
-    logprobs: list[SampleLogprobs]
+    pending: LogprobRows | None = None
     _host: list[int] | None = None
 
     @property
@@ -45,6 +82,10 @@ class SampleOutput:
         if self._host is None:
             self._host = self.device.tolist()
         return self._host
+
+    @property
+    def logprobs(self) -> list[SampleLogprobs]:
+        return self.pending.entries() if self.pending is not None else []
 
 
 class Sampler:
@@ -109,7 +150,7 @@ class Sampler:
         plain = mask is None and all(p.greedy and _plain(p) for p in params)
         if plain:
             self._count(rids)
-            return SampleOutput(logits.argmax(dim=-1), [])
+            return SampleOutput(logits.argmax(dim=-1))
         # Every per-row number the step needs goes to the device in two copies that do not block.
         pack = Pack()
         plan = self._plan(pack, rids, params)
@@ -190,22 +231,15 @@ class Sampler:
         params: list[SamplingParams],
         rows: list[int],
         pack: Pack,
-    ) -> list[SampleLogprobs]:
+    ) -> LogprobRows | None:
         if not rows:
-            return []
+            return None
         at = pack["lp_at"]
         lp = torch.log_softmax(logits[at], dim=-1)
         chosen = lp.gather(1, tokens[at].unsqueeze(1)).squeeze(1)
-        k = max(min(params[i].logprobs or 0, MAX_LOGPROBS) for i in rows)
-        top = lp.topk(k, dim=-1) if k else None
-        chosen_list = chosen.tolist()
-        top_values = top.values.tolist() if top is not None else [[] for _ in rows]
-        top_ids = top.indices.tolist() if top is not None else [[] for _ in rows]
-        out = []
-        for j, i in enumerate(rows):
-            want = params[i].logprobs or 0
-            out.append(SampleLogprobs(rids[i], chosen_list[j], top_ids[j][:want], top_values[j][:want]))
-        return out
+        wants = [min(params[i].logprobs or 0, MAX_LOGPROBS) for i in rows]
+        top = lp.topk(max(wants), dim=-1)  # k = 0 gives [R, 0]
+        return LogprobRows.queue([rids[i] for i in rows], wants, chosen, top.values, top.indices)
 
     def _count(self, rids: list[str]) -> None:
         for rid in rids:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from ipc.prompts import SamplingParams
@@ -148,3 +149,30 @@ def test_min_p_keeps_only_tokens_near_the_best() -> None:
     s = Sampler(CPU, seed=3)
     # p(4.0) / p(3.0) = e, so 3.0 is dropped at min_p 0.5; 3.9 stays (e^-0.1 > 0.5).
     assert {s.sample(x, ["r"], [p]).tokens[0] for _ in range(200)} == {0, 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_log_probabilities_do_not_make_the_host_wait_on_cuda() -> None:
+    """Sampling with log probabilities queues their copies: no call in it synchronizes with the device (which would
+    stop the worker from planning the next step while this one runs), and the entries read afterwards are the
+    CPU's."""
+    x = logits(rows=3)
+    rids = ["a", "b", "c"]
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logprobs=0)]  # fmt: skip
+    gpu = Sampler(torch.device("cuda"))
+    on_device = x.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
+    try:
+        out = gpu.sample(on_device, rids, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = Sampler(CPU).sample(x, rids, params)
+    assert out.tokens == want.tokens
+    got, ref = out.logprobs, want.logprobs
+    assert [(e.rid, e.top_ids) for e in got] == [(e.rid, e.top_ids) for e in ref] and len(got) == 2
+    for a, b in zip(got, ref, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-5)
