@@ -13,7 +13,7 @@ Variants (``GLIMPSE_FP8_GEMM``, read once per process):
   (activations quantized per 1 x 128 token group; cuBLAS on Hopper). From COMPILED_QUANT_MIN_ROWS rows the
   activations' quantization is one compiled kernel: at 8,192 rows it took block qkv from 0.784 to 0.365 ms (bf16
   0.516) and row-wise down from 1.794 to 0.795 (bf16 1.011) on an H200 (``fp8_gemm_bench --eager``, session 35). Routed experts: ``torch._scaled_grouped_mm``
-  row-wise (at decode rows moe_kernel.py's Triton kernels, which read the FP8 stacks weight-only). The 16-row threshold: at 16 rows the decode kernel took 0.69-0.94x bf16's time (H200, session 36); the row count where the native kernels overtake it is not measured yet.
+  row-wise (at decode rows moe_kernel.py's Triton kernels, which read the FP8 stacks weight-only). The 64-row threshold: measured below (W8A16_MAX_ROWS).
 * ``bf16``: no FP8 layer at all: the loader's dequantized weights stay as they are (the CPU path everywhere).
 * ``w8a16``: the decode Triton kernel at every row count (prefill chunks too, tiled along M): what the
   benchmark compares at every M (weight-only when its tile mode is DOT: ``GLIMPSE_W8A16_TILE``). Routed experts stay in the model dtype (the
@@ -58,10 +58,11 @@ Variant = Literal["auto", "w8a16", "dequant", "bf16"]
 VARIANTS: tuple[Variant, ...] = ("auto", "w8a16", "dequant", "bf16")
 VARIANT_ENV = "GLIMPSE_FP8_GEMM"
 _refused: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()  # (kernel, weight shape, scale shape)
-# Rows up to which ``auto`` takes the weight-only kernel: decode batches, where the weights' stream is the cost and
-# the scaled-FP8 kernels lost to bf16 (docs/benchmarks.md, "FP8 GEMMs"). A guess until fp8_gemm_bench measures
-# where w8a16 stops beating them.
-W8A16_MAX_ROWS = 16
+# Rows up to which ``auto`` takes the decode kernel: decode batches, where the weights' stream is the cost. At 32
+# and 64 rows the Qwen3-VL-8B shape's four projections took 0.099 and 0.106 ms in it against 0.172 and 0.183 in
+# cuBLAS's block-scaled GEMM with its activation quantization (bf16: 0.115, 0.116; H200, fp8_gemm_bench, graph-
+# replayed, 2026-12-02); above 64 rows it is not measured. GLIMPSE_W8A16_MAX_ROWS (read at import) moves it.
+W8A16_MAX_ROWS = int(os.environ.get("GLIMPSE_W8A16_MAX_ROWS", "64"))
 # Rows from which the activations' quantization runs as one compiled kernel (fused.py) instead of torch's six or seven
 # ops with float32 copies between them. Below it the eager ops stay: a symbolic-rows graph from torch.compile covers
 # every count from 2 up, but a count of 1 would compile a graph of its own at serving time.
@@ -82,7 +83,6 @@ def fp8_block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     (token-major: [M, K / 128] with stride (1, M))."""
     q, scale = quantize_token_groups(x, BLOCK)
     return q, scale.t().contiguous().t()
-
 
 
 def variant() -> Variant:

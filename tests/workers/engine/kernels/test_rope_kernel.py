@@ -53,7 +53,8 @@ for t, hq, hkv, d in ((5, 32, 8, 128), (2, 3, 1, 16)):
 # The per-head kernel (decode rows), on a plain qkv and on a split-K product's float32 partials (summed in the kernel,
 # in its own order, then rounded as the sum pass rounds), with Qwen3's norms and without, a bias and none.
 for t, hq, hkv, d, split, norm, bias in ((1, 32, 8, 128, 8, True, False), (3, 28, 4, 128, 4, False, True),
-                                         (2, 3, 1, 16, 2, True, True), (2, 3, 1, 16, 3, False, True)):
+                                         (2, 3, 1, 16, 2, True, True), (2, 3, 1, 16, 3, False, True),
+                                         (64, 3, 1, 16, 2, True, False)):  # 64: FP8's decode batches (W8A16_MAX_ROWS)
     dtype = torch.bfloat16
     n = (hq + 2 * hkv) * d
     parts = torch.randn(split, t, n, generator=gen)
@@ -73,14 +74,15 @@ for t, hq, hkv, d, split, norm, bias in ((1, 32, 8, 128, 8, True, False), (3, 28
     plain = rope_kernel.lm_rope(qkv, cos, sin, hq * d, hkv * d, d, qk_norm, by_head=True)
     assert torch.equal(plain[2], qkv.view(t, -1, d)[:, hq + hkv :])  # v: copied
     # into a paged cache [2, blocks, block_size, Hkv, D] as well: k and v at their slots, every other slot untouched
-    kv_cache = torch.full((2, 3, 4, hkv, d), 7.0, dtype=dtype)
-    slots = torch.randperm(12, generator=gen)[:t]
+    n_slots = 4 * max(3, t // 2)  # blocks of 4: room for every token and slots left untouched
+    kv_cache = torch.full((2, n_slots // 4, 4, hkv, d), 7.0, dtype=dtype)
+    slots = torch.randperm(n_slots, generator=gen)[:t]
     for given in (qkv, product):
         kv_cache.fill_(7.0)
         q, k, v = rope_kernel.lm_rope(given, cos, sin, hq * d, hkv * d, d, qk_norm, by_head=True, cache=(kv_cache, slots))
         flat = kv_cache.view(2, -1, hkv, d)
         assert torch.equal(flat[0, slots], k) and torch.equal(flat[1, slots], v)
-        others = torch.ones(12, dtype=torch.bool)
+        others = torch.ones(n_slots, dtype=torch.bool)
         others[slots] = False
         assert bool((flat[:, others] == 7.0).all())
 try:  # the per-token kernel has no cache write

@@ -34,7 +34,8 @@ for view in (wide[:, : 2 * 1024], wide[:, 1024 + 7 :], wide[:, :2048].t().contig
     torch.testing.assert_close(silu_kernel.silu_mul(view), F.silu(view[:, :1024]) * view[:, 1024:])
 # A split-K gate_up's float32 partials (FP8's decode GEMM splits it in 2), with and without a bias: summed in the
 # kernel, the same bits as the sum pass followed by the kernel.
-for split, rows, width, bias in ((2, 1, 2500, True), (4, 3, 1024, False), (1, 2, 700, True)):
+# 64 rows: FP8's decode kernel takes decode batches up to fp8_gemm.W8A16_MAX_ROWS.
+for split, rows, width, bias in ((2, 1, 2500, True), (4, 3, 1024, False), (1, 2, 700, True), (2, 64, 300, True)):
     parts = 3 * torch.randn(split, rows, 2 * width, generator=gen)
     b = torch.randn(2 * width, generator=gen).to(torch.bfloat16) if bias else None
     product = Partials(parts, b, torch.bfloat16)

@@ -47,6 +47,11 @@ for dtype in (torch.float32, torch.float16):
         assert torch.equal(norm.add(residual, delta)[0], total)
         norm.fused = False
         assert all(torch.equal(a, b) for a, b in zip(norm.add(residual, delta), (want_total, want)))
+# 64 rows, a program each: FP8's decode kernel splits K for decode batches up to fp8_gemm.W8A16_MAX_ROWS
+parts = torch.randn(2, 64, 96, generator=gen)
+residual = torch.randn(64, 96, generator=gen)
+total, _ = split_norm.add_rms_norm(residual, Partials(parts, None, torch.float32), torch.ones(96), 1e-6)
+torch.testing.assert_close(total, residual + parts.sum(0), rtol=1e-5, atol=1e-5)
 # 3 splits (a forced tile's) load one at a time: the loads' count must be a power of two
 parts = torch.randn(3, 2, 96, generator=gen)
 residual = torch.randn(2, 96, generator=gen)
