@@ -5,10 +5,14 @@ loader quantizes them in the checkpoint's layout) in turn, driven by the bench c
     python -m benchmarks.serving.fp8_bench --shape qwen3-8b
     python -m benchmarks.serving.fp8_bench --shape qwen3-30b-a3b --variants bf16,fp8,fp8-w8a16 --layers 24
 
-Variants (``--variants``): ``bf16`` (the bf16 checkpoint); ``fp8`` (the FP8 checkpoint, ``GLIMPSE_FP8_GEMM=auto``,
-the default: w8a16_gemm.py's decode kernel at decode rows, the scaled-FP8 kernels above); ``fp8-w8a16``
-(``GLIMPSE_FP8_GEMM=w8a16``: the decode kernel at every row count); ``fp8-dequant`` (the FP8 checkpoint under the default ``bf16``: dequantized at
-load, so it should match ``bf16``); ``fp8-dynamic`` (compressed-tensors per-channel FP8, ``auto``).
+Variants (``--variants``): ``bf16`` (the bf16 checkpoint); ``fp8`` (the FP8 checkpoint, ``GLIMPSE_FP8_GEMM=auto``, the
+default: w8a16_gemm.py's decode kernel at decode rows, the scaled-FP8 kernels above); ``fp8-no-tma`` (``auto`` with
+``GLIMPSE_W8A16_TMA=0``: the decode kernel's weight through per-thread loads instead of TMA on Hopper); ``fp8-w8a16``
+(``GLIMPSE_FP8_GEMM=w8a16``: the decode kernel at every row count); ``fp8-torch-quant`` (``auto`` with the block
+GEMMs' activations quantized by torch's ops, ``GLIMPSE_TRITON_FP8_QUANT=0``, instead of fp8_act_quant.py's kernel);
+``fp8-w8a16-16`` (``auto`` with the decode kernel up to 16 rows, ``GLIMPSE_W8A16_MAX_ROWS=16``, instead of 64);
+``fp8-dequant`` (the FP8 checkpoint under the default ``bf16``: dequantized at load, so it should match ``bf16``);
+``fp8-dynamic`` (compressed-tensors per-channel FP8, ``auto``).
 Columns: start-up (spawn to /health), (a) one request of 8 x 1080p images, mean TTFT over ``--ttft-requests``
 sequential requests after the warm-up; (b) ``--num-prompts`` requests of 1 x 1080p, 128 tokens out, at
 ``--concurrency``: req/s and mean TPOT; (d) batch-1 text: mean TPOT of ``--text-requests`` sequential text-only
@@ -35,6 +39,9 @@ from benchmarks.serving.dp_bench import bench, load_flags, multiturn, serve
 VARIANTS: dict[str, tuple[str | None, dict[str, str]]] = {
     "bf16": (None, {}),
     "fp8": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto"}),
+    "fp8-no-tma": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto", "GLIMPSE_W8A16_TMA": "0"}),
+    "fp8-torch-quant": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto", "GLIMPSE_TRITON_FP8_QUANT": "0"}),
+    "fp8-w8a16-16": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto", "GLIMPSE_W8A16_MAX_ROWS": "16"}),
     "fp8-w8a16": ("fp8-block", {"GLIMPSE_FP8_GEMM": "w8a16"}),
     "fp8-dequant": ("fp8-block", {"GLIMPSE_FP8_GEMM": "bf16"}),
     "fp8-dynamic": ("fp8-dynamic", {"GLIMPSE_FP8_GEMM": "auto"}),

@@ -10,7 +10,8 @@ Variants (``GLIMPSE_FP8_GEMM``, read once per process):
   they are, the activations quantized per 1 x 128 group inside the kernel, no quantization kernels); above that the native kernel where torch has
   one for the device and the weight's scales, else ``dequant``. Channel scales: ``torch._scaled_mm`` row-wise
   (activations quantized per token). 128 x 128 block scales: ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128
-  (activations quantized per 1 x 128 token group; cuBLAS on Hopper). From COMPILED_QUANT_MIN_ROWS rows the
+  (activations quantized per 1 x 128 token group; cuBLAS on Hopper; on CUDA that quantization is one Triton kernel,
+  fp8_act_quant.py, in CUDA graphs too). Otherwise, from COMPILED_QUANT_MIN_ROWS rows the
   activations' quantization is one compiled kernel: at 8,192 rows it took block qkv from 0.784 to 0.365 ms (bf16
   0.516) and row-wise down from 1.794 to 0.795 (bf16 1.011) on an H200 (``fp8_gemm_bench --eager``, session 35). Routed experts: ``torch._scaled_grouped_mm``
   row-wise (at decode rows moe_kernel.py's Triton kernels, which read the FP8 stacks weight-only). The 64-row threshold: measured below (W8A16_MAX_ROWS).
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels import fused, skinny_gemm, w8a16_gemm
+from workers.engine.kernels import fp8_act_quant, fused, skinny_gemm, w8a16_gemm
 from workers.engine.kernels.fp8_quant import (
     BLOCK,
     dequantize,
@@ -83,6 +84,14 @@ def fp8_block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     (token-major: [M, K / 128] with stride (1, M))."""
     q, scale = quantize_token_groups(x, BLOCK)
     return q, scale.t().contiguous().t()
+
+
+def block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``fp8_block_activations(x)``: on CUDA one Triton kernel (fp8_act_quant.py: the same bits, in CUDA graphs
+    too), else (or with it off) torch's ops."""
+    if x.is_cuda and fp8_act_quant.available():
+        return fp8_act_quant.quantize(x)
+    return _quantize(fp8_block_activations, x)
 
 
 def variant() -> Variant:
@@ -163,7 +172,7 @@ def block_linear(
     kind = scale_kind(weight, scale)
     m = x.shape[0]
     xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
-    q, sx = _quantize(fp8_block_activations, xp)
+    q, sx = block_activations(xp)
     kb = scale.shape[1]
     # 128 x 128 scales go in with their K blocks padded to a multiple of 4; row-block (1 x 128) ones as they are
     # (torch 2.11 refuses a padded [N, 4] for K = 256: "scale_b must have shape 256 x 2").
@@ -215,6 +224,8 @@ def probe(kind: str, device: torch.device) -> bool:
             q, s = quantize_rows(w[0])
             ok = _close(rowwise_linear(x, q, s), dequant_linear(x, q, s))
         else:
+            if device.type == "cuda" and not fp8_act_quant.probe(device, torch.bfloat16):  # torch's ops instead
+                log.warning("the Triton FP8 activation quantization is off (%s)", fp8_act_quant.SWITCH.why_off())
             q, s = quantize_block(w[0])
             if kind == "row-block":
                 s = s.repeat_interleave(BLOCK, dim=0)
