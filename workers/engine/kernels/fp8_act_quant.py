@@ -6,8 +6,8 @@ them. fp8_gemm.py ran the torch.compile'd version from 32 rows, but only outside
 a capture), so the piecewise graphs' steps (prefill chunks and mixed steps up to 1,024 tokens) captured the eager
 ops: fp8_gemm_bench's graph-replayed block GEMMs at 2,048 rows, that quantization included, took 1.5-2x bf16's time
 on the Qwen3-VL-8B shape's qkv, o and down projections (H200, 2026-12-02). This kernel reads x once and writes the
-values and their scales; the row count is not specialised on, so captured and eager steps of any size run the same
-compiled variant (K and the dtype are a model's constants, compiled by the start-up warm-up).
+values and their scales; neither the row count nor K is specialised on, so every step, captured or not, runs the
+variant the block GEMMs' start-up probe compiled for the activations' dtype.
 
 Bits: fp8_quant's (the group's absolute max over 448, at least 1e-12; x divided by it, rounded to nearest as torch
 divides, clamped to +-448, rounded to e4m3).
@@ -36,7 +36,7 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["rows"])
+    @triton.jit(do_not_specialize=["rows", "groups"])  # a row's start stays 128-aligned: GROUP is a constant
     def group_quant_kernel(x_ptr, q_ptr, s_ptr, rows, groups, GROUP: tl.constexpr, GROUPS: tl.constexpr):
         row = tl.program_id(0)
         g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)

@@ -9,8 +9,8 @@ partials together, sums them in an order fixed by the kernel's layout (determini
 order: the last bits of the sum can differ from it), rounds the sum and the bias to the activations' dtype as the
 sum pass does, adds the residual and normalises the row as ``RMSNorm.add`` does, one kernel fewer per projection.
 
-Only decode rows come here (the GEMMs split K for at most 64 rows: fp8_gemm.W8A16_MAX_ROWS), so a row fits one program: the hidden size,
-padded to a power of two, in registers. The row count is not specialised on; the split count and width are
+Only decode rows come here (the GEMMs split K for at most 64 rows: fp8_gemm.W8A16_MAX_ROWS), so a row fits one
+program: the hidden size, padded to a power of two, in registers. The row count is not specialised on; the split count and width are
 constants of a model, compiled by the start-up warm-up's forwards before any CUDA-graph capture.
 """
 
