@@ -28,6 +28,18 @@ def to_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return staged.to(device, non_blocking=True)
 
 
+def queued_to_host(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Copies of device tensors in pinned host memory, queued behind the work that makes them (the host does not
+    wait), and the event recorded after the copies: read them once it has passed. Off CUDA: the tensors as they
+    are, no event."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return list(tensors), None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
 def pixel_rows(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype, layout: FrameLayout | None) -> torch.Tensor:
     """A ViT call's patch rows on ``device`` in ``dtype``, from what the images' segments hold: rows, or uint8
     frames (pixel_frames.py), each copied as it is (a quarter of the rows' bytes in bf16) and made into rows there."""

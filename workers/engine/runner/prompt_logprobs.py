@@ -12,13 +12,14 @@ chunk of a 152K vocabulary would be 2.5 GB in float32).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ipc.logprob_messages import PromptLogprobs
 from ipc.prompts import SamplingParams
+from workers.engine.runner.batching import queued_to_host, to_device
 
 if TYPE_CHECKING:
     from workers.engine.models.model_spec import ModelSpec
@@ -46,11 +47,30 @@ class PromptSpan:
 
 
 @dataclass
-class _Out:
-    logprobs: list[float] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_logprobs: list[list[float]] = field(default_factory=list)
+class ScoredPrompts:
+    """A step's prompt log probabilities on their way to the host, row after row in the spans' order: queued
+    copies (batching.queued_to_host), read with the step's sampled ids, so scoring a prompt does not make the
+    worker wait for the forward before it plans the next step (sampler.LogprobRows does the same for samples)."""
+
+    spans: list[PromptSpan]
+    chosen: torch.Tensor  # float32 [rows]: the next prompt token's log probability
+    ranks: torch.Tensor  # int64 [rows]
+    top_values: torch.Tensor  # float32 [rows, k]: k the most any span asked for
+    top_ids: torch.Tensor  # int64 [rows, k]
+    copied: torch.cuda.Event | None = None
+
+    def entries(self) -> list[PromptLogprobs]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        out, at = [], 0
+        for s in self.spans:
+            rows = range(at, at + len(s.next_ids))
+            out.append(PromptLogprobs(s.rid, s.start, chosen[at : rows.stop], ranks[at : rows.stop],
+                                      [ids[r][: s.k] for r in rows], [values[r][: s.k] for r in rows]))  # fmt: skip
+            at = rows.stop
+        return out
 
 
 class _Seq(Protocol):
@@ -81,15 +101,18 @@ def slice_rows(vocab: int) -> int:
 @torch.inference_mode()
 def score_prompts(
     hidden: torch.Tensor, spans: list[PromptSpan], logits_of: Logits, vocab: int, rank0: bool
-) -> list[PromptLogprobs]:
+) -> ScoredPrompts | None:
     """``hidden``: the final hidden states of every span's rows, span after span. Every TP rank calls this
-    with the same slices (computing logits gathers over ranks); only rank 0 reduces them and returns entries."""
+    with the same slices (computing logits gathers over ranks); only rank 0 reduces them and returns the scores."""
     total = sum(len(s.next_ids) for s in spans)
     if total != hidden.shape[0]:
         raise ValueError(f"{hidden.shape[0]} hidden rows for {total} prompt positions")
-    owner = [i for i, s in enumerate(spans) for _ in s.next_ids]
-    targets = torch.tensor([t for s in spans for t in s.next_ids], device=hidden.device)
-    outs = [_Out() for _ in spans]
+    device, k = hidden.device, max((s.k for s in spans), default=0)
+    targets = to_device([torch.tensor([t for s in spans for t in s.next_ids])], device)  # pinned: no host wait
+    chosen = torch.empty(total, dtype=torch.float32, device=device)
+    ranks = torch.empty(total, dtype=torch.int64, device=device)
+    top_values = torch.empty((total, k), dtype=torch.float32, device=device)
+    top_ids = torch.empty((total, k), dtype=torch.int64, device=device)
     step = slice_rows(vocab)
     for lo in range(0, total, step):
         hi = min(total, lo + step)
@@ -98,21 +121,12 @@ def score_prompts(
             continue
         lp = torch.log_softmax(logits.float(), dim=-1)
         del logits
-        chosen = lp.gather(1, targets[lo:hi].unsqueeze(1))
-        ranks = (lp > chosen).sum(dim=1) + 1
-        k = max(spans[owner[r]].k for r in range(lo, hi))
-        top = lp.topk(k, dim=-1) if k else None
-        values, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
-        for j, (value, rank) in enumerate(zip(chosen.squeeze(1).tolist(), ranks.tolist(), strict=True)):
-            span_index = owner[lo + j]
-            want, out = spans[span_index].k, outs[span_index]
-            out.logprobs.append(value)
-            out.ranks.append(rank)
-            out.top_ids.append(ids[j][:want] if top is not None else [])
-            out.top_logprobs.append(values[j][:want] if top is not None else [])
+        picked = lp.gather(1, targets[lo:hi].unsqueeze(1))
+        chosen[lo:hi] = picked.squeeze(1)
+        ranks[lo:hi] = (lp > picked).sum(dim=1) + 1
+        if k:
+            torch.topk(lp, k, dim=-1, out=(top_values[lo:hi], top_ids[lo:hi]))
     if not rank0:
-        return []
-    return [
-        PromptLogprobs(s.rid, s.start, o.logprobs, o.ranks, o.top_ids, o.top_logprobs)
-        for s, o in zip(spans, outs, strict=True)
-    ]
+        return None
+    (chosen, ranks, top_values, top_ids), copied = queued_to_host([chosen, ranks, top_values, top_ids])
+    return ScoredPrompts(spans, chosen, ranks, top_values, top_ids, copied)

@@ -16,6 +16,7 @@ import torch
 
 from ipc.logprob_messages import SampleLogprobs
 from ipc.prompts import SamplingParams
+from workers.engine.runner.batching import queued_to_host
 from workers.engine.runner.logits import (
     Pack,
     PenaltyBook,
@@ -48,16 +49,8 @@ class LogprobRows:
     @classmethod
     def queue(cls, rids: list[str], wants: list[int], chosen: torch.Tensor, top_values: torch.Tensor,
               top_ids: torch.Tensor) -> LogprobRows:  # fmt: skip
-        if chosen.device.type != "cuda":
-            return cls(rids, wants, chosen, top_values, top_ids)
-
-        def pinned(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-        on_host = pinned(chosen), pinned(top_values), pinned(top_ids)
-        copied = torch.cuda.Event()
-        copied.record()  # after the copies, on the same stream
-        return cls(rids, wants, on_host[0], on_host[1], on_host[2], copied)
+        (chosen, top_values, top_ids), copied = queued_to_host([chosen, top_values, top_ids])
+        return cls(rids, wants, chosen, top_values, top_ids, copied)
 
     def entries(self) -> list[SampleLogprobs]:
         if self.copied is not None:

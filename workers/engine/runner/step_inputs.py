@@ -9,13 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ipc.logprob_messages import PromptLogprobs
 from ipc.prompts import MMItem, SamplingParams
 from ipc.steps import Fork, StepPlan, StepResult
 from workers.engine.core.kv_cache import slot_mapping
 from workers.engine.models.model_spec import ModelSpec
 from workers.engine.runner.batching import host_tensor, to_device
-from workers.engine.runner.prompt_logprobs import PromptSpan, span_for
+from workers.engine.runner.prompt_logprobs import PromptSpan, ScoredPrompts, span_for
 from workers.engine.runner.sampler import LogprobRows
 
 
@@ -49,7 +48,7 @@ class Launched:
     rids: list[str] = field(default_factory=list)
     tokens: torch.Tensor | None = None  # int64 [len(rids)]: pinned host memory on CUDA, filled by a queued copy
     logprobs: LogprobRows | None = None  # read with the ids, so they too need not hold up the next step
-    scored: list[PromptLogprobs] = field(default_factory=list)
+    scored: ScoredPrompts | None = None  # the same for prompt log probabilities
     event: torch.cuda.Event | None = None  # recorded after the copy; None: finished already (CPU)
 
     def done(self) -> bool:
@@ -61,7 +60,8 @@ class Launched:
         ids = self.tokens.tolist() if self.tokens is not None else []
         sampled = list(zip(self.rids, ids, strict=True))
         logprobs = self.logprobs.entries() if self.logprobs is not None else []
-        return StepResult(self.step_id, sampled, self.images_encoded, self.vit_calls, logprobs, self.scored)
+        scored = self.scored.entries() if self.scored is not None else []
+        return StepResult(self.step_id, sampled, self.images_encoded, self.vit_calls, logprobs, scored)
 
 
 @dataclass

@@ -37,7 +37,9 @@ def test_scores_equal_one_log_softmax_whatever_the_slices(monkeypatch: pytest.Mo
         return h @ head.T
 
     monkeypatch.setattr(prompt_logprobs, "MAX_SLICE_ROWS", 3)  # slices cross the spans' boundary
-    a, b = score_prompts(hidden, spans, logits_of, VOCAB, rank0=True)
+    scored = score_prompts(hidden, spans, logits_of, VOCAB, rank0=True)
+    assert scored is not None
+    a, b = scored.entries()
     assert calls == [3, 3, 1]
     expected = _reference(hidden, head, targets)
     assert a.rid == "a" and a.start == 0 and b.rid == "b" and b.start == 5
@@ -50,8 +52,33 @@ def test_scores_equal_one_log_softmax_whatever_the_slices(monkeypatch: pytest.Mo
     assert b.top_ids == [[], [], []] and len(b.ranks) == 3
     # Other TP ranks take part in every logits call (a collective there) and report nothing.
     calls.clear()
-    assert score_prompts(hidden, spans, logits_of, VOCAB, rank0=False) == []
+    assert score_prompts(hidden, spans, logits_of, VOCAB, rank0=False) is None
     assert calls == [3, 3, 1]
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_scoring_does_not_make_the_host_wait_on_cuda() -> None:
+    """On CUDA the scores reach the host by queued copies: no call in scoring synchronizes with the device (the
+    worker plans the next step meanwhile), and the entries read afterwards are the CPU's."""
+    gen = torch.Generator().manual_seed(1)
+    head = torch.randn(VOCAB, HIDDEN, generator=gen)
+    hidden = torch.randn(7, HIDDEN, generator=gen)
+    targets = [int(t) for t in torch.randint(0, VOCAB, (7,), generator=gen)]
+    spans = [PromptSpan("a", 0, targets[:4], 3, 0), PromptSpan("b", 5, targets[4:], 0, 4)]
+    want = score_prompts(hidden, spans, lambda h: h @ head.T, VOCAB, rank0=True)
+    on_device, cuda_head = hidden.cuda(), head.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
+    try:
+        got = score_prompts(on_device, spans, lambda h: h @ cuda_head.T, VOCAB, rank0=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got is not None and want is not None
+    for a, b in zip(got.entries(), want.entries(), strict=True):
+        assert (a.rid, a.start, a.ranks, a.top_ids) == (b.rid, b.start, b.ranks, b.top_ids)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
 def _core(prefix_caching: bool = True) -> SchedulerCore:
