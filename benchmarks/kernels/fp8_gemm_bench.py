@@ -10,6 +10,8 @@ milliseconds per call of
   (what ``GLIMPSE_FP8_GEMM=auto`` runs at decode rows);
 * ``rowwise``: per-token activations x per-channel weights, ``torch._scaled_mm`` (compressed-tensors FP8_DYNAMIC);
 * ``block``: per-1x128-group activations x 128x128 weight tiles, ``F.scaled_mm`` (Qwen's -FP8 repos);
+* ``block-gemm`` and ``block-quant``: its two parts apart, the GEMM on activations quantized beforehand and the
+  activations' quantization (fp8_act_quant.py's kernel on CUDA);
 * ``row-block``: the same with one weight scale per row and 128 columns (fused layers not on 128-row boundaries);
 * ``dequant``: the FP8 weight dequantized to bf16 each call, then F.linear (the fallback where no kernel runs);
 each with the activation quantization included, and its error against the bf16 GEMM of the unquantized weight (relative
@@ -52,7 +54,7 @@ SIZES: dict[str, tuple[tuple[str, int, int], ...]] = {
 }
 # Qwen3-VL-30B-A3B's routed experts: 128 experts, top 8, hidden 2048, moe_intermediate 768.
 MOE = (128, 8, 2048, 768)
-VARIANTS = ("bf16", "w8a16", "rowwise", "block", "row-block", "dequant")
+VARIANTS = ("bf16", "w8a16", "rowwise", "block", "block-gemm", "block-quant", "row-block", "dequant")
 RING_BYTES = 256 << 20
 
 
@@ -89,8 +91,15 @@ def variant_fn(name: str, x: Tensor, w: Tensor) -> Callable[[], Tensor] | None:
     """The call for one variant at weight ``w`` (bf16 [N, K]), or None where it cannot run on this device."""
     if name == "bf16":
         return lambda: F.linear(x, w)
-    if name in ("block", "row-block") and not (x.is_cuda and fp8_gemm.probe(name, x.device)):
+    recipe = {"block": "block", "block-gemm": "block", "block-quant": "block", "row-block": "row-block"}.get(name)
+    if recipe is not None and not (x.is_cuda and fp8_gemm.probe(recipe, x.device)):
         return None  # no block recipe here, or its probe failed (fp8_gemm logs why)
+    if name == "block-quant":
+        return lambda: fp8_gemm.block_activations(x)[0]
+    if name == "block-gemm":
+        qb, sb = quantize_block(w)
+        xq, sx = fp8_gemm.block_activations(F.pad(x, (0, 0, 0, -x.shape[0] % 4)))
+        return lambda: fp8_gemm.block_mm(xq, sx, qb, sb, x.dtype)
     if name == "w8a16" and not (x.is_cuda and fp8_gemm.probe("w8a16", x.device)):
         return None  # Triton's kernel runs on CUDA only (its interpreter is the tests' business)
     if name == "rowwise":
@@ -134,7 +143,7 @@ def dense_table(
                     cells.append("refused")
                     continue
                 cells.append(f"{t:.3f}")
-                if v not in ("bf16", "dequant"):
+                if v not in ("bf16", "dequant", "block-gemm", "block-quant"):  # the last two: parts of block
                     best = min(best, t)
                 if v in ("w8a16", "rowwise", "block"):
                     errors.append(f"{rel_err(calls[0](), F.linear(x, ws[0])):.3f}")

@@ -169,10 +169,18 @@ def block_linear(
     recipe BlockWise1x128 for both operands): cuBLAS's block-scaled GEMM through ``F.scaled_mm``. cuBLAS takes the
     activation scales token-major with M a multiple of 4 (rows are zero-padded) and, for 128 x 128 tiles, the
     weight's K blocks padded to a multiple of 4. ``layout``: which of ``_B_SCALE_LAYOUTS`` (default: the one the probe chose)."""
-    kind = scale_kind(weight, scale)
     m = x.shape[0]
-    xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
-    q, sx = block_activations(xp)
+    q, sx = block_activations(F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x)
+    out = block_mm(q, sx, weight, scale, x.dtype, layout)[:m]
+    return out if bias is None else out + bias
+
+
+def block_mm(
+    q: Tensor, sx: Tensor, weight: Tensor, scale: Tensor, dtype: torch.dtype, layout: int | None = None
+) -> Tensor:
+    """``block_linear``'s GEMM alone, on activations already quantized (``block_activations`` of x, its rows
+    padded to a multiple of 4): what fp8_gemm_bench times apart from the quantization."""
+    kind = scale_kind(weight, scale)
     kb = scale.shape[1]
     # 128 x 128 scales go in with their K blocks padded to a multiple of 4; row-block (1 x 128) ones as they are
     # (torch 2.11 refuses a padded [N, 4] for K = 256: "scale_b must have shape 256 x 2").
@@ -185,9 +193,9 @@ def block_linear(
         F.ScalingType.BlockWise1x128,
         arrange(sw),
         F.ScalingType.BlockWise128x128 if kind == "block" else F.ScalingType.BlockWise1x128,
-        output_dtype=x.dtype,
-    )[:m]
-    return out if bias is None else out + bias
+        output_dtype=dtype,
+    )
+    return out
 
 
 def _close(got: Tensor, ref: Tensor) -> bool:
