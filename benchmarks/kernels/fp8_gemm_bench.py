@@ -19,8 +19,8 @@ RMS). A kernel torch refuses for a shape prints ``refused``; ``-`` where it cann
 On CUDA each variant runs over a ring of distinct copies of the weight (at least RING_BYTES of bf16 weights, so the
 50 MB L2 of an H200 does not hold them) captured in one CUDA graph and replayed, as the decode step runs: GPU time
 only, no Python launch cost. ``--eager`` times one weight called from Python instead (how the numbers in
-docs/benchmarks.md before w8a16 were taken). ``--moe``: the routed experts' grouped GEMM (``torch._grouped_mm``
-bf16 against ``torch._scaled_grouped_mm`` row-wise) at the 30B-A3B expert shapes.
+docs/benchmarks.md before w8a16 were taken). ``--moe``: the routed experts' grouped GEMMs at the 30B-A3B expert
+shapes (``torch._grouped_mm`` bf16, ``torch._scaled_grouped_mm`` row-wise, fp8_grouped_block.py's block kernel).
 ``--sweep``: instead of the table, every tile of ``w8a16_gemm.candidates`` at each projection and ``--sweep-rows``
 M (block scales) in each of ``--sweep-modes`` (w8a16_gemm.MODE_NAMES: dot, fp8-activations, fma; fma only up to
 FMA_BLOCK_M rows), the best tile per (projection, M) against the default tile and bf16, then per projection the
@@ -42,7 +42,7 @@ from torch import Tensor
 from benchmarks.args import parser
 from benchmarks.engine.vit_bench import cuda_ms
 from benchmarks.kernels.skinny_gemm_bench import graph_ms
-from workers.engine.kernels import fp8_gemm, w8a16_gemm
+from workers.engine.kernels import fp8_gemm, fp8_grouped_block, w8a16_gemm
 from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows
 
 # (name, out features, in features) of one decoder layer's projections. 8b: Qwen3-VL-8B (hidden 4096, 32 q / 8 kv
@@ -197,26 +197,42 @@ def sweep(
         print("  " + line)
 
 
+# (TILE_M, TILE_N, warps, stages) of fp8_grouped_block.py's kernel compared by --moe; the first is its default.
+GROUPED_TILES = ((64, 128, 4, 3), (64, 128, 8, 4), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 8, 3), (256, 128, 8, 3))
+
+
 def moe_table(tokens: list[int], device: torch.device, reps: int) -> None:
+    """Both expert projections of the 30B-A3B shape at each token count (randomly routed, top 8): bf16's
+    ``torch._grouped_mm``, the row-wise ``torch._scaled_grouped_mm`` and the block kernel at each of GROUPED_TILES."""
     experts, top_k, hidden, inter = MOE
     gen = torch.Generator(device=device).manual_seed(1)
-    gate_up = torch.randn(experts, 2 * inter, hidden, device=device, generator=gen).mul_(0.02).to(torch.bfloat16)
-    q, s = quantize_rows(gate_up)
-    print("| tokens | rows | bf16 grouped ms | fp8 grouped ms | fp8 / bf16 | error |")
-    print("|---|---|---|---|---|---|")
-    for t in tokens:
-        rows = torch.randn(t * top_k, hidden, device=device, generator=gen).to(torch.bfloat16)
-        ids = torch.randint(0, experts, (t * top_k,), device=device, generator=gen).sort().values
-        offs = torch.searchsorted(ids, torch.arange(experts, device=device), right=True).to(torch.int32)
-        ref = functools.partial(torch._grouped_mm, rows, gate_up.transpose(1, 2), offs=offs)
-        fp8 = functools.partial(fp8_gemm.grouped_mm, rows, q, s, offs)
-        a = timed_ms(ref, device, reps)
-        try:
-            b = timed_ms(fp8, device, reps)
-        except (RuntimeError, ValueError, NotImplementedError):
-            print(f"| {t} | {t * top_k} | {a:.3f} | refused | - | - |")
-            continue
-        print(f"| {t} | {t * top_k} | {a:.3f} | {b:.3f} | {b / a:.2f} | {rel_err(fp8(), ref()):.3f} |")
+    names = ["x".join(map(str, t)) for t in GROUPED_TILES]
+    print("| proj | tokens | rows | bf16 ms | rowwise ms | " + " | ".join(f"block {n} ms" for n in names)
+          + " | best block / bf16 | errors (rowwise, block) |")  # fmt: skip
+    print("|---" * (7 + len(names)) + "|")
+    for proj, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
+        w = torch.randn(experts, n, k, device=device, generator=gen).mul_(0.02).to(torch.bfloat16)
+        (q, s), (qb, sb) = quantize_rows(w), quantize_block(w)
+        for t in tokens:
+            rows = torch.randn(t * top_k, k, device=device, generator=gen).to(torch.bfloat16)
+            ids = torch.randint(0, experts, (t * top_k,), device=device, generator=gen).sort().values
+            offs = torch.searchsorted(ids, torch.arange(experts, device=device), right=True).to(torch.int32)
+            ref = functools.partial(torch._grouped_mm, rows, w.transpose(1, 2), offs=offs)
+            a = timed_ms(ref, device, reps)
+            cells, errors, best = [], [], float("inf")
+            calls = [functools.partial(fp8_gemm.grouped_mm, rows, q, s, offs)]
+            calls += [functools.partial(fp8_grouped_block.grouped_mm, rows, qb, sb, offs, tiles) for tiles in GROUPED_TILES]
+            for i, call in enumerate(calls):
+                try:
+                    ms = timed_ms(call, device, reps)
+                except Exception:  # noqa: BLE001 - a kernel or tile this build refuses (shared memory, recipe)
+                    cells.append("-")
+                    continue
+                cells.append(f"{ms:.3f}")
+                best = min(best, ms) if i else best
+                if i < 2:
+                    errors.append(f"{rel_err(call(), ref()):.3f}")
+            print(f"| {proj} | {t} | {t * top_k} | {a:.3f} | " + " | ".join(cells) + f" | {best / a:.2f} | {', '.join(errors)} |")
 
 
 def main() -> None:

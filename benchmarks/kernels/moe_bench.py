@@ -7,7 +7,9 @@ Per shape and row count: microseconds per layer of
 * ``grouped``: the router's softmax / top-k / renormalisation in torch, then ``experts_grouped`` (sort, gather, two
   ``torch._grouped_mm``, SiLU*up, weight, scatter, sum): what a MoE layer ran before the kernels;
 * ``kernels``: ``moe_kernel.route`` + ``moe_kernel.experts`` (three Triton kernels);
-both after the router's projection (the same cuBLAS GEMV in both), replayed from a CUDA graph of 20 layers (each with
+* with ``--fp8``: ``kernels`` on FP8 stacks, one scale per row (a channel checkpoint's experts) and per 128 x 128
+  tile (a block checkpoint's);
+all after the router's projection (the same cuBLAS GEMV in each), replayed from a CUDA graph of 20 layers (each with
 its own weights, so no layer finds the last one's in L2) as a decode step replays them; and the routed experts' weight
 bytes the kernels stream over their time (each token-expert pair reads its expert's three matrices; the ceiling is
 the card's bandwidth). Also the largest difference between the two outputs.
@@ -15,12 +17,15 @@ the card's bandwidth). Also the largest difference between the two outputs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks.args import parser
 from workers.engine.kernels import moe_kernel
+from workers.engine.kernels.fp8_quant import quantize_block, quantize_rows
 from workers.engine.models.qwen3_vl.moe import experts_grouped
 
 # (experts, top k, hidden, moe intermediate) of the published checkpoints.
@@ -47,11 +52,27 @@ def kernels(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int) ->
     return moe_kernel.experts(x, weights, ids, gate_up, down)
 
 
-def replay_us(fn: object, layers: list[tuple[Tensor, Tensor, Tensor]], x: Tensor, k: int) -> float:
-    """Microseconds per layer of ``fn`` over ``layers``, captured once in a CUDA graph and replayed."""
+def kernels_fp8(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int, s_gu: Tensor, s_d: Tensor) -> Tensor:
+    weights, ids = moe_kernel.route(F.linear(x, router), k)
+    return moe_kernel.experts(x, weights, ids, gate_up, down, scales=(s_gu, s_d))
+
+
+def fp8_layers(layers: Sequence[tuple[Tensor, ...]], quantize: object) -> list[tuple[Tensor, ...]]:
+    """(router, FP8 gate_up, FP8 down, their scales) of each layer, quantized one expert at a time."""
+    out: list[tuple[Tensor, ...]] = []
+    for router, gate_up, down in layers:
+        (q_gu, s_gu), (q_d, s_d) = ((torch.stack(t) for t in zip(*(quantize(w) for w in stack)))  # type: ignore[operator]
+                                    for stack in (gate_up, down))
+        out.append((router, q_gu, q_d, s_gu, s_d))
+    return out
+
+
+def replay_us(fn: object, layers: Sequence[tuple[Tensor, ...]], x: Tensor, k: int) -> float:
+    """Microseconds per layer of ``fn`` over ``layers`` (router, gate_up, down[, scales]), captured once in a CUDA
+    graph and replayed."""
     def step() -> None:
-        for router, gate_up, down in layers:
-            fn(x, router, gate_up, down, k)  # type: ignore[operator]
+        for router, gate_up, down, *scales in layers:
+            fn(x, router, gate_up, down, k, *scales)  # type: ignore[operator]
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -89,12 +110,14 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="time the kernels' tile choices instead")
+    ap.add_argument("--fp8", action="store_true", help="also the kernels on FP8 stacks (row and block scales)")
     args = ap.parse_args()
     if not moe_kernel.probe(torch.device("cuda"), torch.bfloat16):
         raise SystemExit(f"the MoE kernels cannot run here: {moe_kernel.SWITCH.why_off()}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {LAYERS} layers per graph")
-    print("| shape | rows | grouped us | kernels us | kernels / grouped | kernels GB/s | max abs diff |")
-    print("|---|---|---|---|---|---|---|")
+    fp8_cols = " fp8 rows us | fp8 blocks us | fp8 blocks / kernels |" if args.fp8 else ""
+    print("| shape | rows | grouped us | kernels us | kernels / grouped | kernels GB/s | max abs diff |" + fp8_cols)
+    print("|---" * (7 + 3 * args.fp8) + "|")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):
         e, k, hidden, inter = SHAPES[name]
@@ -105,6 +128,10 @@ def main() -> None:
         if args.sweep:
             sweep(name, layers, k, (1, 4, 16))
             continue
+        if args.fp8:
+            if not moe_kernel.probe_fp8(torch.device("cuda"), torch.bfloat16):
+                raise SystemExit(f"the MoE kernels cannot run FP8 stacks here: {moe_kernel.FP8_SWITCH.why_off()}")
+            by_rows, by_blocks = fp8_layers(layers, quantize_rows), fp8_layers(layers, quantize_block)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
             g_us = replay_us(grouped, layers, x, k)
@@ -112,8 +139,12 @@ def main() -> None:
             router, gate_up, down = layers[0]
             diff = (grouped(x, router, gate_up, down, k).float() - kernels(x, router, gate_up, down, k).float())
             read = rows * k * 3 * inter * hidden * 2  # each token-expert pair streams its expert's three matrices
+            fp8 = ""
+            if args.fp8 and rows <= moe_kernel.MAX_ROWS:
+                r_us, b_us = (replay_us(kernels_fp8, stacks, x, k) for stacks in (by_rows, by_blocks))
+                fp8 = f" {r_us:.1f} | {b_us:.1f} | {b_us / k_us:.2f} |"
             print(f"| {name} | {rows} | {g_us:.1f} | {k_us:.1f} | {k_us / g_us:.2f} | {read / (k_us * 1e3):.0f} "
-                  f"| {diff.abs().max().item():.3g} |", flush=True)
+                  f"| {diff.abs().max().item():.3g} |" + fp8, flush=True)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ Variants (``GLIMPSE_FP8_GEMM``, read once per process):
   grouped FP8 GEMM quantizes activations); a weight whose kernel fails falls back to ``dequant``.
 * ``dequant``: FP8 weights in memory, each call dequantizes the weight to the activation dtype and runs the
   bf16 GEMM (half the weight memory, no FP8 tensor cores).
-Routed experts of a 128 x 128 block checkpoint stay dequantized in the model dtype unless
-``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` re-quantizes them per row for the grouped row-wise kernel (torch's grouped
-GEMM has no block-scaled recipe on Hopper; one scale per row over the whole K is coarser than the checkpoint's
-tiles, and on the demo checkpoints it changes greedy tokens, so it is opt-in until measured on real models).
+Routed experts of a 128 x 128 block checkpoint stay FP8 with the checkpoint's tiles: fp8_grouped_block.py's Triton
+grouped GEMM at prefill rows (torch's grouped FP8 GEMM has no block-scaled recipe on Hopper), moe_kernel.py's at
+decode rows. ``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` re-quantizes them per row for torch's row-wise grouped GEMM
+instead (one scale per row over the whole K, coarser than the checkpoint's tiles: on the demo checkpoints it changes
+greedy tokens) and ``=bf16`` dequantizes them.
 Each native kernel (and w8a16) is probed once per process on a small problem against the dequantized GEMM (``probe``: it
 must not raise and must compute the same product; for the block recipes this also settles how the weight scales are
 laid out). A kernel that fails its probe, or raises later for one shape, is not used again (for that shape): those
@@ -43,10 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels import fp8_act_quant, fused, skinny_gemm, w8a16_gemm
+from workers.engine.kernels import fp8_act_quant, fp8_grouped_block, fused, skinny_gemm, w8a16_gemm
 from workers.engine.kernels.fp8_quant import (
     BLOCK,
     dequantize,
+    is_block,
     quantize_block,
     quantize_rows,
     quantize_token_groups,
@@ -103,13 +105,17 @@ def variant() -> Variant:
 
 
 BLOCK_EXPERTS_ENV = "GLIMPSE_FP8_BLOCK_EXPERTS"
+BlockExperts = Literal["block", "rowwise", "bf16"]
 
 
-def block_experts_rowwise() -> bool:
-    value = os.environ.get(BLOCK_EXPERTS_ENV, "bf16")
-    if value not in ("bf16", "rowwise"):
-        raise ValueError(f"{BLOCK_EXPERTS_ENV}={value!r}: choose bf16 or rowwise")
-    return value == "rowwise"
+def block_experts() -> BlockExperts:
+    """How a block checkpoint's routed experts are held (``GLIMPSE_FP8_BLOCK_EXPERTS``): FP8 with the checkpoint's
+    tiles (``block``, the default), re-quantized per row (``rowwise``) or dequantized (``bf16``)."""
+    value = os.environ.get(BLOCK_EXPERTS_ENV, "block")
+    for mode in ("block", "rowwise", "bf16"):
+        if value == mode:
+            return mode
+    raise ValueError(f"{BLOCK_EXPERTS_ENV}={value!r}: choose block, rowwise or bf16")
 
 
 @functools.cache
@@ -160,6 +166,7 @@ _B_SCALE_LAYOUTS: tuple[Callable[[Tensor], Tensor], ...] = (
 )
 _chosen_layout: dict[str, int] = {}  # recipe ("block" / "row-block") -> index into _B_SCALE_LAYOUTS
 _probed: dict[str, bool] = {}  # kernel kind -> whether its probe passed
+_TRITON_KERNELS = {"w8a16": w8a16_gemm, "grouped-block": fp8_grouped_block}
 
 
 def block_linear(
@@ -205,18 +212,19 @@ def _close(got: Tensor, ref: Tensor) -> bool:
 
 
 def probe(kind: str, device: torch.device) -> bool:
-    """Run kernel ``kind`` ("rowwise", "block", "row-block", "grouped", "w8a16") once on a small problem against the
+    """Run kernel ``kind`` ("rowwise", "block", "row-block", "grouped", "w8a16", "grouped-block") once on a small problem against the
     dequantized bf16 GEMM; a kernel that raises or computes something else is never used (one warning). For the block
     recipes this also picks the weight-scale layout. Not run inside a CUDA graph capture (the call there dequantizes)."""
     if kind in _probed:
         return _probed[kind]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
-    if kind == "w8a16":  # its own switch (GLIMPSE_TRITON_W8A16=0 turns it off); warns here like the others
-        ok = w8a16_gemm.probe(device, torch.bfloat16)
+    if kind in _TRITON_KERNELS:  # their own switches (GLIMPSE_TRITON_W8A16=0, ...); warn here like the others
+        module = _TRITON_KERNELS[kind]
+        ok = module.probe(device, torch.bfloat16)
         if not ok:
-            log.warning("FP8 w8a16 GEMM unusable on %s (%s): dequantized bf16 GEMM instead", device,
-                        w8a16_gemm.SWITCH.why_off())
+            log.warning("FP8 %s GEMM unusable on %s (%s): dequantized bf16 weights instead", kind, device,
+                        module.SWITCH.why_off())
         _probed[kind] = ok
         return ok
     gen = torch.Generator(device=device).manual_seed(0)
@@ -317,9 +325,19 @@ def unsummed(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = Non
     return dequant_linear(x, weight, scale, bias)
 
 
-def grouped_usable(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``grouped_mm`` can run the routed experts: CUDA FP8 hardware, bf16 activations, and strides
-    cuBLAS takes (K and N multiples of 16)."""
+def grouped_usable(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
+    """Whether ``grouped_mm`` can run the routed experts ``weight`` [E, N, K] (FP8, or about to be) with ``scale``:
+    CUDA FP8 hardware, and for block scales (fp8_quant.is_block) fp8_grouped_block.py's kernel (K in whole
+    128-column groups), else bf16 activations and strides cuBLAS takes (K and N multiples of 16)."""
+    if scale is not None and is_block(weight, scale):
+        return (
+            variant() == "auto"
+            and x.is_cuda
+            and device_supports_fp8(x.device)
+            and weight.shape[-1] % BLOCK == 0
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and probe("grouped-block", x.device)
+        )
     return (
         variant() == "auto"
         and x.is_cuda
@@ -334,7 +352,10 @@ def grouped_usable(x: Tensor, weight: Tensor) -> bool:
 
 def grouped_mm(rows: Tensor, weight: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
     """rows [R, K] (grouped by expert, group ends ``offs``) times each expert's fp8 weight [E, N, K] with per-row
-    scales [E, N, 1]: ``torch._scaled_grouped_mm`` row-wise, activations quantized per token."""
+    scales [E, N, 1]: ``torch._scaled_grouped_mm`` row-wise, activations quantized per token; with block scales
+    fp8_grouped_block.py's kernel."""
+    if is_block(weight, scale):
+        return fp8_grouped_block.grouped_mm(rows, weight, scale, offs)
     q, sx = _quantize(quantize_tokens, rows)
     out: Tensor = torch._scaled_grouped_mm(
         q,

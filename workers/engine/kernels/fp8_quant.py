@@ -73,3 +73,11 @@ def quantize_token_groups(x: Tensor, group: int = BLOCK) -> tuple[Tensor, Tensor
     m, k = x.shape
     q, scale = quantize_rows(x.reshape(m, k // group, group))
     return q.reshape(m, k), scale.squeeze(-1)
+
+
+def is_block(weight: Tensor, scale: Tensor) -> bool:
+    """Whether an expert stack's scales [E, *, ceil(K/128)] are 128-column blocks (per 128 x 128 tile, or per row
+    and 128 columns where a shard's rows do not keep the checkpoint's tiles whole), not one per row ([E, N, 1])."""
+    e, n, k = weight.shape
+    return scale.dim() == 3 and scale.shape[0] == e and scale.shape[2] == -(-k // BLOCK) and (
+        scale.shape[1] in (n, -(-n // BLOCK))) and not (scale.shape[1] == n and scale.shape[2] == 1)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.kernels.fp8_quant import FP8, dequantize, quantize_rows
+from workers.engine.kernels.fp8_quant import BLOCK, FP8, dequantize, is_block, quantize_block, quantize_rows
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 # Token rows up to which the kernels serve a MoE layer. H200, 20 layers replayed from a graph, randomly routed rows
@@ -44,6 +44,7 @@ MAX_ROWS = 16
 # Tiles and warps: the best at 1, 4 and 16 rows on the Qwen3.5 and Gemma 4 MoE shapes (moe_bench --sweep, H200).
 UP_BLOCK_N, UP_BLOCK_K = 16, 256
 DOWN_BLOCK_N, DOWN_BLOCK_K = 16, 256
+assert BLOCK % UP_BLOCK_N == 0 and BLOCK % DOWN_BLOCK_N == 0  # a program's rows share one row of 128 x 128 scales
 NUM_WARPS = 8
 SUM_BLOCK = 1024
 
@@ -86,7 +87,8 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
 
     @triton.jit
     def expert_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, H: tl.constexpr, INTER: tl.constexpr,
-                         K: tl.constexpr, GELU: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                         K: tl.constexpr, GELU: tl.constexpr, FP8: tl.constexpr, BLOCKS: tl.constexpr,
+                         SCALE_ROWS: tl.constexpr, ROWS_PER_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
         pair = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,6 +97,16 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
         x_row = x_ptr + (pair // K) * H
         gate_rows = w_ptr + expert * (2 * INTER * H) + rows[:, None].to(tl.int64) * H
         up_rows = gate_rows + INTER * H
+        KB: tl.constexpr = (H + 127) // 128
+        if BLOCKS:  # block scales: one per (scale row, 128 columns), folded into x's columns
+            stack = s_ptr + expert * (SCALE_ROWS * KB)
+            if ROWS_PER_SCALE == 1:  # per row and 128 columns
+                gate_scales = stack + rows[:, None] * KB
+                up_scales = gate_scales + INTER * KB
+            else:  # 128 x 128 tiles: BLOCK_N divides 128 and INTER is whole tiles, so the rows share one tile row
+                first = tl.program_id(1) * BLOCK_N
+                gate_scales = stack + (first // 128) * KB
+                up_scales = stack + ((INTER + first) // 128) * KB
         # Products accumulate elementwise and are reduced once at the end: a reduction per tile would cost more
         # than the tile's loads.
         gate_acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -104,11 +116,20 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
             col_ok = cols < H
             xv = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tile_ok = row_ok[:, None] & col_ok[None, :]
-            gate_acc += tl.load(gate_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xv
-            up_acc += tl.load(up_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xv
+            xg = xv
+            xu = xv
+            if BLOCKS:
+                if ROWS_PER_SCALE == 1:
+                    xg = xv * tl.load(gate_scales + (cols // 128)[None, :], mask=tile_ok, other=0.0)
+                    xu = xv * tl.load(up_scales + (cols // 128)[None, :], mask=tile_ok, other=0.0)
+                else:
+                    xg = xv * tl.load(gate_scales + cols // 128, mask=col_ok, other=0.0)[None, :]
+                    xu = xv * tl.load(up_scales + cols // 128, mask=col_ok, other=0.0)[None, :]
+            gate_acc += tl.load(gate_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xg
+            up_acc += tl.load(up_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * xu
         gate = tl.sum(gate_acc, axis=1)
         up = tl.sum(up_acc, axis=1)
-        if FP8:  # one dequantization scale per expert row ([E, 2I, 1]): applied once, to the row's sum
+        if FP8 and not BLOCKS:  # one dequantization scale per expert row ([E, 2I, 1]): applied once, to the row's sum
             scales = s_ptr + expert * (2 * INTER) + rows
             gate *= tl.load(scales, mask=row_ok, other=0.0)
             up *= tl.load(scales + INTER, mask=row_ok, other=0.0)
@@ -121,20 +142,34 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
 
     @triton.jit
     def expert_down_kernel(h_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, part_ptr, H: tl.constexpr,
-                           INTER: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           INTER: tl.constexpr, FP8: tl.constexpr, BLOCKS: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                           ROWS_PER_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pair = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < H
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         down_rows = w_ptr + expert * (H * INTER) + rows[:, None].to(tl.int64) * INTER
+        KB: tl.constexpr = (INTER + 127) // 128
+        if BLOCKS:  # as in the up kernel
+            stack = s_ptr + expert * (SCALE_ROWS * KB)
+            if ROWS_PER_SCALE == 1:
+                scales = stack + rows[:, None] * KB
+            else:
+                scales = stack + (tl.program_id(1) * BLOCK_N // 128) * KB
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in tl.range(0, INTER, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < INTER
+            tile_ok = row_ok[:, None] & col_ok[None, :]
             hv = tl.load(h_ptr + pair * INTER + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(down_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32) * hv
+            if BLOCKS:
+                if ROWS_PER_SCALE == 1:
+                    hv = hv * tl.load(scales + (cols // 128)[None, :], mask=tile_ok, other=0.0)
+                else:
+                    hv = hv * tl.load(scales + cols // 128, mask=col_ok, other=0.0)[None, :]
+            acc += tl.load(down_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32) * hv
         y = tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
-        if FP8:  # one scale per (expert, row): it factors out of the row's sum
+        if FP8 and not BLOCKS:  # one scale per (expert, row): it factors out of the row's sum
             y *= tl.load(s_ptr + expert * H + rows, mask=row_ok, other=0.0)
         tl.store(part_ptr + pair * H + rows, y, mask=row_ok)
 
@@ -186,16 +221,18 @@ def experts(
 ) -> Tensor:  # fmt: skip
     """sum_j weights[t, j] * down[e] (act(gate[e] x_t) * up[e] x_t), e = ids[t, j], for x [T, H]; ``gate_up``
     [E, 2I, H] (each expert's gate rows, then its up rows) and ``down`` [E, H, I] as StackedExperts holds them.
-    FP8 stacks come with ``scales``: per-row dequantization factors [E, 2I, 1] and [E, H, 1] (fp8_layers.py's
-    experts), applied to the float32 products; the weights are read as FP8, half the bytes."""
+    FP8 stacks come with ``scales`` (fp8_layers.py's experts), read as FP8, half the bytes: per-row dequantization
+    factors [E, 2I, 1] and [E, H, 1], applied to the float32 sums; or block scales (fp8_quant.is_block: per 128 x 128
+    tile, I then whole tiles, or per row and 128 columns), applied to x's columns."""
     rows, hidden = x.shape
     top_k = ids.shape[1]
     inter = down.shape[2]
     fp8 = gate_up.dtype == FP8
     if fp8 != (scales is not None) or fp8 != (down.dtype == FP8):
-        raise ValueError("FP8 expert stacks take per-row scales, and only they do")
-    if scales is not None and (scales[0].shape[-2:] != (2 * inter, 1) or scales[1].shape[-2:] != (hidden, 1)):
-        raise ValueError(f"expert scales {tuple(scales[0].shape)}, {tuple(scales[1].shape)}: only one per row")
+        raise ValueError("FP8 expert stacks take scales, and only they do")
+    up_layout = down_layout = (False, 1, 1)
+    if scales is not None:
+        up_layout, down_layout = _scale_layout(gate_up, scales[0], inter), _scale_layout(down, scales[1], 0)
     h = torch.empty((rows * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     if not rows:
@@ -205,13 +242,30 @@ def experts(
     s_up, s_down = (scales[0].float().contiguous(), scales[1].float().contiguous()) if scales else (h, h)
     up_kernel[(rows * top_k, -(-inter // UP_BLOCK_N))](
         x.contiguous(), ids, gate_up.contiguous(), s_up, h, H=hidden, INTER=inter, K=top_k, GELU=gelu, FP8=fp8,
+        BLOCKS=up_layout[0], SCALE_ROWS=up_layout[1], ROWS_PER_SCALE=up_layout[2],
         BLOCK_N=UP_BLOCK_N, BLOCK_K=UP_BLOCK_K, num_warps=NUM_WARPS)
     part = torch.empty((rows * top_k, hidden), dtype=torch.float32, device=x.device)
     down_kernel[(rows * top_k, -(-hidden // DOWN_BLOCK_N))](
         h, ids, weights.contiguous(), down.contiguous(), s_down, part, H=hidden, INTER=inter, FP8=fp8,
+        BLOCKS=down_layout[0], SCALE_ROWS=down_layout[1], ROWS_PER_SCALE=down_layout[2],
         BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K, num_warps=NUM_WARPS)
     sum_kernel[(rows, -(-hidden // SUM_BLOCK))](part, out, H=hidden, K=top_k, BLOCK=SUM_BLOCK, num_warps=4)
     return out
+
+
+def _scale_layout(stack: Tensor, scale: Tensor, tile_rows: int) -> tuple[bool, int, int]:
+    """(block scales?, the scale tensor's rows, rows per scale row) of an FP8 stack's scales, for the kernels;
+    ``tile_rows``: rows that must be whole tiles for 128 x 128 scales (the gate half of gate_up), else 0."""
+    rows = stack.shape[1]
+    if tuple(scale.shape) == (stack.shape[0], rows, 1):
+        return False, rows, 1
+    if not is_block(stack, scale):
+        raise ValueError(f"expert scales {tuple(scale.shape)} fit neither rows nor blocks of {tuple(stack.shape)}")
+    if scale.shape[1] == rows:
+        return True, rows, 1
+    if tile_rows % BLOCK:
+        raise ValueError(f"128 x 128 expert scales need whole tiles of gate rows, not {tile_rows}")
+    return True, scale.shape[1], BLOCK
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
@@ -240,20 +294,32 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def probe_fp8(device: torch.device, dtype: torch.dtype) -> bool:
-    """The up and down kernels once on FP8 stacks with per-row scales, against ``reference`` on the dequantized
-    weights; whether FP8 stacks may take the kernels in this process."""
+    """The up and down kernels once on FP8 stacks with each scale layout (per row; 128 x 128 tiles; per row and 128
+    columns), against ``reference`` on the dequantized weights; whether FP8 stacks may take the kernels here."""
     gen = torch.Generator().manual_seed(1)
-    e, hidden, inter = 6, 200, 40
 
-    def check() -> bool:
-        x = torch.randn(2, hidden, generator=gen).to(device=device, dtype=dtype)
-        q_gu, s_gu = (t.to(device) for t in quantize_rows(torch.randn(e, 2 * inter, hidden, generator=gen)))
-        q_d, s_d = (t.to(device) for t in quantize_rows(torch.randn(e, hidden, inter, generator=gen)))
+    def ragged(*shape: int) -> Tensor:  # 128 x 128 tiles of magnitudes 1 to 2^4 apart: a misread scale shows
+        w = torch.randn(*shape, generator=gen)
+        tiles = torch.arange(-(-shape[1] // BLOCK))[:, None] + 3 * torch.arange(-(-shape[2] // BLOCK))[None, :]
+        return w * torch.exp2(tiles % 5).repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: shape[1], : shape[2]]
+
+    def case(inter: int, quantize: Any) -> bool:
+        hidden = 200  # a partial 128-column block
+        x = (torch.randn(2, hidden, generator=gen) / 32).to(device=device, dtype=dtype)  # SiLU's exp in range
+        q_gu, s_gu = (t.to(device) for t in quantize(ragged(6, 2 * inter, hidden)))
+        q_d, s_d = (t.to(device) for t in quantize(ragged(6, hidden, inter)))
         weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]], device=device)
         ids = torch.tensor([[5, 1], [1, 3]], device=device)
         got = experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
         want = reference(x.float(), weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
         return torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+    def row_blocks(w: Tensor) -> tuple[Tensor, Tensor]:
+        q, s = quantize_block(w)
+        return q, s.repeat_interleave(BLOCK, dim=1)[:, : w.shape[1]]
+
+    def check() -> bool:
+        return case(40, quantize_rows) and case(128, quantize_block) and case(40, row_blocks)
 
     return SWITCH.on() and FP8_SWITCH.probe(check)
 

@@ -11,10 +11,12 @@ forward goes through kernels/fp8_gemm.py.
   row and 128 columns. A row-parallel shard that splits a 128-column block, and a fused layer with a part the
   checkpoint kept in the model dtype, stay in the model dtype.
 * Stacked routed experts (Qwen3-VL-MoE, Qwen3.5-MoE) of a channel checkpoint: one scale per expert row, for
-  ``torch._scaled_grouped_mm``'s row-wise recipe (exact, as above); decode rows take moe_kernel.py's Triton kernels
-  on the FP8 stacks (probed apart: ``probe_fp8``). A block checkpoint's experts stay in the model
-  dtype unless ``GLIMPSE_FP8_BLOCK_EXPERTS=rowwise`` (fp8_gemm.py says why). Experts that only run as a loop
-  (Gemma 4) stay in the model dtype.
+  ``torch._scaled_grouped_mm``'s row-wise recipe. Of a block checkpoint: the checkpoint's own values and tiles
+  (exact, as above; per-expert tensors placed by hand, since a TP shard of down splits its columns, which the
+  loader's row replay cannot follow), for fp8_grouped_block.py's grouped GEMM; ``GLIMPSE_FP8_BLOCK_EXPERTS`` may
+  re-quantize them per row or keep them dequantized (fp8_gemm.py). Decode rows take moe_kernel.py's Triton kernels
+  on either layout (probed apart: ``probe_fp8``). Fused expert tensors of a block checkpoint, a down shard that
+  splits a 128-column block, and experts that only run as a loop (Gemma 4) stay in the model dtype.
 * Replicated ``nn.Linear`` layers (routers, Gemma 4's per-layer-input projections) and the vision tower stay in the
   model dtype: they were dequantized at load, and stay so.
 The load itself holds the language model in the model dtype until this pass runs (peak memory as a bf16 model).
@@ -72,12 +74,13 @@ def _shard_scales(
 
 
 def _compact(scales: Tensor) -> Tensor:
-    """Row-expanded block scales as 128 x 128 tiles where every 128-row group holds one value, else as they are."""
-    rows, kb = scales.shape
+    """Row-expanded block scales [..., rows, kb] as 128 x 128 tiles where every 128-row group holds one value, else
+    as they are."""
+    rows = scales.shape[-2]
     if rows % BLOCK:
         return scales
-    tiles = scales[::BLOCK]
-    return tiles if torch.equal(tiles.repeat_interleave(BLOCK, dim=0), scales) else scales
+    tiles = scales[..., ::BLOCK, :]
+    return tiles if torch.equal(tiles.repeat_interleave(BLOCK, dim=-2), scales) else scales
 
 
 @torch.no_grad()
@@ -89,19 +92,84 @@ def _convert_linear(owner: ColumnParallelLinear | RowParallelLinear, scales: Ten
 
 
 @torch.no_grad()
-def _convert_experts(experts: Any) -> int:
-    """Both stacks of a StackedExperts in FP8 with per-row scales, where the grouped FP8 GEMM can run them (it needs
-    the two); returns 1 if converted."""
+def _convert_experts(experts: Any, scales: tuple[Tensor, Tensor] | None = None) -> int:
+    """Both stacks of a StackedExperts in FP8, where the grouped FP8 GEMM can run them (it needs the two): with
+    ``scales`` (block scales laid out for the stacks, ``_expert_block_scales``) the checkpoint's own values come
+    back, else each row is quantized; returns 1 if converted."""
     gate_up: Tensor = experts.gate_up_proj
     down: Tensor = experts.down_proj
-    if not fp8_gemm.grouped_usable(down[0, :1], down):
-        return 0
-    q_gu, s_gu = quantize_rows(gate_up)
-    q_d, s_d = quantize_rows(down)
+    one_row = gate_up[0, :1]
+    if scales is None:
+        if not fp8_gemm.grouped_usable(one_row, down):
+            return 0
+        (q_gu, s_gu), (q_d, s_d) = quantize_rows(gate_up), quantize_rows(down)
+    else:
+        s_gu, s_d = scales
+        if not (fp8_gemm.grouped_usable(one_row, gate_up, s_gu) and fp8_gemm.grouped_usable(one_row, down, s_d)):
+            return 0
+        q_gu, q_d = _requantize(gate_up, s_gu), _requantize(down, s_d)
     experts.gate_up_proj = nn.Parameter(q_gu, requires_grad=False)
     experts.down_proj = nn.Parameter(q_d, requires_grad=False)
     experts.gate_up_scale, experts.down_scale = s_gu, s_d
     return 1
+
+
+def _requantize(stack: Tensor, scales: Tensor) -> Tensor:
+    """The FP8 values of a stack the loader dequantized, one expert at a time (a float32 copy of a whole stack is
+    gigabytes at published sizes)."""
+    q = torch.empty(stack.shape, dtype=FP8, device=stack.device)
+    for e in range(stack.shape[0]):
+        w = stack[e].float()
+        q[e] = (w / expand_scale(scales[e], w.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q
+
+
+def _expert_block_scales(
+    experts: Any, gate_up: list[tuple[object, str]], down: list[tuple[object, str]], record: Fp8Record
+) -> tuple[Tensor, Tensor] | None:
+    """The block scales of the rank's expert stacks from the checkpoint's tensors (per expert, or fused [E, out, in]
+    or [E, in, out] as transformers saves them): gate_up [E, 2I_local, ceil(H/128)] and down [E, H,
+    ceil(I_local/128)], row-expanded, then as 128 x 128 tiles where the rows keep them whole (``_compact``). None where
+    the stacks cannot be FP8 with them: a tensor-parallel shard of down whose columns split a 128-column block."""
+    e_count, hidden, il, full = experts.num_experts, experts.hidden_size, experts.inter_local, experts.intermediate_size
+    start = experts.tp.rank * il
+    if experts.tp.size > 1 and il % BLOCK:
+        return None
+    device = experts.gate_up_proj.device
+    s_gu = torch.full((e_count, 2 * il, -(-hidden // BLOCK)), float("nan"), device=device)
+    s_d = torch.full((e_count, hidden, -(-il // BLOCK)), float("nan"), device=device)
+    cols = slice(start // BLOCK, start // BLOCK + s_d.shape[2])  # down's column blocks of this rank
+    for shard_id, name in gate_up:
+        scale, shape = record[name]
+        if shard_id is None:  # every expert's gate then up rows
+            rows = _expert_rows(scale, shape, 2 * full, hidden).to(device)
+            s_gu[:, :il], s_gu[:, il:] = rows[:, start : start + il], rows[:, full + start : full + start + il]
+        elif isinstance(shard_id, tuple) and shard_id[0] in ("gate", "up"):
+            which, e = shard_id
+            offset = 0 if which == "gate" else il
+            s_gu[e, offset : offset + il] = _expert_rows(scale[None], (1, *shape), full, hidden)[0, start : start + il].to(device)
+        else:
+            return None
+    for shard_id, name in down:
+        scale, shape = record[name]
+        if shard_id is None:
+            s_d[:] = _expert_rows(scale, shape, hidden, full)[:, :, cols].to(device)
+        elif isinstance(shard_id, int):
+            s_d[shard_id] = _expert_rows(scale[None], (1, *shape), hidden, full)[0, :, cols].to(device)
+        else:
+            return None
+    if bool(torch.isnan(s_gu).any()) or bool(torch.isnan(s_d).any()):
+        return None
+    return _compact(s_gu), _compact(s_d)
+
+
+def _expert_rows(scale: Tensor, shape: tuple[int, ...], out_rows: int, in_cols: int) -> Tensor:
+    """A fused expert tensor's 128 x 128 tiles [E, ceil(out/128), ceil(in/128)] row-expanded to [E, out, ceil(in/128)];
+    a tensor stored [E, in, out] (the Hub's layout for some families) has its tiles transposed first."""
+    s = scale.float()
+    if tuple(shape[1:]) != (out_rows, in_cols) and tuple(shape[1:]) == (in_cols, out_rows):
+        s = s.transpose(1, 2)
+    return s.repeat_interleave(BLOCK, dim=1)[:, :out_rows]
 
 
 @torch.no_grad()
@@ -109,7 +177,8 @@ def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
     """Give the modules the checkpoint's FP8 weights were loaded into FP8 weights (see the module docstring);
     returns how many were converted."""
     converted = 0
-    for name, entries in sorted(_routes(lm, record).items()):
+    routes = _routes(lm, record)
+    for name, entries in sorted(routes.items()):
         owner_name, _, attr = name.rpartition(".")
         owner = lm.get_submodule(owner_name)
         if isinstance(owner, ColumnParallelLinear | RowParallelLinear) and attr == "weight":
@@ -119,9 +188,12 @@ def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
             _convert_linear(owner, scales)
             converted += 1
         elif getattr(owner, "fp8_grouped", False) and attr == "gate_up_proj":  # qwen3_vl/moe.py's StackedExperts
-            if block is not None and not fp8_gemm.block_experts_rowwise():
-                continue
-            converted += _convert_experts(owner)
+            mode = fp8_gemm.block_experts() if block is not None else "rowwise"
+            if mode == "block":
+                tiles = _expert_block_scales(owner, entries, routes.get(f"{owner_name}.down_proj", []), record)
+                converted += _convert_experts(owner, tiles) if tiles is not None else 0
+            elif mode == "rowwise":
+                converted += _convert_experts(owner)
     return converted
 
 
@@ -159,6 +231,11 @@ def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: in
     return n
 
 
+def _dummy_tiles(stack: Tensor) -> Tensor:
+    """128 x 128 block scales of each expert's random weights, one expert at a time."""
+    return torch.stack([quantize_block(w)[1] for w in stack])
+
+
 @torch.no_grad()
 def convert_dummy(lm: nn.Module, block: int | None, rank: int = 0) -> int:
     """``--load-format dummy`` with an FP8 ``quantization_config``: every tensor-parallel linear (and, as for a
@@ -174,8 +251,13 @@ def convert_dummy(lm: nn.Module, block: int | None, rank: int = 0) -> int:
             module.weight = nn.Parameter(q, requires_grad=False)
             module.weight_scale = scale
             n += 1
-        elif getattr(module, "fp8_grouped", False) and (block is None or fp8_gemm.block_experts_rowwise()):
-            n += _convert_experts(module)
+        elif getattr(module, "fp8_grouped", False):
+            mode = fp8_gemm.block_experts() if block is not None else "rowwise"
+            if mode == "block":  # each expert's tiles quantized as a checkpoint's would be
+                stacks: tuple[Tensor, Tensor] = (module.gate_up_proj, module.down_proj)  # type: ignore[assignment]
+                n += _convert_experts(module, (_dummy_tiles(stacks[0]), _dummy_tiles(stacks[1])))
+            elif mode == "rowwise":
+                n += _convert_experts(module)
     _probe_kernels(lm, device)
     if rank == 0:
         log.info("FP8 (dummy weights): %d language-model layers hold FP8 weights", n)

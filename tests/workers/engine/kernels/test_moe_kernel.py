@@ -58,6 +58,44 @@ for tokens, experts, top_k, hidden, inter in ((1, 8, 2, 200, 40), (5, 12, 3, 64,
     wrong = moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu.roll(1, 1)), dequantize(q_d, s_d))
     assert (wrong - want).abs().max() > 100 * (1e-5 + 1e-4 * want.abs().max())
 
+# FP8 stacks with block scales (a block checkpoint's experts): 128 x 128 tiles where the gate rows are whole tiles,
+# else per row and 128 columns; tiles of magnitudes 2^0 to 2^4 apart, so a scale read from another tile would show.
+from workers.engine.kernels.fp8_quant import quantize_block
+
+
+def ragged(*shape):
+    w = torch.randn(*shape, generator=gen)
+    tiles = torch.randint(0, 5, (shape[0], -(-shape[1] // 128), -(-shape[2] // 128)), generator=gen).float()
+    return w * torch.exp2(tiles).repeat_interleave(128, 1).repeat_interleave(128, 2)[:, : shape[1], : shape[2]]
+
+
+for tokens, experts, top_k, hidden, inter, tiled in ((1, 4, 2, 300, 128, True), (3, 5, 2, 136, 256, True),
+                                                    (2, 4, 2, 300, 40, False)):
+    x = torch.randn(tokens, hidden, generator=gen) / 16
+    weights, ids = moe_kernel.route(torch.randn(tokens, experts, generator=gen), top_k)
+    gu = ragged(experts, 2 * inter, hidden) / hidden**0.5
+    q_d, s_d = quantize_block(ragged(experts, hidden, inter) / inter**0.5)
+    if tiled:
+        q_gu, s_gu = quantize_block(gu)
+    else:  # a scale per row and 128 columns, rows 2^0 to 2^3 apart
+        gu = torch.nn.functional.pad(gu * torch.exp2(torch.randint(0, 4, (experts, 2 * inter, 1), generator=gen).float()), (0, -hidden % 128))
+        q_gu, s_gu = quantize_rows(gu.reshape(experts, 2 * inter, -1, 128))
+        q_gu, s_gu = q_gu.reshape(experts, 2 * inter, -1)[..., :hidden].contiguous(), s_gu.squeeze(-1)
+    got = moe_kernel.experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d))
+    want = moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    wrong = moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu.roll(1, 2)), dequantize(q_d, s_d))
+    assert (wrong - want).abs().max() > 100 * (1e-5 + 1e-4 * want.abs().max())
+# 128 x 128 tiles over gate rows that are not whole tiles: refused (fp8_layers.py keeps such scales per row)
+q_gu, s_gu = quantize_block(torch.randn(2, 80, 128, generator=gen))
+q_d, s_d = quantize_block(torch.randn(2, 128, 40, generator=gen))
+try:
+    moe_kernel.experts(torch.randn(1, 128), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), q_gu, q_d, scales=(s_gu, s_d))
+except ValueError:
+    pass
+else:
+    raise AssertionError("tiles over partial gate rows were accepted")
+
 # FP8 stacks need their scales (and only they take them); the FP8 probe passes here too.
 try:
     moe_kernel.experts(x, weights, ids, q_gu, q_d)
@@ -171,4 +209,27 @@ def test_fp8_stacks_match_the_dequantized_experts_in_bf16() -> None:
         got = moe_kernel.experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
         want = moe_kernel.reference(x.float(), weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
         # bf16 activations between the kernels (h) and out: relative RMS error within bf16 rounding's few ulps
+        assert (got - want).pow(2).mean().sqrt() <= 0.01 * want.pow(2).mean().sqrt()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs CUDA with FP8"
+)
+def test_block_fp8_stacks_match_the_dequantized_experts_in_bf16() -> None:
+    """A block checkpoint's experts at Qwen3-VL-30B-A3B's shape, 128 x 128 tiles, at decode rows."""
+    from workers.engine.kernels import moe_kernel
+    from workers.engine.kernels.fp8_quant import dequantize, quantize_block
+
+    assert moe_kernel.probe_fp8(torch.device("cuda"), torch.bfloat16), moe_kernel.FP8_SWITCH.why_off()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    q_gu, s_gu = quantize_block(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen))
+    q_d, s_d = quantize_block(torch.randn(experts, hidden, inter, device="cuda", generator=gen))
+    assert s_gu.shape == (experts, 12, 16) and moe_kernel.wanted(torch.zeros(1, hidden, dtype=torch.bfloat16, device="cuda"), q_gu)
+    for rows in (1, moe_kernel.MAX_ROWS):
+        x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+        weights, ids = moe_kernel.route(torch.randn(rows, experts, device="cuda", generator=gen), top_k)
+        got = moe_kernel.experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
+        want = moe_kernel.reference(x.float(), weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
         assert (got - want).pow(2).mean().sqrt() <= 0.01 * want.pow(2).mean().sqrt()

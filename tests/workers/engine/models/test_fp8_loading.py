@@ -192,7 +192,8 @@ def test_fp8_layers_built_on_the_cpu_give_the_dequantized_models_tokens(
 ) -> None:
     """The CUDA path's plumbing without CUDA: the loader is made to build FP8 layers (TP linears through
     fp8_gemm.linear, stacked experts with scales), which on the CPU compute through the dequantized fallbacks and
-    must give the tokens of the model that was never converted. A block checkpoint's experts stay unconverted."""
+    must give the tokens of the model that was never converted. A block checkpoint's experts keep its tiles (its
+    fused [E, 2I, H] tensors, intermediate rows that are not whole tiles: a scale per row and 128 columns)."""
     model_dir = fp8_demo("qwen3_5_moe", fmt)
     messages = chat("What is in the picture?", [noise_image(40, 40)])
     [plain] = make_engine(model_dir).generate([messages], GREEDY)
@@ -202,8 +203,8 @@ def test_fp8_layers_built_on_the_cpu_give_the_dequantized_models_tokens(
         engine = make_engine(model_dir)
     lm = engine.runner.model.lm
     experts, shared = lm.layers[0].mlp.experts, lm.layers[0].mlp.shared_expert
-    assert (experts.gate_up_proj.dtype == FP8) == (fmt == "fp8-dynamic")
-    assert (experts.gate_up_scale is not None) == (fmt == "fp8-dynamic")
+    assert experts.gate_up_proj.dtype == FP8 and experts.gate_up_scale is not None
+    assert experts.gate_up_scale.shape[-1] == (1 if fmt == "fp8-dynamic" else -(-experts.hidden_size // 128))
     assert shared.down_proj.weight.dtype == FP8 and lm.layers[0].linear_attn.out_proj.weight.dtype == FP8
     assert lm.layers[0].mlp.gate.weight.dtype == torch.float32  # the router stays as it is, as does lm_head
     assert lm.lm_head.weight.dtype == torch.float32

@@ -98,7 +98,8 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, il), requires_grad=False)
         set_weight_loader(self.gate_up_proj, self.load_gate_up)
         set_weight_loader(self.down_proj, self.load_down)
-        # FP8 experts (models/fp8_layers.py): per-expert, per-row scales [E, rows, 1] of the two stacks, or None.
+        # FP8 experts (models/fp8_layers.py): the two stacks' scales, per row [E, rows, 1] or per 128 x 128 tile
+        # (fp8_quant.is_block), or None.
         self.gate_up_scale: Tensor | None
         self.down_scale: Tensor | None
         self.register_buffer("gate_up_scale", None)
@@ -275,9 +276,15 @@ class SparseMoeBlock(nn.Module):
     def capturable(self) -> bool:
         """Whether a CUDA graph can hold this block: the grouped path has no host sync, the loop has (start_graphs)."""
         one_row = self.gate.weight[:1]  # [1, H]: the block's device and dtype
-        if self.experts.fp8_scales() is not None:
-            return self.use_grouped and fp8_gemm.grouped_usable(one_row, self.experts.down_proj)
+        scales = self.experts.fp8_scales()
+        if scales is not None:
+            return self.use_grouped and self._fp8_grouped(one_row, scales)
         return self.use_grouped and grouped_mm_usable(one_row, self.experts.gate_up_proj, self.experts.down_proj)
+
+    def _fp8_grouped(self, x: Tensor, scales: tuple[Tensor, Tensor]) -> bool:
+        """Whether the grouped FP8 GEMM runs both FP8 stacks for x's rows (block scales: each stack's K checked)."""
+        return fp8_gemm.grouped_usable(x, self.experts.gate_up_proj, scales[0]) and fp8_gemm.grouped_usable(
+            x, self.experts.down_proj, scales[1])
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The router's logits [T, E] -> (weights [T, k] in their dtype, expert ids int64 [T, k])."""
@@ -299,7 +306,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(logits)
         scales = self.experts.fp8_scales()
         if scales is not None:
-            if self.use_grouped and fp8_gemm.grouped_usable(x, down):
+            if self.use_grouped and self._fp8_grouped(x, scales):
                 return experts_grouped(x, weights, ids, gate_up, down, self.fused and fused.worth_it(x), scales)
             gate_up, down = self.experts.bf16_weights(x.dtype)
         if self.use_grouped and grouped_mm_usable(x, gate_up, down):
