@@ -15,8 +15,8 @@ forward goes through kernels/fp8_gemm.py.
   (exact, as above; per-expert tensors placed by hand, since a TP shard of down splits its columns, which the
   loader's row replay cannot follow), for fp8_grouped_block.py's grouped GEMM; ``GLIMPSE_FP8_BLOCK_EXPERTS`` may
   re-quantize them per row or keep them dequantized (fp8_gemm.py). Decode rows take moe_kernel.py's Triton kernels
-  on either layout (probed apart: ``probe_fp8``). Fused expert tensors of a block checkpoint, a down shard that
-  splits a 128-column block, and experts that only run as a loop (Gemma 4) stay in the model dtype.
+  on either layout (probed apart: ``probe_fp8``). Gemma 4's experts (a GELU gate) alike. A down shard that splits a
+  128-column block, and stacks whose K the grouped GEMM cannot take, stay in the model dtype.
 * Replicated ``nn.Linear`` layers (routers, Gemma 4's per-layer-input projections) and the vision tower stay in the
   model dtype: they were dequantized at load, and stay so.
 The load itself holds the language model in the model dtype until this pass runs (peak memory as a bf16 model).

@@ -86,6 +86,10 @@ for tokens, experts, top_k, hidden, inter, tiled in ((1, 4, 2, 300, 128, True), 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     wrong = moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu.roll(1, 2)), dequantize(q_d, s_d))
     assert (wrong - want).abs().max() > 100 * (1e-5 + 1e-4 * want.abs().max())
+    # Gemma 4's experts: the same stacks behind a tanh-GELU gate
+    torch.testing.assert_close(moe_kernel.experts(x, weights, ids, q_gu, q_d, gelu=True, scales=(s_gu, s_d)),
+                               moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d), gelu=True),
+                               rtol=1e-4, atol=1e-5)
 # 128 x 128 tiles over gate rows that are not whole tiles: refused (fp8_layers.py keeps such scales per row)
 q_gu, s_gu = quantize_block(torch.randn(2, 80, 128, generator=gen))
 q_d, s_d = quantize_block(torch.randn(2, 128, 40, generator=gen))

@@ -31,6 +31,7 @@ from workers.engine.layers.linear import (
 from workers.engine.models import family, load_spec
 from workers.engine.models.demo_quantize import quantization_config
 from workers.engine.models.fp8_layers import convert_to_fp8
+from workers.engine.models.gemma4.moe import GemmaExperts
 from workers.engine.models.load import load_model
 from workers.engine.models.quantization import (
     Fp8Scheme,
@@ -208,6 +209,25 @@ def test_fp8_layers_built_on_the_cpu_give_the_dequantized_models_tokens(
     assert shared.down_proj.weight.dtype == FP8 and lm.layers[0].linear_attn.out_proj.weight.dtype == FP8
     assert lm.layers[0].mlp.gate.weight.dtype == torch.float32  # the router stays as it is, as does lm_head
     assert lm.lm_head.weight.dtype == torch.float32
+    [fp8] = engine.generate([messages], GREEDY)
+    assert fp8.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("fmt", ["fp8-dynamic", "fp8-block"])
+def test_gemma_experts_become_fp8_and_keep_the_dequantized_models_tokens(
+    fmt: str, fp8_demo: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 4's experts (a GELU gate, their own block class) are FP8 stacks too; on the CPU they compute through
+    their dequantized copies and give the tokens of the model that was never converted."""
+    model_dir = fp8_demo("gemma4_moe", fmt)
+    messages = chat("What is in the picture?", [noise_image(48, 48)])
+    [plain] = make_engine(model_dir).generate([messages], GREEDY)
+    with monkeypatch.context() as m:
+        m.setattr(fp8_gemm, "wants_fp8_layers", _always)
+        m.setattr(fp8_gemm, "grouped_usable", _always)
+        engine = make_engine(model_dir)
+    experts = [m for m in engine.runner.model.lm.modules() if isinstance(m, GemmaExperts)]
+    assert experts and all(e.gate_up_proj.dtype == FP8 and e.down_proj.dtype == FP8 for e in experts)
     [fp8] = engine.generate([messages], GREEDY)
     assert fp8.token_ids == plain.token_ids
 

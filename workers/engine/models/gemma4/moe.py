@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import moe_kernel
+from workers.engine.kernels import fp8_gemm, moe_kernel
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
 from workers.engine.models.gemma4.lm_layers import GemmaRMSNorm, lm_router_input
 from workers.engine.models.gemma4.vision_layers import fused_call
@@ -82,22 +82,34 @@ def gelu_experts_loop(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, 
 
 class GemmaExperts(StackedExperts):
     """This rank's slice of every expert (``experts.gate_up_proj`` / ``experts.down_proj``, as the checkpoint names
-    them); forward returns the rank's partial sum of the routed outputs, not yet reduced."""
+    them); forward returns the rank's partial sum of the routed outputs, not yet reduced. An FP8 checkpoint's stacks
+    may be FP8 (models/fp8_layers.py: ``fp8_grouped``), as Qwen's are: the Triton kernels and the grouped FP8 GEMMs
+    take them, anything else their dequantized copies."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, tp)
 
-    fp8_grouped = False  # the loop only: FP8 checkpoints' experts stay dequantized in the model dtype
-
     def capturable(self) -> bool:
         """Whether a CUDA graph can hold this block's decode steps: the Triton kernels (up to moe_kernel.MAX_ROWS
         rows) and the grouped GEMMs (more rows) have no host sync; the loop has (which experts got tokens)."""
-        one_row = self.gate_up_proj[0, :1]  # [1, H]: the stacks' device and dtype
+        one_row = self.gate_up_proj[0, :1]  # [1, H]: the stacks' device
+        scales = self.fp8_scales()
+        if scales is not None:  # FP8 stacks: asked for bf16 rows, the dtype FP8 layers serve
+            return self._fp8_grouped(one_row.to(torch.bfloat16), scales)
         return grouped_mm_usable(one_row, self.gate_up_proj, self.down_proj)
 
+    def _fp8_grouped(self, x: Tensor, scales: tuple[Tensor, Tensor]) -> bool:
+        return fp8_gemm.grouped_usable(x, self.gate_up_proj, scales[0]) and fp8_gemm.grouped_usable(
+            x, self.down_proj, scales[1])
+
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        scales = self.fp8_scales()
         if moe_kernel.wanted(x, self.gate_up_proj):  # a decode step's few rows: no loop, no host sync
-            return moe_kernel.experts(x, weights, ids, self.gate_up_proj, self.down_proj, gelu=True)
-        if grouped_mm_usable(x, self.gate_up_proj, self.down_proj):  # CUDA bf16: two grouped GEMMs, no host sync
-            return experts_grouped(x, weights, ids, self.gate_up_proj, self.down_proj, gelu=True).to(x.dtype)
-        return gelu_experts_loop(x, weights, ids, self.gate_up_proj, self.down_proj)
+            return moe_kernel.experts(x, weights, ids, self.gate_up_proj, self.down_proj, gelu=True, scales=scales)
+        if scales is not None and self._fp8_grouped(x, scales):  # CUDA: two grouped FP8 GEMMs
+            return experts_grouped(x, weights, ids, self.gate_up_proj, self.down_proj, fp8_scales=scales,
+                                   gelu=True).to(x.dtype)
+        gate_up, down = self.bf16_weights(x.dtype)
+        if grouped_mm_usable(x, gate_up, down):  # CUDA bf16: two grouped GEMMs, no host sync
+            return experts_grouped(x, weights, ids, gate_up, down, gelu=True).to(x.dtype)
+        return gelu_experts_loop(x, weights, ids, gate_up, down)

@@ -105,7 +105,7 @@ class StackedExperts(nn.Module):
         self.register_buffer("gate_up_scale", None)
         self.register_buffer("down_scale", None)
 
-    # The grouped FP8 GEMM (torch._scaled_grouped_mm) can run these experts; GemmaExperts' loop cannot.
+    # models/fp8_layers.py may make these stacks FP8 (the grouped FP8 GEMMs and the Triton kernels take them).
     fp8_grouped = True
 
     def fp8_scales(self) -> tuple[Tensor, Tensor] | None:
