@@ -327,14 +327,13 @@ def unsummed(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = Non
 
 def grouped_usable(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> bool:
     """Whether ``grouped_mm`` can run the routed experts ``weight`` [E, N, K] (FP8, or about to be) with ``scale``:
-    CUDA FP8 hardware, and for block scales (fp8_quant.is_block) fp8_grouped_block.py's kernel (K in whole
-    128-column groups), else bf16 activations and strides cuBLAS takes (K and N multiples of 16)."""
+    CUDA FP8 hardware, and for block scales (fp8_quant.is_block) fp8_grouped_block.py's kernel, else bf16
+    activations and strides cuBLAS takes (K and N multiples of 16)."""
     if scale is not None and is_block(weight, scale):
         return (
             variant() == "auto"
             and x.is_cuda
             and device_supports_fp8(x.device)
-            and weight.shape[-1] % BLOCK == 0
             and x.dtype in (torch.bfloat16, torch.float16)
             and probe("grouped-block", x.device)
         )

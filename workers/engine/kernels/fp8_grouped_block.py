@@ -9,7 +9,8 @@ experts were dequantized to bf16 at load: twice the memory of the checkpoint for
 The recipe is the dense block layers' (fp8_gemm.block_linear): activations quantized per 1 x 128 group of each row
 (fp8_act_quant.py, the same bits as fp8_quant.quantize_token_groups), each 128-wide K step a tensor-core product of
 FP8 tiles in float32, scaled by the row's group scale and the weight tile's scale and accumulated in float32; one
-rounding at the end.
+rounding at the end. A K that is not whole groups (Gemma 4 26B-A4B's down projection: 704) has its activations
+zero-padded to them (zeros change no group's scale) and the weight's last tile masked.
 
 Rows come grouped by expert (qwen3_vl/moe.py ``experts_grouped`` sorts the token-expert pairs), ``ends`` the groups'
 end offsets. The grid has a fixed size for a row count, ``ceil(R / TILE_M) + E`` row tiles (each expert adds at
@@ -25,6 +26,7 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from workers.engine.kernels import fp8_act_quant, w8a16_gemm
@@ -76,13 +78,17 @@ def _kernel() -> Any:
             n_ok = n < N
             e64 = expert.to(tl.int64)
             w_rows = w_ptr + e64 * N * K + n.to(tl.int64)[None, :] * K  # [1, TILE_N]: K is contiguous (K-major B)
-            KB: tl.constexpr = K // BLOCK_K
+            KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+            KA: tl.constexpr = KB * BLOCK_K  # the activations' row: K zero-padded to whole groups
             sw_rows = sw_ptr + e64 * SCALE_ROWS * KB + (n // ROWS_PER_SCALE) * KB  # [TILE_N]: tiles or rows
             acc = tl.zeros([TILE_M, TILE_N], tl.float32)
             for kb in range(KB):
                 k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-                a = tl.load(q_ptr + r64[:, None] * K + k[None, :], mask=r_ok[:, None], other=0.0)
-                b = tl.load(w_rows + k[:, None], mask=n_ok[None, :], other=0.0)
+                a = tl.load(q_ptr + r64[:, None] * KA + k[None, :], mask=r_ok[:, None], other=0.0)
+                if K % BLOCK_K:
+                    b = tl.load(w_rows + k[:, None], mask=n_ok[None, :] & (k < K)[:, None], other=0.0)
+                else:
+                    b = tl.load(w_rows + k[:, None], mask=n_ok[None, :], other=0.0)
                 sa = tl.load(sx_ptr + kb * rows + r64, mask=r_ok, other=0.0)  # token-major: scale [kb, row]
                 sb = tl.load(sw_rows + kb, mask=n_ok, other=0.0)
                 acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
@@ -97,11 +103,10 @@ def _pow2(n: int) -> int:
 
 
 def usable(x: Tensor, weight: Tensor, scale: Tensor) -> bool:
-    """Whether ``grouped_mm`` takes these operands: block scales (``is_block``), K in whole 128-column groups (the
-    activations' quantization), bf16/fp16 activations, the kernel on."""
+    """Whether ``grouped_mm`` takes these operands: block scales (``is_block``), bf16/fp16 activations, the kernel
+    on."""
     return (
         weight.dtype == FP8
-        and weight.shape[2] % BLOCK == 0
         and is_block(weight, scale)
         and x.dtype in (torch.bfloat16, torch.float16)
         and available()
@@ -120,7 +125,8 @@ def grouped_mm(
     out = torch.empty((r, n), dtype=rows.dtype, device=rows.device)
     if not r:
         return out
-    q, sx = fp8_act_quant.quantize(rows) if fp8_act_quant.available() else _torch_groups(rows)
+    padded = F.pad(rows, (0, -k % BLOCK)) if k % BLOCK else rows  # zero columns change no group's scale
+    q, sx = fp8_act_quant.quantize(padded) if fp8_act_quant.available() else _torch_groups(padded)
     _kernel()[(-(-r // tile_m) + e, -(-n // tile_n))](
         q, sx, weight.contiguous(), scale.float().contiguous(), ends.to(torch.int32).contiguous(), out, r,
         N=n, K=k, E=e, E_POW2=_pow2(e), SCALE_ROWS=scale.shape[1], ROWS_PER_SCALE=1 if scale.shape[1] == n else BLOCK,
@@ -137,8 +143,9 @@ def _torch_groups(rows: Tensor) -> tuple[Tensor, Tensor]:
 def reference(rows: Tensor, weight: Tensor, scale: Tensor, ends: Tensor) -> Tensor:
     """``grouped_mm``'s math in float32 eager torch: the activations quantized the same way, both operands
     dequantized, one product per expert's rows."""
-    q, sx = quantize_token_groups(rows)
-    x = dequantize(q, sx.repeat_interleave(BLOCK, dim=1))
+    k = rows.shape[1]
+    q, sx = quantize_token_groups(F.pad(rows, (0, -k % BLOCK)))
+    x = dequantize(q, sx.repeat_interleave(BLOCK, dim=1))[:, :k]
     out = torch.zeros(rows.shape[0], weight.shape[1], dtype=torch.float32, device=rows.device)
     start = 0
     for e, end in enumerate(ends.tolist()):

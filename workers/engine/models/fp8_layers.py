@@ -16,7 +16,7 @@ forward goes through kernels/fp8_gemm.py.
   loader's row replay cannot follow), for fp8_grouped_block.py's grouped GEMM; ``GLIMPSE_FP8_BLOCK_EXPERTS`` may
   re-quantize them per row or keep them dequantized (fp8_gemm.py). Decode rows take moe_kernel.py's Triton kernels
   on either layout (probed apart: ``probe_fp8``). Gemma 4's experts (a GELU gate) alike. A down shard that splits a
-  128-column block, and stacks whose K the grouped GEMM cannot take, stay in the model dtype.
+  128-column block stays in the model dtype.
 * Replicated ``nn.Linear`` layers (routers, Gemma 4's per-layer-input projections) and the vision tower stay in the
   model dtype: they were dequantized at load, and stay so.
 The load itself holds the language model in the model dtype until this pass runs (peak memory as a bf16 model).

@@ -29,9 +29,9 @@ def ragged(*shape):  # 128 x 128 tiles 2^0 to 2^4 apart: a scale read from anoth
 # Groups: empty experts first, last and between; one spanning several row tiles; one ending mid-tile; N ending
 # mid-block; K of one and of three 128-column groups; scales as tiles and per row (a shard's partial tiles).
 for sizes, n, k, per_row in (([0, 70, 1, 0, 9, 0], 200, 384, False), ([130], 128, 128, False),
-                             ([5, 0, 64], 96, 256, True)):
+                             ([5, 0, 64], 96, 256, True), ([3, 40], 130, 200, False)):  # K = 200: a partial group
     e = len(sizes)
-    x = w8a16_gemm.exact_rows(sum(sizes), k, gen) * torch.exp2(torch.randint(-2, 3, (sum(sizes), 1), generator=gen).float())
+    x = w8a16_gemm.exact_rows(sum(sizes), -(-k // 128) * 128, gen)[:, :k] * torch.exp2(torch.randint(-2, 3, (sum(sizes), 1), generator=gen).float())
     if per_row:  # a scale per row and 128 columns, rows 2^0 to 2^3 apart
         w = ragged(e, n, k) * torch.exp2(torch.randint(0, 4, (e, n, 1), generator=gen).float())
         q, s = quantize_rows(w.reshape(e, n, k // 128, 128))
@@ -67,8 +67,10 @@ def test_scale_layouts_are_told_apart() -> None:
     w = torch.zeros(2, 256, 384)
     assert is_block(w, quantize_block(w)[1]) and is_block(w, torch.ones(2, 256, 3))
     assert not is_block(w, quantize_rows(w)[1])
+    assert fp8_grouped_block.usable(torch.zeros(1, 200, dtype=torch.bfloat16), torch.zeros(2, 256, 200).to(torch.float8_e4m3fn),
+                                    torch.ones(2, 2, 2))  # K = 200: a partial last group, zero-padded
     assert not fp8_grouped_block.usable(torch.zeros(1, 200, dtype=torch.bfloat16), torch.zeros(2, 256, 200).to(torch.float8_e4m3fn),
-                                        torch.ones(2, 2, 2))  # K = 200: not whole 128-column groups
+                                        torch.ones(2, 256, 1))  # one scale per row: the row-wise recipe's
 
 
 @pytest.mark.gpu
