@@ -103,7 +103,7 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
             if ROWS_PER_SCALE == 1:  # per row and 128 columns
                 gate_scales = stack + rows[:, None] * KB
                 up_scales = gate_scales + INTER * KB
-            else:  # 128 x 128 tiles: BLOCK_N divides 128 and INTER is whole tiles, so the rows share one tile row
+            else:  # 128 x 128 tiles: BLOCK_N divides 128 and INTER is whole BLOCK_N blocks: the rows share one tile row
                 first = tl.program_id(1) * BLOCK_N
                 gate_scales = stack + (first // 128) * KB
                 up_scales = stack + ((INTER + first) // 128) * KB
@@ -255,7 +255,8 @@ def experts(
 
 def _scale_layout(stack: Tensor, scale: Tensor, tile_rows: int) -> tuple[bool, int, int]:
     """(block scales?, the scale tensor's rows, rows per scale row) of an FP8 stack's scales, for the kernels;
-    ``tile_rows``: rows that must be whole tiles for 128 x 128 scales (the gate half of gate_up), else 0."""
+    ``tile_rows``: the gate half of gate_up, after which the up rows start: with 128 x 128 scales each program's
+    UP_BLOCK_N rows must fall in one tile, so it must be whole blocks of UP_BLOCK_N (tiles may span gate and up)."""
     rows = stack.shape[1]
     if tuple(scale.shape) == (stack.shape[0], rows, 1):
         return False, rows, 1
@@ -263,8 +264,8 @@ def _scale_layout(stack: Tensor, scale: Tensor, tile_rows: int) -> tuple[bool, i
         raise ValueError(f"expert scales {tuple(scale.shape)} fit neither rows nor blocks of {tuple(stack.shape)}")
     if scale.shape[1] == rows:
         return True, rows, 1
-    if tile_rows % BLOCK:
-        raise ValueError(f"128 x 128 expert scales need whole tiles of gate rows, not {tile_rows}")
+    if tile_rows % UP_BLOCK_N:
+        raise ValueError(f"128 x 128 expert scales need gate rows in whole blocks of {UP_BLOCK_N}, not {tile_rows}")
     return True, scale.shape[1], BLOCK
 
 

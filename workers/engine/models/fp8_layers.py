@@ -160,6 +160,7 @@ def _expert_block_scales(
             return None
     if bool(torch.isnan(s_gu).any()) or bool(torch.isnan(s_d).any()):
         return None
+    # (gate_up compacts only when 2 I_local is whole tiles, so I_local is whole blocks of the decode kernels' rows.)
     return _compact(s_gu), _compact(s_d)
 
 
@@ -231,9 +232,13 @@ def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: in
     return n
 
 
-def _dummy_tiles(stack: Tensor) -> Tensor:
-    """128 x 128 block scales of each expert's random weights, one expert at a time."""
-    return torch.stack([quantize_block(w)[1] for w in stack])
+def _dummy_tiles(stack: Tensor, gate_up: bool = False) -> Tensor:
+    """128 x 128 block scales of each expert's random weights, one expert at a time; per row and 128 columns where
+    the decode kernels could not read a gate_up stack's tiles (moe_kernel._scale_layout)."""
+    tiles = torch.stack([quantize_block(w)[1] for w in stack])
+    if gate_up and (stack.shape[1] // 2) % moe_kernel.UP_BLOCK_N:
+        return tiles.repeat_interleave(BLOCK, dim=1)[:, : stack.shape[1]]
+    return tiles
 
 
 @torch.no_grad()
@@ -255,7 +260,7 @@ def convert_dummy(lm: nn.Module, block: int | None, rank: int = 0) -> int:
             mode = fp8_gemm.block_experts() if block is not None else "rowwise"
             if mode == "block":  # each expert's tiles quantized as a checkpoint's would be
                 stacks: tuple[Tensor, Tensor] = (module.gate_up_proj, module.down_proj)  # type: ignore[assignment]
-                n += _convert_experts(module, (_dummy_tiles(stacks[0]), _dummy_tiles(stacks[1])))
+                n += _convert_experts(module, (_dummy_tiles(stacks[0], gate_up=True), _dummy_tiles(stacks[1])))
             elif mode == "rowwise":
                 n += _convert_experts(module)
     _probe_kernels(lm, device)

@@ -70,7 +70,7 @@ def ragged(*shape):
 
 
 for tokens, experts, top_k, hidden, inter, tiled in ((1, 4, 2, 300, 128, True), (3, 5, 2, 136, 256, True),
-                                                    (2, 4, 2, 300, 40, False)):
+                                                    (2, 4, 2, 300, 80, True), (2, 4, 2, 300, 40, False)):
     x = torch.randn(tokens, hidden, generator=gen) / 16
     weights, ids = moe_kernel.route(torch.randn(tokens, experts, generator=gen), top_k)
     gu = ragged(experts, 2 * inter, hidden) / hidden**0.5
@@ -90,7 +90,8 @@ for tokens, experts, top_k, hidden, inter, tiled in ((1, 4, 2, 300, 128, True), 
     torch.testing.assert_close(moe_kernel.experts(x, weights, ids, q_gu, q_d, gelu=True, scales=(s_gu, s_d)),
                                moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d), gelu=True),
                                rtol=1e-4, atol=1e-5)
-# 128 x 128 tiles over gate rows that are not whole tiles: refused (fp8_layers.py keeps such scales per row)
+# (inter 80: a tile spans the gate's last rows and the up's first.) 128 x 128 tiles over gate rows that are not whole
+# blocks of the kernels' 16 rows: refused (fp8_layers.py keeps such scales per row)
 q_gu, s_gu = quantize_block(torch.randn(2, 80, 128, generator=gen))
 q_d, s_d = quantize_block(torch.randn(2, 128, 40, generator=gen))
 try:

@@ -133,7 +133,7 @@ def test_fp8_expert_blocks_match_their_dequantized_copies_on_gpu(rows: int) -> N
     gemma_tiles = GemmaExperts(128, 2816, 704).to("cuda", torch.bfloat16)
     gemma_tiles.load_state_dict(gemma.state_dict())
     for tiled in (qwen.experts, gemma_tiles):
-        assert _convert_experts(tiled, (_dummy_tiles(tiled.gate_up_proj), _dummy_tiles(tiled.down_proj))) == 1
+        assert _convert_experts(tiled, (_dummy_tiles(tiled.gate_up_proj, gate_up=True), _dummy_tiles(tiled.down_proj))) == 1
     assert _convert_experts(gemma) == 1
     plain_tiles = GemmaExperts(128, 2816, 704).to("cuda", torch.bfloat16)
     for block, plain in ((qwen.experts, plain_qwen.experts), (gemma, plain_gemma), (gemma_tiles, plain_tiles)):
