@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows
 
 QUANTIZE_FORMATS = ("fp8-block", "fp8-dynamic")
@@ -97,15 +99,14 @@ def quantization_config(fmt: str, not_converted: list[str]) -> dict[str, Any]:
     }
 
 
-def quantize_checkpoint(out: Path, fmt: str) -> Path:
-    """Rewrite the demo checkpoint in ``out`` (one model.safetensors) in FP8 format ``fmt``, in place."""
-    from safetensors.torch import load_file, save_file
-
+def quantize_tensors(tensors: dict[str, Tensor], fmt: str) -> tuple[dict[str, Tensor], list[str]]:
+    """One safetensors file's tensors in FP8 format ``fmt``: the language model's Linear weights (and stacked
+    experts) quantized, each with its scale beside it, the rest as they are; and the Linear modules left unquantized
+    (Qwen's ``modules_to_not_convert`` names them). The quantization runs on the tensors' device."""
     if fmt not in QUANTIZE_FORMATS:
         raise ValueError(f"unknown FP8 demo format {fmt!r}; choose from {', '.join(QUANTIZE_FORMATS)}")
-    file = out / "model.safetensors"
-    tensors = load_file(file)
-    result, not_converted = {}, []
+    result: dict[str, Tensor] = {}
+    not_converted: list[str] = []
     for name, tensor in sorted(tensors.items()):
         if not (_is_lm_linear(name) and tensor.dim() in (2, 3)) or ignored(_module(name)):
             result[name] = tensor
@@ -117,9 +118,22 @@ def quantize_checkpoint(out: Path, fmt: str) -> Path:
         else:
             q, scale = quantize_rows(tensor)
             result[name], result[name + "_scale"] = q, scale.to(tensor.dtype)
-    save_file(result, file, metadata={"format": "pt"})
+    return result, not_converted
+
+
+def write_quantization_config(out: Path, fmt: str, not_converted: list[str]) -> None:
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization_config"] = quantization_config(fmt, sorted(not_converted))
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def quantize_checkpoint(out: Path, fmt: str) -> Path:
+    """Rewrite the demo checkpoint in ``out`` (one model.safetensors) in FP8 format ``fmt``, in place."""
+    from safetensors.torch import load_file, save_file
+
+    file = out / "model.safetensors"
+    result, not_converted = quantize_tensors(load_file(file), fmt)
+    save_file(result, file, metadata={"format": "pt"})
+    write_quantization_config(out, fmt, not_converted)
     return out
