@@ -174,16 +174,25 @@ def _serve(
 
     A step's result is read only when the GPU has finished it, and while it runs this loop takes the next plan
     if one comes: a step planned ahead (asynchronous scheduling) is then queued behind the running one before
-    the running one is reported, so the GPU goes from one step to the next without waiting on the host.
+    the running one is reported, so the GPU goes from one step to the next without waiting on the host. The
+    running one is reported as soon as it is done, from inside that launch too (runner.launch_poll: between
+    layers), not after the whole launch.
     The wait spins on the step's event and the socket (a CUDA sync spins as well)."""
     running: deque[Launched] = deque()
     trim = IdleTrim(TRIM_IDLE_S, big=0, huge=1 << 62)  # any step counts as work; none is big enough to trim at once
+
+    def report_finished() -> None:
+        """Report the steps at the head of ``running`` whose GPU work is done (also from inside a launch:
+        runner.launch_poll)."""
+        while running and running[0].done():
+            _report(runner, reader, rank, running.popleft(), to_sched, gc_watch)
+            trim.finished(1, time.monotonic(), not running)
+
     while True:
         waiting_since = time.monotonic()
         if running:
             if running[0].done():
-                _report(runner, reader, rank, running.popleft(), to_sched, gc_watch)
-                trim.finished(1, time.monotonic(), not running)
+                report_finished()
                 continue
             msg = inbound.recv(0)
             if msg is None:
@@ -203,7 +212,9 @@ def _serve(
         # Transfer + decode only: a plan that arrived while this rank was still finishing the last
         # step waited in the socket queue, which is compute, not broadcast.
         reader.broadcast(time.monotonic() - max(msg.sent_at, waiting_since))
-        if (launched := _launch(runner, rank, msg, to_sched, log)) is not None:
+        with runner.launch_poll.calling(report_finished):  # steps before it are reported as they finish
+            launched = _launch(runner, rank, msg, to_sched, log)
+        if launched is not None:
             running.append(launched)
 
 

@@ -43,6 +43,7 @@ from workers.engine.runner.encoder import JobEncoder, PixelSource, RunnerCounter
 from workers.engine.runner.grammar import GrammarBook
 from workers.engine.runner.host_kv import host_kv_pool
 from workers.engine.runner.landing import LandingReader
+from workers.engine.runner.launch_poll import LaunchPoll, poll_points
 from workers.engine.runner.piecewise_graphs import PiecewiseGraphs
 from workers.engine.runner.prompt_logprobs import score_prompts
 from workers.engine.runner.sampler import Sampler
@@ -82,6 +83,7 @@ class ModelRunner:
                                   vision=cfg.vision_tower)
         self.model = load_model(built, cfg.model, load_format=cfg.load_format, rank=self.tp.rank)
         self.lm, self.vision = self.model.lm, self.model.vision
+        self.launch_poll = LaunchPoll(poll_points(self.lm, self.vision))  # the worker reports finished steps there
         self.weight_bytes = _param_bytes(self.model)
         self.vision_weight_bytes = _param_bytes(self.vision) if self.vision is not None else 0
         log.info(
@@ -178,6 +180,7 @@ class ModelRunner:
             self.counters.imports += import_entries(plan.mm_import, self.store, self.device, self.dtype,
                                                    self.landings)
         self.trace.mark("setup")
+        self.launch_poll()
         calls_before = self.counters.vit_calls
         if plan.encode and self.vision is None:  # the scheduler never plans one here; a clear error if it did
             raise NoVisionTower(f"step {plan.step_id} asks this model worker to encode {len(plan.encode)} entries, "
@@ -188,6 +191,7 @@ class ModelRunner:
         self.host.land(reloading, self.store)
         launched = Launched(plan.step_id, encoded, self.counters.vit_calls - calls_before)
         self.trace.mark("vit")
+        self.launch_poll()
         if self.counters.keep_per_step:  # one int a step, forever: off in a serving worker
             self.counters.encoded_per_step.append(encoded)
         self.counters.steps += 1
