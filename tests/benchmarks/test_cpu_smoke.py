@@ -97,6 +97,7 @@ SERVERS: dict[str, str] = {
     "serving.fp8_bench": "a server per variant (dp_bench's, 16 GiB KV cache): sized for GPUs",
     "serving.bench_client": "is `glimpse bench`; tests/benchmarks/serving/test_bench_client.py drives it on a live server",
     "tools.sbs_setup": "copies ../shared's harness, absent from a clone: tests/benchmarks/test_sbs_setup.py runs it on one",
+    "tools.fp8_checkpoint": "copies a checkpoint directory: tests/benchmarks/test_fp8_checkpoint.py runs it on a two-shard demo",
 }
 
 
