@@ -45,6 +45,7 @@ VARIANTS: dict[str, tuple[str | None, dict[str, str]]] = {
     "fp8-w8a16": ("fp8-block", {"GLIMPSE_FP8_GEMM": "w8a16"}),
     "fp8-dequant": ("fp8-block", {"GLIMPSE_FP8_GEMM": "bf16"}),
     "fp8-bf16-experts": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto", "GLIMPSE_FP8_BLOCK_EXPERTS": "bf16"}),
+    "fp8-bf16-attn": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto", "GLIMPSE_FP8_KEEP_DTYPE": "self_attn"}),
     "fp8-dynamic": ("fp8-dynamic", {"GLIMPSE_FP8_GEMM": "auto"}),
 }
 

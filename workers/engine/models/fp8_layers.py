@@ -25,6 +25,7 @@ The load itself holds the language model in the model dtype until this pass runs
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -36,6 +37,13 @@ from workers.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.engine.models.quantization import Fp8Record
 
 log = logging.getLogger("glimpse.fp8")
+# Comma-separated parts of language-model module names whose FP8 checkpoint weights stay dequantized in the model
+# dtype, as a publisher's ignore list keeps them (e.g. "self_attn"): to measure which layers pay in FP8.
+KEEP_ENV = "GLIMPSE_FP8_KEEP_DTYPE"
+
+
+def _kept(module_name: str) -> bool:
+    return any(part in module_name for part in os.environ.get(KEEP_ENV, "").split(",") if part)
 
 
 def _routes(lm: nn.Module, record: Fp8Record) -> dict[str, list[tuple[object, str]]]:
@@ -182,6 +190,8 @@ def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
     for name, entries in sorted(routes.items()):
         owner_name, _, attr = name.rpartition(".")
         owner = lm.get_submodule(owner_name)
+        if _kept(owner_name):
+            continue
         if isinstance(owner, ColumnParallelLinear | RowParallelLinear) and attr == "weight":
             scales = _shard_scales(owner, entries, record, block)
             if scales is None:
@@ -250,7 +260,9 @@ def convert_dummy(lm: nn.Module, block: int | None, rank: int = 0) -> int:
     if not fp8_gemm.wants_fp8_layers(device):
         return 0
     n = 0
-    for module in lm.modules():
+    for name, module in lm.named_modules():
+        if _kept(name):
+            continue
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
             q, scale = quantize_block(module.weight) if block else quantize_rows(module.weight)
             module.weight = nn.Parameter(q, requires_grad=False)
@@ -259,7 +271,7 @@ def convert_dummy(lm: nn.Module, block: int | None, rank: int = 0) -> int:
         elif getattr(module, "fp8_grouped", False):
             mode = fp8_gemm.block_experts() if block is not None else "rowwise"
             if mode == "block":  # each expert's tiles quantized as a checkpoint's would be
-                stacks: tuple[Tensor, Tensor] = (module.gate_up_proj, module.down_proj)  # type: ignore[assignment]
+                stacks: tuple[Tensor, Tensor] = (module.gate_up_proj, module.down_proj)
                 n += _convert_experts(module, (_dummy_tiles(stacks[0], gate_up=True), _dummy_tiles(stacks[1])))
             elif mode == "rowwise":
                 n += _convert_experts(module)

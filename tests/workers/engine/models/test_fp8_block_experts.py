@@ -107,6 +107,25 @@ def test_an_unknown_mode_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
         fp8_gemm.block_experts()
 
 
+def test_modules_named_in_the_keep_list_stay_in_the_model_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLIMPSE_FP8_KEEP_DTYPE: the attention projections of a MoE model kept dequantized, the experts FP8."""
+    from workers.engine.layers.linear import ColumnParallelLinear
+    from workers.engine.models.fp8_layers import KEEP_ENV
+
+    monkeypatch.setattr(fp8_gemm, "grouped_usable", lambda *_: True)
+    monkeypatch.setenv(KEEP_ENV, "self_attn,unused")
+    experts = StackedExperts(EXPERTS, HIDDEN, 256, TPGroup())
+    loaded = _load(experts, "per-expert", 256)
+    qkv = ColumnParallelLinear(HIDDEN, 512, bias=False)
+    q, s = quantize_block(torch.randn(512, HIDDEN))
+    qkv.weight_loader(qkv.weight, dequantize(q, s))
+    lm = torch.nn.ModuleDict({"experts": experts, "self_attn": qkv})
+    routes = {**loaded["routes"], "qkv": ("self_attn.weight", None)}
+    lm.route = lambda name: routes[name]  # type: ignore[assignment]
+    assert convert_to_fp8(lm, {**loaded["record"], "lm.qkv": (s, q.shape)}, 128) == 1
+    assert experts.gate_up_proj.dtype == FP8 and qkv.weight.dtype == torch.float32
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)), reason="needs Hopper")
 @pytest.mark.parametrize("rows", [4, 300])
