@@ -32,9 +32,7 @@ from torch import Tensor
 from workers.engine.kernels import fp8_act_quant, w8a16_gemm
 from workers.engine.kernels.fp8_quant import (
     BLOCK,
-    FP8,
     dequantize,
-    is_block,
     quantize_block,
     quantize_token_groups,
 )
@@ -102,22 +100,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def usable(x: Tensor, weight: Tensor, scale: Tensor) -> bool:
-    """Whether ``grouped_mm`` takes these operands: block scales (``is_block``), bf16/fp16 activations, the kernel
-    on."""
-    return (
-        weight.dtype == FP8
-        and is_block(weight, scale)
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and available()
-    )
-
-
 def grouped_mm(
     rows: Tensor, weight: Tensor, scale: Tensor, ends: Tensor, tiles: tuple[int, int, int, int] | None = None
 ) -> Tensor:
     """rows [R, K] (grouped by expert, int32 group ends ``ends`` [E]) times each expert's FP8 weight [E, N, K] with
-    block scales [E, ceil(N/128) or N, K/128] (``is_block``) -> [R, N] in rows' dtype. ``tiles``: (TILE_M, TILE_N,
+    block scales [E, ceil(N/128) or N, ceil(K/128)] (fp8_quant.is_block; fp8_gemm.grouped_usable says when) -> [R, N]
+    in rows' dtype. ``tiles``: (TILE_M, TILE_N,
     warps, stages) other than the module's (fp8_gemm_bench --moe compares them)."""
     r, k = rows.shape
     e, n, _ = weight.shape
