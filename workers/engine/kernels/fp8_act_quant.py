@@ -52,6 +52,12 @@ def _kernel() -> Any:
     return group_quant_kernel
 
 
+def torch_ops(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``quantize``'s result from fp8_quant's torch ops (where the kernel is off): the scales token-major."""
+    q, scale = quantize_token_groups(x)
+    return q, scale.t().contiguous().t()
+
+
 def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] (K a multiple of 128, bf16/fp16/fp32) -> (e4m3 [M, K], float32 scales [M, K / 128] with stride
     (1, M)): fp8_gemm.fp8_block_activations' result, in one kernel."""

@@ -51,7 +51,6 @@ from workers.engine.kernels.fp8_quant import (
     is_block,
     quantize_block,
     quantize_rows,
-    quantize_token_groups,
     quantize_tokens,
 )
 
@@ -84,8 +83,7 @@ def _quantize(fn: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor) -> tuple
 def fp8_block_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     """``quantize_token_groups(x, BLOCK)`` with the scales laid out as cuBLAS's block-scaled GEMM takes them
     (token-major: [M, K / 128] with stride (1, M))."""
-    q, scale = quantize_token_groups(x, BLOCK)
-    return q, scale.t().contiguous().t()
+    return fp8_act_quant.torch_ops(x)
 
 
 def block_activations(x: Tensor) -> tuple[Tensor, Tensor]:

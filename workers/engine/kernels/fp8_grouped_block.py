@@ -114,18 +114,12 @@ def grouped_mm(
     if not r:
         return out
     padded = F.pad(rows, (0, -k % BLOCK)) if k % BLOCK else rows  # zero columns change no group's scale
-    q, sx = fp8_act_quant.quantize(padded) if fp8_act_quant.available() else _torch_groups(padded)
+    q, sx = fp8_act_quant.quantize(padded) if fp8_act_quant.available() else fp8_act_quant.torch_ops(padded)
     _kernel()[(-(-r // tile_m) + e, -(-n // tile_n))](
         q, sx, weight.contiguous(), scale.float().contiguous(), ends.to(torch.int32).contiguous(), out, r,
         N=n, K=k, E=e, E_POW2=_pow2(e), SCALE_ROWS=scale.shape[1], ROWS_PER_SCALE=1 if scale.shape[1] == n else BLOCK,
         TILE_M=tile_m, TILE_N=tile_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
     return out
-
-
-def _torch_groups(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """fp8_act_quant's result from torch's ops (its kernel off): the scales token-major, stride (1, R)."""
-    q, s = quantize_token_groups(rows)
-    return q, s.t().contiguous().t()
 
 
 def reference(rows: Tensor, weight: Tensor, scale: Tensor, ends: Tensor) -> Tensor:

@@ -41,6 +41,13 @@ def dequantize(weight: Tensor, scale: Tensor) -> Tensor:
     return w * expand_scale(scale, w.shape)
 
 
+def quantize_with(weight: Tensor, scale: Tensor, block: int = BLOCK) -> Tensor:
+    """``weight``'s e4m3 values under the given dequantization scales (any layout ``expand_scale`` reads); for a
+    weight dequantized with those scales, the values it was made from."""
+    w = weight.float()
+    return (w / expand_scale(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize_block(weight: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     """Quantize the last two dims in ``block`` x ``block`` tiles, each tile's absolute max to 448 (how Qwen's
     FP8 repos are made): (fp8 weight, float32 scales [..., ceil(R/b), ceil(C/b)])."""
@@ -51,8 +58,7 @@ def quantize_block(weight: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     tiles = padded.reshape(*lead, (rows + pr) // block, block, (cols + pc) // block, block)
     amax = tiles.abs().amax(dim=(-3, -1))
     scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-    q = (w / expand_scale(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+    return quantize_with(w, scale, block), scale
 
 
 def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:

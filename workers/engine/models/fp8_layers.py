@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from workers.engine.kernels import fp8_gemm, moe_kernel
-from workers.engine.kernels.fp8_quant import BLOCK, FP8, FP8_MAX, expand_scale, quantize_block, quantize_rows
+from workers.engine.kernels.fp8_quant import BLOCK, FP8, quantize_block, quantize_rows, quantize_with
 from workers.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, get_weight_loader
 from workers.engine.models.quantization import Fp8Record
 
@@ -93,8 +93,8 @@ def _compact(scales: Tensor) -> Tensor:
 
 @torch.no_grad()
 def _convert_linear(owner: ColumnParallelLinear | RowParallelLinear, scales: Tensor) -> None:
-    w = owner.weight.float()
-    q = (w / expand_scale(scales, w.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    w = owner.weight
+    q = quantize_with(w, scales)
     owner.weight = nn.Parameter(q, requires_grad=False)
     owner.weight_scale = _compact(scales) if scales.shape[1] > 1 or w.shape[1] <= BLOCK else scales
 
@@ -127,8 +127,7 @@ def _requantize(stack: Tensor, scales: Tensor) -> Tensor:
     gigabytes at published sizes)."""
     q = torch.empty(stack.shape, dtype=FP8, device=stack.device)
     for e in range(stack.shape[0]):
-        w = stack[e].float()
-        q[e] = (w / expand_scale(scales[e], w.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        q[e] = quantize_with(stack[e], scales[e])
     return q
 
 

@@ -24,7 +24,8 @@ from torch import nn
 class LaunchPoll:
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.callback: Callable[[], None] | None = None
-        self._handles = [m.register_forward_hook(self._hook) for m in modules]
+        for m in modules:
+            m.register_forward_hook(self._hook)
 
     def _hook(self, *_: object) -> None:
         self()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import fp8_gemm, moe_kernel
+from workers.engine.kernels import moe_kernel
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
 from workers.engine.models.gemma4.lm_layers import GemmaRMSNorm, lm_router_input
 from workers.engine.models.gemma4.vision_layers import fused_call
@@ -95,18 +95,14 @@ class GemmaExperts(StackedExperts):
         one_row = self.gate_up_proj[0, :1]  # [1, H]: the stacks' device
         scales = self.fp8_scales()
         if scales is not None:  # FP8 stacks: asked for bf16 rows, the dtype FP8 layers serve
-            return self._fp8_grouped(one_row.to(torch.bfloat16), scales)
+            return self.fp8_grouped_usable(one_row.to(torch.bfloat16), scales)
         return grouped_mm_usable(one_row, self.gate_up_proj, self.down_proj)
-
-    def _fp8_grouped(self, x: Tensor, scales: tuple[Tensor, Tensor]) -> bool:
-        return fp8_gemm.grouped_usable(x, self.gate_up_proj, scales[0]) and fp8_gemm.grouped_usable(
-            x, self.down_proj, scales[1])
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         scales = self.fp8_scales()
         if moe_kernel.wanted(x, self.gate_up_proj):  # a decode step's few rows: no loop, no host sync
             return moe_kernel.experts(x, weights, ids, self.gate_up_proj, self.down_proj, gelu=True, scales=scales)
-        if scales is not None and self._fp8_grouped(x, scales):  # CUDA: two grouped FP8 GEMMs
+        if scales is not None and self.fp8_grouped_usable(x, scales):  # CUDA: two grouped FP8 GEMMs
             return experts_grouped(x, weights, ids, self.gate_up_proj, self.down_proj, fp8_scales=scales,
                                    gelu=True).to(x.dtype)
         gate_up, down = self.bf16_weights(x.dtype)

@@ -113,6 +113,11 @@ class StackedExperts(nn.Module):
             return None
         return self.gate_up_scale, self.down_scale
 
+    def fp8_grouped_usable(self, x: Tensor, scales: tuple[Tensor, Tensor]) -> bool:
+        """Whether the grouped FP8 GEMM runs both FP8 stacks for x's rows (block scales: each stack's K checked)."""
+        return fp8_gemm.grouped_usable(x, self.gate_up_proj, scales[0]) and fp8_gemm.grouped_usable(
+            x, self.down_proj, scales[1])
+
     def bf16_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The two stacks in ``dtype``: as they are, or dequantized from FP8 (the fallback when no FP8 kernel runs)."""
         scales = self.fp8_scales()
@@ -278,13 +283,8 @@ class SparseMoeBlock(nn.Module):
         one_row = self.gate.weight[:1]  # [1, H]: the block's device and dtype
         scales = self.experts.fp8_scales()
         if scales is not None:
-            return self.use_grouped and self._fp8_grouped(one_row, scales)
+            return self.use_grouped and self.experts.fp8_grouped_usable(one_row, scales)
         return self.use_grouped and grouped_mm_usable(one_row, self.experts.gate_up_proj, self.experts.down_proj)
-
-    def _fp8_grouped(self, x: Tensor, scales: tuple[Tensor, Tensor]) -> bool:
-        """Whether the grouped FP8 GEMM runs both FP8 stacks for x's rows (block scales: each stack's K checked)."""
-        return fp8_gemm.grouped_usable(x, self.experts.gate_up_proj, scales[0]) and fp8_gemm.grouped_usable(
-            x, self.experts.down_proj, scales[1])
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The router's logits [T, E] -> (weights [T, k] in their dtype, expert ids int64 [T, k])."""
@@ -306,7 +306,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(logits)
         scales = self.experts.fp8_scales()
         if scales is not None:
-            if self.use_grouped and self._fp8_grouped(x, scales):
+            if self.use_grouped and self.experts.fp8_grouped_usable(x, scales):
                 return experts_grouped(x, weights, ids, gate_up, down, self.fused and fused.worth_it(x), scales)
             gate_up, down = self.experts.bf16_weights(x.dtype)
         if self.use_grouped and grouped_mm_usable(x, gate_up, down):
