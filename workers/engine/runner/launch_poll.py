@@ -11,10 +11,12 @@ within a layer's launch of its end.
 Forward hooks on the language model's decoder layers and the vision tower's blocks call it (a step replayed from
 CUDA graphs runs no Python per layer, and is quick to launch anyway), and the runner calls it between its phases.
 Outside a launch nothing is set and the hooks do nothing (CUDA-graph captures at start-up run the layers too).
+``GLIMPSE_LAUNCH_POLL=0`` turns it off (results are then reported between launches only), for an A/B.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -24,6 +26,7 @@ from torch import nn
 class LaunchPoll:
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.callback: Callable[[], None] | None = None
+        self.enabled = os.environ.get("GLIMPSE_LAUNCH_POLL", "1") != "0"
         for m in modules:
             m.register_forward_hook(self._hook)
 
@@ -37,7 +40,7 @@ class LaunchPoll:
     @contextmanager
     def calling(self, callback: Callable[[], None]) -> Iterator[None]:
         """``callback`` runs at every poll point until the block ends."""
-        self.callback = callback
+        self.callback = callback if self.enabled else None
         try:
             yield
         finally:
