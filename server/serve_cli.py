@@ -84,6 +84,10 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--decode-step-image-tokens", type=int, default=None,
                    help="image tokens a step that carries decodes may encode (at least one image; 0: no cap; "
                    f"default: {IMAGE_CAP_DEFAULT}; 0 for MoE and hybrid models)")
+    m.add_argument("--encode-token-cost", type=float, default=None,
+                   help="tokens of a step's budget (--chunk-size) that each image token it encodes costs, in a step "
+                   "that carries decodes, so that the ViT and the chunk together stay within it (0: encodes are "
+                   "free; default: 0)")
     m.add_argument("--encode-ahead-tokens", type=int, default=E["encode_ahead_tokens"],
                    help="image tokens a step may encode for later steps, on a second CUDA stream beside its forward "
                    "(at least one image; 0: off; needs --tp 1 and no --encoder-workers)")

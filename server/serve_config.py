@@ -40,6 +40,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     from workers.engine.models.demo_writer import ensure_demo_model
     from workers.engine.models.loader import CheckpointError, check_checkpoint
 
+    if args.encode_token_cost is not None and args.encode_token_cost < 0:
+        raise SystemExit(f"glimpse serve: --encode-token-cost must be >= 0, not {args.encode_token_cost}")
     model = Path(args.model) if args.model else ensure_demo_model()
     if not (model / "config.json").exists():
         raise SystemExit(f"glimpse serve: {model} is not a checkpoint directory (no config.json)")
@@ -110,6 +112,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         lone_prefill_tokens=args.lone_prefill_tokens,
         decode_step_image_tokens=(default_image_cap(info) if args.decode_step_image_tokens is None
                                   else args.decode_step_image_tokens),
+        encode_token_cost=(0.0 if args.encode_token_cost is None else args.encode_token_cost),
         encode_ahead_tokens=args.encode_ahead_tokens,
         fused_kernels=args.fused_kernels,
         piecewise_graph_tokens=args.piecewise_graph_tokens,

@@ -186,3 +186,10 @@ def test_image_cap_defaults_by_model_kind_and_takes_the_flag(
         assert build_config(parse(*base)).engine.decode_step_image_tokens == default, model
         assert build_config(parse(*base, "--decode-step-image-tokens", "4096")).engine.decode_step_image_tokens == 4096
         assert build_config(parse(*base, "--decode-step-image-tokens", "0")).engine.decode_step_image_tokens == 0
+
+
+def test_a_negative_encode_token_cost_is_refused(demo_model_dir: Path) -> None:
+    with pytest.raises(SystemExit, match="^glimpse serve: --encode-token-cost must be >= 0"):
+        build_config(parse("--model", str(demo_model_dir), "--device", "cpu", "--encode-token-cost", "-1"))
+    assert build_config(parse("--model", str(demo_model_dir), "--device", "cpu", "--encode-token-cost", "0.5")
+                        ).engine.encode_token_cost == 0.5

@@ -40,6 +40,10 @@ class EngineConfig:
     # that are in neither tier of the embedding cache), at least one image; 0: no cap beyond the chunks. Each image's
     # encode runs inside the step, so every decoding request waits for it: the cap bounds that wait.
     decode_step_image_tokens: int = 0
+    # What each image token a step with decodes sends through the vision encoder costs of its token budget
+    # (``chunk_size``), so that the ViT and the chunk together stay within it: an image's encode and its first tokens
+    # go in one step, the rest of its tokens in the next (at least one token of an image a step). 0: encodes are free.
+    encode_token_cost: float = 0.0
     # Image tokens a step may encode for later steps (images past its chunks, the waiting queue's head), on a second
     # CUDA stream beside its forward, so the ViT overlaps the LM (core/encode_ahead.py); 0: off. TP 1 only. Off
     # until a GPU has measured it against the cap above (issue 36: the inter-token tail under load).

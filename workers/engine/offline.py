@@ -93,6 +93,7 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             lone_prefill_tokens=config.lone_prefill_tokens,
             decode_step_image_tokens=config.decode_step_image_tokens,
+            encode_token_cost=config.encode_token_cost,
             encode_ahead_tokens=config.encode_ahead_tokens,
             state_slots=self.runner.num_state_slots,
             window=self.runner.window,

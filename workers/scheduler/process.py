@@ -65,6 +65,7 @@ def build_core(
         enable_prefix_caching=eng.enable_prefix_caching,
         lone_prefill_tokens=eng.lone_prefill_tokens,
         decode_step_image_tokens=eng.decode_step_image_tokens,
+        encode_token_cost=eng.encode_token_cost,
         encode_ahead_tokens=eng.encode_ahead_tokens,
         state_slots=state_slots,
         state_snapshot_every=eng.state_snapshot_every,

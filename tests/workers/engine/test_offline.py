@@ -86,12 +86,16 @@ def test_eight_concurrent_requests(demo_model_dir: Path, reference: Reference) -
     assert engine.runner.counters.steps < sum(len(o.token_ids) for o in outs)
 
 
-def test_image_token_cap_of_decode_steps_is_exact(demo_model_dir: Path, reference: Reference) -> None:
+@pytest.mark.parametrize("limit", [{"decode_step_image_tokens": 1}, {"encode_token_cost": 1000.0}],
+                         ids=["image-cap", "encode-cost"])
+def test_image_token_cap_of_decode_steps_is_exact(
+    demo_model_dir: Path, reference: Reference, limit: dict[str, float]
+) -> None:
     # Staggered requests with several images each: once one decodes, a step encodes one image at most (the cap is
-    # below any image's tokens), and the answers do not change.
+    # below any image's tokens, or each image costs more than the step's budget), and the answers do not change.
     requests = [chat(f"Look {i}.", [noise_image(90 + 20 * i, 70, seed=200 + 3 * i + j) for j in range(3)])
                 for i in range(3)]
-    engine = make_engine(demo_model_dir, chunk_size=256, decode_step_image_tokens=1)
+    engine = make_engine(demo_model_dir, chunk_size=256, **limit)
     sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     rids = [engine.add_request(requests[0], sampling)]
     per_step: list[int] = []

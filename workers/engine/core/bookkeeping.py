@@ -53,6 +53,7 @@ class SequenceBook:
         enable_prefix_caching: bool = True,
         lone_prefill_tokens: int = 0,
         decode_step_image_tokens: int = 0,
+        encode_token_cost: float = 0.0,
         encode_ahead_tokens: int = 0,
         state_slots: int = 0,
         state_snapshot_every: int = 16,
@@ -74,6 +75,13 @@ class SequenceBook:
         self.decode_step_image_tokens = max(0, decode_step_image_tokens)
         self._encode_left: int | None = None
         self._encoding: set[bytes] = set()
+        # Tokens of a step's budget that each image token it sends through the vision encoder costs, in a step with
+        # decodes (0: encodes are free), and the cost in force for the step being planned (ChunkSizing).
+        if encode_token_cost < 0:
+            raise ValueError("encode_token_cost must be >= 0")
+        self.encode_token_cost = encode_token_cost
+        self._encode_cost = 0.0
+        self._prefill_picked = False  # the step being planned has a prefill chunk already (not only decodes)
         # Image tokens a step may encode for later steps beside its forward (core/encode_ahead.py; 0: none).
         self.encode_ahead_tokens = max(0, encode_ahead_tokens)
         self.max_num_seqs = max_num_seqs

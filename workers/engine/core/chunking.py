@@ -1,9 +1,12 @@
 """How long each chunk of a step is: the token budget, what the tokenizer has written, the image cap of steps that
-carry decodes (``decode_step_image_tokens``: the images a chunk would send through the vision encoder), the encoder
+carry decodes (``decode_step_image_tokens``: the images a chunk would send through the vision encoder) and what
+those encodes cost of the budget (``encode_token_cost``), the encoder
 workers' landed images, a hybrid model's 64-token chunk grid, and images whose tokens attend both ways. Bookkeeping
 only; ``SchedulerCore`` (scheduler.py) picks the sequences and builds the plan."""
 
 from __future__ import annotations
+
+import math
 
 from ipc.prompts import MMItem
 from workers.engine.core.bookkeeping import SequenceBook
@@ -22,7 +25,7 @@ class ChunkSizing(SequenceBook):
         past the budget if need be (at most one image's tokens, 1,120 on Gemma 4), since no token of it could be
         computed without its later tokens' keys."""
         start, computable = seq.num_scheduled, seq.computable()
-        length = self._cap_encodes(seq, start, min(computable - start, budget))
+        length = self._cap_encodes(seq, start, min(computable - start, budget), budget)
         if self.remote is not None and length > 0:  # never past an image the encoder workers have not landed yet
             length = self.remote.stop_at(seq, start, length)
         if self.chunk_align > 1 and length > 0 and start + length < seq.prompt_len:
@@ -63,23 +66,42 @@ class ChunkSizing(SequenceBook):
                 if it.offset < end and it.offset + it.length > start
                 and it.hash not in self._encoding and it.hash not in index and it.hash not in index.host]
 
-    def _cap_encodes(self, seq: Sequence, start: int, length: int) -> int:
-        """``length`` cut so that the step's encodes stay within ``decode_step_image_tokens`` (a step with decodes;
-        no cap otherwise): the chunk ends before the first image past the cap, unless the step encodes nothing yet
-        (so a large image still goes, alone). 0 when the chunk starts at such an image: the sequence waits a step."""
-        left = self._encode_left
-        if left is None or length <= 0:
+    def _cap_encodes(self, seq: Sequence, start: int, length: int, budget: int) -> int:
+        """``length`` cut so that the step's encodes stay within ``decode_step_image_tokens``, and with
+        ``encode_token_cost`` within the step's token budget (a step with decodes; neither applies otherwise): each
+        image the chunk would encode costs ``ceil(cost * its tokens)`` of ``budget``. The chunk ends before the first
+        image past the cap, or whose cost leaves no token of it inside the budget. A step that encodes nothing yet
+        still takes one image past the cap, and one past the budget if it has no other prefill chunk (so a large
+        image goes alone, its chunk reaching at least its first token, and never on top of another sequence's
+        chunk). 0 when the chunk starts at such an image: the sequence waits a step."""
+        left, cost = self._encode_left, self._encode_cost
+        if (left is None and not cost) or length <= 0:
             return length
+        spent = reach = 0  # budget this chunk's encodes cost; tokens the chunk needs to reach each image it encodes
         for item in self._uncached_images(seq, start, start + length):
-            if item.length > left and (self._encoding or left < self.decode_step_image_tokens):
-                return max(0, item.offset - start)
-            left -= item.length
-        return length
+            before = max(0, item.offset - start)
+            alone = not self._encoding and not reach  # the step encodes nothing yet
+            price = math.ceil(cost * item.length)
+            over_cap = left is not None and item.length > left
+            over_budget = before + spent + price >= budget
+            if (over_cap and not alone) or (over_budget and not (alone and not self._prefill_picked)):
+                length = before
+                break
+            spent += price
+            reach = before + 1
+            if left is not None:
+                left -= item.length
+        return min(length, max(budget - spent, reach))
 
-    def _charge_encodes(self, seq: Sequence, start: int, length: int) -> None:
-        """Count the images a picked chunk makes this step encode against the step's cap."""
-        if self._encode_left is None:
-            return
+    def _charge_encodes(self, seq: Sequence, start: int, length: int) -> int:
+        """Count the images a picked chunk makes this step encode against the step's cap; returns what they cost
+        of the step's token budget (``encode_token_cost``)."""
+        if self._encode_left is None and not self._encode_cost:
+            return 0
+        price = 0
         for item in self._uncached_images(seq, start, start + length):
             self._encoding.add(item.hash)
-            self._encode_left -= item.length
+            price += math.ceil(self._encode_cost * item.length)
+            if self._encode_left is not None:
+                self._encode_left -= item.length
+        return price

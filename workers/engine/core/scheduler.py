@@ -60,12 +60,15 @@ class SchedulerCore(ChunkSizing):
         budget = self.chunk_size if decoding else self.lone_prefill_tokens
         # (Encoder workers encode outside the steps: nothing of a step waits for the ViT, so no cap.)
         remote = self.remote is not None
-        cap = self.decode_step_image_tokens if decoding and self.mm_cache_mode == "image" and not remote else 0
+        in_step = decoding and self.mm_cache_mode == "image" and not remote  # encodes this step's decodes wait for
+        cap = self.decode_step_image_tokens if in_step else 0
         self._encode_left, self._encoding = (cap or None), set()
+        self._encode_cost = self.encode_token_cost if in_step else 0.0
+        self._prefill_picked = False
         picked: list[tuple[Sequence, int]] = []
         # Decodes first: they are one token each and keep latency flat.
         for seq in sorted(plannable, key=lambda s: s.planned_len - s.num_scheduled != 1):
-            if budget == 0:
+            if budget <= 0:  # (an image's encode may cost more than the budget had left)
                 break
             if seq not in self.running:  # preempted while making room for an earlier one
                 continue
@@ -75,8 +78,8 @@ class SchedulerCore(ChunkSizing):
             if not self._ensure_blocks(seq, seq.num_scheduled + length, {s for s, _ in picked}, ahead):
                 continue
             picked.append((seq, length))
-            budget -= length
-            self._charge_encodes(seq, seq.num_scheduled, length)
+            budget -= length + self._charge_encodes(seq, seq.num_scheduled, length)
+            self._prefill_picked |= seq.num_scheduled < seq.prompt_len
         # (On a hybrid model's chunk grid a budget under one cell funds no new chunk: admitting would only take slots.)
         while budget >= self.chunk_align and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -122,8 +125,8 @@ class SchedulerCore(ChunkSizing):
                 seq.window_fork_blocks = self.windows.allocator.allocate(extra)
             if length > 0:  # else admitted (its blocks are reserved) but waiting for an image to be written
                 picked.append((seq, length))
-                budget -= length
-                self._charge_encodes(seq, seq.num_scheduled, length)
+                budget -= length + self._charge_encodes(seq, seq.num_scheduled, length)
+                self._prefill_picked = True
         if not picked and (ahead or not self._finished_for_workers):
             return None  # (a step planned ahead for the finished alone is not worth it: the next plan takes them)
         plan = self._build_plan(picked, ahead)

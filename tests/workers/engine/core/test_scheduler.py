@@ -311,6 +311,60 @@ def test_without_decodes_the_image_token_cap_does_not_apply() -> None:
     assert sorted(it.hash[0] for job in plan.encode for it in job.items) == [1, 2, 3]
 
 
+def _steps(c: SchedulerCore, n: int) -> list[tuple[list[tuple[str, int, int]], list[int]]]:
+    out = []
+    for _ in range(n):
+        plan = run_step(c)
+        out.append(([(ch.rid, ch.start, ch.length) for ch in plan.chunks],
+                    [it.hash[0] for job in plan.encode for it in job.items]))
+    return out
+
+
+def test_encodes_cost_a_step_with_decodes_part_of_its_budget() -> None:
+    c = core(chunk_size=64, encode_token_cost=2.0, mm_cache_bytes=100_000)
+    add(c, "a", 8, max_tokens=20)
+    run_step(c)  # a decodes from now on: 63 tokens of budget are left a step
+    add(c, "b", 40, [item(1, 4, 10), item(2, 14, 10), item(3, 24, 10)])
+    assert _steps(c, 3) == [
+        # images 1 and 2 cost 40: 23 tokens are left, which reach into image 2; image 3 (20 more) would not fit
+        ([("a", 8, 1), ("b", 0, 23)], [1, 2]),
+        ([("a", 9, 1), ("b", 23, 17)], [3]),  # the prompt's rest
+        ([("a", 10, 1), ("b", 40, 1)], []),
+    ]
+
+
+def test_an_image_costlier_than_the_budget_goes_alone_with_its_first_token() -> None:
+    c = core(chunk_size=64, encode_token_cost=10.0, mm_cache_bytes=100_000)
+    add(c, "a", 8, max_tokens=20)
+    run_step(c)
+    add(c, "b", 30, [item(1, 2, 10), item(2, 12, 10)])
+    assert _steps(c, 3) == [
+        ([("a", 8, 1), ("b", 0, 3)], [1]),  # the text before it and one of its tokens; nothing else this step
+        ([("a", 9, 1), ("b", 3, 10)], [2]),  # image 1's cached rest, then image 2 alone
+        ([("a", 10, 1), ("b", 13, 17)], []),
+    ]
+
+
+def test_an_image_over_the_budget_waits_for_a_step_without_other_prefill() -> None:
+    c = core(chunk_size=64, encode_token_cost=2.0, mm_cache_bytes=100_000)
+    add(c, "a", 8, max_tokens=20)
+    run_step(c)
+    add(c, "b", 40, [item(1, 0, 30)], max_tokens=20)
+    add(c, "c", 30, [item(2, 0, 20)])
+    assert _steps(c, 3) == [
+        ([("a", 8, 1), ("b", 0, 3)], [1]),  # b's image costs 60 of 63
+        # b's cached rest leaves 26 of the budget, c's image costs 40: c waits rather than go on top of b's chunk
+        ([("a", 9, 1), ("b", 3, 37)], []),
+        ([("a", 10, 1), ("b", 40, 1), ("c", 0, 22)], [2]),  # only decodes before it: c's image goes
+    ]
+
+
+def test_without_decodes_encodes_cost_nothing() -> None:
+    c = core(chunk_size=64, encode_token_cost=2.0, mm_cache_bytes=100_000)
+    add(c, "b", 40, [item(1, 4, 10), item(2, 14, 10), item(3, 24, 10)])
+    assert _steps(c, 1) == [([("b", 0, 40)], [1, 2, 3])]
+
+
 def test_encode_ahead_takes_later_images_and_the_waiting_head_once() -> None:
     c = core(chunk_size=16, max_num_seqs=2, encode_ahead_tokens=10, mm_cache_bytes=100_000)
     add(c, "a", 8, max_tokens=20)
