@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from workers.engine.kernels import fp8_gemm, fused, skinny_gemm, split_norm
 from workers.engine.kernels.skinny_gemm import Partials
+from workers.engine.layers.deferred import weight_empty
 
 WeightLoader = Callable[..., None]
 
@@ -122,7 +123,7 @@ def sharded_parameters(
 ) -> tuple[nn.Parameter, nn.Parameter | None]:
     """A parallel linear's (weight, bias or None), allocated uninitialised at this rank's shapes, each carrying the
     loader that copies its slice out of the full checkpoint tensor."""
-    weight = nn.Parameter(torch.empty(weight_shape), requires_grad=False)
+    weight = nn.Parameter(weight_empty(*weight_shape), requires_grad=False)  # meta while deferred (deferred.py)
     set_weight_loader(weight, weight_loader)
     if bias_size is None:
         return weight, None

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.backends import vision_kernel
+from workers.engine.layers.deferred import deferred_weights
 from workers.engine.layers.linear import TPGroup
 from workers.engine.layers.vision_attention import VisionAttention
 from workers.engine.models.model_spec import ModelSpec, VideoTiming
@@ -182,11 +183,12 @@ TowerBuild = Callable[[ModelSpec, torch.dtype, torch.device, str], nn.Module]
 
 class ModelBuild(Protocol):
     """A family's ``build``: (spec, tp, dtype, device, attn_backend) -> the model, its tower left out with
-    ``vision=False``."""
+    ``vision=False``, its language model's linear and expert weights meta tensors with ``defer_lm_weights`` (filled
+    by an FP8 checkpoint's streaming load, layers/deferred.py)."""
 
     def __call__(
         self, spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str,
-        *, vision: bool = True,
+        *, vision: bool = True, defer_lm_weights: bool = False,
     ) -> VLModel: ...
 
 
@@ -237,9 +239,10 @@ def builder(build_lm: Callable[..., nn.Module], build_tower: Callable[..., nn.Mo
 
     def build(
         spec: ModelSpec, tp: TPGroup, dtype: torch.dtype, device: torch.device, attn_backend: str,
-        *, vision: bool = True,
+        *, vision: bool = True, defer_lm_weights: bool = False,
     ) -> VLModel:
-        lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
+        with deferred_weights(defer_lm_weights):
+            lm = build_lm(spec.text, tp=tp, dtype=dtype, device=device, attn_backend=attn_backend)
         return VLModel(spec, lm, tower(spec, dtype, device, attn_backend) if vision else None)
 
     return build

@@ -349,7 +349,6 @@ class PagedDecoder(nn.Module):
 
         Returns the parameter names loaded by this call. Unless ``partial`` (more calls follow, then
         ``check_loaded``), raises if any parameter or shard is still missing."""
-        params = dict(self.named_parameters())
         names: set[str] = set()
         for canonical, tensor in weights:
             if not canonical.startswith("lm."):
@@ -358,9 +357,12 @@ class PagedDecoder(nn.Module):
             if self.unused(name) or scale_name(canonical) is not None:  # KV-cache scales: models/kv_scales.py
                 continue
             name, shard_id = self.route(name)
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})")
-            param = params[name]
+            # Looked up at each tensor: an FP8 checkpoint's streaming load replaces parameters as it goes
+            # (layers/deferred.py).
+            try:
+                param = self.get_parameter(name)
+            except AttributeError:
+                raise KeyError(f"checkpoint tensor {canonical!r} has no matching parameter ({name!r})") from None
             get_weight_loader(param)(param, tensor, shard_id)
             self._loaded.setdefault(name, set()).add(shard_id)
             names.add(name)

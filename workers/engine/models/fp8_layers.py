@@ -19,7 +19,8 @@ forward goes through kernels/fp8_gemm.py.
   128-column block stays in the model dtype.
 * Replicated ``nn.Linear`` layers (routers, Gemma 4's per-layer-input projections) and the vision tower stay in the
   model dtype: they were dequantized at load, and stay so.
-The load itself holds the language model in the model dtype until this pass runs (peak memory as a bf16 model).
+On a GPU that runs them the conversion happens during the load, one module as soon as it is filled
+(fp8_streaming.py), so the language model never exists whole in the model dtype.
 """
 
 from __future__ import annotations
@@ -184,27 +185,34 @@ def _expert_rows(scale: Tensor, shape: tuple[int, ...], out_rows: int, in_cols: 
 def convert_to_fp8(lm: nn.Module, record: Fp8Record, block: int | None) -> int:
     """Give the modules the checkpoint's FP8 weights were loaded into FP8 weights (see the module docstring);
     returns how many were converted."""
-    converted = 0
     routes = _routes(lm, record)
-    for name, entries in sorted(routes.items()):
-        owner_name, _, attr = name.rpartition(".")
-        owner = lm.get_submodule(owner_name)
-        if _kept(owner_name):
-            continue
-        if isinstance(owner, ColumnParallelLinear | RowParallelLinear) and attr == "weight":
-            scales = _shard_scales(owner, entries, record, block)
-            if scales is None:
-                continue
-            _convert_linear(owner, scales)
-            converted += 1
-        elif getattr(owner, "fp8_grouped", False) and attr == "gate_up_proj":  # qwen3_vl/moe.py's StackedExperts
-            mode = fp8_gemm.block_experts() if block is not None else "rowwise"
-            if mode == "block":
-                tiles = _expert_block_scales(owner, entries, routes.get(f"{owner_name}.down_proj", []), record)
-                converted += _convert_experts(owner, tiles) if tiles is not None else 0
-            elif mode == "rowwise":
-                converted += _convert_experts(owner)
-    return converted
+    return sum(convert_param(lm, name, routes, record, block) for name in sorted(routes))
+
+
+def convert_param(
+    lm: nn.Module, name: str, routes: dict[str, list[tuple[object, str]]], record: Fp8Record, block: int | None
+) -> int:
+    """Convert the module that LM parameter ``name`` (its FP8 checkpoint tensors: ``routes[name]``) belongs to, once
+    filled: a tensor-parallel linear's weight, or a StackedExperts' two stacks (named by ``gate_up_proj``; its
+    ``down_proj`` must be filled too). Returns 1 if converted, 0 where it stays in the model dtype."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = lm.get_submodule(owner_name)
+    if _kept(owner_name):
+        return 0
+    if isinstance(owner, ColumnParallelLinear | RowParallelLinear) and attr == "weight":
+        scales = _shard_scales(owner, routes[name], record, block)
+        if scales is None:
+            return 0
+        _convert_linear(owner, scales)
+        return 1
+    if getattr(owner, "fp8_grouped", False) and attr == "gate_up_proj":  # qwen3_vl/moe.py's StackedExperts
+        mode = fp8_gemm.block_experts() if block is not None else "rowwise"
+        if mode == "block":
+            tiles = _expert_block_scales(owner, routes[name], routes.get(f"{owner_name}.down_proj", []), record)
+            return _convert_experts(owner, tiles) if tiles is not None else 0
+        if mode == "rowwise":
+            return _convert_experts(owner)
+    return 0
 
 
 def _kernel_kind(layer: nn.Module) -> str:
@@ -216,7 +224,7 @@ def _model_dtype(lm: nn.Module) -> torch.dtype:
     return next(p.dtype for p in lm.parameters() if p.is_floating_point() and p.dtype != FP8)
 
 
-def _probe_kernels(lm: nn.Module, device: torch.device) -> None:
+def probe_kernels(lm: nn.Module, device: torch.device) -> None:
     """Probe the FP8 layers' kernels now, eagerly: a first call inside a CUDA graph capture could not, and would
     dequantize."""
     kinds = {_kernel_kind(m) for m in lm.modules() if getattr(m, "weight_scale", None) is not None}
@@ -234,7 +242,7 @@ def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: in
     if not fp8_gemm.wants_fp8_layers(device):
         return 0
     n = convert_to_fp8(lm, record, block)
-    _probe_kernels(lm, device)
+    probe_kernels(lm, device)
     if rank == 0:
         log.info("FP8: %d language-model layers hold FP8 weights (%s scales, GEMM variant %s)",
                  n, "128x128 block" if block else "per-channel", fp8_gemm.variant())
@@ -274,7 +282,7 @@ def convert_dummy(lm: nn.Module, block: int | None, rank: int = 0) -> int:
                 n += _convert_experts(module, (_dummy_tiles(stacks[0], gate_up=True), _dummy_tiles(stacks[1])))
             elif mode == "rowwise":
                 n += _convert_experts(module)
-    _probe_kernels(lm, device)
+    probe_kernels(lm, device)
     if rank == 0:
         log.info("FP8 (dummy weights): %d language-model layers hold FP8 weights", n)
     return n

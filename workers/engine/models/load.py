@@ -10,10 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from workers.engine.kernels import fp8_gemm
 from workers.engine.models.base import VLModel
 from workers.engine.models.fp8_layers import convert_dummy, convert_loaded
+from workers.engine.models.fp8_streaming import StreamingFp8
 from workers.engine.models.loader import fill_dummy_weights, iter_checkpoint, normalize_name
 from workers.engine.models.quantization import Fp8Record, checkpoint_scheme, dequantized
 
@@ -59,12 +62,20 @@ def load_model(
                 nbytes += tensor.numel() * tensor.element_size()  # as stored: FP8 bytes, not the dequantized ones
                 yield name, tensor
 
+        # Built with its weights deferred (defers_lm_weights): FP8 module by module as the walk fills them.
+        streaming = StreamingFp8(model.lm, scheme.block) if scheme is not None and _deferred(model.lm) else None
+
         def lm_weights() -> Iterator[tuple[str, Tensor]]:
             stream = stored()
             for name, tensor in dequantized(stream, scheme, fp8_record) if scheme is not None else stream:
                 canonical = normalize_name(name)
                 if canonical.startswith("lm."):
-                    yield canonical, tensor
+                    if streaming is None:
+                        yield canonical, tensor
+                        continue
+                    streaming.before(canonical)
+                    yield canonical, tensor  # (resumed once the model's loader has copied it in)
+                    streaming.after(canonical, fp8_record.pop(name, None))
                 elif canonical.startswith("visual."):
                     vision_weights.append((canonical[len("visual.") :], tensor))
                 # Anything else (e.g. a multi-token-prediction head) is not part of serving.
@@ -72,7 +83,9 @@ def load_model(
         model.lm.load_weights(lm_weights())
         if model.vision is not None:
             model.vision.load_weights(vision_weights)
-        if scheme is not None:
+        if streaming is not None:
+            streaming.finish(rank)
+        elif scheme is not None:
             convert_loaded(model.lm, {normalize_name(n): v for n, v in fp8_record.items()}, scheme.block, rank)
         if rank == 0:
             log.info(
@@ -85,6 +98,16 @@ def load_model(
         raise ValueError(f"unknown load_format {load_format!r}")
     model.after_load()
     return model.eval()
+
+
+def defers_lm_weights(model_dir: str | Path, load_format: str, device: torch.device) -> bool:
+    """Whether to build the language model with its weights deferred (layers/deferred.py), for ``load_model`` to
+    make it FP8 while it loads: an FP8 checkpoint on a device that gets FP8 layers."""
+    return load_format == "auto" and checkpoint_scheme(model_dir) is not None and fp8_gemm.wants_fp8_layers(device)
+
+
+def _deferred(lm: nn.Module) -> bool:
+    return any(p.is_meta for p in lm.parameters())
 
 
 def _not_visual(name: str) -> bool:

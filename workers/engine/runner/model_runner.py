@@ -17,7 +17,7 @@ from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
 from workers.engine.models.base import NoVisionTower, item_spans
-from workers.engine.models.load import load_model
+from workers.engine.models.load import defers_lm_weights, load_model
 from workers.engine.runner.ahead_encodes import AheadEncodes
 from workers.engine.runner.batching import (
     aligned_pack,
@@ -79,8 +79,8 @@ class ModelRunner:
         self.merge = self.spec.spatial_merge_size
         # Without the tower (--encoder-workers) nothing of it is allocated or read, and the caches sized below from
         # the memory left (cache_budget) get its bytes.
-        built = self.family.build(self.spec, self.tp, self.dtype, self.device, cfg.attn_backend,
-                                  vision=cfg.vision_tower)
+        built = self.family.build(self.spec, self.tp, self.dtype, self.device, cfg.attn_backend, vision=cfg.vision_tower,
+                                  defer_lm_weights=defers_lm_weights(cfg.model, cfg.load_format, self.device))
         self.model = load_model(built, cfg.model, load_format=cfg.load_format, rank=self.tp.rank)
         self.lm, self.vision = self.model.lm, self.model.vision
         self.launch_poll = LaunchPoll(poll_points(self.lm, self.vision))  # the worker reports finished steps there

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from workers.engine.kernels import fp8_gemm, fused, moe_kernel
 from workers.engine.kernels.fp8_quant import dequantize
+from workers.engine.layers.deferred import weight_empty
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup, copy_into, divide, set_weight_loader
 
 
@@ -94,8 +95,9 @@ class StackedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.inter_local = divide(intermediate_size, tp.size)
         il = self.inter_local
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * il, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, il), requires_grad=False)
+        # (Meta tensors while the loader defers them: layers/deferred.py.)
+        self.gate_up_proj = nn.Parameter(weight_empty(num_experts, 2 * il, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(weight_empty(num_experts, hidden_size, il), requires_grad=False)
         set_weight_loader(self.gate_up_proj, self.load_gate_up)
         set_weight_loader(self.down_proj, self.load_down)
         # FP8 experts (models/fp8_layers.py): the two stacks' scales, per row [E, rows, 1] or per 128 x 128 tile
