@@ -111,7 +111,9 @@ class StreamingFp8:
                     materialize(module, attr, self.device)
         probe_kernels(self.lm, self.device)
         if rank == 0:
+            peak = (f"; the device's peak allocation so far {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
+                    if self.device.type == "cuda" else "")
             log.info("FP8: %d language-model layers hold FP8 weights (%s scales, GEMM variant %s), converted as they "
-                     "loaded: at most %.2f GiB of them held in the model dtype at once", self.converted,
-                     "128x128 block" if self.block else "per-channel", fp8_gemm.variant(), self.peak_bytes / 2**30)
+                     "loaded: at most %.2f GiB of them held in the model dtype at once%s", self.converted,
+                     "128x128 block" if self.block else "per-channel", fp8_gemm.variant(), self.peak_bytes / 2**30, peak)
         return self.converted
