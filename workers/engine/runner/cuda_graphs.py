@@ -88,6 +88,8 @@ def start_graphs(r: LoadedModel) -> tuple[DecodeGraphs | None, PiecewiseGraphs |
                                        r.tp.size, r.num_blocks * cfg.block_size,
                                        deepstack_levels=spec.embed_width // spec.hidden_size - 1,
                                        window_scratch_slot=window_scratch)
+    if piecewise is not None:  # replayed layers run no forward hook: the worker's poll runs between the pieces
+        piecewise.poll = r.launch_poll
     return decode, piecewise
 
 

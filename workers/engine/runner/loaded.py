@@ -13,6 +13,7 @@ from workers.engine.layers.linear import TPGroup
 from workers.engine.models.base import VLModel
 from workers.engine.models.model_spec import ModelSpec
 from workers.engine.runner.cache_memory import RecurrentState
+from workers.engine.runner.launch_poll import LaunchPoll
 
 
 class LoadedModel(Protocol):
@@ -31,3 +32,4 @@ class LoadedModel(Protocol):
     num_blocks: int
     num_window_blocks: int  # the sliding layers' own pool (0: none); its block num_window_blocks is scratch
     state: RecurrentState | None  # hybrid models' linear-attention state pools
+    launch_poll: LaunchPoll  # where the worker reports finished steps while it launches one (launch_poll.py)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -79,6 +80,10 @@ TOKEN_BUCKETS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 
 # to the padding ((b) 5.76 -> 5.80 req/s; H200).
 DENSE_TOKENS = 1024
 HOST_BOUND_TOKENS = 4096
+
+
+def _no_poll() -> None:
+    pass
 
 
 def default_tokens(spec: ModelSpec) -> int:
@@ -154,6 +159,9 @@ class PiecewiseGraphs:
         self.buckets: dict[int, _Bucket] = {}
         self.broken = False
         self.stats = {"replays": 0, "captures": 0, "misses": 0, "deepstack_replays": 0}
+        # Called after each layer's eager attention of a replay: the model worker reports finished steps there
+        # (runner/launch_poll.py), as the layers' forward hooks do in an eager step.
+        self.poll: Callable[[], None] = _no_poll
         mode: Literal["global", "thread_local"] = "thread_local" if tp_size > 1 else "global"  # see DecodeGraphs
         self.capture_mode = mode
         if not emulate:
@@ -251,6 +259,7 @@ class PiecewiseGraphs:
             for layer, piece in enumerate(pieces[:-1]):
                 piece.replay()
                 self.attend(layer, n, meta)
+                self.poll()
             pieces[-1].replay()
         except RuntimeError:
             if self.tp_size > 1:

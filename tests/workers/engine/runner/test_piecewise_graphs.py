@@ -179,8 +179,13 @@ def test_captured_pieces_give_the_eager_tokens_on_cuda(fixture: str, request: py
     sets = 1 + (_levels(engine) > 0)
     assert pieces is not None
     assert pieces.stats["captures"] == sets * len(token_buckets(48)) * (engine.runner.spec.num_layers + 1)
+    # Replayed layers run no forward hook, so the worker's launch poll runs after each split call instead.
+    assert pieces.poll is engine.runner.launch_poll
+    polls: list[int] = []
+    pieces.poll = lambda: polls.append(1)
     with_graphs = [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
     assert pieces.stats["replays"] > 0 and (pieces.stats["deepstack_replays"] > 0) == (sets == 2)
+    assert len(polls) == pieces.stats["replays"] * len(pieces.layers)
     engine.runner.piecewise = None
     assert [o.token_ids for o in engine.generate(_prompts(), GREEDY)] == with_graphs
 
