@@ -42,7 +42,9 @@ def _layer_bytes(lm: nn.Module) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(("demo", "fmt"), [("qwen3_5_moe", "fp8-block"), ("qwen3_vl_moe", "fp8-dynamic"),
-                                           ("gemma4_moe", "fp8-block"), ("qwen3_vl", "fp8-block")])
+                                           ("gemma4_moe", "fp8-block"), ("qwen3_vl", "fp8-block"),
+                                           ("qwen2_5_vl", "fp8-dynamic"), ("gemma4", "fp8-dynamic"),
+                                           ("qwen3_5", "fp8-block")])
 def test_fp8_layers_made_while_loading_equal_those_made_after_it(
     demo: str, fmt: str, fp8_demo: Callable[[str, str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
