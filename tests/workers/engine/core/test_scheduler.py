@@ -267,6 +267,15 @@ def test_a_request_waiting_for_its_images_can_be_aborted() -> None:
     assert c.allocator.num_free > free and not c.has_work()
 
 
+def _steps(c: SchedulerCore, n: int) -> list[tuple[list[tuple[str, int, int]], list[int]]]:
+    out = []
+    for _ in range(n):
+        plan = run_step(c)
+        out.append(([(ch.rid, ch.start, ch.length) for ch in plan.chunks],
+                    [it.hash[0] for job in plan.encode for it in job.items]))
+    return out
+
+
 def test_a_step_with_decodes_encodes_images_up_to_its_image_token_cap() -> None:
     c = core(chunk_size=64, decode_step_image_tokens=12, mm_cache_bytes=100_000)
     add(c, "a", 8, max_tokens=20)
@@ -274,12 +283,7 @@ def test_a_step_with_decodes_encodes_images_up_to_its_image_token_cap() -> None:
     # b: text, three images of 10 tokens, text; each step with a's decode may encode 12 image tokens, so one image
     shown = [item(1, 4, 10), item(2, 14, 10), item(3, 24, 10)]
     add(c, "b", 40, shown)
-    steps = []
-    for _ in range(4):
-        plan = run_step(c)
-        steps.append(([(ch.rid, ch.start, ch.length) for ch in plan.chunks],
-                      [it.hash[0] for job in plan.encode for it in job.items]))
-    assert steps == [
+    assert _steps(c, 4) == [
         ([("a", 8, 1), ("b", 0, 14)], [1]),  # up to the second image
         ([("a", 9, 1), ("b", 14, 10)], [2]),
         ([("a", 10, 1), ("b", 24, 16)], [3]),  # the last image and the text after it
@@ -309,15 +313,6 @@ def test_without_decodes_the_image_token_cap_does_not_apply() -> None:
     plan = run_step(c)
     assert [(ch.rid, ch.length) for ch in plan.chunks] == [("b", 40)]
     assert sorted(it.hash[0] for job in plan.encode for it in job.items) == [1, 2, 3]
-
-
-def _steps(c: SchedulerCore, n: int) -> list[tuple[list[tuple[str, int, int]], list[int]]]:
-    out = []
-    for _ in range(n):
-        plan = run_step(c)
-        out.append(([(ch.rid, ch.start, ch.length) for ch in plan.chunks],
-                    [it.hash[0] for job in plan.encode for it in job.items]))
-    return out
 
 
 def test_encodes_cost_a_step_with_decodes_part_of_its_budget() -> None:
