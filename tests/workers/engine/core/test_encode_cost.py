@@ -32,7 +32,8 @@ def _core(kind: str, cost: float, cap: int) -> SchedulerCore:
 def _prompt(rng: random.Random, tag: int) -> tuple[int, list[MMItem]]:
     """A prompt of text and 0-3 images (8-300 tokens each, some larger than a step's budget), with up to 200 tokens of
     text after each, so that prefills span steps and meet other sequences' images."""
-    items, pos = [], rng.randint(0, 20)
+    items: list[MMItem] = []
+    pos = rng.randint(0, 20)
     for _ in range(rng.randint(0, 3)):
         length = rng.choice([8, 40, 120, 300])
         items.append(MMItem(tag.to_bytes(2, "big") + bytes([len(items)]) * 14, pos, length, (1, 2, 2 * length)))
