@@ -86,6 +86,10 @@ def _no_poll() -> None:
     pass
 
 
+class _PollFailed(Exception):
+    """An error of the worker's poll inside a replay, kept apart from the graphs' failures (which turn them off)."""
+
+
 def default_tokens(spec: ModelSpec) -> int:
     """``--piecewise-graph-tokens`` when none is given: larger for models with routed experts or recurrent state."""
     return HOST_BOUND_TOKENS if spec.num_experts or spec.recurrent is not None else DENSE_TOKENS
@@ -259,8 +263,11 @@ class PiecewiseGraphs:
             for layer, piece in enumerate(pieces[:-1]):
                 piece.replay()
                 self.attend(layer, n, meta)
-                self.poll()
+                self._poll()
             pieces[-1].replay()
+        except _PollFailed as failed:  # the worker's own error, not the graphs': it goes up as it came
+            assert failed.__cause__ is not None
+            raise failed.__cause__ from None
         except RuntimeError:
             if self.tp_size > 1:
                 raise  # the other ranks would wait in a captured all-reduce: fail the step instead
@@ -269,6 +276,12 @@ class PiecewiseGraphs:
             return None
         self.stats["replays"] += 1
         return out[:n]
+
+    def _poll(self) -> None:
+        try:
+            self.poll()
+        except Exception as exc:
+            raise _PollFailed from exc
 
     def attend(self, layer: int, n: int, meta: AttentionMetadata) -> None:
         """Layer ``layer``'s split call over the step's ``n`` real rows, into the static output: its attention, with

@@ -192,6 +192,24 @@ def test_captured_pieces_give_the_eager_tokens_on_cuda(fixture: str, request: py
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_error_of_the_workers_poll_is_not_taken_for_the_graphs(demo_model_dir: Path) -> None:
+    """The poll runs inside a replay, whose RuntimeErrors turn the pieces off: one of its own must go up as it is."""
+    engine = Engine(EngineConfig(model=str(demo_model_dir), device="cuda", dtype="float32", chunk_size=40,
+                                 lone_prefill_tokens=0, piecewise_graph_tokens=48, enable_prefix_caching=False))
+    pieces = engine.runner.piecewise
+    assert pieces is not None
+
+    def fail() -> None:
+        raise RuntimeError("the worker's report failed")
+
+    pieces.poll = fail
+    with pytest.raises(RuntimeError, match="the worker's report failed"):
+        engine.generate(_prompts(), GREEDY)
+    assert not pieces.broken
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_model_that_cannot_be_captured_serves_eagerly_on_cuda(qwen3_moe_model_dir: Path) -> None:
     """Qwen3-VL-MoE in float32 runs its experts in a loop that syncs with the host, which no capture allows: the
     worker starts without graphs, never having tried one (a failed capture would break every sampled request)."""
