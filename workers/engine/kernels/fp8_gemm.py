@@ -327,20 +327,13 @@ def grouped_usable(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> bo
     """Whether ``grouped_mm`` can run the routed experts ``weight`` [E, N, K] (FP8, or about to be) with ``scale``:
     CUDA FP8 hardware, and for block scales (fp8_quant.is_block) fp8_grouped_block.py's kernel, else bf16
     activations and strides cuBLAS takes (K and N multiples of 16)."""
+    if not (variant() == "auto" and x.is_cuda and device_supports_fp8(x.device)):
+        return False
     if scale is not None and is_block(weight, scale):
-        return (
-            variant() == "auto"
-            and x.is_cuda
-            and device_supports_fp8(x.device)
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and probe("grouped-block", x.device)
-        )
+        return x.dtype in (torch.bfloat16, torch.float16) and probe("grouped-block", x.device)
     return (
-        variant() == "auto"
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
+        x.dtype == torch.bfloat16
         and hasattr(torch, "_scaled_grouped_mm")
-        and device_supports_fp8(x.device)
         and weight.shape[-1] % 16 == 0
         and weight.shape[-2] % 16 == 0
         and probe("grouped", x.device)

@@ -70,12 +70,11 @@ def load_model(
             for name, tensor in dequantized(stream, scheme, fp8_record) if scheme is not None else stream:
                 canonical = normalize_name(name)
                 if canonical.startswith("lm."):
-                    if streaming is None:
-                        yield canonical, tensor
-                        continue
-                    streaming.before(canonical)
+                    if streaming is not None:
+                        streaming.before(canonical)
                     yield canonical, tensor  # (resumed once the model's loader has copied it in)
-                    streaming.after(canonical, fp8_record.pop(name, None))
+                    if streaming is not None:
+                        streaming.after(canonical, fp8_record.pop(name, None))
                 elif canonical.startswith("visual."):
                     vision_weights.append((canonical[len("visual.") :], tensor))
                 # Anything else (e.g. a multi-token-prediction head) is not part of serving.
