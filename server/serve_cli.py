@@ -112,6 +112,9 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "cache evicts spill into and later requests reload from instead of re-encoding; 0 = off (default: "
                    "off on the CPU; on CUDA min(8192, 20%% of MemTotal / (dp x tp)) MiB, reserved at start-up: every "
                    "rank holds a copy, and pinned pages cannot be swapped, so most of the RAM stays free)")
+    m.add_argument("--vit-plan-cache-mb", type=float, default=E["vit_plan_cache_mb"],
+                   help="ViT call plans (rotary and window tables by the call's image sizes) kept on the tower's "
+                   "device, least recently used out; 0 = rebuild every call's plan")
     m.add_argument("--mm-cache-mode", default=E["mm_cache_mode"], choices=["image", "request"],
                    help="request: the old per-request cache, every image encoded in the first chunk (baseline)")
     m.add_argument("--kv-host-cache-mb", type=float, default=E["kv_host_cache_mb"],

@@ -65,6 +65,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if args.encoder_landing_mb is not None and args.encoder_landing_mb < 0:
         raise SystemExit("glimpse serve: --encoder-landing-mb must be 0 (off) or more")
     check_transport(args.encoder_transport, args.encoder_workers, args.encoder_landing_mb)
+    if args.vit_plan_cache_mb < 0:
+        raise SystemExit("glimpse serve: --vit-plan-cache-mb must be 0 (keep none) or more")
     if args.encoder_cache_mb < 0:
         raise SystemExit("glimpse serve: --encoder-cache-mb must be 0 (off) or more")
     if args.encoder_workers and args.mm_cache_mode != "image":
@@ -101,6 +103,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         kv_cache_mb=args.kv_cache_mb,
         kv_cache_dtype=args.kv_cache_dtype,
         mm_cache_mb=args.mm_cache_mb,
+        vit_plan_cache_mb=args.vit_plan_cache_mb,
         mm_cache_mode=args.mm_cache_mode,
         mm_host_cache_mb=(default_host_cache_mb(device, args.dp * args.tp) if args.mm_host_cache_mb is None
                           else args.mm_host_cache_mb),

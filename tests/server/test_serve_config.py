@@ -193,3 +193,11 @@ def test_a_negative_encode_token_cost_is_refused(demo_model_dir: Path) -> None:
         build_config(parse("--model", str(demo_model_dir), "--device", "cpu", "--encode-token-cost", "-1"))
     assert build_config(parse("--model", str(demo_model_dir), "--device", "cpu", "--encode-token-cost", "0.5")
                         ).engine.encode_token_cost == 0.5
+
+
+def test_the_vit_plan_budget_reaches_the_config_and_a_negative_one_is_refused(demo_model_dir: Path) -> None:
+    base = ("--model", str(demo_model_dir), "--device", "cpu")
+    assert build_config(parse(*base)).engine.vit_plan_cache_mb == 64
+    assert build_config(parse(*base, "--vit-plan-cache-mb", "0")).engine.vit_plan_cache_mb == 0
+    with pytest.raises(SystemExit, match="^glimpse serve: --vit-plan-cache-mb must be 0"):
+        build_config(parse(*base, "--vit-plan-cache-mb", "-1"))

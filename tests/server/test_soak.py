@@ -19,7 +19,7 @@ from tests.server.live import LiveServer, png_bytes
 WARMUP_S, LOAD_S, CLIENTS = 8.0, 50.0, 4
 # RSS of each process may rise this much over its value at the end of the warm-up, at any sample of the minute
 # after it. Measured on the 2-core box with other test runs and a soak beside it: the tokenizer rose 16 MiB (it
-# keeps glibc's moving mmap threshold; its IdleTrim gives the pages back once idle), the model worker 8.5 MiB, the
+# keeps glibc's moving mmap threshold; its IdleTrim gives the pages back once idle), the model worker 8.5-12.7 MiB, the
 # launcher 2 MiB, the scheduler 0; untuned (GLIMPSE_MALLOC=off) the model worker alone rose 15-25 MiB a minute in
 # issue 40's steps. 48 MiB is three times the largest rise seen, room for a big image landing late on a slow
 # runner, and still well under what the untuned steps reach over a longer run or a per-request leak would add.
@@ -29,8 +29,12 @@ FD_SLACK = 2  # a connection not yet closed when sampled
 
 def test_short_soak_stays_flat(demo_model_dir: Path) -> None:
     media = MediaServer(png_bytes(320, 240, seed=9))
+    # The bounded caches filled within the minute at their default budgets (every fresh image an embedding entry
+    # out of 1 GiB, every new mix of image sizes a ViT plan out of 64 MiB: the model worker rose 38-52 MiB in a
+    # minute, then kept rising until they were full), so the band would measure their budgets, not a leak: one
+    # full from the warm-up on, the other kept empty.
     server = LiveServer(demo_model_dir, "--tokenizer-workers", "1", "--allow-private-media-addresses", "127.0.0.1",
-                        "--media-timeout", "10")
+                        "--media-timeout", "10", "--mm-cache-mb", "1", "--vit-plan-cache-mb", "0")
     try:
         sampler = Sampler(server.proc.pid, server.base, server.launch_id)
         load = Load(server.base, "demo", media.url("/img.png"), Mix(max_tokens=(4, 8, 16)), timeout_s=60)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -107,7 +108,8 @@ class EncoderTower:
         if fam.build_tower is None:
             raise ValueError(f"{spec.architecture} cannot run split encoder workers (its family has no build_tower)")
         self.dtype = cfg.torch_dtype()
-        tower = fam.build_tower(spec, self.dtype, self.device, cfg.attn_backend)
+        tower: Any = fam.build_tower(spec, self.dtype, self.device, cfg.attn_backend)  # every family's has call_plans
+        tower.call_plans.resize(int(cfg.vit_plan_cache_mb * 2**20))
         self.tower = load_vision(tower, cfg.model, load_format=cfg.load_format, seed=cfg.seed)
         self.pixels = PixelCheck(spec.patch_dim)
         self.vision = VisionEncoder(self.tower, TPGroup(), self.pixels, self.counters, cfg.model,

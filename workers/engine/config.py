@@ -71,6 +71,8 @@ class EngineConfig:
     # three such images a call, served 6.08-6.17 req/s against 5.56-6.06 at 16384, at the same inter-token
     # tail; the transient grows with the images of a call (docs/perf-notes.md, session 10).
     vit_max_patches: int = 32768
+    # Kept ViT call plans (workers/engine/layers/vit_plans.py), per tower: device bytes on CUDA, host bytes on the CPU.
+    vit_plan_cache_mb: float = 64
     # CUDA: the elementwise work between GEMMs (norms, rotary, SiLU*up, residual adds) as torch.compile'd
     # kernels (workers/engine/kernels/fused.py), compiled at start-up; off = eager PyTorch ops. CPU is always eager.
     fused_kernels: bool = True

@@ -274,7 +274,7 @@ def _books(runner: ModelRunner) -> dict[str, int]:
     books = {"seqs": len(runner.seqs), "store": len(runner.store), "store_bytes": runner.store.nbytes,
              "generators": len(sampler._generators), "generated": len(sampler._generated),
              "per_step": len(runner.counters.encoded_per_step),
-             "vit_plan_bytes": getattr(getattr(runner.vision, "_calls", None), "bytes", 0)}
+             "vit_plan_bytes": runner.vision.call_plans.bytes if runner.vision is not None else 0}
     if runner.device.type == "cuda":  # pinned staging buffers: torch caches them by size and never frees them
         host = torch.cuda.host_memory_stats()
         books["pinned_bytes"] = int(host.get("allocated_bytes.current", 0))  # owned: in use + cached

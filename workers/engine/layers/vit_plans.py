@@ -46,6 +46,16 @@ class CallPlans(Generic[P]):
     def __len__(self) -> int:
         return len(self._plans)
 
+    def resize(self, budget: int) -> None:
+        """A new byte budget (``--vit-plan-cache-mb``; 0 keeps no plan), the oldest plans dropped past it."""
+        self.budget = budget
+        self._shrink()
+
+    def _shrink(self) -> None:
+        while self.bytes > self.budget:
+            _, (_, dropped) = self._plans.popitem(last=False)
+            self.bytes -= dropped
+
     def get(self, key: Hashable, build: Callable[[], P]) -> tuple[P, bool]:
         """The plan for ``key`` and whether it was kept; ``build`` makes a missing one (kept if it fits)."""
         entry = self._plans.get(key)
@@ -57,7 +67,5 @@ class CallPlans(Generic[P]):
         if size <= self.budget:
             self._plans[key] = (plan, size)
             self.bytes += size
-            while self.bytes > self.budget:
-                _, (_, dropped) = self._plans.popitem(last=False)
-                self.bytes -= dropped
+            self._shrink()
         return plan, False

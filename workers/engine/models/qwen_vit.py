@@ -135,7 +135,7 @@ class QwenVisionTower(nn.Module, Generic[P]):
         self.rotary = VisionRotaryEmbedding(spec.head_dim, spec.rope_theta)
         self._unit = spec.spatial_merge_size**2  # patches per LM token
         self._warned_flash = False
-        self._calls: CallPlans[P] = CallPlans()
+        self.call_plans: CallPlans[P] = CallPlans()
         self.stats = {"calls": 0, "images": 0, "patches": 0, "grid_hits": 0, "grid_misses": 0, "plan_hits": 0}
 
     @classmethod
@@ -195,7 +195,7 @@ class QwenVisionTower(nn.Module, Generic[P]):
         weight = self.patch_embed.proj.weight
         if n == 0:
             return weight.new_empty(0, self.embed_width)
-        plan, kept = self._calls.get((tuple(grid_keys), weight.device), lambda: self._batch_plan(grid_keys, weight.device))
+        plan, kept = self.call_plans.get((tuple(grid_keys), weight.device), lambda: self._batch_plan(grid_keys, weight.device))
         self.stats["plan_hits"] += kept
         return self._encode(pixel_values, plan)
 

@@ -83,6 +83,8 @@ class ModelRunner:
                                   defer_lm_weights=defers_lm_weights(cfg.model, cfg.load_format, self.device))
         self.model = load_model(built, cfg.model, load_format=cfg.load_format, rank=self.tp.rank)
         self.lm, self.vision = self.model.lm, self.model.vision
+        if self.vision is not None:
+            self.vision.call_plans.resize(int(cfg.vit_plan_cache_mb * 2**20))
         self.launch_poll = LaunchPoll(poll_points(self.lm, self.vision))  # the worker reports finished steps there
         self.weight_bytes = _param_bytes(self.model)
         self.vision_weight_bytes = _param_bytes(self.vision) if self.vision is not None else 0

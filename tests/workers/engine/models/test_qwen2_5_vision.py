@@ -154,7 +154,7 @@ def test_grid_cache_hit_on_repeat(tiny: tuple[Path, Any]) -> None:
         alone = tower(pixels[:n], grids[:1])  # a new call list of a known grid: per-grid pieces reused
         fresh = _load(tiny[0])(pixels[:n], grids[:1])
     assert tower.stats["grid_hits"] == 1 and tower.stats["grid_misses"] == len(SIZES)
-    assert tower.stats["plan_hits"] == 1 and len(tower._calls) == 2
+    assert tower.stats["plan_hits"] == 1 and len(tower.call_plans) == 2
     assert tower.stats["calls"] == 3 and tower.stats["images"] == 2 * len(SIZES) + 1
     assert tower.stats["patches"] == 2 * pixels.shape[0] + n
     assert torch.equal(first, second) and torch.equal(alone, fresh)
@@ -166,15 +166,15 @@ def test_kept_call_plans_stay_within_their_budget(tiny: tuple[Path, Any]) -> Non
     grids = [(1, 4, 4), (1, 4, 6), (1, 6, 4)]
     with torch.no_grad():
         tower(torch.zeros(16, 1176), [grids[0]])
-        one = tower._calls.bytes
-        tower._calls.budget = 2 * one + one // 2  # room for two plans of the smallest grid, not for three
+        one = tower.call_plans.bytes
+        tower.call_plans.budget = 2 * one + one // 2  # room for two plans of the smallest grid, not for three
         for g in grids[1:]:
             tower(torch.zeros(g[1] * g[2], 1176), [g])
-        assert tower._calls.bytes <= tower._calls.budget and len(tower._calls) == 1  # 24-patch plans: one fits
-        assert ((1, 6, 4),) in {key for key, _ in tower._calls._plans}
-        tower._calls.budget = one - 1
+        assert tower.call_plans.bytes <= tower.call_plans.budget and len(tower.call_plans) == 1  # 24-patch plans: one fits
+        assert ((1, 6, 4),) in {key for key, _ in tower.call_plans._plans}
+        tower.call_plans.budget = one - 1
         tower(torch.zeros(16, 1176), [grids[0]])
-    assert len(tower._calls) == 1 and tower._calls.bytes <= 2 * one + one // 2  # the small plan did not fit
+    assert len(tower.call_plans) == 1 and tower.call_plans.bytes <= 2 * one + one // 2  # the small plan did not fit
     assert tower.stats["plan_hits"] == 0
 
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tests.workers.engine.models.vit_harness import encode_one_by_one
-from workers.engine.layers.vit_plans import CallPlans
 from workers.engine.models.qwen3_vl.vision import VisionSpec, VisionTower, build_vision
 
 transformers = pytest.importorskip("transformers")
@@ -148,7 +147,7 @@ def test_memoized_plan_gives_same_result(reference: Any) -> None:
         assert tower.stats["grid_misses"] == 4 and tower.stats["grid_hits"] == 0  # 4 distinct frame shapes
         second = tower(pixels, ODD_GRIDS)  # the same call list: its whole plan was kept
         assert tower.stats["plan_hits"] == 1 and tower.stats["grid_hits"] == 0
-        tower._calls = CallPlans(budget=0)  # none kept: the next call plans from the per-frame pieces
+        tower.call_plans.resize(0)  # none kept: the next call plans from the per-frame pieces
         third = tower(pixels, ODD_GRIDS)
     assert tower.stats["grid_misses"] == 4 and tower.stats["grid_hits"] == 4 and tower.stats["plan_hits"] == 1
     assert tower.stats["calls"] == 3 and tower.stats["patches"] == 3 * pixels.shape[0]

@@ -1,5 +1,5 @@
 """The Qwen-style vision tower base (models/qwen_vit.py) on both families' towers, with dummy weights: the per-grid
-plan memo's bound, dummy weights, weight loading by name, the patch embedding as a matmul, and reading
+plan memo's bound, the whole-call plans' byte budget, dummy weights, weight loading by name, the patch embedding as a matmul, and reading
 ``vision_config``. Each family's tower against transformers: test_qwen2_5_vision.py, test_qwen3_vision.py."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.engine.layers.vit_plans import plan_bytes
 from workers.engine.models.qwen2_5_vl import vision as qwen2_5
 from workers.engine.models.qwen3_vl import vision as qwen3
 from workers.engine.models.qwen_vit import QwenVisionTower, VisionPatchEmbed, activation, vision_fields
@@ -39,11 +40,34 @@ def _pixels(tower: QwenVisionTower[Any], grid: tuple[int, int, int]) -> torch.Te
 def test_grid_cache_is_bounded(family: str) -> None:
     tower = _tower(family)
     tower.grid_cache_size = 2
-    tower._calls.budget = 0  # no whole-call plans kept: every call plans from the per-grid pieces
+    tower.call_plans.resize(0)  # no whole-call plans kept: every call plans from the per-grid pieces
     with torch.no_grad():
         for g in [(1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 4, 4)]:
             tower(_pixels(tower, g), [g])
     assert len(getattr(tower, FAMILIES[family][2])) == 2 and tower.stats["grid_misses"] == 4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_call_plans_stay_within_their_budget_and_a_smaller_one_drops_the_oldest(family: str) -> None:
+    tower = _tower(family)
+    calls = [[(1, 4, 4)], [(1, 4, 6)], [(1, 4, 4), (1, 6, 4)], [(1, 6, 6)]]
+    with torch.no_grad():
+        outs = [tower(torch.cat([_pixels(tower, g) for g in grids]), grids) for grids in calls]
+    plans = tower.call_plans
+    assert len(plans) == 4 and plans.bytes > 0
+    sizes = [plan_bytes(plans.get((tuple(grids), torch.device("cpu")), _unbuilt)[0]) for grids in calls]
+    assert plans.bytes == sum(sizes)
+    plans.resize(sizes[2] + sizes[3])  # the two last used (get refreshed them in order) are what fits
+    assert len(plans) == 2 and plans.bytes == sizes[2] + sizes[3]
+    plans.resize(0)
+    assert len(plans) == 0 and plans.bytes == 0
+    with torch.no_grad():  # nothing kept, the same answers: a plan is rebuilt per call
+        again = tower(torch.cat([_pixels(tower, g) for g in calls[2]]), calls[2])
+    assert len(plans) == 0 and torch.equal(again, outs[2])
+
+
+def _unbuilt() -> Any:
+    raise AssertionError("a kept plan was asked for and not found")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

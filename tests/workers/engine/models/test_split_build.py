@@ -103,3 +103,9 @@ def test_the_warm_up_of_a_runner_without_its_tower_runs_no_vit(runners: tuple[Mo
     warm_vision_attention(split)  # nothing to warm
     patches, tokens = _warm_steps(split, frame_side=8, sizes=((112, 56),))
     assert patches == [] and tokens[0] == 16 * 16  # no ViT call; chunks from as many tokens as the blocks hold
+
+
+def test_the_runner_gives_its_tower_the_configured_plan_budget(demo_model_dir: Path) -> None:
+    cfg = EngineConfig(model=str(demo_model_dir), num_kv_blocks=16, max_model_len=512, chunk_size=64,
+                       vit_plan_cache_mb=0.5)
+    assert ModelRunner(cfg, pixel_source=lambda item: torch.zeros(0)).vision.call_plans.budget == 1 << 19

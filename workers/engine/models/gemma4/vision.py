@@ -203,7 +203,7 @@ class Gemma4VisionTower(nn.Module):
         spatial = spec.head_dim // 2
         steps = torch.arange(0, spatial, 2, dtype=torch.float, device="cpu")
         self._inv_freq = 1.0 / (spec.rope_theta ** (steps / spatial))
-        self._calls: CallPlans[_Plan] = CallPlans()
+        self.call_plans: CallPlans[_Plan] = CallPlans()
         self.graphs = ViTGraphs()  # recurring small calls replayed from CUDA graphs (layers/vit_graphs.py)
 
     @classmethod
@@ -295,7 +295,7 @@ class Gemma4VisionTower(nn.Module):
         weight = self.embed_vision.embedding_projection.weight
         if n == 0:
             return weight.new_empty(0, self.embed_width)
-        plan, _ = self._calls.get((tuple(keys), weight.device), lambda: self._plan(keys, weight.device))
+        plan, _ = self.call_plans.get((tuple(keys), weight.device), lambda: self._plan(keys, weight.device))
         pixels = pixel_values.to(weight.device, non_blocking=True)
         return self.graphs.run((tuple(keys), pixels.dtype, weight.device), pixels, lambda p: self._encode(p, plan))
 
