@@ -7,8 +7,11 @@ Two events keep the streams apart:
   freed by this step's evictions, and the last reads of those rows were queued before that point (this step's
   forward reads none of them: the index pins what a step reads). The rows of the step's transient entries, which its
   forward does read, are freed only after the ahead encodes have taken theirs (ModelRunner.launch);
-* ``done``, recorded on the side stream after the ahead encodes: the next step's stream waits for it before it does
-  anything (spills and reloads read the store, and its forward reads the new entries).
+* ``done``, recorded on the side stream after the ahead encodes: a later step's stream waits for it before it does
+  anything, if that step splices, evicts or spills an entry still being encoded (``store_reads``). Steps that touch
+  none of them (decodes, chunks of other images) go on beside the ViT, so a whole image's encode is not a wait in
+  front of the next decode step. Nothing else a step does meets the rows being written: its own encodes, reloads and
+  imports take rows off the free list, and the entries being written are not on it.
 
 On the CPU there is one stream: the jobs simply run after the forward. With TP the ViT's all-gather would be a
 collective on a second stream beside the LM's, which NCCL does not order across ranks, so serve_cli refuses the
@@ -17,10 +20,13 @@ combination.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 
-from ipc.steps import EncodeJob
+from ipc.steps import EncodeJob, StepPlan
 from workers.engine.runner.encoder import JobEncoder
+from workers.engine.runner.step_inputs import WorkerSeq
 
 
 class AheadEncodes:
@@ -30,13 +36,25 @@ class AheadEncodes:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None
         self._done: torch.cuda.Event | None = None
+        self.pending: set[bytes] = set()  # keys of the entries the side stream may still be writing
         self.images = 0  # images encoded ahead so far
+        self.waits = 0  # steps that waited for the side stream
 
-    def wait(self) -> None:
-        """At the start of a step: everything the last ahead encodes wrote is in place before this step's work."""
-        if self._done is not None:
+    def wait(self, reads: Callable[[], set[bytes]]) -> None:
+        """At the start of a step, given the store keys it reads or frees (``store_reads``, asked only while an
+        ahead encode may be running): waits for the side stream if the step needs any entry it is writing."""
+        if self._done is None:
+            return
+        if self._done.query():  # finished already: nothing to order
+            self._done, self.pending = None, set()
+            return
+        if self.needs_wait(reads()):
             torch.cuda.current_stream(self.device).wait_event(self._done)
-            self._done = None
+            self._done, self.pending = None, set()
+            self.waits += 1
+
+    def needs_wait(self, reads: set[bytes]) -> bool:
+        return not self.pending.isdisjoint(reads)
 
     def mark(self, jobs: list[EncodeJob]) -> None:
         """Right before the step's forward is queued (the point past which no queued work reads a freed row)."""
@@ -56,7 +74,23 @@ class AheadEncodes:
                 self._ready = None
             with torch.cuda.stream(self.stream):
                 images = self.encoder.run(jobs)
-            self._done = torch.cuda.Event()
+            self._done = torch.cuda.Event()  # recorded after every earlier ahead job too: one stream, in order
             self._done.record(self.stream)
+            self.pending.update(job.key for job in jobs)
         self.images += images
         return images
+
+
+def store_reads(plan: StepPlan, seqs: Mapping[str, WorkerSeq]) -> set[bytes]:
+    """The embedding-store keys ``plan`` reads or frees: the entries its chunks splice (an image's hash, or in the
+    per-request mode the request's key), and those it evicts or spills."""
+    keys = set(plan.evict) | set(plan.mm_spill)
+    new = {s.rid: s for s in plan.new_seqs}
+    for chunk in plan.chunks:
+        seq = seqs.get(chunk.rid) or new.get(chunk.rid)
+        if seq is None:
+            continue
+        end = chunk.start + chunk.length
+        keys.update(seq.mm_key or item.hash for item in seq.items
+                    if item.offset < end and item.offset + item.length > chunk.start)
+    return keys

@@ -18,7 +18,7 @@ from workers.engine.layers.linear import TPGroup
 from workers.engine.models import family as family_package
 from workers.engine.models.base import NoVisionTower, item_spans
 from workers.engine.models.load import defers_lm_weights, load_model
-from workers.engine.runner.ahead_encodes import AheadEncodes
+from workers.engine.runner.ahead_encodes import AheadEncodes, store_reads
 from workers.engine.runner.batching import (
     aligned_pack,
     aligned_split,
@@ -164,7 +164,7 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> Launched:
         """Queue one step's GPU work; its result comes from the returned `Launched`."""
         self.trace.begin()
-        self.ahead.wait()  # the last step's encodes for this one: before anything reads or frees the store
+        self.ahead.wait(lambda: store_reads(plan, self.seqs))  # before this step reads or frees an entry being written
         if self.host_kv is not None:  # first: a spilled block is reused by this step, a loaded one read by it
             self.host_kv.apply(plan.kv_spill, plan.kv_load)
         last, self.last_sampled = self.last_sampled, None
