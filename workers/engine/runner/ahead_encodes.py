@@ -83,8 +83,8 @@ class AheadEncodes:
 
 def store_reads(plan: StepPlan, seqs: Mapping[str, WorkerSeq]) -> set[bytes]:
     """The embedding-store keys ``plan`` reads or frees: the entries its chunks splice (an image's hash, or in the
-    per-request mode the request's key), and those it evicts or spills."""
-    keys = set(plan.evict) | set(plan.mm_spill)
+    per-request mode the request's key), those it evicts or spills, and those it encodes (a put replaces an entry)."""
+    keys = set(plan.evict) | set(plan.mm_spill) | {job.key for job in plan.encode}
     new = {s.rid: s for s in plan.new_seqs}
     for chunk in plan.chunks:
         seq = seqs.get(chunk.rid) or new.get(chunk.rid)

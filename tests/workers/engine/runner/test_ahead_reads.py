@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ipc.prompts import MMItem, SamplingParams
-from ipc.steps import NewSeq, SeqChunk, StepPlan
+from ipc.steps import EncodeItem, EncodeJob, NewSeq, SeqChunk, StepPlan
 from workers.engine.runner.ahead_encodes import AheadEncodes, store_reads
 from workers.engine.runner.step_inputs import WorkerSeq
 
@@ -41,12 +41,14 @@ def test_a_chunk_reads_the_images_its_span_overlaps() -> None:
     assert store_reads(_plan([_chunk("gone", 0, 40)]), seqs) == set()
 
 
-def test_new_sequences_the_per_request_key_evictions_and_spills_count() -> None:
+def test_new_sequences_the_per_request_key_evictions_spills_and_encodes_count() -> None:
     new = NewSeq("n", [0] * 30, 0, [_item(C, 2, 6)], SamplingParams())
     assert store_reads(_plan([_chunk("n", 0, 16)], new=[new]), {}) == {C}
     whole = {"w": _seq("w", [_item(A, 0, 4), _item(B, 8, 4)], mm_key=C)}  # --mm-cache-mode request: one entry
     assert store_reads(_plan([_chunk("w", 8, 2)]), whole) == {C}
     assert store_reads(_plan([], evict=[A], spill=[B]), {}) == {A, B}
+    job = EncodeJob(C, [EncodeItem(C, (1, 2, 2), 1)])
+    assert store_reads(StepPlan(1, [], [], [], [job], []), {}) == {C}
 
 
 def test_only_a_step_that_needs_an_entry_being_written_waits() -> None:
