@@ -255,6 +255,10 @@ class EmbeddingStore:
         if transient or self.pool is None or need > len(self._free):
             if not transient and self.pool is not None:
                 self.pool_misses += 1
+            if not transient and embeddings.untyped_storage().nbytes() > embeddings.nbytes:
+                # A view (one image of a ViT call's output) would keep the whole output alive, its other images and
+                # any padding included, past what the index counts for this entry.
+                embeddings = embeddings.clone()
             self._dense[key] = embeddings
         else:
             pages = [self._free.pop() for _ in range(need)]

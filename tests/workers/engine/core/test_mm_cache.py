@@ -50,6 +50,22 @@ def test_store_obeys_evictions_and_drops_transient_entries() -> None:
     assert len(store) == 0
 
 
+def test_a_kept_entry_holds_its_own_rows_not_the_call_output_it_was_cut_from() -> None:
+    store = EmbeddingStore()
+    output = torch.arange(30.0).view(10, 3)  # one ViT call's rows: three images
+    first, rest, last = output.split([2, 5, 3])
+    store.put(b"a", first, transient=False)
+    store.put(b"b", rest, transient=True)  # dropped at the step's end: no copy needed
+    store.put(b"c", last, transient=False)
+    for key, rows in ((b"a", first), (b"c", last)):
+        kept = store.rows(key, 0, rows.shape[0])
+        assert torch.equal(kept, rows) and kept.untyped_storage().nbytes() == rows.nbytes
+    assert store.rows(b"b", 0, 5).data_ptr() == rest.data_ptr()
+    whole = torch.ones(4, 3)
+    store.put(b"d", whole, transient=False)  # a tensor of its own is kept as it is
+    assert store.rows(b"d", 0, 4).data_ptr() == whole.data_ptr()
+
+
 def _pooled(pages: int, hidden: int = 3) -> EmbeddingStore:
     """A store whose pool has exactly ``pages`` pages (the slack pages are part of the count)."""
     page_bytes = PAGE_TOKENS * hidden * 4
