@@ -19,9 +19,9 @@ from tests.server.live import LiveServer, png_bytes
 WARMUP_S, LOAD_S, CLIENTS = 8.0, 50.0, 4
 # RSS of each process may rise this much over its value at the end of the warm-up, at any sample of the minute
 # after it. Measured on the 2-core box with other test runs and a soak beside it: the tokenizer rose 16 MiB (it
-# keeps glibc's moving mmap threshold; its IdleTrim gives the pages back once idle), the model worker 8.5-12.7 MiB, the
+# keeps glibc's moving mmap threshold; its IdleTrim gives the pages back once idle), the model worker 13-25 MiB, the
 # launcher 2 MiB, the scheduler 0; untuned (GLIMPSE_MALLOC=off) the model worker alone rose 15-25 MiB a minute in
-# issue 40's steps. 48 MiB is three times the largest rise seen, room for a big image landing late on a slow
+# issue 40's steps. 48 MiB is about twice the largest rise seen, room for a big image landing late on a slow
 # runner, and still well under what the untuned steps reach over a longer run or a per-request leak would add.
 RSS_BAND_MIB = 48.0
 FD_SLACK = 2  # a connection not yet closed when sampled
