@@ -1,6 +1,8 @@
 """A model worker's side of encoding ahead (``--encode-ahead-tokens``, core/encode_ahead.py): the last
 ``StepPlan.encode_ahead`` jobs of a step are images a later step reads, so they run on a second CUDA stream after the
-step's forward has been queued, and the ViT overlaps the language model on the GPU instead of delaying it.
+step's forward has been queued, and the ViT overlaps the language model on the GPU instead of delaying it. The
+steps' stream has the device's highest priority and the side stream its lowest: the SMs take a decode kernel's blocks
+as soon as the ViT's running blocks retire, instead of after the ViT kernel's queued ones.
 
 Two events keep the streams apart:
 * ``ready``, recorded on the step's stream before its forward: the store rows an ahead encode writes may have been
@@ -30,10 +32,19 @@ from workers.engine.runner.step_inputs import WorkerSeq
 
 
 class AheadEncodes:
-    def __init__(self, encoder: JobEncoder, device: torch.device) -> None:
+    def __init__(self, encoder: JobEncoder, device: torch.device, tokens: int = 0, tp_size: int = 1) -> None:
+        """``tokens``: --encode-ahead-tokens (0: the scheduler plans no ahead encode). With it on CUDA the worker's
+        steps run on a stream of the device's highest priority and the ahead encodes on one of the lowest, so that
+        when both have work queued the SMs take a decode step's blocks before the rest of a ViT GEMM's."""
+        if tokens and tp_size > 1:
+            raise ValueError("encode_ahead_tokens needs tp 1: the ViT's all-gather cannot run on a second stream")
         self.encoder = encoder
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device, priority=0) if device.type == "cuda" else None  # 0: the lowest
+        if tokens and self.stream is not None:
+            # Nothing orders a new stream after the default one: what the start-up queued there finishes first.
+            torch.cuda.synchronize(device)
+            torch.cuda.set_stream(torch.cuda.Stream(device, priority=-100))  # out of range: the device's highest
         self._ready: torch.cuda.Event | None = None
         self._done: torch.cuda.Event | None = None
         self.pending: set[bytes] = set()  # keys of the entries the side stream may still be writing

@@ -145,9 +145,8 @@ class ModelRunner:
         self.landings = LandingReader(self.device)  # encoder workers' CUDA pools and NIXL agent, opened on first use
         self.encoder = JobEncoder(self.model, self.store, self.tp, pixel_source, self.counters, cfg.model, self.merge,
                                   self.spec.embed_width, cfg.vit_max_patches, self.device, self.dtype)
-        if cfg.encode_ahead_tokens and self.tp.size > 1:
-            raise ValueError("encode_ahead_tokens needs tp 1: the ViT's all-gather cannot run on a second stream")
-        self.ahead = AheadEncodes(self.encoder, self.device)  # a step's encodes for later steps (encode_ahead.py)
+        # A step's encodes for later steps (core/encode_ahead.py); on CUDA it also sets the steps' stream.
+        self.ahead = AheadEncodes(self.encoder, self.device, cfg.encode_ahead_tokens, self.tp.size)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
         self.trace = StepTrace(f"worker{self.tp.rank}", sync, enabled=self.tp.rank == 0)
 

@@ -4,6 +4,7 @@ and its events are exercised on CUDA by test_ahead_encodes.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ipc.prompts import MMItem, SamplingParams
@@ -59,3 +60,9 @@ def test_only_a_step_that_needs_an_entry_being_written_waits() -> None:
     asked: list[int] = []
     ahead.wait(lambda: asked.append(1) or {A})  # no ahead encode on a stream: the keys are not even computed
     assert asked == [] and ahead.waits == 0
+
+
+def test_ahead_encodes_refuse_tensor_parallel_ranks() -> None:
+    with pytest.raises(ValueError, match="encode_ahead_tokens needs tp 1"):
+        AheadEncodes(encoder=None, device=torch.device("cpu"), tokens=4096, tp_size=2)  # type: ignore[arg-type]
+    assert AheadEncodes(encoder=None, device=torch.device("cpu"), tokens=0, tp_size=2).stream is None  # type: ignore[arg-type]
