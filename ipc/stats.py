@@ -31,6 +31,7 @@ class WorkerStats(Msg, frozen=True):
     images_ahead: int = 0  # of images_encoded, encoded by a step for a later one (--encode-ahead-tokens)
     nixl_reads: int = 0  # --encoder-transport nixl: landed entries this rank read with NIXL, and their bytes
     nixl_bytes: int = 0
+    ahead_waits: int = 0  # steps that waited for encode-ahead's side stream (it was writing an entry they need)
 
 
 class EncoderStats(Msg, frozen=True):

@@ -178,6 +178,7 @@ class StatsBook:
                     "vit_calls": w.vit_calls,
                     "vit_graph_replays": w.vit_graph_replays,
                     "images_ahead": w.images_ahead,
+                    "ahead_waits": w.ahead_waits,
                     "nixl_reads": w.nixl_reads,  # --encoder-transport nixl: entries read, and their bytes
                     "nixl_bytes": w.nixl_bytes,
                     "steps": w.steps,

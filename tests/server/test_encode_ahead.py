@@ -35,6 +35,7 @@ def test_images_encoded_ahead_answer_as_without(demo_model_dir: Path, demo_serve
         [worker] = stats["model_workers"]
         assert stats["images_encoded"] == worker["images_encoded"] == images  # none twice
         assert 0 < worker["images_ahead"] <= images, worker
+        assert worker["ahead_waits"] == 0, worker  # the CPU's one stream: each ahead encode is done before the next step
         assert demo_server.stats()["model_workers"][0]["images_ahead"] == 0
     finally:
         assert ahead.stop() == 0, ahead.output()

@@ -262,7 +262,7 @@ def _report(
             reader.steps, reader.broadcast_s_sum, reader.broadcast_s_max, peak, allocated,
             gc_watch.collections, gc_watch.pause_s_max, gc_watch.frozen, gc_watch.full, gc_watch.pause_s_sum,
             runner.weight_bytes, runner.vision_weight_bytes, vit_graphs.replays(runner.vision), runner.ahead.images,
-            runner.landings.nixl.reads, runner.landings.nixl.bytes_read,
+            runner.landings.nixl.reads, runner.landings.nixl.bytes_read, ahead_waits=runner.ahead.waits,
         )
     )
 
