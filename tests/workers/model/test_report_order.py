@@ -38,7 +38,7 @@ class _Runner:
         self.device, self.vision = torch.device("cpu"), None
         self.counters = SimpleNamespace(images_encoded=0, vit_calls=0)
         self.weight_bytes = self.vision_weight_bytes = 0
-        self.ahead = SimpleNamespace(images=0)
+        self.ahead = SimpleNamespace(images=0, waits=0)
         self.landings = SimpleNamespace(nixl=SimpleNamespace(reads=0, bytes_read=0))
 
     def launch(self, plan: Any) -> _Step:
