@@ -12,6 +12,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+# An incomplete UTF-8 character has at most 3 bytes, and every byte-level token carries at least one: a window whose
+# decode still ends in U+FFFD with more tokens pending than this holds bytes that no later token can complete.
+MAX_PENDING_TOKENS = 3
 
 
 class Decoder(Protocol):
@@ -36,7 +39,9 @@ class IncrementalDetokenizer:
     already emitted (kept as left context, because some tokenizers decode a token differently at
     the start of a string than in the middle), ``ids[read:]`` the tokens not yet emitted. The new
     text is the window's decode minus the context's decode. While the window's decode ends in
-    U+FFFD the tail is an incomplete character, so nothing is emitted and the window grows.
+    U+FFFD the tail may be an incomplete character, so only what lies before its last ``MAX_PENDING_TOKENS`` tokens
+    can be emitted: a model that samples invalid bytes (a stray continuation byte, say) would otherwise hold its
+    stream back until valid text comes, seconds later.
     """
 
     def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()) -> None:
@@ -61,9 +66,15 @@ class IncrementalDetokenizer:
         if len(self.token_ids) == self._read:
             return ""
         window = self._decode(self._prefix)
-        if window.endswith(REPLACEMENT_CHAR):
+        if not window.endswith(REPLACEMENT_CHAR):
+            return self._advance(window)
+        settled = len(self.token_ids) - MAX_PENDING_TOKENS
+        if settled <= self._read:
             return ""
-        return self._advance(window)
+        # The text up to `settled` is final if the whole window agrees with it: a character cut at `settled` that
+        # later tokens complete decodes differently there (U+FFFD against the character) and is held.
+        head = self._decode(self._prefix, settled)
+        return self._advance(head, settled) if window.startswith(head) else ""
 
     def flush(self) -> str:
         """At the end of the request: whatever is still held back, even an incomplete character
@@ -72,7 +83,8 @@ class IncrementalDetokenizer:
             return ""
         return self._advance(self._decode(self._prefix))
 
-    def _advance(self, window: str) -> str:
+    def _advance(self, window: str, end: int | None = None) -> str:
+        """Emit ``window`` (the decode of ids[prefix:end]) past the context; ``end`` defaults to every token."""
         # The context is decoded only here, when text is emitted: held-back steps cost one decode.
         context = self._decode(self._prefix, self._read) if self._read > self._prefix else ""
         # Byte-level BPE always decodes the window to context + new text. A tokenizer whose clean-up
@@ -87,7 +99,7 @@ class IncrementalDetokenizer:
                     break
                 common += 1
             delta = window[common:]
-        self._prefix, self._read = self._read, len(self.token_ids)
+        self._prefix, self._read = self._read, len(self.token_ids) if end is None else end
         return delta
 
 

@@ -161,3 +161,48 @@ def test_text_stream_add_merges_the_core_verdict(tokenizer: Any) -> None:
         if reason is not None:
             break
     assert (out, reason) == ("ab 世", "stop")
+
+
+def _byte_token(tokenizer: Any, byte: int) -> int:
+    """The id of byte-level BPE's token for one raw byte (its alphabet holds all 256)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tid = tokenizer.convert_tokens_to_ids(bytes_to_unicode()[byte])
+    assert isinstance(tid, int) and tid != tokenizer.unk_token_id
+    return tid
+
+
+def test_invalid_bytes_do_not_hold_the_stream(tokenizer: Any) -> None:
+    """Stray continuation bytes (random weights sample them) can never complete a character: their U+FFFD goes out
+    once more tokens than an incomplete character can span have followed, not when valid text comes back."""
+    stray = _byte_token(tokenizer, 0x80)
+    head, tail = tokenizer.encode("ok ", add_special_tokens=False), tokenizer.encode(" done", add_special_tokens=False)
+    ids = head + [stray] * 8 + tail
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push([t]) for t in ids]
+    assert "".join(deltas) + detok.flush() == tokenizer.decode(ids)
+    first_fffd = next(i for i, d in enumerate(deltas) if REPLACEMENT_CHAR in d)
+    # The 4th stray byte settles the 1st: text flows while the stray run lasts, 3 tokens behind.
+    assert first_fffd == len(head) + 3
+    assert sum(d.count(REPLACEMENT_CHAR) for d in deltas[: len(head) + 8]) == 5
+
+
+def test_a_character_cut_by_the_settled_point_is_held(tokenizer: Any) -> None:
+    """'é' and the first two bytes of '€' as single byte tokens in one push: the window ends in U+FFFD with four
+    tokens pending, but the settled point cuts 'é', so nothing goes out until the window agrees with it."""
+    ids = [_byte_token(tokenizer, b) for b in "é€".encode()]  # c3 a9 e2 82 ac
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.push(ids[:4]) == ""
+    assert detok.push(ids[4:]) == "é€"
+
+
+def test_random_bytes_decode_the_same_incrementally(tokenizer: Any) -> None:
+    rng = random.Random(7)
+    pool = [_byte_token(tokenizer, b) for b in range(256)] + tokenizer.encode(" ".join(MIXED), add_special_tokens=False)
+    for _ in range(150):
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 40))]
+        detok = IncrementalDetokenizer(tokenizer)
+        out = ""
+        for i in range(0, len(ids), step := rng.randint(1, 3)):
+            out += detok.push(ids[i : i + step])
+        assert out + detok.flush() == tokenizer.decode(ids)
