@@ -43,6 +43,7 @@ CPU: list[tuple[str, list[str], str]] = [
      "res            grid  pixel MB  tokens"),
     ("engine.sched_plan_bench", ["--rounds", "2", "--passes", "1"], "| round | prompt tokens | block |"),
     ("engine.step_mix_sim", ["--requests", "8", "--caps", "2048"], "| image cap | chunk grid | steps |"),
+    ("engine.step_budget_sim", ["--requests", "8", "--variants", "2048:1"], "| chunk | encode cost | steps |"),
     ("engine.host_tier_bench", ["--chats", "2", "--rounds", "2", "--images-per-round", "1", "--resolution", "720p",
                                 "--max-tokens", "1", "--small-kv-blocks", "60", "--big-kv-blocks", "512",
                                 "--kv-host-cache-mb", "16", "--mm-host-cache-mb", "16"],

@@ -81,7 +81,7 @@ class SequenceBook:
             raise ValueError("encode_token_cost must be >= 0")
         self.encode_token_cost = encode_token_cost
         self._encode_cost = 0.0
-        self._prefill_picked = False  # the step being planned has a prefill chunk already (not only decodes)
+        self._prefill_tokens = 0  # prefill tokens the step being planned has picked so far (decodes not counted)
         # Image tokens a step may encode for later steps beside its forward (core/encode_ahead.py; 0: none).
         self.encode_ahead_tokens = max(0, encode_ahead_tokens)
         self.max_num_seqs = max_num_seqs

@@ -64,7 +64,7 @@ class SchedulerCore(ChunkSizing):
         cap = self.decode_step_image_tokens if in_step else 0
         self._encode_left, self._encoding = (cap or None), set()
         self._encode_cost = self.encode_token_cost if in_step else 0.0
-        self._prefill_picked = False
+        self._prefill_tokens = 0
         picked: list[tuple[Sequence, int]] = []
         # Decodes first: they are one token each and keep latency flat.
         for seq in sorted(plannable, key=lambda s: s.planned_len - s.num_scheduled != 1):
@@ -79,7 +79,8 @@ class SchedulerCore(ChunkSizing):
                 continue
             picked.append((seq, length))
             budget -= length + self._charge_encodes(seq, seq.num_scheduled, length)
-            self._prefill_picked |= seq.num_scheduled < seq.prompt_len
+            if seq.num_scheduled < seq.prompt_len:
+                self._prefill_tokens += length
         # (On a hybrid model's chunk grid a budget under one cell funds no new chunk: admitting would only take slots.)
         while budget >= self.chunk_align and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -126,7 +127,7 @@ class SchedulerCore(ChunkSizing):
             if length > 0:  # else admitted (its blocks are reserved) but waiting for an image to be written
                 picked.append((seq, length))
                 budget -= length + self._charge_encodes(seq, seq.num_scheduled, length)
-                self._prefill_picked = True
+                self._prefill_tokens += length
         if not picked and (ahead or not self._finished_for_workers):
             return None  # (a step planned ahead for the finished alone is not worth it: the next plan takes them)
         plan = self._build_plan(picked, ahead)

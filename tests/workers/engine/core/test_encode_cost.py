@@ -1,6 +1,6 @@
 """``encode_token_cost`` under random loads: every request finishes (no sequence waits forever for a step the rule
 never gives it), and a step with decodes spends at most its budget on prefill tokens and encodes, but for one image
-that goes alone. On plain, whole-image (Gemma 4's bidirectional spans) and hybrid (64-token chunk grid) cores."""
+that goes alone (beside a prompt's tail at most). On plain, whole-image (Gemma 4's bidirectional spans) and hybrid (64-token chunk grid) cores."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from ipc.prompts import MMItem, SamplingParams
 from ipc.steps import StepPlan, StepResult
+from workers.engine.core.chunking import SMALL_PREFILL_SHARE
 from workers.engine.core.scheduler import SchedulerCore
 
 EOS = 99
@@ -48,8 +49,12 @@ def _check_budget(c: SchedulerCore, plan: StepPlan, prompt_lens: dict[str, int],
         return
     jobs = plan.encode[: len(plan.encode) - plan.encode_ahead]
     price = sum(math.ceil(cost * it.length) for job in jobs for it in job.items[:1])
-    if len(prefill) == 1 and len(jobs) == 1:
-        return  # one image alone: it may cost more than the budget, its chunk then reaches into it
+    if len(jobs) == 1:
+        # One image alone may cost more than the budget (its chunk then reaches into it), beside other prefill chunks
+        # of at most SMALL_PREFILL_SHARE of the budget in all (a prompt's tail). Keys start with the request's tag.
+        owner = f"r{int.from_bytes(jobs[0].key[:2], 'big')}"
+        if sum(ch.length for ch in prefill if ch.rid != owner) <= c.chunk_size // SMALL_PREFILL_SHARE:
+            return
     assert decodes + sum(ch.length for ch in prefill) + price <= c.chunk_size, plan
 
 
@@ -80,3 +85,34 @@ def test_every_request_finishes_and_steps_keep_their_budget(kind: str, cost: flo
         c.update(StepResult(plan.step_id, sampled))
     assert not c.has_work() and len(prompt_lens) == 32
     assert outputs == {rid: 6 for rid in prompt_lens}
+
+
+def test_a_prompts_tail_rides_with_the_next_image() -> None:
+    """(b)'s shape: requests of one image that costs more than the budget, all sent at once. Each prompt's tail
+    (the tokens a budget-sized chunk leaves) goes in the step of the next request's encode instead of a step of its
+    own: two prefill steps a request, where the image had to wait for a step without any other prefill before."""
+    c = SchedulerCore(
+        num_blocks=4096, block_size=16, chunk_size=1024, max_num_seqs=16, max_model_len=4096,
+        mm_cache_bytes=100_000_000, embedding_bytes_per_token=10, eos_token_ids=(EOS,),
+        decode_step_image_tokens=2048, encode_token_cost=1.0, enable_prefix_caching=False,
+    )
+    # 4 text tokens, a 1,030-token image (costs more than the 1,024 budget), 8 text tokens: with the decode rows a
+    # budget-sized chunk leaves a tail of 14-30 tokens, under the budget's 64-token share.
+    for i in range(16):
+        items = [MMItem(i.to_bytes(2, "big") + b"i" * 14, 4, 1030, (1, 2, 2060))]
+        c.add(f"r{i}", [1] * 1042, 0, items, SamplingParams(max_tokens=60, temperature=0))
+    prefill_steps = tails_with_images = 0
+    while c.has_work():
+        plan = c.schedule()
+        assert plan is not None
+        prefill = [ch for ch in plan.chunks if ch.start < 1042]
+        prefill_steps += bool(prefill)
+        if plan.encode and len(prefill) > 1:
+            tails_with_images += 1
+            owner = f"r{int.from_bytes(plan.encode[0].key[:2], 'big')}"
+            assert sum(ch.length for ch in prefill if ch.rid != owner) <= 1024 // SMALL_PREFILL_SHARE
+        c.update(StepResult(plan.step_id, [(ch.rid, 5) for ch in plan.chunks if ch.sample]))
+    assert tails_with_images == 15  # every request's encode but the first carried the one before's tail
+    # Two a request, its encode (with the tail before) and its chunk; the first two requests' encodes went in steps
+    # without decodes (no encode cost), and the last tail alone. The rule before gave the tails a step each (~3 a request).
+    assert prefill_steps == 2 * 16 - 1
