@@ -18,12 +18,12 @@ and 6.32 in 323 at 2048:1 before a prompt's tail could ride with the next image'
 from __future__ import annotations
 
 from benchmarks.args import parser
+from benchmarks.engine.step_mix_sim import GRID, IMAGE_TOKENS, TEXT_BEFORE
 from ipc.prompts import MMItem, SamplingParams
 from ipc.steps import StepResult
 from workers.engine.core.scheduler import SchedulerCore
 
-IMAGE_TOKENS, GRID = 2040, (1, 68, 120)  # 1920 x 1088 in 16-pixel patches, merged 2 x 2
-TEXT_BEFORE, TEXT_AFTER, OUTPUT = 15, 30, 128
+TEXT_AFTER, OUTPUT = 30, 128  # (b)'s prompt text after the image in a Qwen3-VL chat, and its output tokens
 
 
 def simulate(requests: int, chunk: int, cost: float, step_ms: float, prefill_us: float, vit_us: float) -> dict[str, float]:

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from ipc.prompts import MMItem, SamplingParams
-from ipc.steps import StepPlan, StepResult
+from ipc.steps import EncodeJob, StepPlan, StepResult
 from workers.engine.core.chunking import SMALL_PREFILL_SHARE
 from workers.engine.core.scheduler import SchedulerCore
 
@@ -42,6 +42,11 @@ def _prompt(rng: random.Random, tag: int) -> tuple[int, list[MMItem]]:
     return pos + rng.randint(1, 200), items
 
 
+def _owner(job: EncodeJob) -> str:
+    """The request an encode job's image belongs to: every image key here starts with its request's tag."""
+    return f"r{int.from_bytes(job.key[:2], 'big')}"
+
+
 def _check_budget(c: SchedulerCore, plan: StepPlan, prompt_lens: dict[str, int], cost: float) -> None:
     prefill = [ch for ch in plan.chunks if ch.start < prompt_lens[ch.rid]]
     decodes = len(plan.chunks) - len(prefill)
@@ -51,9 +56,8 @@ def _check_budget(c: SchedulerCore, plan: StepPlan, prompt_lens: dict[str, int],
     price = sum(math.ceil(cost * it.length) for job in jobs for it in job.items[:1])
     if len(jobs) == 1:
         # One image alone may cost more than the budget (its chunk then reaches into it), beside other prefill chunks
-        # of at most SMALL_PREFILL_SHARE of the budget in all (a prompt's tail). Keys start with the request's tag.
-        owner = f"r{int.from_bytes(jobs[0].key[:2], 'big')}"
-        if sum(ch.length for ch in prefill if ch.rid != owner) <= c.chunk_size // SMALL_PREFILL_SHARE:
+        # of at most SMALL_PREFILL_SHARE of the budget in all (a prompt's tail).
+        if sum(ch.length for ch in prefill if ch.rid != _owner(jobs[0])) <= c.chunk_size // SMALL_PREFILL_SHARE:
             return
     assert decodes + sum(ch.length for ch in prefill) + price <= c.chunk_size, plan
 
@@ -109,8 +113,7 @@ def test_a_prompts_tail_rides_with_the_next_image() -> None:
         prefill_steps += bool(prefill)
         if plan.encode and len(prefill) > 1:
             tails_with_images += 1
-            owner = f"r{int.from_bytes(plan.encode[0].key[:2], 'big')}"
-            assert sum(ch.length for ch in prefill if ch.rid != owner) <= 1024 // SMALL_PREFILL_SHARE
+            assert sum(ch.length for ch in prefill if ch.rid != _owner(plan.encode[0])) <= 1024 // SMALL_PREFILL_SHARE
         c.update(StepResult(plan.step_id, [(ch.rid, 5) for ch in plan.chunks if ch.sample]))
     assert tails_with_images == 15  # every request's encode but the first carried the one before's tail
     # Two a request, its encode (with the tail before) and its chunk; the first two requests' encodes went in steps
