@@ -211,7 +211,7 @@ def test_a_multi_image_chat_matches_every_block_the_way_llm_d_keys_it() -> None:
 
     # Another prompt needs every block: the cached ones are recycled, announced, and gone from the index.
     seen = len(sink.raw)
-    core.add("s", list(range(50, 99)), 0, [], SamplingParams(max_tokens=1))
+    core.add("s", list(range(50, 112)), 0, [], SamplingParams(max_tokens=1))  # 62 + 1 tokens: all 16 blocks
     run(core, recorder)
     for batch in sink.raw[seen:]:
         for ev in batch:
@@ -243,7 +243,7 @@ def test_a_hybrid_model_publishes_its_blocks_and_its_state_snapshots_as_two_grou
     assert state[1].token_ids == prompt[8:12] and {e.kv_cache_spec_kind for e in state} == {"mamba"}
 
     # A prompt that needs every block recycles the cached ones: their snapshots go with them, each group announced.
-    core.add("s", list(range(50, 75)), 0, [], SamplingParams(max_tokens=1))
+    core.add("s", list(range(50, 81)), 0, [], SamplingParams(max_tokens=1))  # 31 + 1 tokens: all 8 blocks
     run(core, recorder)
     removed = [e for e in sink.events() if isinstance(e, BlockRemoved)]
     assert {h for e in removed if e.group_idx == 1 for h in e.block_hashes} == {external_hash(keys[1]), external_hash(keys[2])}

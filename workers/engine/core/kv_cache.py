@@ -144,7 +144,11 @@ class BlockAllocator:
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        for block in blocks:
+        """Drop a reference on each of ``blocks`` (a block table, in prompt order); a block left unreferenced joins
+        the free list's recent end, still registered. Tail first: the free list recycles its oldest end first, so a
+        finished prompt's last blocks go before its first ones, and a returning conversation still finds its prefix
+        (a hit is a prefix: with the head recycled first, the tail left on the device is unreachable)."""
+        for block in reversed(blocks):
             if self._refs[block] <= 0:
                 raise ValueError(f"block {block} freed twice or never allocated")
             self._refs[block] -= 1

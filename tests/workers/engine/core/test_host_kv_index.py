@@ -27,9 +27,9 @@ def test_reusing_a_registered_block_spills_it_first() -> None:
     hashes, blocks = _cached_prompt(alloc, list(range(8)))
     alloc.allocate(2)  # an unrelated request takes both cached blocks
     spill, load = host.take_copies()
-    assert spill == [(blocks[0], 0), (blocks[1], 1)] and load == []
+    assert spill == [(blocks[1], 0), (blocks[0], 1)] and load == []  # a freed prompt is recycled tail first
     assert host.spills == 2 and host.num_used == 2
-    assert alloc.match(hashes) == [] and host.match(hashes) == [0, 1]
+    assert alloc.match(hashes) == [] and host.match(hashes) == [1, 0]
     assert host.take_copies() == ([], [])  # the lists belong to one step
 
 
@@ -49,7 +49,8 @@ def test_host_hit_loads_into_fresh_blocks_and_counts_tokens() -> None:
     assert alloc.match(hashes) == []
     blocks = alloc.load_from_host(hashes)
     spill, load = host.take_copies()
-    assert load == [(0, blocks[0]), (1, blocks[1])] and spill == []  # the reused blocks carried no key
+    # The prompt's tail spilled first (slot 0), its head second; the reused blocks carried no key.
+    assert load == [(1, blocks[0]), (0, blocks[1])] and spill == []
     assert alloc.match(hashes) == blocks  # registered on the device again
     assert host.loads == 2 and host.hit_tokens == 8
     assert alloc.prefix_hit_tokens == 0  # a host hit is not counted as a device hit too

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.core.kv_cache import BlockAllocator, OutOfBlocks, slot_mapping
+from workers.engine.core.kv_cache import BlockAllocator, OutOfBlocks, block_hashes, slot_mapping
 
 
 def test_allocate_and_free_round_trip() -> None:
@@ -42,3 +42,14 @@ def test_slot_mapping_follows_block_table() -> None:
         for length in range(12 - start + 1):
             want = [table[p // 4] * 4 + p % 4 for p in range(start, start + length)]
             assert slot_mapping(table, start, length, 4) == want, (start, length)
+
+
+def test_a_freed_table_is_recycled_tail_first_so_its_prefix_survives() -> None:
+    alloc = BlockAllocator(num_blocks=4, block_size=2)
+    hashes = block_hashes(list(range(8)), 2)
+    table = alloc.allocate(4)
+    for block, digest in zip(table, hashes, strict=True):
+        alloc.register(block, digest)
+    alloc.free(table)
+    alloc.allocate(2)  # another request takes half the pool
+    assert alloc.match(hashes) == table[:2]  # a returning prompt still finds its first half
