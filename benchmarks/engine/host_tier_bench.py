@@ -14,18 +14,18 @@ Prints a line per request as it ends and each engine's row when it is done (a ru
 then the table: one row per engine (TTFT of the first and the last rounds, averaged over the chats; the late rounds'
 prompt preparation; the late rounds against the reference, with and without it; the prompt tokens computed, the
 images encoded, the host tiers' loads); writes JSON with every round. The preparation is reported apart because this
-offline engine prepares every image of the prompt each round (~45 ms per 1080p image on an H200 host), which grows
+offline engine prepares every image of the prompt each round (30-40 ms per 1080p image on an H200 host), which grows
 with the chat and is the same for every engine; the server's tokenizers skip it for an image they hold already.
 
     python -m benchmarks.engine.host_tier_bench --shape demo --device cpu --chats 3 --rounds 4 --resolution 720p
-    python -m benchmarks.engine.host_tier_bench --shape qwen3-8b --device cuda --chats 2 --rounds 24 \\
-        --images-per-round 1 --small-kv-blocks 3400 --small-mm-cache-mb 1024 --kv-host-cache-mb 32768 \\
+    python -m benchmarks.engine.host_tier_bench --shape qwen3-8b --device cuda --chats 2 --rounds 32 \\
+        --images-per-round 1 --small-kv-blocks 4600 --small-mm-cache-mb 1024 --kv-host-cache-mb 32768 \\
         --mm-host-cache-mb 8192
 
 The small KV pool must hold one chat's last prompt (the engine refuses a prompt larger than its whole pool): a
 1080p image is about 2,000 tokens on the Qwen3-VL shapes, so ``rounds x images-per-round x 130`` blocks and a few
-hundred more for the turns. On an H200, 2 chats of 32 such rounds took longer than 5 minutes (the small-GPU engine
-recomputes most of each late prompt), so the example stops at 24.
+hundred more for the turns. On an H200 the example takes about 5 minutes, most of it the small-GPU engine, which
+recomputes much of each late prompt.
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Host-RAM tier under the prefix cache, per rank: registered KV blocks the GPU pool recycles are copied here first,
     # and a later prompt whose prefix continues there loads them back instead of recomputing them
-    # (core/host_kv_index.py, runner/host_kv.py). 0: off, on every device: unmeasured so far, and its pinned pages
-    # would compete with --mm-host-cache-mb's default share of the RAM.
+    # (core/host_kv_index.py, runner/host_kv.py). 0: off, on every device: opt-in as vLLM's and SGLang's host KV
+    # offload are, and its pinned pages would compete with --mm-host-cache-mb's default share of the RAM.
     kv_host_cache_mb: float = 0
     # Hybrid models (Qwen3.5's linear attention): slots of the per-sequence state pool (live states and prefix
     # snapshots; None: workers/engine/runner/cache_memory.py's rule), and a state snapshot every this many KV
