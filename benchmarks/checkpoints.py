@@ -94,6 +94,18 @@ QWEN3_5_27B_TEXT = {
     "vocab_size": 248320,
     "max_position_embeddings": 262144,
 }
+QWEN3_5_9B_TEXT = {  # Qwen/Qwen3.5-9B (transformers' Qwen3_5TextConfig defaults are this model)
+    **QWEN3_5_LINEAR,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_value_heads": 32,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+}
 QWEN3_5_35B_A3B_TEXT = {
     **QWEN3_5_LINEAR,
     "hidden_size": 2048,
@@ -160,6 +172,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any], list[int]]] = {
     "7b": ("qwen2_5_vl", QWEN25_VL_7B_TEXT, [16, 24, 24]),
     "qwen3-8b": ("qwen3_vl", QWEN3_VL_8B_TEXT, [24, 20, 20]),
     "qwen3-30b-a3b": ("qwen3_vl_moe", QWEN3_VL_30B_A3B_TEXT, [24, 20, 20]),
+    "qwen3.5-9b": ("qwen3_5", QWEN3_5_9B_TEXT, [11, 11, 10]),
     "qwen3.5-27b": ("qwen3_5", QWEN3_5_27B_TEXT, [11, 11, 10]),
     "qwen3.5-35b-a3b": ("qwen3_5_moe", QWEN3_5_35B_A3B_TEXT, [11, 11, 10]),
     "gemma4-26b-a4b": ("gemma4_moe", GEMMA4_26B_A4B_TEXT, []),
@@ -188,7 +201,7 @@ def shaped_checkpoint(
     dest: Path, shape: str, max_pixels: int | None = None, quantize: str | None = None, layers: int = 0
 ) -> Path:
     """Write a checkpoint directory: ``shape`` is "demo" (real tiny weights) or a key of SHAPES (config only:
-    "7b" Qwen2.5-VL-7B, "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-27b", "qwen3.5-35b-a3b", "gemma4-26b-a4b",
+    "7b" Qwen2.5-VL-7B, "qwen3-8b", "qwen3-30b-a3b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b", "gemma4-26b-a4b",
     "gemma4-31b").
 
     ``max_pixels`` overrides the image processor's cap (e.g. the demo model at real 1080p token counts; Gemma 4

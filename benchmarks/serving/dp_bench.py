@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def bench(
     cmd = [sys.executable, "-m", "server.cli", "bench", "serving", "--base-url", base + "/v1", "--out", str(out),
            "--num-prompts", str(args.num_prompts), "--concurrency", str(args.concurrency),
            "--images-per-request", str(images), "--resolution", "1080p", "--output-len", str(output_len),
-           "--seed", str(seed), "--logprobs"]
+           "--seed", str(seed), "--logprobs", "--request-rate", str(getattr(args, "request_rate", math.inf))]
     # --logprobs: every token arrives as a chunk of its own. Without it the client times chunks with text, and the
     # shape checkpoints' demo tokenizer is far smaller than their vocabulary, so most random-weight tokens decode
     # to none: most answers came as one chunk at their end, and TTFT, TPOT and the gaps measured the text.
@@ -102,6 +103,13 @@ def load_flags(ap: argparse.ArgumentParser, shape: str, num_prompts: int) -> Non
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--multiturn", type=int, default=0, help="also: this many concurrent 8-round chats per server")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--request-rates", default="inf",
+                    help="comma-separated Poisson arrival rates (req/s) of the serving run, each on the same server; "
+                         "inf = all at once")  # fmt: skip
+
+
+def request_rates(args: argparse.Namespace) -> list[float]:
+    return [float(r) for r in str(args.request_rates).split(",") if r.strip()]
 
 
 def measure(model: Path, flags: list[str], tmp: Path, tag: str, args: argparse.Namespace, seed: int,
@@ -111,7 +119,14 @@ def measure(model: Path, flags: list[str], tmp: Path, tag: str, args: argparse.N
     proc, base = serve(model, flags, tmp / f"serve-{tag}.log")
     try:
         bench(base, argparse.Namespace(num_prompts=8, concurrency=8), tmp / f"warm-{tag}", seed=100 + seed)
-        result = bench(base, args, tmp / f"run-{tag}", seed=seed, images=images) if args.num_prompts else {}
+        by_rate: dict[str, dict[str, Any]] = {}
+        for i, rate in enumerate(request_rates(args) if args.num_prompts else []):
+            # Each rate on its own seed: images the server already holds would skip their encodes.
+            run = argparse.Namespace(**{**vars(args), "request_rate": rate})
+            by_rate[str(rate)] = bench(base, run, tmp / f"run-{tag}-{i}", seed=seed + 10_000 * i, images=images)
+        result = dict(next(iter(by_rate.values()), {}))
+        if len(by_rate) > 1:
+            result["by_rate"] = by_rate
         if args.multiturn:
             result["multiturn"] = multiturn(base, args.multiturn, 8, tmp / f"mt-{tag}")
         if stats is not None:

@@ -4,6 +4,7 @@ requests/s, TTFT, TPOT and inter-token gaps of an image-heavy load, and who ran 
 
     python -m benchmarks.serving.encoder_bench --shape qwen3-8b --images-per-request 4 --num-prompts 64
     python -m benchmarks.serving.encoder_bench --variants "plain=;colocated=--encoder-workers 1" --multiturn 16
+    python -m benchmarks.serving.encoder_bench --num-prompts 48 --request-rates 0.8,1.4   # Poisson arrivals
     python -m benchmarks.serving.encoder_bench \
         --variants "plain=;shm=--encoder-workers 1;pool=--encoder-workers 1 --encoder-landing-mb 16384"
 
@@ -70,11 +71,13 @@ def main() -> None:
             rows.append({"variant": label, "flags": flags, **result})
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.shape}: {args.num_prompts} requests of {args.images_per_request} x 1080p, 128 out, concurrency "
-          f"{args.concurrency}" + (f"; {args.multiturn} concurrent 8-round chats" if args.multiturn else ""))
+          f"{args.concurrency}, arrivals {args.request_rates} req/s"
+          + (f"; {args.multiturn} concurrent 8-round chats" if args.multiturn else ""))
     print("\n| variant | req/s | TTFT mean | TTFT median | TTFT p90 | TTFT p99 | TPOT mean | inter-token p99 "
           "| chat round-8 TTFT | ViT on LM workers | ViT on encoders |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(row(r["variant"], r))
+        for rate, found in r.get("by_rate", {"": r}).items():
+            print(row(r["variant"] + (f" @ {rate} req/s" if rate else ""), {**r, **found}))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 
