@@ -46,10 +46,12 @@ from workers.engine.kernels import fp8_gemm, fp8_grouped_block, w8a16_gemm
 from workers.engine.kernels.fp8_quant import BLOCK, quantize_block, quantize_rows
 
 # (name, out features, in features) of one decoder layer's projections. 8b: Qwen3-VL-8B (hidden 4096, 32 q / 8 kv
-# heads of 128, I 12288); 32b: Qwen3-VL-32B (5120, 64 / 8, 25600); tiny: a CPU smoke run.
+# heads of 128, I 12288); 32b: Qwen3-VL-32B (5120, 64 / 8, 25600); 30b-a3b: the MoE's attention projections;
+# tiny: a CPU smoke run.
 SIZES: dict[str, tuple[tuple[str, int, int], ...]] = {
     "8b": (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)),
     "32b": (("qkv", 10240, 5120), ("o", 5120, 8192), ("gate_up", 51200, 5120), ("down", 5120, 25600)),
+    "30b-a3b": (("qkv", 5120, 2048), ("o", 2048, 4096)),  # Qwen3-VL-30B-A3B's dense projections (32 / 4 heads)
     "tiny": (("qkv", 256, 256), ("down", 256, 512)),
 }
 # Qwen3-VL-30B-A3B's routed experts: 128 experts, top 8, hidden 2048, moe_intermediate 768.
