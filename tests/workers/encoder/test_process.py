@@ -25,7 +25,7 @@ from ipc.stats import EncoderStats
 from ipc.steps import EncodeItem
 from server.config import ServerConfig
 from tests.conftest import noise_image
-from workers.encoder.process import run_encoder_worker
+from workers.encoder.process import answer_groups, run_encoder_worker
 from workers.engine.config import EngineConfig
 from workers.engine.models import family, load_spec
 from workers.engine.models.load import load_model
@@ -171,3 +171,56 @@ def test_bad_pixels_fail_only_their_request(model_dir: Path, encoder: tuple[Serv
         assert item.pixels is not None
         ShmSegment.unlink(item.pixels.name)
     assert sched.latest_stats(2).failed == 1
+
+
+def test_a_batch_is_answered_in_groups_of_a_quarter_call() -> None:
+    """Groups keep order and stay under the patch cap, a request over it goes alone, and a key asked twice joins the
+    group of its first asker (one encode)."""
+    grid = (1, 16, 16)  # 256 patches
+
+    def req(key: int, images: int = 1) -> EncodeRequest:
+        return EncodeRequest(bytes([key]) * 16, [EncodeItem(bytes([key, i]) * 8, grid, 64, None) for i in range(images)])
+
+    a, b, c, big, d = req(1), req(2), req(3), req(4, images=3), req(5)
+    again = EncodeRequest(b.key, b.items, replica=1)
+    groups = answer_groups([a, b, c, again, big, d], max_patches=512)
+    assert groups == [[a, b, again], [c], [big], [d]]
+    assert answer_groups([a, b, c], max_patches=10_000) == [[a, b, c]]
+    assert answer_groups([], max_patches=512) == []
+
+
+def test_queued_requests_land_one_group_at_a_time(demo_model_dir: Path, launch_id: str) -> None:
+    """Three images a ViT call could take together, sent at once: each is encoded (a call of its own) and answered
+    apart, so the first lands without waiting for the others; every entry still equals the tower's own."""
+    processor = MMProcessor(demo_model_dir)
+    images = [processor.process_image(noise_image(96, 64, seed=20 + i)) for i in range(3)]
+    n = images[0].grid[0] * images[0].grid[1] * images[0].grid[2]
+    assert all(im.grid == images[0].grid for im in images)
+    engine = EngineConfig(model=str(demo_model_dir), spec=load_spec(demo_model_dir), vit_max_patches=3 * n)
+    config = ServerConfig(engine, launch_id, "demo", encoder_workers=1, log_level="warning")
+    sched = FakeScheduler(config)
+    proc = multiprocessing.get_context("spawn").Process(target=run_encoder_worker, args=(config, 0), daemon=True)
+    proc.start()
+    items = [write_pixels(launch_id, im) for im in images]
+    try:
+        ready = sched.recv()
+        assert isinstance(ready, ProcessReady)
+        for item in items:
+            sched.to_encoder.send(EncodeRequest(item.hash, [item]))
+        answers = sched.answers(3)
+        for image, want in zip(images, reference(demo_model_dir, images), strict=True):
+            done = answers[image.hash]
+            assert isinstance(done, EncodeDone), done
+            assert torch.equal(landed(done.embeddings), want)
+        stats = sched.latest_stats(3)
+        assert (stats.images_encoded, stats.vit_calls) == (3, 3)  # before: one call when the three were queued
+        sched.to_encoder.send(Shutdown("test over"))
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        sched.close()
+        for item in items:
+            assert item.pixels is not None
+            ShmSegment.unlink(item.pixels.name)
