@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class FakeScheduler:
     """The scheduler's side of one encoder worker: its PULL socket (replica ``replica``'s) and a PUSH to the encoder."""
 
     def __init__(self, config: ServerConfig, replica: int = 0) -> None:
+        self.config = config
         self.ctx = new_context()
         self.inbound: PullSocket[SchedulerInbound] = endpoints.pull(self.ctx, config.launch_id, endpoints.SCHEDULER,
                                                                     replica)
@@ -87,14 +89,20 @@ def model_dir(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture
 def encoder(model_dir: Path, launch_id: str) -> Iterator[tuple[ServerConfig, FakeScheduler]]:
     engine = EngineConfig(model=str(model_dir), spec=load_spec(model_dir))
-    config = ServerConfig(engine, launch_id, "demo", encoder_workers=1, log_level="warning")
+    with running_encoder(ServerConfig(engine, launch_id, "demo", encoder_workers=1, log_level="warning")) as sched:
+        yield sched.config, sched
+
+
+@contextmanager
+def running_encoder(config: ServerConfig) -> Iterator[FakeScheduler]:
+    """Encoder worker 0 of ``config`` spawned and ready, with the test as its scheduler; a clean Shutdown after."""
     sched = FakeScheduler(config)
     proc = multiprocessing.get_context("spawn").Process(target=run_encoder_worker, args=(config, 0), daemon=True)
     proc.start()
     try:
         ready = sched.recv()
         assert isinstance(ready, ProcessReady) and ready.role == "encoder" and ready.pid == proc.pid
-        yield config, sched
+        yield sched
         sched.to_encoder.send(Shutdown("test over"))
         proc.join(60)
         assert proc.exitcode == 0
@@ -198,29 +206,19 @@ def test_queued_requests_land_one_group_at_a_time(demo_model_dir: Path, launch_i
     assert all(im.grid == images[0].grid for im in images)
     engine = EngineConfig(model=str(demo_model_dir), spec=load_spec(demo_model_dir), vit_max_patches=3 * n)
     config = ServerConfig(engine, launch_id, "demo", encoder_workers=1, log_level="warning")
-    sched = FakeScheduler(config)
-    proc = multiprocessing.get_context("spawn").Process(target=run_encoder_worker, args=(config, 0), daemon=True)
-    proc.start()
     items = [write_pixels(launch_id, im) for im in images]
     try:
-        ready = sched.recv()
-        assert isinstance(ready, ProcessReady)
-        for item in items:
-            sched.to_encoder.send(EncodeRequest(item.hash, [item]))
-        answers = sched.answers(3)
+        with running_encoder(config) as sched:
+            for item in items:
+                sched.to_encoder.send(EncodeRequest(item.hash, [item]))
+            answers = sched.answers(3)
+            stats = sched.latest_stats(3)
         for image, want in zip(images, reference(demo_model_dir, images), strict=True):
             done = answers[image.hash]
             assert isinstance(done, EncodeDone), done
             assert torch.equal(landed(done.embeddings), want)
-        stats = sched.latest_stats(3)
         assert (stats.images_encoded, stats.vit_calls) == (3, 3)  # before: one call when the three were queued
-        sched.to_encoder.send(Shutdown("test over"))
-        proc.join(60)
-        assert proc.exitcode == 0
     finally:
-        if proc.is_alive():
-            proc.kill()
-        sched.close()
         for item in items:
             assert item.pixels is not None
             ShmSegment.unlink(item.pixels.name)
