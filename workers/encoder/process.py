@@ -37,7 +37,7 @@ from workers.encoder.cuda_landing import open_pool
 from workers.encoder.nixl_landing import open_nixl_pool
 from workers.encoder.recent import RecentEntries
 from workers.encoder.tower import EncoderTower
-from workers.engine.runner.batching import patches
+from workers.engine.runner.batching import consecutive_runs, patches
 from workers.engine.runner.model_runner import CUDA_HOST_THREADS
 
 # Enough for the last answers to reach the scheduler before the process exits.
@@ -167,20 +167,15 @@ def answer_groups(batch: list[EncodeRequest], max_patches: int) -> list[list[Enc
     """``batch`` in order, in consecutive groups of at most ``max_patches`` patches (a request larger than that
     gets a group of its own). A request for a key an earlier request of the batch asked for joins that one's group,
     at no cost, so the tower still encodes a key once per batch (two replicas asking for one image)."""
-    groups: list[list[EncodeRequest]] = []
-    where: dict[bytes, int] = {}
-    total = max_patches + 1
+    first: dict[bytes, EncodeRequest] = {}
     for request in batch:
-        if request.key in where:
-            groups[where[request.key]].append(request)
-            continue
-        n = sum(patches(item.grid) for item in request.items)
-        if total + n > max_patches:
-            groups.append([])
-            total = 0
-        groups[-1].append(request)
-        where[request.key] = len(groups) - 1
-        total += n
+        first.setdefault(request.key, request)
+    distinct = list(first.values())
+    runs = consecutive_runs(distinct, lambda r: sum(patches(item.grid) for item in r.items), max_patches)
+    run_of = {request.key: i for i, run in enumerate(runs) for request in run}
+    groups: list[list[EncodeRequest]] = [[] for _ in runs]
+    for request in batch:
+        groups[run_of[request.key]].append(request)
     return groups
 
 

@@ -41,7 +41,6 @@ class FakeScheduler:
     """The scheduler's side of one encoder worker: its PULL socket (replica ``replica``'s) and a PUSH to the encoder."""
 
     def __init__(self, config: ServerConfig, replica: int = 0) -> None:
-        self.config = config
         self.ctx = new_context()
         self.inbound: PullSocket[SchedulerInbound] = endpoints.pull(self.ctx, config.launch_id, endpoints.SCHEDULER,
                                                                     replica)
@@ -89,8 +88,9 @@ def model_dir(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture
 def encoder(model_dir: Path, launch_id: str) -> Iterator[tuple[ServerConfig, FakeScheduler]]:
     engine = EngineConfig(model=str(model_dir), spec=load_spec(model_dir))
-    with running_encoder(ServerConfig(engine, launch_id, "demo", encoder_workers=1, log_level="warning")) as sched:
-        yield sched.config, sched
+    config = ServerConfig(engine, launch_id, "demo", encoder_workers=1, log_level="warning")
+    with running_encoder(config) as sched:
+        yield config, sched
 
 
 @contextmanager

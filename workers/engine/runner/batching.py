@@ -4,12 +4,15 @@ step's images into ViT calls and over TP ranks."""
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 from ipc.steps import EncodeItem
 from workers.engine.prompt.pixel_frames import FrameLayout
+
+T = TypeVar("T")
 
 
 def to_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -59,16 +62,22 @@ def patches(grid: tuple[int, int, int]) -> int:
 def group_by_patches(items: list[EncodeItem], max_patches: int) -> list[list[EncodeItem]]:
     """Consecutive runs of ``items`` of at most ``max_patches`` patches each (an image larger than that
     gets a run of its own), so a step's ViT transient is bounded by the cap, not by how many images it has."""
-    groups: list[list[EncodeItem]] = []
-    total = max_patches + 1
+    return consecutive_runs(items, lambda item: patches(item.grid), max_patches)
+
+
+def consecutive_runs(items: Sequence[T], size: Callable[[T], int], most: int) -> list[list[T]]:
+    """``items`` in order, cut into consecutive runs whose ``size`` adds up to at most ``most`` (an item larger
+    than that gets a run of its own)."""
+    runs: list[list[T]] = []
+    total = most + 1
     for item in items:
-        n = patches(item.grid)
-        if total + n > max_patches:
-            groups.append([])
+        n = size(item)
+        if total + n > most:
+            runs.append([])
             total = 0
-        groups[-1].append(item)
+        runs[-1].append(item)
         total += n
-    return groups
+    return runs
 
 
 def split_by_patches(patches: list[int], ranks: int) -> list[list[int]]:
