@@ -61,6 +61,7 @@ class Shape:
     gdn_value_dim: int
     vision_depth: int
     vision_width: int
+    vision_heads: int
     vision_full_blocks: int  # tower blocks that attend over the whole image (the rest: windows)
     window_patches: int  # patches per window of the windowed blocks (0: none)
     merge: int  # patches per LM token along each side
@@ -110,7 +111,7 @@ def shape_of(config: Any) -> Shape:
         gdn_layers=gdn, gdn_heads=getattr(text, "linear_num_value_heads", 0) or 0,
         gdn_key_dim=getattr(text, "linear_key_head_dim", 0) or 0,
         gdn_value_dim=getattr(text, "linear_value_head_dim", 0) or 0,
-        vision_depth=depth, vision_width=vision.hidden_size, vision_full_blocks=full_blocks,
+        vision_depth=depth, vision_width=vision.hidden_size, vision_heads=vision.num_heads, vision_full_blocks=full_blocks,
         window_patches=side * side, merge=merge,
     )  # fmt: skip
 
@@ -182,6 +183,36 @@ def patches_per_image(checkpoint: Path, resolution: tuple[int, int]) -> int:
     return int(grid.prod())
 
 
+def _seconds_per_call(fn: Any, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) / 1e3 / reps
+
+
+def measure_rates(shape: Shape, patches: int) -> tuple[float, float, float]:
+    """This card's (GEMM TFLOP/s, attention TFLOP/s, TB/s): an 8192-cubed bf16 matmul, torch's SDPA over one image's
+    patches at the tower's heads (no mask: what torch picks, cuDNN's or FlashAttention-2's kernel), a 1 GiB copy."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--measure needs a CUDA device")
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    a, b = torch.randn(8192, 8192, device=cuda, dtype=bf16), torch.randn(8192, 8192, device=cuda, dtype=bf16)
+    gemm = 2 * 8192**3 / _seconds_per_call(lambda: a @ b) / 1e12
+    head_dim = shape.vision_width // shape.vision_heads
+    q, k, v = (torch.randn(1, shape.vision_heads, patches, head_dim, device=cuda, dtype=bf16) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    attn = 4 * patches**2 * shape.vision_width / _seconds_per_call(lambda: sdpa(q, k, v)) / 1e12
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=cuda)
+    dst = torch.empty_like(src)
+    tbps = 2 * (1 << 30) / _seconds_per_call(lambda: dst.copy_(src)) / 1e12
+    return gemm, attn, tbps
+
+
 def build(shape: str, layers: int, scratch: Path) -> tuple[Params, Shape, Path]:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -250,6 +281,7 @@ def main() -> None:
     ap.add_argument("--gemm-tflops", type=float, default=790.0)
     ap.add_argument("--attn-tflops", type=float, default=500.0)
     ap.add_argument("--tbps", type=float, default=4.0)
+    ap.add_argument("--measure", action="store_true", help="measure the three rates on this CUDA device instead")
     ap.add_argument("--server", action="append", default=[], help="NAME=REQ_PER_S measured on the load (repeat)")
     ap.add_argument("--goal", type=float, default=0.0, help="a multiple of the first --server's req/s to check")
     args = ap.parse_args()
@@ -257,6 +289,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         params, shape, checkpoint = build(args.shape, args.layers, Path(scratch))
         patches = patches_per_image(checkpoint, (int(width), int(height)))
+    if args.measure:
+        args.gemm_tflops, args.attn_tflops, args.tbps = (round(x, 1) for x in measure_rates(shape, patches))
+        print(f"measured on {torch.cuda.get_device_name()}")
     load = Load(args.requests, args.images_per_request, patches, patches // shape.merge**2, args.text_tokens,
                 args.output_len)
     print(report(args, params, load, floor_of(params, shape, load)))
