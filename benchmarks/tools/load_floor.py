@@ -183,33 +183,22 @@ def patches_per_image(checkpoint: Path, resolution: tuple[int, int]) -> int:
     return int(grid.prod())
 
 
-def _seconds_per_call(fn: Any, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end)) / 1e3 / reps
-
-
 def measure_rates(shape: Shape, patches: int) -> tuple[float, float, float]:
     """This card's (GEMM TFLOP/s, attention TFLOP/s, TB/s): an 8192-cubed bf16 matmul, torch's SDPA over one image's
     patches at the tower's heads (no mask: what torch picks, cuDNN's or FlashAttention-2's kernel), a 1 GiB copy."""
     if not torch.cuda.is_available():
         raise SystemExit("--measure needs a CUDA device")
+    from benchmarks.engine.vit_bench import cuda_ms, matmul_peak_tflops
+
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    a, b = torch.randn(8192, 8192, device=cuda, dtype=bf16), torch.randn(8192, 8192, device=cuda, dtype=bf16)
-    gemm = 2 * 8192**3 / _seconds_per_call(lambda: a @ b) / 1e12
+    gemm = matmul_peak_tflops()
     head_dim = shape.vision_width // shape.vision_heads
     q, k, v = (torch.randn(1, shape.vision_heads, patches, head_dim, device=cuda, dtype=bf16) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    attn = 4 * patches**2 * shape.vision_width / _seconds_per_call(lambda: sdpa(q, k, v)) / 1e12
+    attn = 4 * patches**2 * shape.vision_width / cuda_ms(lambda: sdpa(q, k, v), 10) / 1e9
     src = torch.empty(1 << 30, dtype=torch.uint8, device=cuda)
     dst = torch.empty_like(src)
-    tbps = 2 * (1 << 30) / _seconds_per_call(lambda: dst.copy_(src)) / 1e12
+    tbps = 2 * (1 << 30) / cuda_ms(lambda: dst.copy_(src), 10) / 1e9
     return gemm, attn, tbps
 
 
