@@ -25,6 +25,7 @@ LM's prefill chunks.
     python -m benchmarks.kernels.attn_bench --chunks "" --vit-fa3 --vit-windows
     python -m benchmarks.kernels.attn_bench --chunks "" --other fa4 --vit-fa3 --backends "2800:25000" --block-sizes 16,128
     python -m benchmarks.kernels.attn_bench --chunks "" --ragged "1385:1385+2711:2711,1326:2711+2770:2770,4096:21579"
+    python -m benchmarks.kernels.attn_bench --lm-heads 16:4:256 --vit 8160:16:72 --other fa4 --backends "2100:17000" --block-sizes 128
 """
 
 from __future__ import annotations
@@ -71,10 +72,13 @@ def row(what: str, flops: float, fa: Callable[[], Tensor], cudnn: Callable[[], T
           f"{t_fa / t_cu:>7.2f}x {err:>9.1e}", flush=True)
 
 
-def ragged_row(spec: str, dev: torch.device) -> None:
+LM_HEADS = (28, 4, 128)  # Qwen2.5-VL-7B's query heads, KV heads, head width
+
+
+def ragged_row(spec: str, dev: torch.device, lm_heads: tuple[int, int, int] = LM_HEADS) -> None:
     """One packed step: ``new:context`` per sequence, joined by '+'."""
     pairs = [tuple(int(v) for v in seq.split(":")) for seq in spec.split("+")]
-    heads, kv_heads, d = 28, 4, 128
+    heads, kv_heads, d = lm_heads
     q = torch.randn(sum(n for n, _ in pairs), heads, d, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(sum(c for _, c in pairs), kv_heads, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     cq, ck = (F.pad(torch.tensor(lens, device=dev).cumsum(0), (1, 0)).int()
@@ -98,7 +102,9 @@ def ragged_row(spec: str, dev: torch.device) -> None:
         print(f"ragged {spec}: cuDNN refused ({str(exc).splitlines()[0][:120]})", flush=True)
 
 
-def backend_row(spec: str, dev: torch.device, block: int = 16, other: str = "fa3") -> None:
+def backend_row(
+    spec: str, dev: torch.device, block: int = 16, other: str = "fa3", lm_heads: tuple[int, int, int] = LM_HEADS
+) -> None:
     """One step through both served backends: ``new:context`` per sequence joined by '+'; ``NxA:B`` is N of them.
     ``block``: tokens per KV block (FA3 loads a paged cache with TMA only where a block holds whole key tiles).
     ``other``: fa3 or fa4, the paged FlashAttention backend set against the flash backend."""
@@ -114,7 +120,7 @@ def backend_row(spec: str, dev: torch.device, block: int = 16, other: str = "fa3
         count, _, shape = seq.rpartition("x")
         pairs += [(int(shape.split(":")[0]), int(shape.split(":")[1]))] * int(count or 1)
     pairs.sort(key=lambda p: p[0] != 1)  # decode rows first, as the scheduler orders a step
-    heads, kv_heads, d = 28, 4, 128
+    heads, kv_heads, d = lm_heads
     need = [-(-c // block) for _, c in pairs]
     order = torch.randperm(sum(need)).tolist()
     tables = [order[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
@@ -203,13 +209,20 @@ def main() -> None:
                     help="the FlashAttention set against FA2 in the --backends and --vit-fa3 rows")
     ap.add_argument("--ragged", default="", help="packed LM steps, comma separated: new:context per sequence, "
                     "joined by '+'")
+    ap.add_argument("--lm-heads", default="28:4:128", help="the LM rows' query heads:KV heads:head width (Qwen3.5's "
+                    "gated attention: 16:4:256 on the 9B, 24:4:256 on the 27B)")
+    ap.add_argument("--vit", default="10764:16:80", help="the ViT full-block row's patches:heads:head width "
+                    "(Qwen3-VL's and Qwen3.5's tower at 1080p: 8160:16:72)")
     args = ap.parse_args()
+    lm_q, lm_kv, lm_d = (int(v) for v in args.lm_heads.split(":"))
+    lm_heads = (lm_q, lm_kv, lm_d)
+    vit_n, vit_h, vit_d = (int(v) for v in args.vit.split(":"))
     dev, bf = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, bf16; ms and TFLOP/s per call; the other kernel is cuDNN, or FA3 on the"
           " step rows; rel err = the other kernel's output against FlashAttention-2's")
     print(f"{'shape':34} {'FA2 ms':>8} {'TFLOP/s':>7} {'other ms':>9} {'TFLOP/s':>7} {'speedup':>8} {'rel err':>9}")
     with torch.inference_mode():
-        n, h, d = 10764, 16, 80
+        n, h, d = vit_n, vit_h, vit_d
         x = torch.randn(n, h, d, device=dev, dtype=bf)
         cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
         xs = x.transpose(0, 1).unsqueeze(0)
@@ -222,7 +235,7 @@ def main() -> None:
         row(f"ViT full block {n} x {h}h x {d}", 4 * n * n * h * d,
             lambda: torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, n, n, 0.0, False, False,
                                                             scale=d**-0.5)[0], vit_cudnn)
-        heads, kv_heads, d = 28, 4, 128
+        heads, kv_heads, d = lm_heads
         for spec in filter(None, args.chunks.split(",")):
             nq, s = (int(v) for v in spec.split(":"))
             q = torch.randn(nq, heads, d, device=dev, dtype=bf)
@@ -239,10 +252,10 @@ def main() -> None:
             row(f"LM chunk {nq} new / {s} context", flops, fa,
                 lambda q=q, k=k, v=v: lm_chunk_cudnn(q, k, v, d**-0.5))  # type: ignore[misc]
         for spec in filter(None, args.ragged.split(",")):
-            ragged_row(spec, dev)
+            ragged_row(spec, dev, lm_heads)
         for spec in filter(None, args.backends.split(",")):
             for block in (int(b) for b in args.block_sizes.split(",")):
-                backend_row(spec, dev, block, args.other)
+                backend_row(spec, dev, block, args.other, lm_heads)
         if args.vit_fa3:
             vit_fa3_rows(dev, args.other)
         if args.vit_windows:
