@@ -28,11 +28,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels.attention import AttentionMetadata, packed_kv_slots
 from workers.engine.kernels.paged_varlen import Kernel, PagedVarlenBackend
 
 log = logging.getLogger(__name__)
 
 ARCHES = (9, 10)  # compute capability majors FA4 compiles for: Hopper, Blackwell
+# FA4 on Hopper loads a paged cache by TMA only where a block is one key tile: 128 tokens for heads up to 128, but its
+# tiles of 256-wide heads are 80 keys (64 with a window), so Qwen3.5's and Gemma 4's 256-wide layers read 128-token
+# blocks on its non-TMA path. With this set to 1 their steps without a window run FA4 over a packed gather of their
+# K/V instead (one copy of the keys a layer, as FlashAttention-2 runs them); off until a card says which is faster
+# (benchmarks/kernels/attn_bench.py --other fa4 --lm-heads 16:4:256 prints both).
+GATHER_WIDE = "GLIMPSE_FA4_GATHER_WIDE"
 CACHE_FLAG, CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 
 
@@ -125,3 +132,24 @@ class FA4PagedBackend(PagedVarlenBackend):
             if fn is None:
                 raise RuntimeError(f"no FlashAttention-4 kernel: {reason}")
         super().__init__(paged_call(fn), "fa4", "FlashAttention-4", any_device)
+        self._fn = fn
+        # heads wider than this read a packed gather of the cache (None: every step reads the pages)
+        self.gather_wider_than: int | None = 128 if os.environ.get(GATHER_WIDE, "0") == "1" else None
+
+    def gathers(self, q: Tensor) -> bool:
+        return self.gather_wider_than is not None and q.shape[-1] > self.gather_wider_than
+
+    def _packed(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        """The step on FA4's varlen call over each sequence's keys packed end to end (no page table), the causal mask
+        aligned bottom-right as on the pages. The slots are the flash backend's, made once a step for every layer."""
+        packed = meta.derived.get("flash_packed_kv")
+        if packed is None:
+            packed = meta.derived["flash_packed_kv"] = packed_kv_slots(meta, kv_cache.shape[2])
+        slot, cu_seqlens_k = packed
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        out, _ = self._fn(
+            q.contiguous(), flat[0, slot], flat[1, slot], cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
+        )
+        result: Tensor = out
+        return result

@@ -85,13 +85,16 @@ class PagedVarlenBackend:
         windowed = {"window_size": (window - 1, 0)} if window > 0 else {}
         pages, table = dequantized_pages(kv_cache, meta, q.dtype, self.name) if kv_quant.is_fp8(kv_cache) else (kv_cache, None)
         try:
-            out: Tensor = self._kernel(
-                q.contiguous(), pages[0], pages[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout
-                meta.max_query_len, meta.query_start_loc, meta.max_seq_len,
-                seqused_k=meta.seq_lens, block_table=meta.block_tables if table is None else table,
-                softmax_scale=scale, causal=True,
-                fa_version=3, **windowed,
-            )
+            if table is None and not window and self.gathers(q):
+                out: Tensor = self._packed(q, kv_cache, meta, scale)
+            else:
+                out = self._kernel(
+                    q.contiguous(), pages[0], pages[1],  # [num_blocks, block_size, Hkv, D]: the fork's paged layout
+                    meta.max_query_len, meta.query_start_loc, meta.max_seq_len,
+                    seqused_k=meta.seq_lens, block_table=meta.block_tables if table is None else table,
+                    softmax_scale=scale, causal=True,
+                    fa_version=3, **windowed,
+                )
         except refusals() as exc:
             log.warning("%s refused a step (%s: %s); the LM's attention runs on %s from now on", self.label,
                         type(exc).__name__, (str(exc).splitlines() or [""])[0][:200], self._fallback.name)
@@ -103,4 +106,12 @@ class PagedVarlenBackend:
         if any(spans):
             attend_span_rows(out, q, kv_cache, meta, scale, window, spans)
         return out
+
+    def gathers(self, q: Tensor) -> bool:
+        """Whether this step's full-attention layers read a packed gather of the cache instead of the pages (a
+        kernel that loads pages fast only at some block sizes; none here)."""
+        return False
+
+    def _packed(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        raise NotImplementedError(f"{self.name} reads the pages in place")
 

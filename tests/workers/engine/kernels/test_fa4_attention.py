@@ -47,8 +47,10 @@ def stand_in(calls: list[dict[str, Any]]) -> Any:
             return reference_kernel(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=seqused_k,
                                     block_table=page_table, softmax_scale=softmax_scale, causal=causal,
                                     fa_version=3, window_size=(left, right)), None
-        assert cu_seqlens_k is not None and torch.equal(cu_seqlens_k, cu_seqlens_q) and not causal
-        assert window_size == (None, None)
+        assert cu_seqlens_k is not None and window_size == (None, None)
+        if causal:  # the LM's packed keys: each sequence's new tokens are the last of its keys (bottom-right)
+            return packed_causal(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale), None
+        assert torch.equal(cu_seqlens_k, cu_seqlens_q)
         bounds = cu_seqlens_q.tolist()
         return torch.cat([
             torch.nn.functional.scaled_dot_product_attention(
@@ -58,6 +60,20 @@ def stand_in(calls: list[dict[str, Any]]) -> Any:
         ]), None  # fmt: skip
 
     return fn
+
+
+def packed_causal(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float) -> Tensor:
+    """Causal attention over packed sequences, query i of a sequence at key position (keys - queries) + i."""
+    out = []
+    for (qs, qe), (ks, ke) in zip(zip(cu_q.tolist()[:-1], cu_q.tolist()[1:]), zip(cu_k.tolist()[:-1], cu_k.tolist()[1:])):
+        n, c = qe - qs, ke - ks
+        group = q.shape[1] // k.shape[1]
+        keys, values = (t[ks:ke].repeat_interleave(group, 1).transpose(0, 1).float() for t in (k, v))
+        mask = torch.arange(c)[None, :] <= torch.arange(n)[:, None] + (c - n)
+        attended = torch.nn.functional.scaled_dot_product_attention(q[qs:qe].transpose(0, 1).float(), keys, values,
+                                                                    attn_mask=mask, scale=scale)
+        out.append(attended.transpose(0, 1).to(q.dtype))
+    return torch.cat(out)
 
 
 @pytest.mark.parametrize("window", [0, 5])
@@ -72,6 +88,28 @@ def test_fa4_backend_hands_its_call_the_paged_cache_and_window(window: int) -> N
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
     # FA4 writes an unbounded side as None (the fork: -1); causal bounds the right side itself.
     assert calls == [{"window_size": (window - 1, 0) if window else (None, None), "paged": True, "causal": True}]
+
+
+def test_wide_heads_read_a_packed_gather_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLIMPSE_FA4_GATHER_WIDE=1: heads wider than 128 without a window run FA4's call over the keys packed end to end
+    (no page table), with the same answer and the same cache; narrower heads and windowed layers keep the pages."""
+    q, k, v, cache, meta = mixed_step("cpu", torch.bfloat16)
+    expected_cache = cache.clone()
+    expected = SdpaBackend().forward(q, k, v, expected_cache, meta, D**-0.5)
+    monkeypatch.setenv(fa4_attention.GATHER_WIDE, "1")
+    calls: list[dict[str, Any]] = []
+    backend = FA4PagedBackend(stand_in(calls), any_device=True)
+    assert backend.gather_wider_than == 128
+    assert backend.gathers(torch.zeros(1, 2, 256)) and not backend.gathers(torch.zeros(1, 2, 128))
+    backend.gather_wider_than = D - 1  # the step's heads count as wide
+    out = backend.forward(q, k, v, cache, meta, D**-0.5)
+    assert torch.equal(cache, expected_cache)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    backend.forward(q, k, v, cache, meta, D**-0.5, 5)
+    assert calls == [{"window_size": (None, None), "paged": False, "causal": True},
+                     {"window_size": (4, 0), "paged": True, "causal": True}]
+    monkeypatch.setenv(fa4_attention.GATHER_WIDE, "0")
+    assert FA4PagedBackend(stand_in([]), any_device=True).gather_wider_than is None
 
 
 def test_fa4_takes_windows_and_heads_to_256_and_leaves_512_to_the_fallback() -> None:
