@@ -228,6 +228,33 @@ def test_fa4_kernel_matches_flash_attention_2(block: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ready(), reason=GPU_REASON)
+@pytest.mark.parametrize("gather", [False, True])
+def test_256_wide_heads_on_fa4_match_flash_attention_2(gather: bool) -> None:
+    """Qwen3.5-9B's gated attention (16 query, 4 KV heads of 256) in 128-token blocks: on the pages in place (FA4's
+    non-TMA path at these heads) and over the packed gather GLIMPSE_FA4_GATHER_WIDE=1 asks for."""
+    from workers.engine.kernels.attention import build_attention_metadata
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, block = 16, 4, 256, 128
+    query_lens, seq_lens = [1] * 4 + [2100, 300], [900, 17, 3000, 129, 17000, 300]
+    free = torch.randperm(400).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in seq_lens]
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block, device="cuda")
+    cache = torch.randn(2, 400, block, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(query_lens), heads, d, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, sum(query_lens), kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    expected_cache = cache.clone()
+    expected = FlashVarlenBackend().forward(q, k, v, expected_cache, meta, d**-0.5)
+    backend = get_attention_backend("fa4", "cuda")
+    assert isinstance(backend, FA4PagedBackend)
+    backend.gather_wider_than = 128 if gather else None
+    out = backend.forward(q, k, v, cache, meta, d**-0.5)
+    assert torch.equal(cache, expected_cache) and not backend._refused
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason=GPU_REASON)
 def test_vit_frames_on_fa4_match_the_default_kernels() -> None:
     torch.manual_seed(0)
     layer = VisionAttention(1280, 16).cuda().bfloat16()
