@@ -36,10 +36,12 @@ log = logging.getLogger(__name__)
 ARCHES = (9, 10)  # compute capability majors FA4 compiles for: Hopper, Blackwell
 # FA4 on Hopper loads a paged cache by TMA only where a block is one key tile: 128 tokens for heads up to 128, but its
 # tiles of 256-wide heads are 80 keys (64 with a window), so Qwen3.5's and Gemma 4's 256-wide layers read 128-token
-# blocks on its non-TMA path. With this set to 1 their steps without a window run FA4 over a packed gather of their
-# K/V instead (one copy of the keys a layer, as FlashAttention-2 runs them); off until a card says which is faster
-# (benchmarks/kernels/attn_bench.py --other fa4 --lm-heads 16:4:256 prints both).
-GATHER_WIDE = "GLIMPSE_FA4_GATHER_WIDE"
+# blocks on its non-TMA path. Where such heads go: "pages" (FA4 on the blocks in place), "gather" (FA4 over a packed
+# gather of the step's K/V, one copy of the keys a layer, outside sliding windows) or "flash" (the FlashAttention-2
+# fallback). "pages" until a card says which is faster (benchmarks/kernels/attn_bench.py --other fa4 --lm-heads
+# 16:4:256 times the first two against the third).
+WIDE_HEADS = "GLIMPSE_FA4_WIDE_HEADS"
+WIDE_HEAD_MODES = ("pages", "gather", "flash")
 CACHE_FLAG, CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 
 
@@ -133,11 +135,16 @@ class FA4PagedBackend(PagedVarlenBackend):
                 raise RuntimeError(f"no FlashAttention-4 kernel: {reason}")
         super().__init__(paged_call(fn), "fa4", "FlashAttention-4", any_device)
         self._fn = fn
-        # heads wider than this read a packed gather of the cache (None: every step reads the pages)
-        self.gather_wider_than: int | None = 128 if os.environ.get(GATHER_WIDE, "0") == "1" else None
+        self.wide_heads = os.environ.get(WIDE_HEADS, "pages")
+        if self.wide_heads not in WIDE_HEAD_MODES:
+            raise ValueError(f"{WIDE_HEADS}={self.wide_heads!r}: expected one of {', '.join(WIDE_HEAD_MODES)}")
+        self.wide_above = 128  # heads wider than this are "wide"
+
+    def supports(self, q: Tensor) -> bool:
+        return super().supports(q) and not (self.wide_heads == "flash" and q.shape[-1] > self.wide_above)
 
     def gathers(self, q: Tensor) -> bool:
-        return self.gather_wider_than is not None and q.shape[-1] > self.gather_wider_than
+        return self.wide_heads == "gather" and q.shape[-1] > self.wide_above
 
     def _packed(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         """The step on FA4's varlen call over each sequence's keys packed end to end (no page table), the causal mask

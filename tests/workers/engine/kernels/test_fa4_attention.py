@@ -90,26 +90,38 @@ def test_fa4_backend_hands_its_call_the_paged_cache_and_window(window: int) -> N
     assert calls == [{"window_size": (window - 1, 0) if window else (None, None), "paged": True, "causal": True}]
 
 
-def test_wide_heads_read_a_packed_gather_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GLIMPSE_FA4_GATHER_WIDE=1: heads wider than 128 without a window run FA4's call over the keys packed end to end
-    (no page table), with the same answer and the same cache; narrower heads and windowed layers keep the pages."""
+def test_wide_heads_go_where_the_operator_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLIMPSE_FA4_WIDE_HEADS: heads wider than 128 read the blocks in place (pages, the default), FA4 over the keys
+    packed end to end without a window (gather), or the FlashAttention-2 fallback (flash); the same answer and cache
+    each way; narrower heads and windowed layers keep the pages."""
     q, k, v, cache, meta = mixed_step("cpu", torch.bfloat16)
     expected_cache = cache.clone()
     expected = SdpaBackend().forward(q, k, v, expected_cache, meta, D**-0.5)
-    monkeypatch.setenv(fa4_attention.GATHER_WIDE, "1")
-    calls: list[dict[str, Any]] = []
-    backend = FA4PagedBackend(stand_in(calls), any_device=True)
-    assert backend.gather_wider_than == 128
-    assert backend.gathers(torch.zeros(1, 2, 256)) and not backend.gathers(torch.zeros(1, 2, 128))
-    backend.gather_wider_than = D - 1  # the step's heads count as wide
-    out = backend.forward(q, k, v, cache, meta, D**-0.5)
-    assert torch.equal(cache, expected_cache)
-    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    backend.forward(q, k, v, cache, meta, D**-0.5, 5)
-    assert calls == [{"window_size": (None, None), "paged": False, "causal": True},
-                     {"window_size": (4, 0), "paged": True, "causal": True}]
-    monkeypatch.setenv(fa4_attention.GATHER_WIDE, "0")
-    assert FA4PagedBackend(stand_in([]), any_device=True).gather_wider_than is None
+    assert FA4PagedBackend(stand_in([]), any_device=True).wide_heads == "pages"
+    seen = {}
+    for mode in ("pages", "gather", "flash"):
+        monkeypatch.setenv(fa4_attention.WIDE_HEADS, mode)
+        calls: list[dict[str, Any]] = []
+        backend = FA4PagedBackend(stand_in(calls), any_device=True)
+        assert backend.supports(torch.zeros(1, 2, 256, dtype=torch.bfloat16)) == (mode != "flash")
+        assert backend.supports(torch.zeros(1, 2, 128, dtype=torch.bfloat16))
+        backend.wide_above = D - 1  # the step's heads count as wide
+        step_cache = cache.clone()
+        out = backend.forward(q, k, v, step_cache, meta, D**-0.5)
+        assert torch.equal(step_cache, expected_cache)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        backend.forward(q, k, v, step_cache, meta, D**-0.5, 5)
+        seen[mode] = calls
+    assert seen == {
+        "pages": [{"window_size": (None, None), "paged": True, "causal": True},
+                  {"window_size": (4, 0), "paged": True, "causal": True}],
+        "gather": [{"window_size": (None, None), "paged": False, "causal": True},
+                   {"window_size": (4, 0), "paged": True, "causal": True}],
+        "flash": [],  # both steps on the fallback
+    }  # fmt: skip
+    monkeypatch.setenv(fa4_attention.WIDE_HEADS, "tma")
+    with pytest.raises(ValueError, match="GLIMPSE_FA4_WIDE_HEADS='tma'"):
+        FA4PagedBackend(stand_in([]), any_device=True)
 
 
 def test_fa4_takes_windows_and_heads_to_256_and_leaves_512_to_the_fallback() -> None:
@@ -231,7 +243,7 @@ def test_fa4_kernel_matches_flash_attention_2(block: int) -> None:
 @pytest.mark.parametrize("gather", [False, True])
 def test_256_wide_heads_on_fa4_match_flash_attention_2(gather: bool) -> None:
     """Qwen3.5-9B's gated attention (16 query, 4 KV heads of 256) in 128-token blocks: on the pages in place (FA4's
-    non-TMA path at these heads) and over the packed gather GLIMPSE_FA4_GATHER_WIDE=1 asks for."""
+    non-TMA path at these heads) and over the packed gather GLIMPSE_FA4_WIDE_HEADS=gather asks for."""
     from workers.engine.kernels.attention import build_attention_metadata
 
     torch.manual_seed(0)
@@ -247,7 +259,7 @@ def test_256_wide_heads_on_fa4_match_flash_attention_2(gather: bool) -> None:
     expected = FlashVarlenBackend().forward(q, k, v, expected_cache, meta, d**-0.5)
     backend = get_attention_backend("fa4", "cuda")
     assert isinstance(backend, FA4PagedBackend)
-    backend.gather_wider_than = 128 if gather else None
+    backend.wide_heads = "gather" if gather else "pages"
     out = backend.forward(q, k, v, cache, meta, d**-0.5)
     assert torch.equal(cache, expected_cache) and not backend._refused
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
