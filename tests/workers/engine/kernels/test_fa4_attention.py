@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tests.workers.engine.interpreted import run_interpreted
 from tests.workers.engine.kernels.test_fa3_attention import (
     D,
     engine_matches_transformers,
@@ -122,6 +123,34 @@ def test_wide_heads_go_where_the_operator_says(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(fa4_attention.WIDE_HEADS, "tma")
     with pytest.raises(ValueError, match="GLIMPSE_FA4_WIDE_HEADS='tma'"):
         FA4PagedBackend(stand_in([]), any_device=True)
+
+
+GATHER_WITH_DECODES = """
+import torch
+from tests.workers.engine.kernels.test_fa4_attention import D, mixed_step, stand_in
+from workers.engine.kernels.attention import decode_prefix
+from workers.engine.kernels.fa4_attention import FA4PagedBackend
+from workers.engine.kernels.torch_attention import SdpaBackend
+
+q, k, v, cache, meta = mixed_step("cpu", torch.float16)
+assert decode_prefix(meta) == 2
+expected = SdpaBackend().forward(q, k, v, cache.clone(), meta, D**-0.5)
+calls = []
+backend = FA4PagedBackend(stand_in(calls), any_device=True)
+backend.wide_heads, backend.wide_above = "gather", D - 1
+out = backend.forward(q, k, v, cache, meta, D**-0.5)
+torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+assert len(calls) == 1 and not calls[0]["paged"]  # the chunks on FA4; the decode rows on the Triton kernel
+assert meta.derived["decode_prefix"] == 2
+print("ok")
+"""
+
+
+def test_gathered_steps_send_their_decode_rows_to_the_paged_kernel() -> None:
+    """In gather mode the step's leading decode rows read the cache in place through the Triton paged kernel (a decode
+    row's whole context gathered for one query would cost more than its attention), the chunks after them go to FA4
+    over their packed keys; together the SDPA reference's answer (CPU, Triton's interpreter)."""
+    run_interpreted("-c", GATHER_WITH_DECODES)
 
 
 def test_fa4_takes_windows_and_heads_to_256_and_leaves_512_to_the_fallback() -> None:
