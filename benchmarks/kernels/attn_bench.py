@@ -17,7 +17,8 @@ LM's prefill chunks.
   over the paged cache in place, where an FA3 build is installed), each with its KV write, on a paged cache.
 - The ViT on FA3 (``--vit-fa3``): a 1080p frame's windowed and full blocks, FA2 varlen against FA3's packed call.
 - ``--other fa4``: the step and ViT rows on FlashAttention-4 (pip ``flash-attn-4``) instead of FA3, and each step
-  once more on FA4 over a packed gather of its K/V (no page table: FA4's TMA path whatever the block size).
+  once more as ``GLIMPSE_FA4_WIDE_HEADS=gather`` serves it (the chunks' keys packed: FA4's TMA path whatever the
+  block size).
 - The ViT's windows (``--vit-windows``): FA2 varlen against the Triton kernel for short segments, three frame sizes.
 
     python -m benchmarks.kernels.attn_bench
@@ -135,25 +136,12 @@ def backend_row(
         lambda: fast.forward(q, k, v, cache, meta, d**-0.5))
     if other == "fa4":
         # FA4 loads a paged cache by TMA only where a block is one key tile (128 at heads of 128; 80 at 256, so
-        # 256-wide heads read 128-token blocks on its slower non-TMA path): the same step on a packed gather, as
-        # FlashAttention-2 runs it, tells which way such heads should go.
-        from flash_attn.cute import flash_attn_varlen_func
-
-        from workers.engine.kernels.attention import packed_kv_slots
-
-        slot, cu = packed_kv_slots(meta, block)
-        flat = cache.view(2, -1, kv_heads, d)
-
-        def gathered() -> Tensor:
-            k_all, v_all = flat[0, slot], flat[1, slot]
-            out, _ = flash_attn_varlen_func(q, k_all, v_all, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=cu,
-                         max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, causal=True,
-                         softmax_scale=d**-0.5)  # fmt: skip
-            result: Tensor = out
-            return result
-
+        # 256-wide heads read 128-token blocks on its slower non-TMA path): the same step as GLIMPSE_FA4_WIDE_HEADS
+        # =gather serves it (decode rows on the Triton kernel, the chunks' keys packed for FA4), against FA2.
+        gathered = get_attention_backend("fa4", dev)
+        gathered.wide_heads, gathered.wide_above = "gather", 0  # type: ignore[attr-defined]
         row(f"step {spec} /{block} fa4 gathered", flops, lambda: flash.forward(q, k, v, cache, meta, d**-0.5),
-            gathered)
+            lambda: gathered.forward(q, k, v, cache, meta, d**-0.5))
 
 
 def _unavailable(other: str, dev: torch.device) -> str:
