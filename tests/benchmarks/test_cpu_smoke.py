@@ -54,6 +54,8 @@ CPU: list[tuple[str, list[str], str]] = [
                          "--broadcast-res", "", "--kv-cache-mb", "64", "--max-model-len", "8192"],
      " tp  TTFT s  tokens  decode tok/s"),
     ("tools.step_trace", [TRACE], "| where | seconds | of window | count | ms each | note |"),
+    ("tools.load_floor", ["--shape", "qwen3.5-35b-a3b", "--layers", "4", "--server", "vLLM=7.18", "--goal", "1.3"],
+     "| 1.3 x vLLM (goal) |"),
     ("tools.itl_plot", [f"{OUT}/itl.png", f"run={ROOT}/tests/benchmarks/fixtures/serving-itl.json",
                         "--marks", "other=50:9,100:40"], "p99.9"),
     ("engine.video_bench", ["--decode-only", "--decode-seconds", "0.5"], "  size  all frames/s  sampled frames/s"),
