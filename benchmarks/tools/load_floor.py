@@ -33,6 +33,7 @@ import torch
 
 from benchmarks.checkpoints import SHAPES, shaped_checkpoint
 
+TAIL = "last request's decode steps"
 GDN_CHUNK = 64  # the chunked gated delta rule's chunk length (fla's and transformers' torch path)
 
 
@@ -52,7 +53,6 @@ class Params:
 class Shape:
     """What the FLOP count needs from a shape's config."""
 
-    family: str
     full_layers: int  # LM layers with softmax attention over the whole prompt
     attn_width: int  # their query heads x head_dim
     gdn_layers: int
@@ -107,7 +107,7 @@ def shape_of(config: Any) -> Shape:
     # Qwen2.5-VL's windows: window_size pixels a side, in whole merged tokens
     side = window // vision.patch_size // merge * merge if window else 0
     return Shape(
-        family=config.model_type, full_layers=full, attn_width=text.num_attention_heads * head_dim,
+        full_layers=full, attn_width=text.num_attention_heads * head_dim,
         gdn_layers=gdn, gdn_heads=getattr(text, "linear_num_value_heads", 0) or 0,
         gdn_key_dim=getattr(text, "linear_key_head_dim", 0) or 0,
         gdn_value_dim=getattr(text, "linear_value_head_dim", 0) or 0,
@@ -141,14 +141,14 @@ class Floor:
     tail_bytes: float  # weights one decode row reads in one step
     tail_steps: int
 
+    def flops(self) -> dict[str, float]:
+        return {"LM projections": self.lm_gemm, "vision projections": self.vision_gemm,
+                "vision attention": self.vision_attn, "LM attention and recurrence": self.lm_attn}  # fmt: skip
+
     def seconds(self, gemm_tflops: float, attn_tflops: float, tbps: float) -> dict[str, float]:
-        parts = {
-            "LM projections": self.lm_gemm / (gemm_tflops * 1e12),
-            "vision projections": self.vision_gemm / (gemm_tflops * 1e12),
-            "vision attention": self.vision_attn / (attn_tflops * 1e12),
-            "LM attention and recurrence": self.lm_attn / (attn_tflops * 1e12),
-            "last request's decode steps": self.tail_steps * self.tail_bytes / (tbps * 1e12),
-        }
+        rates = (gemm_tflops, gemm_tflops, attn_tflops, attn_tflops)  # flops()'s order
+        parts = {part: value / (rate * 1e12) for (part, value), rate in zip(self.flops().items(), rates, strict=True)}
+        parts[TAIL] = self.tail_steps * self.tail_bytes / (tbps * 1e12)
         parts["floor"] = sum(parts.values())
         return parts
 
@@ -224,8 +224,6 @@ def parse_servers(values: list[str]) -> list[tuple[str, float]]:
 
 def report(args: argparse.Namespace, params: Params, load: Load, floor: Floor) -> str:
     s = floor.seconds(args.gemm_tflops, args.attn_tflops, args.tbps)
-    flops = {"LM projections": floor.lm_gemm, "vision projections": floor.vision_gemm,
-             "vision attention": floor.vision_attn, "LM attention and recurrence": floor.lm_attn}  # fmt: skip
     lines = [
         f"{args.shape}{f' ({args.layers} layers)' if args.layers else ''}: {load.requests} requests x "
         f"{load.images_per_request} x {args.resolution} ({load.patches_per_image} patches, {load.image_tokens} tokens "
@@ -238,10 +236,9 @@ def report(args: argparse.Namespace, params: Params, load: Load, floor: Floor) -
         "| part | PFLOP | s |",
         "|---|---|---|",
     ]
-    for part, value in flops.items():
+    for part, value in floor.flops().items():
         lines.append(f"| {part} | {value / 1e15:.3f} | {s[part]:.3f} |")
-    tail = "last request's decode steps"
-    lines.append(f"| {tail} ({floor.tail_steps} x {floor.tail_bytes / 1e9:.1f} GB) | | {s[tail]:.3f} |")
+    lines.append(f"| {TAIL} ({floor.tail_steps} x {floor.tail_bytes / 1e9:.1f} GB) | | {s[TAIL]:.3f} |")
     lines.append(f"| **floor** | | **{s['floor']:.3f}** ({load.requests / s['floor']:.2f} req/s at most) |")
     servers = parse_servers(args.server)
     if servers:

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.engine.kernels import paged_attention
-from workers.engine.kernels.attention import AttentionMetadata, decode_prefix, packed_kv_slots, tail_metadata
+from workers.engine.kernels.attention import AttentionMetadata
 from workers.engine.kernels.paged_varlen import Kernel, PagedVarlenBackend
+from workers.engine.kernels.torch_attention import FlashVarlenBackend, leading_decodes
 
 log = logging.getLogger(__name__)
 
@@ -152,29 +152,14 @@ class FA4PagedBackend(PagedVarlenBackend):
         kernel (gathering a decode row's whole context for one query would cost more than its attention), the
         chunks after them on FA4's varlen call over their keys packed end to end (no page table), the causal mask
         aligned bottom-right as on the pages."""
-        decodes = meta.derived.get("decode_prefix")
-        if decodes is None:
-            decodes = meta.derived["decode_prefix"] = decode_prefix(meta) if paged_attention.usable(q) else 0
-        if decodes == len(meta.seq_lens_cpu):
-            return paged_attention.paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                                meta.max_seq_len)  # fmt: skip
-        rest = meta  # the sequences after the decode rows: the flash backend's metadata of them, made once a step
-        if decodes:
-            rest = meta.derived.get("prefill_meta") or tail_metadata(meta, decodes)
-            meta.derived["prefill_meta"] = rest
-        packed = rest.derived.get("flash_packed_kv")
-        if packed is None:
-            packed = rest.derived["flash_packed_kv"] = packed_kv_slots(rest, kv_cache.shape[2])
-        slot, cu_seqlens_k = packed
-        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        decodes, head, rest = leading_decodes(q, kv_cache, meta, scale, 0)
+        if rest is None:
+            assert head is not None
+            return head
+        k_all, v_all, cu_seqlens_k = FlashVarlenBackend.gather_packed_kv(kv_cache, rest)
         out, _ = self._fn(
-            q[decodes:].contiguous(), flat[0, slot], flat[1, slot], cu_seqlens_q=rest.query_start_loc,
-            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=rest.max_query_len, max_seqlen_k=rest.max_seq_len,
-            softmax_scale=scale, causal=True,
+            q[decodes:].contiguous(), k_all, v_all, cu_seqlens_q=rest.query_start_loc, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=rest.max_query_len, max_seqlen_k=rest.max_seq_len, softmax_scale=scale, causal=True,
         )
         chunks: Tensor = out
-        if not decodes:
-            return chunks
-        head = paged_attention.paged_decode(q[:decodes], kv_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes],
-                                            scale, max(meta.seq_lens_cpu[:decodes]))  # fmt: skip
-        return torch.cat([head, chunks])
+        return torch.cat([head, chunks]) if head is not None else chunks

@@ -109,6 +109,22 @@ def _paged_decode_rows(
     return head, rest
 
 
+def leading_decodes(
+    q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float, window: int
+) -> tuple[int, Tensor | None, AttentionMetadata | None]:
+    """The scheduler puts a step's decodes first: those rows read the cache in place through the paged kernel (where
+    it takes these heads), so only the prefill chunks after them need a packed varlen call. (decode rows, their
+    output or None where there are none, the metadata of the sequences after them or None when every row was a
+    decode); the count is made once a step for every layer."""
+    decodes = meta.derived.get("decode_prefix")
+    if decodes is None:
+        decodes = meta.derived["decode_prefix"] = decode_prefix(meta) if paged_attention.usable(q) else 0
+    if not decodes:
+        return 0, None, meta
+    head, rest = _paged_decode_rows(q, kv_cache, meta, scale, window, decodes)
+    return decodes, head, rest
+
+
 def _varlen_api() -> tuple[Callable[..., Any] | None, set[str]]:
     """Find torch's public varlen attention and the keyword arguments this torch version accepts.
 
@@ -209,18 +225,13 @@ class FlashVarlenBackend:
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
         window: int,
     ) -> Tensor:
-        # The scheduler puts decodes first: those rows read the cache in place (paged_attention), and only
-        # the prefill chunks after them go through the packed varlen path below.
-        decodes = meta.derived.get("decode_prefix")
-        if decodes is None:
-            decodes = meta.derived["decode_prefix"] = decode_prefix(meta) if paged_attention.usable(q) else 0
-        if not decodes:
-            return self._varlen_forward(q, k, v, kv_cache, meta, scale, window)
-        head, rest = _paged_decode_rows(q, kv_cache, meta, scale, window, decodes)
+        decodes, head, rest = leading_decodes(q, kv_cache, meta, scale, window)
         if rest is None:
+            assert head is not None
             return head
         k_rest, v_rest = (None, None) if k is None or v is None else (k[decodes:], v[decodes:])
-        return torch.cat([head, self._varlen_forward(q[decodes:], k_rest, v_rest, kv_cache, rest, scale, window)])
+        chunks = self._varlen_forward(q[decodes:], k_rest, v_rest, kv_cache, rest, scale, window)
+        return torch.cat([head, chunks]) if head is not None else chunks
 
     def _varlen_forward(
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
@@ -234,7 +245,7 @@ class FlashVarlenBackend:
         elif window > 0:  # from each sequence's first visible key only: the kernel aligns its window bottom-right
             k_all, v_all, cu_seq_k, max_k = self._gather_window_kv(kv_cache, meta, window, q.dtype)
         else:
-            k_all, v_all, cu_seq_k = self._gather_packed_kv(kv_cache, meta, q.dtype)
+            k_all, v_all, cu_seq_k = self.gather_packed_kv(kv_cache, meta, q.dtype)
         # Both entry points take the packed q, k, v, their cu_seqlens and maximum lengths first.
         args = (q.contiguous(), k_all, v_all, meta.query_start_loc, cu_seq_k, meta.max_query_len, max_k)
         # FlashAttention's window (left, right) keeps keys [i - left, i + right] of the query at (aligned) position
@@ -253,7 +264,7 @@ class FlashVarlenBackend:
         return out
 
     @staticmethod
-    def _gather_packed_kv(
+    def gather_packed_kv(
         kv_cache: Tensor, meta: AttentionMetadata, dtype: torch.dtype | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Packed [sum(seq_lens), Hkv, D] K and V plus their int32 cu_seqlens, built without host syncs.
@@ -271,7 +282,7 @@ class FlashVarlenBackend:
     def _gather_window_kv(
         kv_cache: Tensor, meta: AttentionMetadata, window: int, dtype: torch.dtype | None = None
     ) -> tuple[Tensor, Tensor, Tensor, int]:
-        """``_gather_packed_kv`` for a sliding layer: each sequence's keys from its first visible one, so a long
+        """``gather_packed_kv`` for a sliding layer: each sequence's keys from its first visible one, so a long
         context costs a window's worth of copying, not the whole sequence. Slots computed once per forward."""
         cached = meta.derived.get(f"flash_window_kv:{window}")
         if cached is None:

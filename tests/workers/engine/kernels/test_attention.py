@@ -125,7 +125,7 @@ def test_flash_packed_gather_matches_per_sequence_kv() -> None:
     """The flash path's batched block-table gather is plain torch indexing, so it is checked on CPU."""
     s = scenario(4)
     s.run(SdpaBackend(), 1.0)  # writes the new tokens' K/V
-    k_all, v_all, cu = FlashVarlenBackend._gather_packed_kv(s.cache, s.meta)
+    k_all, v_all, cu = FlashVarlenBackend.gather_packed_kv(s.cache, s.meta)
     assert cu.dtype == torch.int32 and cu.tolist() == [
         0,
         *torch.tensor(s.meta.seq_lens_cpu).cumsum(0).tolist(),
@@ -136,8 +136,8 @@ def test_flash_packed_gather_matches_per_sequence_kv() -> None:
 def test_packed_gather_is_computed_once_per_forward() -> None:
     s = scenario(7)
     s.run(SdpaBackend(), 1.0)
-    first = FlashVarlenBackend._gather_packed_kv(s.cache, s.meta)
-    again = FlashVarlenBackend._gather_packed_kv(s.cache, s.meta)  # the next layer: same derived slots
+    first = FlashVarlenBackend.gather_packed_kv(s.cache, s.meta)
+    again = FlashVarlenBackend.gather_packed_kv(s.cache, s.meta)  # the next layer: same derived slots
     assert s.meta.derived["flash_packed_kv"][1] is first[2] is again[2]
 
 
