@@ -17,6 +17,13 @@ copies and the sampler cost nothing. A goal stated as a multiple of another serv
 
     python -m benchmarks.tools.load_floor --shape qwen3.5-9b --server vLLM=8.175 --server glimpse=8.933 --goal 1.3
 
+With ``--trace DIR`` (a served run of the same load with ``GLIMPSE_STEP_TRACE=DIR``) the floor's parts stand beside
+what the run spent on them: the tower (the steps' ViT phases), the LM's prefill (the forward of every step up to the
+last one that carried prompt tokens), the tail (the steps after it) and the rest (host phases, decode-only steps
+between prefills, waits), from the last ``--requests`` requests' first submit to the last step's end.
+``--vit-attn-tflops`` rates the tower's attention apart from the LM's (its heads are 72 or 80 wide, where kernels run
+slower than at 128: docs/benchmarks.md).
+
 Parameters are counted on transformers' own model class built on the meta device (no memory, no weights); image
 patches come from the shape's image processor on a blank image of ``--resolution``.
 """
@@ -145,8 +152,9 @@ class Floor:
         return {"LM projections": self.lm_gemm, "vision projections": self.vision_gemm,
                 "vision attention": self.vision_attn, "LM attention and recurrence": self.lm_attn}  # fmt: skip
 
-    def seconds(self, gemm_tflops: float, attn_tflops: float, tbps: float) -> dict[str, float]:
-        rates = (gemm_tflops, gemm_tflops, attn_tflops, attn_tflops)  # flops()'s order
+    def seconds(self, gemm_tflops: float, attn_tflops: float, tbps: float, vit_attn_tflops: float = 0.0
+                ) -> dict[str, float]:
+        rates = (gemm_tflops, gemm_tflops, vit_attn_tflops or attn_tflops, attn_tflops)  # flops()'s order
         parts = {part: value / (rate * 1e12) for (part, value), rate in zip(self.flops().items(), rates, strict=True)}
         parts[TAIL] = self.tail_steps * self.tail_bytes / (tbps * 1e12)
         parts["floor"] = sum(parts.values())
@@ -172,6 +180,48 @@ def floor_of(params: Params, shape: Shape, load: Load, weight_bytes: float = 2.0
     lm_attn = load.requests * (shape.full_layers * causal + shape.gdn_layers * recurrence)
     tail_bytes = weight_bytes * (per_token + params.lm_head)
     return Floor(lm_gemm, vision_gemm, vision_attn, lm_attn, tail_bytes, max(0, load.output_len - 1))
+
+
+# The floor's parts a step trace can time, each with the floor parts it holds (trace_parts' keys).
+TRACED = {
+    "vision tower": ("vision projections", "vision attention"),
+    "LM prefill": ("LM projections", "LM attention and recurrence"),
+    TAIL: (TAIL,),
+    "the rest": (),
+}
+
+
+def trace_parts(folder: Path, requests: int) -> dict[str, float]:
+    """Seconds a step-traced run of the load spent by TRACED's parts, and its whole window ("window")."""
+    from benchmarks.tools.step_trace import load as load_trace
+
+    records = load_trace(folder)
+    submits = sorted(r["t"] for r in records.get("frontend", []) if r["kind"] == "submit")
+    if len(submits) < requests:
+        raise SystemExit(f"--trace: {len(submits)} requests in {folder}, fewer than --requests {requests}")
+    since = submits[-requests]
+    steps = [r for r in records.get("worker0", []) if r["kind"] == "step" and r["start"] >= since]
+    prompt_steps = [i for i, s in enumerate(steps) if s["tokens"] > s["decodes"]]  # tokens count the decode rows too
+    if not prompt_steps:
+        raise SystemExit(f"--trace: no step in {folder} after the load's first request carried prompt tokens")
+    last = prompt_steps[-1]
+    vision = sum(s.get("vit", 0.0) for s in steps)
+    prefill = sum(s.get("forward", 0.0) + s.get("graph", 0.0) for s in steps[: last + 1] if s["tokens"] > s["decodes"])
+    window = steps[-1]["end"] - since
+    tail = steps[-1]["end"] - steps[last]["end"]
+    return {"vision tower": vision, "LM prefill": prefill, TAIL: tail,
+            "the rest": window - vision - prefill - tail, "window": window}  # fmt: skip
+
+
+def trace_report(s: dict[str, float], spent: dict[str, float]) -> str:
+    lines = ["", "| part | floor, s | traced run, s | floor / run |", "|---|---|---|---|"]
+    for part, holds in TRACED.items():
+        floor = sum(s[h] for h in holds)
+        ratio = f"{floor / spent[part]:.2f}" if holds and spent[part] > 0 else ""
+        lines.append(f"| {part} | {floor:.3f} | {spent[part]:.3f} | {ratio} |")
+    lines.append(f"| **burst** | **{s['floor']:.3f}** | **{spent['window']:.3f}** | "
+                 f"**{s['floor'] / spent['window']:.2f}** |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def patches_per_image(checkpoint: Path, resolution: tuple[int, int]) -> int:
@@ -223,7 +273,7 @@ def parse_servers(values: list[str]) -> list[tuple[str, float]]:
 
 
 def report(args: argparse.Namespace, params: Params, load: Load, floor: Floor) -> str:
-    s = floor.seconds(args.gemm_tflops, args.attn_tflops, args.tbps)
+    s = floor.seconds(args.gemm_tflops, args.attn_tflops, args.tbps, args.vit_attn_tflops)
     lines = [
         f"{args.shape}{f' ({args.layers} layers)' if args.layers else ''}: {load.requests} requests x "
         f"{load.images_per_request} x {args.resolution} ({load.patches_per_image} patches, {load.image_tokens} tokens "
@@ -231,7 +281,8 @@ def report(args: argparse.Namespace, params: Params, load: Load, floor: Floor) -
         f"weights: LM {params.lm_dense / 1e9:.2f} B dense + {params.lm_experts / 1e9:.2f} B routed "
         f"(x {params.experts_active:.3f} a token), head {params.lm_head / 1e9:.2f} B, vision "
         f"{(params.vision_per_patch + params.vision_per_token) / 1e9:.2f} B",
-        f"rates: GEMM {args.gemm_tflops:g} TFLOP/s, attention {args.attn_tflops:g} TFLOP/s, {args.tbps:g} TB/s",
+        f"rates: GEMM {args.gemm_tflops:g} TFLOP/s, attention {args.attn_tflops:g} TFLOP/s"
+        + (f" (the tower's {args.vit_attn_tflops:g})" if args.vit_attn_tflops else "") + f", {args.tbps:g} TB/s",
         "",
         "| part | PFLOP | s |",
         "|---|---|---|",
@@ -251,6 +302,8 @@ def report(args: argparse.Namespace, params: Params, load: Load, floor: Floor) -
             burst = load.requests / (rate * args.goal)
             lines.append(f"| {args.goal:g} x {name} (goal) | {rate * args.goal:.3f} | {burst:.3f} | "
                          f"{s['floor'] / burst:.2f} |")  # fmt: skip
+    if args.trace is not None:
+        lines.append(trace_report(s, trace_parts(args.trace, load.requests)))
     return "\n".join(lines)
 
 
@@ -266,10 +319,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--gemm-tflops", type=float, default=790.0)
     ap.add_argument("--attn-tflops", type=float, default=500.0)
+    ap.add_argument("--vit-attn-tflops", type=float, default=0.0,
+                    help="the tower's attention rate (0: --attn-tflops); an H200's best at 72-wide heads: 353")
     ap.add_argument("--tbps", type=float, default=4.0)
     ap.add_argument("--measure", action="store_true", help="measure the three rates on this CUDA device instead")
     ap.add_argument("--server", action="append", default=[], help="NAME=REQ_PER_S measured on the load (repeat)")
     ap.add_argument("--goal", type=float, default=0.0, help="a multiple of the first --server's req/s to check")
+    ap.add_argument("--trace", type=Path, help="a GLIMPSE_STEP_TRACE folder of a served run of this load")
     args = ap.parse_args()
     width, _, height = args.resolution.partition("x")
     with tempfile.TemporaryDirectory() as scratch:

@@ -9,7 +9,17 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from benchmarks.tools.load_floor import Load, build, floor_of, patches_per_image
+from benchmarks.tools.load_floor import (
+    TAIL,
+    TRACED,
+    Load,
+    build,
+    floor_of,
+    patches_per_image,
+    trace_parts,
+    trace_report,
+)
+from benchmarks.tools.step_trace import load as load_trace
 
 
 def test_every_weight_of_a_moe_shape_has_one_role(tmp_path: Path) -> None:
@@ -47,3 +57,40 @@ def test_a_1080p_image_is_2040_tokens_and_the_floor_grows_with_the_load(shape_na
     assert two.tail_bytes == one.tail_bytes  # the last request's decode reads the same weights
     s = one.seconds(790, 500, 4.0)
     assert s["floor"] == pytest.approx(sum(v for k, v in s.items() if k != "floor"))
+
+
+TRACE = Path(__file__).parent / "fixtures" / "trace-qwen3.5-9b-b"  # (b) on the 9B, H200, 2026-12-03 (step records)
+
+
+def test_a_traced_burst_splits_into_the_floors_parts() -> None:
+    """The records of a served (b) (64 requests, 128 tokens out): the tail is the 127 decode-only steps after the last
+    step that carried prompt tokens, the tower's time is every step's ViT phase, and the parts fill the window."""
+    spent = trace_parts(TRACE, 64)
+    records = load_trace(TRACE)
+    submits = sorted(r["t"] for r in records["frontend"] if r["kind"] == "submit")
+    steps = [r for r in records["worker0"] if r["kind"] == "step"]
+    assert spent["window"] == pytest.approx(steps[-1]["end"] - submits[0])
+    tail_steps = [s for s in steps if s["start"] >= steps[-1]["end"] - spent[TAIL]]
+    assert len(tail_steps) == 127 and all(s["tokens"] == s["decodes"] for s in tail_steps)
+    assert spent["vision tower"] == pytest.approx(sum(s.get("vit", 0.0) for s in steps))
+    prompt = [s for s in steps if s["tokens"] > s["decodes"]]
+    assert spent["LM prefill"] == pytest.approx(sum(s["forward"] for s in prompt))
+    assert sum(spent[part] for part in TRACED) == pytest.approx(spent["window"])
+    assert spent["the rest"] > 0  # host phases and the decode-only steps between prefills
+
+
+def test_a_trace_of_fewer_requests_than_the_load_is_refused() -> None:
+    with pytest.raises(SystemExit, match="fewer than --requests 65"):
+        trace_parts(TRACE, 65)
+
+
+def test_the_trace_table_rates_each_part_against_its_floor(tmp_path: Path) -> None:
+    params, shape, ckpt = build("qwen3.5-9b", 4, tmp_path)
+    floor = floor_of(params, shape, Load(64, 1, patches_per_image(ckpt, (1920, 1080)), 2040, 95, 128))
+    s = floor.seconds(854, 500, 4.0, vit_attn_tflops=353)
+    assert s["vision attention"] == pytest.approx(floor.vision_attn / 353e12)  # the tower's own rate
+    assert s["LM attention and recurrence"] == pytest.approx(floor.lm_attn / 500e12)
+    table = trace_report(s, trace_parts(TRACE, 64))
+    tower = next(line for line in table.splitlines() if line.startswith("| vision tower |"))
+    want = (s["vision projections"] + s["vision attention"]) / trace_parts(TRACE, 64)["vision tower"]
+    assert tower.endswith(f"| {want:.2f} |")
