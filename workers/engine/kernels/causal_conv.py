@@ -14,6 +14,11 @@ SiLU and stores the output in x's dtype. The windows after each sequence's last 
 points) are K-1 rows per sequence, written back afterwards from the input rows and the old windows gathered
 before the kernel ran.
 
+The output can be stored as up to three sections of channels, each its own contiguous [T, width] block
+(``conv_sections``): Gated DeltaNet's q, k and v, which fla's chunked kernels take contiguous. As one [T, C] tensor
+split by channels they were views with a row stride of C, so fla's input guard copied each of them again: three copy
+kernels a layer, 72 of a Qwen3.5-9B prefill step's 155 generic elementwise launches (H200 profile, docs/perf-notes.md).
+
 The CPU keeps the torch path, which the exactness tests compare with transformers; on CUDA the start-up probe checks
 this kernel once against a float32 reference of its own (``reference``, tied to the torch path by a test), and a
 failure leaves the torch path serving (``GLIMPSE_TRITON_CONV=0`` turns the kernel off).
@@ -21,6 +26,7 @@ failure leaves the torch path serving (``GLIMPSE_TRITON_CONV=0`` turns the kerne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +55,7 @@ def _build() -> Any:
     @triton.jit(do_not_specialize=["tokens"])
     def causal_conv_kernel(
         x, w, bias, y, pool, slots, has_initial, starts, seq_of,
-        tokens, channels, sx, sy, sw, sp_slot, sp_c,
+        tokens, channels, b1, b2, sx, sw, sp_slot, sp_c,
         K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -75,7 +81,11 @@ def _build() -> Any:
             acc += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(y + t.to(tl.int64)[:, None] * sy + c[None, :], acc.to(y.dtype.element_ty), mask=m)
+        # y holds the sections [0, b1), [b1, b2), [b2, channels) one after another, each [tokens, its width]
+        first = tl.where(c >= b2, b2, tl.where(c >= b1, b1, 0))
+        width = tl.where(c >= b2, channels, tl.where(c >= b1, b2, b1)) - first
+        at = first.to(tl.int64)[None, :] * tokens + t.to(tl.int64)[:, None] * width[None, :] + (c - first)[None, :]
+        tl.store(y + at, acc.to(y.dtype.element_ty), mask=m)
 
     return causal_conv_kernel
 
@@ -113,6 +123,17 @@ def conv(
     last new token is written back to its slot, and the one after its first n to each snapshot slot of
     ``st.snapshots``. ``seq_of`` [T]: each row's sequence index, and ``plan`` the step's window_plan (each made here
     when not given)."""
+    return conv_sections(x, weight, bias, conv_state, st, query_start_loc, starts_cpu, silu, [x.shape[1]], seq_of,
+                         plan)[0]  # fmt: skip
+
+
+def conv_sections(
+    x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, st: StateMetadata, query_start_loc: Tensor,
+    starts_cpu: list[int], silu: bool, sections: Sequence[int], seq_of: Tensor | None = None,
+    plan: WindowPlan | None = None,
+) -> list[Tensor]:
+    """``conv`` with its output as consecutive channel ``sections`` (at most three widths summing to C), each a
+    contiguous [T, width] tensor: the conv's [T, C] split by channels, without the row stride of C."""
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -132,11 +153,12 @@ def conv(
     # The old windows, before anything writes the pool: the write-back below reaches into them where a sequence has
     # fewer than K-1 new tokens (zeros where it has no state; the slot may hold garbage).
     windows = st.initial(conv_state)  # [B, C, K-1]
-    y = torch.empty(tokens, channels, dtype=x.dtype, device=device)
+    bounds = _bounds(sections, channels)
+    y = torch.empty(tokens * channels, dtype=x.dtype, device=device)
     grid = (-(-tokens // BLOCK_T), -(-channels // BLOCK_C))
     _kernel[grid](
         x, weight, bias if bias is not None else weight, y, conv_state, st.slots, st.has_initial, plan.starts, seq_of,
-        tokens, channels, x.stride(0), y.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
+        tokens, channels, bounds[1], bounds[2], x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         K=width + 1, BT=BLOCK_T, BC=BLOCK_C, HAS_BIAS=bias is not None, SILU=silu, num_warps=4,
     )  # fmt: skip
     # Sequence b's window after its last new token: from x where its rows are new tokens, else from its old window.
@@ -150,7 +172,17 @@ def conv(
         else:
             conv_state[slot].copy_(torch.cat([windows[b, :, n:], x[end - n : end].t().to(windows.dtype)], dim=1))
     conv_state.index_copy_(0, st.slots, after.transpose(1, 2).to(conv_state.dtype))
-    return y
+    return [y[a * tokens : b * tokens].view(tokens, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _bounds(sections: Sequence[int], channels: int) -> list[int]:
+    """[0, b1, b2, C]: the kernel's two section boundaries (equal to C where there are fewer sections)."""
+    if not 1 <= len(sections) <= 3 or sum(sections) != channels or min(sections) <= 0:
+        raise ValueError(f"conv sections {list(sections)}: expected 1-3 positive widths summing to {channels}")
+    bounds = [0]
+    for width in sections:
+        bounds.append(bounds[-1] + width)
+    return bounds + [channels] * (4 - len(bounds))
 
 
 def reference(
@@ -177,11 +209,14 @@ def reference(
     return out, pool
 
 
+PROBE_SECTIONS = (40, 40, 56)  # the probe's 136 channels as q, k, v would be: 40 and 80 fall inside the first tile
+
+
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
     """Run the kernel once against ``reference`` (3 sequences of 5, 2 and 40 tokens: one without a state whose slot
-    holds NaN, one shorter than the window, one over several token tiles; strided input rows); a Triton that cannot
-    compile here or a wrong answer turns it off for the process. (On the CPU only under Triton's interpreter, as the
-    tests run it.)"""
+    holds NaN, one shorter than the window, one over several token tiles; strided input rows; the output in three
+    sections, one boundary inside a channel tile); a Triton that cannot compile here or a wrong answer turns it off
+    for the process. (On the CPU only under Triton's interpreter, as the tests run it.)"""
     gen = torch.Generator().manual_seed(0)
     lens, slots, has_initial = [5, 2, 40], [3, 1, 0], [True, False, True]
     channels, k = 136, 4  # channels over one tile, and not a multiple of it
@@ -200,8 +235,9 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
         got_pool = pool.to(device=device, dtype=dtype)
         st = StateMetadata(torch.tensor(slots, device=device), slots, torch.tensor(has_initial, device=device),
                            has_initial)  # fmt: skip
-        got = conv(dx, weight.to(device=device, dtype=dtype), None, got_pool, st,
-                   torch.tensor(qsl, dtype=torch.int32, device=device), qsl[:-1], True).float().cpu()  # fmt: skip
+        parts = conv_sections(dx, weight.to(device=device, dtype=dtype), None, got_pool, st,
+                              torch.tensor(qsl, dtype=torch.int32, device=device), qsl[:-1], True, PROBE_SECTIONS)
+        got = torch.cat(parts, dim=1).float().cpu()  # fmt: skip
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         return torch.allclose(got, want, rtol=tol, atol=tol) and torch.allclose(
             got_pool.float().cpu()[slots], want_pool[slots].float(), rtol=tol, atol=tol

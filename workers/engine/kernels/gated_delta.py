@@ -9,6 +9,7 @@ False. Both functions leave every sequence's state after its last new token in i
 API (implemented by the kernels owner; the model family calls exactly these):
 
     causal_conv1d(x [T, C], weight [C, K], bias [C] | None, conv_state [S, C, K-1], meta, activation="silu") -> [T, C]
+    causal_conv1d_sections(..., sections) -> [[T, C_0], [T, C_1], ...]  (the same, split by channels)
     gated_delta_rule(q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv], beta [T, Hv], ssm_state [S, Hv, Dk, Dv],
                      meta, use_qk_l2norm=True) -> [T, Hv, Dv]
 
@@ -29,6 +30,7 @@ so it can be captured in a CUDA graph (padding rows may share a scratch slot).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,13 +100,7 @@ def causal_conv1d(
             conv_state[slot].copy_(after[b])
         return out
     if x.is_cuda and activation in ("silu", "swish", None) and not _all_decode(meta) and causal_conv.available():
-        # Each row's sequence and where each window comes from: the same for every layer of the step.
-        seq_of = meta.derived.get("conv_seq_of")
-        if seq_of is None:
-            seq_of = meta.derived["conv_seq_of"] = sequence_of_rows(meta.query_start_loc, x.shape[0])
-        plan = meta.derived.get("conv_window_plan")
-        if plan is None:
-            plan = meta.derived["conv_window_plan"] = causal_conv.window_plan(meta.query_start_loc, weight.shape[1] - 1)
+        seq_of, plan = _conv_plan(meta, x.shape[0], weight.shape[1] - 1)
         return causal_conv.conv(x, weight, bias, conv_state, st, meta.query_start_loc, _starts(meta)[:-1],
                                 activation is not None, seq_of, plan)  # fmt: skip
     tokens, channels = x.shape
@@ -150,6 +146,39 @@ def causal_conv1d(
         row = starts[b] + b * width + n
         conv_state[slot].copy_(ext[row : row + width].t())
     return out
+
+
+def causal_conv1d_sections(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    meta: AttentionMetadata,
+    sections: Sequence[int],
+    activation: str | None = "silu",
+    fuse: bool = False,
+) -> list[Tensor]:
+    """``causal_conv1d`` split into consecutive channel ``sections`` (Gated DeltaNet's q, k, v). Where the Triton
+    kernel serves, each section comes out contiguous ([T, width], the layout fla's chunked kernels take, so they copy
+    nothing); elsewhere they are views of the one [T, C] result, as ``split`` gives them."""
+    st = _state(meta)
+    if x.is_cuda and activation in ("silu", "swish", None) and not _all_decode(meta) and causal_conv.available():
+        seq_of, plan = _conv_plan(meta, x.shape[0], weight.shape[1] - 1)
+        return causal_conv.conv_sections(x, weight, bias, conv_state, st, meta.query_start_loc, _starts(meta)[:-1],
+                                         activation is not None, sections, seq_of, plan)  # fmt: skip
+    return list(causal_conv1d(x, weight, bias, conv_state, meta, activation, fuse).split(list(sections), dim=-1))
+
+
+def _conv_plan(meta: AttentionMetadata, tokens: int, width: int) -> tuple[Tensor, causal_conv.WindowPlan]:
+    """Each row's sequence and where each window comes from: the same for every layer of the step (kept in
+    ``meta.derived``)."""
+    seq_of = meta.derived.get("conv_seq_of")
+    if seq_of is None:
+        seq_of = meta.derived["conv_seq_of"] = sequence_of_rows(meta.query_start_loc, tokens)
+    plan = meta.derived.get("conv_window_plan")
+    if plan is None:
+        plan = meta.derived["conv_window_plan"] = causal_conv.window_plan(meta.query_start_loc, width)
+    return seq_of, plan
 
 
 def _l2norm(x: Tensor) -> Tensor:

@@ -32,7 +32,7 @@ def inputs(channels: int, kernel: int = 4, seed: int = 0) -> tuple[Tensor, Tenso
 CHECK = """
 import torch
 from tests.workers.engine.kernels.gated_delta_harness import make_meta
-from tests.workers.engine.kernels.test_causal_conv import HAS_INITIAL, LENS, SLOTS, SNAPSHOTS, inputs
+from tests.workers.engine.kernels.test_causal_conv import HAS_INITIAL, LENS, SECTIONS, SLOTS, SNAPSHOTS, inputs
 from workers.engine.kernels import causal_conv, gated_delta
 
 touched = SLOTS + [s for _, _, s in SNAPSHOTS]
@@ -58,7 +58,20 @@ for channels, kernel, with_bias, activation in ((136, 4, False, "silu"), (40, 3,
     got2 = causal_conv.conv(x, weight, b, again, meta.state, meta.query_start_loc, starts, activation is not None,
                             plan=plan)
     assert torch.equal(got2, got) and torch.equal(again, pool)
+    # the same conv stored as channel sections (q, k, v): boundaries inside a 128-channel tile and on one
+    for sections in SECTIONS[channels]:
+        into = fresh.clone()
+        parts = causal_conv.conv_sections(x, weight, b, into, meta.state, meta.query_start_loc, starts,
+                                          activation is not None, sections)
+        assert [p.shape for p in parts] == [(x.shape[0], w) for w in sections]
+        assert all(p.is_contiguous() for p in parts)
+        assert torch.equal(torch.cat(parts, dim=1), got) and torch.equal(into, pool)
+# the start-up probe (three sections, NaN in a fresh slot) passes on the interpreter
+causal_conv.SWITCH.reset()
+assert causal_conv.probe(torch.device("cpu"), torch.float32), causal_conv.SWITCH.why_off()
 """
+
+SECTIONS = {136: [(40, 40, 56), (128, 8)], 40: [(16, 24)], 200: [(64, 64, 72), (128, 72), (200,)]}
 
 
 def test_the_kernel_gives_the_torch_paths_conv_and_windows_in_triton_interpreter() -> None:
@@ -74,6 +87,23 @@ def test_the_probes_reference_is_the_torch_path(with_bias: bool) -> None:
     got, got_pool = causal_conv.reference(x, weight, b, pool, LENS, SLOTS, HAS_INITIAL, True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_pool[SLOTS], want_pool[SLOTS], rtol=0, atol=0)
+
+
+def test_sections_off_the_kernel_are_the_convs_split() -> None:
+    """Where the kernel does not serve (here: the CPU), the sections are the [T, C] result split by channels."""
+    x, weight, bias, pool = inputs(24)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = gated_delta.causal_conv1d(x, weight, bias, want_pool, make_meta(LENS, SLOTS, HAS_INITIAL, SNAPSHOTS))
+    parts = gated_delta.causal_conv1d_sections(x, weight, bias, got_pool, make_meta(LENS, SLOTS, HAS_INITIAL, SNAPSHOTS),
+                                               (4, 4, 16))  # fmt: skip
+    assert [tuple(p.shape) for p in parts] == [(sum(LENS), 4), (sum(LENS), 4), (sum(LENS), 16)]
+    assert torch.equal(torch.cat(parts, dim=1), want) and torch.equal(got_pool.nan_to_num(), want_pool.nan_to_num())
+
+
+@pytest.mark.parametrize("sections", [(4, 4), (0, 8, 16), (8, 8, 4, 4), (24, 8)])
+def test_sections_must_be_one_to_three_widths_covering_the_channels(sections: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="conv sections"):
+        causal_conv._bounds(sections, 24)
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,3 +136,10 @@ def test_on_cuda_a_prefill_steps_conv_takes_it(dtype: torch.dtype, monkeypatch: 
     touched = SLOTS + [s for _, _, s in SNAPSHOTS]
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(dev_pool.float().cpu()[touched], want_pool[touched], rtol=tol, atol=tol)
+    # as q, k, v of the 27B (16 key heads of 128, 48 value heads of 128): contiguous, the same values
+    again = pool.cuda().to(dtype)
+    parts = gated_delta.causal_conv1d_sections(x.cuda().to(dtype), weight.cuda().to(dtype), None, again,
+                                               make_meta(LENS, SLOTS, HAS_INITIAL, SNAPSHOTS, device="cuda"),
+                                               (2048, 2048, 6144))  # fmt: skip
+    assert all(p.is_contiguous() for p in parts) and calls == [1]  # conv_sections is not conv: no second count
+    assert torch.equal(torch.cat(parts, dim=1), got) and torch.equal(again, dev_pool)

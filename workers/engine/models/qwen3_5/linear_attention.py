@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from workers.engine.kernels import fused
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
-from workers.engine.kernels.gated_delta import causal_conv1d, gated_delta_rule
+from workers.engine.kernels.gated_delta import causal_conv1d_sections, gated_delta_rule
 from workers.engine.layers.linear import (
     SINGLE_RANK,
     ColumnParallelLinear,
@@ -192,9 +192,11 @@ class GatedDeltaNet(nn.Module):
             raise ValueError("a hybrid model's forward needs meta.state (StateMetadata: each sequence's state slot)")
         t = mixed.shape[0]
         weight = self.conv1d.weight
-        mixed = causal_conv1d(mixed, weight.view(weight.shape[0], -1), None, self.conv_state, meta, activation="silu",
-                              fuse=self.fused and fused.worth_it(mixed))
-        q, k, v = mixed.split([self.key_local, self.key_local, self.value_local], dim=-1)
+        q, k, v = causal_conv1d_sections(
+            mixed, weight.view(weight.shape[0], -1), None, self.conv_state, meta,
+            (self.key_local, self.key_local, self.value_local), activation="silu",
+            fuse=self.fused and fused.worth_it(mixed),
+        )  # fmt: skip
         core: Tensor = gated_delta_rule(
             q.reshape(t, self.hk, self.dk),
             k.reshape(t, self.hk, self.dk),
