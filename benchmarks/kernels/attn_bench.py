@@ -157,10 +157,10 @@ def _unavailable(other: str, dev: torch.device) -> str:
     return (fa4_attention if other == "fa4" else fa3_attention).unavailable_reason(dev)
 
 
-def vit_fa3_rows(dev: torch.device, other: str = "fa3", full: tuple[int, int, int] | None = None) -> None:
+def vit_fa3_rows(dev: torch.device, other: str, full: tuple[int, int, int]) -> None:
     """The ViT's two kernels under ``--attn-backend fa3`` / ``fa4`` (that kernel's packed call) against FA2
-    varlen: one 1080p frame's windowed block (8 x 8-patch windows, ragged at the edges) and its full block, or
-    ``full`` (patches, heads, head width: a tower without windows, such as Qwen3-VL's) in its place."""
+    varlen: one 1080p frame's windowed block (8 x 8-patch windows, ragged at the edges) and a full block of
+    ``full`` (patches, heads, head width: by default Qwen2.5-VL's 1080p frame, the windows' patches whole)."""
     from workers.engine.kernels.backends import vision_kernel
 
     if reason := _unavailable(other, dev):
@@ -168,12 +168,9 @@ def vit_fa3_rows(dev: torch.device, other: str = "fa3", full: tuple[int, int, in
         return
     packed_kernel = vision_kernel(other if other == "fa4" else "fa3", dev)
     assert packed_kernel is not None
-    rows, cols, h, d = 39, 69, 16, 80  # 1080p: 78 x 138 patches, merged 2 x 2, windows of 4 x 4 merged units
+    rows, cols = 39, 69  # 1080p: 78 x 138 patches, merged 2 x 2, windows of 4 x 4 merged units (heads 16 x 80)
     windows = [min(4, rows - r) * min(4, cols - c) * 4 for r in range(0, rows, 4) for c in range(0, cols, 4)]
-    shapes = [("windows", windows, h, d), ("full block", [sum(windows)], h, d)]
-    if full is not None:
-        shapes[1] = ("full block", [full[0]], full[1], full[2])
-    for name, lengths, h, d in shapes:
+    for name, lengths, h, d in (("windows", windows, 16, 80), ("full block", [full[0]], full[1], full[2])):
         n = sum(lengths)
         x = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16)
         bounds = list(accumulate(lengths, initial=0))
@@ -217,9 +214,6 @@ def vit_window_rows(dev: torch.device) -> None:
                   f"{err:>9.1e}", flush=True)
 
 
-VIT_DEFAULT = "10764:16:80"  # Qwen2.5-VL's tower at 1080p, whose full block --vit-fa3 times beside its windows
-
-
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--chunks", default="1024:4096,1024:16384,1024:21504,4096:16384",
@@ -235,7 +229,7 @@ def main() -> None:
                     "joined by '+'")
     ap.add_argument("--lm-heads", default="28:4:128", help="the LM rows' query heads:KV heads:head width (Qwen3.5's "
                     "gated attention: 16:4:256 on the 9B, 24:4:256 on the 27B)")
-    ap.add_argument("--vit", default=VIT_DEFAULT, help="the ViT full-block row's patches:heads:head width "
+    ap.add_argument("--vit", default="10764:16:80", help="the ViT full-block row's patches:heads:head width "
                     "(Qwen3-VL's and Qwen3.5's tower at 1080p: 8160:16:72)")
     args = ap.parse_args()
     lm_q, lm_kv, lm_d = (int(v) for v in args.lm_heads.split(":"))
@@ -281,7 +275,7 @@ def main() -> None:
             for block in (int(b) for b in args.block_sizes.split(",")):
                 backend_row(spec, dev, block, args.other, lm_heads)
         if args.vit_fa3:
-            vit_fa3_rows(dev, args.other, None if args.vit == VIT_DEFAULT else (vit_n, vit_h, vit_d))
+            vit_fa3_rows(dev, args.other, (vit_n, vit_h, vit_d))
         if args.vit_windows:
             vit_window_rows(dev)
 

@@ -206,7 +206,7 @@ def trace_parts(folder: Path, requests: int) -> dict[str, float]:
         raise SystemExit(f"--trace: no step in {folder} after the load's first request carried prompt tokens")
     last = prompt_steps[-1]
     vision = sum(s.get("vit", 0.0) for s in steps)
-    prefill = sum(s.get("forward", 0.0) + s.get("graph", 0.0) for s in steps[: last + 1] if s["tokens"] > s["decodes"])
+    prefill = sum(steps[i].get("forward", 0.0) + steps[i].get("graph", 0.0) for i in prompt_steps)
     window = steps[-1]["end"] - since
     tail = steps[-1]["end"] - steps[last]["end"]
     return {"vision tower": vision, "LM prefill": prefill, TAIL: tail,

@@ -99,7 +99,7 @@ def causal_conv1d(
         for b, _, slot in st.snapshots:
             conv_state[slot].copy_(after[b])
         return out
-    if x.is_cuda and activation in ("silu", "swish", None) and not _all_decode(meta) and causal_conv.available():
+    if _triton_conv(x, activation, meta):
         seq_of, plan = _conv_plan(meta, x.shape[0], weight.shape[1] - 1)
         return causal_conv.conv(x, weight, bias, conv_state, st, meta.query_start_loc, _starts(meta)[:-1],
                                 activation is not None, seq_of, plan)  # fmt: skip
@@ -162,11 +162,16 @@ def causal_conv1d_sections(
     kernel serves, each section comes out contiguous ([T, width], the layout fla's chunked kernels take, so they copy
     nothing); elsewhere they are views of the one [T, C] result, as ``split`` gives them."""
     st = _state(meta)
-    if x.is_cuda and activation in ("silu", "swish", None) and not _all_decode(meta) and causal_conv.available():
+    if _triton_conv(x, activation, meta):
         seq_of, plan = _conv_plan(meta, x.shape[0], weight.shape[1] - 1)
         return causal_conv.conv_sections(x, weight, bias, conv_state, st, meta.query_start_loc, _starts(meta)[:-1],
                                          activation is not None, sections, seq_of, plan)  # fmt: skip
     return list(causal_conv1d(x, weight, bias, conv_state, meta, activation, fuse).split(list(sections), dim=-1))
+
+
+def _triton_conv(x: Tensor, activation: str | None, meta: AttentionMetadata) -> bool:
+    """Whether a step's conv takes causal_conv.py's kernel: CUDA, an activation it has, and prefill rows in the step."""
+    return x.is_cuda and activation in ("silu", "swish", None) and not _all_decode(meta) and causal_conv.available()
 
 
 def _conv_plan(meta: AttentionMetadata, tokens: int, width: int) -> tuple[Tensor, causal_conv.WindowPlan]:
