@@ -47,9 +47,10 @@ _WARPS, _STAGES = 4, 2  # the split kernel's launch (benchmarks/kernels/paged_de
 # left 2.9k-key batches alone; cutting a grid that already has ~4 programs per SM (128 x 2.9k keys) lost 6%
 # (benchmarks/kernels/paged_decode_bench.py --splits, docs/benchmarks.md session 18).
 _FEW_PROGRAMS, _MAX_TILES_PER_SPLIT = 3, 32
-# At most this many splits, so the combine kernel has one shape: a new constexpr (or a new value class of an
-# integer argument, which Triton specialises on) would compile a variant in the middle of serving.
+# At most this many splits: the plan's cap (a split count is an integer argument the kernels do not specialise on).
 MAX_SPLITS = 64
+# The combine kernel reads the splits' partial outputs this many at a time (one compiled shape for every split count).
+COMBINE_CHUNK = 16
 
 
 _broken: list[str] = []  # set by probe(): why the kernel is off in this process
@@ -210,27 +211,37 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit(do_not_specialize=["num_splits"])
     def combine_kernel(
         part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
-        D: tl.constexpr, D_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr,
+        D: tl.constexpr, D_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # pdl.py: nothing read or written before the kernel before has finished
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
-        s = tl.arange(0, SPLITS_P)
+        s = tl.arange(0, CHUNK)
         d = tl.arange(0, D_P)
-        smask = s < num_splits
-        row = (b * num_q_heads + h) * num_splits + s
-        lse = tl.load(part_lse_ptr + row, mask=smask, other=float("-inf"))
-        top = tl.max(lse, 0)
-        top = tl.where(top == float("-inf"), 0.0, top)  # no key at all (never for a live sequence)
-        w = tl.exp(lse - top)
-        total = tl.sum(w, 0)
-        w = w / tl.where(total > 0, total, 1.0)
-        # only splits that saw keys wrote an output (the others' weight is 0): their rows are the only ones read
-        live = smask & (lse > float("-inf"))
-        parts = tl.load(part_out_ptr + row[:, None] * D_P + d[None, :], mask=live[:, None], other=0.0)
-        out = tl.sum(parts * w[:, None], 0)
+        first = (b * num_q_heads + h) * num_splits
+        # The splits in chunks of CHUNK rows, not all MAX_SPLITS at once: a [64, D_P] float32 tile of partial outputs
+        # is 128 values a thread at 4 warps for 256-wide heads, held for the 1-16 splits most steps have. One pass
+        # for the largest log-sum-exp, one for the weighted sum (benchmarks/kernels/paged_decode_bench.py).
+        top = tl.full([CHUNK], float("-inf"), tl.float32)
+        for s0 in range(0, num_splits, CHUNK):
+            top = tl.maximum(top, tl.load(part_lse_ptr + first + s0 + s, mask=s0 + s < num_splits, other=float("-inf")))
+        top_all = tl.max(top, 0)
+        top_all = tl.where(top_all == float("-inf"), 0.0, top_all)  # no key at all (never for a live sequence)
+        total = tl.zeros([CHUNK], tl.float32)
+        acc = tl.zeros([D_P], tl.float32)
+        for s0 in range(0, num_splits, CHUNK):
+            smask = s0 + s < num_splits
+            lse = tl.load(part_lse_ptr + first + s0 + s, mask=smask, other=float("-inf"))
+            w = tl.exp(lse - top_all)
+            total += w
+            # only splits that saw keys wrote an output (the others' weight is 0): their rows are the only ones read
+            live = smask & (lse > float("-inf"))
+            parts = tl.load(part_out_ptr + (first + s0 + s)[:, None] * D_P + d[None, :], mask=live[:, None], other=0.0)
+            acc += tl.sum(parts * w[:, None], 0)
+        denom = tl.sum(total, 0)
+        out = acc / tl.where(denom > 0, denom, 1.0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
     return split_kernel, combine_kernel
@@ -309,6 +320,6 @@ def paged_decode(
     )  # fmt: skip
     combine_kernel[(b, hq)](
         part_out, part_lse, out, out.stride(0), out.stride(1), hq, splits,
-        D=d, D_P=d_p, SPLITS_P=MAX_SPLITS, num_warps=WIDE_WARPS if wide else 4, **launch,
+        D=d, D_P=d_p, CHUNK=COMBINE_CHUNK, num_warps=WIDE_WARPS if wide else 4, **launch,
     )  # fmt: skip
     return out

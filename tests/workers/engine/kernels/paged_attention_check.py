@@ -51,6 +51,16 @@ def check_kernel(
     return worst
 
 
+def check_combine_chunks(seed: int) -> float:
+    """The combine kernel reading the splits two at a time (COMBINE_CHUNK lowered): three splits (the last chunk
+    half masked), a sequence whose later splits saw no keys, and eight splits of which the last two are past the end."""
+    chunk, paged_attention.COMBINE_CHUNK = paged_attention.COMBINE_CHUNK, 2
+    try:
+        return max(check_kernel(4, 1, 32, 16, [300, 70], 20, seed), check_kernel(4, 1, 32, 16, [700], 64, seed + 1))
+    finally:
+        paged_attention.COMBINE_CHUNK = chunk
+
+
 def check_backend(seed: int, window: int = 0) -> float:
     """PaddedDecodeBackend (the CUDA-graph decode) takes the kernel here; it must equal the SDPA backend
     and write the same slots, with padding blocks full of huge values."""
@@ -131,6 +141,7 @@ def main() -> None:
         # One long sequence: several splits, and splits past its end (width > length).
         "splits": check_kernel(4, 1, 32, 16, [700], 64, 1),
         "mha_bs4": check_kernel(2, 2, 16, 4, [3, 9, 33], 12, 2),
+        "combine_chunks": check_combine_chunks(14),
         # Blocks of 128 (`glimpse serve` on CUDA): two key tiles per block, sequences ending inside either.
         "bs128": check_kernel(14, 2, 32, 128, [1, 64, 65, 200, 256], 3, 4),
         "padded_backend": check_backend(3),
