@@ -9,12 +9,17 @@ included).
     python -m benchmarks.kernels.gated_delta_bench --prefill "" --batch 64,128 --heads 16,48 --block-v 8,16,32 --warps 1,2,4
     python -m benchmarks.kernels.gated_delta_bench --prefill 1024,8192 --batch 1,64,256
     python -m benchmarks.kernels.gated_delta_bench --device cpu --prefill 64 --batch 2 --heads 2,4 --dim 32
+    python -m benchmarks.kernels.gated_delta_bench --decode-conv --batch 1,16,64 --heads 16,32  # the 9B's conv
+
+``--decode-conv`` times an all-decode step's conv alone, from a CUDA graph as the decode step replays it: the
+compiled path (fused.conv_decode and the windows' index_copy_, served where conv_decode.py's kernel is off) against
+that Triton kernel, us per layer.
 
 Qwen3.5's shapes by default (16 key heads, 32 value heads, head dims 128, conv kernel 4), bf16 inputs and state
 pools on the GPU (float32 on the CPU). Prefill: one prompt of N tokens from no state. Decode: B sequences of one
 token each, every one from its slot's state. The fla rows (GPU with fla-core only) give their largest difference
-from the torch path's output; "fla" runs the conv as served (causal_conv.py's Triton kernel on CUDA), "fla, torch
-conv" and "torch" run it in torch.
+from the torch path's output; "fla" and the in-place rows run the conv as served (on CUDA causal_conv.py's Triton
+kernel for prefill, conv_decode.py's for decode), "fla, torch conv" and "torch" run it in torch.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from benchmarks.args import parser
 from benchmarks.kernels.rope_bench import graph_us
-from workers.engine.kernels import causal_conv, gated_delta, gated_delta_decode
+from workers.engine.kernels import causal_conv, conv_decode, fused, gated_delta, gated_delta_decode
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
 KERNEL = 4
@@ -80,6 +86,38 @@ def layer_call(
     return call, rule
 
 
+def decode_conv(batches: list[int], heads: tuple[int, int], dim: int) -> None:
+    """An all-decode step's conv for one layer, graph-timed: the compiled path against conv_decode.py's kernel."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    channels = (2 * heads[0] + heads[1]) * dim
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {dtype}, {channels} conv channels")
+    print("| sequences | compiled + index_copy_, us | Triton, us | speed-up | max diff |\n|---|---|---|---|---|")
+    before = os.environ.get(conv_decode.SWITCH.env)
+    try:
+        for batch in batches:
+            wide = torch.randn(batch, channels + 64, device=device, dtype=dtype)
+            x = wide[:, :channels]  # a strided view, as the in-projection's split gives it
+            weight = torch.randn(channels, KERNEL, device=device, dtype=dtype) * 0.5
+            meta = metadata([1] * batch, device)
+            windows = torch.randn(batch, channels, KERNEL - 1, device=device, dtype=dtype)
+            times, outs = [], []
+            for on in ("0", "1"):
+                os.environ[conv_decode.SWITCH.env] = on
+                conv_decode.SWITCH.reset()
+                pool = windows.clone()
+                with fused.forced():  # the compiled path at any batch, as inside a decode graph's capture
+                    outs.append(gated_delta.causal_conv1d(x, weight, None, windows.clone(), meta, fuse=True))
+                    times.append(graph_us(partial(gated_delta.causal_conv1d, x, weight, None, pool, meta, fuse=True)))
+            diff = (outs[0].float() - outs[1].float()).abs().max().item()
+            print(f"| {batch} | {times[0]:.1f} | {times[1]:.1f} | {times[0] / times[1]:.2f}x | {diff:.3g} |")
+    finally:
+        if before is None:
+            os.environ.pop(conv_decode.SWITCH.env, None)
+        else:
+            os.environ[conv_decode.SWITCH.env] = before
+        conv_decode.SWITCH.reset()
+
+
 def ms_per_call(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     fn()  # compile / warm up
     if device.type == "cuda":
@@ -104,7 +142,13 @@ def main() -> None:
                     help="state columns a program of the in-place kernel owns, comma-separated")
     ap.add_argument("--warps", default=str(gated_delta_decode.NUM_WARPS),
                     help="warps per program of the in-place kernel, comma-separated")
+    ap.add_argument("--decode-conv", action="store_true",
+                    help="an all-decode step's conv alone, compiled against the Triton kernel (CUDA, --batch)")
     args = ap.parse_args()
+    if args.decode_conv:
+        hk, hv = (int(h) for h in args.heads.split(","))
+        decode_conv([int(b) for b in args.batch.split(",") if b], (hk, hv), args.dim)
+        return
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k_heads, v_heads = (int(h) for h in args.heads.split(","))
@@ -117,7 +161,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     cases = [("prefill", [int(n)]) for n in args.prefill.split(",") if n]
     cases += [(f"decode x{b}", [1] * int(b)) for b in args.batch.split(",") if b]
-    envs = ("GLIMPSE_FLA", gated_delta_decode.SWITCH.env, causal_conv.SWITCH.env)
+    envs = ("GLIMPSE_FLA", gated_delta_decode.SWITCH.env, causal_conv.SWITCH.env, conv_decode.SWITCH.env)
     before = [os.environ.get(env) for env in envs]
     block_v, warps = gated_delta_decode.BLOCK_V, gated_delta_decode.NUM_WARPS
     try:
@@ -129,6 +173,8 @@ def main() -> None:
                 # the served conv (the Triton kernel on CUDA) except on the torch rows
                 os.environ[causal_conv.SWITCH.env] = "0" if path in ("torch", "fla, torch conv") else "1"
                 causal_conv.SWITCH.reset()
+                os.environ[conv_decode.SWITCH.env] = "0" if path == "torch" else "1"
+                conv_decode.SWITCH.reset()
                 os.environ[gated_delta_decode.SWITCH.env] = "1" if path.startswith("in place") else "0"
                 gated_delta_decode.SWITCH.reset()
                 tiling = path.split()[3::2] if path.startswith("in place") else [block_v, warps]
@@ -150,6 +196,7 @@ def main() -> None:
                 os.environ[env] = value
         gated_delta_decode.SWITCH.reset()
         causal_conv.SWITCH.reset()
+        conv_decode.SWITCH.reset()
         gated_delta_decode.BLOCK_V, gated_delta_decode.NUM_WARPS = block_v, warps
 
 

@@ -15,7 +15,8 @@ API (implemented by the kernels owner; the model family calls exactly these):
 
 Both compute in float32 (as transformers' reference does) and store states back in the pools' dtype. The conv is
 plain torch on the CPU (one grouped conv over the whole batch; elementwise ops for an all-decode step); on CUDA a
-step with prefill runs it in one Triton kernel over the pool in place (causal_conv.py). The
+step with prefill runs it in one Triton kernel over the pool in place (causal_conv.py), an all-decode step in another
+(conv_decode.py). The
 gated delta rule of an all-decode step on CUDA is glimpse's Triton kernel that updates the pool in place
 (gated_delta_decode.py, unless ``GLIMPSE_TRITON_GDN_DECODE=0`` or its probe failed); a step with prefill runs
 flash-linear-attention's chunked kernels (gated_delta_fla.py, which also holds fla's fused recurrent step as the decode
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from workers.engine.kernels import causal_conv, fused, gated_delta_decode, gated_delta_fla
+from workers.engine.kernels import causal_conv, conv_decode, fused, gated_delta_decode, gated_delta_fla
 from workers.engine.kernels.attention import (
     AttentionMetadata,
     StateMetadata,
@@ -90,9 +91,13 @@ def causal_conv1d(
 ) -> Tensor:
     """Depthwise causal conv over each sequence's new tokens, its window of the K-1 inputs before them taken from
     ``conv_state`` (zeros without initial state); the window after them is written back (and to snapshot slots).
-    ``fuse`` (CUDA, the layer's fused flag): an all-decode step's SiLU'd conv as one compiled kernel (fused.py). Other
-    steps on CUDA take the Triton kernel that reads the windows from the pool in place (causal_conv.py)."""
+    On CUDA an all-decode step takes the Triton kernel that shifts each window in place (conv_decode.py); where it
+    is off, ``fuse`` (the layer's fused flag) makes its SiLU'd conv one compiled kernel (fused.py). Other steps on
+    CUDA take the Triton kernel that reads the windows from the pool in place (causal_conv.py)."""
     st = _state(meta)
+    in_place = x.is_cuda and weight.shape[1] > 1 and conv_decode.available()
+    if in_place and activation in ("silu", "swish", None) and _all_decode(meta):
+        return conv_decode.decode_step(x, weight, bias, conv_state, st, activation is not None)
     if fuse and bias is None and activation in ("silu", "swish") and _all_decode(meta):
         out, after = fused.compiled(fused.conv_decode)(conv_state, st.slots, st.has_initial, x, weight)
         conv_state.index_copy_(0, st.slots, after)

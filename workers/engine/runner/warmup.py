@@ -14,6 +14,7 @@ from torch import nn
 
 from workers.engine.kernels import (
     causal_conv,
+    conv_decode,
     fused,
     gated_delta_decode,
     kv_write_kernel,
@@ -62,6 +63,9 @@ def warm_fused(runner: LoadedModel) -> None:
     if runner.spec.recurrent is not None and not causal_conv.probe(runner.device, runner.dtype):
         log.warning("the Triton causal conv is off (%s); the torch conv serves steps with prefill",
                     causal_conv.SWITCH.why_off())
+    if runner.spec.recurrent is not None and not conv_decode.probe(runner.device, runner.dtype):
+        log.warning("the Triton decode conv is off (%s); the compiled conv serves decode steps",
+                    conv_decode.SWITCH.why_off())
     # (A model worker without its tower, --encoder-workers, compiles nothing of it.)
     towers = [runner.lm] if runner.vision is None else [runner.lm, runner.vision]
     for module in towers:

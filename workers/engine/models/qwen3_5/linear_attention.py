@@ -147,7 +147,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(dv, spec.rms_norm_eps)
         self.out_proj = RowParallelLinear(value, spec.hidden_size, bias=False, tp=tp)
         # CUDA: the decay and write-strength gates in one compiled kernel (fused.delta_gates), and an all-decode step's
-        # conv in another (fused.conv_decode). Set by fused.enable.
+        # conv in another (fused.conv_decode) where conv_decode.py's Triton kernel is off. Set by fused.enable.
         self.fused = False
         self.key_local, self.value_local = self.hk * dk, self.hv * dv
         self.conv_dim_local = 2 * self.key_local + self.value_local
