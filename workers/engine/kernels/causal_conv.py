@@ -139,12 +139,7 @@ def conv_sections(
         _kernel = _build()
     tokens, channels = x.shape
     width = weight.shape[1] - 1
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if weight.stride(-1) != 1:  # the kernel walks a channel's taps at unit stride
-        weight = weight.contiguous()
-    if conv_state.stride(-1) != 1:
-        raise ValueError("the conv-state pool's windows must be contiguous along the taps")
+    x, weight = operands(x, weight, conv_state)
     device = x.device
     if plan is None or plan.width != width:
         plan = window_plan(query_start_loc, width)
@@ -173,6 +168,18 @@ def conv_sections(
             conv_state[slot].copy_(torch.cat([windows[b, :, n:], x[end - n : end].t().to(windows.dtype)], dim=1))
     conv_state.index_copy_(0, st.slots, after.transpose(1, 2).to(conv_state.dtype))
     return [y[a * tokens : b * tokens].view(tokens, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def operands(x: Tensor, weight: Tensor, conv_state: Tensor) -> tuple[Tensor, Tensor]:
+    """x and weight as the conv kernels (this one and conv_decode.py's) take them: x's channels and a channel's taps at
+    unit stride (copied where not); the pool's windows must be contiguous along the taps (a pool is never copied)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if conv_state.stride(-1) != 1:
+        raise ValueError("the conv-state pool's windows must be contiguous along the taps")
+    return x, weight
 
 
 def _bounds(sections: Sequence[int], channels: int) -> list[int]:

@@ -88,12 +88,7 @@ def decode_step(
     taps = weight.shape[1]
     if taps < 2:
         raise ValueError(f"a conv of {taps} tap has no window to keep")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if weight.stride(-1) != 1:  # the kernel walks a channel's taps at unit stride
-        weight = weight.contiguous()
-    if conv_state.stride(-1) != 1:
-        raise ValueError("the conv-state pool's windows must be contiguous along the taps")
+    x, weight = causal_conv.operands(x, weight, conv_state)
     y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
     _kernel[(rows, -(-channels // BLOCK_C))](
         x, weight, bias if bias is not None else weight, y, conv_state, st.slots, st.has_initial, channels,
