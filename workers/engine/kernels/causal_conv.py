@@ -244,10 +244,15 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
                            has_initial)  # fmt: skip
         parts = conv_sections(dx, weight.to(device=device, dtype=dtype), None, got_pool, st,
                               torch.tensor(qsl, dtype=torch.int32, device=device), qsl[:-1], True, PROBE_SECTIONS)
-        got = torch.cat(parts, dim=1).float().cpu()  # fmt: skip
-        tol = 1e-5 if dtype == torch.float32 else 3e-2
-        return torch.allclose(got, want, rtol=tol, atol=tol) and torch.allclose(
-            got_pool.float().cpu()[slots], want_pool[slots].float(), rtol=tol, atol=tol
-        )
+        return agrees(torch.cat(parts, dim=1), got_pool, want, want_pool, slots)
 
     return SWITCH.probe(check)
+
+
+def agrees(got: Tensor, got_pool: Tensor, want: Tensor, want_pool: Tensor, slots: list[int]) -> bool:
+    """A conv kernel's probe (this one's, conv_decode.py's): its output and the windows it left in ``slots`` against
+    ``reference``'s, to rounding in the kernel's dtype."""
+    tol = 1e-5 if got.dtype == torch.float32 else 3e-2
+    return torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol) and torch.allclose(
+        got_pool.float().cpu()[slots], want_pool[slots].float(), rtol=tol, atol=tol
+    )

@@ -95,8 +95,7 @@ def causal_conv1d(
     is off, ``fuse`` (the layer's fused flag) makes its SiLU'd conv one compiled kernel (fused.py). Other steps on
     CUDA take the Triton kernel that reads the windows from the pool in place (causal_conv.py)."""
     st = _state(meta)
-    in_place = x.is_cuda and weight.shape[1] > 1 and conv_decode.available()
-    if in_place and activation in ("silu", "swish", None) and _all_decode(meta):
+    if _on_triton(x, activation) and _all_decode(meta) and weight.shape[1] > 1 and conv_decode.available():
         return conv_decode.decode_step(x, weight, bias, conv_state, st, activation is not None)
     if fuse and bias is None and activation in ("silu", "swish") and _all_decode(meta):
         out, after = fused.compiled(fused.conv_decode)(conv_state, st.slots, st.has_initial, x, weight)
@@ -174,9 +173,14 @@ def causal_conv1d_sections(
     return list(causal_conv1d(x, weight, bias, conv_state, meta, activation, fuse).split(list(sections), dim=-1))
 
 
+def _on_triton(x: Tensor, activation: str | None) -> bool:
+    """Whether the conv kernels in Triton (causal_conv.py, conv_decode.py) can take x: CUDA, an activation they have."""
+    return x.is_cuda and activation in ("silu", "swish", None)
+
+
 def _triton_conv(x: Tensor, activation: str | None, meta: AttentionMetadata) -> bool:
-    """Whether a step's conv takes causal_conv.py's kernel: CUDA, an activation it has, and prefill rows in the step."""
-    return x.is_cuda and activation in ("silu", "swish", None) and not _all_decode(meta) and causal_conv.available()
+    """Whether a step's conv takes causal_conv.py's kernel: one it can take, with prefill rows in the step."""
+    return _on_triton(x, activation) and not _all_decode(meta) and causal_conv.available()
 
 
 def _conv_plan(meta: AttentionMetadata, tokens: int, width: int) -> tuple[Tensor, causal_conv.WindowPlan]:

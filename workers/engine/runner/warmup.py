@@ -57,15 +57,16 @@ def warm_fused(runner: LoadedModel) -> None:
         log.warning("the Triton LM rotary kernel is off (%s); the compiled one serves", rope_kernel.SWITCH.why_off())
     if not moe_kernel.probe(runner.device, runner.dtype):
         log.warning("the Triton MoE decode kernels are off (%s); grouped GEMMs serve", moe_kernel.SWITCH.why_off())
-    if runner.spec.recurrent is not None and not gated_delta_decode.probe(runner.device, runner.dtype):
-        log.warning("the Triton gated delta decode kernel is off (%s); fla's or torch's step serves",
-                    gated_delta_decode.SWITCH.why_off())
-    if runner.spec.recurrent is not None and not causal_conv.probe(runner.device, runner.dtype):
-        log.warning("the Triton causal conv is off (%s); the torch conv serves steps with prefill",
-                    causal_conv.SWITCH.why_off())
-    if runner.spec.recurrent is not None and not conv_decode.probe(runner.device, runner.dtype):
-        log.warning("the Triton decode conv is off (%s); the compiled conv serves decode steps",
-                    conv_decode.SWITCH.why_off())
+    if runner.spec.recurrent is not None:  # a hybrid model's Gated DeltaNet kernels
+        if not gated_delta_decode.probe(runner.device, runner.dtype):
+            log.warning("the Triton gated delta decode kernel is off (%s); fla's or torch's step serves",
+                        gated_delta_decode.SWITCH.why_off())
+        if not causal_conv.probe(runner.device, runner.dtype):
+            log.warning("the Triton causal conv is off (%s); the torch conv serves steps with prefill",
+                        causal_conv.SWITCH.why_off())
+        if not conv_decode.probe(runner.device, runner.dtype):
+            log.warning("the Triton decode conv is off (%s); the compiled conv serves decode steps",
+                        conv_decode.SWITCH.why_off())
     # (A model worker without its tower, --encoder-workers, compiles nothing of it.)
     towers = [runner.lm] if runner.vision is None else [runner.lm, runner.vision]
     for module in towers:
