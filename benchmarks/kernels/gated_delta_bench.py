@@ -10,10 +10,12 @@ included).
     python -m benchmarks.kernels.gated_delta_bench --prefill 1024,8192 --batch 1,64,256
     python -m benchmarks.kernels.gated_delta_bench --device cpu --prefill 64 --batch 2 --heads 2,4 --dim 32
     python -m benchmarks.kernels.gated_delta_bench --decode-conv --batch 1,16,64 --heads 16,32  # the 9B's conv
+    python -m benchmarks.kernels.gated_delta_bench --prefill-conv 8x256,2x2048,1x4096 --heads 16,32
 
 ``--decode-conv`` times an all-decode step's conv alone, from a CUDA graph as the decode step replays it: the
 compiled path (fused.conv_decode and the windows' index_copy_, served where conv_decode.py's kernel is off) against
-that Triton kernel, us per layer.
+that Triton kernel, us per layer. ``--prefill-conv`` does the same for prefill steps' conv (the torch path against
+causal_conv.py's kernel with its windows' write-back, as a Gated DeltaNet layer calls it).
 
 Qwen3.5's shapes by default (16 key heads, 32 value heads, head dims 128, conv kernel 4), bf16 inputs and state
 pools on the GPU (float32 on the CPU). Prefill: one prompt of N tokens from no state. Decode: B sequences of one
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -36,6 +39,7 @@ from benchmarks.args import parser
 from benchmarks.kernels.rope_bench import graph_us
 from workers.engine.kernels import causal_conv, conv_decode, fused, gated_delta, gated_delta_decode
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
+from workers.engine.kernels.triton_switch import TritonSwitch
 
 KERNEL = 4
 
@@ -86,36 +90,70 @@ def layer_call(
     return call, rule
 
 
+@contextmanager
+def switched(switch: TritonSwitch, on: bool) -> Iterator[None]:
+    """A Triton kernel's switch set for the block, as its environment variable sets it, then put back."""
+    before = os.environ.get(switch.env)
+    os.environ[switch.env] = "1" if on else "0"
+    switch.reset()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(switch.env, None)
+        else:
+            os.environ[switch.env] = before
+        switch.reset()
+
+
 def decode_conv(batches: list[int], heads: tuple[int, int], dim: int) -> None:
     """An all-decode step's conv for one layer, graph-timed: the compiled path against conv_decode.py's kernel."""
     device, dtype = torch.device("cuda"), torch.bfloat16
     channels = (2 * heads[0] + heads[1]) * dim
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {dtype}, {channels} conv channels")
     print("| sequences | compiled + index_copy_, us | Triton, us | speed-up | max diff |\n|---|---|---|---|---|")
-    before = os.environ.get(conv_decode.SWITCH.env)
-    try:
-        for batch in batches:
-            wide = torch.randn(batch, channels + 64, device=device, dtype=dtype)
-            x = wide[:, :channels]  # a strided view, as the in-projection's split gives it
-            weight = torch.randn(channels, KERNEL, device=device, dtype=dtype) * 0.5
-            meta = metadata([1] * batch, device)
-            windows = torch.randn(batch, channels, KERNEL - 1, device=device, dtype=dtype)
-            times, outs = [], []
-            for on in ("0", "1"):
-                os.environ[conv_decode.SWITCH.env] = on
-                conv_decode.SWITCH.reset()
+    for batch in batches:
+        wide = torch.randn(batch, channels + 64, device=device, dtype=dtype)
+        x = wide[:, :channels]  # a strided view, as the in-projection's split gives it
+        weight = torch.randn(channels, KERNEL, device=device, dtype=dtype) * 0.5
+        meta = metadata([1] * batch, device)
+        windows = torch.randn(batch, channels, KERNEL - 1, device=device, dtype=dtype)
+        times, outs = [], []
+        for on in (False, True):
+            with switched(conv_decode.SWITCH, on), fused.forced():  # compiled at any batch, as in a graph's capture
                 pool = windows.clone()
-                with fused.forced():  # the compiled path at any batch, as inside a decode graph's capture
-                    outs.append(gated_delta.causal_conv1d(x, weight, None, windows.clone(), meta, fuse=True))
-                    times.append(graph_us(partial(gated_delta.causal_conv1d, x, weight, None, pool, meta, fuse=True)))
-            diff = (outs[0].float() - outs[1].float()).abs().max().item()
-            print(f"| {batch} | {times[0]:.1f} | {times[1]:.1f} | {times[0] / times[1]:.2f}x | {diff:.3g} |")
-    finally:
-        if before is None:
-            os.environ.pop(conv_decode.SWITCH.env, None)
-        else:
-            os.environ[conv_decode.SWITCH.env] = before
-        conv_decode.SWITCH.reset()
+                outs.append(gated_delta.causal_conv1d(x, weight, None, windows.clone(), meta, fuse=True))
+                times.append(graph_us(partial(gated_delta.causal_conv1d, x, weight, None, pool, meta, fuse=True)))
+        diff = (outs[0].float() - outs[1].float()).abs().max().item()
+        print(f"| {batch} | {times[0]:.1f} | {times[1]:.1f} | {times[0] / times[1]:.2f}x | {diff:.3g} |")
+
+
+def prefill_conv(steps: list[tuple[int, int]], heads: tuple[int, int], dim: int) -> None:
+    """A prefill step's conv for one layer as Gated DeltaNet calls it (q, k, v sections), graph-timed: the torch path
+    against causal_conv.py's kernel with its windows' write-back. ``steps``: (sequences, tokens each), from no state."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    sections = (heads[0] * dim, heads[0] * dim, heads[1] * dim)
+    channels = sum(sections)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {dtype}, {channels} conv channels")
+    print("| step | torch path, us | Triton + write-back, us | speed-up | Triton GB/s (x read, y written) | max diff |")
+    print("|---|---|---|---|---|---|")
+    for n, length in steps:
+        tokens = n * length
+        wide = torch.randn(tokens, channels + (1 + dim) * heads[1], device=device, dtype=dtype)
+        x = wide[:, :channels]  # the in-projection's first sections: rows strided by its z, b and a columns
+        weight = torch.randn(channels, KERNEL, device=device, dtype=dtype) * 0.5
+        meta = metadata([length] * n, device)
+        windows = torch.randn(n, channels, KERNEL - 1, device=device, dtype=dtype)
+        times, outs = [], []
+        for on in (False, True):
+            with switched(causal_conv.SWITCH, on):
+                call = partial(gated_delta.causal_conv1d_sections, x, weight, None, windows.clone(), meta, sections)
+                outs.append(torch.cat(call(), dim=1))
+                times.append(graph_us(call))
+        diff = (outs[0].float() - outs[1].float()).abs().max().item()
+        rate = 2 * tokens * channels * x.element_size() / (times[1] * 1e-6) / 1e9
+        print(f"| {n} x {length} | {times[0]:.1f} | {times[1]:.1f} | {times[0] / times[1]:.2f}x | {rate:,.0f} | "
+              f"{diff:.3g} |")
 
 
 def ms_per_call(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -144,14 +182,21 @@ def main() -> None:
                     help="warps per program of the in-place kernel, comma-separated")
     ap.add_argument("--decode-conv", action="store_true",
                     help="an all-decode step's conv alone, compiled against the Triton kernel (CUDA, --batch)")
+    ap.add_argument("--prefill-conv", default="",
+                    help="prefill steps' conv alone, torch against the Triton kernel (CUDA): sequences x tokens, "
+                         "comma-separated, e.g. 8x256,2x2048")  # fmt: skip
     args = ap.parse_args()
+    hk, hv = (int(h) for h in args.heads.split(","))
     if args.decode_conv:
-        hk, hv = (int(h) for h in args.heads.split(","))
         decode_conv([int(b) for b in args.batch.split(",") if b], (hk, hv), args.dim)
+        return
+    if args.prefill_conv:
+        steps = [tuple(int(v) for v in step.split("x")) for step in args.prefill_conv.split(",")]
+        prefill_conv([(n, length) for n, length in steps], (hk, hv), args.dim)
         return
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    k_heads, v_heads = (int(h) for h in args.heads.split(","))
+    k_heads, v_heads = hk, hv
     paths = ["torch"] + (["fla, torch conv", "fla"] if gated_delta.fla_path(device) else [])
     in_place = [f"in place, BV {bv} warps {w}" for bv in args.block_v.split(",") for w in args.warps.split(",")]
     in_place = in_place if device.type == "cuda" else []

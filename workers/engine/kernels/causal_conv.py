@@ -7,12 +7,14 @@ in 4,096-token chunks, `python -m benchmarks.engine.decode_profile --shape qwen3
 --batch 8 --context 2200`) cuDNN's generic depthwise kernel took 11.1 ms of a 199 ms step and the copies, gathers,
 casts and SiLU around it about 20 ms more, for 24 layers whose inputs are 4,096 x 10,240 values each.
 
-Here each program takes BLOCK_T tokens x BLOCK_C channels of the step: for every tap it loads the input row that
-tap reads, or, for a sequence's first K-1 tokens, the window column from the sequence's slot (zeros without
-initial state, without reading the slot: it may hold NaN from an earlier owner), sums the taps in float32, applies
-SiLU and stores the output in x's dtype. The windows after each sequence's last token (and after the snapshot
-points) are K-1 rows per sequence, written back afterwards from the input rows and the old windows gathered
-before the kernel ran.
+Here each program walks BLOCK_T consecutive rows of BLOCK_C channels, keeping the K-1 inputs before the current row
+in registers, so every input row is read once: it sums the taps in float32, applies SiLU and stores the row in x's
+dtype. A row whose taps reach before its sequence's first new token takes those taps from the window column of the
+sequence's slot instead (zeros without initial state, without reading the slot: it may hold NaN from an earlier
+owner). A second kernel then writes each sequence's window after its last new token into its slot (K-1 input rows, or
+for a sequence of fewer new tokens the rest of its old window): where the torch ops it replaced (gathers, a where, an
+index_copy_) took ~40 us a layer beside the conv's 33 us on the 9B's 2,048-token step (H200). The windows after the
+snapshot points (prefix caching) are copied in torch.
 
 The output can be stored as up to three sections of channels, each its own contiguous [T, width] block
 (``conv_sections``): Gated DeltaNet's q, k and v, which fla's chunked kernels take contiguous. As one [T, C] tensor
@@ -27,7 +29,6 @@ failure leaves the torch path serving (``GLIMPSE_TRITON_CONV=0`` turns the kerne
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,11 +40,16 @@ from workers.engine.kernels.triton_switch import TritonSwitch
 SWITCH = TritonSwitch("GLIMPSE_TRITON_CONV")
 available = SWITCH.on
 
-# 32 tokens x 128 channels a program: each tap's load is 32 rows of 256 contiguous bytes (bf16), and the four taps
-# of a tile re-read mostly the same rows (cache hits), so the kernel streams x and y about once.
-BLOCK_T, BLOCK_C = 32, 128
+# A program walks BLOCK_T rows of BLOCK_C channels with the last K-1 input rows in registers, so each input row is
+# read once (and K-1 halo rows a program). 32 x 128 on one warp measured best of 16 tilings (H200, graph-timed, the 9B's
+# 2,048 x 8,192 conv: 33 us; 2 x 2,048 tokens 62 us; the 27B's 4,096 x 10,240 82 us). The kernel before it, a
+# [32, 128] tile loading each tap's rows again with 64-bit addresses per element, took 88, 166 and 209 us.
+BLOCK_T, BLOCK_C, NUM_WARPS = 32, 128, 1
+MAX_KERNEL = 4  # taps the kernel keeps in registers (Qwen3.5: 4); wider convs take the torch path
 
-_kernel: Any = None
+WINDOW_BLOCK_C = 512  # channels a program of the window write-back copies (K-1 values each)
+
+_kernels: tuple[Any, Any] | None = None
 
 
 def _build() -> Any:
@@ -54,120 +60,139 @@ def _build() -> Any:
     # the middle of serving. The rest (channels, strides) is fixed per model and met by the start-up warm-up's steps.
     @triton.jit(do_not_specialize=["tokens"])
     def causal_conv_kernel(
-        x, w, bias, y, pool, slots, has_initial, starts, seq_of,
+        x, w, bias, y, pool, slots, has_initial, query_start_loc, seq_of,
         tokens, channels, b1, b2, sx, sw, sp_slot, sp_c,
         K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ):  # fmt: skip
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        t0 = tl.program_id(0) * BT
         c = tl.program_id(1) * BC + tl.arange(0, BC)
-        mt = t < tokens
         mc = c < channels
-        b = tl.load(seq_of + t, mask=mt, other=0)
-        start = tl.load(starts + b, mask=mt, other=0)
-        slot = tl.load(slots + b, mask=mt, other=0).to(tl.int64)
-        init = tl.load(has_initial + b, mask=mt, other=0) != 0
-        m = mt[:, None] & mc[None, :]
-        acc = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(K):
-            src = t - (K - 1) + j
-            inside = src >= start
-            xv = tl.load(x + src.to(tl.int64)[:, None] * sx + c[None, :], mask=m & inside[:, None], other=0.0)
-            col = src - start + (K - 1)  # the window's column this tap reads before the sequence's first new token
-            wv = tl.load(pool + slot[:, None] * sp_slot + c[None, :] * sp_c + col[:, None],
-                         mask=m & (init & ~inside)[:, None], other=0.0)  # fmt: skip
-            tap = tl.load(w + c * sw + j, mask=mc, other=0.0).to(tl.float32)
-            acc += (xv.to(tl.float32) + wv.to(tl.float32)) * tap[None, :]
+        # The tap d rows back (d = 0: the row itself) is weight column K-1-d; taps a narrower conv lacks weigh 0.
+        tap = w + c * sw + (K - 1)
+        w0 = tl.load(tap, mask=mc, other=0.0).to(tl.float32)
+        w1 = tl.load(tap - 1, mask=mc & (K > 1), other=0.0).to(tl.float32)
+        w2 = tl.load(tap - 2, mask=mc & (K > 2), other=0.0).to(tl.float32)
+        w3 = tl.load(tap - 3, mask=mc & (K > 3), other=0.0).to(tl.float32)
         if HAS_BIAS:
-            acc += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
+            bv = tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)
+        else:
+            bv = tl.zeros([BC], dtype=tl.float32)
         # y holds the sections [0, b1), [b1, b2), [b2, channels) one after another, each [tokens, its width]
         first = tl.where(c >= b2, b2, tl.where(c >= b1, b1, 0))
         width = tl.where(c >= b2, channels, tl.where(c >= b1, b2, b1)) - first
-        at = first.to(tl.int64)[None, :] * tokens + t.to(tl.int64)[:, None] * width[None, :] + (c - first)[None, :]
-        tl.store(y + at, acc.to(y.dtype.element_ty), mask=m)
+        yr = y + first.to(tl.int64) * tokens + (c - first) + t0.to(tl.int64) * width
+        xr = x + c + t0.to(tl.int64) * sx
+        # The rows 1-3 back of the first row (zeros before row 0); where they belong to an earlier sequence, the
+        # fix-up below swaps in the sequence's window.
+        h1 = tl.load(xr - sx, mask=mc & (t0 >= 1), other=0.0).to(tl.float32)
+        h2 = tl.load(xr - 2 * sx, mask=mc & (t0 >= 2), other=0.0).to(tl.float32)
+        h3 = tl.load(xr - 3 * sx, mask=mc & (t0 >= 3), other=0.0).to(tl.float32)
+        for t in range(t0, tl.minimum(t0 + BT, tokens)):
+            xv = tl.load(xr, mask=mc, other=0.0).to(tl.float32)
+            b = tl.load(seq_of + t)
+            s = tl.load(query_start_loc + b)
+            a1 = h1
+            a2 = h2
+            a3 = h3
+            if t - s < K - 1:  # a tap reaches before the sequence's first new token: its window column
+                init = tl.load(has_initial + b) != 0  # without state zeros, the slot unread (it may hold NaN)
+                pc = pool + tl.load(slots + b).to(tl.int64) * sp_slot + c * sp_c + (t - s + K - 1)
+                a1 = tl.where(t - 1 >= s, h1, tl.load(pc - 1, mask=mc & init & (t - 1 < s), other=0.0).to(tl.float32))
+                a2 = tl.where(t - 2 >= s, h2, tl.load(pc - 2, mask=mc & init & (t - 2 < s) & (K > 2), other=0.0).to(tl.float32))
+                a3 = tl.where(t - 3 >= s, h3, tl.load(pc - 3, mask=mc & init & (t - 3 < s) & (K > 3), other=0.0).to(tl.float32))
+            acc = xv * w0 + a1 * w1 + a2 * w2 + a3 * w3 + bv
+            if SILU:
+                acc = acc / (1.0 + tl.exp(-acc))
+            tl.store(yr, acc.to(y.dtype.element_ty), mask=mc)
+            h3 = h2
+            h2 = h1
+            h1 = xv
+            xr += sx
+            yr += width
 
-    return causal_conv_kernel
+    @triton.jit
+    def conv_window_kernel(
+        x, pool, slots, has_initial, query_start_loc, channels, sx, sp_slot, sp_c, K: tl.constexpr, BC: tl.constexpr
+    ):  # fmt: skip
+        """Sequence b's window after its last new token into its slot: column j holds input row end - (K-1) + j,
+        from x, or for a sequence of fewer than K-1 new tokens from its old window (zeros without state)."""
+        b = tl.program_id(0)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        mc = c < channels
+        start = tl.load(query_start_loc + b).to(tl.int64)
+        end = tl.load(query_start_loc + b + 1).to(tl.int64)
+        init = tl.load(has_initial + b) != 0
+        pc = pool + tl.load(slots + b).to(tl.int64) * sp_slot + c * sp_c
+        for j in tl.static_range(K - 1):
+            row = end - (K - 1) + j
+            if row >= start:
+                v = tl.load(x + row * sx + c, mask=mc, other=0.0)
+            else:  # the old window's column row - start + K-1 = j + (new tokens) > j: not yet overwritten
+                v = tl.load(pc + (row - start + K - 1), mask=mc & init, other=0.0)
+            tl.store(pc + j, v.to(pool.dtype.element_ty), mask=mc)
 
-
-@dataclass(frozen=True)
-class WindowPlan:
-    """Where each sequence's window after its last new token comes from, for a conv of K-1 = ``width`` taps of
-    history: the same for every layer of a step, so a step builds it once (about a dozen small ops a layer
-    otherwise, on a host that launches each Gated DeltaNet layer eagerly)."""
-
-    width: int
-    starts: Tensor  # [B] int64: each sequence's first row in the step
-    rows: Tensor  # [B, K-1] the rows end_b - (K-1) .. end_b - 1, clamped to 0 (read from x where ``inside``)
-    inside: Tensor  # [B, K-1, 1] whether that row is one of the sequence's new tokens
-    cols: Tensor  # [B, 1, K-1] else its column in the old window (row - start_b + K-1), clamped into the window
-
-
-def window_plan(query_start_loc: Tensor, width: int) -> WindowPlan:
-    """The WindowPlan of a step whose sequences start at ``query_start_loc`` [B+1] (device; no host sync)."""
-    starts = query_start_loc[:-1].long()
-    span = torch.arange(width, device=query_start_loc.device)
-    rows = query_start_loc[1:].long().unsqueeze(1) - width + span  # [B, K-1]
-    inside = rows >= starts.unsqueeze(1)
-    cols = (rows - starts.unsqueeze(1) + width).clamp(0, width - 1)
-    return WindowPlan(width, starts, rows.clamp(min=0), inside.unsqueeze(-1), cols.unsqueeze(1))
+    return causal_conv_kernel, conv_window_kernel
 
 
 def conv(
     x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, st: StateMetadata, query_start_loc: Tensor,
-    starts_cpu: list[int], silu: bool, seq_of: Tensor | None = None, plan: WindowPlan | None = None,
+    starts_cpu: list[int], silu: bool, seq_of: Tensor | None = None,
 ) -> Tensor:
-    """x [T, C] (rows may be strided), the step's sequences one after another (``query_start_loc`` [B+1] on the
+    """x [T, C] (rows may be strided), the step's sequences one after another (``query_start_loc`` [B+1] int32 on the
     device, ``starts_cpu`` its first B entries on the host); weight [C, K]; conv_state [S, C, K-1] with sequence b's
     window in slot ``st.slots[b]``. Returns the (SiLU'd) conv [T, C] in x's dtype; the window after each sequence's
     last new token is written back to its slot, and the one after its first n to each snapshot slot of
-    ``st.snapshots``. ``seq_of`` [T]: each row's sequence index, and ``plan`` the step's window_plan (each made here
-    when not given)."""
-    return conv_sections(x, weight, bias, conv_state, st, query_start_loc, starts_cpu, silu, [x.shape[1]], seq_of,
-                         plan)[0]  # fmt: skip
+    ``st.snapshots``. ``seq_of`` [T]: each row's sequence index (made here when not given)."""
+    return conv_sections(x, weight, bias, conv_state, st, query_start_loc, starts_cpu, silu, [x.shape[1]], seq_of)[0]
 
 
 def conv_sections(
     x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, st: StateMetadata, query_start_loc: Tensor,
     starts_cpu: list[int], silu: bool, sections: Sequence[int], seq_of: Tensor | None = None,
-    plan: WindowPlan | None = None,
 ) -> list[Tensor]:
     """``conv`` with its output as consecutive channel ``sections`` (at most three widths summing to C), each a
     contiguous [T, width] tensor: the conv's [T, C] split by channels, without the row stride of C."""
-    global _kernel
-    if _kernel is None:
-        _kernel = _build()
+    global _kernels
+    if _kernels is None:
+        _kernels = _build()
+    conv_kernel, window_kernel = _kernels
     tokens, channels = x.shape
     width = weight.shape[1] - 1
+    if not takes(width + 1):
+        raise ValueError(f"conv kernel width {width + 1}: the Triton kernel takes 1-{MAX_KERNEL} taps")
     x, weight = operands(x, weight, conv_state)
-    device = x.device
-    if plan is None or plan.width != width:
-        plan = window_plan(query_start_loc, width)
     if seq_of is None:
         seq_of = sequence_of_rows(query_start_loc, tokens)
-    # The old windows, before anything writes the pool: the write-back below reaches into them where a sequence has
-    # fewer than K-1 new tokens (zeros where it has no state; the slot may hold garbage).
-    windows = st.initial(conv_state)  # [B, C, K-1]
+    # A snapshot after fewer than K-1 new tokens reaches into the sequence's old window: gathered before the
+    # write-back below replaces it (zeros where it has no state; the slot may hold garbage).
+    windows = st.initial(conv_state) if any(n < width for _, n, _ in st.snapshots) else None
     bounds = _bounds(sections, channels)
-    y = torch.empty(tokens * channels, dtype=x.dtype, device=device)
+    y = torch.empty(tokens * channels, dtype=x.dtype, device=x.device)
     grid = (-(-tokens // BLOCK_T), -(-channels // BLOCK_C))
-    _kernel[grid](
-        x, weight, bias if bias is not None else weight, y, conv_state, st.slots, st.has_initial, plan.starts, seq_of,
-        tokens, channels, bounds[1], bounds[2], x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
-        K=width + 1, BT=BLOCK_T, BC=BLOCK_C, HAS_BIAS=bias is not None, SILU=silu, num_warps=4,
+    conv_kernel[grid](
+        x, weight, bias if bias is not None else weight, y, conv_state, st.slots, st.has_initial, query_start_loc,
+        seq_of, tokens, channels, bounds[1], bounds[2], x.stride(0), weight.stride(0), conv_state.stride(0),
+        conv_state.stride(1), K=width + 1, BT=BLOCK_T, BC=BLOCK_C, HAS_BIAS=bias is not None, SILU=silu,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
-    # Sequence b's window after its last new token: from x where its rows are new tokens, else from its old window.
-    from_x = x[plan.rows]  # [B, K-1, C]
-    from_window = windows.gather(2, plan.cols.expand(-1, channels, -1)).transpose(1, 2)
-    after = torch.where(plan.inside, from_x.to(windows.dtype), from_window)
     for b, n, slot in st.snapshots:  # the window after sequence b's first n new tokens
         end = starts_cpu[b] + n
         if n >= width:
             conv_state[slot].copy_(x[end - width : end].t())
         else:
+            assert windows is not None
             conv_state[slot].copy_(torch.cat([windows[b, :, n:], x[end - n : end].t().to(windows.dtype)], dim=1))
-    conv_state.index_copy_(0, st.slots, after.transpose(1, 2).to(conv_state.dtype))
+    # Launched after the conv, which reads the old windows; one program per sequence and channel block.
+    window_kernel[(st.slots.shape[0], -(-channels // WINDOW_BLOCK_C))](
+        x, conv_state, st.slots, st.has_initial, query_start_loc, channels, x.stride(0), conv_state.stride(0),
+        conv_state.stride(1), K=width + 1, BC=WINDOW_BLOCK_C, num_warps=4,
+    )  # fmt: skip
     return [y[a * tokens : b * tokens].view(tokens, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def takes(kernel: int) -> bool:
+    """Whether the kernel takes a conv of ``kernel`` taps (it keeps the last MAX_KERNEL - 1 inputs in registers)."""
+    return 1 <= kernel <= MAX_KERNEL
 
 
 def operands(x: Tensor, weight: Tensor, conv_state: Tensor) -> tuple[Tensor, Tensor]:

@@ -103,10 +103,9 @@ def causal_conv1d(
         for b, _, slot in st.snapshots:
             conv_state[slot].copy_(after[b])
         return out
-    if _triton_conv(x, activation, meta):
-        seq_of, plan = _conv_plan(meta, x.shape[0], weight.shape[1] - 1)
+    if _triton_conv(x, weight, activation, meta):
         return causal_conv.conv(x, weight, bias, conv_state, st, meta.query_start_loc, _starts(meta)[:-1],
-                                activation is not None, seq_of, plan)  # fmt: skip
+                                activation is not None, _rows_sequence(meta, x.shape[0]))  # fmt: skip
     tokens, channels = x.shape
     width = weight.shape[1] - 1  # the window: K-1 inputs
     batch = st.slots.shape[0]
@@ -166,10 +165,9 @@ def causal_conv1d_sections(
     kernel serves, each section comes out contiguous ([T, width], the layout fla's chunked kernels take, so they copy
     nothing); elsewhere they are views of the one [T, C] result, as ``split`` gives them."""
     st = _state(meta)
-    if _triton_conv(x, activation, meta):
-        seq_of, plan = _conv_plan(meta, x.shape[0], weight.shape[1] - 1)
+    if _triton_conv(x, weight, activation, meta):
         return causal_conv.conv_sections(x, weight, bias, conv_state, st, meta.query_start_loc, _starts(meta)[:-1],
-                                         activation is not None, sections, seq_of, plan)  # fmt: skip
+                                         activation is not None, sections, _rows_sequence(meta, x.shape[0]))  # fmt: skip
     return list(causal_conv1d(x, weight, bias, conv_state, meta, activation, fuse).split(list(sections), dim=-1))
 
 
@@ -178,21 +176,19 @@ def _on_triton(x: Tensor, activation: str | None) -> bool:
     return x.is_cuda and activation in ("silu", "swish", None)
 
 
-def _triton_conv(x: Tensor, activation: str | None, meta: AttentionMetadata) -> bool:
-    """Whether a step's conv takes causal_conv.py's kernel: one it can take, with prefill rows in the step."""
-    return _on_triton(x, activation) and not _all_decode(meta) and causal_conv.available()
+def _triton_conv(x: Tensor, weight: Tensor, activation: str | None, meta: AttentionMetadata) -> bool:
+    """Whether a step's conv takes causal_conv.py's kernel: one it can take (its width too), with prefill rows in
+    the step."""
+    return (_on_triton(x, activation) and causal_conv.takes(weight.shape[1]) and not _all_decode(meta)
+            and causal_conv.available())  # fmt: skip
 
 
-def _conv_plan(meta: AttentionMetadata, tokens: int, width: int) -> tuple[Tensor, causal_conv.WindowPlan]:
-    """Each row's sequence and where each window comes from: the same for every layer of the step (kept in
-    ``meta.derived``)."""
+def _rows_sequence(meta: AttentionMetadata, tokens: int) -> Tensor:
+    """Each row's sequence: the same for every layer of the step (kept in ``meta.derived``)."""
     seq_of = meta.derived.get("conv_seq_of")
     if seq_of is None:
         seq_of = meta.derived["conv_seq_of"] = sequence_of_rows(meta.query_start_loc, tokens)
-    plan = meta.derived.get("conv_window_plan")
-    if plan is None:
-        plan = meta.derived["conv_window_plan"] = causal_conv.window_plan(meta.query_start_loc, width)
-    return seq_of, plan
+    return seq_of
 
 
 def _l2norm(x: Tensor) -> Tensor:

@@ -85,10 +85,10 @@ for case in conv_cases(LENS, SLOTS, HAS_INITIAL, SNAPSHOTS, shapes):
     starts = meta.query_start_loc.tolist()[:-1]
     got = causal_conv.conv(x, weight, b, case.pool, meta.state, meta.query_start_loc, starts, silu)
     case.check(got)
-    # the step's window plan made once and handed to every layer gives the same answer and windows
-    plan = causal_conv.window_plan(meta.query_start_loc, weight.shape[1] - 1)
+    # the step's row-to-sequence map made once and handed to every layer gives the same answer and windows
+    seq_of = torch.repeat_interleave(torch.arange(len(LENS)), torch.tensor(LENS))
     again = case.fresh.clone()
-    got2 = causal_conv.conv(x, weight, b, again, meta.state, meta.query_start_loc, starts, silu, plan=plan)
+    got2 = causal_conv.conv(x, weight, b, again, meta.state, meta.query_start_loc, starts, silu, seq_of)
     assert torch.equal(got2, got) and torch.equal(again, case.pool)
     # the same conv stored as channel sections (q, k, v): boundaries inside a 128-channel tile and on one
     for sections in SECTIONS[x.shape[1]]:
@@ -135,6 +135,21 @@ def test_sections_off_the_kernel_are_the_convs_split() -> None:
 def test_sections_must_be_one_to_three_widths_covering_the_channels(sections: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match="conv sections"):
         causal_conv._bounds(sections, 24)
+
+
+def test_a_conv_wider_than_the_kernels_registers_stays_on_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel keeps MAX_KERNEL - 1 inputs in registers: a wider conv is refused by it by name and never dispatched
+    to it (the torch path takes any width)."""
+    x, _, _, pool = inputs(24)
+    wide = torch.randn(24, causal_conv.MAX_KERNEL + 1)
+    meta = make_meta(LENS, SLOTS, HAS_INITIAL)
+    with pytest.raises(ValueError, match="conv kernel width"):
+        causal_conv.conv(x, wide, None, torch.zeros(10, 24, causal_conv.MAX_KERNEL), meta.state, meta.query_start_loc,
+                         [0, 1, 3, 40], True)  # fmt: skip
+    monkeypatch.setattr(gated_delta, "_on_triton", lambda x, activation: True)  # as on CUDA
+    monkeypatch.setattr(causal_conv, "available", lambda: True)
+    assert gated_delta._triton_conv(x, torch.randn(24, causal_conv.MAX_KERNEL), "silu", meta)
+    assert not gated_delta._triton_conv(x, wide, "silu", meta)
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
