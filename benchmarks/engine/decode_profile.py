@@ -164,6 +164,12 @@ def print_host_ops(prof: profile, steps: int, top: int) -> None:
     print("\n| host op | calls per step | host self ms per step |\n|---|---|---|")
     for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"| {e.key[:90]} | {e.count / steps:.1f} | {e.self_cpu_time_total / 1e3 / steps:.3f} |")
+    # The kernels each op launched (eager ops; a graph replay's kernels count under its launch): which op a generic
+    # kernel of the table above (an elementwise or copy kernel) came from.
+    print("\n| op | calls per step | its kernels' ms per step |\n|---|---|---|")
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top]:
+        if e.self_device_time_total > 0:
+            print(f"| {e.key[:90]} | {e.count / steps:.1f} | {e.self_device_time_total / 1e3 / steps:.3f} |")
 
 
 def print_waits(prof: profile, steps: int, floor_ms: float = 0.05) -> None:
