@@ -82,6 +82,7 @@ GPU_ONLY: dict[str, list[str]] = {
     "engine.decode_profile": ["--layers", "4", "--top", "5"],
     "engine.vit_bench": ["--images", "1", "--prefill-tokens", "1024"],
     "engine.gemma4_vit_bench": ["--images", "1", "--budgets", "70", "--reps", "2"],
+    "engine.qwen3_vit_bench": ["--images", "1", "--rounds", "1", "--reps", "1"],
     "engine.piecewise_bench": ["--repeats", "1", "--load-requests", "8", "--running", "4", "--base-words", "200"],
     "kernels.attn_bench": ["--chunks", "1024:4096"],
     "kernels.paged_decode_bench": [],

@@ -110,3 +110,24 @@ def test_gated_delta_net_norm_and_gates_on_cuda(dtype: torch.dtype, tol: float, 
     want_g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     assert g.dtype == torch.float32 and torch.allclose(g, want_g, atol=1e-5, rtol=1e-5)
     assert torch.equal(beta, b.sigmoid())
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(300, 64, 96), (4096, 1152, 4304)])
+def test_the_gemm_gelu_epilogue_is_the_tanh_gelu_on_cuda(shape: tuple[int, int, int]) -> None:
+    """Qwen3-VL's tower runs its MLP's first projection as torch._addmm_activation(use_gelu=True): on CUDA (cuBLASLt's
+    epilogue, or torch's fallback) that must be the tanh GELU of gelu_pytorch_tanh, not the erf one its CPU kernel
+    computes; the inputs reach where the two differ by far more than the tolerance."""
+    rows, inner, out = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, inner, device="cuda", generator=gen)
+    w = torch.randn(out, inner, device="cuda", generator=gen) * inner**-0.5 * 2
+    bias = torch.randn(out, device="cuda", generator=gen)
+    for dtype, tol in ((torch.float32, 5e-5), (torch.bfloat16, 2e-2)):
+        got = torch._addmm_activation(bias.to(dtype), x.to(dtype), w.to(dtype).t(), use_gelu=True).float()
+        pre = torch.addmm(bias.to(dtype), x.to(dtype), w.to(dtype).t()).float()
+        tanh, erf = F.gelu(pre, approximate="tanh"), F.gelu(pre)
+        if dtype == torch.float32:  # the two GELUs differ by up to ~5e-4: the check below can tell them apart
+            assert (tanh - erf).abs().max() > 4 * tol
+        torch.testing.assert_close(got, tanh, atol=tol, rtol=tol)
+        assert (got - tanh).abs().mean() < (got - erf).abs().mean()

@@ -130,6 +130,39 @@ def test_many_images_match_transformers(reference: Any) -> None:
         _check(ours, _expected(reference, pixels, grids))
 
 
+def test_fused_paths_match_transformers(reference: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA paths of fused.enable, run here in float32 on the CPU (every site taken, compiled functions run as
+    written): the MLP's GEMM with its GELU in the epilogue among them, the tower gives transformers' answer."""
+    from workers.engine.kernels import fused
+    from workers.engine.models.qwen3_vl import vision
+
+    monkeypatch.setattr(fused, "worth_it", lambda x: True)
+    monkeypatch.setattr(fused, "compiled", lambda fn: fn)
+    calls = 0
+
+    def epilogue(bias: torch.Tensor, x: torch.Tensor, w: torch.Tensor, use_gelu: bool) -> torch.Tensor:
+        """The op as cuBLASLt computes it on CUDA (tanh GELU; test_fused checks that there): its CPU kernel uses
+        the erf GELU instead."""
+        nonlocal calls
+        calls += 1
+        assert use_gelu
+        return torch.nn.functional.gelu(torch.addmm(bias, x, w), approximate="tanh")
+
+    monkeypatch.setattr(torch, "_addmm_activation", epilogue)
+    tower = _tower(reference)
+    fused.enable(tower)
+    grids = ODD_GRIDS
+    pixels = _pixels(grids, seed=7)
+    with torch.no_grad():
+        ours = tower(pixels, grids)
+    _check(ours, _expected(reference, pixels, grids))
+    assert calls == VISION["depth"]
+    monkeypatch.setattr(vision, "GELU_EPILOGUE", False)  # the switch the benchmark turns
+    with torch.no_grad():
+        _check(tower(pixels, grids), _expected(reference, pixels, grids))
+    assert calls == VISION["depth"]
+
+
 def test_batched_rows_equal_alone(reference: Any) -> None:
     """A row slice of a packed call's output is that image's output alone (what the embedding cache relies on)."""
     tower = _tower(reference)

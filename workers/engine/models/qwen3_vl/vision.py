@@ -30,6 +30,12 @@ from workers.engine.models.qwen_vit import AttnBackend, Grid, QwenVisionTower, a
 
 _EPS = 1e-6  # every LayerNorm of the tower
 
+# On CUDA with the fused kernels on (fused.enable): the MLP's first projection and its tanh GELU as one cuBLASLt GEMM
+# with the activation in its epilogue: the tower on 2 x 1080p 68.2 -> 64.8 ms with FA4's attention, 81.9 -> 80.4 with
+# cuDNN's (H200, `python -m benchmarks.engine.qwen3_vit_bench`). A module switch so that the benchmark can time the two
+# paths side by side.
+GELU_EPILOGUE = True
+
 
 @dataclass(frozen=True)
 class VisionSpec:
@@ -113,8 +119,15 @@ class _MLP(nn.Module):
         self.linear_fc1 = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=True)
         self.act = activation(spec.hidden_act)
+        self.gelu_tanh = spec.hidden_act == "gelu_pytorch_tanh"  # the GELU cuBLASLt's epilogue computes
+        self.fused = False  # set by fused.enable
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused and self.gelu_tanh and GELU_EPILOGUE and fused.worth_it(x):
+            # The [patches, intermediate] activation written once, by the GEMM, instead of written, read and written
+            # again by a GELU kernel (torch falls back to GEMM then GELU where cuBLASLt cannot take the call).
+            h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)
+            return self.linear_fc2(h)
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
@@ -127,8 +140,9 @@ class _Block(nn.Module):
         self.mlp = _MLP(spec)
 
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
-        # No fused add+LayerNorm here (unlike the Qwen2.5 tower's RMSNorm): torch's LayerNorm is already one
-        # kernel, and a compiled add+norm measured no faster (48.4 vs 48.3 ms per 1088x1920 image, H200).
+        # No fused add+LayerNorm here (unlike the Qwen2.5 tower's RMSNorm): torch's LayerNorm is already one kernel,
+        # and each add compiled into the LayerNorm after it (the block's norm2, the next block's norm1) measured no
+        # faster: 83.0 vs 82.8 ms for 2 x 1080p (H200; 48.4 vs 48.3 ms per image in an earlier tree).
         x = x + self.attn(self.norm1(x), seg, cos, sin, flash)
         return x + self.mlp(self.norm2(x))
 
