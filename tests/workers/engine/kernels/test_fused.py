@@ -109,7 +109,8 @@ def test_gated_delta_net_norm_and_gates_on_cuda(dtype: torch.dtype, tol: float, 
     g, beta = fused.compiled(fused.delta_gates)(a, b, a_log, dt_bias)
     want_g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     assert g.dtype == torch.float32 and torch.allclose(g, want_g, atol=1e-5, rtol=1e-5)
-    assert torch.equal(beta, b.sigmoid())
+    # float32: Inductor's sigmoid may differ from eager's in the last bit (torch 2.11 on an H200 did at 9 tokens)
+    torch.testing.assert_close(beta, b.sigmoid(), rtol=1e-6 if dtype == torch.float32 else 0, atol=0)
 
 
 @cuda
@@ -127,7 +128,7 @@ def test_the_gemm_gelu_epilogue_is_the_tanh_gelu_on_cuda(shape: tuple[int, int, 
         got = torch._addmm_activation(bias.to(dtype), x.to(dtype), w.to(dtype).t(), use_gelu=True).float()
         pre = torch.addmm(bias.to(dtype), x.to(dtype), w.to(dtype).t()).float()
         tanh, erf = F.gelu(pre, approximate="tanh"), F.gelu(pre)
-        if dtype == torch.float32:  # the two GELUs differ by up to ~5e-4: the check below can tell them apart
-            assert (tanh - erf).abs().max() > 4 * tol
         torch.testing.assert_close(got, tanh, atol=tol, rtol=tol)
-        assert (got - tanh).abs().mean() < (got - erf).abs().mean()
+        if dtype == torch.float32:  # the two GELUs differ by up to ~5e-4, far above float32's rounding
+            assert (tanh - erf).abs().max() > 4 * tol
+            assert (got - tanh).abs().mean() * 10 < (got - erf).abs().mean()
