@@ -7,6 +7,12 @@
 ``--decode-rows``: the decode step's kernels on Qwen3-VL-8B's heads with the norms: the per-token and the per-head
 kernel on a bf16 qkv, and a split-K qkv's 8 float32 partials summed by the sum pass then rotated, against the
 per-head kernel summing them itself.
+
+``--qwen3-5``: Qwen3.5-9B's gated attention around its attention call (16 query heads of 256 with their gates, 4 KV
+heads, rotary on 64 dims of each head): the q/k norms, the partial rotary and the sigmoid output gate, eager against
+compiled (qwen3_5/lm.py's ``qk_norm_partial_rope`` and ``gated_output``), graph-timed, at ``--tokens``.
+
+    python -m benchmarks.kernels.rope_bench --qwen3-5 --tokens 1,64,2048,4096
 """
 
 from __future__ import annotations
@@ -14,11 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from benchmarks.args import parser
+from benchmarks.checkpoints import QWEN3_5_9B_TEXT
 from workers.engine.kernels import fused, rope_kernel
 from workers.engine.kernels.skinny_gemm import Partials
+from workers.engine.layers.linear import SINGLE_RANK
 from workers.engine.models.qwen2_5_vl.lm import rope_tables
+from workers.engine.models.qwen3_5.lm import GatedAttention, gated_output, qk_norm_partial_rope
+from workers.engine.models.qwen3_5.spec import TextSpec
 from workers.engine.models.qwen3_vl.lm import qwen3_qk_norm_rope
 
 
@@ -45,7 +56,11 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--tokens", default="1,64,1024,4096,8192")
     ap.add_argument("--decode-rows", default="", help="comma-separated row counts of the decode kernels' table")
+    ap.add_argument("--qwen3-5", action="store_true", help="only Qwen3.5-9B's gated attention, eager against compiled")
     args = ap.parse_args()
+    if args.qwen3_5:
+        qwen3_5_rows([int(v) for v in args.tokens.split(",")])
+        return
     if args.decode_rows:
         decode_rows([int(v) for v in args.decode_rows.split(",")])
     hq, hkv, d = 28, 4, 128
@@ -100,6 +115,42 @@ def _decode_times(t: int, split: int = 8) -> list[float]:
         graph_us(lambda: rope_kernel.lm_rope(product.settle(), cos, sin, *sizes, norm, by_head=False)),
         graph_us(lambda: rope_kernel.lm_rope(product, cos, sin, *sizes, norm)),
     ]
+
+def qwen3_5_rows(tokens: list[int]) -> None:
+    """Qwen3.5-9B's gated attention around the attention call, one layer: eager against compiled, us per call."""
+    spec = TextSpec.from_hf_config({"text_config": QWEN3_5_9B_TEXT})
+    layer = GatedAttention(spec, SINGLE_RANK).to("cuda", torch.bfloat16)
+    print(f"{torch.cuda.get_device_name()}, bf16, Qwen3.5-9B gated attention: {spec.num_attention_heads}/"
+          f"{spec.num_key_value_heads} heads of {spec.head_dim}, rotary on {spec.rotary_dim}; us per call (q/k prep "
+          "+ output gate)")  # fmt: skip
+    print("| tokens | eager | compiled | speed-up | max diff |\n|---|---|---|---|---|")
+    for t in tokens:
+        a, b, diff = _qwen3_5_times(layer, t)
+        print(f"| {t} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {diff:.3g} |", flush=True)
+
+
+def _qwen3_5_times(layer: GatedAttention, t: int) -> tuple[float, float, float]:
+    d, r = layer.head_dim, layer.rotary_dim
+    qkv = torch.randn(t, layer.q_gate_size + 2 * layer.kv_size, device="cuda", dtype=torch.bfloat16)
+    q_gate, k, _ = qkv.split([layer.q_gate_size, layer.kv_size, layer.kv_size], dim=-1)
+    q_gate = q_gate.view(t, -1, 2 * d)
+    angles = torch.rand(t, r // 2, device="cuda") * 100
+    cos = torch.cat((angles.cos(),) * 2, -1).bfloat16().unsqueeze(1)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16().unsqueeze(1)
+    out = torch.randn(t, q_gate.shape[1], d, device="cuda", dtype=torch.bfloat16)
+    prep, gate_mul = fused.compiled(qk_norm_partial_rope), fused.compiled(gated_output)
+
+    def eager() -> tuple[Tensor, Tensor, Tensor]:
+        q = layer.rotate(layer.q_norm(q_gate[..., :d]), cos, sin)
+        return q, layer.rotate(layer.k_norm(k.view(t, -1, d)), cos, sin), gated_output(out, q_gate[..., d:])
+
+    def compiled() -> tuple[Tensor, Tensor, Tensor]:
+        q, k_ = prep(q_gate, k, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, cos, sin, (d, r))
+        return q, k_, gate_mul(out, q_gate[..., d:])
+
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(eager(), compiled(), strict=True))
+    return graph_us(eager), graph_us(compiled), diff
+
 
 if __name__ == "__main__":
     main()

@@ -73,6 +73,62 @@ def test_whole_prompt_logits_equal_transformers(models: tuple[Path, VLModel, Any
     assert not torch.allclose(mm[6:], logits[6:], atol=1e-2)  # the positions matter
 
 
+def test_fused_gated_attention_equals_transformers(models: tuple[Path, VLModel, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gated attention layers' CUDA path (fused: the q/k norms and the partial rotary in one function, the output
+    gate in another; compiled there, run as written here in float32) gives transformers' logits, M-RoPE rows too."""
+    from workers.engine.kernels import fused
+    from workers.engine.models.qwen3_5 import lm as qwen3_5_lm
+
+    _, ours, hf = models
+    calls = {"qk": 0, "gate": 0}
+
+    def counted(fn: Any, key: str) -> Any:
+        def run(*args: Any) -> Any:
+            calls[key] += 1
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(fused, "worth_it", lambda x: True)
+    monkeypatch.setattr(fused, "compiled", lambda fn: fn)
+    monkeypatch.setattr(qwen3_5_lm, "qk_norm_partial_rope", counted(qwen3_5_lm.qk_norm_partial_rope, "qk"))
+    monkeypatch.setattr(qwen3_5_lm, "gated_output", counted(qwen3_5_lm.gated_output, "gate"))
+    layers = [m for m in ours.lm.modules() if isinstance(m, qwen3_5_lm.GatedAttention)]
+    ids, positions = prompt(41, seed=1), image_positions(41, start=6, h=3, w=4)
+    try:
+        for layer in layers:
+            layer.fused = True
+        [logits] = HybridCache(ours.lm).step([("a", ids)], positions={"a": positions})
+    finally:
+        for layer in layers:
+            layer.fused = False
+    torch.testing.assert_close(logits, hf_logits(hf, ids, positions), atol=ATOL, rtol=0)
+    assert layers and calls == {"qk": len(layers), "gate": len(layers)}
+
+
+def test_the_fused_gated_attention_functions_trace_whole_at_the_warm_up_sizes() -> None:
+    """fused.compiled traces with fullgraph=True, where a graph break is an error at start-up: both functions trace
+    whole through AOT autograd (Inductor's codegen aside) at the warm-up's row counts (static, symbolic, one row)
+    and give their eager results."""
+    from workers.engine.models.qwen3_5.lm import gated_output, qk_norm_partial_rope
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, r = 4, 2, 32, 8
+    prep = torch.compile(qk_norm_partial_rope, fullgraph=True, dynamic=None, backend="aot_eager")
+    gate = torch.compile(gated_output, fullgraph=True, dynamic=None, backend="aot_eager")
+    for t in (2, 3, 1):
+        q_gate = torch.randn(t, heads, 2 * d, generator=gen)
+        k = torch.randn(t, kv_heads * d, generator=gen)
+        weights = [torch.randn(d, generator=gen) for _ in range(2)]
+        cos, sin = (torch.randn(t, 1, r, generator=gen) for _ in range(2))
+        out = torch.randn(t, heads, d, generator=gen)
+        args = (q_gate, k, *weights, 1e-6, cos, sin, (d, r))
+        for got, want in zip(prep(*args), qk_norm_partial_rope(*args), strict=True):
+            torch.testing.assert_close(got, want)
+        torch.testing.assert_close(gate(out, q_gate[..., d:]), gated_output(out, q_gate[..., d:]))
+
+
 def test_chunked_prefill_then_decode_equals_generate(models: tuple[Path, VLModel, Any]) -> None:
     """5 + 16 + the rest through the pools (has_initial on the later chunks), then decode steps."""
     _, ours, hf = models

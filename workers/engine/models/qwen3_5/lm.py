@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from workers.engine.kernels import fused
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.skinny_gemm import Partials
 from workers.engine.layers.linear import (
@@ -45,6 +46,34 @@ def load_zero_centred(param: Tensor, loaded: Tensor, shard_id: object = None) ->
     copy_into(param, loaded.float() + 1.0, "norm weight")
 
 
+def qk_norm_partial_rope(
+    q_gate: Tensor, k: Tensor, q_w: Tensor, k_w: Tensor, eps: float, cos: Tensor, sin: Tensor, dims: tuple[int, int]
+) -> tuple[Tensor, Tensor]:
+    """CUDA (compiled, see fused.py): the per-head q and k RMSNorms, then rotary on each head's first ``rotary_dim``
+    dims, in one pass per tensor, float32 in registers and rounded once; q read in place from q_proj's [query | gate]
+    rows ([T, H, 2D]). Eager takes ~7 kernels per tensor here (the norm, a flip, two multiplies, an add, a cat, and
+    strided copies). Returns contiguous q [T, Hq, D] and k [T, Hkv, D]. In float32 it is GatedAttention's eager math
+    op for op."""
+    head_dim, rotary_dim = dims
+
+    def norm_rotate(x: Tensor, weight: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        rot = xf[..., :rotary_dim]
+        swapped = rot.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return torch.cat((rot * cos.float() + swapped * sin.float(), xf[..., rotary_dim:]), dim=-1).to(x.dtype)
+
+    t = q_gate.shape[0]
+    return norm_rotate(q_gate[..., :head_dim], q_w), norm_rotate(k.view(t, -1, head_dim), k_w)
+
+
+def gated_output(out: Tensor, gate: Tensor) -> Tensor:
+    """CUDA (compiled): the attention output [T, H, D] times sigmoid of its gate (a strided [T, H, D] view of q_proj's
+    rows) -> [T, H*D], one kernel where eager copies the gate, takes its sigmoid and multiplies."""
+    t = out.shape[0]
+    return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+
+
 class GatedAttention(nn.Module):
     """Qwen3.5's full attention: GQA over the paged KV cache with a sigmoid output gate per query dim, zero-centred
     q/k norms and partial rotary. q (with its gate), k and v come from one column-parallel matmul, heads split over
@@ -62,6 +91,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)  # over head_dim: replicated on every rank
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.scale = d**-0.5
+        self.fused = False  # CUDA: the norms + rotary and the output gate compiled (above); set by fused.enable
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Rotary on each head's first ``rotary_dim`` dims; the rest pass through."""
@@ -77,11 +107,16 @@ class GatedAttention(nn.Module):
         q_gate, k, v = self.qkv_proj(x).split([self.q_gate_size, self.kv_size, self.kv_size], dim=-1)
         q_gate = q_gate.view(t, -1, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:]
-        q = self.rotate(self.q_norm(q), cos, sin)
-        k = self.rotate(self.k_norm(k.view(t, -1, d)), cos, sin)
+        fuse = self.fused and fused.worth_it(x)
+        if fuse:
+            q, k = fused.compiled(qk_norm_partial_rope)(q_gate, k, self.q_norm.weight, self.k_norm.weight,
+                                                         self.q_norm.eps, cos, sin, (d, self.rotary_dim))  # fmt: skip
+        else:
+            q = self.rotate(self.q_norm(q), cos, sin)
+            k = self.rotate(self.k_norm(k.view(t, -1, d)), cos, sin)
         out = backend.forward(q, k, v.view(t, -1, d), kv_cache, meta, self.scale)
-        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        result: Tensor = self.o_proj(out)
+        gated: Tensor = fused.compiled(gated_output)(out, gate) if fuse else gated_output(out, gate)
+        result: Tensor = self.o_proj(gated)
         return result
 
 
