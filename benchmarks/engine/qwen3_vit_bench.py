@@ -13,7 +13,6 @@ adds Qwen3-VL-8B's three DeepStack mergers (the Qwen3.5 tower has none).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
@@ -21,6 +20,7 @@ import torch
 
 from benchmarks.args import parser
 from benchmarks.checkpoints import QWEN3_VL_VISION
+from benchmarks.engine.vit_bench import cuda_ms
 from workers.engine.kernels import fa4_attention, fused
 from workers.engine.layers.vision_attention import VisionAttention
 from workers.engine.models.qwen3_vl import vision
@@ -32,17 +32,6 @@ VARIANTS: dict[str, tuple[bool, bool]] = {  # name -> (fused kernels on, GELU in
     "fused, GELU kernel": (True, False),
     "fused (served)": (True, True),
 }
-
-
-def call_ms(fn: Callable[[], object], reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
@@ -84,7 +73,7 @@ def main() -> None:
                             for _ in range(10):
                                 outs[name] = tower(pixels, [GRID] * count).float()
                         else:
-                            times[name].append(call_ms(partial(tower, pixels, [GRID] * count), args.reps))
+                            times[name].append(cuda_ms(partial(tower, pixels, [GRID] * count), args.reps))
                 base = outs["eager"]
                 eager_ms = sorted(times["eager"])[len(times["eager"]) // 2]
                 for name in VARIANTS:
