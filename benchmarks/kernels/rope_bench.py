@@ -134,19 +134,19 @@ def _qwen3_5_times(layer: GatedAttention, t: int) -> tuple[float, float, float]:
     qkv = torch.randn(t, layer.q_gate_size + 2 * layer.kv_size, device="cuda", dtype=torch.bfloat16)
     q_gate, k, _ = qkv.split([layer.q_gate_size, layer.kv_size, layer.kv_size], dim=-1)
     q_gate = q_gate.view(t, -1, 2 * d)
-    angles = torch.rand(t, r // 2, device="cuda") * 100
-    cos = torch.cat((angles.cos(),) * 2, -1).bfloat16().unsqueeze(1)
-    sin = torch.cat((-angles.sin(), angles.sin()), -1).bfloat16().unsqueeze(1)
+    q, gate, k = q_gate[..., :d], q_gate[..., d:], k.view(t, -1, d)
+    angles = torch.rand(t, r, device="cuda") * 100
+    cos, sin = rope_tables(angles.cos().bfloat16(), angles.sin().bfloat16())
     out = torch.randn(t, q_gate.shape[1], d, device="cuda", dtype=torch.bfloat16)
     prep, gate_mul = fused.compiled(qk_norm_partial_rope), fused.compiled(gated_output)
 
     def eager() -> tuple[Tensor, Tensor, Tensor]:
-        q = layer.rotate(layer.q_norm(q_gate[..., :d]), cos, sin)
-        return q, layer.rotate(layer.k_norm(k.view(t, -1, d)), cos, sin), gated_output(out, q_gate[..., d:])
+        rotated = layer.rotate(layer.q_norm(q), cos, sin), layer.rotate(layer.k_norm(k), cos, sin)
+        return *rotated, gated_output(out, gate)
 
     def compiled() -> tuple[Tensor, Tensor, Tensor]:
-        q, k_ = prep(q_gate, k, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, cos, sin, (d, r))
-        return q, k_, gate_mul(out, q_gate[..., d:])
+        rotated = prep(q, k, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps, cos, sin, r)
+        return *rotated, gate_mul(out, gate)
 
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(eager(), compiled(), strict=True))
     return graph_us(eager), graph_us(compiled), diff

@@ -119,11 +119,11 @@ def test_the_fused_gated_attention_functions_trace_whole_at_the_warm_up_sizes() 
     gate = torch.compile(gated_output, fullgraph=True, dynamic=None, backend="aot_eager")
     for t in (2, 3, 1):
         q_gate = torch.randn(t, heads, 2 * d, generator=gen)
-        k = torch.randn(t, kv_heads * d, generator=gen)
+        k = torch.randn(t, kv_heads, d, generator=gen)
         weights = [torch.randn(d, generator=gen) for _ in range(2)]
         cos, sin = (torch.randn(t, 1, r, generator=gen) for _ in range(2))
         out = torch.randn(t, heads, d, generator=gen)
-        args = (q_gate, k, *weights, 1e-6, cos, sin, (d, r))
+        args = (q_gate[..., :d], k, *weights, 1e-6, cos, sin, r)
         for got, want in zip(prep(*args), qk_norm_partial_rope(*args), strict=True):
             torch.testing.assert_close(got, want)
         torch.testing.assert_close(gate(out, q_gate[..., d:]), gated_output(out, q_gate[..., d:]))

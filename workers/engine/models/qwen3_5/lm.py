@@ -47,14 +47,12 @@ def load_zero_centred(param: Tensor, loaded: Tensor, shard_id: object = None) ->
 
 
 def qk_norm_partial_rope(
-    q_gate: Tensor, k: Tensor, q_w: Tensor, k_w: Tensor, eps: float, cos: Tensor, sin: Tensor, dims: tuple[int, int]
+    q: Tensor, k: Tensor, q_w: Tensor, k_w: Tensor, eps: float, cos: Tensor, sin: Tensor, rotary_dim: int
 ) -> tuple[Tensor, Tensor]:
     """CUDA (compiled, see fused.py): the per-head q and k RMSNorms, then rotary on each head's first ``rotary_dim``
-    dims, in one pass per tensor, float32 in registers and rounded once; q read in place from q_proj's [query | gate]
-    rows ([T, H, 2D]). Eager takes ~7 kernels per tensor here (the norm, a flip, two multiplies, an add, a cat, and
-    strided copies). Returns contiguous q [T, Hq, D] and k [T, Hkv, D]. In float32 it is GatedAttention's eager math
-    op for op."""
-    head_dim, rotary_dim = dims
+    dims, in one pass per tensor, float32 in registers and rounded once; q [T, Hq, D] read in place from q_proj's
+    [query | gate] rows, k [T, Hkv, D]. Eager takes ~7 kernels per tensor here (the norm, a flip, two multiplies, an
+    add, a cat, and strided copies). Returns both contiguous. In float32 it is GatedAttention's eager math op for op."""
 
     def norm_rotate(x: Tensor, weight: Tensor) -> Tensor:
         xf = x.float()
@@ -63,8 +61,7 @@ def qk_norm_partial_rope(
         swapped = rot.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
         return torch.cat((rot * cos.float() + swapped * sin.float(), xf[..., rotary_dim:]), dim=-1).to(x.dtype)
 
-    t = q_gate.shape[0]
-    return norm_rotate(q_gate[..., :head_dim], q_w), norm_rotate(k.view(t, -1, head_dim), k_w)
+    return norm_rotate(q, q_w), norm_rotate(k, k_w)
 
 
 def gated_output(out: Tensor, gate: Tensor) -> Tensor:
@@ -106,14 +103,14 @@ class GatedAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         q_gate, k, v = self.qkv_proj(x).split([self.q_gate_size, self.kv_size, self.kv_size], dim=-1)
         q_gate = q_gate.view(t, -1, 2 * d)
-        q, gate = q_gate[..., :d], q_gate[..., d:]
+        q, gate, k = q_gate[..., :d], q_gate[..., d:], k.view(t, -1, d)
         fuse = self.fused and fused.worth_it(x)
         if fuse:
-            q, k = fused.compiled(qk_norm_partial_rope)(q_gate, k, self.q_norm.weight, self.k_norm.weight,
-                                                         self.q_norm.eps, cos, sin, (d, self.rotary_dim))  # fmt: skip
+            q, k = fused.compiled(qk_norm_partial_rope)(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                                         cos, sin, self.rotary_dim)  # fmt: skip
         else:
             q = self.rotate(self.q_norm(q), cos, sin)
-            k = self.rotate(self.k_norm(k.view(t, -1, d)), cos, sin)
+            k = self.rotate(self.k_norm(k), cos, sin)
         out = backend.forward(q, k, v.view(t, -1, d), kv_cache, meta, self.scale)
         gated: Tensor = fused.compiled(gated_output)(out, gate) if fuse else gated_output(out, gate)
         result: Tensor = self.o_proj(gated)
