@@ -58,6 +58,7 @@ from workers.engine.models.gemma4 import moe as gemma4_moe
 from workers.engine.models.qwen3_5.moe import SharedExpertMoeBlock
 from workers.engine.offline import Engine
 from workers.engine.runner import warmup
+from workers.engine.runner.piecewise_split import Splitter
 
 
 def prompt(context: int, tag: str) -> list[dict[str, str]]:
@@ -264,6 +265,9 @@ VARIANTS: dict[str, tuple[tuple[object, str, object], ...]] = {
     "split sums apart": ((split_norm, "available", lambda: False),),
     # every kernel launched plainly: each starts only once the one before has finished (no programmatic launch)
     "no PDL": ((pdl, "enabled", lambda device: False),),
+    # piecewise graphs: Gated DeltaNet's q|k|v copied out of the input projection into a buffer of their own, as
+    # before the projection's GEMM wrote into the static buffer itself
+    "qkv copied": ((Splitter, "linear_projection", None),),
 }
 
 

@@ -318,23 +318,29 @@ def gated_delta_rule(
     ssm_state: Tensor,
     meta: AttentionMetadata,
     use_qk_l2norm: bool = True,
+    out: Tensor | None = None,
 ) -> Tensor:
     """The gated delta rule of transformers' ``torch_chunk_gated_delta_rule`` (prefill) and
-    ``torch_recurrent_gated_delta_rule`` (decode) for every sequence, from and back into ``ssm_state``."""
+    ``torch_recurrent_gated_delta_rule`` (decode) for every sequence, from and back into ``ssm_state``. The readout
+    [T, Hv, Dv] is written into ``out`` where given (piecewise graphs' static buffer): the decode kernel's rows
+    straight from the kernel, the rest copied once."""
     if v.shape[1] % q.shape[1] != 0:
         raise ValueError(f"value heads ({v.shape[1]}) must be a multiple of key heads ({q.shape[1]})")
     decode = all(n == 1 for n in meta.query_lens_cpu)
     in_place = q.is_cuda and gated_delta_decode.available()  # the pool read and written in place
     if decode and in_place:
-        return gated_delta_decode.decode_step(q, k, v, g, beta, ssm_state, meta.state, use_qk_l2norm)
+        return gated_delta_decode.decode_step(q, k, v, g, beta, ssm_state, meta.state, use_qk_l2norm, out=out)
     if fla_path(q.device):
-        if decode:
-            return gated_delta_fla.decode_step(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
-        split = decode_split(meta) if in_place else None
+        split = decode_split(meta) if in_place and not decode else None
         if split is not None:
-            return mixed_step(q, k, v, g, beta, ssm_state, split, use_qk_l2norm)
-        return gated_delta_fla.gated_delta_rule(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
-    return _torch_gated_delta(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
+            return mixed_step(q, k, v, g, beta, ssm_state, split, use_qk_l2norm, out)
+        if decode:
+            result = gated_delta_fla.decode_step(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
+        else:
+            result = gated_delta_fla.gated_delta_rule(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
+    else:
+        result = _torch_gated_delta(q, k, v, g, beta, ssm_state, meta, use_qk_l2norm)
+    return result if out is None else out.copy_(result)
 
 
 Split = tuple[int, StateMetadata, AttentionMetadata]
@@ -364,14 +370,18 @@ def decode_split(meta: AttentionMetadata) -> Split | None:
 
 
 def mixed_step(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, split: Split, use_qk_l2norm: bool
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, split: Split, use_qk_l2norm: bool,
+    out: Tensor | None = None,
 ) -> Tensor:
     """A step of decodes and prefill chunks: the decodes on the in-place kernel, the chunks on fla's chunked
     pipeline. Through fla alone every decode row was a chunk of its own (64 rows of work for one) and every state
-    crossed memory six times (gather, fill, float32 final, cast, scatter). The two parts hold different slots."""
+    crossed memory six times (gather, fill, float32 final, cast, scatter). The two parts hold different slots. The
+    decode kernel writes its rows of the readout (``out``, or a new tensor) itself; fla's are copied after them."""
     rows, head, tail = split
-    first = gated_delta_decode.decode_step(q[:rows], k[:rows], v[:rows], g[:rows], beta[:rows], ssm_state, head,
-                                           use_qk_l2norm)  # fmt: skip
+    out = torch.empty_like(v) if out is None else out
+    gated_delta_decode.decode_step(q[:rows], k[:rows], v[:rows], g[:rows], beta[:rows], ssm_state, head,
+                                   use_qk_l2norm, out=out[:rows])  # fmt: skip
     rest = gated_delta_fla.gated_delta_rule(q[rows:], k[rows:], v[rows:], g[rows:], beta[rows:], ssm_state, tail,
                                             use_qk_l2norm)  # fmt: skip
-    return torch.cat([first, rest])
+    out[rows:].copy_(rest)
+    return out

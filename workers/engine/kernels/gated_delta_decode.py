@@ -95,10 +95,11 @@ def _rows(x: Tensor) -> Tensor:
 
 def decode_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, st: StateMetadata | None,
-    use_qk_l2norm: bool, block_v: int | None = None, num_warps: int | None = None,
+    use_qk_l2norm: bool, block_v: int | None = None, num_warps: int | None = None, out: Tensor | None = None,
 ) -> Tensor:
     """Row b of q [N, Hk, K], k, v [N, Hv, V], g and beta [N, Hv] is sequence b's only new token; its state is
-    ``ssm_state[st.slots[b]]`` ([slots, Hv, K, V]), updated in place. Returns the readout [N, Hv, V] in v's dtype.
+    ``ssm_state[st.slots[b]]`` ([slots, Hv, K, V]), updated in place. Returns the readout [N, Hv, V] in v's dtype,
+    written into ``out`` where given (any row and head strides, V contiguous).
     Snapshots (prefix caching) copy the updated state of their sequence's slot. Only the step's state metadata is
     read: every row's length is 1."""
     global _kernel
@@ -111,7 +112,9 @@ def decode_step(
         raise ValueError("the state pool's [K, V] matrices must be row-major")
     n, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
-    o = torch.empty_like(v)
+    o = torch.empty_like(v) if out is None else out
+    if o.shape != v.shape or o.stride(-1) != 1:
+        raise ValueError(f"out {tuple(o.shape)} must be v's shape {tuple(v.shape)}, contiguous along V")
     bk = 1 << (kd - 1).bit_length()
     block_v = block_v or BLOCK_V
     grid = (n * hv, (vd + block_v - 1) // block_v)

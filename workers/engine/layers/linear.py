@@ -68,6 +68,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor 
     return F.linear(x, weight, bias)
 
 
+def linear_into(x: Tensor, weight: Tensor, out: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+    """``linear`` with its product in ``out`` (x's rows, contiguous along the output): where F.linear would serve
+    (no FP8 scale, not the decode-row kernel, 2-D x) cuBLAS writes it there itself, the same GEMM as F.linear's;
+    elsewhere ``linear``'s result is copied in. Returns ``out``."""
+    if scale is None and x.dim() == 2 and not skinny_gemm.wanted(x, weight):
+        if bias is None:
+            return torch.mm(x, weight.t(), out=out)
+        return torch.addmm(bias, x, weight.t(), out=out)
+    return out.copy_(linear(x, weight, bias, scale))
+
+
 def unsummed_linear(
     x: Tensor, weight: Tensor, scale: Tensor | None = None, bias: Tensor | None = None
 ) -> Tensor | Partials:
@@ -162,6 +173,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = linear(x, self.weight, self.bias, self.weight_scale)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
+
+    def forward_into(self, x: Tensor, out: Tensor) -> Tensor:
+        """``forward`` with the result in ``out`` ([rows, this rank's outputs]): a static buffer that piecewise CUDA
+        graphs read between two pieces, written by the GEMM itself rather than copied there (linear_into)."""
+        if self.gather_output:
+            return out.copy_(self(x))
+        return linear_into(x, self.weight, out, self.bias, self.weight_scale)
 
     def unsummed(self, x: Tensor) -> Tensor | Partials:
         """``forward`` for a caller whose next kernel sums a split-K decode product's partials itself (each rank's

@@ -146,7 +146,8 @@ class PiecewiseGraphs:
         # q, k, v and attention output per head shape, made at the first run of a bucket (outside any capture); the
         # same for linear-attention layers' inputs and output per their shape.
         self._buffers: dict[tuple[int, int, int], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-        self._linear: dict[LinearShape, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._linear: dict[LinearShape, tuple[Tensor, Tensor, Tensor]] = {}
+        self._inputs: dict[int, Tensor] = {}  # linear-attention layers' q|k|v or whole input projection, by width
         self.scratch_slot = scratch_slot
         self.slots = torch.full((most,), scratch_slot or 0, dtype=torch.int64, device=self.device)  # cache slot per row
         self.window_scratch_slot = window_scratch_slot
@@ -186,18 +187,26 @@ class PiecewiseGraphs:
             out = self._buffers[heads] = (q, k, torch.zeros_like(k), torch.zeros_like(q))
         return out
 
-    def linear_buffers(self, shape: LinearShape) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The static q|k|v, decay, write strength and output of linear-attention layers of this shape."""
+    def linear_buffers(self, shape: LinearShape) -> tuple[Tensor, Tensor, Tensor]:
+        """The static decay, write strength and output of linear-attention layers of this shape."""
         out = self._linear.get(shape)
         if out is None:
             self._outside_capture(f"linear-attention shape {shape}")
-            width, heads, head_dim, g_dtype, beta_dtype = shape
+            _, heads, head_dim, g_dtype, beta_dtype = shape
             out = self._linear[shape] = (
-                torch.zeros(self.most, width, dtype=self.dtype, device=self.device),
                 torch.zeros(self.most, heads, dtype=g_dtype, device=self.device),
                 torch.zeros(self.most, heads, dtype=beta_dtype, device=self.device),
                 torch.zeros(self.most, heads, head_dim, dtype=self.dtype, device=self.device),
             )
+        return out
+
+    def input_buffer(self, width: int) -> Tensor:
+        """The static [rows, width] input of linear-attention layers: their input projection's product, which the
+        layers' q|k|v are the first columns of, or those columns copied (Splitter.mix_linear)."""
+        out = self._inputs.get(width)
+        if out is None:
+            self._outside_capture(f"linear-attention input of width {width}")
+            out = self._inputs[width] = torch.zeros(self.most, width, dtype=self.dtype, device=self.device)
         return out
 
     def _outside_capture(self, what: str) -> None:
@@ -288,8 +297,9 @@ class PiecewiseGraphs:
         the step's metadata of the layer's kind, or its linear-attention mixing over the step's state slots."""
         call = self.layers[layer]
         if isinstance(call, LinearCall):
-            mixed, g, beta, mixed_out = self.linear_buffers(call.shape)
-            mixed_out[:n].copy_(call.mixer.mix(mixed[:n], g[:n], beta[:n], meta))
+            g, beta, mixed_out = self.linear_buffers(call.shape)
+            mixed = self.input_buffer(call.projection or call.shape[0])[:n, : call.shape[0]]
+            call.mixer.mix(mixed, g[:n], beta[:n], meta, out=mixed_out[:n])
             return
         q, k, v, out = self.buffers(call.heads)
         seen = meta.window if call.window_meta and meta.window is not None else meta

@@ -63,7 +63,9 @@ class LinearMixer(Protocol):
     hv: int  # value heads on this rank
     dv: int  # value head dim
 
-    def mix(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: AttentionMetadata) -> Tensor: ...
+    def mix(
+        self, mixed: Tensor, g: Tensor, beta: Tensor, meta: AttentionMetadata, out: Tensor | None = None
+    ) -> Tensor: ...
 
 
 LinearShape = tuple[int, int, int, torch.dtype, torch.dtype]  # (q|k|v width, value heads, head dim, g, beta dtypes)
@@ -75,9 +77,13 @@ class LinearCall:
 
     mixer: LinearMixer
     shape: LinearShape
+    # The width of the static input projection its q|k|v are the first columns of (the layer's GEMM wrote it there:
+    # Splitter.linear_projection), or 0 where q|k|v were copied into a buffer of their own.
+    projection: int = 0
 
     def same(self, other: Call) -> bool:
-        return isinstance(other, LinearCall) and self.mixer is other.mixer and self.shape == other.shape
+        return isinstance(other, LinearCall) and self.mixer is other.mixer and (self.shape, self.projection) == (
+            other.shape, other.projection)
 
 
 Call = AttentionCall | LinearCall
@@ -93,7 +99,9 @@ class PieceOwner(Protocol):
 
     def buffers(self, heads: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
 
-    def linear_buffers(self, shape: LinearShape) -> tuple[Tensor, Tensor, Tensor, Tensor]: ...
+    def linear_buffers(self, shape: LinearShape) -> tuple[Tensor, Tensor, Tensor]: ...
+
+    def input_buffer(self, width: int) -> Tensor: ...
 
     def attend(self, layer: int, n: int, meta: AttentionMetadata) -> None: ...
 
@@ -110,6 +118,7 @@ class Splitter:
         self.owner, self.rows, self.capture, self.real, self.meta = owner, rows, capture, real, meta
         self.window_meta = window_meta  # the metadata object the sliding layers are handed (None: no window pool)
         self.layer = 0
+        self.handed: Tensor | None = None  # the last linear_projection buffer, until its mix_linear
 
     def forward(
         self, q: Tensor, k: Tensor | None, v: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, scale: float,
@@ -129,13 +138,25 @@ class Splitter:
         self._split(call)
         return out[:rows]
 
+    def linear_projection(self, width: int) -> Tensor:
+        """The static buffer [rows, width] a linear-attention layer's input projection writes its product into
+        (ColumnParallelLinear.forward_into), so that the q|k|v columns it hands to `mix_linear` are read in place.
+        Copied instead, those strided columns were a generic copy kernel per layer: 0.8 of the 9B's 45.7 ms
+        2,048-token prefill step (H200, docs/benchmarks.md)."""
+        self.handed = self.owner.input_buffer(width)[: self.rows]
+        return self.handed
+
     def mix_linear(self, mixer: LinearMixer, mixed: Tensor, g: Tensor, beta: Tensor) -> Tensor:
         """A linear-attention layer's conv and delta rule: run between two pieces over the real rows, from and into
         the sequences' state slots. Padding rows' outputs are stale but finite, as an attention call's are."""
         rows = self.rows
-        call = LinearCall(mixer, (mixed.shape[1], mixer.hv, mixer.dv, g.dtype, beta.dtype))
-        b_mixed, b_g, b_beta, out = self.owner.linear_buffers(call.shape)
-        b_mixed[:rows].copy_(mixed)
+        handed, self.handed = self.handed, None
+        inside = handed is not None and mixed.data_ptr() == handed.data_ptr() and mixed.stride() == handed.stride()
+        call = LinearCall(mixer, (mixed.shape[1], mixer.hv, mixer.dv, g.dtype, beta.dtype),
+                          handed.shape[1] if inside and handed is not None else 0)
+        b_g, b_beta, out = self.owner.linear_buffers(call.shape)
+        if not inside:
+            self.owner.input_buffer(mixed.shape[1])[:rows].copy_(mixed)
         b_g[:rows].copy_(g)
         b_beta[:rows].copy_(beta)
         self._split(call)

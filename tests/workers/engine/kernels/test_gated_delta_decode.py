@@ -90,6 +90,12 @@ for lens, has_initial, snapshots in cases:
     close(ssm[touched], want_ssm[touched], LOOSE)
     others = [s for s in range(ssm.shape[0]) if s not in touched]
     assert torch.equal(ssm[others], start[others])
+    # into a static buffer's leading rows (piecewise graphs): the decode rows from the kernel, the rest copied
+    t = sum(lens)
+    buf = torch.full((t + 2, *want.shape[1:]), float("nan"), dtype=want.dtype)
+    assert gated_delta.mixed_step(*inp.rows(0, t), start.clone(), split, True, buf[:t]).data_ptr() == buf.data_ptr()
+    close(buf[:t], want, LOOSE)
+    assert buf[t:].isnan().all()
 assert gated_delta.decode_split(make_meta([1, 1], [0, 1], [True, True])) is None  # nothing but decodes
 assert gated_delta.decode_split(make_meta([5, 1], [0, 1], [True, True])) is None  # no leading decode
 """

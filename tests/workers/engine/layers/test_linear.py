@@ -113,3 +113,20 @@ def test_qkv_shards_split_or_replicate_kv_heads(tp_size: int, num_kv_heads: int)
         )
     assert torch.equal(torch.cat(q_parts), q_w)
     assert sorted(kv_heads_seen) == list(range(num_kv_heads))  # replicated or split, every KV head is held
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_into_writes_the_product_into_a_static_buffers_rows(bias: bool) -> None:
+    """Piecewise graphs hand a linear-attention layer's input projection a buffer of more rows than the step has: the
+    product lands in the rows given, equal to ``forward``'s bit for bit (the same GEMM), the rest untouched."""
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(24, 40, bias=bias)
+    with torch.no_grad():
+        layer.weight.normal_()
+        if layer.bias is not None:
+            layer.bias.normal_()
+    x = torch.randn(7, 24)
+    buf = torch.full((10, 40), float("nan"))
+    got = layer.forward_into(x, buf[:7])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, layer(x))
+    assert buf[7:].isnan().all()

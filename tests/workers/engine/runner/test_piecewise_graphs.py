@@ -153,6 +153,9 @@ def test_hybrid_layers_mix_their_state_between_the_pieces(fixture: str, request:
         assert len(pieces.layers) == engine.runner.spec.num_layers
         assert len(linear) == len(engine.runner.lm.linear_layers()) > 0
         assert len({c.shape for c in linear}) == len(pieces._linear) == 1  # one set of buffers for them all
+        # q|k|v read where the input projection's GEMM wrote them: no buffer of their own, no copy
+        assert {c.projection for c in linear} == set(pieces._inputs) == {linear[0].shape[0] + 2 * linear[0].shape[1]
+                                                                          + linear[0].shape[1] * linear[0].shape[2]}
 
 
 def test_a_step_that_fits_no_bucket_is_left_to_the_eager_forward(demo_model_dir: Path) -> None:

@@ -167,7 +167,10 @@ class GatedDeltaNet(nn.Module):
         which runs `mix` eagerly between two captured pieces (runner/piecewise_graphs.py): the conv and the delta
         rule read the step's state slots and sequence bounds, which no graph of fixed shapes can hold."""
         t = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split([self.conv_dim_local, self.value_local, self.hv, self.hv], dim=-1)
+        # Piecewise graphs hand a static buffer for the projection: the conv then reads q|k|v there between pieces.
+        into = getattr(backend, "linear_projection", None)
+        proj = self.in_proj(x) if into is None else self.in_proj.forward_into(x, into(self.in_proj.out_local))
+        mixed, z, b, a = proj.split([self.conv_dim_local, self.value_local, self.hv, self.hv], dim=-1)
         # The gates before the conv (they do not depend on it): the eager part between two pieces stays the two
         # calls that read the state.
         if self.fused and fused.worth_it(x):
@@ -182,10 +185,12 @@ class GatedDeltaNet(nn.Module):
         result: Tensor = self.out_proj(out.reshape(t, -1))
         return result
 
-    def mix(self, mixed: Tensor, g: Tensor, beta: Tensor, meta: AttentionMetadata) -> Tensor:
+    def mix(
+        self, mixed: Tensor, g: Tensor, beta: Tensor, meta: AttentionMetadata, out: Tensor | None = None
+    ) -> Tensor:
         """The token mixing over the state: q|k|v [T, conv_dim_local] through the causal conv and SiLU, then the
         gated delta rule with decay ``g`` (float32) and write strength ``beta``, both [T, Hv_local] -> [T, Hv_local,
-        Dv], each sequence from and back into its slots."""
+        Dv] (into ``out`` where given), each sequence from and back into its slots."""
         if self.conv_state is None or self.ssm_state is None:
             raise RuntimeError("linear-attention state pools are not allocated (call the LM's allocate_state first)")
         if meta.state is None:
@@ -206,5 +211,6 @@ class GatedDeltaNet(nn.Module):
             self.ssm_state,
             meta,
             use_qk_l2norm=True,
+            out=out,
         )
         return core
