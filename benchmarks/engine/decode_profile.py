@@ -77,14 +77,23 @@ def checkpoint(shape: str, layers: int, scratch: Path, quantize: str | None = No
 
 
 def decode(engine: Engine, tokens: int, batch: int = 1, context: int = 50, prof: profile | None = None) -> list[float]:
-    """Seconds of each step once every sequence has its first token: ``batch`` greedy sequences of ``tokens``
-    tokens, their prefills run (untimed, and outside ``prof``'s window) first."""
-    sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    """Seconds of each of ``tokens`` steps once every sequence has its first token, all ``batch`` greedy sequences
+    decoding in each; their prefills run (untimed, and outside ``prof``'s window) first. A sequence whose prompt is
+    done decodes on while later ones prefill, so each may take that many tokens more: none ends inside the timed steps
+    (at 64 x 2,200 tokens most had ended before them, and the "batch 64" steps had a handful of rows). The rest are
+    aborted after them."""
+    slack = -(-batch * (context + 16) // engine.config.chunk_size) + batch + 2  # tokens a prefill step may give
+    sampling = SamplingParams(max_tokens=tokens + slack, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(prompt(context, f"d{next(_tags)}"), sampling) for _ in range(batch)]
-    finished = 0
     while any((out := engine.peek(rid)) is not None and not out.token_ids for rid in rids):  # None: finished
-        finished += len(engine.step())
-    return timed_steps(engine, batch - finished, prof)
+        if engine.step():
+            raise RuntimeError("a sequence ended before the others had their first token: raise the slack")
+    steps = timed_steps(engine, 0, prof, steps=tokens)
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return steps
 
 
 def prefill(
@@ -122,21 +131,27 @@ class PythonProfile:
             print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[-12000:])
 
 
-def timed_steps(engine: Engine, requests: int, prof: profile | PythonProfile | None) -> list[float]:
-    """Seconds of each step (host sync after each) until ``requests`` more requests have finished, all of them
-    inside ``prof``'s window when given."""
+def timed_steps(
+    engine: Engine, requests: int, prof: profile | PythonProfile | None, steps: int | None = None
+) -> list[float]:
+    """Seconds of each step (host sync after each) until ``requests`` more requests have finished (or, given
+    ``steps``, for that many steps, none of which may finish one), all of them inside ``prof``'s window when given."""
     torch.cuda.synchronize()
     if prof is not None:
         prof.start()
-    steps, finished = [], 0
-    while finished < requests:
+    times: list[float] = []
+    finished = 0
+    while (finished < requests) if steps is None else (len(times) < steps):
         t0 = time.perf_counter()
-        finished += len(engine.step())
+        done = len(engine.step())
         torch.cuda.synchronize()
-        steps.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+        if done and steps is not None:
+            raise RuntimeError("a sequence ended inside the timed decode steps")
+        finished += done
     if prof is not None:
         prof.stop()
-    return steps
+    return times
 
 
 # CUDA runtime calls in which the host can wait for the GPU (a memcpy waits when either side is pageable memory).
