@@ -141,8 +141,8 @@ class Splitter:
     def linear_projection(self, width: int) -> Tensor:
         """The static buffer [rows, width] a linear-attention layer's input projection writes its product into
         (ColumnParallelLinear.forward_into), so that the q|k|v columns it hands to `mix_linear` are read in place.
-        Copied instead, those strided columns were a generic copy kernel per layer: 0.8 of the 9B's 45.7 ms
-        2,048-token prefill step (H200, docs/benchmarks.md)."""
+        Copied instead, those strided columns took a generic copy kernel per layer, most of the 1.14 ms such kernels
+        took in the 9B's 45.7 ms 2,048-token prefill step (H200, docs/benchmarks.md)."""
         self.handed = self.owner.input_buffer(width)[: self.rows]
         return self.handed
 
@@ -151,11 +151,11 @@ class Splitter:
         the sequences' state slots. Padding rows' outputs are stale but finite, as an attention call's are."""
         rows = self.rows
         handed, self.handed = self.handed, None
-        inside = handed is not None and mixed.data_ptr() == handed.data_ptr() and mixed.stride() == handed.stride()
-        call = LinearCall(mixer, (mixed.shape[1], mixer.hv, mixer.dv, g.dtype, beta.dtype),
-                          handed.shape[1] if inside and handed is not None else 0)
+        in_place = handed is not None and mixed.data_ptr() == handed.data_ptr() and mixed.stride() == handed.stride()
+        projection = handed.shape[1] if handed is not None and in_place else 0
+        call = LinearCall(mixer, (mixed.shape[1], mixer.hv, mixer.dv, g.dtype, beta.dtype), projection)
         b_g, b_beta, out = self.owner.linear_buffers(call.shape)
-        if not inside:
+        if not projection:
             self.owner.input_buffer(mixed.shape[1])[:rows].copy_(mixed)
         b_g[:rows].copy_(g)
         b_beta[:rows].copy_(beta)
