@@ -278,6 +278,8 @@ VARIANTS: dict[str, tuple[tuple[object, str, object], ...]] = {
     "mlp after experts": ((gemma4_moe, "OVERLAP_DENSE_MLP", False),),
     # decode projections that split K sum their partials in a kernel of their own, not in the next norm's
     "split sums apart": ((split_norm, "available", lambda: False),),
+    # RMSNorms of plain rows through the compiled add + norm (Dynamo's guards on every call), not the Triton kernel
+    "compiled norms": ((split_norm, "rows_available", lambda: False),),
     # every kernel launched plainly: each starts only once the one before has finished (no programmatic launch)
     "no PDL": ((pdl, "enabled", lambda device: False),),
     # piecewise graphs: Gated DeltaNet's q|k|v copied out of the input projection into a buffer of their own, as

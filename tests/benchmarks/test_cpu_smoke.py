@@ -89,7 +89,7 @@ GPU_ONLY: dict[str, list[str]] = {
     "kernels.moe_bench": ["--rows", "1,2", "--shapes", "qwen3-30b-a3b"],
     "kernels.rope_bench": ["--tokens", "1,64"],
     "kernels.silu_bench": [],
-    "kernels.split_norm_bench": [],
+    "kernels.split_norm_bench": ["--rows"],
     "kernels.skinny_gemm_bench": ["--rows", "1,16"],
 }
 # Scripts with a CPU mode that start whole servers: their paths are the serving tests' (tests/server,

@@ -12,6 +12,14 @@ sum pass does, adds the residual and normalises the row as ``RMSNorm.add`` does,
 Only decode rows come here (the GEMMs split K for at most 64 rows: fp8_gemm.W8A16_MAX_ROWS), so a row fits one
 program: the hidden size, padded to a power of two, in registers. The row count is not specialised on; the split count and width are
 constants of a model, compiled by the start-up warm-up's forwards before any CUDA-graph capture.
+
+The same kernel serves every other RMSNorm of the LM on CUDA (``add_rms_norm_rows``, ``rms_norm_rows``: a plain
+residual, or none), for its launch: the compiled norm it replaces is one Inductor kernel at the card's bandwidth, but
+each call from Python went through Dynamo's guards and the compiled graph's wrapper, ~140 us of host time a call
+under the profiler (`decode_profile --shape qwen3-8b --layers 0 --phase prefill --quantize fp8-block --host`, H200:
+73 norms a 4,096-token step, ~10 ms of its host time). An eager prefill step of a dense model launches its kernels
+from Python, and in block FP8 its GPU work (60 ms) is shorter than that host time (74 ms a step), so the host bounds
+the step there. A Triton launch is a few microseconds of Python.
 """
 
 from __future__ import annotations
@@ -28,6 +36,12 @@ from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_SPLIT_NORM")
 available = SWITCH.on  # off: the projections sum their partials themselves, and the norm is the compiled one
+ROWS_SWITCH = TritonSwitch("GLIMPSE_TRITON_NORM")
+rows_available = ROWS_SWITCH.on  # off: a norm of plain rows (or after a plain residual) is the compiled one
+# The widest row a program holds (Gemma 4 31B's 5,376 pads to 8,192)
+MAX_WIDTH = 16384
+# What the residual is: none (a plain norm), a tensor of x's shape and dtype, or a split-K product's partials
+NO_DELTA, DENSE_DELTA, SPLIT_DELTA = 0, 1, 2
 # Partial floats one program loads at once (16 warps x 32 threads x 64 registers): a 4,096-wide row's 8 splits.
 _REGISTER_FLOATS = 32768
 
@@ -41,27 +55,35 @@ def _kernel() -> Any:
     def split_add_norm_kernel(
         x_ptr, part_ptr, bias_ptr, w_ptr, sum_ptr, out_ptr, rows, n, eps,
         SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        DELTA: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # pdl.py: nothing read or written before the kernel before has finished
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # rows x n passes 2**31 elements in a long prefill step of a wide model
         offs = tl.arange(0, BLOCK)
         ok = offs < n
-        g = tl.arange(0, GROUP)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        # GROUP splits in one load, all in flight together: one load per split, each waiting for the last, took
-        # ~0.6 us a split (4.9 us for 8 splits of a 4,096-wide row, H200). The sum order is fixed by the layout.
-        for s0 in tl.static_range(0, SPLIT, GROUP):
-            src = part_ptr + ((s0 + g)[:, None] * rows + row) * n + offs[None, :]
-            acc += tl.sum(tl.load(src, mask=ok[None, :], other=0.0), axis=0)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         dtype = x_ptr.dtype.element_ty
-        delta = acc.to(dtype)  # the projection's output, as the sum pass rounds it
         x = tl.load(x_ptr + row * n + offs, mask=ok, other=0.0)
-        total = (x.to(tl.float32) + delta.to(tl.float32)).to(dtype)  # the residual stream, in its dtype
-        tl.store(sum_ptr + row * n + offs, total, mask=ok)
+        if DELTA == 2:  # SPLIT_DELTA
+            g = tl.arange(0, GROUP)
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            # GROUP splits in one load, all in flight together: one load per split, each waiting for the last, took
+            # ~0.6 us a split (4.9 us for 8 splits of a 4,096-wide row, H200). The sum order is fixed by the layout.
+            for s0 in tl.static_range(0, SPLIT, GROUP):
+                src = part_ptr + ((s0 + g)[:, None] * rows + row) * n + offs[None, :]
+                acc += tl.sum(tl.load(src, mask=ok[None, :], other=0.0), axis=0)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            delta = acc.to(dtype)  # the projection's output, as the sum pass rounds it
+            total = (x.to(tl.float32) + delta.to(tl.float32)).to(dtype)  # the residual stream, in its dtype
+            tl.store(sum_ptr + row * n + offs, total, mask=ok)
+        elif DELTA == 1:  # DENSE_DELTA: x + delta in x's dtype, as torch's add rounds it
+            delta = tl.load(part_ptr + row * n + offs, mask=ok, other=0.0)
+            total = (x.to(tl.float32) + delta.to(tl.float32)).to(dtype)
+            tl.store(sum_ptr + row * n + offs, total, mask=ok)
+        else:
+            total = x
         tf = total.to(tl.float32)
         inv = tl.rsqrt(tl.sum(tf * tf, axis=0) / n + eps)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0)
@@ -93,9 +115,51 @@ def add_rms_norm(
         _kernel()[(rows,)](
             x, delta.parts, delta.bias if delta.bias is not None else weight, weight, total, out, rows, n, eps,
             SPLIT=split, GROUP=group, HAS_BIAS=delta.bias is not None, BLOCK=block, num_warps=warps,
-            **pdl.launch(x.device),
+            DELTA=SPLIT_DELTA, **pdl.launch(x.device),
         )  # fmt: skip
     return total, out
+
+
+def rows_usable(x: Tensor, weight: Tensor, delta: Tensor | None = None) -> bool:
+    """Whether ``add_rms_norm_rows`` / ``rms_norm_rows`` take these operands: the kernel is on and probed, and x (and
+    the residual's delta) are rows of one dtype, the weight's too (a float32 weight on bf16 rows would make torch's
+    norm float32), no wider than a program holds."""
+    return (
+        rows_available()
+        and x.dim() == 2
+        and x.shape[-1] <= MAX_WIDTH
+        and weight.dtype == x.dtype
+        and (delta is None or (delta.shape == x.shape and delta.dtype == x.dtype))
+    )
+
+
+def _rows_launch(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, warps: int | None) -> tuple[Tensor, Tensor]:
+    x = x.contiguous()
+    rows, n = x.shape
+    total = torch.empty_like(x) if delta is not None else x
+    out = torch.empty_like(x)
+    if rows:
+        block = 1 << (n - 1).bit_length()
+        # 8 warps: 16 bf16 of a 4,096-wide row a thread, two 16-byte loads, and several programs an SM
+        _kernel()[(rows,)](
+            x, delta.contiguous() if delta is not None else x, weight, weight, total, out, rows, n, eps,
+            SPLIT=1, GROUP=1, HAS_BIAS=False, BLOCK=block, num_warps=warps or (16 if block > 8192 else 8),
+            DELTA=NO_DELTA if delta is None else DENSE_DELTA, **pdl.launch(x.device),
+        )  # fmt: skip
+    return total, out
+
+
+def add_rms_norm_rows(
+    x: Tensor, delta: Tensor, weight: Tensor, eps: float, warps: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """(x + delta, rms_norm(x + delta) * weight) for rows x and delta [rows, n] of one dtype (``rows_usable``):
+    ``RMSNorm.add``'s values, in one launch."""
+    return _rows_launch(x, delta, weight, eps, warps)
+
+
+def rms_norm_rows(x: Tensor, weight: Tensor, eps: float, warps: int | None = None) -> Tensor:
+    """rms_norm(x) * weight for rows x [rows, n] (``rows_usable``): ``RMSNorm.forward``'s values, in one launch."""
+    return _rows_launch(x, None, weight, eps, warps)[1]
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
@@ -115,6 +179,23 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
         return all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in ((total, want_total), (out, want)))
 
     return SWITCH.probe(check)
+
+
+def probe_rows(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the plain-rows kernel (after a residual, and alone) once against the eager add and norm; a failure turns it
+    off for the process and the compiled norm serves."""
+    gen = torch.Generator().manual_seed(1)
+    x, delta = (torch.randn(5, 320, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    weight = (1 + torch.randn(320, generator=gen) / 8).to(device=device, dtype=dtype)
+
+    def check() -> bool:
+        total, out = add_rms_norm_rows(x, delta, weight, 1e-6)
+        want_total = x + delta
+        pairs = ((total, want_total), (out, reference_norm(want_total, weight, 1e-6)),
+                 (rms_norm_rows(x, weight, 1e-6), reference_norm(x, weight, 1e-6)))
+        return all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in pairs)
+
+    return ROWS_SWITCH.probe(check)
 
 
 def reference_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -368,6 +368,10 @@ class RMSNorm(nn.Module):
                 return split_norm.add_rms_norm(x, delta, self.weight, self.eps)
             delta = delta.settle()
         if self.fused and fused.worth_it(x):
+            # one Triton launch where it serves: the compiled call's Dynamo guards cost more host time than the
+            # kernel takes on the GPU (split_norm.py)
+            if split_norm.rows_usable(x, self.weight, delta):
+                return split_norm.add_rms_norm_rows(x, delta, self.weight, self.eps)
             out: tuple[Tensor, Tensor] = fused.compiled(fused.add_rms_norm)(x, delta, self.weight, self.eps)
             return out
         s = x + delta
@@ -375,6 +379,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused and fused.worth_it(x):
+            if split_norm.rows_usable(x, self.weight):
+                return split_norm.rms_norm_rows(x, self.weight, self.eps)
             out: Tensor = fused.compiled(fused.rms_norm)(x, self.weight, self.eps)
             return out
         variance = x.float().pow(2).mean(-1, keepdim=True)

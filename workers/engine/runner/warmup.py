@@ -51,6 +51,8 @@ def warm_fused(runner: LoadedModel) -> None:
     if not split_norm.probe(runner.device, runner.dtype):
         log.warning("the Triton split-K norm is off (%s); decode projections sum their own partials",
                     split_norm.SWITCH.why_off())
+    if not split_norm.probe_rows(runner.device, runner.dtype):
+        log.warning("the Triton RMSNorm is off (%s); the compiled norm serves", split_norm.ROWS_SWITCH.why_off())
     if not kv_write_kernel.probe(runner.device, runner.dtype):
         log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel.SWITCH.why_off())
     if not rope_kernel.probe(runner.device, runner.dtype):

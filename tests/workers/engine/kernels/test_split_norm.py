@@ -76,9 +76,65 @@ assert isinstance(plain, torch.Tensor) and torch.equal(plain, skinny_gemm.linear
 """
 
 
+ROWS_CHECK = """
+import torch
+from workers.engine.kernels import split_norm
+from workers.engine.layers.linear import RMSNorm
+
+gen = torch.Generator().manual_seed(4)
+# (rows, width): one row; a width that is not a power of two (the block is padded and masked); 300 rows of programs
+for dtype in (torch.float32, torch.float16):
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=2e-3)
+    for rows, n in ((1, 256), (7, 320), (300, 96)):
+        x, delta = (torch.randn(rows, n, generator=gen).to(dtype) for _ in range(2))
+        norm = RMSNorm(n, 1e-6).to(dtype)
+        norm.weight.copy_(1 + torch.randn(n, generator=gen) / 8)
+        assert split_norm.rows_usable(x, norm.weight, delta)
+        want_total, want = norm.add(x, delta)  # the eager add and norm (norm.fused is off: the CPU's path)
+        total, normed = split_norm.add_rms_norm_rows(x, delta, norm.weight, norm.eps)
+        assert torch.equal(total, want_total)  # one add rounded once, as torch's
+        torch.testing.assert_close(normed, want, **tol)
+        torch.testing.assert_close(split_norm.rms_norm_rows(x, norm.weight, norm.eps), norm(x), **tol)
+        # the inputs are left as they were, and a plain norm returns a new tensor
+        assert torch.equal(x + delta, want_total)
+        assert split_norm.rms_norm_rows(x, norm.weight, norm.eps).data_ptr() != x.data_ptr()
+# a strided view of rows (a slice of wider rows) is read as its values
+wide = torch.randn(4, 160, generator=gen)
+view, weight = wide[:, :96], torch.ones(96)
+torch.testing.assert_close(split_norm.rms_norm_rows(view, weight, 1e-6), RMSNorm(96)(view.contiguous()))
+# operands it does not take: a float32 weight on half rows (torch's norm would answer in float32), 3-D rows, a delta of
+# another dtype, rows wider than a program holds
+half = torch.randn(3, 64, generator=gen).half()
+assert not split_norm.rows_usable(half, torch.ones(64))
+assert not split_norm.rows_usable(half.view(3, 4, 16), torch.ones(16).half())
+assert not split_norm.rows_usable(half, torch.ones(64).half(), half.float())
+assert not split_norm.rows_usable(torch.zeros(1, split_norm.MAX_WIDTH + 1), torch.ones(split_norm.MAX_WIDTH + 1))
+assert split_norm.probe_rows(torch.device("cpu"), torch.float16) and not split_norm.ROWS_SWITCH.broken
+"""
+
+
 def test_kernel_matches_the_sum_pass_and_the_norm_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     run_kernel_check(CHECK, "split_norm", "float16")
+
+
+def test_rows_kernel_matches_the_eager_add_and_norm_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_kernel_check(ROWS_CHECK, "split_norm", "float16")
+
+
+def test_rows_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    switch = split_norm.ROWS_SWITCH
+    monkeypatch.setenv(switch.env, "0")
+    switch.reset()
+    try:
+        x = torch.randn(2, 32)
+        assert not split_norm.rows_available() and not split_norm.rows_usable(x, torch.ones(32))
+        assert not split_norm.probe_rows(torch.device("cpu"), torch.float32)
+        assert switch.why_off() == f"{switch.env}=0"
+    finally:
+        monkeypatch.delenv(switch.env)
+        switch.reset()
 
 
 def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,3 +189,27 @@ def test_a_split_projection_into_its_norm_on_cuda() -> None:
             torch.testing.assert_close(normed, want, rtol=2e-2, atol=2e-2)
     finally:
         skinny_gemm._measured.pop((1024, 2048), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rows_norm_on_cuda_matches_the_compiled_one() -> None:
+    """bf16 on the GPU: RMSNorm on plain rows (decode to a 4,096-token prefill step) through the kernel gives the
+    compiled add and norm's answer within bf16's rounding, and the residual's sum exactly."""
+    from workers.engine.kernels import fused
+    from workers.engine.layers.linear import RMSNorm
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    assert split_norm.probe_rows(dev, dt)
+    for rows, n in ((1, 4096), (64, 3584), (4096, 4096), (3, 5376)):
+        norm = RMSNorm(n).to(dev, dt)
+        norm.weight.copy_(1 + torch.randn(n, generator=gen) / 8)
+        x, delta = (torch.randn(rows, n, generator=gen).to(dev, dt) for _ in range(2))
+        want_total, want = fused.compiled(fused.add_rms_norm)(x, delta, norm.weight, norm.eps)
+        norm.fused = True
+        assert split_norm.rows_usable(x, norm.weight, delta)
+        total, normed = norm.add(x, delta)
+        assert torch.equal(total, want_total)
+        torch.testing.assert_close(normed, want, rtol=1.6e-2, atol=1.6e-2)
+        torch.testing.assert_close(norm(x), fused.compiled(fused.rms_norm)(x, norm.weight, norm.eps), rtol=1.6e-2, atol=1.6e-2)
