@@ -12,7 +12,8 @@ default: w8a16_gemm.py's decode kernel at decode rows, the scaled-FP8 kernels ab
 GEMMs' activations quantized by torch's ops, ``GLIMPSE_TRITON_FP8_QUANT=0``, instead of fp8_act_quant.py's kernel);
 ``fp8-w8a16-16`` (``auto`` with the decode kernel up to 16 rows, ``GLIMPSE_W8A16_MAX_ROWS=16``, instead of 64);
 ``fp8-dequant`` (the FP8 checkpoint under the default ``bf16``: dequantized at load, so it should match ``bf16``);
-``fp8-dynamic`` (compressed-tensors per-channel FP8, ``auto``).
+``fp8-dynamic`` (compressed-tensors per-channel FP8, ``auto``); ``bf16-compiled-norms`` and ``fp8-compiled-norms`` (the
+LM's RMSNorms through the torch.compile'd add + norm, ``GLIMPSE_TRITON_NORM=0``, instead of split_norm.py's kernel).
 Columns: start-up (spawn to /health), (a) one request of 8 x 1080p images, mean TTFT over ``--ttft-requests``
 sequential requests after the warm-up; (b) ``--num-prompts`` requests of 1 x 1080p, 128 tokens out, at
 ``--concurrency``: req/s and mean TPOT; (d) batch-1 text: mean TPOT of ``--text-requests`` sequential text-only
@@ -47,6 +48,8 @@ VARIANTS: dict[str, tuple[str | None, dict[str, str]]] = {
     "fp8-bf16-experts": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto", "GLIMPSE_FP8_BLOCK_EXPERTS": "bf16"}),
     "fp8-bf16-attn": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto", "GLIMPSE_FP8_KEEP_DTYPE": "self_attn"}),
     "fp8-dynamic": ("fp8-dynamic", {"GLIMPSE_FP8_GEMM": "auto"}),
+    "bf16-compiled-norms": (None, {"GLIMPSE_TRITON_NORM": "0"}),
+    "fp8-compiled-norms": ("fp8-block", {"GLIMPSE_FP8_GEMM": "auto", "GLIMPSE_TRITON_NORM": "0"}),
 }
 
 
