@@ -65,25 +65,26 @@ def _kernel() -> Any:
         ok = offs < n
         dtype = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * n + offs, mask=ok, other=0.0)
-        if DELTA == 2:  # SPLIT_DELTA
-            g = tl.arange(0, GROUP)
-            acc = tl.zeros((BLOCK,), dtype=tl.float32)
-            # GROUP splits in one load, all in flight together: one load per split, each waiting for the last, took
-            # ~0.6 us a split (4.9 us for 8 splits of a 4,096-wide row, H200). The sum order is fixed by the layout.
-            for s0 in tl.static_range(0, SPLIT, GROUP):
-                src = part_ptr + ((s0 + g)[:, None] * rows + row) * n + offs[None, :]
-                acc += tl.sum(tl.load(src, mask=ok[None, :], other=0.0), axis=0)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            delta = acc.to(dtype)  # the projection's output, as the sum pass rounds it
-            total = (x.to(tl.float32) + delta.to(tl.float32)).to(dtype)  # the residual stream, in its dtype
-            tl.store(sum_ptr + row * n + offs, total, mask=ok)
-        elif DELTA == 1:  # DENSE_DELTA: x + delta in x's dtype, as torch's add rounds it
-            delta = tl.load(part_ptr + row * n + offs, mask=ok, other=0.0)
+        if DELTA == 0:  # NO_DELTA: a plain norm
+            total = x
+        else:
+            if DELTA == 2:  # SPLIT_DELTA
+                g = tl.arange(0, GROUP)
+                acc = tl.zeros((BLOCK,), dtype=tl.float32)
+                # GROUP splits in one load, all in flight together: one load per split, each waiting for the last,
+                # took ~0.6 us a split (4.9 us for 8 splits of a 4,096-wide row, H200). The sum order is fixed by the
+                # layout.
+                for s0 in tl.static_range(0, SPLIT, GROUP):
+                    src = part_ptr + ((s0 + g)[:, None] * rows + row) * n + offs[None, :]
+                    acc += tl.sum(tl.load(src, mask=ok[None, :], other=0.0), axis=0)
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                delta = acc.to(dtype)  # the projection's output, as the sum pass rounds it
+            else:  # DENSE_DELTA
+                delta = tl.load(part_ptr + row * n + offs, mask=ok, other=0.0)
+            # the residual stream in its dtype: one add rounded once, as torch's
             total = (x.to(tl.float32) + delta.to(tl.float32)).to(dtype)
             tl.store(sum_ptr + row * n + offs, total, mask=ok)
-        else:
-            total = x
         tf = total.to(tl.float32)
         inv = tl.rsqrt(tl.sum(tf * tf, axis=0) / n + eps)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0)

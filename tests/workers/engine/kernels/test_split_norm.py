@@ -124,17 +124,11 @@ def test_rows_kernel_matches_the_eager_add_and_norm_under_the_interpreter() -> N
 
 
 def test_rows_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    switch = split_norm.ROWS_SWITCH
-    monkeypatch.setenv(switch.env, "0")
-    switch.reset()
-    try:
-        x = torch.randn(2, 32)
-        assert not split_norm.rows_available() and not split_norm.rows_usable(x, torch.ones(32))
-        assert not split_norm.probe_rows(torch.device("cpu"), torch.float32)
-        assert switch.why_off() == f"{switch.env}=0"
-    finally:
-        monkeypatch.delenv(switch.env)
-        switch.reset()
+    x = torch.randn(2, 32)
+    check_switch_turns_it_off(
+        monkeypatch, split_norm, split_norm.ROWS_SWITCH,
+        lambda: split_norm.rows_available() or split_norm.rows_usable(x, torch.ones(32)), split_norm.probe_rows,
+    )  # fmt: skip
 
 
 def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
