@@ -13,12 +13,16 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from server.config import ServerConfig
 from workers.common.memory import tune_malloc
 
 log = logging.getLogger("glimpse.launcher")
+# A fresh interpreter per child: nothing of the launcher's state (threads, CUDA, sockets) crosses over.
+_CONTEXT = multiprocessing.get_context("spawn")
 
 
 @dataclass
@@ -62,8 +66,8 @@ def describe_exit(code: int | None) -> str:
     return f"was killed by {name}" + (" (likely the kernel's OOM killer)" if name == "SIGKILL" else "")
 
 
-def _child_entry(role: str, config: ServerConfig, index: int) -> None:
-    """First code a child runs: die with the launcher, then hand over to the role's entry point."""
+def _prepare(role: str) -> None:
+    """First code a child runs: the allocator's settings, dying with the launcher, the launcher's signals ignored."""
     # Before the role starts any thread: arenas already made would stay (workers/common/memory.py says why). A
     # tokenizer keeps glibc's moving mmap threshold: its big buffers (bodies, decoded images) recur per request,
     # and its IdleTrim hands them back once idle.
@@ -75,24 +79,47 @@ def _child_entry(role: str, config: ServerConfig, index: int) -> None:
     # Until the role's own set-up runs: Ctrl-C and group SIGTERMs are the launcher's to act on.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _role_entry(role: str) -> Callable[[ServerConfig, int], None]:
+    """The role's entry point. Importing it is most of a child's start before its own work: torch, transformers and
+    the engine take a model worker ~10 s on an H200 host's CPU."""
     if role == "model":
         from workers.model.process import run_model_worker
 
-        run_model_worker(config, index)
-    elif role == "scheduler":
+        return run_model_worker
+    if role == "scheduler":
         from workers.scheduler.process import run_scheduler
 
-        run_scheduler(config, index)
-    elif role == "encoder":
+        return run_scheduler
+    if role == "encoder":
         from workers.encoder.process import run_encoder_worker
 
-        run_encoder_worker(config, index)
-    elif role == "tokenizer":
+        return run_encoder_worker
+    if role == "tokenizer":
         from workers.tokenizer.process import run_tokenizer
 
-        run_tokenizer(config, index)
-    else:
-        raise ValueError(f"unknown role {role!r}")
+        return run_tokenizer
+    raise ValueError(f"unknown role {role!r}")
+
+
+def _child_entry(role: str, config: ServerConfig, index: int) -> None:
+    _prepare(role)
+    _role_entry(role)(config, index)
+
+
+def _early_entry(role: str, index: int, inbox: Connection) -> None:
+    """A child started before its config exists: it imports its role while the launcher builds the config, then
+    takes the config from ``inbox``. The launcher closing ``inbox`` unsent (a refused flag) ends it quietly."""
+    _prepare(role)
+    entry = _role_entry(role)
+    try:
+        config = inbox.recv()
+    except EOFError:
+        return
+    finally:
+        inbox.close()
+    entry(config, index)
 
 
 def _die_with_parent() -> None:
@@ -108,11 +135,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_child(config: ServerConfig, role: str, index: int) -> Child:
+def _spawn(role: str, index: int, target: Callable[..., None], args: tuple[object, ...], early: bool = False) -> Child:
     """Spawn one child. Call it on the main thread: PR_SET_PDEATHSIG fires when the *thread* that
     started the child exits, so a child started from a short-lived thread would die with it."""
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_child_entry, args=(role, config, index), name=f"glimpse-{role}-{index}")
+    proc = _CONTEXT.Process(target=target, args=args, name=f"glimpse-{role}-{index}")
+    # A start that a flag then refuses says one line, so an early child's start is a debug line until it has work.
+    level = logging.DEBUG if early else logging.INFO
     # Spawned children inherit the environment: the role in it lets operators (and tests) tell
     # the processes apart with ps/pgrep without asking the server.
     os.environ["GLIMPSE_ROLE"] = f"{role}[{index}]"
@@ -120,11 +148,57 @@ def start_child(config: ServerConfig, role: str, index: int) -> Child:
         proc.start()
     finally:
         os.environ.pop("GLIMPSE_ROLE", None)
-    log.info("started %s[%d] pid %s", role, index, proc.pid)
+    log.log(level, "started %s[%d] pid %s%s", role, index, proc.pid, " (waiting for its config)" if early else "")
     return Child(role, index, proc)
 
 
-def start_children(config: ServerConfig) -> list[Child]:
+def start_child(config: ServerConfig, role: str, index: int) -> Child:
+    return _spawn(role, index, _child_entry, (role, config, index))
+
+
+class EarlyChildren:
+    """Children started before the launcher has its config, each waiting for it on a pipe. A model worker's imports
+    (~10 s on an H200 host) then overlap the launcher's own (torch, the checkpoint's spec and checks: ~4.6 s of a
+    ~41 s start of the Qwen3-VL-8B shape) instead of following them."""
+
+    def __init__(self, plan: list[tuple[str, int]]) -> None:
+        self._waiting: dict[tuple[str, int], tuple[Child, Connection]] = {}
+        for role, index in plan:
+            inbox, outbox = _CONTEXT.Pipe(duplex=False)
+            child = _spawn(role, index, _early_entry, (role, index, inbox), early=True)
+            inbox.close()  # the child's end: the launcher keeps only its own
+            self._waiting[role, index] = (child, outbox)
+
+    @property
+    def waiting(self) -> list[Child]:
+        """The children still waiting for a config."""
+        return [child for child, _ in self._waiting.values()]
+
+    def take(self, config: ServerConfig, role: str, index: int) -> Child | None:
+        """The waiting child of ``role`` ``index``, given ``config``; None if none was started early."""
+        found = self._waiting.pop((role, index), None)
+        if found is None:
+            return None
+        child, outbox = found
+        with contextlib.suppress(OSError):  # it died while importing: the launcher's watch reports how
+            outbox.send(config)
+        outbox.close()
+        log.info("started %s (pid %s) before the config; handed it now", child.name, child.process.pid)
+        return child
+
+    def close(self) -> None:
+        """Kill the children never given a config (start-up stopped before them, e.g. a refused flag): they were
+        only importing, and a refused start should not wait for that."""
+        waiting = list(self._waiting.values())
+        self._waiting.clear()
+        for child, outbox in waiting:
+            outbox.close()
+            child.process.kill()
+        for child, _ in waiting:
+            child.process.join(3.0)
+
+
+def start_children(config: ServerConfig, early: EarlyChildren | None = None) -> list[Child]:
     # --dp N: replica r is scheduler r and model workers r * tp .. r * tp + tp - 1 (each on its GPU), and with
     # --encoder-workers E encoder workers r * E .. r * E + E - 1 (with --shared-encoders E in all, 0 .. E - 1, each
     # answering every replica).
@@ -133,7 +207,13 @@ def start_children(config: ServerConfig) -> list[Child]:
     plan += [("encoder", i) for i in range(config.encoder_count)]
     plan += [("scheduler", r) for r in range(dp)]
     plan += [("tokenizer", i) for i in range(config.tokenizer_workers)]
-    return [start_child(config, role, index) for role, index in plan]
+    children = []
+    for role, index in plan:
+        child = early.take(config, role, index) if early is not None else None
+        children.append(child if child is not None else start_child(config, role, index))
+    if early is not None:
+        early.close()  # none should be left: a plan that differs from the early one must not leave a child waiting
+    return children
 
 
 def stop_children(children: list[Child], timeout: float) -> None:

@@ -38,6 +38,7 @@ from ipc.shm import sweep, sweep_dead_launches
 from server.app import FrontendState, create_app
 from server.children import (
     Child,
+    EarlyChildren,
     describe_exit,
     raise_fd_limit,
     sd_notify,
@@ -72,8 +73,9 @@ class _Server(uvicorn.Server):
 
 
 class Launcher:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, early: EarlyChildren | None = None) -> None:
         self.config = config
+        self.early = early  # children started before the config (run_serve), waiting for it
         self.children: list[Child] = []
         self.state: FrontendState | None = None
         self.server: uvicorn.Server | None = None
@@ -154,7 +156,7 @@ class Launcher:
         try:
             if cfg.kv_events_endpoint and not self._open_kv_events():
                 return 1
-            self.children = start_children(cfg)
+            self.children = start_children(cfg, self.early)
             self._watch(loop)
             if not await self._wait_ready():
                 return 1
@@ -298,15 +300,29 @@ class Launcher:
         cleanup_launch_dir(cfg.launch_id)
 
 
-def serve(config: ServerConfig, runner: Callable[[Any], int] | None = None) -> int:
-    """Run the server until it is stopped; returns the process exit code."""
+def serve(
+    config: ServerConfig, runner: Callable[[Any], int] | None = None, early: EarlyChildren | None = None
+) -> int:
+    """Run the server until it is stopped; returns the process exit code. ``early``: children already started
+    (``start_early``), which take ``config`` instead of being spawned; closed here whatever happens."""
     import uvloop
 
     try:
-        check_markers(config.reasoning_parser, config.engine.model)  # before any child starts: one line, not a crash
-    except ValueError as exc:
-        raise SystemExit(f"glimpse serve: {exc}") from None
-    tune_malloc()  # the frontend's bodies and answers come in all sizes too (workers/common/memory.py)
-    keep_kernel_caches()  # before any child starts: they inherit it
-    launcher = Launcher(config)
-    return uvloop.run(launcher.run()) if runner is None else runner(launcher.run())
+        try:
+            check_markers(config.reasoning_parser, config.engine.model)  # before any child starts: one line
+        except ValueError as exc:
+            raise SystemExit(f"glimpse serve: {exc}") from None
+        tune_malloc()  # the frontend's bodies and answers come in all sizes too (workers/common/memory.py)
+        keep_kernel_caches()  # before any child starts: they inherit it
+        launcher = Launcher(config, early)
+        return uvloop.run(launcher.run()) if runner is None else runner(launcher.run())
+    finally:
+        if early is not None:  # those a stopped start never handed their config (none once children started)
+            early.close()
+
+
+def start_early(tp: int, dp: int) -> EarlyChildren:
+    """The model workers of a launch of ``tp`` x ``dp`` ranks, started before its config is built (children.py's
+    EarlyChildren says why) with the environment every child gets."""
+    keep_kernel_caches()
+    return EarlyChildren([("model", i) for i in range(max(1, tp) * max(1, dp))])

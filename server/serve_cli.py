@@ -218,9 +218,15 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from server.launcher import serve
+    from server.launcher import serve, start_early
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
     )
-    return serve(build_config(args))
+    early = start_early(args.tp, args.dp)  # their imports overlap the config's build (torch, the checkpoint's checks)
+    try:
+        config = build_config(args)
+    except BaseException:  # a refused flag: the early children end without a word
+        early.close()
+        raise
+    return serve(config, early=early)

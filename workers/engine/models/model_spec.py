@@ -11,9 +11,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the launcher reads specs before any child: it never imports torch itself
+    import torch
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class RecurrentSpec:
     def bytes_per_slot(self, dtype: torch.dtype, tp_size: int = 1) -> int:
         c, w = self.conv_shape(tp_size)
         h, k, v = self.ssm_shape(tp_size)
-        return self.num_layers * (c * w + h * k * v) * torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * (c * w + h * k * v) * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class ModelSpec:
 
     def embedding_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one image token takes in the embedding cache (every DeepStack level included)."""
-        return self.embed_width * torch.empty((), dtype=dtype).element_size()
+        return self.embed_width * dtype.itemsize
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int, tp_size: int = 1) -> list[tuple[int, ...]]:
         """The shape of each paged-KV cache (``[2, num_blocks, block_size, kv_heads per rank, head_dim]``), in the
@@ -130,7 +131,7 @@ class ModelSpec:
         self, block_size: int, dtype: torch.dtype, tp_size: int = 1, windowed: bool | None = None
     ) -> int:
         """Bytes of one block over the caches; ``windowed``: only the windowed caches (True) or the others (False)."""
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         shapes = self.kv_cache_shapes(1, block_size, tp_size)
         if windowed is not None and self.kv_windows is not None:
             shapes = [s for s, w in zip(shapes, self.kv_windows, strict=True) if (w > 0) == windowed]
