@@ -321,8 +321,12 @@ def serve(
             early.close()
 
 
-def start_early(tp: int, dp: int) -> EarlyChildren:
-    """The model workers of a launch of ``tp`` x ``dp`` ranks, started before its config is built (children.py's
-    EarlyChildren says why) with the environment every child gets."""
+def start_early(tp: int, dp: int, encoder_workers: int = 0, shared_encoders: bool = False) -> EarlyChildren:
+    """The model workers (and encoder workers) of a launch of ``tp`` x ``dp`` ranks, started before its config is
+    built (children.py's EarlyChildren says why) with the environment every child gets. The counts are the flags'
+    as given: a launch whose config refuses them kills these children."""
     keep_kernel_caches()
-    return EarlyChildren([("model", i) for i in range(max(1, tp) * max(1, dp))])
+    dp = max(1, dp)
+    encoders = max(0, encoder_workers) * (1 if shared_encoders else dp)
+    plan = [("model", i) for i in range(max(1, tp) * dp)] + [("encoder", i) for i in range(encoders)]
+    return EarlyChildren(plan)

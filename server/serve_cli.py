@@ -223,7 +223,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
     )
-    early = start_early(args.tp, args.dp)  # their imports overlap the config's build (torch, the checkpoint's checks)
+    # their imports overlap the config's build (torch, the checkpoint's checks)
+    early = start_early(args.tp, args.dp, args.encoder_workers, args.shared_encoders)
     try:
         config = build_config(args)
     except BaseException:  # a refused flag: the early children end without a word

@@ -31,19 +31,20 @@ def tagged(tag: str) -> list[int]:
     return [pid for pid in found if not gone(pid)]
 
 
-def test_a_refused_flag_ends_the_early_model_workers_at_once(demo_model_dir: Path) -> None:
+def test_a_refused_flag_ends_the_early_workers_at_once(demo_model_dir: Path) -> None:
     tag = uuid.uuid4().hex
     began = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "server.cli", "serve", "--model", str(demo_model_dir), "--port", "0", "--tp", "2",
-         "--block-size", "0", "--log-level", "debug"],
+         "--encoder-workers", "1", "--block-size", "0", "--log-level", "debug"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "GLIMPSE_TEST_TAG": tag},
     )  # fmt: skip
     took = time.monotonic() - began
     assert done.returncode == 1, done.stderr[-2000:]
     assert "glimpse serve: --block-size must be 1 or more" in done.stderr, done.stderr[-2000:]
-    # both ranks had been started before the flag was read, and the refusal did not wait for their imports
-    assert "started model[0] pid" in done.stderr and "started model[1] pid" in done.stderr, done.stderr[-2000:]
+    # both ranks and the encoder had been started before the flag was read; the refusal did not wait for their imports
+    for child in ("model[0]", "model[1]", "encoder[0]"):
+        assert f"started {child} pid" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert took < 30, took
     wait_until(lambda: not tagged(tag), 5, "the early model workers to be gone")

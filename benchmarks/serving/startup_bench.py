@@ -1,0 +1,157 @@
+"""Where a server's start-up goes: `glimpse serve` started ``--runs`` times on one checkpoint (dummy weights at a
+published shape, or the demo model), each timed from the launch to the first 200 on /health, and cut into phases
+by its own log lines. Prints one table, a row per run.
+
+    python -m benchmarks.serving.startup_bench --shape qwen3-8b --runs 3
+    python -m benchmarks.serving.startup_bench --shape qwen3-8b --runs 1 --cold    # kernel caches emptied first
+    python -m benchmarks.serving.startup_bench --glimpse-root /tmp/base --shape qwen3-8b   # another tree's server
+
+Columns (seconds from the launch): the launcher's config built (its first child after the model workers
+started); the model worker's imports done (its "loaded ... in X s" line, X before it); its weights allocated;
+its fused kernels compiled; its step shapes warmed; its graphs captured; every child ready; /health answering.
+``--cold`` empties Triton's, Inductor's and FA4's caches and the skinny GEMM's tiles before each run (what a new
+host or container pays); without it a run reuses what the runs before it compiled. The serving flags are the
+vLLM side-by-side harness's (docs/benchmarks.md), so the last column is its start-up row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+from benchmarks.args import parser
+from benchmarks.checkpoints import shaped_checkpoint
+from tests.server.live import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS_FLAGS = ["--max-model-len", "32768", "--mm-cache-mb", "8192", "--max-num-seqs", "128",
+                 "--tokenizer-workers", "4", "--max-images-per-request", "64", "--num-kv-blocks", "12288"]  # fmt: skip
+# The caches a cold start fills (workers/common/proc.py keep_kernel_caches, fa4_attention.py, skinny_tune.py).
+KERNEL_CACHES = ["~/.triton/cache", "~/.cache/glimpse/inductor", "~/.cache/glimpse/flash-attn-cute",
+                 "~/.cache/glimpse/skinny-tiles.json"]  # fmt: skip
+# phase -> the log line that ends it (the first match; the model worker's rank 0)
+PHASES: list[tuple[str, str]] = [
+    ("config built", r"started (scheduler|tokenizer)\[0\]"),
+    ("weights", r"glimpse\.model: \S+ ready: \d+ layers"),
+    ("fused kernels", r"fused kernels ready"),
+    ("step shapes", r"step shapes warmed"),
+    ("graphs", r"graphs? \(.*\) captured|decode graphs captured"),
+    ("all ready", r"all children ready"),
+]
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_LOADED = re.compile(r"glimpse\.model\[0\]: loaded \S+ in ([\d.]+)s")
+
+
+def stamp(line: str) -> float | None:
+    """The wall-clock time a log line was written (the log's local-time stamp), or None."""
+    m = _STAMP.match(line)
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
+
+
+def phases(log: str, launched: float) -> dict[str, float]:
+    """Seconds from ``launched`` (time.time()) to the end of each phase the log shows."""
+    out: dict[str, float] = {}
+    for line in log.splitlines():
+        at = stamp(line)
+        if at is None:
+            continue
+        if "imports" not in out and (m := _LOADED.search(line)):
+            out["imports"] = at - float(m.group(1)) - launched
+        for name, pattern in PHASES:
+            if name not in out and re.search(pattern, line):
+                out[name] = at - launched
+    return out
+
+
+def empty_kernel_caches() -> None:
+    for entry in KERNEL_CACHES:
+        path = Path(entry).expanduser()
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
+
+
+def start_once(model: Path, args: argparse.Namespace, log: Path) -> dict[str, float]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port),
+           "--log-level", "info", *args.flags, *shlex.split(args.serve_flags)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.glimpse_root), os.environ.get("PYTHONPATH", "")])}
+    launched = time.time()
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=args.glimpse_root, env=env)
+    try:
+        deadline = time.monotonic() + args.timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(log.read_text()[-3000:])
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        row = phases(log.read_text(), launched)
+        row["/health"] = time.time() - launched
+        return row
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def table(rows: list[dict[str, float]], names: list[str]) -> None:
+    cols = ["config built", "imports", "weights", "fused kernels", "step shapes", "graphs", "all ready", "/health"]
+    heads = ["config built", "model imports done", "weights", "fused kernels", "step shapes", "graphs",
+             "all ready", "/health"]  # fmt: skip
+    print("| run | " + " | ".join(f"{h}, s" for h in heads) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for name, row in zip(names, rows):
+        print(f"| {name} | " + " | ".join(f"{row[c]:.1f}" if c in row else "-" for c in cols) + " |")
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--shape", default="qwen3-8b", help='"demo" (the tiny demo model) or a benchmarks.checkpoints shape')
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers kept (0: all)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cold", action="store_true", help="empty the kernel caches before each run")
+    ap.add_argument("--glimpse-root", type=Path, default=ROOT, help="the checkout whose server starts")
+    ap.add_argument("--serve-flags", default="", help="more `glimpse serve` flags")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a start may take")
+    args = ap.parse_args()
+    args.glimpse_root = args.glimpse_root.resolve()
+    rows, names = [], []
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        if args.shape == "demo":
+            from workers.engine.models.demo_writer import ensure_demo_model
+
+            model, args.flags = ensure_demo_model(), ["--max-model-len", "2048", "--tokenizer-workers", "2"]
+        else:
+            model = shaped_checkpoint(tmp / "ckpt", args.shape, layers=args.layers)
+            args.flags = ["--load-format", "dummy", *HARNESS_FLAGS]
+        for i in range(args.runs):
+            if args.cold:
+                empty_kernel_caches()
+            rows.append(start_once(model, args, tmp / f"serve-{i}.log"))
+            names.append(f"{i + 1}{' (cold)' if args.cold else ''}")
+            print(f"run {names[-1]}: /health after {rows[-1]['/health']:.1f} s", flush=True)
+    print(f"\n{args.shape} ({args.layers or 'all'} layers), glimpse at {args.glimpse_root}")
+    table(rows, names)
+
+
+if __name__ == "__main__":
+    main()
