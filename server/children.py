@@ -163,11 +163,15 @@ class EarlyChildren:
 
     def __init__(self, plan: list[tuple[str, int]]) -> None:
         self._waiting: dict[tuple[str, int], tuple[Child, Connection]] = {}
-        for role, index in plan:
-            inbox, outbox = _CONTEXT.Pipe(duplex=False)
-            child = _spawn(role, index, _early_entry, (role, index, inbox), early=True)
-            inbox.close()  # the child's end: the launcher keeps only its own
-            self._waiting[role, index] = (child, outbox)
+        try:
+            for role, index in plan:
+                inbox, outbox = _CONTEXT.Pipe(duplex=False)
+                child = _spawn(role, index, _early_entry, (role, index, inbox), early=True)
+                inbox.close()  # the child's end: the launcher keeps only its own
+                self._waiting[role, index] = (child, outbox)
+        except BaseException:  # a spawn failed: those started must not wait on a pipe no one will write
+            self.close()
+            raise
 
     @property
     def waiting(self) -> list[Child]:
