@@ -8,7 +8,7 @@ by its own log lines. Prints one table, a row per run.
 
 Columns (seconds from the launch): the launcher's config built (its first child after the model workers
 started); the model worker's imports done (its "loaded ... in X s" line, X before it); its weights allocated;
-its fused kernels compiled; its step shapes warmed; its graphs captured; every child ready; /health answering.
+the embedding cache's host tier pinned (CUDA); its fused kernels compiled; its step shapes warmed; its graphs captured; every child ready; /health answering.
 ``--cold`` empties Triton's, Inductor's and FA4's caches and the skinny GEMM's tiles before each run (what a new
 host or container pays); without it a run reuses what the runs before it compiled. The serving flags are the
 vLLM side-by-side harness's (docs/benchmarks.md), so the last column is its start-up row.
@@ -40,15 +40,17 @@ HARNESS_FLAGS = ["--max-model-len", "32768", "--mm-cache-mb", "8192", "--max-num
 # The caches a cold start fills (workers/common/proc.py keep_kernel_caches, fa4_attention.py, skinny_tune.py).
 KERNEL_CACHES = ["~/.triton/cache", "~/.cache/glimpse/inductor", "~/.cache/glimpse/flash-attn-cute",
                  "~/.cache/glimpse/skinny-tiles.json"]  # fmt: skip
-# phase -> the log line that ends it (the first match; the model worker's rank 0)
+# phase -> the log line that ends it (the first match, or the last for a phase in LAST; the model worker's rank 0)
 PHASES: list[tuple[str, str]] = [
     ("config built", r"started (scheduler|tokenizer)\[0\]"),
     ("weights", r"glimpse\.model: \S+ ready: \d+ layers"),
+    ("host tier", r"embedding host tier: .* pinned"),
     ("fused kernels", r"fused kernels ready"),
     ("step shapes", r"step shapes warmed"),
     ("graphs", r"graphs? \(.*\) captured|decode graphs captured"),
     ("all ready", r"all children ready"),
 ]
+LAST = {"graphs"}  # the decode graphs, then the piecewise ones
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _LOADED = re.compile(r"glimpse\.model\[0\]: loaded \S+ in ([\d.]+)s")
 
@@ -69,7 +71,7 @@ def phases(log: str, launched: float) -> dict[str, float]:
         if "imports" not in out and (m := _LOADED.search(line)):
             out["imports"] = at - float(m.group(1)) - launched
         for name, pattern in PHASES:
-            if name not in out and re.search(pattern, line):
+            if (name not in out or name in LAST) and re.search(pattern, line):
                 out[name] = at - launched
     return out
 
@@ -113,9 +115,10 @@ def start_once(model: Path, args: argparse.Namespace, log: Path) -> dict[str, fl
 
 
 def table(rows: list[dict[str, float]], names: list[str]) -> None:
-    cols = ["config built", "imports", "weights", "fused kernels", "step shapes", "graphs", "all ready", "/health"]
-    heads = ["config built", "model imports done", "weights", "fused kernels", "step shapes", "graphs",
-             "all ready", "/health"]  # fmt: skip
+    cols = ["config built", "imports", "weights", "host tier", "fused kernels", "step shapes", "graphs", "all ready",
+            "/health"]  # fmt: skip
+    heads = ["config built", "model imports done", "weights", "host tier pinned", "fused kernels", "step shapes",
+             "graphs", "all ready", "/health"]  # fmt: skip
     print("| run | " + " | ".join(f"{h}, s" for h in heads) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, row in zip(names, rows):
