@@ -207,17 +207,19 @@ def start_children(config: ServerConfig, early: EarlyChildren | None = None) -> 
     # --encoder-workers E encoder workers r * E .. r * E + E - 1 (with --shared-encoders E in all, 0 .. E - 1, each
     # answering every replica).
     dp = max(1, config.dp_size)
-    plan = [("model", i) for i in range(config.engine.tp_size * dp)]
-    plan += [("encoder", i) for i in range(config.encoder_count)]
+    plan = worker_plan(config.engine.tp_size * dp, config.encoder_count)
     plan += [("scheduler", r) for r in range(dp)]
     plan += [("tokenizer", i) for i in range(config.tokenizer_workers)]
     children = []
     for role, index in plan:
         child = early.take(config, role, index) if early is not None else None
         children.append(child if child is not None else start_child(config, role, index))
-    if early is not None:
-        early.close()  # none should be left: a plan that differs from the early one must not leave a child waiting
     return children
+
+
+def worker_plan(model_workers: int, encoders: int) -> list[tuple[str, int]]:
+    """The GPU workers of a launch, in start order: (role, index) of each model worker, then each encoder worker."""
+    return [("model", i) for i in range(model_workers)] + [("encoder", i) for i in range(encoders)]
 
 
 def stop_children(children: list[Child], timeout: float) -> None:

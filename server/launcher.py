@@ -45,6 +45,7 @@ from server.children import (
     start_child,
     start_children,
     stop_children,
+    worker_plan,
 )
 from server.config import ServerConfig
 from server.http_guard import HttpLimits, guarded_protocol
@@ -304,29 +305,23 @@ def serve(
     config: ServerConfig, runner: Callable[[Any], int] | None = None, early: EarlyChildren | None = None
 ) -> int:
     """Run the server until it is stopped; returns the process exit code. ``early``: children already started
-    (``start_early``), which take ``config`` instead of being spawned; closed here whatever happens."""
+    (``start_early``), which take ``config`` instead of being spawned; the caller closes it."""
     import uvloop
 
     try:
-        try:
-            check_markers(config.reasoning_parser, config.engine.model)  # before any child starts: one line
-        except ValueError as exc:
-            raise SystemExit(f"glimpse serve: {exc}") from None
-        tune_malloc()  # the frontend's bodies and answers come in all sizes too (workers/common/memory.py)
-        keep_kernel_caches()  # before any child starts: they inherit it
-        launcher = Launcher(config, early)
-        return uvloop.run(launcher.run()) if runner is None else runner(launcher.run())
-    finally:
-        if early is not None:  # those a stopped start never handed their config (none once children started)
-            early.close()
+        check_markers(config.reasoning_parser, config.engine.model)  # before any child starts: one line, not a crash
+    except ValueError as exc:
+        raise SystemExit(f"glimpse serve: {exc}") from None
+    tune_malloc()  # the frontend's bodies and answers come in all sizes too (workers/common/memory.py)
+    keep_kernel_caches()  # before any child starts: they inherit it
+    launcher = Launcher(config, early)
+    return uvloop.run(launcher.run()) if runner is None else runner(launcher.run())
 
 
 def start_early(tp: int, dp: int, encoder_workers: int = 0, shared_encoders: bool = False) -> EarlyChildren:
     """The model workers (and encoder workers) of a launch of ``tp`` x ``dp`` ranks, started before its config is
     built (children.py's EarlyChildren says why) with the environment every child gets. The counts are the flags'
-    as given: a launch whose config refuses them kills these children."""
+    as given (ServerConfig.encoder_count's rule): a launch whose config refuses them kills these children."""
     keep_kernel_caches()
     dp = max(1, dp)
-    encoders = max(0, encoder_workers) * (1 if shared_encoders else dp)
-    plan = [("model", i) for i in range(max(1, tp) * dp)] + [("encoder", i) for i in range(encoders)]
-    return EarlyChildren(plan)
+    return EarlyChildren(worker_plan(max(1, tp) * dp, max(0, encoder_workers) * (1 if shared_encoders else dp)))

@@ -226,8 +226,6 @@ def run_serve(args: argparse.Namespace) -> int:
     # their imports overlap the config's build (torch, the checkpoint's checks)
     early = start_early(args.tp, args.dp, args.encoder_workers, args.shared_encoders)
     try:
-        config = build_config(args)
-    except BaseException:  # a refused flag: the early children end without a word
+        return serve(build_config(args), early=early)
+    finally:  # those a stopped start never handed their config (a refused flag): killed without a word
         early.close()
-        raise
-    return serve(config, early=early)

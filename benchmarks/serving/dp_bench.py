@@ -37,16 +37,23 @@ def serve(
            "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 400
+    wait_healthy(proc, base, log, 400, 1.0)
+    return proc, base
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], base: str, log: Path, timeout_s: float, every_s: float) -> None:
+    """Poll ``base``/health every ``every_s`` until it answers 200; a server that exits first, or is still not
+    healthy after ``timeout_s`` (then killed), raises with the end of its ``log``."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-3000:]}")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(every_s)
     proc.kill()
     raise TimeoutError(log.read_text()[-3000:])
 

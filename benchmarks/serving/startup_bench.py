@@ -28,10 +28,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import httpx
-
 from benchmarks.args import parser
 from benchmarks.checkpoints import shaped_checkpoint
+from benchmarks.serving.dp_bench import wait_healthy
 from tests.server.live import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,18 +93,7 @@ def start_once(model: Path, args: argparse.Namespace, log: Path) -> dict[str, fl
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=args.glimpse_root, env=env)
     try:
-        deadline = time.monotonic() + args.timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited {proc.returncode}: {log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(log.read_text()[-3000:])
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log, args.timeout, 0.1)
         row = phases(log.read_text(), launched)
         row["/health"] = time.time() - launched
         return row
@@ -115,11 +103,9 @@ def start_once(model: Path, args: argparse.Namespace, log: Path) -> dict[str, fl
 
 
 def table(rows: list[dict[str, float]], names: list[str]) -> None:
-    cols = ["config built", "imports", "weights", "host tier", "fused kernels", "step shapes", "graphs", "all ready",
-            "/health"]  # fmt: skip
-    heads = ["config built", "model imports done", "weights", "host tier pinned", "fused kernels", "step shapes",
-             "graphs", "all ready", "/health"]  # fmt: skip
-    print("| run | " + " | ".join(f"{h}, s" for h in heads) + " |")
+    heads = {"imports": "model imports done", "host tier": "host tier pinned"}  # the others' keys are their heads
+    cols = ["config built", "imports", *(name for name, _ in PHASES[1:]), "/health"]
+    print("| run | " + " | ".join(f"{heads.get(c, c)}, s" for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, row in zip(names, rows):
         print(f"| {name} | " + " | ".join(f"{row[c]:.1f}" if c in row else "-" for c in cols) + " |")
