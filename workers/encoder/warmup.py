@@ -23,13 +23,8 @@ from workers.engine.config import EngineConfig
 from workers.engine.kernels import fused
 from workers.engine.models.model_spec import ModelSpec
 from workers.engine.runner.batching import patches
-from workers.engine.runner.warmup import (
-    fused_grids,
-    probe_tower_kernels,
-    run_vit_calls,
-    vit_calls,
-    warm_tower_attention,
-)
+from workers.engine.runner.kernel_probes import TOWER, probe_kernels
+from workers.engine.runner.warmup import fused_grids, run_vit_calls, vit_calls, warm_tower_attention
 
 log = logging.getLogger("glimpse.encoder")
 
@@ -56,7 +51,7 @@ def warm_encoder_tower(tower: nn.Module, spec: ModelSpec, cfg: EngineConfig, dty
 
 def _fused_on(tower: nn.Module, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> bool:
     """Switch the tower's fused kernels on and compile them; eager (off) again if that fails."""
-    probe_tower_kernels(device, dtype)
+    probe_kernels(TOWER, device, dtype)
     started = time.perf_counter()
     fused.enable(tower)
     try:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.core.mm_cache import PAGE_TOKENS, POOL_SLACK_PAGES, EmbeddingStore
+from workers.engine.runner.pinned_host import pinned_host_memory, unpin
 
 log = logging.getLogger("glimpse.model")
 
@@ -60,10 +61,13 @@ class HostEmbeddings:
         # small tier of a wide model would otherwise be mostly slack); past it, entries get tensors of their own.
         budget_pages = -(-pool_bytes // self.page_bytes) if pool_bytes > 0 and hidden else 0
         pages = budget_pages + min(POOL_SLACK_PAGES, budget_pages)
-        self.pool = _host_pool(pages * PAGE_TOKENS, hidden, dtype, self.cuda) if pages else None
+        self.pool: torch.Tensor | None = None
+        if pages:
+            memory = pinned_host_memory(pages * self.page_bytes, self.cuda, "embedding host tier", "--mm-host-cache-mb")
+            self.pool = memory.view(dtype).view(pages * PAGE_TOKENS, hidden)
         if self.pool is not None and self.cuda:
             # Unregistered when this object goes (the callback holds the pool, so its memory outlives the pinning).
-            weakref.finalize(self, _unpin, self.pool)
+            weakref.finalize(self, unpin, self.pool)
             log.info("embedding host tier: %.1f MiB pinned", self.pool.numel() * self.pool.element_size() / 2**20)
         self._free = list(range(pages - 1, -1, -1))  # popped from the end: low pages first
         self._entries: dict[bytes, HostEntry] = {}
@@ -191,19 +195,3 @@ def _runs(pages: list[int], rows: int) -> list[tuple[int, int, int]]:
         runs.append((pages[i] * PAGE_TOKENS, first, count))
         first, i = first + count, j + 1
     return runs
-
-
-def _host_pool(rows: int, hidden: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """The tier's memory. Pinned by registering plain memory with CUDA: torch's pinned allocator rounds a request
-    up to a power of two, which for a budget of 8 GiB and its slack would lock 16."""
-    pool = torch.empty((rows, hidden), dtype=dtype)
-    if pinned:
-        rc = int(torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel() * pool.element_size(), 0))
-        if rc != 0:
-            raise RuntimeError(f"pinning {pool.numel() * pool.element_size() >> 20} MiB for the embedding host tier "
-                               f"failed (cudaError {rc}): lower --mm-host-cache-mb")  # fmt: skip
-    return pool
-
-
-def _unpin(pool: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(pool.data_ptr())

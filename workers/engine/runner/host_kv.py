@@ -24,12 +24,12 @@ from torch import Tensor
 from workers.engine.config import EngineConfig
 from workers.engine.kernels import kv_quant
 from workers.engine.models.model_spec import ModelSpec
+from workers.engine.runner.pinned_host import HOST_REGISTER_MAPPED, pinned_host_memory, unpin
 
 log = logging.getLogger("glimpse.model")
 
 _ALIGN = 64  # bytes: each layer's twin starts on a cache line (and on its element size)
 _CHUNK_BYTES = 64 << 20  # device scratch per gather: a load of thousands of blocks must not need a layer's worth
-_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: the pages get a device address (the host one, under UVA)
 
 
 def _raw(t: Tensor) -> Tensor:
@@ -49,16 +49,11 @@ class HostKVPool:
         self.loaded = 0  # blocks copied host -> device
         shapes = [(c.shape[0], num_slots, *c.shape[2:]) for c in caches]
         sizes = [-(-math.prod(shape) * c.element_size() // _ALIGN) * _ALIGN for shape, c in zip(shapes, caches, strict=True)]
-        # One allocation for every layer's twin, pinned on CUDA by registering plain memory: torch's pinned allocator
-        # rounds each request up to a power of two, which could lock up to twice the budget (as host_embeddings.py).
-        self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        if self.device.type == "cuda":  # pinning needs a CUDA context; the CPU path copies plainly
-            nbytes = self.buffer.numel()
-            flags = _HOST_REGISTER_MAPPED
-            if (rc := int(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, flags))) != 0:
-                raise RuntimeError(f"pinning {nbytes >> 20} MiB for the KV host tier failed (cudaError {rc}): lower "
-                                   "--kv-host-cache-mb")  # fmt: skip
-            weakref.finalize(self, _unpin, self.buffer)  # (the callback holds the buffer: it outlives the pinning)
+        # One allocation for every layer's twin, pinned and mapped on CUDA (pinned_host.py); the CPU path copies plainly.
+        cuda = self.device.type == "cuda"
+        self.buffer = pinned_host_memory(sum(sizes), cuda, "KV host tier", "--kv-host-cache-mb", HOST_REGISTER_MAPPED)
+        if cuda:
+            weakref.finalize(self, unpin, self.buffer)  # (the callback holds the buffer: it outlives the pinning)
         offsets = [0, *itertools.accumulate(sizes)]
 
         def twins(buffer: Tensor) -> list[Tensor]:
@@ -146,10 +141,6 @@ def _mapped_view(buffer: Tensor, device: torch.device) -> Tensor | None:
     except (RuntimeError, TypeError) as exc:
         log.warning("KV host tier: no device view of the pinned pages (%s); copies staged", exc)
     return None
-
-
-def _unpin(buffer: Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 def host_kv_pool(cfg: EngineConfig, spec: ModelSpec, caches: list[Tensor]) -> HostKVPool | None:

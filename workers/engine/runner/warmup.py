@@ -12,26 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from workers.engine.kernels import (
-    causal_conv,
-    conv_decode,
-    fused,
-    gated_delta_decode,
-    kv_write_kernel,
-    moe_kernel,
-    paged_attention,
-    rope_kernel,
-    silu_kernel,
-    skinny_gemm,
-    skinny_tune,
-    split_norm,
-    window_attention,
-)
+from workers.engine.kernels import fused, paged_attention, skinny_gemm, skinny_tune
 from workers.engine.kernels.attention import StateMetadata, build_attention_metadata
 from workers.engine.kernels.gated_delta_fla import CHUNK as FLA_CHUNK
 from workers.engine.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from workers.engine.layers.vision_attention import VisionAttention, warm_cudnn_frames
 from workers.engine.runner.batching import patches
+from workers.engine.runner.kernel_probes import LM, RECURRENT, SKINNY, TOWER, probe_kernels
 
 if TYPE_CHECKING:
     from workers.engine.runner.loaded import LoadedModel
@@ -43,32 +30,9 @@ log = logging.getLogger("glimpse.model")
 def warm_fused(runner: LoadedModel) -> None:
     """Switch the fused kernels on and run every call site. Falls back to eager ops if that fails."""
     started = time.perf_counter()
-    probe_tower_kernels(runner.device, runner.dtype)
-    if skinny_gemm.probe(runner.device, runner.dtype):
-        tune_skinny(runner)
-    else:
-        log.warning("the Triton skinny GEMM is off (%s); cuBLAS serves decode rows", skinny_gemm.SWITCH.why_off())
-    if not split_norm.probe(runner.device, runner.dtype):
-        log.warning("the Triton split-K norm is off (%s); decode projections sum their own partials",
-                    split_norm.SWITCH.why_off())
-    if not split_norm.probe_rows(runner.device, runner.dtype):
-        log.warning("the Triton RMSNorm is off (%s); the compiled norm serves", split_norm.ROWS_SWITCH.why_off())
-    if not kv_write_kernel.probe(runner.device, runner.dtype):
-        log.warning("the Triton KV-cache write is off (%s); index_copy_ serves", kv_write_kernel.SWITCH.why_off())
-    if not rope_kernel.probe(runner.device, runner.dtype):
-        log.warning("the Triton LM rotary kernel is off (%s); the compiled one serves", rope_kernel.SWITCH.why_off())
-    if not moe_kernel.probe(runner.device, runner.dtype):
-        log.warning("the Triton MoE decode kernels are off (%s); grouped GEMMs serve", moe_kernel.SWITCH.why_off())
-    if runner.spec.recurrent is not None:  # a hybrid model's Gated DeltaNet kernels
-        if not gated_delta_decode.probe(runner.device, runner.dtype):
-            log.warning("the Triton gated delta decode kernel is off (%s); fla's or torch's step serves",
-                        gated_delta_decode.SWITCH.why_off())
-        if not causal_conv.probe(runner.device, runner.dtype):
-            log.warning("the Triton causal conv is off (%s); the torch conv serves steps with prefill",
-                        causal_conv.SWITCH.why_off())
-        if not conv_decode.probe(runner.device, runner.dtype):
-            log.warning("the Triton decode conv is off (%s); the compiled conv serves decode steps",
-                        conv_decode.SWITCH.why_off())
+    probes = [*TOWER, *LM, *(RECURRENT if runner.spec.recurrent is not None else ())]
+    if probe_kernels(probes, runner.device, runner.dtype)[probes.index(SKINNY)]:
+        tune_skinny(runner)  # after the probes: it times GEMMs, which nothing else may share the card with
     # (A model worker without its tower, --encoder-workers, compiles nothing of it.)
     towers = [runner.lm] if runner.vision is None else [runner.lm, runner.vision]
     for module in towers:
@@ -97,16 +61,6 @@ def tune_skinny(runner: LoadedModel) -> None:
                          skinny_gemm.sm_count(runner.device))
     except Exception as exc:  # a measurement only picks tiles: serve on the fixed rule rather than not at all
         log.warning("skinny GEMM tiles not measured (%s); the fixed rule serves", exc, exc_info=True)
-
-
-def probe_tower_kernels(device: torch.device, dtype: torch.dtype) -> None:
-    """The hand-written Triton kernels a vision tower calls (SiLU*up, window attention), probed once; one warning
-    for each that is off (its fallback serves)."""
-    if not silu_kernel.probe(device, dtype):
-        log.warning("the Triton SiLU*up kernel is off (%s); the compiled one serves", silu_kernel.SWITCH.why_off())
-    if not window_attention.probe(device, dtype):
-        log.warning("the Triton window attention is off (%s); FlashAttention varlen serves the ViT's windows",
-                    window_attention.SWITCH.why_off())
 
 
 def _run_every_fused_site(r: LoadedModel) -> None:
