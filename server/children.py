@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 from server.config import ServerConfig
 from workers.common.memory import tune_malloc
+from workers.common.proc import collector_paused, watch_startup_gc
 
 log = logging.getLogger("glimpse.launcher")
 # A fresh interpreter per child: nothing of the launcher's state (threads, CUDA, sockets) crosses over.
@@ -67,7 +68,10 @@ def describe_exit(code: int | None) -> str:
 
 
 def _prepare(role: str) -> None:
-    """First code a child runs: the allocator's settings, dying with the launcher, the launcher's signals ignored."""
+    """First code a child runs: the allocator's settings, dying with the launcher, the launcher's signals ignored,
+    and (a model worker) a watch on the collector until its start-up ends, which it logs."""
+    if role == "model":
+        watch_startup_gc()
     # Before the role starts any thread: arenas already made would stay (workers/common/memory.py says why). A
     # tokenizer keeps glibc's moving mmap threshold: its big buffers (bodies, decoded images) recur per request,
     # and its IdleTrim hands them back once idle.
@@ -83,7 +87,12 @@ def _prepare(role: str) -> None:
 
 def _role_entry(role: str) -> Callable[[ServerConfig, int], None]:
     """The role's entry point. Importing it is most of a child's start before its own work: torch, transformers and
-    the engine take a model worker ~10 s on an H200 host's CPU."""
+    the engine take a model worker ~10 s on an H200 host's CPU (the collector paused meanwhile: proc.py)."""
+    with collector_paused():
+        return _import_role(role)
+
+
+def _import_role(role: str) -> Callable[[ServerConfig, int], None]:
     if role == "model":
         from workers.model.process import run_model_worker
 

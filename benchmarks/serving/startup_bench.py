@@ -8,7 +8,7 @@ by its own log lines. Prints one table, a row per run.
 
 Columns (seconds from the launch): the launcher's config built (its first child after the model workers
 started); the model worker's imports done (its "loaded ... in X s" line, X before it); its weights allocated;
-the embedding cache's host tier pinned (CUDA); its fused kernels compiled; its step shapes warmed; its graphs captured; every child ready; /health answering.
+the embedding cache's host tier pinned (CUDA); its fused kernels compiled; its step shapes warmed; its graphs captured; every child ready; /health answering; then, a duration, how long the model worker's garbage collections paused its start-up.
 ``--cold`` empties Triton's, Inductor's and FA4's caches and the skinny GEMM's tiles before each run (what a new
 host or container pays); without it a run reuses what the runs before it compiled. The serving flags are the
 vLLM side-by-side harness's (docs/benchmarks.md), so the last column is its start-up row.
@@ -52,6 +52,7 @@ PHASES: list[tuple[str, str]] = [
 LAST = {"graphs"}  # the decode graphs, then the piecewise ones
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _LOADED = re.compile(r"glimpse\.model\[0\]: loaded \S+ in ([\d.]+)s")
+_GC = re.compile(r"glimpse\.model\[0\]: start-up garbage collections: .* ([\d.]+) s paused")
 
 
 def stamp(line: str) -> float | None:
@@ -69,6 +70,8 @@ def phases(log: str, launched: float) -> dict[str, float]:
             continue
         if "imports" not in out and (m := _LOADED.search(line)):
             out["imports"] = at - float(m.group(1)) - launched
+        if m := _GC.search(line):  # a duration, not a time: how long the model worker's collections paused it
+            out["gc"] = float(m.group(1))
         for name, pattern in PHASES:
             if (name not in out or name in LAST) and re.search(pattern, line):
                 out[name] = at - launched
@@ -103,8 +106,8 @@ def start_once(model: Path, args: argparse.Namespace, log: Path) -> dict[str, fl
 
 
 def table(rows: list[dict[str, float]], names: list[str]) -> None:
-    heads = {"imports": "model imports done", "host tier": "host tier pinned"}  # the others' keys are their heads
-    cols = ["config built", "imports", *(name for name, _ in PHASES[1:]), "/health"]
+    heads = {"imports": "model imports done", "host tier": "host tier pinned", "gc": "(model worker's GC pauses)"}
+    cols = ["config built", "imports", *(name for name, _ in PHASES[1:]), "/health", "gc"]  # (other keys: heads)
     print("| run | " + " | ".join(f"{heads.get(c, c)}, s" for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, row in zip(names, rows):

@@ -73,7 +73,7 @@ CPU: list[tuple[str, list[str], str]] = [
     ("request_path.tokenizer_bench", ["--workers", "1", "--requests", "2", "--json", f"{OUT}/tok.json"],
      "workers threads mode   requests images  images/s"),
     ("request_path.grammar_bench", ["--vocab", "500", "--repeat", "1"], "engine        compile+1st mask (ms)"),
-    ("serving.startup_bench", ["--shape", "demo", "--runs", "1"], "| run | config built, s | model imports done, s |"),
+    ("serving.startup_bench", ["--shape", "demo", "--runs", "1"], "| /health, s | (model worker's GC pauses), s |"),
     ("request_path.landing_bench", ["--sizes-mb", "1", "--reps", "1"], "| MiB | shm: land | shm: read + copy |"),
 ]
 

@@ -17,6 +17,7 @@ INFO:     Started server process [1]
 2026-12-04 00:33:43,000 INFO [glimpse.model[0]] workers.engine.runner.cuda_graphs: 11 decode graphs captured in 0.6 s
 2026-12-04 00:33:45,000 INFO [glimpse.model[0]] workers.engine.runner.piecewise_graphs: 1406 piecewise graphs (19 buckets up to 1024 tokens) captured in 2.1 s
 2026-12-04 00:33:45,500 INFO [glimpse.model[0]] glimpse.model[0]: loaded /tmp/ck in 15.5s: 1536 KV blocks of 128 tokens
+2026-12-04 00:33:45,600 INFO [glimpse.model[0]] glimpse.model[0]: start-up garbage collections: 812 (23 full), 4.21 s paused, longest 412 ms
 2026-12-04 00:33:46,000 INFO glimpse.launcher[1] all children ready
 """
 
@@ -26,10 +27,10 @@ def test_phases_end_at_their_lines() -> None:
     assert launched is not None and stamp("INFO:     Started server process [1]") is None
     got = phases(LOG, launched - 1.0)
     assert got == {"config built": 5.0, "weights": 12.0, "host tier": 14.5, "fused kernels": 20.0,
-                   "step shapes": 23.0, "graphs": 26.0, "imports": 11.0, "all ready": 27.0}  # fmt: skip
+                   "step shapes": 23.0, "graphs": 26.0, "imports": 11.0, "all ready": 27.0, "gc": 4.21}  # fmt: skip
 
 
 def test_a_cpu_log_has_no_gpu_phases() -> None:
     lines = [line for line in LOG.splitlines() if "glimpse.model: " not in line and "graphs" not in line]
     got = phases("\n".join(lines), stamp(LOG.splitlines()[0]) or 0.0)
-    assert set(got) == {"config built", "imports", "all ready"}
+    assert set(got) == {"config built", "imports", "all ready", "gc"}

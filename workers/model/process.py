@@ -28,7 +28,7 @@ from ipc.shm import ShmSegment
 from ipc.stats import WorkerStats
 from ipc.steps import EncodeItem, StepPlan, WorkerFailed
 from workers.common.memory import IdleTrim, trim_memory
-from workers.common.proc import GcWatch, freeze_heap, setup_child
+from workers.common.proc import GcWatch, freeze_heap, setup_child, startup_gc_summary
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
 from workers.engine.layers import vit_graphs
@@ -138,6 +138,8 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
             rank,
             engine.tp_size,
         )
+        if (collections := startup_gc_summary()) is not None:
+            log.info("start-up garbage collections: %s", collections)
         gc_watch = GcWatch(frozen=freeze_heap(log))  # pauses while serving, not the freeze's own collection
         mem_diag.start(index, lambda: _books(runner))
         to_sched.send(

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from workers.common.proc import GcWatch, freeze_heap
+from workers.common.proc import GcWatch, collector_paused, freeze_heap, startup_gc_summary, watch_startup_gc
 
 
 class Node:
@@ -65,3 +65,32 @@ def test_the_watch_counts_collections_and_their_pauses() -> None:
     seen = watch.collections
     gc.collect()
     assert watch.collections == seen  # closed: no longer called
+
+
+def test_the_start_up_watch_counts_collections_until_its_summary(unfrozen: None) -> None:
+    assert startup_gc_summary() is None  # no watch started in this process
+    watch_startup_gc()
+    callbacks = len(gc.callbacks)
+    gc.collect()  # one full collection
+    gc.collect(0)
+    summary = startup_gc_summary()
+    assert summary is not None and summary.startswith("2 (1 full), ") and " s paused, longest " in summary
+    assert len(gc.callbacks) == callbacks - 1  # the watch stopped: serving's collections are another watch's
+    assert startup_gc_summary() is None
+
+
+def test_imports_under_a_paused_collector_are_frozen_until_the_start_up_freeze(unfrozen: None) -> None:
+    watch = GcWatch()
+    with collector_paused():
+        assert not gc.isenabled()
+        garbage = Node()  # what an import leaves behind: a cycle only the collector frees
+        ref = weakref.ref(garbage)
+        kept = [Node() for _ in range(2000)]  # enough allocations to trigger collections were the collector on
+        del garbage
+    assert gc.isenabled() and watch.collections == 0
+    assert gc.get_freeze_count() > len(kept)  # the imports' heap: out of reach of start-up's collections
+    gc.collect()
+    assert ref() is not None  # frozen: not walked
+    freeze_heap(logging.getLogger("test"))
+    assert ref() is None  # the start-up freeze unfroze it, collected the garbage once, and froze what lives
+    watch.close()
