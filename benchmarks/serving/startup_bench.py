@@ -106,8 +106,9 @@ def start_once(model: Path, args: argparse.Namespace, log: Path) -> dict[str, fl
 
 
 def table(rows: list[dict[str, float]], names: list[str]) -> None:
+    # the keys not named here are their own heads
     heads = {"imports": "model imports done", "host tier": "host tier pinned", "gc": "(model worker's GC pauses)"}
-    cols = ["config built", "imports", *(name for name, _ in PHASES[1:]), "/health", "gc"]  # (other keys: heads)
+    cols = ["config built", "imports", *(name for name, _ in PHASES[1:]), "/health", "gc"]
     print("| run | " + " | ".join(f"{heads.get(c, c)}, s" for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, row in zip(names, rows):

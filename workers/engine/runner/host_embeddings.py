@@ -65,10 +65,10 @@ class HostEmbeddings:
         if pages:
             memory = pinned_host_memory(pages * self.page_bytes, self.cuda, "embedding host tier", "--mm-host-cache-mb")
             self.pool = memory.view(dtype).view(pages * PAGE_TOKENS, hidden)
-        if self.pool is not None and self.cuda:
-            # Unregistered when this object goes (the callback holds the pool, so its memory outlives the pinning).
-            weakref.finalize(self, unpin, self.pool)
-            log.info("embedding host tier: %.1f MiB pinned", self.pool.numel() * self.pool.element_size() / 2**20)
+            if self.cuda:
+                # Unregistered when this object goes (the callback holds the pool: its memory outlives the pinning).
+                weakref.finalize(self, unpin, self.pool)
+                log.info("embedding host tier: %.1f MiB pinned", memory.numel() / 2**20)
         self._free = list(range(pages - 1, -1, -1))  # popped from the end: low pages first
         self._entries: dict[bytes, HostEntry] = {}
         self._stream = torch.cuda.Stream(device) if self.cuda and self.pool is not None else None

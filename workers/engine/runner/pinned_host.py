@@ -7,7 +7,7 @@ Registering locks every page, and a page the process has not touched yet is firs
 kernel, 4 KiB at a time, on the registering thread: 3.6-4.8 s for the 8.5 GiB embedding tier of the Qwen3-VL-8B
 harness's flags, every start (H200 host, 16 cores). Here the mapping asks for transparent huge pages (2 MiB: 512x
 fewer faults; honoured where the host's THP mode is "madvise" or "always") and threads fault the pages in before the
-registration, which then only locks pages that are there: 0.5 s for the same 8.5 GiB on the same host (0.9 s
+registration, which then only locks pages that are there: 0.37 s for the same 8.5 GiB on the same host (0.9 s
 without huge pages, 1.9 s with huge pages but no threads).
 """
 
