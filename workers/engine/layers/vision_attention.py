@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.engine.kernels import fused, window_attention
+from workers.engine.kernels import fused, vit_kernels, window_attention
 from workers.engine.kernels.paged_varlen import refusals
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class VisionAttention(nn.Module):
         self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
         self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
-        self.fused = False  # CUDA: rope of q and k in one compiled kernel (fused.py)
+        self.fused = False  # CUDA: rope of q and k in one kernel (vit_kernels.py; compiled where that is off)
         # The model on FA4 or FA3 (fa4_attention.py, fa3_attention.py): its packed call for whole frames on the CUDA
         # path (FA3: 1.5x cuDNN with no plan per frame length); windows keep their own kernel (FA3 is slower at 64
         # patches). None: cuDNN frames once hot, else FA2
@@ -86,7 +86,8 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
         if self.fused and fused.worth_it(qkv):
-            q, k = fused.compiled(fused.vit_rope)(qkv, cos, sin)
+            q, k = vit_kernels.vit_rope(qkv, cos, sin) if vit_kernels.wanted(qkv) else fused.compiled(fused.vit_rope)(
+                qkv, cos, sin)
         else:
             q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
         v = qkv[:, 2]  # a strided view: the CUDA kernels take row strides, and the CPU path copies where it must

@@ -27,6 +27,7 @@ from workers.engine.kernels import (
     silu_kernel,
     skinny_gemm,
     split_norm,
+    vit_kernels,
     window_attention,
 )
 from workers.engine.kernels.triton_switch import TritonSwitch
@@ -46,6 +47,8 @@ TOWER = (
     Probe(silu_kernel.probe, silu_kernel.SWITCH, "the Triton SiLU*up kernel is off (%s); the compiled one serves"),
     Probe(window_attention.probe, window_attention.SWITCH,
           "the Triton window attention is off (%s); FlashAttention varlen serves the ViT's windows"),
+    Probe(vit_kernels.probe, vit_kernels.SWITCH,
+          "the Triton ViT rotary and position embedding are off (%s); the compiled ones serve"),
 )
 SKINNY = Probe(skinny_gemm.probe, skinny_gemm.SWITCH,
                "the Triton skinny GEMM is off (%s); cuBLAS serves decode rows")

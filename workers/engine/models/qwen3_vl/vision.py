@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import fused
+from workers.engine.kernels import fused, vit_kernels
 from workers.engine.layers.vision_attention import Segments, VisionAttention
 from workers.engine.models.qwen_vit import AttnBackend, Grid, QwenVisionTower, activation, vision_fields
 
@@ -195,8 +195,9 @@ class VisionTower(QwenVisionTower[_BatchPlan]):
         self._deepstack = {b: (levels.index(b), 1 + slot) for slot, b in enumerate(sorted(levels))}
         self._side = int(spec.num_position_embeddings**0.5)
         self._frames: OrderedDict[tuple[int, int], _FramePlan] = OrderedDict()
-        # CUDA: position-embedding interpolation in one compiled kernel. fused.enable also switches the blocks'
-        # VisionAttention to its compiled rotary: 48.2 -> 42.0 ms per 1088x1920 image (H200, Qwen3-VL-8B shapes).
+        # CUDA: position-embedding interpolation in one kernel (vit_kernels.py; compiled where that is off).
+        # fused.enable also switches the blocks' VisionAttention to its one-kernel rotary: both, compiled, took the
+        # ViT from 48.2 to 42.0 ms per 1088x1920 image (H200, Qwen3-VL-8B shapes).
         self.fused = False
 
     def _frame_plan(self, hw: tuple[int, int]) -> _FramePlan:
@@ -234,7 +235,10 @@ class VisionTower(QwenVisionTower[_BatchPlan]):
         taps, interp, positions, rows, frames = plan
         table = self.pos_embed.weight
         if self.fused and fused.worth_it(taps):
-            pos = fused.compiled(_qwen3_vit_pos_embed)(table, taps, interp)
+            if vit_kernels.wanted(taps):
+                pos = vit_kernels.pos_embed(table, taps, interp)
+            else:
+                pos = fused.compiled(_qwen3_vit_pos_embed)(table, taps, interp)
         else:
             pos = _qwen3_vit_pos_embed(table, taps, interp)
         angles = self.rotary.angles(positions)  # [D, head_dim // 2]
