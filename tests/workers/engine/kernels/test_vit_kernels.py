@@ -98,7 +98,10 @@ def test_kernels_match_the_compiled_sites_on_cuda() -> None:
     for got, want in pairs:
         assert got.dtype == want.dtype and got.shape == want.shape
         diff = (got.float() - want.float()).abs()
-        assert float((diff > 0).float().mean()) < 1e-2 and float(diff.max()) <= 2**-6 * float(want.abs().max())
+        if got.dtype == torch.float32:  # the position embedding's sums: float32 rounding of another summation order
+            assert float(diff.max()) <= 1e-6 * float(want.abs().max())
+        else:
+            assert float((diff > 0).float().mean()) < 1e-2 and float(diff.max()) <= 2**-6 * float(want.abs().max())
 
 
 @cuda
@@ -112,12 +115,14 @@ def test_a_qwen_model_serves_images_without_torch_compile(
     from ipc.prompts import SamplingParams
     from workers.engine.config import EngineConfig
     from workers.engine.kernels import fused
+    from workers.engine.layers.vision_attention import VisionAttention
     from workers.engine.offline import Engine
 
     fused._compiled.clear()
     engine = Engine(EngineConfig(model=str(request.getfixturevalue(fixture)), device="cuda", dtype="bfloat16"))
     vision = engine.runner.vision
-    assert vision is not None and vision.fused  # the fused path is on, so the warm-up ran every site
+    # the fused path is on (every tower's attention has the flag), so the warm-up ran every site
+    assert vision is not None and all(m.fused for m in vision.modules() if isinstance(m, VisionAttention))
     chat = [{"role": "user", "content": [{"type": "image", "image": make_image(160, 120)},
                                          {"type": "text", "text": "Describe it."}]}]
     out = engine.generate([chat], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
