@@ -124,6 +124,33 @@ def conv_decode(conv_state: Tensor, slots: Tensor, has_initial: Tensor, x: Tenso
     return y.to(x.dtype), taps[:, 1:].transpose(1, 2).to(conv_state.dtype)
 
 
+def qk_norm_partial_rope(
+    q: Tensor, k: Tensor, q_w: Tensor, k_w: Tensor, eps: float, cos: Tensor, sin: Tensor, rotary_dim: int
+) -> tuple[Tensor, Tensor]:
+    """Qwen3.5's gated attention (qwen3_5/lm.py): the per-head q and k RMSNorms, then rotary on each head's first
+    ``rotary_dim`` dims, in one pass per tensor, float32 in registers and rounded once; q [T, Hq, D] read in place from
+    q_proj's [query | gate] rows, k [T, Hkv, D]. Eager takes ~7 kernels per tensor here (the norm, a flip, two
+    multiplies, an add, a cat, and strided copies). Returns both contiguous. In float32 it is GatedAttention's eager
+    math op for op. On CUDA: hybrid_kernels.py's kernel, or this compiled where that is off."""
+
+    def norm_rotate(x: Tensor, weight: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        rot = xf[..., :rotary_dim]
+        swapped = rot.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return torch.cat((rot * cos.float() + swapped * sin.float(), xf[..., rotary_dim:]), dim=-1).to(x.dtype)
+
+    return norm_rotate(q, q_w), norm_rotate(k, k_w)
+
+
+def gated_output(out: Tensor, gate: Tensor) -> Tensor:
+    """Qwen3.5's gated attention: the attention output [T, H, D] times sigmoid of its gate (a strided [T, H, D] view
+    of q_proj's rows) -> [T, H*D]; on CUDA one kernel (hybrid_kernels.py, or this compiled) where eager copies the
+    gate, takes its sigmoid and multiplies."""
+    t = out.shape[0]
+    return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+
+
 def fast_silu_mul(gate_up: Tensor | Partials) -> Tensor:
     """The MLPs' fused SiLU*up: the hand-written Triton kernel (silu_kernel.py) where it runs, else the compiled
     ``silu_mul``. Both stream near bandwidth at the LM's width; at the ViT's (3,424) the compiled one reached only

@@ -21,6 +21,7 @@ from workers.engine.kernels import (
     causal_conv,
     conv_decode,
     gated_delta_decode,
+    hybrid_kernels,
     kv_write_kernel,
     moe_kernel,
     rope_kernel,
@@ -70,6 +71,8 @@ RECURRENT = (
           "the Triton causal conv is off (%s); the torch conv serves steps with prefill"),
     Probe(conv_decode.probe, conv_decode.SWITCH,
           "the Triton decode conv is off (%s); the compiled conv serves decode steps"),
+    Probe(hybrid_kernels.probe, hybrid_kernels.SWITCH,
+          "the Triton gated-attention and Gated DeltaNet elementwise kernels are off (%s); the compiled ones serve"),
 )
 
 

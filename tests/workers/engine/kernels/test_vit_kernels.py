@@ -106,12 +106,13 @@ def test_kernels_match_the_compiled_sites_on_cuda() -> None:
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir", "qwen3_moe_model_dir"])
+@pytest.mark.parametrize("fixture", ["demo_model_dir", "qwen3_model_dir", "qwen3_moe_model_dir", "qwen3_5_model_dir"])
 def test_a_qwen_model_serves_images_without_torch_compile(
     fixture: str, request: pytest.FixtureRequest, make_image: Callable[..., Image.Image]
 ) -> None:
-    """Qwen2.5-VL's and Qwen3-VL's (dense and MoE) CUDA engines run no torch.compile'd site, neither in the fused
-    warm-up (which runs every site) nor serving an image (the ViT's rotary and position embedding were the last)."""
+    """Qwen2.5-VL's, Qwen3-VL's (dense and MoE) and Qwen3.5's CUDA engines run no torch.compile'd site, neither in
+    the fused warm-up (which runs every site) nor serving an image: the ViT's rotary and position embedding
+    (vit_kernels.py) and Qwen3.5's gated attention and Gated DeltaNet passes (hybrid_kernels.py) were the last."""
     from ipc.prompts import SamplingParams
     from workers.engine.config import EngineConfig
     from workers.engine.kernels import fused

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.engine.kernels import fused
+from workers.engine.kernels import fused, hybrid_kernels
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.gated_delta import causal_conv1d_sections, gated_delta_rule
 from workers.engine.layers.linear import (
@@ -85,11 +85,12 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.fused = False  # CUDA: one compiled kernel (fused.gated_rms_norm); set by fused.enable
+        self.fused = False  # CUDA: one kernel (hybrid_kernels.py, or the compiled fused.gated_rms_norm); set by fused.enable
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         if self.fused and fused.worth_it(x):
-            out: Tensor = fused.compiled(fused.gated_rms_norm)(x, gate, self.weight, self.eps)
+            norm = hybrid_kernels.gated_rms_norm if hybrid_kernels.wanted(x) else fused.compiled(fused.gated_rms_norm)
+            out: Tensor = norm(x, gate, self.weight, self.eps)
             return out
         dtype = x.dtype
         xf = x.float()
@@ -174,7 +175,8 @@ class GatedDeltaNet(nn.Module):
         # The gates before the conv (they do not depend on it): the eager part between two pieces stays the two
         # calls that read the state.
         if self.fused and fused.worth_it(x):
-            g, beta = fused.compiled(fused.delta_gates)(a, b, self.A_log, self.dt_bias)
+            gates = hybrid_kernels.delta_gates if hybrid_kernels.wanted(x) else fused.compiled(fused.delta_gates)
+            g, beta = gates(a, b, self.A_log, self.dt_bias)
         else:
             beta = b.sigmoid()
             # float32 before exp and softplus, as transformers does (in fp16 exp(A_log) could overflow to inf).

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from workers.engine.kernels import fused
+from workers.engine.kernels import fused, hybrid_kernels
 from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
+from workers.engine.kernels.fused import gated_output, qk_norm_partial_rope
 from workers.engine.kernels.skinny_gemm import Partials
 from workers.engine.layers.linear import (
     SINGLE_RANK,
@@ -46,31 +47,6 @@ def load_zero_centred(param: Tensor, loaded: Tensor, shard_id: object = None) ->
     copy_into(param, loaded.float() + 1.0, "norm weight")
 
 
-def qk_norm_partial_rope(
-    q: Tensor, k: Tensor, q_w: Tensor, k_w: Tensor, eps: float, cos: Tensor, sin: Tensor, rotary_dim: int
-) -> tuple[Tensor, Tensor]:
-    """CUDA (compiled, see fused.py): the per-head q and k RMSNorms, then rotary on each head's first ``rotary_dim``
-    dims, in one pass per tensor, float32 in registers and rounded once; q [T, Hq, D] read in place from q_proj's
-    [query | gate] rows, k [T, Hkv, D]. Eager takes ~7 kernels per tensor here (the norm, a flip, two multiplies, an
-    add, a cat, and strided copies). Returns both contiguous. In float32 it is GatedAttention's eager math op for op."""
-
-    def norm_rotate(x: Tensor, weight: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-        rot = xf[..., :rotary_dim]
-        swapped = rot.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-        return torch.cat((rot * cos.float() + swapped * sin.float(), xf[..., rotary_dim:]), dim=-1).to(x.dtype)
-
-    return norm_rotate(q, q_w), norm_rotate(k, k_w)
-
-
-def gated_output(out: Tensor, gate: Tensor) -> Tensor:
-    """CUDA (compiled): the attention output [T, H, D] times sigmoid of its gate (a strided [T, H, D] view of q_proj's
-    rows) -> [T, H*D], one kernel where eager copies the gate, takes its sigmoid and multiplies."""
-    t = out.shape[0]
-    return out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-
-
 class GatedAttention(nn.Module):
     """Qwen3.5's full attention: GQA over the paged KV cache with a sigmoid output gate per query dim, zero-centred
     q/k norms and partial rotary. q (with its gate), k and v come from one column-parallel matmul, heads split over
@@ -88,7 +64,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)  # over head_dim: replicated on every rank
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.scale = d**-0.5
-        self.fused = False  # CUDA: the norms + rotary and the output gate compiled (above); set by fused.enable
+        self.fused = False  # CUDA: the norms + rotary and the output gate fused (fused.py's sites); set by fused.enable
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Rotary on each head's first ``rotary_dim`` dims; the rest pass through."""
@@ -105,14 +81,17 @@ class GatedAttention(nn.Module):
         q_gate = q_gate.view(t, -1, 2 * d)
         q, gate, k = q_gate[..., :d], q_gate[..., d:], k.view(t, -1, d)
         fuse = self.fused and fused.worth_it(x)
+        # CUDA: hybrid_kernels.py's kernels, else the compiled sites (its switch off or its probe failed)
+        kernels = fuse and hybrid_kernels.wanted(x)
         if fuse:
-            q, k = fused.compiled(qk_norm_partial_rope)(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                                         cos, sin, self.rotary_dim)  # fmt: skip
+            prep = hybrid_kernels.qk_norm_partial_rope if kernels else fused.compiled(qk_norm_partial_rope)
+            q, k = prep(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin, self.rotary_dim)
         else:
             q = self.rotate(self.q_norm(q), cos, sin)
             k = self.rotate(self.k_norm(k), cos, sin)
         out = backend.forward(q, k, v.view(t, -1, d), kv_cache, meta, self.scale)
-        gated: Tensor = fused.compiled(gated_output)(out, gate) if fuse else gated_output(out, gate)
+        gate_mul = hybrid_kernels.gated_output if kernels else fused.compiled(gated_output) if fuse else gated_output
+        gated: Tensor = gate_mul(out, gate)
         result: Tensor = self.o_proj(gated)
         return result
 
