@@ -72,30 +72,31 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit
     def gated_output_kernel(o_ptr, g_ptr, out_ptr, o_tok, o_head, g_tok, g_head, H: tl.constexpr, D: tl.constexpr,
-                            DP: tl.constexpr):
-        # one program per token and head: out[t, h*D + d] = o[t, h, d] * sigmoid(gate[t, h, d])
+                            HB: tl.constexpr, DP: tl.constexpr):
+        # one program per token and HB heads: out[t, h*D + d] = o[t, h, d] * sigmoid(gate[t, h, d])
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        d = tl.arange(0, DP)
-        mask = d < D
+        h = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]
+        d = tl.arange(0, DP)[None, :]
+        mask = (h < H) & (d < D)
         o = tl.load(o_ptr + t * o_tok + h * o_head + d, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + t * g_tok + h * g_head + d, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + (t * H + h) * D + d, (o / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def gated_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, x_tok, x_head, g_tok, g_head, eps, H: tl.constexpr,
-                          D: tl.constexpr, DP: tl.constexpr):
-        # one program per token and value head: the norm rounded to the activations' dtype (the eager module's cast),
-        # then times the weight and SiLU(gate) in float32, rounded once
+                          D: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr):
+        # one program per token and HB value heads, a norm per head: rounded to the activations' dtype (the eager
+        # module's cast), then times the weight and SiLU(gate) in float32, rounded once
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        d = tl.arange(0, DP)
-        mask = d < D
+        h = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]
+        d = tl.arange(0, DP)[None, :]
+        mask = (h < H) & (d < D)
         dtype = out_ptr.dtype.element_ty
         x = tl.load(x_ptr + t * x_tok + h * x_head + d, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + t * g_tok + h * g_head + d, mask=mask, other=0.0).to(tl.float32)
-        normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)).to(dtype).to(tl.float32)
-        out = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32) * normed * (g / (1.0 + tl.exp(-g)))
+        r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        normed = (x * r).to(dtype).to(tl.float32)
+        out = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32) * normed * (g / (1.0 + tl.exp(-g)))
         tl.store(out_ptr + (t * H + h) * D + d, out.to(dtype), mask=mask)
 
     @triton.jit
@@ -125,6 +126,15 @@ def _pow2(n: int) -> int:
 
 def _warps(width: int) -> int:
     return 1 if width <= 128 else 2 if width <= 512 else 4
+
+
+# Elements a program of the per-head passes holds: several heads of a token each (Qwen3.5's value heads are 128
+# wide, so 16 a program), rather than one ~256-byte head per program and 32-48 programs a token.
+HEAD_BLOCK_ELEMENTS = 2048
+
+
+def _head_block(heads: int, width: int) -> int:
+    return min(_pow2(heads), max(1, HEAD_BLOCK_ELEMENTS // _pow2(width)))
 
 
 def _unit_inner(name: str, x: Tensor) -> None:
@@ -161,8 +171,10 @@ def gated_output(out: Tensor, gate: Tensor) -> Tensor:
     _unit_inner("gate", gate)
     result = torch.empty((t, h * d), dtype=out.dtype, device=out.device)
     if t:
-        _kernels()["gated_output"][(t, h)](out, gate, result, out.stride(0), out.stride(1), gate.stride(0),
-                                           gate.stride(1), H=h, D=d, DP=_pow2(d), num_warps=_warps(d))
+        hb = _head_block(h, d)
+        _kernels()["gated_output"][(t, -(-h // hb))](out, gate, result, out.stride(0), out.stride(1), gate.stride(0),
+                                                     gate.stride(1), H=h, D=d, HB=hb, DP=_pow2(d),
+                                                     num_warps=_warps(hb * d))
     return result
 
 
@@ -173,8 +185,10 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     _unit_inner("gate", gate)
     out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
     if t:
-        _kernels()["gated_norm"][(t, h)](x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0),
-                                         gate.stride(1), eps, H=h, D=d, DP=_pow2(d), num_warps=_warps(d))
+        hb = _head_block(h, d)
+        _kernels()["gated_norm"][(t, -(-h // hb))](x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0),
+                                                   gate.stride(1), eps, H=h, D=d, HB=hb, DP=_pow2(d),
+                                                   num_warps=_warps(hb * d))
     return out
 
 
