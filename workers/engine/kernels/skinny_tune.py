@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -95,11 +96,32 @@ def replay_ms(fn: Callable[[], None], reps: int, warm: int = 1) -> float:
     return ms
 
 
+def first_launches(runs: list[tuple[Tensor, Tile, int]]) -> None:
+    """Each (weight, tile, rows) launched once, on threads: a kernel variant's first launch is its Triton compile
+    (0.05-0.8 s, mostly outside the GIL), and with an empty cache the timing loop would otherwise meet the
+    candidates' ~10 variants one after another. One launch per variant: shapes that share a tile share its compile."""
+    if not runs or not runs[0][0].is_cuda:
+        return
+    device = runs[0][0].device
+    variants = list({(tile, rows): (w, tile, rows) for w, tile, rows in runs}.values())
+
+    def launch(run: tuple[Tensor, Tile, int]) -> None:
+        w, tile, rows = run
+        with torch.cuda.device(device), torch.inference_mode():  # both are per thread
+            skinny_gemm.linear(torch.zeros(rows, w.shape[1], device=device, dtype=w.dtype), w, use=tile)
+
+    with ThreadPoolExecutor(min(8, len(variants)), thread_name_prefix="skinny-compile") as pool:
+        list(pool.map(launch, variants))
+    torch.cuda.synchronize(device)
+
+
 def tune(weights: Iterable[Tensor], key: str, sms: int, timer: Timer = graph_ms,
-         path: Path | None = None) -> dict[tuple[int, int], Tile | None]:
+         path: Path | None = None, compile_first: Callable[[list[tuple[Tensor, Tile, int]]], None] = first_launches,
+         ) -> dict[tuple[int, int], Tile | None]:
     """Choose per weight shape of ``weights`` (at least MIN_BYTES each, MIN_PASS_BYTES per shape) the fastest
     candidate, or the one ``path``'s entry for ``key`` (the card and versions) remembers; register each with
-    skinny_gemm and write the new ones back. Returns the choices."""
+    skinny_gemm and write the new ones back. Returns the choices. The candidates to time are launched once first,
+    together (``compile_first``)."""
     path = path or cache_file()
     by_shape: dict[tuple[int, int], list[Tensor]] = {}
     for w in {w.data_ptr(): w for w in weights if w.dim() == 2 and w.nbytes >= MIN_BYTES}.values():
@@ -108,9 +130,11 @@ def tune(weights: Iterable[Tensor], key: str, sms: int, timer: Timer = graph_ms,
     known = stored.get(key, {})
     chosen: dict[tuple[int, int], Tile | None] = {}
     started, timed = time.perf_counter(), 0
-    for (n, k), group in sorted(by_shape.items()):
-        if sum(w.nbytes for w in group) < MIN_PASS_BYTES:
-            continue
+    measured = {shape: group for shape, group in sorted(by_shape.items())
+                if sum(w.nbytes for w in group) >= MIN_PASS_BYTES}
+    compile_first([(group[0], c, rows) for (n, k), group in measured.items() if f"{n}x{k}" not in known
+                   for c in candidates(n, k, sms) if c is not None for rows in ROWS])
+    for (n, k), group in measured.items():
         name = f"{n}x{k}"
         if name in known:
             entry = known[name]

@@ -74,6 +74,33 @@ def test_fastest_candidate_is_chosen_kept_and_read_back(tmp_path: Path) -> None:
     assert set(json.loads(path.read_text())) == {KEY, "other card"}
 
 
+def test_the_timed_candidates_are_launched_once_together_before_any_timing(tmp_path: Path) -> None:
+    """compile_first gets every Triton candidate of every shape to be timed, at both row counts, in one call before
+    the first timing (so their compiles overlap on threads); a restart that reads the file launches nothing."""
+    events: list[str] = []
+    launched: list[tuple[tuple[int, int], Tile, int]] = []
+
+    def compile_first(runs: list[tuple[torch.Tensor, Tile, int]]) -> None:
+        events.append("compile")
+        launched.extend(((w.shape[0], w.shape[1]), tile, rows) for w, tile, rows in runs)
+
+    def timer(group: list[torch.Tensor], pick: Tile | None, rows: int) -> float:
+        events.append("time")
+        return 1.0 if pick is None else 2.0
+
+    path = tmp_path / "tiles.json"
+    skinny_tune.tune(weights(), KEY, 132, timer, path, compile_first)
+    assert events[0] == "compile" and events.count("compile") == 1 and events.count("time") > 0
+    want = {(shape, c, rows) for shape in ((512, 256), (256, 1024)) for c in skinny_tune.candidates(*shape, 132)
+            if c is not None for rows in skinny_tune.ROWS}
+    assert set(launched) == want and len(launched) == len(want)  # the lone and tiny weights: none
+    launched.clear()
+    skinny_tune.tune(weights(), KEY, 132, timer, path, compile_first)
+    assert launched == []
+    skinny_tune.first_launches([])  # nothing to launch, no CUDA needed
+    skinny_tune.first_launches([(torch.zeros(4, 4), Tile(32, 128, 1, 2, 4), 1)])  # CPU weights: the timer's business
+
+
 def test_unreadable_or_unwritable_cache_only_costs_a_measure(tmp_path: Path) -> None:
     def timer(group: list[torch.Tensor], pick: Tile | None, rows: int) -> float:
         return 0.0 if pick is None else 1.0
