@@ -137,9 +137,10 @@ def _head_block(heads: int, width: int) -> int:
     return min(_pow2(heads), max(1, HEAD_BLOCK_ELEMENTS // _pow2(width)))
 
 
-def _unit_inner(name: str, x: Tensor) -> None:
-    if x.stride(-1) != 1:
-        raise ValueError(f"{name}: the innermost dimension must be contiguous, got strides {x.stride()}")
+def _unit_inner(x: Tensor) -> Tensor:
+    """``x`` as the kernels read it: any outer strides, the innermost dimension contiguous (copied where it is not,
+    which no caller hands today)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def qk_norm_partial_rope(
@@ -149,8 +150,7 @@ def qk_norm_partial_rope(
     and rotated on the first ``rotary_dim`` dims, both contiguous; cos and sign-folded sin [T, 1, rotary_dim]."""
     t, hq, d = q.shape
     hkv = k.shape[1]
-    for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        _unit_inner(name, x)
+    q, k, cos, sin = _unit_inner(q), _unit_inner(k), _unit_inner(cos), _unit_inner(sin)
     if cos.stride(0) != sin.stride(0) or rotary_dim % 2 or rotary_dim > d:
         raise ValueError(f"qk_norm_partial_rope: cos/sin {tuple(cos.shape)}, rotary_dim {rotary_dim}, head_dim {d}")
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -166,9 +166,8 @@ def qk_norm_partial_rope(
 def gated_output(out: Tensor, gate: Tensor) -> Tensor:
     """``fused.gated_output``: the attention output [T, H, D] times sigmoid(gate) ([T, H, D] at any stride)
     -> [T, H*D] contiguous."""
-    t, h, d = out.shape
-    _unit_inner("out", out)
-    _unit_inner("gate", gate)
+    t, h, d = gate.shape
+    out, gate = _unit_inner(out.view(t, h, d)), _unit_inner(gate)  # out may come as [T, H*D] rows
     result = torch.empty((t, h * d), dtype=out.dtype, device=out.device)
     if t:
         hb = _head_block(h, d)
@@ -181,8 +180,7 @@ def gated_output(out: Tensor, gate: Tensor) -> Tensor:
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``fused.gated_rms_norm``: x and gate [T, H, D] (at any stride) -> [T, H, D] contiguous in x's dtype."""
     t, h, d = x.shape
-    _unit_inner("x", x)
-    _unit_inner("gate", gate)
+    x, gate = _unit_inner(x), _unit_inner(gate)
     out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
     if t:
         hb = _head_block(h, d)
@@ -196,8 +194,7 @@ def delta_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[T
     """``fused.delta_gates``: a and b [T, H] (rows at any stride) -> the decay g float32 [T, H] and beta [T, H] in
     b's dtype, both contiguous."""
     t, h = a.shape
-    _unit_inner("a", a)
-    _unit_inner("b", b)
+    a, b = _unit_inner(a), _unit_inner(b)
     g = torch.empty((t, h), dtype=torch.float32, device=a.device)
     beta = torch.empty((t, h), dtype=b.dtype, device=b.device)
     if t:
