@@ -133,7 +133,7 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     m.add_argument("--vit-max-patches", type=int, default=E["vit_max_patches"],
                    help="a ViT call takes a step's images up to this many patches (at least one image)")
     m.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
-                   help="CUDA: eager PyTorch ops instead of the torch.compile'd norm/rotary/SiLU kernels")
+                   help="CUDA: eager PyTorch ops instead of the fused norm/rotary/SiLU kernels (Triton or torch.compile'd)")
     m.add_argument("--piecewise-graph-tokens", type=int, default=E["piecewise_graph_tokens"],
                    help="CUDA: steps of up to this many tokens that are not pure decode replay CUDA graphs between "
                    "the layers' attention calls (rounded down to a bucket; 0: off; default 1024, 4096 for MoE and "
