@@ -23,7 +23,6 @@ from torch import Tensor
 from benchmarks.args import parser
 from benchmarks.engine.vit_bench import cuda_ms
 from workers.engine.kernels import fused, hybrid_kernels, vit_kernels
-from workers.engine.models.qwen3_vl.vision import _qwen3_vit_pos_embed
 
 # (shape, compiled call, kernel call, bytes the pass moves)
 Case = tuple[str, Callable[[], object], Callable[[], object], int]
@@ -45,7 +44,7 @@ def _rand(gen: torch.Generator, *shape: int) -> Tensor:
 
 
 def vit_cases() -> Iterator[tuple[str, Case]]:
-    rope, pos = fused.compiled(fused.vit_rope), fused.compiled(_qwen3_vit_pos_embed)
+    rope, pos = fused.compiled(fused.vit_rope), fused.compiled(fused.qwen3_vit_pos_embed)
     for name, n, h, d, width in VIT_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         qkv = _rand(gen, n, 3 * h * d).view(n, 3, h, d)

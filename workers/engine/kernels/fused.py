@@ -192,6 +192,13 @@ def vit_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     return rotate(qkv[:, 0]), rotate(qkv[:, 1])
 
 
+def qwen3_vit_pos_embed(table: Tensor, taps: Tensor, weights: Tensor) -> Tensor:
+    """Qwen3-VL's bilinear position embedding (qwen3_vl/vision.py), as transformers writes it: gather 4 rows, weight in
+    float32, sum. On CUDA one kernel (vit_kernels.py, or this compiled), so the [patches, 4, hidden] float32
+    intermediate is never written out."""
+    return (F.embedding(taps, table) * weights[:, :, None]).sum(1)
+
+
 def enable(module: torch.nn.Module, on: bool = True) -> int:
     """Switch every submodule that has a ``fused`` flag; returns how many were switched."""
     count = 0

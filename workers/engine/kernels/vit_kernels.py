@@ -1,5 +1,5 @@
 """The ViT's two elementwise passes as hand-written Triton kernels, the CUDA path of ``fused.vit_rope`` (every Qwen
-tower's rotary on q and k) and of Qwen3-VL's bilinear position embedding (``qwen3_vl/vision._qwen3_vit_pos_embed``).
+tower's rotary on q and k) and of Qwen3-VL's bilinear position embedding (``fused.qwen3_vit_pos_embed``).
 
 Both were torch.compile'd sites, and for Qwen2.5-VL and Qwen3-VL (dense and MoE) the last ones: a model worker of
 those families compiled nothing else, yet its first ViT call paid for importing Inductor, Dynamo's tracing and the
@@ -25,7 +25,6 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from workers.engine.kernels.triton_switch import TritonSwitch
@@ -139,7 +138,7 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
         from workers.engine.kernels import fused
 
         pairs = [*zip(vit_rope(qkv, angles.cos(), angles.sin()), fused.vit_rope(qkv, angles.cos(), angles.sin())),
-                 (pos_embed(table, taps, weights), (F.embedding(taps, table) * weights[:, :, None]).sum(1))]
+                 (pos_embed(table, taps, weights), fused.qwen3_vit_pos_embed(table, taps, weights))]
         return all(torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2) for g, w in pairs)
 
     return SWITCH.probe(check)

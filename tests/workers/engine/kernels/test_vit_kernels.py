@@ -14,10 +14,8 @@ from tests.workers.engine.kernels.kernel_check import check_switch_turns_it_off,
 
 CHECK = """
 import torch
-import torch.nn.functional as F
 from workers.engine.kernels import fused, vit_kernels
 from workers.engine.layers.vision_attention import _rope
-from workers.engine.models.qwen3_vl.vision import _qwen3_vit_pos_embed
 
 gen = torch.Generator().manual_seed(0)
 # (patches, heads, head_dim): Qwen3-VL's 16 x 72 (halves of 36, off a power of two), Qwen2.5-VL's 16 x 80, 2B/4B's
@@ -53,7 +51,7 @@ for rows, positions, width in ((6, 9, 40), (3, 2304, 512), (5, 2304, 1152), (1, 
         taps = torch.randint(0, positions, (rows, 4), generator=gen)
         weights = torch.rand(rows, 4, generator=gen)
         got = vit_kernels.pos_embed(table, taps, weights)
-        want = _qwen3_vit_pos_embed(table, taps, weights)
+        want = fused.qwen3_vit_pos_embed(table, taps, weights)
         assert got.dtype == want.dtype == torch.float32 and got.shape == (rows, width)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 assert vit_kernels.pos_embed(torch.zeros(4, 8), torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4)).shape == (0, 8)
@@ -80,8 +78,7 @@ def test_kernels_match_the_compiled_sites_on_cuda() -> None:
     """A 1080p image's patches at Qwen3-VL-8B's ViT shapes, bf16: the same float32 math rounded once as the compiled
     versions, so only last bits where a contraction differs."""
     from workers.engine.kernels import fused, vit_kernels
-    from workers.engine.models.qwen3_vl.vision import _qwen3_vit_pos_embed
-
+    
     assert vit_kernels.probe(torch.device("cuda"), torch.bfloat16), vit_kernels.SWITCH.why_off()
     n, h, d, width = 8160, 16, 72, 1152
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -93,7 +90,7 @@ def test_kernels_match_the_compiled_sites_on_cuda() -> None:
     pairs = [
         *zip(vit_kernels.vit_rope(qkv, angles.cos(), angles.sin()),
              fused.compiled(fused.vit_rope)(qkv, angles.cos(), angles.sin()), strict=True),
-        (vit_kernels.pos_embed(table, taps, weights), fused.compiled(_qwen3_vit_pos_embed)(table, taps, weights)),
+        (vit_kernels.pos_embed(table, taps, weights), fused.compiled(fused.qwen3_vit_pos_embed)(table, taps, weights)),
     ]  # fmt: skip
     for got, want in pairs:
         assert got.dtype == want.dtype and got.shape == want.shape

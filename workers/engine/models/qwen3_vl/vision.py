@@ -107,12 +107,6 @@ def _plan_frame(h: int, w: int, merge: int, side: int) -> _FramePlan:
     return _FramePlan(taps, weights, torch.stack((rows, cols), dim=-1))
 
 
-def _qwen3_vit_pos_embed(table: Tensor, taps: Tensor, weights: Tensor) -> Tensor:
-    """Bilinear position embedding, as transformers writes it: gather 4 rows, weight in float32, sum. Compiled
-    on CUDA so the [patches, 4, hidden] float32 intermediate is never written out."""
-    return (F.embedding(taps, table) * weights[:, :, None]).sum(1)
-
-
 class _MLP(nn.Module):
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
@@ -238,9 +232,9 @@ class VisionTower(QwenVisionTower[_BatchPlan]):
             if vit_kernels.wanted(taps):
                 pos = vit_kernels.pos_embed(table, taps, interp)
             else:
-                pos = fused.compiled(_qwen3_vit_pos_embed)(table, taps, interp)
+                pos = fused.compiled(fused.qwen3_vit_pos_embed)(table, taps, interp)
         else:
-            pos = _qwen3_vit_pos_embed(table, taps, interp)
+            pos = fused.qwen3_vit_pos_embed(table, taps, interp)
         angles = self.rotary.angles(positions)  # [D, head_dim // 2]
         cos, sin = angles.cos(), angles.sin()
         if rows is not None:  # per distinct shape above; now per patch
