@@ -80,13 +80,16 @@ def _kernels() -> dict[str, Any]:
         mask = (h < H) & (d < D)
         o = tl.load(o_ptr + t * o_tok + h * o_head + d, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + t * g_tok + h * g_head + d, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + (t * H + h) * D + d, (o / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty), mask=mask)
+        # the sigmoid rounded to the gate's dtype first, as eager's torch.sigmoid(gate) is (bf16 token-exactness)
+        sig = (1.0 / (1.0 + tl.exp(-g))).to(g_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + (t * H + h) * D + d, (o * sig).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def gated_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, x_tok, x_head, g_tok, g_head, eps, H: tl.constexpr,
-                          D: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr):
+                          D: tl.constexpr, HB: tl.constexpr, DP: tl.constexpr, ROUND_W: tl.constexpr):
         # one program per token and HB value heads, a norm per head: rounded to the activations' dtype (the eager
-        # module's cast), then times the weight and SiLU(gate) in float32, rounded once
+        # module's cast), times the weight (rounded again where the weight is in that dtype: eager multiplies two
+        # bf16 tensors there), then times SiLU(gate) in float32 and rounded once more
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]
         d = tl.arange(0, DP)[None, :]
@@ -96,7 +99,10 @@ def _kernels() -> dict[str, Any]:
         g = tl.load(g_ptr + t * g_tok + h * g_head + d, mask=mask, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
         normed = (x * r).to(dtype).to(tl.float32)
-        out = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32) * normed * (g / (1.0 + tl.exp(-g)))
+        scaled = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32) * normed
+        if ROUND_W:
+            scaled = scaled.to(dtype).to(tl.float32)
+        out = scaled * (g / (1.0 + tl.exp(-g)))
         tl.store(out_ptr + (t * H + h) * D + d, out.to(dtype), mask=mask)
 
     @triton.jit
@@ -186,7 +192,7 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
         hb = _head_block(h, d)
         _kernels()["gated_norm"][(t, -(-h // hb))](x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0),
                                                    gate.stride(1), eps, H=h, D=d, HB=hb, DP=_pow2(d),
-                                                   num_warps=_warps(hb * d))
+                                                   ROUND_W=weight.dtype == x.dtype, num_warps=_warps(hb * d))
     return out
 
 

@@ -1,5 +1,5 @@
 """Qwen3.5's elementwise Triton kernels (hybrid_kernels.py): on the CPU through Triton's interpreter against the
-compiled sites' eager definitions (fused.py), on a GPU against the compiled sites themselves."""
+compiled sites' eager definitions (fused.py), on a GPU against eager and the compiled sites."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ import torch
 from workers.engine.kernels import fused, hybrid_kernels as hk
 
 gen = torch.Generator().manual_seed(0)
+
+
+def rounds_as_eager(got, want):
+    # half precision: eager's intermediate roundings kept, so only a float32 sum's order may flip a last bit
+    if got.dtype == torch.float16:
+        assert int((got != want).sum()) <= 1 + got.numel() // 1000
+
+
 # The gated attention's q (read in place from q_proj's [query | gate] rows) and k: the 9B's 16 / 4 heads of 256 with a
 # rotary of 64, a TP rank's 3 / 1 heads of 48 with a rotary of 16, full rotary on heads of 16; float32 to see the math,
 # float16 as served.
@@ -36,6 +44,7 @@ for t, hq, hkv, d, r in ((3, 16, 4, 256, 64), (4, 3, 1, 48, 16), (1, 2, 2, 16, 1
         out = hk.gated_output(attn, gate)
         assert out.shape == (t, hq * d) and out.is_contiguous()
         torch.testing.assert_close(out, fused.gated_output(attn, gate), **tol)
+        rounds_as_eager(out, fused.gated_output(attn, gate))
 # Gated DeltaNet: the output norm over value heads (x the delta rule's [T, Hv, Dv], the gate a strided view of the
 # in-projection) and the gates (a and b columns of it): the 27B's 48 value heads (off a power of two) of 128, a small one
 for t, hv, dv in ((5, 48, 128), (2, 3, 16)):
@@ -48,6 +57,7 @@ for t, hv, dv in ((5, 48, 128), (2, 3, 16)):
         got = hk.gated_rms_norm(x, z, w, 1e-6)
         assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
         torch.testing.assert_close(got, fused.gated_rms_norm(x, z, w, 1e-6), **tol)
+        rounds_as_eager(got, fused.gated_rms_norm(x, z, w, 1e-6))
         proj[0, hv * dv] = 30.0  # softplus's both branches: one a + dt_bias beyond 20
         a = proj[:, hv * dv : hv * dv + hv]
         b = proj[:, hv * dv + hv : hv * dv + 2 * hv]
@@ -85,10 +95,9 @@ def test_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU runs the interpreter)")
-def test_kernels_match_the_compiled_sites_on_cuda() -> None:
+def test_kernels_match_eager_on_cuda() -> None:
     """The 9B shape's gated attention at a 4,096-token chunk and its Gated DeltaNet (32 value heads of 128), bf16,
-    against the compiled sites: the same float32 math, last-bit differences where a contraction or a sum's order
-    differ."""
+    against eager (transformers' math, whose bf16 roundings the kernels keep) and the compiled fallback near it."""
     from workers.engine.kernels import fused, hybrid_kernels as hk
 
     assert hk.probe(torch.device("cuda"), torch.bfloat16), hk.SWITCH.why_off()
@@ -106,18 +115,22 @@ def test_kernels_match_the_compiled_sites_on_cuda() -> None:
     x, z, w = rand(t, hv, dv), proj[:, : hv * dv].view(t, hv, dv), rand(dv) * 0.1 + 1
     a, b = proj[:, hv * dv : hv * dv + hv], proj[:, hv * dv + hv :]
     a_log, dt_bias = torch.rand(hv, device="cuda", generator=gen), torch.randn(hv, device="cuda", generator=gen)
-    pairs = [
-        *zip(hk.qk_norm_partial_rope(q, k, q_w, k_w, 1e-6, cos, sin, r),
-             fused.compiled(fused.qk_norm_partial_rope)(q, k, q_w, k_w, 1e-6, cos, sin, r), strict=True),
-        (hk.gated_output(attn, gate), fused.compiled(fused.gated_output)(attn, gate)),
-        (hk.gated_rms_norm(x, z, w, 1e-6), fused.compiled(fused.gated_rms_norm)(x, z, w, 1e-6)),
-        *zip(hk.delta_gates(a, b, a_log, dt_bias), fused.compiled(fused.delta_gates)(a, b, a_log, dt_bias),
-             strict=True),
-    ]  # fmt: skip
-    for got, want in pairs:
-        assert got.dtype == want.dtype and got.shape == want.shape
-        diff = (got.float() - want.float()).abs()
-        if got.dtype == torch.float32:  # the decay: float32 throughout
-            assert float(diff.max()) <= 1e-5 * float(want.abs().max())
-        else:
-            assert float((diff > 0).float().mean()) < 2e-2 and float(diff.max()) <= 2**-6 * float(want.abs().max())
+    args = {
+        "qk_norm_partial_rope": (q, k, q_w, k_w, 1e-6, cos, sin, r),
+        "gated_output": (attn, gate),
+        "gated_rms_norm": (x, z, w, 1e-6),
+        "delta_gates": (a, b, a_log, dt_bias),
+    }
+    for name, site_args in args.items():
+        outs = [getattr(hk, name)(*site_args), getattr(fused, name)(*site_args),
+                fused.compiled(getattr(fused, name))(*site_args)]  # fmt: skip
+        for got, eager, compiled in zip(*[o if isinstance(o, tuple) else (o,) for o in outs], strict=True):
+            assert got.dtype == eager.dtype and got.shape == eager.shape, name
+            diff, scale = (got.float() - eager.float()).abs(), float(eager.abs().max())
+            if got.dtype == torch.float32:  # the decay: float32 throughout
+                assert float(diff.max()) <= 1e-5 * scale, name
+                continue
+            # eager's roundings kept: only a float32 reduction's order may flip a last bit, and rarely
+            assert float((diff > 0).float().mean()) < 1e-3 and float(diff.max()) <= 2**-7 * scale, name
+            # the fallback is within bf16's last bits of it (Inductor drops eager's intermediate roundings)
+            assert float((compiled.float() - eager.float()).abs().max()) <= 2**-6 * scale, name
