@@ -5,6 +5,7 @@ by its own log lines. Prints one table, a row per run.
     python -m benchmarks.serving.startup_bench --shape qwen3-8b --runs 3
     python -m benchmarks.serving.startup_bench --shape qwen3-8b --runs 1 --cold    # kernel caches emptied first
     python -m benchmarks.serving.startup_bench --glimpse-root /tmp/base --shape qwen3-8b   # another tree's server
+    python -m benchmarks.serving.startup_bench --shape qwen3.5-9b --runs 1 --cold --keep-logs /tmp/logs
 
 Columns (seconds from the launch): the launcher's config built (its first child after the model workers
 started); the model worker's imports done (its "loaded ... in X s" line, X before it); its weights allocated;
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--glimpse-root", type=Path, default=ROOT, help="the checkout whose server starts")
     ap.add_argument("--serve-flags", default="", help="more `glimpse serve` flags")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a start may take")
+    ap.add_argument("--keep-logs", type=Path, default=None, help="copy each run's server log here (serve-N.log)")
     args = ap.parse_args()
     args.glimpse_root = args.glimpse_root.resolve()
     rows, names = [], []
@@ -139,7 +141,12 @@ def main() -> None:
         for i in range(args.runs):
             if args.cold:
                 empty_kernel_caches()
-            rows.append(start_once(model, args, tmp / f"serve-{i}.log"))
+            try:
+                rows.append(start_once(model, args, tmp / f"serve-{i}.log"))
+            finally:  # a start that fails or times out is the log most worth keeping
+                if args.keep_logs is not None:
+                    args.keep_logs.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(tmp / f"serve-{i}.log", args.keep_logs / f"serve-{i}.log")
             names.append(f"{i + 1}{' (cold)' if args.cold else ''}")
             print(f"run {names[-1]}: /health after {rows[-1]['/health']:.1f} s", flush=True)
     print(f"\n{args.shape} ({args.layers or 'all'} layers), glimpse at {args.glimpse_root}")

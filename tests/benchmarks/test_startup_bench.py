@@ -12,7 +12,7 @@ LOG = """\
 INFO:     Started server process [1]
 2026-12-04 00:33:31,000 INFO [glimpse.model[0]] glimpse.model: Qwen3VLForConditionalGeneration ready: 36 layers, tp 0/1
 2026-12-04 00:33:33,500 INFO [glimpse.model[0]] glimpse.model: embedding host tier: 8704.0 MiB pinned
-2026-12-04 00:33:39,000 INFO [glimpse.model[0]] glimpse.model: fused kernels ready in 4.0 s
+2026-12-04 00:33:39,000 INFO [glimpse.model[0]] glimpse.model: fused kernels ready in 4.0 s (probes 1.2 s, skinny GEMM tiles 0.8 s, call sites 2.0 s)
 2026-12-04 00:33:42,000 INFO [glimpse.model[0]] glimpse.model: step shapes warmed in 3.09 s (ViT calls of [1])
 2026-12-04 00:33:43,000 INFO [glimpse.model[0]] workers.engine.runner.cuda_graphs: 11 decode graphs captured in 0.6 s
 2026-12-04 00:33:45,000 INFO [glimpse.model[0]] workers.engine.runner.piecewise_graphs: 1406 piecewise graphs (19 buckets up to 1024 tokens) captured in 2.1 s

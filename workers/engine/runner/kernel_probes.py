@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -76,13 +76,20 @@ RECURRENT = (
 )
 
 
+@contextlib.contextmanager
+def worker_thread(device: torch.device) -> Iterator[None]:
+    """What a helper thread of the model worker sets first: a thread starts on CUDA's device 0 and outside inference
+    mode, and both are per thread."""
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device, torch.inference_mode():
+        yield
+
+
 def probe_kernels(probes: Sequence[Probe], device: torch.device, dtype: torch.dtype) -> list[bool]:
     """Run ``probes`` on ``device``; whether each kernel stays on (in order). One warning per kernel turned off."""
 
     def run(probe: Probe) -> bool:
-        # A thread starts on CUDA's device 0 and outside inference mode: both are per thread.
-        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with on_device, torch.inference_mode():
+        with worker_thread(device):
             return probe.run(device, dtype)
 
     if not probes:

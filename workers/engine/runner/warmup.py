@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +19,7 @@ from workers.engine.kernels.gated_delta_fla import CHUNK as FLA_CHUNK
 from workers.engine.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from workers.engine.layers.vision_attention import VisionAttention, warm_cudnn_frames
 from workers.engine.runner.batching import patches
-from workers.engine.runner.kernel_probes import LM, RECURRENT, SKINNY, TOWER, probe_kernels
+from workers.engine.runner.kernel_probes import LM, RECURRENT, SKINNY, TOWER, probe_kernels, worker_thread
 
 if TYPE_CHECKING:
     from workers.engine.runner.loaded import LoadedModel
@@ -31,8 +32,11 @@ def warm_fused(runner: LoadedModel) -> None:
     """Switch the fused kernels on and run every call site. Falls back to eager ops if that fails."""
     started = time.perf_counter()
     probes = [*TOWER, *LM, *(RECURRENT if runner.spec.recurrent is not None else ())]
-    if probe_kernels(probes, runner.device, runner.dtype)[probes.index(SKINNY)]:
+    skinny_on = probe_kernels(probes, runner.device, runner.dtype)[probes.index(SKINNY)]
+    probed = time.perf_counter()
+    if skinny_on:
         tune_skinny(runner)  # after the probes: it times GEMMs, which nothing else may share the card with
+    tuned = time.perf_counter()
     # (A model worker without its tower, --encoder-workers, compiles nothing of it.)
     towers = [runner.lm] if runner.vision is None else [runner.lm, runner.vision]
     for module in towers:
@@ -46,7 +50,10 @@ def warm_fused(runner: LoadedModel) -> None:
             fused.enable(module, False)
         log.warning("fused kernels unavailable, running eager ops: %s", exc, exc_info=True)
         return
-    log.info("fused kernels ready in %.1f s", time.perf_counter() - started)
+    # the parts, so a cold start's log says where its compiles went
+    done = time.perf_counter()
+    log.info("fused kernels ready in %.1f s (probes %.1f s, skinny GEMM tiles %.1f s, call sites %.1f s)",
+             done - started, probed - started, tuned - probed, done - tuned)
 
 
 def tune_skinny(runner: LoadedModel) -> None:
@@ -66,13 +73,28 @@ def tune_skinny(runner: LoadedModel) -> None:
 def _run_every_fused_site(r: LoadedModel) -> None:
     # Three sizes per site: the first compiles static shapes, the second makes the row count symbolic, and 1 (a
     # lone decode) is specialised apart (fused.py). The (1, 6) query also compiles the paged decode kernel.
-    for grid in fused_grids(r.merge) if r.vision is not None else ():
-        r.model.encode(torch.zeros(patches(grid), r.spec.patch_dim, dtype=r.dtype, device=r.device), [grid])
-    for query, seq in ((2, 2), (3, 5), (1, 6)):
-        scratch = [r.num_blocks] * -(-seq // r.cfg.block_size)  # the spare block (ModelRunner.__init__): nothing live
-        hidden_states = _forward(r, query, seq, scratch)
-    # the LM head at a decode step's sampled rows (skinny_gemm's variant for its shape; eager, outside the graphs)
-    r.model.compute_logits(hidden_states[-1:])
+    # The tower's calls run on a thread beside the LM's: on an empty kernel cache each site's first call is a
+    # compile (MLIR, LLVM, ptxas, mostly outside the GIL), and the two models share almost none, so their compiles
+    # overlap instead of queueing. Only at TP=1: a rank's two threads must never interleave its collectives.
+    tower = None
+    with ThreadPoolExecutor(1, thread_name_prefix="warm-tower") as pool:
+        if r.vision is not None:
+            tower = pool.submit(_encode_fused_grids, r) if r.tp.size == 1 else None
+            if tower is None:
+                _encode_fused_grids(r)
+        for query, seq in ((2, 2), (3, 5), (1, 6)):
+            scratch = [r.num_blocks] * -(-seq // r.cfg.block_size)  # the spare block (ModelRunner.__init__)
+            hidden_states = _forward(r, query, seq, scratch)
+        # the LM head at a decode step's sampled rows (skinny_gemm's variant for its shape; eager, outside graphs)
+        r.model.compute_logits(hidden_states[-1:])
+        if tower is not None:
+            tower.result()  # its exception, if any, is the warm-up's
+
+
+def _encode_fused_grids(r: LoadedModel) -> None:
+    with worker_thread(r.device):
+        for grid in fused_grids(r.merge):
+            r.model.encode(torch.zeros(patches(grid), r.spec.patch_dim, dtype=r.dtype, device=r.device), [grid])
 
 
 def fused_grids(merge: int) -> tuple[tuple[int, int, int], ...]:

@@ -61,3 +61,40 @@ def test_skinny_tiles_are_measured_on_every_lm_projection(
     monkeypatch.setenv(skinny_tune.ENV, "0")
     tune_skinny(runner)
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_sites_run_the_tower_on_its_own_thread_at_tp_1(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tp: int
+) -> None:
+    # The tower's three compile calls run on a thread beside the LM's (their compiles overlap on an empty kernel
+    # cache) in inference mode, as the warm-up's own thread is; at TP > 1 inline, so a rank's collectives keep one
+    # order. The LM's three sizes and the head stay on the calling thread either way.
+    import dataclasses
+    import threading
+
+    from workers.engine.runner import warmup
+
+    engine = make_engine(demo_model_dir, chunk_size=64)
+    runner = engine.runner
+    monkeypatch.setattr(runner, "tp", dataclasses.replace(runner.tp, size=tp))
+    calls: list[tuple[str, str, bool]] = []
+    encode, forward = runner.model.encode, runner.model.forward
+
+    def record(kind: str, fn):  # type: ignore[no-untyped-def]
+        def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append((kind, threading.current_thread().name, torch.is_inference_mode_enabled()))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(runner.model, "encode", record("tower", encode))
+    monkeypatch.setattr(runner.model, "forward", record("lm", forward))
+    main = threading.current_thread().name
+    with torch.inference_mode():
+        warmup._run_every_fused_site(runner)
+    tower = [c for c in calls if c[0] == "tower"]
+    assert len(tower) == len(warmup.fused_grids(runner.merge)) == 3
+    assert all(name.startswith("warm-tower") if tp == 1 else name == main for _, name, _ in tower)
+    assert [c[1] for c in calls if c[0] == "lm"] == [main] * 3
+    assert all(inference for _, _, inference in calls)
