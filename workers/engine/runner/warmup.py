@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from workers.engine.kernels import fused, paged_attention, skinny_gemm, skinny_tune
+from workers.engine.kernels import autotune_compiles, fused, paged_attention, skinny_gemm, skinny_tune
 from workers.engine.kernels.attention import StateMetadata, build_attention_metadata
 from workers.engine.kernels.gated_delta_fla import CHUNK as FLA_CHUNK
 from workers.engine.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
@@ -31,6 +31,7 @@ log = logging.getLogger("glimpse.model")
 def warm_fused(runner: LoadedModel) -> None:
     """Switch the fused kernels on and run every call site. Falls back to eager ops if that fails."""
     started = time.perf_counter()
+    autotune_compiles.install()  # fla's autotunes (a hybrid model's) compile their candidates on threads
     probes = [*TOWER, *LM, *(RECURRENT if runner.spec.recurrent is not None else ())]
     skinny_on = probe_kernels(probes, runner.device, runner.dtype)[probes.index(SKINNY)]
     probed = time.perf_counter()
@@ -52,8 +53,10 @@ def warm_fused(runner: LoadedModel) -> None:
         return
     # the parts, so a cold start's log says where its compiles went
     done = time.perf_counter()
-    log.info("fused kernels ready in %.1f s (probes %.1f s, skinny GEMM tiles %.1f s, call sites %.1f s)",
-             done - started, probed - started, tuned - probed, done - tuned)
+    tunes = autotune_compiles.stats
+    log.info("fused kernels ready in %.1f s (probes %.1f s, skinny GEMM tiles %.1f s, call sites %.1f s; "
+             "%d autotunes' %d candidates compiled on threads)", done - started, probed - started, tuned - probed,
+             done - tuned, tunes["tunes"], tunes["configs"])
 
 
 def tune_skinny(runner: LoadedModel) -> None:
@@ -286,7 +289,8 @@ def warm_state_snapshots(r: LoadedModel) -> list[tuple[int, int, list[int]]]:
     except Exception as exc:  # noqa: BLE001 - the first snapshot under load pays the compile instead
         log.warning("the state-snapshot warm-up failed (%s); the first snapshots compile their kernels", exc)
         return []
-    log.info("state snapshot paths warmed in %.2f s", time.perf_counter() - started)
+    log.info("state snapshot paths warmed in %.2f s (%d autotunes compiled on threads so far)",
+             time.perf_counter() - started, autotune_compiles.stats["tunes"])
     return fits
 
 

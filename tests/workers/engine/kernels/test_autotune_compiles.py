@@ -1,0 +1,109 @@
+"""autotune_compiles.py: an autotune that misses every cache compiles all its candidates on threads before it times
+them. On the CPU the wrapping itself (what is compiled, with which arguments, before the timing); on a GPU a real
+autotune whose timing loop finds every candidate compiled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import _async_compile
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
+
+from workers.engine.kernels import autotune_compiles
+
+CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b in (64, 128) for w in (1, 2)]
+
+
+@triton.jit
+def scale_kernel(x_ptr, out_ptr, n, factor, FLAG: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    y = x * factor if FLAG else x
+    tl.store(out_ptr + offs, y, mask=offs < n)
+
+
+@pytest.fixture
+def wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """install() in this test only: the Autotuner's methods and the module's flag come back afterwards."""
+    monkeypatch.setattr(autotune_compiles, "_installed", False)
+    monkeypatch.setattr(autotune_compiles, "stats", {"tunes": 0, "configs": 0})
+    for name in ("prune_configs", "check_disk_cache"):
+        monkeypatch.setattr(Autotuner, name, getattr(Autotuner, name))
+
+
+def test_a_tuning_miss_compiles_every_candidate_first(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[Any] = []
+
+    def disk_cache_miss(self: Any, key: Any, configs: list[Any], bench_fn: Any) -> bool:
+        bench_fn()  # what Triton's does on a miss (the real one needs a GPU driver for its key)
+        return False
+
+    def warmup(self: Any, *args: Any, grid: Any, **kwargs: Any) -> None:
+        events.append(("compile", _async_compile.active_mode.get() is not None, args, kwargs))
+
+    monkeypatch.setattr(Autotuner, "check_disk_cache", disk_cache_miss)
+    monkeypatch.setattr(JITFunction, "warmup", warmup)
+    assert autotune_compiles.install() and autotune_compiles.install()  # once, however often asked
+    tuner = triton.autotune(configs=CONFIGS, key=["n"])(scale_kernel)
+    x = torch.zeros(4)
+    tuner.nargs = {"x_ptr": x, "out_ptr": x, "n": 4, "factor": 2.0}  # Autotuner.run keeps the positional arguments
+    pruned = tuner.prune_configs({"FLAG": True})  # run() hands it the keyword ones (heuristics' among them)
+    assert not tuner.check_disk_cache(("key",), pruned, lambda: events.append("time"))
+    compiles = [e for e in events if e != "time"]
+    assert events[-1] == "time" and len(compiles) == len(CONFIGS)  # every candidate, all before the timing
+    for (_, async_mode, args, kwargs), config in zip(compiles, CONFIGS, strict=True):
+        assert async_mode and not args  # on the pool
+        assert kwargs == {"x_ptr": x, "out_ptr": x, "n": 4, "factor": 2.0, "FLAG": True, **config.all_kwargs()}
+    assert autotune_compiles.stats == {"tunes": 1, "configs": len(CONFIGS)}
+    # one candidate: nothing to overlap, nothing compiled ahead
+    events.clear()
+    tuner.check_disk_cache(("key",), pruned[:1], lambda: events.append("time"))
+    assert events == ["time"]
+
+
+def test_a_failed_compile_ahead_leaves_the_timing_to_compile(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[str] = []
+
+    def warmup(self: Any, *args: Any, grid: Any, **kwargs: Any) -> None:
+        raise TypeError("a Triton whose warmup takes other arguments")
+
+    monkeypatch.setattr(Autotuner, "check_disk_cache", lambda self, key, configs, bench_fn: bench_fn() or False)
+    monkeypatch.setattr(JITFunction, "warmup", warmup)
+    autotune_compiles.install()
+    tuner = triton.autotune(configs=CONFIGS, key=["n"])(scale_kernel)
+    tuner.nargs = {"x_ptr": None, "out_ptr": None, "n": 4, "factor": 2.0}
+    tuner.prune_configs({"FLAG": True})
+    tuner.check_disk_cache(("key",), CONFIGS, lambda: timed.append("time"))
+    assert timed == ["time"] and autotune_compiles.stats["tunes"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton's compiler and driver)")
+def test_a_real_autotune_times_compiled_candidates(
+    wrapped: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # An empty kernel cache and autotune cache: the timing loop's first launch finds all four candidates in the
+    # kernel's cache, and the tuned kernel computes what it should.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kernel = triton.jit(scale_kernel.fn)  # a JITFunction of its own: no kernel cached in this process yet
+    tuner = triton.autotune(configs=CONFIGS, key=["n"], cache_results=True)(kernel)
+    device = torch.cuda.current_device()
+    compiled_before_timing: list[int] = []
+    compile_candidates = autotune_compiles.compile_candidates
+
+    def compile_and_count(tuner: Any, configs: list[Any]) -> None:
+        compile_candidates(tuner, configs)
+        compiled_before_timing.append(len(kernel.device_caches[device][0]))
+
+    monkeypatch.setattr(autotune_compiles, "compile_candidates", compile_and_count)
+    assert autotune_compiles.install()
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    out = torch.empty_like(x)
+    tuner[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, out, 1000, 3.0, FLAG=True)
+    assert compiled_before_timing == [len(CONFIGS)]
+    torch.testing.assert_close(out, x * 3)
+    assert autotune_compiles.stats == {"tunes": 1, "configs": len(CONFIGS)}
