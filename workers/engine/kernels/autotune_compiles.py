@@ -18,6 +18,7 @@ did before (scored out by the autotuner). Where this Triton lacks either piece, 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -47,8 +48,11 @@ def install() -> bool:
     except ImportError as exc:  # a Triton without the pieces: its autotunes compile as they time
         log.debug("autotune candidates compile in turn: %s", exc)
         return False
-    if not all(hasattr(Autotuner, name) for name in ("prune_configs", "check_disk_cache")) or not hasattr(
-        _async_compile, "AsyncCompileMode"
+    # the shapes wrapped here: prune_configs(self, kwargs), check_disk_cache(self, tuning_key, configs, bench_fn)
+    shapes = {"prune_configs": 2, "check_disk_cache": 4}
+    if not hasattr(_async_compile, "AsyncCompileMode") or any(
+        len(inspect.signature(getattr(Autotuner, name, None) or (lambda: None)).parameters) != count
+        for name, count in shapes.items()
     ):
         log.debug("autotune candidates compile in turn: this Triton's Autotuner has another shape")
         return False
@@ -77,10 +81,10 @@ def compile_candidates(tuner: Any, configs: list[Any]) -> None:
     from triton.runtime import _async_compile
     from triton.runtime.jit import JITFunction
 
-    fn, kwargs = tuner.fn, getattr(tuner, "_glimpse_kwargs", None)
-    if len(configs) < 2 or not isinstance(fn, JITFunction) or kwargs is None or tuner.nargs is None:
+    fn, nargs, kwargs = getattr(tuner, "fn", None), getattr(tuner, "nargs", None), getattr(tuner, "_glimpse_kwargs", None)
+    if len(configs) < 2 or not isinstance(fn, JITFunction) or nargs is None or kwargs is None:
         return
-    args = {**tuner.nargs, **kwargs}
+    args = {**nargs, **kwargs}
     try:
         with ThreadPoolExecutor(min(threads(), len(configs)), thread_name_prefix="triton-autotune") as pool:
             # ignore_errors: a candidate that cannot compile (too much shared memory, say) raises at its launch in

@@ -82,6 +82,15 @@ def test_a_failed_compile_ahead_leaves_the_timing_to_compile(wrapped: None, monk
     assert timed == ["time"] and autotune_compiles.stats["tunes"] == 0
 
 
+def test_an_autotuner_of_another_shape_is_left_alone(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    def check_disk_cache(self: Any, tuning_key: Any, bench_fn: Any) -> bool:  # a Triton whose method differs
+        return False
+
+    monkeypatch.setattr(Autotuner, "check_disk_cache", check_disk_cache)
+    assert not autotune_compiles.install()
+    assert Autotuner.check_disk_cache is check_disk_cache
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton's compiler and driver)")
 def test_a_real_autotune_times_compiled_candidates(
     wrapped: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
