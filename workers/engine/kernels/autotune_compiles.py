@@ -32,9 +32,18 @@ _installed = False
 stats = {"tunes": 0, "configs": 0}
 
 
+ENV = "GLIMPSE_AUTOTUNE_COMPILE_THREADS"
+
+
 def threads() -> int:
-    """Compile threads: one per core, to 16 (the compiles' Python parts still take turns on the GIL)."""
-    return max(1, min(16, os.cpu_count() or 1))
+    """Compile threads: ``GLIMPSE_AUTOTUNE_COMPILE_THREADS``, else one per core to 16 (the compiles' Python parts
+    still take turns on the GIL); 1 or less compiles in turn inside the timing loop, as Triton does."""
+    raw = os.environ.get(ENV, "")
+    try:
+        return int(raw) if raw.strip() else max(1, min(16, os.cpu_count() or 1))
+    except ValueError:
+        log.warning("%s=%r is not a whole number; autotune candidates compile in turn", ENV, raw)
+        return 1
 
 
 def install() -> bool:
@@ -82,11 +91,12 @@ def compile_candidates(tuner: Any, configs: list[Any]) -> None:
     from triton.runtime.jit import JITFunction
 
     fn, nargs, kwargs = getattr(tuner, "fn", None), getattr(tuner, "nargs", None), getattr(tuner, "_glimpse_kwargs", None)
-    if len(configs) < 2 or not isinstance(fn, JITFunction) or nargs is None or kwargs is None:
+    workers = threads()
+    if len(configs) < 2 or workers < 2 or not isinstance(fn, JITFunction) or nargs is None or kwargs is None:
         return
     args = {**nargs, **kwargs}
     try:
-        with ThreadPoolExecutor(min(threads(), len(configs)), thread_name_prefix="triton-autotune") as pool:
+        with ThreadPoolExecutor(min(workers, len(configs)), thread_name_prefix="triton-autotune") as pool:
             # ignore_errors: a candidate that cannot compile (too much shared memory, say) raises at its launch in
             # the timing loop, where the autotuner scores it out, instead of here
             with _async_compile.AsyncCompileMode(pool, ignore_errors=True):

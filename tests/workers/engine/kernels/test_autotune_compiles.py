@@ -60,10 +60,18 @@ def test_a_tuning_miss_compiles_every_candidate_first(wrapped: None, monkeypatch
         assert async_mode and not args  # on the pool
         assert kwargs == {"x_ptr": x, "out_ptr": x, "n": 4, "factor": 2.0, "FLAG": True, **config.all_kwargs()}
     assert autotune_compiles.stats == {"tunes": 1, "configs": len(CONFIGS)}
-    # one candidate: nothing to overlap, nothing compiled ahead
+    # one candidate: nothing to overlap, nothing compiled ahead; nor with the switch at one thread
     events.clear()
     tuner.check_disk_cache(("key",), pruned[:1], lambda: events.append("time"))
     assert events == ["time"]
+    monkeypatch.setenv(autotune_compiles.ENV, "1")
+    events.clear()
+    tuner.check_disk_cache(("key",), pruned, lambda: events.append("time"))
+    assert events == ["time"]
+    monkeypatch.setenv(autotune_compiles.ENV, "3")
+    assert autotune_compiles.threads() == 3
+    monkeypatch.setenv(autotune_compiles.ENV, "many")
+    assert autotune_compiles.threads() == 1
 
 
 def test_a_failed_compile_ahead_leaves_the_timing_to_compile(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
