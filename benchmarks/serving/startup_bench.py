@@ -9,7 +9,7 @@ by its own log lines. Prints one table, a row per run.
 
 Columns (seconds from the launch): the launcher's config built (its first child after the model workers
 started); the model worker's imports done (its "loaded ... in X s" line, X before it); its weights allocated;
-the embedding cache's host tier pinned (CUDA); its fused kernels compiled; its step shapes warmed; its graphs captured; every child ready; /health answering; then, a duration, how long the model worker's garbage collections paused its start-up.
+the embedding cache's host tier pinned (CUDA); its fused kernels compiled; its step shapes warmed; a hybrid model's state-snapshot paths warmed; its graphs captured; every child ready; /health answering; then, a duration, how long the model worker's garbage collections paused its start-up.
 ``--cold`` empties Triton's, Inductor's and FA4's caches and the skinny GEMM's tiles before each run (what a new
 host or container pays); without it a run reuses what the runs before it compiled. The serving flags are the
 vLLM side-by-side harness's (docs/benchmarks.md), so the last column is its start-up row.
@@ -47,6 +47,7 @@ PHASES: list[tuple[str, str]] = [
     ("host tier", r"embedding host tier: .* pinned"),
     ("fused kernels", r"fused kernels ready"),
     ("step shapes", r"step shapes warmed"),
+    ("state snapshots", r"state snapshot paths warmed"),  # a hybrid model's: fla's snapshot kernels (autotuned)
     ("graphs", r"graphs? \(.*\) captured|decode graphs captured"),
     ("all ready", r"all children ready"),
 ]
