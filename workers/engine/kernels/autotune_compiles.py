@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,8 +29,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _installed = False
-# Autotunes whose candidates were compiled ahead in this process, and how many candidates (start-up logs).
-stats = {"tunes": 0, "configs": 0}
+# Autotunes whose candidates were compiled ahead in this process, how many candidates, and the seconds spent
+# compiling them and then timing them (start-up logs: what a cold start's autotunes cost).
+stats: dict[str, float] = {"tunes": 0, "configs": 0, "compile_s": 0.0, "time_s": 0.0}
 
 
 ENV = "GLIMPSE_AUTOTUNE_COMPILE_THREADS"
@@ -73,8 +75,14 @@ def install() -> bool:
 
     def check_disk_cache(self: Any, tuning_key: Any, configs: list[Any], bench_fn: Callable[[], None]) -> Any:
         def compile_then_time() -> None:
-            compile_candidates(self, configs)
-            bench_fn()
+            started = time.perf_counter()
+            if compile_candidates(self, configs):
+                compiled = time.perf_counter()
+                bench_fn()
+                stats["compile_s"] += compiled - started
+                stats["time_s"] += time.perf_counter() - compiled
+            else:
+                bench_fn()
 
         return check(self, tuning_key, configs, compile_then_time)
 
@@ -84,16 +92,16 @@ def install() -> bool:
     return True
 
 
-def compile_candidates(tuner: Any, configs: list[Any]) -> None:
-    """Compile ``tuner``'s candidate ``configs`` for the launch it is tuning, on threads. Best effort: any failure
-    leaves the rest to the timing loop, which compiles what is missing as it always did."""
+def compile_candidates(tuner: Any, configs: list[Any]) -> bool:
+    """Compile ``tuner``'s candidate ``configs`` for the launch it is tuning, on threads; whether it did. Best effort:
+    any failure leaves the rest to the timing loop, which compiles what is missing as it always did."""
     from triton.runtime import _async_compile
     from triton.runtime.jit import JITFunction
 
     fn, nargs, kwargs = getattr(tuner, "fn", None), getattr(tuner, "nargs", None), getattr(tuner, "_glimpse_kwargs", None)
     workers = threads()
     if len(configs) < 2 or workers < 2 or not isinstance(fn, JITFunction) or nargs is None or kwargs is None:
-        return
+        return False
     args = {**nargs, **kwargs}
     try:
         with ThreadPoolExecutor(min(workers, len(configs)), thread_name_prefix="triton-autotune") as pool:
@@ -104,6 +112,7 @@ def compile_candidates(tuner: Any, configs: list[Any]) -> None:
                     fn.warmup(grid=(1,), **args, **config.all_kwargs())
     except Exception as exc:  # noqa: BLE001 - only saves time: the timing loop compiles what is missing
         log.debug("autotune candidates of %s not compiled ahead: %s", fn, exc)
-        return
+        return False
     stats["tunes"] += 1
     stats["configs"] += len(configs)
+    return True

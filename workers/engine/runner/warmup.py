@@ -53,10 +53,15 @@ def warm_fused(runner: LoadedModel) -> None:
         return
     # the parts, so a cold start's log says where its compiles went
     done = time.perf_counter()
-    tunes = autotune_compiles.stats
-    log.info("fused kernels ready in %.1f s (probes %.1f s, skinny GEMM tiles %.1f s, call sites %.1f s; "
-             "%d autotunes' %d candidates compiled on threads)", done - started, probed - started, tuned - probed,
-             done - tuned, tunes["tunes"], tunes["configs"])
+    log.info("fused kernels ready in %.1f s (probes %.1f s, skinny GEMM tiles %.1f s, call sites %.1f s; %s)",
+             done - started, probed - started, tuned - probed, done - tuned, autotunes())
+
+
+def autotunes() -> str:
+    """What Triton's autotunes that missed every cache cost this process (kernels/autotune_compiles.py), for a log."""
+    s = autotune_compiles.stats
+    return (f"{s['tunes']:.0f} autotunes: {s['configs']:.0f} candidates compiled on threads in {s['compile_s']:.1f} s, "
+            f"timed in {s['time_s']:.1f} s")
 
 
 def tune_skinny(runner: LoadedModel) -> None:
@@ -289,8 +294,7 @@ def warm_state_snapshots(r: LoadedModel) -> list[tuple[int, int, list[int]]]:
     except Exception as exc:  # noqa: BLE001 - the first snapshot under load pays the compile instead
         log.warning("the state-snapshot warm-up failed (%s); the first snapshots compile their kernels", exc)
         return []
-    log.info("state snapshot paths warmed in %.2f s (%d autotunes compiled on threads so far)",
-             time.perf_counter() - started, autotune_compiles.stats["tunes"])
+    log.info("state snapshot paths warmed in %.2f s (%s so far)", time.perf_counter() - started, autotunes())
     return fits
 
 

@@ -31,7 +31,7 @@ def scale_kernel(x_ptr, out_ptr, n, factor, FLAG: tl.constexpr, BLOCK: tl.conste
 def wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
     """install() in this test only: the Autotuner's methods and the module's flag come back afterwards."""
     monkeypatch.setattr(autotune_compiles, "_installed", False)
-    monkeypatch.setattr(autotune_compiles, "stats", {"tunes": 0, "configs": 0})
+    monkeypatch.setattr(autotune_compiles, "stats", {"tunes": 0, "configs": 0, "compile_s": 0.0, "time_s": 0.0})
     for name in ("prune_configs", "check_disk_cache"):
         monkeypatch.setattr(Autotuner, name, getattr(Autotuner, name))
 
@@ -59,7 +59,8 @@ def test_a_tuning_miss_compiles_every_candidate_first(wrapped: None, monkeypatch
     for (_, async_mode, args, kwargs), config in zip(compiles, CONFIGS, strict=True):
         assert async_mode and not args  # on the pool
         assert kwargs == {"x_ptr": x, "out_ptr": x, "n": 4, "factor": 2.0, "FLAG": True, **config.all_kwargs()}
-    assert autotune_compiles.stats == {"tunes": 1, "configs": len(CONFIGS)}
+    stats = autotune_compiles.stats
+    assert (stats["tunes"], stats["configs"]) == (1, len(CONFIGS)) and stats["compile_s"] > 0 and stats["time_s"] > 0
     # one candidate: nothing to overlap, nothing compiled ahead; nor with the switch at one thread
     events.clear()
     tuner.check_disk_cache(("key",), pruned[:1], lambda: events.append("time"))
@@ -87,7 +88,7 @@ def test_a_failed_compile_ahead_leaves_the_timing_to_compile(wrapped: None, monk
     tuner.nargs = {"x_ptr": None, "out_ptr": None, "n": 4, "factor": 2.0}
     tuner.prune_configs({"FLAG": True})
     tuner.check_disk_cache(("key",), CONFIGS, lambda: timed.append("time"))
-    assert timed == ["time"] and autotune_compiles.stats["tunes"] == 0
+    assert timed == ["time"] and autotune_compiles.stats == {"tunes": 0, "configs": 0, "compile_s": 0.0, "time_s": 0.0}
 
 
 def test_an_autotuner_of_another_shape_is_left_alone(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,4 +124,4 @@ def test_a_real_autotune_times_compiled_candidates(
     tuner[lambda meta: (triton.cdiv(1000, meta["BLOCK"]),)](x, out, 1000, 3.0, FLAG=True)
     assert compiled_before_timing == [len(CONFIGS)]
     torch.testing.assert_close(out, x * 3)
-    assert autotune_compiles.stats == {"tunes": 1, "configs": len(CONFIGS)}
+    assert (autotune_compiles.stats["tunes"], autotune_compiles.stats["configs"]) == (1, len(CONFIGS))
