@@ -36,6 +36,7 @@ from workers.engine.kernels.fp8_quant import (
     quantize_block,
     quantize_token_groups,
 )
+from workers.engine.kernels.launch_helpers import pow2
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_FP8_GROUPED")
@@ -96,9 +97,6 @@ def _kernel() -> Any:
     return grouped_block_kernel
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
 
 def grouped_mm(
     rows: Tensor, weight: Tensor, scale: Tensor, ends: Tensor, tiles: tuple[int, int, int, int] | None = None
@@ -117,7 +115,7 @@ def grouped_mm(
     q, sx = fp8_act_quant.quantize(padded) if fp8_act_quant.available() else fp8_act_quant.torch_ops(padded)
     _kernel()[(-(-r // tile_m) + e, -(-n // tile_n))](
         q, sx, weight.contiguous(), scale.float().contiguous(), ends.to(torch.int32).contiguous(), out, r,
-        N=n, K=k, E=e, E_POW2=_pow2(e), SCALE_ROWS=scale.shape[1], ROWS_PER_SCALE=1 if scale.shape[1] == n else BLOCK,
+        N=n, K=k, E=e, E_POW2=pow2(e), SCALE_ROWS=scale.shape[1], ROWS_PER_SCALE=1 if scale.shape[1] == n else BLOCK,
         TILE_M=tile_m, TILE_N=tile_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
     return out
 

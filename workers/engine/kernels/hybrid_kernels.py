@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels.launch_helpers import pow2
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_HYBRID")
@@ -126,9 +127,6 @@ def _kernels() -> dict[str, Any]:
             "gated_norm": gated_norm_kernel, "delta_gates": delta_gates_kernel}
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
 
 def _warps(width: int) -> int:
     return 1 if width <= 128 else 2 if width <= 512 else 4
@@ -140,7 +138,7 @@ HEAD_BLOCK_ELEMENTS = 2048
 
 
 def _head_block(heads: int, width: int) -> int:
-    return min(_pow2(heads), max(1, HEAD_BLOCK_ELEMENTS // _pow2(width)))
+    return min(pow2(heads), max(1, HEAD_BLOCK_ELEMENTS // pow2(width)))
 
 
 def _unit_inner(x: Tensor) -> Tensor:
@@ -164,7 +162,7 @@ def qk_norm_partial_rope(
     if t:
         _kernels()["qk_norm_rope"][(t, hq + hkv)](
             q, k, q_w, k_w, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            eps, HQ=hq, D=d, R=rotary_dim, DP=_pow2(d), num_warps=_warps(d),
+            eps, HQ=hq, D=d, R=rotary_dim, DP=pow2(d), num_warps=_warps(d),
         )  # fmt: skip
     return q_out, k_out
 
@@ -178,7 +176,7 @@ def gated_output(out: Tensor, gate: Tensor) -> Tensor:
     if t:
         hb = _head_block(h, d)
         _kernels()["gated_output"][(t, -(-h // hb))](out, gate, result, out.stride(0), out.stride(1), gate.stride(0),
-                                                     gate.stride(1), H=h, D=d, HB=hb, DP=_pow2(d),
+                                                     gate.stride(1), H=h, D=d, HB=hb, DP=pow2(d),
                                                      num_warps=_warps(hb * d))
     return result
 
@@ -191,7 +189,7 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     if t:
         hb = _head_block(h, d)
         _kernels()["gated_norm"][(t, -(-h // hb))](x, gate, weight, out, x.stride(0), x.stride(1), gate.stride(0),
-                                                   gate.stride(1), eps, H=h, D=d, HB=hb, DP=_pow2(d),
+                                                   gate.stride(1), eps, H=h, D=d, HB=hb, DP=pow2(d),
                                                    ROUND_W=weight.dtype == x.dtype, num_warps=_warps(hb * d))
     return out
 
@@ -204,7 +202,7 @@ def delta_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[T
     g = torch.empty((t, h), dtype=torch.float32, device=a.device)
     beta = torch.empty((t, h), dtype=b.dtype, device=b.device)
     if t:
-        _kernels()["delta_gates"][(t,)](a, b, a_log, dt_bias, g, beta, a.stride(0), b.stride(0), H=h, HP=_pow2(h),
+        _kernels()["delta_gates"][(t,)](a, b, a_log, dt_bias, g, beta, a.stride(0), b.stride(0), H=h, HP=pow2(h),
                                         num_warps=1)
     return g, beta
 

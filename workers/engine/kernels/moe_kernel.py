@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from workers.engine.kernels.fp8_quant import BLOCK, FP8, dequantize, is_block, quantize_block, quantize_rows
+from workers.engine.kernels.launch_helpers import pow2
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 # Token rows up to which the kernels serve a MoE layer. H200, 20 layers replayed from a graph, randomly routed rows
@@ -186,9 +187,6 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
     return route_kernel, expert_up_kernel, expert_down_kernel, sum_pairs_kernel
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
 
 def wanted(x: Tensor, gate_up: Tensor) -> bool:
     """Whether a MoE layer should take these kernels for x [T, H]: a few rows, weights in x's dtype or FP8 with
@@ -210,8 +208,8 @@ def route(logits: Tensor, top_k: int, per_expert_scale: Tensor | None = None) ->
     ids = torch.empty((rows, top_k), dtype=torch.int64, device=logits.device)
     if rows:
         scale = per_expert_scale if per_expert_scale is not None else weights  # a pointer the kernel never reads
-        _kernels()[0][(rows,)](logits.contiguous(), scale, weights, ids, E=experts, E_POW2=_pow2(experts),
-                               K=top_k, K_POW2=_pow2(top_k), HAS_SCALE=per_expert_scale is not None, num_warps=4)
+        _kernels()[0][(rows,)](logits.contiguous(), scale, weights, ids, E=experts, E_POW2=pow2(experts),
+                               K=top_k, K_POW2=pow2(top_k), HAS_SCALE=per_expert_scale is not None, num_warps=4)
     return weights, ids
 
 

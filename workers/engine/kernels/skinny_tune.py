@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from workers.engine.kernels import skinny_gemm
+from workers.engine.kernels.launch_helpers import worker_thread
 from workers.engine.kernels.skinny_gemm import Tile
 
 log = logging.getLogger("glimpse.model")
@@ -107,7 +108,7 @@ def first_launches(runs: list[tuple[Tensor, Tile, int]]) -> None:
 
     def launch(run: tuple[Tensor, Tile, int]) -> None:
         w, tile, rows = run
-        with torch.cuda.device(device), torch.inference_mode():  # both are per thread
+        with worker_thread(device):
             skinny_gemm.linear(torch.zeros(rows, w.shape[1], device=device, dtype=w.dtype), w, use=tile)
 
     with ThreadPoolExecutor(min(8, len(variants)), thread_name_prefix="skinny-compile") as pool:

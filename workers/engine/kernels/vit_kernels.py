@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels.launch_helpers import pow2
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_VIT")
@@ -103,7 +104,7 @@ def vit_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         half = d // 2
         _rope_kernel()[(n,)](
             qkv, cos, sin, q, k, qkv.stride(0), qkv.stride(1), cos.stride(0), H=heads, HALF=half,
-            HP=_pow2(heads), HALFP=_pow2(half), num_warps=4 if heads * d > 1024 else 2,
+            HP=pow2(heads), HALFP=pow2(half), num_warps=4 if heads * d > 1024 else 2,
         )  # fmt: skip
     return q, k
 
@@ -119,9 +120,6 @@ def pos_embed(table: Tensor, taps: Tensor, weights: Tensor) -> Tensor:
                                                       num_warps=4)
     return out
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> bool:

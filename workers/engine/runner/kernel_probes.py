@@ -9,9 +9,8 @@ probe is a compile (MLIR passes, LLVM, ptxas: 0.05-0.8 s, mostly outside the GIL
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from workers.engine.kernels import (
     vit_kernels,
     window_attention,
 )
+from workers.engine.kernels.launch_helpers import worker_thread
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 log = logging.getLogger("glimpse.model")
@@ -74,15 +74,6 @@ RECURRENT = (
     Probe(hybrid_kernels.probe, hybrid_kernels.SWITCH,
           "the Triton gated-attention and Gated DeltaNet elementwise kernels are off (%s); the compiled ones serve"),
 )
-
-
-@contextlib.contextmanager
-def worker_thread(device: torch.device) -> Iterator[None]:
-    """What a helper thread of the model worker sets first: a thread starts on CUDA's device 0 and outside inference
-    mode, and both are per thread."""
-    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on_device, torch.inference_mode():
-        yield
 
 
 def probe_kernels(probes: Sequence[Probe], device: torch.device, dtype: torch.dtype) -> list[bool]:

@@ -16,10 +16,11 @@ from torch import nn
 from workers.engine.kernels import autotune_compiles, fused, paged_attention, skinny_gemm, skinny_tune
 from workers.engine.kernels.attention import StateMetadata, build_attention_metadata
 from workers.engine.kernels.gated_delta_fla import CHUNK as FLA_CHUNK
+from workers.engine.kernels.launch_helpers import worker_thread
 from workers.engine.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from workers.engine.layers.vision_attention import VisionAttention, warm_cudnn_frames
 from workers.engine.runner.batching import patches
-from workers.engine.runner.kernel_probes import LM, RECURRENT, SKINNY, TOWER, probe_kernels, worker_thread
+from workers.engine.runner.kernel_probes import LM, RECURRENT, SKINNY, TOWER, probe_kernels
 
 if TYPE_CHECKING:
     from workers.engine.runner.loaded import LoadedModel
@@ -84,12 +85,11 @@ def _run_every_fused_site(r: LoadedModel) -> None:
     # The tower's calls run on a thread beside the LM's: on an empty kernel cache each site's first call is a
     # compile (MLIR, LLVM, ptxas, mostly outside the GIL), and the two models share almost none, so their compiles
     # overlap instead of queueing. Only at TP=1: a rank's two threads must never interleave its collectives.
-    tower = None
+    beside = r.vision is not None and r.tp.size == 1
+    if r.vision is not None and not beside:
+        _encode_fused_grids(r)
     with ThreadPoolExecutor(1, thread_name_prefix="warm-tower") as pool:
-        if r.vision is not None:
-            tower = pool.submit(_encode_fused_grids, r) if r.tp.size == 1 else None
-            if tower is None:
-                _encode_fused_grids(r)
+        tower = pool.submit(_encode_fused_grids, r) if beside else None
         for query, seq in ((2, 2), (3, 5), (1, 6)):
             scratch = [r.num_blocks] * -(-seq // r.cfg.block_size)  # the spare block (ModelRunner.__init__)
             hidden_states = _forward(r, query, seq, scratch)
