@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 from triton.runtime import _async_compile
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
@@ -37,42 +38,77 @@ def wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_tuning_miss_compiles_every_candidate_first(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real launch through the autotuner (``tuner[grid](...)``, which hands Autotuner.run the grid and the warmup
+    # flag among the keyword arguments); only the GPU's parts are stood in for: the kernel's run (compile or
+    # launch), the disk cache's key (needs the driver) and the timing function.
     events: list[Any] = []
 
     def disk_cache_miss(self: Any, key: Any, configs: list[Any], bench_fn: Any) -> bool:
-        bench_fn()  # what Triton's does on a miss (the real one needs a GPU driver for its key)
+        bench_fn()  # what Triton's does on a miss
         return False
 
-    def warmup(self: Any, *args: Any, grid: Any, **kwargs: Any) -> None:
-        events.append(("compile", _async_compile.active_mode.get() is not None, args, kwargs))
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        events.append(("compile" if warmup else "launch", _async_compile.active_mode.get() is not None, args, kwargs))
+
+    def do_bench(kernel_call: Any, *, quantiles: Any, warmup: float, rep: float) -> list[float]:
+        events.append(("timing", warmup, rep))
+        kernel_call()
+        return [1.0, 1.0, 1.0]
 
     monkeypatch.setattr(Autotuner, "check_disk_cache", disk_cache_miss)
-    monkeypatch.setattr(JITFunction, "warmup", warmup)
+    monkeypatch.setattr(JITFunction, "run", run)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     assert autotune_compiles.install() and autotune_compiles.install()  # once, however often asked
-    tuner = triton.autotune(configs=CONFIGS, key=["n"])(scale_kernel)
+    tuner = triton.autotune(configs=CONFIGS, key=["n"], cache_results=True)(scale_kernel)
     x = torch.zeros(4)
-    tuner.nargs = {"x_ptr": x, "out_ptr": x, "n": 4, "factor": 2.0}  # Autotuner.run keeps the positional arguments
-    pruned = tuner.prune_configs({"FLAG": True})  # run() hands it the keyword ones (heuristics' among them)
-    assert not tuner.check_disk_cache(("key",), pruned, lambda: events.append("time"))
-    compiles = [e for e in events if e != "time"]
-    assert events[-1] == "time" and len(compiles) == len(CONFIGS)  # every candidate, all before the timing
-    for (_, async_mode, args, kwargs), config in zip(compiles, CONFIGS, strict=True):
-        assert async_mode and not args  # on the pool
-        assert kwargs == {"x_ptr": x, "out_ptr": x, "n": 4, "factor": 2.0, "FLAG": True, **config.all_kwargs()}
+    tuner[(1,)](x, x, 4, 2.0, FLAG=True)
+    kernel_args = {"x_ptr": x, "out_ptr": x, "n": 4, "factor": 2.0, "FLAG": True}
+    compiles = events[: len(CONFIGS)]
+    for (what, async_mode, args, kwargs), config in zip(compiles, CONFIGS, strict=True):
+        assert what == "compile" and async_mode and not args  # on the pool, every candidate
+        assert kwargs == {**kernel_args, **config.all_kwargs()}
+    timed = events[len(CONFIGS) :]
+    # then each candidate timed for 25 ms (a fifth warming up), then the launch itself with the best
+    assert timed[: 2 * len(CONFIGS) : 2] == [("timing", 5.0, 20.0)] * len(CONFIGS)
+    assert [e[0] for e in timed[1 : 2 * len(CONFIGS) : 2]] == ["launch"] * len(CONFIGS)
+    assert timed[-1] == ("launch", False, (x, x, 4, 2.0), {"FLAG": True, **CONFIGS[0].all_kwargs()})
+    assert len(timed) == 2 * len(CONFIGS) + 1
     stats = autotune_compiles.stats
     assert (stats["tunes"], stats["configs"]) == (1, len(CONFIGS)) and stats["compile_s"] > 0 and stats["time_s"] > 0
     # one candidate: nothing to overlap, nothing compiled ahead; nor with the switch at one thread
     events.clear()
-    tuner.check_disk_cache(("key",), pruned[:1], lambda: events.append("time"))
+    tuner.nargs = dict(zip(tuner.arg_names, (x, x, 4, 2.0)))  # noqa: B905 - the constexprs come as keywords
+    tuner.prune_configs({"FLAG": True})
+    tuner.check_disk_cache(("key",), CONFIGS[:1], lambda: events.append("time"))
     assert events == ["time"]
     monkeypatch.setenv(autotune_compiles.ENV, "1")
     events.clear()
-    tuner.check_disk_cache(("key",), pruned, lambda: events.append("time"))
+    tuner.check_disk_cache(("key",), CONFIGS, lambda: events.append("time"))
     assert events == ["time"]
     monkeypatch.setenv(autotune_compiles.ENV, "3")
     assert autotune_compiles.threads() == 3
     monkeypatch.setenv(autotune_compiles.ENV, "many")
     assert autotune_compiles.threads() == 1
+
+
+def test_the_timing_is_shortened_unless_the_kernel_brings_its_own(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Autotuner, "check_disk_cache", lambda self, key, configs, bench_fn: bench_fn() or False)
+    autotune_compiles.install()
+    tuner = triton.autotune(configs=CONFIGS, key=["n"])(scale_kernel)
+    monkeypatch.setenv(autotune_compiles.ENV, "1")  # no compiles ahead here
+    monkeypatch.setenv(autotune_compiles.BENCH_ENV, "50")
+    tuner.check_disk_cache(("key",), CONFIGS, lambda: None)
+    bench = tuner.do_bench
+    assert bench.func is triton.testing.do_bench and bench.keywords == {"warmup": 10.0, "rep": 40.0}
+    own = triton.autotune(configs=CONFIGS, key=["n"], do_bench=lambda fn, quantiles: [1.0])(scale_kernel)
+    own.check_disk_cache(("key",), CONFIGS, lambda: None)
+    assert "do_bench" not in own.__dict__  # the kernel's own timing stays
+    monkeypatch.setenv(autotune_compiles.BENCH_ENV, "0")  # Triton's own 125 ms
+    plain = triton.autotune(configs=CONFIGS, key=["n"])(scale_kernel)
+    plain.check_disk_cache(("key",), CONFIGS, lambda: None)
+    assert "do_bench" not in plain.__dict__
+    monkeypatch.setenv(autotune_compiles.BENCH_ENV, "soon")
+    assert autotune_compiles.bench_ms() == 0.0
 
 
 def test_a_failed_compile_ahead_leaves_the_timing_to_compile(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
