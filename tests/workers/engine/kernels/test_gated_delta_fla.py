@@ -195,20 +195,14 @@ def test_the_fla_path_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch, dt
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("heads", "dtype"),
-    [((16, 32, 128), torch.bfloat16), ((2, 4, 64), torch.float32)],  # Qwen3.5-9B's layer; a small float32 one
-)
-def test_the_kept_chunk_states_pass_their_probe_on_the_installed_fla(
-    heads: tuple[int, int, int], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_kept_chunk_states_pass_their_probe_on_the_installed_fla(monkeypatch: pytest.MonkeyPatch) -> None:
     """The five internal calls agree with fla's public function on this device, on inputs shaped and typed like
-    the serving call's (else every step with a snapshot inside a sequence would fall back to rounds, silently
-    slower)."""
+    a serving call's: Qwen3.5-9B's layer in bf16 (else every step with a snapshot inside a sequence would fall back
+    to rounds, silently slower). One dtype: each autotunes fla's pipeline afresh (~2 min of serial compiles)."""
     if not torch.cuda.is_available() or not gated_delta_fla.available():
         pytest.skip("needs CUDA and flash-linear-attention (fla-core)")
     monkeypatch.setattr(gated_delta_fla, "_states", None)
-    hk, hv, d = heads
+    (hk, hv, d), dtype = (16, 32, 128), torch.bfloat16
     like = tuple(torch.empty(*shape, device="cuda", dtype=t) for shape, t in (
         ((1, 9, hk, d), dtype), ((1, 9, hk, d), dtype), ((1, 9, hv, d), dtype), ((1, 9, hv), torch.float32),
         ((1, 9, hv), dtype), ((3, hv, d, d), dtype)))  # fmt: skip
