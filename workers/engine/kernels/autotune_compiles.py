@@ -18,12 +18,6 @@ The timing itself is shortened too: Triton times each candidate for 125 ms (``do
 of repetitions), so twelve candidates take 1.5 s however fast the kernel; a tuning miss here times each for
 ``GLIMPSE_AUTOTUNE_BENCH_MS`` (default 25), unless the kernel brought its own timing function. The result lands in
 Triton's on-disk autotune cache as before, so a restart times nothing.
-
-One autotune's candidates compile together, but a pipeline of autotuned kernels (fla's chunked rule: six, one after
-another) still waits for each one's slowest compile in turn. ``compile_ahead`` runs a pass where every autotune that
-misses both caches only submits its candidates' compiles to one shared pool and launches nothing (its outputs stay
-unwritten: the pass is a warm-up whose results nobody reads), so the whole pipeline's candidates compile at once;
-the real pass after it then finds them compiled and only times them.
 """
 
 from __future__ import annotations
@@ -33,10 +27,8 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -53,31 +45,6 @@ BENCH_ENV = "GLIMPSE_AUTOTUNE_BENCH_MS"
 # A fifth of that still times a 20 us kernel ~800 times, each after an L2 flush.
 DEFAULT_BENCH_MS = 25.0
 LAUNCH_KWARGS = ("grid", "warmup")
-
-
-class _Miss(Exception):
-    """Triton's disk cache missed inside ``compile_ahead``: the autotune's compiles are submitted instead."""
-
-
-class _NoLaunch:
-    """An autotuner's kernel during ``compile_ahead``: its launch does nothing (its compiles are on the pool)."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def run(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-class _Ahead:
-    """One ``compile_ahead`` pass: the autotunes it deferred, each put back as it was when the pass ends."""
-
-    def __init__(self) -> None:
-        self.deferred: list[tuple[Any, Any]] = []  # (tuner, tuning key)
-        self.configs = 0
-
-
-_ahead: ContextVar[_Ahead | None] = ContextVar("glimpse_autotune_ahead", default=None)
 
 
 def threads() -> int:
@@ -139,16 +106,6 @@ def install() -> bool:
         return prune(self, kwargs)
 
     def check_disk_cache(self: Any, tuning_key: Any, configs: list[Any], bench_fn: Callable[[], None]) -> Any:
-        ahead = _ahead.get()
-        if ahead is not None:
-            try:
-                return check(self, tuning_key, configs, _miss)  # a choice on disk serves: nothing to compile
-            except _Miss:
-                if _defer(ahead, self, tuning_key, configs):
-                    return True  # "cached": the launch goes to the stand-in, which does nothing
-                if isinstance(self.fn, _NoLaunch):  # deferred at another key: this one is tuned for real
-                    self.fn = self.fn.fn
-
         def compile_then_time() -> None:
             shorten_timing(self)
             started = time.perf_counter()
@@ -168,95 +125,31 @@ def install() -> bool:
     return True
 
 
-def _miss() -> None:
-    raise _Miss
-
-
-def _target(tuner: Any) -> tuple[Any, dict[str, Any]] | None:
-    """(the kernel, its arguments for ``warmup``) of the launch ``tuner`` is tuning; None where it cannot be
-    compiled ahead (a nested autotuner, whose warmup would tune its own candidates)."""
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import KernelInterface
-
-    fn, nargs, kwargs = getattr(tuner, "fn", None), getattr(tuner, "nargs", None), getattr(tuner, "_glimpse_kwargs", None)
-    if isinstance(fn, _NoLaunch):  # deferred before in this pass, at another key
-        fn = fn.fn
-    if not isinstance(fn, KernelInterface) or isinstance(fn, Autotuner) or nargs is None or kwargs is None:
-        return None
-    # Autotuner.run's keyword arguments also hold the launch's own ``grid`` and ``warmup`` (``kernel[grid](...)``
-    # passes them there); the kernel's arguments are the rest
-    return fn, {name: value for name, value in {**nargs, **kwargs}.items() if name not in LAUNCH_KWARGS}
-
-
-def _submit(fn: Any, args: dict[str, Any], configs: list[Any]) -> None:
-    """Each candidate's compile, onto the active AsyncCompileMode's pool."""
-    for config in configs:
-        fn.warmup(grid=(1,), **args, **config.all_kwargs())
-
-
 def compile_candidates(tuner: Any, configs: list[Any]) -> bool:
     """Compile ``tuner``'s candidate ``configs`` for the launch it is tuning, on threads; whether it did. Best effort:
     any failure leaves the rest to the timing loop, which compiles what is missing as it always did."""
     from triton.runtime import _async_compile
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
 
-    target, workers = _target(tuner), threads()
-    if len(configs) < 2 or workers < 2 or target is None:
+    fn, nargs, kwargs = getattr(tuner, "fn", None), getattr(tuner, "nargs", None), getattr(tuner, "_glimpse_kwargs", None)
+    workers = threads()
+    nested = isinstance(fn, Autotuner)  # its warmup would tune its own candidates
+    if len(configs) < 2 or workers < 2 or not isinstance(fn, KernelInterface) or nested or nargs is None or kwargs is None:
         return False
+    # Autotuner.run's keyword arguments also hold the launch's own ``grid`` and ``warmup`` (``kernel[grid](...)``
+    # passes them there); the kernel's arguments are the rest
+    args = {name: value for name, value in {**nargs, **kwargs}.items() if name not in LAUNCH_KWARGS}
     try:
         with ThreadPoolExecutor(min(workers, len(configs)), thread_name_prefix="triton-autotune") as pool:
             # ignore_errors: a candidate that cannot compile (too much shared memory, say) raises at its launch in
             # the timing loop, where the autotuner scores it out, instead of here
             with _async_compile.AsyncCompileMode(pool, ignore_errors=True):
-                _submit(*target, configs)
+                for config in configs:
+                    fn.warmup(grid=(1,), **args, **config.all_kwargs())
     except Exception as exc:  # noqa: BLE001 - only saves time: the timing loop compiles what is missing
-        log.debug("autotune candidates of %s not compiled ahead: %s", target[0], exc)
+        log.debug("autotune candidates of %s not compiled ahead: %s", fn, exc)
         return False
     stats["tunes"] += 1
     stats["configs"] += len(configs)
     return True
-
-
-def _defer(ahead: _Ahead, tuner: Any, tuning_key: Any, configs: list[Any]) -> bool:
-    """Inside ``compile_ahead``: submit the candidates' compiles and let this launch (and the pass's later ones at
-    the key) do nothing; whether it did (else the autotune runs as usual)."""
-    target = _target(tuner)
-    if target is None:
-        return False
-    try:
-        _submit(*target, configs)
-    except Exception as exc:  # noqa: BLE001 - the real pass compiles what is missing
-        log.debug("autotune candidates of %s not compiled ahead: %s", target[0], exc)
-        return False
-    tuner.cache[tuning_key] = configs[0]  # taken back when the pass ends: nothing was timed
-    tuner.fn = _NoLaunch(target[0])
-    ahead.deferred.append((tuner, tuning_key))
-    ahead.configs += len(configs)
-    return True
-
-
-@contextmanager
-def compile_ahead() -> Iterator[dict[str, float]]:
-    """A pass in which every Triton autotune that misses both caches submits its candidates' compiles to one pool
-    and launches nothing; on leaving, every compile has finished and each autotune is as it was, so the next pass
-    tunes on compiled kernels. Yields a summary (autotunes, candidates, seconds) filled in on leaving. Only for a
-    warm-up whose outputs nobody reads, on this thread; a no-op where the autotuner is not wrapped or with one
-    compile thread."""
-    summary = {"tunes": 0.0, "configs": 0.0, "seconds": 0.0}
-    if not _installed or threads() < 2 or _ahead.get() is not None:
-        yield summary
-        return
-    from triton.runtime import _async_compile
-
-    ahead, started = _Ahead(), time.perf_counter()
-    token = _ahead.set(ahead)
-    try:
-        with ThreadPoolExecutor(threads(), thread_name_prefix="triton-ahead") as pool:
-            with _async_compile.AsyncCompileMode(pool, ignore_errors=True):  # leaving it waits for every compile
-                yield summary
-    finally:
-        _ahead.reset(token)
-        for tuner, tuning_key in ahead.deferred:
-            tuner.cache.pop(tuning_key, None)
-            if isinstance(tuner.fn, _NoLaunch):
-                tuner.fn = tuner.fn.fn
-        summary.update(tunes=len(ahead.deferred), configs=ahead.configs, seconds=time.perf_counter() - started)

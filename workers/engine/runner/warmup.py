@@ -90,8 +90,6 @@ def _run_every_fused_site(r: LoadedModel) -> None:
         _encode_fused_grids(r)
     with ThreadPoolExecutor(1, thread_name_prefix="warm-tower") as pool:
         tower = pool.submit(_encode_fused_grids, r) if beside else None
-        if r.spec.recurrent is not None and r.device.type == "cuda":
-            _compile_autotunes_ahead(r)
         for query, seq in ((2, 2), (3, 5), (1, 6)):
             scratch = [r.num_blocks] * -(-seq // r.cfg.block_size)  # the spare block (ModelRunner.__init__)
             hidden_states = _forward(r, query, seq, scratch)
@@ -99,24 +97,6 @@ def _run_every_fused_site(r: LoadedModel) -> None:
         r.model.compute_logits(hidden_states[-1:])
         if tower is not None:
             tower.result()  # its exception, if any, is the warm-up's
-
-
-def _compile_autotunes_ahead(r: LoadedModel) -> None:
-    """A hybrid model's first LM call once in compile-ahead mode (kernels/autotune_compiles.py): fla's autotuned
-    pipeline (six kernels, 59 candidates at the 9B's shapes) submits every candidate's compile at once instead of one
-    kernel's after another's, and launches none of them; the real calls after it find them compiled. Its outputs
-    (the scratch block's, never read) are garbage; a failure only leaves the compiles to the real calls."""
-    scratch = [r.num_blocks]
-    try:
-        with autotune_compiles.compile_ahead() as ahead:
-            _forward(r, 2, 2, scratch)
-        torch.cuda.synchronize(r.device)
-    except Exception as exc:  # noqa: BLE001 - only saves time
-        log.info("autotune candidates not compiled ahead (%s); they compile as each kernel is tuned", exc)
-        return
-    if ahead["tunes"]:
-        log.info("compiled ahead: %.0f autotunes' %.0f candidates in %.1f s", ahead["tunes"], ahead["configs"],
-                 ahead["seconds"])  # fmt: skip
 
 
 def _encode_fused_grids(r: LoadedModel) -> None:

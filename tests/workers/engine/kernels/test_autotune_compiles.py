@@ -37,10 +37,10 @@ def wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(Autotuner, name, getattr(Autotuner, name))
 
 
-@pytest.fixture
-def gpu_parts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Only the GPU's parts of a launch through the autotuner stood in for: the kernel's run (a compile, or a
-    launch), Triton's disk cache (a miss: its key needs the driver) and the timing function. The events, in order."""
+def test_a_tuning_miss_compiles_every_candidate_first(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real launch through the autotuner (``tuner[grid](...)``, which hands Autotuner.run the grid and the warmup
+    # flag among the keyword arguments); only the GPU's parts are stood in for: the kernel's run (compile or
+    # launch), the disk cache's key (needs the driver) and the timing function.
     events: list[Any] = []
 
     def disk_cache_miss(self: Any, key: Any, configs: list[Any], bench_fn: Any) -> bool:
@@ -58,14 +58,6 @@ def gpu_parts(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     monkeypatch.setattr(Autotuner, "check_disk_cache", disk_cache_miss)
     monkeypatch.setattr(JITFunction, "run", run)
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
-    return events
-
-
-def test_a_tuning_miss_compiles_every_candidate_first(wrapped: None, gpu_parts: list[Any],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    # A real launch through the autotuner (``tuner[grid](...)``, which hands Autotuner.run the grid and the warmup
-    # flag among the keyword arguments).
-    events = gpu_parts
     assert autotune_compiles.install() and autotune_compiles.install()  # once, however often asked
     tuner = triton.autotune(configs=CONFIGS, key=["n"], cache_results=True)(scale_kernel)
     x = torch.zeros(4)
@@ -97,53 +89,6 @@ def test_a_tuning_miss_compiles_every_candidate_first(wrapped: None, gpu_parts: 
     assert autotune_compiles.threads() == 3
     monkeypatch.setenv(autotune_compiles.ENV, "many")
     assert autotune_compiles.threads() == 1
-
-
-def test_compile_ahead_submits_every_autotune_and_launches_nothing(wrapped: None, gpu_parts: list[Any]) -> None:
-    # A pipeline of two autotuned kernels (the second with three candidates), the first called again at its key:
-    # inside the pass every candidate of both goes to the pool, nothing is timed or launched; after it the
-    # autotuners are as they were, and the real pass tunes and launches.
-    events = gpu_parts
-    autotune_compiles.install()
-    first = triton.autotune(configs=CONFIGS, key=["n"], cache_results=True)(scale_kernel)
-    second = triton.autotune(configs=CONFIGS[:3], key=["n"], cache_results=True)(scale_kernel)
-    x = torch.zeros(4)
-    with autotune_compiles.compile_ahead() as ahead:
-        first[(1,)](x, x, 4, 2.0, FLAG=True)
-        second[(1,)](x, x, 4, 2.0, FLAG=False)
-        first[(1,)](x, x, 4, 2.0, FLAG=True)
-        assert not isinstance(first.fn, JITFunction)  # the stand-in, until the pass ends
-    assert [(e[0], e[1]) for e in events] == [("compile", True)] * 7  # all on the pass's pool
-    assert [e[3]["FLAG"] for e in events] == [True] * 4 + [False] * 3
-    assert (ahead["tunes"], ahead["configs"]) == (2, 7) and ahead["seconds"] > 0
-    assert first.fn is scale_kernel and second.fn is scale_kernel and not first.cache and not second.cache
-    events.clear()
-    first[(1,)](x, x, 4, 2.0, FLAG=True)  # the real pass
-    assert [e[0] for e in events].count("timing") == 4 and events[-1][0] == "launch" and first.cache
-
-
-def test_compile_ahead_leaves_a_choice_on_disk_and_a_single_thread_alone(
-    wrapped: None, gpu_parts: list[Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    events = gpu_parts
-
-    def disk_hit(self: Any, key: Any, configs: list[Any], bench_fn: Any) -> bool:
-        self.cache[key] = configs[1]
-        return True
-
-    monkeypatch.setattr(Autotuner, "check_disk_cache", disk_hit)
-    autotune_compiles.install()
-    tuner = triton.autotune(configs=CONFIGS, key=["n"], cache_results=True)(scale_kernel)
-    x = torch.zeros(4)
-    with autotune_compiles.compile_ahead() as ahead:
-        tuner[(1,)](x, x, 4, 2.0, FLAG=True)
-    # the tuned choice from disk launches (nothing compiled ahead) and stays
-    assert [e[0] for e in events] == ["launch"] and events[0][3]["BLOCK"] == CONFIGS[1].kwargs["BLOCK"]
-    assert ahead["tunes"] == 0 and list(tuner.cache.values()) == [CONFIGS[1]]
-    monkeypatch.setenv(autotune_compiles.ENV, "1")
-    with autotune_compiles.compile_ahead() as ahead:
-        assert _async_compile.active_mode.get() is None  # one thread: no pass at all
-    assert ahead["tunes"] == 0
 
 
 def test_the_timing_is_shortened_unless_the_kernel_brings_its_own(wrapped: None, monkeypatch: pytest.MonkeyPatch) -> None:
