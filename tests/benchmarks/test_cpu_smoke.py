@@ -64,6 +64,7 @@ CPU: list[tuple[str, list[str], str]] = [
      "| prompt tokens | rounds, ms | kept states, ms |"),
     ("kernels.gated_delta_bench", ["--device", "cpu", "--prefill", "64", "--batch", "2", "--heads", "2,4", "--dim", "32",
                                    "--reps", "1"], "| case | tokens | path | ms per call | tokens/s |"),
+    ("kernels.compile_bench", ["--candidates", "2", "--workers", "2"], "| how | seconds |"),
     ("kernels.fp8_gemm_bench", ["--device", "cpu", "--size", "tiny", "--rows", "1", "--chunks", "16", "--reps", "1"],
      "| M | proj | N x K | bf16 ms | w8a16 ms | rowwise ms |"),
     ("checkpoints", [f"{OUT}/ck", "--shape", "qwen3-8b", "--quantize", "fp8-block", "--layers", "2"],
