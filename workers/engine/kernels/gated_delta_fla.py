@@ -310,10 +310,10 @@ def gated_delta_rule(
             ssm_state[slot].copy_(final[b])
         return o.squeeze(0)
 
-    h0 = _gather(ssm_state, meta)
-    parts = _load_states((q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0), h0)) \
-        if _aligned(meta, st) else None
-    if parts is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    h0 = _gather(ssm_state, meta) if _aligned(meta, st) else None  # the rounds below take it too, if left to them
+    parts = None if h0 is None else _load_states(
+        (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0), h0))
+    if parts is not None and h0 is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         # Every cut at a multiple of fla's chunk: one call, the snapshots read from the states it keeps.
         cu, cu_host, indices = _varlen(meta, starts, chunk_indices)
         o, h, final = _chunk_states(
@@ -329,7 +329,7 @@ def gated_delta_rule(
     # Other snapshots inside sequences: round k runs every sequence's k-th piece in one varlen call, from the
     # states round k-1 left (float32 between rounds, as fla hands them back).
     out = torch.empty_like(v)
-    state = _gather(ssm_state, meta).float()
+    state = (_gather(ssm_state, meta) if h0 is None else h0).float()
     for rows, cu, cu_host, seqs, indices, snaps in _round_plan(meta, st, starts, chunk_indices):
         o, final = chunk_rule(
             *(t.index_select(0, rows).unsqueeze(0) for t in (q, k, v, g, beta)),

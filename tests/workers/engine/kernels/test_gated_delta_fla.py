@@ -111,18 +111,19 @@ def fake_chunk_states(parts: object, q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     return torch.cat(outs, dim=1), torch.cat(kept).unsqueeze(0), torch.cat(finals)
 
 
+@pytest.mark.parametrize("kept", [True, False])  # fla's kept-states pipeline passed its probe, or not (rounds)
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("lens", "has_initial", "snapshots"), FLA_CASES)
 def test_the_fla_wrapper_gathers_splits_and_scatters_like_the_torch_path(
     monkeypatch: pytest.MonkeyPatch, lens: list[int], has_initial: list[bool], snapshots: list[tuple[int, int, int]],
-    pool_dtype: torch.dtype,
+    pool_dtype: torch.dtype, kept: bool,
 ) -> None:
     """The fla path's own work (gathering states with garbage slots zeroed, one varlen call or rounds split at the
     snapshot points, the scatter back, snapshots) with fla's kernels stood in for by transformers' torch functions:
     it runs on the CPU whether fla is installed or not. The kernels themselves: the CUDA test below."""
     monkeypatch.setattr(gated_delta_fla, "_kernels", FAKE_KERNELS)
     monkeypatch.setattr(gated_delta_fla, "_tried", True)
-    monkeypatch.setattr(gated_delta_fla, "_states", "fla internals")
+    monkeypatch.setattr(gated_delta_fla, "_states", "fla internals" if kept else False)
     calls: list[int] = []
     monkeypatch.setattr(gated_delta_fla, "_chunk_states", lambda *a: calls.append(1) or fake_chunk_states(*a))
     inp = Inputs(sum(lens), v_heads=2 * K_HEADS, seed=8)
@@ -139,7 +140,7 @@ def test_the_fla_wrapper_gathers_splits_and_scatters_like_the_torch_path(
     # Every slot (the untouched ones equal); in bfloat16 one rounding apart at most.
     close(ssm.float(), ssm_t.float(), LOOSE if pool_dtype == torch.float32 else 1e-2)
     inside = [n for b, n, _ in snapshots if n < lens[b]]
-    assert len(calls) == (1 if inside and all(n % 64 == 0 for n in inside) else 0)  # the kept states or not
+    assert len(calls) == (1 if kept and inside and all(n % 64 == 0 for n in inside) else 0)  # the kept states or not
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
