@@ -8,7 +8,9 @@ The candidates are a bf16 GEMM tile kernel's (block sizes, warps and stages, as 
 flash-linear-attention's chunk kernels that a hybrid model's warm-up tunes on a new host). Threads are what
 ``kernels/autotune_compiles.py`` uses; if they gain little over one after another while processes gain, the
 Python side of Triton's compile (holding the GIL) bounds them, and compiling in processes is what would cut a cold
-start's autotunes. The processes' column counts their start (a spawned interpreter importing Triton) apart.
+start's autotunes. The processes' column counts their start (a spawned interpreter importing Triton) apart. On the
+2-core dev box (24 candidates, Triton 3.8.0): 8.63 s one after another, 4.51 s on 2 threads, 4.41 s in 2
+processes.
 """
 
 from __future__ import annotations
