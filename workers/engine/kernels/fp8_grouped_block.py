@@ -97,7 +97,6 @@ def _kernel() -> Any:
     return grouped_block_kernel
 
 
-
 def grouped_mm(
     rows: Tensor, weight: Tensor, scale: Tensor, ends: Tensor, tiles: tuple[int, int, int, int] | None = None
 ) -> Tensor:

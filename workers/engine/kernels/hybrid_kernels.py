@@ -127,7 +127,6 @@ def _kernels() -> dict[str, Any]:
             "gated_norm": gated_norm_kernel, "delta_gates": delta_gates_kernel}
 
 
-
 def _warps(width: int) -> int:
     return 1 if width <= 128 else 2 if width <= 512 else 4
 

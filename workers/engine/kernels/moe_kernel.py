@@ -187,7 +187,6 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
     return route_kernel, expert_up_kernel, expert_down_kernel, sum_pairs_kernel
 
 
-
 def wanted(x: Tensor, gate_up: Tensor) -> bool:
     """Whether a MoE layer should take these kernels for x [T, H]: a few rows, weights in x's dtype or FP8 with
     per-row scales (the caller passes them to ``experts``), the kernels on."""

@@ -121,7 +121,6 @@ def pos_embed(table: Tensor, taps: Tensor, weights: Tensor) -> Tensor:
     return out
 
 
-
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
     """Both kernels once against the eager math (a Qwen3-VL-like head_dim of 72: halves off a power of two); a Triton
     that cannot compile here or a wrong answer turns them off for the process (the compiled versions serve)."""
