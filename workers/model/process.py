@@ -31,6 +31,7 @@ from workers.common.memory import IdleTrim, trim_memory
 from workers.common.proc import GcWatch, freeze_heap, setup_child, startup_gc_summary
 from workers.config import ServerConfig
 from workers.engine.config import EngineConfig
+from workers.engine.kernels import fla_tuning
 from workers.engine.layers import vit_graphs
 from workers.engine.layers.linear import TPGroup
 from workers.engine.runner.model_runner import Launched, ModelRunner
@@ -138,6 +139,7 @@ def run_model_worker(config: ServerConfig, index: int) -> None:
             rank,
             engine.tp_size,
         )
+        fla_tuning.dump_if_asked()
         if (collections := startup_gc_summary()) is not None:
             log.info("start-up garbage collections: %s", collections)
         gc_watch = GcWatch(frozen=freeze_heap(log))  # pauses while serving, not the freeze's own collection

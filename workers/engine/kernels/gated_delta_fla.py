@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import fla_tuning
 from workers.engine.kernels.attention import AttentionMetadata, StateMetadata
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ def _load() -> tuple[Any, Any, Any] | None:
     if not _tried:
         _tried = True
         try:
+            if torch.cuda.is_available():  # before fla's first call: its kernels' configs for this card, if shipped
+                fla_tuning.use_shipped(torch.device("cuda", torch.cuda.current_device()))
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
             from fla.ops.utils import prepare_chunk_indices
 
@@ -144,6 +147,23 @@ def _probe(parts: Any, like: tuple[Tensor, ...]) -> bool:
     )
     if not ok:
         log.warning("fla's chunk states disagree with its public function; snapshots inside a chunk cut it into rounds")
+    return ok
+
+
+def tune_shape(heads_k: int, heads_v: int, head_k: int, head_v: int, dtype: torch.dtype) -> bool:
+    """fla's chunk kernels at one layer's per-rank shape, called as a served start calls them: the public chunk
+    function and the kept-states pipeline with initial states in the pools' ``dtype`` (``_probe``), then with
+    float32 states (the rounds path's), so each autotune runs, or takes its shipped config, outside a server
+    (benchmarks/kernels/fla_configs.py writes the configs to ship from this). Whether both probes passed."""
+    if _load() is None or not torch.cuda.is_available():
+        return False
+    ok = True
+    for state_dtype in (dtype, torch.float32):
+        like = tuple(torch.empty(*shape, device="cuda", dtype=t) for shape, t in (
+            ((1, 1, heads_k, head_k), dtype), ((1, 1, heads_k, head_k), dtype), ((1, 1, heads_v, head_v), dtype),
+            ((1, 1, heads_v), torch.float32), ((1, 1, heads_v), dtype), ((1, heads_v, head_k, head_v), state_dtype)))  # fmt: skip
+        parts = _load_states(like)  # its own probe runs once a process, at whichever shape came first
+        ok = parts is not None and _probe(parts, like) and ok
     return ok
 
 
