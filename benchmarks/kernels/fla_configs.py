@@ -3,11 +3,15 @@ linear-attention layer autotuned on this card as a served start calls fla, the c
 format, and a table of what each shape's autotunes cost.
 
     python -m benchmarks.kernels.fla_configs --dest workers/engine/kernels/fla_configs/sm90 [--heads 16:32,8:16]
+        [--tokens 4096 --seqs 2]
 
 Shapes (``--heads`` key:value heads per rank, head dims ``--head-dim``): by default those of the hybrid shapes in
-benchmarks/checkpoints.py at tensor-parallel sizes 1, 2, 4 and 8. The autotunes run with fla's config lookup off
-(every candidate compiled and timed, as on a new host without shipped files), so the table is the cold start each
-shape's files save. A served start writes the same entries with ``GLIMPSE_FLA_CONFIG_DUMP=DIR``; the files merge.
+benchmarks/checkpoints.py at tensor-parallel sizes 1, 2, 4 and 8. fla keys its autotunes by shape and dtypes only,
+so whichever call comes first picks the config for every later length: here that is a served prefill chunk's size
+(``--tokens`` in ``--seqs`` sequences), where a served start's own autotunes time a warm-up call of a few tokens.
+The autotunes run with fla's config lookup off (every candidate compiled and timed, as on a new host without shipped
+files), so the table is the cold start each shape's files save. A served start writes the same keys with ``GLIMPSE_FLA_CONFIG_DUMP=DIR`` (timed on its warm-up's
+calls); the files merge, the last write of a key winning.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def main() -> None:
     ap.add_argument("--dest", type=Path, required=True, help="the folder the config files are written to (merged)")
     ap.add_argument("--heads", default="", help="key:value heads per rank, comma-separated (default: see above)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=4096, help="the prefill each autotune is timed on (a served chunk)")
+    ap.add_argument("--seqs", type=int, default=2, help="sequences the prefill is cut into")
     ap.add_argument("--budget-s", type=float, default=0, help="start no shape after this many seconds (0: no limit)")
     args = ap.parse_args()
     os.environ["FLA_CACHE_MODE"] = "disabled"  # autotune everything here; fla_tuning leaves a user's mode alone
@@ -54,7 +60,7 @@ def main() -> None:
             break
         before = dict(autotune_compiles.stats)
         t0 = time.perf_counter()
-        ok = gated_delta_fla.tune_shape(hk, hv, args.head_dim, args.head_dim, torch.bfloat16)
+        ok = gated_delta_fla.tune_shape(hk, hv, args.head_dim, args.head_dim, torch.bfloat16, args.tokens, args.seqs)
         torch.cuda.synchronize()
         spent = {k: autotune_compiles.stats[k] - before[k] for k in before}
         rows.append((f"{hk}:{hv}", time.perf_counter() - t0, spent, ok))

@@ -150,22 +150,39 @@ def _probe(parts: Any, like: tuple[Tensor, ...]) -> bool:
     return ok
 
 
-def tune_shape(heads_k: int, heads_v: int, head_k: int, head_v: int, dtype: torch.dtype) -> bool:
-    """fla's chunk kernels at one layer's per-rank shape, called as a served start calls them: the public chunk
-    function and the kept-states pipeline with initial states in the pools' ``dtype`` (``_probe``), then with
-    float32 states (the rounds path's), so each autotune runs, or takes its shipped config, outside a server
-    (benchmarks/kernels/fla_configs.py writes the configs to ship from this). Whether both probes passed."""
-    if _load() is None or not torch.cuda.is_available():
+def tune_shape(heads_k: int, heads_v: int, head_k: int, head_v: int, dtype: torch.dtype, tokens: int = 4096,
+               seqs: int = 2) -> bool:
+    """fla's chunk kernels at one layer's per-rank shape, called as serving calls them (the public chunk function
+    with initial states in the pools' ``dtype``, the kept-states pipeline, the rounds path with float32 states) on
+    a prefill of ``tokens`` tokens in ``seqs`` sequences, so that each autotune, keyed by shape and dtypes only,
+    times its candidates at a served chunk's size rather than at whichever call came first (a warm-up's few
+    tokens). Then the kept-states probe at this shape. benchmarks/kernels/fla_configs.py writes the configs to ship
+    from this. Whether fla is usable here and the probe passed."""
+    kernels = _load()
+    if kernels is None or not torch.cuda.is_available():
         return False
-    ok = True
-    for state_dtype in (dtype, torch.float32):
-        like = tuple(torch.empty(*shape, device="cuda", dtype=t) for shape, t in (
-            ((1, 1, heads_k, head_k), dtype), ((1, 1, heads_k, head_k), dtype), ((1, 1, heads_v, head_v), dtype),
-            ((1, 1, heads_v), torch.float32), ((1, 1, heads_v), dtype), ((1, heads_v, head_k, head_v), state_dtype)))  # fmt: skip
-        parts = _load_states(like)  # its own probe runs once a process, at whichever shape came first
-        ok = parts is not None and _probe(parts, like) and ok
-    return ok
+    chunk_rule, chunk_indices, _ = kernels
+    gen = torch.Generator(device="cuda").manual_seed(0)
 
+    def rand(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+    q, k, v = rand(1, tokens, heads_k, head_k), rand(1, tokens, heads_k, head_k), rand(1, tokens, heads_v, head_v)
+    g = -torch.rand(1, tokens, heads_v, device="cuda", generator=gen)
+    beta = torch.rand(1, tokens, heads_v, device="cuda", generator=gen).to(dtype)
+    host = torch.linspace(0, tokens, seqs + 1).to(torch.int64)
+    cu = host.cuda()
+    indices = chunk_indices(cu, CHUNK, cu_seqlens_cpu=host)
+    h0 = rand(seqs, heads_v, head_k, head_v, scale=0.1)
+    like = (q, k, v, g, beta, h0)
+    for state in (h0, h0.float()):
+        chunk_rule(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                   cu_seqlens=cu, cu_seqlens_cpu=host, chunk_indices=indices)  # fmt: skip
+    parts = _load_states(like)  # probes at the first shape a process calls it with
+    if parts is None:
+        return False
+    _chunk_states(parts, q, k, v, g, beta, h0, True, cu, indices)
+    return _probe(parts, like)
 
 def decode_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, meta: AttentionMetadata,
