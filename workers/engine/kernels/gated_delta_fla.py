@@ -151,7 +151,7 @@ def _probe(parts: Any, like: tuple[Tensor, ...]) -> bool:
 
 
 def tune_shape(heads_k: int, heads_v: int, head_k: int, head_v: int, dtype: torch.dtype, tokens: int = 4096,
-               seqs: int = 2) -> bool:
+               seqs: int = 2, device: torch.device | str = "cuda") -> bool:
     """fla's chunk kernels at one layer's per-rank shape, called as serving calls them (the public chunk function
     with initial states in the pools' ``dtype``, the kept-states pipeline, the rounds path with float32 states) on
     a prefill of ``tokens`` tokens in ``seqs`` sequences, so that each autotune, keyed by shape and dtypes only,
@@ -162,16 +162,16 @@ def tune_shape(heads_k: int, heads_v: int, head_k: int, head_v: int, dtype: torc
     if kernels is None or not torch.cuda.is_available():
         return False
     chunk_rule, chunk_indices, _ = kernels
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape: int, scale: float = 1.0) -> Tensor:
-        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
 
     q, k, v = rand(1, tokens, heads_k, head_k), rand(1, tokens, heads_k, head_k), rand(1, tokens, heads_v, head_v)
-    g = -torch.rand(1, tokens, heads_v, device="cuda", generator=gen)
-    beta = torch.rand(1, tokens, heads_v, device="cuda", generator=gen).to(dtype)
+    g = -torch.rand(1, tokens, heads_v, device=device, generator=gen)
+    beta = torch.rand(1, tokens, heads_v, device=device, generator=gen).to(dtype)
     host = torch.linspace(0, tokens, seqs + 1).to(torch.int64)
-    cu = host.cuda()
+    cu = host.to(device)
     indices = chunk_indices(cu, CHUNK, cu_seqlens_cpu=host)
     h0 = rand(seqs, heads_v, head_k, head_v, scale=0.1)
     like = (q, k, v, g, beta, h0)
@@ -183,6 +183,7 @@ def tune_shape(heads_k: int, heads_v: int, head_k: int, head_v: int, dtype: torc
         return False
     _chunk_states(parts, q, k, v, g, beta, h0, True, cu, indices)
     return _probe(parts, like)
+
 
 def decode_step(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor, meta: AttentionMetadata,

@@ -4,14 +4,23 @@ that changes an answer, though it writes KV into blocks that later hold real seq
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from tests.workers.engine.test_offline import FIVE, GREEDY, Reference, chat, make_engine, reference  # noqa: F401
-from workers.engine.kernels import skinny_tune
+from workers.engine.kernels import gated_delta, gated_delta_fla, skinny_tune
 from workers.engine.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from workers.engine.runner.warmup import _warm_steps, size_grid, tune_skinny
+from workers.engine.models.model_spec import RecurrentSpec
+from workers.engine.runner.warmup import (
+    TUNE_TOKENS,
+    _warm_steps,
+    size_grid,
+    tune_linear_attention,
+    tune_skinny,
+)
 
 
 def test_largest_step_leaves_every_answer_as_transformers_gives_it(demo_model_dir: Path, reference: Reference) -> None:  # noqa: F811
@@ -98,3 +107,37 @@ def test_fused_sites_run_the_tower_on_its_own_thread_at_tp_1(
     assert all(name.startswith("warm-tower") if tp == 1 else name == main for _, name, _ in tower)
     assert [c[1] for c in calls if c[0] == "lm"] == [main] * 3
     assert all(inference for _, _, inference in calls)
+
+
+def test_fla_is_first_called_on_a_prefill_chunk_of_this_ranks_heads(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # fla times each autotune on its first call at a shape: the warm-up makes that a served chunk's size (up to
+    # TUNE_TOKENS) at the rank's share of the linear-attention heads, before its few-token calls; a failure only
+    # logs. (CUDA with fla-core: the call itself, tests/workers/engine/kernels/test_fla_tuning.py.)
+    calls: list[tuple[object, ...]] = []
+
+    def tune_shape(*args: object, tokens: int, device: torch.device) -> bool:
+        calls.append((*args, tokens, device))
+        return True
+
+    monkeypatch.setattr(gated_delta, "fla_path", lambda device: True)
+    monkeypatch.setattr(gated_delta_fla, "tune_shape", tune_shape)
+    recurrent = RecurrentSpec(num_layers=3, num_key_heads=16, num_value_heads=48, key_head_dim=128, value_head_dim=64,
+                              conv_kernel=4)  # fmt: skip
+    device = torch.device("cpu")
+
+    def runner(tp: int, chunk: int, spec: RecurrentSpec | None = recurrent) -> Any:
+        return SimpleNamespace(spec=SimpleNamespace(recurrent=spec), tp=SimpleNamespace(size=tp),
+                               cfg=SimpleNamespace(chunk_size=chunk), dtype=torch.bfloat16, device=device)  # fmt: skip
+
+    tune_linear_attention(runner(2, 2048))
+    tune_linear_attention(runner(1, 8192))
+    tune_linear_attention(runner(1, 8192, spec=None))  # no linear-attention layers: nothing to tune
+    assert calls == [(8, 24, 128, 64, torch.bfloat16, 2048, device), (16, 48, 128, 64, torch.bfloat16, TUNE_TOKENS, device)]
+
+    def fails(*args: object, **kwargs: object) -> bool:
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(gated_delta_fla, "tune_shape", fails)
+    tune_linear_attention(runner(1, 4096))
+    assert "not tuned on a prefill chunk (no kernel)" in caplog.text
