@@ -7,17 +7,20 @@ candidates) with the compiles on 16 threads (autotune_compiles.py), and ~6 s on 
 warm-up. fla itself can skip them: its ``CachedAutotuner`` looks a launch's tuning key up in ``{kernel}.json``
 files under ``FLA_CONFIG_DIR`` when ``FLA_CACHE_MODE`` asks it to, and only autotunes on a miss.
 
-glimpse ships such files per GPU architecture (``fla_configs/sm90``: Hopper), written on a card by a served start
-with ``GLIMPSE_FLA_CONFIG_DUMP=DIR`` (``dump``), and points fla at them before it first runs (``use_shipped``),
+glimpse ships such files per GPU architecture (``fla_configs/sm90``: Hopper), written on a card by
+``python -m benchmarks.kernels.fla_configs`` (each autotune timed on a served prefill chunk's size) or by a served
+start with ``GLIMPSE_FLA_CONFIG_DUMP=DIR`` (``dump``), and points fla at them before it first runs (``use_shipped``)
 in ``strict`` mode: only a launch whose key matches exactly (heads, head dims, block sizes, dtypes) takes a shipped
 config. fla's ``fuzzy`` mode would also hand a config chosen at other head dims to a new model, where it might not
-fit the card's shared memory; a shape the files lack autotunes as before. A user's own ``FLA_CONFIG_DIR`` or
-``FLA_CACHE_MODE`` (``disabled``: always autotune) is left as it is.
+fit the card's shared memory; a shape the files lack autotunes as before. Each file says which fla-core wrote it,
+and the files are used only with that version installed (another may name its kernels' parameters otherwise). A
+user's own ``FLA_CONFIG_DIR`` or ``FLA_CACHE_MODE`` (``disabled``: always autotune) is left as it is.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -50,6 +53,11 @@ def use_shipped(device: torch.device) -> Path | None:
     found = arch_dir(device)
     if found is None:
         return None
+    written = {json.loads(path.read_text()).get("fla_version") for path in found.glob("*.json")}
+    if written != {installed := fla_version()}:  # another fla may name a kernel's parameters otherwise
+        log.info("fla kernel configs in %s are fla-core %s's, this is %s: fla autotunes its kernels", found,
+                 "/".join(sorted(map(str, written))), installed)  # fmt: skip
+        return None
     os.environ["FLA_CONFIG_DIR"] = str(found)  # read at each lookup
     os.environ["FLA_CACHE_MODE"] = MODE  # read when fla's cache module is imported...
     imported: Any = sys.modules.get("fla.ops.utils.cache")
@@ -57,6 +65,14 @@ def use_shipped(device: torch.device) -> Path | None:
         imported.FLA_CACHE_MODE = imported.FlaCacheMode(MODE)
     log.info("fla kernel configs: %s (%s)", found, MODE)
     return found
+
+
+def fla_version() -> str | None:
+    """The installed fla-core's version (without importing fla), or None."""
+    try:
+        return importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def key_hash(key: Iterable[Any]) -> str:
@@ -109,7 +125,8 @@ def dump(dest: Path, tuners: Iterable[Any]) -> int:
         for key, config in tuner.cache.items():
             entries[key_hash(key)] = {"autotune_key": list(key), "config": config_entry(config)}
             written += 1
-        data.update(kernel_name=tuner.kernel_name, triton_version=triton.__version__, autotune_entries=entries)
+        data.update(kernel_name=tuner.kernel_name, triton_version=triton.__version__, fla_version=fla_version(),
+                    autotune_entries=entries)  # fmt: skip
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return written
 

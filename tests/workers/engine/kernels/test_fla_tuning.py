@@ -10,6 +10,7 @@ import enum
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -65,6 +66,7 @@ def test_the_dump_writes_each_chosen_config_where_fla_looks_it_up(fla_modules: t
     assert fla_tuning.dump(tmp_path, [tuner]) == 1  # merged with the first entry, not in place of it
     data = json.loads((tmp_path / "copy_kernel.json").read_text())
     assert data["kernel_name"] == "copy_kernel" and data["triton_version"] == triton.__version__
+    assert data["fla_version"] == fla_tuning.fla_version()  # None here, where fla-core is not installed
     entries = data["autotune_entries"]
     assert set(entries) == {fla_hash([4096, "torch.bfloat16", True]), fla_hash([512, "torch.float32", False])}
     assert entries[fla_hash([4096, "torch.bfloat16", True])] == {
@@ -95,7 +97,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for name in ("FLA_CONFIG_DIR", "FLA_CACHE_MODE"):
         monkeypatch.delenv(name, raising=False)
     (tmp_path / "sm90").mkdir()
+    (tmp_path / "sm90" / "a_kernel.json").write_text(json.dumps({"fla_version": "0.6.0", "autotune_entries": {}}))
     monkeypatch.setattr(fla_tuning, "CONFIG_ROOT", tmp_path)
+    monkeypatch.setattr(fla_tuning, "fla_version", lambda: "0.6.0")
     return tmp_path
 
 
@@ -115,18 +119,25 @@ def test_other_cards_and_a_users_settings_are_left_alone(clean_env: Path, monkey
     assert fla_tuning.use_shipped(torch.device("cuda", 0)) is None
     assert "FLA_CONFIG_DIR" not in os.environ and "FLA_CACHE_MODE" not in os.environ
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fla_tuning, "fla_version", lambda: "0.7.0")  # another fla than the files were written by
+    assert fla_tuning.use_shipped(torch.device("cuda", 0)) is None
+    assert "FLA_CONFIG_DIR" not in os.environ and "FLA_CACHE_MODE" not in os.environ
+    monkeypatch.setattr(fla_tuning, "fla_version", lambda: "0.6.0")
     monkeypatch.setenv("FLA_CACHE_MODE", "disabled")  # the user wants fla to autotune
     assert fla_tuning.use_shipped(torch.device("cuda", 0)) is None
     assert "FLA_CONFIG_DIR" not in os.environ and os.environ["FLA_CACHE_MODE"] == "disabled"
 
 
 def test_the_shipped_files_are_in_flas_format() -> None:
-    """Every shipped entry is found by fla under its key (the hash matches), and its config is a whole one."""
+    """Every shipped entry is found by fla under its key (the hash matches), its config is a whole one, and every
+    file was written by the fla-core that pyproject.toml's ``fla`` extra pins (a new pin needs new files)."""
+    pinned = re.search(r'"fla-core==([^;"]+)', (REPO / "pyproject.toml").read_text())
+    assert pinned is not None
     files = sorted(fla_tuning.CONFIG_ROOT.glob("*/*.json"))
     assert any(path.parent.name == "sm90" for path in files)
     for path in files:
         data = json.loads(path.read_text())
-        assert data["kernel_name"] == path.stem
+        assert data["kernel_name"] == path.stem and data["fla_version"] == pinned.group(1).strip(), path
         assert data["autotune_entries"], path
         for name, entry in data["autotune_entries"].items():
             assert name == fla_hash(entry["autotune_key"]), path
