@@ -53,7 +53,11 @@ def use_shipped(device: torch.device) -> Path | None:
     found = arch_dir(device)
     if found is None:
         return None
-    written = {json.loads(path.read_text()).get("fla_version") for path in found.glob("*.json")}
+    try:
+        written = {json.loads(path.read_text()).get("fla_version") for path in found.glob("*.json")}
+    except (OSError, ValueError, AttributeError) as exc:  # a damaged install: fla autotunes as it would without
+        log.warning("fla kernel configs in %s unreadable (%s): fla autotunes its kernels", found, exc)
+        return None
     if written != {installed := fla_version()}:  # another fla may name a kernel's parameters otherwise
         log.info("fla kernel configs in %s are fla-core %s's, this is %s: fla autotunes its kernels", found,
                  "/".join(sorted(map(str, written))), installed)  # fmt: skip

@@ -35,9 +35,9 @@ def _load() -> tuple[Any, Any, Any] | None:
     global _kernels, _tried
     if not _tried:
         _tried = True
+        if torch.cuda.is_available():  # before fla's first call: its kernels' configs for this card, if shipped
+            fla_tuning.use_shipped(torch.device("cuda", torch.cuda.current_device()))
         try:
-            if torch.cuda.is_available():  # before fla's first call: its kernels' configs for this card, if shipped
-                fla_tuning.use_shipped(torch.device("cuda", torch.cuda.current_device()))
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
             from fla.ops.utils import prepare_chunk_indices
 

@@ -123,6 +123,9 @@ def test_other_cards_and_a_users_settings_are_left_alone(clean_env: Path, monkey
     assert fla_tuning.use_shipped(torch.device("cuda", 0)) is None
     assert "FLA_CONFIG_DIR" not in os.environ and "FLA_CACHE_MODE" not in os.environ
     monkeypatch.setattr(fla_tuning, "fla_version", lambda: "0.6.0")
+    (clean_env / "sm90" / "broken.json").write_text("{")  # a damaged install: fla autotunes, serving goes on
+    assert fla_tuning.use_shipped(torch.device("cuda", 0)) is None
+    assert "FLA_CONFIG_DIR" not in os.environ and "FLA_CACHE_MODE" not in os.environ
     monkeypatch.setenv("FLA_CACHE_MODE", "disabled")  # the user wants fla to autotune
     assert fla_tuning.use_shipped(torch.device("cuda", 0)) is None
     assert "FLA_CONFIG_DIR" not in os.environ and os.environ["FLA_CACHE_MODE"] == "disabled"
