@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -103,14 +104,18 @@ def fla_tuners() -> list[Any]:
     from triton.runtime.jit import KernelInterface
 
     found: dict[int, Any] = {}
-    for name, module in list(sys.modules.items()):
-        if name == "fla" or name.startswith("fla."):
-            for value in vars(module).values():
-                while isinstance(value, KernelInterface):
-                    if isinstance(value, Autotuner) and hasattr(value, "kernel_name"):
-                        found[id(value)] = value
-                    value = getattr(value, "fn", None)
+    for module in _fla_modules():
+        for value in vars(module).values():
+            while isinstance(value, KernelInterface):
+                if isinstance(value, Autotuner) and hasattr(value, "kernel_name"):
+                    found[id(value)] = value
+                value = getattr(value, "fn", None)
     return list(found.values())
+
+
+def _fla_modules() -> list[ModuleType]:
+    """fla's modules this process imported."""
+    return [module for name, module in list(sys.modules.items()) if name == "fla" or name.startswith("fla.")]
 
 
 def dump(dest: Path, tuners: Iterable[Any]) -> int:
@@ -139,7 +144,7 @@ def dump_if_asked() -> None:
     """``GLIMPSE_FLA_CONFIG_DUMP=DIR``: after start-up, the configs fla's autotunes chose in this process into DIR
     (the folder to ship as ``fla_configs/sm{major}{minor}`` for this card's architecture)."""
     dest = os.environ.get(DUMP_ENV, "").strip()
-    if not dest or not any(name == "fla" or name.startswith("fla.") for name in sys.modules):
+    if not dest or not _fla_modules():
         return
     try:
         written = dump(Path(dest), fla_tuners())
