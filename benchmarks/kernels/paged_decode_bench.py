@@ -4,6 +4,7 @@
     python -m benchmarks.kernels.paged_decode_bench --sweep   # the Triton kernel's launch settings, per shape
     python -m benchmarks.kernels.paged_decode_bench --splits  # the split plan: programs per SM, tiles per split
     python -m benchmarks.kernels.paged_decode_bench --kv-cache-dtype fp8  # the table over an e4m3 cache
+    python -m benchmarks.kernels.paged_decode_bench --served 32768 --block-sizes 16  # as a decode graph replays it
     python -m benchmarks.kernels.paged_decode_bench --heads 32:8 --sweep --block-sizes 128 --shapes 64x2200,32x2200
     python -m benchmarks.kernels.paged_decode_bench --heads 24:4 --head-dim 256 --sweep --block-sizes 128  # Qwen3.5-27B
 
@@ -119,6 +120,34 @@ def sweep(block_sizes: list[int]) -> None:
         print(f"  tile {tile:3} warps {warps} stages {stages} x{target}: {mean:.3f} ({worst:.3f})")
 
 
+def served(width_tokens: int, block_size: int, shapes: list[tuple[int, int]]) -> None:
+    """The kernel as a decode step's CUDA graph replays it: one graph per batch bucket covers every width, so the
+    tables are padded to the server's whole width (``width_tokens``, its --max-model-len) and the grid is planned
+    for it, while the split length is the plan for the step's real width, an input (cuda_graphs.py). Split and
+    combine together, graph-timed, us per call."""
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; heads {HQ}:{HKV} x {D}, blocks of "
+          f"{block_size}, tables padded to {width_tokens} tokens")
+    print("| batch x context | grid splits | live splits | split + combine, graph (us) |")
+    print("|---|---|---|---|")
+    for batch, context in shapes:
+        blocks = -(-context // block_size)
+        width = -(-width_tokens // block_size)
+        num_blocks = batch * blocks + 1
+        cache = torch.randn(2, num_blocks, block_size, HKV, D, device="cuda", dtype=torch.bfloat16)
+        perm = torch.randperm(num_blocks - 1).tolist()
+        tables = [perm[i * blocks : (i + 1) * blocks] + [num_blocks - 1] * (width - blocks) for i in range(batch)]
+        table = torch.tensor(tables, dtype=torch.int64, device="cuda")
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        grid, _ = paged_attention.plan_splits(batch, width * block_size, HKV, table.device)
+        per_split = paged_attention.plan_splits(batch, blocks * block_size, HKV, table.device)[1]
+        split = torch.tensor([per_split], dtype=torch.int64, device="cuda")
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        call = partial(paged_attention.paged_decode, q, cache, table, lens, D**-0.5, width * block_size, split)
+        expected = paged_attention.paged_decode(q, cache, table[:, :blocks], lens, D**-0.5, blocks * block_size)
+        assert torch.allclose(call().float(), expected.float(), atol=2e-2, rtol=2e-2)
+        print(f"| {batch} x {context} | {grid} | {-(-context // per_split)} | {graph_us(call):.2f} |")
+
+
 def splits(block_sizes: list[int], rounds: int = 3) -> None:
     """The split plan alone (programs per SM it aims for, a cap on tiles per split) at the kernel's launch settings,
     over short and long contexts; each setting timed ``rounds`` times, interleaved, best kept."""
@@ -157,6 +186,8 @@ if __name__ == "__main__":
     ap.add_argument("--heads", default="28:4", help="query heads:KV heads (Qwen3-VL-8B: 32:8)")
     ap.add_argument("--shapes", default="", help="--sweep's batch x context rows, e.g. 64x2200,32x2200")
     ap.add_argument("--head-dim", type=int, default=D, help="head dim (Qwen3.5's gated attention: 256)")
+    ap.add_argument("--served", type=int, default=0,
+                    help="time the kernel as a graph bucket of this many tokens' width replays it (--shapes: its rows)")
     cli = ap.parse_args()
     HQ, HKV = (int(n) for n in cli.heads.split(":"))
     D = cli.head_dim
@@ -164,7 +195,11 @@ if __name__ == "__main__":
         SWEEP_SHAPES[:] = [(int(b), int(c)) for b, c in (x.split("x") for x in cli.shapes.split(","))]
     if cli.kv_cache_dtype == "fp8" and (cli.sweep or cli.splits):
         raise SystemExit("paged_decode_bench: --kv-cache-dtype fp8 applies to the table, not --sweep or --splits")
-    if cli.sweep:
+    if cli.served:
+        rows = [(int(b), int(c)) for b, c in (x.split("x") for x in cli.shapes.split(","))] if cli.shapes else [
+            (1, 50), (1, 300), (1, 2000), (4, 300), (16, 1000), (64, 2200)]
+        served(cli.served, int(cli.block_sizes.split(",")[0]), rows)
+    elif cli.sweep:
         sweep([int(b) for b in cli.block_sizes.split(",")])
     elif cli.splits:
         splits([int(b) for b in cli.block_sizes.split(",")])

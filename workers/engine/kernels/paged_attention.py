@@ -10,8 +10,8 @@ the cache.
 Split-KV ("flash decoding"): the grid is (sequence, KV head, split). A program takes the query heads that
 share its KV head (GQA: 7 for Qwen2.5-VL-7B, padded to 16 rows for ``tl.dot``), walks its split's slice of
 the keys in tiles of ``TILE`` tokens with an online softmax, and writes an unnormalised partial output and
-its log-sum-exp. A second kernel combines the splits. Splits are chosen from the padded width, not the real
-lengths, so the grid is fixed for a CUDA-graph bucket; a split past a sequence's end costs one length load.
+its log-sum-exp. A second kernel combines the splits that saw keys. Splits are chosen from the padded width, not
+the real lengths, so the grid is fixed for a CUDA-graph bucket; a split past a sequence's end costs one length load.
 
 Sliding-window layers (``window``): each sequence's splits start at its window's first key, so only the window's
 blocks are read, and the grid is planned over the window, not the table width. A ``WINDOWED`` constexpr keeps the
@@ -169,8 +169,8 @@ def _kernels() -> tuple[Any, Any]:
         heads = kvh * GROUP + g
         gmask = g < GROUP
         dmask = d < D
-        # A split past the sequence's end (most of a graph bucket's grid while the contexts are short) reads and
-        # writes nothing but its log-sum-exp, -inf, by which the combine skips its output.
+        # A split past the sequence's end (most of a graph bucket's grid while the contexts are short) reads
+        # nothing and writes only its log-sum-exp, -inf; the combine reads the live splits only.
         live = start < end
         q = tl.load(
             q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
@@ -208,40 +208,55 @@ def _kernels() -> tuple[Any, Any]:
         out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
         tl.store(part_out_ptr + row[:, None] * D_P + d[None, :], out, mask=gmask[:, None] & live)
 
-    @triton.jit(do_not_specialize=["num_splits"])
+    @triton.jit(do_not_specialize=["num_splits", "tokens_per_split", "window"])
     def combine_kernel(
-        part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
-        D: tl.constexpr, D_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+        part_out_ptr, part_lse_ptr, out_ptr, lens_ptr, split_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
+        tokens_per_split, window,
+        D: tl.constexpr, D_P: tl.constexpr, CHUNK: tl.constexpr, SPLIT_FROM_PTR: tl.constexpr,
+        WINDOWED: tl.constexpr, COUNT_LIVE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # pdl.py: nothing read or written before the kernel before has finished
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
+        live_splits = num_splits
+        if COUNT_LIVE:
+            # A grid of more splits than one chunk (a CUDA-graph bucket is planned for its full table width: 64
+            # splits at batch 1 and 32k tokens) reads only the splits that saw keys, the first cdiv(keys, split
+            # length) as the split kernel computes them: a decode over a few hundred keys has them all in its first
+            # chunk, and each chunk is a dependent round trip to memory, most of this kernel's time at batch 1.
+            seq_len = tl.load(lens_ptr + b)
+            if SPLIT_FROM_PTR:
+                tokens_per_split = tl.maximum(tl.load(split_ptr), tl.cdiv(seq_len, num_splits))
+            keys = seq_len
+            if WINDOWED:
+                keys = tl.minimum(seq_len, window)
+            live_splits = tl.minimum(num_splits, tl.cdiv(keys, tokens_per_split))
         s = tl.arange(0, CHUNK)
         d = tl.arange(0, D_P)
         first = (b * num_q_heads + h) * num_splits
-        # The splits in chunks of CHUNK rows, not all MAX_SPLITS at once: a [64, D_P] float32 tile of partial outputs
-        # is 128 values a thread at 4 warps for 256-wide heads, held for the 1-16 splits most steps have. One pass
-        # for the largest log-sum-exp, one for the weighted sum (benchmarks/kernels/paged_decode_bench.py).
-        top = tl.full([CHUNK], float("-inf"), tl.float32)
-        for s0 in range(0, num_splits, CHUNK):
-            top = tl.maximum(top, tl.load(part_lse_ptr + first + s0 + s, mask=s0 + s < num_splits, other=float("-inf")))
-        top_all = tl.max(top, 0)
-        top_all = tl.where(top_all == float("-inf"), 0.0, top_all)  # no key at all (never for a live sequence)
-        total = tl.zeros([CHUNK], tl.float32)
+        # One pass, CHUNK splits at a time (a [64, D_P] float32 tile would be 128 values a thread at 4 warps for
+        # 256-wide heads), the running sums rescaled to the largest log-sum-exp so far. Counted live splits all
+        # wrote an output (each saw a key), so it loads beside their log-sum-exps; otherwise a split's output is
+        # read only where its log-sum-exp says it saw keys. With at most CHUNK splits read, most steps, this is
+        # the two-pass sum exactly: one chunk, scaled by its own maximum.
+        top = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
+        total = tl.sum(tl.zeros([CHUNK], tl.float32), 0)
         acc = tl.zeros([D_P], tl.float32)
-        for s0 in range(0, num_splits, CHUNK):
-            smask = s0 + s < num_splits
+        for s0 in range(0, live_splits, CHUNK):
+            smask = s0 + s < live_splits
             lse = tl.load(part_lse_ptr + first + s0 + s, mask=smask, other=float("-inf"))
-            w = tl.exp(lse - top_all)
-            total += w
-            # only splits that saw keys wrote an output (the others' weight is 0): their rows are the only ones read
-            live = smask & (lse > float("-inf"))
-            parts = tl.load(part_out_ptr + (first + s0 + s)[:, None] * D_P + d[None, :], mask=live[:, None], other=0.0)
-            acc += tl.sum(parts * w[:, None], 0)
-        denom = tl.sum(total, 0)
-        out = acc / tl.where(denom > 0, denom, 1.0)
+            wrote = smask if COUNT_LIVE else smask & (lse > float("-inf"))
+            parts = tl.load(part_out_ptr + (first + s0 + s)[:, None] * D_P + d[None, :], mask=wrote[:, None], other=0.0)
+            new_top = tl.maximum(top, tl.max(lse, 0))
+            ref = tl.where(new_top == float("-inf"), 0.0, new_top)  # -inf only where no split saw a key
+            rescale = tl.exp(top - ref)
+            w = tl.exp(lse - ref)
+            total = total * rescale + tl.sum(w, 0)
+            acc = acc * rescale + tl.sum(parts * w[:, None], 0)
+            top = new_top
+        out = acc / tl.where(total > 0, total, 1.0)  # no key at all (a padding row): zeros
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
     return split_kernel, combine_kernel
@@ -319,7 +334,9 @@ def paged_decode(
         num_stages=_STAGES, **launch,
     )  # fmt: skip
     combine_kernel[(b, hq)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), hq, splits,
-        D=d, D_P=d_p, CHUNK=COMBINE_CHUNK, num_warps=WIDE_WARPS if wide else 4, **launch,
+        part_out, part_lse, out, seq_lens, seq_lens if split_tokens is None else split_tokens,
+        out.stride(0), out.stride(1), hq, splits, per_split, window,
+        D=d, D_P=d_p, CHUNK=COMBINE_CHUNK, SPLIT_FROM_PTR=split_tokens is not None, WINDOWED=windowed,
+        COUNT_LIVE=splits > COMBINE_CHUNK, num_warps=WIDE_WARPS if wide else 4, **launch,
     )  # fmt: skip
     return out

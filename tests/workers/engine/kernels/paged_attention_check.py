@@ -52,11 +52,13 @@ def check_kernel(
 
 
 def check_combine_chunks(seed: int) -> float:
-    """The combine kernel reading the splits two at a time (COMBINE_CHUNK lowered): three splits (the last chunk
-    half masked), a sequence whose later splits saw no keys, and eight splits of which the last two are past the end."""
+    """The combine kernel reading the splits two at a time (COMBINE_CHUNK lowered), so grids of more splits than a
+    chunk count their live splits: three splits (the last chunk half masked), a sequence whose later splits saw no
+    keys, eight splits of which the last two are past the end, and a row with no key at all (zeros, not NaN)."""
     chunk, paged_attention.COMBINE_CHUNK = paged_attention.COMBINE_CHUNK, 2
     try:
-        return max(check_kernel(4, 1, 32, 16, [300, 70], 20, seed), check_kernel(4, 1, 32, 16, [700], 64, seed + 1))
+        return max(check_kernel(4, 1, 32, 16, [300, 70], 20, seed), check_kernel(4, 1, 32, 16, [700], 64, seed + 1),
+                   check_kernel(4, 1, 32, 16, [0, 130], 20, seed + 2))
     finally:
         paged_attention.COMBINE_CHUNK = chunk
 
@@ -141,6 +143,8 @@ def main() -> None:
         # One long sequence: several splits, and splits past its end (width > length).
         "splits": check_kernel(4, 1, 32, 16, [700], 64, 1),
         "mha_bs4": check_kernel(2, 2, 16, 4, [3, 9, 33], 12, 2),
+        # A row with no key (one chunk of splits, none of them live): zeros, as the gather path gives.
+        "no_keys": check_kernel(4, 1, 32, 16, [0, 37], 4, 15),
         "combine_chunks": check_combine_chunks(14),
         # Blocks of 128 (`glimpse serve` on CUDA): two key tiles per block, sequences ending inside either.
         "bs128": check_kernel(14, 2, 32, 128, [1, 64, 65, 200, 256], 3, 4),
