@@ -24,6 +24,7 @@ import torch
 
 from benchmarks.args import parser
 from benchmarks.checkpoints import HYBRID, SHAPES
+from workers.engine.kernels.gated_delta_fla import TUNE_TOKENS
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -43,7 +44,7 @@ def main() -> None:
     ap.add_argument("--dest", type=Path, required=True, help="the folder the config files are written to (merged)")
     ap.add_argument("--heads", default="", help="key:value heads per rank, comma-separated (default: see above)")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=4096, help="the prefill each autotune is timed on (a served chunk)")
+    ap.add_argument("--tokens", type=int, default=TUNE_TOKENS, help="the prefill each autotune is timed on (a served chunk)")
     ap.add_argument("--seqs", type=int, default=2, help="sequences the prefill is cut into")
     ap.add_argument("--budget-s", type=float, default=0, help="start no shape after this many seconds (0: no limit)")
     args = ap.parse_args()

@@ -129,9 +129,9 @@ def served(width_tokens: int, block_size: int, shapes: list[tuple[int, int]]) ->
           f"{block_size}, tables padded to {width_tokens} tokens")
     print("| batch x context | grid splits | live splits | split + combine, graph (us) |")
     print("|---|---|---|---|")
+    width = -(-width_tokens // block_size)
     for batch, context in shapes:
         blocks = -(-context // block_size)
-        width = -(-width_tokens // block_size)
         num_blocks = batch * blocks + 1
         cache = torch.randn(2, num_blocks, block_size, HKV, D, device="cuda", dtype=torch.bfloat16)
         perm = torch.randperm(num_blocks - 1).tolist()

@@ -28,6 +28,8 @@ _tried = False
 # fla's chunk pipeline with its per-chunk states kept (``_chunk_states``): None until tried, False where it failed.
 _states: Any = None
 CHUNK = 64  # fla's chunk length: the states it keeps are those at every 64th token of a sequence
+# The prefill fla's autotunes are timed on (tune_shape): a served chunk's size, the step budget's default.
+TUNE_TOKENS = 4096
 
 
 def _load() -> tuple[Any, Any, Any] | None:
@@ -150,7 +152,7 @@ def _probe(parts: Any, like: tuple[Tensor, ...]) -> bool:
     return ok
 
 
-def tune_shape(heads_k: int, heads_v: int, head_k: int, head_v: int, dtype: torch.dtype, tokens: int = 4096,
+def tune_shape(heads_k: int, heads_v: int, head_k: int, head_v: int, dtype: torch.dtype, tokens: int = TUNE_TOKENS,
                seqs: int = 2, device: torch.device | str = "cuda") -> bool:
     """fla's chunk kernels at one layer's per-rank shape, called as serving calls them (the public chunk function
     with initial states in the pools' ``dtype``, the kept-states pipeline, the rounds path with float32 states) on
@@ -178,11 +180,12 @@ def tune_shape(heads_k: int, heads_v: int, head_k: int, head_v: int, dtype: torc
     for state in (h0, h0.float()):
         chunk_rule(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
                    cu_seqlens=cu, cu_seqlens_cpu=host, chunk_indices=indices)  # fmt: skip
-    parts = _load_states(like)  # probes at the first shape a process calls it with
+    probed = _states is None  # _load_states probes at the first shape a process calls it with: this one
+    parts = _load_states(like)
     if parts is None:
         return False
     _chunk_states(parts, q, k, v, g, beta, h0, True, cu, indices)
-    return _probe(parts, like)
+    return probed or _probe(parts, like)
 
 
 def decode_step(

@@ -23,7 +23,7 @@ from workers.engine.kernels import (
     skinny_tune,
 )
 from workers.engine.kernels.attention import StateMetadata, build_attention_metadata
-from workers.engine.kernels.gated_delta_fla import CHUNK as FLA_CHUNK
+from workers.engine.kernels.gated_delta_fla import CHUNK as FLA_CHUNK, TUNE_TOKENS
 from workers.engine.kernels.launch_helpers import worker_thread
 from workers.engine.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from workers.engine.layers.vision_attention import VisionAttention, warm_cudnn_frames
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from workers.engine.runner.loaded import LoadedModel
 
 log = logging.getLogger("glimpse.model")
-# The prefill fla's autotunes are timed on (tune_linear_attention): a served chunk's size, the step budget's default.
-TUNE_TOKENS = 4096
 
 
 @torch.inference_mode()
