@@ -72,14 +72,23 @@ class DecoderSpec:
 
 
 def decoder_fields(
-    cfg: dict[str, Any], *, default_theta: float, default_section: tuple[int, ...], default_max_len: int
+    cfg: dict[str, Any],
+    *,
+    default_theta: float,
+    default_section: tuple[int, ...],
+    default_max_len: int,
+    default_head_dim: int | None = None,
+    default_eps: float = 1e-6,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The decoder fields a Qwen-style config.json spells alike, as (TextSpec fields, the LM's config section,
     its RoPE section). LM fields sit in ``text_config`` (transformers 5) or at the top level; RoPE in
-    ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta`` (older, type spelled "mrope")."""
+    ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta`` (older, type spelled "mrope").
+
+    ``default_head_dim`` / ``default_eps``: the family's transformers config defaults where config.json omits the
+    field (None: hidden_size / num_attention_heads, as transformers derives it for configs without a default)."""
     text = {**cfg, **(cfg.get("text_config") or {})}
     heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    head_dim = int(text.get("head_dim") or default_head_dim or int(text["hidden_size"]) // heads)
     rope: dict[str, Any] = text.get("rope_parameters") or text.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
@@ -99,7 +108,7 @@ def decoder_fields(
         "head_dim": head_dim,
         "intermediate_size": int(text["intermediate_size"]),
         "vocab_size": int(text["vocab_size"]),
-        "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
+        "rms_norm_eps": float(text.get("rms_norm_eps", default_eps)),
         "rope_theta": float(rope.get("rope_theta", text.get("rope_theta", default_theta))),
         "mrope_section": section,
         "max_position_embeddings": int(text.get("max_position_embeddings", default_max_len)),

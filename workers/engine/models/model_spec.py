@@ -163,7 +163,9 @@ def spec_from(
     fields = text_fields(cfg)
     eos: list[int] = []
     gen_path = model_dir / "generation_config.json"
-    for source in (json.loads(gen_path.read_text()) if gen_path.exists() else {}, fields, cfg):
+    # transformers' order (GenerationConfig.from_model_config without generation_config.json): the root's ids,
+    # then text_config's for what the root leaves unset (Gemma 4: root [1, 106] against text_config's 1).
+    for source in (json.loads(gen_path.read_text()) if gen_path.exists() else {}, cfg, fields):
         value = source.get("eos_token_id")
         if value is not None:
             eos = [value] if isinstance(value, int) else list(value)

@@ -42,11 +42,13 @@ class TextSpec(DecoderSpec):
         RoPE settings come from ``rope_parameters`` (transformers 5) or ``rope_scaling`` +
         ``rope_theta`` (older configs, where the type is spelled ``"mrope"``).
         """
+        # Qwen2_5_VLTextConfig's rms_norm_eps default is 1e-5 (not the 1e-6 every published config states).
         fields, _, _ = decoder_fields(
-            cfg, default_theta=1_000_000.0, default_section=(16, 24, 24), default_max_len=32768
+            cfg, default_theta=1_000_000.0, default_section=(16, 24, 24), default_max_len=32768, default_eps=1e-5
         )
         nested: dict[str, Any] = cfg.get("text_config") or {}
-        # transformers 5 keeps the flag at the root; pre-v5 saves put it in text_config. Either wins.
+        # transformers 5 keeps the flag at the root; pre-v5 saves put it in text_config. Either wins (as
+        # Qwen2_5_VLConfig forwards a text_config true over a root false).
         tie = bool(cfg.get("tie_word_embeddings")) or bool(nested.get("tie_word_embeddings"))
         return TextSpec(tie_word_embeddings=tie, **fields)
 

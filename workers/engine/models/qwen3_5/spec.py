@@ -18,6 +18,7 @@ from workers.engine.models.model_spec import RecurrentSpec, text_fields
 LINEAR, FULL = "linear_attention", "full_attention"
 # transformers' defaults where config.json omits a field (Qwen3_5TextConfig; its rotary's mrope_section default).
 DEFAULT_INTERVAL = 4
+DEFAULT_HEAD_DIM = 256  # not hidden_size / num_attention_heads: transformers' field default
 DEFAULT_PARTIAL_ROTARY = 0.25
 DEFAULT_SECTION = (11, 11, 10)
 
@@ -52,7 +53,7 @@ class TextSpec(DecoderSpec):
         """The whole config.json (LM fields under ``text_config``, transformers 5) or the text fields alone."""
         text = text_fields(cfg)
         heads = int(text["num_attention_heads"])
-        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        head_dim = int(text.get("head_dim") or DEFAULT_HEAD_DIM)
         layers = int(text["num_hidden_layers"])
         if text.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {text['hidden_act']!r} is not supported (only silu)")

@@ -28,6 +28,7 @@ from workers.engine.models.decoder import (
     SwiGLUMLP,
     decoder_fields,
 )
+from workers.engine.models.model_spec import text_fields
 from workers.engine.models.qwen3_vl.moe import (
     SparseMoeBlock,
     expert_shard,
@@ -62,8 +63,11 @@ class TextSpec(DecoderSpec):
 
         RoPE comes from ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta``.
         """
+        # Qwen3VLTextConfig defaults head_dim to 128; Qwen3VLMoeTextConfig derives it from the hidden size.
+        moe = moe_fields(text_fields(cfg))
         fields, text, rope = decoder_fields(
-            cfg, default_theta=500_000.0, default_section=(24, 20, 20), default_max_len=128_000
+            cfg, default_theta=500_000.0, default_section=(24, 20, 20), default_max_len=128_000,
+            default_head_dim=None if moe["num_experts"] else 128,
         )
         nested: dict[str, Any] = cfg.get("text_config") or {}
         # transformers 5 reads the flag at the root (the MoE text_config even carries a contradicting default);
@@ -75,7 +79,7 @@ class TextSpec(DecoderSpec):
             tie_word_embeddings=bool(tie),
             attention_bias=bool(text.get("attention_bias", False)),
             **fields,
-            **moe_fields(text),
+            **moe,
         )
 
 
