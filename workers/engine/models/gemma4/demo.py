@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,15 +86,25 @@ def _vision_config() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def hub_config(moe: bool, ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
-    """config.json of the demo, in the Hub's form."""
+def hub_config(
+    moe: bool,
+    ids: dict[str, int],
+    vocab_size: int,
+    text: Mapping[str, Any] | None = None,
+    vision: Mapping[str, Any] | None = None,
+    root: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """config.json of the demo, in the Hub's form; ``text`` / ``vision`` / ``root`` replace the demo's fields in
+    ``text_config`` / ``vision_config`` / the root (a tied ``text`` ties the root too)."""
+    text_config = {**_text_config(moe, ids, vocab_size), **(text or {})}
     return {
         "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
-        "text_config": _text_config(moe, ids, vocab_size), "vision_config": _vision_config(), "audio_config": None,
+        "text_config": text_config, "vision_config": {**_vision_config(), **(vision or {})}, "audio_config": None,
         "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"], "eoi_token_id": ids["<image|>"],
         "video_token_id": ids["<|video|>"], "audio_token_id": ids["<|audio|>"],
         "boa_token_id": ids["<|audio>"], "eoa_token_index": ids["<audio|>"],
-        "tie_word_embeddings": not moe, "initializer_range": 0.02, "dtype": "float32",
+        "tie_word_embeddings": text_config["tie_word_embeddings"], "initializer_range": 0.02, "dtype": "float32",
+        **(root or {}),
     }  # fmt: skip
 
 
@@ -159,17 +170,24 @@ def _shape_weights(model: Any, ids: dict[str, int], n_tokens: int, tied: bool, b
             head[specials] = 0.0
 
 
-def write_gemma4(out: Path, moe: bool) -> Path:
+def write_gemma4(
+    out: Path,
+    moe: bool,
+    text: Mapping[str, Any] | None = None,
+    vision: Mapping[str, Any] | None = None,
+    root: Mapping[str, Any] | None = None,
+) -> Path:
     """Write the Gemma 4 demo checkpoint (``moe``: with routed experts, untied head) into ``out`` (created if
-    missing). Same bytes on every run."""
+    missing). Same bytes on every run. ``text`` / ``vision`` / ``root``: fields replacing the demo's (other published
+    sizes' shapes, e.g. an E2B's per-layer inputs and audio tower, for tests; see ``hub_config``)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, GenerationConfig
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ids, n_tokens = write_processor(out)
-    config = hub_config(moe, ids, padded_vocab(n_tokens))
+    config = hub_config(moe, ids, padded_vocab(n_tokens), text, vision, root)
     model = init_model(Gemma4ForConditionalGeneration, Gemma4Config.from_dict(config))
-    _shape_weights(model, ids, n_tokens, tied=not moe, byte_ids=_byte_ids(out))
+    _shape_weights(model, ids, n_tokens, tied=config["tie_word_embeddings"], byte_ids=_byte_ids(out))
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<bos>"], eos_token_id=[ids["<eos>"], ids["<turn|>"]], pad_token_id=ids["<pad>"],
         do_sample=False,

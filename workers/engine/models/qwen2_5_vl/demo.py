@@ -4,6 +4,7 @@ workers/engine/models/demo_writer.py)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,9 @@ def _preprocessor_config(ip: Any) -> dict[str, Any]:
     }
 
 
-def build_config(special_ids: dict[str, int], vocab_size: int) -> Any:
-    """The Qwen2.5-VL architecture at toy sizes (head_dim 16 in both towers)."""
+def build_config(special_ids: dict[str, int], vocab_size: int, text: Mapping[str, Any] | None = None) -> Any:
+    """The Qwen2.5-VL architecture at toy sizes (head_dim 16 in both towers); ``text`` replaces fields of its
+    ``text_config`` (a tied one ties the root too)."""
     from transformers import Qwen2_5_VLConfig
 
     text_config = {
@@ -89,6 +91,7 @@ def build_config(special_ids: dict[str, int], vocab_size: int) -> Any:
         "bos_token_id": special_ids["<|endoftext|>"],
         "eos_token_id": special_ids["<|im_end|>"],
         "pad_token_id": special_ids["<|endoftext|>"],
+        **(text or {}),
     }
     vision_config = {
         "depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "hidden_act": "silu",
@@ -105,13 +108,14 @@ def build_config(special_ids: dict[str, int], vocab_size: int) -> Any:
         video_token_id=special_ids["<|video_pad|>"],
         vision_start_token_id=special_ids["<|vision_start|>"],
         vision_end_token_id=special_ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=bool(text_config.get("tie_word_embeddings")),
         dtype="float32",
     )
 
 
-def write_demo(out: Path, variant: str = "qwen2_5_vl") -> Path:
-    """Write the Qwen2.5-VL demo checkpoint into the existing directory `out`. Same bytes on every run."""
+def write_demo(out: Path, variant: str = "qwen2_5_vl", text: Mapping[str, Any] | None = None) -> Path:
+    """Write the Qwen2.5-VL demo checkpoint into the existing directory `out`. Same bytes on every run. ``text``:
+    fields replacing the demo's in ``text_config`` (see ``build_config``)."""
     from transformers import (
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLProcessor,
@@ -140,6 +144,6 @@ def write_demo(out: Path, variant: str = "qwen2_5_vl") -> Path:
         json.dump(_preprocessor_config(processor.image_processor), f, indent=2, sort_keys=True)
         f.write("\n")
 
-    model = init_model(Qwen2_5_VLForConditionalGeneration, build_config(special_ids, padded_vocab(n_tokens)))
+    model = init_model(Qwen2_5_VLForConditionalGeneration, build_config(special_ids, padded_vocab(n_tokens), text))
     save_model(model, special_ids, n_tokens, out)
     return out

@@ -14,6 +14,7 @@ linear / full / linear, so neither the first nor the last layer's kind is the sa
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,18 +87,22 @@ def _text_config(moe: bool, ids: dict[str, int], vocab_size: int) -> dict[str, A
     return text
 
 
-def _config(moe: bool, ids: dict[str, int], vocab_size: int) -> Any:
+def _config(
+    moe: bool, ids: dict[str, int], vocab_size: int, text: Mapping[str, Any], vision: Mapping[str, Any]
+) -> Any:
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     cls = Qwen3_5MoeConfig if moe else Qwen3_5Config
+    text_config = {**_text_config(moe, ids, vocab_size), **text}
     return cls(
-        text_config=_text_config(moe, ids, vocab_size),
-        vision_config=_vision_config(),
+        text_config=text_config,
+        vision_config={**_vision_config(), **vision},
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        # transformers ties only on the root's flag; the Hub configs of the tied sizes carry it in both places.
+        tie_word_embeddings=text_config["tie_word_embeddings"],
         dtype="float32",
     )
 
@@ -132,14 +137,17 @@ def _add_mtp_head(file: Path) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def write_qwen3_5(out: Path, moe: bool) -> Path:
+def write_qwen3_5(
+    out: Path, moe: bool, text: Mapping[str, Any] | None = None, vision: Mapping[str, Any] | None = None
+) -> Path:
     """Write the Qwen3.5 (``moe``: Qwen3.5-MoE) demo checkpoint into ``out`` (created if missing). Same bytes on every
-    run."""
+    run. ``text`` / ``vision``: fields replacing the demo's in ``text_config`` / ``vision_config`` (the shapes of
+    other published sizes, for tests); a tied ``text`` ties the root too, and the head is then not saved."""
     from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
     ids, n_tokens = write_processor(out)
     model_cls = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
-    model = init_model(model_cls, _config(moe, ids, padded_vocab(n_tokens)))
+    model = init_model(model_cls, _config(moe, ids, padded_vocab(n_tokens), text or {}, vision or {}))
     _apply_gains(model)
     save_model(model, ids, n_tokens, out)
     _add_mtp_head(out / "model.safetensors")

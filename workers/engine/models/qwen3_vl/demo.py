@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -138,19 +139,22 @@ def _moe_text_config(ids: dict[str, int], vocab_size: int) -> dict[str, Any]:
     }
 
 
-def _config(moe: bool, ids: dict[str, int], vocab_size: int) -> Any:
+def _config(
+    moe: bool, ids: dict[str, int], vocab_size: int, text: Mapping[str, Any], vision: Mapping[str, Any]
+) -> Any:
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     cls = Qwen3VLMoeConfig if moe else Qwen3VLConfig
-    text = (_moe_text_config if moe else _text_config)(ids, vocab_size)
+    text_config = {**(_moe_text_config if moe else _text_config)(ids, vocab_size), **text}
     return cls(
-        text_config=text,
-        vision_config=_vision_config(),
+        text_config=text_config,
+        vision_config={**_vision_config(), **vision},
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        # transformers ties only on the root's flag; the Hub configs of the tied sizes carry it in both places.
+        tie_word_embeddings=text_config["tie_word_embeddings"],
         dtype="float32",
     )
 
@@ -230,12 +234,12 @@ def write_processor(out: Path) -> tuple[dict[str, int], int]:
     return ids, n_tokens
 
 
-def _write(out: Path, moe: bool) -> Path:
+def _write(out: Path, moe: bool, text: Mapping[str, Any] | None = None, vision: Mapping[str, Any] | None = None) -> Path:
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
     ids, n_tokens = write_processor(out)
     model_cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
-    model = init_model(model_cls, _config(moe, ids, padded_vocab(n_tokens)))
+    model = init_model(model_cls, _config(moe, ids, padded_vocab(n_tokens), text or {}, vision or {}))
     _apply_gains(model)
     # A trained model never opens a tool response, and a random one should not open tool calls by chance
     # (a parser would swallow the rest of the reply): those rows are zeroed along with the special tokens.
@@ -245,11 +249,18 @@ def _write(out: Path, moe: bool) -> Path:
     return out
 
 
-def write_qwen3_vl(path: str | os.PathLike[str]) -> Path:
-    """Write the dense Qwen3-VL demo checkpoint into `path` (created if missing). Same bytes on every run."""
-    return _write(Path(path), moe=False)
+def write_qwen3_vl(
+    path: str | os.PathLike[str], text: Mapping[str, Any] | None = None, vision: Mapping[str, Any] | None = None
+) -> Path:
+    """Write the dense Qwen3-VL demo checkpoint into `path` (created if missing). Same bytes on every run.
+    ``text`` / ``vision``: fields replacing the demo's (other published sizes' shapes, for tests); a tied ``text``
+    ties the root too, and the head is then not saved."""
+    return _write(Path(path), moe=False, text=text, vision=vision)
 
 
-def write_qwen3_vl_moe(path: str | os.PathLike[str]) -> Path:
-    """Write the Qwen3-VL-MoE demo checkpoint into `path` (created if missing). Same bytes on every run."""
-    return _write(Path(path), moe=True)
+def write_qwen3_vl_moe(
+    path: str | os.PathLike[str], text: Mapping[str, Any] | None = None, vision: Mapping[str, Any] | None = None
+) -> Path:
+    """Write the Qwen3-VL-MoE demo checkpoint into `path` (created if missing). Same bytes on every run.
+    ``text`` / ``vision`` as for ``write_qwen3_vl``."""
+    return _write(Path(path), moe=True, text=text, vision=vision)
