@@ -106,7 +106,7 @@ class TokenizerEndpoints:
             return msgspec.json.decode(raw, type=kind)
         except msgspec.ValidationError as exc:
             raise _BadRequest(f"Invalid request: {exc}", _param(str(exc))) from None
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # msgspec's guard against deep nesting, even in unknown keys
             raise _BadRequest("The body is not valid JSON.", "body") from None
 
     async def tokenize(self, request: Request) -> Response:

@@ -90,6 +90,11 @@ def test_errors_are_4xx_in_openai_shape(live: LiveServer, tokenizer: Any) -> Non
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (body, error)
     bad_json = httpx.post(live.base + "/tokenize", content=b"{nope", timeout=30)
     assert bad_json.status_code == 400
+    # Nesting past msgspec's depth guard, inside a key neither body knows: a 400, not the RecursionError's 500.
+    deep = b'{"a":' * 50_000 + b"1" + b"}" * 50_000
+    for path in ("/tokenize", "/detokenize"):
+        nested = httpx.post(live.base + path, content=deep, headers={"content-type": "application/json"}, timeout=30)
+        assert nested.status_code == 400 and nested.json()["error"]["param"] == "body", (path, nested.text)
     as_text = httpx.post(live.base + "/tokenize", content=b'{"prompt": "a"}', headers={"content-type": "text/plain"})
     assert as_text.status_code == 400 and "Content-Type" in as_text.json()["error"]["message"]
     assert live.settled_stats()["requests"]["failed"] == failed_before  # none of this reached the scheduler
