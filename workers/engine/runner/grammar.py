@@ -158,7 +158,13 @@ class Validator:
         except (GrammarError, ValueError) as exc:
             return str(exc)
         tok = TOKENIZERS.get(self.hf_tokenizer, self.vocab_size, self.eos_ids)
-        return str(llguidance.LLMatcher.validate_grammar(grammar, tok))
+        error = str(llguidance.LLMatcher.validate_grammar(grammar, tok))
+        if not error:
+            # validate_grammar passes grammars whose build still fails (a choice of 100,000 strings overflows
+            # llguidance's symbol table), and the worker would then fail the request with a 500: build it here.
+            matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+            error = matcher.get_error() if matcher.is_error() else ""
+        return error.split("\n<backtrace>", 1)[0]  # a Rust panic's backtrace is no reason a client can act on
 
 
 class GrammarBook:
