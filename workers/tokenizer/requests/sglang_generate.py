@@ -151,13 +151,23 @@ def _images(data: Any) -> list[str]:
         raise range_error("image_data", "a value of that shape", "that is an image (a URL, path or base64) or a list")
     urls = []
     for item in items:
-        if item.startswith(("data:", "http://", "https://", "file://")):
+        if item[:8].lower().startswith(("data:", "http://", "https://", "file://")):  # schemes are case-insensitive
             urls.append(item)
-        elif item.startswith("/"):
+        elif item.startswith("/") and not _is_bare_base64(item):
             urls.append("file://" + item)  # served only under --allowed-local-media-path, as any file: URL
         else:
             urls.append("data:image/png;base64," + item)
     return urls
+
+
+# Every JPEG's base64 starts with "/9j/" (FF D8 FF), so a leading "/" alone does not make a path: a string of base64
+# characters only (line breaks allowed, as `base64` wraps) in whole quads is the image itself; a path has a "." or
+# "-" or "_", or a length base64 cannot have. A character class, not a pattern per quad: this runs over megabytes.
+_BASE64_CHARS = re.compile(r"[A-Za-z0-9+/=\s]+")
+
+
+def _is_bare_base64(item: str) -> bool:
+    return _BASE64_CHARS.fullmatch(item) is not None and (len(item) - sum(map(item.count, " \t\r\n"))) % 4 == 0
 
 
 def raw_prompt(

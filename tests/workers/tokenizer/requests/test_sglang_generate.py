@@ -3,6 +3,7 @@ each sampling key lands on its completions field, and what is not served is a 40
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -93,6 +94,14 @@ def test_images_make_a_chat_request_that_keeps_the_text() -> None:
     assert isinstance(message.content, list) and isinstance(message.content[0], TextPart)
     urls = [p.url for p in message.content[1:] if isinstance(p, ImagePart)]
     assert urls == ["data:image/png;base64,QUFB", "data:image/png;base64,QkJC", "file:///srv/a.png"]
+    # Bare base64 of a JPEG starts with "/9j/": the image itself, not a path (which then was refused as a file URL);
+    # wrapped lines too. Schemes are read whatever their case, as the chat endpoint reads them.
+    jpeg = base64.encodebytes(b"\xff\xd8\xff\xe0" + bytes(range(60))).decode()
+    upper = "DATA:image/png;base64,QUFB"
+    req = parse_generate(json.dumps({"text": text * 3, "image_data": [jpeg, upper, "/srv/img-1"]}).encode(), "served")
+    assert isinstance(req, RawPromptChat) and isinstance(req.messages[0].content, list)
+    urls = [p.url for p in req.messages[0].content[1:] if isinstance(p, ImagePart)]
+    assert jpeg.startswith("/9j/") and urls == ["data:image/png;base64," + jpeg, upper, "file:///srv/img-1"]
     # Its chat request's params, named as the body names them.
     image = BadRequest("Could not fetch", param="messages[0].content[2].image_url")
     assert sglang_names(image, b"{}").param == "image_data[1]"
