@@ -304,6 +304,7 @@ def test_vllm_tokens_generate_serves_what_the_render_routes_answer(live: LiveSer
         ({**aiperf, "token_ids": [1 << 30]}, "token_ids"),
         ({**aiperf, "kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
         ({**aiperf, "frobnicate": 1}, "frobnicate"),
+        ({**aiperf, "max_tokens": 5}, "max_tokens"),  # misplaced: named as sent, not as sampling_params.max_tokens
     ]:
         refused = httpx.post(live.base + "/inference/v1/generate", json=body, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (param, refused.text)

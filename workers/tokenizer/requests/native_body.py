@@ -15,6 +15,16 @@ from workers.tokenizer.requests.sampling import unsupported
 _object = msgspec.json.Decoder(dict[str, Any])
 
 
+class BodyFieldRefused(BadRequest):
+    """A refusal of one of the body's own top-level fields, named as the body names it: the endpoints that rename
+    the refusals of the completions request a body became (``sglang_names``, ``vllm_names``) leave it as it is, so a
+    misplaced top-level ``max_tokens`` is not reported as ``sampling_params.max_tokens``."""
+
+
+def _refused(exc: BadRequest) -> BodyFieldRefused:
+    return BodyFieldRefused(exc.message, status=exc.status, param=exc.param, code=exc.code, type=exc.type)
+
+
 @dataclass(frozen=True)
 class BodyFields:
     taken: frozenset[str]  # fields the endpoint reads, whatever their value
@@ -34,7 +44,7 @@ def top_level(body: bytes | memoryview, fields: BodyFields) -> dict[str, Any]:
     for name, value in decoded.items():
         if name in fields.defaults:
             if not any(value == d and type(value) is type(d) for d in fields.defaults[name]):
-                raise unsupported(name, fields.why[name])
+                raise _refused(unsupported(name, fields.why[name]))
         elif name not in fields.taken:
-            raise unsupported(name, f"not {fields.kind} this server serves")
+            raise _refused(unsupported(name, f"not {fields.kind} this server serves"))
     return decoded

@@ -29,7 +29,7 @@ from workers.engine.prompt.processor import MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta
 from workers.tokenizer.requests.chat import ChatCompletionRequest, parse_with
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion
-from workers.tokenizer.requests.native_body import BodyFields, top_level
+from workers.tokenizer.requests.native_body import BodyFieldRefused, BodyFields, top_level
 from workers.tokenizer.requests.sampling import range_error, unsupported
 
 # SGLang's SamplingParams default: a body without max_new_tokens generates at most this many tokens, as there.
@@ -235,7 +235,7 @@ def sglang_names(exc: BadRequest, body: bytes | memoryview) -> BadRequest:
     """A refusal of the request a /generate ``body`` became (parsing, tokenizing, the sampling checks), with its
     param in /generate's names, and the message's where it quotes the param."""
     param = exc.param
-    if param is None:
+    if param is None or isinstance(exc, BodyFieldRefused):
         return exc
     head, _, rest = param.partition("[")
     if head == "messages":  # a body with images, as its chat request: the text is part 0, image k part k + 1

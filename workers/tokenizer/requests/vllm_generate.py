@@ -17,7 +17,7 @@ import msgspec
 
 from workers.common.errors import BadRequest
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion
-from workers.tokenizer.requests.native_body import BodyFields, top_level
+from workers.tokenizer.requests.native_body import BodyFieldRefused, BodyFields, top_level
 from workers.tokenizer.requests.sampling import range_error, unsupported
 
 _WHY_REFUSED = {
@@ -83,7 +83,7 @@ def vllm_names(exc: BadRequest) -> BadRequest:
     ``token_ids``, the sampling fields sit in ``sampling_params``); other params are the body's own already."""
     param = exc.param
     head = (param or "").partition("[")[0].partition(".")[0]
-    if param is None or (head != "prompt" and head not in _SAMPLING):
+    if param is None or isinstance(exc, BodyFieldRefused) or (head != "prompt" and head not in _SAMPLING):
         return exc
     rest = param.removeprefix("prompt")
     name = f"token_ids{rest}" if head == "prompt" else f"sampling_params.{param}"

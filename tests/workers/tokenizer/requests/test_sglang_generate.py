@@ -70,6 +70,12 @@ def test_every_sampling_key_lands_on_its_field() -> None:
         ({"text": "a", "lora_path": "x"}, "lora_path"),
         ({"text": "a", "session_params": {"id": "s"}}, "session_params"),
         ({"text": "a", "made_up": 1}, "made_up"),
+        # Misplaced top-level fields that are also completions fields: named as sent, not as sampling_params.* or
+        # the text (the names the completions request's own refusals get).
+        ({"text": "a", "max_tokens": 5}, "max_tokens"),
+        ({"text": "a", "temperature": 0}, "temperature"),
+        ({"text": "a", "prompt": "b"}, "prompt"),
+        ({"text": "a", "messages": []}, "messages"),
         ({"text": "a", "sampling_params": {"ebnf": "root ::= x"}}, "sampling_params.ebnf"),
         ({"text": "a", "sampling_params": {"made_up": 1}}, "sampling_params.made_up"),
         ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
