@@ -29,7 +29,7 @@ from workers.common.errors import BadRequest
 from workers.common.text_bound import max_text_chars
 from workers.engine.prompt.chat_template import ChatTemplate
 from workers.tokenizer.requests.chat import ChatCompletionRequest, parse_request, text_parts
-from workers.tokenizer.requests.chat_prompt import template_messages, template_options
+from workers.tokenizer.requests.chat_prompt import template_messages, template_options, template_tools
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -42,6 +42,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # rendered as the chat endpoint renders them (vLLM's /tokenize takes them too)
     return_token_strs: bool = False
 
 
@@ -131,7 +132,9 @@ class TokenizerEndpoints:
         chat = self._chat(body)
         self._check_length(sum(len(t) for t in text_parts(chat)), "messages")
         try:
-            rendered = self._template.render(template_messages(chat), None, template_options(chat, self._template.reads))
+            rendered = self._template.render(
+                template_messages(chat), template_tools(chat), template_options(chat, self._template.reads)
+            )
         except BadRequest as exc:
             raise _BadRequest(exc.message, exc.param or "messages") from None
         except Exception as exc:  # a template error on malformed messages is the client's
@@ -152,7 +155,7 @@ class TokenizerEndpoints:
                 raise _BadRequest("/tokenize takes text-only messages (media tokens depend on the media).", "messages")
         chat_body = {"model": "tokenize", "messages": body.messages, "add_generation_prompt": body.add_generation_prompt,
                      "continue_final_message": body.continue_final_message,
-                     "chat_template_kwargs": body.chat_template_kwargs}
+                     "chat_template_kwargs": body.chat_template_kwargs, "tools": body.tools}
         try:
             return parse_request(msgspec.json.encode(chat_body))
         except BadRequest as exc:

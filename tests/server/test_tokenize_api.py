@@ -50,6 +50,13 @@ def test_tokenize_messages_counts_what_the_chat_endpoint_counts(live: LiveServer
         counted = post(live, "/tokenize", {"messages": messages}).json()["count"]
         answer = live.client().chat.completions.create(model="demo", messages=messages, max_tokens=1)  # type: ignore[arg-type]
         assert answer.usage is not None and counted == answer.usage.prompt_tokens, messages
+    # Tools are part of the prompt the template writes: counted too, not dropped unread.
+    tools = [{"type": "function", "function": {"name": "total", "parameters": {"type": "object", "properties": {}}}}]
+    ask = [{"role": "user", "content": "Add the rows."}]
+    counted = post(live, "/tokenize", {"messages": ask, "tools": tools}).json()["count"]
+    answer = live.client().chat.completions.create(model="demo", messages=ask, tools=tools, max_tokens=1)  # type: ignore[arg-type]
+    assert answer.usage is not None and counted == answer.usage.prompt_tokens
+    assert counted > post(live, "/tokenize", {"messages": ask}).json()["count"]
 
 
 def test_text_past_the_context_is_refused_before_it_is_tokenized(live: LiveServer, tokenizer: Any) -> None:
@@ -79,6 +86,7 @@ def test_errors_are_4xx_in_openai_shape(live: LiveServer, tokenizer: Any) -> Non
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"messages": image}, 400, "messages"),
         ("/tokenize", {"prompt": 3}, 400, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools"),
         ("/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "model"),
         ("/detokenize", {"tokens": [len(tokenizer) + 5]}, 400, "tokens"),
         ("/detokenize", {"tokens": ["x"]}, 400, "tokens"),
