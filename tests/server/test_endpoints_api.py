@@ -70,7 +70,7 @@ def test_completion_stream_echo_logprobs_and_n(live: LiveServer, ref: HFReferenc
     assert [c.index for c in three.choices] == [0, 1, 2] and {c.text for c in three.choices} == {whole.choices[0].text}
 
 
-def test_completion_refusals_name_the_parameter(live: LiveServer) -> None:
+def test_completion_refusals_name_the_parameter(live: LiveServer, demo_model_dir: Path) -> None:
     for fields, param in [
         ({"suffix": "end"}, "suffix"),
         ({"prompt": ["one", 2]}, "prompt"),
@@ -84,6 +84,11 @@ def test_completion_refusals_name_the_parameter(live: LiveServer) -> None:
         with pytest.raises(openai.BadRequestError) as info:
             complete(live, **fields)
         assert info.value.body["param"] == param  # type: ignore[index]
+    # The image token is in the vocabulary's range: the refusal says it is the image token, not just the range.
+    image_token = json.loads((demo_model_dir / "config.json").read_text())["image_token_id"]
+    with pytest.raises(openai.BadRequestError) as info:
+        complete(live, prompt=[image_token])
+    assert f"not the image token {image_token}" in info.value.body["message"]  # type: ignore[index]
 
 
 def test_models_retrieve(live: LiveServer, demo_model_dir: Path) -> None:

@@ -132,7 +132,8 @@ def _tokenize(worker: PromptContext, raw: str | list[int], specials: bool) -> Pr
         raise range_error("prompt", [], "that is a non-empty list of token ids")
     bad = next((t for t in raw if not 0 <= t < vocab or t == processor.info.image_token_id), None)
     if bad is not None:
-        raise range_error("prompt", bad, f"made of text token ids below {vocab}")
+        image = processor.info.image_token_id  # in range, so say why it is refused: "below 2048, got 2006" misleads
+        raise range_error("prompt", bad, f"made of text token ids below {vocab}, not the image token {image}")
     return Prompt(raw, processor.family.delta(len(raw), [], processor.merge), [])
 
 
