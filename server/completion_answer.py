@@ -175,6 +175,13 @@ class CompletionAnswer(Answer):
         super().__init__(rid, created, accepted)
         self.offsets = [len(self._echo(c.index)) for c in self.choices]  # text_offset of each choice's next token
         self.echoed = [False] * len(self.choices)
+        self.tokens_sent = [0] * len(self.choices)  # a stream: each choice's completion tokens as of its last event
+
+    def _due(self, c: ChoiceState) -> bool:
+        # A token whose bytes end inside a UTF-8 character adds no text until the next one; vLLM still sends its
+        # chunk (text ""), and `vllm bench serve` times the first token and every inter-token gap by those chunks:
+        # without it a held first token counts as prefill and two tokens' gap as one.
+        return super()._due(c) or c.completion_tokens > self.tokens_sent[c.index]
 
     def _echo(self, index: int) -> str:
         return self.accepted.echoes[index] if self.accepted.echoes else self.accepted.echo
@@ -235,6 +242,7 @@ class CompletionAnswer(Answer):
         yield b"\n\n"
 
     def _chunk(self, c: ChoiceState) -> Iterable[bytes]:
+        self.tokens_sent[c.index] = c.completion_tokens
         reason = c.finish_reason if self._finishing(c) else None
         return self._event([self._choice(c, reason, whole=False)], self.running_usage())
 

@@ -169,6 +169,52 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(live: LiveS
     assert all(c.usage is None for c in plain if c.choices)  # only when asked for
 
 
+def vllm_bench_read(server: LiveServer, body: dict[str, Any]) -> tuple[list[str], int | None]:
+    """What `vllm bench serve`'s completions backend keeps of a stream: the text of every event with choices (it
+    times each one: the first is the first token, every later one an inter-token gap) and the usage chunk's
+    completion_tokens."""
+    texts: list[str] = []
+    tokens: int | None = None
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = "".join(resp.iter_text()).split("\n\n")
+    for event in (e.strip() for e in events):
+        if not event or event.startswith(":") or event == "data: [DONE]":
+            continue
+        data = json.loads(event.removeprefix("data: "))
+        if choices := data.get("choices"):
+            texts.append(choices[0].get("text") or "")
+        elif usage := data.get("usage"):
+            tokens = usage.get("completion_tokens")
+    return texts, tokens
+
+
+def test_a_token_that_adds_no_text_yet_still_gets_its_chunk(live: LiveServer) -> None:
+    """A byte token that ends inside a UTF-8 character adds no text until the next token; vLLM still streams its
+    chunk (text ""), and vllm bench serve times the first token by the first chunk: without one, a held first
+    token's step read as prefill."""
+    held = None
+    for i in range(64):  # a prompt whose greedy answer opens with such a byte token (its logprobs token is U+FFFD)
+        probe = complete(live, prompt=f"Invoice line {i}:", max_tokens=2, logprobs=0)
+        if probe.choices[0].logprobs.tokens[0] == "\ufffd":
+            held = f"Invoice line {i}:"
+            break
+    assert held is not None, "no demo prompt opens with a byte token"
+    whole = complete(live, prompt=held, max_tokens=8)
+    # The body `vllm bench serve --backend openai` sends (with --temperature 0 in its extra body).
+    body = {"model": "demo", "prompt": held, "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+    firsts = []
+    for _ in range(4):  # a loop that fell behind joins steps into one chunk (vLLM's does too): one clean run will do
+        texts, tokens = vllm_bench_read(live, body)
+        assert tokens == whole.usage.completion_tokens == 8
+        assert "".join(texts) == whole.choices[0].text and len(texts) <= tokens
+        firsts.append(texts[0])
+        if texts[0] == "":
+            break
+    assert firsts[-1] == "", firsts  # the held first token's own chunk, before the token that completes its text
+
+
 def generate(server: LiveServer, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(server.base + "/generate", json=body, timeout=60)
 
