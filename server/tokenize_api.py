@@ -99,12 +99,19 @@ class TokenizerEndpoints:
     async def _body(self, request: Request, kind: type[Any]) -> Any:
         if not is_json(request.headers.get("content-type", "")):
             raise _BadRequest("The request body must be JSON: send it with 'Content-Type: application/json'.", "body")
+        too_large = _BadRequest(f"Request body exceeds {MAX_BODY_BYTES} bytes.", "body", 413, "request_too_large")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise _BadRequest(f"Request body exceeds {MAX_BODY_BYTES} bytes.", "body")
-        raw = await request.body()
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:  # a chunked upload has no Content-Length: without this it was read whole
+                raise too_large
+            chunks.append(chunk)
         try:
-            return msgspec.json.decode(raw, type=kind)
+            return msgspec.json.decode(b"".join(chunks), type=kind)
         except msgspec.ValidationError as exc:
             raise _BadRequest(f"Invalid request: {exc}", _param(str(exc))) from None
         except (msgspec.DecodeError, RecursionError):  # msgspec's guard against deep nesting, even in unknown keys

@@ -3,6 +3,7 @@ tokenizer, the same prompt tokens the chat endpoint counts, clear 4xx errors."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,14 @@ def test_errors_are_4xx_in_openai_shape(live: LiveServer, tokenizer: Any) -> Non
     for path in ("/tokenize", "/detokenize"):
         nested = httpx.post(live.base + path, content=deep, headers={"content-type": "application/json"}, timeout=30)
         assert nested.status_code == 400 and nested.json()["error"]["param"] == "body", (path, nested.text)
+    # Past the cap, with a Content-Length or chunked (none to check up front): refused while it arrives.
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(64):
+            yield b"a" * (1 << 20)
+    for content in (b" " * (9 << 20), chunks()):
+        big = httpx.post(live.base + "/tokenize", content=content, headers={"content-type": "application/json"})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large", big.text
     as_text = httpx.post(live.base + "/tokenize", content=b'{"prompt": "a"}', headers={"content-type": "text/plain"})
     assert as_text.status_code == 400 and "Content-Type" in as_text.json()["error"]["message"]
     assert live.settled_stats()["requests"]["failed"] == failed_before  # none of this reached the scheduler
