@@ -7,7 +7,6 @@ assembled from small `RequestOutput` messages routed to the request's `Flight` q
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -18,11 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from ipc.control import RequestFailed
 from ipc.outputs import RequestOutput
@@ -40,6 +38,7 @@ from server.frontend import (
     Outcome,
 )
 from server.generate_answer import GenerateAnswer, TokensAnswer
+from server.middleware import ApiKeyMiddleware, CorsMiddleware
 from server.protocol import error_response, is_json
 from server.render_api import RENDER_PATHS, render_answer
 from server.responder import Answer, ChatAnswer
@@ -237,30 +236,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-# What --api-key protects.
-_KEYED = ("/v1/", "/admin/", "/generate", "/inference/", "/tokenize", "/detokenize", "/tokenizer_info")
-
-
-class _ApiKeyMiddleware:
-    """Bearer-token check for /v1/*, /admin/* and the tokenizer endpoints; /health and /metrics stay open for
-    probes."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_KEYED):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            # compare_digest: the check must not leak how much of the key matched.
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                response = error_response(401, "Incorrect or missing API key.", code="invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     """The OpenAI-compatible app over `state`. Its lifespan starts the pump; closing is the launcher's."""
 
@@ -380,11 +355,11 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         Route("/detokenize", tokenizers.detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenizers.tokenizer_info, methods=["GET"]),
     ]
-    middleware = [Middleware(_ApiKeyMiddleware, api_key=config.api_key)] if config.api_key else []
+    middleware = [Middleware(ApiKeyMiddleware, api_key=config.api_key)] if config.api_key else []
     if config.allowed_origins:
         # Outermost: a browser's preflight (OPTIONS, no credentials) is answered before the key check.
         cors = Middleware(
-            CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+            CorsMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
             allow_headers=["*"], max_age=600,
         )
         middleware.insert(0, cors)

@@ -126,6 +126,10 @@ def test_cors_only_for_allowed_origins(live: LiveServer) -> None:
     assert got.headers["access-control-allow-origin"] == ORIGIN
     other = httpx.get(live.base + "/v1/models", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in other.headers
+    # A refused preflight is a 400 in OpenAI's error shape too (Starlette answers it in plain text).
+    refused = httpx.options(live.base + "/v1/chat/completions", headers={**headers, "Origin": "https://evil.example"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "cors_preflight_refused", refused.text
+    assert "access-control-allow-origin" not in refused.headers
 
 
 def test_cors_is_off_by_default(demo_model_dir: Path) -> None:
