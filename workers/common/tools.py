@@ -84,7 +84,7 @@ def tool_grammar(
         tools, parallel = [t for t in tools if t.function.name == choice.function.name], False
     rules = []
     for i, tool in enumerate(tools):
-        params = tool.function.parameters or {"type": "object"}
+        params = _rebased(tool.function.parameters or {"type": "object"}, "#/properties/arguments")
         schema = {
             "type": "object",
             "properties": {"name": {"const": tool.function.name}, "arguments": params},
@@ -101,6 +101,27 @@ def tool_grammar(
         *rules,
     ]
     return StructuredSpec("lark", "\n".join(lines))
+
+
+# Keywords whose values are JSON data, not subschemas: a "$ref" inside them is text, never a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with its local references ("#", "#/$defs/X": pydantic's schemas are full of them) pointing where
+    the schema now sits, under ``root`` of the call's schema; else "#/$defs/X" would look for $defs at the call's
+    root, and no forced call of such a tool could be compiled."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        else:
+            out[key] = value if key in _DATA_KEYWORDS else _rebased(value, root)
+    return out
 
 
 class TaggedCalls:

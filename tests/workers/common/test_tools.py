@@ -78,3 +78,24 @@ def test_grammar_for_required_and_named_choices() -> None:
     named = tool_grammar(tools, NamedToolChoice("function", NamedFunction("b")), True)
     assert named is not None and "fn1" not in named.value and '"const": "b"' in named.value
     assert "call)*" not in named.value  # a named choice calls once
+
+
+def test_forced_calls_of_tools_with_local_refs_compile() -> None:
+    """pydantic writes a tool's parameters with "$defs" and "#/$defs/X" references; nested under the call's
+    "arguments", each reference must follow the schema there, or the forced call's grammar does not compile."""
+    params = {
+        "$defs": {"Row": {"type": "object", "properties": {"n": {"type": "integer"}, "next": {"$ref": "#/$defs/Row"}}}},
+        "type": "object",
+        "properties": {"row": {"$ref": "#/$defs/Row"}, "whole": {"$ref": "#"}, "tag": {"const": {"$ref": "#/x"}}},
+    }
+    spec = tool_grammar([Tool("function", FunctionDef("f", parameters=params))], "required", False)
+    assert spec is not None
+    schema = json.loads(spec.value.split("fn0: %json ", 1)[1])["properties"]["arguments"]
+    assert schema["properties"]["row"] == {"$ref": "#/properties/arguments/$defs/Row"}
+    assert schema["$defs"]["Row"]["properties"]["next"] == {"$ref": "#/properties/arguments/$defs/Row"}
+    assert schema["properties"]["whole"] == {"$ref": "#/properties/arguments"}
+    assert schema["properties"]["tag"] == {"const": {"$ref": "#/x"}}  # data, not a reference
+    llguidance = pytest.importorskip("llguidance")
+    from workers.engine.runner.grammar import to_grammar
+
+    assert llguidance.LLMatcher.validate_grammar(to_grammar(spec)) == ""
