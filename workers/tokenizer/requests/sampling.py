@@ -91,6 +91,7 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None  # a tenant's prefix-cache isolation: dropped unread, a client would think it had it
 
     @property
     def include_usage(self) -> bool:
@@ -147,6 +148,7 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
         ("spaces_between_special_tokens", not req.spaces_between_special_tokens,
          "answers are decoded without special tokens"),
         ("return_tokens_as_token_ids", bool(req.return_tokens_as_token_ids), "logprobs name tokens by their text"),
+        ("cache_salt", req.cache_salt is not None, "prefix-cache salts are not served"),
     ))
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it: it would change nothing
         raise BadRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",

@@ -236,6 +236,7 @@ UNSERVED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     ({"truncate_prompt_tokens": 5}, {"truncate_prompt_tokens": None}, "truncate_prompt_tokens"),
     ({"spaces_between_special_tokens": False}, {"spaces_between_special_tokens": True}, "spaces_between_special_tokens"),
     ({"return_tokens_as_token_ids": True}, {"return_tokens_as_token_ids": False}, "return_tokens_as_token_ids"),
+    ({"cache_salt": "tenant-a"}, {"cache_salt": None}, "cache_salt"),
     ({"structured_outputs": {"structural_tag": "{}"}}, {"structured_outputs": {"regex": "a+"}},
      "structured_outputs.structural_tag"),
     ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
