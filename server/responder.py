@@ -146,8 +146,23 @@ class Answer:
 
 
 class ChatAnswer(Answer):
+    def __init__(self, rid: str, created: int, accepted: RequestAccepted) -> None:
+        super().__init__(rid, created, accepted)
+        self.tokens_sent = [0] * len(self.choices)  # a stream: each choice's completion tokens as of its last event
+        self.called = [False] * len(self.choices)  # a stream: the choice has sent tool-call deltas
+
     def start(self) -> bytes:
         return b"".join(self._event([ChunkChoice(c.index, Delta(role="assistant", content=""))]) for c in self.choices)
+
+    def _held(self, c: ChoiceState) -> bool:
+        """New tokens that added no text yet (their bytes end inside a UTF-8 character). vLLM still streams their
+        chunk (``content: ""``) and `vllm bench serve` counts each chunk as an inter-token gap. Not with a reasoning
+        parser or once tool calls came (their markers and argument text add nothing either, and vLLM's parsers
+        answer such tokens with no chunk)."""
+        return c.completion_tokens > self.tokens_sent[c.index] and c.reasoning_tokens is None and not self.called[c.index]
+
+    def _due(self, c: ChoiceState) -> bool:
+        return super()._due(c) or self._held(c)
 
     def _event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
         usage = usage or self.running_usage()
@@ -162,7 +177,10 @@ class ChatAnswer(Answer):
         thought = "".join(c.reasoning) or None
         calls = [_call_delta(d) for d in c.calls] or None
         out = b""
-        if text or thought or calls or c.logprobs:
+        held = self._held(c)
+        self.tokens_sent[c.index] = c.completion_tokens
+        self.called[c.index] = self.called[c.index] or bool(calls)
+        if text or thought or calls or c.logprobs or held:
             delta = Delta(content=text if text or not (calls or thought) else None, reasoning_content=thought,
                           reasoning=thought, tool_calls=calls)
             out = self._event([ChunkChoice(c.index, delta, None, self._logprobs(c))])

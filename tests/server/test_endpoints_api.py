@@ -219,6 +219,32 @@ def test_a_token_that_adds_no_text_yet_still_gets_its_chunk(live: LiveServer) ->
     assert firsts[-1] == "", firsts  # the held first token's own chunk, before the token that completes its text
 
 
+def test_a_chat_token_that_adds_no_text_yet_still_gets_its_chunk(live: LiveServer) -> None:
+    """The same on /v1/chat/completions, read as `vllm bench serve --backend openai-chat` reads it: every chunk
+    with choices is timed, its text ``choices[0]["delta"].get("content")``."""
+    messages = None
+    for i in range(64):  # a question whose greedy answer has a byte token (U+FFFD in its logprobs) before its end
+        probe = live.client().chat.completions.create(model="demo", messages=[{"role": "user", "content": f"Invoice line {i}:"}],
+                                                      max_tokens=8, temperature=0, logprobs=True)
+        if "\ufffd" in [t.token for t in probe.choices[0].logprobs.content[:7]]:  # type: ignore[union-attr]
+            messages = [{"role": "user", "content": [{"type": "text", "text": f"Invoice line {i}:"}]}]
+            break
+    assert messages is not None, "no demo question's answer holds a byte token"
+    body = {"model": "demo", "messages": messages, "max_completion_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0}
+    empties = []
+    for _ in range(4):  # a loop that fell behind joins steps into one chunk: one clean run will do
+        with httpx.stream("POST", live.base + "/v1/chat/completions", json=body, timeout=60) as resp:
+            events = [e.removeprefix("data: ") for e in "".join(resp.iter_text()).split("\n\n") if e.strip()]
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        contents = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+        assert "".join(t or "" for t in contents) == probe.choices[0].message.content
+        empties.append(contents[1:].count(""))  # contents[0]: the role chunk's ""
+        if empties[-1]:
+            break
+    assert empties[-1] >= 1, empties  # the held token's own chunk
+
+
 def generate(server: LiveServer, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(server.base + "/generate", json=body, timeout=60)
 
