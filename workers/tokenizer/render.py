@@ -34,6 +34,7 @@ from workers.tokenizer.requests.chat import (
 )
 from workers.tokenizer.requests.chat_prompt import chat_prompt, template_options
 from workers.tokenizer.requests.completion import CompletionRequest, prepare_completion
+from workers.tokenizer.requests.image_data import RawPromptChat, raw_prompt
 from workers.tokenizer.requests.sampling import hold_to_budget
 from workers.tokenizer.worker import Admitted, TokenizerWorker
 
@@ -161,8 +162,11 @@ def _render_chat(
     videos = worker.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts only: nothing decoded
     metas = [ImageInfo(im.hash, im.grid, processor.tokens_for_grid(im.grid)) for im in order]
     media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
-    options = template_options(chat, processor.template.reads)  # may refuse a field
-    _, prompt = chat_prompt(processor, chat, media, options)
+    if isinstance(chat, RawPromptChat):  # a completions body with image_data: the client's own prompt text
+        _, prompt = raw_prompt(processor, chat, media)
+    else:
+        options = template_options(chat, processor.template.reads)  # may refuse a field
+        _, prompt = chat_prompt(processor, chat, media, options)
     # The generation's sampling checks too (context length, max_tokens, structured outputs): a render that succeeds
     # is a request that would be served.
     sampling = to_sampling_params(
@@ -176,4 +180,4 @@ def _render_chat(
     info = processor.info
     ids = vllm_tokens(prompt.input_ids, 0, items, info.image_token_id, info.video_token_id)
     answer = Rendered(req.rid, ids, features(items), _sampling_json(sampling), chat.model)
-    return _encoder.encode(answer)
+    return _encoder.encode([answer] if req.endpoint == "completion" else answer)  # a completions render is a list

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ipc.control import RequestFailed
 from ipc.prompts import TokenizedRequest
-from ipc.requests import GenerateRequest, RequestAccepted
+from ipc.requests import RENDER_ENDPOINTS, GenerateRequest, RequestAccepted
 from ipc.stats import SchedulerStats, TokenizerStats
 from workers.common.errors import BadRequest
 from workers.common.reasoning_markers import opens_inside
@@ -62,10 +62,16 @@ from workers.tokenizer.requests.chat import (
 )
 from workers.tokenizer.requests.chat_prompt import chat_prompt, template_options
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion, prepare_completion
+from workers.tokenizer.requests.image_data import (
+    RawPromptChat,
+    completion_images,
+    completion_names,
+    raw_prompt,
+)
 from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.reasoning import continued_text
 from workers.tokenizer.requests.sampling import hold_to_budget
-from workers.tokenizer.requests.sglang_generate import RawPromptChat, parse_generate, raw_prompt, sglang_names
+from workers.tokenizer.requests.sglang_generate import parse_generate, sglang_names
 from workers.tokenizer.requests.structured import structured_spec
 from workers.tokenizer.requests.vllm_generate import parse_vllm_generate, vllm_names
 
@@ -189,6 +195,8 @@ class TokenizerWorker:
                 exc = sglang_names(exc, req.body)  # told in /generate's field names
             elif req.endpoint == "vllm_generate":
                 exc = vllm_names(exc)
+            elif RENDER_ENDPOINTS.get(req.endpoint, req.endpoint) == "completion":
+                exc = completion_names(exc)  # with image_data, its chat request's refusals in its own names
             # Client mistakes are the frontend's access log's business; overload is the operator's.
             level = logging.WARNING if exc.status >= 500 else logging.DEBUG
             self.log.log(level, "request %s refused: %d %s", req.rid, exc.status, exc.message)
@@ -202,7 +210,7 @@ class TokenizerWorker:
         (workers/tokenizer/render.py) writes no segment, so shm pressure does not refuse it, and is not counted."""
         self.requests += 0 if render else 1
         served = self.config.served_model_name
-        chat = (parse_completion(req.body) if req.endpoint == "completion"
+        chat = (completion_images(parse_completion(req.body)) if req.endpoint == "completion"
                 else parse_generate(req.body, served) if req.endpoint == "generate"
                 else parse_vllm_generate(req.body, served) if req.endpoint == "vllm_generate"
                 else parse_request(req.body))  # fmt: skip
@@ -290,7 +298,7 @@ class TokenizerWorker:
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
-        if isinstance(chat, RawPromptChat):  # /generate with images: the client's own prompt text
+        if isinstance(chat, RawPromptChat):  # /generate or /v1/completions with images: the client's own prompt text
             rendered, prompt = raw_prompt(self.processor, chat, media)
         else:
             options = template_options(chat, self.processor.template.reads)  # may refuse a field
@@ -300,7 +308,9 @@ class TokenizerWorker:
             validate=self.structured.check, tool_tags=self.structured.tool_tags,
         )
         sampling = hold_to_budget(sampling, chat, self.config.max_logprob_entries)  # docs/limits.md
-        parser = self.config.reasoning_parser
+        # A raw prompt's answer is raw text, as a text completion's is: its reasoning is not split off (it would be
+        # dropped, neither answer shape has a place for it).
+        parser = "" if isinstance(chat, RawPromptChat) else self.config.reasoning_parser
         # (the prompt's end is the template's generation prompt: its last pieces, not the whole text; or the
         # assistant message it continues, which the prompt ends with)
         prompt_end = "".join(text for text, _ in rendered.pieces[-2:])
@@ -322,10 +332,12 @@ class TokenizerWorker:
         self.shm_bytes += new_bytes
         items = media_items(prompt.spans, order, videos, [r.uuid for r in refs], [r.uuid for r in admitted.videos.refs])
         n = len(prompt.input_ids)
+        raw = isinstance(chat, RawPromptChat)  # answered in its endpoint's shape (/generate's, or completions')
+        echo = chat.raw_prompt if isinstance(chat, RawPromptChat) and chat.echo_prompt else ""
         accepted = RequestAccepted(
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
-            "generate" if isinstance(chat, RawPromptChat) else "chat", logprobs=sampling.logprobs is not None,
-            continuous_usage=chat.continuous_usage,
+            req.endpoint if raw else "chat", echo=echo,
+            logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
         )
         tools = tool_parser(chat, self.processor.template.tool_format)
         tokenized = TokenizedRequest(

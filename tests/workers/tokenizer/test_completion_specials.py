@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from ipc.prompts import TokenizedRequest
 from ipc.requests import GenerateRequest
+from tests.server.live import data_url, png_bytes
 from tests.workers.tokenizer.harness import MODEL, server_config
 from workers.engine.prompt.chat_template import added_specials
 from workers.tokenizer.worker import TokenizerWorker
@@ -45,13 +46,18 @@ def worker(bos_model: Path, launch_id: str) -> Iterator[TokenizerWorker]:
     w.close()
 
 
-def ids_of(worker: TokenizerWorker, **body: object) -> list[int]:
-    raw = json.dumps({"model": MODEL, "max_tokens": 2, **body}).encode()
-    result = worker.handle(GenerateRequest("r", memoryview(raw), 0.0, "completion"))
+def prepared(worker: TokenizerWorker, endpoint: str = "completion", **body: object) -> TokenizedRequest:
+    raw = json.dumps({"model": MODEL, **({"max_tokens": 2} if endpoint == "completion" else {}), **body}).encode()
+    result = worker.handle(GenerateRequest("r", memoryview(raw), 0.0, endpoint))
     assert isinstance(result, tuple), result
     request = result[1]
     assert isinstance(request, TokenizedRequest)
-    return list(request.input_ids)
+    worker.prep.release(request.shm_names)  # an image's segment: no scheduler here to unlink it
+    return request
+
+
+def ids_of(worker: TokenizerWorker, **body: object) -> list[int]:
+    return list(prepared(worker, **body).input_ids)
 
 
 def test_text_prompts_get_the_tokenizers_specials_unless_asked_not_to(worker: TokenizerWorker, bos_model: Path) -> None:
@@ -62,6 +68,21 @@ def test_text_prompts_get_the_tokenizers_specials_unless_asked_not_to(worker: To
     assert ids_of(worker, prompt=text) == list(tok(text)["input_ids"]) == [bos, *tok(text, add_special_tokens=False)["input_ids"]]
     assert ids_of(worker, prompt=text, add_special_tokens=False) == list(tok(text, add_special_tokens=False)["input_ids"])
     assert ids_of(worker, prompt=[7, 8, 9]) == [7, 8, 9]  # token ids: as sent
+
+
+def test_a_prompt_with_image_data_gets_them_too(worker: TokenizerWorker, bos_model: Path) -> None:
+    """SGLang's image_data on /v1/completions: the specials lead the prompt and its image span moves past them;
+    /generate's raw prompt gets none (its text is taken as sent)."""
+    tok = AutoTokenizer.from_pretrained(bos_model)
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    text = "<|vision_start|><|image_pad|><|vision_end|>Read it."
+    image = data_url(png_bytes(64, 64, seed=3))
+    plain = prepared(worker, prompt=text, image_data=image, add_special_tokens=False)
+    served = prepared(worker, prompt=text, image_data=image)
+    assert list(served.input_ids) == [bos, *plain.input_ids]
+    assert [i.offset for i in served.items] == [i.offset + 1 for i in plain.items] and plain.items
+    native = prepared(worker, "generate", text=text, image_data=image)
+    assert native.input_ids == plain.input_ids
 
 
 def test_a_tokenizer_that_adds_nothing_changes_nothing(demo_model_dir: Path) -> None:

@@ -1,4 +1,5 @@
-"""The OpenAI (legacy) completions request: a raw prompt, no chat template, no images.
+"""The OpenAI (legacy) completions request: a raw prompt, no chat template; images only through SGLang's
+``image_data`` (workers/tokenizer/requests/image_data.py serves such a request on the chat path).
 
 The prompt is a string, tokenized as the model's own text (special-token strings in it are control
 tokens: a raw prompt is how a client writes its own template), or token ids; or a batch of them (a list of
@@ -64,8 +65,11 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
     # vLLM's: a text prompt gets the special tokens the tokenizer adds of its own accord (Gemma's <bos>; none for
     # Qwen's), as ``tokenizer(prompt)`` does. Token-id prompts are taken as sent.
     add_special_tokens: bool = True
-    # vLLM's multimodal processor settings: checked as for chat (a prompt here has no images to apply them to).
+    # vLLM's multimodal processor settings: checked as for chat, applied to image_data's images.
     mm_processor_kwargs: dict[str, Any] | None = None
+    # SGLang's images beside the prompt (``sglang.bench_serving --backend sglang-oai`` sends them): one or a list of
+    # URLs, paths or base64, checked and served by image_data.completion_images; None or "": a text prompt.
+    image_data: Any = None
 
 
 _decoder = msgspec.json.Decoder(CompletionRequest)

@@ -3,11 +3,9 @@ or token ids in ``input_ids``; one or a batch) and ``sampling_params`` in SGLang
 ``python -m sglang.bench_serving`` sends with its default backend (``sglang``), so that client measures glimpse
 without a flag of its own.
 
-With ``image_data`` the body is served as a chat request whose prompt is the client's own text (``RawPromptChat``):
-the images are its message's image parts, so downloads, hashing, the caches and shared memory are the chat path's,
-and only the chat template is skipped. The text holds one image placeholder per image, in order, as the model's
-chat template writes them (Qwen: ``<|vision_start|><|image_pad|><|vision_end|>``), which is what bench_serving's
-image datasets send.
+With ``image_data`` the body is served as a chat request whose prompt is the client's own text (``RawPromptChat``,
+workers/tokenizer/requests/image_data.py, which /v1/completions shares): the text holds one image placeholder per
+image, in order, as the model's chat template writes them, which is what bench_serving's image datasets send.
 
 Every field either maps onto a request field or is refused with a 400 naming it (``sampling_params.<key>`` for the
 sampling keys; log probabilities are served on /v1/completions). A refusal is reported under the /generate name of
@@ -16,19 +14,19 @@ the field (``sglang_names``).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from workers.common.errors import BadRequest
-from workers.engine.prompt.chat_template import Rendered
-from workers.engine.prompt.media_items import ImageMeta, Prompt
-from workers.engine.prompt.processor import MMProcessor
-from workers.engine.prompt.video_prompt import VideoMeta
-from workers.tokenizer.requests.chat import ChatCompletionRequest, parse_with
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion
+from workers.tokenizer.requests.image_data import (
+    RawPromptChat,
+    image_param,
+    image_urls,
+    raw_prompt_chat,
+    renamed,
+)
 from workers.tokenizer.requests.native_body import BodyFieldRefused, BodyFields, top_level
 from workers.tokenizer.requests.sampling import range_error, unsupported
 
@@ -102,16 +100,6 @@ for _name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
 _IGNORED = frozenset({"rid", "log_metrics", "modalities", "logprob_start_len", "top_logprobs_num",
                       "return_text_in_logprobs", "data_parallel_rank", "stream_output", "text_only"})
 _TAKEN = frozenset({"text", "input_ids", "sampling_params", "stream", "model", "image_data"})
-_IMAGE_CODES = frozenset({"too_many_images", "images_too_large"})
-
-
-class RawPromptChat(ChatCompletionRequest, frozen=True, kw_only=True):
-    """A /generate body with images, as a chat request of one user message (the text, then one image part per
-    image) whose prompt is ``raw_prompt`` as sent, not the chat template's rendering of that message."""
-
-    raw_prompt: str
-
-
 _FIELDS = BodyFields(_TAKEN | _IGNORED, _DEFAULTS, _WHY_REFUSED, "a /generate field")
 
 
@@ -126,61 +114,14 @@ def parse_generate(body: bytes | memoryview, served_model: str) -> CompletionReq
     if structured:
         completion["structured_outputs"] = structured
     completion.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
-    images = _images(fields.get("image_data"))
+    images = image_urls(fields.get("image_data"))
     if not images:
         return parse_completion(msgspec.json.encode(completion))
     text = completion.pop("prompt")
     if not isinstance(text, str):
         raise unsupported("input_ids" if fields.get("text") is None else "text",
                           "with image_data, send one prompt as text (its image placeholders are expanded here)")
-    parts = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": url}} for url in images)]
-    completion.update(messages=[{"role": "user", "content": parts}], raw_prompt=text)
-    return parse_with(_raw_decoder, msgspec.json.encode(completion))
-
-
-_raw_decoder = msgspec.json.Decoder(RawPromptChat)
-
-
-def _images(data: Any) -> list[str]:
-    """``image_data`` as image URLs: SGLang takes one or a list, each a URL (data:, http(s):, file:), a local path
-    or bare base64 (taken as a data URL: the decoder reads the format from the bytes)."""
-    if data is None or data == "":
-        return []
-    items = [data] if isinstance(data, str) else data
-    if not isinstance(items, list) or not all(isinstance(i, str) and i for i in items):
-        raise range_error("image_data", "a value of that shape", "that is an image (a URL, path or base64) or a list")
-    urls = []
-    for item in items:
-        if item[:8].lower().startswith(("data:", "http://", "https://", "file://")):  # schemes are case-insensitive
-            urls.append(item)
-        elif item.startswith("/") and not _is_bare_base64(item):
-            urls.append("file://" + item)  # served only under --allowed-local-media-path, as any file: URL
-        else:
-            urls.append("data:image/png;base64," + item)
-    return urls
-
-
-# Every JPEG's base64 starts with "/9j/" (FF D8 FF), so a leading "/" alone does not make a path: a string of base64
-# characters only (line breaks allowed, as `base64` wraps) in whole quads is the image itself; a path has a "." or
-# "-" or "_", or a length base64 cannot have. A character class, not a pattern per quad: this runs over megabytes.
-_BASE64_CHARS = re.compile(r"[A-Za-z0-9+/=\s]+")
-
-
-def _is_bare_base64(item: str) -> bool:
-    return _BASE64_CHARS.fullmatch(item) is not None and (len(item) - sum(map(item.count, " \t\r\n"))) % 4 == 0
-
-
-def raw_prompt(
-    processor: MMProcessor, chat: RawPromptChat, media: Sequence[ImageMeta | VideoMeta]
-) -> tuple[Rendered, Prompt]:
-    """A RawPromptChat's prompt: its text tokenized as the model's own (control tokens included), each image
-    placeholder expanded into its image's span."""
-    rendered = Rendered([(chat.raw_prompt, False)])
-    try:
-        return rendered, processor.build(rendered, media)
-    except ValueError as exc:
-        raise BadRequest(f"The text cannot take these images: {exc}. Write one image placeholder per image, in order, "
-                         "as the model's chat template does.", param="image_data") from None
+    return raw_prompt_chat(completion, text, images)
 
 
 def _prompt(fields: dict[str, Any]) -> str | list[Any]:
@@ -239,12 +180,7 @@ def sglang_names(exc: BadRequest, body: bytes | memoryview) -> BadRequest:
         return exc
     head, _, rest = param.partition("[")
     if head == "messages":  # a body with images, as its chat request: the text is part 0, image k part k + 1
-        part = re.match(r"messages\[0\]\.content\[(\d+)\]", param)
-        if part is not None:
-            index = int(part.group(1))
-            name = f"image_data[{index - 1}]" if index else "text"
-        else:
-            name = "image_data" if exc.code in _IMAGE_CODES else "text"
+        name = image_param(param, exc.code, "text")
     elif head == "prompt":
         try:
             ids = _top.decode(body).get("input_ids")
@@ -253,5 +189,4 @@ def sglang_names(exc: BadRequest, body: bytes | memoryview) -> BadRequest:
         name = ("text" if ids is None or bytes(ids) == b"null" else "input_ids") + (f"[{rest}" if rest else "")
     else:
         name = _SGLANG_NAME.get(param, _SGLANG_NAME.get(head, param))
-    message = exc.message.replace(f"'{param}'", f"'{name}'")
-    return BadRequest(message, status=exc.status, param=name, code=exc.code, type=exc.type)
+    return renamed(exc, name)

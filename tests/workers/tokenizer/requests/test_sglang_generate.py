@@ -12,12 +12,8 @@ import pytest
 from workers.common.errors import BadRequest
 from workers.tokenizer.requests.chat import ImagePart, TextPart
 from workers.tokenizer.requests.completion import CompletionRequest
-from workers.tokenizer.requests.sglang_generate import (
-    DEFAULT_MAX_NEW_TOKENS,
-    RawPromptChat,
-    parse_generate,
-    sglang_names,
-)
+from workers.tokenizer.requests.image_data import RawPromptChat
+from workers.tokenizer.requests.sglang_generate import DEFAULT_MAX_NEW_TOKENS, parse_generate, sglang_names
 
 
 def parse(**body: Any) -> CompletionRequest:
