@@ -39,7 +39,7 @@ from server.frontend import (
 )
 from server.generate_answer import GenerateAnswer, TokensAnswer
 from server.middleware import ApiKeyMiddleware, CorsMiddleware
-from server.protocol import error_response, is_json
+from server.protocol import BodyTooLarge, error_response, is_json, read_body
 from server.render_api import RENDER_PATHS, render_answer
 from server.responder import Answer, ChatAnswer
 from server.stats import RequestCounters
@@ -218,24 +218,6 @@ class ChatResponder:
                 return "ok"
 
 
-class _TooLarge(Exception):
-    pass
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise _TooLarge  # refuse before reading a byte
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:  # chunked uploads have no Content-Length to check up front
-            raise _TooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     """The OpenAI-compatible app over `state`. Its lifespan starts the pump; closing is the launcher's."""
 
@@ -253,8 +235,8 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
             message = "The request body must be JSON: send it with 'Content-Type: application/json'."
             return error_response(400, message, code="invalid_content_type")
         try:
-            return await _read_body(request, config.max_body_bytes)
-        except _TooLarge:
+            return await read_body(request, config.max_body_bytes)
+        except BodyTooLarge:
             counters.failed += 1
             message = f"Request body exceeds {config.max_body_bytes} bytes."
             return error_response(413, message, code="request_too_large")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import msgspec
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Send
 
@@ -257,3 +258,23 @@ class ModelCard(msgspec.Struct, kw_only=True):
 class ModelList(msgspec.Struct, kw_only=True):
     object: str = "list"
     data: list[ModelCard]
+
+
+class BodyTooLarge(Exception):
+    """A request body over its endpoint's limit (413)."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused (BodyTooLarge) as soon as it passes ``limit`` bytes: by its Content-Length before a
+    byte is read, or while a chunked upload, which has none, arrives."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.config import ServerConfig
-from server.protocol import encode, error_response, is_json
+from server.protocol import BodyTooLarge, encode, error_response, is_json, read_body
 from workers.common.errors import BadRequest
 from workers.common.text_bound import max_text_chars
 from workers.engine.prompt.chat_template import ChatTemplate
@@ -99,19 +99,12 @@ class TokenizerEndpoints:
     async def _body(self, request: Request, kind: type[Any]) -> Any:
         if not is_json(request.headers.get("content-type", "")):
             raise _BadRequest("The request body must be JSON: send it with 'Content-Type: application/json'.", "body")
-        too_large = _BadRequest(f"Request body exceeds {MAX_BODY_BYTES} bytes.", "body", 413, "request_too_large")
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise too_large
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:  # a chunked upload has no Content-Length: without this it was read whole
-                raise too_large
-            chunks.append(chunk)
         try:
-            return msgspec.json.decode(b"".join(chunks), type=kind)
+            raw = await read_body(request, MAX_BODY_BYTES)
+        except BodyTooLarge:
+            raise _BadRequest(f"Request body exceeds {MAX_BODY_BYTES} bytes.", "body", 413, "request_too_large") from None
+        try:
+            return msgspec.json.decode(raw, type=kind)
         except msgspec.ValidationError as exc:
             raise _BadRequest(f"Invalid request: {exc}", _param(str(exc))) from None
         except (msgspec.DecodeError, RecursionError):  # msgspec's guard against deep nesting, even in unknown keys

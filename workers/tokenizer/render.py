@@ -32,9 +32,8 @@ from workers.tokenizer.requests.chat import (
     ImageRef,
     to_sampling_params,
 )
-from workers.tokenizer.requests.chat_prompt import chat_prompt, template_options
 from workers.tokenizer.requests.completion import CompletionRequest, prepare_completion
-from workers.tokenizer.requests.image_data import RawPromptChat, raw_prompt
+from workers.tokenizer.requests.image_data import served_prompt
 from workers.tokenizer.requests.sampling import hold_to_budget
 from workers.tokenizer.worker import Admitted, TokenizerWorker
 
@@ -162,11 +161,7 @@ def _render_chat(
     videos = worker.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts only: nothing decoded
     metas = [ImageInfo(im.hash, im.grid, processor.tokens_for_grid(im.grid)) for im in order]
     media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
-    if isinstance(chat, RawPromptChat):  # a completions body with image_data: the client's own prompt text
-        _, prompt = raw_prompt(processor, chat, media)
-    else:
-        options = template_options(chat, processor.template.reads)  # may refuse a field
-        _, prompt = chat_prompt(processor, chat, media, options)
+    _, prompt = served_prompt(processor, chat, media)
     # The generation's sampling checks too (context length, max_tokens, structured outputs): a render that succeeds
     # is a request that would be served.
     sampling = to_sampling_params(

@@ -60,13 +60,12 @@ from workers.tokenizer.requests.chat import (
     tool_parser,
     video_refs,
 )
-from workers.tokenizer.requests.chat_prompt import chat_prompt, template_options
 from workers.tokenizer.requests.completion import CompletionRequest, parse_completion, prepare_completion
 from workers.tokenizer.requests.image_data import (
     RawPromptChat,
     completion_images,
     completion_names,
-    raw_prompt,
+    served_prompt,
 )
 from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.reasoning import continued_text
@@ -298,11 +297,8 @@ class TokenizerWorker:
         metas = [ImageInfo(im.hash, im.grid, self.processor.tokens_for_grid(im.grid)) for im in order]
         videos = self.videos.plan(admitted.videos) if admitted.videos.refs else []  # layouts: nothing decoded
         media: list[ImageInfo | VideoMeta] = [*metas, *(v.meta for v in videos)]
-        if isinstance(chat, RawPromptChat):  # /generate or /v1/completions with images: the client's own prompt text
-            rendered, prompt = raw_prompt(self.processor, chat, media)
-        else:
-            options = template_options(chat, self.processor.template.reads)  # may refuse a field
-            rendered, prompt = chat_prompt(self.processor, chat, media, options)
+        rendered, prompt = served_prompt(self.processor, chat, media)
+        raw = chat if isinstance(chat, RawPromptChat) else None  # answered in its endpoint's shape, not chat's
         sampling = to_sampling_params(
             chat, len(prompt.input_ids), self.max_model_len, self.config.sampling_defaults, self.processor.info.vocab_size,
             validate=self.structured.check, tool_tags=self.structured.tool_tags,
@@ -310,7 +306,7 @@ class TokenizerWorker:
         sampling = hold_to_budget(sampling, chat, self.config.max_logprob_entries)  # docs/limits.md
         # A raw prompt's answer is raw text, as a text completion's is: its reasoning is not split off (it would be
         # dropped, neither answer shape has a place for it).
-        parser = "" if isinstance(chat, RawPromptChat) else self.config.reasoning_parser
+        parser = "" if raw else self.config.reasoning_parser
         # (the prompt's end is the template's generation prompt: its last pieces, not the whole text; or the
         # assistant message it continues, which the prompt ends with)
         prompt_end = "".join(text for text, _ in rendered.pieces[-2:])
@@ -332,8 +328,7 @@ class TokenizerWorker:
         self.shm_bytes += new_bytes
         items = media_items(prompt.spans, order, videos, [r.uuid for r in refs], [r.uuid for r in admitted.videos.refs])
         n = len(prompt.input_ids)
-        raw = isinstance(chat, RawPromptChat)  # answered in its endpoint's shape (/generate's, or completions')
-        echo = chat.raw_prompt if isinstance(chat, RawPromptChat) and chat.echo_prompt else ""
+        echo = raw.raw_prompt if raw and raw.echo_prompt else ""
         accepted = RequestAccepted(
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
             req.endpoint if raw else "chat", echo=echo,

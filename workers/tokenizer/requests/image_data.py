@@ -22,6 +22,7 @@ from workers.engine.prompt.media_items import ImageMeta, Prompt
 from workers.engine.prompt.processor import MMProcessor
 from workers.engine.prompt.video_prompt import VideoMeta
 from workers.tokenizer.requests.chat import ChatCompletionRequest, parse_with
+from workers.tokenizer.requests.chat_prompt import chat_prompt, template_options
 from workers.tokenizer.requests.completion import CompletionRequest
 from workers.tokenizer.requests.sampling import SamplingFields, range_error, unsupported
 
@@ -93,6 +94,16 @@ def raw_prompt(
     except ValueError as exc:
         raise BadRequest(f"The text cannot take these images: {exc}. Write one image placeholder per image, in order, "
                          "as the model's chat template does.", param="image_data") from None
+
+
+def served_prompt(
+    processor: MMProcessor, chat: ChatCompletionRequest, media: Sequence[ImageMeta | VideoMeta]
+) -> tuple[Rendered, Prompt]:
+    """A chat request's prompt as served: the client's own text for a RawPromptChat (/generate or /v1/completions
+    with images), else the chat template's rendering (whose options may refuse a field)."""
+    if isinstance(chat, RawPromptChat):
+        return raw_prompt(processor, chat, media)
+    return chat_prompt(processor, chat, media, template_options(chat, processor.template.reads))
 
 
 def image_param(param: str, code: str | None, text: str) -> str:
