@@ -122,9 +122,9 @@ def test_naming_the_default_keeps_the_identity(worker: TokenizerWorker) -> None:
     assert ours(worker, video, {"fps": 1}, 0)[1][0].hash != plain[0]
 
 
+@pytest.mark.parametrize("family_dir", ["qwen2_5_vl"], indirect=True)  # Qwen3-VL's processor samples frames itself
 def test_do_sample_frames_false_is_the_qwen2_5_checkpoints_own(worker: TokenizerWorker, hf: Any) -> None:
-    if hf.video_processor.do_sample_frames:
-        pytest.skip("this checkpoint's processor samples frames itself")
+    assert not hf.video_processor.do_sample_frames
     url = f"data:video/mp4;base64,{base64.b64encode(VIDEO).decode()}"
     ids, _ = ours(worker, {"type": "video_url", "video_url": {"url": url}}, {"do_sample_frames": False},
                   worker.processor.info.video_token_id)

@@ -3,8 +3,6 @@ interpreter, bit for bit against the index_copy_ it replaces."""
 
 from __future__ import annotations
 
-import pytest
-
 from tests.workers.engine.kernels.kernel_check import run_kernel_check
 
 CHECK = """
@@ -35,5 +33,4 @@ assert not kv_write_kernel.usable(odd, odd, torch.zeros(2, 1, 4, 2, 64))
 
 
 def test_kernel_writes_what_index_copy_writes() -> None:
-    pytest.importorskip("triton")
     run_kernel_check(CHECK, "kv_write_kernel", "bfloat16")

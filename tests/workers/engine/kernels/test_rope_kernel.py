@@ -95,7 +95,6 @@ assert rope_kernel.lm_rope(torch.zeros(0, 6 * 16), torch.zeros(0, 1, 16), torch.
 
 
 def test_kernel_matches_the_rotary_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
     run_kernel_check(CHECK, "rope_kernel", "float16")
 
 

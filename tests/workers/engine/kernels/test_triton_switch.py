@@ -9,7 +9,6 @@ from workers.engine.kernels.triton_switch import TritonSwitch
 
 
 def test_probe_failures_turn_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("triton")
     monkeypatch.delenv("GLIMPSE_TEST_KERNEL", raising=False)
     switch = TritonSwitch("GLIMPSE_TEST_KERNEL")
     assert switch.on() and switch.probe(lambda: True) and switch.on()
@@ -26,7 +25,6 @@ def test_probe_failures_turn_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_environment_turns_it_off_and_a_reset_reads_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("triton")
     switch = TritonSwitch("GLIMPSE_TEST_KERNEL")
     monkeypatch.setenv("GLIMPSE_TEST_KERNEL", "0")
     ran: list[bool] = []

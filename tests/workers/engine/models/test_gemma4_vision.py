@@ -12,18 +12,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch import Tensor
-
-from workers.engine.kernels import fused
-from workers.engine.models.gemma4.vision import Gemma4VisionTower, VisionSpec, build_vision
-from workers.engine.models.loader import fill_dummy_weights
-
-transformers = pytest.importorskip("transformers")
+import transformers
 from PIL import Image  # noqa: E402  (after the skip: PIL comes with transformers' vision extras)
+from torch import Tensor
 from transformers.models.gemma4.modeling_gemma4 import (  # noqa: E402
     Gemma4MultimodalEmbedder,
     Gemma4VisionModel,
 )
+
+from workers.engine.kernels import fused
+from workers.engine.models.gemma4.vision import Gemma4VisionTower, VisionSpec, build_vision
+from workers.engine.models.loader import fill_dummy_weights
 
 Grid = tuple[int, int, int]
 PATCH = 4  # tiny patches: a few hundred per image at max_soft_tokens 70

@@ -9,11 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from tests.workers.engine.models.vit_harness import encode_one_by_one
 from workers.engine.models.qwen2_5_vl.vision import VisionSpec, VisionTower, load_vision
-
-transformers = pytest.importorskip("transformers")
 
 SIZES = [(57, 83), (300, 200), (123, 77), (640, 480), (29, 29)]  # (width, height) PIL sizes
 

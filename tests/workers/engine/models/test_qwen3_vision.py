@@ -6,11 +6,10 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from tests.workers.engine.models.vit_harness import encode_one_by_one
 from workers.engine.models.qwen3_vl.vision import VisionSpec, VisionTower, build_vision
-
-transformers = pytest.importorskip("transformers")
 
 Grid = tuple[int, int, int]
 PATCH_DIM = 3 * 2 * 16 * 16
