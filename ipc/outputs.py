@@ -39,6 +39,9 @@ class RequestOutput(msgspec.Struct, frozen=True):
     prompt_logprobs: PromptLogprob | None = None  # with the choice's first output, when asked for (packed)
     reasoning: str = ""  # --reasoning-parser: the new text's reasoning part (``text`` is then the content alone)
     reasoning_tokens: int | None = None  # --reasoning-parser: the choice's reasoning tokens so far (None: no parser)
+    # With logprobs: the ids of each token's alternatives, flat (its top_logprobs' count per token, in their order).
+    # OpenAI's shapes name tokens by text; SGLang's /generate names them by id.
+    top_ids: list[int] | None = None
 
 
 class OutputBatch(Msg, frozen=True):

@@ -62,6 +62,10 @@ class RequestAccepted(Msg, frozen=True):
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: choices[].prompt_logprobs, k best each
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
     prompt_counts: list[int] = []  # a batch of prompts: each prompt's tokens (outputs carry the batch's total)
+    # SGLang's /generate with return_logprob: meta_info's input logprobs start at this prompt position (None: no
+    # input logprobs), and each entry's third item is the token's text (SGLang's return_text_in_logprobs).
+    logprob_start_len: int | None = None
+    logprob_text: bool = False
 
 
 class RouteRequest(Msg, frozen=True):

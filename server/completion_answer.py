@@ -49,7 +49,7 @@ def with_chosen(top: dict[str, float], token: str, logprob: float) -> dict[str, 
     return top
 
 
-def _finite(value: float) -> float:
+def finite(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
@@ -73,7 +73,7 @@ class PromptRows:
     def top_ids_at(self, i: int, k: int) -> list[tuple[int, float]]:
         """Position i's (i >= 1) k best alternatives: (token id, logprob), best first."""
         at = (i - 1) * self.k
-        return list(zip(self.top_ids[at : at + k], map(_finite, self.top_logprobs[at : at + k]), strict=True))
+        return list(zip(self.top_ids[at : at + k], map(finite, self.top_logprobs[at : at + k]), strict=True))
 
     def top(self, i: int, k: int) -> list[tuple[str, float]]:
         """The same by token text."""
@@ -90,7 +90,7 @@ def json_list(size: int, items: Callable[[int, int], list[Any]], step: int) -> I
     yield b"]"
 
 
-def _key(name: str) -> bytes:
+def key(name: str) -> bytes:
     return b'"' + name.encode() + b'":'
 
 
@@ -115,7 +115,7 @@ class _EchoLogprobs:
     def values(self, a: int, b: int) -> list[float | None]:
         p = self.prompt
         lead = range(a, min(b, self.lead))
-        head = [None if i == 0 else _finite(p.logprobs[i - 1]) for i in lead] if p is not None else []
+        head = [None if i == 0 else finite(p.logprobs[i - 1]) for i in lead] if p is not None else []
         return head + [e.logprob for e in self._gen(a, b)]
 
     def tops(self, a: int, b: int) -> list[dict[str, float] | None]:
@@ -124,7 +124,7 @@ class _EchoLogprobs:
             if p is None or i == 0:
                 out.append(None)
             else:
-                out.append(with_chosen(dict(p.top(i, self.k)), p.token(i), _finite(p.logprobs[i - 1])))
+                out.append(with_chosen(dict(p.top(i, self.k)), p.token(i), finite(p.logprobs[i - 1])))
         return out + [with_chosen({t.token: t.logprob for t in e.top_logprobs}, e.token, e.logprob) for e in self._gen(a, b)]
 
     def offsets(self) -> Iterator[bytes]:
@@ -140,13 +140,13 @@ class _EchoLogprobs:
         return json_list(len(values), lambda a, b: values[a:b], _SLICE_ENTRIES)
 
     def pieces(self) -> Iterator[bytes]:
-        yield b"{" + _key("tokens")
+        yield b"{" + key("tokens")
         yield from json_list(self.size, self.tokens, self.step)
-        yield b"," + _key("token_logprobs")
+        yield b"," + key("token_logprobs")
         yield from json_list(self.size, self.values, self.step)
-        yield b"," + _key("top_logprobs")
+        yield b"," + key("top_logprobs")
         yield from json_list(self.size, self.tops, self.step)
-        yield b"," + _key("text_offset")
+        yield b"," + key("text_offset")
         yield from self.offsets()
         yield b"}"
 
@@ -161,7 +161,7 @@ def _ranked(prompt: PromptRows, k: int) -> Iterator[bytes]:
                 out.append(None)
                 continue
             tid = prompt.ids[i]
-            entries = {str(tid): RankedLogprob(_finite(prompt.logprobs[i - 1]), prompt.ranks[i - 1], prompt.text[tid])}
+            entries = {str(tid): RankedLogprob(finite(prompt.logprobs[i - 1]), prompt.ranks[i - 1], prompt.text[tid])}
             for rank, (t, lp) in enumerate(prompt.top_ids_at(i, k), 1):
                 entries.setdefault(str(t), RankedLogprob(lp, rank, prompt.text[t]))
             out.append(entries)
@@ -215,26 +215,26 @@ class CompletionAnswer(Answer):
     def _choice_pieces(
         index: int, text: str, logprobs: _EchoLogprobs | None, reason: str | None, ranked: PromptRows | None, k: int
     ) -> Iterator[bytes]:
-        yield b"{" + _key("index") + encode(index) + b"," + _key("text") + encode(text) + b"," + _key("logprobs")
+        yield b"{" + key("index") + encode(index) + b"," + key("text") + encode(text) + b"," + key("logprobs")
         if logprobs is None:
             yield b"null"
         else:
             yield from logprobs.pieces()
-        yield b"," + _key("finish_reason") + encode(reason)
+        yield b"," + key("finish_reason") + encode(reason)
         if ranked is not None:
-            yield b"," + _key("prompt_logprobs")
+            yield b"," + key("prompt_logprobs")
             yield from _ranked(ranked, k)
         yield b"}"
 
     def _document(self, choices: Iterable[Iterator[bytes]], usage: Usage | None) -> Iterator[bytes]:
         """A ``text_completion`` object: id, object, created, model, choices, then usage when there is one."""
-        yield (b"{" + _key("id") + encode(self.rid) + b"," + _key("object") + b'"text_completion",' + _key("created")
-               + encode(self.created) + b"," + _key("model") + encode(self.model) + b"," + _key("choices") + b"[")
+        yield (b"{" + key("id") + encode(self.rid) + b"," + key("object") + b'"text_completion",' + key("created")
+               + encode(self.created) + b"," + key("model") + encode(self.model) + b"," + key("choices") + b"[")
         for n, choice in enumerate(choices):
             if n:
                 yield b","
             yield from choice
-        yield b"]" + (b"," + _key("usage") + encode(usage) if usage is not None else b"") + b"}"
+        yield b"]" + (b"," + key("usage") + encode(usage) if usage is not None else b"") + b"}"
 
     def _event(self, choices: list[Iterator[bytes]], usage: Usage | None) -> Iterator[bytes]:
         yield b"data: "

@@ -311,7 +311,7 @@ def test_sglang_generate_batches_and_refusals(live: LiveServer) -> None:
         ({"text": PROMPT, "image_data": png}, "image_data"),  # the text has no image placeholder
         ({"text": PROMPT, "image_data": [png, 5]}, "image_data"),
         ({"text": PROMPT, "image_data": "data:image/png;base64,iVBORw0KGgo="}, "image_data[0]"),  # not an image
-        ({"text": PROMPT, "return_logprob": True}, "return_logprob"),
+        ({"text": PROMPT, "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
         ({"text": PROMPT, "lora_path": "adapter"}, "lora_path"),
         ({"text": PROMPT, "priority": 5}, "priority"),
         ({"text": PROMPT, "frobnicate": 1}, "frobnicate"),

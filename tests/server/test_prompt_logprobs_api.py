@@ -6,6 +6,7 @@ The server prefills in 16-token chunks, so most prompts here span several chunks
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,3 +202,39 @@ def test_streamed_echo_logprobs_equal_the_whole_answer(live: LiveServer, ref: HF
     offsets = [v for c in parts if c.logprobs for v in c.logprobs.text_offset]
     assert tokens == whole.logprobs.tokens and values == whole.logprobs.token_logprobs
     assert offsets == whole.logprobs.text_offset
+
+
+def test_sglang_generate_return_logprob_as_lm_eval_reads_it(live: LiveServer, ref: HFReference, text_of: LogprobRenderer) -> None:
+    """lm-eval's ``sglang-generate`` loglikelihood: a batch of token ids, max_new_tokens 1, the prompt's logprobs from
+    position 0 with the best alternative; it sums input_token_logprobs[ctxlen:] and compares each with the best."""
+    ids = ids_of(ref, LONG)
+    body = {"input_ids": [ids], "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "logprob_start_len": 0,
+            "top_logprobs_num": 1, "return_logprob": True}  # fmt: skip
+    resp = httpx.post(live.base + "/generate", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    [out] = resp.json()  # a batch (of one): a list, as SGLang answers it
+    meta, lp = out["meta_info"], log_softmax(ref, ids)
+    inputs, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    assert [e[1] for e in inputs] == ids and inputs[0] == [None, ids[0], None] and tops[0] is None
+    for i in range(1, len(ids)):
+        assert abs(inputs[i][0] - float(lp[i - 1, ids[i]])) < 1e-4 and inputs[i][2] is None, i
+        [[value, best, text]] = tops[i]
+        assert best == int(lp[i - 1].argmax()) and abs(value - float(lp[i - 1, best])) < 1e-4 and text is None, i
+    ctxlen = 7
+    expected = float(sum(lp[i - 1, ids[i]] for i in range(ctxlen, len(ids))))
+    assert abs(sum(e[0] for e in inputs[ctxlen:]) - expected) < 1e-3
+    [[value, token, _]] = meta["output_token_logprobs"]
+    assert token == out["output_ids"][0] == int(lp[-1].argmax()) and abs(value - float(lp[-1, token])) < 1e-4
+    assert meta["output_top_logprobs"] == [[[value, token, None]]]
+
+    # Streamed, from position 3, with texts: the prompt's entries in the first event, each token's in its own.
+    body = {"text": SHORT, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+            "logprob_start_len": 3, "return_logprob": True, "return_text_in_logprobs": True, "stream": True}
+    with httpx.stream("POST", live.base + "/generate", json=body, timeout=60) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    short = ids_of(ref, SHORT)
+    first = events[0]["meta_info"]["input_token_logprobs"]
+    assert [(e[1], e[2]) for e in first] == [(t, text_of.token(t)[0]) for t in short[3:]]
+    generated = [e for ev in events for e in ev["meta_info"]["output_token_logprobs"]]
+    assert [e[1] for e in generated] == [i for ev in events for i in ev["output_ids"]] and len(generated) == 3
+    assert all(e[2] == text_of.token(e[1])[0] for e in generated) and "output_top_logprobs" not in events[0]["meta_info"]

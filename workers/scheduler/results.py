@@ -60,10 +60,11 @@ class StepResults(Intake):
                     del self.tool_outputs[update.rid]
             usage = (stream.prompt_tokens, stream.completion_tokens)
             lps = [self.logprobs.render(t, update.logprobs) for t in token] if update.logprobs is not None else None
+            top_ids = list(update.logprobs.top_ids) if update.logprobs is not None and token else None
             outputs.append(
                 RequestOutput(
                     update.request_id, text, token, reason, *usage, lps, update.index, update.cached_tokens,
-                    calls, self.prompt_logprobs.take(update.rid), reasoning, reasoning_tokens,
+                    calls, self.prompt_logprobs.take(update.rid), reasoning, reasoning_tokens, top_ids,
                 )
             )
         self._flush_unlinks()

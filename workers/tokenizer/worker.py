@@ -25,6 +25,8 @@ import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ipc.control import RequestFailed
 from ipc.prompts import TokenizedRequest
 from ipc.requests import RENDER_ENDPOINTS, GenerateRequest, RequestAccepted
@@ -70,7 +72,7 @@ from workers.tokenizer.requests.image_data import (
 from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.reasoning import continued_text
 from workers.tokenizer.requests.sampling import hold_to_budget
-from workers.tokenizer.requests.sglang_generate import parse_generate, sglang_names
+from workers.tokenizer.requests.sglang_generate import GenerateLogprobs, parse_generate, sglang_names
 from workers.tokenizer.requests.structured import structured_spec
 from workers.tokenizer.requests.vllm_generate import parse_vllm_generate, vllm_names
 
@@ -97,6 +99,7 @@ class Admitted:
     raws: list[Encoded | None]  # None: an http(s) image not downloaded yet
     videos: VideoInputs = field(default_factory=VideoInputs)
     settings: ProcessorSettings = field(default_factory=ProcessorSettings)  # mm_processor_kwargs
+    logprobs: GenerateLogprobs | None = None  # /generate with return_logprob: its answer's log-prob shape
 
     @property
     def remote(self) -> list[int]:
@@ -209,15 +212,19 @@ class TokenizerWorker:
         (workers/tokenizer/render.py) writes no segment, so shm pressure does not refuse it, and is not counted."""
         self.requests += 0 if render else 1
         served = self.config.served_model_name
-        chat = (completion_images(parse_completion(req.body)) if req.endpoint == "completion"
-                else parse_generate(req.body, served) if req.endpoint == "generate"
-                else parse_vllm_generate(req.body, served) if req.endpoint == "vllm_generate"
-                else parse_request(req.body))  # fmt: skip
+        logprobs = None
+        chat: ChatCompletionRequest | CompletionRequest
+        if req.endpoint == "generate":
+            chat, logprobs = parse_generate(req.body, served)
+        else:
+            chat = (completion_images(parse_completion(req.body)) if req.endpoint == "completion"
+                    else parse_vllm_generate(req.body, served) if req.endpoint == "vllm_generate"
+                    else parse_request(req.body))  # fmt: skip
         if chat.model != self.config.served_model_name:
             message = f"The model `{chat.model}` does not exist."
             raise BadRequest(message, status=404, param="model", code="model_not_found")
         if isinstance(chat, CompletionRequest):  # no images, no template: prepare_completion does the rest
-            return Admitted(chat, [], [])
+            return Admitted(chat, [], [], logprobs=logprobs)
         self._check_length(chat)
         kwargs = media_settings(chat.mm_processor_kwargs, self.processor.budgets, video=self.processor.video is not None,
                                 pixel_cap=self.config.max_image_pixels)
@@ -287,7 +294,10 @@ class TokenizerWorker:
         the returned writes are for the caller to start once the request is sent."""
         chat, refs = admitted.chat, admitted.refs
         if isinstance(chat, CompletionRequest):
-            return *prepare_completion(self, req, chat), []
+            accepted, tokenized = prepare_completion(self, req, chat)
+            if (lp := admitted.logprobs) is not None:
+                accepted = msgspec.structs.replace(accepted, logprob_start_len=lp.start, logprob_text=lp.text)
+            return accepted, tokenized, []
         raws = [raw for raw in admitted.raws if raw is not None]
         assert len(raws) == len(refs), "prepare() before every image was loaded"
         defer = defer and self.overlap

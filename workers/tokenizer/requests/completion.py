@@ -111,6 +111,11 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return [p if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]
 
 
+def _batched(req: CompletionRequest) -> bool:
+    """The prompt is a list of prompts (of one or more), not one prompt."""
+    return isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+
+
 def _tokenize(worker: PromptContext, raw: str | list[int], specials: bool) -> Prompt:
     processor, limit = worker.processor, worker.max_model_len
     if isinstance(raw, str):
@@ -190,6 +195,6 @@ def prepare_completion(
         max(sampling.n, len(ids)), req.endpoint if req.endpoint in _OWN_ANSWERS else "completion", echoes[0],
         sampling.logprobs is not None,
         echoes if len(ids) > 1 else [], echo_logprobs, completion.prompt_logprobs, completion.continuous_usage,
-        [len(i) for i in ids] if len(ids) > 1 else [],
+        [len(i) for i in ids] if _batched(completion) else [],
     )
     return accepted, TokenizedRequest(req.rid, ids[0], prompts[0].mrope_delta, [], sampling, [], 0, more_prompts=ids[1:])

@@ -8,12 +8,17 @@ workers/tokenizer/requests/image_data.py, which /v1/completions shares): the tex
 image, in order, as the model's chat template writes them, which is what bench_serving's image datasets send.
 
 Every field either maps onto a request field or is refused with a 400 naming it (``sampling_params.<key>`` for the
-sampling keys; log probabilities are served on /v1/completions). A refusal is reported under the /generate name of
-the field (``sglang_names``).
+sampling keys). A refusal is reported under the /generate name of the field (``sglang_names``).
+
+``return_logprob`` asks for SGLang's log probabilities (what lm-eval's ``sglang-generate`` model scores a
+loglikelihood with): each generated token's (``logprobs`` of the completions request, ``top_logprobs_num`` best),
+and with ``logprob_start_len`` >= 0 the prompt's from that position (``echo`` with logprobs: every prompt position is
+computed). ``GenerateLogprobs`` carries what the answer's shape needs beyond that (server/generate_answer.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -28,7 +33,7 @@ from workers.tokenizer.requests.image_data import (
     renamed,
 )
 from workers.tokenizer.requests.native_body import BodyFieldRefused, BodyFields, top_level
-from workers.tokenizer.requests.sampling import range_error, unsupported
+from workers.tokenizer.requests.sampling import MAX_TOP_LOGPROBS, range_error, unsupported
 
 # SGLang's SamplingParams default: a body without max_new_tokens generates at most this many tokens, as there.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -65,7 +70,6 @@ _WHY_NOT = {
 # Top-level fields that change nothing here when left at these values (SGLang's defaults; bench_serving sends
 # lora_path None, return_logprob False and logprob_start_len -1 with every request).
 _DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "return_logprob": (None, False),
     "lora_path": (None, ""),
     "lora_id": (None, ""),
     "video_data": (None, [], ""),
@@ -81,7 +85,6 @@ _DEFAULTS: dict[str, tuple[Any, ...]] = {
     "priority": (None, 0),
 }
 _WHY_REFUSED = {
-    "return_logprob": "log probabilities are served on /v1/completions (logprobs, echo, prompt_logprobs)",
     "lora_path": "LoRA adapters are not served",
     "lora_id": "LoRA adapters are not served",
     "video_data": "videos are served on /v1/chat/completions (video_url parts)",
@@ -90,22 +93,34 @@ _WHY_REFUSED = {
     "session_params": "sessions are not served",
     "custom_logit_processor": "custom logit processors are not served",
     "return_hidden_states": "hidden states are not returned",
-    "token_ids_logprob": "log probabilities are served on /v1/completions",
+    "token_ids_logprob": "log probabilities of chosen token ids are not served (top_logprobs_num gives the best)",
     "priority": "priority scheduling is not served (requests are served in arrival order)",
 }
 for _name in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
     _WHY_REFUSED[_name] = "prefill/decode disaggregation is not served"
 # Top-level fields taken and not passed on: they shape nothing of the answer (``rid`` is the client's own name for
-# the request, meta_info.id is this server's; the log-prob positions matter only with return_logprob, refused above).
-_IGNORED = frozenset({"rid", "log_metrics", "modalities", "logprob_start_len", "top_logprobs_num",
-                      "return_text_in_logprobs", "data_parallel_rank", "stream_output", "text_only"})
-_TAKEN = frozenset({"text", "input_ids", "sampling_params", "stream", "model", "image_data"})
+# the request, meta_info.id is this server's).
+_IGNORED = frozenset({"rid", "log_metrics", "modalities", "data_parallel_rank", "stream_output", "text_only"})
+_LOGPROB_FIELDS = frozenset({"return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"})
+_TAKEN = frozenset({"text", "input_ids", "sampling_params", "stream", "model", "image_data"}) | _LOGPROB_FIELDS
 _FIELDS = BodyFields(_TAKEN | _IGNORED, _DEFAULTS, _WHY_REFUSED, "a /generate field")
 
 
-def parse_generate(body: bytes | memoryview, served_model: str) -> CompletionRequest | RawPromptChat:
-    """The request a /generate body amounts to: a completions request, or with images a ``RawPromptChat`` (raises
-    BadRequest; ``sglang_names`` gives its param the body's field name)."""
+@dataclass(frozen=True)
+class GenerateLogprobs:
+    """What ``return_logprob`` asks of the answer beyond the completions request's logprobs: where the prompt's
+    entries start (None: none, SGLang's ``logprob_start_len`` -1) and whether entries carry the token's text."""
+
+    start: int | None
+    text: bool
+
+
+def parse_generate(
+    body: bytes | memoryview, served_model: str
+) -> tuple[CompletionRequest | RawPromptChat, GenerateLogprobs | None]:
+    """The request a /generate body amounts to: a completions request, or with images a ``RawPromptChat``, and what
+    its answer reports of log probabilities (None: not asked for). Raises BadRequest; ``sglang_names`` gives its
+    param the body's field name."""
     fields = top_level(body, _FIELDS)
     completion: dict[str, Any] = {"model": fields.get("model") or served_model, "prompt": _prompt(fields),
                                   "stream": fields.get("stream", False)}  # fmt: skip
@@ -114,14 +129,40 @@ def parse_generate(body: bytes | memoryview, served_model: str) -> CompletionReq
     if structured:
         completion["structured_outputs"] = structured
     completion.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
+    logprobs = _logprobs(fields, completion)
     images = image_urls(fields.get("image_data"))
     if not images:
-        return parse_completion(msgspec.json.encode(completion))
+        return parse_completion(msgspec.json.encode(completion)), logprobs
+    if logprobs is not None:
+        raise unsupported("return_logprob", "with image_data, log probabilities are not served")
     text = completion.pop("prompt")
     if not isinstance(text, str):
         raise unsupported("input_ids" if fields.get("text") is None else "text",
                           "with image_data, send one prompt as text (its image placeholders are expanded here)")
-    return raw_prompt_chat(completion, text, images)
+    return raw_prompt_chat(completion, text, images), None
+
+
+def _logprobs(fields: dict[str, Any], completion: dict[str, Any]) -> GenerateLogprobs | None:
+    """With ``return_logprob``, the completions fields it sets (``completion`` is updated) and what else the answer
+    needs; its companions are read only then, as SGLang reads them."""
+    asked = fields.get("return_logprob")
+    if asked is None or asked is False:
+        return None
+    if asked is not True:
+        raise range_error("return_logprob", asked, "that is a boolean")
+    k, start, text = (fields.get(name) for name in ("top_logprobs_num", "logprob_start_len", "return_text_in_logprobs"))
+    k = 0 if k is None else k
+    if type(k) is not int or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise range_error("top_logprobs_num", k, f"between 0 and {MAX_TOP_LOGPROBS}")
+    start = -1 if start is None else start
+    if type(start) is not int or start < -1:
+        raise range_error("logprob_start_len", start, "that is -1 (no prompt positions) or a prompt position >= 0")
+    if text is not None and type(text) is not bool:
+        raise range_error("return_text_in_logprobs", text, "that is a boolean")
+    completion["logprobs"] = k
+    if start >= 0:  # echo with logprobs: the prompt's positions are computed, k best each
+        completion["echo"] = True
+    return GenerateLogprobs(start if start >= 0 else None, bool(text))
 
 
 def _prompt(fields: dict[str, Any]) -> str | list[Any]:
@@ -168,7 +209,7 @@ def _sampling(params: Any, prompt: str | list[Any]) -> tuple[dict[str, Any], dic
 # completions field -> the /generate field it came from, for the refusals of the request a body became.
 _SGLANG_NAME = {v: f"sampling_params.{k}" for k, v in _SAMPLING.items()} | {
     f"structured_outputs.{v}": f"sampling_params.{k}" for k, v in _STRUCTURED.items()
-} | {"structured_outputs": "sampling_params"}
+} | {"structured_outputs": "sampling_params", "logprobs": "return_logprob", "echo": "logprob_start_len"}
 _top = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 

@@ -13,11 +13,18 @@ from workers.common.errors import BadRequest
 from workers.tokenizer.requests.chat import ImagePart, TextPart
 from workers.tokenizer.requests.completion import CompletionRequest
 from workers.tokenizer.requests.image_data import RawPromptChat
-from workers.tokenizer.requests.sglang_generate import DEFAULT_MAX_NEW_TOKENS, parse_generate, sglang_names
+from workers.tokenizer.requests.sglang_generate import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GenerateLogprobs,
+    parse_generate,
+    sglang_names,
+)
 
 
 def parse(**body: Any) -> CompletionRequest:
-    return parse_generate(json.dumps(body).encode(), "served")
+    req, logprobs = parse_generate(json.dumps(body).encode(), "served")
+    assert isinstance(req, CompletionRequest) and logprobs is None
+    return req
 
 
 def refused(**body: Any) -> str | None:
@@ -50,6 +57,30 @@ def test_every_sampling_key_lands_on_its_field() -> None:
     assert batch.prompt == ["a", "b"] and batch.top_k == 1
 
 
+def test_return_logprob_asks_for_the_tokens_and_from_logprob_start_len_the_prompt() -> None:
+    def asked(**body: Any) -> tuple[CompletionRequest, GenerateLogprobs | None]:
+        req, logprobs = parse_generate(json.dumps({"input_ids": [[1, 2, 3]], **body}).encode(), "served")
+        assert isinstance(req, CompletionRequest)
+        return req, logprobs
+
+    # lm-eval's sglang-generate loglikelihood body: the prompt's logprobs from position 0, the best one each.
+    req, logprobs = asked(sampling_params={"max_new_tokens": 1, "temperature": 0}, logprob_start_len=0,
+                          top_logprobs_num=1, return_logprob=True)
+    assert (req.logprobs, req.echo, req.max_tokens) == (1, True, 1)
+    assert logprobs == GenerateLogprobs(0, False)
+    # SGLang's defaults: the generated tokens' alone (logprob_start_len -1), no alternatives, no texts.
+    req, logprobs = asked(return_logprob=True)
+    assert (req.logprobs, req.echo) == (0, False) and logprobs == GenerateLogprobs(None, False)
+    req, logprobs = asked(return_logprob=True, logprob_start_len=2, top_logprobs_num=5, return_text_in_logprobs=True)
+    assert (req.logprobs, req.echo) == (5, True) and logprobs == GenerateLogprobs(2, True)
+    # Without return_logprob its companions change nothing (bench_serving sends logprob_start_len -1 always).
+    req, logprobs = asked(return_logprob=False, logprob_start_len=0, top_logprobs_num=3)
+    assert (req.logprobs, req.echo, logprobs) == (None, False, None)
+    # The prompt alone: max_new_tokens 0 is served with the prompt's logprobs.
+    req, _ = asked(return_logprob=True, logprob_start_len=0, sampling_params={"max_new_tokens": 0})
+    assert req.max_tokens == 0
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -61,8 +92,13 @@ def test_every_sampling_key_lands_on_its_field() -> None:
         ({"text": ["a", "b"], "image_data": "data:image/png;base64,AAAA"}, "text"),
         ({"input_ids": [1, 2], "image_data": "data:image/png;base64,AAAA"}, "input_ids"),
         ({"text": "a", "image_data": "AAAA", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
-        ({"text": "a", "return_logprob": True}, "return_logprob"),
+        ({"text": "a", "image_data": "AAAA", "return_logprob": True}, "return_logprob"),
         ({"text": "a", "return_logprob": 0}, "return_logprob"),
+        ({"text": "a", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+        ({"text": "a", "return_logprob": True, "top_logprobs_num": 1.5}, "top_logprobs_num"),
+        ({"text": "a", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+        ({"text": "a", "return_logprob": True, "return_text_in_logprobs": "yes"}, "return_text_in_logprobs"),
+        ({"text": "a", "token_ids_logprob": [1, 2]}, "token_ids_logprob"),
         ({"text": "a", "lora_path": "x"}, "lora_path"),
         ({"text": "a", "session_params": {"id": "s"}}, "session_params"),
         ({"text": "a", "made_up": 1}, "made_up"),
@@ -88,8 +124,8 @@ def test_what_is_not_served_is_named(body: dict[str, Any], param: str) -> None:
 
 def test_images_make_a_chat_request_that_keeps_the_text() -> None:
     text = "<|vision_start|><|image_pad|><|vision_end|>Read it."
-    req = parse_generate(json.dumps({"text": text, "image_data": ["data:image/png;base64,QUFB", "QkJC", "/srv/a.png"],
-                                     "sampling_params": {"temperature": 0}, "stream": True}).encode(), "served")
+    req, _ = parse_generate(json.dumps({"text": text, "image_data": ["data:image/png;base64,QUFB", "QkJC", "/srv/a.png"],
+                                        "sampling_params": {"temperature": 0}, "stream": True}).encode(), "served")
     assert isinstance(req, RawPromptChat) and req.raw_prompt == text and req.stream and req.temperature == 0
     assert req.max_tokens == DEFAULT_MAX_NEW_TOKENS
     [message] = req.messages
@@ -100,7 +136,7 @@ def test_images_make_a_chat_request_that_keeps_the_text() -> None:
     # wrapped lines too. Schemes are read whatever their case, as the chat endpoint reads them.
     jpeg = base64.encodebytes(b"\xff\xd8\xff\xe0" + bytes(range(60))).decode()
     upper = "DATA:image/png;base64,QUFB"
-    req = parse_generate(json.dumps({"text": text * 3, "image_data": [jpeg, upper, "/srv/img-1"]}).encode(), "served")
+    req, _ = parse_generate(json.dumps({"text": text * 3, "image_data": [jpeg, upper, "/srv/img-1"]}).encode(), "served")
     assert isinstance(req, RawPromptChat) and isinstance(req.messages[0].content, list)
     urls = [p.url for p in req.messages[0].content[1:] if isinstance(p, ImagePart)]
     assert jpeg.startswith("/9j/") and urls == ["data:image/png;base64," + jpeg, upper, "file:///srv/img-1"]
