@@ -42,6 +42,7 @@ from server.middleware import ApiKeyMiddleware, CorsMiddleware
 from server.protocol import BodyTooLarge, error_response, is_json, read_body
 from server.render_api import RENDER_PATHS, render_answer
 from server.responder import Answer, ChatAnswer
+from server.responses_answer import ResponsesAnswer
 from server.stats import RequestCounters
 from server.tokenize_api import TokenizerEndpoints
 
@@ -83,7 +84,7 @@ _VERSION = _version()
 
 
 _ANSWERS: dict[str, type[Answer]] = {"completion": CompletionAnswer, "generate": GenerateAnswer,
-                                     "vllm_generate": TokensAnswer}
+                                     "vllm_generate": TokensAnswer, "responses": ResponsesAnswer}
 
 
 def answer_for(rid: str, created: int, accepted: RequestAccepted) -> Answer:
@@ -256,6 +257,10 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         # SGLang's native endpoint (sglang.bench_serving's default backend): a completions request in SGLang's names.
         return await chat_completions(request, "generate")
 
+    async def responses(request: Request) -> Response | ChatResponder:
+        # OpenAI's Responses API: served as the chat request its input amounts to, answered as a Response.
+        return await chat_completions(request, "responses")
+
     async def tokens_generate(request: Request) -> Response | ChatResponder:
         # vLLM's tokens-in, tokens-out endpoint: the GenerateRequest the render routes answer, generated from.
         return await chat_completions(request, "vllm_generate")
@@ -324,6 +329,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/inference/v1/generate", tokens_generate, methods=["POST"]),
         *(Route(path, renders(endpoint), methods=["POST"]) for endpoint, path in RENDER_PATHS.items()),

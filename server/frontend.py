@@ -256,7 +256,8 @@ class FrontendState:
         is up. ``endpoint``: "chat" or "completion" (the body's kind, and its answer's id prefix); ``started``: the
         handler's time.monotonic() before it read the body, for the step trace."""
         worker = self._pick_tokenizer()
-        prefix = "cmpl-" if endpoint.startswith(("completion", "generate", "vllm_generate")) else "chatcmpl-"
+        prefix = ("cmpl-" if endpoint.startswith(("completion", "generate", "vllm_generate"))
+                  else "resp_" if endpoint == "responses" else "chatcmpl-")  # fmt: skip
         flight = Flight(prefix + uuid.uuid4().hex, worker, time.time(), replica=0 if self.dp == 1 else -1,
                         render=endpoint in RENDER_ENDPOINTS)
         self.flights[flight.rid] = flight

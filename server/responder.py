@@ -194,7 +194,7 @@ class ChatAnswer(Answer):
     def body(self) -> Iterator[bytes]:
         choices = []
         for c in self.choices:
-            calls = _whole_calls(c.calls)
+            calls = whole_calls(c.calls)
             text = "".join(c.text)
             thought = "".join(c.reasoning) or None
             message = AssistantMessage(role="assistant", content=text if text or not (calls or thought) else None,
@@ -210,14 +210,14 @@ def _call_delta(d: ToolCallDelta) -> ToolCallDeltaOut:
 
 
 def _merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """One delta per call (its id, name and all its argument text so far): what ``_whole_calls`` makes of them."""
+    """One delta per call (its id, name and all its argument text so far): what ``whole_calls`` makes of them."""
     calls: dict[int, list[ToolCallDelta]] = {}
     for d in deltas:
         calls.setdefault(d.index, []).append(d)
     return [ToolCallDelta(i, ds[0].id, ds[0].name, "".join(d.arguments for d in ds)) for i, ds in calls.items()]
 
 
-def _whole_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+def whole_calls(deltas: list[ToolCallDelta]) -> list[ToolCall]:
     calls: dict[int, ToolCall] = {}
     for d in deltas:
         call = calls.get(d.index)

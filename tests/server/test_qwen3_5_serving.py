@@ -2,7 +2,7 @@
 the official openai client. Five images equal transformers' greedy answer; a four-turn chat that resends every earlier
 image matches transformers on every turn, encodes each image once and resumes every later turn from a state
 snapshot (/admin/stats' state_pool). With --reasoning-parser qwen3, a thinking prompt's answer is reasoning, streamed or
-not, counted in usage's reasoning_tokens; a continued assistant message that opened <think> goes on inside the
+not, on chat and on the Responses API, counted in usage's reasoning_tokens; a continued assistant message that opened <think> goes on inside the
 reasoning, one that closed it as content; and a grammar cannot constrain it."""
 
 from __future__ import annotations
@@ -101,6 +101,15 @@ def test_a_thinking_prompt_answers_in_reasoning_streamed_or_not(served: tuple[Li
     assert (streamed, content) == (reasoning, "")
     assert streamed_usage is not None and streamed_usage.completion_tokens_details is not None
     assert streamed_usage.completion_tokens_details.reasoning_tokens == MAX_NEW
+    # The Responses API: the same reasoning as a reasoning item (no message: there is no content), streamed as
+    # reasoning_text deltas.
+    response = client.responses.create(model="demo", input=messages, max_output_tokens=MAX_NEW, temperature=0,
+                                       extra_body=thinking)
+    assert [o.type for o in response.output] == ["reasoning"] and response.output[0].content[0].text == reasoning
+    assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == MAX_NEW
+    events = list(client.responses.create(model="demo", input=messages, max_output_tokens=MAX_NEW, temperature=0,
+                                          extra_body=thinking, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
     # Thinking off: the template closes an empty reasoning; the answer is content, with no reasoning field.
     plain = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})

@@ -71,6 +71,7 @@ from workers.tokenizer.requests.image_data import (
 )
 from workers.tokenizer.requests.mm_kwargs import media_settings
 from workers.tokenizer.requests.reasoning import continued_text
+from workers.tokenizer.requests.responses import parse_responses, responses_names
 from workers.tokenizer.requests.sampling import hold_to_budget
 from workers.tokenizer.requests.sglang_generate import GenerateLogprobs, parse_generate, sglang_names
 from workers.tokenizer.requests.structured import structured_spec
@@ -100,6 +101,7 @@ class Admitted:
     videos: VideoInputs = field(default_factory=VideoInputs)
     settings: ProcessorSettings = field(default_factory=ProcessorSettings)  # mm_processor_kwargs
     logprobs: GenerateLogprobs | None = None  # /generate with return_logprob: its answer's log-prob shape
+    response_fields: bytes = b""  # /v1/responses: the request's fields its Response repeats (a JSON object)
 
     @property
     def remote(self) -> list[int]:
@@ -197,6 +199,8 @@ class TokenizerWorker:
                 exc = sglang_names(exc, req.body)  # told in /generate's field names
             elif req.endpoint == "vllm_generate":
                 exc = vllm_names(exc)
+            elif req.endpoint == "responses":
+                exc = responses_names(exc, req.body)
             elif RENDER_ENDPOINTS.get(req.endpoint, req.endpoint) == "completion":
                 exc = completion_names(exc)  # with image_data, its chat request's refusals in its own names
             # Client mistakes are the frontend's access log's business; overload is the operator's.
@@ -212,10 +216,12 @@ class TokenizerWorker:
         (workers/tokenizer/render.py) writes no segment, so shm pressure does not refuse it, and is not counted."""
         self.requests += 0 if render else 1
         served = self.config.served_model_name
-        logprobs = None
+        logprobs, response_fields = None, b""
         chat: ChatCompletionRequest | CompletionRequest
         if req.endpoint == "generate":
             chat, logprobs = parse_generate(req.body, served)
+        elif req.endpoint == "responses":
+            chat, response_fields = parse_responses(req.body)
         else:
             chat = (completion_images(parse_completion(req.body)) if req.endpoint == "completion"
                     else parse_vllm_generate(req.body, served) if req.endpoint == "vllm_generate"
@@ -241,7 +247,7 @@ class TokenizerWorker:
         videos.settings, videos.blame = settings.video, settings.blame
         self.images += 0 if render else len(refs)
         raws = [self._image_raw(r) for r in refs]
-        admitted = Admitted(chat, refs, raws, videos, settings)
+        admitted = Admitted(chat, refs, raws, videos, settings, response_fields=response_fields)
         if admitted.remote:  # a bad data URL is refused before any download is waited for
             for raw in raws:
                 if raw is not None and raw.hash is None:
@@ -341,8 +347,9 @@ class TokenizerWorker:
         echo = raw.raw_prompt if raw and raw.echo_prompt else ""
         accepted = RequestAccepted(
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
-            req.endpoint if raw else "chat", echo=echo,
+            req.endpoint if raw or req.endpoint == "responses" else "chat", echo=echo,
             logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
+            response_fields=admitted.response_fields,
         )
         tools = tool_parser(chat, self.processor.template.tool_format)
         tokenized = TokenizedRequest(

@@ -181,7 +181,11 @@ def parse_request(body: bytes | memoryview) -> ChatCompletionRequest:
 
 def parse_with(decoder: msgspec.json.Decoder[_Chat], body: bytes | memoryview) -> _Chat:
     """`parse_request` through ``decoder``, of ChatCompletionRequest or a subclass of it."""
-    req = decode_body(decoder, body)
+    return check_request(decode_body(decoder, body))
+
+
+def check_request(req: _Chat) -> _Chat:
+    """The value checks of a chat request built from another endpoint's body (types are the builder's business)."""
     _check(req)
     return req
 
