@@ -201,7 +201,8 @@ GENERATE_MALFORMED: list[tuple[str, bytes]] = [
     ("image_data not base64", _generate(image_data="not base64!!")),
     ("image_data a file outside the allowed folder", _generate(image_data="/etc/passwd")),
     ("image_data with ids", json.dumps({"input_ids": [1, 2], "image_data": "/tmp/a.png"}).encode()),
-    ("return_logprob", _generate(return_logprob=True)),
+    ("return_logprob not a boolean", _generate(return_logprob="yes")),
+    ("top_logprobs_num past 20", _generate(return_logprob=True, top_logprobs_num=100)),
     ("integer overflow", _generate(sampling_params={"sampling_seed": 10**30})),
 ]
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.reference import HFReference
 from tests.server.live import LiveServer, data_url, png_bytes
@@ -99,6 +100,18 @@ def test_a_forced_tool_call_and_its_output_continue_as_chat(live: LiveServer) ->
                   {"role": "tool", "tool_call_id": call.call_id, "content": "42"}])  # fmt: skip
     assert chat.usage is not None and after.usage.input_tokens == chat.usage.prompt_tokens
     assert after.output_text == (chat.choices[0].message.content or "")
+
+
+class Check(BaseModel):
+    paid: bool
+
+
+def test_text_format_json_schema_through_the_sdks_parse(live: LiveServer) -> None:
+    """``responses.parse`` sends a strict json_schema as text.format; the grammar holds the answer to it."""
+    parsed = live.client().responses.parse(model="demo", input="Is the invoice paid?", text_format=Check,
+                                           max_output_tokens=40, temperature=0)  # fmt: skip
+    assert isinstance(parsed.output_parsed, Check) and parsed.status == "completed"
+    assert parsed.text is not None and parsed.text.format.type == "json_schema"
 
 
 @pytest.mark.parametrize(
