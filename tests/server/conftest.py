@@ -14,6 +14,7 @@ from ipc.launch import new_launch_id
 from server.config import ServerConfig
 from server.http_guard import HttpLimits
 from tests.media_server import MediaServer
+from tests.reference import HFReference
 from tests.server.harness import API_KEY, Served, ServeFactory, check_clean
 from tests.server.live import LiveServer, png_bytes, serving
 from workers.engine.config import EngineConfig
@@ -44,6 +45,18 @@ def serve() -> Iterator[ServeFactory]:
 @pytest.fixture
 def srv(serve: ServeFactory) -> Served:
     return serve()
+
+
+@pytest.fixture(scope="session")
+def live(demo_server: LiveServer) -> LiveServer:
+    """The shared demo server, by the name the endpoint modules use (a module with a server of its own overrides it)."""
+    return demo_server
+
+
+@pytest.fixture(scope="module")
+def ref(demo_model_dir: Path) -> HFReference:
+    """transformers' model of the demo checkpoint (a module about another checkpoint overrides it)."""
+    return HFReference(demo_model_dir)
 
 
 # The hostile-client server's limits (tests read them to bound their timings).

@@ -21,11 +21,6 @@ def prompt(images: int) -> str:
     return f"<|im_start|>user\n{IMAGE * images}What is on the page?<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture
-def live(demo_server: LiveServer) -> LiveServer:
-    return demo_server
-
-
 def sglang_oai(images: list[str], **extra: Any) -> dict[str, Any]:
     """bench_serving's ``sglang-oai`` body (async_request_openai_completions), its images in image_data."""
     return {"model": "demo", "prompt": prompt(len(images)), "best_of": 1, "max_tokens": 8, "stream": False,

@@ -21,16 +21,6 @@ from workers.tokenizer.requests.chat import parse_request
 PROMPT = "<|im_start|>user\nRead the invoice total.<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture
-def live(demo_server: LiveServer) -> LiveServer:
-    return demo_server
-
-
-@pytest.fixture(scope="module")
-def ref(demo_model_dir: Path) -> HFReference:
-    return HFReference(demo_model_dir)
-
-
 def complete(server: LiveServer, **fields: Any) -> Any:
     args: dict[str, Any] = {"model": "demo", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, **fields}
     return server.client().completions.create(**args)

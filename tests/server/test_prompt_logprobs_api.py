@@ -31,11 +31,6 @@ def live(demo_model_dir: Path) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def ref(demo_model_dir: Path) -> HFReference:
-    return HFReference(demo_model_dir)
-
-
-@pytest.fixture(scope="module")
 def text_of(ref: HFReference) -> LogprobRenderer:
     """Token id -> the text the server's logprobs show for it."""
     return LogprobRenderer(ref.tokenizer)

@@ -22,11 +22,6 @@ PNGS = [png_bytes(64, 48, seed=1), png_bytes(40, 72, seed=2)]
 
 
 @pytest.fixture(scope="module")
-def live(demo_server: LiveServer) -> LiveServer:
-    return demo_server
-
-
-@pytest.fixture(scope="module")
 def processor(demo_model_dir: Path) -> Any:
     return AutoProcessor.from_pretrained(str(demo_model_dir))
 

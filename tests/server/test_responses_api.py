@@ -6,7 +6,6 @@ output continues the conversation as chat would, and what is not served is a 400
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -19,16 +18,6 @@ from tests.server.live import LiveServer, data_url, png_bytes
 MAX_NEW = 10
 TOOLS: Any = [{"type": "function", "name": "total", "description": "Add up the invoice.",
                "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}]
-
-
-@pytest.fixture
-def live(demo_server: LiveServer) -> LiveServer:
-    return demo_server
-
-
-@pytest.fixture(scope="module")
-def ref(demo_model_dir: Path) -> HFReference:
-    return HFReference(demo_model_dir)
 
 
 def respond(server: LiveServer, **fields: Any) -> Any:

@@ -20,16 +20,6 @@ MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "Describe the tabl
 MAX = 16
 
 
-@pytest.fixture(scope="module")
-def live(demo_server: LiveServer) -> LiveServer:
-    return demo_server
-
-
-@pytest.fixture(scope="module")
-def ref(demo_model_dir: Path) -> HFReference:
-    return HFReference(demo_model_dir)
-
-
 def ask(server: LiveServer, **fields: Any) -> Any:
     args: dict[str, Any] = {"model": "demo", "messages": MESSAGES, "max_tokens": MAX, "temperature": 0, **fields}
     return server.client().chat.completions.create(**args)

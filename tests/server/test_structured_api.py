@@ -41,11 +41,6 @@ MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "Extract the invoi
 SEEDS = [0, 1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def live(demo_server: LiveServer) -> LiveServer:
-    return demo_server
-
-
 def json_schema_format() -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "invoice", "schema": SCHEMA, "strict": True}}
 

@@ -15,11 +15,6 @@ from tests.server.live import LiveServer, data_url, image_message, png_bytes
 
 
 @pytest.fixture(scope="module")
-def live(demo_server: LiveServer) -> LiveServer:
-    return demo_server
-
-
-@pytest.fixture(scope="module")
 def tokenizer(demo_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(demo_model_dir))
 
