@@ -136,7 +136,8 @@ class ResponsesAnswer(Answer):
             self.items[-1]["content"][0]["text"] += reasoning
             events.append(self._event("response.reasoning_text.delta", self._where() | {"delta": reasoning}))
         text = "".join(c.text)
-        if text or (c.logprobs and not c.calls):
+        # (a token that adds no text yet still gets its delta with its logprobs; not beside reasoning or calls)
+        if text or (c.logprobs and not (c.calls or reasoning)):
             if self.open != "message":
                 events += self._close()
                 item = _message_item(self.rid, "", [] if self.accepted.logprobs else None, "in_progress")

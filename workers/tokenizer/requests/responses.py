@@ -45,7 +45,7 @@ from workers.tokenizer.requests.chat import (
 )
 from workers.tokenizer.requests.image_data import renamed
 from workers.tokenizer.requests.native_body import BodyFieldRefused
-from workers.tokenizer.requests.sampling import MAX_TOP_LOGPROBS, StreamOptions, range_error, unsupported
+from workers.tokenizer.requests.sampling import MAX_TOP_LOGPROBS, range_error, unsupported
 from workers.tokenizer.requests.structured import JsonSchemaFormat, ResponseFormat, StructuredOutputs
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -196,8 +196,7 @@ def parse_responses(body: bytes | memoryview) -> tuple[ChatCompletionRequest, by
         response_format = ResponseFormat(fmt.type, schema)
     logprobs = req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or ())
     chat = ChatCompletionRequest(
-        model=req.model, messages=messages, stream=req.stream,
-        stream_options=StreamOptions(include_usage=True) if req.stream else None,
+        model=req.model, messages=messages, stream=req.stream,  # a stream's usage rides in response.completed
         max_completion_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         tools=[_chat_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,

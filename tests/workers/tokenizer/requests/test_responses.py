@@ -61,7 +61,7 @@ def test_responses_fields_land_on_their_chat_fields() -> None:
         top_k=5, seed=7, ignore_eos=True, store=True, metadata={"k": "v"}, user="u1"))  # fmt: skip
     assert (chat.max_completion_tokens, chat.temperature, chat.top_p, chat.top_k, chat.seed) == (9, 0.5, 0.9, 5, 7)
     assert (chat.logprobs, chat.top_logprobs, chat.ignore_eos, chat.parallel_tool_calls) == (True, 3, True, False)
-    assert chat.stream and chat.include_usage  # the stream's last event carries usage
+    assert chat.stream
     assert chat.response_format is not None and chat.response_format.type == "json_schema"
     assert chat.response_format.json_schema is not None and chat.response_format.json_schema.schema == schema
     assert isinstance(chat.tool_choice, NamedToolChoice) and chat.tool_choice.function.name == "total"
