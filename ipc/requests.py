@@ -66,6 +66,10 @@ class RequestAccepted(Msg, frozen=True):
     # input logprobs), and each entry's third item is the token's text (SGLang's return_text_in_logprobs).
     logprob_start_len: int | None = None
     logprob_text: bool = False
+    # vLLM's return_token_ids: each choice's generated ids, and each prompt's ids (a batch: prompt p is choice p's;
+    # n choices of one prompt share it).
+    token_ids: bool = False
+    prompt_token_ids: list[list[int]] = []
     response_fields: bytes = b""  # /v1/responses: the request's fields its Response object repeats (a JSON object)
 
 

@@ -176,6 +176,7 @@ class CompletionAnswer(Answer):
         self.offsets = [len(self._echo(c.index)) for c in self.choices]  # text_offset of each choice's next token
         self.echoed = [False] * len(self.choices)
         self.tokens_sent = [0] * len(self.choices)  # a stream: each choice's completion tokens as of its last event
+        self.ids_sent = [False] * len(self.choices)  # return_token_ids: the choice's prompt ids went out already
 
     def _due(self, c: ChoiceState) -> bool:
         # A token whose bytes end inside a UTF-8 character adds no text until the next one; vLLM still sends its
@@ -209,18 +210,31 @@ class CompletionAnswer(Answer):
         c.prompt = None  # the unpacked rows are all that is kept
         text, logprobs = self._text(c), self._logprobs(c, prompt)
         k = self.accepted.prompt_logprobs
-        return self._choice_pieces(c.index, text, logprobs, reason, prompt if whole and k is not None else None, k or 0)
+        ids = self._ids(c) if self.accepted.token_ids else b""
+        return self._choice_pieces(c.index, text, logprobs, reason, prompt if whole and k is not None else None, k or 0, ids)
+
+    def _ids(self, c: ChoiceState) -> bytes:
+        """vLLM's return_token_ids keys of a choice: its prompt's ids (once: a stream's first chunk of the choice)
+        and its ids since the last write."""
+        out = b""
+        if not self.ids_sent[c.index]:
+            self.ids_sent[c.index] = True
+            prompts = self.accepted.prompt_token_ids
+            out += b"," + key("prompt_token_ids") + encode(prompts[c.index] if len(prompts) > 1 else prompts[0])
+        ids, c.token_ids = c.token_ids, []
+        return out + b"," + key("token_ids") + encode(ids)
 
     @staticmethod
     def _choice_pieces(
-        index: int, text: str, logprobs: _EchoLogprobs | None, reason: str | None, ranked: PromptRows | None, k: int
+        index: int, text: str, logprobs: _EchoLogprobs | None, reason: str | None, ranked: PromptRows | None, k: int,
+        ids: bytes = b"",
     ) -> Iterator[bytes]:
         yield b"{" + key("index") + encode(index) + b"," + key("text") + encode(text) + b"," + key("logprobs")
         if logprobs is None:
             yield b"null"
         else:
             yield from logprobs.pieces()
-        yield b"," + key("finish_reason") + encode(reason)
+        yield b"," + key("finish_reason") + encode(reason) + ids
         if ranked is not None:
             yield b"," + key("prompt_logprobs")
             yield from _ranked(ranked, k)

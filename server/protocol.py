@@ -157,6 +157,15 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     system_fingerprint: None = None
 
 
+# vLLM's return_token_ids: the same objects with the ids beside (only then: other answers keep OpenAI's keys).
+class ChoiceWithIds(Choice):
+    token_ids: list[int] = []
+
+
+class ChatCompletionWithIds(ChatCompletion, kw_only=True):
+    prompt_token_ids: list[int]
+
+
 def completion_body(rid: str, created: int, model: str, text: str, last: RequestOutput) -> bytes:
     """The non-streaming answer of a one-choice chat, from the whole text and the request's last output."""
     choice = Choice(0, AssistantMessage(role="assistant", content=text), last.finish_reason)
@@ -199,6 +208,11 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None  # only on the include_usage chunk
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk (vLLM's)
+
+
+class ChunkChoiceWithIds(ChunkChoice):
+    token_ids: list[int] = []  # return_token_ids: the chunk's new ids
 
 
 class ChunkWriter:

@@ -27,6 +27,7 @@ from server.protocol import (
     ChatCompletion,
     ChoiceLogprobs,
     ChunkChoice,
+    ChunkChoiceWithIds,
     Delta,
     FunctionCall,
     ToolCall,
@@ -51,6 +52,7 @@ class ChoiceState:
     finish_sent: bool = False
     completion_tokens: int = 0
     reasoning_tokens: int | None = None  # --reasoning-parser only
+    token_ids: list[int] = field(default_factory=list)  # return_token_ids: as ``text`` (stream: since the last flush)
 
 
 class Answer:
@@ -81,6 +83,8 @@ class Answer:
                 choice.calls[:] = _merged(choice.calls)
         if out.prompt_logprobs is not None:
             choice.prompt = out.prompt_logprobs
+        if self.accepted.token_ids:
+            choice.token_ids.extend(out.token_ids)
         choice.completion_tokens = out.completion_tokens
         if out.reasoning_tokens is not None:
             choice.reasoning_tokens = out.reasoning_tokens
@@ -118,6 +122,7 @@ class Answer:
             c.logprobs = []
             c.calls = []
             c.prompt = None
+            c.token_ids = []
             c.finish_sent = c.finish_reason is not None
         tail = []
         if self.done:
@@ -151,8 +156,23 @@ class ChatAnswer(Answer):
         self.tokens_sent = [0] * len(self.choices)  # a stream: each choice's completion tokens as of its last event
         self.called = [False] * len(self.choices)  # a stream: the choice has sent tool-call deltas
 
+    def prompt_ids(self, index: int) -> list[int]:
+        """return_token_ids: choice ``index``'s prompt (a batch's own, else the one every choice shares)."""
+        ids = self.accepted.prompt_token_ids
+        return ids[index] if len(ids) > 1 else ids[0]
+
     def start(self) -> bytes:
-        return b"".join(self._event([ChunkChoice(c.index, Delta(role="assistant", content=""))]) for c in self.choices)
+        # return_token_ids: the prompt's ids ride on the first chunk, as vLLM sends them.
+        prompt = self.prompt_ids(0) if self.accepted.token_ids else None
+        return b"".join(self._event([self._chunk_choice(c, Delta(role="assistant", content=""))], prompt=prompt)
+                        for c in self.choices)  # fmt: skip
+
+    def _chunk_choice(self, c: ChoiceState, delta: Delta, reason: str | None = None,
+                      logprobs: ChoiceLogprobs | None = None) -> ChunkChoice:
+        if not self.accepted.token_ids:
+            return ChunkChoice(c.index, delta, reason, logprobs)
+        ids, c.token_ids = c.token_ids, []  # a chunk's ids are those new since the one before
+        return ChunkChoiceWithIds(c.index, delta, reason, logprobs, ids)
 
     def _held(self, c: ChoiceState) -> bool:
         """New tokens that added no text yet (their bytes end inside a UTF-8 character). vLLM still streams their
@@ -162,11 +182,12 @@ class ChatAnswer(Answer):
         return c.completion_tokens > self.tokens_sent[c.index] and c.reasoning_tokens is None and not self.called[c.index]
 
     def _due(self, c: ChoiceState) -> bool:
-        return super()._due(c) or self._held(c)
+        return super()._due(c) or self._held(c) or bool(c.token_ids)
 
-    def _event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+    def _event(self, choices: list[ChunkChoice], usage: Usage | None = None, prompt: list[int] | None = None) -> bytes:
         usage = usage or self.running_usage()
-        chunk = protocol.ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage)
+        chunk = protocol.ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage,
+                                             prompt)  # fmt: skip
         return sse_event(encode(chunk))
 
     def _logprobs(self, c: ChoiceState) -> ChoiceLogprobs | None:
@@ -180,26 +201,34 @@ class ChatAnswer(Answer):
         held = self._held(c)
         self.tokens_sent[c.index] = c.completion_tokens
         self.called[c.index] = self.called[c.index] or bool(calls)
-        if text or thought or calls or c.logprobs or held:
+        if text or thought or calls or c.logprobs or held or c.token_ids:
             delta = Delta(content=text if text or not (calls or thought) else None, reasoning_content=thought,
                           reasoning=thought, tool_calls=calls)
-            out = self._event([ChunkChoice(c.index, delta, None, self._logprobs(c))])
+            out = self._event([self._chunk_choice(c, delta, None, self._logprobs(c))])
         if self._finishing(c):  # as OpenAI ends a choice: an empty delta with the finish reason
-            out += self._event([ChunkChoice(c.index, Delta(), c.finish_reason)])
+            out += self._event([self._chunk_choice(c, Delta(), c.finish_reason)])
         return [out]
 
     def _usage_event(self) -> bytes:
         return self._event([], self.usage())
 
     def body(self) -> Iterator[bytes]:
-        choices = []
+        choices: list[protocol.Choice] = []
         for c in self.choices:
             calls = whole_calls(c.calls)
             text = "".join(c.text)
             thought = "".join(c.reasoning) or None
             message = AssistantMessage(role="assistant", content=text if text or not (calls or thought) else None,
                                        reasoning_content=thought, reasoning=thought, tool_calls=calls)
-            choices.append(protocol.Choice(c.index, message, c.finish_reason, self._logprobs(c)))
+            if self.accepted.token_ids:
+                choices.append(protocol.ChoiceWithIds(c.index, message, c.finish_reason, self._logprobs(c), c.token_ids))
+            else:
+                choices.append(protocol.Choice(c.index, message, c.finish_reason, self._logprobs(c)))
+        if self.accepted.token_ids:
+            yield encode(protocol.ChatCompletionWithIds(id=self.rid, created=self.created, model=self.model,
+                                                        choices=choices, usage=self.usage(),
+                                                        prompt_token_ids=self.prompt_ids(0)))  # fmt: skip
+            return
         yield encode(ChatCompletion(id=self.rid, created=self.created, model=self.model, choices=choices, usage=self.usage()))
 
 

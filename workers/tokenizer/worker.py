@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ipc.control import RequestFailed
-from ipc.prompts import TokenizedRequest
+from ipc.kv_events import vllm_tokens
+from ipc.prompts import MMItem, TokenizedRequest
 from ipc.requests import RENDER_ENDPOINTS, GenerateRequest, RequestAccepted
 from ipc.stats import SchedulerStats, TokenizerStats
 from workers.common.errors import BadRequest
@@ -349,7 +350,8 @@ class TokenizerWorker:
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
             req.endpoint if raw or req.endpoint == "responses" else "chat", echo=echo,
             logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
-            response_fields=admitted.response_fields,
+            response_fields=admitted.response_fields, token_ids=bool(chat.return_token_ids),
+            prompt_token_ids=[self._checkpoint_ids(prompt.input_ids, items)] if chat.return_token_ids else [],
         )
         tools = tool_parser(chat, self.processor.template.tool_format)
         tokenized = TokenizedRequest(
@@ -358,6 +360,13 @@ class TokenizerWorker:
             tool_arg_types=arg_types(parse_tools(chat.tools)) if tools == "qwen_xml" and chat.tools else {},
         )  # fmt: skip
         return accepted, tokenized, writes
+
+
+    def _checkpoint_ids(self, ids: list[int], items: list[MMItem]) -> list[int]:
+        """The prompt as the checkpoint's processor writes it: media spans hold its image / video token id, not the
+        content-derived pad values the prefix cache keys on."""
+        info = self.processor.info
+        return vllm_tokens(ids, 0, items, info.image_token_id, info.video_token_id)
 
 
 async def _fetch_with(fetcher: MediaFetcher, admitted: Admitted) -> None:

@@ -196,5 +196,6 @@ def prepare_completion(
         sampling.logprobs is not None,
         echoes if len(ids) > 1 else [], echo_logprobs, completion.prompt_logprobs, completion.continuous_usage,
         [len(i) for i in ids] if _batched(completion) else [],
+        token_ids=bool(completion.return_token_ids), prompt_token_ids=ids if completion.return_token_ids else [],
     )
     return accepted, TokenizedRequest(req.rid, ids[0], prompts[0].mrope_delta, [], sampling, [], 0, more_prompts=ids[1:])

@@ -92,6 +92,8 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
     cache_salt: str | None = None  # a tenant's prefix-cache isolation: dropped unread, a client would think it had it
+    # vLLM's: the answer also names the prompt's token ids and each choice's (per chunk when streamed).
+    return_token_ids: bool | None = None
 
     @property
     def include_usage(self) -> bool:
