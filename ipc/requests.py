@@ -28,7 +28,7 @@ class GenerateRequest(Msg, frozen=True):
     arrival: float  # time.time() when the frontend received it
     # Which body it is: "chat" (/v1/chat/completions), "completion" (/v1/completions), "generate" (SGLang's
     # /generate), "vllm_generate" (vLLM's /inference/v1/generate; both served as a completion, or with images a
-    # chat), "responses" (OpenAI's /v1/responses, served as a chat), or a render of the first two
+    # chat), "responses" (OpenAI's /v1/responses) and "messages" (Anthropic's /v1/messages), both served as a chat, or a render of the first two
     # ("chat_render", "completion_render": vLLM's /render routes), answered by RequestRendered, never scheduled.
     endpoint: str = "chat"
 

@@ -38,6 +38,7 @@ from server.frontend import (
     Outcome,
 )
 from server.generate_answer import GenerateAnswer, TokensAnswer
+from server.messages_answer import MessagesAnswer
 from server.middleware import ApiKeyMiddleware, CorsMiddleware
 from server.protocol import BodyTooLarge, error_response, is_json, read_body
 from server.render_api import RENDER_PATHS, render_answer
@@ -84,7 +85,8 @@ _VERSION = _version()
 
 
 _ANSWERS: dict[str, type[Answer]] = {"completion": CompletionAnswer, "generate": GenerateAnswer,
-                                     "vllm_generate": TokensAnswer, "responses": ResponsesAnswer}
+                                     "vllm_generate": TokensAnswer, "responses": ResponsesAnswer,
+                                     "messages": MessagesAnswer}
 
 
 def answer_for(rid: str, created: int, accepted: RequestAccepted) -> Answer:
@@ -261,6 +263,10 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         # OpenAI's Responses API: served as the chat request its input amounts to, answered as a Response.
         return await chat_completions(request, "responses")
 
+    async def messages(request: Request) -> Response | ChatResponder:
+        # Anthropic's Messages API: served as the chat request its messages amount to, answered as a Message.
+        return await chat_completions(request, "messages")
+
     async def tokens_generate(request: Request) -> Response | ChatResponder:
         # vLLM's tokens-in, tokens-out endpoint: the GenerateRequest the render routes answer, generated from.
         return await chat_completions(request, "vllm_generate")
@@ -330,6 +336,7 @@ def create_app(config: ServerConfig, state: FrontendState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/inference/v1/generate", tokens_generate, methods=["POST"]),
         *(Route(path, renders(endpoint), methods=["POST"]) for endpoint, path in RENDER_PATHS.items()),

@@ -257,7 +257,8 @@ class FrontendState:
         handler's time.monotonic() before it read the body, for the step trace."""
         worker = self._pick_tokenizer()
         prefix = ("cmpl-" if endpoint.startswith(("completion", "generate", "vllm_generate"))
-                  else "resp_" if endpoint == "responses" else "chatcmpl-")  # fmt: skip
+                  else "resp_" if endpoint == "responses" else "msg_" if endpoint == "messages"
+                  else "chatcmpl-")  # fmt: skip
         flight = Flight(prefix + uuid.uuid4().hex, worker, time.time(), replica=0 if self.dp == 1 else -1,
                         render=endpoint in RENDER_ENDPOINTS)
         self.flights[flight.rid] = flight

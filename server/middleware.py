@@ -26,8 +26,11 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_KEYED):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            # Anthropic's clients send the key as x-api-key instead of a bearer token.
+            if b"x-api-key" in headers and not token:
+                scheme, token = b"bearer", headers[b"x-api-key"]
             # compare_digest: the check must not leak how much of the key matched.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
                 response = error_response(401, "Incorrect or missing API key.", code="invalid_api_key")

@@ -58,6 +58,8 @@ class ChoiceState:
 class Answer:
     """One request's answer; subclasses write the endpoint's shapes."""
 
+    ENDS_WITH_DONE = True  # a stream ends with ``data: [DONE]`` (OpenAI's chat and completions; not its Responses)
+
     def __init__(self, rid: str, created: int, accepted: RequestAccepted) -> None:
         self.rid, self.created, self.accepted = rid, created, accepted
         self.model = accepted.model
@@ -128,7 +130,8 @@ class Answer:
         if self.done:
             if self.accepted.include_usage:
                 tail.append(self._usage_event())
-            tail.append(SSE_DONE)
+            if self.ENDS_WITH_DONE:
+                tail.append(SSE_DONE)
         return chain(*events, tail)
 
     def _due(self, c: ChoiceState) -> bool:

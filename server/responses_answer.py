@@ -31,6 +31,7 @@ Item = dict[str, Any]
 
 
 class ResponsesAnswer(Answer):
+    ENDS_WITH_DONE = False  # OpenAI ends a Responses stream with response.completed
     def __init__(self, rid: str, created: int, accepted: RequestAccepted) -> None:
         super().__init__(rid, created, accepted)
         self.sequence = 0
@@ -168,13 +169,6 @@ class ResponsesAnswer(Answer):
             events.append(self._event("response.completed", {"response": msgspec.Raw(self._response(self._status(), self.items))}))
         return events
 
-    def flush(self) -> Iterator[bytes]:
-        # As the base's, without chat's ``[DONE]`` (and usage rides in response.completed).
-        events = [self._chunk(c) for c in self.choices if self._due(c)]
-        c = self.choices[0]
-        c.text, c.reasoning, c.logprobs, c.calls, c.prompt = [], [], [], [], None
-        c.finish_sent = c.finish_reason is not None
-        return iter([b"".join(b"".join(e) for e in events)] if events else [])
 
 
 def _reasoning_item(rid: str, text: str, status: str) -> Item:

@@ -144,6 +144,10 @@ def test_api_key(srv: Served) -> None:
     assert httpx.get(srv.url + "/metrics").status_code == 200
     # vLLM's /version, open like its other probes: the installed package's version.
     assert httpx.get(srv.url + "/version").json() == {"version": importlib.metadata.version("glimpse"), "server": "glimpse"}
+    # Anthropic's clients send the key as x-api-key: a wrong one is refused like a wrong bearer token.
+    assert httpx.get(srv.url + "/v1/models", headers={"x-api-key": "wrong"}).status_code == 401
+    assert httpx.post(srv.url + "/v1/messages", headers={"x-api-key": "wrong"}).status_code == 401
+    assert httpx.get(srv.url + "/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
     assert srv.peers.toks[0].recv(100) is None  # nothing unauthenticated reached a tokenizer
 
 

@@ -16,7 +16,7 @@ FIELDS = json.dumps({"instructions": "Be brief.", "store": False, "tools": []}).
 
 
 def answer(stream: bool, logprobs: bool = False) -> ResponsesAnswer:
-    accepted = RequestAccepted("resp_1", stream, stream, "demo", 10, 0, 1, "responses", logprobs=logprobs,
+    accepted = RequestAccepted("resp_1", stream, False, "demo", 10, 0, 1, "responses", logprobs=logprobs,
                                response_fields=FIELDS)  # fmt: skip
     return ResponsesAnswer("resp_1", 1700000000, accepted)
 

@@ -53,6 +53,7 @@ from workers.tokenizer.media.video_prep import (
     fetch_videos_once,
     media_items,
 )
+from workers.tokenizer.requests.anthropic import messages_names, parse_messages
 from workers.tokenizer.requests.chat import (
     ChatCompletionRequest,
     ImageRef,
@@ -202,6 +203,8 @@ class TokenizerWorker:
                 exc = vllm_names(exc)
             elif req.endpoint == "responses":
                 exc = responses_names(exc, req.body)
+            elif req.endpoint == "messages":
+                exc = messages_names(exc, req.body)
             elif RENDER_ENDPOINTS.get(req.endpoint, req.endpoint) == "completion":
                 exc = completion_names(exc)  # with image_data, its chat request's refusals in its own names
             # Client mistakes are the frontend's access log's business; overload is the operator's.
@@ -223,6 +226,8 @@ class TokenizerWorker:
             chat, logprobs = parse_generate(req.body, served)
         elif req.endpoint == "responses":
             chat, response_fields = parse_responses(req.body)
+        elif req.endpoint == "messages":
+            chat = parse_messages(req.body)
         else:
             chat = (completion_images(parse_completion(req.body)) if req.endpoint == "completion"
                     else parse_vllm_generate(req.body, served) if req.endpoint == "vllm_generate"
@@ -348,7 +353,7 @@ class TokenizerWorker:
         echo = raw.raw_prompt if raw and raw.echo_prompt else ""
         accepted = RequestAccepted(
             req.rid, chat.stream, chat.include_usage, chat.model, n, self.index, sampling.n,
-            req.endpoint if raw or req.endpoint == "responses" else "chat", echo=echo,
+            req.endpoint if raw or req.endpoint in ("responses", "messages") else "chat", echo=echo,
             logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
             response_fields=admitted.response_fields, token_ids=bool(chat.return_token_ids),
             prompt_token_ids=[self._checkpoint_ids(prompt.input_ids, items)] if chat.return_token_ids else [],
