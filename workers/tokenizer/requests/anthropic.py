@@ -190,6 +190,8 @@ def _messages(req: MessagesRequest) -> tuple[list[Message], Origins]:
                     field = "id" if block.id is None else "name"
                     raise BadRequest(f"Missing required parameter: '{at}.{field}'.", param=f"{at}.{field}",
                                      code="missing_required_parameter")  # fmt: skip
+                if block.input is not None and not isinstance(block.input, dict):
+                    raise range_error(f"{at}.input", block.input, "that is an object (the tool's arguments)")
                 calls.append(AssistantToolCall(CalledFunction(block.name, json.dumps(block.input or {})), block.id))
             elif block.type == "tool_result" and message.role == "user":
                 if block.tool_use_id is None:

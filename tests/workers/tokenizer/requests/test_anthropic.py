@@ -69,6 +69,8 @@ def test_messages_fields_land_on_their_chat_fields() -> None:
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}]},
          "messages[0].content[0].source"),
         ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]}, "messages[0].content[0].id"),
+        ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": [1]}]}]},
+         "messages[0].content[0].input"),
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.budget_tokens"),
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
         ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
