@@ -37,7 +37,7 @@ from workers.tokenizer.requests.chat import (
     decode_body,
 )
 from workers.tokenizer.requests.image_data import renamed
-from workers.tokenizer.requests.native_body import BodyFieldRefused
+from workers.tokenizer.requests.native_body import BodyFieldRefused, refused_as_sent
 from workers.tokenizer.requests.sampling import range_error, unsupported
 
 
@@ -105,15 +105,14 @@ def parse_messages(body: bytes | memoryview) -> ChatCompletionRequest:
     except BodyFieldRefused:
         raise
     except BadRequest as exc:  # already in the body's names (both have a "messages"): kept from renaming
-        raise BodyFieldRefused(exc.message, status=exc.status, param=exc.param, code=exc.code, type=exc.type) from None
+        raise refused_as_sent(exc) from None
     return check_request(chat)
 
 
 def _chat(req: MessagesRequest) -> ChatCompletionRequest:
     for name, value in (("container", req.container), ("mcp_servers", req.mcp_servers)):
         if value is not None:
-            exc = unsupported(name, "not served")
-            raise BodyFieldRefused(exc.message, status=exc.status, param=exc.param, code=exc.code, type=exc.type)
+            raise refused_as_sent(unsupported(name, "not served"))
     if req.max_tokens < 1:
         raise range_error("max_tokens", req.max_tokens, ">= 1")
     kwargs = None

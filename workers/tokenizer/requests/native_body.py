@@ -21,7 +21,8 @@ class BodyFieldRefused(BadRequest):
     misplaced top-level ``max_tokens`` is not reported as ``sampling_params.max_tokens``."""
 
 
-def _refused(exc: BadRequest) -> BodyFieldRefused:
+def refused_as_sent(exc: BadRequest) -> BodyFieldRefused:
+    """``exc`` as a refusal of the body's own field, exempt from the renaming of a request the body became."""
     return BodyFieldRefused(exc.message, status=exc.status, param=exc.param, code=exc.code, type=exc.type)
 
 
@@ -44,7 +45,7 @@ def top_level(body: bytes | memoryview, fields: BodyFields) -> dict[str, Any]:
     for name, value in decoded.items():
         if name in fields.defaults:
             if not any(value == d and type(value) is type(d) for d in fields.defaults[name]):
-                raise _refused(unsupported(name, fields.why[name]))
+                raise refused_as_sent(unsupported(name, fields.why[name]))
         elif name not in fields.taken:
-            raise _refused(unsupported(name, f"not {fields.kind} this server serves"))
+            raise refused_as_sent(unsupported(name, f"not {fields.kind} this server serves"))
     return decoded

@@ -44,7 +44,7 @@ from workers.tokenizer.requests.chat import (
     decode_body,
 )
 from workers.tokenizer.requests.image_data import renamed
-from workers.tokenizer.requests.native_body import BodyFieldRefused
+from workers.tokenizer.requests.native_body import BodyFieldRefused, refused_as_sent
 from workers.tokenizer.requests.sampling import MAX_TOP_LOGPROBS, range_error, unsupported
 from workers.tokenizer.requests.structured import JsonSchemaFormat, ResponseFormat, StructuredOutputs
 
@@ -234,8 +234,7 @@ def _refuse(req: ResponsesRequest) -> None:
     for name, instead in _CHAT_ONLY.items():
         if getattr(req, name) is not None:
             why = f"it is a chat-completions field; send '{instead}'" if instead else "a response has one answer"
-            exc = unsupported(name, why)  # named as sent: the body's own field, not a chat field to rename
-            raise BodyFieldRefused(exc.message, status=exc.status, param=exc.param, code=exc.code, type=exc.type)
+            raise refused_as_sent(unsupported(name, why))  # the body's own field, not a chat field to rename
     stored = "responses are not stored; send the whole conversation in 'input'"
     for name, sent, why in (
         ("previous_response_id", req.previous_response_id is not None, stored),
