@@ -53,6 +53,20 @@ def test_text_equals_transformers_greedy_whole_and_streamed(live: LiveServer, re
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens == len(ids)
 
 
+def test_a_final_assistant_turn_is_continued(live: LiveServer, ref: HFReference) -> None:
+    """Anthropic's prefill: the answer continues the last assistant text, as transformers' template renders a
+    continued final message (no end of turn, no new assistant header), and holds only the new text."""
+    messages: Any = [{"role": "user", "content": "Read the invoice total."},
+                     {"role": "assistant", "content": "The total is"}]  # fmt: skip
+    out = ref.processor.apply_chat_template(messages, tokenize=True, continue_final_message=True, return_dict=True)
+    ids = [int(t) for t in (out["input_ids"][0] if isinstance(out["input_ids"][0], list) else out["input_ids"])]
+    expected, _ = ref.greedy(ids, MAX_NEW)
+    message = create(live, messages=messages)
+    assert message.content[0].text == ref.text(expected)
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)
+    assert len(ids) < len(ref.prompt_ids(messages))  # a new turn would have closed this one and opened another
+
+
 def test_an_image_block_takes_the_chat_path(live: LiveServer) -> None:
     raw = png_bytes(96, 64, seed=43)
     blocks: Any = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
@@ -106,7 +120,7 @@ def test_a_forced_tool_use_and_its_result_continue_as_chat(live: LiveServer) -> 
          "messages[0].content[0].source"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-            "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "messages[0].content[0].image_url"),
+            "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, "messages[0].content[0].source"),
         ({"max_tokens": 0}, "max_tokens"),
     ],
 )

@@ -8,7 +8,8 @@ tool message, before the turn's other blocks); an assistant's earlier ``thinking
 templates leave out an earlier turn's reasoning. ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k``,
 ``stop_sequences`` -> stop, ``tools`` (``input_schema`` -> parameters), ``tool_choice`` (auto, any -> required,
 tool -> named, none; ``disable_parallel_tool_use``), ``metadata.user_id`` -> user, ``thinking`` ``{"type":
-"disabled"}`` -> the template's ``enable_thinking`` false. Not served, a 400 naming the field: ``thinking`` enabled
+"disabled"}`` -> the template's ``enable_thinking`` false; a final assistant turn is a prefill the answer continues
+(``continue_final_message``). Not served, a 400 naming the field: ``thinking`` enabled
 with a ``budget_tokens`` (no budget is enforced; leave it out for the template's default), server tools
 (``type`` other than custom), ``document`` and ``search_result`` blocks, ``container``, ``mcp_servers``.
 A refusal the chat path raises later names the Messages field (``messages_names``).
@@ -126,13 +127,21 @@ def _chat(req: MessagesRequest) -> ChatCompletionRequest:
             kwargs = {"enable_thinking": True}
     choice = req.tool_choice
     user = req.metadata.get("user_id") if req.metadata else None
+    messages = _messages(req)[0]
+    # A final assistant turn is a prefill: Anthropic's answer continues its text rather than opening a new turn.
+    prefill = messages[-1].role == "assistant"
+    if prefill and messages[-1].tool_calls:
+        where = f"messages[{len(req.messages) - 1}]"
+        raise refused_as_sent(BadRequest(
+            f"Invalid '{where}': a final assistant turn is continued as a prefill, which a tool_use cannot be; send "
+            "its tool_result blocks in a user turn after it.", param=where, code="invalid_value"))
     return ChatCompletionRequest(
-        model=req.model, messages=_messages(req)[0], stream=req.stream, max_tokens=req.max_tokens,
+        model=req.model, messages=messages, stream=req.stream, max_tokens=req.max_tokens,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences,
         tools=[_chat_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
         tool_choice=_tool_choice(choice), user=user if isinstance(user, str) else None,
         parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
-        chat_template_kwargs=kwargs,
+        chat_template_kwargs=kwargs, add_generation_prompt=not prefill, continue_final_message=prefill,
     )  # fmt: skip
 
 
@@ -256,7 +265,8 @@ def messages_names(exc: BadRequest, body: bytes | memoryview) -> BadRequest:
             origin, kept = "messages", []
         tail = m["tail"]
         if (part := _PART.match(tail)) and int(part["part"]) < len(kept):  # a block of a list content
-            name = f"{origin}[{kept[int(part['part'])]}]{part['rest']}"
+            rest = part["rest"]  # an image block's picture is its source, where chat's part holds an image_url
+            name = f"{origin}[{kept[int(part['part'])]}]{'.source' if rest.startswith('.image_url') else rest}"
         elif tail.startswith(".content"):  # the content itself (a string)
             name = origin + tail.removeprefix(".content")
         elif tail.startswith(".tool_calls["):  # an assistant's tool_use block

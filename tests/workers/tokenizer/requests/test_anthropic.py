@@ -59,6 +59,20 @@ def test_messages_fields_land_on_their_chat_fields() -> None:
     assert parse_messages(body(thinking={"type": "enabled"})).chat_template_kwargs == {"enable_thinking": True}
 
 
+def test_a_final_assistant_turn_is_a_prefill_the_answer_continues() -> None:
+    turns = [{"role": "user", "content": "Total?"}, {"role": "assistant", "content": "The total is"}]
+    chat = parse_messages(body(messages=turns))
+    assert chat.continue_final_message and not chat.add_generation_prompt
+    assert chat.messages[-1].role == "assistant" and chat.messages[-1].content == "The total is"
+    opened = parse_messages(body(messages=turns[:1]))  # a user turn last: the template opens the assistant's turn
+    assert opened.add_generation_prompt and not opened.continue_final_message
+    # A tool call cannot be continued: its result must follow in a user turn.
+    raw = body(messages=[*turns[:1], TURNS[1]], tools=[TOOL])
+    with pytest.raises(BadRequest) as err:
+        parse_messages(raw)
+    assert messages_names(err.value, raw).param == "messages[1]", err.value.message
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -91,7 +105,7 @@ def test_later_refusals_are_named_as_the_body_names_them() -> None:
     def name(param: str) -> str | None:
         return messages_names(BadRequest(f"Invalid '{param}'", param=param), raw).param
 
-    assert name("messages[1].content[1].image_url") == "messages[0].content[1].image_url"
+    assert name("messages[1].content[1].image_url") == "messages[0].content[1].source"
     assert name("messages[3].content[0].text") == "messages[2].content[0].content[0].text"
     assert name("messages[4].content[0].text") == "messages[2].content[1].text"
     assert name("messages[2].tool_calls[0].function.arguments") == "messages[1]"
