@@ -42,6 +42,9 @@ class RequestOutput(msgspec.Struct, frozen=True):
     # With logprobs: the ids of each token's alternatives, flat (its top_logprobs' count per token, in their order).
     # OpenAI's shapes name tokens by text; SGLang's /generate names them by id.
     top_ids: list[int] | None = None
+    # With finish_reason "stop": the stop string that matched or the stop_token_ids entry sampled (vLLM's
+    # stop_reason); None for an end-of-sequence token.
+    stop_reason: str | int | None = None
 
 
 class OutputBatch(Msg, frozen=True):

@@ -210,8 +210,11 @@ class CompletionAnswer(Answer):
         c.prompt = None  # the unpacked rows are all that is kept
         text, logprobs = self._text(c), self._logprobs(c, prompt)
         k = self.accepted.prompt_logprobs
-        ids = self._ids(c) if self.accepted.token_ids else b""
-        return self._choice_pieces(c.index, text, logprobs, reason, prompt if whole and k is not None else None, k or 0, ids)
+        more = self._ids(c) if self.accepted.token_ids else b""
+        if reason is not None:  # vLLM's stop_reason on the finishing choice
+            more = b"," + key("stop_reason") + encode(c.stop_reason) + more
+        return self._choice_pieces(c.index, text, logprobs, reason, prompt if whole and k is not None else None, k or 0,
+                                   more)  # fmt: skip
 
     def _ids(self, c: ChoiceState) -> bytes:
         """vLLM's return_token_ids keys of a choice: its prompt's ids (once: a stream's first chunk of the choice)
@@ -227,14 +230,14 @@ class CompletionAnswer(Answer):
     @staticmethod
     def _choice_pieces(
         index: int, text: str, logprobs: _EchoLogprobs | None, reason: str | None, ranked: PromptRows | None, k: int,
-        ids: bytes = b"",
+        more: bytes = b"",
     ) -> Iterator[bytes]:
         yield b"{" + key("index") + encode(index) + b"," + key("text") + encode(text) + b"," + key("logprobs")
         if logprobs is None:
             yield b"null"
         else:
             yield from logprobs.pieces()
-        yield b"," + key("finish_reason") + encode(reason) + ids
+        yield b"," + key("finish_reason") + encode(reason) + more
         if ranked is not None:
             yield b"," + key("prompt_logprobs")
             yield from _ranked(ranked, k)

@@ -86,6 +86,8 @@ class GenerateAnswer(Answer):
             reason = {"type": c.finish_reason}
             if c.finish_reason == "length":
                 reason["length"] = c.completion_tokens
+            elif c.finish_reason == "stop":  # SGLang's: the stop string or token that matched (an end token's id)
+                reason["matched"] = c.stop_reason if c.stop_reason is not None or not ids else ids[-1]
         text = "".join(self.texts[c.index])
         self.texts[c.index] = [text]
         meta = {"id": self.rid, "finish_reason": reason, "prompt_tokens": prompt,

@@ -3,9 +3,9 @@ Message, whole, or streamed as its events.
 
 ``content`` holds, in order, a ``thinking`` block (with ``--reasoning-parser``; its ``signature`` is empty, nothing is
 signed here), a ``text`` block, and a ``tool_use`` block per tool call (``input`` the call's arguments as an object;
-``{}`` when the token limit cut them short). ``stop_reason``: ``end_turn`` (an end token or a stop sequence; which
-one is not told apart, so ``stop_sequence`` is null), ``max_tokens`` or ``tool_use``. ``usage`` counts as Anthropic
-does: ``input_tokens`` are the prompt's uncached tokens, ``cache_read_input_tokens`` the ones the prefix cache held.
+``{}`` when the token limit cut them short). ``stop_reason``: ``end_turn`` (an end token), ``stop_sequence`` (the
+one that matched in ``stop_sequence``), ``max_tokens`` or ``tool_use``. ``usage`` counts as Anthropic does:
+``input_tokens`` are the prompt's uncached tokens, ``cache_read_input_tokens`` the ones the prefix cache held.
 
 A stream sends ``event: <type>`` / ``data: <json>`` pairs: message_start (with the first output), per block
 content_block_start, its deltas (thinking_delta, text_delta, input_json_delta) and content_block_stop, then
@@ -40,12 +40,18 @@ class MessagesAnswer(Answer):
         return {"input_tokens": usage.prompt_tokens - cached, "cache_creation_input_tokens": 0,
                 "cache_read_input_tokens": cached, "output_tokens": usage.completion_tokens if final else 0}  # fmt: skip
 
-    def _message(self, content: list[Block], stop: str | None, final: bool) -> dict[str, Any]:
+    def _message(self, content: list[Block], c: ChoiceState | None) -> dict[str, Any]:
+        """The Message object: whole (``c`` the finished choice) or as message_start opens a stream (None)."""
+        stop, sequence = (None, None) if c is None else (self._stop_reason(c), self._stop_sequence(c))
         return {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop, "stop_sequence": None, "usage": self._usage(final)}  # fmt: skip
+                "stop_reason": stop, "stop_sequence": sequence, "usage": self._usage(c is not None)}  # fmt: skip
 
     def _stop_reason(self, c: ChoiceState) -> str:
-        return _STOP.get(c.finish_reason or "stop", "end_turn")
+        return "stop_sequence" if self._stop_sequence(c) else _STOP.get(c.finish_reason or "stop", "end_turn")
+
+    @staticmethod
+    def _stop_sequence(c: ChoiceState) -> str | None:
+        return c.stop_reason if isinstance(c.stop_reason, str) else None
 
     def body(self) -> Iterator[bytes]:
         c = self.choices[0]
@@ -59,7 +65,7 @@ class MessagesAnswer(Answer):
         for call in calls:
             content.append({"type": "tool_use", "id": call.id, "name": call.function.name or "",
                             "input": _arguments(call.function.arguments or "")})  # fmt: skip
-        yield encode(self._message(content, self._stop_reason(c), True))
+        yield encode(self._message(content, c))
 
     # ---- the stream -------------------------------------------------------------------------------------------
 
@@ -86,7 +92,7 @@ class MessagesAnswer(Answer):
         events: list[bytes] = []
         if not self.started:
             self.started = True
-            events.append(self._event("message_start", {"message": self._message([], None, False)}))
+            events.append(self._event("message_start", {"message": self._message([], None)}))
         if thought := "".join(c.reasoning):
             if self.open != "thinking":
                 events += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
@@ -106,7 +112,7 @@ class MessagesAnswer(Answer):
             events += self._stop()
             usage = {"output_tokens": c.completion_tokens}
             events.append(self._event("message_delta", {"delta": {"stop_reason": self._stop_reason(c),
-                                                                  "stop_sequence": None}, "usage": usage}))  # fmt: skip
+                                                                  "stop_sequence": self._stop_sequence(c)}, "usage": usage}))  # fmt: skip
             events.append(self._event("message_stop", {}))
         return events
 

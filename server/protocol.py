@@ -16,7 +16,6 @@ from starlette.types import Send
 
 from ipc.control import RequestFailed
 from ipc.logprob_messages import TokenLogprob
-from ipc.outputs import RequestOutput
 
 _encoder = msgspec.json.Encoder()
 
@@ -144,6 +143,8 @@ class Choice(msgspec.Struct):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChoiceLogprobs | None = None
+    # vLLM's: the stop string or stop_token_ids entry that ended the choice; null otherwise (an end token included).
+    stop_reason: str | int | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -164,13 +165,6 @@ class ChoiceWithIds(Choice):
 
 class ChatCompletionWithIds(ChatCompletion, kw_only=True):
     prompt_token_ids: list[int]
-
-
-def completion_body(rid: str, created: int, model: str, text: str, last: RequestOutput) -> bytes:
-    """The non-streaming answer of a one-choice chat, from the whole text and the request's last output."""
-    choice = Choice(0, AssistantMessage(role="assistant", content=text), last.finish_reason)
-    usage = Usage.of(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
-    return encode(ChatCompletion(id=rid, created=created, model=model, choices=[choice], usage=usage))
 
 
 # ---- chat completion chunks (streaming) ----------------------------------------------------------
@@ -198,6 +192,7 @@ class ChunkChoice(msgspec.Struct):
     delta: Delta
     finish_reason: str | None = None  # present as null until the last chunk, as OpenAI does
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: str | int | None = None  # vLLM's, as in Choice: set on the finishing chunk
 
 
 class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
@@ -213,42 +208,6 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
 
 class ChunkChoiceWithIds(ChunkChoice):
     token_ids: list[int] = []  # return_token_ids: the chunk's new ids
-
-
-class ChunkWriter:
-    """Builds the SSE events of one streamed completion (the id/created/model never change)."""
-
-    def __init__(self, rid: str, created: int, model: str) -> None:
-        self.rid = rid
-        self.created = created
-        self.model = model
-
-    def _event(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
-        chunk = ChatCompletionChunk(self.rid, "chat.completion.chunk", self.created, self.model, choices, usage)
-        return sse_event(encode(chunk))
-
-    def choice(self, choice: ChunkChoice) -> bytes:
-        return self._event([choice])
-
-    def role(self, index: int = 0) -> bytes:
-        return self._event([ChunkChoice(index, Delta(role="assistant", content=""))])
-
-    def content(self, text: str) -> bytes:
-        return self._event([ChunkChoice(0, Delta(content=text))])
-
-    def finish(self, reason: str) -> bytes:
-        return self._event([ChunkChoice(0, Delta(), finish_reason=reason)])
-
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
-        return self._event([], Usage.of(prompt_tokens, completion_tokens, cached_tokens))
-
-    def end(self, last: RequestOutput, include_usage: bool) -> bytes:
-        """Finish chunk, optional usage chunk (choices []), then the [DONE] sentinel."""
-        events = [self.finish(last.finish_reason or "stop")]
-        if include_usage:
-            events.append(self.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens))
-        events.append(SSE_DONE)
-        return b"".join(events)
 
 
 def error_event(failed: RequestFailed) -> bytes:

@@ -49,6 +49,7 @@ class ChoiceState:
     calls: list[ToolCallDelta] = field(default_factory=list)
     prompt: PromptLogprob | None = None  # completions: the prompt's log probabilities (packed), until written
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that finished the choice
     finish_sent: bool = False
     completion_tokens: int = 0
     reasoning_tokens: int | None = None  # --reasoning-parser only
@@ -92,7 +93,7 @@ class Answer:
             choice.reasoning_tokens = out.reasoning_tokens
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         if out.finish_reason is not None:
-            choice.finish_reason = out.finish_reason
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
 
     @property
     def done(self) -> bool:
@@ -172,10 +173,11 @@ class ChatAnswer(Answer):
 
     def _chunk_choice(self, c: ChoiceState, delta: Delta, reason: str | None = None,
                       logprobs: ChoiceLogprobs | None = None) -> ChunkChoice:
+        stop = c.stop_reason if reason is not None else None  # on the finishing chunk, as vLLM sends it
         if not self.accepted.token_ids:
-            return ChunkChoice(c.index, delta, reason, logprobs)
+            return ChunkChoice(c.index, delta, reason, logprobs, stop)
         ids, c.token_ids = c.token_ids, []  # a chunk's ids are those new since the one before
-        return ChunkChoiceWithIds(c.index, delta, reason, logprobs, ids)
+        return ChunkChoiceWithIds(c.index, delta, reason, logprobs, stop, ids)
 
     def _held(self, c: ChoiceState) -> bool:
         """New tokens that added no text yet (their bytes end inside a UTF-8 character). vLLM still streams their
@@ -224,9 +226,10 @@ class ChatAnswer(Answer):
             message = AssistantMessage(role="assistant", content=text if text or not (calls or thought) else None,
                                        reasoning_content=thought, reasoning=thought, tool_calls=calls)
             if self.accepted.token_ids:
-                choices.append(protocol.ChoiceWithIds(c.index, message, c.finish_reason, self._logprobs(c), c.token_ids))
+                choices.append(protocol.ChoiceWithIds(c.index, message, c.finish_reason, self._logprobs(c),
+                                                      c.stop_reason, c.token_ids))
             else:
-                choices.append(protocol.Choice(c.index, message, c.finish_reason, self._logprobs(c)))
+                choices.append(protocol.Choice(c.index, message, c.finish_reason, self._logprobs(c), c.stop_reason))
         if self.accepted.token_ids:
             yield encode(protocol.ChatCompletionWithIds(id=self.rid, created=self.created, model=self.model,
                                                         choices=choices, usage=self.usage(),

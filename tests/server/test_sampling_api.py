@@ -219,3 +219,42 @@ def test_n_choices_at_the_top_of_the_seed_range(live: LiveServer) -> None:
         )
         assert [c.message.content for c in again.choices] == [c.message.content for c in resp.choices]
     assert httpx.get(f"{live.base}/health", timeout=10).status_code == 200
+
+
+def test_stop_reason_names_the_stop_that_matched(live: LiveServer, ref: HFReference) -> None:
+    """vLLM's ``stop_reason`` (the stop string, or the stop_token_ids entry sampled; null for length and end tokens),
+    Anthropic's ``stop_sequence`` and SGLang's ``finish_reason.matched`` name what ended the answer."""
+    plain, _ = ref.greedy(ref.prompt_ids(MESSAGES), MAX)
+    text = ref.text(plain)
+    assert len(plain) == MAX and len(text) > 8  # the random demo runs to max_tokens
+    cut = next(i for i in range(len(text) // 2, len(text) - 3) if text.find(text[i:i + 3]) == i)
+    stop = text[cut:cut + 3]  # a 3-character stop string whose first occurrence is mid-answer
+
+    whole = ask(live, stop=[stop, "never in it"])
+    choice = whole.choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("stop", text[:cut])
+    assert choice.model_extra["stop_reason"] == stop
+    assert ask(live).choices[0].model_extra["stop_reason"] is None  # ended by length
+    chunks = list(ask(live, stop=[stop], stream=True))
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices] == [None] * (len(chunks) - 1) + [stop]
+    # A stop token id: the id itself.
+    token = next(t for i, t in enumerate(plain) if i >= 2 and t not in plain[:i])
+    by_id = ask(live, extra_body={"stop_token_ids": [token]}).choices[0]
+    assert (by_id.finish_reason, by_id.model_extra["stop_reason"]) == ("stop", token)
+
+    done = live.client().completions.create(model="demo", prompt="Invoice total", max_tokens=MAX, temperature=0)
+    ctext = done.choices[0].text
+    ccut = next(i for i in range(len(ctext) // 2, len(ctext) - 3) if ctext.find(ctext[i:i + 3]) == i)
+    cstop = ctext[ccut:ccut + 3]
+    stopped = live.client().completions.create(model="demo", prompt="Invoice total", max_tokens=MAX, temperature=0,
+                                               stop=cstop).choices[0]  # fmt: skip
+    assert (stopped.text, stopped.finish_reason, stopped.model_extra["stop_reason"]) == (ctext[:ccut], "stop", cstop)
+
+    message = httpx.post(live.base + "/v1/messages", timeout=60, json={
+        "model": "demo", "max_tokens": MAX, "temperature": 0, "messages": MESSAGES, "stop_sequences": [stop]}).json()
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", stop)
+    assert message["content"] == [{"type": "text", "text": text[:cut]}]
+
+    sglang = httpx.post(live.base + "/generate", timeout=60, json={
+        "text": "Invoice total", "sampling_params": {"max_new_tokens": MAX, "temperature": 0, "stop": [cstop]}}).json()
+    assert sglang["text"] == ctext[:ccut] and sglang["meta_info"]["finish_reason"] == {"type": "stop", "matched": cstop}

@@ -118,6 +118,7 @@ class StopChecker:
         self._longest = max((len(s) for s in self.stops), default=0)
         self._held = ""
         self.matched = False
+        self.matched_stop: str | None = None  # the stop string that matched (vLLM's stop_reason)
 
     def push(self, delta: str) -> tuple[str, bool]:
         if self.matched:
@@ -127,11 +128,12 @@ class StopChecker:
         text = self._held + delta
         # A stop that ends inside this delta began at most len(stop) - 1 chars before it, and those
         # chars were held back, so searching held + delta finds every new match.
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, n) for n, i in enumerate(text.find(s) for s in self.stops) if i >= 0]
         if hits:
-            self.matched = True
+            at, which = min(hits)  # the earliest in the text; of two starting there, the first given
+            self.matched, self.matched_stop = True, self.stops[which]
             self._held = ""
-            return text[: min(hits)], True
+            return text[:at], True
         keep = self._partial_suffix(text)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
@@ -159,9 +161,11 @@ class TextStream:
         prompt_tokens: int = 0,
         skip_special_tokens: bool = True,
         keep: frozenset[int] = frozenset(),
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, keep)
         self.stop = StopChecker(stops)
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.decoded = 0  # characters the detokenizer has let out (before stop strings): a reasoning split's offsets
@@ -196,3 +200,13 @@ class TextStream:
         self.decoded += len(last)
         tail, matched = self.stop.push(last)
         return (tail, True) if matched else (tail + self.stop.flush(), False)
+
+    def stop_reason(self, token_id: int | None, finish_reason: str | None) -> str | int | None:
+        """What stopped a choice that finished with "stop", as vLLM's ``stop_reason`` names it: the stop string that
+        matched, or the last token where it is one of the request's ``stop_token_ids``; None for an end-of-sequence
+        token (and for any other finish)."""
+        if finish_reason != "stop":
+            return None
+        if self.stop.matched_stop is not None:
+            return self.stop.matched_stop
+        return token_id if token_id in self.stop_token_ids else None

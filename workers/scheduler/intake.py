@@ -53,7 +53,8 @@ class Intake(SchedulerBase):
         self.trace.event("arrive", rid=req.rid, tokens=len(req.input_ids), images=len(req.items))
         for index in range(max(req.sampling.n, len(prompts))):  # one per choice: its own text and stop strings
             keep = self.gemma_tool_ids if req.tool_parser == "gemma4" else frozenset()  # its tags stay text
-            self.streams[child_rid(req.rid, index)] = TextStream(self.tokenizer, req.sampling.stop, total, keep=keep)
+            self.streams[child_rid(req.rid, index)] = TextStream(self.tokenizer, req.sampling.stop, total, keep=keep,
+                                                                  stop_token_ids=req.sampling.stop_token_ids)
             if req.tool_parser:
                 self.tool_outputs[child_rid(req.rid, index)] = ToolOutput(req.tool_parser, req.tool_arg_types)
             if req.reasoning_parser:

@@ -46,6 +46,7 @@ class StepResults(Intake):
             # Reasoning split off first (when a parser is on): tool calls are the content's.
             split = self.reasoning.get(update.rid)
             reasoning, text, reason = split_text(stream, split, update.token_id, update.finish_reason)
+            stopped_by = stream.stop_reason(update.token_id, reason)
             if reason is not None:
                 if update.finish_reason is None:  # a stop string matched: the core did not know
                     self.core.finish(update.rid, "stop")
@@ -64,7 +65,7 @@ class StepResults(Intake):
             outputs.append(
                 RequestOutput(
                     update.request_id, text, token, reason, *usage, lps, update.index, update.cached_tokens,
-                    calls, self.prompt_logprobs.take(update.rid), reasoning, reasoning_tokens, top_ids,
+                    calls, self.prompt_logprobs.take(update.rid), reasoning, reasoning_tokens, top_ids, stopped_by,
                 )
             )
         self._flush_unlinks()

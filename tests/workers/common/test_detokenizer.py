@@ -101,8 +101,10 @@ def test_held_back_text_is_flushed() -> None:
 
 def test_earliest_stop_wins() -> None:
     checker = StopChecker(["world", "lo"])
-    assert checker.push("hello world") == ("hel", True)
+    assert checker.push("hello world") == ("hel", True) and checker.matched_stop == "lo"
     assert StopChecker(["ab"]).push("ab tail") == ("", True)
+    tie = StopChecker(["abc", "ab"])  # two starting at one place: the one given first is named
+    assert tie.push("xabcd") == ("x", True) and tie.matched_stop == "abc"
 
 
 def test_stop_checker_matches_a_plain_search() -> None:
@@ -161,6 +163,15 @@ def test_text_stream_add_merges_the_core_verdict(tokenizer: Any) -> None:
         if reason is not None:
             break
     assert (out, reason) == ("ab 世", "stop")
+    assert stream.stop_reason(t, reason) == "界 c"  # vLLM's stop_reason: the string
+
+
+def test_stop_reason_is_the_string_or_the_stop_token(tokenizer: Any) -> None:
+    ids = tokenizer.encode("ab cd", add_special_tokens=False)
+    stream = TextStream(tokenizer, [], stop_token_ids=[ids[1]])
+    assert stream.stop_reason(ids[1], "stop") == ids[1]  # a stop_token_ids entry ended it
+    assert stream.stop_reason(ids[0], "stop") is None  # an end-of-sequence token: not a stop the request named
+    assert stream.stop_reason(ids[1], "length") is None
 
 
 def _byte_token(tokenizer: Any, byte: int) -> int:
