@@ -129,11 +129,14 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     mm_processor_kwargs: dict[str, Any] | None = None
     # OpenAI's (o-series / gpt-oss templates): handed to the chat template where it reads it, else refused.
     reasoning_effort: str | None = None
+    # vLLM's retrieval documents for templates that render them (as reasoning_effort: else refused).
+    documents: list[dict[str, Any]] | None = None
     # Fields other servers take that would change the answer and that are not served here: refused unless default.
     echo: bool = False
     audio: Any = None
     modalities: list[str] | None = None
     web_search_options: Any = None
+    media_io_kwargs: Any = None  # vLLM's media loaders' per-request options
     best_of: int | None = None
     prompt_logprobs: int | None = None
     chat_template: str | None = None
@@ -237,6 +240,8 @@ def _check(req: ChatCompletionRequest) -> None:
         ("audio", req.audio is not None, "answers are text only"),
         ("modalities", bool(set(req.modalities or ()) - {"text"}), "answers are text only"),
         ("web_search_options", req.web_search_options is not None, "this server does not search the web"),
+        ("media_io_kwargs", bool(req.media_io_kwargs), "a video's frames are chosen by mm_processor_kwargs (fps or "
+         "num_frames)"),
         ("best_of", req.best_of not in (None, req.choices), "a chat returns every choice it samples (use n)"),
         ("prompt_logprobs", req.prompt_logprobs is not None, "the prompt's log probabilities are served by "
          "/v1/completions (prompt_logprobs, or echo with logprobs)"),

@@ -69,14 +69,18 @@ def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 
 def template_options(req: ChatCompletionRequest, reads: Callable[[str], bool]) -> dict[str, Any]:
     """apply_chat_template's keyword arguments for this request, beside the messages and tools. ``reads``: whether
-    the checkpoint's chat template reads a variable; ``reasoning_effort`` goes to one that does and is refused
-    by one that does not (it would change nothing, silently)."""
+    the checkpoint's chat template reads a variable; ``reasoning_effort`` and ``documents`` go to one that does and
+    are refused by one that does not (they would change nothing, silently)."""
     extra: dict[str, Any] = {}
     if req.reasoning_effort is not None:
         if not reads("reasoning_effort"):
             raise unsupported("reasoning_effort", "this model's chat template takes none (where a model can turn "
                               "its thinking off, chat_template_kwargs does, e.g. {\"enable_thinking\": false})")
         extra["reasoning_effort"] = req.reasoning_effort
+    if req.documents is not None:
+        if not reads("documents"):
+            raise unsupported("documents", "this model's chat template renders no documents; put them in a message")
+        extra["documents"] = req.documents
     return {**extra, **(req.chat_template_kwargs or {}), "add_generation_prompt": req.add_generation_prompt,
             "continue_final_message": req.continue_final_message}
 

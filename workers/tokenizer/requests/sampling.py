@@ -92,6 +92,8 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
     cache_salt: str | None = None  # a tenant's prefix-cache isolation: dropped unread, a client would think it had it
+    thinking_token_budget: int | None = None  # vLLM's bound on a reasoning model's thinking tokens
+    kv_transfer_params: Any = None  # vLLM's prefill/decode hand-off (what llm-d's P/D sidecar sends)
     # vLLM's: the answer also names the prompt's token ids and each choice's (per chunk when streamed).
     return_token_ids: bool | None = None
 
@@ -151,6 +153,11 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
          "answers are decoded without special tokens"),
         ("return_tokens_as_token_ids", bool(req.return_tokens_as_token_ids), "logprobs name tokens by their text"),
         ("cache_salt", req.cache_salt is not None, "prefix-cache salts are not served"),
+        ("thinking_token_budget", req.thinking_token_budget is not None,
+         "the thinking is not bounded apart from the answer (max_tokens bounds both; chat_template_kwargs "
+         "{\"enable_thinking\": false} turns it off where the chat template can)"),
+        ("kv_transfer_params", req.kv_transfer_params is not None,
+         "prefill/decode disaggregation is not served (each server prefills and decodes its requests)"),
     ))
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it: it would change nothing
         raise BadRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",

@@ -237,6 +237,8 @@ UNSERVED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     ({"spaces_between_special_tokens": False}, {"spaces_between_special_tokens": True}, "spaces_between_special_tokens"),
     ({"return_tokens_as_token_ids": True}, {"return_tokens_as_token_ids": False}, "return_tokens_as_token_ids"),
     ({"cache_salt": "tenant-a"}, {"cache_salt": None}, "cache_salt"),
+    ({"thinking_token_budget": 256}, {"thinking_token_budget": None}, "thinking_token_budget"),
+    ({"kv_transfer_params": {"do_remote_decode": True}}, {"kv_transfer_params": None}, "kv_transfer_params"),
     ({"structured_outputs": {"structural_tag": "{}"}}, {"structured_outputs": {"regex": "a+"}},
      "structured_outputs.structural_tag"),
     ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
@@ -249,6 +251,7 @@ CHAT_ONLY: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     ({"prompt_logprobs": 1}, {"prompt_logprobs": None}, "prompt_logprobs"),
     ({"chat_template": "{{ 'X' }}"}, {"chat_template": None}, "chat_template"),
     ({"add_special_tokens": True}, {"add_special_tokens": False}, "add_special_tokens"),
+    ({"media_io_kwargs": {"video": {"num_frames": 8}}}, {"media_io_kwargs": {}}, "media_io_kwargs"),
 ]
 
 
@@ -283,3 +286,14 @@ def test_reasoning_effort_goes_to_a_template_that_reads_it_and_is_refused_by_one
         template_options(req, lambda name: False)
     assert (info.value.param, info.value.code) == ("reasoning_effort", "unsupported_parameter")
     assert "reasoning_effort" not in template_options(parse_request(body()), lambda name: False)
+
+
+def test_documents_go_to_a_template_that_renders_them_and_are_refused_by_one_that_does_not() -> None:
+    from workers.tokenizer.requests.chat_prompt import template_options
+
+    docs = [{"title": "Invoice", "text": "Total 42."}]
+    req = parse_request(body(documents=docs))
+    assert template_options(req, lambda name: name == "documents")["documents"] == docs
+    with pytest.raises(BadRequest) as info:
+        template_options(req, lambda name: False)
+    assert (info.value.param, info.value.code) == ("documents", "unsupported_parameter")
