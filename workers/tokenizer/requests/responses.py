@@ -243,6 +243,8 @@ def _refuse(req: ResponsesRequest) -> None:
         ("background", bool(req.background), "responses are answered in the foreground"),
         ("truncation", req.truncation == "auto", "the input is not truncated; a too-long one is a 400"),
         ("max_tool_calls", req.max_tool_calls is not None, "built-in tools are not served"),
+        ("text.verbosity", req.text is not None and req.text.verbosity not in (None, "medium"),
+         "an answer's length is not steered apart from max_output_tokens"),
         ("reasoning.summary", req.reasoning is not None and (req.reasoning.summary or req.reasoning.generate_summary)
          not in (None, "auto"), "reasoning is returned as text (with --reasoning-parser), not summarized"),
     ):

@@ -106,6 +106,7 @@ def test_responses_fields_land_on_their_chat_fields() -> None:
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"temperature": -1}, "temperature"),
         ({"cache_salt": "tenant"}, "cache_salt"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ],
 )
 def test_what_is_not_served_is_named(fields: dict[str, Any], param: str) -> None:
