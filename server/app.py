@@ -208,7 +208,7 @@ class ChatResponder:
                 if opening:
                     pieces, opening = chain([opening], pieces), b""
                 if failed is not None:  # the status line is gone: report in-band, then end as every stream does
-                    pieces = chain(pieces, [protocol.error_event(failed), protocol.SSE_DONE])
+                    pieces = chain(pieces, answer.failure(failed))
                 first = _gather(pieces)
                 if first:
                     if self.state.trace.enabled:  # the tokens are leaving (stamped before the write can wait)

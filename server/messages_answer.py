@@ -18,11 +18,15 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from ipc.control import RequestFailed
 from ipc.requests import RequestAccepted
 from server.protocol import encode
 from server.responder import Answer, ChoiceState, whole_calls
 
 Block = dict[str, Any]
+# Anthropic's error types by HTTP status (others: invalid_request_error below 500, api_error from it).
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -68,6 +72,11 @@ class MessagesAnswer(Answer):
         yield encode(self._message(content, c))
 
     # ---- the stream -------------------------------------------------------------------------------------------
+
+    def failure(self, failed: RequestFailed) -> list[bytes]:
+        """Anthropic's in-stream error event (what the anthropic SDK raises from), its error type by the status."""
+        kind = _ERROR_TYPES.get(failed.status, "api_error" if failed.status >= 500 else "invalid_request_error")
+        return [self._event("error", {"error": {"type": kind, "message": failed.message}})]
 
     @staticmethod
     def _event(kind: str, fields: dict[str, Any]) -> bytes:

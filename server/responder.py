@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 
+from ipc.control import RequestFailed
 from ipc.logprob_messages import PromptLogprob, TokenLogprob
 from ipc.outputs import RequestOutput, ToolCallDelta
 from ipc.requests import RequestAccepted
@@ -134,6 +135,11 @@ class Answer:
             if self.ENDS_WITH_DONE:
                 tail.append(SSE_DONE)
         return chain(*events, tail)
+
+    def failure(self, failed: RequestFailed) -> list[bytes]:
+        """A stream's end when the request failed after its status line went out: the error as an event, in the
+        endpoint's own shape (OpenAI's chat and completions: ``data: {"error": ...}``, then ``[DONE]``)."""
+        return [protocol.error_event(failed), *([SSE_DONE] if self.ENDS_WITH_DONE else [])]
 
     def _due(self, c: ChoiceState) -> bool:
         """Whether choice ``c`` has an event to send now: anything new, or its finish."""

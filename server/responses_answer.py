@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from ipc.control import RequestFailed
 from ipc.logprob_messages import TokenLogprob
 from ipc.requests import RequestAccepted
 from server.protocol import encode
@@ -41,11 +42,11 @@ class ResponsesAnswer(Answer):
 
     # ---- the Response object ----------------------------------------------------------------------------------
 
-    def _response(self, status: str, output: list[Item]) -> bytes:
+    def _response(self, status: str, output: list[Item], error: Item | None = None) -> bytes:
         c = self.choices[0]
         incomplete = status == "incomplete"
         head: dict[str, Any] = {
-            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "model": self.model,
             "output": output, "usage": self._usage() if c.finish_reason is not None else None,
         }  # fmt: skip
@@ -84,6 +85,22 @@ class ResponsesAnswer(Answer):
         yield self._response(self._status(), output)
 
     # ---- the stream -------------------------------------------------------------------------------------------
+
+    def failure(self, failed: RequestFailed) -> list[bytes]:
+        """OpenAI's end of a Responses stream that failed: the open item closed, then ``response.failed`` with the
+        Response so far, its ``status`` "failed" and its ``error`` (the openai SDK's stream stops on it)."""
+        events = self._begun() + self._close()
+        error = {"code": failed.code or failed.type, "message": failed.message}
+        response = self._response("failed", list(self.items), error)
+        return [*events, self._event("response.failed", {"response": msgspec.Raw(response)})]
+
+    def _begun(self) -> list[bytes]:
+        """response.created and response.in_progress, which open a stream (none once they went out)."""
+        if self.sequence:
+            return []
+        created = self._response("in_progress", [])
+        return [self._event(kind, {"response": msgspec.Raw(created)})
+                for kind in ("response.created", "response.in_progress")]  # fmt: skip
 
     def _event(self, kind: str, fields: dict[str, Any]) -> bytes:
         self.sequence += 1
@@ -124,11 +141,7 @@ class ResponsesAnswer(Answer):
         return events
 
     def _chunk(self, c: ChoiceState) -> Iterable[bytes]:
-        events: list[bytes] = []
-        if self.sequence == 0:
-            created = self._response("in_progress", [])
-            for kind in ("response.created", "response.in_progress"):
-                events.append(self._event(kind, {"response": msgspec.Raw(created)}))
+        events = self._begun()
         if reasoning := "".join(c.reasoning):
             if self.open != "reasoning":
                 events += self._close()

@@ -51,10 +51,11 @@ class Peers:
         assert isinstance(msg, GenerateRequest), msg
         return msg
 
-    def accept(self, req: GenerateRequest, prompt_tokens: int = 5) -> None:
+    def accept(self, req: GenerateRequest, prompt_tokens: int = 5, endpoint: str = "chat") -> None:
         body = json.loads(bytes(req.body))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.out.send(RequestAccepted(req.rid, bool(body.get("stream")), include_usage, body["model"], prompt_tokens, 0))
+        self.out.send(RequestAccepted(req.rid, bool(body.get("stream")), include_usage, body["model"], prompt_tokens, 0,
+                                      endpoint=endpoint))  # fmt: skip
 
     def output(self, rid: str, text: str, finish: str | None, completion_tokens: int, prompt_tokens: int = 5) -> None:
         self.out.send(OutputBatch([RequestOutput(rid, text, [1], finish, prompt_tokens, completion_tokens)]))

@@ -370,3 +370,41 @@ def test_health_waits_for_every_child(serve: ServeFactory) -> None:
     assert srv.http.get("/health").json() == {"status": "ok"}
     roles = [srv.on_loop(srv.state.ready_messages.get()).result(1).role for _ in range(3)]
     assert sorted(roles) == ["scheduler", "tokenizer", "tokenizer"]
+
+
+def test_a_failed_stream_ends_in_each_api_s_own_error_event(srv: Served) -> None:
+    """After the status line, a failure travels in the stream as the endpoint's own clients read one: the anthropic
+    SDK raises from Anthropic's ``error`` event and the openai SDK's Responses stream stops at ``response.failed``
+    (a chat-shaped ``data: {"error": ...}`` is skipped by the first and not a Responses event for the second)."""
+    import anthropic
+
+    def fail_after_text(rid: str) -> None:
+        srv.peers.output(rid, "Hel", None, 1)
+        srv.peers.out.send(RequestFailed(rid, 500, "model worker failed", type="server_error"))
+
+    claude = anthropic.Anthropic(base_url=srv.url, api_key=API_KEY, max_retries=0, timeout=10)
+
+    def messages() -> list[Any]:
+        with claude.messages.stream(model="demo", max_tokens=8, messages=MESSAGES) as stream:
+            return list(stream)
+
+    fut = srv.bg(messages)
+    req = srv.peers.request()
+    srv.peers.accept(req, endpoint="messages")
+    fail_after_text(req.rid)
+    with pytest.raises(anthropic.APIStatusError) as err:
+        fut.result(10)
+    assert "model worker failed" in str(err.value)
+    assert isinstance(err.value.body, dict) and err.value.body["error"]["type"] == "api_error"
+
+    fut = srv.bg(lambda: list(srv.client.responses.create(model="demo", input="hi", stream=True)))
+    req = srv.peers.request()
+    srv.peers.accept(req, endpoint="responses")
+    fail_after_text(req.rid)
+    events = fut.result(10)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.failed", kinds
+    assert "response.output_text.done" in kinds  # the open message was closed before the failure
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error is not None and failed.error.message == "model worker failed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
