@@ -71,6 +71,7 @@ class RequestAccepted(Msg, frozen=True):
     token_ids: bool = False
     prompt_token_ids: list[list[int]] = []
     response_fields: bytes = b""  # /v1/responses: the request's fields its Response object repeats (a JSON object)
+    reasoning: bool = True  # vLLM's include_reasoning: false leaves the split-off reasoning out of the answer
 
 
 class RouteRequest(Msg, frozen=True):

@@ -75,7 +75,7 @@ class Answer:
             choice.text.append(out.text)
             if len(choice.text) > _COMPACT_AT:  # a whole answer: one string, not a Python object per step
                 choice.text[:] = ["".join(choice.text)]
-        if out.reasoning:
+        if out.reasoning and self.accepted.reasoning:
             choice.reasoning.append(out.reasoning)
             if len(choice.reasoning) > _COMPACT_AT:
                 choice.reasoning[:] = ["".join(choice.reasoning)]

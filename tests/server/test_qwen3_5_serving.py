@@ -101,6 +101,12 @@ def test_a_thinking_prompt_answers_in_reasoning_streamed_or_not(served: tuple[Li
     assert (streamed, content) == (reasoning, "")
     assert streamed_usage is not None and streamed_usage.completion_tokens_details is not None
     assert streamed_usage.completion_tokens_details.reasoning_tokens == MAX_NEW
+    # vLLM's include_reasoning false: the same tokens, their reasoning left out of the answer (still counted).
+    hidden = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
+                                            extra_body={**thinking, "include_reasoning": False})
+    assert getattr(hidden.choices[0].message, "reasoning_content", None) is None and not hidden.choices[0].message.content
+    assert hidden.usage is not None and hidden.usage.completion_tokens_details is not None
+    assert hidden.usage.completion_tokens_details.reasoning_tokens == MAX_NEW
     # The Responses API: the same reasoning as a reasoning item (no message: there is no content), streamed as
     # reasoning_text deltas.
     response = client.responses.create(model="demo", input=messages, max_output_tokens=MAX_NEW, temperature=0,

@@ -357,6 +357,7 @@ class TokenizerWorker:
             logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
             response_fields=admitted.response_fields, token_ids=bool(chat.return_token_ids),
             prompt_token_ids=[self._checkpoint_ids(prompt.input_ids, items)] if chat.return_token_ids else [],
+            reasoning=chat.include_reasoning,
         )
         tools = tool_parser(chat, self.processor.template.tool_format)
         tokenized = TokenizedRequest(

@@ -129,6 +129,8 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     mm_processor_kwargs: dict[str, Any] | None = None
     # OpenAI's (o-series / gpt-oss templates): handed to the chat template where it reads it, else refused.
     reasoning_effort: str | None = None
+    # vLLM's: false leaves the reasoning --reasoning-parser splits off out of the answer (it is still generated).
+    include_reasoning: bool = True
     # vLLM's retrieval documents for templates that render them (as reasoning_effort: else refused).
     documents: list[dict[str, Any]] | None = None
     # Fields other servers take that would change the answer and that are not served here: refused unless default.

@@ -94,6 +94,12 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None  # a tenant's prefix-cache isolation: dropped unread, a client would think it had it
     thinking_token_budget: int | None = None  # vLLM's bound on a reasoning model's thinking tokens
     kv_transfer_params: Any = None  # vLLM's prefill/decode hand-off (what llm-d's P/D sidecar sends)
+    logits_processors: Any = None  # vLLM's server-side logits processors, by qualified name
+    # vLLM's repetition detection: a repeated token pattern ends the answer
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
+    priority: int = 0  # vLLM's priority scheduling (any other value is an error there without it)
     # vLLM's: the answer also names the prompt's token ids and each choice's (per chunk when streamed).
     return_token_ids: bool | None = None
 
@@ -158,6 +164,11 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
          "{\"enable_thinking\": false} turns it off where the chat template can)"),
         ("kv_transfer_params", req.kv_transfer_params is not None,
          "prefill/decode disaggregation is not served (each server prefills and decodes its requests)"),
+        ("logits_processors", bool(req.logits_processors), "custom logits processors are not served"),
+        *((name, bool(getattr(req, name)), "repetition detection is not served (repetition_penalty and "
+           "frequency_penalty discourage repeats)")
+          for name in ("max_repetition_pattern_size", "min_repetition_pattern_size", "repetition_min_count")),
+        ("priority", req.priority != 0, "requests are scheduled in arrival order"),
     ))
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it: it would change nothing
         raise BadRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
