@@ -70,6 +70,8 @@ def test_completion_refusals_name_the_parameter(live: LiveServer, demo_model_dir
         ({"prompt": [1 << 30]}, "prompt"),
         ({"logprobs": 21}, "logprobs"),
         ({"best_of": 3}, "best_of"),
+        ({"extra_body": {"prompt_embeds": "AAAA"}}, "prompt_embeds"),
+        ({"extra_body": {"priority": 2}}, "priority"),
     ]:
         with pytest.raises(openai.BadRequestError) as info:
             complete(live, **fields)

@@ -62,6 +62,7 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # vLLM-style extension: choices[].prompt_logprobs, 0-20 best per position
     suffix: str | None = None
     best_of: int | None = None
+    prompt_embeds: Any = None  # vLLM's prompt as embeddings (base64 tensors)
     # vLLM's: a text prompt gets the special tokens the tokenizer adds of its own accord (Gemma's <bos>; none for
     # Qwen's), as ``tokenizer(prompt)`` does. Token-id prompts are taken as sent.
     add_special_tokens: bool = True
@@ -97,6 +98,8 @@ def parse_completion(body: bytes | memoryview) -> CompletionRequest:
             raise unsupported("prompt_logprobs", "prompt_logprobs are not available when stream is true")
     if req.suffix:
         raise unsupported("suffix", "insertion (text after the completion) is not served")
+    if req.prompt_embeds:
+        raise unsupported("prompt_embeds", "prompts are text or token ids (embeddings as input are not served)")
     if req.best_of is not None and req.best_of != req.choices:
         raise unsupported("best_of", "only best_of equal to n (every candidate is returned)")
     return req
