@@ -77,7 +77,7 @@ def template_options(req: ChatCompletionRequest, reads: Callable[[str], bool]) -
             raise unsupported("reasoning_effort", "this model's chat template takes none (where a model can turn "
                               "its thinking off, chat_template_kwargs does, e.g. {\"enable_thinking\": false})")
         extra["reasoning_effort"] = req.reasoning_effort
-    if req.documents is not None:
+    if req.documents:  # (an empty list renders nothing anywhere)
         if not reads("documents"):
             raise unsupported("documents", "this model's chat template renders no documents; put them in a message")
         extra["documents"] = req.documents
