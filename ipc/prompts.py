@@ -47,6 +47,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     prompt_logprobs: int | None = None
     n: int = 1  # choices: the prompt is computed once, then forked into n sequences (see Fork)
     structured: StructuredSpec | None = None  # tokens are drawn only from what this grammar allows
+    # vLLM's thinking_token_budget: at most this many tokens between the reasoning's start and end markers
+    # (``think_ids``, one token each), the end forced at the budget (workers/engine/runner/think_budget.py);
+    # ``think_inside``: the prompt opened the reasoning.
+    think_budget: int | None = None
+    think_ids: tuple[int, ...] = ()
+    think_inside: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,8 @@ the official openai client. Five images equal transformers' greedy answer; a fou
 image matches transformers on every turn, encodes each image once and resumes every later turn from a state
 snapshot (/admin/stats' state_pool). With --reasoning-parser qwen3, a thinking prompt's answer is reasoning, streamed or
 not, on chat and on the Responses API, counted in usage's reasoning_tokens; a continued assistant message that opened <think> goes on inside the
-reasoning, one that closed it as content; and a grammar cannot constrain it."""
+reasoning, one that closed it as content; a thinking_token_budget forces </think> after that many reasoning tokens,
+as transformers' greedy loop with the same rule; and a grammar cannot constrain it."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from PIL import Image
 
-from tests.reference import ChatReference, greedy_text
+from tests.reference import ChatReference, HFReference, greedy_text
 from tests.server.live import LiveServer, data_url, png_bytes
 
 MAX_NEW = 12
@@ -137,3 +139,32 @@ def test_a_thinking_prompt_answers_in_reasoning_streamed_or_not(served: tuple[Li
         client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_NEW, extra_body=thinking,
                                        response_format={"type": "json_object"})
     assert refused.value.status_code == 400 and "response_format" in str(refused.value)
+
+
+def test_a_thinking_budget_forces_the_end_of_the_reasoning(served: tuple[LiveServer, Path]) -> None:
+    server, model_dir = served
+    ref = HFReference(model_dir)
+    messages: Any = [{"role": "user", "content": "Think it over: what is in a lighthouse?"}]
+    end = ref.tokenizer.convert_tokens_to_ids("</think>")
+    budget = 3
+
+    def force(logits: torch.Tensor, prompt: list[int], out: list[int]) -> torch.Tensor:
+        # The template opened <think>: the first `budget` tokens think, then </think> unless the model wrote it.
+        if end in out or len(out) < budget:
+            return logits
+        forced = torch.full_like(logits, float("-inf"))
+        forced[end] = 0.0
+        return forced
+
+    expected, _ = ref.greedy(ref.prompt_ids(messages, enable_thinking=True), MAX_NEW, force)
+    assert expected[budget] == end
+    answer = server.client(timeout=120).chat.completions.create(
+        model="demo", messages=messages, max_tokens=MAX_NEW, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}, "thinking_token_budget": budget,
+                    "return_token_ids": True})  # fmt: skip
+    choice = answer.choices[0]
+    assert choice.model_extra["token_ids"] == expected
+    assert getattr(choice.message, "reasoning_content", None) == ref.text(expected[:budget]).strip()
+    assert choice.message.content == ref.text(expected[budget + 1:]).strip()
+    assert answer.usage is not None and answer.usage.completion_tokens_details is not None
+    assert answer.usage.completion_tokens_details.reasoning_tokens == budget + 1  # the marker counts as reasoning

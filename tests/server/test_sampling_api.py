@@ -119,7 +119,8 @@ def test_out_of_range_parameters_are_refused_naming_them(live: LiveServer) -> No
         ({"extra_body": {"stop_token_ids": [-5]}}, "stop_token_ids"),
         ({"extra_body": {"stop_token_ids": [2**64 + 5]}}, "stop_token_ids"),
         ({"seed": -(2**63) - 1}, "seed"),
-        ({"extra_body": {"thinking_token_budget": 64}}, "thinking_token_budget"),
+        ({"extra_body": {"thinking_token_budget": 64}}, "thinking_token_budget"),  # the demo runs no reasoning parser
+        ({"extra_body": {"thinking_token_budget": -1}}, "thinking_token_budget"),
         ({"extra_body": {"documents": [{"title": "t", "text": "x"}]}}, "documents"),  # the demo's template has none
     ]:
         with pytest.raises(openai.BadRequestError) as info:

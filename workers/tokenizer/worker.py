@@ -72,7 +72,7 @@ from workers.tokenizer.requests.image_data import (
     served_prompt,
 )
 from workers.tokenizer.requests.mm_kwargs import media_settings
-from workers.tokenizer.requests.reasoning import continued_text
+from workers.tokenizer.requests.reasoning import continued_text, with_think_budget
 from workers.tokenizer.requests.responses import parse_responses, responses_names
 from workers.tokenizer.requests.sampling import hold_to_budget
 from workers.tokenizer.requests.sglang_generate import GenerateLogprobs, parse_generate, sglang_names
@@ -340,6 +340,7 @@ class TokenizerWorker:
             field = found[1] if found is not None else "tool_choice"
             raise BadRequest(f"'{field}' cannot constrain a reasoning model's answer while it thinks; pass "
                              "chat_template_kwargs {\"enable_thinking\": false} or leave it out.", param=field)
+        sampling = with_think_budget(sampling, chat, parser, inside, self.processor.tokenizer)
         # Segments only now, after every check that could refuse the request.
         distinct = list({im.hash: im for im in order}.values())
         new_bytes, writes = self.prep.materialize(distinct, names, self.shm_bytes, self.shm_budget)

@@ -22,7 +22,7 @@ from typing import Any
 
 # Bump when the written files change, so caches of an older demo model are not reused.
 # 2: the Qwen2.5-VL demo's tokenizer has Qwen's tool tokens and its chat template renders tools.
-DEMO_MODEL_VERSION = 2
+DEMO_MODEL_VERSION = 3
 DEFAULT_CACHE_DIR = Path("~/.cache/glimpse") / f"demo-model-v{DEMO_MODEL_VERSION}"
 CACHE_ENV_VAR = "GLIMPSE_DEMO_MODEL_DIR"
 
@@ -34,6 +34,9 @@ SPECIAL_TOKENS = (
 # Qwen's tokenizers carry these as plain added tokens (special=False: they survive skip_special_tokens,
 # which the tool-call parser relies on), appended after the special tokens, in Qwen's order.
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# Qwen3's reasoning markers, plain added tokens after the tool tokens as there (one id each: what a
+# thinking_token_budget watches for and forces).
+THINK_TOKENS = ("<think>", "</think>")
 BPE_VOCAB_SIZE = 2000
 SEED = 20251126
 # Init scales (used by `_init_mean_std`), picked by measuring greedy decoding. With LINEAR_STD 0.08 attention
@@ -158,8 +161,8 @@ def demo_tokenizer() -> tuple[Any, dict[str, int], int]:
     from tokenizers import AddedToken
 
     raw_tok = train_tokenizer()
-    raw_tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS + TOOL_TOKENS}
+    raw_tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS + THINK_TOKENS])
+    ids = {t: raw_tok.token_to_id(t) for t in SPECIAL_TOKENS + TOOL_TOKENS + THINK_TOKENS}
     return raw_tok, ids, raw_tok.get_vocab_size(with_added_tokens=True)
 
 
@@ -298,7 +301,7 @@ def _default_cache_dir(family: str) -> Path:
 def ensure_demo_model(cache_dir: Path | None = None, family: str = "qwen2_5_vl") -> Path:
     """Return a directory holding the demo model of ``family``, writing it there first if it is not there yet.
 
-    `cache_dir` defaults to $GLIMPSE_DEMO_MODEL_DIR, else ~/.cache/glimpse/demo-model-v2 (Qwen2.5-VL; the
+    `cache_dir` defaults to $GLIMPSE_DEMO_MODEL_DIR, else ~/.cache/glimpse/demo-model-v3 (Qwen2.5-VL; the
     other families: ~/.cache/glimpse/demo-FAMILY-v2). The model is
     written into a temp dir next to it and renamed into place, so a reader never sees a half-written
     checkpoint and two processes racing to create it both end up with one complete copy.

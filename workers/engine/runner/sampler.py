@@ -25,6 +25,7 @@ from workers.engine.runner.logits import (
     plan_logit_bias,
     plan_stops,
 )
+from workers.engine.runner.think_budget import ThinkBudgets
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 # A masking hook: logits [N, vocab] float32 -> None, in place. Structured outputs pass one; it runs
@@ -96,6 +97,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
         self._penalties: PenaltyBook | None = None
+        self._think: ThinkBudgets | None = None  # thinking_token_budget's per-request state, once one asks
 
     def add(
         self, rid: str, params: SamplingParams, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
@@ -104,6 +106,10 @@ class Sampler:
         self._generated[rid] = len(output_ids)
         if params.penalized:
             self._book().add(rid, prompt_ids, output_ids)
+        if params.think_budget is not None:
+            if self._think is None:
+                self._think = ThinkBudgets(self.device)
+            self._think.add(rid, params, output_ids)
 
     def fork(self, parent: str, child: str, params: SamplingParams) -> None:
         """A sequence that shares ``parent``'s prompt and samples its own tokens (n > 1). Its seed, when
@@ -112,6 +118,8 @@ class Sampler:
         self._generated[child] = self._generated.get(parent, 0)
         if params.penalized and self._penalties is not None and parent in self._penalties.rows:
             self._penalties.fork(parent, child)
+        if self._think is not None:
+            self._think.fork(parent, child)
 
     def _seed(self, rid: str, params: SamplingParams) -> None:
         if params.seed is not None:
@@ -131,6 +139,8 @@ class Sampler:
         self._generated.pop(rid, None)
         if self._penalties is not None:
             self._penalties.remove(rid)
+        if self._think is not None:
+            self._think.remove(rid)
 
     def sample(
         self,
@@ -150,6 +160,9 @@ class Sampler:
         _plan_draw(pack, params)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         pack.ints("lp_at", lp_rows)
+        think_rows, think_slots = self._think.rows(rids) if self._think is not None else ([], [])
+        pack.ints("think_rows", think_rows)
+        pack.ints("think_slots", think_slots)
         pack.send(logits.device)
         logits = logits.to(torch.float32, copy=True)  # the steps below write in place
         if mask is not None:
@@ -160,7 +173,11 @@ class Sampler:
             mask_stops(logits, pack)
         if plan.penalties and self._penalties is not None:
             self._penalties.apply(logits, pack)
+        if think_rows and self._think is not None:  # last: a forced end marker is all that is left to draw
+            self._think.force(logits, pack["think_rows"], pack["think_slots"])
         tokens = self._draw(logits, rids, params, pack)
+        if think_rows and self._think is not None:
+            self._think.record(tokens, pack["think_rows"], pack["think_slots"])
         logprobs = self._logprobs(logits, tokens, rids, params, lp_rows, pack)
         out = SampleOutput(tokens, logprobs)
         self._count(rids)
@@ -258,7 +275,7 @@ def _plan_draw(pack: Pack, params: list[SamplingParams]) -> None:
 
 def _plain(p: SamplingParams) -> bool:
     """Nothing to do but the argmax (or a draw): no processing, no log probabilities."""
-    return not (p.penalized or p.logit_bias or p.min_tokens or p.logprobs is not None)
+    return not (p.penalized or p.logit_bias or p.min_tokens or p.logprobs is not None or p.think_budget is not None)
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

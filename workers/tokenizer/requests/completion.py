@@ -98,6 +98,8 @@ def parse_completion(body: bytes | memoryview) -> CompletionRequest:
             raise unsupported("prompt_logprobs", "prompt_logprobs are not available when stream is true")
     if req.suffix:
         raise unsupported("suffix", "insertion (text after the completion) is not served")
+    if req.thinking_token_budget is not None:
+        raise unsupported("thinking_token_budget", "a text completion's answer is raw text, with no reasoning split off")
     if req.prompt_embeds:
         raise unsupported("prompt_embeds", "prompts are text or token ids (embeddings as input are not served)")
     if req.best_of is not None and req.best_of != req.choices:

@@ -159,9 +159,6 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
          "answers are decoded without special tokens"),
         ("return_tokens_as_token_ids", bool(req.return_tokens_as_token_ids), "logprobs name tokens by their text"),
         ("cache_salt", req.cache_salt is not None, "prefix-cache salts are not served"),
-        ("thinking_token_budget", req.thinking_token_budget is not None,
-         "the thinking is not bounded apart from the answer (max_tokens bounds both; chat_template_kwargs "
-         "{\"enable_thinking\": false} turns it off where the chat template can)"),
         ("kv_transfer_params", req.kv_transfer_params is not None,
          "prefill/decode disaggregation is not served (each server prefills and decodes its requests)"),
         ("logits_processors", bool(req.logits_processors), "custom logits processors are not served"),
@@ -170,6 +167,8 @@ def check_sampling(req: SamplingFields, max_tokens: int | None) -> None:
           for name in ("max_repetition_pattern_size", "min_repetition_pattern_size", "repetition_min_count")),
         ("priority", req.priority != 0, "requests are scheduled in arrival order"),
     ))
+    if req.thinking_token_budget is not None and req.thinking_token_budget < 0:
+        raise range_error("thinking_token_budget", req.thinking_token_budget, ">= 0")
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it: it would change nothing
         raise BadRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                          param="stream_options", code="invalid_value")

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from tests.workers.engine.models.demo_harness import DEMO_FILES, chat_inputs, greedy
-from workers.engine.models.demo_writer import SPECIAL_TOKENS, TOOL_TOKENS
+from workers.engine.models.demo_writer import SPECIAL_TOKENS, THINK_TOKENS, TOOL_TOKENS
 from workers.engine.models.qwen3_vl.demo import write_qwen3_vl, write_qwen3_vl_moe
 
 ImageFactory = Callable[..., Image.Image]  # the `make_image` fixture from tests/conftest.py
@@ -85,7 +85,7 @@ def test_config_agrees_with_tokenizer(family: str, written: dict[str, tuple[Path
     assert list(vision.deepstack_visual_indexes) == [0, 2] and vision.hidden_act == "gelu_pytorch_tanh"
     assert not config.tie_word_embeddings and not text.tie_word_embeddings
     assert text.vocab_size % 64 == 0 and text.vocab_size >= len(tokenizer) > 2000
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + TOOL_TOKENS}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS + TOOL_TOKENS + THINK_TOKENS}
     assert len(set(ids.values())) == len(ids)
     assert (config.image_token_id, config.video_token_id) == (ids["<|image_pad|>"], ids["<|video_pad|>"])
     assert config.vision_start_token_id == ids["<|vision_start|>"]
@@ -147,7 +147,7 @@ def test_chat_template_follows_qwen3_vl(written: dict[str, tuple[Path, float]]) 
         "<|im_end|>\n<|im_start|>assistant\n"
     )
     # As in Qwen3's tokenizer: one id each, and plain (not special) tokens that survive decoding.
-    for token in TOOL_TOKENS:
+    for token in TOOL_TOKENS + THINK_TOKENS:
         assert tokenizer.encode(token) == [tokenizer.convert_tokens_to_ids(token)]
     ids = tokenizer.encode('<tool_call>\n{"a": 1}\n</tool_call>')
     assert tokenizer.decode(ids, skip_special_tokens=True) == '<tool_call>\n{"a": 1}\n</tool_call>'

@@ -237,7 +237,6 @@ UNSERVED: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     ({"spaces_between_special_tokens": False}, {"spaces_between_special_tokens": True}, "spaces_between_special_tokens"),
     ({"return_tokens_as_token_ids": True}, {"return_tokens_as_token_ids": False}, "return_tokens_as_token_ids"),
     ({"cache_salt": "tenant-a"}, {"cache_salt": None}, "cache_salt"),
-    ({"thinking_token_budget": 256}, {"thinking_token_budget": None}, "thinking_token_budget"),
     ({"kv_transfer_params": {"do_remote_decode": True}}, {"kv_transfer_params": None}, "kv_transfer_params"),
     ({"logits_processors": ["my.Processor"]}, {"logits_processors": []}, "logits_processors"),
     ({"max_repetition_pattern_size": 8}, {"max_repetition_pattern_size": 0}, "max_repetition_pattern_size"),
