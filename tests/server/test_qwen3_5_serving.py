@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from PIL import Image
@@ -168,3 +169,10 @@ def test_a_thinking_budget_forces_the_end_of_the_reasoning(served: tuple[LiveSer
     assert choice.message.content == ref.text(expected[budget + 1:]).strip()
     assert answer.usage is not None and answer.usage.completion_tokens_details is not None
     assert answer.usage.completion_tokens_details.reasoning_tokens == budget + 1  # the marker counts as reasoning
+    # Anthropic's thinking budget is the same bound.
+    message = httpx.post(server.base + "/v1/messages", timeout=120, json={
+        "model": "demo", "max_tokens": MAX_NEW, "temperature": 0, "messages": messages,
+        "thinking": {"type": "enabled", "budget_tokens": budget}}).json()
+    assert [b["type"] for b in message["content"]] == ["thinking", "text"], message
+    assert message["content"][0]["thinking"] == ref.text(expected[:budget]).strip()
+    assert message["content"][1]["text"] == ref.text(expected[budget + 1:]).strip()

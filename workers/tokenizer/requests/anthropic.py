@@ -8,10 +8,10 @@ tool message, before the turn's other blocks); an assistant's earlier ``thinking
 templates leave out an earlier turn's reasoning. ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k``,
 ``stop_sequences`` -> stop, ``tools`` (``input_schema`` -> parameters), ``tool_choice`` (auto, any -> required,
 tool -> named, none; ``disable_parallel_tool_use``), ``metadata.user_id`` -> user, ``thinking`` ``{"type":
-"disabled"}`` -> the template's ``enable_thinking`` false; a final assistant turn is a prefill the answer continues
-(``continue_final_message``). Not served, a 400 naming the field: ``thinking`` enabled
-with a ``budget_tokens`` (no budget is enforced; leave it out for the template's default), server tools
-(``type`` other than custom), ``document`` and ``search_result`` blocks, ``container``, ``mcp_servers``.
+"disabled"}`` -> the template's ``enable_thinking`` false, ``enabled`` -> true, its ``budget_tokens`` the reasoning's
+token budget (vLLM's thinking_token_budget, with --reasoning-parser); a final assistant turn is a prefill the answer
+continues (``continue_final_message``). Not served, a 400 naming the field: server tools (``type`` other than
+custom), ``document`` and ``search_result`` blocks, ``container``, ``mcp_servers``.
 A refusal the chat path raises later names the Messages field (``messages_names``).
 """
 
@@ -116,15 +116,12 @@ def _chat(req: MessagesRequest) -> ChatCompletionRequest:
             raise refused_as_sent(unsupported(name, "not served"))
     if req.max_tokens < 1:
         raise range_error("max_tokens", req.max_tokens, ">= 1")
-    kwargs = None
+    kwargs, budget = None, None
     if req.thinking is not None:
         if req.thinking.type == "disabled":
             kwargs = {"enable_thinking": False}
-        elif req.thinking.budget_tokens is not None:
-            raise unsupported("thinking.budget_tokens", "a thinking budget is not enforced here; leave 'thinking' "
-                              "out (the chat template's default) or disable it")  # fmt: skip
-        else:
-            kwargs = {"enable_thinking": True}
+        else:  # enabled, its budget enforced as vLLM's thinking_token_budget (which needs --reasoning-parser)
+            kwargs, budget = {"enable_thinking": True}, req.thinking.budget_tokens
     choice = req.tool_choice
     user = req.metadata.get("user_id") if req.metadata else None
     messages = _messages(req)[0]
@@ -142,6 +139,7 @@ def _chat(req: MessagesRequest) -> ChatCompletionRequest:
         tool_choice=_tool_choice(choice), user=user if isinstance(user, str) else None,
         parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
         chat_template_kwargs=kwargs, add_generation_prompt=not prefill, continue_final_message=prefill,
+        thinking_token_budget=budget,
     )  # fmt: skip
 
 
@@ -275,10 +273,11 @@ def messages_names(exc: BadRequest, body: bytes | memoryview) -> BadRequest:
             name = origin.removesuffix(".content") + tail
     elif param.startswith("tools[") and ".function." in param:
         name = param.replace(".function.parameters", ".input_schema").replace(".function.", ".")
-    elif param in ("max_completion_tokens", "stop"):
-        name = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}[param]
+    elif param in _RENAMED:
+        name = _RENAMED[param]
     return exc if name == param else renamed(exc, name)
 
 
+_RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "thinking_token_budget": "thinking.budget_tokens"}
 _MESSAGE = re.compile(r"^messages\[(?P<message>\d+)\](?P<tail>.*)$")
 _PART = re.compile(r"^\.content\[(?P<part>\d+)\](?P<rest>.*)$")

@@ -57,6 +57,8 @@ def test_messages_fields_land_on_their_chat_fields() -> None:
     named = parse_messages(body(tools=[TOOL], tool_choice={"type": "tool", "name": "total"}))
     assert isinstance(named.tool_choice, NamedToolChoice) and named.tool_choice.function.name == "total"
     assert parse_messages(body(thinking={"type": "enabled"})).chat_template_kwargs == {"enable_thinking": True}
+    budgeted = parse_messages(body(thinking={"type": "enabled", "budget_tokens": 2048}))
+    assert budgeted.thinking_token_budget == 2048 and budgeted.chat_template_kwargs == {"enable_thinking": True}
 
 
 def test_a_final_assistant_turn_is_a_prefill_the_answer_continues() -> None:
@@ -85,7 +87,6 @@ def test_a_final_assistant_turn_is_a_prefill_the_answer_continues() -> None:
         ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]}, "messages[0].content[0].id"),
         ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": [1]}]}]},
          "messages[0].content[0].input"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.budget_tokens"),
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
         ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
         ({"container": "c1"}, "container"),
@@ -111,3 +112,4 @@ def test_later_refusals_are_named_as_the_body_names_them() -> None:
     assert name("messages[2].tool_calls[0].function.arguments") == "messages[1]"
     assert name("messages[0].content") == "system" and name("tools[0].function.parameters") == "tools[0].input_schema"
     assert name("max_completion_tokens") == "max_tokens" and name("stop") == "stop_sequences"
+    assert name("thinking_token_budget") == "thinking.budget_tokens"
