@@ -47,4 +47,6 @@ def with_think_budget(
     if any(len(i) != 1 for i in ids):
         raise unsupported("thinking_token_budget", f"the reasoning markers {markers.start!r} / {markers.end!r} are "
                           "not single tokens of this model's vocabulary")
+    # No answer outlasts its max_tokens, so a larger budget is the same bound (and the device counts in int64).
+    budget = min(budget, sampling.max_tokens)
     return msgspec.structs.replace(sampling, think_budget=budget, think_ids=(ids[0][0], ids[1][0]), think_inside=inside)
