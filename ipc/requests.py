@@ -33,7 +33,8 @@ class GenerateRequest(Msg, frozen=True):
     endpoint: str = "chat"
 
 
-RENDER_ENDPOINTS = {"chat_render": "chat", "completion_render": "completion"}  # a render -> the body it renders
+# A render -> the body it renders. Anthropic's count_tokens is a render of a Messages body answered with its count.
+RENDER_ENDPOINTS = {"chat_render": "chat", "completion_render": "completion", "messages_count": "messages_count"}
 
 
 class RequestRendered(Msg, frozen=True):

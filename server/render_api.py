@@ -1,4 +1,5 @@
-"""vLLM's render routes on the HTTP side: /v1/chat/completions/render and /v1/completions/render.
+"""vLLM's render routes on the HTTP side: /v1/chat/completions/render and /v1/completions/render; and Anthropic's
+/v1/messages/count_tokens, a render of a Messages body answered with its prompt's token count.
 
 A render needs what a generation's preparation needs (media fetched, hashed and probed for their grids, the chat
 template applied): CPU work that must stay off the event loop, so the body goes to a tokenizer worker like any
@@ -17,7 +18,8 @@ from ipc.requests import RequestRendered
 from server import protocol
 from server.frontend import FrontendState, NoTokenizer, Outcome
 
-RENDER_PATHS = {"chat_render": "/v1/chat/completions/render", "completion_render": "/v1/completions/render"}
+RENDER_PATHS = {"chat_render": "/v1/chat/completions/render", "completion_render": "/v1/completions/render",
+                "messages_count": "/v1/messages/count_tokens"}
 
 
 async def render_answer(state: FrontendState, body: bytes, endpoint: str, started: float) -> Response:

@@ -67,6 +67,25 @@ def test_a_final_assistant_turn_is_continued(live: LiveServer, ref: HFReference)
     assert len(ids) < len(ref.prompt_ids(messages))  # a new turn would have closed this one and opened another
 
 
+def test_count_tokens_counts_the_prompt_a_message_would_have(live: LiveServer, ref: HFReference) -> None:
+    """Anthropic's POST /v1/messages/count_tokens (the SDK's messages.count_tokens; no max_tokens): the prompt's
+    tokens as the Message's usage counts them, images' tokens included, and the same refusals."""
+    messages: Any = [{"role": "user", "content": "Read the invoice total."}]
+    counted = client(live).messages.count_tokens(model="demo", system="Be brief.", messages=messages)
+    assert counted.input_tokens == len(ref.prompt_ids([{"role": "system", "content": "Be brief."}, *messages]))
+    raw = png_bytes(96, 64, seed=44)
+    blocks: Any = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                "data": base64.b64encode(raw).decode()}},
+                   {"type": "text", "text": "What is on the page?"}]  # fmt: skip
+    with_image = client(live).messages.count_tokens(model="demo", messages=[{"role": "user", "content": blocks}])
+    message = create(live, messages=[{"role": "user", "content": blocks}])
+    assert with_image.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client(live).messages.count_tokens(model="demo", messages=[{"role": "user", "content": [
+            {"type": "document", "source": {}}]}])  # fmt: skip
+    assert isinstance(err.value.body, dict) and err.value.body["error"]["param"] == "messages[0].content[0].type"
+
+
 def test_an_image_block_takes_the_chat_path(live: LiveServer) -> None:
     raw = png_bytes(96, 64, seed=43)
     blocks: Any = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",

@@ -172,6 +172,8 @@ def _render_chat(
     # The MMItems the generation would send (without pixels), named as it names them: the parts' uuids.
     items = media_items(prompt.spans, order, videos, [r.uuid for r in admitted.refs],
                         [r.uuid for r in admitted.videos.refs])
+    if req.endpoint == "messages_count":  # Anthropic's count_tokens: the prompt's tokens, media included
+        return _encoder.encode({"input_tokens": len(prompt.input_ids)})
     info = processor.info
     ids = vllm_tokens(prompt.input_ids, 0, items, info.image_token_id, info.video_token_id)
     answer = Rendered(req.rid, ids, features(items), _sampling_json(sampling), chat.model)

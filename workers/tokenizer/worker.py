@@ -203,7 +203,7 @@ class TokenizerWorker:
                 exc = vllm_names(exc)
             elif req.endpoint == "responses":
                 exc = responses_names(exc, req.body)
-            elif req.endpoint == "messages":
+            elif req.endpoint in ("messages", "messages_count"):
                 exc = messages_names(exc, req.body)
             elif RENDER_ENDPOINTS.get(req.endpoint, req.endpoint) == "completion":
                 exc = completion_names(exc)  # with image_data, its chat request's refusals in its own names
@@ -226,8 +226,8 @@ class TokenizerWorker:
             chat, logprobs = parse_generate(req.body, served)
         elif req.endpoint == "responses":
             chat, response_fields = parse_responses(req.body)
-        elif req.endpoint == "messages":
-            chat = parse_messages(req.body)
+        elif req.endpoint in ("messages", "messages_count"):
+            chat = parse_messages(req.body, count=req.endpoint == "messages_count")
         else:
             chat = (completion_images(parse_completion(req.body)) if req.endpoint == "completion"
                     else parse_vllm_generate(req.body, served) if req.endpoint == "vllm_generate"

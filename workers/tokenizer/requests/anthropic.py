@@ -77,7 +77,7 @@ class Thinking(msgspec.Struct, frozen=True):
 
 class MessagesRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str
-    max_tokens: int
+    max_tokens: int | None = None  # required, except to count tokens (``/v1/messages/count_tokens``)
     messages: list[AnthropicMessage]
     system: str | list[Block] | None = None
     stream: bool = False
@@ -98,11 +98,17 @@ _decoder = msgspec.json.Decoder(MessagesRequest)
 _SERVER_TOOL = "server tools (web search, code execution, ...) are not served; send custom tools (name, input_schema)"
 
 
-def parse_messages(body: bytes | memoryview) -> ChatCompletionRequest:
+def parse_messages(body: bytes | memoryview, count: bool = False) -> ChatCompletionRequest:
     """The chat request an Anthropic Messages body amounts to (raises BadRequest; ``messages_names`` names its param
-    as the body does)."""
+    as the body does). ``count``: a count_tokens body, which has no ``max_tokens`` (the prompt alone is counted)."""
     try:
-        chat = _chat(decode_body(_decoder, body))
+        req = decode_body(_decoder, body)
+        if req.max_tokens is None:
+            if not count:
+                raise BadRequest("Missing required parameter: 'max_tokens'.", param="max_tokens",
+                                 code="missing_required_parameter")
+            req = msgspec.structs.replace(req, max_tokens=1)
+        chat = _chat(req)
     except BodyFieldRefused:
         raise
     except BadRequest as exc:  # already in the body's names (both have a "messages"): kept from renaming
@@ -114,7 +120,7 @@ def _chat(req: MessagesRequest) -> ChatCompletionRequest:
     for name, value in (("container", req.container), ("mcp_servers", req.mcp_servers)):
         if value is not None:
             raise refused_as_sent(unsupported(name, "not served"))
-    if req.max_tokens < 1:
+    if req.max_tokens is None or req.max_tokens < 1:
         raise range_error("max_tokens", req.max_tokens, ">= 1")
     kwargs, budget = None, None
     if req.thinking is not None:

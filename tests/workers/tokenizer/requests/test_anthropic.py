@@ -113,3 +113,11 @@ def test_later_refusals_are_named_as_the_body_names_them() -> None:
     assert name("messages[0].content") == "system" and name("tools[0].function.parameters") == "tools[0].input_schema"
     assert name("max_completion_tokens") == "max_tokens" and name("stop") == "stop_sequences"
     assert name("thinking_token_budget") == "thinking.budget_tokens"
+
+
+def test_max_tokens_is_required_except_to_count_tokens() -> None:
+    raw = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    with pytest.raises(BadRequest) as err:
+        parse_messages(raw)
+    assert (err.value.param, err.value.code) == ("max_tokens", "missing_required_parameter")
+    assert parse_messages(raw, count=True).max_tokens == 1  # count_tokens: the prompt alone
