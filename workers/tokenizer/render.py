@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from ipc.kv_events import media_spans, vllm_tokens
+from ipc.kv_events import media_spans
 from ipc.prompts import MMItem
 from ipc.requests import RENDER_ENDPOINTS, GenerateRequest
 from workers.engine.prompt.media_items import ImageInfo
@@ -174,7 +174,6 @@ def _render_chat(
                         [r.uuid for r in admitted.videos.refs])
     if req.endpoint == "messages_count":  # Anthropic's count_tokens: the prompt's tokens, media included
         return _encoder.encode({"input_tokens": len(prompt.input_ids)})
-    info = processor.info
-    ids = vllm_tokens(prompt.input_ids, 0, items, info.image_token_id, info.video_token_id)
+    ids = worker.checkpoint_ids(prompt.input_ids, items)
     answer = Rendered(req.rid, ids, features(items), _sampling_json(sampling), chat.model)
     return _encoder.encode([answer] if req.endpoint == "completion" else answer)  # a completions render is a list

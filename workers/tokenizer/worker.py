@@ -357,7 +357,7 @@ class TokenizerWorker:
             req.endpoint if raw or req.endpoint in ("responses", "messages") else "chat", echo=echo,
             logprobs=sampling.logprobs is not None, continuous_usage=chat.continuous_usage,
             response_fields=admitted.response_fields, token_ids=bool(chat.return_token_ids),
-            prompt_token_ids=[self._checkpoint_ids(prompt.input_ids, items)] if chat.return_token_ids else [],
+            prompt_token_ids=[self.checkpoint_ids(prompt.input_ids, items)] if chat.return_token_ids else [],
             reasoning=chat.include_reasoning,
         )
         tools = tool_parser(chat, self.processor.template.tool_format)
@@ -368,8 +368,7 @@ class TokenizerWorker:
         )  # fmt: skip
         return accepted, tokenized, writes
 
-
-    def _checkpoint_ids(self, ids: list[int], items: list[MMItem]) -> list[int]:
+    def checkpoint_ids(self, ids: list[int], items: list[MMItem]) -> list[int]:
         """The prompt as the checkpoint's processor writes it: media spans hold its image / video token id, not the
         content-derived pad values the prefix cache keys on."""
         info = self.processor.info
