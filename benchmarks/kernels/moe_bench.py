@@ -1,18 +1,23 @@
-"""A MoE layer's routed experts at decode row counts: the grouped GEMMs against the Triton kernels (moe_kernel.py).
+"""A MoE layer's routed experts at decode row counts: the grouped GEMMs against the Triton kernels (moe_kernel.py,
+and moe_batched.py's above moe_kernel.MAX_ROWS rows).
 
     python -m benchmarks.kernels.moe_bench [--rows 1,2,4,8,16,32,64] [--shapes qwen3.5-35b-a3b,qwen3-30b-a3b,gemma4-26b-a4b]
     python -m benchmarks.kernels.moe_bench --sweep    # the kernels' tile sizes and warps, per shape and row count
+    python -m benchmarks.kernels.moe_bench --batched-sweep --rows 32,64,128,256   # moe_batched.py's tiles
 
 Per shape and row count: microseconds per layer of
 * ``grouped``: the router's softmax / top-k / renormalisation in torch, then ``experts_grouped`` (sort, gather, two
   ``torch._grouped_mm``, SiLU*up, weight, scatter, sum): what a MoE layer ran before the kernels;
-* ``kernels``: ``moe_kernel.route`` + ``moe_kernel.experts`` (three Triton kernels);
+* ``kernels``: ``moe_kernel.route`` + ``moe_kernel.experts`` (three Triton kernels); above ``MAX_ROWS`` rows two
+  columns: ``per pair`` (moe_kernel.py's kernels forced, a program per token-expert pair) and ``batched`` (what
+  serves: moe_batched.py's program per expert, each expert's weights read once);
 * with ``--fp8``: ``kernels`` on FP8 stacks, one scale per row (a channel checkpoint's experts) and per 128 x 128
   tile (a block checkpoint's);
 all after the router's projection (the same cuBLAS GEMV in each), replayed from a CUDA graph of 20 layers (each with
 its own weights, so no layer finds the last one's in L2) as a decode step replays them; and the routed experts' weight
 bytes the kernels stream over their time (each token-expert pair reads its expert's three matrices; the ceiling is
-the card's bandwidth). Also the largest difference between the two outputs.
+the card's bandwidth; above ``MAX_ROWS`` rows, the distinct experts' bytes over the batched kernels' time). Also the
+largest difference between the grouped and the served outputs.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks.args import parser
-from workers.engine.kernels import moe_kernel
+from workers.engine.kernels import moe_batched, moe_kernel
 from workers.engine.kernels.fp8_quant import quantize_block, quantize_rows
 from workers.engine.models.qwen3_vl.moe import experts_grouped
 
@@ -94,6 +99,33 @@ def replay_us(fn: object, layers: Sequence[tuple[Tensor, ...]], x: Tensor, k: in
     return start.elapsed_time(end) * 1e3 / reps / len(layers)
 
 
+def per_pair(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int) -> Tensor:
+    """moe_kernel.py's per-pair kernels at any row count (its row limit lifted for the call)."""
+    limit, moe_kernel.MAX_ROWS = moe_kernel.MAX_ROWS, 1 << 20
+    try:
+        return kernels(x, router, gate_up, down, k)
+    finally:
+        moe_kernel.MAX_ROWS = limit
+
+
+# (BLOCK_M, up BLOCK_N, up BLOCK_K, down BLOCK_N, down BLOCK_K, warps, stages) of moe_batched.py tried by
+# --batched-sweep.
+BATCHED_TILES = ((16, 64, 64, 64, 64, 4, 3), (16, 32, 128, 32, 128, 4, 3), (16, 64, 128, 64, 128, 4, 3),
+                 (16, 128, 64, 128, 64, 4, 3), (16, 64, 64, 64, 64, 4, 4), (16, 32, 64, 32, 64, 4, 4),
+                 (32, 64, 64, 64, 64, 4, 3), (16, 64, 128, 64, 128, 8, 3), (16, 128, 128, 128, 128, 8, 3))
+
+
+def batched_sweep(name: str, layers: list[tuple[Tensor, Tensor, Tensor]], k: int, rows: tuple[int, ...]) -> None:
+    hidden = layers[0][0].shape[1]
+    for tiles in BATCHED_TILES:
+        (moe_batched.BLOCK_M, moe_batched.UP_BLOCK_N, moe_batched.UP_BLOCK_K, moe_batched.DOWN_BLOCK_N,
+         moe_batched.DOWN_BLOCK_K, moe_batched.NUM_WARPS, moe_batched.NUM_STAGES) = tiles
+        times = [replay_us(kernels, layers, torch.randn(r, hidden, device="cuda", dtype=torch.bfloat16), k)
+                 for r in rows]
+        print(f"| {name} | {tiles} | " + " | ".join(f"{r} rows {t:.1f} us" for r, t in zip(rows, times)) + " |",
+              flush=True)
+
+
 def sweep(name: str, layers: list[tuple[Tensor, Tensor, Tensor]], k: int, rows: tuple[int, ...]) -> None:
     hidden = layers[0][0].shape[1]
     for tiles in TILES:
@@ -110,14 +142,18 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="time the kernels' tile choices instead")
+    ap.add_argument("--batched-sweep", action="store_true", help="time moe_batched.py's tile choices instead")
     ap.add_argument("--fp8", action="store_true", help="also the kernels on FP8 stacks (row and block scales)")
     args = ap.parse_args()
     if not moe_kernel.probe(torch.device("cuda"), torch.bfloat16):
         raise SystemExit(f"the MoE kernels cannot run here: {moe_kernel.SWITCH.why_off()}")
+    if not moe_kernel.probe_batched(torch.device("cuda"), torch.bfloat16):
+        raise SystemExit(f"the batched MoE kernels cannot run here: {moe_batched.SWITCH.why_off()}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {LAYERS} layers per graph")
     fp8_cols = " fp8 rows us | fp8 blocks us | fp8 blocks / kernels |" if args.fp8 else ""
-    print("| shape | rows | grouped us | kernels us | kernels / grouped | kernels GB/s | max abs diff |" + fp8_cols)
-    print("|---" * (7 + 3 * args.fp8) + "|")
+    print("| shape | rows | grouped us | per pair us | batched us | kernels / grouped | kernels GB/s | max abs diff |"
+          + fp8_cols)
+    print("|---" * (8 + 3 * args.fp8) + "|")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):
         e, k, hidden, inter = SHAPES[name]
@@ -128,6 +164,9 @@ def main() -> None:
         if args.sweep:
             sweep(name, layers, k, (1, 4, 16))
             continue
+        if args.batched_sweep:
+            batched_sweep(name, layers, k, tuple(int(r) for r in args.rows.split(",")))
+            continue
         if args.fp8:
             if not moe_kernel.probe_fp8(torch.device("cuda"), torch.bfloat16):
                 raise SystemExit(f"the MoE kernels cannot run FP8 stacks here: {moe_kernel.FP8_SWITCH.why_off()}")
@@ -135,15 +174,20 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
             g_us = replay_us(grouped, layers, x, k)
-            k_us = replay_us(kernels, layers, x, k) if rows <= 64 else float("nan")
+            batched = rows > moe_kernel.MAX_ROWS
+            p_us = replay_us(per_pair, layers, x, k) if rows <= 256 else float("nan")
+            k_us = replay_us(kernels, layers, x, k) if batched else p_us
             router, gate_up, down = layers[0]
             diff = (grouped(x, router, gate_up, down, k).float() - kernels(x, router, gate_up, down, k).float())
-            read = rows * k * 3 * inter * hidden * 2  # each token-expert pair streams its expert's three matrices
+            # Per pair each token-expert pair streams its expert's three matrices; batched each chosen expert once.
+            _, ids = moe_kernel.route(F.linear(x, router), k)
+            read = (int(ids.unique().numel()) if batched else rows * k) * 3 * inter * hidden * 2
             fp8 = ""
             if args.fp8 and rows <= moe_kernel.MAX_ROWS:
                 r_us, b_us = (replay_us(kernels_fp8, stacks, x, k) for stacks in (by_rows, by_blocks))
                 fp8 = f" {r_us:.1f} | {b_us:.1f} | {b_us / k_us:.2f} |"
-            print(f"| {name} | {rows} | {g_us:.1f} | {k_us:.1f} | {k_us / g_us:.2f} | {read / (k_us * 1e3):.0f} "
+            b_col = f"{k_us:.1f}" if batched else "-"
+            print(f"| {name} | {rows} | {g_us:.1f} | {p_us:.1f} | {b_col} | {k_us / g_us:.2f} | {read / (k_us * 1e3):.0f} "
                   f"| {diff.abs().max().item():.3g} |" + fp8, flush=True)
 
 

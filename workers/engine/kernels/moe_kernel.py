@@ -21,7 +21,8 @@ FP8 expert stacks (``experts(..., scales=)``, one scale per row) are read as FP8
 scales applied to the float32 products. The accumulation is float32 and each output rounds once. Rows are never a kernel argument, so a layer's kernels
 compile once per weight shape (nothing may compile inside a CUDA-graph capture; the start-up warm-up's forwards
 compile them). The kernels read an expert's rows once per token that chose it, the grouped GEMMs once per expert:
-above ``MAX_ROWS`` tokens the grouped GEMMs serve.
+above ``MAX_ROWS`` tokens moe_batched.py's kernels (one program per expert and block of columns, up to its own
+``MAX_ROWS``) take the up and down products, and above those the grouped GEMMs serve.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels import moe_batched
 from workers.engine.kernels.fp8_quant import BLOCK, FP8, dequantize, is_block, quantize_block, quantize_rows
 from workers.engine.kernels.launch_helpers import pow2
 from workers.engine.kernels.triton_switch import TritonSwitch
@@ -189,7 +191,10 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
 
 def wanted(x: Tensor, gate_up: Tensor) -> bool:
     """Whether a MoE layer should take these kernels for x [T, H]: a few rows, weights in x's dtype or FP8 with
-    per-row scales (the caller passes them to ``experts``), the kernels on."""
+    per-row scales (the caller passes them to ``experts``), the kernels on; or a decode batch's rows that
+    moe_batched.py's kernels take (with this routing and the per-token sum)."""
+    if x.shape[0] > MAX_ROWS:
+        return available() and moe_batched.wanted(x, gate_up)
     return (
         0 < x.shape[0] <= MAX_ROWS
         and (gate_up.dtype == x.dtype or (gate_up.dtype == FP8 and FP8_SWITCH.on()))
@@ -227,6 +232,9 @@ def experts(
     fp8 = gate_up.dtype == FP8
     if fp8 != (scales is not None) or fp8 != (down.dtype == FP8):
         raise ValueError("FP8 expert stacks take scales, and only they do")
+    if rows > MAX_ROWS and scales is None:  # a decode batch: one program per expert and block of columns
+        part = moe_batched.down(moe_batched.up(x, ids, gate_up, gelu), ids, weights, down)
+        return _sum_pairs(part, torch.empty_like(x), top_k)
     up_layout = down_layout = (False, 1, 1)
     if scales is not None:
         up_layout, down_layout = _scale_layout(gate_up, scales[0], inter), _scale_layout(down, scales[1], 0)
@@ -234,7 +242,7 @@ def experts(
     out = torch.empty_like(x)
     if not rows:
         return out
-    _, up_kernel, down_kernel, sum_kernel = _kernels()
+    _, up_kernel, down_kernel, _ = _kernels()
     ids = ids.contiguous()
     s_up, s_down = (scales[0].float().contiguous(), scales[1].float().contiguous()) if scales else (h, h)
     up_kernel[(rows * top_k, -(-inter // UP_BLOCK_N))](
@@ -246,7 +254,14 @@ def experts(
         h, ids, weights.contiguous(), down.contiguous(), s_down, part, H=hidden, INTER=inter, FP8=fp8,
         BLOCKS=down_layout[0], SCALE_ROWS=down_layout[1], ROWS_PER_SCALE=down_layout[2],
         BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K, num_warps=NUM_WARPS)
-    sum_kernel[(rows, -(-hidden // SUM_BLOCK))](part, out, H=hidden, K=top_k, BLOCK=SUM_BLOCK, num_warps=4)
+    return _sum_pairs(part, out, top_k)
+
+
+def _sum_pairs(part: Tensor, out: Tensor, top_k: int) -> Tensor:
+    """out [T, H] = each token's k float32 partials part [T * k, H] summed in a fixed order, rounded once."""
+    rows, hidden = out.shape
+    if rows:
+        _kernels()[3][(rows, -(-hidden // SUM_BLOCK))](part, out, H=hidden, K=top_k, BLOCK=SUM_BLOCK, num_warps=4)
     return out
 
 
@@ -289,6 +304,25 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
         return torch.allclose(got, want, rtol=3e-2, atol=3e-2)
 
     return SWITCH.probe(check)
+
+
+def probe_batched(device: torch.device, dtype: torch.dtype) -> bool:
+    """moe_batched.py's kernels once through ``experts`` (routing and sum included) at more than ``MAX_ROWS`` rows,
+    against ``reference``, with partial blocks everywhere and an expert with more pairs than one pass serves."""
+    gen = torch.Generator().manual_seed(2)
+
+    def check() -> bool:
+        e, k, hidden, inter, rows = 3, 2, 136, 72, MAX_ROWS + 9  # 50 pairs: an expert has more than 16
+        x = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=dtype)
+        logits = torch.randn(rows, e, generator=gen).to(device=device, dtype=dtype)
+        gate_up = (torch.randn(e, 2 * inter, hidden, generator=gen) / hidden**0.5).to(device=device, dtype=dtype)
+        down = (torch.randn(e, hidden, inter, generator=gen) / inter**0.5).to(device=device, dtype=dtype)
+        weights, ids = route(logits, k)
+        got = experts(x, weights, ids, gate_up, down).float()
+        want = reference(x.float(), weights, ids, gate_up.float(), down.float())
+        return torch.allclose(got, want, rtol=3e-2, atol=3e-2)
+
+    return SWITCH.on() and moe_batched.SWITCH.probe(check)
 
 
 def probe_fp8(device: torch.device, dtype: torch.dtype) -> bool:

@@ -22,6 +22,7 @@ from workers.engine.kernels import (
     gated_delta_decode,
     hybrid_kernels,
     kv_write_kernel,
+    moe_batched,
     moe_kernel,
     rope_kernel,
     silu_kernel,
@@ -62,6 +63,8 @@ LM = (
     Probe(kv_write_kernel.probe, kv_write_kernel.SWITCH, "the Triton KV-cache write is off (%s); index_copy_ serves"),
     Probe(rope_kernel.probe, rope_kernel.SWITCH, "the Triton LM rotary kernel is off (%s); the compiled one serves"),
     Probe(moe_kernel.probe, moe_kernel.SWITCH, "the Triton MoE decode kernels are off (%s); grouped GEMMs serve"),
+    Probe(moe_kernel.probe_batched, moe_batched.SWITCH,
+          "the Triton MoE kernels for decode batches are off (%s); grouped GEMMs serve them"),
 )
 # A hybrid model's Gated DeltaNet layers.
 RECURRENT = (

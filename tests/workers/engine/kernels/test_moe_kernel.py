@@ -1,12 +1,13 @@
-"""The Triton MoE decode kernels (routing, up + activation, down + combine) checked on the CPU through Triton's
-interpreter against transformers' expert loops, for Qwen's SiLU experts and Gemma 4's tanh-GELU ones."""
+"""The Triton MoE decode kernels (routing, up + activation, down + combine; per token-expert pair up to
+moe_kernel.MAX_ROWS rows, per expert above: moe_batched.py) checked on the CPU through Triton's interpreter against
+transformers' expert loops, for Qwen's SiLU experts and Gemma 4's tanh-GELU ones, and on CUDA in bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.workers.engine.kernels.kernel_check import run_kernel_check
+from tests.workers.engine.kernels.kernel_check import check_switch_turns_it_off, run_kernel_check
 
 CHECK = """
 import torch
@@ -110,6 +111,31 @@ else:
     raise AssertionError("FP8 stacks without scales were accepted")
 assert moe_kernel.probe_fp8(torch.device("cpu"), torch.float32) and not moe_kernel.FP8_SWITCH.broken
 
+# Decode batches past the per-pair kernels' rows: a program per expert finds its pairs by scanning the ids in blocks
+# of moe_batched.BLOCK_P and serves them BLOCK_M at a time. Here more pairs than one scan block (70 x 3 = 210), experts
+# with more pairs than one pass (~35 each), an expert no pair chose (its program reads nothing), partial blocks.
+from workers.engine.kernels import moe_batched
+for tokens, experts, top_k, hidden, inter, unused in ((70, 7, 3, 200, 40, 1), (17, 16, 1, 64, 80, 0),
+                                                      (33, 12, 8, 136, 16, 2)):
+    assert tokens > moe_kernel.MAX_ROWS and tokens * top_k > 16
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = 3 * torch.randn(tokens, experts, generator=gen)
+    logits[:, experts - unused:] = -float("inf")
+    weights, ids = moe_kernel.route(logits, top_k)
+    assert int(ids.max()) < experts - unused
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    torch.testing.assert_close(moe_kernel.experts(x, weights, ids, gate_up, down),
+                               experts_loop(x, weights, ids, gate_up, down), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(moe_kernel.experts(x, weights, ids, gate_up, down, gelu=True),
+                               gelu_experts_loop(x, weights, ids, gate_up, down), rtol=1e-4, atol=1e-5)
+    # Every pair's activations land in its own row, whatever its expert's rank order.
+    h = moe_batched.up(x, ids, gate_up)
+    for pair in range(tokens * top_k):
+        g, u = (gate_up[ids.view(-1)[pair]] @ x[pair // top_k]).chunk(2)
+        torch.testing.assert_close(h[pair], torch.nn.functional.silu(g) * u, rtol=1e-4, atol=1e-5)
+assert moe_kernel.probe_batched(torch.device("cpu"), torch.float32) and not moe_batched.SWITCH.broken
+
 # Two tokens routed to the same expert read its weights each; a stride-padded input takes a contiguous copy.
 x = torch.randn(2, 4 * 64, generator=gen)[:, :64]
 gate_up = torch.randn(4, 2 * 16, 64, generator=gen)
@@ -126,13 +152,15 @@ def test_kernels_match_the_expert_loops_in_triton_interpreter() -> None:
     run_kernel_check(CHECK, "moe_kernel", "float32", timeout=300)
 
 
-def test_only_a_few_cuda_rows_take_the_kernels() -> None:
-    from workers.engine.kernels import moe_kernel
+def test_only_a_few_cuda_rows_take_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.engine.kernels import moe_batched, moe_kernel
 
     gate_up = torch.zeros(4, 8, 16)
     # The CPU keeps transformers' loop (the exactness tests compare it), whatever the row count.
     assert not moe_kernel.wanted(torch.zeros(1, 16), gate_up)
     assert not moe_kernel.wanted(torch.zeros(0, 16), gate_up)
+    assert not moe_kernel.wanted(torch.zeros(moe_kernel.MAX_ROWS + 1, 16), gate_up)
+    check_switch_turns_it_off(monkeypatch, moe_batched, probe=moe_kernel.probe_batched)
 
 
 @pytest.mark.gpu
@@ -148,7 +176,7 @@ def test_kernels_match_the_loop_in_bf16_and_replay_from_a_cuda_graph() -> None:
         return (scale * torch.randn(*shape, device="cuda", generator=gen)).bfloat16()
 
     gate_up, down = draw(experts, 2 * inter, hidden, scale=hidden**-0.5), draw(experts, hidden, inter, scale=inter**-0.5)
-    for rows in (1, 5, moe_kernel.MAX_ROWS):
+    for rows in (1, 5, moe_kernel.MAX_ROWS, moe_kernel.MAX_ROWS + 1, 64, 256):  # per pair, then per expert
         # float32 logits: bf16 ones tie often among 128 experts, and either tied expert is a right top-k
         x, logits = draw(rows, hidden), torch.randn(rows, experts, device="cuda", generator=gen)
         weights, ids = moe_kernel.route(logits, top_k)
@@ -158,18 +186,21 @@ def test_kernels_match_the_loop_in_bf16_and_replay_from_a_cuda_graph() -> None:
         torch.testing.assert_close(moe_kernel.experts(x, weights, ids, gate_up, down).float(), want,
                                    rtol=2**-7, atol=2e-2)
 
-    # Captured once, replayed on new inputs: the same answer as an eager call (the decode graphs' use).
-    x, logits = draw(4, hidden), draw(4, experts)
-    eager = moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down)
-    x.copy_(draw(4, hidden))
-    logits.copy_(draw(4, experts))
-    graph.replay()
-    torch.testing.assert_close(replayed, moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down),
-                               rtol=0, atol=0)
-    assert not torch.equal(replayed, eager)
+    # Captured once, replayed on new inputs: the same answer as an eager call (the decode graphs' use), for the
+    # per-pair kernels and the per-expert ones.
+    for rows in (4, 48):
+        assert moe_kernel.wanted(draw(rows, hidden), gate_up)
+        x, logits = draw(rows, hidden), draw(rows, experts)
+        eager = moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down)
+        x.copy_(draw(rows, hidden))
+        logits.copy_(draw(rows, experts))
+        graph.replay()
+        torch.testing.assert_close(replayed, moe_kernel.experts(x, *moe_kernel.route(logits, top_k), gate_up, down),
+                                   rtol=0, atol=0)
+        assert not torch.equal(replayed, eager)
 
 
 @pytest.mark.gpu
@@ -177,11 +208,11 @@ def test_kernels_match_the_loop_in_bf16_and_replay_from_a_cuda_graph() -> None:
 def test_gemma_grouped_experts_match_the_loop_past_the_kernels_rows() -> None:
     """Gemma 4's experts over more rows than the Triton kernels take: two grouped GEMMs with the tanh-GELU gate (no
     host sync, so a decode graph can hold them) give transformers' loop, float32 routing weights and all."""
-    from workers.engine.kernels import moe_kernel
+    from workers.engine.kernels import moe_batched, moe_kernel
     from workers.engine.models.gemma4.moe import GemmaExperts, gelu_experts_loop
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    experts, top_k, hidden, inter, rows = 128, 8, 2816, 704, 2 * moe_kernel.MAX_ROWS + 3  # 26B-A4B's experts
+    experts, top_k, hidden, inter, rows = 128, 8, 2816, 704, moe_batched.MAX_ROWS + 3  # 26B-A4B's experts
     block = GemmaExperts(experts, hidden, inter).cuda().bfloat16()
     block.gate_up_proj.copy_(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * hidden**-0.5)
     block.down_proj.copy_(torch.randn(experts, hidden, inter, device="cuda", generator=gen) * inter**-0.5)
