@@ -1,5 +1,5 @@
 """A MoE layer's routed experts at decode row counts: the grouped GEMMs against the Triton kernels (moe_kernel.py,
-and moe_batched.py's above moe_kernel.MAX_ROWS rows).
+and moe_batched.py's above moe_kernel.PAIR_MAX_ROWS rows).
 
     python -m benchmarks.kernels.moe_bench [--rows 1,2,4,8,16,32,64] [--shapes qwen3.5-35b-a3b,qwen3-30b-a3b,gemma4-26b-a4b]
     python -m benchmarks.kernels.moe_bench --sweep    # the kernels' tile sizes and warps, per shape and row count
@@ -8,15 +8,16 @@ and moe_batched.py's above moe_kernel.MAX_ROWS rows).
 Per shape and row count: microseconds per layer of
 * ``grouped``: the router's softmax / top-k / renormalisation in torch, then ``experts_grouped`` (sort, gather, two
   ``torch._grouped_mm``, SiLU*up, weight, scatter, sum): what a MoE layer ran before the kernels;
-* ``kernels``: ``moe_kernel.route`` + ``moe_kernel.experts`` (three Triton kernels); above ``MAX_ROWS`` rows two
-  columns: ``per pair`` (moe_kernel.py's kernels forced, a program per token-expert pair) and ``batched`` (what
-  serves: moe_batched.py's program per expert, each expert's weights read once);
+* ``kernels``: ``moe_kernel.route`` + ``moe_kernel.experts``, at every row count both ways: ``per pair``
+  (moe_kernel.py's up and down kernels, a program per token-expert pair; what serves up to ``PAIR_MAX_ROWS``) and
+  ``batched`` (moe_batched.py's, a program per expert and block of columns, each chosen expert read once; what serves
+  above), with the kernels / grouped ratio of the one that serves;
 * with ``--fp8``: ``kernels`` on FP8 stacks, one scale per row (a channel checkpoint's experts) and per 128 x 128
   tile (a block checkpoint's);
 all after the router's projection (the same cuBLAS GEMV in each), replayed from a CUDA graph of 20 layers (each with
 its own weights, so no layer finds the last one's in L2) as a decode step replays them; and the routed experts' weight
 bytes the kernels stream over their time (each token-expert pair reads its expert's three matrices; the ceiling is
-the card's bandwidth; above ``MAX_ROWS`` rows, the distinct experts' bytes over the batched kernels' time). Also the
+the card's bandwidth; above ``PAIR_MAX_ROWS`` rows, the distinct experts' bytes over the batched kernels' time). Also the
 largest difference between the grouped and the served outputs.
 """
 
@@ -99,13 +100,19 @@ def replay_us(fn: object, layers: Sequence[tuple[Tensor, ...]], x: Tensor, k: in
     return start.elapsed_time(end) * 1e3 / reps / len(layers)
 
 
-def per_pair(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int) -> Tensor:
-    """moe_kernel.py's per-pair kernels at any row count (its row limit lifted for the call)."""
-    limit, moe_kernel.MAX_ROWS = moe_kernel.MAX_ROWS, 1 << 20
-    try:
-        return kernels(x, router, gate_up, down, k)
-    finally:
-        moe_kernel.MAX_ROWS = limit
+def with_limit(limit: int) -> object:
+    """``kernels`` with moe_kernel.PAIR_MAX_ROWS at ``limit`` for the call: 1 << 20 forces the per-pair kernels at any
+    row count, 0 moe_batched.py's."""
+    def run(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int) -> Tensor:
+        served, moe_kernel.PAIR_MAX_ROWS = moe_kernel.PAIR_MAX_ROWS, limit
+        try:
+            return kernels(x, router, gate_up, down, k)
+        finally:
+            moe_kernel.PAIR_MAX_ROWS = served
+    return run
+
+
+per_pair, batched_kernels = with_limit(1 << 20), with_limit(0)
 
 
 # (BLOCK_M, up BLOCK_N, up BLOCK_K, down BLOCK_N, down BLOCK_K, warps, stages) of moe_batched.py tried by
@@ -120,7 +127,7 @@ def batched_sweep(name: str, layers: list[tuple[Tensor, Tensor, Tensor]], k: int
     for tiles in BATCHED_TILES:
         (moe_batched.BLOCK_M, moe_batched.UP_BLOCK_N, moe_batched.UP_BLOCK_K, moe_batched.DOWN_BLOCK_N,
          moe_batched.DOWN_BLOCK_K, moe_batched.NUM_WARPS, moe_batched.NUM_STAGES) = tiles
-        times = [replay_us(kernels, layers, torch.randn(r, hidden, device="cuda", dtype=torch.bfloat16), k)
+        times = [replay_us(batched_kernels, layers, torch.randn(r, hidden, device="cuda", dtype=torch.bfloat16), k)
                  for r in rows]
         print(f"| {name} | {tiles} | " + " | ".join(f"{r} rows {t:.1f} us" for r, t in zip(rows, times)) + " |",
               flush=True)
@@ -174,9 +181,10 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
             g_us = replay_us(grouped, layers, x, k)
-            batched = rows > moe_kernel.MAX_ROWS
+            batched = rows > moe_kernel.PAIR_MAX_ROWS
             p_us = replay_us(per_pair, layers, x, k) if rows <= 256 else float("nan")
-            k_us = replay_us(kernels, layers, x, k) if batched else p_us
+            b_us = replay_us(batched_kernels, layers, x, k) if rows <= 4 * moe_batched.MAX_ROWS else float("nan")
+            k_us = b_us if batched else p_us
             router, gate_up, down = layers[0]
             diff = (grouped(x, router, gate_up, down, k).float() - kernels(x, router, gate_up, down, k).float())
             # Per pair each token-expert pair streams its expert's three matrices; batched each chosen expert once.
@@ -186,8 +194,7 @@ def main() -> None:
             if args.fp8 and rows <= moe_kernel.MAX_ROWS:
                 r_us, b_us = (replay_us(kernels_fp8, stacks, x, k) for stacks in (by_rows, by_blocks))
                 fp8 = f" {r_us:.1f} | {b_us:.1f} | {b_us / k_us:.2f} |"
-            b_col = f"{k_us:.1f}" if batched else "-"
-            print(f"| {name} | {rows} | {g_us:.1f} | {p_us:.1f} | {b_col} | {k_us / g_us:.2f} | {read / (k_us * 1e3):.0f} "
+            print(f"| {name} | {rows} | {g_us:.1f} | {p_us:.1f} | {b_us:.1f} | {k_us / g_us:.2f} | {read / (k_us * 1e3):.0f} "
                   f"| {diff.abs().max().item():.3g} |" + fp8, flush=True)
 
 

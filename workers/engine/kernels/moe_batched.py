@@ -33,9 +33,14 @@ from torch import Tensor
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 # Up to how many token rows these kernels serve a layer (above: the grouped GEMMs, whose tiles fill at prefill sizes).
-MAX_ROWS = 256
-# Tiles (H200, `python -m benchmarks.kernels.moe_bench --batched-sweep`): pairs a weight block serves per pass, output
-# columns and reduction columns per program; the id scan's block.
+# Per layer, 20 layers replayed from a graph, randomly routed (`python -m benchmarks.kernels.moe_bench`, H200), these
+# kernels against the grouped GEMMs at 64 / 128 / 256 rows: Qwen3-VL-30B-A3B 323.9 / 363.8 / 607.4 against 506.4 /
+# 517.5 / 534.0 us, Qwen3.6-35B-A3B 375.3 / 475.4 / 650.2 against 584.1 / 636.1 / 660.6, Gemma 4 26B-A4B 413.7 / 463.6
+# / 772.4 against 633.6 / 650.5 / 670.5: past ~200 rows an expert's pairs need several passes over its weights.
+MAX_ROWS = 128
+# Tiles: pairs a weight block serves per pass, output columns and reduction columns per program; the id scan's block.
+# Of nine tile sets (`moe_bench --batched-sweep --rows 32,64,128`, H200) the best at each row count was within 2-5% of
+# these on the 30B-A3B's and 35B-A3B's experts, and none was best at all three.
 BLOCK_M = 16
 UP_BLOCK_N, UP_BLOCK_K = 64, 64
 DOWN_BLOCK_N, DOWN_BLOCK_K = 64, 64

@@ -21,8 +21,9 @@ FP8 expert stacks (``experts(..., scales=)``, one scale per row) are read as FP8
 scales applied to the float32 products. The accumulation is float32 and each output rounds once. Rows are never a kernel argument, so a layer's kernels
 compile once per weight shape (nothing may compile inside a CUDA-graph capture; the start-up warm-up's forwards
 compile them). The kernels read an expert's rows once per token that chose it, the grouped GEMMs once per expert:
-above ``MAX_ROWS`` tokens moe_batched.py's kernels (one program per expert and block of columns, up to its own
-``MAX_ROWS``) take the up and down products, and above those the grouped GEMMs serve.
+above ``PAIR_MAX_ROWS`` rows of bf16 stacks moe_batched.py's kernels (one program per expert and block of columns,
+each chosen expert read once, up to its own ``MAX_ROWS``) take the up and down products between this routing and
+this sum; above those rows, and FP8 stacks above ``MAX_ROWS``, the grouped GEMMs serve.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ from workers.engine.kernels.triton_switch import TritonSwitch
 # it, so rows that all share their experts cost them more: 16 copies of one prompt decoding made a 35B-A3B step
 # 6.65 -> 7.49 ms. Requests decoding side by side route apart, as the random rows do.
 MAX_ROWS = 16
+# Above this many rows bf16 stacks take moe_batched.py's kernels (FP8 stacks stay per pair to MAX_ROWS): each chosen
+# expert read once. Per layer, 20 layers replayed from a graph (moe_bench, H200), per pair against batched at 8 / 16
+# rows: Qwen3-VL-30B-A3B 137.2 / 232.6 against 133.1 / 207.7 us, Gemma 4 26B-A4B 177.9 / 300.4 against 168.0 / 263.3,
+# Qwen3.6-35B-A3B 106.0 / 177.7 against 107.2 / 177.9; at 4 rows per pair wins (83.2 against 86.0 us on the 30B).
+PAIR_MAX_ROWS = 8
 # Tiles and warps: the best at 1, 4 and 16 rows on the Qwen3.5 and Gemma 4 MoE shapes (moe_bench --sweep, H200).
 UP_BLOCK_N, UP_BLOCK_K = 16, 256
 DOWN_BLOCK_N, DOWN_BLOCK_K = 16, 256
@@ -196,12 +202,17 @@ def wanted(x: Tensor, gate_up: Tensor) -> bool:
     if x.shape[0] > MAX_ROWS:
         return available() and moe_batched.wanted(x, gate_up)
     return (
-        0 < x.shape[0] <= MAX_ROWS
+        0 < x.shape[0]
         and (gate_up.dtype == x.dtype or (gate_up.dtype == FP8 and FP8_SWITCH.on()))
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and x.is_cuda
         and available()
     )
+
+
+def _batched(rows: int, scales: tuple[Tensor, Tensor] | None) -> bool:
+    """Whether ``experts`` runs moe_batched.py's kernels for these rows (else the per-pair ones)."""
+    return scales is None and rows > PAIR_MAX_ROWS and moe_batched.available()
 
 
 def route(logits: Tensor, top_k: int, per_expert_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -232,7 +243,7 @@ def experts(
     fp8 = gate_up.dtype == FP8
     if fp8 != (scales is not None) or fp8 != (down.dtype == FP8):
         raise ValueError("FP8 expert stacks take scales, and only they do")
-    if rows > MAX_ROWS and scales is None:  # a decode batch: one program per expert and block of columns
+    if _batched(rows, scales):  # a decode batch: one program per expert and block of columns
         part = moe_batched.down(moe_batched.up(x, ids, gate_up, gelu), ids, weights, down)
         return _sum_pairs(part, torch.empty_like(x), top_k)
     up_layout = down_layout = (False, 1, 1)
@@ -307,7 +318,7 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def probe_batched(device: torch.device, dtype: torch.dtype) -> bool:
-    """moe_batched.py's kernels once through ``experts`` (routing and sum included) at more than ``MAX_ROWS`` rows,
+    """moe_batched.py's kernels once through ``experts`` (routing and sum included) at more than ``PAIR_MAX_ROWS`` rows,
     against ``reference``, with partial blocks everywhere and an expert with more pairs than one pass serves."""
     gen = torch.Generator().manual_seed(2)
 

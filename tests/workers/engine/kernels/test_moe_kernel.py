@@ -1,5 +1,5 @@
 """The Triton MoE decode kernels (routing, up + activation, down + combine; per token-expert pair up to
-moe_kernel.MAX_ROWS rows, per expert above: moe_batched.py) checked on the CPU through Triton's interpreter against
+moe_kernel.PAIR_MAX_ROWS rows, per expert above: moe_batched.py) checked on the CPU through Triton's interpreter against
 transformers' expert loops, for Qwen's SiLU experts and Gemma 4's tanh-GELU ones, and on CUDA in bf16."""
 
 from __future__ import annotations
@@ -115,9 +115,9 @@ assert moe_kernel.probe_fp8(torch.device("cpu"), torch.float32) and not moe_kern
 # of moe_batched.BLOCK_P and serves them BLOCK_M at a time. Here more pairs than one scan block (70 x 3 = 210), experts
 # with more pairs than one pass (~35 each), an expert no pair chose (its program reads nothing), partial blocks.
 from workers.engine.kernels import moe_batched
-for tokens, experts, top_k, hidden, inter, unused in ((70, 7, 3, 200, 40, 1), (17, 16, 1, 64, 80, 0),
+for tokens, experts, top_k, hidden, inter, unused in ((70, 7, 3, 200, 40, 1), (12, 16, 1, 64, 80, 0),
                                                       (33, 12, 8, 136, 16, 2)):
-    assert tokens > moe_kernel.MAX_ROWS and tokens * top_k > 16
+    assert tokens > moe_kernel.PAIR_MAX_ROWS
     x = torch.randn(tokens, hidden, generator=gen)
     logits = 3 * torch.randn(tokens, experts, generator=gen)
     logits[:, experts - unused:] = -float("inf")
@@ -176,7 +176,7 @@ def test_kernels_match_the_loop_in_bf16_and_replay_from_a_cuda_graph() -> None:
         return (scale * torch.randn(*shape, device="cuda", generator=gen)).bfloat16()
 
     gate_up, down = draw(experts, 2 * inter, hidden, scale=hidden**-0.5), draw(experts, hidden, inter, scale=inter**-0.5)
-    for rows in (1, 5, moe_kernel.MAX_ROWS, moe_kernel.MAX_ROWS + 1, 64, 256):  # per pair, then per expert
+    for rows in (1, 5, moe_kernel.PAIR_MAX_ROWS + 1, moe_kernel.MAX_ROWS + 1, 64, 128):  # per pair, then per expert
         # float32 logits: bf16 ones tie often among 128 experts, and either tied expert is a right top-k
         x, logits = draw(rows, hidden), torch.randn(rows, experts, device="cuda", generator=gen)
         weights, ids = moe_kernel.route(logits, top_k)
