@@ -82,6 +82,7 @@ CPU: list[tuple[str, list[str], str]] = [
 GPU_ONLY: dict[str, list[str]] = {
     "engine.family_bench": ["--shapes", "7b", "--images", "1", "--decode-tokens", "4"],
     "engine.decode_profile": ["--layers", "4", "--top", "5"],
+    "engine.load_bench": ["--demo", "qwen3_vl_moe", "--rounds", "1"],
     "engine.vit_bench": ["--images", "1", "--prefill-tokens", "1024"],
     "engine.gemma4_vit_bench": ["--images", "1", "--budgets", "70", "--reps", "2"],
     "engine.qwen3_vit_bench": ["--images", "1", "--rounds", "1", "--reps", "1"],

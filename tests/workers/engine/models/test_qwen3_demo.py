@@ -213,3 +213,25 @@ def test_moe_router_spreads_tokens(loaded: dict[str, tuple[Any, Any]], make_imag
         counts = torch.bincount(layer_picks, minlength=8)
         assert int((counts > 0).sum()) > 2, counts.tolist()
         assert int(counts.max()) < 0.5 * len(layer_picks), counts.tolist()  # no expert takes most picks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_experts_load_onto_cuda_as_onto_the_cpu(written: dict[str, tuple[Path, float]]) -> None:
+    """On CUDA the fused Hub-layout expert stacks go to the GPU whole and are transposed there (qwen3_vl/moe.py
+    ``whole_on_device``): every parameter equals the CPU load's, bit for bit."""
+    from workers.engine.layers.linear import TPGroup
+    from workers.engine.models import family as family_package, load_spec
+    from workers.engine.models.load import load_model
+
+    path = written["qwen3_vl_moe"][0]
+    spec = load_spec(path)
+
+    def load(device: str) -> dict[str, torch.Tensor]:
+        built = family_package(spec.family).build(spec, TPGroup(), torch.float32, torch.device(device), "sdpa")
+        return {name: p.detach().cpu() for name, p in load_model(built, path).named_parameters()}
+
+    on_cpu, on_cuda = load("cpu"), load("cuda")
+    assert on_cpu.keys() == on_cuda.keys() and any(".experts.gate_up_proj" in n for n in on_cpu)
+    for name, value in on_cpu.items():
+        assert torch.equal(value, on_cuda[name]), name
