@@ -13,7 +13,8 @@ Per shape and row count: microseconds per layer of
   ``batched`` (moe_batched.py's, a program per expert and block of columns, each chosen expert read once; what serves
   above), with the kernels / grouped ratio of the one that serves;
 * with ``--fp8``: ``kernels`` on FP8 stacks, one scale per row (a channel checkpoint's experts) and per 128 x 128
-  tile (a block checkpoint's);
+  tile (a block checkpoint's), per pair up to moe_kernel.MAX_ROWS rows and per expert above; and above, the block
+  stacks through the grouped FP8 GEMMs they took before;
 all after the router's projection (the same cuBLAS GEMV in each), replayed from a CUDA graph of 20 layers (each with
 its own weights, so no layer finds the last one's in L2) as a decode step replays them; and the routed experts' weight
 bytes the kernels stream over their time (each token-expert pair reads its expert's three matrices; the ceiling is
@@ -61,6 +62,14 @@ def kernels(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int) ->
 def kernels_fp8(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int, s_gu: Tensor, s_d: Tensor) -> Tensor:
     weights, ids = moe_kernel.route(F.linear(x, router), k)
     return moe_kernel.experts(x, weights, ids, gate_up, down, scales=(s_gu, s_d))
+
+
+def grouped_fp8(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, k: int, s_gu: Tensor, s_d: Tensor) -> Tensor:
+    """What FP8 stacks ran above moe_kernel.MAX_ROWS rows before moe_batched.py took them: the grouped FP8 GEMMs."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, k, dim=-1)
+    weights = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
+    return experts_grouped(x, weights, ids, gate_up, down, fuse_act=True, fp8_scales=(s_gu, s_d))
 
 
 def fp8_layers(layers: Sequence[tuple[Tensor, ...]], quantize: object) -> list[tuple[Tensor, ...]]:
@@ -157,10 +166,11 @@ def main() -> None:
     if not moe_kernel.probe_batched(torch.device("cuda"), torch.bfloat16):
         raise SystemExit(f"the batched MoE kernels cannot run here: {moe_batched.SWITCH.why_off()}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {LAYERS} layers per graph")
-    fp8_cols = " fp8 rows us | fp8 blocks us | fp8 blocks / kernels |" if args.fp8 else ""
+    fp8_cols = (" fp8 rows us | fp8 blocks us | fp8 blocks / kernels | fp8 blocks, grouped FP8 GEMMs us |"
+                if args.fp8 else "")
     print("| shape | rows | grouped us | per pair us | batched us | kernels / grouped | kernels GB/s | max abs diff |"
           + fp8_cols)
-    print("|---" * (8 + 3 * args.fp8) + "|")
+    print("|---" * (8 + 4 * args.fp8) + "|")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):
         e, k, hidden, inter = SHAPES[name]
@@ -175,7 +185,8 @@ def main() -> None:
             batched_sweep(name, layers, k, tuple(int(r) for r in args.rows.split(",")))
             continue
         if args.fp8:
-            if not moe_kernel.probe_fp8(torch.device("cuda"), torch.bfloat16):
+            if not (moe_kernel.probe_fp8(torch.device("cuda"), torch.bfloat16)
+                    and moe_kernel.probe_batched_fp8(torch.device("cuda"), torch.bfloat16)):
                 raise SystemExit(f"the MoE kernels cannot run FP8 stacks here: {moe_kernel.FP8_SWITCH.why_off()}")
             by_rows, by_blocks = fp8_layers(layers, quantize_rows), fp8_layers(layers, quantize_block)
         for rows in (int(r) for r in args.rows.split(",")):
@@ -191,9 +202,10 @@ def main() -> None:
             _, ids = moe_kernel.route(F.linear(x, router), k)
             read = (int(ids.unique().numel()) if batched else rows * k) * 3 * inter * hidden * 2
             fp8 = ""
-            if args.fp8 and rows <= moe_kernel.MAX_ROWS:
+            if args.fp8 and rows <= 2 * moe_batched.MAX_ROWS:
                 r_us, b_us = (replay_us(kernels_fp8, stacks, x, k) for stacks in (by_rows, by_blocks))
-                fp8 = f" {r_us:.1f} | {b_us:.1f} | {b_us / k_us:.2f} |"
+                bg_us = replay_us(grouped_fp8, by_blocks, x, k) if rows > moe_kernel.MAX_ROWS else float("nan")
+                fp8 = f" {r_us:.1f} | {b_us:.1f} | {b_us / k_us:.2f} | {bg_us:.1f} |"
             print(f"| {name} | {rows} | {g_us:.1f} | {p_us:.1f} | {b_us:.1f} | {k_us / g_us:.2f} | {read / (k_us * 1e3):.0f} "
                   f"| {diff.abs().max().item():.3g} |" + fp8, flush=True)
 

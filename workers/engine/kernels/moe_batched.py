@@ -19,7 +19,9 @@ read once for up to ``BLOCK_M`` pairs, and written per pair:
 
 Rows are never a constexpr (the pair count is an argument Triton does not specialise on), so a layer's kernels
 compile once per weight shape, at the warm-up's forwards, never inside a CUDA-graph capture. bf16/fp16/float32 stacks
-(float32 multiplies in IEEE precision, not TF32, so CUDA float32 checks see float32 math).
+(float32 multiplies in IEEE precision, not TF32, so CUDA float32 checks see float32 math), and FP8 stacks with their
+scales, the weights widened in registers (per-row scales applied to each output column once, block scales to each
+block of the reduction's product).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine.kernels.fp8_quant import FP8
 from workers.engine.kernels.triton_switch import TritonSwitch
 
 # Up to how many token rows these kernels serve a layer (above: the grouped GEMMs, whose tiles fill at prefill sizes).
@@ -49,6 +52,8 @@ BLOCK_P = 128
 
 SWITCH = TritonSwitch("GLIMPSE_TRITON_MOE_BATCHED")
 available = SWITCH.on
+# FP8 stacks through the same kernels (per-row, per row and 128 columns, or 128 x 128 tile scales), probed apart.
+FP8_SWITCH = TritonSwitch("GLIMPSE_TRITON_MOE_BATCHED_FP8")
 
 
 @functools.cache
@@ -60,33 +65,58 @@ def _kernels() -> tuple[Any, Any]:
 
 def wanted(x: Tensor, gate_up: Tensor) -> bool:
     """Whether these kernels should run a MoE layer's experts for x [T, H]: a decode batch's rows, weights in x's
-    dtype (FP8 stacks keep the grouped FP8 GEMMs above moe_kernel.py's rows), the kernels on."""
-    return 0 < x.shape[0] <= MAX_ROWS and gate_up.dtype == x.dtype and x.is_cuda and available()
+    dtype or FP8 (with its scales; ``FP8_SWITCH``), the kernels on."""
+    return (
+        0 < x.shape[0] <= MAX_ROWS
+        and (gate_up.dtype == x.dtype or (gate_up.dtype == FP8 and FP8_SWITCH.on()))
+        and x.is_cuda
+        and available()
+    )
 
 
-def up(x: Tensor, ids: Tensor, gate_up: Tensor, gelu: bool = False) -> Tensor:
+# (block scales?, the scale tensor's rows, weight rows per scale row): moe_kernel._scale_layout's answer.
+Layout = tuple[bool, int, int]
+NO_SCALES: Layout = (False, 1, 1)
+
+
+def up(x: Tensor, ids: Tensor, gate_up: Tensor, gelu: bool = False, scale: Tensor | None = None,
+       layout: Layout = NO_SCALES) -> Tensor:  # fmt: skip
     """h [T * k, I]: act(gate[e] x_t) * up[e] x_t for every pair (t, j), e = ids[t, j]; x [T, H], ids [T, k],
-    ``gate_up`` [E, 2I, H] (each expert's gate rows, then its up rows)."""
+    ``gate_up`` [E, 2I, H] (each expert's gate rows, then its up rows), FP8 with its float32 ``scale`` laid out as
+    ``layout`` says."""
     rows, hidden = x.shape
     top_k = ids.shape[1]
     experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     h = torch.empty((rows * top_k, inter), dtype=x.dtype, device=x.device)
     if rows:
+        _check_blocks(layout, UP_BLOCK_K)
         _kernels()[0][(experts, -(-inter // UP_BLOCK_N))](
-            x.contiguous(), ids.contiguous(), gate_up.contiguous(), h, rows * top_k, H=hidden, INTER=inter,
-            K=top_k, GELU=gelu, IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=UP_BLOCK_N,
-            BLOCK_K=UP_BLOCK_K, BLOCK_P=BLOCK_P, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+            x.contiguous(), ids.contiguous(), gate_up.contiguous(), h if scale is None else scale.float().contiguous(), h,
+            rows * top_k, H=hidden, INTER=inter, K=top_k, GELU=gelu, IEEE=x.dtype == torch.float32,
+            FP8=gate_up.dtype == FP8, BLOCKS=layout[0], SCALE_ROWS=layout[1], ROWS_PER_SCALE=layout[2],
+            BLOCK_M=BLOCK_M, BLOCK_N=UP_BLOCK_N, BLOCK_K=UP_BLOCK_K, BLOCK_P=BLOCK_P, NUM_STAGES=NUM_STAGES,
+            num_warps=NUM_WARPS)
     return h
 
 
-def down(h: Tensor, ids: Tensor, weights: Tensor, down_stack: Tensor) -> Tensor:
-    """float32 partials [T * k, H]: weights[t, j] * down[e] h_(t, j) for every pair; ``down_stack`` [E, H, I]."""
+def down(h: Tensor, ids: Tensor, weights: Tensor, down_stack: Tensor, scale: Tensor | None = None,
+         layout: Layout = NO_SCALES) -> Tensor:  # fmt: skip
+    """float32 partials [T * k, H]: weights[t, j] * down[e] h_(t, j) for every pair; ``down_stack`` [E, H, I],
+    FP8 with its ``scale`` as in ``up``."""
     pairs, inter = h.shape
     experts, hidden = down_stack.shape[0], down_stack.shape[1]
     part = torch.empty((pairs, hidden), dtype=torch.float32, device=h.device)
     if pairs:
+        _check_blocks(layout, DOWN_BLOCK_K)
         _kernels()[1][(experts, -(-hidden // DOWN_BLOCK_N))](
-            h, ids.contiguous(), weights.contiguous(), down_stack.contiguous(), part, pairs, H=hidden, INTER=inter,
-            IEEE=h.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K,
-            BLOCK_P=BLOCK_P, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+            h, ids.contiguous(), weights.contiguous(), down_stack.contiguous(), part if scale is None else scale.float().contiguous(),
+            part, pairs, H=hidden, INTER=inter, IEEE=h.dtype == torch.float32, FP8=down_stack.dtype == FP8,
+            BLOCKS=layout[0], SCALE_ROWS=layout[1], ROWS_PER_SCALE=layout[2], BLOCK_M=BLOCK_M,
+            BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K, BLOCK_P=BLOCK_P, NUM_STAGES=NUM_STAGES,
+            num_warps=NUM_WARPS)
     return part
+
+
+def _check_blocks(layout: Layout, block_k: int) -> None:
+    if layout[0] and 128 % block_k:  # a reduction block must fall in one 128-column scale block
+        raise ValueError(f"block scales need a reduction block that divides 128, not {block_k}")

@@ -212,7 +212,9 @@ def wanted(x: Tensor, gate_up: Tensor) -> bool:
 
 def _batched(rows: int, scales: tuple[Tensor, Tensor] | None) -> bool:
     """Whether ``experts`` runs moe_batched.py's kernels for these rows (else the per-pair ones)."""
-    return scales is None and rows > PAIR_MAX_ROWS and moe_batched.available()
+    if scales is not None:
+        return rows > MAX_ROWS and moe_batched.FP8_SWITCH.on()
+    return rows > PAIR_MAX_ROWS and moe_batched.available()
 
 
 def route(logits: Tensor, top_k: int, per_expert_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -243,12 +245,13 @@ def experts(
     fp8 = gate_up.dtype == FP8
     if fp8 != (scales is not None) or fp8 != (down.dtype == FP8):
         raise ValueError("FP8 expert stacks take scales, and only they do")
-    if _batched(rows, scales):  # a decode batch: one program per expert and block of columns
-        part = moe_batched.down(moe_batched.up(x, ids, gate_up, gelu), ids, weights, down)
-        return _sum_pairs(part, torch.empty_like(x), top_k)
     up_layout = down_layout = (False, 1, 1)
     if scales is not None:
         up_layout, down_layout = _scale_layout(gate_up, scales[0], inter), _scale_layout(down, scales[1], 0)
+    if _batched(rows, scales):  # a decode batch: one program per expert and block of columns
+        h = moe_batched.up(x, ids, gate_up, gelu, scales[0] if scales else None, up_layout)
+        part = moe_batched.down(h, ids, weights, down, scales[1] if scales else None, down_layout)
+        return _sum_pairs(part, torch.empty_like(x), top_k)
     h = torch.empty((rows * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     if not rows:
@@ -337,8 +340,18 @@ def probe_batched(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def probe_fp8(device: torch.device, dtype: torch.dtype) -> bool:
-    """The up and down kernels once on FP8 stacks with each scale layout (per row; 128 x 128 tiles; per row and 128
-    columns), against ``reference`` on the dequantized weights; whether FP8 stacks may take the kernels here."""
+    """The per-pair up and down kernels once on FP8 stacks with each scale layout (per row; 128 x 128 tiles; per row
+    and 128 columns), against ``reference`` on the dequantized weights; whether FP8 stacks may take them here."""
+    return SWITCH.on() and FP8_SWITCH.probe(functools.partial(_fp8_check, device, dtype, 2))
+
+
+def probe_batched_fp8(device: torch.device, dtype: torch.dtype) -> bool:
+    """moe_batched.py's kernels the same way at more than ``MAX_ROWS`` rows: whether FP8 stacks may take them."""
+    return (SWITCH.on() and moe_batched.SWITCH.on()
+            and moe_batched.FP8_SWITCH.probe(functools.partial(_fp8_check, device, dtype, MAX_ROWS + 3)))
+
+
+def _fp8_check(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
     gen = torch.Generator().manual_seed(1)
 
     def ragged(*shape: int) -> Tensor:  # 128 x 128 tiles of magnitudes 1 to 2^4 apart: a misread scale shows
@@ -348,11 +361,10 @@ def probe_fp8(device: torch.device, dtype: torch.dtype) -> bool:
 
     def case(inter: int, quantize: Any) -> bool:
         hidden = 200  # a partial 128-column block
-        x = (torch.randn(2, hidden, generator=gen) / 32).to(device=device, dtype=dtype)  # SiLU's exp in range
+        x = (torch.randn(rows, hidden, generator=gen) / 32).to(device=device, dtype=dtype)  # SiLU's exp in range
         q_gu, s_gu = (t.to(device) for t in quantize(ragged(6, 2 * inter, hidden)))
         q_d, s_d = (t.to(device) for t in quantize(ragged(6, hidden, inter)))
-        weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]], device=device)
-        ids = torch.tensor([[5, 1], [1, 3]], device=device)
+        weights, ids = route(torch.randn(rows, 6, generator=gen).to(device), 2)
         got = experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
         want = reference(x.float(), weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
         return torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
@@ -361,10 +373,7 @@ def probe_fp8(device: torch.device, dtype: torch.dtype) -> bool:
         q, s = quantize_block(w)
         return q, s.repeat_interleave(BLOCK, dim=1)[:, : w.shape[1]]
 
-    def check() -> bool:
-        return case(40, quantize_rows) and case(128, quantize_block) and case(40, row_blocks)
-
-    return SWITCH.on() and FP8_SWITCH.probe(check)
+    return case(40, quantize_rows) and case(128, quantize_block) and case(40, row_blocks)
 
 
 def reference(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, gelu: bool = False) -> Tensor:

@@ -234,6 +234,7 @@ def probe_kernels(lm: nn.Module, device: torch.device) -> None:
         fp8_gemm.probe(kind, device)
     if any(getattr(m, "gate_up_scale", None) is not None for m in lm.modules()):  # decode rows of FP8 experts take the Triton MoE kernels if they pass on FP8 stacks
         moe_kernel.probe_fp8(device, _model_dtype(lm))
+        moe_kernel.probe_batched_fp8(device, _model_dtype(lm))  # decode batches' (moe_batched.py) alike
 
 
 def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: int = 0) -> int:

@@ -135,6 +135,35 @@ for tokens, experts, top_k, hidden, inter, unused in ((70, 7, 3, 200, 40, 1), (1
         g, u = (gate_up[ids.view(-1)[pair]] @ x[pair // top_k]).chunk(2)
         torch.testing.assert_close(h[pair], torch.nn.functional.silu(g) * u, rtol=1e-4, atol=1e-5)
 assert moe_kernel.probe_batched(torch.device("cpu"), torch.float32) and not moe_batched.SWITCH.broken
+# FP8 stacks in decode batches: each scale layout (per row, per row and 128 columns, 128 x 128 tiles over gate rows
+# that are not whole tiles: a tile spans the gate's last rows and the up's first), tiles of magnitudes 2^0 to 2^4
+# apart so a scale read from another tile would show; through ``experts`` as served, and each activation.
+for inter, layout in ((40, "rows"), (80, "tiles"), (40, "row blocks")):
+    tokens, experts, top_k, hidden = 19, 5, 2, 300
+    x = torch.randn(tokens, hidden, generator=gen) / 16
+    weights, ids = moe_kernel.route(torch.randn(tokens, experts, generator=gen), top_k)
+    gu, dn = ragged(experts, 2 * inter, hidden) / hidden**0.5, ragged(experts, hidden, inter) / inter**0.5
+    if layout == "rows":
+        (q_gu, s_gu), (q_d, s_d) = quantize_rows(gu), quantize_rows(dn)
+    elif layout == "tiles":
+        (q_gu, s_gu), (q_d, s_d) = quantize_block(gu), quantize_block(dn)
+    else:
+        (q_gu, s_gu), (q_d, s_d) = quantize_block(gu), quantize_block(dn)
+        s_gu, s_d = (t.repeat_interleave(128, dim=1)[:, : w.shape[1]] for t, w in ((s_gu, gu), (s_d, dn)))
+    want = moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
+    if layout != "tiles":  # (80 gate rows are not whole blocks of the per-pair kernels' 16: experts refuses them)
+        torch.testing.assert_close(moe_kernel.experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)), want,
+                                   rtol=1e-4, atol=1e-5)
+    for gelu in (False, True):
+        h = moe_batched.up(x, ids, q_gu, gelu, s_gu.float(), moe_kernel._scale_layout(q_gu, s_gu, 0))
+        got = moe_batched.down(h, ids, weights, q_d, s_d.float(), moe_kernel._scale_layout(q_d, s_d, 0))
+        got = got.view(tokens, top_k, hidden).sum(1)
+        torch.testing.assert_close(got, moe_kernel.reference(x, weights, ids, dequantize(q_gu, s_gu),
+                                                             dequantize(q_d, s_d), gelu=gelu), rtol=1e-4, atol=1e-5)
+    shifted = s_gu.roll(1, 1 if layout == "rows" else 2)  # a neighbour row's scale, or the next 128 columns'
+    wrong = moe_kernel.reference(x, weights, ids, dequantize(q_gu, shifted), dequantize(q_d, s_d))
+    assert (wrong - want).abs().max() > 100 * (1e-5 + 1e-4 * want.abs().max())
+assert moe_kernel.probe_batched_fp8(torch.device("cpu"), torch.float32) and not moe_batched.FP8_SWITCH.broken
 
 # Two tokens routed to the same expert read its weights each; a stride-padded input takes a contiguous copy.
 x = torch.randn(2, 4 * 64, generator=gen)[:, :64]
@@ -232,8 +261,8 @@ def test_gemma_grouped_experts_match_the_loop_past_the_kernels_rows() -> None:
 @pytest.mark.parametrize("layout", ["rows", "tiles"])
 def test_fp8_stacks_match_the_dequantized_experts_in_bf16(layout: str) -> None:
     """Qwen3-VL-30B-A3B's experts at decode rows, FP8 with a scale per row (a channel checkpoint's) or per 128 x 128
-    tile (a block checkpoint's)."""
-    from workers.engine.kernels import moe_kernel
+    tile (a block checkpoint's): per pair, then per expert (moe_batched.py) past moe_kernel.MAX_ROWS rows."""
+    from workers.engine.kernels import moe_batched, moe_kernel
     from workers.engine.kernels.fp8_quant import dequantize, quantize_block, quantize_rows
 
     assert moe_kernel.probe_fp8(torch.device("cuda"), torch.bfloat16), moe_kernel.FP8_SWITCH.why_off()
@@ -243,8 +272,10 @@ def test_fp8_stacks_match_the_dequantized_experts_in_bf16(layout: str) -> None:
     q_gu, s_gu = quantize(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen))
     q_d, s_d = quantize(torch.randn(experts, hidden, inter, device="cuda", generator=gen))
     assert s_gu.shape == ((experts, 2 * inter, 1) if layout == "rows" else (experts, 12, 16))
-    assert moe_kernel.wanted(torch.zeros(1, hidden, dtype=torch.bfloat16, device="cuda"), q_gu)
-    for rows in (1, moe_kernel.MAX_ROWS):
+    assert moe_kernel.probe_batched_fp8(torch.device("cuda"), torch.bfloat16), moe_batched.FP8_SWITCH.why_off()
+    for rows in (1, moe_kernel.MAX_ROWS + 1, moe_batched.MAX_ROWS):
+        assert moe_kernel.wanted(torch.zeros(rows, hidden, dtype=torch.bfloat16, device="cuda"), q_gu)
+    for rows in (1, moe_kernel.MAX_ROWS, moe_kernel.MAX_ROWS + 1, 64):
         x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
         weights, ids = moe_kernel.route(torch.randn(rows, experts, device="cuda", generator=gen), top_k)
         got = moe_kernel.experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
