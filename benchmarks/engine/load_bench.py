@@ -5,7 +5,9 @@ one process.
     python -m benchmarks.engine.load_bench --demo qwen3_vl_moe    # a tiny demo checkpoint written for the run
 
 ``as served``: today's loader. ``strided on host``: fused expert stacks copied from their host tensors as strided
-views (their transposes and slices run on the host), as before ``qwen3_vl/moe.py``'s ``whole_on_device``. Each
+views (their transposes and slices run on the host), as before ``qwen3_vl/moe.py``'s ``whole_on_device``. ``ahead``:
+a thread moves each checkpoint tensor to the GPU one tensor ahead of the loaders (``load.on_device_ahead``,
+``GLIMPSE_LOAD_AHEAD=1``). Each
 round builds the model afresh (TP=1, bf16, the vision tower included) and times the load to a synchronised GPU; the
 checkpoint's pages are in the host's page cache after the first round, so the first round is reported apart. Prints
 one table row per variant and round: seconds, GB of tensors read, GB/s.
@@ -23,7 +25,7 @@ import torch
 
 from benchmarks.args import parser
 from workers.engine.layers.linear import TPGroup
-from workers.engine.models import family as family_package, load_spec
+from workers.engine.models import family as family_package, load, load_spec
 from workers.engine.models.demo_writer import write_demo_model
 from workers.engine.models.load import load_model
 from workers.engine.models.loader import check_checkpoint
@@ -40,8 +42,18 @@ def strided_on_host() -> Iterator[None]:
         moe.whole_on_device = kept
 
 
-VARIANTS: dict[str, Callable[[], AbstractContextManager[None]]] = {"as served": nullcontext,
-                                                                   "strided on host": strided_on_host}
+@contextmanager
+def ahead() -> Iterator[None]:
+    kept = load.LOAD_AHEAD
+    load.LOAD_AHEAD = True
+    try:
+        yield
+    finally:
+        load.LOAD_AHEAD = kept
+
+
+VARIANTS: dict[str, Callable[[], AbstractContextManager[None]]] = {
+    "as served": nullcontext, "strided on host": strided_on_host, "ahead": ahead}
 
 
 def one_load(checkpoint: str, variant: str) -> float:
@@ -65,7 +77,7 @@ def main() -> None:
     ap.add_argument("checkpoint", nargs="?", help="a checkpoint directory (or --demo)")
     ap.add_argument("--demo", metavar="FAMILY", help="write FAMILY's tiny demo checkpoint and load that")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default="as served,strided on host")
+    ap.add_argument("--variants", default="as served,strided on host,ahead")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",")]
     unknown = set(variants) - set(VARIANTS)

@@ -5,6 +5,9 @@ deterministic random weights for ``--load-format dummy``."""
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,10 @@ from workers.engine.models.loader import fill_dummy_weights, iter_checkpoint, no
 from workers.engine.models.quantization import Fp8Record, checkpoint_scheme, dequantized
 
 log = logging.getLogger("glimpse.model")
+
+# Whether a thread moves each checkpoint tensor to the GPU, one tensor ahead of the loaders that place it
+# (``on_device_ahead``); off by default until measured (benchmarks/engine/load_bench.py's "ahead" variant).
+LOAD_AHEAD = os.environ.get("GLIMPSE_LOAD_AHEAD", "0") == "1"
 
 
 def load_model(
@@ -67,7 +74,11 @@ def load_model(
 
         def lm_weights() -> Iterator[tuple[str, Tensor]]:
             stream = stored()
-            for name, tensor in dequantized(stream, scheme, fp8_record) if scheme is not None else stream:
+            stream = dequantized(stream, scheme, fp8_record) if scheme is not None else stream
+            device = _device_of(model.lm)
+            if LOAD_AHEAD and device.type == "cuda":
+                stream = on_device_ahead(stream, device)
+            for name, tensor in stream:
                 canonical = normalize_name(name)
                 if canonical.startswith("lm."):
                     if streaming is not None:
@@ -103,6 +114,53 @@ def defers_lm_weights(model_dir: str | Path, load_format: str, device: torch.dev
     """Whether to build the language model with its weights deferred (layers/deferred.py), for ``load_model`` to
     make it FP8 while it loads: an FP8 checkpoint on a device that gets FP8 layers."""
     return load_format == "auto" and checkpoint_scheme(model_dir) is not None and fp8_gemm.wants_fp8_layers(device)
+
+
+def on_device_ahead(stream: Iterator[tuple[str, Tensor]], device: torch.device) -> Iterator[tuple[str, Tensor]]:
+    """``stream``'s tensors on ``device``, each copied by a thread while the loaders place the one before: the host's
+    page reads and staging copies overlap the placing, and every slice and transpose after runs on the GPU. One
+    tensor waits ahead, so at most two whole checkpoint tensors are on the GPU beside the parameters."""
+    ahead: queue.Queue[tuple[str, Tensor] | BaseException | None] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def put(item: tuple[str, Tensor] | BaseException | None) -> bool:
+        """Hand ``item`` over; False once the loading thread has stopped taking them."""
+        while not stop.is_set():
+            try:
+                ahead.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def feed() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            for name, tensor in stream:
+                if not put((name, tensor.to(device))):
+                    return
+            put(None)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the loading thread
+            put(exc)
+
+    thread = threading.Thread(target=feed, name="load-ahead", daemon=True)
+    thread.start()
+    try:
+        while (item := ahead.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        if not p.is_meta:
+            return p.device
+    return torch.device("cpu")
 
 
 def _deferred(lm: nn.Module) -> bool:

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,29 @@ def test_truncated_shard_is_named(demo_model_dir: Path, tmp_path: Path) -> None:
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "truncated" in lines[0], proc.stderr
+
+
+def test_tensors_moved_ahead_arrive_in_order_and_errors_reach_the_loader() -> None:
+    """load.on_device_ahead: every tensor, in the checkpoint's order, on the device; a read that fails in the
+    thread fails the load; a loader that stops early (its own error) leaves no thread behind."""
+    import threading
+
+    from workers.engine.models.load import on_device_ahead
+
+    tensors = [(f"w{i}", torch.full((3,), float(i))) for i in range(5)]
+    got = list(on_device_ahead(iter(tensors), torch.device("cpu")))
+    assert [n for n, _ in got] == [n for n, _ in tensors]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, tensors, strict=True))
+
+    def broken() -> Iterator[tuple[str, torch.Tensor]]:
+        yield "w0", torch.zeros(1)
+        raise CheckpointError("cannot read shard x: truncated")
+
+    with pytest.raises(CheckpointError, match="truncated"):
+        list(on_device_ahead(broken(), torch.device("cpu")))
+
+    endless = ((f"w{i}", torch.zeros(1)) for i in range(10**9))
+    stream = on_device_ahead(endless, torch.device("cpu"))
+    assert next(stream)[0] == "w0"
+    stream.close()  # the loader's error: the generator is closed, its thread told to stop and joined
+    assert not any(t.name == "load-ahead" for t in threading.enumerate())
