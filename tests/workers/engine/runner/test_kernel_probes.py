@@ -51,6 +51,6 @@ def test_probes_overlap_keep_their_order_and_warn_for_each_kernel_turned_off(
 
 def test_every_family_probes_its_kernels_once() -> None:
     probes = [*kernel_probes.TOWER, *kernel_probes.LM, *kernel_probes.RECURRENT]
-    assert len({p.run for p in probes}) == len(probes) == 13
+    assert len({p.run for p in probes}) == len(probes) == 14
     assert len({id(p.switch) for p in probes}) == len(probes)  # a switch per kernel: one's failure spares the rest
     assert all(p.off.count("%s") == 1 for p in probes)
