@@ -35,7 +35,7 @@ from workers.engine.models.qwen3_vl import moe
 @contextmanager
 def strided_on_host() -> Iterator[None]:
     kept: Callable[..., torch.Tensor] = moe.whole_on_device
-    moe.whole_on_device = lambda loaded, param: loaded
+    moe.whole_on_device = lambda loaded, param, tp_size: loaded
     try:
         yield
     finally:

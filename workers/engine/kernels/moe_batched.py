@@ -27,6 +27,7 @@ block of the reduction's product).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -53,7 +54,13 @@ BLOCK_P = 128
 SWITCH = TritonSwitch("GLIMPSE_TRITON_MOE_BATCHED")
 available = SWITCH.on
 # FP8 stacks through the same kernels (per-row, per row and 128 columns, or 128 x 128 tile scales), probed apart.
+# Opt-in (GLIMPSE_TRITON_MOE_BATCHED_FP8=1) until timed on a GPU against the grouped FP8 GEMMs they would replace
+# (`python -m benchmarks.kernels.moe_bench --fp8`); checked against the dequantized experts under Triton's interpreter.
 FP8_SWITCH = TritonSwitch("GLIMPSE_TRITON_MOE_BATCHED_FP8")
+
+
+def fp8_on() -> bool:
+    return os.environ.get(FP8_SWITCH.env) == "1" and FP8_SWITCH.on()
 
 
 @functools.cache
@@ -68,7 +75,7 @@ def wanted(x: Tensor, gate_up: Tensor) -> bool:
     dtype or FP8 (with its scales; ``FP8_SWITCH``), the kernels on."""
     return (
         0 < x.shape[0] <= MAX_ROWS
-        and (gate_up.dtype == x.dtype or (gate_up.dtype == FP8 and FP8_SWITCH.on()))
+        and (gate_up.dtype == x.dtype or (gate_up.dtype == FP8 and fp8_on()))
         and x.is_cuda
         and available()
     )

@@ -213,7 +213,7 @@ def wanted(x: Tensor, gate_up: Tensor) -> bool:
 def _batched(rows: int, scales: tuple[Tensor, Tensor] | None) -> bool:
     """Whether ``experts`` runs moe_batched.py's kernels for these rows (else the per-pair ones)."""
     if scales is not None:
-        return rows > MAX_ROWS and moe_batched.FP8_SWITCH.on()
+        return rows > MAX_ROWS and moe_batched.fp8_on()
     return rows > PAIR_MAX_ROWS and moe_batched.available()
 
 
@@ -346,12 +346,14 @@ def probe_fp8(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def probe_batched_fp8(device: torch.device, dtype: torch.dtype) -> bool:
-    """moe_batched.py's kernels the same way at more than ``MAX_ROWS`` rows: whether FP8 stacks may take them."""
-    return (SWITCH.on() and moe_batched.SWITCH.on()
-            and moe_batched.FP8_SWITCH.probe(functools.partial(_fp8_check, device, dtype, MAX_ROWS + 3)))
+    """moe_batched.py's kernels the same way at more than ``MAX_ROWS`` rows, called through them whether or not
+    serving has opted in (``moe_batched.fp8_on``): whether FP8 stacks may take them."""
+    if not (SWITCH.on() and moe_batched.SWITCH.on()):
+        return False
+    return moe_batched.FP8_SWITCH.probe(functools.partial(_fp8_check, device, dtype, MAX_ROWS + 3, batched=True))
 
 
-def _fp8_check(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
+def _fp8_check(device: torch.device, dtype: torch.dtype, rows: int, batched: bool = False) -> bool:
     gen = torch.Generator().manual_seed(1)
 
     def ragged(*shape: int) -> Tensor:  # 128 x 128 tiles of magnitudes 1 to 2^4 apart: a misread scale shows
@@ -365,7 +367,12 @@ def _fp8_check(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
         q_gu, s_gu = (t.to(device) for t in quantize(ragged(6, 2 * inter, hidden)))
         q_d, s_d = (t.to(device) for t in quantize(ragged(6, hidden, inter)))
         weights, ids = route(torch.randn(rows, 6, generator=gen).to(device), 2)
-        got = experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
+        if batched:  # the kernels themselves, as ``experts`` calls them once FP8 batches are on
+            h = moe_batched.up(x, ids, q_gu, False, s_gu, _scale_layout(q_gu, s_gu, 0))
+            part = moe_batched.down(h, ids, weights, q_d, s_d, _scale_layout(q_d, s_d, 0))
+            got = _sum_pairs(part, torch.empty_like(x), 2).float()
+        else:
+            got = experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
         want = reference(x.float(), weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))
         return torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 

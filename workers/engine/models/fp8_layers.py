@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from workers.engine.kernels import fp8_gemm, moe_kernel
+from workers.engine.kernels import fp8_gemm, moe_batched, moe_kernel
 from workers.engine.kernels.fp8_quant import BLOCK, FP8, quantize_block, quantize_rows, quantize_with
 from workers.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, get_weight_loader
 from workers.engine.models.quantization import Fp8Record
@@ -234,7 +234,8 @@ def probe_kernels(lm: nn.Module, device: torch.device) -> None:
         fp8_gemm.probe(kind, device)
     if any(getattr(m, "gate_up_scale", None) is not None for m in lm.modules()):  # decode rows of FP8 experts take the Triton MoE kernels if they pass on FP8 stacks
         moe_kernel.probe_fp8(device, _model_dtype(lm))
-        moe_kernel.probe_batched_fp8(device, _model_dtype(lm))  # decode batches' (moe_batched.py) alike
+        if moe_batched.fp8_on():  # decode batches' (moe_batched.py, opt-in) alike
+            moe_kernel.probe_batched_fp8(device, _model_dtype(lm))
 
 
 def convert_loaded(lm: nn.Module, record: Fp8Record, block: int | None, rank: int = 0) -> int:

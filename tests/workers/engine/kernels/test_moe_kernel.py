@@ -259,10 +259,14 @@ def test_gemma_grouped_experts_match_the_loop_past_the_kernels_rows() -> None:
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs CUDA with FP8"
 )
 @pytest.mark.parametrize("layout", ["rows", "tiles"])
-def test_fp8_stacks_match_the_dequantized_experts_in_bf16(layout: str) -> None:
+def test_fp8_stacks_match_the_dequantized_experts_in_bf16(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen3-VL-30B-A3B's experts at decode rows, FP8 with a scale per row (a channel checkpoint's) or per 128 x 128
-    tile (a block checkpoint's): per pair, then per expert (moe_batched.py) past moe_kernel.MAX_ROWS rows."""
+    tile (a block checkpoint's): per pair, then per expert (moe_batched.py, opted in) past moe_kernel.MAX_ROWS rows."""
     from workers.engine.kernels import moe_batched, moe_kernel
+
+    assert not moe_kernel.wanted(torch.zeros(moe_kernel.MAX_ROWS + 1, 8, dtype=torch.bfloat16, device="cuda"),
+                                 torch.zeros(4, 16, 8, device="cuda").to(torch.float8_e4m3fn))  # opt-in
+    monkeypatch.setenv(moe_batched.FP8_SWITCH.env, "1")
     from workers.engine.kernels.fp8_quant import dequantize, quantize_block, quantize_rows
 
     assert moe_kernel.probe_fp8(torch.device("cuda"), torch.bfloat16), moe_kernel.FP8_SWITCH.why_off()

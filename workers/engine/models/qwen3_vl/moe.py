@@ -143,7 +143,7 @@ class StackedExperts(nn.Module):
     def load_gate_up(self, param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
         il, full, start = self.inter_local, self.intermediate_size, self.tp.rank * self.inter_local
         if shard_id is None:  # every expert's gate then up rows, [E, 2I, H] once in Linear layout
-            w = self._linear_layout(whole_on_device(loaded, param), 2 * full, self.hidden_size)
+            w = self._linear_layout(whole_on_device(loaded, param, self.tp.size), 2 * full, self.hidden_size)
             copy_into(param[:, :il], w[:, start : start + il], "expert shard")
             copy_into(param[:, il:], w[:, full + start : full + start + il], "expert shard")
             return
@@ -156,7 +156,7 @@ class StackedExperts(nn.Module):
     def load_down(self, param: Tensor, loaded: Tensor, shard_id: object = None) -> None:
         il, start = self.inter_local, self.tp.rank * self.inter_local
         if shard_id is None:
-            w = self._linear_layout(whole_on_device(loaded, param), self.hidden_size, self.intermediate_size)
+            w = self._linear_layout(whole_on_device(loaded, param, self.tp.size), self.hidden_size, self.intermediate_size)
             copy_into(param, w[:, :, start : start + il], "expert shard")
             return
         if not isinstance(shard_id, int):
@@ -164,11 +164,13 @@ class StackedExperts(nn.Module):
         copy_into(param[shard_id], loaded.narrow(1, start, il), "expert shard")
 
 
-def whole_on_device(loaded: Tensor, param: Tensor) -> Tensor:
-    """A fused expert tensor moved whole (one dense copy) to the parameter's GPU before it is transposed or sliced.
-    The Hub's [E, in, out] layout and every TP slice make the parameter's view of it strided, and a strided copy from
-    the host runs on the host, one element at a time: the 30B-A3B shape's 29 GB of experts took most of its load."""
-    if param.device.type == "cuda" and loaded.device != param.device:
+def whole_on_device(loaded: Tensor, param: Tensor, tp_size: int) -> Tensor:
+    """A fused expert tensor moved whole (one dense copy) to the parameter's GPU before it is transposed: the Hub's
+    [E, in, out] layout makes the parameter's view of it a transpose, and a strided copy from the host runs on the
+    host, element by element (0.24-0.57 GB/s on the 2-core CI box, against 0.4-3 GB/s for a plain copy). Only at
+    TP 1: a rank of TP N would move N times the bytes its slice needs. (Not yet timed on a GPU host:
+    ``python -m benchmarks.engine.load_bench CHECKPOINT``.)"""
+    if tp_size == 1 and param.device.type == "cuda" and loaded.device != param.device:
         return loaded.to(param.device)
     return loaded
 
