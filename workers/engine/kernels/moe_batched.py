@@ -97,9 +97,9 @@ def up(x: Tensor, ids: Tensor, gate_up: Tensor, gelu: bool = False, scale: Tenso
     h = torch.empty((rows * top_k, inter), dtype=x.dtype, device=x.device)
     if rows:
         _check_blocks(layout, UP_BLOCK_K)
+        s_ptr = h if scale is None else scale.float().contiguous()  # (a pointer the kernel never reads without FP8)
         _kernels()[0][(experts, -(-inter // UP_BLOCK_N))](
-            x.contiguous(), ids.contiguous(), gate_up.contiguous(), h if scale is None else scale.float().contiguous(), h,
-            rows * top_k, H=hidden, INTER=inter, K=top_k, GELU=gelu, IEEE=x.dtype == torch.float32,
+            x.contiguous(), ids.contiguous(), gate_up.contiguous(), s_ptr, h, rows * top_k, H=hidden, INTER=inter, K=top_k, GELU=gelu, IEEE=x.dtype == torch.float32,
             FP8=gate_up.dtype == FP8, BLOCKS=layout[0], SCALE_ROWS=layout[1], ROWS_PER_SCALE=layout[2],
             BLOCK_M=BLOCK_M, BLOCK_N=UP_BLOCK_N, BLOCK_K=UP_BLOCK_K, BLOCK_P=BLOCK_P, NUM_STAGES=NUM_STAGES,
             num_warps=NUM_WARPS)
@@ -115,9 +115,9 @@ def down(h: Tensor, ids: Tensor, weights: Tensor, down_stack: Tensor, scale: Ten
     part = torch.empty((pairs, hidden), dtype=torch.float32, device=h.device)
     if pairs:
         _check_blocks(layout, DOWN_BLOCK_K)
+        s_ptr = part if scale is None else scale.float().contiguous()
         _kernels()[1][(experts, -(-hidden // DOWN_BLOCK_N))](
-            h, ids.contiguous(), weights.contiguous(), down_stack.contiguous(), part if scale is None else scale.float().contiguous(),
-            part, pairs, H=hidden, INTER=inter, IEEE=h.dtype == torch.float32, FP8=down_stack.dtype == FP8,
+            h, ids.contiguous(), weights.contiguous(), down_stack.contiguous(), s_ptr, part, pairs, H=hidden, INTER=inter, IEEE=h.dtype == torch.float32, FP8=down_stack.dtype == FP8,
             BLOCKS=layout[0], SCALE_ROWS=layout[1], ROWS_PER_SCALE=layout[2], BLOCK_M=BLOCK_M,
             BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K, BLOCK_P=BLOCK_P, NUM_STAGES=NUM_STAGES,
             num_warps=NUM_WARPS)

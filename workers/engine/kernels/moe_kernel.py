@@ -245,13 +245,11 @@ def experts(
     fp8 = gate_up.dtype == FP8
     if fp8 != (scales is not None) or fp8 != (down.dtype == FP8):
         raise ValueError("FP8 expert stacks take scales, and only they do")
-    up_layout = down_layout = (False, 1, 1)
+    up_layout = down_layout = moe_batched.NO_SCALES
     if scales is not None:
         up_layout, down_layout = _scale_layout(gate_up, scales[0], inter), _scale_layout(down, scales[1], 0)
     if _batched(rows, scales):  # a decode batch: one program per expert and block of columns
-        h = moe_batched.up(x, ids, gate_up, gelu, scales[0] if scales else None, up_layout)
-        part = moe_batched.down(h, ids, weights, down, scales[1] if scales else None, down_layout)
-        return _sum_pairs(part, torch.empty_like(x), top_k)
+        return _per_expert(x, weights, ids, gate_up, down, gelu, scales, (up_layout, down_layout))
     h = torch.empty((rows * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     if not rows:
@@ -269,6 +267,16 @@ def experts(
         BLOCKS=down_layout[0], SCALE_ROWS=down_layout[1], ROWS_PER_SCALE=down_layout[2],
         BLOCK_N=DOWN_BLOCK_N, BLOCK_K=DOWN_BLOCK_K, num_warps=NUM_WARPS)
     return _sum_pairs(part, out, top_k)
+
+
+def _per_expert(
+    x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, gelu: bool,
+    scales: tuple[Tensor, Tensor] | None, layouts: tuple[moe_batched.Layout, moe_batched.Layout],
+) -> Tensor:  # fmt: skip
+    """``experts`` through moe_batched.py's kernels: the up and down products a program per expert, then the sum."""
+    h = moe_batched.up(x, ids, gate_up, gelu, scales[0] if scales else None, layouts[0])
+    part = moe_batched.down(h, ids, weights, down, scales[1] if scales else None, layouts[1])
+    return _sum_pairs(part, torch.empty_like(x), ids.shape[1])
 
 
 def _sum_pairs(part: Tensor, out: Tensor, top_k: int) -> Tensor:
@@ -368,9 +376,8 @@ def _fp8_check(device: torch.device, dtype: torch.dtype, rows: int, batched: boo
         q_d, s_d = (t.to(device) for t in quantize(ragged(6, hidden, inter)))
         weights, ids = route(torch.randn(rows, 6, generator=gen).to(device), 2)
         if batched:  # the kernels themselves, as ``experts`` calls them once FP8 batches are on
-            h = moe_batched.up(x, ids, q_gu, False, s_gu, _scale_layout(q_gu, s_gu, 0))
-            part = moe_batched.down(h, ids, weights, q_d, s_d, _scale_layout(q_d, s_d, 0))
-            got = _sum_pairs(part, torch.empty_like(x), 2).float()
+            layouts = (_scale_layout(q_gu, s_gu, inter), _scale_layout(q_d, s_d, 0))
+            got = _per_expert(x, weights, ids, q_gu, q_d, False, (s_gu, s_d), layouts).float()
         else:
             got = experts(x, weights, ids, q_gu, q_d, scales=(s_gu, s_d)).float()
         want = reference(x.float(), weights, ids, dequantize(q_gu, s_gu), dequantize(q_d, s_d))

@@ -75,8 +75,7 @@ def load_model(
         def lm_weights() -> Iterator[tuple[str, Tensor]]:
             stream = stored()
             stream = dequantized(stream, scheme, fp8_record) if scheme is not None else stream
-            device = _device_of(model.lm)
-            if LOAD_AHEAD and device.type == "cuda":
+            if LOAD_AHEAD and (device := _device_of(model.lm)).type == "cuda":
                 stream = on_device_ahead(stream, device)
             for name, tensor in stream:
                 canonical = normalize_name(name)
