@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import httpx
 import openai
+import pytest
 import uvicorn
 import uvloop
 
@@ -29,6 +30,8 @@ from server.frontend import FrontendState
 from server.http_guard import HttpLimits, guarded_protocol
 
 API_KEY = "sk-test-key"
+# The launcher serves on uvloop; nothing in the app may depend on that.
+LOOPS = pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
 T = TypeVar("T")
 

@@ -1,8 +1,8 @@
 """Model families, chosen by ``architectures`` in a checkpoint's config.json.
 
 Adding a family: one package under this folder exporting ``FAMILY`` (see base.py for what it provides)
-and one line in ``ARCHITECTURES``. What families share sits beside the packages: decoder.py (the paged decoder, its
-layer and weight loading), qwen_vit.py (the Qwen-style vision tower), demo_writer.py and demo_templates.py (tiny demo
+and one line in ``ARCHITECTURES``. What families share sits beside the packages: decoder.py (the paged decoder and its
+weight loading), decoder_layers.py (its attention, MLP and layer), decoder_spec.py (its config fields), qwen_vit.py (the Qwen-style vision tower), demo_writer.py and demo_templates.py (tiny demo
 checkpoints).
 """
 

@@ -9,7 +9,7 @@ import torch
 from tests.workers.engine.kernels.kernel_check import check_switch_turns_it_off, run_kernel_check
 from workers.engine.kernels import split_norm
 from workers.engine.layers.linear import RowParallelLinear
-from workers.engine.models.decoder import DecoderLayer, SwiGLUMLP
+from workers.engine.models.decoder_layers import DecoderLayer, SwiGLUMLP
 
 CHECK = """
 import torch

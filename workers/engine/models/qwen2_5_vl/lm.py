@@ -18,14 +18,9 @@ from torch import Tensor, nn
 
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
 from workers.engine.layers.rotary import MRopeAngles, apply_rope, mrope_rows
-from workers.engine.models.decoder import (
-    DecoderAttention,
-    DecoderLayer,
-    DecoderSpec,
-    PagedDecoder,
-    SwiGLUMLP,
-    decoder_fields,
-)
+from workers.engine.models.decoder import PagedDecoder
+from workers.engine.models.decoder_layers import DecoderAttention, DecoderLayer, SwiGLUMLP
+from workers.engine.models.decoder_spec import DecoderSpec, decoder_fields
 from workers.engine.models.loader import fill_dummy_weights, iter_safetensors, normalize_name
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,8 @@ from workers.engine.layers.linear import (
     set_weight_loader,
 )
 from workers.engine.layers.rotary import apply_rope, mrope_rows
-from workers.engine.models.decoder import DecoderLayer, PagedDecoder, SwiGLUMLP, sum_in_next_norm
+from workers.engine.models.decoder import PagedDecoder
+from workers.engine.models.decoder_layers import DecoderLayer, SwiGLUMLP, sum_in_next_norm
 from workers.engine.models.qwen3_5.linear_attention import IN_PROJ_PARTS, GatedDeltaNet
 from workers.engine.models.qwen3_5.moe import SHARED_EXPERT_PARTS, SharedExpertMoeBlock
 from workers.engine.models.qwen3_5.spec import FULL, TextSpec, check_tp

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from workers.engine.kernels.skinny_gemm import settled
 from workers.engine.layers.linear import SINGLE_RANK, TPGroup
-from workers.engine.models.decoder import SwiGLUMLP
+from workers.engine.models.decoder_layers import SwiGLUMLP
 from workers.engine.models.qwen3_vl.moe import (
     SparseMoeBlock,
 )

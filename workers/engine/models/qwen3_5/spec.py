@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.models.decoder import DecoderSpec
+from workers.engine.models.decoder_spec import DecoderSpec
 from workers.engine.models.model_spec import RecurrentSpec, text_fields
 
 LINEAR, FULL = "linear_attention", "full_attention"

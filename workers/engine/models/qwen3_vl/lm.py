@@ -20,14 +20,9 @@ from workers.engine.kernels.attention import AttentionBackend, AttentionMetadata
 from workers.engine.kernels.skinny_gemm import Partials, settled
 from workers.engine.layers.linear import SINGLE_RANK, RMSNorm, TPGroup
 from workers.engine.layers.rotary import MRopeAngles, apply_rope, mrope_rows
-from workers.engine.models.decoder import (
-    DecoderAttention,
-    DecoderLayer,
-    DecoderSpec,
-    PagedDecoder,
-    SwiGLUMLP,
-    decoder_fields,
-)
+from workers.engine.models.decoder import PagedDecoder
+from workers.engine.models.decoder_layers import DecoderAttention, DecoderLayer, SwiGLUMLP
+from workers.engine.models.decoder_spec import DecoderSpec, decoder_fields
 from workers.engine.models.model_spec import text_fields
 from workers.engine.models.qwen3_vl.moe import (
     SparseMoeBlock,
