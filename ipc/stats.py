@@ -32,6 +32,7 @@ class WorkerStats(Msg, frozen=True):
     nixl_reads: int = 0  # --encoder-transport nixl: landed entries this rank read with NIXL, and their bytes
     nixl_bytes: int = 0
     ahead_waits: int = 0  # steps that waited for encode-ahead's side stream (it was writing an entry they need)
+    gc_idle_full: int = 0  # full collections run while the process was idle (not in the gc_ figures above)
 
 
 class EncoderStats(Msg, frozen=True):
@@ -99,6 +100,7 @@ class SchedulerStats(Msg, frozen=True):
     gc_frozen: int = 0
     gc_full: int = 0
     gc_pause_s_sum: float = 0.0
+    gc_idle_full: int = 0
     # Hybrid models: the linear-attention state pool (live states and prefix snapshots; all 0 for other models).
     state_slots_total: int = 0
     state_slots_live: int = 0

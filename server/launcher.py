@@ -49,6 +49,7 @@ from server.children import (
 )
 from server.config import ServerConfig
 from server.http_guard import HttpLimits, guarded_protocol
+from workers.common.full_collections import FullCollections
 from workers.common.memory import tune_malloc
 from workers.common.proc import freeze_heap, keep_kernel_caches
 from workers.common.reasoning_channels import check_markers
@@ -63,6 +64,7 @@ CLEAN_EXIT_S = 10.0  # after Shutdown, how long children get to exit before SIGK
 # by Shutdown, need ~1 s to exit (torch's teardown), so the wait only caps a slow one.
 CRASH_EXIT_S = 0.5
 FD_RESERVE = 256  # descriptors kept for sockets, shm and files besides HTTP connections
+_GC_TICK_S = 0.25  # how often the frontend looks whether it is idle (full collections wait for that)
 
 
 class _Server(uvicorn.Server):
@@ -250,13 +252,28 @@ class Launcher:
         if self.server.started:
             sd_notify("READY=1")
             log.info("serving %s on http://%s:%d", cfg.served_model_name, cfg.host, cfg.port)
+        collector = asyncio.ensure_future(self._collect_when_idle())
         stop = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({serve, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
+        collector.cancel()
         if not serve.done():
             await self._drain()
             self.server.should_exit = True
         await serve
+
+    async def _collect_when_idle(self) -> None:
+        """The frontend's full collections off the request path (workers/common/full_collections.py): this event
+        loop writes every stream's chunks, so one collection here holds them all back."""
+        assert self.state is not None
+        state, full, seen = self.state, FullCollections(), -1
+        while True:
+            await asyncio.sleep(_GC_TICK_S)
+            now, busy = time.monotonic(), bool(state.flights)
+            if busy or state.book.counters.total != seen:
+                seen = state.book.counters.total
+                full.worked(now, not busy)
+            full.poll(now, not busy)
 
     async def _drain(self) -> None:
         """Let requests in flight finish while the listener answers new ones with 503; past the

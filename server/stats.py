@@ -110,7 +110,7 @@ class StatsBook:
             "steps": s.steps,
             "steps_ahead": s.steps_ahead,
             "samples_dropped": s.samples_dropped,
-            "scheduler_gc": gc_row(s.gc_collections, s.gc_full, s.gc_pause_s_sum, s.gc_pause_s_max, s.gc_frozen),
+            "scheduler_gc": gc_row(s.gc_collections, s.gc_full, s.gc_pause_s_sum, s.gc_pause_s_max, s.gc_frozen, s.gc_idle_full),
             "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
             "kv_cache_dtype": self.kv_cache_dtype,
             # Sliding-window models (Gemma 4): the sliding layers' own pool (kv_blocks is the global layers').
@@ -186,7 +186,7 @@ class StatsBook:
                     "vision_weight_bytes": w.vision_weight_bytes,  # 0 with --encoder-workers: no tower here
                     "broadcast_ms_mean": 1e3 * w.broadcast_s_sum / w.steps if w.steps else 0.0,
                     "broadcast_ms_max": 1e3 * w.broadcast_s_max,
-                    "gc": gc_row(w.gc_collections, w.gc_full, w.gc_pause_s_sum, w.gc_pause_s_max, w.gc_frozen),
+                    "gc": gc_row(w.gc_collections, w.gc_full, w.gc_pause_s_sum, w.gc_pause_s_max, w.gc_frozen, w.gc_idle_full),
                 }
                 for w in s.workers
             ],
@@ -234,13 +234,18 @@ class StatsBook:
         }
 
 
-def gc_row(collections: int, full: int, pause_s_sum: float, pause_s_max: float, frozen: int) -> dict[str, Any]:
+def gc_row(
+    collections: int, full: int, pause_s_sum: float, pause_s_max: float, frozen: int, idle_full: int
+) -> dict[str, Any]:
+    """One process's collections while serving (the pauses a step could wait on) and, apart, the full collections it
+    ran while idle (workers/common/full_collections.py)."""
     return {
         "collections": collections,
         "full_collections": full,
         "pause_ms_sum": round(1e3 * pause_s_sum, 3),
         "pause_ms_max": round(1e3 * pause_s_max, 3),
         "frozen_objects": frozen,
+        "idle_full_collections": idle_full,
     }
 
 

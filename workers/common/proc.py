@@ -59,6 +59,9 @@ class GcWatch:
         self.full = 0  # of the oldest generation: the ones that walk every tracked object not frozen
         self.pause_s_sum = 0.0
         self.pause_s_max = 0.0
+        # Full collections run while the process was idle (full_collections.py): kept apart, as they stall nothing.
+        self.idle_full = 0
+        self._off_path = False
         # What `freeze_heap` froze, kept here: `gc.get_freeze_count()` walks the whole frozen list (~37 ms for
         # 430,000 objects), so asking it per step halved a loaded server's throughput on an H200.
         self.frozen = frozen
@@ -70,10 +73,22 @@ class GcWatch:
             self._started = time.perf_counter()
             return
         pause = time.perf_counter() - self._started
+        if self._off_path:
+            self.idle_full += info.get("generation") == 2
+            return
         self.collections += 1
         self.full += info.get("generation") == 2
         self.pause_s_sum += pause
         self.pause_s_max = max(self.pause_s_max, pause)
+
+    @contextlib.contextmanager
+    def off_path(self, off: bool = True) -> Iterator[None]:
+        """Collections inside count as idle ones (``off``), not in the pause figures."""
+        self._off_path = off
+        try:
+            yield
+        finally:
+            self._off_path = False
 
     def close(self) -> None:
         if self._on_gc in gc.callbacks:

@@ -27,6 +27,7 @@ from ipc.inbound import ModelInbound, SchedulerInbound
 from ipc.shm import ShmSegment
 from ipc.stats import WorkerStats
 from ipc.steps import EncodeItem, StepPlan, WorkerFailed
+from workers.common.full_collections import FullCollections
 from workers.common.memory import IdleTrim, trim_memory
 from workers.common.proc import GcWatch, freeze_heap, setup_child, startup_gc_summary
 from workers.config import ServerConfig
@@ -42,7 +43,7 @@ _LINGER_MS = 2_000
 # After this long without a plan, following work, the heap's freed memory goes back to the OS (malloc_trim): under
 # load the allocator reuses it, but a worker that served a burst would otherwise keep its peak RSS while idle.
 TRIM_IDLE_S = 10.0
-_TRIM_POLL_MS = 1_000
+_IDLE_POLL_MS = 250  # while idle with a trim or a full collection pending: how often to look at the clock
 
 
 @dataclass
@@ -184,13 +185,16 @@ def _serve(
     The wait spins on the step's event and the socket (a CUDA sync spins as well)."""
     running: deque[Launched] = deque()
     trim = IdleTrim(TRIM_IDLE_S, big=0, huge=1 << 62)  # any step counts as work; none is big enough to trim at once
+    full = FullCollections(gc_watch)  # the oldest generation collected when idle or right after a launch
 
     def report_finished() -> None:
         """Report the steps at the head of ``running`` whose GPU work is done (also from inside a launch:
         runner.launch_poll)."""
         while running and running[0].done():
             _report(runner, reader, rank, running.popleft(), to_sched, gc_watch)
-            trim.finished(1, time.monotonic(), not running)
+            now = time.monotonic()
+            trim.finished(1, now, not running)
+            full.worked(now, not running)
 
     while True:
         waiting_since = time.monotonic()
@@ -202,11 +206,14 @@ def _serve(
             if msg is None:
                 continue
             waiting_since = 0.0  # polled for while a step ran: it is taken as it lands
-        elif trim.pending:  # wake up now and then to see whether the worker has been idle long enough
-            msg = inbound.recv(_TRIM_POLL_MS)
+        elif trim.pending or full.pending:  # wake up now and then to see whether the worker has been idle long enough
+            msg = inbound.recv(_IDLE_POLL_MS)
             if msg is None:
-                if trim.due(time.monotonic(), True):
+                now = time.monotonic()
+                if trim.due(now, True):
                     trim_memory()
+                if full.poll(now, True):
+                    _send_stats(runner, reader, rank, to_sched, gc_watch)  # the collection shows without a step
                 continue
         else:
             msg = inbound.recv()
@@ -220,6 +227,7 @@ def _serve(
             launched = _launch(runner, rank, msg, to_sched, log)
         if launched is not None:
             running.append(launched)
+            full.poll(time.monotonic(), False)  # overdue under load: now, with the GPU's queue just filled
 
 
 def _launch(
@@ -253,6 +261,12 @@ def _report(
     result = launched.result()
     if rank == 0:
         to_sched.send(result)
+    _send_stats(runner, reader, rank, to_sched, gc_watch)
+
+
+def _send_stats(
+    runner: ModelRunner, reader: PixelReader, rank: int, to_sched: PushSocket[SchedulerInbound], gc_watch: GcWatch
+) -> None:
     # Every step: a few dozen bytes, and the scheduler's stats then show each rank's broadcast times
     # and the step's peak GPU memory (reset each step, so the scheduler can take a max per request).
     peak = allocated = 0
@@ -267,6 +281,7 @@ def _report(
             gc_watch.collections, gc_watch.pause_s_max, gc_watch.frozen, gc_watch.full, gc_watch.pause_s_sum,
             runner.weight_bytes, runner.vision_weight_bytes, vit_graphs.replays(runner.vision), runner.ahead.images,
             runner.landings.nixl.reads, runner.landings.nixl.bytes_read, ahead_waits=runner.ahead.waits,
+            gc_idle_full=gc_watch.idle_full,
         )
     )
 

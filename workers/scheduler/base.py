@@ -24,6 +24,7 @@ from ipc.shm import ShmSegment
 from ipc.stats import EncoderStats, WorkerStats
 from ipc.steps import StepPlan
 from workers.common.detokenizer import TextStream
+from workers.common.full_collections import FullCollections
 from workers.common.proc import GcWatch
 from workers.common.reasoning import Split
 from workers.common.reasoning_channels import marker_ids
@@ -99,6 +100,7 @@ class SchedulerBase:
         self.steps = self.generated_tokens = self.prompt_tokens = self.images_encoded = self.vit_batches = 0
         self.steps_ahead = 0
         self.gc: GcWatch  # started by wait_for_models once start-up is over (its collections are not serving's)
+        self.full_gc: FullCollections  # with it: the oldest generation collected when idle (full_collections.py)
         # Encoded StepPlan sizes (pointers only, so they track tokens and image counts, not pixels).
         self.plan_bytes = {"last": 0, "max": 0, "total": 0}
         self.next_stats = self.next_log = 0.0

@@ -32,6 +32,7 @@ from ipc.prompts import MediaFailed, MediaReady, TokenizedRequest
 from ipc.shm import sweep
 from ipc.stats import EncoderStats, WorkerStats
 from ipc.steps import StepResult, WorkerFailed
+from workers.common.full_collections import FullCollections
 from workers.common.proc import GcWatch, freeze_heap, setup_child
 from workers.config import ServerConfig
 from workers.engine.core.scheduler import SchedulerCore
@@ -120,6 +121,7 @@ class Scheduler(EncodeAnswers):
             self.kv_events = events.attach(self.core)
             self.log.info("KV-cache events go to the launcher's publisher (%s)", self.config.kv_events_endpoint)
         self.gc = GcWatch(frozen=freeze_heap(self.log))
+        self.full_gc = FullCollections(self.gc)
         self.frontend.send(ProcessReady(role="scheduler", index=self.replica, pid=os.getpid()))
         self.log.info("ready: %d KV blocks", self.core.allocator.num_blocks)
         return True
@@ -139,6 +141,7 @@ class Scheduler(EncodeAnswers):
                 self.handle(msg)
                 timeout_ms = 0
                 if isinstance(msg, StepResult):
+                    self.full_gc.worked(time.monotonic(), not self.in_flight)
                     break
             if len(self.in_flight) < 2:
                 self._schedule()
@@ -146,6 +149,8 @@ class Scheduler(EncodeAnswers):
                 self.kv_events.flush()
             self.send_stats()
             self._orphaned()
+            # Idle (nothing planned or running), or overdue with the next step just sent to the workers.
+            self.full_gc.poll(time.monotonic(), not self.in_flight and not self.core.has_work())
 
     def handle(self, msg: SchedulerInbound) -> None:
         match msg:

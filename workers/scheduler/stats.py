@@ -78,6 +78,7 @@ def snapshot(s: SchedulerState) -> SchedulerStats:
         gc_frozen=s.gc.frozen,
         gc_full=s.gc.full,
         gc_pause_s_sum=s.gc.pause_s_sum,
+        gc_idle_full=s.gc.idle_full,
         **(core.state.stats() if core.state is not None else {}),  # hybrid models' state pool
         **(core.windows.stats() if core.windows is not None else {}),  # sliding-window models' window pool
     )
