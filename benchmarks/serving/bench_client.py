@@ -262,6 +262,8 @@ async def run_serving(args: argparse.Namespace) -> dict[str, Any]:
 
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             bodies = await asyncio.to_thread(lambda: list(pool.map(build, range(n))))
+        admin = report.stats_url(args.base_url)
+        before = await fetch_stats(client, admin)
         gate = asyncio.Semaphore(args.concurrency or n)
         start = time.perf_counter()
 
@@ -282,10 +284,12 @@ async def run_serving(args: argparse.Namespace) -> dict[str, Any]:
             tasks.append(asyncio.create_task(one(body)))
         done = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        after = await fetch_stats(client, admin)
         write_arrivals(done)
         records = [r.to_json() for r in done]
     result = report.result_header(args, "serving", model)
     result["summary"] = report.summarize_serving(records, duration)
+    result["server_gc"] = report.gc_during(before, after)
     result["requests"] = records
     return _finish(args, result, figures.plot_serving, report.serving_table)
 

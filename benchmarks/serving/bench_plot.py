@@ -225,6 +225,27 @@ def stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, *ke
     return int(b) - int(a) if isinstance(a, int | float) and isinstance(b, int | float) else None
 
 
+def _gc_rows(stats: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """{process: its garbage-collection row} of one /admin/stats snapshot (the scheduler's and model rank 0's)."""
+    if not stats:
+        return {}
+    workers = stats.get("model_workers") or [{}]
+    rows = {"scheduler": stats.get("scheduler_gc"), "model rank 0": workers[0].get("gc")}
+    return {name: row for name, row in rows.items() if isinstance(row, dict)}
+
+
+def gc_during(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The server's garbage collections during a run, from two /admin/stats snapshots (none without them): per
+    process, the full collections on the serving path, all collections' summed pause, and the full ones run idle.
+    A process without a row before (a model worker reports with its first step) counts from zero."""
+    if before is None:
+        return []
+    b, a = _gc_rows(before), _gc_rows(after)
+    fields = ("full_collections", "pause_ms_sum", "idle_full_collections")
+    return [{"process": name, **{f: round(row.get(f, 0) - b.get(name, {}).get(f, 0), 3) for f in fields}}
+            for name, row in a.items()]  # fmt: skip
+
+
 def probe_counts(max_images: int, step: int) -> list[int]:
     """1, then every multiple of step up to max_images (1..N for step 1)."""
     return sorted({1, *range(step, max_images + 1, step)} & set(range(1, max_images + 1)))
@@ -267,6 +288,9 @@ def serving_table(result: dict[str, Any]) -> str:
     lat = [(name, *(s[key][k] for k in ("mean", "median", "p99", "max")))
            for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))]
     parts = [table(("serving", "value"), head), table(("latency (ms)", "mean", "median", "p99", "max"), lat)]
+    if gc := result.get("server_gc"):
+        rows = [(g["process"], g["full_collections"], g["pause_ms_sum"], g["idle_full_collections"]) for g in gc]
+        parts.append(table(("garbage collections", "full, serving", "all pauses ms", "full, idle"), rows))
     parts += [f"error x{n}: {msg}" for msg, n in s["errors"].items()]
     return "\n\n".join(parts)
 

@@ -102,6 +102,15 @@ def test_probe_counts_and_stats_helpers() -> None:
     assert report.stats_delta(None, after, "images_encoded") is None
     assert report.stats_delta(before, after, "gpu", "peak_allocated_bytes") is None
     assert report.stats_url("http://h:8000/v1") == report.stats_url("http://h:8000/v1/") == "http://h:8000/admin/stats"
+    gc_row = {"full_collections": 1, "pause_ms_sum": 2.5, "idle_full_collections": 0}
+    gc_before = {"scheduler_gc": gc_row, "model_workers": [{"gc": gc_row}]}
+    gc_after = {"scheduler_gc": {**gc_row, "pause_ms_sum": 3.0},
+                "model_workers": [{"gc": {"full_collections": 3, "pause_ms_sum": 90.5, "idle_full_collections": 2}}]}
+    assert report.gc_during(gc_before, gc_after) == [
+        {"process": "scheduler", "full_collections": 0, "pause_ms_sum": 0.5, "idle_full_collections": 0},
+        {"process": "model rank 0", "full_collections": 2, "pause_ms_sum": 88.0, "idle_full_collections": 2},
+    ]
+    assert report.gc_during(None, gc_after) == []  # vLLM and SGLang have no /admin/stats
 
 
 # ---- images --------------------------------------------------------------------------------------
@@ -255,8 +264,10 @@ def test_serving_through_the_cli(live: LiveServer, tmp_path: Path, capsys: pytes
     argv = ["bench", "serving", "--base-url", live.base + "/v1", "--resolution", SMALL, "--out", str(tmp_path),
             "--num-prompts", "6", "--concurrency", "3", "--images-per-request", "1", "--output-len", "4"]
     assert main(argv) == 0
-    assert "request throughput" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "request throughput" in printed and "garbage collections" in printed
     result = only_result(tmp_path, "serving")
+    assert [g["process"] for g in result["server_gc"]] == ["scheduler", "model rank 0"]
     assert result["model"] == "demo"  # found through GET /v1/models
     s = result["summary"]
     assert (s["completed"], s["failed"], s["total_output_tokens"]) == (6, 0, 24)
