@@ -64,7 +64,8 @@ CLEAN_EXIT_S = 10.0  # after Shutdown, how long children get to exit before SIGK
 # by Shutdown, need ~1 s to exit (torch's teardown), so the wait only caps a slow one.
 CRASH_EXIT_S = 0.5
 FD_RESERVE = 256  # descriptors kept for sockets, shm and files besides HTTP connections
-_GC_TICK_S = 0.25  # how often the frontend looks whether it is idle (full collections wait for that)
+# How often the frontend looks whether it is idle: its full collections wait for that.
+_GC_TICK_S = 0.25
 
 
 class _Server(uvicorn.Server):
@@ -267,13 +268,16 @@ class Launcher:
         loop writes every stream's chunks, so one collection here holds them all back."""
         assert self.state is not None
         state, full, seen = self.state, FullCollections(), -1
-        while True:
-            await asyncio.sleep(_GC_TICK_S)
-            now, busy = time.monotonic(), bool(state.flights)
-            if busy or state.book.counters.total != seen:
-                seen = state.book.counters.total
-                full.worked(now, not busy)
-            full.poll(now, not busy)
+        try:
+            while True:
+                await asyncio.sleep(_GC_TICK_S)
+                now, busy = time.monotonic(), bool(state.flights)
+                if busy or state.book.counters.total != seen:
+                    seen = state.book.counters.total
+                    full.worked(now, not busy)
+                full.poll(now, not busy)
+        finally:  # cancelled once serving ends
+            full.close()
 
     async def _drain(self) -> None:
         """Let requests in flight finish while the listener answers new ones with 503; past the

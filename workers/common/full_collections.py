@@ -47,9 +47,16 @@ class FullCollections:
         self.pending_since = 0.0  # when that work began: a burst after a long idle time is not overdue at once
         self.idle_since = 0.0
         self.idle_runs = self.overdue_runs = 0
+        self._thresholds = gc.get_threshold()
         if self.enabled:
-            young, middle, _ = gc.get_threshold()
+            young, middle, _ = self._thresholds
             gc.set_threshold(young, middle, _OUT_OF_REACH)
+
+    def close(self) -> None:
+        """Give the interpreter its own schedule back (the process serves no more: a test's, or one shutting down)."""
+        if self.enabled:
+            gc.set_threshold(*self._thresholds)
+            self.enabled = self.pending = False
 
     def worked(self, now: float, idle: bool) -> None:
         """A unit of work ended at ``now``; ``idle``: nothing is left in flight."""

@@ -196,38 +196,41 @@ def _serve(
             trim.finished(1, now, not running)
             full.worked(now, not running)
 
-    while True:
-        waiting_since = time.monotonic()
-        if running:
-            if running[0].done():
-                report_finished()
-                continue
-            msg = inbound.recv(0)
-            if msg is None:
-                continue
-            waiting_since = 0.0  # polled for while a step ran: it is taken as it lands
-        elif trim.pending or full.pending:  # wake up now and then to see whether the worker has been idle long enough
-            msg = inbound.recv(_IDLE_POLL_MS)
-            if msg is None:
-                now = time.monotonic()
-                if trim.due(now, True):
-                    trim_memory()
-                if full.poll(now, True):
-                    _send_stats(runner, reader, rank, to_sched, gc_watch)  # the collection shows without a step
-                continue
-        else:
-            msg = inbound.recv()
-        if isinstance(msg, Shutdown):
-            log.info("shutdown requested%s", f": {msg.reason}" if msg.reason else "")
-            return
-        # Transfer + decode only: a plan that arrived while this rank was still finishing the last
-        # step waited in the socket queue, which is compute, not broadcast.
-        reader.broadcast(time.monotonic() - max(msg.sent_at, waiting_since))
-        with runner.launch_poll.calling(report_finished):  # steps before it are reported as they finish
-            launched = _launch(runner, rank, msg, to_sched, log)
-        if launched is not None:
-            running.append(launched)
-            full.poll(time.monotonic(), False)  # overdue under load: now, with the GPU's queue just filled
+    try:
+        while True:
+            waiting_since = time.monotonic()
+            if running:
+                if running[0].done():
+                    report_finished()
+                    continue
+                msg = inbound.recv(0)
+                if msg is None:
+                    continue
+                waiting_since = 0.0  # polled for while a step ran: it is taken as it lands
+            elif trim.pending or full.pending:  # wake up now and then: has the worker been idle long enough?
+                msg = inbound.recv(_IDLE_POLL_MS)
+                if msg is None:
+                    now = time.monotonic()
+                    if trim.due(now, True):
+                        trim_memory()
+                    if full.poll(now, True):
+                        _send_stats(runner, reader, rank, to_sched, gc_watch)  # the collection shows without a step
+                    continue
+            else:
+                msg = inbound.recv()
+            if isinstance(msg, Shutdown):
+                log.info("shutdown requested%s", f": {msg.reason}" if msg.reason else "")
+                return
+            # Transfer + decode only: a plan that arrived while this rank was still finishing the last
+            # step waited in the socket queue, which is compute, not broadcast.
+            reader.broadcast(time.monotonic() - max(msg.sent_at, waiting_since))
+            with runner.launch_poll.calling(report_finished):  # steps before it are reported as they finish
+                launched = _launch(runner, rank, msg, to_sched, log)
+            if launched is not None:
+                running.append(launched)
+                full.poll(time.monotonic(), False)  # overdue under load: now, with the GPU's queue just filled
+    finally:
+        full.close()  # a test's in-process worker leaves the interpreter's schedule as it found it
 
 
 def _launch(

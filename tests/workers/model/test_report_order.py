@@ -73,7 +73,7 @@ def test_a_step_is_reported_inside_the_next_launch_once_done() -> None:
     events: list[tuple[str, int]] = []
     reader = SimpleNamespace(broadcast=lambda _: None, reads=0, bytes_read=0, steps=0, broadcast_s_sum=0.0,
                              broadcast_s_max=0.0)
-    gc_watch = SimpleNamespace(collections=0, pause_s_max=0.0, frozen=0, full=0, pause_s_sum=0.0)
+    gc_watch = SimpleNamespace(collections=0, pause_s_max=0.0, frozen=0, full=0, pause_s_sum=0.0, idle_full=0)
     plans = [SimpleNamespace(step_id=i, sent_at=0.0) for i in (1, 2)]
     _serve(_Runner(events), reader, 0, _Inbound([*plans, Shutdown()]), _ToScheduler(events),  # type: ignore[arg-type]
            logging.getLogger("test"), gc_watch)  # type: ignore[arg-type]
