@@ -38,6 +38,7 @@ from ipc.shm import ShmRef
 from ipc.stats import SchedulerStats
 from workers.common import memory
 from workers.common.errors import BadRequest
+from workers.common.full_collections import FullCollections
 from workers.common.memory import trim_memory
 from workers.common.proc import freeze_heap
 from workers.common.step_trace import StepTrace
@@ -117,6 +118,9 @@ class TokenizerService:
         self._encoder = msgspec.msgpack.Encoder()  # the prep thread's own: sockets' encoders stay on the loop
         self.trace = StepTrace(f"tokenizer{worker.index}")  # GLIMPSE_STEP_TRACE: where a request's time goes here
         self.trim = IdleTrim()
+        # The oldest generation collected when idle (full_collections.py): a pause here is a request's first token
+        # later. Off until serve_tokenizer turns it on once ready (tests drive services in-process).
+        self.full = FullCollections(enabled=False)
 
     async def on_prep(self, fn: Callable[..., _T], *args: Any) -> _T:
         # Cancelling the await drops a step that has not started; one already running finishes.
@@ -206,6 +210,7 @@ class TokenizerService:
             alone = len(self.tasks) == 1
             if self.trim.finished(len(req.body), time.monotonic(), alone):
                 self.prep.submit(trim_memory)
+            self.full.worked(time.monotonic(), alone)
             if alone:  # the last one in flight: report the idle state now, not at the tick
                 await self.frontend.send(worker.stats(0))
 
@@ -287,6 +292,7 @@ async def serve_tokenizer(worker: TokenizerWorker, parent: int) -> None:
         except Exception:  # e.g. a processor that refuses the probe's size: its first request pays, and answers for it
             log.warning("the image path's warm-up failed; the first images pay its one-time costs", exc_info=True)
         freeze_heap(log)
+        service.full = FullCollections()
         await frontend.send(ProcessReady("tokenizer", index, os.getpid()))
         log.info("ready (pid %d, model %s)", os.getpid(), worker.config.served_model_name)
         next_stats = loop.time()
@@ -297,6 +303,7 @@ async def serve_tokenizer(worker: TokenizerWorker, parent: int) -> None:
             msg = await inbound.recv(int(STATS_INTERVAL_S * 1000))
             if service.trim.due(time.monotonic(), not service.tasks):
                 service.prep.submit(trim_memory)
+            service.full.poll(time.monotonic(), not service.tasks)
             if isinstance(msg, GenerateRequest):
                 service.start(msg)
             elif isinstance(msg, AbortRequest):
@@ -310,6 +317,7 @@ async def serve_tokenizer(worker: TokenizerWorker, parent: int) -> None:
             log.warning("launcher is gone; exiting")
         await service.stop(reason)
     finally:
+        service.full.close()
         inbound.close()
         # A short linger lets the last replies out without hanging on a frontend that is gone.
         frontend.close(linger_ms=500)
