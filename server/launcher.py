@@ -51,7 +51,7 @@ from server.config import ServerConfig
 from server.http_guard import HttpLimits, guarded_protocol
 from workers.common.full_collections import FullCollections
 from workers.common.memory import tune_malloc
-from workers.common.proc import freeze_heap, keep_kernel_caches
+from workers.common.proc import GcWatch, freeze_heap, keep_kernel_caches
 from workers.common.reasoning_channels import check_markers
 
 log = logging.getLogger("glimpse.launcher")
@@ -90,6 +90,7 @@ class Launcher:
         self._deaths: dict[int, deque[float]] = {}  # tokenizer index -> recent death times
         self.kv_events: KVEventPublisher | None = None  # every replica's KV-cache events (--kv-events-endpoint)
         self._zmq: zmq.Context[Any] | None = None
+        self._frozen = 0  # objects the start-up freeze took out of the collector's reach (frontend_gc)
 
     # ---- supervision ----------------------------------------------------------------------------
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -214,7 +215,7 @@ class Launcher:
             self.failure = f"children not ready after {self.config.ready_timeout_s:.0f} s"
             log.error(self.failure)
             return False
-        freeze_heap(log)
+        self._frozen = freeze_heap(log)
         self.state.mark_ready()
         log.info("all children ready")
         return True
@@ -267,7 +268,9 @@ class Launcher:
         """The frontend's full collections off the request path (workers/common/full_collections.py): this event
         loop writes every stream's chunks, so one collection here holds them all back."""
         assert self.state is not None
-        state, full, seen = self.state, FullCollections(), -1
+        state, watch, seen = self.state, GcWatch(frozen=self._frozen), -1
+        full = FullCollections(watch)
+        state.book.frontend_gc = watch  # /admin/stats frontend_gc
         try:
             while True:
                 await asyncio.sleep(_GC_TICK_S)
@@ -278,6 +281,7 @@ class Launcher:
                 full.poll(now, not busy)
         finally:  # cancelled once serving ends
             full.close()
+            watch.close()
 
     async def _drain(self) -> None:
         """Let requests in flight finish while the listener answers new ones with 503; past the

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from ipc.stats import SchedulerStats, TokenizerStats
 from server.pool_stats import merge, replica_rows
+from workers.common.proc import GcWatch
 
 # Throughput is averaged over this window: one stats interval alone is too jumpy (a step that
 # finished just before vs. just after a report doubles or zeroes the figure).
@@ -58,6 +59,7 @@ class StatsBook:
     routing: Sequence[Any] = ()  # server.router.ReplicaView per replica
     tp_size: int = 1
     kv_cache_dtype: str = ""  # the KV cache's element type (EngineConfig.kv_dtype_name), set by the frontend
+    frontend_gc: GcWatch | None = None  # this process's collections while serving (set by the launcher)
     # (monotonic arrival time, cumulative generated tokens) of recent scheduler reports.
     _samples: deque[tuple[float, int]] = field(default_factory=deque)
 
@@ -111,6 +113,7 @@ class StatsBook:
             "steps_ahead": s.steps_ahead,
             "samples_dropped": s.samples_dropped,
             "scheduler_gc": gc_row(s.gc_collections, s.gc_full, s.gc_pause_s_sum, s.gc_pause_s_max, s.gc_frozen, s.gc_idle_full),
+            "frontend_gc": frontend_gc_row(self.frontend_gc),
             "kv_blocks": {"used": s.kv_blocks_used, "total": s.kv_blocks_total},
             "kv_cache_dtype": self.kv_cache_dtype,
             # Sliding-window models (Gemma 4): the sliding layers' own pool (kv_blocks is the global layers').
@@ -247,6 +250,13 @@ def gc_row(
         "frozen_objects": frozen,
         "idle_full_collections": idle_full,
     }
+
+
+def frontend_gc_row(watch: GcWatch | None) -> dict[str, Any]:
+    """The HTTP frontend's own collections (it writes every stream's chunks), zeros before it serves."""
+    if watch is None:
+        return gc_row(0, 0, 0.0, 0.0, 0, 0)
+    return gc_row(watch.collections, watch.full, watch.pause_s_sum, watch.pause_s_max, watch.frozen, watch.idle_full)
 
 
 NO_SCHEDULER_STATS = SchedulerStats(

@@ -226,11 +226,13 @@ def stats_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, *ke
 
 
 def _gc_rows(stats: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """{process: its garbage-collection row} of one /admin/stats snapshot (the scheduler's and model rank 0's)."""
+    """{process: its garbage-collection row} of one /admin/stats snapshot (the frontend's, the scheduler's and model
+    rank 0's)."""
     if not stats:
         return {}
     workers = stats.get("model_workers") or [{}]
-    rows = {"scheduler": stats.get("scheduler_gc"), "model rank 0": workers[0].get("gc")}
+    rows = {"frontend": stats.get("frontend_gc"), "scheduler": stats.get("scheduler_gc"),
+            "model rank 0": workers[0].get("gc")}
     return {name: row for name, row in rows.items() if isinstance(row, dict)}
 
 

@@ -91,18 +91,18 @@ def test_both_tokenizer_workers_are_used(live: LiveServer) -> None:
 
 
 def test_every_serving_process_froze_its_start_up_heap(live: LiveServer) -> None:
-    """The model worker and the scheduler report the objects they moved out of the collector's reach before they
-    got ready (torch, the model, the tokenizer: far more than 10,000) and their collections since; their full
-    collections run once they are idle (workers/common/full_collections.py), not between steps."""
+    """The frontend, the model worker and the scheduler report the objects they moved out of the collector's reach
+    before they got ready (torch, the model, the tokenizer: far more than 10,000) and their collections since; their
+    full collections run once they are idle (workers/common/full_collections.py), not between steps."""
     client = live.client()
     for i in range(3):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=4)
 
     def rows() -> list[dict[str, Any]]:
         stats = live.stats()
-        return [stats["scheduler_gc"]] + [w["gc"] for w in stats["model_workers"]]
+        return [stats["frontend_gc"], stats["scheduler_gc"]] + [w["gc"] for w in stats["model_workers"]]
 
-    assert len(rows()) == 2
+    assert len(rows()) == 3
     deadline = time.monotonic() + 30
     while any(row["idle_full_collections"] == 0 for row in rows()) and time.monotonic() < deadline:
         time.sleep(0.2)  # GC_IDLE_S after the last step, and the next stats report

@@ -267,7 +267,7 @@ def test_serving_through_the_cli(live: LiveServer, tmp_path: Path, capsys: pytes
     printed = capsys.readouterr().out
     assert "request throughput" in printed and "garbage collections" in printed
     result = only_result(tmp_path, "serving")
-    assert [g["process"] for g in result["server_gc"]] == ["scheduler", "model rank 0"]
+    assert [g["process"] for g in result["server_gc"]] == ["frontend", "scheduler", "model rank 0"]
     assert result["model"] == "demo"  # found through GET /v1/models
     s = result["summary"]
     assert (s["completed"], s["failed"], s["total_output_tokens"]) == (6, 0, 24)
