@@ -152,9 +152,9 @@ class Floor:
         return {"LM projections": self.lm_gemm, "vision projections": self.vision_gemm,
                 "vision attention": self.vision_attn, "LM attention and recurrence": self.lm_attn}  # fmt: skip
 
-    def seconds(self, gemm_tflops: float, attn_tflops: float, tbps: float, vit_attn_tflops: float = 0.0
-                ) -> dict[str, float]:
-        rates = (gemm_tflops, gemm_tflops, vit_attn_tflops or attn_tflops, attn_tflops)  # flops()'s order
+    def seconds(self, gemm_tflops: float, attn_tflops: float, tbps: float, vit_attn_tflops: float = 0.0,
+                lm_gemm_tflops: float = 0.0) -> dict[str, float]:
+        rates = (lm_gemm_tflops or gemm_tflops, gemm_tflops, vit_attn_tflops or attn_tflops, attn_tflops)  # flops()'s
         parts = {part: value / (rate * 1e12) for (part, value), rate in zip(self.flops().items(), rates, strict=True)}
         parts[TAIL] = self.tail_steps * self.tail_bytes / (tbps * 1e12)
         parts["floor"] = sum(parts.values())
@@ -178,7 +178,7 @@ def floor_of(params: Params, shape: Shape, load: Load, weight_bytes: float = 2.0
     recurrence = 2.0 * shape.gdn_heads * t * (GDN_CHUNK * (shape.gdn_key_dim + shape.gdn_value_dim)
                                               + 3 * shape.gdn_key_dim * shape.gdn_value_dim)  # fmt: skip
     lm_attn = load.requests * (shape.full_layers * causal + shape.gdn_layers * recurrence)
-    tail_bytes = weight_bytes * (per_token + params.lm_head)
+    tail_bytes = weight_bytes * per_token + 2.0 * params.lm_head  # lm_head stays bf16 in FP8 checkpoints
     return Floor(lm_gemm, vision_gemm, vision_attn, lm_attn, tail_bytes, max(0, load.output_len - 1))
 
 
@@ -273,7 +273,7 @@ def parse_servers(values: list[str]) -> list[tuple[str, float]]:
 
 
 def report(args: argparse.Namespace, params: Params, load: Load, floor: Floor) -> str:
-    s = floor.seconds(args.gemm_tflops, args.attn_tflops, args.tbps, args.vit_attn_tflops)
+    s = floor.seconds(args.gemm_tflops, args.attn_tflops, args.tbps, args.vit_attn_tflops, args.lm_gemm_tflops)
     lines = [
         f"{args.shape}{f' ({args.layers} layers)' if args.layers else ''}: {load.requests} requests x "
         f"{load.images_per_request} x {args.resolution} ({load.patches_per_image} patches, {load.image_tokens} tokens "
@@ -281,7 +281,9 @@ def report(args: argparse.Namespace, params: Params, load: Load, floor: Floor) -
         f"weights: LM {params.lm_dense / 1e9:.2f} B dense + {params.lm_experts / 1e9:.2f} B routed "
         f"(x {params.experts_active:.3f} a token), head {params.lm_head / 1e9:.2f} B, vision "
         f"{(params.vision_per_patch + params.vision_per_token) / 1e9:.2f} B",
-        f"rates: GEMM {args.gemm_tflops:g} TFLOP/s, attention {args.attn_tflops:g} TFLOP/s"
+        f"rates: GEMM {args.gemm_tflops:g} TFLOP/s"
+        + (f" (the LM's {args.lm_gemm_tflops:g}, {args.lm_weight_bytes:g} bytes a weight)" if args.lm_gemm_tflops else "")
+        + f", attention {args.attn_tflops:g} TFLOP/s"
         + (f" (the tower's {args.vit_attn_tflops:g})" if args.vit_attn_tflops else "") + f", {args.tbps:g} TB/s",
         "",
         "| part | PFLOP | s |",
@@ -321,6 +323,11 @@ def main() -> None:
     ap.add_argument("--attn-tflops", type=float, default=500.0)
     ap.add_argument("--vit-attn-tflops", type=float, default=0.0,
                     help="the tower's attention rate (0: --attn-tflops); an H200's best at 72-wide heads: 353")
+    ap.add_argument("--lm-gemm-tflops", type=float, default=0.0,
+                    help="the LM projections' rate (0: --gemm-tflops); an FP8 checkpoint's: cuBLAS's block-scaled "
+                    "GEMM ran 1,150-1,200 TFLOP/s at 8,192 rows on an H200 (docs/benchmarks.md, FP8 GEMMs)")
+    ap.add_argument("--lm-weight-bytes", type=float, default=2.0,
+                    help="bytes a decode row reads per LM weight in the tail (1 for FP8; the tower stays bf16)")
     ap.add_argument("--tbps", type=float, default=4.0)
     ap.add_argument("--measure", action="store_true", help="measure the three rates on this CUDA device instead")
     ap.add_argument("--server", action="append", default=[], help="NAME=REQ_PER_S measured on the load (repeat)")
@@ -336,7 +343,7 @@ def main() -> None:
         print(f"measured on {torch.cuda.get_device_name()}")
     load = Load(args.requests, args.images_per_request, patches, patches // shape.merge**2, args.text_tokens,
                 args.output_len)
-    print(report(args, params, load, floor_of(params, shape, load)))
+    print(report(args, params, load, floor_of(params, shape, load, args.lm_weight_bytes)))
 
 
 if __name__ == "__main__":

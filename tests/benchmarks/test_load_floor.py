@@ -94,3 +94,18 @@ def test_the_trace_table_rates_each_part_against_its_floor(tmp_path: Path) -> No
     tower = next(line for line in table.splitlines() if line.startswith("| vision tower |"))
     want = (s["vision projections"] + s["vision attention"]) / trace_parts(TRACE, 64)["vision tower"]
     assert tower.endswith(f"| {want:.2f} |")
+
+
+def test_fp8_lm_rates_price_only_the_lm_and_keep_lm_head_bf16(tmp_path: Path) -> None:
+    """An FP8 checkpoint's floor: the LM projections at their own rate and one byte a weight in the tail, the tower
+    (bf16 under issue 37) and lm_head (kept bf16 by both formats) as before."""
+    params, shape, ckpt = build("qwen3-8b", 4, tmp_path)
+    load = Load(64, 1, patches_per_image(ckpt, (1920, 1080)), 2040, 95, 128)
+    bf16, fp8 = floor_of(params, shape, load), floor_of(params, shape, load, 1.0)
+    per_token = params.lm_dense + params.lm_experts * params.experts_active
+    assert bf16.tail_bytes - fp8.tail_bytes == pytest.approx(per_token)
+    a, b = bf16.seconds(790, 500, 4.0), fp8.seconds(790, 500, 4.0, lm_gemm_tflops=1150)
+    assert b["LM projections"] == pytest.approx(a["LM projections"] * 790 / 1150)
+    for part in ("vision projections", "vision attention", "LM attention and recurrence"):
+        assert b[part] == a[part]
+    assert 1.0 < a["floor"] / b["floor"] < 1150 / 790
