@@ -154,7 +154,8 @@ class Floor:
 
     def seconds(self, gemm_tflops: float, attn_tflops: float, tbps: float, vit_attn_tflops: float = 0.0,
                 lm_gemm_tflops: float = 0.0) -> dict[str, float]:
-        rates = (lm_gemm_tflops or gemm_tflops, gemm_tflops, vit_attn_tflops or attn_tflops, attn_tflops)  # flops()'s
+        # in flops()'s order
+        rates = (lm_gemm_tflops or gemm_tflops, gemm_tflops, vit_attn_tflops or attn_tflops, attn_tflops)
         parts = {part: value / (rate * 1e12) for (part, value), rate in zip(self.flops().items(), rates, strict=True)}
         parts[TAIL] = self.tail_steps * self.tail_bytes / (tbps * 1e12)
         parts["floor"] = sum(parts.values())

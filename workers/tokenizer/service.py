@@ -207,10 +207,10 @@ class TokenizerService:
             if writing is not None:
                 self.prep.submit(worker.prep.remember, writing.writes)
         finally:
-            alone = len(self.tasks) == 1
-            if self.trim.finished(len(req.body), time.monotonic(), alone):
+            alone, now = len(self.tasks) == 1, time.monotonic()
+            if self.trim.finished(len(req.body), now, alone):
                 self.prep.submit(trim_memory)
-            self.full.worked(time.monotonic(), alone)
+            self.full.worked(now, alone)
             if alone:  # the last one in flight: report the idle state now, not at the tick
                 await self.frontend.send(worker.stats(0))
 
@@ -301,9 +301,10 @@ async def serve_tokenizer(worker: TokenizerWorker, parent: int) -> None:
                 await frontend.send(worker.stats(len(service.tasks)))
                 next_stats = loop.time() + STATS_INTERVAL_S
             msg = await inbound.recv(int(STATS_INTERVAL_S * 1000))
-            if service.trim.due(time.monotonic(), not service.tasks):
+            now, idle = time.monotonic(), not service.tasks
+            if service.trim.due(now, idle):
                 service.prep.submit(trim_memory)
-            service.full.poll(time.monotonic(), not service.tasks)
+            service.full.poll(now, idle)
             if isinstance(msg, GenerateRequest):
                 service.start(msg)
             elif isinstance(msg, AbortRequest):
