@@ -10,7 +10,9 @@ families' start.
 
 - Rotary: one program per patch reads its q and k rows ([H, D] each, strided inside the qkv projection's output),
   rotates both halves in float32 with the patch's cos and sin and rounds once, as the compiled ``fused.vit_rope``
-  does, writing contiguous q and k. v stays where it is.
+  does, writing contiguous q and k. v stays where it is, except for an attention kernel that wants wider heads
+  (``vit_rope_padded``: FA4 on Qwen3-VL's 72): then the same pass writes q, k and v zero-padded to its size, in place
+  of three padding copies after it.
 - Position embedding: one program per patch and column block gathers the 4 table rows of its bilinear taps, weighs
   them in float32 and sums them in tap order, as transformers' ``(embedding(taps) * weights).sum(1)`` does, without
   the [patches, 4, hidden] float32 intermediate.
@@ -49,8 +51,9 @@ def _rope_kernel() -> Any:
 
     @triton.jit
     def vit_rope_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, row_stride, part_stride, cs_stride,
+        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, row_stride, part_stride, cs_stride,
         H: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr, HALFP: tl.constexpr,
+        WIDTH: tl.constexpr, PADP: tl.constexpr, PARTS: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, HP)[:, None]
@@ -59,14 +62,24 @@ def _rope_kernel() -> Any:
         c = tl.load(cos_ptr + t * cs_stride + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + t * cs_stride + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         dtype = q_ptr.dtype.element_ty
-        # [H, D] rows of q (part 0) and k (part 1) at qkv[t, part]; heads are D apart inside a part
-        for part in tl.static_range(2):
+        pad = tl.arange(0, PADP)[None, :]
+        pad_mask = (heads < H) & (pad < WIDTH - 2 * HALF)
+        # [H, D] rows of q (part 0), k (1) and v (2) at qkv[t, part]; heads are D apart inside a part, WIDTH apart in
+        # the outputs, whose columns past D are written as zeros
+        for part in tl.static_range(PARTS):
             src = qkv_ptr + t * row_stride + part * part_stride + heads * (2 * HALF) + cols
-            x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-            dst = (q_ptr if part == 0 else k_ptr) + t * (H * 2 * HALF) + heads * (2 * HALF) + cols
-            tl.store(dst, (x1 * c - x2 * s).to(dtype), mask=mask)
-            tl.store(dst + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
+            x1 = tl.load(src, mask=mask, other=0.0)
+            x2 = tl.load(src + HALF, mask=mask, other=0.0)
+            dst = (q_ptr if part == 0 else (k_ptr if part == 1 else v_ptr)) + t * (H * WIDTH) + heads * WIDTH
+            if part < 2:
+                x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+                tl.store(dst + cols, (x1 * c - x2 * s).to(dtype), mask=mask)
+                tl.store(dst + cols + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
+            else:  # v as it is
+                tl.store(dst + cols, x1, mask=mask)
+                tl.store(dst + cols + HALF, x2, mask=mask)
+            if WIDTH > 2 * HALF:
+                tl.store(dst + 2 * HALF + pad, tl.zeros((HP, PADP), dtype=dtype), mask=pad_mask)
 
     return vit_rope_kernel
 
@@ -94,19 +107,36 @@ def _pos_kernel() -> Any:
 def vit_rope(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """``fused.vit_rope``: the ViT's [n, 3, H, D] q|k|v (each row's 3 x H x D values laid out in that order, rows at
     any stride) -> rotated q and k, each contiguous [n, H, D]; cos and sin float32 [n, D/2]."""
+    q, k = _rope(qkv, cos, sin, qkv.shape[-1], with_v=False)
+    return q, k
+
+
+def vit_rope_padded(qkv: Tensor, cos: Tensor, sin: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``vit_rope`` for an attention kernel that takes only some head sizes (FA4: multiples of 16; Qwen3-VL's towers
+    have 72): rotated q and k and v as it is, each contiguous [n, H, width] with zeros past D, in the one pass that
+    rotates q and k. Zero columns add nothing to q.k, and v's give zero output columns, which the projection after
+    the attention reads against zero weights (VisionAttention)."""
+    q, k, v = _rope(qkv, cos, sin, width, with_v=True)
+    return q, k, v
+
+
+def _rope(qkv: Tensor, cos: Tensor, sin: Tensor, width: int, with_v: bool) -> list[Tensor]:
     n, three, heads, d = qkv.shape
     if three != 3 or d % 2 or qkv.stride(3) != 1 or qkv.stride(2) != d or qkv.stride(1) != heads * d:
         raise ValueError(f"vit_rope wants [n, 3, H, D] rows of q|k|v, got {tuple(qkv.shape)} strides {qkv.stride()}")
+    if width < d:
+        raise ValueError(f"vit_rope: output heads of {width} columns cannot hold head_dim {d}")
     cos, sin = cos.contiguous(), sin.contiguous()
-    q = torch.empty((n, heads, d), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty_like(q)
+    outs = [torch.empty((n, heads, width), dtype=qkv.dtype, device=qkv.device) for _ in range(3 if with_v else 2)]
     if n:
         half = d // 2
+        v_out = outs[2] if with_v else outs[0]  # without v the kernel never writes its third output
         _rope_kernel()[(n,)](
-            qkv, cos, sin, q, k, qkv.stride(0), qkv.stride(1), cos.stride(0), H=heads, HALF=half,
-            HP=pow2(heads), HALFP=pow2(half), num_warps=4 if heads * d > 1024 else 2,
+            qkv, cos, sin, outs[0], outs[1], v_out, qkv.stride(0), qkv.stride(1), cos.stride(0), H=heads,
+            HALF=half, HP=pow2(heads), HALFP=pow2(half), WIDTH=width, PADP=pow2(max(width - d, 1)), PARTS=len(outs),
+            num_warps=4 if heads * d > 1024 else 2,
         )  # fmt: skip
-    return q, k
+    return outs
 
 
 def pos_embed(table: Tensor, taps: Tensor, weights: Tensor) -> Tensor:

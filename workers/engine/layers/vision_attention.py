@@ -25,6 +25,10 @@ from workers.engine.kernels.paged_varlen import refusals
 
 logger = logging.getLogger(__name__)
 
+# Whether a layer whose packed kernel wants padded heads takes them from the rotary's pass (vit_rope_padded) rather
+# than from padding copies after it; off only for benchmarks/engine/qwen3_vit_bench.py's comparison.
+PADDED_ROTARY = True
+
 
 @cache
 def varlen_attn() -> Callable[..., Any] | None:
@@ -81,18 +85,26 @@ class VisionAttention(nn.Module):
         # patches). None: cuDNN frames once hot, else FA2
         self.packed: Callable[..., Tensor] | None = None
         self.packed_pad = 0  # zero columns added to each head (set when the packed call refuses the head size as it is)
+        self.proj_pad = 0  # zero input columns after each head in proj's weight (set by the first padded output)
 
     def forward(self, x: Tensor, seg: Segments, cos: Tensor, sin: Tensor, flash: bool) -> Tensor:
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        if self.fused and fused.worth_it(qkv):
+        packed = flash and seg.frames and self.packed is not None
+        if packed and self.packed_pad and self.fused and PADDED_ROTARY and vit_kernels.wanted(qkv):
+            # the padded head size is known: the rotary's one pass writes q, k and v at it (no padding copies)
+            q, k, v = vit_kernels.vit_rope_padded(qkv, cos, sin, self.head_dim + self.packed_pad)
+        elif self.fused and fused.worth_it(qkv):
             q, k = vit_kernels.vit_rope(qkv, cos, sin) if vit_kernels.wanted(qkv) else fused.compiled(fused.vit_rope)(
                 qkv, cos, sin)
+            v = qkv[:, 2]  # a strided view: the CUDA kernels take row strides, and the CPU path copies where it must
         else:
             q, k = _rope(qkv[:, :2], cos[:, None, None], sin[:, None, None])
-        v = qkv[:, 2]  # a strided view: the CUDA kernels take row strides, and the CPU path copies where it must
-        out = self._on_packed(q, k, v, seg) if flash and seg.frames and self.packed is not None else None
+            v = qkv[:, 2]
+        out = self._on_packed(q, k, v, seg) if packed else None
         if out is None:
+            if q.shape[-1] != self.head_dim:  # padded for a packed call that then refused: the heads as they are
+                q, k, v = (t[..., : self.head_dim].contiguous() for t in (q, k, v))
             if flash and seg.frames and _cudnn_frames.wants(seg):
                 out = _cudnn_frames(q, k, v, seg)
             elif flash and window_attention.wanted(q, seg.max_len):
@@ -101,13 +113,33 @@ class VisionAttention(nn.Module):
                 out = _varlen(q, k, v, seg)
             else:
                 out = _grouped_sdpa(q, k, v, seg)
+        return self._project(out)
+
+    def _project(self, out: Tensor) -> Tensor:
+        """The output projection of [n, H, D] heads, or of the packed call's [n, H, D + pad] zero-padded ones: the
+        first of those re-lays ``proj``'s weight with zero input columns at the pad (``proj_pad``), so it reads them
+        as they come instead of after a copy that cuts the pad off (at a 1080p image's 8,160 patches that copy was a
+        fifth of a full block's traffic besides the attention); a default kernel's output is padded to match after."""
+        n, width = out.shape[0], out.shape[-1]
+        if width > self.head_dim and not self.proj_pad:
+            self._pad_projection(width - self.head_dim)
+        if self.proj_pad and width == self.head_dim:
+            out = F.pad(out, (0, self.proj_pad))
         return self.proj(out.reshape(n, -1))
+
+    @torch.no_grad()
+    def _pad_projection(self, pad: int) -> None:
+        weight = self.proj.weight  # [hidden, H x D]
+        padded = F.pad(weight.view(weight.shape[0], self.num_heads, self.head_dim), (0, pad))
+        self.proj.weight = nn.Parameter(padded.reshape(weight.shape[0], -1), requires_grad=False)
+        self.proj.in_features = self.proj.weight.shape[1]
+        self.proj_pad = pad
 
     def _on_packed(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor | None:
         """The packed FlashAttention call, or None once the kernel refuses one (its argument checks: a head size it
         lacks), after which this layer keeps its default kernels. A head size off a multiple of 16 (Qwen3-VL's 72) is
-        first tried again zero-padded to one (80): zero columns add nothing to q.k, and v's give zero columns, cut
-        off."""
+        first tried again zero-padded to one (80): zero columns add nothing to q.k, and v's give zero columns, which
+        stay on the output (the projection reads them against zero weights)."""
         try:
             return self._packed_call(q, k, v, seg)
         except refusals() as exc:
@@ -128,10 +160,10 @@ class VisionAttention(nn.Module):
 
     def _packed_call(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:
         assert self.packed is not None
-        if self.packed_pad:
-            q, k, v = (F.pad(t, (0, self.packed_pad)) for t in (q, k, v))
-        out = self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
-        return out[..., : self.head_dim] if self.packed_pad else out
+        width = self.head_dim + self.packed_pad
+        q, k, v = (t if t.shape[-1] == width else F.pad(t[..., : self.head_dim], (0, width - self.head_dim))
+                   for t in (q, k, v))  # fmt: skip
+        return self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:

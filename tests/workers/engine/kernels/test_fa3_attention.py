@@ -152,8 +152,9 @@ def test_a_head_size_the_build_refuses_is_tried_again_zero_padded() -> None:
 
     layer.packed = only_multiples_of_16
     out = layer._on_packed(q, k, v, seg)
-    assert out is not None and out.shape == (20, 2, 72) and dims == [72, 80] and layer.packed_pad == 8
-    torch.testing.assert_close(out, _grouped_sdpa(q, k, v, seg), rtol=1e-5, atol=1e-5)
+    assert out is not None and out.shape == (20, 2, 80) and dims == [72, 80] and layer.packed_pad == 8
+    torch.testing.assert_close(out[..., :72], _grouped_sdpa(q, k, v, seg), rtol=1e-5, atol=1e-5)
+    assert not out[..., 72:].any()  # v's zero columns: the output keeps them for the padded projection
     assert layer._on_packed(q, k, v, seg) is not None and dims == [72, 80, 80]  # padded from then on, no retry
 
     refusing = VisionAttention(144, 2)

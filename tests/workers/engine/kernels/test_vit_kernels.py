@@ -37,6 +37,12 @@ for n, h, d in ((7, 16, 72), (5, 16, 80), (3, 16, 64), (4, 3, 16), (1, 16, 72)):
             for got, ref in zip((q, k), eager):
                 torch.testing.assert_close(got, ref, **tol)
         assert not torch.allclose(q.float(), qkv[:, 0].float(), atol=1e-2)  # it rotated
+        # padded for a kernel that wants head sizes in multiples of 16: the same q and k, v as it is, zeros after
+        width = {72: 80, 16: 24}.get(d, d)  # FA4's 80 for 72; no padding at all (v copied alone) for 80 and 64
+        padded = vit_kernels.vit_rope_padded(qkv, angles.cos(), angles.sin(), width)
+        for got, ref in zip(padded, (q, k, qkv[:, 2]), strict=True):
+            assert got.shape == (n, h, width) and got.is_contiguous() and got.dtype == dtype
+            assert torch.equal(got[..., :d], ref) and not got[..., d:].any()
 try:
     vit_kernels.vit_rope(torch.zeros(2, 2, 3, 8), torch.zeros(2, 4), torch.zeros(2, 4))
     raise AssertionError("took a [n, 2, H, D] input")
@@ -44,6 +50,11 @@ except ValueError as exc:
     assert "q|k|v" in str(exc)
 q, k = vit_kernels.vit_rope(torch.zeros(0, 3, 2, 8), torch.zeros(0, 4), torch.zeros(0, 4))
 assert q.shape == (0, 2, 8)
+try:
+    vit_kernels.vit_rope_padded(torch.zeros(2, 3, 2, 8), torch.zeros(2, 4), torch.zeros(2, 4), 6)
+    raise AssertionError("took heads narrower than head_dim")
+except ValueError as exc:
+    assert "cannot hold" in str(exc)
 # the position embedding: widths below, at and above a column block, a bf16 table as served
 for rows, positions, width in ((6, 9, 40), (3, 2304, 512), (5, 2304, 1152), (1, 4, 8)):
     for dtype in (torch.float32, torch.bfloat16):
