@@ -102,6 +102,10 @@ def test_kernels_match_the_compiled_sites_on_cuda() -> None:
              fused.compiled(fused.vit_rope)(qkv, angles.cos(), angles.sin()), strict=True),
         (vit_kernels.pos_embed(table, taps, weights), fused.compiled(fused.qwen3_vit_pos_embed)(table, taps, weights)),
     ]  # fmt: skip
+    q, k = pairs[0][0], pairs[1][0]
+    padded = vit_kernels.vit_rope_padded(qkv, angles.cos(), angles.sin(), 80)  # FA4's heads: the same values, zeros
+    for got, ref in zip(padded, (q, k, qkv[:, 2]), strict=True):
+        assert got.shape == (n, h, 80) and torch.equal(got[..., :d], ref) and not got[..., d:].any()
     for got, want in pairs:
         assert got.dtype == want.dtype and got.shape == want.shape
         diff = (got.float() - want.float()).abs()

@@ -78,6 +78,31 @@ def test_heads_the_kernel_takes_as_they_are_change_nothing() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton rotary)")
+def test_on_cuda_the_padded_rotary_feeds_a_kernel_that_wants_multiples_of_16() -> None:
+    """The CUDA path without FA4: a stand-in packed call that refuses 72 (SDPA after it), so the layer's first call
+    pads by copies and re-lays the projection, and the next ones take q, k and v padded from the Triton rotary; bf16,
+    a Qwen3-VL block's 16 heads of 72, against the default kernels on the same weights."""
+    torch.manual_seed(0)
+    reference = VisionAttention(1152, 16).cuda().bfloat16()
+    reference.fused = True
+    layer = copy.deepcopy(reference)
+    widths: list[int] = []
+    layer.packed = only_multiples_of_16(widths)
+    lengths = [2356, 1380]
+    bounds = list(accumulate(lengths, initial=0))
+    seg = Segments(torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, max(lengths), frames=True)
+    x = torch.randn(bounds[-1], 1152, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(bounds[-1], 36, device="cuda") * 6
+    with torch.inference_mode():
+        want = reference(x, seg, angles.cos(), angles.sin(), flash=True)
+        outs = [layer(x, seg, angles.cos(), angles.sin(), flash=True) for _ in range(3)]
+    assert widths == [72, 80, 80, 80] and layer.proj_pad == 8
+    for out in outs:
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FA4 and the Triton rotary)")
 def test_on_fa4_the_rotary_writes_the_padded_heads_and_the_answer_is_the_default_kernels() -> None:
     """A Qwen3-VL / Qwen3.5 tower block's attention (16 heads of 72) on two 1080p-sized frames, bf16: FA4 with the
