@@ -62,8 +62,6 @@ def _rope_kernel() -> Any:
         c = tl.load(cos_ptr + t * cs_stride + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + t * cs_stride + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         dtype = q_ptr.dtype.element_ty
-        pad = tl.arange(0, PADP)[None, :]
-        pad_mask = (heads < H) & (pad < WIDTH - 2 * HALF)
         # [H, D] rows of q (part 0), k (1) and v (2) at qkv[t, part]; heads are D apart inside a part, WIDTH apart in
         # the outputs, whose columns past D are written as zeros
         for part in tl.static_range(PARTS):
@@ -79,6 +77,8 @@ def _rope_kernel() -> Any:
                 tl.store(dst + cols, x1, mask=mask)
                 tl.store(dst + cols + HALF, x2, mask=mask)
             if WIDTH > 2 * HALF:
+                pad = tl.arange(0, PADP)[None, :]
+                pad_mask = (heads < H) & (pad < WIDTH - 2 * HALF)
                 tl.store(dst + 2 * HALF + pad, tl.zeros((HP, PADP), dtype=dtype), mask=pad_mask)
 
     return vit_rope_kernel
@@ -152,8 +152,9 @@ def pos_embed(table: Tensor, taps: Tensor, weights: Tensor) -> Tensor:
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Both kernels once against the eager math (a Qwen3-VL-like head_dim of 72: halves off a power of two); a Triton
-    that cannot compile here or a wrong answer turns them off for the process (the compiled versions serve)."""
+    """Both kernels once against the eager math (a Qwen3-VL-like head_dim of 72: halves off a power of two; the rotary
+    also padded to 80, as FA4 takes it); a Triton that cannot compile here or a wrong answer turns them off for the
+    process (the compiled versions and the padding copies serve)."""
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(5, 3 * 3 * 72, generator=gen).to(device=device, dtype=dtype).view(5, 3, 3, 72)
     angles = (torch.rand(5, 36, generator=gen) * 10).to(device)
@@ -164,8 +165,12 @@ def probe(device: torch.device, dtype: torch.dtype) -> bool:
     def check() -> bool:
         from workers.engine.kernels import fused
 
-        pairs = [*zip(vit_rope(qkv, angles.cos(), angles.sin()), fused.vit_rope(qkv, angles.cos(), angles.sin())),
+        want = fused.vit_rope(qkv, angles.cos(), angles.sin())
+        pairs = [*zip(vit_rope(qkv, angles.cos(), angles.sin()), want),
                  (pos_embed(table, taps, weights), fused.qwen3_vit_pos_embed(table, taps, weights))]
-        return all(torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2) for g, w in pairs)
+        padded = vit_rope_padded(qkv, angles.cos(), angles.sin(), 80)  # FA4's heads for 72: the same, then zeros
+        pairs += [(got[..., :72], ref) for got, ref in zip(padded, (*want, qkv[:, 2]), strict=True)]
+        pads_zero = not any(bool(got[..., 72:].any()) for got in padded)
+        return pads_zero and all(torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2) for g, w in pairs)
 
     return SWITCH.probe(check)
