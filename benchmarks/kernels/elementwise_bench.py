@@ -1,7 +1,10 @@
 """The Triton kernels that replaced torch.compile'd sites, against those sites: the ViT's rotary and Qwen3-VL's
-position embedding (vit_kernels.py), Qwen3.5's gated-attention and Gated DeltaNet passes (hybrid_kernels.py).
+position embedding (vit_kernels.py), Qwen3.5's gated-attention and Gated DeltaNet passes (hybrid_kernels.py). With
+``--passes vit-pad``, what a full block of a 72-wide tower does around FA4 (heads padded to 80) before and after the
+padded rotary: the rotary then three padding copies against ``vit_rope_padded``, and the output's pad cut off by a
+copy before the projection against the padded output into the projection re-laid with zero columns.
 
-    python -m benchmarks.kernels.elementwise_bench [--passes vit,hybrid]
+    python -m benchmarks.kernels.elementwise_bench [--passes vit,hybrid,vit-pad]
 
 Shapes: ViT, one 1080p image (8,160 patches at 16 px, Qwen3-VL; 10,764 at 14 px, Qwen2.5-VL) and an 8 x 1080p
 request; hybrid, the Qwen3.5-9B shape's layers (16 query and 4 KV heads of 256, rotary 64; 32 value heads of 128) at a
@@ -18,6 +21,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks.args import parser
@@ -86,11 +90,49 @@ def hybrid_cases() -> Iterator[tuple[str, Case]]:
                               partial(hybrid_kernels.delta_gates, a, b, a_log, dt_bias), t * hv * (2 + 2 + 4 + 2))
 
 
+def pad_cases() -> Iterator[tuple[str, str, Callable[[], object], Callable[[], object]]]:
+    """(what, shape, before, after) around a packed kernel that takes the 72-wide heads padded to 80."""
+    for name, n, h, d, width in VIT_SHAPES:
+        if d % 16 == 0:
+            continue
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        qkv = _rand(gen, n, 3 * h * d).view(n, 3, h, d)
+        angles = torch.rand(n, d // 2, device="cuda", generator=gen) * 100
+        cos, sin, pad = angles.cos(), angles.sin(), 16 - d % 16
+        out = F.pad(_rand(gen, n, h, d), (0, pad))  # the packed call's output: v's zero columns
+        weight, bias = _rand(gen, width, h * d), _rand(gen, width)
+        padded = F.pad(weight.view(width, h, d), (0, pad)).reshape(width, -1)
+        yield "q, k, v for the packed call", name, partial(_padding_copies, qkv, cos, sin, pad), partial(
+            vit_kernels.vit_rope_padded, qkv, cos, sin, d + pad)
+        yield "attention output -> proj", name, partial(F.linear, out[..., :d].reshape(n, -1), weight, bias), partial(
+            F.linear, out.reshape(n, -1), padded, bias)
+
+
+def _padding_copies(qkv: Tensor, cos: Tensor, sin: Tensor, pad: int) -> list[Tensor]:
+    """The path before vit_rope_padded: the rotary, then q, k and v each padded by a copy."""
+    q, k = vit_kernels.vit_rope(qkv, cos, sin)
+    return [F.pad(t, (0, pad)) for t in (q, k, qkv[:, 2])]
+
+
+def _tensors(x: object) -> list[Tensor]:
+    return [x] if isinstance(x, Tensor) else [t for t in x if isinstance(t, Tensor)]  # type: ignore[attr-defined]
+
+
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--passes", default="vit,hybrid", help="vit, hybrid or both")
+    ap.add_argument("--passes", default="vit,hybrid", help="comma-separated, of: vit, hybrid, vit-pad")
     passes = ap.parse_args().passes.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if "vit-pad" in passes:
+        print("| around FA4's padded heads | shape | before ms | after ms | after / before |\n|---|---|---|---|---|")
+        for what, name, before, after in pad_cases():
+            for g, w in zip(_tensors(after()), _tensors(before()), strict=True):
+                torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+            ms = [cuda_ms(fn, 50) for fn in (before, after)]
+            print(f"| {what} | {name} | {ms[0]:.4f} | {ms[1]:.4f} | {ms[1] / ms[0]:.3f} |")
+        passes.remove("vit-pad")
+    if not passes:
+        return
     print("| pass | shape | compiled ms | Triton ms | Triton GB/s | compiled GB/s | first call compiled / Triton, s "
           "| max diff |")
     print("|---|---|---|---|---|---|---|---|")

@@ -94,7 +94,7 @@ GPU_ONLY: dict[str, list[str]] = {
     "kernels.silu_bench": [],
     "kernels.split_norm_bench": ["--rows"],
     "kernels.skinny_gemm_bench": ["--rows", "1,16"],
-    "kernels.elementwise_bench": ["--passes", "hybrid"],
+    "kernels.elementwise_bench": ["--passes", "hybrid,vit-pad"],
     "kernels.fla_configs": ["--dest", f"{OUT}/fla", "--heads", "2:4", "--tokens", "256"],
 }
 # Scripts with a CPU mode that start whole servers: their paths are the serving tests' (tests/server,
