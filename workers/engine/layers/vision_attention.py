@@ -4,6 +4,10 @@ Every image of a ViT call is packed into one sequence; attention is segmented by
 windowed blocks run a Triton kernel made for short segments (window_attention.py; FlashAttention varlen where it
 is off) and the full-attention blocks FA3 or cuDNN's fused SDPA, one call per frame; elsewhere grouped SDPA
 (equal-length segments batched), which matches transformers in float32.
+
+A packed kernel that takes only head sizes in multiples of 16 (FA4; Qwen3-VL's and Qwen3.5's towers have 72) gets the
+heads zero-padded (80): once that is known the rotary's Triton pass writes q, k and v at that width, and the padded
+output goes into ``proj`` as it comes, its weight re-laid once with zero input columns at the pad.
 """
 
 from __future__ import annotations
