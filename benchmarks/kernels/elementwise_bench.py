@@ -104,7 +104,7 @@ def pad_cases() -> Iterator[tuple[str, str, Callable[[], object], Callable[[], o
         padded = F.pad(weight.view(width, h, d), (0, pad)).reshape(width, -1)
         yield "q, k, v for the packed call", name, partial(_padding_copies, qkv, cos, sin, pad), partial(
             vit_kernels.vit_rope_padded, qkv, cos, sin, d + pad)
-        yield "attention output -> proj", name, partial(F.linear, out[..., :d].reshape(n, -1), weight, bias), partial(
+        yield "attention output -> proj", name, partial(_cut_then_project, out, d, weight, bias), partial(
             F.linear, out.reshape(n, -1), padded, bias)
 
 
@@ -112,6 +112,11 @@ def _padding_copies(qkv: Tensor, cos: Tensor, sin: Tensor, pad: int) -> list[Ten
     """The path before vit_rope_padded: the rotary, then q, k and v each padded by a copy."""
     q, k = vit_kernels.vit_rope(qkv, cos, sin)
     return [F.pad(t, (0, pad)) for t in (q, k, qkv[:, 2])]
+
+
+def _cut_then_project(out: Tensor, d: int, weight: Tensor, bias: Tensor) -> Tensor:
+    """The path before the padded projection: the pad cut off by a copy, then the checkpoint's projection."""
+    return F.linear(out[..., :d].reshape(out.shape[0], -1), weight, bias)
 
 
 def _tensors(x: object) -> list[Tensor]:
