@@ -122,8 +122,8 @@ class VisionAttention(nn.Module):
     def _project(self, out: Tensor) -> Tensor:
         """The output projection of [n, H, D] heads, or of the packed call's [n, H, D + pad] zero-padded ones: the
         first of those re-lays ``proj``'s weight with zero input columns at the pad (``proj_pad``), so it reads them
-        as they come instead of after a copy that cuts the pad off (at a 1080p image's 8,160 patches that copy was a
-        fifth of a full block's traffic besides the attention); a default kernel's output is padded to match after."""
+        as they come instead of after a copy that cuts the pad off (a 1080p image's block: 0.063 -> 0.037 ms with the
+        GEMM, H100, docs/benchmarks.md); a default kernel's output is padded to match after."""
         n, width = out.shape[0], out.shape[-1]
         if width > self.head_dim and not self.proj_pad:
             self._pad_projection(width - self.head_dim)
