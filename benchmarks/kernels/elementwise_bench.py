@@ -17,7 +17,7 @@ must move and the largest difference from the compiled site.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
@@ -90,7 +90,10 @@ def hybrid_cases() -> Iterator[tuple[str, Case]]:
                               partial(hybrid_kernels.delta_gates, a, b, a_log, dt_bias), t * hv * (2 + 2 + 4 + 2))
 
 
-def pad_cases() -> Iterator[tuple[str, str, Callable[[], object], Callable[[], object]]]:
+Outputs = Tensor | Sequence[Tensor]
+
+
+def pad_cases() -> Iterator[tuple[str, str, Callable[[], Outputs], Callable[[], Outputs]]]:
     """(what, shape, before, after) around a packed kernel that takes the 72-wide heads padded to 80."""
     for name, n, h, d, width in VIT_SHAPES:
         if d % 16 == 0:
@@ -119,8 +122,8 @@ def _cut_then_project(out: Tensor, d: int, weight: Tensor, bias: Tensor) -> Tens
     return F.linear(out[..., :d].reshape(out.shape[0], -1), weight, bias)
 
 
-def _tensors(x: object) -> list[Tensor]:
-    return [x] if isinstance(x, Tensor) else [t for t in x if isinstance(t, Tensor)]  # type: ignore[attr-defined]
+def _tensors(x: Outputs) -> list[Tensor]:
+    return [x] if isinstance(x, Tensor) else list(x)
 
 
 def main() -> None:

@@ -164,9 +164,8 @@ class VisionAttention(nn.Module):
 
     def _packed_call(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> Tensor:
         assert self.packed is not None
-        width = self.head_dim + self.packed_pad
-        q, k, v = (t if t.shape[-1] == width else F.pad(t[..., : self.head_dim], (0, width - self.head_dim))
-                   for t in (q, k, v))  # fmt: skip
+        width = self.head_dim + self.packed_pad  # q, k and v come at head_dim, or padded already by the rotary
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] != width else t for t in (q, k, v))
         return self.packed(q, k, v, seg.cu, seg.max_len, self.head_dim**-0.5)
 
 

@@ -1,6 +1,7 @@
 """The vision tower's attention with a packed kernel that takes only head sizes in multiples of 16 (FA4 on Qwen3-VL's
 and Qwen3.5's 72): the heads go to it zero-padded, its padded output goes straight into the projection, whose weight
-the first such call re-lays with zero columns, and every path of the layer keeps the default kernels' answer (a refusal after the padding too, on CUDA)."""
+the first such call re-lays with zero columns, and every path of the layer keeps the default kernels' answer (a
+refusal after the padding too, on CUDA)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,19 @@ def frames(*lengths: int) -> Segments:
     return Segments(torch.tensor(bounds, dtype=torch.int32), bounds, max(lengths), frames=True)
 
 
+def cuda_block(lengths: list[int]) -> tuple[VisionAttention, VisionAttention, Segments, Tensor, Tensor, Tensor]:
+    """A Qwen3-VL / Qwen3.5 tower block's attention (16 heads of 72, bf16, fused kernels on) and a copy of it, frames of
+    ``lengths`` patches, an input and the rotary's cos and sin: (reference, layer, seg, x, cos, sin)."""
+    torch.manual_seed(0)
+    reference = VisionAttention(1152, 16).cuda().bfloat16()
+    reference.fused = True
+    bounds = list(accumulate(lengths, initial=0))
+    seg = Segments(torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, max(lengths), frames=True)
+    x = torch.randn(bounds[-1], 1152, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(bounds[-1], 36, device="cuda") * 6
+    return reference, copy.deepcopy(reference), seg, x, angles.cos(), angles.sin()
+
+
 def test_padded_heads_reach_the_projection_as_they_come_and_every_path_agrees() -> None:
     torch.manual_seed(0)
     reference = VisionAttention(HEADS * HEAD_DIM, HEADS)
@@ -83,20 +97,12 @@ def test_on_cuda_the_padded_rotary_feeds_a_kernel_that_wants_multiples_of_16() -
     """The CUDA path without FA4: a stand-in packed call that refuses 72 (SDPA after it), so the layer's first call
     pads by copies and re-lays the projection, and the next ones take q, k and v padded from the Triton rotary; bf16,
     a Qwen3-VL block's 16 heads of 72, against the default kernels on the same weights."""
-    torch.manual_seed(0)
-    reference = VisionAttention(1152, 16).cuda().bfloat16()
-    reference.fused = True
-    layer = copy.deepcopy(reference)
+    reference, layer, seg, x, cos, sin = cuda_block([2356, 1380])
     widths: list[int] = []
     layer.packed = only_multiples_of_16(widths)
-    lengths = [2356, 1380]
-    bounds = list(accumulate(lengths, initial=0))
-    seg = Segments(torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, max(lengths), frames=True)
-    x = torch.randn(bounds[-1], 1152, device="cuda", dtype=torch.bfloat16)
-    angles = torch.rand(bounds[-1], 36, device="cuda") * 6
     with torch.inference_mode():
-        want = reference(x, seg, angles.cos(), angles.sin(), flash=True)
-        outs = [layer(x, seg, angles.cos(), angles.sin(), flash=True) for _ in range(3)]
+        want = reference(x, seg, cos, sin, flash=True)
+        outs = [layer(x, seg, cos, sin, flash=True) for _ in range(3)]
     assert widths == [72, 80, 80, 80] and layer.proj_pad == 8
     for out in outs:
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -112,16 +118,8 @@ def test_on_fa4_the_rotary_writes_the_padded_heads_and_the_answer_is_the_default
     packed = backends.vision_kernel("fa4", "cuda")
     if packed is None:
         pytest.skip("flash-attn-4 is not installed")
-    torch.manual_seed(0)
-    reference = VisionAttention(1152, 16).cuda().bfloat16()
-    reference.fused = True
-    layer = copy.deepcopy(reference)
+    reference, layer, seg, x, cos, sin = cuda_block([8160, 4096])
     layer.packed = packed
-    lengths = [8160, 4096]
-    bounds = list(accumulate(lengths, initial=0))
-    seg = Segments(torch.tensor(bounds, dtype=torch.int32, device="cuda"), bounds, max(lengths), frames=True)
-    x = torch.randn(bounds[-1], 1152, device="cuda", dtype=torch.bfloat16)
-    angles = torch.rand(bounds[-1], 36, device="cuda") * 6
     calls: list[int] = []
     padded_rope = vit_kernels.vit_rope_padded
 
@@ -131,8 +129,8 @@ def test_on_fa4_the_rotary_writes_the_padded_heads_and_the_answer_is_the_default
 
     with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(vit_kernels, "vit_rope_padded", spy)
-        want = reference(x, seg, angles.cos(), angles.sin(), flash=True)
-        outs = [layer(x, seg, angles.cos(), angles.sin(), flash=True) for _ in range(2)]
+        want = reference(x, seg, cos, sin, flash=True)
+        outs = [layer(x, seg, cos, sin, flash=True) for _ in range(2)]
     assert layer.packed is not None and layer.packed_pad == layer.proj_pad == 8 and calls == [1]
 
     def refusing(*args: Any) -> Tensor:
@@ -140,7 +138,7 @@ def test_on_fa4_the_rotary_writes_the_padded_heads_and_the_answer_is_the_default
 
     layer.packed = refusing  # a refusal after the padding: the padded heads go to the default kernels as they are
     with torch.inference_mode():
-        outs.append(layer(x, seg, angles.cos(), angles.sin(), flash=True))
+        outs.append(layer(x, seg, cos, sin, flash=True))
     assert layer.packed is None
     for out in outs:
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
